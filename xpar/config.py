@@ -1,0 +1,191 @@
+"""Structured-config schemas for every config group, registered in Hydra's ConfigStore.
+
+The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a
+wrong type on the command line (``parallel.tp=abc``) is refused by OmegaConf with the
+full key before anything runs. Cross-field constraints live in :mod:`xpar.validate`,
+the one place that turns a composed config into a :class:`xpar.spec.RunSpec`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only transformer (Llama or GPT style)."""
+
+    name: str = "tiny"
+    n_layers: int = 4
+    """Number of transformer blocks (l)."""
+    hidden: int = 64
+    """Model width (h)."""
+    n_heads: int = 4
+    """Attention heads (a); head dim = hidden / n_heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads (multi-head)."""
+    ffn_hidden: int = 172
+    """MLP inner width (4h for GPT, ~8h/3 rounded for SwiGLU)."""
+    vocab_size: int = 256
+    """Vocabulary size (V)."""
+    seq_len: int = 64
+    """Context length the model was published with (s); train.seq_len may shorten it."""
+    activation: str = "swiglu"
+    """'swiglu' (3 MLP matrices) or 'gelu' (2 MLP matrices)."""
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm'."""
+    position: str = "rope"
+    """'rope' or 'learned' (absolute position embedding of seq_len rows)."""
+    tied_embeddings: bool = False
+    """Output projection shares the token-embedding matrix."""
+    bias: bool = False
+    """Linear layers and norms carry biases (GPT-2/3 do, Llama does not)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout: degrees, ZeRO stage, micro-batching, pipeline schedule."""
+
+    name: str = "dp"
+    dp: Any = "auto"
+    """Data-parallel degree, or 'auto' = world size / (tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row splits within a layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages across layers)."""
+    zero_stage: int = 0
+    """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
+    3: FSDP2 reshard_after_forward=True."""
+    micro_batches: Any = 1
+    """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
+    micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (v) for interleaved and V-shaped schedules."""
+    layer_split: Optional[list] = None
+    """Explicit layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
+    recompute: str = "none"
+    """Activation recomputation: none | selective | full."""
+    reference_hardware: Optional[str] = None
+    """Hardware preset this layout was written for (cluster presets)."""
+
+
+@dataclass
+class HardwareConfig:
+    """A machine or cluster. 'local' is detected at run time."""
+
+    name: str = "local"
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda if available, else cpu)."""
+    gpu: Optional[str] = None
+    """Accelerator model, e.g. 'A100-SXM4-80GB'."""
+    devices_per_node: Any = "auto"
+    """GPUs per node, or CPU workers for local runs; 'auto' detects."""
+    nodes: int = 1
+    device_memory_gb: Optional[float] = None
+    """Memory per device in GB (1e9 bytes); None detects (host RAM on CPU)."""
+    peak_tflops: Optional[float] = None
+    """Dense peak per device for the training dtype in TFLOP/s (1e12 FLOP/s); None measures."""
+    hbm_tb_per_s: Optional[float] = None
+    intra_node_gb_per_s: Optional[float] = None
+    """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
+    inter_node_gb_per_s: Optional[float] = None
+    """Per-device inter-node bandwidth (InfiniBand), GB/s."""
+    matmul_efficiency: float = 0.7
+    """Achievable fraction of peak for large matmuls (cost model calibration)."""
+    link_efficiency: float = 0.8
+    """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
+    framework_overhead_gb: float = 2.0
+    """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
+
+
+@dataclass
+class TrainConfig:
+    """The step loop."""
+
+    steps: int = 10
+    warmup_steps: int = 2
+    """Steps excluded from timing (must be < steps)."""
+    global_batch_size: Any = "auto"
+    """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch (b)."""
+    seq_len: Optional[int] = None
+    """Training sequence length; None uses model.seq_len."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    dtype: str = "fp32"
+    """fp32 or bf16 (parameters and compute)."""
+    seed: int = 0
+    threads_per_worker: Optional[int] = None
+    """torch threads per worker on CPU; None = 1."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    kind: str = "synthetic"
+    """'synthetic' (seeded random tokens) or 'text' (byte-level tokens of a local file)."""
+    path: Optional[str] = None
+    """Text file for kind=text."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow."""
+
+    enabled: bool = True
+    uri: Optional[str] = None
+    """Tracking URI; None = sqlite:///<directory xpar was started from>/mlflow.db."""
+    experiment: str = "xpar"
+    artifact_location: Optional[str] = None
+    """Artifact root for a new experiment; None = <start directory>/mlartifacts."""
+    run_name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    """How to run the layout."""
+
+    mode: str = "auto"
+    """auto | execute | estimate. auto executes where the devices exist, else estimates."""
+    progress: bool = True
+
+
+@dataclass
+class XparConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking")
+
+
+def register_configs() -> None:
+    """Register the schema as ``xpar_schema`` (the first entry of conf/config.yaml's defaults)."""
+    cs = ConfigStore.instance()
+    cs.store(name="xpar_schema", node=XparConfig)
+
+
+register_configs()

@@ -1,0 +1,49 @@
+"""FLOPs of a training step, shared by measured runs (MFU) and the estimator.
+
+Convention (Narayanan et al. 2021, Sec. 5.1 / Appendix; Korthikanti et al. 2022, Sec. 6):
+2 FLOPs per multiply-add, backward = 2 x forward, every matmul counted:
+attention q/k/v/o projections with GQA-aware K/V widths, attention scores Q.K^T and
+context P.V over the full (non-causal) s x s square, MLP with 3 matrices (SwiGLU) or 2
+(GELU), and the output logits. Norms, softmax, activations and the optimizer are ignored.
+For GPT shapes this reduces to the papers' closed forms:
+
+    model FLOPs per iteration    = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
+    with full recompute (HFU)    = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+"""
+from __future__ import annotations
+
+from xpar.config import ModelConfig
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, float]:
+    """Forward FLOPs per token, by term. Units: FLOP per token.
+
+    Returns a dict with ``matmul`` (per-layer projections and MLP, times l), ``attention``
+    (scores and context, times l; halved when ``causal``) and ``logits``.
+    """
+    h, f = cfg.hidden, cfg.ffn_hidden
+    kv = cfg.kv_heads * cfg.head_dim
+    n_mlp = 3 if cfg.activation == "swiglu" else 2
+    matmul = 2 * (2 * h * h + 2 * h * kv + n_mlp * h * f)
+    attention = 2 * 2 * seq_len * h * (0.5 if causal else 1.0)
+    return {"matmul": cfg.n_layers * matmul, "attention": cfg.n_layers * attention,
+            "logits": 2 * h * cfg.vocab_size}
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Model FLOPs per trained token (forward + backward = 3 x forward, no recompute)."""
+    return 3.0 * sum(forward_flops_per_token(cfg, seq_len, causal).values())
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
+                             causal: bool = False) -> float:
+    """FLOPs actually executed per token, recompute included (for HFU).
+
+    full: the whole layer forward runs twice (4 x forward for the layers; the logits are
+    not recomputed); selective: only the attention scores/context are recomputed
+    (Korthikanti et al. 2022, Sec. 4.2); none: equals model FLOPs.
+    """
+    t = forward_flops_per_token(cfg, seq_len, causal)
+    extra = {"none": 0.0, "selective": t["attention"],
+             "full": t["matmul"] + t["attention"]}[recompute]
+    return model_flops_per_token(cfg, seq_len, causal) + extra

@@ -1,0 +1,65 @@
+"""Hardware presets and detection of the local machine."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from typing import Optional
+
+from xpar.config import HardwareConfig
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def measure_cpu_peak_flops(n: int = 384, seconds: float = 0.3, threads: int = 1) -> float:
+    """Dense fp32 matmul FLOP/s of one CPU worker (``threads`` torch threads).
+
+    The best of repeated n x n matmuls (2 n^3 FLOPs each) for about ``seconds``. This is
+    the denominator of MFU on CPU: a measured achievable peak, not a datasheet figure.
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best, t_end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n ** 3 / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def resolve_hardware(hw: HardwareConfig, local_devices: Optional[int] = None) -> HardwareConfig:
+    """Fill in what 'local' leaves to detection: device kind, device count, memory, peak.
+
+    On CPU, the device count is the number of cores (workers), memory is host RAM, and the
+    peak is a measured single-thread fp32 matmul rate. On CUDA, the device count and memory
+    come from torch.cuda; a missing peak is an error-free None (MFU then reported as 0).
+    Presets other than 'local' are returned unchanged.
+    """
+    if hw.name != "local":
+        return replace(hw)
+    import torch
+
+    device = hw.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = hw.devices_per_node
+    if n == "auto":
+        n = local_devices or (torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1))
+    mem = hw.device_memory_gb
+    if mem is None:
+        mem = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+               else host_memory_bytes()) / 1e9
+    peak = hw.peak_tflops
+    if peak is None and device == "cpu":
+        peak = measure_cpu_peak_flops() / 1e12
+    return replace(hw, device=device, devices_per_node=int(n), device_memory_gb=float(mem), peak_tflops=peak)

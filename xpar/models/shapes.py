@@ -1,0 +1,62 @@
+"""Analytic parameter counts from a model shape (the one place the count is derived).
+
+Matches ``sum(p.numel())`` of :class:`xpar.models.transformer.Transformer` exactly; the
+presets' tests pin it to the published counts (Llama 2: 6.74e9 / 13.02e9 / 68.98e9;
+GPT-3 175B: 174.6e9 as counted by Megatron, Narayanan et al. 2021, which includes the
+position embedding and one tied embedding matrix).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xpar.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts (elements, not bytes) by part of the model."""
+
+    embedding: int
+    """Token embedding plus learned position embedding (first stage)."""
+    per_layer: int
+    """One transformer block: attention, MLP, two norms (biases included when present)."""
+    final_norm: int
+    output: int
+    """Output projection; 0 when tied to the token embedding."""
+    n_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.n_layers * self.per_layer + self.final_norm + self.output
+
+    def stage(self, n_layers: int, first: bool, last: bool) -> int:
+        """Parameters of one pipeline stage holding ``n_layers`` blocks. An untied last
+        stage holds the output projection; a tied one holds its own copy of it."""
+        n = n_layers * self.per_layer
+        if first:
+            n += self.embedding
+        if last:
+            n += self.final_norm + (self.output or (self.embedding_tokens if not first else 0))
+        return n
+
+    embedding_tokens: int = 0
+    """Elements of the token embedding alone (the size of a tied output copy)."""
+
+
+def param_count(cfg: ModelConfig) -> ParamCount:
+    """Count parameters of the shape ``cfg``.
+
+    Per block: attention h*h (q) + 2*h*kv_dim (k, v) + h*h (o); MLP 3*h*f (SwiGLU) or 2*h*f
+    (GELU); two norms (h each, 2h with LayerNorm biases); linear biases when cfg.bias.
+    """
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
+    n_mlp = 3 if cfg.activation == "swiglu" else 2
+    norm = h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    attn = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if cfg.bias else 0)
+    mlp = n_mlp * h * f + (((n_mlp - 1) * f + h) if cfg.bias else 0)
+    per_layer = attn + mlp + 2 * norm
+    tok = cfg.vocab_size * h
+    emb = tok + (cfg.seq_len * h if cfg.position == "learned" else 0)
+    output = 0 if cfg.tied_embeddings else cfg.vocab_size * h
+    return ParamCount(embedding=emb, per_layer=per_layer, final_norm=norm, output=output,
+                      n_layers=cfg.n_layers, embedding_tokens=tok)

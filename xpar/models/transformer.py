@@ -1,0 +1,156 @@
+"""Decoder-only transformer (Llama or GPT shapes). Knows nothing of parallelism.
+
+Pipeline friendly (as in torchtitan's composability notes): blocks live in a
+``ModuleDict`` keyed by their global index, so a pipeline stage that keeps only its own
+blocks keeps the same parameter names; the token embedding, position embedding, final
+norm and output projection are optional, so one class serves every stage.
+
+Attention derives the number of heads from the width of its q/k/v outputs, so the same
+code runs with the local head count after a column-parallel split.
+
+Shapes: tokens ``[B, S]`` (int64) -> logits ``[B, S, V]``; between stages ``[B, S, H]``.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xpar.config import ModelConfig
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope(x_BSND: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split convention, positions 0..S-1."""
+    S, D = x_BSND.shape[1], x_BSND.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x_BSND.device, dtype=torch.float32) / D))
+    ang_SD = torch.outer(torch.arange(S, device=x_BSND.device, dtype=torch.float32), inv_freq)
+    cos, sin = ang_SD.cos()[None, :, None, :], ang_SD.sin()[None, :, None, :]
+    x1, x2 = x_BSND.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BSND.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query K/V (n_kv_heads <= n_heads)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.position = cfg.position
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q = self.wq(x_BSH)
+        k = self.wk(x_BSH)
+        v = self.wv(x_BSH)
+        # Local head counts come from the (possibly tensor-parallel) output widths.
+        n_q, n_kv = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
+        q = q.view(B, S, n_q, self.head_dim)
+        k = k.view(B, S, n_kv, self.head_dim)
+        v = v.view(B, S, n_kv, self.head_dim)
+        if self.position == "rope":
+            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, S, D]
+        if n_kv != n_q:
+            k = k.repeat_interleave(n_q // n_kv, dim=1)
+            v = v.repeat_interleave(n_q // n_kv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, S, n_q * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x), 3 matrices) or GELU (w2(gelu(w1 x)), 2 matrices)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias) if self.swiglu else None
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x_BSH)) * self.w3(x_BSH))
+        return self.w2(F.gelu(self.w1(x_BSH), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = _norm(cfg)
+        self.feed_forward = MLP(cfg)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        h = x_BSH + self.attention(self.attention_norm(x_BSH))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The whole model, or one pipeline stage of it.
+
+    Args:
+        cfg: the model shape.
+        layers: global indices of the blocks this module holds (default: all).
+        first: holds the token (and learned position) embedding.
+        last: holds the final norm and the output projection.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: Optional[list[int]] = None,
+                 first: bool = True, last: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        layers = list(range(cfg.n_layers)) if layers is None else list(layers)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden) if first else None
+        self.pos_embeddings = (nn.Embedding(cfg.seq_len, cfg.hidden)
+                               if first and cfg.position == "learned" else None)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.norm = _norm(cfg) if last else None
+        self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False) if last else None
+        if first and last and cfg.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
+        else:
+            h = x
+        for block in self.layers.values():
+            h = block(h)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded init keyed by parameter name, so any subset of blocks (a pipeline stage)
+        gets exactly the values it has in the whole model. Weights ~ N(0, 0.02), norms 1,
+        biases 0."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name.split(".")[-2]:
+                p.fill_(1.0)
+            else:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))

@@ -1,0 +1,1 @@
+"""Parallel strategies: each a small function over (module, mesh); composed in factory.py."""

@@ -1,0 +1,91 @@
+"""Layout constraints of tensor and pipeline parallelism, checked before any worker starts.
+
+Called from :func:`xpar.validate.validate` (the one place of validation); kept here beside
+the strategies whose constraints they are.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from xpar.config import ModelConfig, ParallelConfig
+
+
+def _divs(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_tp(m: ModelConfig, par: ParallelConfig, problems: list[str]) -> None:
+    """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
+    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output)."""
+    t = par.tp
+    if t == 1:
+        return
+    for name, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
+                    ("model.ffn_hidden", m.ffn_hidden), ("model.vocab_size", m.vocab_size)):
+        if n % t:
+            ok = [d for d in _divs(n) if (m.n_heads % d == 0 and m.kv_heads % d == 0)]
+            problems.append(f"parallel.tp={t} must divide {name}={n} (Megatron split); "
+                            f"tp values that divide heads, kv heads and {name.split('.')[1]}: {ok}.")
+
+
+def even_split(n_layers: int, n_stages: int) -> Optional[list[int]]:
+    return [n_layers // n_stages] * n_stages if n_layers % n_stages == 0 else None
+
+
+def check_pp(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]) -> list[int]:
+    """Schedule, stages per rank, micro-batch rules and the layer split. Returns the split."""
+    from xpar.validate import SCHEDULES, ZERO_BUBBLE_SCHEDULES
+
+    if par.pp == 1:
+        if par.layer_split not in (None, [], [m.n_layers]):
+            problems.append(f"parallel.layer_split={list(par.layer_split)} given but pp=1; remove it.")
+        return [m.n_layers]
+    rule = SCHEDULES[par.schedule][1]
+    v = par.virtual_stages
+    if rule == "1" and v != 1:
+        problems.append(f"schedule {par.schedule} runs one stage per rank: parallel.virtual_stages must be 1, "
+                        f"got {v}; use schedule interleaved_1f1b/zero_bubble for v > 1.")
+    if rule == "v" and v < 2:
+        problems.append(f"schedule {par.schedule} needs parallel.virtual_stages >= 2 (stages per rank), got {v}.")
+    if rule == "2" and v != 2:
+        problems.append(f"schedule {par.schedule} is V-shaped: parallel.virtual_stages must be 2, got {v}.")
+    mb = par.micro_batches
+    if mb != "auto":
+        mb = int(mb)
+        need = {"1f1b": par.pp, "dualpipev": 2 * par.pp}.get(par.schedule)
+        if need and mb < need:
+            problems.append(f"schedule {par.schedule} needs micro-batches >= {'2*pp' if need > par.pp else 'pp'}"
+                            f" = {need}, got parallel.micro_batches={mb}; use micro_batches in "
+                            f"{[need, 2 * need]} or schedule=gpipe.")
+    if par.zero_stage == 1:
+        problems.append("parallel.zero_stage=1 (ZeroRedundancyOptimizer over DDP) is not composed with pp>1; "
+                        "use zero_stage 0, 2 or 3 on the dp axis.")
+    if mode == "execute" and m.tied_embeddings:
+        problems.append(f"model={m.name} ties its output to the embedding, which pp>1 would split across "
+                        f"stages; set model.tied_embeddings=false or pp=1.")
+    n_stages = par.pp * v
+    if par.layer_split:
+        split = [int(x) for x in par.layer_split]
+        if len(split) != n_stages or any(x < 0 for x in split) or sum(split) != m.n_layers:
+            problems.append(
+                f"parallel.layer_split must assign each of the {m.n_layers} layers exactly once, in order, to "
+                f"{n_stages} stages (pp={par.pp} x virtual_stages={v}): got {split} (len {len(split)}, "
+                f"sum {sum(split)}); e.g. {even_split(m.n_layers, n_stages) or _uneven(m.n_layers, n_stages)}.")
+        return split
+    split = even_split(m.n_layers, n_stages)
+    if split is None:
+        problems.append(f"model.n_layers={m.n_layers} does not split evenly over {n_stages} stages "
+                        f"(pp={par.pp} x virtual_stages={v}); give an explicit "
+                        f"parallel.layer_split, e.g. {_uneven(m.n_layers, n_stages)}.")
+        return []
+    return split
+
+
+def _uneven(n: int, k: int) -> list[int]:
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def check_layout(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]) -> list[int]:
+    """All TP and PP constraints; returns the layer split (blocks per stage)."""
+    check_tp(m, par, problems)
+    return check_pp(m, par, mode, problems)
