@@ -30,6 +30,8 @@ class RunSpec:
     """Blocks per pipeline stage, len = pp * virtual_stages (stage order)."""
     launcher: str = "local"
     """'local' (xpar spawns workers) or 'torchrun' (this process is one rank)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
     notes: list[str] = field(default_factory=list)
     """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
 

@@ -218,7 +218,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     tr.threads_per_worker = tr.threads_per_worker or 1
     spec = RunSpec(model=m, parallel=par, hardware=hw, train=tr, data=c.data, tracking=c.tracking,
                    mode=mode, world_size=world, device=hw.device if mode == "execute" else "cuda",
-                   layer_split=layer_split, launcher="torchrun" if trun else "local")
+                   layer_split=layer_split, launcher="torchrun" if trun else "local",
+                   progress=c.run.progress)
     return spec
 
 

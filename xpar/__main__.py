@@ -1,0 +1,39 @@
+"""Entry point: ``python -m xpar [overrides]`` and the ``xpar`` console script."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import xpar.config  # noqa: F401  (registers the schema)
+from xpar.presets import check_presets, conf_dir
+
+START_DIR = Path.cwd()
+
+
+@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    from xpar.cli import run_job
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_job(cfg, out_dir, START_DIR)
+
+
+def main() -> None:
+    """Check preset names (exit 2 with the valid ones), then hand over to Hydra."""
+    check_presets(sys.argv[1:])
+    rank = os.environ.get("RANK")
+    if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:
+        # Only rank 0 writes .hydra/ and the job log; every rank shares one run dir.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
+        os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

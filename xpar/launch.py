@@ -1,0 +1,66 @@
+"""Local worker launch and failure propagation.
+
+``python -m xpar`` starts ``world size`` workers on this machine with
+``torch.multiprocessing.start_processes`` (spawn). If any worker raises or dies, the others
+are terminated, and :class:`WorkerFailed` names the rank and its error.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from xpar.spec import RunSpec
+from xpar.worker import STATS_FILE, spawn_entry
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised or exited abnormally; ``rank`` is its global rank."""
+
+    def __init__(self, rank: int, error: str, detail: str = ""):
+        self.rank, self.error, self.detail = rank, error, detail
+        super().__init__(f"worker rank {rank} failed: {error}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_error_line(traceback_text: str) -> str:
+    lines = [ln for ln in traceback_text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
+
+
+def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
+    """Run all ranks as local processes; return the per-rank stats gathered by rank 0.
+
+    Raises:
+        WorkerFailed: the first worker that raised or exited non-zero (the rest are ended).
+        KeyboardInterrupt: re-raised after ending the workers.
+    """
+    ctx = mp.start_processes(spawn_entry, args=(spec.to_dict(), str(out_dir), free_port()),
+                             nprocs=spec.world_size, join=False, start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessRaisedException as e:
+        (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
+        raise WorkerFailed(e.error_index, _last_error_line(e.msg), e.msg) from None
+    except mp.ProcessExitedException as e:
+        code = e.exit_code
+        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise WorkerFailed(e.error_index, why) from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return json.loads((out_dir / STATS_FILE).read_text())

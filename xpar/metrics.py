@@ -1,0 +1,112 @@
+"""Metrics shared by measured runs and estimates: memory accounting, throughput, MFU.
+
+Metric names and definitions (DESIGN.md):
+
+- ``throughput/tokens_per_s``: global tokens per step / mean step time, over timed steps
+  (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
+- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
+  attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
+- ``throughput/mfu``: tflops_per_device / the hardware's dense peak for the dtype;
+  ``throughput/hfu`` the same with hardware FLOPs (recompute included).
+- ``memory/peak_bytes_per_device``: max over ranks of accounted bytes on CPU = local
+  parameter + gradient + optimizer-state bytes + peak bytes saved for backward (each
+  storage counted once), or torch.cuda.max_memory_allocated on CUDA.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+class ActivationTracker:
+    """Peak bytes saved for backward, via ``torch.autograd.graph.saved_tensors_hooks``.
+
+    Each storage is counted once while any saved tensor refers to it; parameters (leaf
+    tensors that require grad, and the storages of ``params``) are skipped. A saved tensor
+    is released when autograd frees it (weakref finalizer), so micro-batches kept in
+    flight by a pipeline schedule add up. Units: bytes.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()):
+        self.skip = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, bytes]
+        self.current = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if (base.is_leaf and base.requires_grad) or t.device.type == "meta":
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip:
+            return t
+        entry = self.live.get(key)
+        if entry is None:
+            self.live[key] = [1, storage.nbytes()]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self) -> "ActivationTracker":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def dp_full_param_bytes(p: torch.Tensor) -> int:
+    """Bytes of ``p`` unsharded along the dp axis (still sharded along tp)."""
+    if not hasattr(p, "placements"):
+        return _nbytes(p)
+    n = p.numel()
+    for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+        if placement.is_shard() and name != "dp":
+            n //= p.device_mesh.size(p.device_mesh.mesh_dim_names.index(name))
+    return n * p.element_size()
+
+
+def model_state_bytes(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, zero_stage: int) -> dict[str, int]:
+    """Accounted bytes of this rank's model states (call after a step, before zero_grad).
+
+    params: local shards under ZeRO-3; under ZeRO-2 the dp-unsharded size, since FSDP2
+    with reshard_after_forward=False holds the whole parameters from forward to backward.
+    grads: local ``.grad`` tensors. optimizer: tensors in the optimizer state (the
+    per-parameter step counters excluded); for ZeRO-1 only this rank's partition.
+    """
+    params = [p for c in chunks for p in c.parameters()]
+    if zero_stage == 2:
+        pbytes = sum(dp_full_param_bytes(p) for p in params)
+    else:
+        pbytes = sum(_nbytes(p) for p in params)
+    gbytes = sum(_nbytes(p.grad) for p in params if p.grad is not None)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local AdamW
+    obytes = sum(_nbytes(v) for state in inner.state.values() for k, v in state.items()
+                 if torch.is_tensor(v) and k != "step")
+    return {"params": pbytes, "grads": gbytes, "optimizer": obytes}

@@ -1,0 +1,52 @@
+"""The dp axis: DDP, ZeRO-1 (ZeroRedundancyOptimizer over DDP), ZeRO-2/3 (FSDP2).
+
+ZeRO stages after Rajbhandari et al. 2020: stage 1 partitions optimizer states, stage 2
+also gradients, stage 3 also parameters. Each function takes a module and the dp sub-mesh
+and returns the wrapped module; the optimizer is built by :func:`build_optimizer`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: str) -> nn.Module:
+    """Replicate the model on every dp rank; gradients all-reduced (averaged) in buckets
+    during backward. ZeRO stage 0 and, with the ZeRO-1 optimizer, stage 1."""
+    ids = [torch.cuda.current_device()] if device == "cuda" else None
+    return DDP(model, device_ids=ids, process_group=dp_mesh.get_group())
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 ``fully_shard`` per transformer block, then the root (embedding, norm, output).
+
+    reshard_after_forward=False keeps parameters unsharded from forward to backward (ZeRO-2:
+    gradients and optimizer states sharded); True frees them after each block's forward and
+    all-gathers again in backward (ZeRO-3).
+    """
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def wrap_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, device: str) -> nn.Module:
+    """Apply the dp-axis strategy for ``zero_stage`` (0..3)."""
+    if zero_stage <= 1:
+        return apply_ddp(model, dp_mesh, device)
+    return apply_fsdp(model, dp_mesh, reshard_after_forward=(zero_stage == 3))
+
+
+def build_optimizer(params: list[nn.Parameter], zero_stage: int, dp_mesh: DeviceMesh,
+                    lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW; for ZeRO-1 wrapped in ZeroRedundancyOptimizer, which keeps the states of about
+    1/dp of the parameters per rank (whole parameters, assigned greedily by size) and
+    broadcasts updated parameters after each step."""
+    if zero_stage == 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=dp_mesh.get_group(), lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)

@@ -1,0 +1,135 @@
+"""The engine factory: one short function that composes the strategies in a fixed order.
+
+    1. model on the meta device (no memory), the whole model or this rank's pipeline stages
+    2. materialise on the device with the seeded, name-keyed init (values are those of the
+       single-process model, whatever the layout)          -- skipped for a dry run
+    3. tensor parallel on the tp axis (DTensor, Megatron column/row plan)
+    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3)
+    5. pipeline stages on the pp axis with their schedule
+    6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1)
+
+TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
+placements), and both before the pipeline stage is built over the wrapped chunk (the
+order measured to work for 3D, see FACTS). The same function builds real runs and the
+fake-process-group dry run (``materialize=False``).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from xpar.models.transformer import Transformer
+from xpar.parallel.data_parallel import build_optimizer, wrap_dp
+from xpar.spec import RunSpec, stage_layers
+
+
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over all B*S positions."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+
+
+@dataclass
+class Engine:
+    """This rank's part of the model, wrapped, with its optimizer and step function.
+
+    ``chunks``: the model chunks held by this rank (one, or v pipeline stages).
+    ``step(inputs, targets)``: one optimizer step over this rank's micro-batches (lists of
+    ``[b, S]`` int64 tensors); returns the mean loss over them, or None on pipeline ranks
+    that do not hold the last stage.
+    """
+
+    spec: RunSpec
+    mesh: DeviceMesh
+    chunks: list[nn.Module]
+    optimizer: Optional[torch.optim.Optimizer]
+    step_fn: Callable[["Engine", list, list], Optional[float]]
+    stages: list[Any] = field(default_factory=list)
+    schedule: Any = None
+
+    def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
+        return self.step_fn(self, inputs, targets)
+
+    @property
+    def loss_fn(self) -> Callable:
+        if self.spec.tp > 1:
+            from xpar.parallel.tensor import parallel_cross_entropy
+            return parallel_cross_entropy
+        return cross_entropy
+
+
+def build_model(spec: RunSpec, stage_ids: Optional[list[int]] = None) -> list[Transformer]:
+    """Step 1: the model (or the given pipeline stages of it) on the meta device."""
+    if stage_ids is None:
+        with torch.device("meta"):
+            return [Transformer(spec.model)]
+    per_stage = stage_layers(spec.layer_split)
+    n = len(per_stage)
+    with torch.device("meta"):
+        return [Transformer(spec.model, layers=per_stage[s], first=(s == 0), last=(s == n - 1))
+                for s in stage_ids]
+
+
+def materialize(chunk: nn.Module, device: str, seed: int, dtype: torch.dtype) -> nn.Module:
+    """Step 2: allocate on ``device`` and run the seeded init."""
+    chunk.to_empty(device=device)
+    chunk.init_weights(seed)
+    return chunk.to(dtype)
+
+
+def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
+    """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, tp) for this rank.
+
+    Raises:
+        RuntimeError: from torch if the plan is impossible (validation should prevent it).
+    """
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
+    device = spec.device if materialize_model else "meta"
+    stage_ids = None
+    if spec.pp > 1:
+        from xpar.parallel.pipeline import local_stage_ids
+        stage_ids = local_stage_ids(spec, mesh["pp"].get_local_rank())
+    chunks = build_model(spec, stage_ids)                                          # 1
+    if materialize_model:
+        chunks = [materialize(c, device, spec.train.seed, dtype) for c in chunks]  # 2
+    if spec.tp > 1:
+        from xpar.parallel.tensor import apply_tp
+        chunks = [apply_tp(c, mesh["tp"], spec.parallel.sequence_parallel) for c in chunks]  # 3
+    chunks = [wrap_dp(c, mesh["dp"], spec.parallel.zero_stage, device) for c in chunks]  # 4
+    params = [p for c in chunks for p in c.parameters()]
+    optimizer = (build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
+                                 spec.train.weight_decay) if materialize_model else None)  # 6
+    engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=optimizer, step_fn=accumulate_step)
+    if spec.pp > 1:
+        from xpar.parallel.pipeline import attach_schedule
+        attach_schedule(engine, stage_ids)                                           # 5
+    return engine
+
+
+def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """Gradient accumulation over m micro-batches, one optimizer step; gradients are
+    synchronised over dp only on the last micro-batch. Returns the mean loss over this
+    rank's micro-batches."""
+    model, m = engine.chunks[0], len(inputs)
+    loss_fn = engine.loss_fn
+    total = 0.0
+    for i, (x, y) in enumerate(zip(inputs, targets)):
+        last = i == m - 1
+        _set_grad_sync(model, last)
+        ctx = model.no_sync() if (hasattr(model, "no_sync") and not last) else nullcontext()
+        with ctx:
+            loss = loss_fn(model(x), y) / m
+            loss.backward()
+        total += float(loss.detach())
+    engine.optimizer.step()  # gradients are zeroed by the loop at the start of the next step
+    return total
+
+
+def _set_grad_sync(model: nn.Module, sync: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)

@@ -1,0 +1,154 @@
+"""Report: the headline figures of a run, one dataclass for measured runs and estimates,
+with the metric names of DESIGN.md, and its console table."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+from xpar.estimate.flops import hardware_flops_per_token, model_flops_per_token
+from xpar.spec import RunSpec
+
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Report:
+    """Headline figures. Units: seconds, tokens/s, TFLOP/s (1e12 FLOP/s), bytes."""
+
+    mode: str
+    """'measured' (workers ran) or 'estimate' (cost model)."""
+    layout: str
+    world_size: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    hfu: float
+    peak_bytes_per_device: float
+    peak_rank: int
+    memory: dict[str, float]
+    """Breakdown of the peak rank: params, grads, optimizer, activations (+ estimate terms)."""
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Further metrics by full name (pipeline/*, comm/*, estimate/*)."""
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        return self.losses[-1] if self.losses else None
+
+    def metrics(self) -> dict[str, float]:
+        """Summary metrics by their logged names."""
+        m = {
+            "throughput/tokens_per_s": self.tokens_per_s,
+            "throughput/tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "throughput/step_time_s": self.step_time_s,
+            "throughput/tflops_per_device": self.tflops_per_device,
+            "throughput/mfu": self.mfu,
+            "throughput/hfu": self.hfu,
+            "memory/peak_bytes_per_device": self.peak_bytes_per_device,
+            "memory/peak_rank": self.peak_rank,
+        }
+        m.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
+        if self.final_loss is not None:
+            m["train/final_loss"] = self.final_loss
+        m.update(self.extra)
+        return m
+
+
+def layout_name(spec: RunSpec) -> str:
+    p = spec.parallel
+    s = f"dp{spec.dp}-tp{spec.tp}-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}"
+    if spec.pp > 1:
+        s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    return s
+
+
+def flops_per_step(spec: RunSpec) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one optimizer step over the global batch."""
+    tokens = spec.tokens_per_step
+    return (model_flops_per_token(spec.model, spec.seq_len) * tokens,
+            hardware_flops_per_token(spec.model, spec.seq_len, spec.parallel.recompute) * tokens)
+
+
+def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
+    """Fold per-rank stats into a Report.
+
+    Step time per step = max over ranks; the reported step time is the mean over timed
+    steps (warm-up excluded). The global loss of a step is the mean over ranks that see a
+    loss (tp ranks hold equal copies, so this is the mean over dp replicas).
+    """
+    w = spec.train.warmup_steps
+    per_step = [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)]
+    timed = per_step[w:]
+    step_time = statistics.fmean(timed)
+    model_f, hw_f = flops_per_step(spec)
+    tflops = model_f / step_time / spec.world_size / 1e12
+    peak = spec.hardware.peak_tflops or 0.0
+    totals = []
+    for s in stats:
+        mem = s["memory"]
+        totals.append(mem.get("cuda_max_allocated") or sum(mem[k] for k in MEMORY_TERMS))
+    peak_rank = max(range(len(stats)), key=lambda r: totals[r])
+    losses = []
+    for i in range(spec.train.steps):
+        vals = [s["losses"][i] for s in stats if s["losses"][i] is not None]
+        losses.append(statistics.fmean(vals))
+    report = Report(
+        mode="measured", layout=layout_name(spec), world_size=spec.world_size,
+        step_time_s=step_time, tokens_per_s=spec.tokens_per_step / step_time,
+        tflops_per_device=tflops, mfu=tflops / peak if peak else 0.0,
+        hfu=(hw_f / step_time / spec.world_size / 1e12) / peak if peak else 0.0,
+        peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
+        memory={k: float(stats[peak_rank]["memory"][k]) for k in MEMORY_TERMS},
+        losses=losses, step_times_s=per_step)
+    return report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> None:
+    """The console summary table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = ("ESTIMATE (analytic cost model, not measured)" if report.mode == "estimate"
+             else "Measured on this machine")
+    t = Table(title=f"xpar: model={spec.model.name} {report.layout} on {spec.hardware.name} -- {title}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("world size (devices)", f"{report.world_size}"),
+        ("global batch x seq", f"{spec.global_batch} x {spec.seq_len}"),
+        ("step time", f"{report.step_time_s * 1e3:.1f} ms"),
+        ("tokens/s (global)", f"{report.tokens_per_s:,.0f}"),
+        ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
+        ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
+        ("MFU", f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
+        (f"peak memory per device (rank {report.peak_rank})", _fmt_bytes(report.peak_bytes_per_device)),
+    ]
+    rows += [(f"  {k}", _fmt_bytes(v)) for k, v in report.memory.items()]
+    if report.final_loss is not None:
+        rows.append(("loss first -> last", f"{report.losses[0]:.4f} -> {report.final_loss:.4f}"))
+    for k, v in report.extra.items():
+        if k.startswith("pipeline/"):
+            rows.append((k, f"{v:.3f}"))
+    for r in rows:
+        t.add_row(*r)
+    console = Console()
+    console.print(t)
+    if spec.notes:
+        for n in spec.notes:
+            console.print(f"[yellow]note:[/] {n}")
+    if where:
+        console.print(f"Recorded in MLflow: {where}")

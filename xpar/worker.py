@@ -1,0 +1,65 @@
+"""One rank: process group, mesh, engine, training loop; rank 0 gathers every rank's stats.
+
+Spawned by :mod:`xpar.launch` (local workers) or run in-process under torchrun. Workers
+live in this normal module (not ``__main__``) so spawned children can unpickle them, and
+receive the spec as a plain dict and the output directory explicitly (children see no
+Hydra state).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from xpar.spec import RunSpec
+
+STATS_FILE = "ranks.json"
+
+
+def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
+    """Build and train this rank's part; return all ranks' stats on rank 0 (None elsewhere).
+
+    Expects the default process group to be initialised. Rank 0 also writes them to
+    ``out_dir/ranks.json``.
+    """
+    from xpar.parallel.factory import build_engine
+    from xpar.parallel.mesh import build_mesh
+    from xpar.train import train
+
+    if spec.device == "cpu":
+        torch.set_num_threads(spec.train.threads_per_worker)
+    mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp)
+    engine = build_engine(spec, mesh)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress))
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stats, gathered, dst=0)
+    if dist.get_rank() == 0:
+        (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
+        return gathered
+    return None
+
+
+def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
+    """Entry point of a spawned local worker (``torch.multiprocessing.start_processes``)."""
+    spec = RunSpec.from_dict(spec_dict)
+    out = Path(out_dir)
+    logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+    if spec.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
+                            world_size=spec.world_size, timeout=timedelta(seconds=300))
+    try:
+        run_rank(spec, out)
+    finally:
+        dist.destroy_process_group()
