@@ -108,13 +108,10 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
             f"({c.hardware.devices_per_node} x {c.hardware.nodes} nodes); this machine is 'local'. "
             f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
     hw = resolve_hardware(c.hardware, local_devices if not trun else None)
-    for name in ("tp", "pp"):
-        if getattr(par, name) < 1:
-            problems.append(f"parallel.{name} must be >= 1, got {getattr(par, name)}.")
-    if par.virtual_stages < 1:
-        problems.append(f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}.")
-    if problems:
-        raise ConfigError(problems)
+    degree_problems = [f"parallel.{name} must be >= 1, got {getattr(par, name)}."
+                       for name in ("tp", "pp", "virtual_stages") if getattr(par, name) < 1]
+    if degree_problems:  # the rest divides by these
+        raise ConfigError(problems + degree_problems)
     tp_pp = par.tp * par.pp
     if trun:
         world = trun["world_size"]

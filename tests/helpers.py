@@ -1,0 +1,105 @@
+"""Shared test helpers: config composition, the single-process reference, and ONE spawn of
+gloo workers that runs several checks in a row (process start-up costs seconds here)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from xpar.spec import RunSpec
+
+
+def compose(*overrides: str):
+    """The composed DictConfig for ``overrides`` (as on the command line)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import xpar.config  # noqa: F401
+    from xpar.presets import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
+    """A validated RunSpec (tracking off, no progress bar)."""
+    from xpar.validate import validate
+
+    cfg = compose("tracking=off", "run.progress=false", *overrides)
+    return validate(cfg, local_devices=local_devices)
+
+
+def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = False):
+    """Single-process reference: the whole model, the whole global batch per step, AdamW.
+
+    Returns the per-step losses (and, with ``grads``, the gradients of the last step by
+    parameter name)."""
+    from xpar.data import TokenSource
+    from xpar.models.transformer import Transformer
+    from xpar.parallel.factory import cross_entropy
+
+    torch.manual_seed(0)
+    model = Transformer(spec.model)
+    model.init_weights(spec.train.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay,
+                            foreach=False)
+    data = TokenSource(spec)
+    losses, last_grads = [], {}
+    for step in range(steps or spec.train.steps):
+        rows = data.global_batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        last_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return (losses, last_grads) if grads else losses
+
+
+def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=local_rank, world_size=world)
+    try:
+        result = fn(payload)
+        if local_rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, payload) -> object:
+    """Run ``fn(payload)`` on ``world`` gloo ranks (a module-level function, so spawned
+    children can import it); return rank 0's JSON-serialisable result."""
+    import torch.multiprocessing as mp
+
+    from xpar.launch import free_port
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        mp.start_processes(_entry, args=(world, free_port(), fn, payload, out), nprocs=world,
+                           join=True, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def run_specs(spec_dicts: list[dict]) -> list[list]:
+    """Worker side: build and train each spec through xpar's real path; on rank 0 return
+    [(losses, memory of every rank)] per spec."""
+    import tempfile as tf
+
+    from xpar.worker import run_rank
+
+    results = []
+    for d in spec_dicts:
+        with tf.TemporaryDirectory() as out:
+            stats = run_rank(RunSpec.from_dict(d), Path(out))
+        if stats is not None:
+            results.append([[s["losses"] for s in stats], [s["memory"] for s in stats]])
+    return results

@@ -1,0 +1,105 @@
+"""Every preset composes; parameter counts match the published ones; validation names the
+violated constraint with the values given and values that would work."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import compose, spec_for
+from xpar.models.shapes import param_count
+from xpar.presets import check_presets, presets
+from xpar.validate import ConfigError, to_schema, validate
+
+PUBLISHED = {"7b": 6.74e9, "13b": 13.02e9, "70b": 68.98e9, "175b": 174.6e9, "405b": 405.9e9, "small": 124.4e6}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_param_count_matches_published(name, count):
+    cfg = to_schema(compose(f"model={name}")).model
+    assert param_count(cfg).total == pytest.approx(count, rel=0.005)
+
+
+def test_param_count_equals_built_model():
+    import torch
+    from xpar.models.transformer import Transformer
+    for name in ("tiny", "small", "70b"):
+        cfg = to_schema(compose(f"model={name}")).model
+        with torch.device("meta"):
+            assert sum(p.numel() for p in Transformer(cfg).parameters()) == param_count(cfg).total
+
+
+@pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
+def test_every_preset_composes(group):
+    names = presets(group)
+    assert names
+    for name in names:
+        c = to_schema(compose(f"{group}={name}", "data.path=README.md"))
+        assert getattr(c, group) is not None
+
+
+def test_default_run_resolves():
+    s = spec_for()
+    assert (s.mode, s.dp, s.world_size, s.global_batch, s.micro_batches) == ("execute", 2, 2, 8, 1)
+
+
+def _problems(*overrides, local_devices=2):
+    with pytest.raises(ConfigError) as e:
+        spec_for(*overrides, local_devices=local_devices)
+    return str(e.value)
+
+
+def test_global_batch_must_equal_b_m_dp():
+    msg = _problems("train.global_batch_size=30", "parallel.micro_batches=auto")
+    assert "global_batch_size=30 must be divisible by micro-batch size x dp = 4 x 2 = 8" in msg
+    msg = _problems("train.global_batch_size=32", "parallel.micro_batches=2")
+    assert "32 != 4 x 2 x 2 = 16" in msg and "train.global_batch_size=16" in msg
+
+
+def test_steps_and_warmup():
+    assert "train.steps must be > 0, got 0" in _problems("train.steps=0")
+    msg = _problems("train.steps=3", "train.warmup_steps=3")
+    assert "0 <= warmup_steps < steps" in msg and "warmup_steps=2" in msg
+
+
+def test_heads_not_divisible_by_kv_heads():
+    msg = _problems("model.n_kv_heads=3")
+    assert "n_heads must be divisible by model.n_kv_heads" in msg and "[1, 2, 4]" in msg
+
+
+def test_text_path_must_exist():
+    msg = _problems("data=text", "data.path=/no/such/file.txt")
+    assert "data.path must be an existing text file" in msg and "/no/such/file.txt" in msg
+
+
+def test_world_size_under_torchrun(monkeypatch):
+    for k, v in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    msg = _problems("parallel.dp=4")
+    assert "dp*tp*pp must equal the world size" in msg and "WORLD_SIZE=6" in msg and "dp=6" in msg
+
+
+def test_all_problems_reported_together():
+    msg = _problems("train.steps=0", "model.n_kv_heads=3")
+    assert "train.steps" in msg and "n_kv_heads" in msg
+
+
+def test_model_too_large_for_this_machine_is_refused():
+    msg = _problems("model=70b", "parallel=zero3")
+    assert "does not fit this machine" in msg and "run.mode=estimate" in msg
+
+
+def test_unknown_preset_names_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as e:
+        check_presets(["parallel=zero4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown parallel preset 'zero4'" in err and "zero3" in err
+
+
+def test_bad_input_exits_2_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xpar", "train.steps=0", "model.n_kv_heads=3"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "train.steps must be > 0" in r.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything ran or was logged

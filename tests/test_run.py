@@ -1,0 +1,88 @@
+"""End to end: `python -m xpar` writes one FINISHED MLflow run with what a user compares;
+a failing worker stops the others and leaves a FAILED run; end statuses are honest."""
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from xpar.spec import RunSpec
+
+
+def _xpar(cwd, *args, env=None, timeout=180):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+def _runs(cwd):
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    return mlflow.search_runs(experiment_names=["xpar"])
+
+
+def test_main_job_records_one_finished_run(tmp_path):
+    r = _xpar(tmp_path, "train.steps=4", "train.warmup_steps=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokens/s (global)" in r.stdout and "Recorded in MLflow" in r.stdout
+    runs = _runs(tmp_path)
+    assert len(runs) == 1
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED"
+    assert run["params.parallel.name"] == "dp" and run["params.model.name"] == "tiny"
+    assert run["tags.xpar.mode"] == "execute"
+    for m in ("throughput/tokens_per_s", "throughput/mfu", "memory/peak_bytes_per_device",
+              "memory/activations_bytes", "throughput/tflops_per_device"):
+        assert run[f"metrics.{m}"] > 0, m
+    client = mlflow.tracking.MlflowClient()
+    history = client.get_metric_history(run["run_id"], "train/loss")
+    assert [h.step for h in history] == [0, 1, 2, 3]
+    artifacts = {a.path for a in client.list_artifacts(run["run_id"])}
+    assert {"config.yaml", "ranks.json"} <= artifacts
+    local = client.download_artifacts(run["run_id"], "config.yaml", str(tmp_path))
+    assert "zero_stage: 0" in open(local).read()
+    assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in a temp dir
+
+
+def test_failing_worker_stops_the_others_and_run_is_failed(tmp_path):
+    r = _xpar(tmp_path, "train.steps=3", "train.warmup_steps=1", env={"XPAR_FAIL_RANK": "1"}, timeout=120)
+    assert r.returncode == 1
+    assert "worker rank 1 failed" in r.stderr and "injected failure" in r.stderr
+    assert "Traceback" not in r.stderr
+    runs = _runs(tmp_path)
+    assert list(runs["status"]) == ["FAILED"]
+    assert _processes_in(tmp_path) == []  # no worker left behind
+
+
+def _processes_in(cwd):
+    """PIDs of live processes whose working directory is ``cwd`` (the workers inherit it)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.readlink(f"/proc/{d}/cwd") == str(cwd):
+                    pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
+    from tests.helpers import spec_for
+    from xpar.tracking import mlflow_run
+
+    spec = spec_for(f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.enabled=true")
+    for exc, status in ((KeyboardInterrupt, "KILLED"), (ValueError, "FAILED")):
+        with pytest.raises(exc):
+            with mlflow_run(spec, {"a": {"b": 1}}, tmp_path):
+                raise exc()
+        run = mlflow.search_runs(experiment_names=["xpar"], order_by=["start_time DESC"]).iloc[0]
+        assert run["status"] == status
+        assert run["params.a.b"] == "1"
+
+
+def test_long_params_are_kept_within_mlflow_limits():
+    from xpar.tracking import MAX_PARAM_CHARS, flatten
+    flat = flatten({"x": {"y": "z" * 10000, "l": [1, 2]}})
+    assert len(flat["x.y"]) <= MAX_PARAM_CHARS and flat["x.y"].endswith("[truncated]")
+    assert flat["x.l"] == "[1, 2]"

@@ -1,0 +1,276 @@
+"""Pipeline schedules: theoretical bubble ratios and a small replay simulator.
+
+The bubble ratio is the idle fraction of the pipeline ranks within a step (DESIGN.md):
+``1 - sum_ranks busy / (pp * makespan)``. Closed forms, with p stages, m micro-batches, v
+stages per rank and uniform per-stage times (Huang et al. 2019, GPipe; Narayanan et al.
+2021, Sec. 2.2):
+
+    gpipe, 1f1b        (p - 1) / (m + p - 1)
+    interleaved_1f1b   (p - 1) / (v m + p - 1)
+
+(Narayanan et al. state the bubble relative to the ideal time, (p - 1)/m and (p - 1)/(v m);
+as a fraction of the step it becomes the forms above.) Zero-bubble schedules (Qi et al.
+2024) have no simple closed form: :func:`simulated_bubble` replays torch's own action order.
+
+An action is ``Action(kind, stage, mb)``, kind F (forward), B (full backward), I (backward
+for inputs), W (backward for weights), as in torch's schedule IR. Times are in seconds (or
+any one unit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Union
+
+# xpar schedule name -> torch.distributed.pipelining schedule name (get_schedule_class).
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+               "looped_bfs": "LoopedBFS", "zero_bubble": "InterleavedZeroBubble",
+               "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+# Uniform durations per stage: backward = 2 x forward, split evenly into I and W.
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    """'F', 'B', 'I' or 'W'."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+@dataclass
+class SimResult:
+    bubble_ratio: float
+    """1 - sum busy / (pp * makespan)."""
+    makespan: float
+    busy: list[float]
+    """Busy time of each rank."""
+    times: dict[Action, tuple[float, float]]
+    """(start, end) of every action."""
+
+
+def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Closed-form bubble ratio (fraction of the step); see the module docstring.
+
+    Raises:
+        ValueError: for schedules without a closed form (use :func:`simulated_bubble`).
+    """
+    if pp == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (v * m + pp - 1)
+    raise ValueError(f"no closed-form bubble for schedule {schedule!r}; use simulated_bubble")
+
+
+def gpipe_actions(pp: int, m: int) -> list[list[Action]]:
+    """GPipe: all forwards, then all backwards (in micro-batch order, as torch's ScheduleGPipe)."""
+    return [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)]
+            for r in range(pp)]
+
+
+def one_f_one_b_actions(pp: int, m: int) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021 Fig. 4 top): rank r runs min(m, pp-r-1)
+    warm-up forwards, then alternates F/B, then drains the remaining backwards."""
+    out = []
+    for r in range(pp):
+        warm = min(m, pp - r - 1)
+        acts = [Action("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [Action("F", r, warm + i), Action("B", r, i)]
+        acts += [Action("B", r, i) for i in range(m - warm, m)]
+        In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
+    microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
+    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
+    renumbered by order of appearance on each stage (forwards; backwards B or I together;
+    the k-th W takes the label of the k-th I), because Schedule1F1B labels the last rank's
+    forwards 1..m instead of 0..m-1 (FACTS.md); torch runs each stage's micro-batches in
+    increasing order, so this recovers the executed order.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    name = TORCH_NAMES.get(schedule, schedule)
+    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
+    out = []
+    for rank_ops in ops:
+        flat = []
+        for a in rank_ops:
+            if a is not None:
+                flat += list(a.sub_actions) if a.sub_actions else [a]
+        count: dict[tuple[int, str], int] = {}
+        inputs: dict[int, list[int]] = {}  # stage -> micro-batches of its I actions, in order
+        acts = []
+        for a in flat:
+            kind, s = a.computation_type.value, a.stage_index
+            if kind not in ("F", "B", "I", "W"):
+                continue
+            cls = "W" if kind == "W" else ("F" if kind == "F" else "BI")
+            k = count[(s, cls)] = count.get((s, cls), -1) + 1
+            if kind == "W":
+                i = inputs[s][k]
+            else:
+                i = k
+                if kind == "I":
+                    inputs.setdefault(s, []).append(i)
+            acts.append(Action(kind, s, i))
+        out.append(acts)
+    return out
+
+
+def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> list[list[Action]]:
+    """Per-rank compute order of a torch schedule, built offline (no process group) with the
+    private ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``.
+
+    In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
+    microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
+    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
+    renumbered by order of appearance per (stage, kind), because Schedule1F1B labels the last
+    rank's forwards 1..m instead of 0..m-1 (FACTS.md); torch runs every stage's
+    micro-batches in increasing order, so this recovers the executed order.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    name = TORCH_NAMES.get(schedule, schedule)
+    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
+    out = []
+    for rank_ops in ops:
+        seen: dict[tuple[int, str], int] = {}
+        acts = []
+        flat = []
+        for a in rank_ops:
+            if a is None:
+                continue
+            flat += list(a.sub_actions) if a.sub_actions else [a]
+        for a in flat:
+            kind = a.computation_type.value
+            if kind not in ("F", "B", "I", "W"):
+                continue
+            key = (a.stage_index, kind)
+            seen[key] = seen.get(key, -1) + 1
+            acts.append(Action(kind, a.stage_index, seen[key]))
+        In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
+    microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
+    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
+    renumbered by order of appearance on each stage (forwards; backwards B or I together;
+    the k-th W takes the label of the k-th I), because Schedule1F1B labels the last rank's
+    forwards 1..m instead of 0..m-1 (FACTS.md); torch runs each stage's micro-batches in
+    increasing order, so this recovers the executed order.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    name = TORCH_NAMES.get(schedule, schedule)
+    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
+    out = []
+    for rank_ops in ops:
+        flat = []
+        for a in rank_ops:
+            if a is not None:
+                flat += list(a.sub_actions) if a.sub_actions else [a]
+        count: dict[tuple[int, str], int] = {}
+        inputs: dict[int, list[int]] = {}  # stage -> micro-batches of its I actions, in order
+        acts = []
+        for a in flat:
+            kind, s = a.computation_type.value, a.stage_index
+            if kind not in ("F", "B", "I", "W"):
+                continue
+            cls = "W" if kind == "W" else ("F" if kind == "F" else "BI")
+            k = count[(s, cls)] = count.get((s, cls), -1) + 1
+            if kind == "W":
+                i = inputs[s][k]
+            else:
+                i = k
+                if kind == "I":
+                    inputs.setdefault(s, []).append(i)
+            acts.append(Action(kind, s, i))
+        out.append(acts)
+    return out
+
+
+Durations = Union[Mapping[str, float], Callable[[Action], float]]
+
+
+def simulate(actions_per_rank: list[list[Action]], durations: Durations = UNIFORM) -> SimResult:
+    """Replay per-rank action lists with free communication.
+
+    Each rank runs its list in order; an action also waits for its dependencies:
+    F(s, i) after F(s-1, i); the backward (B or I) of (s, i) after F(s, i) and after the
+    backward of (s+1, i); W(s, i) after I (or B) of (s, i). ``durations`` maps a kind to a
+    time, or is a function of the action (per-stage or measured times).
+
+    Returns:
+        :class:`SimResult`; bubble = 1 - sum busy / (pp * makespan).
+
+    Raises:
+        ValueError: if the lists deadlock (an action waits on one never run before it).
+    """
+    dur = durations if callable(durations) else (lambda a: durations[a.kind])
+    n_stages = 1 + max(a.stage for acts in actions_per_rank for a in acts)
+    bwd = {(a.stage, a.mb): a for acts in actions_per_rank for a in acts if a.kind in "BI"}
+    done: dict[Action, tuple[float, float]] = {}
+
+    def deps(a: Action) -> list[Action]:
+        s, i = a.stage, a.mb
+        if a.kind == "F":
+            return [Action("F", s - 1, i)] if s > 0 else []
+        if a.kind in "BI":
+            d = [Action("F", s, i)]
+            return d + ([bwd[(s + 1, i)]] if s + 1 < n_stages else [])
+        return [bwd[(s, i)]]  # W
+
+    pos = [0] * len(actions_per_rank)
+    clock = [0.0] * len(actions_per_rank)
+    busy = [0.0] * len(actions_per_rank)
+    remaining = sum(len(x) for x in actions_per_rank)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(actions_per_rank):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                need = deps(a)
+                if any(d not in done for d in need):
+                    break
+                start = max([clock[r]] + [done[d][1] for d in need])
+                end = start + dur(a)
+                done[a], clock[r], busy[r] = (start, end), end, busy[r] + (end - start)
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(acts[pos[r]]) for r, acts in enumerate(actions_per_rank) if pos[r] < len(acts)]
+            raise ValueError(f"schedule deadlocks; next actions per rank: {stuck}")
+    makespan = max(clock)
+    return SimResult(1 - sum(busy) / (len(actions_per_rank) * makespan), makespan, busy, done)
+
+
+def schedule_actions(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Action lists of an xpar schedule: analytic for gpipe/1f1b, torch's order otherwise."""
+    if schedule == "gpipe":
+        return gpipe_actions(pp, m)
+    if schedule == "1f1b":
+        return one_f_one_b_actions(pp, m)
+    return torch_actions(schedule, pp, m, v)
+
+
+def simulated_bubble(schedule: str, pp: int, m: int, v: int = 1,
+                     durations: Optional[Durations] = None) -> float:
+    """Bubble ratio of ``schedule`` replayed with uniform per-stage durations (per stage of a
+    rank holding v stages: F = 1/v, B = 2/v, I = W = 1/v) unless ``durations`` is given."""
+    if pp == 1:
+        return 0.0
+    acts = schedule_actions(schedule, pp, m, v)
+    n = 1 + max(a.stage for r in acts for a in r)
+    per_rank = n // pp
+    return simulate(acts, durations or {k: t / per_rank for k, t in UNIFORM.items()}).bubble_ratio
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most forward chunks whose activations one rank holds at once: +1 at F, -1 when the
+    weight gradient is done (B, or W after I; I alone keeps what W needs)."""
+    live = peak = 0
+    for a in actions:
+        live += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,159 @@
+"""The pp axis: pipeline stages and their schedule (torch.distributed.pipelining).
+
+Each pipeline rank holds one stage, or v stages for the multi-stage schedules:
+
+- loop placement (interleaved_1f1b, looped_bfs, zero_bubble): rank r holds stages
+  r, r + pp, r + 2pp, ... (Narayanan et al. 2021);
+- V placement (zbv, dualpipev): rank r holds stages r and 2pp - 1 - r, so rank 0 holds the
+  first and the last stage (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 6).
+
+:func:`attach_schedule` wraps each already TP/DP-wrapped chunk in a ``PipelineStage`` on the
+pp process group, builds the schedule by name and installs :func:`pipeline_step` as the
+engine's step. Every compute action of every stage (F: forward, B: full backward, I:
+backward for inputs, W: backward for weights) is timed with ``time.perf_counter``; the loss
+of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
+action records that :mod:`xpar.bubble` turns into bubble ratios and a timeline.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from xpar.spec import RunSpec
+
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class of an xpar schedule name (see ``xpar.validate.SCHEDULES``)."""
+    from xpar.validate import SCHEDULES
+    return getattr(schedules, SCHEDULES[name][0])
+
+
+def stages_per_rank(spec: RunSpec) -> int:
+    return 1 if spec.parallel.schedule in ("gpipe", "1f1b") else int(spec.parallel.virtual_stages)
+
+
+def stage_ranks(schedule: str, pp: int, v: int) -> list[int]:
+    """pp rank of each stage index (len pp * v)."""
+    n = pp * v
+    if schedule in V_SHAPED:
+        return [s if s < pp else n - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+def local_stage_ids(spec: RunSpec, pp_rank: int) -> list[int]:
+    """Stage indices held by pipeline rank ``pp_rank``, in increasing order."""
+    owners = stage_ranks(spec.parallel.schedule, spec.pp, stages_per_rank(spec))
+    return [s for s, r in enumerate(owners) if r == pp_rank]
+
+
+class ActionRecorder:
+    """Per-rank wall-clock record of the compute actions of one schedule step.
+
+    ``actions`` holds ``[kind, stage, micro_batch, t0, t1]`` with times in seconds from the
+    start of the step (after the pp barrier); kinds F, B, I, W as in torch's schedule IR.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.actions: list[list] = []
+        self.t_start = 0.0
+
+    def begin(self) -> None:
+        self.actions = []
+        self.t_start = time.perf_counter()
+
+    def end(self) -> None:
+        span = time.perf_counter() - self.t_start
+        self.steps.append({"span": span, "actions": self.actions})
+
+    def _wrap(self, fn, kind_of, stage_index: int):
+        def timed(chunk_id, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            t1 = time.perf_counter()
+            self.actions.append([kind_of(kwargs), stage_index, int(chunk_id),
+                                 t0 - self.t_start, t1 - self.t_start])
+            return out
+        return timed
+
+    def instrument(self, stage: PipelineStage) -> None:
+        """Time this stage's forward_one_chunk, backward_one_chunk, backward_weight_one_chunk."""
+        i = stage.stage_index
+        stage.forward_one_chunk = self._wrap(stage.forward_one_chunk, lambda kw: "F", i)
+        stage.backward_one_chunk = self._wrap(
+            stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I", i)
+        stage.backward_weight_one_chunk = self._wrap(stage.backward_weight_one_chunk, lambda kw: "W", i)
+
+    def instrument_loss(self, schedule: Any) -> None:
+        """Count the loss computation in the forward of the last stage (it follows directly)."""
+        fn = schedule._compute_loss
+
+        def timed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if self.actions and self.actions[-1][0] == "F":
+                self.actions[-1][4] = time.perf_counter() - self.t_start
+            return out
+        schedule._compute_loss = timed
+
+
+def attach_schedule(engine, stage_ids: list[int]) -> None:
+    """Build this rank's PipelineStages and the schedule; install the pipelined step.
+
+    ``engine.chunks`` are this rank's stages (already wrapped for tp and dp), in the order
+    of ``stage_ids``. Sets ``engine.stages``, ``engine.schedule``, ``engine.step_fn`` and
+    ``engine.pipeline_stats`` (a callable returning this rank's timing record).
+    """
+    spec = engine.spec
+    pp_mesh = engine.mesh["pp"]
+    group = pp_mesh.get_group()
+    n_stages = len(spec.layer_split)
+    device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" \
+        else torch.device(spec.device)
+    recorder = ActionRecorder()
+    stages = []
+    for chunk, s in zip(engine.chunks, stage_ids):
+        stage = PipelineStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=group)
+        recorder.instrument(stage)
+        stages.append(stage)
+    cls = schedule_class(spec.parallel.schedule)
+    target = stages[0] if issubclass(cls, schedules.PipelineScheduleSingle) else stages
+    schedule = cls(target, n_microbatches=spec.micro_batches, loss_fn=engine.loss_fn)
+    recorder.instrument_loss(schedule)
+    engine.stages, engine.schedule = stages, schedule
+    engine.step_fn = pipeline_step
+    engine.recorder = recorder
+    pp_rank = pp_mesh.get_local_rank()
+
+    def pipeline_stats() -> dict:
+        return {"pp_rank": pp_rank, "stages": list(stage_ids), "schedule": spec.parallel.schedule,
+                "steps": recorder.steps}
+    engine.pipeline_stats = pipeline_stats
+
+
+def pipeline_step(engine, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
+    """One optimizer step through the pipeline.
+
+    The rank's m micro-batches of b rows are concatenated into the ``[m*b, S]`` batch that
+    ``schedule.step`` splits back into m. The first stage gets the inputs and the last
+    stage the targets; gradients are scaled by 1/m by the schedule (mean loss). Returns the
+    mean loss over the micro-batches on the rank holding the last stage, else None.
+    """
+    first = any(st.is_first for st in engine.stages)
+    last = any(st.is_last for st in engine.stages)
+    args = (torch.cat(inputs),) if first else ()
+    target = torch.cat(targets) if last else None
+    losses: list[torch.Tensor] = []
+    dist.barrier(group=engine.mesh["pp"].get_group())  # a common start: timestamps comparable
+    engine.recorder.begin()
+    engine.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    engine.recorder.end()
+    engine.optimizer.step()
+    if not last:
+        return None
+    return float(torch.stack([l.detach().float() for l in losses]).mean())
