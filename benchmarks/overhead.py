@@ -1,0 +1,127 @@
+"""xpar's training step against a hand-written torch loop building the same wrapper.
+
+For each layout (dp = DDP, zero3 = FSDP2 fully_shard per block then root), run xpar's real
+path (launcher, engine factory, train loop with memory accounting) and a plain torch
+script, alternately, ROUNDS times each, on 2 local gloo workers with one thread each; print
+the steps/s of both and their ratio (xpar / plain; 1.0 = no overhead). Goal: >= 0.95.
+
+    python benchmarks/overhead.py [--rounds 3] [--steps 12] [--layouts dp zero3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+MODEL = ["model=tiny", "model.n_layers=4", "model.hidden=256", "model.n_heads=8", "model.n_kv_heads=8",
+         "model.ffn_hidden=704", "model.vocab_size=4096", "model.seq_len=128"]
+
+
+def _spec(layout: str, steps: int):
+    from hydra import compose, initialize_config_dir
+
+    import xpar.config  # noqa: F401
+    from xpar.presets import conf_dir
+    from xpar.validate import validate
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose("config", overrides=[f"parallel={layout}", "tracking=off", "run.progress=false",
+                                           f"train.steps={steps}", "train.warmup_steps=2",
+                                           "train.micro_batch_size=4", *MODEL])
+    return validate(cfg, local_devices=2)
+
+
+def plain_worker(rank: int, world: int, port: int, spec_dict: dict, out: str) -> None:
+    """The same layout written by hand: model, wrapper, AdamW, loop, perf_counter."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from xpar.data import TokenSource
+    from xpar.models.transformer import Transformer
+    from xpar.spec import RunSpec
+
+    spec = RunSpec.from_dict(spec_dict)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = Transformer(spec.model)
+    model.init_weights(spec.train.seed)
+    if spec.parallel.zero_stage == 3:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, foreach=False)
+    data = TokenSource(spec)
+    b = spec.train.micro_batch_size
+    times = []
+    for step in range(spec.train.steps):
+        rows = data.global_batch(step)[rank * b:(rank + 1) * b]
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        float(loss.detach())
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def run_plain(spec) -> list[float]:
+    from xpar.launch import free_port
+
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "t.json")
+        mp.start_processes(plain_worker, args=(spec.world_size, free_port(), spec.to_dict(), out),
+                           nprocs=spec.world_size, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def run_xpar(spec) -> list[float]:
+    from xpar.launch import launch_local
+
+    with tempfile.TemporaryDirectory() as d:
+        stats = launch_local(spec, Path(d))
+    return [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--layouts", nargs="+", default=["dp", "zero3"])
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="xpar step vs hand-written torch (2 gloo workers, 1 thread each, median of timed steps)")
+    for col in ("layout", "xpar steps/s", "plain steps/s", "ratio xpar/plain", "per-round ratios"):
+        table.add_column(col, justify="right")
+    for layout in args.layouts:
+        spec = _spec(layout, args.steps)
+        xs, ps, ratios = [], [], []
+        for _ in range(args.rounds):  # alternate so drift hits both alike
+            x = statistics.median(run_xpar(spec)[spec.train.warmup_steps:])
+            p = statistics.median(run_plain(spec)[spec.train.warmup_steps:])
+            xs.append(x)
+            ps.append(p)
+            ratios.append(p / x)
+        table.add_row(layout, f"{1 / statistics.median(xs):.2f}", f"{1 / statistics.median(ps):.2f}",
+                      f"{statistics.median(ratios):.3f}", " ".join(f"{r:.3f}" for r in ratios))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
