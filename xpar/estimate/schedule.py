@@ -82,40 +82,6 @@ def one_f_one_b_actions(pp: int, m: int) -> list[list[Action]]:
         for i in range(m - warm):
             acts += [Action("F", r, warm + i), Action("B", r, i)]
         acts += [Action("B", r, i) for i in range(m - warm, m)]
-        In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
-    microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
-    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
-    renumbered by order of appearance on each stage (forwards; backwards B or I together;
-    the k-th W takes the label of the k-th I), because Schedule1F1B labels the last rank's
-    forwards 1..m instead of 0..m-1 (FACTS.md); torch runs each stage's micro-batches in
-    increasing order, so this recovers the executed order.
-    """
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    name = TORCH_NAMES.get(schedule, schedule)
-    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
-    out = []
-    for rank_ops in ops:
-        flat = []
-        for a in rank_ops:
-            if a is not None:
-                flat += list(a.sub_actions) if a.sub_actions else [a]
-        count: dict[tuple[int, str], int] = {}
-        inputs: dict[int, list[int]] = {}  # stage -> micro-batches of its I actions, in order
-        acts = []
-        for a in flat:
-            kind, s = a.computation_type.value, a.stage_index
-            if kind not in ("F", "B", "I", "W"):
-                continue
-            cls = "W" if kind == "W" else ("F" if kind == "F" else "BI")
-            k = count[(s, cls)] = count.get((s, cls), -1) + 1
-            if kind == "W":
-                i = inputs[s][k]
-            else:
-                i = k
-                if kind == "I":
-                    inputs.setdefault(s, []).append(i)
-            acts.append(Action(kind, s, i))
         out.append(acts)
     return out
 
@@ -126,10 +92,11 @@ def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> li
 
     In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
     microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
-    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
-    renumbered by order of appearance per (stage, kind), because Schedule1F1B labels the last
-    rank's forwards 1..m instead of 0..m-1 (FACTS.md); torch runs every stage's
-    micro-batches in increasing order, so this recovers the executed order.
+    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Schedule1F1B labels the
+    last rank's forwards 1..m instead of 0..m-1 (FACTS.md; executed order is F0, B0, F1, ...):
+    where the labels of one kind on one stage are not exactly 0..m-1, they are renumbered
+    by order of appearance (torch runs those in increasing order). Valid labels are kept,
+    so LoopedBFS keeps its reversed backward order.
     """
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
@@ -137,55 +104,36 @@ def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> li
     ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
     out = []
     for rank_ops in ops:
-        seen: dict[tuple[int, str], int] = {}
-        acts = []
-        flat = []
-        for a in rank_ops:
-            if a is None:
-                continue
-            flat += list(a.sub_actions) if a.sub_actions else [a]
-        for a in flat:
-            kind = a.computation_type.value
-            if kind not in ("F", "B", "I", "W"):
-                continue
-            key = (a.stage_index, kind)
+        flat = [x for a in rank_ops if a is not None for x in (a.sub_actions or [a])]
+        acts = [Action(a.computation_type.value, a.stage_index, a.microbatch_index) for a in flat
+                if a.computation_type.value in ("F", "B", "I", "W")]
+        out.append(_fix_labels(acts))
+    return out
+
+
+def _fix_labels(acts: list[Action]) -> list[Action]:
+    """Renumber, by order of appearance, the micro-batches of each stage's forwards or
+    backwards (B and I share one numbering) whose labels are not exactly 0..n-1; the k-th W
+    of a stage then takes the label of its k-th I."""
+    cls = lambda a: {"B": "BI", "I": "BI"}.get(a.kind, a.kind)  # noqa: E731
+    groups: dict[tuple[int, str], list[int]] = {}
+    for a in acts:
+        groups.setdefault((a.stage, cls(a)), []).append(a.mb)
+    bad = {k for k, mbs in groups.items() if k[1] != "W" and sorted(mbs) != list(range(len(mbs)))}
+    seen: dict[tuple[int, str], int] = {}
+    inputs: dict[int, list[int]] = {}
+    out = []
+    for a in acts:
+        key = (a.stage, cls(a))
+        if key in bad:
             seen[key] = seen.get(key, -1) + 1
-            acts.append(Action(kind, a.stage_index, seen[key]))
-        In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
-    microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
-    dropped, OVERLAP_F_B is expanded into its sub-actions in order. Micro-batch labels are
-    renumbered by order of appearance on each stage (forwards; backwards B or I together;
-    the k-th W takes the label of the k-th I), because Schedule1F1B labels the last rank's
-    forwards 1..m instead of 0..m-1 (FACTS.md); torch runs each stage's micro-batches in
-    increasing order, so this recovers the executed order.
-    """
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    name = TORCH_NAMES.get(schedule, schedule)
-    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
-    out = []
-    for rank_ops in ops:
-        flat = []
-        for a in rank_ops:
-            if a is not None:
-                flat += list(a.sub_actions) if a.sub_actions else [a]
-        count: dict[tuple[int, str], int] = {}
-        inputs: dict[int, list[int]] = {}  # stage -> micro-batches of its I actions, in order
-        acts = []
-        for a in flat:
-            kind, s = a.computation_type.value, a.stage_index
-            if kind not in ("F", "B", "I", "W"):
-                continue
-            cls = "W" if kind == "W" else ("F" if kind == "F" else "BI")
-            k = count[(s, cls)] = count.get((s, cls), -1) + 1
-            if kind == "W":
-                i = inputs[s][k]
-            else:
-                i = k
-                if kind == "I":
-                    inputs.setdefault(s, []).append(i)
-            acts.append(Action(kind, s, i))
-        out.append(acts)
+            a = Action(a.kind, a.stage, seen[key])
+        elif a.kind == "W" and (a.stage, "BI") in bad:
+            seen[key] = seen.get(key, -1) + 1
+            a = Action("W", a.stage, inputs[a.stage][seen[key]])
+        if a.kind == "I":
+            inputs.setdefault(a.stage, []).append(a.mb)
+        out.append(a)
     return out
 
 

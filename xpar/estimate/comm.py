@@ -1,0 +1,108 @@
+"""Communication volume per device per step, by collective. Units: bytes sent per device.
+
+Ring collectives over n ranks (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention), for
+a buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)/n S each.
+
+- dp (Rajbhandari et al. 2020, Sec. 7): DDP all-reduces the gradients (2 Psi per step);
+  ZeRO-2 reduce-scatters them and all-gathers the updated params (also 2 Psi); ZeRO-3
+  all-gathers the params before each forward and each backward, 3 Psi = 1.5 x DP for one
+  micro-batch. torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces like DDP and then
+  broadcasts each rank's updated partition (an all-gather, Psi): 1.5 x DP, not the paper's
+  1 x. Gradients are reduced once per step (sync on the last micro-batch only). FSDP2
+  reshards after each backward by default, so with m micro-batches of gradient
+  accumulation ZeRO-2 all-gathers m times and ZeRO-3 2 m times; torch pipelining keeps
+  params unsharded across backwards, so ZeRO-2 under pp gathers once (ZeRO-3 is still
+  counted 2 m there: an upper bound).
+- tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per layer and micro-batch,
+  2 all-reduces of b s h elements in forward and 2 in backward (with sequence parallelism
+  each becomes an all-gather + a reduce-scatter, same bytes); full recompute repeats the
+  forward's 2. The vocabulary-parallel embedding adds one all-reduce in forward (first
+  stage), the output projection one in backward (last stage).
+- pp (Narayanan et al. 2021, Sec. 4.1): b s h elements per micro-batch per stage boundary
+  forward, and their gradient backward; divided by t with sequence parallelism (the
+  tensor crossing stages is sequence-sharded) or Megatron's scatter/gather.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from xpar.estimate.memory import BYTES, param_shapes, rank_stages
+from xpar.spec import RunSpec
+
+KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
+        "tp_reduce_scatter", "pp_send_recv")
+
+
+def allreduce_bytes(nbytes: float, n: int) -> float:
+    """Ring all-reduce: bytes each device sends, 2 (n-1)/n S."""
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def allgather_bytes(nbytes: float, n: int) -> float:
+    """Ring all-gather (or reduce-scatter) of a full buffer of S bytes: (n-1)/n S."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+reduce_scatter_bytes = allgather_bytes
+
+
+def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = False,
+                   recompute: str = "none") -> dict[str, float]:
+    """TP bytes per device of one transformer layer, one micro-batch, forward + backward:
+    2 all-reduces of b s h elements forward, 2 backward (+2 forward with full recompute);
+    with sequence parallelism the same number of all-gathers and reduce-scatters."""
+    n = 2 * (2 + (1 if recompute == "full" else 0))  # all-reduces (or AG+RS pairs) per layer
+    size = b * s * h * elem
+    if sp:
+        return {"tp_allreduce": 0.0, "tp_allgather": n * allgather_bytes(size, t),
+                "tp_reduce_scatter": n * reduce_scatter_bytes(size, t)}
+    return {"tp_allreduce": n * allreduce_bytes(size, t), "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
+
+
+def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False) -> dict[str, float]:
+    """Bytes sent per step by one device of pipeline rank ``pp_rank``, by collective (see
+    module docstring). ``scatter_gather``: Megatron's optimisation that sends 1/t of each
+    inter-stage tensor and all-gathers it on the receiving node (counted in pp only)."""
+    par, e = spec.parallel, BYTES[spec.train.dtype]
+    out = dict.fromkeys(KEYS, 0.0)
+    m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, par.sequence_parallel
+    # dp: gradients in the training dtype, params likewise
+    psi = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank)) * e
+    z = par.zero_stage
+    if z <= 1:
+        out["dp_allreduce"] = allreduce_bytes(psi, dp)
+        if z == 1:
+            out["dp_allgather"] = allgather_bytes(psi, dp)
+    else:
+        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp)
+        gathers = 2 * m if z == 3 else (m if spec.pp == 1 else 1)
+        out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
+    # tp
+    stages = rank_stages(spec, pp_rank)
+    split = spec.layer_split or [spec.model.n_layers]
+    n_layers = sum(split[s] for s in stages)
+    b, s, h = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden
+    if t > 1:
+        layer = tp_layer_bytes(b, s, h, t, e, sp, par.recompute)
+        ends = (0 in stages) + (len(split) - 1 in stages)  # embedding fwd / output bwd
+        size = b * s * h * e
+        for k, v in layer.items():
+            out[k] += v * n_layers * m
+        if sp:
+            out["tp_allgather"] += ends * m * allgather_bytes(size, t)
+            out["tp_reduce_scatter"] += ends * m * reduce_scatter_bytes(size, t)
+        else:
+            out["tp_allreduce"] += ends * m * allreduce_bytes(size, t)
+    # pp: sends forward from every stage but the last, backward from every stage but the first
+    if spec.pp > 1:
+        sends = sum((st < len(split) - 1) + (st > 0) for st in stages)
+        out["pp_send_recv"] = sends * m * b * s * h * e / (t if (sp or scatter_gather) else 1)
+    return out
+
+
+def comm_bytes(spec: RunSpec, pp_rank: Optional[int] = None, scatter_gather: bool = False) -> dict[str, float]:
+    """Bytes per device per step by collective (keys: KEYS) for pipeline rank ``pp_rank``,
+    or the rank sending the most in total when None."""
+    ranks = range(spec.pp) if pp_rank is None else [pp_rank]
+    return max((comm_bytes_rank(spec, r, scatter_gather) for r in ranks), key=lambda d: sum(d.values()))

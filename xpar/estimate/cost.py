@@ -1,0 +1,274 @@
+"""Step time, throughput, MFU and memory of a layout: the analytic cost model.
+
+Time of one step on the slowest pipeline rank (units: seconds; FLOP/s; bytes/s):
+
+    T_mb(r)  = F_r / (peak * eta(h/t))                      matmuls (hardware FLOPs, recompute in)
+             + passes * A_r / HBM                           memory-bound element-wise work
+             + TP bytes / B_tp + PP bytes / B_pp            blocking collectives, per micro-batch
+    step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_r T_mb(r)     pipeline with bubble
+             + exposed dp communication + optimizer (2 passes over the local model states / HBM)
+
+- F_r: FLOPs of rank r's layers (and logits on the last stage) per micro-batch / t, from
+  xpar.estimate.flops (Narayanan et al. 2021 convention); full recompute adds one forward.
+- eta(x) = hardware.matmul_efficiency * x / (x + GEMM_HALF_DIM), x = h / t: GEMM efficiency
+  rises with the smallest GEMM dimension (tiles fill the GPU; Narayanan et al. 2021 Fig. 7
+  and Sec. 5.3 report lower throughput for small h/t).
+- A_r: bytes of activations the layers produce (Korthikanti et al. 2022 Table 2 tally, no
+  recompute, with TP/SP split) -- a proxy for the traffic of norms, softmax, GeLU, dropout,
+  residual adds; each byte is moved ``passes`` times: 2 in forward (written, read back),
+  4 in backward (read, gradient written and read, twice), 2 more for a recomputed forward.
+- B: ring bus bandwidth x hardware.link_efficiency; a group inside a node uses the
+  intra-node link, a group spanning nodes with k members per node min(intra, k * inter)
+  (one NIC per GPU; ranks laid out tp fastest, then dp, then pp, as Megatron and xpar's mesh).
+- beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
+- dp: gradient reduction hides behind the backward of the last micro-batch and ZeRO
+  parameter gathers behind compute (prefetch) when ``Assumptions.dp_overlap``.
+
+CALIBRATION (benchmarks/estimate_megatron.py, tests/test_estimate_throughput.py): the ten
+rows of Narayanan et al. 2021 Table 1 (GPT, s = 2048, V = 51200, A100-80GB, interleaved
+1F1B, full recompute, 137-163 TFLOP/s per GPU counted with 96 B s l h^2 (1 + s/6h + V/16lh)).
+The table gives no micro-batch size or v: we assume b = 1 (b = 2 would break Megatron's
+rule that pp divides the micro-batch count for the 310B row) and v = the smallest divisor > 1
+of the layers per pipeline rank (2 or 3). Fitted once for all rows: matmul_efficiency 0.65
+(A100 presets), GEMM_HALF_DIM 64, link_efficiency 0.8 (NCCL reaches ~240 of 300 GB/s on
+NVLink), memory passes 2 + 4 (+2); the per-row errors are in the benchmark's table.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Optional
+
+from xpar.config import HardwareConfig
+from xpar.estimate import flops as fl
+from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.memory import (BYTES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory,
+                                  rank_stages, stages_per_rank)
+from xpar.estimate.schedule import bubble_theory, simulated_bubble
+from xpar.spec import RunSpec
+
+GEMM_HALF_DIM = 32.0
+"""GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """How the training framework behaves (not the hardware). Defaults: xpar on torch."""
+
+    flash_attention: bool = True
+    """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
+    dropout: bool = False
+    """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
+    dp_overlap: bool = True
+    """DDP/FSDP overlap gradient reduction with backward, FSDP prefetches gathers."""
+    scatter_gather: bool = False
+    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
+    passes_forward: float = 2.0
+    passes_backward: float = 4.0
+
+    @classmethod
+    def megatron_2021(cls) -> "Assumptions":
+        """Megatron-LM as in Narayanan et al. 2021: unfused softmax (scores in HBM), dropout,
+        gradient all-reduce after the pipeline flush (not overlapped), scatter/gather."""
+        return cls(flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True)
+
+
+@dataclass
+class Estimate:
+    """Estimated figures of one layout (mode 'estimate'); same names as measured runs."""
+
+    memory: MemoryEstimate
+    model_flops_per_step: float
+    """Model FLOPs of a whole step, all devices (no recompute)."""
+    hardware_flops_per_step: float
+    """FLOPs executed per step, all devices (recompute included)."""
+    time_per_step_s: float
+    time_breakdown: dict[str, float]
+    """Seconds on the slowest rank: matmul, memory_bound, tp_comm, pp_comm, bubble,
+    dp_comm_exposed, optimizer (they sum to time_per_step_s)."""
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+    """Model TFLOP/s per device (1e12 FLOP/s)."""
+    hw_tflops_per_device: float
+    """Hardware TFLOP/s per device (recompute counted, as Narayanan et al. 2021 Table 1)."""
+    mfu: float
+    hfu: float
+    bubble_ratio: float
+    comm_bytes: dict[str, float]
+    """Bytes per device per step by collective, slowest rank (xpar.estimate.comm)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
+    """Achievable fraction of peak for GEMMs whose smallest dimension is ``dim`` (h/t)."""
+    return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
+
+
+def group_bandwidth(hw: HardwareConfig, size: int, stride: int) -> Optional[float]:
+    """Bus bandwidth (bytes/s) of a ring over ``size`` ranks ``stride`` apart; None if unknown."""
+    if hw.intra_node_gb_per_s is None:
+        return None
+    dpn = int(hw.devices_per_node)
+    intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
+    if size * stride <= dpn or hw.inter_node_gb_per_s is None:
+        return intra
+    k = max(1, min(size, dpn // stride))
+    return min(intra, k * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
+
+
+@lru_cache(maxsize=128)
+def _bubble(schedule: str, pp: int, m: int, v: int) -> float:
+    try:
+        return bubble_theory(schedule, pp, m, v)
+    except ValueError:
+        return simulated_bubble(schedule, pp, m, v)
+
+
+def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
+    """Estimate step time, throughput, MFU/HFU, bubble, communication and memory of ``spec``.
+
+    Pure function of the spec (no devices, no process groups). See the module docstring
+    for the formulas and the calibration.
+    """
+    cfg, par, hw = spec.model, spec.parallel, spec.hardware
+    s, b, h, t, p, m, dp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, spec.pp, spec.micro_batches, spec.dp
+    e = BYTES[spec.train.dtype]
+    notes: list[str] = []
+    peak = (hw.peak_tflops or 0) * 1e12
+    hbm = (hw.hbm_tb_per_s or 0) * 1e12
+    if not hbm:
+        notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
+    eta = matmul_efficiency(hw, h / t)
+    # FLOPs per token of one layer (forward) and of the logits, Narayanan et al. convention
+    fwd = fl.forward_flops_per_token(cfg, s)
+    layer_mm, layer_att = fwd["matmul"] / cfg.n_layers, fwd["attention"] / cfg.n_layers
+    extra = {"none": 0.0, "selective": layer_att, "full": layer_mm + layer_att}[par.recompute]
+    layer_hw = 3 * (layer_mm + layer_att) + extra
+    logits_hw = 3 * fwd["logits"]
+    act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
+               flash=assume.flash_attention, elem=e)
+    layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
+    logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
+    passes = assume.passes_forward * (2 if par.recompute == "full" else 1) + assume.passes_backward
+    # links: tp innermost, then dp, then pp
+    bw_tp, bw_dp = group_bandwidth(hw, t, 1), group_bandwidth(hw, dp, t)
+    bw_pp = group_bandwidth(hw, 2, t * dp) if t * dp < int(hw.devices_per_node) or hw.inter_node_gb_per_s is None \
+        else hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency
+    if bw_tp is None:
+        notes.append("no link bandwidth for this hardware: communication time not estimated")
+    split = spec.layer_split or [cfg.n_layers]
+    per_rank = []
+    for r in range(p):
+        stages = rank_stages(spec, r)
+        n_layers = sum(split[st] for st in stages)
+        last = len(split) - 1 in stages
+        flops_mb = s * b * (n_layers * layer_hw + (logits_hw if last else 0)) / t
+        c = comm_bytes_rank(spec, r, assume.scatter_gather)
+        tp_b = c["tp_allreduce"] + c["tp_allgather"] + c["tp_reduce_scatter"]
+        per_rank.append({
+            "matmul": flops_mb / (peak * eta) if peak else 0.0,
+            "memory_bound": passes * (n_layers * layer_act + (logits_act if last else 0)) / hbm if hbm else 0.0,
+            "tp_comm": tp_b / m / bw_tp if bw_tp and tp_b else 0.0,
+            "pp_comm": c["pp_send_recv"] / m / bw_pp if bw_pp and c["pp_send_recv"] else 0.0,
+            "comm": c, "first": 0 in stages})
+    mb_time = [sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm")) for x in per_rank]
+    slow = max(range(p), key=lambda r: mb_time[r])
+    beta = _bubble(par.schedule, p, m, stages_per_rank(spec)) if p > 1 else 0.0
+    pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
+    # dp: gradient reduction and parameter gathers
+    c = per_rank[slow]["comm"]
+    t_sync = (c["dp_allreduce"] + c["dp_reduce_scatter"]) / bw_dp if bw_dp else 0.0
+    t_gather = c["dp_allgather"] / bw_dp if bw_dp else 0.0
+    if assume.dp_overlap:
+        bwd_share = (2 + (1 if par.recompute == "full" else 0)) / (3 + (1 if par.recompute == "full" else 0))
+        exposed = max(0.0, t_sync - bwd_share * mb_time[slow])
+        exposed += t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe)
+    else:
+        exposed = t_sync + t_gather
+    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout)
+    bp, bg, bo = STATE_BYTES[spec.train.dtype]
+    updated = mem.optimizer / bo
+    t_opt = 2 * updated * (bp + bg + bo) / hbm if hbm else 0.0
+    time = pipe + exposed + t_opt
+    x = per_rank[slow]
+    breakdown = {"matmul": m * x["matmul"], "memory_bound": m * x["memory_bound"], "tp_comm": m * x["tp_comm"],
+                 "pp_comm": m * x["pp_comm"], "bubble": pipe - m * mb_time[slow], "dp_comm_exposed": exposed,
+                 "optimizer": t_opt}
+    tokens = spec.tokens_per_step
+    model_flops = fl.model_flops_per_token(cfg, s) * tokens
+    hw_flops = fl.hardware_flops_per_token(cfg, s, par.recompute) * tokens
+    world = spec.world_size
+    tf = model_flops / time / world / 1e12 if time else 0.0
+    hwtf = hw_flops / time / world / 1e12 if time else 0.0
+    return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
+                    time_per_step_s=time, time_breakdown=breakdown,
+                    tokens_per_s=tokens / time if time else 0.0,
+                    tokens_per_s_per_device=tokens / time / world if time else 0.0,
+                    tflops_per_device=tf, hw_tflops_per_device=hwtf,
+                    mfu=tf * 1e12 / peak if peak else 0.0, hfu=hwtf * 1e12 / peak if peak else 0.0,
+                    bubble_ratio=beta, comm_bytes=dict(c), notes=notes)
+
+
+# --- published layouts (calibration) ---------------------------------------------------
+
+def preset(group: str, name: str) -> dict:
+    """A config-group preset from conf/ as a plain dict."""
+    from omegaconf import OmegaConf
+
+    from xpar.presets import conf_dir
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+
+
+def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
+    """A validated estimate-mode RunSpec from plain group dicts (through xpar.validate)."""
+    from xpar.validate import validate
+
+    cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
+           "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
+    return validate(cfg)
+
+
+def megatron_2021_spec(row: dict, micro_batch_size: int = 1, hardware: str = "a100_80gb_1024gpu") -> RunSpec:
+    """RunSpec of one row of Narayanan et al. 2021 Table 1 (keys as in
+    megatron_2021_table1.csv): GPT (GELU, LayerNorm, learned positions, tied embeddings,
+    biases), s = 2048, V = 51200, bf16 mixed precision, interleaved 1F1B with v = smallest
+    divisor > 1 of the layers per rank, full recompute, on ``hardware`` resized to the row's
+    GPU count (8 per node)."""
+    h, l, t, pp, gpus = (int(row[k]) for k in ("hidden", "layers", "tp", "pp", "gpus"))
+    model = dict(name=f"gpt_{row['params_b']}b", n_layers=l, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None,
+                 ffn_hidden=4 * h, vocab_size=51200, seq_len=2048, activation="gelu", norm="layernorm",
+                 position="learned", tied_embeddings=True, bias=True)
+    per_rank = l // pp
+    v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 1 else 1
+    parallel = dict(name="megatron", dp=int(row["dp"]), tp=t, pp=pp, zero_stage=0, micro_batches="auto",
+                    schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full")
+    hw = preset("hardware", hardware)
+    hw["nodes"] = gpus // int(hw["devices_per_node"])
+    train = dict(micro_batch_size=micro_batch_size, global_batch_size=int(row["global_batch"]), dtype="bf16",
+                 seq_len=2048)
+    return make_spec(model, parallel, hw, train)
+
+
+def read_table(path) -> list[dict]:
+    """Rows of a reference CSV (lines starting with # are comments)."""
+    import csv
+    with open(path) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def megatron_errors(rows: list[dict]) -> list[tuple[dict, float, float]]:
+    """(row, predicted hardware TFLOP/s per GPU, relative error) for each Table 1 row."""
+    out = []
+    for row in rows:
+        est = estimate(megatron_2021_spec(row), Assumptions.megatron_2021())
+        ref = float(row["tflops_per_gpu"])
+        out.append((row, est.hw_tflops_per_device, est.hw_tflops_per_device / ref - 1))
+    return out
+
+
+def with_hardware(spec: RunSpec, **changes) -> RunSpec:
+    """``spec`` with hardware fields changed (what-if studies)."""
+    return replace(spec, hardware=replace(spec.hardware, **changes))
