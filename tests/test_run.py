@@ -45,7 +45,7 @@ def test_main_job_records_one_finished_run(tmp_path):
 
 
 def test_failing_worker_stops_the_others_and_run_is_failed(tmp_path):
-    r = _xpar(tmp_path, "train.steps=3", "train.warmup_steps=1", env={"XPAR_FAIL_RANK": "1"}, timeout=120)
+    r = _xpar(tmp_path, "train.steps=3", "train.warmup_steps=1", "run.fail_rank=1", timeout=120)
     assert r.returncode == 1
     assert "worker rank 1 failed" in r.stderr and "injected failure" in r.stderr
     assert "Traceback" not in r.stderr

@@ -18,13 +18,18 @@ START_DIR = Path.cwd()
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     from xpar.cli import run_job
+    from xpar.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    run_job(cfg, out_dir, START_DIR)
+    run_job(cfg, out_dir, START_DIR, current_sweep())
 
 
 def main() -> None:
-    """Check preset names (exit 2 with the valid ones), then hand over to Hydra."""
+    """``xpar compare ...`` compares recorded runs; anything else is a Hydra run: check
+    preset names (exit 2 with the valid ones), then hand over to Hydra."""
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        from xpar.compare import main as compare_main
+        raise SystemExit(compare_main(sys.argv[2:]))
     check_presets(sys.argv[1:])
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:

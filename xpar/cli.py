@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from xpar.plots import record_timeline
 from xpar.report import Report, layout_name, print_report
 from xpar.spec import RunSpec
 from xpar.validate import ConfigError, validate
@@ -17,32 +19,55 @@ def fail(lines: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path) -> Optional[Report]:
-    """Validate ``cfg`` (exit 2 with every violated constraint), then run it and record it.
+def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict] = None) -> Optional[Report]:
+    """Validate ``cfg``, then execute or estimate it and record it.
 
-    Returns the Report on the process that records (None on non-zero torchrun ranks).
+    In a single run, invalid input exits 2 listing every violated constraint and a failed
+    worker exits 1 naming its rank. Inside a sweep (``sweep`` given) errors are raised so
+    that Hydra marks the job failed and goes on, and an invalid job is skipped when
+    ``sweep.skip_invalid`` is set. Returns the Report on the process that records (None on
+    non-zero torchrun ranks and skipped jobs).
     """
+    from xpar.launch import WorkerFailed
+
     try:
         spec = validate(cfg)
     except ConfigError as e:
-        fail(str(e))
+        if sweep is None:
+            fail(str(e))
+        if cfg.sweep.skip_invalid:
+            print(f"xpar: skipping job {sweep['job_num']} (invalid):\n{e}", file=sys.stderr)
+            return None
+        raise
     config = OmegaConf.to_container(cfg, resolve=True)
     yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    if spec.launcher == "torchrun":
-        return _run_torchrun(spec, config, yaml, out_dir, start_dir)
-    if spec.mode == "estimate":
-        return _run_estimate(spec, config, yaml, out_dir, start_dir)
-    from xpar.launch import WorkerFailed, launch_local
-
-    def body() -> tuple[Report, list[dict]]:
-        stats = launch_local(spec, out_dir)
-        return _summarize(spec, stats), stats
-
+    job = Job(spec, config, yaml, out_dir, start_dir, sweep)
     try:
-        return _record(spec, config, yaml, out_dir, start_dir, body)
+        if spec.launcher == "torchrun":
+            return _run_torchrun(job)
+        if spec.mode == "estimate":
+            return _run_estimate(job)
+        from xpar.launch import launch_local
+
+        def body() -> tuple[Report, list[dict]]:
+            stats = launch_local(spec, out_dir)
+            return _summarize(spec, stats), stats
+        return _record(job, body)
     except WorkerFailed as e:
+        if sweep is not None:
+            raise
         print(f"xpar: {e}\n(traceback in {out_dir})", file=sys.stderr)
         raise SystemExit(1)
+
+
+@dataclass
+class Job:
+    spec: RunSpec
+    config: dict
+    yaml: str
+    out_dir: Path
+    start_dir: Path
+    sweep: Optional[dict]
 
 
 def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
@@ -50,20 +75,29 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     return summarize_measured(spec, stats)
 
 
-def _record(spec, config, yaml, out_dir, start_dir, body) -> Report:
+def _record(job: Job, body) -> Report:
     """Run ``body`` inside an MLflow run (when tracking is enabled); log and print."""
+    spec = job.spec
     tags = {"xpar.mode": spec.mode, "xpar.layout": layout_name(spec), "xpar.model": spec.model.name,
             "xpar.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
     if spec.notes:
         tags["xpar.notes"] = " | ".join(spec.notes)
+    run_name = None
+    if job.sweep and job.sweep.get("parent_run_id"):
+        overrides = " ".join(job.sweep["overrides"])
+        tags.update({"mlflow.parentRunId": job.sweep["parent_run_id"], "xpar.sweep_id": job.sweep["sweep_id"],
+                     "xpar.job_num": str(job.sweep["job_num"]), "xpar.overrides": overrides[:5000]})
+        run_name = f"job {job.sweep['job_num']}: {overrides}"[:250]
     if not spec.tracking.enabled:
         report, stats = body()
+        record_timeline(report.timeline, job.out_dir)
         print_report(spec, report)
         return report
     from xpar.tracking import log_report, mlflow_run
-    with mlflow_run(spec, config, start_dir, tags) as run:
+    with mlflow_run(spec, job.config, job.start_dir, tags, run_name) as run:
         report, stats = body()
-        log_report(report, stats, yaml, out_dir)
+        log_report(report, stats, job.yaml, job.out_dir)
+        record_timeline(report.timeline, job.out_dir)
         where = f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}"
     print_report(spec, report, where)
     return report
@@ -74,15 +108,15 @@ def _uri() -> str:
     return mlflow.get_tracking_uri()
 
 
-def _run_estimate(spec, config, yaml, out_dir, start_dir) -> Report:
+def _run_estimate(job: Job) -> Report:
     try:
         from xpar.estimate.run import estimate_report
     except ImportError:
         fail("  - run.mode=estimate is not available yet in this build; use hardware=local.")
-    return _record(spec, config, yaml, out_dir, start_dir, lambda: (estimate_report(spec, out_dir), None))
+    return _record(job, lambda: (estimate_report(job.spec, job.out_dir), None))
 
 
-def _run_torchrun(spec, config, yaml, out_dir, start_dir) -> Optional[Report]:
+def _run_torchrun(job: Job) -> Optional[Report]:
     """Under torchrun this process is one rank; rank 0 records."""
     import os
     from datetime import timedelta
@@ -92,6 +126,7 @@ def _run_torchrun(spec, config, yaml, out_dir, start_dir) -> Optional[Report]:
 
     from xpar.worker import run_rank
 
+    spec, out_dir = job.spec, job.out_dir
     if spec.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=300))
@@ -103,6 +138,6 @@ def _run_torchrun(spec, config, yaml, out_dir, start_dir) -> Optional[Report]:
         def body():
             stats = run_rank(spec, out_dir)
             return _summarize(spec, stats), stats
-        return _record(spec, config, yaml, out_dir, start_dir, body)
+        return _record(job, body)
     finally:
         dist.destroy_process_group()

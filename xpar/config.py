@@ -73,8 +73,9 @@ class ParallelConfig:
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev."""
-    virtual_stages: int = 1
-    """Stages per pipeline rank (v) for interleaved and V-shaped schedules."""
+    virtual_stages: Any = 1
+    """Stages per pipeline rank (v) for interleaved and V-shaped schedules, or 'auto': 1 for
+    gpipe and 1f1b, 2 for the others."""
     layer_split: Optional[list] = None
     """Explicit layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
     sequence_parallel: bool = False
@@ -166,6 +167,20 @@ class RunConfig:
     mode: str = "auto"
     """auto | execute | estimate. auto executes where the devices exist, else estimates."""
     progress: bool = True
+    fail_rank: Optional[int] = None
+    """Fault injection for testing failure handling: this rank raises after building its engine."""
+
+
+@dataclass
+class SweepConfig:
+    """Multirun sweeps (``-m``)."""
+
+    skip_invalid: bool = False
+    """Pre-flight: skip jobs whose config is invalid (True) or stop the sweep before any job runs."""
+    metric: str = "throughput/tokens_per_s"
+    """Metric that picks the sweep's best job."""
+    goal: str = "max"
+    """'max' or 'min' of ``metric``."""
 
 
 @dataclass
@@ -177,6 +192,7 @@ class XparConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking")

@@ -32,6 +32,8 @@ class RunSpec:
     """'local' (xpar spawns workers) or 'torchrun' (this process is one rank)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    fail_rank: Optional[int] = None
+    """Fault injection (run.fail_rank): this rank raises after building its engine."""
     notes: list[str] = field(default_factory=list)
     """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
 

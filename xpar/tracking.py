@@ -37,12 +37,29 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
+def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Optional[str],
+                     start_dir: Path) -> str:
+    """Point MLflow at ``uri`` (default: the SQLite store in ``start_dir``) with bounded HTTP
+    retries, create the experiment with an explicit artifact location if missing; return its id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    mlflow.set_tracking_uri(uri or default_uri(start_dir))
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is not None:
+        return exp.experiment_id
+    location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(experiment, artifact_location=location)
+
+
 class _Terminated(BaseException):
     pass
 
 
 @contextmanager
-def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict] = None) -> Iterator[Any]:
+def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict] = None,
+               run_name: Optional[str] = None) -> Iterator[Any]:
     """Start an MLflow run for ``spec``; yield the active run.
 
     Logs the flattened resolved config as params and the run's tags on entry. Ends the run
@@ -51,17 +68,9 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     """
     import mlflow
 
-    tr = spec.tracking
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    mlflow.set_tracking_uri(tr.uri or default_uri(start_dir))
-    exp = mlflow.get_experiment_by_name(tr.experiment)
-    if exp is None:
-        location = tr.artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
-        exp_id = mlflow.create_experiment(tr.experiment, artifact_location=location)
-    else:
-        exp_id = exp.experiment_id
-    run = mlflow.start_run(experiment_id=exp_id, run_name=tr.run_name, tags=tags or {})
+    exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
+                              spec.tracking.artifact_location, start_dir)
+    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name, tags=tags or {})
     old_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -108,3 +117,60 @@ def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: P
     if stats is not None:
         mlflow.log_text(json.dumps(stats, indent=1), "ranks.json")
     (out_dir / "config.yaml").write_text(config_yaml)
+
+
+def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], skipped: list[int]) -> dict:
+    """Create the parent run of a sweep (not made active, so jobs in this process can start
+    their own runs). Returns what jobs need to find it."""
+    import mlflow
+    from omegaconf import OmegaConf
+
+    start_dir = Path(config.hydra.runtime.cwd)
+    tr = config.tracking
+    exp_id = setup_experiment(tr.uri, tr.experiment, tr.artifact_location, start_dir)
+    overrides = " ".join(config.hydra.overrides.task)
+    params = dict(config.hydra.sweeper.get("params") or {})
+    tags = {"xpar.sweep_id": sweep_id, "xpar.role": "sweep", "xpar.overrides": overrides[:5000],
+            "mlflow.runName": f"sweep {sweep_id}"}
+    client = mlflow.tracking.MlflowClient()
+    run = client.create_run(exp_id, tags=tags)
+    if params:
+        client.log_batch(run.info.run_id, params=[mlflow.entities.Param(f"sweep.{k}", str(v)[:MAX_PARAM_CHARS])
+                                                   for k, v in list(params.items())[:MAX_PARAMS_PER_BATCH]])
+    return {"sweep_id": sweep_id, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
+            "uri": mlflow.get_tracking_uri(), "n_jobs": n_jobs, "skipped": skipped,
+            "metric": OmegaConf.select(config, "sweep.metric", default="throughput/tokens_per_s"),
+            "goal": OmegaConf.select(config, "sweep.goal", default="max")}
+
+
+def close_parent_run(info: dict, sweep_dir: Path) -> None:
+    """Log the sweep table (CSV), plots and best job on the parent run and end it:
+    FINISHED, or FAILED if a child failed or an expected job left no run. No-op if ended."""
+    import mlflow
+
+    from xpar.compare import headline_table, write_plots
+
+    client = mlflow.tracking.MlflowClient(info["uri"])
+    pid = info["parent_run_id"]
+    if client.get_run(pid).info.status != "RUNNING":
+        return
+    status = "FAILED"
+    try:
+        runs = mlflow.search_runs(experiment_ids=[info["experiment_id"]],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{pid}'")
+        table = headline_table(runs)
+        client.log_text(pid, table.to_csv(index=False), "sweep_table.csv")
+        metric = f"metrics.{info['metric']}"
+        done = runs[runs["status"] == "FINISHED"] if len(runs) else runs
+        if len(done) and metric in done and done[metric].notna().any():
+            best = done.loc[done[metric].idxmax() if info["goal"] == "max" else done[metric].idxmin()]
+            client.set_tag(pid, "xpar.best_job", f"{best.get('tags.xpar.job_num')} {best.get('tags.xpar.overrides')}")
+            client.set_tag(pid, "xpar.best_run_id", best["run_id"])
+            client.log_metric(pid, f"best/{info['metric']}", float(best[metric]))
+        for path in write_plots(runs, sweep_dir / "plots"):
+            client.log_artifact(pid, str(path), "plots")
+        expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
+        failed = (runs["status"] != "FINISHED").any() if len(runs) else True
+        status = "FAILED" if failed or len(runs) < expected else "FINISHED"
+    finally:
+        client.set_terminated(pid, status)

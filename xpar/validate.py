@@ -108,6 +108,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
             f"({c.hardware.devices_per_node} x {c.hardware.nodes} nodes); this machine is 'local'. "
             f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
     hw = resolve_hardware(c.hardware, local_devices if not trun else None)
+    from xpar.parallel.plan import resolve_virtual_stages
+    resolve_virtual_stages(par, problems)
     degree_problems = [f"parallel.{name} must be >= 1, got {getattr(par, name)}."
                        for name in ("tp", "pp", "virtual_stages") if getattr(par, name) < 1]
     if degree_problems:  # the rest divides by these
@@ -188,9 +190,9 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     # --- steps and data ---------------------------------------------------------------------
     if tr.steps <= 0:
         problems.append(f"train.steps must be > 0, got {tr.steps}.")
-    if not 0 <= tr.warmup_steps < max(tr.steps, 1):
+    if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:
         problems.append(f"train.warmup_steps must satisfy 0 <= warmup_steps < steps, got warmup_steps="
-                        f"{tr.warmup_steps}, steps={tr.steps}; e.g. warmup_steps={max(0, min(2, tr.steps - 1))}.")
+                        f"{tr.warmup_steps}, steps={tr.steps}; e.g. warmup_steps={min(2, tr.steps - 1)}.")
     if c.data.kind == "text":
         if not c.data.path or not Path(c.data.path).expanduser().is_file():
             problems.append(f"data.path must be an existing text file for data=text, got {c.data.path!r}.")
@@ -202,8 +204,9 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     if tr.dtype == "bf16" and mode == "execute" and par.zero_stage == 1:
         problems.append("train.dtype=bf16 with zero_stage=1 is not supported; use fp32 or zero_stage 0/2/3.")
 
-    from xpar.parallel.plan import check_layout  # TP/PP constraints live with the strategies
-    layer_split = check_layout(m, par, mode, problems)
+    from xpar.parallel.plan import check_layout, resolve_pp  # TP/PP constraints live with the strategies
+    par.micro_batches = mb  # resolved from 'auto' above: the pipeline schedules check it
+    layer_split = check_layout(m, par, mode, problems, seq_len=seq)
 
     if mode == "execute" and hw.device == "cpu" and not problems:
         _check_host_memory(m, par, dp, world, hw, problems)
@@ -216,7 +219,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     spec = RunSpec(model=m, parallel=par, hardware=hw, train=tr, data=c.data, tracking=c.tracking,
                    mode=mode, world_size=world, device=hw.device if mode == "execute" else "cuda",
                    layer_split=layer_split, launcher="torchrun" if trun else "local",
-                   progress=c.run.progress)
+                   progress=c.run.progress, fail_rank=c.run.fail_rank)
+    spec.notes += resolve_pp(par)
     return spec
 
 

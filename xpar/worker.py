@@ -37,8 +37,8 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         torch.set_num_threads(spec.train.threads_per_worker)
     mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp)
     engine = build_engine(spec, mesh)
-    if os.environ.get("XPAR_FAIL_RANK") == str(dist.get_rank()):  # fault injection for tests
-        raise RuntimeError(f"injected failure on rank {dist.get_rank()} (XPAR_FAIL_RANK)")
+    if spec.fail_rank == dist.get_rank():
+        raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
     stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress))
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)

@@ -1,0 +1,58 @@
+"""Multirun sweeps: pre-flight validation, parent/child grouping in MLflow, honest end
+statuses when a job fails, and `xpar compare`."""
+import os
+import subprocess
+import sys
+
+import mlflow
+
+
+def _xpar(cwd, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, HYDRA_FULL_ERROR="0"))
+
+
+def _runs(cwd):
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    return mlflow.search_runs(experiment_names=["xpar"])
+
+
+FAST = ["train.steps=3", "train.warmup_steps=1", "run.progress=false"]
+
+
+def test_invalid_combination_stops_sweep_before_any_job(tmp_path):
+    r = _xpar(tmp_path, "-m", "train.steps=0,3", "parallel=dp,zero2", "run.progress=false")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "pre-flight found 2 invalid job(s)" in r.stderr
+    assert "job 0 (train.steps=0 parallel=dp run.progress=False): train.steps must be > 0, got 0." in r.stderr
+    assert "job 1 (train.steps=0 parallel=zero2" in r.stderr
+    assert "Launching" not in r.stdout + r.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
+    r = _xpar(tmp_path, "-m", "train.steps=0,3", "sweep.skip_invalid=true", "train.warmup_steps=1",
+              "run.progress=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "skipping job 0" in r.stderr
+    runs = _runs(tmp_path)
+    parent = runs[runs["tags.xpar.role"] == "sweep"].iloc[0]
+    children = runs[runs["tags.mlflow.parentRunId"] == parent["run_id"]]
+    assert parent["status"] == "FINISHED"
+    assert list(children["tags.xpar.job_num"]) == ["1"] and list(children["status"]) == ["FINISHED"]
+    c = subprocess.run([sys.executable, "-m", "xpar.compare", "--sweep", parent["tags.xpar.sweep_id"],
+                        "--out", str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert c.returncode == 0, c.stderr
+    assert "1 runs of sweep" in c.stdout and "FINISHED" in c.stdout
+    assert (tmp_path / "cmp" / "throughput_by_layout.png").stat().st_size > 1000
+
+
+def test_failing_job_is_failed_others_finish_parent_ended(tmp_path):
+    r = _xpar(tmp_path, "-m", "run.fail_rank=1,null", *FAST)
+    assert r.returncode != 0  # Hydra reports the failed job at the end of the sweep
+    runs = _runs(tmp_path)
+    parent = runs[runs["tags.xpar.role"] == "sweep"]
+    assert list(parent["status"]) == ["FAILED"]  # ended although Hydra skipped on_multirun_end
+    kids = runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]].set_index("tags.xpar.job_num")
+    assert kids.loc["0", "status"] == "FAILED" and kids.loc["1", "status"] == "FINISHED"
+    assert kids.loc["1", "tags.xpar.overrides"].startswith("run.fail_rank=null")

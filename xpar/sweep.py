@@ -1,0 +1,130 @@
+"""Multirun sweeps grouped in MLflow, with a pre-flight check of every job.
+
+:class:`SweepCallback` (registered in conf/config.yaml under ``hydra.callbacks``):
+
+- ``on_multirun_start``: composes and validates every job of the sweep (the same
+  composition the launcher will do) before the first job starts, then opens one parent
+  MLflow run and writes its id to ``<sweep dir>/xpar_sweep.json``, where each job (in this
+  process or another, e.g. submitit) finds it and starts a nested child run.
+- ``on_multirun_end`` and an ``atexit`` hook (Hydra skips the callback when a job failed):
+  log the sweep's table (CSV), plots and best job to the parent, and end it FINISHED, or
+  FAILED if any child failed. Idempotent.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+SWEEP_FILE = "xpar_sweep.json"
+
+
+def job_overrides(config: DictConfig) -> Optional[list[list[str]]]:
+    """The override list of every job of a basic-sweeper multirun (None for other sweepers,
+    whose jobs are chosen while the sweep runs)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return None
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    args = params + list(config.hydra.overrides.task)
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    batches = BasicSweeper.split_arguments(parser.parse_overrides(args), None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
+    """Compose and validate every job; return (job number, overrides, problems) of the
+    invalid ones."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from xpar.validate import ConfigError, validate
+
+    jobs = job_overrides(config)
+    loader = GlobalHydra.instance().config_loader()
+    if jobs is None:
+        jobs = [list(config.hydra.overrides.task)]
+    bad = []
+    for num, overrides in enumerate(jobs):
+        cfg = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
+        with_hydra = OmegaConf.to_container(cfg, resolve=False)
+        with_hydra.pop("hydra", None)
+        try:
+            validate(OmegaConf.create(with_hydra))
+        except ConfigError as e:
+            bad.append((num, overrides, e.problems))
+    return bad
+
+
+def _sweep_dir(config: DictConfig) -> Path:
+    d = Path(config.hydra.sweep.dir)
+    return d if d.is_absolute() else Path(config.hydra.runtime.cwd) / d
+
+
+class SweepCallback(Callback):
+    """Pre-flight validation and MLflow parent/child grouping for ``-m`` sweeps."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        bad = preflight(config)
+        skip = bool(OmegaConf.select(config, "sweep.skip_invalid", default=False))
+        if bad:
+            lines = [f"  - job {n} ({' '.join(o)}): {p}" for n, o, probs in bad for p in probs]
+            verb = "skipping" if skip else "stopping before any job runs:"
+            print(f"xpar: pre-flight found {len(bad)} invalid job(s); {verb}\n" + "\n".join(lines),
+                  file=sys.stderr)
+            if not skip:
+                print("  (set sweep.skip_invalid=true to run the valid jobs and skip these)", file=sys.stderr)
+                raise SystemExit(2)
+        if not OmegaConf.select(config, "tracking.enabled", default=True):
+            return
+        from xpar.tracking import open_parent_run
+
+        sweep_dir = _sweep_dir(config)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        sweep_id = uuid.uuid4().hex[:8]
+        jobs = job_overrides(config)
+        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if jobs else None,
+                               skipped=[n for n, _, _ in bad])
+        info["skip_invalid_jobs"] = [n for n, _, _ in bad]
+        (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))
+        self._file = sweep_dir / SWEEP_FILE
+        atexit.register(finish_sweep, self._file)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if getattr(self, "_file", None) is not None:
+            finish_sweep(self._file)
+
+
+def current_sweep() -> Optional[dict]:
+    """Inside a multirun job: the sweep's parent-run info plus this job's number and
+    overrides; None in a single run."""
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    d = Path(hc.sweep.dir)
+    d = d if d.is_absolute() else Path(hc.runtime.cwd) / d
+    f = d / SWEEP_FILE
+    info = json.loads(f.read_text()) if f.is_file() else {}
+    info.update(job_num=int(hc.job.num), overrides=list(hc.overrides.task))
+    return info
+
+
+def finish_sweep(sweep_file: Path) -> None:
+    """Summarise the sweep on its parent run and end it (FINISHED, or FAILED when a child
+    failed or a job is missing). Safe to call twice."""
+    from xpar.tracking import close_parent_run
+
+    sweep_file = Path(sweep_file)
+    if sweep_file.is_file():
+        close_parent_run(json.loads(sweep_file.read_text()), sweep_file.parent)
