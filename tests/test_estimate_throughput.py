@@ -1,0 +1,135 @@
+"""Time side of the cost model: the Megatron 2021 calibration bound, the schedule simulator
+against the closed forms, communication volumes. Pure CPU, no process groups."""
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from xpar.estimate import comm, cost, schedule as sch
+from xpar.estimate.cost import Assumptions, estimate, make_spec, preset, with_hardware
+from xpar.estimate.memory import param_shapes
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return cost.megatron_errors(cost.read_table(DATA / "megatron_2021_table1.csv"))
+
+
+def test_megatron_table1_each_row_within_10_percent(megatron):
+    bad = [(r["params_b"], round(100 * e, 1)) for r, _, e in megatron if abs(e) > 0.10]
+    assert not bad, f"rows off by more than 10% (params_b, % error): {bad}"
+
+
+def test_megatron_table1_median_error_at_most_6_percent(megatron):
+    assert len(megatron) == 10
+    assert statistics.median(abs(e) for *_, e in megatron) <= 0.06
+
+
+def spec(model="7b", hardware="a100_80gb_64gpu", train=None, **parallel):
+    par = dict(name="t", dp="auto", tp=1, pp=1, zero_stage=0, micro_batches=1, schedule="1f1b")
+    par.update(parallel)
+    tr = dict(micro_batch_size=1, global_batch_size="auto", dtype="bf16")
+    tr.update(train or {})
+    return make_spec(preset("model", model), par, preset("hardware", hardware), tr)
+
+
+# --- schedule simulator ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 3), (8, 32)])
+def test_simulated_bubble_equals_theory_gpipe_1f1b(p, m):
+    for name, acts in (("gpipe", sch.gpipe_actions(p, m)), ("1f1b", sch.one_f_one_b_actions(p, m))):
+        res = sch.simulate(acts, {"F": 1.0, "B": 2.0})
+        assert res.bubble_ratio == pytest.approx(sch.bubble_theory(name, p, m), abs=1e-12)
+        assert res.makespan == pytest.approx(3.0 * (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4)])
+def test_torch_orders_replay_to_theory(p, m, v):
+    assert sch.simulate(sch.torch_actions("1f1b", p, m)).bubble_ratio == pytest.approx(sch.bubble_theory("1f1b", p, m))
+    got = sch.simulated_bubble("interleaved_1f1b", p, m, v)
+    assert got == pytest.approx(sch.bubble_theory("interleaved_1f1b", p, m, v))
+
+
+def test_torch_1f1b_last_rank_labels_fixed():
+    last = sch.torch_actions("1f1b", 4, 8)[3]
+    assert [str(a) for a in last[:4]] == ["3F0", "3B0", "3F1", "3B1"]
+
+
+def test_zero_bubble_beats_1f1b_and_simulator_times():
+    assert sch.simulated_bubble("zero_bubble", 4, 8, 2) < sch.bubble_theory("interleaved_1f1b", 4, 8, 2)
+    assert sch.simulated_bubble("zbv", 4, 8, 2) < sch.bubble_theory("1f1b", 4, 8)
+    res = sch.simulate(sch.one_f_one_b_actions(2, 2), {"F": 1.0, "B": 2.0})
+    A = sch.Action
+    assert res.times[A("F", 1, 0)] == (1.0, 2.0) and res.times[A("B", 0, 0)] == (4.0, 6.0)
+    assert res.makespan == 9.0 and res.busy == [6.0, 6.0]
+
+
+def test_simulator_rejects_a_deadlocking_order():
+    A = sch.Action
+    with pytest.raises(ValueError, match="deadlock"):
+        sch.simulate([[A("B", 0, 0), A("F", 0, 0)], [A("F", 1, 0), A("B", 1, 0)]])
+
+
+# --- communication ---------------------------------------------------------------------------
+
+def test_tp_layer_is_two_allreduces_forward_two_backward():
+    b, s, h, t, e = 2, 1024, 4096, 8, 2
+    one = 2 * (t - 1) / t * b * s * h * e
+    assert comm.tp_layer_bytes(b, s, h, t, e) == {"tp_allreduce": 4 * one, "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
+    sp = comm.tp_layer_bytes(b, s, h, t, e, sp=True)
+    assert sp["tp_allgather"] == sp["tp_reduce_scatter"] == 2 * one and sp["tp_allreduce"] == 0
+    assert comm.tp_layer_bytes(b, s, h, t, e, recompute="full")["tp_allreduce"] == 6 * one
+
+
+def test_dp_comm_bytes_ddp_zero2_zero3():
+    ddp = comm.comm_bytes(spec(zero_stage=0))
+    psi = sum(math.prod(sh) for _, sh in param_shapes(spec(), 0)) * 2  # bf16 gradients
+    n = 64
+    assert ddp["dp_allreduce"] == pytest.approx(2 * (n - 1) / n * psi)
+    z2, z3 = comm.comm_bytes(spec(zero_stage=2)), comm.comm_bytes(spec(zero_stage=3))
+    assert sum(z2.values()) == pytest.approx(sum(ddp.values()))
+    assert sum(z3.values()) == pytest.approx(1.5 * sum(ddp.values()))
+
+
+def test_pp_and_tp_comm_of_a_3d_layout():
+    s = spec(tp=8, pp=2, micro_batches=4, schedule="1f1b")
+    c0, c1 = comm.comm_bytes(s, 0), comm.comm_bytes(s, 1)
+    bsh = 1 * 4096 * 4096 * 2
+    assert c0["pp_send_recv"] == c1["pp_send_recv"] == 4 * bsh  # one direction each, m = 4
+    layers = 16 * 4 * 4 + 4  # 16 layers x 4 all-reduces x m, + embedding all-reduce per micro-batch
+    assert c0["tp_allreduce"] == pytest.approx(layers * 2 * 7 / 8 * bsh)
+
+
+# --- the estimate ------------------------------------------------------------------------------
+
+def test_estimate_is_consistent():
+    s = spec(tp=2, pp=2, zero_stage=2, micro_batches=8, schedule="1f1b", recompute="full")
+    e = estimate(s)
+    assert sum(e.time_breakdown.values()) == pytest.approx(e.time_per_step_s)
+    assert e.tokens_per_s == pytest.approx(s.tokens_per_step / e.time_per_step_s)
+    assert e.mfu == pytest.approx(e.tflops_per_device / 312)
+    assert e.hfu > e.mfu and e.hfu == pytest.approx(e.mfu * 4 / 3, rel=0.05)
+    assert e.bubble_ratio == pytest.approx(1 / 9)
+    assert set(comm.KEYS) == set(e.comm_bytes)
+
+
+def test_estimate_responds_to_layout():
+    few, many = estimate(spec(pp=4, micro_batches=4)), estimate(spec(pp=4, micro_batches=32))
+    assert many.bubble_ratio < few.bubble_ratio and many.mfu > few.mfu
+    inside = estimate(spec("175b", tp=8, pp=8, micro_batches=8))
+    across = estimate(spec("175b", tp=16, pp=4, micro_batches=8))
+    assert across.time_breakdown["tp_comm"] > 1.5 * inside.time_breakdown["tp_comm"]  # tp spans nodes
+    slow_link = estimate(with_hardware(spec(tp=8), link_efficiency=0.4))
+    assert slow_link.time_per_step_s > estimate(spec(tp=8)).time_per_step_s
+    assert cost.matmul_efficiency(spec().hardware, 4096) > cost.matmul_efficiency(spec().hardware, 128)
+
+
+def test_megatron_assumptions_differ_from_torch_defaults():
+    s = spec(zero_stage=0, micro_batches=4)
+    assert estimate(s, Assumptions.megatron_2021()).time_breakdown["dp_comm_exposed"] > \
+        estimate(s).time_breakdown["dp_comm_exposed"]
