@@ -22,7 +22,15 @@ from torch import nn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The plain tensor holding ``t``'s data on this rank: a DTensor's local shard, the
+    tensor inside an AsyncCollectiveTensor (functional-collective output under TP), or ``t``."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)  # DTensor
+        if inner is None:
+            inner = getattr(t, "elem", None)  # AsyncCollectiveTensor (may sit inside a DTensor)
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -59,7 +67,7 @@ class ActivationTracker:
         base = t._base if t._base is not None else t
         if (base.is_leaf and base.requires_grad) or t.device.type == "meta":
             return t
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()  # a DTensor (TP) is counted by its local shard
         key = storage.data_ptr()
         if key in self.skip:
             return t

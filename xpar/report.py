@@ -107,6 +107,9 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEMORY_TERMS},
         losses=losses, step_times_s=per_step)
+    comm = [s["comm"] for s in stats if s.get("comm")]  # tp > 1: comm/tp_*_bytes per step per device
+    if comm:
+        report.extra.update({k: float(max(c[k] for c in comm)) for k in comm[0]})
     return report
 
 
@@ -143,6 +146,8 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
     for k, v in report.extra.items():
         if k.startswith("pipeline/"):
             rows.append((k, f"{v:.3f}"))
+        elif k.startswith("comm/") and k.endswith("_bytes"):
+            rows.append((f"{k} (per step per device)", _fmt_bytes(v)))
     for r in rows:
         t.add_row(*r)
     console = Console()

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from xpar.data import TokenSource
 from xpar.metrics import ActivationTracker, model_state_bytes
 from xpar.parallel.factory import Engine
+from xpar.parallel.tensor import count_tp_comm
 
 
 def _sync(device: str) -> None:
@@ -23,7 +24,9 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
     micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
     seconds per step, warm-up included), ``memory`` (bytes: params, grads, optimizer,
-    activations; cuda_max_allocated on CUDA) and, for pipelined runs, ``pipeline``.
+    activations; cuda_max_allocated on CUDA), for pipelined runs ``pipeline`` and, with
+    tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
+    :class:`xpar.parallel.tensor.TPCommCounter`).
     """
     spec, mesh = engine.spec, engine.mesh
     device = spec.device
@@ -33,6 +36,7 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     tracker = ActivationTracker(params)
     losses: list[Optional[float]] = []
     times: list[float] = []
+    comm: Optional[dict] = None
     progress = _progress(spec.train.steps) if show_progress else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -42,10 +46,14 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
             engine.optimizer.zero_grad(set_to_none=True)
             _sync(device)
             t0 = time.perf_counter()
-            with tracker:
+            # TP collectives are counted on the first step only (a warm-up step unless
+            # warmup_steps=0): the counter is a dispatch mode, and every step issues the same.
+            with tracker, count_tp_comm(mesh["tp"] if step == 0 else None) as counter:
                 loss = engine.step(xs, ys)
             _sync(device)
             times.append(time.perf_counter() - t0)
+            if counter is not None:
+                comm = counter.metrics()
             losses.append(loss)
             if progress is not None:
                 progress[0].update(progress[1], advance=1,
@@ -60,6 +68,8 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     coords = [mesh[a].get_local_rank() for a in ("pp", "dp", "tp")]
     stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
              "losses": losses, "step_times_s": times, "memory": memory}
+    if comm is not None:
+        stats["comm"] = comm
     if hasattr(engine, "pipeline_stats") and engine.pipeline_stats is not None:
         stats["pipeline"] = engine.pipeline_stats()
     return stats

@@ -21,6 +21,23 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: str) -> nn.Module:
     return DDP(model, device_ids=ids, process_group=dp_mesh.get_group())
 
 
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """DDP semantics (whole model per dp rank, gradients all-reduced and averaged over dp)
+    for a model whose parameters are DTensors (tensor parallel), which DDP cannot wrap
+    (its initial broadcast fails on DTensor): torch's composable ``replicate`` built on the
+    FSDP2 machinery with a replicate-only dp mesh, per transformer block, then the root."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in model.layers.values():
+        replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    return model
+
+
+def _has_dtensor_params(model: nn.Module) -> bool:
+    return any(hasattr(p, "placements") for p in model.parameters())
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> nn.Module:
     """FSDP2 ``fully_shard`` per transformer block, then the root (embedding, norm, output).
 
@@ -37,6 +54,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
 def wrap_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, device: str) -> nn.Module:
     """Apply the dp-axis strategy for ``zero_stage`` (0..3)."""
     if zero_stage <= 1:
+        if _has_dtensor_params(model):  # tensor parallel: DDP cannot wrap DTensor parameters
+            return apply_replicate(model, dp_mesh)
         return apply_ddp(model, dp_mesh, device)
     return apply_fsdp(model, dp_mesh, reshard_after_forward=(zero_stage == 3))
 

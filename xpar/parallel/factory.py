@@ -62,6 +62,13 @@ class Engine:
             return parallel_cross_entropy
         return cross_entropy
 
+    def loss_context(self):
+        """Context for the loss and its backward: ``loss_parallel`` when tp > 1."""
+        if self.spec.tp > 1:
+            from xpar.parallel.tensor import loss_context
+            return loss_context(self.spec.tp)
+        return nullcontext()
+
 
 def build_model(spec: RunSpec, stage_ids: Optional[list[int]] = None) -> list[Transformer]:
     """Step 1: the model (or the given pipeline stages of it) on the meta device."""
@@ -78,6 +85,8 @@ def build_model(spec: RunSpec, stage_ids: Optional[list[int]] = None) -> list[Tr
 def materialize(chunk: nn.Module, device: str, seed: int, dtype: torch.dtype) -> nn.Module:
     """Step 2: allocate on ``device`` and run the seeded init."""
     chunk.to_empty(device=device)
+    if chunk.cfg.tied_embeddings and chunk.tok_embeddings is not None and chunk.output is not None:
+        chunk.output.weight = chunk.tok_embeddings.weight  # to_empty unties shared parameters
     chunk.init_weights(seed)
     return chunk.to(dtype)
 
@@ -122,7 +131,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
         last = i == m - 1
         _set_grad_sync(model, last)
         ctx = model.no_sync() if (hasattr(model, "no_sync") and not last) else nullcontext()
-        with ctx:
+        with ctx, engine.loss_context():
             loss = loss_fn(model(x), y) / m
             loss.backward()
         total += float(loss.detach())

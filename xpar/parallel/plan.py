@@ -14,18 +14,32 @@ def _divs(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def check_tp(m: ModelConfig, par: ParallelConfig, problems: list[str]) -> None:
+def check_tp(m: ModelConfig, par: ParallelConfig, problems: list[str], seq_len: Optional[int] = None) -> None:
     """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
-    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output)."""
+    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output); with
+    sequence parallelism the training sequence by tp. ZeRO-1 (ZeroRedundancyOptimizer) is
+    not composed with tp: it broadcasts parameters, which fails on DTensor parameters."""
     t = par.tp
     if t == 1:
         return
-    for name, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
-                    ("model.ffn_hidden", m.ffn_hidden), ("model.vocab_size", m.vocab_size)):
-        if n % t:
-            ok = [d for d in _divs(n) if (m.n_heads % d == 0 and m.kv_heads % d == 0)]
-            problems.append(f"parallel.tp={t} must divide {name}={n} (Megatron split); "
-                            f"tp values that divide heads, kv heads and {name.split('.')[1]}: {ok}.")
+    dims = (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden),
+            ("vocab_size", m.vocab_size))
+    bad = [f"model.{name}={n}" for name, n in dims if n % t]
+    if bad:
+        ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims)]
+        problems.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads, "
+                        f"MLP columns and vocabulary rows per tp rank); tp values that divide "
+                        f"n_heads={m.n_heads}, n_kv_heads={m.kv_heads}, ffn_hidden={m.ffn_hidden} and "
+                        f"vocab_size={m.vocab_size}: {ok}.")
+    if par.sequence_parallel and seq_len is not None and seq_len % t:
+        ok = [s for s in range(t, min(seq_len, m.seq_len) + 1, t)][-3:]
+        problems.append(f"parallel.sequence_parallel=true shards the sequence over tp: train.seq_len={seq_len} "
+                        f"must be divisible by parallel.tp={t}; e.g. train.seq_len in {ok}, or "
+                        f"sequence_parallel=false.")
+    if par.zero_stage == 1:
+        problems.append(f"parallel.zero_stage=1 (ZeroRedundancyOptimizer) is not composed with tp={t}: it broadcasts "
+                        f"parameters, which fails on tensor-parallel (DTensor) parameters; use zero_stage 0 "
+                        f"(replicate), 2 or 3 with tp>1, or tp=1.")
 
 
 def even_split(n_layers: int, n_stages: int) -> Optional[list[int]]:
@@ -85,7 +99,9 @@ def _uneven(n: int, k: int) -> list[int]:
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
-def check_layout(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]) -> list[int]:
-    """All TP and PP constraints; returns the layer split (blocks per stage)."""
-    check_tp(m, par, problems)
+def check_layout(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str],
+                 seq_len: Optional[int] = None) -> list[int]:
+    """All TP and PP constraints; returns the layer split (blocks per stage). ``seq_len``:
+    the training sequence length (checked against sequence parallelism when given)."""
+    check_tp(m, par, problems, seq_len)
     return check_pp(m, par, mode, problems)
