@@ -71,6 +71,29 @@ def _forward_check(kind: str, sp: bool, mesh) -> dict:
             "tied": model.output.weight is model.tok_embeddings.weight if cfg.tied_embeddings else None}
 
 
+def _stage_check(sp: bool, mesh) -> float:
+    """Max |TP - unsharded| of the logits when the model runs as two pipeline-stage chunks
+    (Transformer(cfg, layers, first, last)), each split with apply_tp; between them the
+    activation passes as a plain local tensor (this rank's sequence shard under sp)."""
+    import torch
+
+    from xpar.models.transformer import Transformer
+    from xpar.parallel.tensor import apply_tp
+
+    cfg = _model_cfg("llama")
+    ref = Transformer(cfg)
+    ref.init_weights(0)
+    chunks = [Transformer(cfg, layers=[0], first=True, last=False), Transformer(cfg, layers=[1], first=False, last=True)]
+    for c in chunks:
+        c.load_state_dict({k: v for k, v in ref.state_dict().items() if k in c.state_dict()})
+        apply_tp(c, mesh, sp)
+    x = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+    h = chunks[0](x)
+    assert not hasattr(h, "placements")
+    assert h.shape == (B, S // mesh.size() if sp else S, cfg.hidden)
+    return (chunks[1](h).full_tensor() - ref(x)).abs().max().item()
+
+
 def _one_layer_comm(sp: bool, mesh) -> dict:
     """Payload bytes counted for forward + backward of ONE Block (tiny shape), and the
     max |TP - unsharded| of its output."""
@@ -115,6 +138,7 @@ def tp_checks(payload: dict) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
     out = {"forward": {f"{kind}/sp={sp}": _forward_check(kind, sp, mesh)
                        for kind in ("llama", "gpt") for sp in (False, True)},
+           "stages": {f"sp={sp}": _stage_check(sp, mesh) for sp in (False, True)},
            "one_layer": {f"sp={sp}": _one_layer_comm(sp, mesh) for sp in (False, True)},
            "runs": {}}
     for name, d in payload["runs"].items():
@@ -142,6 +166,12 @@ def test_tp_forward_matches_unsharded(results, case):
     assert r["grads"] <= 1e-5, r
     if case.startswith("gpt"):
         assert r["tied"] is True  # the output still shares the (vocab-sharded) embedding
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_on_pipeline_stage_chunks(results, sp):
+    """apply_tp on two stage chunks (no output / no embedding) composes to the whole model."""
+    assert results[1]["stages"][f"sp={sp}"] <= 1e-5
 
 
 @pytest.mark.parametrize("name", list(RUNS))
