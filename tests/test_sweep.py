@@ -56,3 +56,29 @@ def test_failing_job_is_failed_others_finish_parent_ended(tmp_path):
     kids = runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]].set_index("tags.xpar.job_num")
     assert kids.loc["0", "status"] == "FAILED" and kids.loc["1", "status"] == "FINISHED"
     assert kids.loc["1", "tags.xpar.overrides"].startswith("run.fail_rank=null")
+
+
+def _parent_and_children(runs):
+    parent = runs[runs["tags.xpar.role"] == "sweep"]
+    assert len(parent) == 1
+    kids = runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]]
+    return parent.iloc[0], kids
+
+
+def test_submitit_local_launcher_groups_jobs(tmp_path):
+    r = _xpar(tmp_path, "-m", "hydra/launcher=submitit_local", "parallel.micro_batches=1,2", *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    parent, kids = _parent_and_children(_runs(tmp_path))
+    assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] in set(kids["run_id"])
+    assert sorted(kids["tags.xpar.job_num"]) == ["0", "1"] and set(kids["status"]) == {"FINISHED"}
+
+
+def test_optuna_sweeper_groups_trials_and_preflights_discrete_choices(tmp_path):
+    r = _xpar(tmp_path, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
+              "parallel.micro_batches=choice(1,2)", "train.lr=interval(0.0001,0.01)", *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    parent, kids = _parent_and_children(_runs(tmp_path))
+    assert parent["status"] == "FINISHED" and len(kids) == 2 and set(kids["status"]) == {"FINISHED"}
+    bad = _xpar(tmp_path, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+                "train.steps=choice(0,3)", "train.lr=interval(0.0001,0.01)", "run.progress=false")
+    assert bad.returncode == 2 and "train.steps must be > 0, got 0" in bad.stderr

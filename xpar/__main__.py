@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,12 +17,16 @@ START_DIR = Path.cwd()
 
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> Optional[float]:
+    """One job; returns the value of ``sweep.metric`` (the objective for sweepers such as Optuna)."""
     from xpar.cli import run_job
     from xpar.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    run_job(cfg, out_dir, START_DIR, current_sweep())
+    report = run_job(cfg, out_dir, START_DIR, current_sweep())
+    if report is None:  # a skipped invalid sweep job: NaN marks the trial failed for Optuna
+        return float("nan")
+    return report.metrics().get(cfg.sweep.metric)
 
 
 def main() -> None:

@@ -26,20 +26,25 @@ from omegaconf import DictConfig, OmegaConf
 SWEEP_FILE = "xpar_sweep.json"
 
 
-def job_overrides(config: DictConfig) -> Optional[list[list[str]]]:
-    """The override list of every job of a basic-sweeper multirun (None for other sweepers,
-    whose jobs are chosen while the sweep runs)."""
+def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
+    """The override list of every job the sweep can run, and whether that list is exact.
+
+    Exact for Hydra's basic sweeper (its own expansion). For other sweepers (Optuna, ...)
+    the discrete choices and ranges are expanded the same way and continuous intervals are
+    left out, so the list covers every combination of the discrete parameters.
+    """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
 
-    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        return None
+    exact = "BasicSweeper" in str(config.hydra.sweeper.get("_target_", ""))
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     args = params + list(config.hydra.overrides.task)
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    batches = BasicSweeper.split_arguments(parser.parse_overrides(args), None)
-    return [list(job) for batch in batches for job in batch]
+    overrides = [o for o in parser.parse_overrides(args) if not isinstance(o.value(), IntervalSweep)]
+    batches = BasicSweeper.split_arguments(overrides, None)
+    return [list(job) for batch in batches for job in batch], exact
 
 
 def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
@@ -49,10 +54,8 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
 
     from xpar.validate import ConfigError, validate
 
-    jobs = job_overrides(config)
+    jobs, _ = job_overrides(config)
     loader = GlobalHydra.instance().config_loader()
-    if jobs is None:
-        jobs = [list(config.hydra.overrides.task)]
     bad = []
     for num, overrides in enumerate(jobs):
         cfg = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
@@ -91,8 +94,8 @@ class SweepCallback(Callback):
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         sweep_id = uuid.uuid4().hex[:8]
-        jobs = job_overrides(config)
-        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if jobs else None,
+        jobs, exact = job_overrides(config)
+        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if exact else None,
                                skipped=[n for n, _, _ in bad])
         info["skip_invalid_jobs"] = [n for n, _, _ in bad]
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))

@@ -1,0 +1,67 @@
+"""A real `mlflow server` on 127.0.0.1: a 2-job sweep logs to it over HTTP, and the parent
+and children are found with their metrics through the REST search API."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from xpar.launch import free_port
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                             "--default-artifact-root", str(tmp_path / "server_artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("mlflow server did not become healthy in 90 s")
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+
+def _search(url, experiment_id, filter_string):
+    body = json.dumps({"experiment_ids": [experiment_id], "filter": filter_string}).encode()
+    req = urllib.request.Request(f"{url}/api/2.0/mlflow/runs/search", data=body,
+                                 headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=30).read()).get("runs", [])
+
+
+def test_sweep_against_a_real_server(server, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "parallel=dp,zero2", f"tracking.uri={server}",
+                        "train.steps=3", "train.warmup_steps=1", "run.progress=false"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists()  # everything went to the server
+    exp = json.loads(urllib.request.urlopen(f"{server}/api/2.0/mlflow/experiments/get-by-name?experiment_name=xpar",
+                                            timeout=30).read())["experiment"]["experiment_id"]
+    parents = _search(server, exp, "tags.`xpar.role` = 'sweep'")
+    assert len(parents) == 1 and parents[0]["info"]["status"] == "FINISHED"
+    pid = parents[0]["info"]["run_id"]
+    kids = _search(server, exp, f"tags.`mlflow.parentRunId` = '{pid}'")
+    assert len(kids) == 2
+    for kid in kids:
+        assert kid["info"]["status"] == "FINISHED"
+        metrics = {m["key"]: m["value"] for m in kid["data"]["metrics"]}
+        assert metrics["throughput/tokens_per_s"] > 0 and metrics["memory/peak_bytes_per_device"] > 0
+    stages = sorted(p["value"] for k in kids for p in k["data"]["params"] if p["key"] == "parallel.zero_stage")
+    assert stages == ["0", "2"]
