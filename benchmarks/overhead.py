@@ -1,11 +1,12 @@
 """xpar's training step against a hand-written torch loop building the same wrapper.
 
-For each layout (dp = DDP, zero3 = FSDP2 fully_shard per block then root), run xpar's real
+For each layout (dp = DDP, zero3 = FSDP2 fully_shard per block then root, tp = tensor
+parallel over the 2 workers with torch's Megatron styles and loss_parallel), run xpar's real
 path (launcher, engine factory, train loop with memory accounting) and a plain torch
 script, alternately, ROUNDS times each, on 2 local gloo workers with one thread each; print
 the steps/s of both and their ratio (xpar / plain; 1.0 = no overhead). Goal: >= 0.95.
 
-    python benchmarks/overhead.py [--rounds 3] [--steps 12] [--layouts dp zero3]
+    python benchmarks/overhead.py [--rounds 3] [--steps 12] [--layouts dp zero3 tp]
 """
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def plain_worker(rank: int, world: int, port: int, spec_dict: dict, out: str) ->
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model = Transformer(spec.model)
     model.init_weights(spec.train.seed)
-    if spec.parallel.zero_stage == 3:
+    tp = spec.parallel.tp
+    if tp > 1:  # dp = 1: no data-parallel wrapper, the Megatron plan written out by hand
+        model = _tp_by_hand(model, dist.device_mesh.init_device_mesh("cpu", (world,)))
+    elif spec.parallel.zero_stage == 3:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
@@ -65,18 +69,49 @@ def plain_worker(rank: int, world: int, port: int, spec_dict: dict, out: str) ->
     b = spec.train.micro_batch_size
     times = []
     for step in range(spec.train.steps):
-        rows = data.global_batch(step)[rank * b:(rank + 1) * b]
+        dp_rank = rank // tp
+        rows = data.global_batch(step)[dp_rank * b:(dp_rank + 1) * b]
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        logits = model(rows[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
-        loss.backward()
+        with _loss_parallel(tp):
+            logits = model(rows[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+            loss.backward()
         opt.step()
         float(loss.detach())
         times.append(time.perf_counter() - t0)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def _tp_by_hand(model, mesh):
+    """Megatron tensor parallelism with torch's styles (no xpar code): q/k/v, w1/w3 column,
+    wo/w2 row, vocabulary-parallel embedding and output, logits left vocab-sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    for block in model.layers.values():
+        parallelize_module(block, mesh, {
+            "attention": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=False),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=False),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()})
+    return parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+
+
+def _loss_parallel(tp: int):
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel() if tp > 1 else nullcontext()
 
 
 def run_plain(spec) -> list[float]:
@@ -101,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--layouts", nargs="+", default=["dp", "zero3"])
+    ap.add_argument("--layouts", nargs="+", default=["dp", "zero3", "tp"])
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
