@@ -33,6 +33,8 @@ class Report:
     step_times_s: list[float] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)
     """Further metrics by full name (pipeline/*, comm/*, estimate/*)."""
+    timeline: Optional[dict] = None
+    """Pipelined runs: one step's measured and simulated action times (xpar.bubble)."""
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -107,6 +109,10 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEMORY_TERMS},
         losses=losses, step_times_s=per_step)
+    if spec.pp > 1:
+        from xpar.bubble import summarize
+        pipeline, report.timeline = summarize(spec, stats)
+        report.extra.update(pipeline)
     comm = [s["comm"] for s in stats if s.get("comm")]  # tp > 1: comm/tp_*_bytes per step per device
     if comm:
         report.extra.update({k: float(max(c[k] for c in comm)) for k in comm[0]})

@@ -102,6 +102,25 @@ class ActionRecorder:
         schedule._compute_loss = timed
 
 
+def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors of one micro-batch's input and output of ``stage``: tokens ``[b, S]``
+    into the first stage, hidden states ``[b, S, H]`` between stages, logits ``[b, S, V]``
+    out of the last.
+
+    Given to PipelineStage, they spare torch's runtime shape inference, which runs an extra
+    forward and backward through the wrapped chunk on the first step; through DDP that extra
+    pass breaks the reducer's bucket rebuild under ScheduleGPipe (torch 2.13: "rebuilt
+    parameter indices size is not same as original model parameters size" on step 2).
+    """
+    b, S, H, V = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden, spec.model.vocab_size
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
+    last = len(spec.layer_split) - 1
+    act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
+    x = torch.empty(b, S, dtype=torch.int64, device="meta") if stage == 0 else torch.empty(b, S, H, **act)
+    y = torch.empty(b, S, V, **act) if stage == last else torch.empty(b, S, H, **act)
+    return x, y
+
+
 def attach_schedule(engine, stage_ids: list[int]) -> None:
     """Build this rank's PipelineStages and the schedule; install the pipelined step.
 
@@ -118,7 +137,9 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
     recorder = ActionRecorder()
     stages = []
     for chunk, s in zip(engine.chunks, stage_ids):
-        stage = PipelineStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=group)
+        inputs, outputs = stage_io(spec, s) if spec.tp == 1 else (None, None)
+        stage = PipelineStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=group,
+                              input_args=inputs, output_args=outputs)
         recorder.instrument(stage)
         stages.append(stage)
     cls = schedule_class(spec.parallel.schedule)

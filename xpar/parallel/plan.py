@@ -65,12 +65,9 @@ def check_pp(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]
         problems.append(f"schedule {par.schedule} is V-shaped: parallel.virtual_stages must be 2, got {v}.")
     mb = par.micro_batches
     if mb != "auto":
-        mb = int(mb)
-        need = {"1f1b": par.pp, "dualpipev": 2 * par.pp}.get(par.schedule)
-        if need and mb < need:
-            problems.append(f"schedule {par.schedule} needs micro-batches >= {'2*pp' if need > par.pp else 'pp'}"
-                            f" = {need}, got parallel.micro_batches={mb}; use micro_batches in "
-                            f"{[need, 2 * need]} or schedule=gpipe.")
+        rule = microbatch_problem(par.schedule, par.pp, int(mb))
+        if rule:
+            problems.append(rule)
     if par.zero_stage == 1:
         problems.append("parallel.zero_stage=1 (ZeroRedundancyOptimizer over DDP) is not composed with pp>1; "
                         "use zero_stage 0, 2 or 3 on the dp axis.")
@@ -93,6 +90,77 @@ def check_pp(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]
                         f"parallel.layer_split, e.g. {_uneven(m.n_layers, n_stages)}.")
         return []
     return split
+
+
+def microbatch_ok(schedule: str, pp: int, m: int) -> bool:
+    """Micro-batch counts torch 2.13 accepts, per schedule (measured: tests/test_pipeline.py).
+
+    gpipe, looped_bfs, zbv: any m >= 1. 1f1b: m >= pp (Schedule1F1B: m >= stages).
+    dualpipev: m >= 2*pp (its stage count). interleaved_1f1b, zero_bubble: m must be a
+    multiple of the number of rounds max(1, m // pp) -- so any m < 2*pp, and above that
+    e.g. multiples of pp; m < pp runs.
+    """
+    if m < 1:
+        return False
+    if schedule == "1f1b":
+        return m >= pp
+    if schedule == "dualpipev":
+        return m >= 2 * pp
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        return m % max(1, m // pp) == 0
+    return True
+
+
+def microbatch_problem(schedule: str, pp: int, m: int) -> Optional[str]:
+    """The message for a micro-batch count the schedule refuses, or None."""
+    if microbatch_ok(schedule, pp, m):
+        return None
+    near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if microbatch_ok(schedule, pp, k)]
+    near = sorted(near, key=lambda k: (abs(k - m), k))[:3]
+    if schedule == "1f1b":
+        why = f"needs micro-batches >= pp = {pp} (Schedule1F1B: at least one per stage)"
+    elif schedule == "dualpipev":
+        why = f"needs micro-batches >= 2*pp = {2 * pp} (ScheduleDualPipeV: at least one per stage, 2 stages per rank)"
+    else:
+        rounds = max(1, m // pp)
+        why = (f"needs micro-batches divisible by its number of rounds max(1, m // pp) = {rounds} "
+               f"(pp={pp}; any m < {2 * pp} works)")
+    return (f"schedule {schedule} {why}, got parallel.micro_batches={m}; "
+            f"micro_batches that work: {sorted(near)}" + (" or schedule=gpipe." if schedule != "gpipe" else "."))
+
+
+def resolve_virtual_stages(par: ParallelConfig, problems: list[str]) -> None:
+    """Turn ``parallel.virtual_stages`` into an int: 'auto' is 1 for the one-stage-per-rank
+    schedules (gpipe, 1f1b) and 2 for the others."""
+    from xpar.validate import SCHEDULES
+
+    v = par.virtual_stages
+    if v == "auto":
+        par.virtual_stages = 1 if SCHEDULES.get(par.schedule, ("", "1"))[1] == "1" else 2
+        return
+    try:
+        par.virtual_stages = int(v)
+    except (TypeError, ValueError):
+        problems.append(f"parallel.virtual_stages must be an integer >= 1 or 'auto', got {v!r}.")
+        par.virtual_stages = 1
+
+
+def resolve_pp(par: ParallelConfig) -> list[str]:
+    """Settings changed for correctness under pipelining; returns the notes explaining them.
+
+    Zero-bubble schedules (zero_bubble, zbv, dualpipev) with FSDP2 reshard_after_forward=True
+    (zero_stage=3) give wrong gradients without any error in torch 2.13 (measured: some
+    stages' gradients off by 30-100 %, tests/test_pipeline.py). They run correctly with
+    reshard_after_forward=False, which is xpar's zero_stage=2, so zero_stage 3 becomes 2.
+    """
+    from xpar.validate import ZERO_BUBBLE_SCHEDULES
+
+    if par.pp > 1 and par.schedule in ZERO_BUBBLE_SCHEDULES and par.zero_stage == 3:
+        par.zero_stage = 2
+        return [f"parallel.zero_stage=3 ran as zero_stage=2 (FSDP2 reshard_after_forward=False): "
+                f"schedule {par.schedule} with reshard_after_forward=True gives wrong gradients "
+                f"silently in torch 2.13."]
+    return []
 
 
 def _uneven(n: int, k: int) -> list[int]:

@@ -1,0 +1,90 @@
+"""Pipeline bubble ratio of a measured run, three ways, and the timeline of one step.
+
+Definitions (DESIGN.md; p = pp ranks, timed steps only, warm-up excluded):
+
+- ``pipeline/bubble_ratio`` (measured): per step and per pipeline (one (dp, tp) coordinate),
+  1 - sum_ranks busy / (p * step time), where busy is the wall time inside the stages'
+  forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (the last stage's
+  loss counted with its forward) and the step time is the longest ``schedule.step`` of
+  the p ranks, all started together after a barrier on the pp group. Mean over timed
+  steps and pipelines.
+- ``pipeline/bubble_ratio_sim``: the same ranks' executed action order replayed with the
+  measured duration of every action and free communication
+  (:func:`xpar.estimate.schedule.simulate`); mean over the same steps.
+- ``pipeline/bubble_ratio_theory``: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) for
+  interleaved_1f1b (Huang et al. 2019; Narayanan et al. 2021); for looped_bfs and the
+  zero-bubble schedules, torch's action list replayed with uniform durations
+  (F = I = W, B = F + W; Qi et al. 2024) -- :func:`xpar.estimate.schedule.simulated_bubble`.
+- ``pipeline/bubble_overhead`` = measured - simulated: what the schedule's dependencies
+  with these action times do not explain (communication, synchronisation, host jitter).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from xpar.estimate.schedule import Action, bubble_theory, simulate, simulated_bubble
+from xpar.spec import RunSpec
+
+CLOSED_FORM = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def theory(schedule: str, pp: int, m: int, v: int) -> float:
+    """The schedule's bubble ratio with uniform stage times (see the module docstring)."""
+    if schedule in CLOSED_FORM:
+        return bubble_theory(schedule, pp, m, v)
+    return simulated_bubble(schedule, pp, m, v)
+
+
+def _pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
+    """The ranks' pipeline records grouped by (dp, tp), each group ordered by pp rank."""
+    groups: dict[tuple[int, int], dict[int, dict]] = {}
+    for s in stats:
+        if "pipeline" in s:
+            c = s["coords"]
+            groups.setdefault((c["dp"], c["tp"]), {})[c["pp"]] = s["pipeline"]
+    return [[g[r] for r in range(pp)] for _, g in sorted(groups.items())]
+
+
+def step_bubbles(pipeline: list[dict], step: int) -> dict:
+    """Measured and simulated bubble of one step of one pipeline (records ordered by pp
+    rank); also the per-rank measured and simulated action times for a timeline."""
+    steps = [rank["steps"][step] for rank in pipeline]
+    p = len(steps)
+    span = max(st["span"] for st in steps)
+    measured = [sorted(st["actions"], key=lambda a: a[3]) for st in steps]
+    busy = sum(a[4] - a[3] for acts in measured for a in acts)
+    order = [[Action(k, s, mb) for k, s, mb, _, _ in acts] for acts in measured]
+    dur = {Action(k, s, mb): t1 - t0 for acts in measured for k, s, mb, t0, t1 in acts}
+    sim = simulate(order, lambda a: dur[a])
+    simulated = [[[a.kind, a.stage, a.mb, *sim.times[a]] for a in acts] for acts in order]
+    return {"measured": 1 - busy / (p * span), "simulated": sim.bubble_ratio,
+            "step_time_s": span, "sim_step_time_s": sim.makespan,
+            "actions": measured, "sim_actions": simulated}
+
+
+def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optional[dict]]:
+    """(metrics for Report.extra, timeline of the median timed step of the first pipeline)."""
+    pp, m = spec.pp, spec.micro_batches
+    v = len(spec.layer_split) // pp
+    timed = range(spec.train.warmup_steps, spec.train.steps)
+    pipelines = _pipelines(stats, pp)
+    per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines]
+    measured = [b["measured"] for pl in per_step for b in pl]
+    simulated = [b["simulated"] for pl in per_step for b in pl]
+    th = theory(spec.parallel.schedule, pp, m, v)
+    extra = {
+        "pipeline/bubble_ratio": statistics.fmean(measured),
+        "pipeline/bubble_ratio_median": statistics.median(measured),
+        "pipeline/bubble_ratio_sim": statistics.fmean(simulated),
+        "pipeline/bubble_ratio_theory": th,
+    }
+    extra["pipeline/bubble_overhead"] = extra["pipeline/bubble_ratio"] - extra["pipeline/bubble_ratio_sim"]
+    first = per_step[0]
+    k = sorted(range(len(first)), key=lambda i: first[i]["measured"])[len(first) // 2]
+    chosen = first[k]
+    timeline = {"schedule": spec.parallel.schedule, "pp": pp, "m": m, "v": v,
+                "step": timed[k], "theory": th,
+                **{key: chosen[key] for key in ("measured", "simulated", "step_time_s", "sim_step_time_s",
+                                                "actions", "sim_actions")}}
+    return extra, timeline
