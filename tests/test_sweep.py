@@ -40,6 +40,8 @@ def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     children = runs[runs["tags.mlflow.parentRunId"] == parent["run_id"]]
     assert parent["status"] == "FINISHED"
     assert list(children["tags.xpar.job_num"]) == ["1"] and list(children["status"]) == ["FINISHED"]
+    invalid = mlflow.tracking.MlflowClient().download_artifacts(parent["run_id"], "invalid_jobs.csv", str(tmp_path))
+    assert "train.steps must be > 0, got 0." in open(invalid).read()  # the reason is kept beside the results
     c = subprocess.run([sys.executable, "-m", "xpar.compare", "--sweep", parent["tags.xpar.sweep_id"],
                         "--out", str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr

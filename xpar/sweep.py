@@ -95,9 +95,7 @@ class SweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         sweep_id = uuid.uuid4().hex[:8]
         jobs, exact = job_overrides(config)
-        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if exact else None,
-                               skipped=[n for n, _, _ in bad])
-        info["skip_invalid_jobs"] = [n for n, _, _ in bad]
+        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if exact else None, invalid=bad)
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))
         self._file = sweep_dir / SWEEP_FILE
         atexit.register(finish_sweep, self._file)

@@ -119,9 +119,11 @@ def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: P
     (out_dir / "config.yaml").write_text(config_yaml)
 
 
-def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], skipped: list[int]) -> dict:
+def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list) -> dict:
     """Create the parent run of a sweep (not made active, so jobs in this process can start
-    their own runs). Returns what jobs need to find it."""
+    their own runs). ``invalid``: (job number, overrides, problems) of the jobs pre-flight
+    refused, logged as ``invalid_jobs.csv`` so the reasons stay beside the results.
+    Returns what jobs need to find the parent."""
     import mlflow
     from omegaconf import OmegaConf
 
@@ -137,8 +139,19 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], skipped: list[
     if params:
         client.log_batch(run.info.run_id, params=[mlflow.entities.Param(f"sweep.{k}", str(v)[:MAX_PARAM_CHARS])
                                                    for k, v in list(params.items())[:MAX_PARAMS_PER_BATCH]])
+    if invalid:
+        import csv
+        import io
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["job", "overrides", "reason"])
+        for num, overrides, problems in invalid:
+            for p in problems:
+                w.writerow([num, " ".join(overrides), p])
+        client.log_text(run.info.run_id, buf.getvalue(), "invalid_jobs.csv")
+        client.set_tag(run.info.run_id, "xpar.invalid_jobs", str(len(invalid)))
     return {"sweep_id": sweep_id, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
-            "uri": mlflow.get_tracking_uri(), "n_jobs": n_jobs, "skipped": skipped,
+            "uri": mlflow.get_tracking_uri(), "n_jobs": n_jobs, "skipped": [n for n, _, _ in invalid],
             "metric": OmegaConf.select(config, "sweep.metric", default="throughput/tokens_per_s"),
             "goal": OmegaConf.select(config, "sweep.goal", default="max")}
 
