@@ -113,11 +113,16 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     parameter indices size is not same as original model parameters size" on step 2).
     """
     b, S, H, V = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden, spec.model.vocab_size
+    # Between tensor-parallel stages the activation is a plain tensor: the whole sequence,
+    # or this tp rank's sequence shard under sequence parallelism (xpar.parallel.tensor).
+    # The last stage's logits (a vocabulary-sharded DTensor under tp) go only to the loss,
+    # and torch does not check them against this shape.
+    S_between = S // spec.tp if spec.parallel.sequence_parallel else S
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
     last = len(spec.layer_split) - 1
     act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
-    x = torch.empty(b, S, dtype=torch.int64, device="meta") if stage == 0 else torch.empty(b, S, H, **act)
-    y = torch.empty(b, S, V, **act) if stage == last else torch.empty(b, S, H, **act)
+    x = torch.empty(b, S, dtype=torch.int64, device="meta") if stage == 0 else torch.empty(b, S_between, H, **act)
+    y = torch.empty(b, S, V, **act) if stage == last else torch.empty(b, S_between, H, **act)
     return x, y
 
 
@@ -137,7 +142,7 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
     recorder = ActionRecorder()
     stages = []
     for chunk, s in zip(engine.chunks, stage_ids):
-        inputs, outputs = stage_io(spec, s) if spec.tp == 1 else (None, None)
+        inputs, outputs = stage_io(spec, s)
         stage = PipelineStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=group,
                               input_args=inputs, output_args=outputs)
         recorder.instrument(stage)
@@ -172,9 +177,10 @@ def pipeline_step(engine, inputs: list[torch.Tensor], targets: list[torch.Tensor
     losses: list[torch.Tensor] = []
     dist.barrier(group=engine.mesh["pp"].get_group())  # a common start: timestamps comparable
     engine.recorder.begin()
-    engine.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    with engine.loss_context():  # loss_parallel around the loss and its backward when tp > 1
+        engine.schedule.step(*args, target=target, losses=losses, return_outputs=False)
     engine.recorder.end()
     engine.optimizer.step()
     if not last:
         return None
-    return float(torch.stack([l.detach().float() for l in losses]).mean())
+    return sum(float(l.detach()) for l in losses) / len(losses)
