@@ -40,7 +40,10 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             return None
         raise
     config = OmegaConf.to_container(cfg, resolve=True)
-    yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    if config["hardware"].get("name") != spec.hardware.name:  # validation assumed the preset's reference cluster
+        from dataclasses import asdict
+        config["hardware"] = asdict(spec.hardware)
+    yaml = OmegaConf.to_yaml(OmegaConf.create(config))
     job = Job(spec, config, yaml, out_dir, start_dir, sweep)
     try:
         if spec.launcher == "torchrun":
@@ -97,6 +100,9 @@ def _record(job: Job, body) -> Report:
     with mlflow_run(spec, job.config, job.start_dir, tags, run_name) as run:
         report, stats = body()
         log_report(report, stats, job.yaml, job.out_dir)
+        import mlflow
+        for path in report.artifacts:  # estimate figures, dry-run detail
+            mlflow.log_artifact(path)
         record_timeline(report.timeline, job.out_dir)
         where = f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}"
     print_report(spec, report, where)
@@ -113,7 +119,13 @@ def _run_estimate(job: Job) -> Report:
         from xpar.estimate.run import estimate_report
     except ImportError:
         fail("  - run.mode=estimate is not available yet in this build; use hardware=local.")
-    return _record(job, lambda: (estimate_report(job.spec, job.out_dir), None))
+    from xpar.dryrun import PlanError
+    try:
+        return _record(job, lambda: (estimate_report(job.spec, job.out_dir), None))
+    except PlanError as e:  # torch refused to build the layout in the dry run
+        if job.sweep is not None:
+            raise
+        fail(f"  - {e}")
 
 
 def _run_torchrun(job: Job) -> Optional[Report]:

@@ -35,6 +35,8 @@ class Report:
     """Further metrics by full name (pipeline/*, comm/*, estimate/*)."""
     timeline: Optional[dict] = None
     """Pipelined runs: one step's measured and simulated action times (xpar.bubble)."""
+    artifacts: list[str] = field(default_factory=list)
+    """Files to log with the run (estimates: figures, dry-run JSON); paths."""
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -154,6 +156,9 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((k, f"{v:.3f}"))
         elif k.startswith("comm/") and k.endswith("_bytes"):
             rows.append((f"{k} (per step per device)", _fmt_bytes(v)))
+        elif k.startswith("estimate/"):  # breakdowns of an estimate
+            rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
+                         _fmt_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
     for r in rows:
         t.add_row(*r)
     console = Console()
@@ -161,5 +166,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
     if spec.notes:
         for n in spec.notes:
             console.print(f"[yellow]note:[/] {n}")
+    if report.artifacts:
+        console.print(f"Files: {', '.join(report.artifacts)}")
     if where:
         console.print(f"Recorded in MLflow: {where}")

@@ -36,6 +36,8 @@ class RunSpec:
     """Fault injection (run.fail_rank): this rank raises after building its engine."""
     notes: list[str] = field(default_factory=list)
     """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
+    dry_run: bool = True
+    """Estimate mode: run the fake-process-group dry run (run.dry_run)."""
 
     @property
     def dp(self) -> int:

@@ -72,12 +72,15 @@ def to_schema(cfg: DictConfig | dict) -> XparConfig:
     return OmegaConf.to_object(merged)
 
 
-def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None) -> RunSpec:
+def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None,
+             check_memory: bool = True) -> RunSpec:
     """Check every constraint and resolve the run.
 
     Args:
         cfg: the composed config.
         local_devices: devices on this machine (CPU workers or GPUs); None detects.
+        check_memory: in estimate mode, refuse a layout whose estimated peak exceeds device
+            memory (:func:`xpar.estimate.fit.fit_problem`); False for its own what-ifs.
 
     Returns:
         The resolved :class:`RunSpec`.
@@ -98,6 +101,9 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
 
     # --- mode and world size -------------------------------------------------------
     trun = torchrun_world()
+    notes: list[str] = []
+    if c.hardware.name == "local" and not trun and c.run.mode != "execute" and par.reference_hardware:
+        _assume_reference_hardware(c, problems, notes)  # a cluster preset beyond this machine
     local = c.hardware.name == "local"
     mode = c.run.mode
     if mode == "auto":
@@ -219,9 +225,32 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     spec = RunSpec(model=m, parallel=par, hardware=hw, train=tr, data=c.data, tracking=c.tracking,
                    mode=mode, world_size=world, device=hw.device if mode == "execute" else "cuda",
                    layer_split=layer_split, launcher="torchrun" if trun else "local",
-                   progress=c.run.progress, fail_rank=c.run.fail_rank)
-    spec.notes += resolve_pp(par)
+                   progress=c.run.progress, fail_rank=c.run.fail_rank, dry_run=c.run.dry_run)
+    spec.notes = notes + spec.notes + resolve_pp(par)
+    if mode == "estimate" and check_memory:
+        from xpar.estimate.fit import fit_problem
+        problem = fit_problem(spec)
+        if problem:
+            raise ConfigError([problem])
     return spec
+
+
+def _assume_reference_hardware(c: XparConfig, problems: list[str], notes: list[str]) -> None:
+    """hardware=local with a parallel preset written for a cluster (``reference_hardware``):
+    take that hardware preset (conf/hardware/<name>.yaml, through the same schema), so that
+    mode auto estimates it, and say so in a note."""
+    from xpar.config import HardwareConfig
+    from xpar.presets import conf_dir, presets
+
+    name = c.parallel.reference_hardware
+    if name not in presets("hardware"):
+        problems.append(f"parallel.reference_hardware={name!r} is not a hardware preset; available: "
+                        f"{', '.join(presets('hardware'))}.")
+        return
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml"))
+    c.hardware = OmegaConf.to_object(node)
+    notes.append(f"hardware={name} assumed: the preset's reference cluster (parallel={c.parallel.name} names "
+                 f"reference_hardware={name}); pass hardware=<preset> for another cluster.")
 
 
 def _check_choices(c: XparConfig, problems: list[str]) -> None:

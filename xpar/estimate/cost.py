@@ -72,12 +72,23 @@ class Assumptions:
     """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
     passes_forward: float = 2.0
     passes_backward: float = 4.0
+    fused_rmsnorm: bool = True
+    """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
+    RMSNorm, which also keeps x * rstd (one more e h per norm)."""
 
     @classmethod
     def megatron_2021(cls) -> "Assumptions":
         """Megatron-LM as in Narayanan et al. 2021: unfused softmax (scores in HBM), dropout,
         gradient all-reduce after the pipeline flush (not overlapped), scatter/gather."""
         return cls(flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True)
+
+    @classmethod
+    def xpar_cpu(cls) -> "Assumptions":
+        """xpar on the CPU build of torch (measured with saved_tensors_hooks, torch 2.13): SDPA
+        runs its flash kernel for CPU (ScaledDotProductFlashAttentionForCpuBackward: keeps q,
+        k, v, the output and the fp32 log-sum-exp, no s x s probabilities), and RMSNorm is
+        composite (keeps x, rstd and x * rstd). Used for hardware=local (xpar.estimate.fit)."""
+        return cls(flash_attention=True, fused_rmsnorm=False)
 
 
 @dataclass
@@ -191,7 +202,7 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
         exposed += t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe)
     else:
         exposed = t_sync + t_gather
-    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout)
+    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout, fused_rmsnorm=assume.fused_rmsnorm)
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     updated = mem.optimizer / bo
     t_opt = 2 * updated * (bp + bg + bo) / hbm if hbm else 0.0
@@ -226,12 +237,13 @@ def preset(group: str, name: str) -> dict:
 
 
 def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
-    """A validated estimate-mode RunSpec from plain group dicts (through xpar.validate)."""
+    """A validated estimate-mode RunSpec from plain group dicts (through xpar.validate; what-if
+    studies: a layout that does not fit device memory is returned, not refused)."""
     from xpar.validate import validate
 
     cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
            "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
-    return validate(cfg)
+    return validate(cfg, check_memory=False)
 
 
 def megatron_2021_spec(row: dict, micro_batch_size: int = 1, hardware: str = "a100_80gb_1024gpu") -> RunSpec:

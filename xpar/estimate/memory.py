@@ -193,7 +193,7 @@ def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None,
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                            recompute: str = "none", *, kv: Optional[int] = None,
                            ffn: Optional[int] = None, swiglu: bool = False, dropout: bool = True,
-                           flash: bool = False, elem: int = 2) -> float:
+                           flash: bool = False, elem: int = 2, norm_saves_output: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = elem bytes, mask = 1 byte/element
@@ -209,7 +209,10 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
       attention) only the fp32 log-sum-exp, 4 a bytes per token.
 
     ``selective`` recompute drops the score terms; ``full`` keeps only the layer input
-    e h (divided by t with ``sp``). Not counted: RoPE's and norms' small side tensors.
+    e h (divided by t with ``sp``). ``norm_saves_output``: each of the two norms also keeps
+    its normalised input x * rstd for the weight gradient (+2 e h, replicated): torch's
+    composite RMSNorm, measured on the CPU build of torch 2.13 (a fused norm kernel keeps
+    only its input). Not counted: RoPE's and norms' small side tensors (rstd, cos/sin).
     Units: bytes.
     """
     kv = h if kv is None else kv
@@ -217,7 +220,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     mask = 1 if dropout else 0
     if recompute == "full":
         return s * b * elem * h / (t if sp else 1)
-    rep = 2 * elem * h + 2 * elem * h + 2 * mask * h
+    rep = 2 * elem * h + 2 * elem * h + 2 * mask * h + (2 * elem * h if norm_saves_output else 0)
     split = 2 * elem * h + 2 * elem * kv + (4 if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if recompute == "selective":
@@ -258,7 +261,8 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int
     return peak_in_flight(torch_actions(schedule, pp, m, v)[rank]) / v
 
 
-def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: bool = False) -> dict:
+def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: bool = False,
+                     fused_rmsnorm: bool = True) -> dict:
     """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term.
 
     layers: per-layer bytes x the rank's layers x micro-batches in flight; recompute_layer:
@@ -271,13 +275,16 @@ def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: b
 
     ``flash``: xpar's model calls scaled_dot_product_attention (fused; no s x s scores
     kept); it expands GQA K/V to all heads before that call, so K and V are counted at
-    full width h. xpar's model has no dropout.
+    full width h. xpar's model has no dropout. ``fused_rmsnorm=False`` (torch's composite
+    RMSNorm, e.g. on CPU): every RMSNorm also keeps x * rstd, one more e h per norm
+    (``norm_saves_output`` of :func:`layer_activation_bytes`; the final norm in logits).
     """
     cfg, par = spec.model, spec.parallel
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
     e = BYTES[spec.train.dtype]
+    extra_norm = not fused_rmsnorm and cfg.norm == "rmsnorm"
     kw = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=dropout,
-              flash=flash, elem=e)
+              flash=flash, elem=e, norm_saves_output=extra_norm)
     per_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, par.recompute, **kw)
     full_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, "none", **kw)
     split = spec.layer_split or [cfg.n_layers]
@@ -291,7 +298,7 @@ def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: b
         "layers": per_layer * n_layers * inflight,
         "recompute_layer": full_layer if par.recompute == "full" and n_layers else 0.0,
         "embedding": (8 * s * b + (s * b * h / t if dropout else 0)) * inflight if 0 in stages else 0.0,
-        "logits": ((2 * e * sh + 4 * s * b * cfg.vocab_size / t) * last_inflight
+        "logits": (((2 + extra_norm) * e * sh + 4 * s * b * cfg.vocab_size / t) * last_inflight
                    if len(split) - 1 in stages else 0.0),
         "microbatches_in_flight": inflight,
     }
@@ -356,15 +363,15 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
 
 
 def memory(spec: RunSpec, pp_rank: Optional[int] = None, flash: bool = True,
-           dropout: bool = False) -> MemoryEstimate:
+           dropout: bool = False, fused_rmsnorm: bool = True) -> MemoryEstimate:
     """Per-device peak memory of ``spec`` on pipeline rank ``pp_rank`` (None: the most
-    loaded rank). See the module docstring for the formulas; ``flash``/``dropout`` as in
+    loaded rank). See the module docstring for the formulas; ``flash``/``dropout``/``fused_rmsnorm`` as in
     :func:`activation_terms`."""
     ranks = range(spec.pp) if pp_rank is None else [pp_rank]
     best = None
     for r in ranks:
         states = model_state_bytes(spec, r)
-        act = activation_terms(spec, r, flash=flash, dropout=dropout)
+        act = activation_terms(spec, r, flash=flash, dropout=dropout, fused_rmsnorm=fused_rmsnorm)
         comm = comm_buffer_terms(spec, r)
         acts = sum(v for k, v in act.items() if k != "microbatches_in_flight")
         overhead = spec.hardware.framework_overhead_gb * 1e9

@@ -1,0 +1,124 @@
+"""Estimate mode: the Report of a layout beyond this machine, from the cost model and a
+fake-process-group dry run of the real engine factory.
+
+The Report has the fields and metric names of a measured run (xpar.report), with
+``mode='estimate'``:
+
+- throughput: ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` (model FLOPs), ``mfu``,
+  ``hfu`` from :func:`xpar.estimate.cost.estimate` (the slowest pipeline rank);
+- memory: ``peak_bytes_per_device`` = the total of the most loaded device (pipeline rank and
+  dp rank, ``peak_rank`` its first global rank), broken down into params, grads, optimizer,
+  activations, comm_buffers and framework_overhead (each logged as ``memory/<term>_bytes``);
+- ``estimate/time_<term>_s``: the step time by term (matmul, memory_bound, tp_comm, pp_comm,
+  bubble, dp_comm_exposed, optimizer; they sum to the step time);
+  ``estimate/hw_tflops_per_device``; ``estimate/memory_fits`` (1/0),
+  ``estimate/device_memory_bytes``, ``estimate/memory_headroom_bytes`` (device memory - peak),
+  ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank);
+- ``estimate/dryrun_param_bytes`` and ``estimate/analytic_param_bytes``: parameter bytes held
+  per device (as ``memory/params_bytes``) on the dry run's most loaded rank, built by torch and
+  counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
+  params or grads bytes over the ranks built; ``estimate/dryrun_ranks``, ``estimate/dryrun_s``
+  (per-rank detail in the artifact ``dryrun.json``);
+- pipelined layouts: ``pipeline/bubble_ratio`` (the cost model's) and
+  ``pipeline/bubble_ratio_theory`` (closed form, or torch's action list replayed with uniform
+  stage times where the schedule has none);
+- ``comm/<group>_<collective>_bytes``: PAYLOAD bytes per step per device, as measured runs
+  count them (the all-reduced buffer; the gathered output; the reduce-scattered input), and
+  ``comm/<group>_ring_bytes``: the bytes a ring implementation sends per device for them
+  (2(n-1)/n and (n-1)/n of the payload); ``comm/pp_send_recv_bytes``: bytes sent to the
+  neighbouring stages.
+
+Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xpar.estimate.cost import _bubble, estimate
+from xpar.estimate.fit import assumptions_for, peak_memory, peak_ranks
+from xpar.estimate.memory import stages_per_rank
+from xpar.report import Report, layout_name
+from xpar.spec import RunSpec
+
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead")
+DRYRUN_FILE = "dryrun.json"
+
+
+def ring_factor(collective: str, n: int) -> float:
+    """Bytes a ring sends per device per payload byte, over n ranks."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if collective == "allreduce" else (n - 1) / n
+
+
+def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
+    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm)."""
+    out: dict[str, float] = {}
+    for group, n in (("dp", spec.dp), ("tp", spec.tp)):
+        if n <= 1:
+            continue
+        ring = 0.0
+        for coll in ("allreduce", "allgather", "reduce_scatter"):
+            b = ring_bytes.get(f"{group}_{coll}", 0.0)
+            out[f"comm/{group}_{coll}_bytes"] = b / ring_factor(coll, n)
+            ring += b
+        out[f"comm/{group}_ring_bytes"] = ring
+    if spec.pp > 1:
+        out["comm/pp_send_recv_bytes"] = ring_bytes.get("pp_send_recv", 0.0)
+    return out
+
+
+def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
+    """The Report of ``spec`` in estimate mode (see the module docstring), with the dry run
+    unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
+
+    Raises:
+        xpar.dryrun.PlanError: torch refused to build a rank of the layout.
+    """
+    est = estimate(spec, assumptions_for(spec))
+    mem = est.memory
+    _, ranks = peak_ranks(spec, mem.pp_rank)
+    extra: dict[str, float] = {f"estimate/time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
+    extra.update({
+        "estimate/hw_tflops_per_device": est.hw_tflops_per_device,
+        "estimate/memory_fits": float(mem.fits),
+        "estimate/device_memory_bytes": mem.device_memory,
+        "estimate/memory_headroom_bytes": mem.device_memory - mem.total,
+        "estimate/peak_pp_rank": float(mem.pp_rank),
+        "estimate/microbatches_in_flight": float(mem.detail["activations"]["microbatches_in_flight"]),
+    })
+    artifacts: list[str] = []
+    if spec.dry_run:
+        from xpar.dryrun import dry_run
+
+        d = dry_run(spec)
+        peak = d.peak()
+        extra.update({"estimate/dryrun_param_bytes": float(peak.dryrun["params"]),
+                      "estimate/analytic_param_bytes": float(peak.analytic["params"]),
+                      "estimate/dryrun_param_bytes_diff": float(d.max_diff),
+                      "estimate/dryrun_ranks": float(len(d.ranks)), "estimate/dryrun_s": d.seconds})
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / DRYRUN_FILE
+        path.write_text(json.dumps(d.to_dict(), indent=1))
+        artifacts.append(str(path))
+    if spec.pp > 1:
+        extra["pipeline/bubble_ratio"] = est.bubble_ratio
+        extra["pipeline/bubble_ratio_theory"] = _bubble(spec.parallel.schedule, spec.pp, spec.micro_batches,
+                                                        stages_per_rank(spec))
+    extra.update(comm_metrics(spec, est.comm_bytes))
+    report = Report(
+        mode="estimate", layout=layout_name(spec), world_size=spec.world_size,
+        step_time_s=est.time_per_step_s, tokens_per_s=est.tokens_per_s, tflops_per_device=est.tflops_per_device,
+        mfu=est.mfu, hfu=est.hfu, peak_bytes_per_device=mem.total, peak_rank=ranks[0],
+        memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
+    report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
+    return report
+
+
+def _figures(spec: RunSpec, est, out_dir: Path) -> list[Path]:
+    from xpar.estimate.figures import write_figures
+
+    per_rank = [peak_memory(spec, r) for r in range(spec.pp)]
+    label = f"model={spec.model.name} {layout_name(spec)} on {spec.hardware.name} ({spec.world_size} devices)"
+    return write_figures(per_rank, est.time_breakdown, label, out_dir)
