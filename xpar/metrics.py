@@ -78,8 +78,13 @@ class ActivationTracker:
             self.peak = max(self.peak, self.current)
         else:
             entry[0] += 1
-        weakref.finalize(t, self._release, key)
-        return t
+        # The graph keeps a detached alias (same storage, no grad_fn): returning ``t`` itself
+        # would make an output saved by its own node a reference cycle through the C++ graph,
+        # which Python's GC cannot see; graphs kept with retain_graph=True and never released
+        # (zero-bubble schedules' input/weight backward split) then leaked every step.
+        saved = t.detach()
+        weakref.finalize(saved, self._release, key)
+        return saved
 
     def __enter__(self) -> "ActivationTracker":
         self._hooks.__enter__()
