@@ -64,10 +64,6 @@ class DryRun:
     def max_diff(self) -> int:
         return max((r.diff for r in self.ranks), default=0)
 
-    def peak(self) -> RankCheck:
-        """The checked rank holding the most parameter bytes."""
-        return max(self.ranks, key=lambda r: (r.dryrun["params"], r.dryrun["grads"]))
-
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "max_diff_bytes": self.max_diff,
                 "ranks": [asdict(r) | {"diff": r.diff} for r in self.ranks]}

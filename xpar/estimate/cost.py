@@ -75,12 +75,16 @@ class Assumptions:
     fused_rmsnorm: bool = True
     """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
     RMSNorm, which also keeps x * rstd (one more e h per norm)."""
+    sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
+    projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
 
     @classmethod
     def megatron_2021(cls) -> "Assumptions":
         """Megatron-LM as in Narayanan et al. 2021: unfused softmax (scores in HBM), dropout,
         gradient all-reduce after the pipeline flush (not overlapped), scatter/gather."""
-        return cls(flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True)
+        return cls(flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True,
+                   sp_saves_gathered=False)
 
     @classmethod
     def xpar_cpu(cls) -> "Assumptions":
@@ -202,7 +206,8 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
         exposed += t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe)
     else:
         exposed = t_sync + t_gather
-    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout, fused_rmsnorm=assume.fused_rmsnorm)
+    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout, fused_rmsnorm=assume.fused_rmsnorm,
+                 sp_saves_gathered=assume.sp_saves_gathered)
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     updated = mem.optimizer / bo
     t_opt = 2 * updated * (bp + bg + bo) / hbm if hbm else 0.0

@@ -34,7 +34,8 @@ def assumptions_for(spec: RunSpec) -> Assumptions:
 def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
     """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None)."""
     a = assumptions_for(spec)
-    return memory(spec, pp_rank, flash=a.flash_attention, dropout=a.dropout, fused_rmsnorm=a.fused_rmsnorm)
+    return memory(spec, pp_rank, flash=a.flash_attention, dropout=a.dropout, fused_rmsnorm=a.fused_rmsnorm,
+                  sp_saves_gathered=a.sp_saves_gathered)
 
 
 def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:

@@ -193,7 +193,8 @@ def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None,
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                            recompute: str = "none", *, kv: Optional[int] = None,
                            ffn: Optional[int] = None, swiglu: bool = False, dropout: bool = True,
-                           flash: bool = False, elem: int = 2, norm_saves_output: bool = False) -> float:
+                           flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
+                           sp_saves_gathered: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = elem bytes, mask = 1 byte/element
@@ -212,8 +213,12 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     e h (divided by t with ``sp``). ``norm_saves_output``: each of the two norms also keeps
     its normalised input x * rstd for the weight gradient (+2 e h, replicated): torch's
     composite RMSNorm, measured on the CPU build of torch 2.13 (a fused norm kernel keeps
-    only its input). Not counted: RoPE's and norms' small side tensors (rstd, cos/sin).
-    Units: bytes.
+    only its input). ``sp_saves_gathered`` (with ``sp``): the q/k/v input and the MLP input
+    are kept as the all-gathered full sequence, 2 e h not divided by t -- torch's DTensor
+    sequence parallelism (the linear's weight gradient reads its gathered input; Megatron
+    keeps the shard and all-gathers again in backward, as Korthikanti et al. count).
+    Measured on CPU with torch 2.13 (tests/test_estimate_run.py). Not counted: RoPE's and
+    norms' small side tensors (rstd, cos/sin). Units: bytes.
     """
     kv = h if kv is None else kv
     f = 4 * h if ffn is None else ffn
@@ -225,7 +230,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if recompute == "selective":
         scores = 0
-    per_token = (rep + split + scores) / t if sp else rep + (split + scores) / t
+    gathered = 2 * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
+    per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
     return s * b * per_token
 
 
@@ -262,7 +268,7 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int
 
 
 def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: bool = False,
-                     fused_rmsnorm: bool = True) -> dict:
+                     fused_rmsnorm: bool = True, sp_saves_gathered: bool = True) -> dict:
     """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term.
 
     layers: per-layer bytes x the rank's layers x micro-batches in flight; recompute_layer:
@@ -278,13 +284,16 @@ def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: b
     full width h. xpar's model has no dropout. ``fused_rmsnorm=False`` (torch's composite
     RMSNorm, e.g. on CPU): every RMSNorm also keeps x * rstd, one more e h per norm
     (``norm_saves_output`` of :func:`layer_activation_bytes`; the final norm in logits).
+    ``sp_saves_gathered``: torch's sequence parallelism keeps the all-gathered inputs of the
+    q/k/v, MLP and output projections at full sequence length (see
+    :func:`layer_activation_bytes`).
     """
     cfg, par = spec.model, spec.parallel
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
     e = BYTES[spec.train.dtype]
     extra_norm = not fused_rmsnorm and cfg.norm == "rmsnorm"
     kw = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=dropout,
-              flash=flash, elem=e, norm_saves_output=extra_norm)
+              flash=flash, elem=e, norm_saves_output=extra_norm, sp_saves_gathered=sp_saves_gathered)
     per_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, par.recompute, **kw)
     full_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, "none", **kw)
     split = spec.layer_split or [cfg.n_layers]
@@ -298,7 +307,8 @@ def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: b
         "layers": per_layer * n_layers * inflight,
         "recompute_layer": full_layer if par.recompute == "full" and n_layers else 0.0,
         "embedding": (8 * s * b + (s * b * h / t if dropout else 0)) * inflight if 0 in stages else 0.0,
-        "logits": (((2 + extra_norm) * e * sh + 4 * s * b * cfg.vocab_size / t) * last_inflight
+        "logits": (((1 + extra_norm) * e * sh + e * (s * b * h if sp and sp_saves_gathered else sh)
+                    + 4 * s * b * cfg.vocab_size / t) * last_inflight
                    if len(split) - 1 in stages else 0.0),
         "microbatches_in_flight": inflight,
     }
@@ -363,15 +373,17 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
 
 
 def memory(spec: RunSpec, pp_rank: Optional[int] = None, flash: bool = True,
-           dropout: bool = False, fused_rmsnorm: bool = True) -> MemoryEstimate:
+           dropout: bool = False, fused_rmsnorm: bool = True, sp_saves_gathered: bool = True) -> MemoryEstimate:
     """Per-device peak memory of ``spec`` on pipeline rank ``pp_rank`` (None: the most
-    loaded rank). See the module docstring for the formulas; ``flash``/``dropout``/``fused_rmsnorm`` as in
+    loaded rank). See the module docstring for the formulas; ``flash``, ``dropout``,
+    ``fused_rmsnorm``, ``sp_saves_gathered`` as in
     :func:`activation_terms`."""
     ranks = range(spec.pp) if pp_rank is None else [pp_rank]
     best = None
     for r in ranks:
         states = model_state_bytes(spec, r)
-        act = activation_terms(spec, r, flash=flash, dropout=dropout, fused_rmsnorm=fused_rmsnorm)
+        act = activation_terms(spec, r, flash=flash, dropout=dropout, fused_rmsnorm=fused_rmsnorm,
+                               sp_saves_gathered=sp_saves_gathered)
         comm = comm_buffer_terms(spec, r)
         acts = sum(v for k, v in act.items() if k != "microbatches_in_flight")
         overhead = spec.hardware.framework_overhead_gb * 1e9

@@ -15,8 +15,8 @@ The Report has the fields and metric names of a measured run (xpar.report), with
   ``estimate/device_memory_bytes``, ``estimate/memory_headroom_bytes`` (device memory - peak),
   ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank);
 - ``estimate/dryrun_param_bytes`` and ``estimate/analytic_param_bytes``: parameter bytes held
-  per device (as ``memory/params_bytes``) on the dry run's most loaded rank, built by torch and
-  counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
+  per device (as ``memory/params_bytes``) on the estimate's most loaded device, built by torch
+  and counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
   params or grads bytes over the ranks built; ``estimate/dryrun_ranks``, ``estimate/dryrun_s``
   (per-rank detail in the artifact ``dryrun.json``);
 - pipelined layouts: ``pipeline/bubble_ratio`` (the cost model's) and
@@ -78,7 +78,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """
     est = estimate(spec, assumptions_for(spec))
     mem = est.memory
-    _, ranks = peak_ranks(spec, mem.pp_rank)
+    peak_dp, ranks = peak_ranks(spec, mem.pp_rank)
     extra: dict[str, float] = {f"estimate/time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
     extra.update({
         "estimate/hw_tflops_per_device": est.hw_tflops_per_device,
@@ -90,10 +90,12 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     })
     artifacts: list[str] = []
     if spec.dry_run:
-        from xpar.dryrun import dry_run
+        from xpar.dryrun import dry_run, representative_ranks
 
-        d = dry_run(spec)
-        peak = d.peak()
+        coords = representative_ranks(spec)
+        peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
+        d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
+        peak = next(r for r in d.ranks if (r.coords["pp"], r.coords["dp"], r.coords["tp"]) == peak_coords)
         extra.update({"estimate/dryrun_param_bytes": float(peak.dryrun["params"]),
                       "estimate/analytic_param_bytes": float(peak.analytic["params"]),
                       "estimate/dryrun_param_bytes_diff": float(d.max_diff),
