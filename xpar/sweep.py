@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -24,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 SWEEP_FILE = "xpar_sweep.json"
+SWEEP_ENV = "XPAR_SWEEP_FILE"
 
 
 def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
@@ -95,9 +97,17 @@ class SweepCallback(Callback):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         sweep_id = uuid.uuid4().hex[:8]
         jobs, exact = job_overrides(config)
-        info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if exact else None, invalid=bad)
+        try:
+            info = open_parent_run(config, sweep_id, n_jobs=len(jobs) if exact else None, invalid=bad)
+        except Exception as e:  # Hydra would only warn; say it plainly and record jobs unparented
+            print(f"xpar: could not open the sweep's MLflow parent run ({type(e).__name__}: {e}); "
+                  f"each job is still recorded as its own run.", file=sys.stderr)
+            return
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))
         self._file = sweep_dir / SWEEP_FILE
+        # Jobs re-resolve ${now:...} in hydra.sweep.dir; the environment (inherited by
+        # launcher subprocesses such as submitit's) carries the one true location.
+        os.environ[SWEEP_ENV] = str(self._file)
         atexit.register(finish_sweep, self._file)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -113,9 +123,7 @@ def current_sweep() -> Optional[dict]:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return None
-    d = Path(hc.sweep.dir)
-    d = d if d.is_absolute() else Path(hc.runtime.cwd) / d
-    f = d / SWEEP_FILE
+    f = Path(os.environ.get(SWEEP_ENV, Path(hc.runtime.output_dir).parent / SWEEP_FILE))
     info = json.loads(f.read_text()) if f.is_file() else {}
     info.update(job_num=int(hc.job.num), overrides=list(hc.overrides.task))
     return info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from contextlib import contextmanager
@@ -51,6 +52,13 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
         return exp.experiment_id
     location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
     return mlflow.create_experiment(experiment, artifact_location=location)
+
+
+def param_key(key: str) -> str:
+    """A valid MLflow param/metric name: Hydra override prefixes (+, ++, ~) dropped and any
+    character outside letters, digits, ``_ - . / :`` and space replaced by ``_``."""
+    key = key.replace("+", "").replace("~", "")
+    return re.sub(r"[^A-Za-z0-9_\-./: ]", "_", key)
 
 
 class _Terminated(BaseException):
@@ -136,20 +144,24 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list)
             "mlflow.runName": f"sweep {sweep_id}"}
     client = mlflow.tracking.MlflowClient()
     run = client.create_run(exp_id, tags=tags)
-    if params:
-        client.log_batch(run.info.run_id, params=[mlflow.entities.Param(f"sweep.{k}", str(v)[:MAX_PARAM_CHARS])
-                                                   for k, v in list(params.items())[:MAX_PARAMS_PER_BATCH]])
-    if invalid:
-        import csv
-        import io
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(["job", "overrides", "reason"])
-        for num, overrides, problems in invalid:
-            for p in problems:
-                w.writerow([num, " ".join(overrides), p])
-        client.log_text(run.info.run_id, buf.getvalue(), "invalid_jobs.csv")
-        client.set_tag(run.info.run_id, "xpar.invalid_jobs", str(len(invalid)))
+    try:
+        if params:
+            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(param_key(f"sweep.{k}"), str(v)[:MAX_PARAM_CHARS])
+                                                       for k, v in list(params.items())[:MAX_PARAMS_PER_BATCH]])
+        if invalid:
+            import csv
+            import io
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(["job", "overrides", "reason"])
+            for num, overrides, problems in invalid:
+                for p in problems:
+                    w.writerow([num, " ".join(overrides), p])
+            client.log_text(run.info.run_id, buf.getvalue(), "invalid_jobs.csv")
+            client.set_tag(run.info.run_id, "xpar.invalid_jobs", str(len(invalid)))
+    except Exception:  # never leave the parent RUNNING
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
     return {"sweep_id": sweep_id, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
             "uri": mlflow.get_tracking_uri(), "n_jobs": n_jobs, "skipped": [n for n, _, _ in invalid],
             "metric": OmegaConf.select(config, "sweep.metric", default="throughput/tokens_per_s"),
