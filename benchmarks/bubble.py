@@ -45,25 +45,21 @@ def _spec(schedule: str, m: int, steps: int):
 
 
 def measure(schedule: str, m: int, steps: int) -> dict:
-    from xpar.bubble import _pipelines, step_bubbles, theory
+    from xpar.bubble import pipelines, step_bubbles, theory
     from xpar.launch import launch_local
+    from xpar.models.shapes import param_count
 
     spec = _spec(schedule, m, steps)
     with tempfile.TemporaryDirectory() as out:
         stats = launch_local(spec, Path(out))
-    pipeline = _pipelines(stats, spec.pp)[0]
+    pipeline = pipelines(stats, spec.pp)[0]
     per_step = [step_bubbles(pipeline, i) for i in range(spec.train.warmup_steps, spec.train.steps)]
     measured = [b["measured"] for b in per_step]
     simulated = [b["simulated"] for b in per_step]
     return {"schedule": schedule, "m": m, "measured": measured, "simulated": simulated,
             "theory": theory(schedule, spec.pp, m, 1),
             "step_s": statistics.median(b["step_time_s"] for b in per_step),
-            "params_per_stage": sum(p for p in _stage_params(spec))}
-
-
-def _stage_params(spec):
-    from xpar.models.shapes import param_count
-    yield param_count(spec.model).total / spec.pp
+            "params_per_stage": param_count(spec.model).total / spec.pp}
 
 
 def main() -> None:

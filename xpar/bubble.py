@@ -36,7 +36,7 @@ def theory(schedule: str, pp: int, m: int, v: int) -> float:
     return simulated_bubble(schedule, pp, m, v)
 
 
-def _pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
+def pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
     """The ranks' pipeline records grouped by (dp, tp), each group ordered by pp rank."""
     groups: dict[tuple[int, int], dict[int, dict]] = {}
     for s in stats:
@@ -68,8 +68,7 @@ def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optio
     pp, m = spec.pp, spec.micro_batches
     v = len(spec.layer_split) // pp
     timed = range(spec.train.warmup_steps, spec.train.steps)
-    pipelines = _pipelines(stats, pp)
-    per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines]
+    per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines(stats, pp)]
     measured = [b["measured"] for pl in per_step for b in pl]
     simulated = [b["simulated"] for pl in per_step for b in pl]
     th = theory(spec.parallel.schedule, pp, m, v)

@@ -25,8 +25,6 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from xpar.spec import RunSpec
 
-V_SHAPED = ("zbv", "dualpipev")
-
 
 def schedule_class(name: str) -> type:
     """The torch schedule class of an xpar schedule name (see ``xpar.validate.SCHEDULES``)."""
@@ -34,21 +32,18 @@ def schedule_class(name: str) -> type:
     return getattr(schedules, SCHEDULES[name][0])
 
 
-def stages_per_rank(spec: RunSpec) -> int:
-    return 1 if spec.parallel.schedule in ("gpipe", "1f1b") else int(spec.parallel.virtual_stages)
-
-
-def stage_ranks(schedule: str, pp: int, v: int) -> list[int]:
-    """pp rank of each stage index (len pp * v)."""
-    n = pp * v
-    if schedule in V_SHAPED:
-        return [s if s < pp else n - 1 - s for s in range(n)]
-    return [s % pp for s in range(n)]
+def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:
+    """pp rank of each stage index: V placement for the V-shaped schedules (rule "2" in
+    ``xpar.validate.SCHEDULES``), loop placement otherwise."""
+    from xpar.validate import SCHEDULES
+    if SCHEDULES[schedule][1] == "2":
+        return [s if s < pp else n_stages - 1 - s for s in range(n_stages)]
+    return [s % pp for s in range(n_stages)]
 
 
 def local_stage_ids(spec: RunSpec, pp_rank: int) -> list[int]:
     """Stage indices held by pipeline rank ``pp_rank``, in increasing order."""
-    owners = stage_ranks(spec.parallel.schedule, spec.pp, stages_per_rank(spec))
+    owners = stage_ranks(spec.parallel.schedule, spec.pp, len(spec.layer_split))
     return [s for s, r in enumerate(owners) if r == pp_rank]
 
 
