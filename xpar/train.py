@@ -57,7 +57,8 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
             losses.append(loss)
             if progress is not None:
                 progress[0].update(progress[1], advance=1,
-                                   description=f"step {step + 1}/{spec.train.steps} loss {loss if loss is None else round(loss, 4)}")
+                                   description=f"step {step + 1}/{spec.train.steps}"
+                                               + ("" if loss is None else f" loss {loss:.4f}"))
     finally:
         if progress is not None:
             progress[0].stop()
