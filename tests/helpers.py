@@ -72,6 +72,8 @@ def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: s
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    from xpar.worker import exit_worker
+    exit_worker()  # skip finalization: gloo may abort a finished process there (see exit_worker)
 
 
 def spawn(fn: Callable, world: int, payload) -> object:

@@ -67,7 +67,7 @@ def _forward_check(kind: str, sp: bool, mesh) -> dict:
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grad_diff = max(grad_diff, (grad - ref_grads[n].grad).abs().max().item())
     return {"logits": (logits.full_tensor() - ref_logits).abs().max().item(),
-            "loss": abs(float(loss) - float(ref_loss)), "grads": grad_diff,
+            "loss": abs(float(loss.detach()) - float(ref_loss.detach())), "grads": grad_diff,
             "tied": model.output.weight is model.tok_embeddings.weight if cfg.tied_embeddings else None}
 
 
