@@ -43,6 +43,11 @@ def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
         os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
     _hydra_main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun rank that finished (results logged) skips interpreter finalization,
+        # where gloo can abort the process (see xpar.worker.exit_worker).
+        from xpar.worker import exit_worker
+        exit_worker()
 
 
 if __name__ == "__main__":
