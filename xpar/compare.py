@@ -75,7 +75,11 @@ def select_runs(uri: str, experiment: str, sweep: Optional[str], filter_string: 
 
 
 def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """The comparison plots that the runs support; returns the PNG paths written."""
+    """The comparison plots that the runs support; returns the PNG paths written.
+
+    bubble_vs_microbatches.png: measured (solid), simulated (dotted) and theory (dashed)
+    bubble ratio per schedule against m; throughput_by_layout.png and memory_by_layout.png:
+    bars per run, estimates hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,13 +94,12 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for sched, g in piped.groupby(piped["schedule"].fillna("?")):
             g = g.sort_values("micro_batches")
-            ax.plot(g["micro_batches"], g["bubble"], "o-", label=f"{sched} measured")
+            line, = ax.plot(g["micro_batches"], g["bubble"], "o-", label=f"{sched} measured")
             if g["bubble_sim"].notna().any():
-                ax.plot(g["micro_batches"], g["bubble_sim"], "x:", label=f"{sched} simulated")
-        for p in sorted(piped["pp"].dropna().unique()):
-            ms = sorted(piped["micro_batches"].dropna().unique())
-            grid = [m for m in range(1, int(max(ms)) + 1)]
-            ax.plot(grid, [(p - 1) / (m + p - 1) for m in grid], "k--", lw=1, label=f"theory (p-1)/(m+p-1), p={int(p)}")
+                ax.plot(g["micro_batches"], g["bubble_sim"], "x:", color=line.get_color(), label=f"{sched} simulated")
+            if g["bubble_theory"].notna().any():  # (p-1)/(m+p-1), (p-1)/(v*m+p-1), or the action list
+                ax.plot(g["micro_batches"], g["bubble_theory"], "--", lw=1, color=line.get_color(),
+                        label=f"{sched} theory")
         ax.set_xlabel("micro-batches m")
         ax.set_ylabel("bubble ratio")
         ax.set_xscale("log", base=2)
