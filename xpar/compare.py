@@ -31,11 +31,14 @@ COLUMNS = {  # table column -> MLflow column
     "tflops_per_device": "metrics.throughput/tflops_per_device",
     "mfu": "metrics.throughput/mfu",
     "peak_gib_per_device": "metrics.memory/peak_bytes_per_device",
+    "model_states_gib": "metrics.memory/model_states_bytes",
+    "zero_paper_gib": "metrics.memory/zero_paper_model_states_bytes",
     "bubble": "metrics.pipeline/bubble_ratio",
     "bubble_sim": "metrics.pipeline/bubble_ratio_sim",
     "bubble_theory": "metrics.pipeline/bubble_ratio_theory",
 }
 NUMERIC = ("pp", "micro_batches", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
+           "model_states_gib", "zero_paper_gib",
            "bubble", "bubble_sim", "bubble_theory")
 
 
@@ -47,7 +50,8 @@ def headline_table(runs: pd.DataFrame) -> pd.DataFrame:
         out[name] = runs[col] if col in runs else None
     for name in NUMERIC:
         out[name] = pd.to_numeric(out[name], errors="coerce")
-    out["peak_gib_per_device"] = out["peak_gib_per_device"] / 2 ** 30
+    for col in ("peak_gib_per_device", "model_states_gib", "zero_paper_gib"):
+        out[col] = out[col] / 2 ** 30
     if out["job"].notna().any():
         out = out.assign(_j=pd.to_numeric(out["job"], errors="coerce")).sort_values("_j").drop(columns="_j")
     return out.reset_index(drop=True)
@@ -139,7 +143,8 @@ def print_table(t: pd.DataFrame, title: str) -> None:
 
     table = Table(title=title)
     cols = ["job", "model", "layout", "mode", "status", "tokens_per_s", "tflops_per_device", "mfu",
-            "peak_gib_per_device", "bubble", "bubble_sim", "bubble_theory"]
+            "peak_gib_per_device", "model_states_gib", "zero_paper_gib", "bubble", "bubble_sim", "bubble_theory"]
+    cols = [c for c in cols if t[c].notna().any()]  # leave out what no run has (e.g. bubble without pp)
     for c in cols:
         table.add_column(c, justify="right")
     for r in t.itertuples():

@@ -59,6 +59,7 @@ class Report:
             "memory/peak_rank": self.peak_rank,
         }
         m.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
+        m["memory/model_states_bytes"] = float(sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")))
         if self.final_loss is not None:
             m["train/final_loss"] = self.final_loss
         m.update(self.extra)
@@ -78,6 +79,22 @@ def flops_per_step(spec: RunSpec) -> tuple[float, float]:
     tokens = spec.tokens_per_step
     return (model_flops_per_token(spec.model, spec.seq_len) * tokens,
             hardware_flops_per_token(spec.model, spec.seq_len, spec.parallel.recompute) * tokens)
+
+
+def zero_paper_bytes(spec: RunSpec) -> float:
+    """Model-state bytes per device by the ZeRO paper's formulas (Rajbhandari et al. 2020,
+    Sec. 5 / Table 1), generalised to the run's dtype, for Psi = parameters / (tp*pp) and
+    N = dp: stage 0 (P + G + K) Psi; 1: (P + G) Psi + K Psi / N; 2: P Psi + (G + K) Psi / N;
+    3: (P + G + K) Psi / N. Mixed-precision Adam (bf16): P = G = 2, K = 12; fp32: 4, 4, 8.
+    Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
+    params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
+    from xpar.models.shapes import param_count
+
+    psi = param_count(spec.model).total / (spec.tp * spec.pp)
+    P, G, K = (2, 2, 12) if spec.train.dtype == "bf16" else (4, 4, 8)
+    n = spec.dp
+    return {0: (P + G + K) * psi, 1: (P + G) * psi + K * psi / n, 2: P * psi + (G + K) * psi / n,
+            3: (P + G + K) * psi / n}[spec.parallel.zero_stage]
 
 
 def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
@@ -111,6 +128,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEMORY_TERMS},
         losses=losses, step_times_s=per_step)
+    report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     if spec.pp > 1:
         from xpar.bubble import summarize
         pipeline, report.timeline = summarize(spec, stats)

@@ -38,7 +38,7 @@ from pathlib import Path
 from xpar.estimate.cost import _bubble, estimate
 from xpar.estimate.fit import assumptions_for, peak_memory, peak_ranks
 from xpar.estimate.memory import stages_per_rank
-from xpar.report import Report, layout_name
+from xpar.report import Report, layout_name, zero_paper_bytes
 from xpar.spec import RunSpec
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead")
@@ -114,6 +114,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         step_time_s=est.time_per_step_s, tokens_per_s=est.tokens_per_s, tflops_per_device=est.tflops_per_device,
         mfu=est.mfu, hfu=est.hfu, peak_bytes_per_device=mem.total, peak_rank=ranks[0],
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
+    report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
 
