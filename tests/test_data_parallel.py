@@ -6,12 +6,40 @@ from tests.helpers import reference_losses, run_specs, spawn, spec_for
 LAYOUTS = ["dp", "zero1", "zero2", "zero3"]
 
 
+def _held_grads(spec_dict: dict) -> dict:
+    """Worker: gradient bytes a ZeRO-3 rank holds (xpar.metrics.grad_bytes_held: ``.grad``
+    plus FSDP2's unsharded gradients of a deferred reduction) after one micro-batch's
+    backward with FSDP2's gradient sync on, then, from zero, with it off."""
+    from xpar.data import TokenSource
+    from xpar.metrics import _nbytes, dp_full_param_bytes, fsdp_params, grad_bytes_held
+    from xpar.parallel.factory import build_engine
+    from xpar.parallel.mesh import build_mesh
+    from xpar.spec import RunSpec
+
+    spec = RunSpec.from_dict(spec_dict)
+    engine = build_engine(spec, build_mesh("cpu", spec.pp, spec.dp, spec.tp))
+    model, fps = engine.chunks[0], fsdp_params(engine.chunks)
+    xs, ys = TokenSource(spec).micro_batches(0, engine.mesh["dp"].get_local_rank(), "cpu")
+    held = {}
+    for sync in (True, False):
+        engine.optimizer.zero_grad(set_to_none=True)
+        model.set_requires_gradient_sync(sync)
+        engine.loss_fn(model(xs[0]), ys[0]).backward()
+        held["sync" if sync else "deferred"] = grad_bytes_held(engine.chunks, fps)
+    params = list(model.parameters())
+    return {**held, "shard": sum(_nbytes(p) for p in params), "whole": sum(dp_full_param_bytes(p) for p in params)}
+
+
+def _workers(payload: dict) -> dict:
+    return {"runs": run_specs(payload["runs"]), "held": _held_grads(payload["held"])}
+
+
 @pytest.fixture(scope="module")
 def results():
     specs = [spec_for(f"parallel={p}", "train.steps=5", "train.warmup_steps=1", "parallel.micro_batches=2")
              for p in LAYOUTS]
-    out = spawn(run_specs, 2, [s.to_dict() for s in specs])
-    return specs, dict(zip(LAYOUTS, out))
+    out = spawn(_workers, 2, {"runs": [s.to_dict() for s in specs], "held": specs[LAYOUTS.index("zero3")].to_dict()})
+    return specs, dict(zip(LAYOUTS, out["runs"])) | {"held": out["held"]}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -35,7 +63,10 @@ def test_zero_shards_what_each_stage_promises(results):
     # ZeRO-1: optimizer states ~1/dp (ZeroRedundancyOptimizer partitions whole parameters)
     assert mem["zero1"]["optimizer"] == pytest.approx(ddp["optimizer"] / 2, rel=0.1)
     assert mem["zero1"]["grads"] == ddp["grads"] and mem["zero1"]["params"] == ddp["params"]
-    # ZeRO-2: gradients too (FSDP2 shards dim 0; tiny's dims are even so exactly 1/2)
+    # ZeRO-2: gradients too (FSDP2 shards dim 0; tiny's dims are even so exactly 1/2). The
+    # grads term is the most held at once, FSDP2's unsharded gradients of a deferred
+    # reduction included (probed after every micro-batch): 1/2 with m = 2 because xpar
+    # reduce-scatters every micro-batch.
     assert mem["zero2"]["grads"] == ddp["grads"] / 2
     assert mem["zero2"]["optimizer"] == ddp["optimizer"] / 2
     assert mem["zero2"]["params"] == ddp["params"]
@@ -44,3 +75,14 @@ def test_zero_shards_what_each_stage_promises(results):
     assert mem["zero3"]["grads"] == ddp["grads"] / 2
     for k in LAYOUTS:
         assert mem[k]["activations"] > 0
+
+
+def test_zero3_holds_whole_gradients_only_when_the_reduction_is_deferred(results):
+    """The observable behind the grads term: after a backward with FSDP2's gradient sync
+    off, the rank holds the whole unsharded gradients (torch keeps them on its private
+    ``FSDPParam._unsharded_param``), which the sharded ``p.grad`` alone would not show; with
+    sync on, only the 1/dp shards. xpar's accumulation keeps sync on for ZeRO-2/3."""
+    held = results[1]["held"]
+    assert held["shard"] * 2 == held["whole"]
+    assert held["sync"] == held["shard"]
+    assert held["deferred"] == held["whole"]

@@ -184,6 +184,7 @@ LAYOUTS = {
     "zero3": ("parallel=zero3", "parallel.micro_batches=2"),
     "tp": ("parallel=tp",),
     "tp_sp": ("parallel=tp", "parallel.sequence_parallel=true"),
+    "tp_m2": ("parallel=tp", "parallel.micro_batches=2"),  # replicate defers its reduction
     "pp_1f1b": ("parallel=pp",),
     "pp_gpipe": ("parallel=pp", "parallel.schedule=gpipe"),
 }

@@ -8,6 +8,7 @@ spawn running all its cases in a row: 2 workers (pp=2: all seven schedules), 4 w
 """
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def run_all(payload: dict) -> dict:
             extra, timeline = summarize(RunSpec.from_dict(d), stats)
             out[name] = {"losses": [s["losses"] for s in stats], "extra": extra,
                          "timeline_ranks": len(timeline["actions"]),
-                         "activations": [s["memory"]["activations"] for s in stats]}
+                         "activations": [s["memory"]["activations"] for s in stats],
+                         "memory": [s["memory"] for s in stats], "coords": [s["coords"] for s in stats]}
     return out
 
 
@@ -183,6 +185,34 @@ def test_reshard_after_forward_trap_is_real(pp2_dp2, schedule):
 def test_pp_dp_training_matches_single_process(pp2_dp2, name):
     specs, out = pp2_dp2
     _check_losses(specs[name], out["runs"][name]["losses"], name)
+
+
+def _check_model_states(spec, out: dict, name: str) -> None:
+    """Measured model states of every rank equal the cost model's, term by term. Under pp,
+    torch's PipelineStage defers FSDP2's gradient reduction to the stage's last backward, so
+    each rank holds its stages' whole (dp-unsharded) gradients until then: measured by
+    probing FSDP2's unsharded gradients just before each reduction, estimated as such."""
+    from xpar.estimate.memory import STATE_BYTES, model_state_bytes, param_shapes, replicated_embedding_grad_numel
+
+    for mem, c in zip(out["memory"], out["coords"]):
+        est = model_state_bytes(spec, c["pp"], c["dp"])
+        assert est == {k: mem[k] for k in ("params", "grads", "optimizer")}, (name, c, est, mem)
+        # whole gradients, not the 1/dp shards (+ the tp embedding's Replicate gradient)
+        whole = sum(math.prod(sh) for _, sh in param_shapes(spec, c["pp"]))
+        whole += replicated_embedding_grad_numel(spec, c["pp"])
+        assert mem["grads"] == whole * STATE_BYTES[spec.train.dtype][1], (name, c, mem["grads"], whole)
+
+
+@pytest.mark.parametrize("name", ["zbv_zero3", "1f1b_zero3"])
+def test_pp_dp_model_states_equal_the_estimate(pp2_dp2, name):
+    specs, out = pp2_dp2
+    _check_model_states(specs[name], out["runs"][name], name)
+
+
+@pytest.mark.parametrize("name", ["3d_local", "3d_zbv_sp"])
+def test_3d_model_states_equal_the_estimate(three_d, name):
+    specs, out = three_d
+    _check_model_states(specs[name], out[name], name)
 
 
 @pytest.mark.parametrize("name", ["3d_local", "3d_zbv_sp"])

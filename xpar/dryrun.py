@@ -44,7 +44,9 @@ class RankCheck:
     local_numel: int
     """Elements of this rank's parameter storage (DTensor local shards)."""
     dryrun: dict[str, int]
-    """params (as held during the step: dp-unsharded under ZeRO-2) and grads, bytes."""
+    """params and grads as held during the step, bytes: params dp-unsharded under ZeRO-2;
+    grads dp-sharded under ZeRO-2/3 without pp, whole where the reduction is deferred
+    (xpar.estimate.memory.grads_deferred)."""
     analytic: dict[str, int]
     """The same from xpar.estimate.memory.model_state_bytes_per_rank."""
     build_s: float
@@ -93,7 +95,8 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from xpar.estimate.memory import STATE_BYTES, model_state_bytes_per_rank
+    from xpar.estimate.memory import (STATE_BYTES, grads_deferred, model_state_bytes_per_rank,
+                                      replicated_embedding_grad_numel)
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
 
@@ -113,7 +116,7 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
                 warnings.simplefilter("ignore")
                 mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp)
                 engine = build_engine(build_spec, mesh, materialize_model=False)
-            local, held = _param_numel(engine.chunks, spec.parallel.zero_stage)
+            local, held, dp_full = _param_numel(engine.chunks, spec.parallel.zero_stage)
         except Exception as e:  # torch's own refusal of the plan
             raise PlanError(
                 f"the dry run could not build rank {rank} (pp={pp}, dp={dp}, tp={tp}) of {spec.world_size} through "
@@ -122,7 +125,14 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook
-        grads = local if spec.parallel.zero_stage >= 2 else held
+        # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
+        # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
+        # embedding's Replicate gradient included (a meta build runs no backward: that part
+        # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
+        if grads_deferred(spec):
+            grads = dp_full + replicated_embedding_grad_numel(spec, pp)
+        else:
+            grads = local if spec.parallel.zero_stage >= 2 else dp_full
         analytic = model_state_bytes_per_rank(spec, pp)[dp]
         out.ranks.append(RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
                                    dryrun={"params": held * bp, "grads": grads * bg},
@@ -132,15 +142,18 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     return out
 
 
-def _param_numel(chunks, zero_stage: int) -> tuple[int, int]:
-    """(local storage elements, elements held during the step) of this rank's parameters.
-    Held = local, except ZeRO-2 (FSDP2 reshard_after_forward=False), which holds each
-    parameter unsharded along dp from forward to backward -- as xpar.metrics counts it."""
+def _param_numel(chunks, zero_stage: int) -> tuple[int, int, int]:
+    """(local storage elements, elements held during the step, dp-unsharded elements) of this
+    rank's parameters. Held = local, except ZeRO-2 (FSDP2 reshard_after_forward=False), which
+    holds each parameter unsharded along dp from forward to backward -- as xpar.metrics
+    counts it. dp-unsharded: the whole parameters (still tp-sharded)."""
     from xpar.metrics import dp_full_param_bytes
 
-    local = held = 0
+    local = held = dp_full = 0
     for p in (p for c in chunks for p in c.parameters()):
         n = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        full = dp_full_param_bytes(p) // p.element_size()
         local += n
-        held += dp_full_param_bytes(p) // p.element_size() if zero_stage == 2 else n
-    return local, held
+        dp_full += full
+        held += full if zero_stage == 2 else n
+    return local, held, dp_full

@@ -10,7 +10,9 @@ Metric names and definitions (DESIGN.md):
   ``throughput/hfu`` the same with hardware FLOPs (recompute included).
 - ``memory/peak_bytes_per_device``: max over ranks of accounted bytes on CPU = local
   parameter + gradient + optimizer-state bytes + peak bytes saved for backward (each
-  storage counted once), or torch.cuda.max_memory_allocated on CUDA.
+  storage counted once), or torch.cuda.max_memory_allocated on CUDA. Gradient bytes are
+  the most held at once, FSDP2's unsharded gradients of a deferred reduction included
+  (:func:`model_state_bytes`).
 """
 from __future__ import annotations
 
@@ -105,20 +107,71 @@ def dp_full_param_bytes(p: torch.Tensor) -> int:
     return n * p.element_size()
 
 
-def model_state_bytes(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, zero_stage: int) -> dict[str, int]:
+def fsdp_params(chunks: list[nn.Module]) -> list:
+    """torch's ``FSDPParam`` objects of every FSDP2 module (``fully_shard`` or composable
+    ``replicate``) in ``chunks``, each once; empty without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, seen = [], set()
+    for c in chunks:
+        for mod in c.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            for group in mod._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    if id(fp) not in seen:
+                        seen.add(id(fp))
+                        out.append(fp)
+    return out
+
+
+def grad_bytes_held(chunks: list[nn.Module], fsdp_params_: list) -> int:
+    """Gradient bytes this rank holds now: every parameter's ``.grad`` (shards under
+    ZeRO-2/3) plus the gradients FSDP2 holds *unsharded along dp* for a reduction it has
+    deferred; ``fsdp_params_`` from :func:`fsdp_params`.
+
+    With ``set_requires_gradient_sync(False)`` (gradient accumulation without communication;
+    torch's PipelineStage sets it for every backward) FSDP2 leaves each gradient on the
+    unsharded parameter, ``FSDPParam._unsharded_param.grad``, or, with a mixed-precision
+    reduce dtype, in ``FSDPParam.unsharded_accumulated_grad``; the sharded ``p.grad`` appears
+    when the reduce-scatter runs and frees these. Both are private fields of torch 2.13's
+    FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), read because no public API
+    exposes them. While a module is unsharded, ``module.parameters()`` yields the unsharded
+    parameters themselves, so each parameter object is counted once. A DTensor gradient
+    counts its tp-local part.
+    """
+    params = {id(p): p for c in chunks for p in c.parameters()}
+    extra = 0
+    for fp in fsdp_params_:
+        params[id(fp.sharded_param)] = fp.sharded_param
+        unsharded = getattr(fp, "_unsharded_param", None)  # absent before the first all-gather
+        if unsharded is not None:
+            params[id(unsharded)] = unsharded
+        acc = getattr(fp, "unsharded_accumulated_grad", None)
+        if acc is not None:
+            extra += _nbytes(acc)
+    return extra + sum(_nbytes(p.grad) for p in params.values() if p.grad is not None)
+
+
+def model_state_bytes(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, zero_stage: int,
+                      grads_peak: int = 0) -> dict[str, int]:
     """Accounted bytes of this rank's model states (call after a step, before zero_grad).
 
     params: local shards under ZeRO-3; under ZeRO-2 the dp-unsharded size, since FSDP2
     with reshard_after_forward=False holds the whole parameters from forward to backward.
-    grads: local ``.grad`` tensors. optimizer: tensors in the optimizer state (the
-    per-parameter step counters excluded); for ZeRO-1 only this rank's partition.
+    grads: the most gradient bytes held at once: the local ``.grad`` tensors after the step,
+    or ``grads_peak``, the largest :func:`grad_bytes_held` the engine probed during its steps
+    (at micro-batch boundaries and before each pipeline stage's gradient reduction), when
+    larger -- FSDP2 holding the whole unsharded gradients for a deferred reduction.
+    optimizer: tensors in the optimizer state (the per-parameter step counters excluded);
+    for ZeRO-1 only this rank's partition.
     """
     params = [p for c in chunks for p in c.parameters()]
     if zero_stage == 2:
         pbytes = sum(dp_full_param_bytes(p) for p in params)
     else:
         pbytes = sum(_nbytes(p) for p in params)
-    gbytes = sum(_nbytes(p.grad) for p in params if p.grad is not None)
+    gbytes = max(grads_peak, sum(_nbytes(p.grad) for p in params if p.grad is not None))
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local AdamW
     obytes = sum(_nbytes(v) for state in inner.state.values() for k, v in state.items()
                  if torch.is_tensor(v) and k != "step")

@@ -62,7 +62,7 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     finally:
         if progress is not None:
             progress[0].stop()
-    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage)
+    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage, engine.grads_peak)
     memory["activations"] = tracker.peak
     if device == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()

@@ -214,9 +214,6 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     par.micro_batches = mb  # resolved from 'auto' above: the pipeline schedules check it
     layer_split = check_layout(m, par, mode, problems, seq_len=seq)
 
-    if mode == "execute" and hw.device == "cpu" and not problems:
-        _check_host_memory(m, par, dp, world, hw, problems)
-
     if problems:
         raise ConfigError(problems)
     par.dp, par.micro_batches = dp, mb
@@ -227,6 +224,10 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
                    layer_split=layer_split, launcher="torchrun" if trun else "local",
                    progress=c.run.progress, fail_rank=c.run.fail_rank, dry_run=c.run.dry_run)
     spec.notes = notes + spec.notes + resolve_pp(par)
+    if mode == "execute" and hw.device == "cpu":
+        problem = host_memory_problem(spec)
+        if problem:
+            raise ConfigError([problem])
     if mode == "estimate" and check_memory:
         from xpar.estimate.fit import fit_problem
         problem = fit_problem(spec)
@@ -277,17 +278,33 @@ def _check_model(m: Any, problems: list[str]) -> None:
         problems.append(f"rope needs an even head dim: hidden/n_heads = {m.head_dim}.")
 
 
-def _check_host_memory(m, par, dp, world, hw, problems: list[str]) -> None:
-    """Refuse a CPU run whose model states (fp32 Adam: 16 bytes/param, ZeRO-sharded) cannot fit."""
-    from xpar.models.shapes import param_count
+HOST_MEMORY_USABLE = 0.8
+"""Share of host memory a CPU run may plan for: the rest is left to the Python interpreters,
+torch's libraries and the allocator, which the cost model does not count."""
 
-    psi = param_count(m).total / (par.tp * par.pp)
-    shard = {0: (16, 1), 1: (8, 8), 2: (4, 12), 3: (0, 16)}[par.zero_stage]
-    per_worker = psi * (shard[0] + shard[1] / dp)
-    need = per_worker * world
-    have = hw.device_memory_gb * 1e9
-    if need > 0.8 * have:
-        problems.append(
-            f"model={m.name} does not fit this machine: model states alone need ~{need / 1e9:.1f} GB "
-            f"(fp32 Adam, {world} workers) of {have / 1e9:.1f} GB host memory. Use a smaller model "
+
+def host_memory_problem(spec: RunSpec) -> Optional[str]:
+    """None if a CPU run of ``spec`` fits host memory, else why not and what to do.
+
+    Every worker shares the host's memory, so the need is the cost model's peak per device
+    for hardware=local (:func:`xpar.estimate.fit.peak_memory`: params, grads, optimizer states,
+    activations, communication buffers, on the most loaded rank) times the world size.
+    """
+    from xpar.estimate.fit import peak_memory
+    from xpar.estimate.memory import STATE_BYTES
+
+    mem = peak_memory(spec)
+    need = mem.total * spec.world_size
+    have = spec.hardware.device_memory_gb * 1e9
+    usable = HOST_MEMORY_USABLE * have
+    if need <= usable:
+        return None
+    states = mem.params + mem.grads + mem.optimizer
+    dtype = spec.train.dtype
+    return (f"model={spec.model.name} does not fit this machine: {spec.world_size} workers need "
+            f"~{need / 1e9:.1f} GB (cost-model estimate per worker {mem.total / 1e9:.1f} GB, of which model states "
+            f"{states / 1e9:.1f} GB at {sum(STATE_BYTES[dtype])} bytes/param for "
+            f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
+            f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
+            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). Use a smaller model "
             f"(model=tiny or small), or estimate it: run.mode=estimate hardware=a100_80gb_8gpu.")

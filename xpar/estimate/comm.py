@@ -8,11 +8,14 @@ a buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)
   all-gathers the params before each forward and each backward, 3 Psi = 1.5 x DP for one
   micro-batch. torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces like DDP and then
   broadcasts each rank's updated partition (an all-gather, Psi): 1.5 x DP, not the paper's
-  1 x. Gradients are reduced once per step (sync on the last micro-batch only). FSDP2
-  reshards after each backward by default, so with m micro-batches of gradient
-  accumulation ZeRO-2 all-gathers m times and ZeRO-3 2 m times; torch pipelining keeps
-  params unsharded across backwards, so ZeRO-2 under pp gathers once (ZeRO-3 is still
-  counted 2 m there: an upper bound).
+  1 x. With m micro-batches of gradient accumulation, DDP and ZeRO-1 all-reduce once per
+  step (no_sync until the last micro-batch: their gradients are whole anyway); ZeRO-2/3
+  reduce-scatter once per micro-batch, m times (xpar keeps the gradients sharded, as
+  DeepSpeed and torchtitan do: xpar.parallel.factory.accumulate_step), except under pp,
+  where torch's PipelineStage defers FSDP2's reduction to the stage's last backward (once).
+  FSDP2 reshards after each backward by default, so ZeRO-2 all-gathers m times and ZeRO-3
+  2 m times; torch pipelining keeps params unsharded across backwards, so ZeRO-2 under pp
+  gathers once (ZeRO-3 is still counted 2 m there: an upper bound).
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per layer and micro-batch,
   2 all-reduces of b s h elements in forward and 2 in backward (with sequence parallelism
   each becomes an all-gather + a reduce-scatter, same bytes); full recompute repeats the
@@ -47,6 +50,13 @@ def allgather_bytes(nbytes: float, n: int) -> float:
 reduce_scatter_bytes = allgather_bytes
 
 
+def dp_reductions(spec: RunSpec) -> int:
+    """Gradient reductions over dp per step: m for ZeRO-2/3 without pp (a reduce-scatter
+    after every micro-batch), else 1 (DDP/ZeRO-1 after the last micro-batch; torch
+    pipelining after the stage's last backward)."""
+    return spec.micro_batches if spec.parallel.zero_stage >= 2 and spec.pp == 1 else 1
+
+
 def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = False,
                    recompute: str = "none") -> dict[str, float]:
     """TP bytes per device of one transformer layer, one micro-batch, forward + backward:
@@ -75,7 +85,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False) -
         if z == 1:
             out["dp_allgather"] = allgather_bytes(psi, dp)
     else:
-        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp)
+        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp) * dp_reductions(spec)
         gathers = 2 * m if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
     # tp

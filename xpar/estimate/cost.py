@@ -21,8 +21,10 @@ Time of one step on the slowest pipeline rank (units: seconds; FLOP/s; bytes/s):
   intra-node link, a group spanning nodes with k members per node min(intra, k * inter)
   (one NIC per GPU; ranks laid out tp fastest, then dp, then pp, as Megatron and xpar's mesh).
 - beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
-- dp: gradient reduction hides behind the backward of the last micro-batch and ZeRO
-  parameter gathers behind compute (prefetch) when ``Assumptions.dp_overlap``.
+- dp: each gradient reduction hides behind the backward of its micro-batch (the last
+  one, or every one for ZeRO-2/3 without pp, which reduce-scatter m times:
+  xpar.estimate.comm.dp_reductions) and ZeRO parameter gathers behind compute (prefetch)
+  when ``Assumptions.dp_overlap``.
 
 CALIBRATION (benchmarks/estimate_megatron.py, tests/test_estimate_throughput.py): the ten
 rows of Narayanan et al. 2021 Table 1 (GPT, s = 2048, V = 51200, A100-80GB, interleaved
@@ -48,7 +50,7 @@ from typing import Optional
 
 from xpar.config import HardwareConfig
 from xpar.estimate import flops as fl
-from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.comm import comm_bytes_rank, dp_reductions
 from xpar.estimate.memory import (BYTES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory,
                                   rank_stages, stages_per_rank)
 from xpar.estimate.schedule import bubble_theory, simulated_bubble
@@ -202,7 +204,8 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
     t_gather = c["dp_allgather"] / bw_dp if bw_dp else 0.0
     if assume.dp_overlap:
         bwd_share = (2 + (1 if par.recompute == "full" else 0)) / (3 + (1 if par.recompute == "full" else 0))
-        exposed = max(0.0, t_sync - bwd_share * mb_time[slow])
+        n_red = dp_reductions(spec)  # each reduction overlaps its own micro-batch's backward
+        exposed = n_red * max(0.0, t_sync / n_red - bwd_share * mb_time[slow])
         exposed += t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe)
     else:
         exposed = t_sync + t_gather

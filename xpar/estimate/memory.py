@@ -16,7 +16,15 @@ ranks: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also th
   ceil(d0/dp) rows, rank r holding rows [r c, min(d0, (r+1) c)) (the last ranks may hold
   fewer or none). ZeRO-2 (reshard_after_forward=False) holds the full parameters from
   forward to backward, so params count unsharded; grads and optimizer states are shards.
-  ZeRO-3 shards all three.
+  ZeRO-3 shards all three. Gradients stay shards with m micro-batches because xpar
+  reduce-scatters after every micro-batch's backward (xpar.parallel.factory.accumulate_step),
+  as DeepSpeed and torchtitan do. Under pipeline parallelism torch's ``PipelineStage``
+  instead turns FSDP2's gradient sync off for *every* backward and reduce-scatters once,
+  after the stage's last one (``perform_reduce_grad``; torch 2.13, whatever m), so until
+  then the rank holds its stages' whole dp-unsharded gradients: grads count unsharded
+  there, as the measured accounting does (xpar.metrics.model_state_bytes). Where a
+  reduction is deferred under tp, the token embedding's gradient is held at the whole
+  vocabulary (:func:`replicated_embedding_grad_numel`).
 
 Tensor parallelism (Megatron, Shoeybi et al. 2019): q/k/v/w1/w3 split on dim 0, wo/w2 on
 dim 1, token embedding and output projection on the vocabulary (dim 0); norms, row-parallel
@@ -146,6 +154,29 @@ def zero1_partition(numels: list[int], dp: int) -> list[int]:
     return sizes
 
 
+def grads_deferred(spec: RunSpec) -> bool:
+    """Whether the dp reduction of gradients waits for the step's last backward, the rank
+    holding its whole (dp-unsharded) gradients until then: always under pp (torch's
+    PipelineStage defers DDP's and FSDP2's reduction, whatever m), and without pp for ZeRO-0/1
+    with m > 1 (no_sync). ZeRO-2/3 without pp reduce-scatter every micro-batch."""
+    return spec.pp > 1 or (spec.parallel.zero_stage <= 1 and spec.micro_batches > 1)
+
+
+def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
+    """Gradient elements held beyond the tp-local token embedding while a reduction is
+    deferred (:func:`grads_deferred`), on the rank holding stage 0 under tp.
+
+    torch's DTensor backward of the vocabulary-parallel embedding (RowwiseParallel, weight
+    Shard(0) on tp) returns a *Replicate* gradient: the whole V x h on every tp rank. FSDP2
+    (and composable ``replicate``) redistribute it to the weight's Shard(0) only when they
+    reduce it, so a deferred gradient is held whole: (V - ceil(V/t)) h more elements.
+    Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs)."""
+    if spec.tp == 1 or not grads_deferred(spec):
+        return 0
+    return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
+               if name.split(":", 1)[1] == "tok_embeddings.weight")
+
+
 def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict[str, int]]:
     """:func:`model_state_bytes` of every dp rank of pipeline rank ``stage_index``."""
     shapes = [shape for _, shape in param_shapes(spec, stage_index)]
@@ -153,17 +184,19 @@ def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict
     full, dp, z = sum(numels), spec.dp, spec.parallel.zero_stage
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     zero1 = zero1_partition(numels, dp) if z == 1 else None
+    whole_grads = full + replicated_embedding_grad_numel(spec, stage_index)  # held while deferred
     out = []
     for r in range(dp):
         shard = sum(fsdp_shard_numel(s, dp, r) for s in shapes)
+        grads = whole_grads if grads_deferred(spec) else (shard if z >= 2 else full)
         if z == 0:
-            n = (full, full, full)
+            n = (full, grads, full)
         elif z == 1:
-            n = (full, full, zero1[r])
+            n = (full, grads, zero1[r])
         elif z == 2:
-            n = (full, shard, shard)
+            n = (full, grads, shard)
         else:
-            n = (shard, shard, shard)
+            n = (shard, grads, shard)
         out.append({"params": n[0] * bp, "grads": n[1] * bg, "optimizer": n[2] * bo})
     return out
 
@@ -344,10 +377,11 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
     (gradient_as_bucket_view=False, the default): one more gradient-sized buffer.
     fsdp_unsharded (ZeRO 2/3): FSDP2 all-gathers one unit (a block, or the root: embedding,
     norm, output) ahead of use: two units of params in flight for ZeRO-3, plus one unit of
-    unsharded gradients before its reduce-scatter.
-    fsdp_grad_accumulation (ZeRO 2/3, m > 1): with gradient sync only on the last
-    micro-batch (xpar's loop and torch pipelining), FSDP2 accumulates *unsharded*
-    gradients of the whole stage until then.
+    unsharded gradients before its reduce-scatter. Under pipeline parallelism the unsharded
+    gradients are already counted in ``grads`` (torch defers FSDP2's reduction to the
+    stage's last backward, see :func:`model_state_bytes_per_rank`), so only the params.
+    With m micro-batches there is no further gradient buffer: xpar reduce-scatters every
+    micro-batch (pp = 1), and under pp the deferred gradients are the ``grads`` term.
     pp_p2p: one send and one receive buffer of b s h elements per stage held (/t with sp).
     """
     z, e = spec.parallel.zero_stage, BYTES[spec.train.dtype]
@@ -359,13 +393,13 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
         key = ".".join(parts[:2]) if parts[0].endswith("layers") else parts[0].split(":")[0] + ":root"
         units[key] = units.get(key, 0) + math.prod(sh)
     unit = max(units.values()) if units else 0
-    out = {"ddp_buckets": 0.0, "fsdp_unsharded": 0.0, "fsdp_grad_accumulation": 0.0, "pp_p2p": 0.0}
+    out = {"ddp_buckets": 0.0, "fsdp_unsharded": 0.0, "pp_p2p": 0.0}
     if z <= 1 and spec.dp > 1:
         out["ddp_buckets"] = full * STATE_BYTES[spec.train.dtype][1]
     if z >= 2:
-        out["fsdp_unsharded"] = unit * e * (3 if z == 3 else 1)
-        if spec.micro_batches > 1:
-            out["fsdp_grad_accumulation"] = full * e
+        param_units = 2 if z == 3 else 0
+        grad_units = 1 if spec.pp == 1 else 0
+        out["fsdp_unsharded"] = unit * e * (param_units + grad_units)
     if spec.pp > 1:
         sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden
         out["pp_p2p"] = 2 * len(rank_stages(spec, pp_rank)) * sh * e / (spec.tp if spec.parallel.sequence_parallel else 1)

@@ -51,9 +51,23 @@ class Engine:
     step_fn: Callable[["Engine", list, list], Optional[float]]
     stages: list[Any] = field(default_factory=list)
     schedule: Any = None
+    grads_peak: int = 0
+    """Most gradient bytes held at once on this rank so far (:meth:`probe_grads`)."""
+    _fsdp_params: Optional[list] = field(default=None, init=False, repr=False)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
         return self.step_fn(self, inputs, targets)
+
+    def probe_grads(self) -> None:
+        """Update ``grads_peak`` with the gradient bytes held now: local ``.grad`` plus
+        FSDP2's unsharded gradients awaiting a deferred reduction
+        (:func:`xpar.metrics.grad_bytes_held`). Called where the held gradients peak: after
+        each micro-batch's backward, and before each pipeline stage's gradient reduction."""
+        from xpar.metrics import fsdp_params, grad_bytes_held
+
+        if self._fsdp_params is None:
+            self._fsdp_params = fsdp_params(self.chunks)
+        self.grads_peak = max(self.grads_peak, grad_bytes_held(self.chunks, self._fsdp_params))
 
     @property
     def loss_fn(self) -> Callable:
@@ -121,24 +135,42 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
 
 
 def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
-    """Gradient accumulation over m micro-batches, one optimizer step; gradients are
-    synchronised over dp only on the last micro-batch. Returns the mean loss over this
-    rank's micro-batches."""
+    """Gradient accumulation over m micro-batches, one optimizer step. Returns the mean loss
+    over this rank's micro-batches.
+
+    When gradients are synchronised over dp:
+
+    - ZeRO-0/1 (DDP, or composable ``replicate`` under tp): only on the last micro-batch
+      (``no_sync`` / ``set_requires_gradient_sync(False)`` before it), saving m - 1
+      all-reduces. The gradients are whole on every rank anyway (under tp the token
+      embedding's is then held at the whole vocabulary until the sync:
+      xpar.estimate.memory.replicated_embedding_grad_numel).
+    - ZeRO-2/3 (FSDP2): on every micro-batch, as DeepSpeed ZeRO-2/3 and torchtitan do. Each
+      backward reduce-scatters and accumulates into the sharded ``p.grad``, so a rank never
+      holds more than one FSDP unit's unsharded gradients. Deferring the sync would save
+      m - 1 reduce-scatters but make FSDP2 accumulate the *whole unsharded* gradients across
+      micro-batches: ZeRO-2/3's gradient saving gone whenever m > 1.
+
+    ``engine.probe_grads()`` after each backward records the gradient bytes held (the
+    measured ``grads`` term, xpar.metrics.model_state_bytes).
+    """
     model, m = engine.chunks[0], len(inputs)
     loss_fn = engine.loss_fn
+    sync_every = engine.spec.parallel.zero_stage >= 2
     total = 0.0
     for i, (x, y) in enumerate(zip(inputs, targets)):
-        last = i == m - 1
-        _set_grad_sync(model, last)
-        ctx = model.no_sync() if (hasattr(model, "no_sync") and not last) else nullcontext()
+        sync = sync_every or i == m - 1
+        _set_grad_sync(model, sync)
+        ctx = model.no_sync() if (hasattr(model, "no_sync") and not sync) else nullcontext()
         with ctx, engine.loss_context():
             loss = loss_fn(model(x), y) / m
             loss.backward()
+        engine.probe_grads()  # held gradients peak at a micro-batch boundary
         total += float(loss.detach())
     engine.optimizer.step()  # gradients are zeroed by the loop at the start of the next step
     return total
 
 
 def _set_grad_sync(model: nn.Module, sync: bool) -> None:
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard, replicate)
         model.set_requires_gradient_sync(sync)

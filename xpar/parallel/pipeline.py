@@ -13,6 +13,16 @@ engine's step. Every compute action of every stage (F: forward, B: full backward
 backward for inputs, W: backward for weights) is timed with ``time.perf_counter``; the loss
 of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
 action records that :mod:`xpar.bubble` turns into bubble ratios and a timeline.
+
+Gradient reduction over dp is torch's: ``PipelineStage.backward_maybe_with_nosync`` turns
+FSDP2's gradient sync off for *every* backward (DDP: ``no_sync`` until the last one) and
+the schedule's REDUCE_GRAD / ``perform_reduce_grad`` reduce-scatters once, after the stage's
+last backward (torch 2.13, whatever m). Until then a ZeRO-2/3 rank holds its stages' whole
+dp-unsharded gradients. torch offers no supported switch to reduce every micro-batch
+(xpar's non-pipelined loop does, see xpar.parallel.factory.accumulate_step), so xpar keeps
+torch's behaviour and counts it: :func:`attach_schedule` probes the held gradients just
+before each stage's reduction (``Engine.probe_grads``), the measured ``grads`` term, and the
+cost model counts whole gradients under pp (xpar.estimate.memory.grads_deferred).
 """
 from __future__ import annotations
 
@@ -141,6 +151,7 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         stage = PipelineStage(chunk, stage_index=s, num_stages=n_stages, device=device, group=group,
                               input_args=inputs, output_args=outputs)
         recorder.instrument(stage)
+        _probe_before_reduce(stage, engine)
         stages.append(stage)
     cls = schedule_class(spec.parallel.schedule)
     target = stages[0] if issubclass(cls, schedules.PipelineScheduleSingle) else stages
@@ -155,6 +166,18 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         return {"pp_rank": pp_rank, "stages": list(stage_ids), "schedule": spec.parallel.schedule,
                 "steps": recorder.steps}
     engine.pipeline_stats = pipeline_stats
+
+
+def _probe_before_reduce(stage: PipelineStage, engine) -> None:
+    """Probe the rank's held gradients (``engine.probe_grads``) just before ``stage`` reduces
+    its gradients over dp, where FSDP2's deferred unsharded gradients peak (see the module
+    docstring)."""
+    reduce = stage.perform_reduce_grad
+
+    def probed(*args, **kwargs):
+        engine.probe_grads()
+        return reduce(*args, **kwargs)
+    stage.perform_reduce_grad = probed
 
 
 def pipeline_step(engine, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
