@@ -152,8 +152,8 @@ def test_dry_run_turns_torch_refusals_into_plan_errors():
     from xpar.dryrun import PlanError, dry_run
 
     s = spec_for("parallel=pp", "model=small", "model.tied_embeddings=false", "hardware=a100_80gb_8gpu",
-                 "train=cluster", "parallel.pp=4", "parallel.micro_batches=4")
-    bad = replace(s, parallel=replace(s.parallel, micro_batches=2))  # past validation on purpose
+                 "train=cluster", "parallel.pp=4", "parallel.micro_batches=4", "parallel.schedule=1f1b")
+    bad = replace(s, parallel=replace(s.parallel, micro_batches=2))  # past validation on purpose (1f1b: m >= pp)
     with pytest.raises(PlanError) as e:
         dry_run(bad)
     assert "could not build rank 0 (pp=0, dp=0, tp=0) of 8" in str(e.value)
