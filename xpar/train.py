@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -20,6 +21,9 @@ def _sync(device: str) -> None:
 
 def train(engine: Engine, show_progress: bool = False) -> dict:
     """Run ``spec.train.steps`` optimizer steps on this rank; return its stats.
+
+    Memory and TP communication are accounted on step 0 (see below); the step times of
+    the timed steps (after ``warmup_steps``) carry no accounting overhead.
 
     Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
     micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
@@ -46,9 +50,12 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
             engine.optimizer.zero_grad(set_to_none=True)
             _sync(device)
             t0 = time.perf_counter()
-            # TP collectives are counted on the first step only (a warm-up step unless
-            # warmup_steps=0): the counter is a dispatch mode, and every step issues the same.
-            with tracker, count_tp_comm(mesh["tp"] if step == 0 else None) as counter:
+            # Memory (saved activations, held gradients) and TP collectives are accounted on
+            # the first step only -- a warm-up step unless warmup_steps=0 -- since every step
+            # has the same shapes and issues the same collectives; timed steps run bare.
+            first = step == 0
+            engine.accounting = first
+            with (tracker if first else nullcontext()), count_tp_comm(mesh["tp"] if first else None) as counter:
                 loss = engine.step(xs, ys)
             _sync(device)
             times.append(time.perf_counter() - t0)

@@ -53,6 +53,9 @@ class Engine:
     schedule: Any = None
     grads_peak: int = 0
     """Most gradient bytes held at once on this rank so far (:meth:`probe_grads`)."""
+    accounting: bool = True
+    """Probe memory in this step. The loop accounts on the first step only (every step has
+    the same shapes), so the timed steps carry no accounting overhead."""
     _fsdp_params: Optional[list] = field(default=None, init=False, repr=False)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
@@ -65,6 +68,8 @@ class Engine:
         each micro-batch's backward, and before each pipeline stage's gradient reduction."""
         from xpar.metrics import fsdp_params, grad_bytes_held
 
+        if not self.accounting:
+            return
         if self._fsdp_params is None:
             self._fsdp_params = fsdp_params(self.chunks)
         self.grads_peak = max(self.grads_peak, grad_bytes_held(self.chunks, self._fsdp_params))
