@@ -1,12 +1,13 @@
 """xpar's training step against a hand-written torch loop building the same wrapper.
 
 For each layout (dp = DDP, zero3 = FSDP2 fully_shard per block then root, tp = tensor
-parallel over the 2 workers with torch's Megatron styles and loss_parallel), run xpar's real
+parallel over the 2 workers with torch's Megatron styles and loss_parallel, pp = two
+PipelineStages under Schedule1F1B with 4 micro-batches), run xpar's real
 path (launcher, engine factory, train loop with memory accounting) and a plain torch
 script, alternately, ROUNDS times each, on 2 local gloo workers with one thread each; print
 the steps/s of both and their ratio (xpar / plain; 1.0 = no overhead). Goal: >= 0.95.
 
-    python benchmarks/overhead.py [--rounds 3] [--steps 12] [--layouts dp zero3 tp]
+    python benchmarks/overhead.py [--rounds 3] [--steps 12] [--layouts dp zero3 tp pp]
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _spec(layout: str, steps: int):
     from xpar.validate import validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose("config", overrides=[f"parallel={layout}", "tracking=off", "run.progress=false",
+        extra = ["parallel.schedule=1f1b", "parallel.micro_batches=4"] if layout == "pp" else []
+        cfg = compose("config", overrides=[f"parallel={layout}", *extra, "tracking=off", "run.progress=false",
                                            f"train.steps={steps}", "train.warmup_steps=2",
                                            "train.micro_batch_size=4", *MODEL])
     return validate(cfg, local_devices=2)
@@ -52,6 +54,12 @@ def plain_worker(rank: int, world: int, port: int, spec_dict: dict, out: str) ->
     spec = RunSpec.from_dict(spec_dict)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if spec.pp > 1:
+        times = _pp_by_hand(rank, world, spec)
+        if rank == 0:
+            Path(out).write_text(json.dumps(times))
+        dist.destroy_process_group()
+        return
     model = Transformer(spec.model)
     model.init_weights(spec.train.seed)
     tp = spec.parallel.tp
@@ -83,6 +91,41 @@ def plain_worker(rank: int, world: int, port: int, spec_dict: dict, out: str) ->
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def _pp_by_hand(rank: int, world: int, spec) -> list[float]:
+    """Two pipeline stages with torch's PipelineStage and Schedule1F1B (no xpar code)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from xpar.data import TokenSource
+    from xpar.models.transformer import Transformer
+
+    cfg, b, m, S = spec.model, spec.train.micro_batch_size, spec.micro_batches, spec.seq_len
+    per = cfg.n_layers // world
+    first, last = rank == 0, rank == world - 1
+    stage_mod = Transformer(cfg, layers=range(rank * per, (rank + 1) * per), first=first, last=last)
+    stage_mod.init_weights(spec.train.seed)
+    x_in = torch.zeros(b, S, dtype=torch.long) if first else torch.zeros(b, S, cfg.hidden, requires_grad=True)
+    x_out = torch.zeros(b, S, cfg.vocab_size if last else cfg.hidden, requires_grad=True)
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"), input_args=(x_in,), output_args=x_out)
+    schedule = Schedule1F1B(stage, n_microbatches=m,
+                            loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=spec.train.lr, foreach=False)
+    data = TokenSource(spec)
+    times = []
+    for step in range(spec.train.steps):
+        rows = data.global_batch(step)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        if first:
+            schedule.step(rows[:, :-1])
+        elif last:
+            schedule.step(target=rows[:, 1:], losses=[])
+        else:
+            schedule.step()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _tp_by_hand(model, mesh):
@@ -136,7 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--layouts", nargs="+", default=["dp", "zero3", "tp"])
+    ap.add_argument("--layouts", nargs="+", default=["dp", "zero3", "tp", "pp"])
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
