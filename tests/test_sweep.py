@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import mlflow
+import pytest
 
 
 def _xpar(cwd, *args, timeout=300):
@@ -84,3 +85,20 @@ def test_optuna_sweeper_groups_trials_and_preflights_discrete_choices(tmp_path):
     bad = _xpar(tmp_path, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
                 "train.steps=choice(0,3)", "train.lr=interval(0.0001,0.01)", "run.progress=false")
     assert bad.returncode == 2 and "train.steps must be > 0, got 0" in bad.stderr
+
+
+def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
+    """The README's sweep: one parent, 4 FINISHED children, compare shows measured and
+    theoretical bubble per m and writes the bubble plot."""
+    r = _xpar(tmp_path, "-m", "parallel=pp", "parallel.micro_batches=1,2,4,8", *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    parent, kids = _parent_and_children(_runs(tmp_path))
+    assert parent["status"] == "FINISHED" and len(kids) == 4 and set(kids["status"]) == {"FINISHED"}
+    theory = dict(zip(kids["params.parallel.micro_batches"].astype(int), kids["metrics.pipeline/bubble_ratio_theory"]))
+    assert theory == {m: pytest.approx(1 / (m + 1)) for m in (1, 2, 4, 8)}  # (p-1)/(m+p-1), p=2
+    assert (kids["metrics.pipeline/bubble_ratio"] > 0).all()
+    c = subprocess.run([sys.executable, "-m", "xpar.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert c.returncode == 0, c.stderr
+    assert "4 runs of sweep" in c.stdout and "bubble_theory" in c.stdout
+    assert (tmp_path / "cmp" / "bubble_vs_microbatches.png").stat().st_size > 1000
