@@ -1,6 +1,7 @@
 """Hardware presets and detection of the local machine."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import replace
@@ -14,11 +15,13 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+@functools.lru_cache(maxsize=None)
 def measure_cpu_peak_flops(n: int = 384, seconds: float = 0.3, threads: int = 1) -> float:
     """Dense fp32 matmul FLOP/s of one CPU worker (``threads`` torch threads).
 
     The best of repeated n x n matmuls (2 n^3 FLOPs each) for about ``seconds``. This is
     the denominator of MFU on CPU: a measured achievable peak, not a datasheet figure.
+    Measured once per process (a sweep's pre-flight validates every job).
     """
     import torch
 
