@@ -42,7 +42,11 @@ def main() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
         os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:
+        print("xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED.", file=sys.stderr)
+        raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank that finished (results logged) skips interpreter finalization,
         # where gloo can abort the process (see xpar.worker.exit_worker).

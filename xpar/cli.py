@@ -29,6 +29,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     non-zero torchrun ranks and skipped jobs).
     """
     from xpar.launch import WorkerFailed
+    from xpar.tracking import TrackingUnavailable
 
     try:
         spec = validate(cfg)
@@ -61,6 +62,11 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             raise
         print(f"xpar: {e}\n(traceback in {out_dir})", file=sys.stderr)
         raise SystemExit(1)
+    except TrackingUnavailable as e:
+        if sweep is not None:
+            raise
+        print(f"xpar: {e}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 @dataclass

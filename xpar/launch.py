@@ -24,6 +24,9 @@ class WorkerFailed(RuntimeError):
         self.rank, self.error, self.detail = rank, error, detail
         super().__init__(f"worker rank {rank} failed: {error}")
 
+    def __reduce__(self):  # picklable: launchers such as submitit send job errors between processes
+        return (WorkerFailed, (self.rank, self.error, self.detail))
+
 
 def free_port() -> int:
     with socket.socket() as s:

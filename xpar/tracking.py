@@ -38,6 +38,10 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be reached or used; raised before any worker starts."""
+
+
 def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Optional[str],
                      start_dir: Path) -> str:
     """Point MLflow at ``uri`` (default: the SQLite store in ``start_dir``) with bounded HTTP
@@ -46,12 +50,21 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
 
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    mlflow.set_tracking_uri(uri or default_uri(start_dir))
-    exp = mlflow.get_experiment_by_name(experiment)
-    if exp is not None:
-        return exp.experiment_id
-    location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
-    return mlflow.create_experiment(experiment, artifact_location=location)
+    uri = uri or default_uri(start_dir)
+    try:
+        mlflow.set_tracking_uri(uri)
+        exp = mlflow.get_experiment_by_name(experiment)
+        if exp is not None:
+            return exp.experiment_id
+        if artifact_location is None and uri.startswith(("http://", "https://")):
+            return mlflow.create_experiment(experiment)  # the server's --default-artifact-root decides
+        location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
+        return mlflow.create_experiment(experiment, artifact_location=location)
+    except Exception as e:  # unreachable server, unknown scheme, unwritable store
+        raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
+                                  f"Start the server, fix the URI, or use the default SQLite store "
+                                  f"(omit tracking.uri) or tracking=off.") from None
 
 
 def param_key(key: str) -> str:

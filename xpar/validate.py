@@ -151,8 +151,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
             dp = 1
     if world is not None and dp * tp_pp != world:
         problems.append(f"dp*tp*pp must equal the world size: dp={dp} x tp={par.tp} x pp={par.pp} = "
-                        f"{dp * tp_pp}, but {source}. Use parallel.dp=auto or dp={world // tp_pp if world % tp_pp == 0 else '?'}"
-                        f" with tp*pp dividing {world}.")
+                        f"{dp * tp_pp}, but {source}. Use parallel.dp=auto"
+                        + (f" or dp={world // tp_pp}." if world % tp_pp == 0 else f", with tp*pp dividing {world}."))
     world = dp * tp_pp
     if mode == "execute" and not trun and hw.device == "cuda" and world > int(hw.devices_per_node):
         problems.append(f"dp*tp*pp={world} exceeds the {hw.devices_per_node} local CUDA devices; "
@@ -194,6 +194,10 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
                 f"(or auto), or parallel.micro_batches=auto.")
 
     # --- steps and data ---------------------------------------------------------------------
+    if not tr.lr > 0:
+        problems.append(f"train.lr must be > 0, got {tr.lr}; e.g. train.lr=3e-4.")
+    if tr.weight_decay < 0:
+        problems.append(f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
     if tr.steps <= 0:
         problems.append(f"train.steps must be > 0, got {tr.steps}.")
     if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:

@@ -76,7 +76,12 @@ def check_pp(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]
                         f"stages; set model.tied_embeddings=false or pp=1.")
     n_stages = par.pp * v
     if par.layer_split:
-        split = [int(x) for x in par.layer_split]
+        given = list(par.layer_split)
+        if any(not isinstance(x, int) or isinstance(x, bool) for x in given):
+            problems.append(f"parallel.layer_split must list whole numbers of layers per stage, got {given}; "
+                            f"e.g. {even_split(m.n_layers, n_stages) or _uneven(m.n_layers, n_stages)}.")
+            return []
+        split = [int(x) for x in given]
         if len(split) != n_stages or any(x < 0 for x in split) or sum(split) != m.n_layers:
             problems.append(
                 f"parallel.layer_split must assign each of the {m.n_layers} layers exactly once, in order, to "
