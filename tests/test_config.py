@@ -103,3 +103,23 @@ def test_bad_input_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "train.steps must be > 0" in r.stderr
     assert not (tmp_path / "mlflow.db").exists()  # refused before anything ran or was logged
+
+
+def test_learning_rate_and_fractional_layer_split_are_refused():
+    assert "train.lr must be > 0, got -1.0" in _problems("train.lr=-1")
+    msg = _problems("parallel=pp", "parallel.layer_split=[2.5,1.5]")
+    assert "whole numbers of layers per stage, got [2.5, 1.5]; e.g. [2, 2]" in msg
+
+
+def test_unusable_tracking_store_is_a_clear_error(tmp_path):
+    from xpar.tracking import TrackingUnavailable, setup_experiment
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("foo://bar", "xpar", None, tmp_path)
+    assert "tracking.uri=foo://bar" in str(e.value) and "tracking=off" in str(e.value)
+
+
+def test_worker_failure_survives_pickling():  # launchers such as submitit ship job errors between processes
+    import pickle
+    from xpar.launch import WorkerFailed
+    e = pickle.loads(pickle.dumps(WorkerFailed(1, "RuntimeError: boom", "traceback")))
+    assert (e.rank, e.error, str(e)) == (1, "RuntimeError: boom", "worker rank 1 failed: RuntimeError: boom")
