@@ -133,3 +133,11 @@ def test_megatron_assumptions_differ_from_torch_defaults():
     s = spec(zero_stage=0, micro_batches=4)
     assert estimate(s, Assumptions.megatron_2021()).time_breakdown["dp_comm_exposed"] > \
         estimate(s).time_breakdown["dp_comm_exposed"]
+
+
+def test_interleaved_theory_falls_back_to_the_action_list_when_m_below_pp():
+    """(p-1)/(v*m+p-1) assumes the chunks interleave; with one micro-batch on pp=2 they run
+    one after another and the bubble is 1/2, as torch's own action order shows."""
+    from xpar.bubble import theory
+    assert theory("interleaved_1f1b", 2, 1, 2) == pytest.approx(0.5)
+    assert theory("interleaved_1f1b", 2, 2, 2) == pytest.approx(1 / 5)

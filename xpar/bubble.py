@@ -32,7 +32,10 @@ CLOSED_FORM = ("gpipe", "1f1b", "interleaved_1f1b")
 def theory(schedule: str, pp: int, m: int, v: int) -> float:
     """The schedule's bubble ratio with uniform stage times (see the module docstring)."""
     if schedule in CLOSED_FORM:
-        return bubble_theory(schedule, pp, m, v)
+        try:
+            return bubble_theory(schedule, pp, m, v)
+        except ValueError:  # interleaved with m < pp: no closed form
+            pass
     return simulated_bubble(schedule, pp, m, v)
 
 

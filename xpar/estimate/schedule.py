@@ -55,15 +55,16 @@ def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """Closed-form bubble ratio (fraction of the step); see the module docstring.
 
     Raises:
-        ValueError: for schedules without a closed form (use :func:`simulated_bubble`).
+        ValueError: for schedules without a closed form, and for interleaved 1F1B with
+            m < pp, where (p-1)/(v*m+p-1) does not hold (use :func:`simulated_bubble`).
     """
     if pp == 1:
         return 0.0
     if schedule in ("gpipe", "1f1b"):
         return (pp - 1) / (m + pp - 1)
-    if schedule == "interleaved_1f1b":
+    if schedule == "interleaved_1f1b" and m >= pp:  # with m < pp the chunks cannot interleave
         return (pp - 1) / (v * m + pp - 1)
-    raise ValueError(f"no closed-form bubble for schedule {schedule!r}; use simulated_bubble")
+    raise ValueError(f"no closed-form bubble for schedule {schedule!r} at pp={pp}, m={m}; use simulated_bubble")
 
 
 def gpipe_actions(pp: int, m: int) -> list[list[Action]]:
