@@ -8,7 +8,7 @@ import pytest
 from tests.helpers import compose, spec_for
 from xpar.models.shapes import param_count
 from xpar.presets import check_presets, presets
-from xpar.validate import ConfigError, to_schema, validate
+from xpar.validate import ConfigError, to_schema
 
 PUBLISHED = {"7b": 6.74e9, "13b": 13.02e9, "70b": 68.98e9, "175b": 174.6e9, "405b": 405.9e9, "small": 124.4e6}
 

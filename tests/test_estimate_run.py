@@ -14,7 +14,7 @@ import mlflow
 import pytest
 
 from tests.helpers import spawn, spec_for
-from xpar.validate import ConfigError, validate
+from xpar.validate import ConfigError
 
 
 def _xpar(cwd, *args, timeout=120):

@@ -7,7 +7,6 @@ import sys
 import mlflow
 import pytest
 
-from xpar.spec import RunSpec
 
 
 def _xpar(cwd, *args, env=None, timeout=180):

@@ -13,7 +13,6 @@ combined, each candidate checked by :func:`xpar.validate.validate` itself.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import replace
 from typing import Optional
 

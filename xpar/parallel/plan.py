@@ -10,10 +10,6 @@ from typing import Optional
 from xpar.config import ModelConfig, ParallelConfig
 
 
-def _divs(n: int, limit: int = 64) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
 def check_tp(m: ModelConfig, par: ParallelConfig, problems: list[str], seq_len: Optional[int] = None) -> None:
     """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
     (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output); with
@@ -48,7 +44,7 @@ def even_split(n_layers: int, n_stages: int) -> Optional[list[int]]:
 
 def check_pp(m: ModelConfig, par: ParallelConfig, mode: str, problems: list[str]) -> list[int]:
     """Schedule, stages per rank, micro-batch rules and the layer split. Returns the split."""
-    from xpar.validate import SCHEDULES, ZERO_BUBBLE_SCHEDULES
+    from xpar.validate import SCHEDULES
 
     if par.pp == 1:
         if par.layer_split not in (None, [], [m.n_layers]):

@@ -30,7 +30,7 @@ Works on the whole model and on a pipeline stage (``tok_embeddings``/``output`` 
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
