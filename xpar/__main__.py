@@ -19,7 +19,7 @@ START_DIR = Path.cwd()
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     """One job; returns the value of ``sweep.metric`` (the objective for sweepers such as Optuna)."""
-    from xpar.cli import run_job
+    from xpar.job import run_job
     from xpar.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)

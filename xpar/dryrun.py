@@ -145,9 +145,9 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
 def _param_numel(chunks, zero_stage: int) -> tuple[int, int, int]:
     """(local storage elements, elements held during the step, dp-unsharded elements) of this
     rank's parameters. Held = local, except ZeRO-2 (FSDP2 reshard_after_forward=False), which
-    holds each parameter unsharded along dp from forward to backward -- as xpar.metrics
+    holds each parameter unsharded along dp from forward to backward -- as xpar.memory_accounting
     counts it. dp-unsharded: the whole parameters (still tp-sharded)."""
-    from xpar.metrics import dp_full_param_bytes
+    from xpar.memory_accounting import dp_full_param_bytes
 
     local = held = dp_full = 0
     for p in (p for c in chunks for p in c.parameters()):

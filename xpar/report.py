@@ -1,5 +1,18 @@
 """Report: the headline figures of a run, one dataclass for measured runs and estimates,
-with the metric names of DESIGN.md, and its console table."""
+and its console table.
+
+Metric definitions:
+
+- ``throughput/tokens_per_s``: global tokens per step / mean step time, over timed steps
+  (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
+- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
+  attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
+- ``throughput/mfu``: tflops_per_device / the hardware's dense peak for the dtype;
+  ``throughput/hfu`` the same with hardware FLOPs (recompute included).
+- ``memory/peak_bytes_per_device``: the most loaded rank's bytes
+  (:mod:`xpar.memory_accounting` for measured runs, :mod:`xpar.estimate.memory` for
+  estimates), with the breakdown ``memory/<term>_bytes``.
+"""
 from __future__ import annotations
 
 import statistics

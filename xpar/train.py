@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from xpar.data import TokenSource
-from xpar.metrics import ActivationTracker, model_state_bytes
+from xpar.memory_accounting import ActivationTracker, model_state_bytes
 from xpar.parallel.factory import Engine
 from xpar.parallel.tensor import count_tp_comm
 

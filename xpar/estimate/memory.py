@@ -22,7 +22,7 @@ ranks: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also th
   instead turns FSDP2's gradient sync off for *every* backward and reduce-scatters once,
   after the stage's last one (``perform_reduce_grad``; torch 2.13, whatever m), so until
   then the rank holds its stages' whole dp-unsharded gradients: grads count unsharded
-  there, as the measured accounting does (xpar.metrics.model_state_bytes). Where a
+  there, as the measured accounting does (xpar.memory_accounting.model_state_bytes). Where a
   reduction is deferred under tp, the token embedding's gradient is held at the whole
   vocabulary (:func:`replicated_embedding_grad_numel`).
 
@@ -208,7 +208,7 @@ def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None,
     ``stage_index``: the pipeline rank (holding stages stage_index, stage_index + pp, ... for
     interleaved schedules); None takes the rank with the most bytes. ``dp_rank``: None
     takes the dp rank with the most bytes (rank 0 under FSDP; ZeRO-1's most loaded rank).
-    For fp32 this equals what xpar.metrics.model_state_bytes measures on a real run.
+    For fp32 this equals what xpar.memory_accounting.model_state_bytes measures on a real run.
     """
     ranks = range(spec.pp) if stage_index is None else [stage_index]
     best = None

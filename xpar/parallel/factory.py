@@ -64,9 +64,9 @@ class Engine:
     def probe_grads(self) -> None:
         """Update ``grads_peak`` with the gradient bytes held now: local ``.grad`` plus
         FSDP2's unsharded gradients awaiting a deferred reduction
-        (:func:`xpar.metrics.grad_bytes_held`). Called where the held gradients peak: after
+        (:func:`xpar.memory_accounting.grad_bytes_held`). Called where the held gradients peak: after
         each micro-batch's backward, and before each pipeline stage's gradient reduction."""
-        from xpar.metrics import fsdp_params, grad_bytes_held
+        from xpar.memory_accounting import fsdp_params, grad_bytes_held
 
         if not self.accounting:
             return
@@ -157,7 +157,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
       micro-batches: ZeRO-2/3's gradient saving gone whenever m > 1.
 
     ``engine.probe_grads()`` after each backward records the gradient bytes held (the
-    measured ``grads`` term, xpar.metrics.model_state_bytes).
+    measured ``grads`` term, xpar.memory_accounting.model_state_bytes).
     """
     model, m = engine.chunks[0], len(inputs)
     loss_fn = engine.loss_fn

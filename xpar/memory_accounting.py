@@ -1,18 +1,10 @@
-"""Metrics shared by measured runs and estimates: memory accounting, throughput, MFU.
+"""Memory accounting of a measured run: the bytes each rank holds, by term.
 
-Metric names and definitions (DESIGN.md):
-
-- ``throughput/tokens_per_s``: global tokens per step / mean step time, over timed steps
-  (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
-- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
-  attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
-- ``throughput/mfu``: tflops_per_device / the hardware's dense peak for the dtype;
-  ``throughput/hfu`` the same with hardware FLOPs (recompute included).
-- ``memory/peak_bytes_per_device``: max over ranks of accounted bytes on CPU = local
-  parameter + gradient + optimizer-state bytes + peak bytes saved for backward (each
-  storage counted once), or torch.cuda.max_memory_allocated on CUDA. Gradient bytes are
-  the most held at once, FSDP2's unsharded gradients of a deferred reduction included
-  (:func:`model_state_bytes`).
+``memory/peak_bytes_per_device`` (defined in :mod:`xpar.report`): max over ranks of
+accounted bytes on CPU = local parameter + gradient + optimizer-state bytes + peak bytes
+saved for backward (each storage counted once), or torch.cuda.max_memory_allocated on
+CUDA. Gradient bytes are the most held at once, FSDP2's unsharded gradients of a deferred
+reduction included (:func:`model_state_bytes`).
 """
 from __future__ import annotations
 
