@@ -45,7 +45,8 @@ def _spec(schedule: str, m: int, steps: int):
 
 
 def measure(schedule: str, m: int, steps: int) -> dict:
-    from xpar.bubble import pipelines, step_bubbles, theory
+    from xpar.bubble import pipelines, step_bubbles
+    from xpar.estimate.schedule import bubble_theory as theory
     from xpar.launch import launch_local
     from xpar.models.shapes import param_count
 
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
     a = ap.parse_args()
-    from xpar.parallel.plan import microbatch_ok
+    from xpar.layout import microbatch_ok
 
     rows = []
     t0 = time.perf_counter()

@@ -28,10 +28,10 @@ def compose(*overrides: str):
 
 def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
     """A validated RunSpec (tracking off, no progress bar)."""
-    from xpar.validate import validate
+    from xpar.fit import check_run
 
     cfg = compose("tracking=off", "run.progress=false", *overrides)
-    return validate(cfg, local_devices=local_devices)
+    return check_run(cfg, local_devices=local_devices)
 
 
 def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = False):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from xpar.estimate import memory as mem
-from xpar.estimate.cost import make_spec, preset, read_table, with_hardware
+from xpar.calibration import make_spec, preset, read_table
+from xpar.estimate.cost import with_hardware
 from xpar.estimate.schedule import one_f_one_b_actions, peak_in_flight, torch_actions
 from xpar.models.shapes import param_count
 
@@ -114,11 +115,12 @@ def test_model_state_bytes_bf16_is_2_2_12_and_tp_splits():
 
 
 def test_rank_stages_match_pipeline_placement():
-    from xpar.parallel.pipeline import local_stage_ids
+    """The layout's stage placement is the one torch's schedules act on, rank by rank."""
+    from xpar.estimate.schedule import torch_actions
     for sched, v in [("interleaved_1f1b", 2), ("zbv", 2), ("1f1b", 1)]:
         s = spec("small", dp=1, pp=2, virtual_stages=v, schedule=sched, micro_batches=4)
         for r in range(2):
-            assert mem.rank_stages(s, r) == local_stage_ids(s, r)
+            assert s.layout.stages_of(r) == sorted({a.stage for a in torch_actions(sched, 2, 4, v)[r]})
 
 
 # --- activations (Korthikanti et al. 2022, Table 2) ------------------------------------------

@@ -122,7 +122,7 @@ def test_not_fit_lists_alternatives_that_do_fit():
 
 def test_estimate_on_pipeline_names_the_loaded_stage():
     s = spec_for("parallel=3d", "model=70b")
-    from xpar.estimate.fit import fit_problem
+    from xpar.fit import fit_problem
     tight = replace(s, hardware=replace(s.hardware, device_memory_gb=50))
     msg = fit_problem(tight)
     assert "pipeline rank 0 (stages 0,4)" in msg and "of 4 pipeline ranks are over" in msg
@@ -153,7 +153,7 @@ def test_dry_run_turns_torch_refusals_into_plan_errors():
 
     s = spec_for("parallel=pp", "model=small", "model.tied_embeddings=false", "hardware=a100_80gb_8gpu",
                  "train=cluster", "parallel.pp=4", "parallel.micro_batches=4", "parallel.schedule=1f1b")
-    bad = replace(s, parallel=replace(s.parallel, micro_batches=2))  # past validation on purpose (1f1b: m >= pp)
+    bad = replace(s, layout=replace(s.layout, micro_batches=2))  # past validation on purpose (1f1b: m >= pp)
     with pytest.raises(PlanError) as e:
         dry_run(bad)
     assert "could not build rank 0 (pp=0, dp=0, tp=0) of 8" in str(e.value)
@@ -215,7 +215,7 @@ def measured():
 def test_estimated_memory_equals_measured(measured, layout):
     """Model states per device exactly; activations (saved_tensors_hooks peak) within 10 %
     (measured: within 1.5 %; the rest is RMSNorm's rstd, RoPE's cos/sin and token storage)."""
-    from xpar.estimate.fit import assumptions_for, peak_memory
+    from xpar.estimate.cost import assumptions_for, peak_memory
     from xpar.estimate.memory import model_state_bytes
 
     specs, out = measured
@@ -232,7 +232,7 @@ def test_estimated_memory_equals_measured(measured, layout):
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
 def test_estimated_tp_comm_equals_measured(measured, layout):
     from xpar.estimate.cost import estimate
-    from xpar.estimate.fit import assumptions_for
+    from xpar.estimate.cost import assumptions_for
     from xpar.estimate.run import comm_metrics
 
     specs, out = measured

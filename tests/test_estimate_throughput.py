@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from xpar.estimate import comm, cost, schedule as sch
-from xpar.estimate.cost import Assumptions, estimate, make_spec, preset, with_hardware
+from xpar import calibration
+from xpar.calibration import make_spec, preset
+from xpar.estimate.cost import Assumptions, estimate, with_hardware
 from xpar.estimate.memory import param_shapes
 
 DATA = Path(__file__).parent / "data"
@@ -17,7 +19,7 @@ DATA = Path(__file__).parent / "data"
 
 @pytest.fixture(scope="module")
 def megatron():
-    return cost.megatron_errors(cost.read_table(DATA / "megatron_2021_table1.csv"))
+    return calibration.megatron_errors(calibration.read_table(DATA / "megatron_2021_table1.csv"))
 
 
 def test_megatron_table1_each_row_within_10_percent(megatron):
@@ -44,15 +46,15 @@ def spec(model="7b", hardware="a100_80gb_64gpu", train=None, **parallel):
 def test_simulated_bubble_equals_theory_gpipe_1f1b(p, m):
     for name, acts in (("gpipe", sch.gpipe_actions(p, m)), ("1f1b", sch.one_f_one_b_actions(p, m))):
         res = sch.simulate(acts, {"F": 1.0, "B": 2.0})
-        assert res.bubble_ratio == pytest.approx(sch.bubble_theory(name, p, m), abs=1e-12)
+        assert res.bubble_ratio == pytest.approx(sch.closed_form_bubble(name, p, m), abs=1e-12)
         assert res.makespan == pytest.approx(3.0 * (m + p - 1))
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4)])
 def test_torch_orders_replay_to_theory(p, m, v):
-    assert sch.simulate(sch.torch_actions("1f1b", p, m)).bubble_ratio == pytest.approx(sch.bubble_theory("1f1b", p, m))
+    assert sch.simulate(sch.torch_actions("1f1b", p, m)).bubble_ratio == pytest.approx(sch.closed_form_bubble("1f1b", p, m))
     got = sch.simulated_bubble("interleaved_1f1b", p, m, v)
-    assert got == pytest.approx(sch.bubble_theory("interleaved_1f1b", p, m, v))
+    assert got == pytest.approx(sch.closed_form_bubble("interleaved_1f1b", p, m, v))
 
 
 def test_torch_1f1b_last_rank_labels_fixed():
@@ -61,8 +63,8 @@ def test_torch_1f1b_last_rank_labels_fixed():
 
 
 def test_zero_bubble_beats_1f1b_and_simulator_times():
-    assert sch.simulated_bubble("zero_bubble", 4, 8, 2) < sch.bubble_theory("interleaved_1f1b", 4, 8, 2)
-    assert sch.simulated_bubble("zbv", 4, 8, 2) < sch.bubble_theory("1f1b", 4, 8)
+    assert sch.simulated_bubble("zero_bubble", 4, 8, 2) < sch.closed_form_bubble("interleaved_1f1b", 4, 8, 2)
+    assert sch.simulated_bubble("zbv", 4, 8, 2) < sch.closed_form_bubble("1f1b", 4, 8)
     res = sch.simulate(sch.one_f_one_b_actions(2, 2), {"F": 1.0, "B": 2.0})
     A = sch.Action
     assert res.times[A("F", 1, 0)] == (1.0, 2.0) and res.times[A("B", 0, 0)] == (4.0, 6.0)
@@ -138,6 +140,6 @@ def test_megatron_assumptions_differ_from_torch_defaults():
 def test_interleaved_theory_falls_back_to_the_action_list_when_m_below_pp():
     """(p-1)/(v*m+p-1) assumes the chunks interleave; with one micro-batch on pp=2 they run
     one after another and the bubble is 1/2, as torch's own action order shows."""
-    from xpar.bubble import theory
+    from xpar.estimate.schedule import bubble_theory as theory
     assert theory("interleaved_1f1b", 2, 1, 2) == pytest.approx(0.5)
     assert theory("interleaved_1f1b", 2, 2, 2) == pytest.approx(1 / 5)

@@ -176,7 +176,7 @@ def test_zero_bubble_gradients_under_zero_match_reference(pp2_dp2, schedule):
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
 def test_reshard_after_forward_trap_is_real(pp2_dp2, schedule):
     """Why the guard exists: the same run with FSDP2 reshard_after_forward=True gives wrong
-    gradients without an error. If this fails, torch fixed it and plan.resolve_pp can go."""
+    gradients without an error. If this fails, torch fixed it and layout.zero_stage_run can go."""
     r = pp2_dp2[1]["trap"][schedule]
     assert r["n_bad"] > 0 and r["max_rel_error"] > 1e-2, r
 
@@ -229,9 +229,9 @@ def test_3d_matches_single_process(three_d, name):
 def _torch_accepts(schedule: str, pp: int, m: int) -> bool:
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from xpar.estimate.schedule import TORCH_NAMES
+    from xpar.layout import SCHEDULES
     try:
-        get_schedule_ops(TORCH_NAMES[schedule], pp, m, None if schedule in ("gpipe", "1f1b") else 2)
+        get_schedule_ops(SCHEDULES[schedule].torch_name, pp, m, None if schedule in ("gpipe", "1f1b") else 2)
     except ValueError:
         return False
     return True
@@ -241,7 +241,7 @@ def _torch_accepts(schedule: str, pp: int, m: int) -> bool:
 def test_microbatch_rule_is_torchs(schedule):
     """plan.microbatch_ok says yes exactly where torch 2.13's schedule accepts m (pp 2 and 4,
     m 1..12); the multi-process tests above run the accepted counts."""
-    from xpar.parallel.plan import microbatch_ok
+    from xpar.layout import microbatch_ok
     for pp in (2, 4):
         for m in range(1, 13):
             assert microbatch_ok(schedule, pp, m) == _torch_accepts(schedule, pp, m), (schedule, pp, m)
@@ -254,7 +254,7 @@ def test_microbatch_rule_is_torchs(schedule):
     ("zero_bubble", 7, "divisible by its number of rounds max(1, m // pp) = 3"),
 ])
 def test_microbatch_messages(schedule, m, expect):
-    from xpar.parallel.plan import microbatch_ok
+    from xpar.layout import microbatch_ok
     from xpar.validate import ConfigError
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=pp", f"parallel.schedule={schedule}", f"parallel.micro_batches={m}")
@@ -286,13 +286,12 @@ def test_uneven_layer_split_builds_those_stages():
 
 
 def test_virtual_stages_auto_and_stage_placement():
-    from xpar.parallel.pipeline import local_stage_ids
     assert spec_for("parallel=pp").parallel.virtual_stages == 1
     inter = spec_for("parallel=pp", "parallel.schedule=interleaved_1f1b")
     assert inter.parallel.virtual_stages == 2 and inter.layer_split == [1, 1, 1, 1]
-    assert [local_stage_ids(inter, r) for r in (0, 1)] == [[0, 2], [1, 3]]  # loop
+    assert [inter.layout.stages_of(r) for r in (0, 1)] == [[0, 2], [1, 3]]  # loop
     zbv = spec_for("parallel=pp", "parallel.schedule=zbv")
-    assert [local_stage_ids(zbv, r) for r in (0, 1)] == [[0, 3], [1, 2]]  # V
+    assert [zbv.layout.stages_of(r) for r in (0, 1)] == [[0, 3], [1, 2]]  # V
 
 
 def test_zero3_note_only_for_zero_bubble_schedules():
@@ -304,13 +303,13 @@ def test_zero3_note_only_for_zero_bubble_schedules():
 
 @pytest.mark.parametrize("m,value", [(1, 0.5), (2, 1 / 3), (4, 0.2), (8, 1 / 9)])
 def test_theory_gpipe_1f1b(m, value):
-    from xpar.bubble import theory
+    from xpar.estimate.schedule import bubble_theory as theory
     assert theory("gpipe", 2, m, 1) == pytest.approx(value)
     assert theory("1f1b", 2, m, 1) == pytest.approx(value)
 
 
 def test_theory_interleaved_and_zero_bubble():
-    from xpar.bubble import theory
+    from xpar.estimate.schedule import bubble_theory as theory
     assert theory("interleaved_1f1b", 2, 4, 2) == pytest.approx(1 / 9)
     assert theory("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
     for s in ZB:  # from the action list: well below 1F1B's bubble at the same pp and m

@@ -11,10 +11,8 @@ Definitions (DESIGN.md; p = pp ranks, timed steps only, warm-up excluded):
 - ``pipeline/bubble_ratio_sim``: the same ranks' executed action order replayed with the
   measured duration of every action and free communication
   (:func:`xpar.estimate.schedule.simulate`); mean over the same steps.
-- ``pipeline/bubble_ratio_theory``: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v m+p-1) for
-  interleaved_1f1b (Huang et al. 2019; Narayanan et al. 2021); for looped_bfs and the
-  zero-bubble schedules, torch's action list replayed with uniform durations
-  (F = I = W, B = F + W; Qi et al. 2024) -- :func:`xpar.estimate.schedule.simulated_bubble`.
+- ``pipeline/bubble_ratio_theory``: the schedule's closed form where it has one, else
+  torch's action list replayed with uniform durations (:func:`xpar.estimate.schedule.bubble_theory`).
 - ``pipeline/bubble_overhead`` = measured - simulated: what the schedule's dependencies
   with these action times do not explain (communication, synchronisation, host jitter).
 """
@@ -23,20 +21,8 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from xpar.estimate.schedule import Action, bubble_theory, simulate, simulated_bubble
+from xpar.estimate.schedule import Action, bubble_theory, simulate
 from xpar.spec import RunSpec
-
-CLOSED_FORM = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
-def theory(schedule: str, pp: int, m: int, v: int) -> float:
-    """The schedule's bubble ratio with uniform stage times (see the module docstring)."""
-    if schedule in CLOSED_FORM:
-        try:
-            return bubble_theory(schedule, pp, m, v)
-        except ValueError:  # interleaved with m < pp: no closed form
-            pass
-    return simulated_bubble(schedule, pp, m, v)
 
 
 def pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
@@ -69,12 +55,12 @@ def step_bubbles(pipeline: list[dict], step: int) -> dict:
 def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optional[dict]]:
     """(metrics for Report.extra, timeline of the median timed step of the first pipeline)."""
     pp, m = spec.pp, spec.micro_batches
-    v = len(spec.layer_split) // pp
+    v = spec.layout.virtual_stages
     timed = range(spec.train.warmup_steps, spec.train.steps)
     per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines(stats, pp)]
     measured = [b["measured"] for pl in per_step for b in pl]
     simulated = [b["simulated"] for pl in per_step for b in pl]
-    th = theory(spec.parallel.schedule, pp, m, v)
+    th = bubble_theory(spec.parallel.schedule, pp, m, v)
     extra = {
         "pipeline/bubble_ratio": statistics.fmean(measured),
         "pipeline/bubble_ratio_median": statistics.median(measured),

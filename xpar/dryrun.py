@@ -79,11 +79,6 @@ def representative_ranks(spec: RunSpec) -> list[tuple[int, int, int]]:
     return [(p, d, 0) for p in pps for d in dps]
 
 
-def global_rank(spec: RunSpec, pp: int, dp: int, tp: int) -> int:
-    """Rank of mesh coordinates (pp, dp, tp): tp fastest, then dp, then pp (xpar.parallel.mesh)."""
-    return (pp * spec.dp + dp) * spec.tp + tp
-
-
 def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) -> DryRun:
     """Build ``coords`` (default :func:`representative_ranks`) through the engine factory on a
     fake process group of ``spec.world_size`` ranks; compare parameter bytes with the cost model.
@@ -93,11 +88,11 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
         RuntimeError: a process group is already initialised in this process.
     """
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from xpar.estimate.memory import (STATE_BYTES, grads_deferred, model_state_bytes_per_rank,
                                       replicated_embedding_grad_numel)
     from xpar.parallel.factory import build_engine
+    from xpar.torch_private import fake_store
     from xpar.parallel.mesh import build_mesh
 
     if dist.is_initialized():
@@ -107,10 +102,10 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     out = DryRun()
     t_all = time.perf_counter()
     for pp, dp, tp in coords or representative_ranks(spec):
-        rank = global_rank(spec, pp, dp, tp)
+        rank = spec.layout.rank(pp, dp, tp)
         t0 = time.perf_counter()
         hook = sys.excepthook  # init_process_group chains a "[rank r]:" prefix onto it
-        dist.init_process_group("fake", rank=rank, world_size=spec.world_size, store=FakeStore())
+        dist.init_process_group("fake", rank=rank, world_size=spec.world_size, store=fake_store())
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

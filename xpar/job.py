@@ -11,7 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from xpar.plots import record_timeline
 from xpar.report import Report, layout_name, print_report
 from xpar.spec import RunSpec
-from xpar.validate import ConfigError, validate
+from xpar.checks import ConfigError
+from xpar.fit import check_run
 
 
 def fail(lines: str, code: int = 2) -> None:
@@ -32,7 +33,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     from xpar.tracking import TrackingUnavailable
 
     try:
-        spec = validate(cfg)
+        spec = check_run(cfg)
     except ConfigError as e:
         if sweep is None:
             fail(str(e))

@@ -14,6 +14,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from xpar.torch_private import fsdp_param_groups
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding ``t``'s data on this rank: a DTensor's local shard, the
@@ -109,7 +111,7 @@ def fsdp_params(chunks: list[nn.Module]) -> list:
         for mod in c.modules():
             if not isinstance(mod, FSDPModule):
                 continue
-            for group in mod._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(mod):
                 for fp in group.fsdp_params:
                     if id(fp) not in seen:
                         seen.add(id(fp))

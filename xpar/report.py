@@ -22,7 +22,8 @@ from typing import Optional
 from xpar.estimate.flops import hardware_flops_per_token, model_flops_per_token
 from xpar.spec import RunSpec
 
-MEMORY_TERMS = ("params", "grads", "optimizer", "activations")
+MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
+"""The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
 
 
 @dataclass
@@ -95,19 +96,17 @@ def flops_per_step(spec: RunSpec) -> tuple[float, float]:
 
 
 def zero_paper_bytes(spec: RunSpec) -> float:
-    """Model-state bytes per device by the ZeRO paper's formulas (Rajbhandari et al. 2020,
-    Sec. 5 / Table 1), generalised to the run's dtype, for Psi = parameters / (tp*pp) and
-    N = dp: stage 0 (P + G + K) Psi; 1: (P + G) Psi + K Psi / N; 2: P Psi + (G + K) Psi / N;
-    3: (P + G + K) Psi / N. Mixed-precision Adam (bf16): P = G = 2, K = 12; fp32: 4, 4, 8.
+    """Model-state bytes per device by the ZeRO paper's formulas
+    (:func:`xpar.estimate.memory.zero_model_state_bytes`) with the run's bytes per param
+    (:data:`xpar.estimate.memory.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
     Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
+    from xpar.estimate.memory import STATE_BYTES, zero_model_state_bytes
     from xpar.models.shapes import param_count
 
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
-    P, G, K = (2, 2, 12) if spec.train.dtype == "bf16" else (4, 4, 8)
-    n = spec.dp
-    return {0: (P + G + K) * psi, 1: (P + G) * psi + K * psi / n, 2: P * psi + (G + K) * psi / n,
-            3: (P + G + K) * psi / n}[spec.parallel.zero_stage]
+    P, G, K = STATE_BYTES[spec.train.dtype]
+    return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)
 
 
 def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
@@ -127,7 +126,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     totals = []
     for s in stats:
         mem = s["memory"]
-        totals.append(mem.get("cuda_max_allocated") or sum(mem[k] for k in MEMORY_TERMS))
+        totals.append(mem.get("cuda_max_allocated") or sum(mem[k] for k in MEASURED_TERMS))
     peak_rank = max(range(len(stats)), key=lambda r: totals[r])
     losses = []
     for i in range(spec.train.steps):
@@ -139,7 +138,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         tflops_per_device=tflops, mfu=tflops / peak if peak else 0.0,
         hfu=(hw_f / step_time / spec.world_size / 1e12) / peak if peak else 0.0,
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
-        memory={k: float(stats[peak_rank]["memory"][k]) for k in MEMORY_TERMS},
+        memory={k: float(stats[peak_rank]["memory"][k]) for k in MEASURED_TERMS},
         losses=losses, step_times_s=per_step)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     if spec.pp > 1:

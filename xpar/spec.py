@@ -1,10 +1,15 @@
-"""RunSpec: the validated, fully resolved run (no 'auto' left), built by :mod:`xpar.validate`."""
+"""RunSpec: the validated, fully resolved run (no 'auto' left), built by :mod:`xpar.validate`.
+
+The layout's facts (degrees, micro-batches, stages, rank order) are owned by its
+:class:`~xpar.layout.Layout`; the config groups it carries are resolved copies consistent
+with that layout (what is logged as params)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from xpar.config import DataConfig, HardwareConfig, ModelConfig, ParallelConfig, TrackingConfig, TrainConfig
+from xpar.layout import Layout
 
 
 @dataclass
@@ -23,11 +28,9 @@ class RunSpec:
     tracking: TrackingConfig
     mode: str
     """'execute' (real workers) or 'estimate' (cost model + fake-PG dry run)."""
-    world_size: int
+    layout: Layout
     device: str
     """'cpu' or 'cuda' (execute), 'cuda' for an estimated cluster."""
-    layer_split: list[int] = field(default_factory=list)
-    """Blocks per pipeline stage, len = pp * virtual_stages (stage order)."""
     launcher: str = "local"
     """'local' (xpar spawns workers) or 'torchrun' (this process is one rank)."""
     progress: bool = True
@@ -41,31 +44,40 @@ class RunSpec:
 
     @property
     def dp(self) -> int:
-        return int(self.parallel.dp)
+        return self.layout.dp
 
     @property
     def tp(self) -> int:
-        return self.parallel.tp
+        return self.layout.tp
 
     @property
     def pp(self) -> int:
-        return self.parallel.pp
+        return self.layout.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def micro_batches(self) -> int:
-        return int(self.parallel.micro_batches)
+        return self.layout.micro_batches
 
     @property
     def global_batch(self) -> int:
-        return int(self.train.global_batch_size)
+        return self.layout.global_batch
 
     @property
     def seq_len(self) -> int:
-        return int(self.train.seq_len)
+        return self.layout.seq_len
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
+        return self.layout.tokens_per_step
+
+    @property
+    def layer_split(self) -> list[int]:
+        """Blocks per pipeline stage, len = pp * virtual_stages (stage order)."""
+        return list(self.layout.layer_split)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,19 +85,9 @@ class RunSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "RunSpec":
         groups = dict(model=ModelConfig, parallel=ParallelConfig, hardware=HardwareConfig,
-                      train=TrainConfig, data=DataConfig, tracking=TrackingConfig)
+                      train=TrainConfig, data=DataConfig, tracking=TrackingConfig, layout=Layout)
+        d = dict(d, layout={k: v for k, v in d["layout"].items() if not k.startswith("_")})
         kw = {k: (groups[k](**v) if k in groups else v) for k, v in d.items()}
         return cls(**kw)
 
 
-def stage_layers(layer_split: list[int]) -> list[list[int]]:
-    """Global block indices of each stage, e.g. [2, 3] -> [[0, 1], [2, 3, 4]]."""
-    out, start = [], 0
-    for n in layer_split:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def optional_int(x) -> Optional[int]:
-    return None if x in (None, "auto") else int(x)

@@ -35,8 +35,9 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
     the discrete choices and ranges are expanded the same way and continuous intervals are
     left out, so the list covers every combination of the discrete parameters.
     """
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
+
+    from xpar.hydra_private import split_sweep_arguments
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import IntervalSweep
 
@@ -45,7 +46,7 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
     args = params + list(config.hydra.overrides.task)
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
     overrides = [o for o in parser.parse_overrides(args) if not isinstance(o.value(), IntervalSweep)]
-    batches = BasicSweeper.split_arguments(overrides, None)
+    batches = split_sweep_arguments(overrides)
     return [list(job) for batch in batches for job in batch], exact
 
 
@@ -54,7 +55,10 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
     invalid ones."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from xpar.validate import ConfigError, validate
+    from xpar.hydra_private import split_sweep_arguments
+
+    from xpar.checks import ConfigError
+    from xpar.fit import check_run
 
     jobs, _ = job_overrides(config)
     loader = GlobalHydra.instance().config_loader()
@@ -64,7 +68,7 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
         with_hydra = OmegaConf.to_container(cfg, resolve=False)
         with_hydra.pop("hydra", None)
         try:
-            validate(OmegaConf.create(with_hydra))
+            check_run(OmegaConf.create(with_hydra))
         except ConfigError as e:
             bad.append((num, overrides, e.problems))
     return bad
@@ -91,7 +95,7 @@ class SweepCallback(Callback):
                 raise SystemExit(2)
         if not OmegaConf.select(config, "tracking.enabled", default=True):
             return
-        from xpar.tracking import open_parent_run
+        from xpar.sweep_parent import open_parent_run
 
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,7 @@ def current_sweep() -> Optional[dict]:
 def finish_sweep(sweep_file: Path) -> None:
     """Summarise the sweep on its parent run and end it (FINISHED, or FAILED when a child
     failed or a job is missing). Safe to call twice."""
-    from xpar.tracking import close_parent_run
+    from xpar.sweep_parent import close_parent_run
 
     sweep_file = Path(sweep_file)
     if sweep_file.is_file():

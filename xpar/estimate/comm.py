@@ -30,21 +30,32 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from xpar.estimate.memory import BYTES, param_shapes, rank_stages
+from xpar.estimate.memory import BYTES, param_shapes
 from xpar.spec import RunSpec
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
         "tp_reduce_scatter", "pp_send_recv")
 
 
+def ring_factor(collective: str, n: int) -> float:
+    """Bytes a ring sends per device per payload byte over n ranks (see the module
+    docstring): all-reduce 2 (n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n;
+    broadcast 1; 0 for a group of one."""
+    if n <= 1:
+        return 0.0
+    if collective == "allreduce":
+        return 2 * (n - 1) / n
+    return 1.0 if collective == "broadcast" else (n - 1) / n
+
+
 def allreduce_bytes(nbytes: float, n: int) -> float:
-    """Ring all-reduce: bytes each device sends, 2 (n-1)/n S."""
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+    """Ring all-reduce of S bytes: bytes each device sends."""
+    return ring_factor("allreduce", n) * nbytes
 
 
 def allgather_bytes(nbytes: float, n: int) -> float:
-    """Ring all-gather (or reduce-scatter) of a full buffer of S bytes: (n-1)/n S."""
-    return (n - 1) / n * nbytes if n > 1 else 0.0
+    """Ring all-gather (or reduce-scatter) of a full buffer of S bytes: bytes each device sends."""
+    return ring_factor("allgather", n) * nbytes
 
 
 reduce_scatter_bytes = allgather_bytes
@@ -89,9 +100,8 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False) -
         gathers = 2 * m if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
     # tp
-    stages = rank_stages(spec, pp_rank)
-    split = spec.layer_split or [spec.model.n_layers]
-    n_layers = sum(split[s] for s in stages)
+    stages, split = spec.layout.stages_of(pp_rank), spec.layer_split
+    n_layers = spec.layout.layers_of(pp_rank)
     b, s, h = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden
     if t > 1:
         layer = tp_layer_bytes(b, s, h, t, e, sp, par.recompute)

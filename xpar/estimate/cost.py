@@ -45,15 +45,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Optional
 
 from xpar.config import HardwareConfig
 from xpar.estimate import flops as fl
 from xpar.estimate.comm import comm_bytes_rank, dp_reductions
-from xpar.estimate.memory import (BYTES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory,
-                                  rank_stages, stages_per_rank)
-from xpar.estimate.schedule import bubble_theory, simulated_bubble
+from xpar.estimate.memory import BYTES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory
+from xpar.estimate.schedule import bubble_theory
 from xpar.spec import RunSpec
 
 GEMM_HALF_DIM = 32.0
@@ -93,7 +91,7 @@ class Assumptions:
         """xpar on the CPU build of torch (measured with saved_tensors_hooks, torch 2.13): SDPA
         runs its flash kernel for CPU (ScaledDotProductFlashAttentionForCpuBackward: keeps q,
         k, v, the output and the fp32 log-sum-exp, no s x s probabilities), and RMSNorm is
-        composite (keeps x, rstd and x * rstd). Used for hardware=local (xpar.estimate.fit)."""
+        composite (keeps x, rstd and x * rstd). Used for hardware=local (:func:`assumptions_for`)."""
         return cls(flash_attention=True, fused_rmsnorm=False)
 
 
@@ -124,6 +122,20 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
 
+def assumptions_for(spec: RunSpec) -> Assumptions:
+    """How torch behaves on the spec's hardware: measured CPU behaviour for a local CPU
+    (:meth:`Assumptions.xpar_cpu`), xpar on CUDA otherwise."""
+    return Assumptions.xpar_cpu() if spec.hardware.device == "cpu" else Assumptions()
+
+
+def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
+    """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None),
+    under :func:`assumptions_for` the spec's hardware."""
+    a = assumptions_for(spec)
+    return memory(spec, pp_rank, flash=a.flash_attention, dropout=a.dropout, fused_rmsnorm=a.fused_rmsnorm,
+                  sp_saves_gathered=a.sp_saves_gathered)
+
+
 def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
     """Achievable fraction of peak for GEMMs whose smallest dimension is ``dim`` (h/t)."""
     return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
@@ -139,14 +151,6 @@ def group_bandwidth(hw: HardwareConfig, size: int, stride: int) -> Optional[floa
         return intra
     k = max(1, min(size, dpn // stride))
     return min(intra, k * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
-
-
-@lru_cache(maxsize=128)
-def _bubble(schedule: str, pp: int, m: int, v: int) -> float:
-    try:
-        return bubble_theory(schedule, pp, m, v)
-    except ValueError:
-        return simulated_bubble(schedule, pp, m, v)
 
 
 def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
@@ -179,12 +183,9 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
     bw_tp, bw_dp, bw_pp = group_bandwidth(hw, t, 1), group_bandwidth(hw, dp, t), group_bandwidth(hw, 2, t * dp)
     if bw_tp is None:
         notes.append("no link bandwidth for this hardware: communication time not estimated")
-    split = spec.layer_split or [cfg.n_layers]
     per_rank = []
     for r in range(p):
-        stages = rank_stages(spec, r)
-        n_layers = sum(split[st] for st in stages)
-        last = len(split) - 1 in stages
+        stages, n_layers, last = spec.layout.stages_of(r), spec.layout.layers_of(r), spec.layout.has_last_stage(r)
         flops_mb = s * b * (n_layers * layer_hw + (logits_hw if last else 0)) / t
         c = comm_bytes_rank(spec, r, assume.scatter_gather)
         tp_b = c["tp_allreduce"] + c["tp_allgather"] + c["tp_reduce_scatter"]
@@ -196,7 +197,7 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
             "comm": c, "first": 0 in stages})
     mb_time = [sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm")) for x in per_rank]
     slow = max(range(p), key=lambda r: mb_time[r])
-    beta = _bubble(par.schedule, p, m, stages_per_rank(spec)) if p > 1 else 0.0
+    beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
     # dp: gradient reduction and parameter gathers
     c = per_rank[slow]["comm"]
@@ -232,64 +233,6 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
                     tflops_per_device=tf, hw_tflops_per_device=hwtf,
                     mfu=tf * 1e12 / peak if peak else 0.0, hfu=hwtf * 1e12 / peak if peak else 0.0,
                     bubble_ratio=beta, comm_bytes=dict(c), notes=notes)
-
-
-# --- published layouts (calibration) ---------------------------------------------------
-
-def preset(group: str, name: str) -> dict:
-    """A config-group preset from conf/ as a plain dict."""
-    from omegaconf import OmegaConf
-
-    from xpar.presets import conf_dir
-    return OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
-
-
-def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
-    """A validated estimate-mode RunSpec from plain group dicts (through xpar.validate; what-if
-    studies: a layout that does not fit device memory is returned, not refused)."""
-    from xpar.validate import validate
-
-    cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
-           "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
-    return validate(cfg, check_memory=False)
-
-
-def megatron_2021_spec(row: dict, micro_batch_size: int = 1, hardware: str = "a100_80gb_1024gpu") -> RunSpec:
-    """RunSpec of one row of Narayanan et al. 2021 Table 1 (keys as in
-    megatron_2021_table1.csv): GPT (GELU, LayerNorm, learned positions, tied embeddings,
-    biases), s = 2048, V = 51200, bf16 mixed precision, interleaved 1F1B with v = smallest
-    divisor > 1 of the layers per rank, full recompute, on ``hardware`` resized to the row's
-    GPU count (8 per node)."""
-    h, l, t, pp, gpus = (int(row[k]) for k in ("hidden", "layers", "tp", "pp", "gpus"))
-    model = dict(name=f"gpt_{row['params_b']}b", n_layers=l, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None,
-                 ffn_hidden=4 * h, vocab_size=51200, seq_len=2048, activation="gelu", norm="layernorm",
-                 position="learned", tied_embeddings=True, bias=True)
-    per_rank = l // pp
-    v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 1 else 1
-    parallel = dict(name="megatron", dp=int(row["dp"]), tp=t, pp=pp, zero_stage=0, micro_batches="auto",
-                    schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full")
-    hw = preset("hardware", hardware)
-    hw["nodes"] = gpus // int(hw["devices_per_node"])
-    train = dict(micro_batch_size=micro_batch_size, global_batch_size=int(row["global_batch"]), dtype="bf16",
-                 seq_len=2048)
-    return make_spec(model, parallel, hw, train)
-
-
-def read_table(path) -> list[dict]:
-    """Rows of a reference CSV (lines starting with # are comments)."""
-    import csv
-    with open(path) as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
-
-
-def megatron_errors(rows: list[dict]) -> list[tuple[dict, float, float]]:
-    """(row, predicted hardware TFLOP/s per GPU, relative error) for each Table 1 row."""
-    out = []
-    for row in rows:
-        est = estimate(megatron_2021_spec(row), Assumptions.megatron_2021())
-        ref = float(row["tflops_per_gpu"])
-        out.append((row, est.hw_tflops_per_device, est.hw_tflops_per_device / ref - 1))
-    return out
 
 
 def with_hardware(spec: RunSpec, **changes) -> RunSpec:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xpar.estimate.memory import MemoryEstimate
+from xpar.estimate.memory import MEMORY_TERMS, MemoryEstimate
 
 MEMORY_FILE = "estimate_memory.png"
 TIME_FILE = "estimate_step_time.png"
-MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead")
 TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
 COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#937860")
 

@@ -53,38 +53,27 @@ from functools import lru_cache
 from typing import Optional
 
 from xpar.config import ModelConfig
-from xpar.spec import RunSpec, stage_layers
+from xpar.spec import RunSpec
 
 BYTES = {"fp32": 4, "bf16": 2}
 # bytes per parameter (params, grads, optimizer states): ZeRO paper's 2 + 2 + K, K = 12, for
 # bf16 mixed precision; fp32 AdamW: 4 + 4 + 8 (exp_avg, exp_avg_sq).
 STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
-V_SHAPED = ("zbv", "dualpipev")
+STATE_TERMS = ("params", "grads", "optimizer")
+MEMORY_TERMS = STATE_TERMS + ("activations", "comm_buffers", "framework_overhead")
+"""The terms of a device's peak memory, named the same in estimates, reports and metrics."""
 
 
-def zero_model_state_bytes(psi: float, stage: int, n_d: int, k: int = 12) -> float:
+def zero_model_state_bytes(psi: float, stage: int, n_d: int, p: int = 2, g: int = 2, k: int = 12) -> float:
     """Model-state bytes per device, ZeRO paper Sec. 5 / Fig. 1 / Table 1 (Psi parameters,
-    mixed-precision Adam, dp degree n_d): stage 0 (4 + K) Psi; 1: 4 Psi + K Psi / n_d;
-    2: 2 Psi + (2 + K) Psi / n_d; 3: (4 + K) Psi / n_d."""
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
-            3: (4 + k) * psi / n_d}[stage]
+    P bytes per param, G per gradient, K of optimizer states; mixed-precision Adam
+    2 + 2 + 12; dp degree n_d): stage 0 (P + G + K) Psi; 1: (P + G) Psi + K Psi / n_d;
+    2: P Psi + (G + K) Psi / n_d; 3: (P + G + K) Psi / n_d."""
+    return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n_d, 2: p * psi + (g + k) * psi / n_d,
+            3: (p + g + k) * psi / n_d}[stage]
 
 
 # --- parameters per pipeline rank -------------------------------------------------------
-
-def stages_per_rank(spec: RunSpec) -> int:
-    return 1 if spec.parallel.schedule in ("gpipe", "1f1b") or spec.pp == 1 else spec.parallel.virtual_stages
-
-
-def rank_stages(spec: RunSpec, pp_rank: int) -> list[int]:
-    """Stage indices held by pipeline rank ``pp_rank`` (same placement as
-    xpar.parallel.pipeline.stage_ranks): loop placement r, r + p, ...; V-shaped schedules
-    hold r and 2p - 1 - r."""
-    p, n = spec.pp, spec.pp * stages_per_rank(spec)
-    if spec.parallel.schedule in V_SHAPED and n == 2 * p:
-        return sorted({pp_rank, n - 1 - pp_rank})
-    return list(range(pp_rank, n, p))
-
 
 def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """Shape of one tp rank's piece (ceil for uneven splits: the largest piece)."""
@@ -126,11 +115,9 @@ def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bo
 def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
     order ``model.parameters()`` yields them (tied weights once), built on the meta device."""
-    split = spec.layer_split or [spec.model.n_layers]
-    per_stage, n = stage_layers(split), len(split)
-    out = []
-    for s in rank_stages(spec, pp_rank):
-        shapes = _stage_shapes(astuple(spec.model), tuple(per_stage[s]), s == 0, s == n - 1)
+    layout, out = spec.layout, []
+    for s in layout.stages_of(pp_rank):
+        shapes = _stage_shapes(astuple(spec.model), tuple(layout.stage_layers(s)), s == 0, s == layout.n_stages - 1)
         out += [(f"{s}:{name}", _tp_local(name, shape, spec.tp)) for name, shape in shapes]
     return out
 
@@ -199,6 +186,14 @@ def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict
             n = (shard, grads, shard)
         out.append({"params": n[0] * bp, "grads": n[1] * bg, "optimizer": n[2] * bo})
     return out
+
+
+def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
+    """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``."""
+    per_dp = model_state_bytes_per_rank(spec, pp_rank)
+    dp_rank = max(range(len(per_dp)), key=lambda r: sum(per_dp[r].values()))
+    first = spec.layout.rank(pp_rank, dp_rank, 0)
+    return dp_rank, list(range(first, first + spec.tp))
 
 
 def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None,
@@ -329,10 +324,8 @@ def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: b
               flash=flash, elem=e, norm_saves_output=extra_norm, sp_saves_gathered=sp_saves_gathered)
     per_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, par.recompute, **kw)
     full_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, "none", **kw)
-    split = spec.layer_split or [cfg.n_layers]
-    stages = rank_stages(spec, pp_rank)
-    n_layers = sum(split[st] for st in stages)
-    v = stages_per_rank(spec)
+    split, stages = spec.layer_split, spec.layout.stages_of(pp_rank)
+    n_layers, v = spec.layout.layers_of(pp_rank), spec.layout.virtual_stages
     inflight = microbatches_in_flight(par.schedule, spec.pp, spec.micro_batches, v, pp_rank)
     last_inflight = spec.micro_batches if (par.schedule == "gpipe" and spec.pp > 1) else 1
     sh = s * b * h / (t if sp else 1)
@@ -402,7 +395,7 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
         out["fsdp_unsharded"] = unit * e * (param_units + grad_units)
     if spec.pp > 1:
         sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden
-        out["pp_p2p"] = 2 * len(rank_stages(spec, pp_rank)) * sh * e / (spec.tp if spec.parallel.sequence_parallel else 1)
+        out["pp_p2p"] = 2 * len(spec.layout.stages_of(pp_rank)) * sh * e / (spec.tp if spec.parallel.sequence_parallel else 1)
     return out
 
 

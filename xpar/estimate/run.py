@@ -35,21 +35,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from xpar.estimate.cost import _bubble, estimate
-from xpar.estimate.fit import assumptions_for, peak_memory, peak_ranks
-from xpar.estimate.memory import stages_per_rank
+from xpar.estimate.comm import ring_factor
+from xpar.estimate.cost import assumptions_for, estimate, peak_memory
+from xpar.estimate.memory import MEMORY_TERMS, peak_ranks
+from xpar.estimate.schedule import bubble_theory
 from xpar.report import Report, layout_name, zero_paper_bytes
 from xpar.spec import RunSpec
 
-MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead")
 DRYRUN_FILE = "dryrun.json"
-
-
-def ring_factor(collective: str, n: int) -> float:
-    """Bytes a ring sends per device per payload byte, over n ranks."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n if collective == "allreduce" else (n - 1) / n
 
 
 def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
@@ -106,8 +99,8 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         artifacts.append(str(path))
     if spec.pp > 1:
         extra["pipeline/bubble_ratio"] = est.bubble_ratio
-        extra["pipeline/bubble_ratio_theory"] = _bubble(spec.parallel.schedule, spec.pp, spec.micro_batches,
-                                                        stages_per_rank(spec))
+        extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.parallel.schedule, spec.pp, spec.micro_batches,
+                                                              spec.layout.virtual_stages)
     extra.update(comm_metrics(spec, est.comm_bytes))
     report = Report(
         mode="estimate", layout=layout_name(spec), world_size=spec.world_size,

@@ -1,16 +1,12 @@
 """Pipeline schedules: theoretical bubble ratios and a small replay simulator.
 
-The bubble ratio is the idle fraction of the pipeline ranks within a step (DESIGN.md):
-``1 - sum_ranks busy / (pp * makespan)``. Closed forms, with p stages, m micro-batches, v
-stages per rank and uniform per-stage times (Huang et al. 2019, GPipe; Narayanan et al.
-2021, Sec. 2.2):
-
-    gpipe, 1f1b        (p - 1) / (m + p - 1)
-    interleaved_1f1b   (p - 1) / (v m + p - 1)
-
-(Narayanan et al. state the bubble relative to the ideal time, (p - 1)/m and (p - 1)/(v m);
-as a fraction of the step it becomes the forms above.) Zero-bubble schedules (Qi et al.
-2024) have no simple closed form: :func:`simulated_bubble` replays torch's own action order.
+The bubble ratio is the idle fraction of the pipeline ranks within a step:
+``1 - sum_ranks busy / (pp * makespan)``. The closed forms, with uniform per-stage times,
+are the schedules' own (:data:`xpar.layout.SCHEDULES`, ``closed_form``; Narayanan et al.
+state the bubble relative to the ideal time, (p - 1)/m and (p - 1)/(v m); as a fraction of
+the step it becomes the forms there). Where a schedule has none (looped BFS, zero-bubble
+schedules, Qi et al. 2024; interleaved with m < p), :func:`simulated_bubble` replays torch's
+own action order; :func:`bubble_theory` picks one or the other, once for everyone.
 
 An action is ``Action(kind, stage, mb)``, kind F (forward), B (full backward), I (backward
 for inputs), W (backward for weights), as in torch's schedule IR. Times are in seconds (or
@@ -19,12 +15,10 @@ any one unit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Mapping, Optional, Union
 
-# xpar schedule name -> torch.distributed.pipelining schedule name (get_schedule_class).
-TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
-               "looped_bfs": "LoopedBFS", "zero_bubble": "InterleavedZeroBubble",
-               "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+from xpar.layout import SCHEDULES
 # Uniform durations per stage: backward = 2 x forward, split evenly into I and W.
 UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -51,8 +45,8 @@ class SimResult:
     """(start, end) of every action."""
 
 
-def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Closed-form bubble ratio (fraction of the step); see the module docstring.
+def closed_form_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """The schedule's closed-form bubble ratio (fraction of the step).
 
     Raises:
         ValueError: for schedules without a closed form, and for interleaved 1F1B with
@@ -60,11 +54,21 @@ def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """
     if pp == 1:
         return 0.0
-    if schedule in ("gpipe", "1f1b"):
-        return (pp - 1) / (m + pp - 1)
-    if schedule == "interleaved_1f1b" and m >= pp:  # with m < pp the chunks cannot interleave
-        return (pp - 1) / (v * m + pp - 1)
-    raise ValueError(f"no closed-form bubble for schedule {schedule!r} at pp={pp}, m={m}; use simulated_bubble")
+    form = SCHEDULES[schedule].closed_form
+    value = form(pp, m, v) if form else None
+    if value is None:
+        raise ValueError(f"no closed-form bubble for schedule {schedule!r} at pp={pp}, m={m}; use simulated_bubble")
+    return value
+
+
+@lru_cache(maxsize=1024)
+def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """``pipeline/bubble_ratio_theory``: the closed form where the schedule has one, else its
+    action list (torch's order) replayed with uniform stage times (:func:`simulated_bubble`)."""
+    try:
+        return closed_form_bubble(schedule, pp, m, v)
+    except ValueError:
+        return simulated_bubble(schedule, pp, m, v)
 
 
 def gpipe_actions(pp: int, m: int) -> list[list[Action]]:
@@ -89,20 +93,20 @@ def one_f_one_b_actions(pp: int, m: int) -> list[list[Action]]:
 
 def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> list[list[Action]]:
     """Per-rank compute order of a torch schedule, built offline (no process group) with the
-    private ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``.
+    private ``get_schedule_ops`` (:func:`xpar.torch_private.schedule_ops`).
 
     In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
     microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
     dropped, OVERLAP_F_B is expanded into its sub-actions in order. Schedule1F1B labels the
-    last rank's forwards 1..m instead of 0..m-1 (FACTS.md; executed order is F0, B0, F1, ...):
+    last rank's forwards 1..m instead of 0..m-1 (its executed order is F0, B0, F1, ...):
     where the labels of one kind on one stage are not exactly 0..m-1, they are renumbered
     by order of appearance (torch runs those in increasing order). Valid labels are kept,
     so LoopedBFS keeps its reversed backward order.
     """
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from xpar.torch_private import schedule_ops
 
-    name = TORCH_NAMES.get(schedule, schedule)
-    ops = get_schedule_ops(name, pp, m, None if schedule in ("gpipe", "1f1b") else (v or 2))
+    rec = SCHEDULES[schedule]
+    ops = schedule_ops(rec.torch_name, pp, m, None if rec.stages_per_rank == "1" else (v or 2))
     out = []
     for rank_ops in ops:
         flat = [x for a in rank_ops if a is not None for x in (a.sub_actions or [a])]

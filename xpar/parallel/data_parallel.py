@@ -28,8 +28,9 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     for a model whose parameters are DTensors (tensor parallel), which DDP cannot wrap
     (its initial broadcast fails on DTensor): torch's composable ``replicate`` built on the
     FSDP2 machinery with a replicate-only dp mesh, per transformer block, then the root."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from xpar.torch_private import composable_replicate
 
+    replicate = composable_replicate()
     for block in model.layers.values():
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)

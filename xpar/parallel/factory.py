@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xpar.models.transformer import Transformer
 from xpar.parallel.data_parallel import build_optimizer, wrap_dp
-from xpar.spec import RunSpec, stage_layers
+from xpar.spec import RunSpec
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -94,10 +94,9 @@ def build_model(spec: RunSpec, stage_ids: Optional[list[int]] = None) -> list[Tr
     if stage_ids is None:
         with torch.device("meta"):
             return [Transformer(spec.model)]
-    per_stage = stage_layers(spec.layer_split)
-    n = len(per_stage)
+    layout = spec.layout
     with torch.device("meta"):
-        return [Transformer(spec.model, layers=per_stage[s], first=(s == 0), last=(s == n - 1))
+        return [Transformer(spec.model, layers=layout.stage_layers(s), first=(s == 0), last=(s == layout.n_stages - 1))
                 for s in stage_ids]
 
 
@@ -120,8 +119,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     device = spec.device if materialize_model else "meta"
     stage_ids = None
     if spec.pp > 1:
-        from xpar.parallel.pipeline import local_stage_ids
-        stage_ids = local_stage_ids(spec, mesh["pp"].get_local_rank())
+        stage_ids = spec.layout.stages_of(mesh["pp"].get_local_rank())
     chunks = build_model(spec, stage_ids)                                          # 1
     if materialize_model:
         chunks = [materialize(c, device, spec.train.seed, dtype) for c in chunks]  # 2

@@ -1,11 +1,7 @@
 """The pp axis: pipeline stages and their schedule (torch.distributed.pipelining).
 
-Each pipeline rank holds one stage, or v stages for the multi-stage schedules:
-
-- loop placement (interleaved_1f1b, looped_bfs, zero_bubble): rank r holds stages
-  r, r + pp, r + 2pp, ... (Narayanan et al. 2021);
-- V placement (zbv, dualpipev): rank r holds stages r and 2pp - 1 - r, so rank 0 holds the
-  first and the last stage (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 6).
+Each pipeline rank holds one stage, or v stages for the multi-stage schedules, placed as
+:class:`xpar.layout.Layout` says (loop or V placement).
 
 :func:`attach_schedule` wraps each already TP/DP-wrapped chunk in a ``PipelineStage`` on the
 pp process group, builds the schedule by name and installs :func:`pipeline_step` as the
@@ -33,28 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
+from xpar.layout import SCHEDULES
 from xpar.spec import RunSpec
 
 
 def schedule_class(name: str) -> type:
-    """The torch schedule class of an xpar schedule name (see ``xpar.validate.SCHEDULES``)."""
-    from xpar.validate import SCHEDULES
-    return getattr(schedules, SCHEDULES[name][0])
-
-
-def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:
-    """pp rank of each stage index: V placement for the V-shaped schedules (rule "2" in
-    ``xpar.validate.SCHEDULES``), loop placement otherwise."""
-    from xpar.validate import SCHEDULES
-    if SCHEDULES[schedule][1] == "2":
-        return [s if s < pp else n_stages - 1 - s for s in range(n_stages)]
-    return [s % pp for s in range(n_stages)]
-
-
-def local_stage_ids(spec: RunSpec, pp_rank: int) -> list[int]:
-    """Stage indices held by pipeline rank ``pp_rank``, in increasing order."""
-    owners = stage_ranks(spec.parallel.schedule, spec.pp, len(spec.layer_split))
-    return [s for s, r in enumerate(owners) if r == pp_rank]
+    """The torch schedule class of an xpar schedule name (:data:`xpar.layout.SCHEDULES`)."""
+    return schedules.get_schedule_class(SCHEDULES[name].torch_name)
 
 
 class ActionRecorder:
@@ -124,7 +105,7 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     # and torch does not check them against this shape.
     S_between = S // spec.tp if spec.parallel.sequence_parallel else S
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
-    last = len(spec.layer_split) - 1
+    last = spec.layout.n_stages - 1
     act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
     x = torch.empty(b, S, dtype=torch.int64, device="meta") if stage == 0 else torch.empty(b, S_between, H, **act)
     y = torch.empty(b, S, V, **act) if stage == last else torch.empty(b, S_between, H, **act)
@@ -141,7 +122,7 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
     spec = engine.spec
     pp_mesh = engine.mesh["pp"]
     group = pp_mesh.get_group()
-    n_stages = len(spec.layer_split)
+    n_stages = spec.layout.n_stages
     device = torch.device(spec.device, torch.cuda.current_device()) if spec.device == "cuda" \
         else torch.device(spec.device)
     recorder = ActionRecorder()

@@ -47,7 +47,10 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from xpar.estimate.comm import ring_factor
+from xpar.torch_private import (dispatch_mode_base, functional_collectives, in_backward,
+                                 is_higher_order_op)
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -156,7 +159,7 @@ def loss_context(tp: int) -> Iterator[None]:
 
 # --- communication count ---------------------------------------------------------------
 
-_FUNCOL = torch.ops._c10d_functional
+_FUNCOL = functional_collectives()
 _KINDS = {
     _FUNCOL.all_reduce: "allreduce",
     _FUNCOL.all_reduce_coalesced: "allreduce",
@@ -168,10 +171,6 @@ _KINDS = {
     _FUNCOL.broadcast: "broadcast",
 }
 COMM_KINDS = ("allreduce", "allgather", "reduce_scatter")
-# Ring traffic per device per payload byte, for a group of n ranks.
-RING_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-               "broadcast": lambda n: 1.0}
 
 
 def _group_name(g) -> str:
@@ -182,7 +181,7 @@ def _tensors(x) -> list[torch.Tensor]:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-class TPCommCounter(TorchDispatchMode):
+class TPCommCounter(dispatch_mode_base()):
     """Counts the collectives that DTensor issues on the tp group, with their sizes.
 
     A ``TorchDispatchMode`` that lets DTensor desugar each op first (returning
@@ -193,8 +192,8 @@ class TPCommCounter(TorchDispatchMode):
 
     Bytes are PAYLOAD bytes: the size of the whole tensor the collective is about -- the
     all-reduced tensor, the gathered (output) tensor of an all-gather, the input tensor of
-    a reduce-scatter. The bytes a ring algorithm sends per device are payload x 2(n-1)/n for
-    all-reduce and x (n-1)/n for all-gather / reduce-scatter (:meth:`ring_bytes`).
+    a reduce-scatter. The bytes a ring algorithm sends per device are payload x
+    :func:`xpar.estimate.comm.ring_factor` (:meth:`ring_bytes`).
     """
 
     def __init__(self, tp_mesh: DeviceMesh):
@@ -206,7 +205,7 @@ class TPCommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if is_higher_order_op(func):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
@@ -216,7 +215,7 @@ class TPCommCounter(TorchDispatchMode):
             group = kwargs.get("group_name", args[-1])
             if _group_name(group) == self.group:
                 src = out if kind == "allgather" else args[0]
-                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+                phase = "backward" if in_backward() else "forward"
                 self.bytes[(kind, phase)] += sum(t.numel() * t.element_size() for t in _tensors(src))
                 self.calls[(kind, phase)] += 1
         return out
@@ -232,7 +231,7 @@ class TPCommCounter(TorchDispatchMode):
 
     def ring_bytes(self) -> float:
         """Bytes a ring implementation sends per device for the counted collectives."""
-        return sum(b * RING_FACTOR[kind](self.n) for (kind, _), b in self.bytes.items())
+        return sum(b * ring_factor(kind, self.n) for (kind, _), b in self.bytes.items())
 
     def metrics(self, steps: int = 1) -> dict[str, float]:
         """``comm/tp_{allreduce,allgather,reduce_scatter}_bytes``: payload bytes per step per

@@ -1,5 +1,6 @@
-"""Does a layout fit device memory? The check validation runs in estimate mode, and the
-layouts on the same devices that would fit.
+"""Does a layout fit memory? The checks run after validation (:mod:`xpar.validate`) and
+before any worker starts: device memory in estimate mode, host memory for local CPU runs;
+and the layouts on the same devices that would fit.
 
 The peak is the cost model's (:func:`xpar.estimate.memory.memory`, every term named: params,
 grads, optimizer, activations, comm_buffers, framework_overhead) on the most loaded pipeline
@@ -9,6 +10,9 @@ the stage and ranks over the limit, by how much, and the alternatives that fit -
 changing the ZeRO stage, recomputation, sequence parallelism, the micro-batch size (global
 batch kept) and the tp/pp degrees (world size kept), one change at a time and then
 combined, each candidate checked by :func:`xpar.validate.validate` itself.
+
+:func:`check_run` is what the entry point, the sweep pre-flight and the tests call:
+validation, then these checks, every refusal a :class:`~xpar.checks.ConfigError`.
 """
 from __future__ import annotations
 
@@ -16,34 +20,14 @@ import itertools
 from dataclasses import replace
 from typing import Optional
 
-from xpar.estimate.cost import Assumptions, estimate
-from xpar.estimate.memory import STATE_BYTES, MemoryEstimate, memory, model_state_bytes_per_rank
+from xpar.checks import ConfigError
+from xpar.estimate.cost import assumptions_for, estimate, peak_memory
+from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks
 from xpar.spec import RunSpec
+from xpar.validate import validate
 
 GB = 1e9
 MAX_LISTED = 5
-
-
-def assumptions_for(spec: RunSpec) -> Assumptions:
-    """How torch behaves on the spec's hardware: measured CPU behaviour for a local CPU
-    (:meth:`Assumptions.xpar_cpu`), xpar on CUDA otherwise."""
-    return Assumptions.xpar_cpu() if spec.hardware.device == "cpu" else Assumptions()
-
-
-def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
-    """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None)."""
-    a = assumptions_for(spec)
-    return memory(spec, pp_rank, flash=a.flash_attention, dropout=a.dropout, fused_rmsnorm=a.fused_rmsnorm,
-                  sp_saves_gathered=a.sp_saves_gathered)
-
-
-def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
-    """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``;
-    ranks are laid out tp fastest, then dp, then pp (xpar.parallel.mesh)."""
-    per_dp = model_state_bytes_per_rank(spec, pp_rank)
-    dp_rank = max(range(len(per_dp)), key=lambda r: sum(per_dp[r].values()))
-    first = pp_rank * spec.dp * spec.tp + dp_rank * spec.tp
-    return dp_rank, list(range(first, first + spec.tp))
 
 
 def _gb(x: float) -> str:
@@ -62,8 +46,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     where = (f"pipeline rank {mem.pp_rank} (stage{'s' if spec.pp * spec.parallel.virtual_stages > 1 else ''} "
              f"{_stages(spec, mem.pp_rank)}), on its most loaded dp rank {dp_rank} (global "
              f"rank{'s' if len(ranks) > 1 else ''} {ranks[0]}{'-' + str(ranks[-1]) if len(ranks) > 1 else ''}),")
-    terms = ", ".join(f"{k} {_gb(getattr(mem, k))}" for k in
-                      ("params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead"))
+    terms = ", ".join(f"{k} {_gb(getattr(mem, k))}" for k in MEMORY_TERMS)
     lines = [f"layout does not fit device memory (cost-model estimate): {where} needs "
              f"{_gb(mem.total)} per device, {_gb(mem.total - mem.device_memory)} more than the "
              f"{_gb(mem.device_memory)} of {hw.gpu or hw.device} on hardware={hw.name}"
@@ -79,8 +62,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
 
 
 def _stages(spec: RunSpec, pp_rank: int) -> str:
-    from xpar.estimate.memory import rank_stages
-    return ",".join(str(s) for s in rank_stages(spec, pp_rank))
+    return ",".join(str(s) for s in spec.layout.stages_of(pp_rank))
 
 
 def _no_layout_fits(spec: RunSpec) -> str:
@@ -184,7 +166,6 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
     """Layouts on the same hardware and global batch that fit: (overrides, peak memory, step
     time), the fewest changes first, then the fastest; at most ``limit``."""
     from xpar.config import RunConfig, XparConfig
-    from xpar.validate import ConfigError, validate
 
     found = []
     fewest = None
@@ -203,7 +184,7 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
                          data=replace(spec.data), tracking=replace(spec.tracking),
                          run=RunConfig(mode="estimate", progress=False))
         try:
-            cand = validate(cfg, check_memory=False)
+            cand = validate(cfg)
         except ConfigError:
             continue
         mem = peak_memory(cand)
@@ -214,3 +195,55 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
         found.append((k, t, _label(pchg, tchg), mem))
     found.sort(key=lambda x: (x[0], x[1]))
     return [(label, mem, t) for _, t, label, mem in found[:limit]]
+
+
+HOST_MEMORY_USABLE = 0.8
+"""Share of host memory a CPU run may plan for: the rest is left to the Python interpreters,
+torch's libraries and the allocator, which the cost model does not count."""
+
+
+def host_memory_problem(spec: RunSpec) -> Optional[str]:
+    """None if a CPU run of ``spec`` fits host memory, else why not and what to do.
+
+    Every worker shares the host's memory, so the need is the cost model's peak per device
+    for hardware=local (:func:`xpar.estimate.cost.peak_memory`) times the world size.
+    """
+    mem = peak_memory(spec)
+    need = mem.total * spec.world_size
+    have = spec.hardware.device_memory_gb * 1e9
+    usable = HOST_MEMORY_USABLE * have
+    if need <= usable:
+        return None
+    states = mem.params + mem.grads + mem.optimizer
+    dtype = spec.train.dtype
+    return (f"model={spec.model.name} does not fit this machine: {spec.world_size} workers need "
+            f"~{need / 1e9:.1f} GB (cost-model estimate per worker {mem.total / 1e9:.1f} GB, of which model states "
+            f"{states / 1e9:.1f} GB at {sum(STATE_BYTES[dtype])} bytes/param for "
+            f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
+            f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
+            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). Use a smaller model "
+            f"(model=tiny or small), or estimate it: run.mode=estimate hardware=a100_80gb_8gpu.")
+
+
+def memory_problems(spec: RunSpec) -> list[str]:
+    """The memory checks of a valid spec: host memory for a local CPU run, device memory
+    (cost-model estimate) in estimate mode."""
+    problem = None
+    if spec.mode == "execute" and spec.hardware.device == "cpu":
+        problem = host_memory_problem(spec)
+    elif spec.mode == "estimate":
+        problem = fit_problem(spec)
+    return [problem] if problem else []
+
+
+def check_run(cfg, local_devices: Optional[int] = None) -> RunSpec:
+    """Validate ``cfg`` (:func:`xpar.validate.validate`), then check that it fits memory.
+
+    Raises:
+        ConfigError: every violated constraint, or the memory refusal with its breakdown.
+    """
+    spec = validate(cfg, local_devices)
+    problems = memory_problems(spec)
+    if problems:
+        raise ConfigError(problems)
+    return spec

@@ -1,0 +1,10 @@
+"""The private Hydra API xpar uses (hydra-core 1.3), behind one function; a Hydra upgrade
+that moves it breaks here, and tests/test_private_apis.py says so."""
+from __future__ import annotations
+
+
+def split_sweep_arguments(overrides: list) -> list:
+    """Hydra's own expansion of sweep overrides into batches of jobs
+    (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    return BasicSweeper.split_arguments(overrides, None)

@@ -1,0 +1,64 @@
+"""Every private torch API xpar uses, behind one small function each (torch 2.13).
+
+A torch upgrade that moves one of them breaks this module only, and
+tests/test_private_apis.py names which one. Import torch lazily: the layout, validation and
+the cost model never import torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def schedule_ops(torch_name: str, pp: int, m: int, v: Any) -> list:
+    """Per-rank action lists of a pipeline schedule built offline, without a process group:
+    ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops`` (rank -> list of
+    ``_Action(stage_index, computation_type, microbatch_index, sub_actions)`` or None)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    return get_schedule_ops(torch_name, pp, m, v)
+
+
+def fake_store():
+    """The store of torch's "fake" process-group backend
+    (``torch.testing._internal.distributed.fake_pg.FakeStore``), for dry runs at any world size."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()
+
+
+def composable_replicate():
+    """torch's composable ``replicate`` on FSDP2's machinery
+    (``torch.distributed._composable.replicate_with_fsdp.replicate``): DDP semantics for
+    DTensor parameters, which DDP itself cannot wrap."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    return replicate
+
+
+def fsdp_param_groups(module) -> list:
+    """FSDP2's parameter groups of a ``fully_shard``-ed module
+    (``module._get_fsdp_state()._fsdp_param_groups``); no public API exposes the unsharded
+    gradients a deferred reduction holds."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees
+    every op, used to count tensor-parallel collectives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    return TorchDispatchMode
+
+
+def functional_collectives():
+    """The op namespace of functional collectives, ``torch.ops._c10d_functional``."""
+    import torch
+    return torch.ops._c10d_functional
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward node now (``torch._C._current_autograd_node``)."""
+    import torch
+    return torch._C._current_autograd_node() is not None
+
+
+def is_higher_order_op(func) -> bool:
+    """Whether ``func`` is a higher-order operator (``torch._ops.HigherOrderOperator``)."""
+    import torch
+    return isinstance(func, torch._ops.HigherOrderOperator)
