@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import compose, spec_for
+from tests.conftest import compose, spec_for
 from xpar.models.shapes import param_count
 from xpar.presets import check_presets, presets
 from xpar.validate import ConfigError, to_schema

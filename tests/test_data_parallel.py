@@ -1,7 +1,7 @@
 """DDP and ZeRO-1/2/3 against a single-process reference, and the memory ZeRO promises."""
 import pytest
 
-from tests.helpers import reference_losses, run_specs, spawn, spec_for
+from tests.conftest import reference_losses, run_specs, spawn, spec_for
 
 LAYOUTS = ["dp", "zero1", "zero2", "zero3"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.helpers import spawn, spec_for
+from tests.conftest import spawn, spec_for
 from xpar.validate import ConfigError
 
 

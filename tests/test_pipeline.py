@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import reference_losses, spawn, spec_for
+from tests.conftest import reference_losses, spawn, spec_for
 
 STEPS = 3
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev"]

@@ -67,7 +67,7 @@ def _processes_in(cwd):
 
 
 def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
-    from tests.helpers import spec_for
+    from tests.conftest import spec_for
     from xpar.tracking import mlflow_run
 
     spec = spec_for(f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.enabled=true")

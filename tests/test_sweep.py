@@ -97,6 +97,12 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     theory = dict(zip(kids["params.parallel.micro_batches"].astype(int), kids["metrics.pipeline/bubble_ratio_theory"]))
     assert theory == {m: pytest.approx(1 / (m + 1)) for m in (1, 2, 4, 8)}  # (p-1)/(m+p-1), p=2
     assert (kids["metrics.pipeline/bubble_ratio"] > 0).all()
+    for key in ("parallel.dp", "parallel.micro_batches", "parallel.virtual_stages", "train.global_batch_size"):
+        assert kids[f"params.{key}"].str.fullmatch(r"\d+").all(), key  # resolved numbers, never 'auto'
+    ints = {k: kids[f"params.{k}"].astype(int) for k in ("train.micro_batch_size", "parallel.micro_batches", "parallel.dp")}
+    assert (kids["params.train.global_batch_size"].astype(int)
+            == ints["train.micro_batch_size"] * ints["parallel.micro_batches"] * ints["parallel.dp"]).all()
+    assert (kids["params.hardware.peak_tflops"].astype(float) > 0).all()  # the device peak behind MFU
     c = subprocess.run([sys.executable, "-m", "xpar.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr

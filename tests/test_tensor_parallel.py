@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import compose, reference_losses, spawn, spec_for
+from tests.conftest import compose, reference_losses, spawn, spec_for
 
 STEPS = 3
 GPT = ["model.activation=gelu", "model.norm=layernorm", "model.position=learned", "model.bias=true",

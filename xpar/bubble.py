@@ -1,6 +1,6 @@
 """Pipeline bubble ratio of a measured run, three ways, and the timeline of one step.
 
-Definitions (DESIGN.md; p = pp ranks, timed steps only, warm-up excluded):
+Definitions (p = pp ranks, timed steps only, warm-up excluded):
 
 - ``pipeline/bubble_ratio`` (measured): per step and per pipeline (one (dp, tp) coordinate),
   1 - sum_ranks busy / (p * step time), where busy is the wall time inside the stages'

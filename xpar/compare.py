@@ -118,8 +118,8 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
                 continue
             fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(d) + 2), 4))
             names = [f"{r.model}\n{r.layout}" for r in d.itertuples()]
-            hatches = ["//" if m == "estimate" else "" for m in d["mode"]]
-            bars = ax.bar(range(len(d)), d[col], color=["tab:orange" if m == "estimate" else "tab:blue" for m in d["mode"]])
+            hatches = ["//" if mode == "estimate" else "" for mode in d["mode"]]
+            bars = ax.bar(range(len(d)), d[col], color=["tab:orange" if mode == "estimate" else "tab:blue" for mode in d["mode"]])
             for b, h in zip(bars, hatches):
                 b.set_hatch(h)
             ax.set_xticks(range(len(d)), names, rotation=60, ha="right", fontsize=6)

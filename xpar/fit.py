@@ -55,7 +55,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     if fits:
         lines.append(f"    Layouts on the same {spec.world_size} devices that fit (estimated peak per device, "
                      f"step time; global batch {spec.global_batch} kept):")
-        lines += [f"      {label}: {_gb(m.total)}, {t:.3g} s/step" for label, m, t in fits]
+        lines += [f"      {label}: {_gb(mem.total)}, {t:.3g} s/step" for label, mem, t in fits]
     else:
         lines.append("    " + _no_layout_fits(spec))
     return "\n".join(lines)
@@ -124,7 +124,7 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     """(number of changes, parallel changes, train changes) around ``spec``: ZeRO stage up,
     recompute selective/full, sequence parallelism on, micro-batch size down (to 1), and
     every tp (<= devices per node) x pp (dividing the layers) over the same world size."""
-    par, tr, m = spec.parallel, spec.train, spec.model
+    par, tr, model = spec.parallel, spec.train, spec.model
     zero = [z for z in range(par.zero_stage + 1, 4)]
     recompute = [r for r in ("selective", "full") if r != par.recompute and par.recompute != "full"]
     b = tr.micro_batch_size
@@ -134,7 +134,7 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     for t in (1, 2, 4, 8, 16):
         if t > dpn or spec.world_size % t:
             continue
-        for p in range(1, m.n_layers + 1):
+        for p in range(1, model.n_layers + 1):
             if spec.world_size % (t * p) == 0 and (t, p) != (spec.tp, spec.pp) and p <= 64:
                 degrees.append((t, p))
     options = [("zero_stage", zero), ("recompute", recompute),

@@ -41,10 +41,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             print(f"xpar: skipping job {sweep['job_num']} (invalid):\n{e}", file=sys.stderr)
             return None
         raise
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if config["hardware"].get("name") != spec.hardware.name:  # validation assumed the preset's reference cluster
-        from dataclasses import asdict
-        config["hardware"] = asdict(spec.hardware)
+    config = resolved_config(cfg, spec)
     yaml = OmegaConf.to_yaml(OmegaConf.create(config))
     job = Job(spec, config, yaml, out_dir, start_dir, sweep)
     try:
@@ -68,6 +65,21 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             raise
         print(f"xpar: {e}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
+    """The config as it runs: every group replaced by the spec's resolved copy (dp, global
+    batch, micro-batches, virtual stages and layer split as numbers, the ZeRO stage that
+    runs, the detected hardware with the device peak behind MFU). Logged as params and
+    saved as config.yaml, so no 'auto' reaches a record."""
+    from dataclasses import asdict
+
+    from xpar.config import GROUPS
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for group in GROUPS:
+        config[group] = asdict(getattr(spec, group))
+    return config
 
 
 @dataclass

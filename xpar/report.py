@@ -62,7 +62,7 @@ class Report:
 
     def metrics(self) -> dict[str, float]:
         """Summary metrics by their logged names."""
-        m = {
+        out = {
             "throughput/tokens_per_s": self.tokens_per_s,
             "throughput/tokens_per_s_per_device": self.tokens_per_s_per_device,
             "throughput/step_time_s": self.step_time_s,
@@ -72,12 +72,12 @@ class Report:
             "memory/peak_bytes_per_device": self.peak_bytes_per_device,
             "memory/peak_rank": self.peak_rank,
         }
-        m.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
-        m["memory/model_states_bytes"] = float(sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")))
+        out.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
+        out["memory/model_states_bytes"] = float(sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")))
         if self.final_loss is not None:
-            m["train/final_loss"] = self.final_loss
-        m.update(self.extra)
-        return m
+            out["train/final_loss"] = self.final_loss
+        out.update(self.extra)
+        return out
 
 
 def layout_name(spec: RunSpec) -> str:

@@ -36,10 +36,10 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
     left out, so the list covers every combination of the discrete parameters.
     """
     from hydra.core.global_hydra import GlobalHydra
-
-    from xpar.hydra_private import split_sweep_arguments
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import IntervalSweep
+
+    from xpar.hydra_private import split_sweep_arguments
 
     exact = "BasicSweeper" in str(config.hydra.sweeper.get("_target_", ""))
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
@@ -54,8 +54,6 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
     """Compose and validate every job; return (job number, overrides, problems) of the
     invalid ones."""
     from hydra.core.global_hydra import GlobalHydra
-
-    from xpar.hydra_private import split_sweep_arguments
 
     from xpar.checks import ConfigError
     from xpar.fit import check_run

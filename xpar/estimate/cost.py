@@ -153,77 +153,95 @@ def group_bandwidth(hw: HardwareConfig, size: int, stride: int) -> Optional[floa
     return min(intra, k * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
 
 
-def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
-    """Estimate step time, throughput, MFU/HFU, bubble, communication and memory of ``spec``.
-
-    Pure function of the spec (no devices, no process groups). See the module docstring
-    for the formulas and the calibration.
-    """
+def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
+    """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
+    pp_comm) and the rank's bytes by collective (``comm``); see the module docstring."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
-    s, b, h, t, p, m, dp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, spec.pp, spec.micro_batches, spec.dp
+    s, b, h, t, m = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, spec.micro_batches
     e = BYTES[spec.train.dtype]
-    notes: list[str] = []
-    peak = (hw.peak_tflops or 0) * 1e12
-    hbm = (hw.hbm_tb_per_s or 0) * 1e12
-    if not hbm:
-        notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
+    peak, hbm = (hw.peak_tflops or 0) * 1e12, (hw.hbm_tb_per_s or 0) * 1e12
     eta = matmul_efficiency(hw, h / t)
     # FLOPs per token of one layer (forward) and of the logits, Narayanan et al. convention
     fwd = fl.forward_flops_per_token(cfg, s)
     layer_mm, layer_att = fwd["matmul"] / cfg.n_layers, fwd["attention"] / cfg.n_layers
     extra = {"none": 0.0, "selective": layer_att, "full": layer_mm + layer_att}[par.recompute]
-    layer_hw = 3 * (layer_mm + layer_att) + extra
-    logits_hw = 3 * fwd["logits"]
+    layer_hw, logits_hw = 3 * (layer_mm + layer_att) + extra, 3 * fwd["logits"]
     act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
     passes = assume.passes_forward * (2 if par.recompute == "full" else 1) + assume.passes_backward
     # links: tp innermost, then dp, then pp
-    bw_tp, bw_dp, bw_pp = group_bandwidth(hw, t, 1), group_bandwidth(hw, dp, t), group_bandwidth(hw, 2, t * dp)
+    bw_tp, bw_pp = group_bandwidth(hw, t, 1), group_bandwidth(hw, 2, t * spec.dp)
+    if not hbm:
+        notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
     if bw_tp is None:
         notes.append("no link bandwidth for this hardware: communication time not estimated")
-    per_rank = []
-    for r in range(p):
-        stages, n_layers, last = spec.layout.stages_of(r), spec.layout.layers_of(r), spec.layout.has_last_stage(r)
+    out = []
+    for r in range(spec.pp):
+        n_layers, last = spec.layout.layers_of(r), spec.layout.has_last_stage(r)
         flops_mb = s * b * (n_layers * layer_hw + (logits_hw if last else 0)) / t
         c = comm_bytes_rank(spec, r, assume.scatter_gather)
         tp_b = c["tp_allreduce"] + c["tp_allgather"] + c["tp_reduce_scatter"]
-        per_rank.append({
+        out.append({
             "matmul": flops_mb / (peak * eta) if peak else 0.0,
             "memory_bound": passes * (n_layers * layer_act + (logits_act if last else 0)) / hbm if hbm else 0.0,
             "tp_comm": tp_b / m / bw_tp if bw_tp and tp_b else 0.0,
             "pp_comm": c["pp_send_recv"] / m / bw_pp if bw_pp and c["pp_send_recv"] else 0.0,
-            "comm": c, "first": 0 in stages})
+            "comm": c})
+    return out
+
+
+def _dp_exposed(spec: RunSpec, assume: Assumptions, comm: dict, mb_time: float, pipe: float) -> float:
+    """Seconds of data-parallel communication not hidden behind compute: each gradient
+    reduction behind its micro-batch's backward, ZeRO gathers behind the step's compute
+    (``Assumptions.dp_overlap``), else all of it."""
+    par = spec.parallel
+    bw_dp = group_bandwidth(spec.hardware, spec.dp, spec.tp)
+    t_sync = (comm["dp_allreduce"] + comm["dp_reduce_scatter"]) / bw_dp if bw_dp else 0.0
+    t_gather = comm["dp_allgather"] / bw_dp if bw_dp else 0.0
+    if not assume.dp_overlap:
+        return t_sync + t_gather
+    recompute = 1 if par.recompute == "full" else 0
+    bwd_share = (2 + recompute) / (3 + recompute)
+    n_red = dp_reductions(spec)  # each reduction overlaps its own micro-batch's backward
+    exposed = n_red * max(0.0, t_sync / n_red - bwd_share * mb_time)
+    return exposed + (t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe))
+
+
+def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
+    """Estimate step time, throughput, MFU/HFU, bubble, communication and memory of ``spec``.
+
+    Pure function of the spec (no devices, no process groups). See the module docstring
+    for the formulas and the calibration.
+    """
+    par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
+    notes: list[str] = []
+    per_rank = _rank_times(spec, assume, notes)
     mb_time = [sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm")) for x in per_rank]
     slow = max(range(p), key=lambda r: mb_time[r])
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
-    # dp: gradient reduction and parameter gathers
-    c = per_rank[slow]["comm"]
-    t_sync = (c["dp_allreduce"] + c["dp_reduce_scatter"]) / bw_dp if bw_dp else 0.0
-    t_gather = c["dp_allgather"] / bw_dp if bw_dp else 0.0
-    if assume.dp_overlap:
-        bwd_share = (2 + (1 if par.recompute == "full" else 0)) / (3 + (1 if par.recompute == "full" else 0))
-        n_red = dp_reductions(spec)  # each reduction overlaps its own micro-batch's backward
-        exposed = n_red * max(0.0, t_sync / n_red - bwd_share * mb_time[slow])
-        exposed += t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe)
-    else:
-        exposed = t_sync + t_gather
+    x = per_rank[slow]
+    exposed = _dp_exposed(spec, assume, x["comm"], mb_time[slow], pipe)
     mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout, fused_rmsnorm=assume.fused_rmsnorm,
                  sp_saves_gathered=assume.sp_saves_gathered)
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
-    updated = mem.optimizer / bo
-    t_opt = 2 * updated * (bp + bg + bo) / hbm if hbm else 0.0
-    time = pipe + exposed + t_opt
-    x = per_rank[slow]
+    hbm = (hw.hbm_tb_per_s or 0) * 1e12
+    t_opt = 2 * (mem.optimizer / bo) * (bp + bg + bo) / hbm if hbm else 0.0
     breakdown = {"matmul": m * x["matmul"], "memory_bound": m * x["memory_bound"], "tp_comm": m * x["tp_comm"],
                  "pp_comm": m * x["pp_comm"], "bubble": pipe - m * mb_time[slow], "dp_comm_exposed": exposed,
                  "optimizer": t_opt}
-    tokens = spec.tokens_per_step
+    return _result(spec, mem, pipe + exposed + t_opt, breakdown, beta, x["comm"], notes)
+
+
+def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, beta: float, comm: dict,
+            notes: list[str]) -> Estimate:
+    """The Estimate of a step of ``time`` seconds: throughput, model/hardware FLOP/s, MFU/HFU."""
+    cfg, s, tokens, world = spec.model, spec.seq_len, spec.tokens_per_step, spec.world_size
+    peak = (spec.hardware.peak_tflops or 0) * 1e12
     model_flops = fl.model_flops_per_token(cfg, s) * tokens
-    hw_flops = fl.hardware_flops_per_token(cfg, s, par.recompute) * tokens
-    world = spec.world_size
+    hw_flops = fl.hardware_flops_per_token(cfg, s, spec.parallel.recompute) * tokens
     tf = model_flops / time / world / 1e12 if time else 0.0
     hwtf = hw_flops / time / world / 1e12 if time else 0.0
     return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
@@ -232,7 +250,7 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
                     tokens_per_s_per_device=tokens / time / world if time else 0.0,
                     tflops_per_device=tf, hw_tflops_per_device=hwtf,
                     mfu=tf * 1e12 / peak if peak else 0.0, hfu=hwtf * 1e12 / peak if peak else 0.0,
-                    bubble_ratio=beta, comm_bytes=dict(c), notes=notes)
+                    bubble_ratio=beta, comm_bytes=dict(comm), notes=notes)
 
 
 def with_hardware(spec: RunSpec, **changes) -> RunSpec:

@@ -27,7 +27,7 @@ def memory_figure(per_rank: list[MemoryEstimate], title: str):
     x = list(range(len(per_rank)))
     bottom = [0.0] * len(per_rank)
     for term, color in zip(MEMORY_TERMS, COLORS):
-        vals = [getattr(m, term) / 1e9 for m in per_rank]
+        vals = [getattr(mem, term) / 1e9 for mem in per_rank]
         ax.bar(x, vals, bottom=bottom, color=color, label=term, width=0.7)
         bottom = [b + v for b, v in zip(bottom, vals)]
     dev = per_rank[0].device_memory / 1e9
@@ -37,7 +37,7 @@ def memory_figure(per_rank: list[MemoryEstimate], title: str):
         if len(per_rank) <= 16:
             ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x)
-    ax.set_xticklabels([str(m.pp_rank) for m in per_rank], fontsize=7 if len(per_rank) > 16 else 9)
+    ax.set_xticklabels([str(mem.pp_rank) for mem in per_rank], fontsize=7 if len(per_rank) > 16 else 9)
     ax.set_xlabel("pipeline rank (its most loaded dp rank)")
     ax.set_ylabel("GB per device (1e9 bytes)")
     ax.set_title(title, fontsize=9)

@@ -10,7 +10,7 @@
 
 TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
 placements), and both before the pipeline stage is built over the wrapped chunk (the
-order measured to work for 3D, see FACTS). The same function builds real runs and the
+order measured to work for 3D with torch 2.13 on gloo, tests/test_pipeline.py). The same function builds real runs and the
 fake-process-group dry run (``materialize=False``).
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ gradients (their input gradients are all-reduced by the "f" operator).
 
 Per block without sequence parallelism this issues 2 all-reduces of ``[b, s, h]`` in
 forward (after ``wo`` and ``w2``) and 2 in backward (the inputs of attention and MLP); with
-it, the same count of all-gathers and reduce-scatters instead (DESIGN.md, Reference formulas).
+it, the same count of all-gathers and reduce-scatters instead (Korthikanti et al. 2022, Sec. 4.2.2).
 Works on the whole model and on a pipeline stage (``tok_embeddings``/``output`` may be None).
 """
 from __future__ import annotations
@@ -237,9 +237,9 @@ class TPCommCounter(dispatch_mode_base()):
         """``comm/tp_{allreduce,allgather,reduce_scatter}_bytes``: payload bytes per step per
         device (counted over ``steps`` steps), and ``comm/tp_ring_bytes``: the bytes a ring
         sends per device per step for them."""
-        m = {f"comm/tp_{k}_bytes": v / steps for k, v in self.payload_bytes().items()}
-        m["comm/tp_ring_bytes"] = self.ring_bytes() / steps
-        return m
+        out = {f"comm/tp_{k}_bytes": v / steps for k, v in self.payload_bytes().items()}
+        out["comm/tp_ring_bytes"] = self.ring_bytes() / steps
+        return out
 
 
 @contextmanager

@@ -1,0 +1,173 @@
+"""The layout core: one owner of a layout's rules, torch-free, no import cycles, small
+functions, validation that never mutates, every preset and experiment valid."""
+from __future__ import annotations
+
+import ast
+import copy
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose
+from xpar.layout import SCHEDULES, Layout
+
+XPAR = Path(__file__).resolve().parents[1] / "xpar"
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def test_schedule_registry_matches_torch():
+    """Every record names a class torch's own get_schedule_class returns, and every torch
+    schedule class xpar knows of is in the registry once."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    for rec in SCHEDULES.values():
+        assert get_schedule_class(rec.torch_name).__name__ == rec.torch_class, rec.name
+    assert len({rec.torch_name for rec in SCHEDULES.values()}) == len(SCHEDULES)
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (2, 3, 4), (4, 2, 8), (3, 5, 1)])
+def test_rank_order_is_the_device_mesh_order(pp, dp, tp):
+    """coords/rank invert each other and follow init_device_mesh's row-major (pp, dp, tp)
+    layout: the mesh tensor is arange(world).reshape(pp, dp, tp)."""
+    import torch
+
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=1, micro_batches=pp, seq_len=8, layer_split=[1] * pp)
+    mesh = torch.arange(layout.world_size).reshape(pp, dp, tp)
+    for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
+        r = int(mesh[p, d, t])
+        assert layout.rank(p, d, t) == r and layout.coords(r) == (p, d, t)
+
+
+def test_stage_placement_loop_and_v():
+    loop = Layout(dp=1, tp=1, pp=2, micro_batch_size=1, micro_batches=4, seq_len=8, layer_split=[1, 2, 3, 4],
+                  schedule="interleaved_1f1b")
+    v = Layout(dp=1, tp=1, pp=2, micro_batch_size=1, micro_batches=4, seq_len=8, layer_split=[1, 2, 3, 4],
+               schedule="zbv")
+    assert [loop.stages_of(r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert [v.stages_of(r) for r in (0, 1)] == [[0, 3], [1, 2]]
+    assert v.stage_layers(2) == [3, 4, 5] and v.layers_of(0) == 5 and v.has_last_stage(0)
+    assert (loop.virtual_stages, loop.global_batch, loop.tokens_per_step) == (2, 4, 32)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """xpar modules imported anywhere in ``path`` (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("xpar"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+    return out & modules
+
+
+def _module_graph() -> dict[str, set[str]]:
+    paths = {".".join(p.relative_to(XPAR.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in XPAR.rglob("*.py")}
+    return {name: _imports(p, set(paths)) - {name} for name, p in paths.items()}
+
+
+def test_import_graph_has_no_cycle():
+    graph = _module_graph()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for path in XPAR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{path.relative_to(XPAR.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
+
+
+def test_layout_validation_and_cost_model_do_not_import_torch():
+    code = ("import sys, xpar.layout, xpar.checks.config, xpar.checks.layout, xpar.resolve, xpar.validate, "
+            "xpar.estimate.cost, xpar.estimate.comm, xpar.estimate.schedule; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_validation_does_not_change_the_config():
+    from xpar.validate import to_schema, validate
+
+    for overrides in (["parallel=pp", "parallel.schedule=zbv", "parallel.zero_stage=3"], ["parallel=3d", "model=70b"],
+                      ["train.global_batch_size=16", "parallel.micro_batches=auto"]):
+        c = to_schema(compose("tracking=off", *overrides))
+        before = copy.deepcopy(c)
+        spec = validate(c, local_devices=2)
+        assert c == before, overrides
+        assert "auto" not in (spec.parallel.dp, spec.parallel.micro_batches, spec.parallel.virtual_stages,
+                              spec.train.global_batch_size)
+
+
+def test_zero3_under_a_zero_bubble_schedule_is_resolved_and_noted():
+    from xpar.validate import to_schema, validate
+
+    spec = validate(to_schema(compose("tracking=off", "parallel=pp", "parallel.schedule=zbv", "parallel.zero_stage=3")),
+                    local_devices=2)
+    assert spec.parallel.zero_stage == spec.layout.zero_stage == 2
+    assert any("ran as zero_stage=2" in n for n in spec.notes)
+
+
+def _presets(group: str) -> list[str]:
+    from xpar.presets import presets
+    return presets(group)
+
+
+@pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
+def test_every_preset_composes_and_validates(group):
+    """Each preset on its own (the rest default) passes validation and the memory checks,
+    except the presets that exist to show a refusal (named in their file)."""
+    from xpar.checks import ConfigError
+    from xpar.fit import check_run
+    from xpar.presets import conf_dir
+
+    for name in _presets(group):
+        text = (conf_dir() / group / f"{name}.yaml").read_text()
+        extra = ["data.path=README.md"] if (group, name) == ("data", "text") else []
+        cfg = compose(f"{group}={name}", "tracking=off", *extra)
+        try:
+            check_run(cfg, local_devices=2)
+        except ConfigError as e:
+            assert "refused" in text or "does not fit" in str(e), f"{group}={name}: {e}"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))
+def test_every_experiment_composes_and_its_jobs_validate(name):
+    """Every experiment's sweep expands into jobs that pass pre-flight, or that it skips on
+    purpose (sweep.skip_invalid with a reason)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from xpar.presets import conf_dir
+    from xpar.sweep import job_overrides, preflight
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = hydra_compose(config_name=name, return_hydra_config=True,
+                            overrides=[f"hydra.searchpath=[file://{EXPERIMENTS}]"])
+        jobs, _ = job_overrides(cfg)
+        bad = preflight(cfg)
+    assert jobs
+    assert not bad or cfg.sweep.skip_invalid, bad
+    assert len(bad) < len(jobs)
