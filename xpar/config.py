@@ -81,7 +81,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
     recompute: str = "none"
-    """Activation recomputation: none | selective | full."""
+    """Activation recomputation per transformer block (xpar.parallel.recompute): none |
+    selective (keep matmul outputs, recompute the rest) | full (keep the block input)."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 
@@ -131,10 +132,21 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     dtype: str = "fp32"
-    """fp32 or bf16 (parameters and compute)."""
+    """fp32 (pure fp32) or bf16: mixed precision -- bf16 compute, fp32 master weights and
+    AdamW states, fp32 gradient reduction and loss (xpar.parallel.precision)."""
     seed: int = 0
     threads_per_worker: Optional[int] = None
-    """torch threads per worker on CPU; None = 1."""
+    """torch threads per worker on CPU (torch.set_num_threads); None = 1."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global L2 norm of the whole model's gradient to this (xpar.optim); null
+    disables clipping (the pre-clip norm is still measured and logged)."""
+    lr_schedule: str = "constant"
+    """'constant' (lr fixed, the default) or 'cosine': linear warm-up over lr_warmup_steps,
+    then cosine decay to min_lr_ratio * lr at the last step (xpar.optim.lr_factor)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear lr warm-up (cosine schedule); not the timing warm-up."""
+    min_lr_ratio: float = 0.1
+    """Final lr / lr of the cosine schedule (0..1)."""
 
 
 @dataclass

@@ -5,6 +5,7 @@ import functools
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 from xpar.config import HardwareConfig
@@ -40,11 +41,49 @@ def measure_cpu_peak_flops(n: int = 384, seconds: float = 0.3, threads: int = 1)
         torch.set_num_threads(old)
 
 
-def resolve_hardware(hw: HardwareConfig, local_devices: Optional[int] = None) -> HardwareConfig:
+def peak_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/xpar/peak.json`` (default ``~/.cache/xpar/peak.json``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "xpar" / "peak.json"
+
+
+@functools.lru_cache(maxsize=None)
+def cached_cpu_peak_flops(threads: int = 1) -> float:
+    """:func:`measure_cpu_peak_flops` with ``threads``, measured once per machine: the value
+    is kept in :func:`peak_cache_path` under the key ``host|torch version|threads`` and
+    reused by later runs (delete the file to measure again). An unreadable or unwritable
+    cache falls back to measuring in this process."""
+    import json
+    import socket
+
+    import torch
+
+    key = f"{socket.gethostname()}|torch {torch.__version__}|threads {threads}"
+    path = peak_cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache.get(key), (int, float)):
+        return float(cache[key])
+    flops = measure_cpu_peak_flops(threads=threads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**cache, key: flops}, indent=1))
+        tmp.replace(path)  # atomic: concurrent sweeps' pre-flights never read half a file
+    except OSError:
+        pass
+    return flops
+
+
+def resolve_hardware(hw: HardwareConfig, local_devices: Optional[int] = None,
+                     threads: int = 1) -> HardwareConfig:
     """Fill in what 'local' leaves to detection: device kind, device count, memory, peak.
 
     On CPU, the device count is the number of cores (workers), memory is host RAM, and the
-    peak is a measured single-thread fp32 matmul rate. On CUDA, the device count and memory
+    peak is the fp32 matmul rate of one worker with ``threads`` torch threads
+    (``train.threads_per_worker``), measured once per machine (:func:`cached_cpu_peak_flops`). On CUDA, the device count and memory
     come from torch.cuda; a missing peak is an error-free None (MFU then reported as 0).
     Presets other than 'local' are returned unchanged.
     """
@@ -64,5 +103,5 @@ def resolve_hardware(hw: HardwareConfig, local_devices: Optional[int] = None) ->
                else host_memory_bytes()) / 1e9
     peak = hw.peak_tflops
     if peak is None and device == "cpu":
-        peak = measure_cpu_peak_flops() / 1e12
+        peak = cached_cpu_peak_flops(threads) / 1e12
     return replace(hw, device=device, devices_per_node=int(n), device_memory_gb=float(mem), peak_tflops=peak)

@@ -9,7 +9,7 @@ reduction included (:func:`model_state_bytes`).
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -41,14 +41,23 @@ class ActivationTracker:
     tensors that require grad, and the storages of ``params``) are skipped. A saved tensor
     is released when autograd frees it (weakref finalizer), so micro-batches kept in
     flight by a pipeline schedule add up. Units: bytes.
+
+    Two kinds are told apart: ``peak`` counts activations; ``copies_peak`` counts the bf16
+    weight copies autocast casts from fp32 parameters and the matmuls save for backward
+    (:func:`xpar.parallel.precision.is_param_cast`) -- parameter bytes, reported under
+    ``params``. Tensors kept outside autograd's hooks (selective checkpointing's cache) are
+    reported with :meth:`hold`; the tracker inside its ``with`` block is ``ActivationTracker.active``.
     """
+
+    active: Optional["ActivationTracker"] = None
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
         self.skip = {_local(p).untyped_storage().data_ptr() for p in params}
-        self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, bytes]
-        self.current = 0
-        self.peak = 0
+        self.live: dict[int, list] = {}  # storage ptr -> [refcount, bytes, is_param_copy]
+        self.current = self.peak = 0
+        self.copies_current = self.copies_peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._outer: Optional[ActivationTracker] = None
 
     def _release(self, key: int) -> None:
         entry = self.live.get(key)
@@ -56,38 +65,59 @@ class ActivationTracker:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            self.current -= entry[1]
+            if entry[2]:
+                self.copies_current -= entry[1]
+            else:
+                self.current -= entry[1]
             del self.live[key]
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if (base.is_leaf and base.requires_grad) or t.device.type == "meta":
-            return t
+    def _count(self, t: torch.Tensor, is_copy: bool) -> None:
+        """Count ``t``'s storage (once while referenced); release it when ``t`` dies."""
         storage = _local(t).untyped_storage()  # a DTensor (TP) is counted by its local shard
         key = storage.data_ptr()
         if key in self.skip:
-            return t
+            return
         entry = self.live.get(key)
-        if entry is None:
-            self.live[key] = [1, storage.nbytes()]
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-        else:
+        if entry is not None:
             entry[0] += 1
+        else:
+            self.live[key] = [1, storage.nbytes(), is_copy]
+            if is_copy:
+                self.copies_current += storage.nbytes()
+                self.copies_peak = max(self.copies_peak, self.copies_current)
+            else:
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+        weakref.finalize(t, self._release, key)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        from xpar.parallel.precision import is_param_cast
+
+        base = t._base if t._base is not None else t
+        if (base.is_leaf and base.requires_grad) or t.device.type == "meta":
+            return t
         # The graph keeps a detached alias (same storage, no grad_fn): returning ``t`` itself
         # would make an output saved by its own node a reference cycle through the C++ graph,
         # which Python's GC cannot see; graphs kept with retain_graph=True and never released
         # (zero-bubble schedules' input/weight backward split) then leaked every step.
         saved = t.detach()
-        weakref.finalize(saved, self._release, key)
+        self._count(saved, is_param_cast(base))
         return saved
 
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t`` as an activation held until ``t`` is freed (a tensor kept for
+        backward outside autograd's saved-tensor hooks)."""
+        if t.device.type != "meta":
+            self._count(t, False)
+
     def __enter__(self) -> "ActivationTracker":
+        self._outer, ActivationTracker.active = ActivationTracker.active, self
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        ActivationTracker.active = self._outer
 
 
 def dp_full_param_bytes(p: torch.Tensor) -> int:
@@ -148,7 +178,7 @@ def grad_bytes_held(chunks: list[nn.Module], fsdp_params_: list) -> int:
 
 
 def model_state_bytes(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, zero_stage: int,
-                      grads_peak: int = 0) -> dict[str, int]:
+                      grads_peak: int = 0, dtype: str = "fp32", copies_peak: int = 0) -> dict[str, int]:
     """Accounted bytes of this rank's model states (call after a step, before zero_grad).
 
     params: local shards under ZeRO-3; under ZeRO-2 the dp-unsharded size, since FSDP2
@@ -159,14 +189,29 @@ def model_state_bytes(chunks: list[nn.Module], optimizer: torch.optim.Optimizer,
     larger -- FSDP2 holding the whole unsharded gradients for a deferred reduction.
     optimizer: tensors in the optimizer state (the per-parameter step counters excluded);
     for ZeRO-1 only this rank's partition.
+
+    With ``dtype='bf16'`` (mixed precision, :mod:`xpar.parallel.precision`) the stored
+    parameters are the fp32 master weights, so params = ``params_master`` (fp32, local
+    shards under ZeRO-2/3, whole under ZeRO-0/1) + ``params_compute`` (the bf16 copies the
+    compute uses: under ZeRO-2 FSDP2's unsharded bf16 parameters, held from forward to
+    backward; under autocast ``copies_peak``, the most bf16 weight copies held for backward
+    (:class:`ActivationTracker`); under ZeRO-3 none lasting -- the all-gathered unit is
+    transient and, as in fp32, not counted). Both parts are also returned by name; the
+    "optimizer-side" states of the ZeRO paper's K = 12 are ``params_master + optimizer``.
     """
     params = [p for c in chunks for p in c.parameters()]
-    if zero_stage == 2:
-        pbytes = sum(dp_full_param_bytes(p) for p in params)
+    local = sum(_nbytes(p) for p in params)
+    out: dict[str, int] = {}
+    if dtype == "fp32":
+        out["params"] = sum(dp_full_param_bytes(p) for p in params) if zero_stage == 2 else local
     else:
-        pbytes = sum(_nbytes(p) for p in params)
-    gbytes = max(grads_peak, sum(_nbytes(p.grad) for p in params if p.grad is not None))
+        if zero_stage == 2:
+            compute = sum(dp_full_param_bytes(p) // p.element_size() * 2 for p in params)
+        else:
+            compute = 0 if zero_stage == 3 else copies_peak
+        out.update(params=local + compute, params_master=local, params_compute=compute)
+    out["grads"] = max(grads_peak, sum(_nbytes(p.grad) for p in params if p.grad is not None))
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local AdamW
-    obytes = sum(_nbytes(v) for state in inner.state.values() for k, v in state.items()
-                 if torch.is_tensor(v) and k != "step")
-    return {"params": pbytes, "grads": gbytes, "optimizer": obytes}
+    out["optimizer"] = sum(_nbytes(v) for state in inner.state.values() for k, v in state.items()
+                           if torch.is_tensor(v) and k != "step")
+    return out

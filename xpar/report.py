@@ -3,7 +3,7 @@ and its console table.
 
 Metric definitions:
 
-- ``throughput/tokens_per_s``: global tokens per step / mean step time, over timed steps
+- ``throughput/tokens_per_s``: global tokens per step / median step time, over timed steps
   (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
 - ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
   attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
@@ -112,14 +112,20 @@ def zero_paper_bytes(spec: RunSpec) -> float:
 def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     """Fold per-rank stats into a Report.
 
-    Step time per step = max over ranks; the reported step time is the mean over timed
-    steps (warm-up excluded). The global loss of a step is the mean over ranks that see a
-    loss (tp ranks hold equal copies, so this is the mean over dp replicas).
+    Step time per step = max over ranks; the reported step time is the MEDIAN over timed
+    steps (warm-up excluded), robust to the odd slow step of a shared CPU; its spread goes
+    to ``extra``: ``throughput/step_time_{median,iqr,min,max,mean}_s`` and
+    ``throughput/step_time_cv`` (xpar.timing.step_time_stats). The global loss of a step is
+    the mean over ranks that see a loss (tp ranks hold equal copies, so this is the mean
+    over dp replicas).
     """
+    from xpar.timing import step_time_stats
+
     w = spec.train.warmup_steps
     per_step = [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)]
     timed = per_step[w:]
-    step_time = statistics.fmean(timed)
+    spread = step_time_stats(timed)
+    step_time = spread["median"]
     model_f, hw_f = flops_per_step(spec)
     tflops = model_f / step_time / spec.world_size / 1e12
     peak = spec.hardware.peak_tflops or 0.0
@@ -141,6 +147,8 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEASURED_TERMS},
         losses=losses, step_times_s=per_step)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
+    report.extra.update({f"throughput/step_time_{k}_s" if k != "cv" else "throughput/step_time_cv": v
+                         for k, v in spread.items()})
     if spec.pp > 1:
         from xpar.bubble import summarize
         pipeline, report.timeline = summarize(spec, stats)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from xpar.data import TokenSource
+from xpar.timing import step_time_stats
 from xpar.memory_accounting import ActivationTracker, model_state_bytes
 from xpar.parallel.factory import Engine
 from xpar.parallel.tensor import count_tp_comm
@@ -27,9 +28,11 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
 
     Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
     micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
-    seconds per step, warm-up included), ``memory`` (bytes: params, grads, optimizer,
-    activations; cuda_max_allocated on CUDA), for pipelined runs ``pipeline`` and, with
-    tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
+    seconds per step, warm-up included), ``step_time_stats`` (of the timed steps),
+    ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
+    (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
+    activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
+    ``pipeline`` and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
     :class:`xpar.parallel.tensor.TPCommCounter`).
     """
     spec, mesh = engine.spec, engine.mesh
@@ -41,9 +44,12 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     losses: list[Optional[float]] = []
     times: list[float] = []
     comm: Optional[dict] = None
+    lrs: list[float] = []
     progress = _progress(spec.train.steps) if show_progress else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    if dist.get_rank() == 0 and device == "cpu" and spec.launcher == "local":
+        warn_oversubscribed(spec.world_size, spec.train.threads_per_worker)
     try:
         for step in range(spec.train.steps):
             xs, ys = data.micro_batches(step, dp_rank, device)
@@ -62,6 +68,7 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
             if counter is not None:
                 comm = counter.metrics()
             losses.append(loss)
+            lrs.append(engine.optimizer.param_groups[0]["lr"])  # lr of the next step
             if progress is not None:
                 progress[0].update(progress[1], advance=1,
                                    description=f"step {step + 1}/{spec.train.steps}"
@@ -69,18 +76,43 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     finally:
         if progress is not None:
             progress[0].stop()
-    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage, engine.grads_peak)
+    stats = _rank_stats(engine, tracker, losses, times, lrs)
+    if comm is not None:
+        stats["comm"] = comm
+    return stats
+
+
+def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:
+    """This rank's stats dict (see :func:`train`) after the last step."""
+    spec, mesh = engine.spec, engine.mesh
+    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage, engine.grads_peak,
+                               dtype=spec.train.dtype, copies_peak=tracker.copies_peak)
     memory["activations"] = tracker.peak
-    if device == "cuda":
+    if spec.device == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     coords = [mesh[a].get_local_rank() for a in ("pp", "dp", "tp")]
     stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
-             "losses": losses, "step_times_s": times, "memory": memory}
-    if comm is not None:
-        stats["comm"] = comm
-    if hasattr(engine, "pipeline_stats") and engine.pipeline_stats is not None:
+             "losses": losses, "step_times_s": times, "memory": memory,
+             "grad_norms": list(engine.grad_norms), "lrs": lrs,
+             "step_time_stats": step_time_stats(times[spec.train.warmup_steps:])}
+    if getattr(engine, "pipeline_stats", None) is not None:
         stats["pipeline"] = engine.pipeline_stats()
     return stats
+
+
+def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
+    """One stderr line when ``workers`` x ``threads`` torch threads exceed this host's cores
+    (step times then measure the OS scheduler); returns the line, or None."""
+    import os
+    import sys
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers * threads <= cores:
+        return None
+    line = (f"xpar: warning: {workers} workers x {threads} threads = {workers * threads} threads on "
+            f"{cores} cores; timings are oversubscribed (train.threads_per_worker, fewer workers)")
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def _progress(total: int):

@@ -3,10 +3,13 @@
     1. model on the meta device (no memory), the whole model or this rank's pipeline stages
     2. materialise on the device with the seeded, name-keyed init (values are those of the
        single-process model, whatever the layout)          -- skipped for a dry run
-    3. tensor parallel on the tp axis (DTensor, Megatron column/row plan)
-    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3)
+    3. tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
+       recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
+       around the chunk's forward (xpar.parallel.precision)
+    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy)
     5. pipeline stages on the pp axis with their schedule
-    6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1)
+    6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
+       step clips the global gradient norm before the optimizer step (xpar.optim)
 
 TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
 placements), and both before the pipeline stage is built over the wrapped chunk (the
@@ -56,10 +59,27 @@ class Engine:
     accounting: bool = True
     """Probe memory in this step. The loop accounts on the first step only (every step has
     the same shapes), so the timed steps carry no accounting overhead."""
+    scheduler: Any = None
+    """The lr schedule (xpar.optim.build_lr_scheduler), stepped after each optimizer step."""
+    grad_norms: list = field(default_factory=list)
+    """Pre-clip global gradient norm of each step so far (xpar.optim.global_grad_norm)."""
     _fsdp_params: Optional[list] = field(default=None, init=False, repr=False)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
         return self.step_fn(self, inputs, targets)
+
+    def finish_step(self) -> None:
+        """After the last backward of a step: clip the global gradient norm to
+        ``train.max_grad_norm`` (recording the pre-clip norm in ``grad_norms``), take the
+        optimizer step, advance the lr schedule."""
+        from xpar.optim import clip_grads_
+
+        params = [p for c in self.chunks for p in c.parameters()]
+        pp_group = self.mesh["pp"].get_group() if self.spec.pp > 1 else None
+        self.grad_norms.append(clip_grads_(params, self.spec.train.max_grad_norm, pp_group))
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def probe_grads(self) -> None:
         """Update ``grads_peak`` with the gradient bytes held now: local ``.grad`` plus
@@ -100,13 +120,31 @@ def build_model(spec: RunSpec, stage_ids: Optional[list[int]] = None) -> list[Tr
                 for s in stage_ids]
 
 
-def materialize(chunk: nn.Module, device: str, seed: int, dtype: torch.dtype) -> nn.Module:
-    """Step 2: allocate on ``device`` and run the seeded init."""
+def materialize(chunk: nn.Module, device: str, seed: int) -> nn.Module:
+    """Step 2: allocate on ``device`` and run the seeded init. Parameters are fp32 in every
+    run: with ``train.dtype=bf16`` they are the master weights (xpar.parallel.precision)."""
     chunk.to_empty(device=device)
     if chunk.cfg.tied_embeddings and chunk.tok_embeddings is not None and chunk.output is not None:
         chunk.output.weight = chunk.tok_embeddings.weight  # to_empty unties shared parameters
     chunk.init_weights(seed)
-    return chunk.to(dtype)
+    return chunk
+
+
+def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -> nn.Module:
+    """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
+    (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
+    checkpointed blocks, so all-gathers stay outside the recomputed region)."""
+    from xpar.parallel.precision import apply_autocast, mixed_precision_kind
+    from xpar.parallel.recompute import apply_recompute
+
+    par, dtype = spec.parallel, spec.train.dtype
+    if spec.tp > 1:
+        from xpar.parallel.tensor import apply_tp
+        chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
+    chunk = apply_recompute(chunk, par.recompute)                                       # 3b
+    if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
+        chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
+    return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype)                    # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
@@ -115,22 +153,21 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     Raises:
         RuntimeError: from torch if the plan is impossible (validation should prevent it).
     """
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
     device = spec.device if materialize_model else "meta"
     stage_ids = None
     if spec.pp > 1:
         stage_ids = spec.layout.stages_of(mesh["pp"].get_local_rank())
     chunks = build_model(spec, stage_ids)                                          # 1
     if materialize_model:
-        chunks = [materialize(c, device, spec.train.seed, dtype) for c in chunks]  # 2
-    if spec.tp > 1:
-        from xpar.parallel.tensor import apply_tp
-        chunks = [apply_tp(c, mesh["tp"], spec.parallel.sequence_parallel) for c in chunks]  # 3
-    chunks = [wrap_dp(c, mesh["dp"], spec.parallel.zero_stage, device) for c in chunks]  # 4
+        chunks = [materialize(c, device, spec.train.seed) for c in chunks]         # 2
+    chunks = [wrap_chunk(c, spec, mesh, device) for c in chunks]                   # 3, 4
     params = [p for c in chunks for p in c.parameters()]
-    optimizer = (build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
-                                 spec.train.weight_decay) if materialize_model else None)  # 6
-    engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=optimizer, step_fn=accumulate_step)
+    engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step)
+    if materialize_model:                                                          # 6
+        from xpar.optim import build_lr_scheduler
+        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
+                                           spec.train.weight_decay)
+        engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:
         from xpar.parallel.pipeline import attach_schedule
         attach_schedule(engine, stage_ids)                                           # 5
@@ -170,7 +207,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
             loss.backward()
         engine.probe_grads()  # held gradients peak at a micro-batch boundary
         total += float(loss.detach())
-    engine.optimizer.step()  # gradients are zeroed by the loop at the start of the next step
+    engine.finish_step()  # gradients are zeroed by the loop at the start of the next step
     return total
 
 

@@ -104,11 +104,14 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The last stage's logits (a vocabulary-sharded DTensor under tp) go only to the loss,
     # and torch does not check them against this shape.
     S_between = S // spec.tp if spec.parallel.sequence_parallel else S
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.train.dtype]
+    # bf16: hidden states are bf16 under FSDP2's policy, fp32 under autocast; logits bf16.
+    from xpar.parallel.precision import activation_dtype, logits_dtype
+    dtype = activation_dtype(spec.train.dtype, spec.layout.zero_stage)
     last = spec.layout.n_stages - 1
     act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
     x = torch.empty(b, S, dtype=torch.int64, device="meta") if stage == 0 else torch.empty(b, S_between, H, **act)
-    y = torch.empty(b, S, V, **act) if stage == last else torch.empty(b, S_between, H, **act)
+    y = (torch.empty(b, S, V, device="meta", dtype=logits_dtype(spec.train.dtype), requires_grad=True)
+         if stage == last else torch.empty(b, S_between, H, **act))
     return x, y
 
 
@@ -179,7 +182,7 @@ def pipeline_step(engine, inputs: list[torch.Tensor], targets: list[torch.Tensor
     with engine.loss_context():  # loss_parallel around the loss and its backward when tp > 1
         engine.schedule.step(*args, target=target, losses=losses, return_outputs=False)
     engine.recorder.end()
-    engine.optimizer.step()
+    engine.finish_step()  # clip the global norm (all-reduced over pp), optimizer and lr steps
     if not last:
         return None
     return sum(float(l.detach()) for l in losses) / len(losses)

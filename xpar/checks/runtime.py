@@ -1,0 +1,51 @@
+"""Checks of the runtime fields of issue 12 (mixed precision, recompute, clipping, lr
+schedule, threads). Each ``check_<name>(c)`` takes the composed config and returns problem
+lines: the constraint, the values given, values that work (empty when valid)."""
+from __future__ import annotations
+
+DTYPES = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def check_dtype(c) -> list[str]:
+    """train.dtype: fp32 (pure) or bf16 (mixed precision on every strategy, ZeRO-1 included)."""
+    if c.train.dtype not in DTYPES:
+        return [f"train.dtype={c.train.dtype!r} is not a training dtype; values that work: {list(DTYPES)}."]
+    return []
+
+
+def check_recompute(c) -> list[str]:
+    """parallel.recompute: none | selective | full."""
+    if c.parallel.recompute not in RECOMPUTE:
+        return [f"parallel.recompute={c.parallel.recompute!r} is unknown; values that work: {list(RECOMPUTE)}."]
+    return []
+
+
+def check_max_grad_norm(c) -> list[str]:
+    """train.max_grad_norm: a positive number, or null (no clipping)."""
+    v = c.train.max_grad_norm
+    if v is not None and not v > 0:
+        return [f"train.max_grad_norm must be > 0 or null (no clipping), got {v}; e.g. 1.0."]
+    return []
+
+
+def check_lr_schedule(c) -> list[str]:
+    """train.lr_schedule in constant|cosine; 0 <= lr_warmup_steps <= steps; 0 <= min_lr_ratio <= 1."""
+    t, out = c.train, []
+    if t.lr_schedule not in LR_SCHEDULES:
+        out.append(f"train.lr_schedule={t.lr_schedule!r} is unknown; values that work: {list(LR_SCHEDULES)}.")
+    if not 0 <= t.lr_warmup_steps <= t.steps:
+        out.append(f"train.lr_warmup_steps must satisfy 0 <= lr_warmup_steps <= steps, got "
+                   f"lr_warmup_steps={t.lr_warmup_steps}, steps={t.steps}; e.g. {min(t.steps, max(0, t.steps // 10))}.")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        out.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}; e.g. 0.1.")
+    return out
+
+
+def check_threads(c) -> list[str]:
+    """train.threads_per_worker: null (1) or >= 1."""
+    v = c.train.threads_per_worker
+    if v is not None and int(v) < 1:
+        return [f"train.threads_per_worker must be >= 1 or null (= 1), got {v}; e.g. 1."]
+    return []

@@ -1,0 +1,102 @@
+"""Optimizer-side pieces of a step: global gradient-norm clipping and the learning-rate
+schedule. Both are layout-independent: a run gets the single-process model's numbers.
+
+Clipping (``train.max_grad_norm``; null disables) follows ``torch.nn.utils.clip_grad_norm_``
+(Pascanu et al. 2013): the L2 norm of the whole model's gradient, ``coef = max_norm /
+(norm + 1e-6)`` clamped to 1, every gradient multiplied by ``coef``. With the model split
+over a layout, :func:`global_grad_norm` assembles the norm from this rank's local parts:
+
+- a plain-tensor gradient (DDP, ZeRO-1, and parameters left whole by tp) is whole and
+  identical on its replicas: its square sum is counted once, no reduction;
+- a DTensor gradient (FSDP2 shards on dp, tp shards, both) contributes its local shard's
+  square sum, summed over the mesh dimensions it is *sharded* on (Replicate dims: copies,
+  not summed; a Partial gradient is first reduced to Replicate);
+- pipeline stages hold disjoint parameters: the sum is all-reduced over the pp group.
+
+Torch's own ``clip_grad_norm_`` cannot do this here: it refuses a mix of DTensors on
+different meshes with plain tensors, and knows nothing of pipeline stages (torchtitan adds
+the pp all-reduce by hand the same way, ``torchtitan.distributed.utils.clip_grad_norm_``).
+Square sums are accumulated in float64.
+
+Learning rate (``train.lr_schedule``): ``constant`` (the default; today's behaviour, lr
+fixed), or ``cosine``: linear warm-up over ``train.lr_warmup_steps`` steps from lr/warmup to
+lr, then cosine decay to ``train.min_lr_ratio * lr`` at the last step (Loshchilov & Hutter
+2017; the Llama/GPT-3 recipe).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+EPS = 1e-6
+"""torch.nn.utils.clip_grad_norm_'s epsilon in the clip coefficient."""
+
+
+def _local_square_sum(g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(square sum of this rank's part of ``g`` in float64, the process groups to sum it over)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(g, DTensor):
+        return g.detach().double().pow(2).sum(), ()
+    if any(pl.is_partial() for pl in g.placements):
+        g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+    # Shard or _StridedShard (FSDP2 over tp-sharded dim 0; its is_shard() is False in torch 2.13)
+    groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+    return g.to_local().detach().double().pow(2).sum(), groups
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], pp_group=None) -> float:
+    """L2 norm of the whole model's gradient (all ranks' parts, see module docstring);
+    every rank returns the same value. Collective: all ranks of the groups involved call it."""
+    sums: dict[tuple, list] = {}  # group names -> [groups, square sum]
+    for p in params:
+        if p.grad is None:
+            continue
+        sq, groups = _local_square_sum(p.grad)
+        key = tuple(g.group_name for g in groups)
+        if key not in sums:
+            sums[key] = [groups, torch.zeros((), dtype=torch.float64)]
+        sums[key][1] += sq
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, sq in sums.values():
+        for g in groups:
+            dist.all_reduce(sq, group=g)
+        total += sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return math.sqrt(float(total))
+
+
+@torch.no_grad()
+def clip_grads_(params: list[torch.Tensor], max_norm: Optional[float], pp_group=None) -> float:
+    """Scale the gradients so that their global norm is at most ``max_norm`` (no-op when
+    None or when the norm is below it); return the pre-clip global norm."""
+    norm = global_grad_norm(params, pp_group)
+    if max_norm is None:
+        return norm
+    coef = max_norm / (norm + EPS)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def lr_factor(step: int, schedule: str, steps: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step ``step`` (0-based)."""
+    if schedule == "constant":
+        return 1.0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup - 1)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, train) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` over :func:`lr_factor` for a :class:`xpar.config.TrainConfig`; call
+    ``.step()`` after each optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(
+        k, train.lr_schedule, train.steps, train.lr_warmup_steps, train.min_lr_ratio))

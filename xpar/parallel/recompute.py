@@ -1,0 +1,101 @@
+"""Activation recomputation (``parallel.recompute``), per transformer block.
+
+Applied by the engine factory after tensor parallelism and before the dp wrapper (TP -> AC
+-> FSDP, as torchtitan), with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+around each block's forward (the block's ``forward`` is replaced in place, so parameter
+names do not change and FSDP2 / DDP hooks stay around the checkpointed region):
+
+- ``full``: each block keeps only its input (``[b, s, h]``, saved by checkpoint through
+  autograd's saved-tensor hooks) and reruns its whole forward in backward (Chen et al.
+  2016; Korthikanti et al. 2022 "full recompute").
+- ``selective``: in xpar, each block keeps the *outputs of its matmuls* (``aten.mm``,
+  ``aten.addmm``, ``aten.bmm`` -- the q/k/v/o and MLP projections) and of the tp
+  collectives, and recomputes everything else in backward: the attention core (RoPE,
+  ``scaled_dot_product_attention``), norms, SiLU/GELU, products and residual adds. This is
+  Korthikanti et al. 2022's selective recompute (keep the linear outputs, recompute the
+  attention core) extended to the cheap element-wise ops, via
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with a policy (as
+  torchtitan's op-level SAC).
+- ``none``: nothing recomputed.
+
+Accounting: checkpoint's saved block inputs go through saved-tensor hooks and are counted
+by :class:`xpar.memory_accounting.ActivationTracker`; the tensors that selective
+checkpointing caches in its own storage do not, so :func:`_tracked_contexts` reports them
+to the active tracker (:meth:`ActivationTracker.hold`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
+SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+            _funcol.all_reduce.default, _funcol.all_gather_into_tensor.default,
+            _funcol.reduce_scatter_tensor.default, _funcol.wait_tensor.default}
+"""Ops whose outputs selective recompute keeps; everything else is recomputed."""
+
+MODES = ("none", "selective", "full")
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep matmul and collective outputs, recompute the rest (see module docstring)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _TrackedEntries(dict):
+    """One op's entries (invocation index -> kept outputs) in selective checkpointing's
+    storage; reports each kept tensor to the active tracker."""
+
+    def __setitem__(self, idx, entry) -> None:
+        from xpar.memory_accounting import ActivationTracker
+
+        tracker = ActivationTracker.active
+        if tracker is not None:
+            for leaf in torch.utils._pytree.tree_leaves(entry):
+                val = getattr(leaf, "val", None)  # torch wraps each kept tensor in a _VersionWrapper
+                if isinstance(val, torch.Tensor):
+                    tracker.hold(val)
+        super().__setitem__(idx, entry)
+
+
+class _TrackedStorage(dict):
+    def __missing__(self, key):
+        self[key] = _TrackedEntries()
+        return self[key]
+
+
+def _tracked_contexts():
+    """``create_selective_checkpoint_contexts(selective_policy)`` whose cache (op key ->
+    {invocation index: kept outputs}, shared by the forward and recompute modes; torch
+    2.13's private layout) reports kept tensors. The recompute mode reads it with ``get``,
+    which a missing key does not create."""
+    fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+    storage = _TrackedStorage()
+    fwd.storage = rec.storage = storage
+    return fwd, rec
+
+
+def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
+    """Replace ``block.forward`` by its checkpointed version for ``mode`` (in place)."""
+    if mode == "none":
+        return block
+    forward = block.forward
+    kw = {"context_fn": _tracked_contexts} if mode == "selective" else {}
+
+    @functools.wraps(forward)
+    def recomputed(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **kw)
+    block.forward = recomputed
+    return block
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Checkpoint every transformer block of ``model`` (whole model or pipeline stage)."""
+    if mode not in MODES:
+        raise ValueError(f"parallel.recompute={mode!r}; expected one of {MODES}")
+    for block in model.layers.values():
+        checkpoint_block(block, mode)
+    return model
