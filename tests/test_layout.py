@@ -163,9 +163,9 @@ def test_every_experiment_composes_and_its_jobs_validate(name):
     from xpar.sweep import job_overrides, preflight
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+    with initialize_config_dir(config_dir=str(EXPERIMENTS), version_base=None):  # as --config-dir experiments
         cfg = hydra_compose(config_name=name, return_hydra_config=True,
-                            overrides=[f"hydra.searchpath=[file://{EXPERIMENTS}]"])
+                            overrides=[f"hydra.searchpath=[file://{conf_dir()}]"])
         jobs, _ = job_overrides(cfg)
         bad = preflight(cfg)
     assert jobs

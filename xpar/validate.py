@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from xpar.checks import ConfigError, divisors  # noqa: F401  (re-exported)
 from xpar.checks import config as config_checks
 from xpar.checks import layout as layout_checks
+from xpar.checks.runtime import check_runtime
 from xpar.config import XparConfig
 from xpar.layout import Layout
 from xpar.resolve import Target, build_layout, layout_notes, resolve_target, torchrun_world  # noqa: F401
@@ -41,8 +42,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     return (layout_checks.check_tp(c.model, layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode)
-            + layout_checks.check_layer_split(c.model.n_layers, par.layer_split, par.pp, v)
-            + layout_checks.check_precision(layout, c.train.dtype, mode))
+            + layout_checks.check_layer_split(c.model.n_layers, par.layer_split, par.pp, v))
 
 
 def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None) -> RunSpec:
@@ -60,7 +60,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     """
     c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
     _raise_if(config_checks.check_choices(c) + config_checks.check_degrees(c))  # the rest assumes them
-    problems = config_checks.check_model(c) + config_checks.check_train(c) + config_checks.check_data(c)
+    problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
+                + config_checks.check_data(c))
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)

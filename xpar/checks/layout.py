@@ -97,10 +97,3 @@ def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
                 f"{n_stages} stages (pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, "
                 f"sum {sum(split)}); e.g. {example}."]
     return []
-
-
-def check_precision(layout: Layout, dtype: str, mode: str) -> list[str]:
-    """bf16 with ZeroRedundancyOptimizer is not run (execute mode)."""
-    if dtype == "bf16" and mode == "execute" and layout.zero_stage == 1:
-        return ["train.dtype=bf16 with zero_stage=1 is not supported; use fp32 or zero_stage 0/2/3."]
-    return []

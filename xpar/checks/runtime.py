@@ -1,25 +1,14 @@
-"""Checks of the runtime fields of issue 12 (mixed precision, recompute, clipping, lr
-schedule, threads). Each ``check_<name>(c)`` takes the composed config and returns problem
+"""Checks of the step loop's fields (clipping, learning-rate schedule, threads); the
+enumerated ones (dtype, recompute) are in :data:`xpar.checks.config.CHOICES`. Each ``check_<name>(c)`` takes the composed config and returns problem
 lines: the constraint, the values given, values that work (empty when valid)."""
 from __future__ import annotations
 
-DTYPES = ("fp32", "bf16")
-RECOMPUTE = ("none", "selective", "full")
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def check_dtype(c) -> list[str]:
-    """train.dtype: fp32 (pure) or bf16 (mixed precision on every strategy, ZeRO-1 included)."""
-    if c.train.dtype not in DTYPES:
-        return [f"train.dtype={c.train.dtype!r} is not a training dtype; values that work: {list(DTYPES)}."]
-    return []
-
-
-def check_recompute(c) -> list[str]:
-    """parallel.recompute: none | selective | full."""
-    if c.parallel.recompute not in RECOMPUTE:
-        return [f"parallel.recompute={c.parallel.recompute!r} is unknown; values that work: {list(RECOMPUTE)}."]
-    return []
+def check_runtime(c) -> list[str]:
+    """Every check of this module."""
+    return check_max_grad_norm(c) + check_lr_schedule(c) + check_threads(c)
 
 
 def check_max_grad_norm(c) -> list[str]:
