@@ -35,12 +35,14 @@ def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
 
 
 def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = False):
-    """Single-process reference: the whole model, the whole global batch per step, AdamW.
+    """Single-process reference: the whole model, the whole global batch per step, gradient
+    clipping at ``train.max_grad_norm`` (as the engine does), AdamW (constant lr).
 
     Returns the per-step losses (and, with ``grads``, the gradients of the last step by
     parameter name)."""
     from xpar.data import TokenSource
     from xpar.models.transformer import Transformer
+    from xpar.optim import clip_grads_
     from xpar.parallel.factory import cross_entropy
 
     torch.manual_seed(0)
@@ -56,6 +58,7 @@ def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = F
         loss = cross_entropy(model(rows[:, :-1]), rows[:, 1:])
         loss.backward()
         last_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        clip_grads_(list(model.parameters()), spec.train.max_grad_norm)
         opt.step()
         losses.append(float(loss.detach()))
     return (losses, last_grads) if grads else losses

@@ -69,7 +69,7 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
             f"run.mode=execute needs the devices of hardware={hardware.name} "
             f"({hardware.devices_per_node} x {hardware.nodes} nodes); this machine is 'local'. "
             f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
-    hw = resolve_hardware(hardware, local_devices if not trun else None)
+    hw = resolve_hardware(hardware, local_devices if not trun else None, threads=c.train.threads_per_worker or 1)
     if trun:
         world, source = trun["world_size"], f"torchrun WORLD_SIZE={trun['world_size']}"
     elif mode == "estimate":
