@@ -11,7 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import xpar.config  # noqa: F401  (registers the schema)
-from xpar.presets import check_presets, conf_dir
+from xpar.overrides import refuse_bad_overrides
+from xpar.presets import conf_dir
 
 START_DIR = Path.cwd()
 
@@ -35,7 +36,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         from xpar.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
-    check_presets(sys.argv[1:])
+    refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:
         # Only rank 0 writes .hydra/ and the job log; every rank shares one run dir.

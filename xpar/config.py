@@ -181,6 +181,8 @@ class RunConfig:
     progress: bool = True
     fail_rank: Optional[int] = None
     """Fault injection for testing failure handling: this rank raises after building its engine."""
+    allow_long: bool = False
+    """Run a local job whose estimated training time exceeds an hour (xpar.checks.duration)."""
     dry_run: bool = True
     """Estimate mode: also build the representative ranks through the engine factory on a fake
     process group (xpar.dryrun) and check the cost model's parameter bytes against them."""

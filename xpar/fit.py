@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Optional
 
 from xpar.checks import ConfigError
+from xpar.checks.duration import duration_problems
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks
 from xpar.spec import RunSpec
@@ -243,7 +244,7 @@ def check_run(cfg, local_devices: Optional[int] = None) -> RunSpec:
         ConfigError: every violated constraint, or the memory refusal with its breakdown.
     """
     spec = validate(cfg, local_devices)
-    problems = memory_problems(spec)
+    problems = memory_problems(spec) or duration_problems(spec, cfg)
     if problems:
         raise ConfigError(problems)
     return spec

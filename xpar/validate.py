@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from xpar.checks import ConfigError, divisors  # noqa: F401  (re-exported)
 from xpar.checks import config as config_checks
 from xpar.checks import layout as layout_checks
+from xpar.checks.environment import check_environment
 from xpar.checks.runtime import check_runtime
 from xpar.config import XparConfig
 from xpar.layout import Layout
@@ -59,7 +60,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
         ConfigError: listing every violated constraint.
     """
     c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
-    _raise_if(config_checks.check_choices(c) + config_checks.check_degrees(c))  # the rest assumes them
+    _raise_if(config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c))  # the rest assumes them
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
                 + config_checks.check_data(c))
     target, target_problems = resolve_target(c, local_devices)

@@ -46,7 +46,7 @@ def check_model(c: XparConfig) -> list[str]:
         out.append(f"model.n_heads must be divisible by model.n_kv_heads (grouped-query attention): "
                    f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads}; n_kv_heads values that work: "
                    f"{divisors(max(model.n_heads, 1))}.")
-    elif model.position == "rope" and model.hidden % model.n_heads == 0 and model.head_dim % 2:
+    elif model.position == "rope" and model.n_heads >= 1 and model.hidden % model.n_heads == 0 and model.head_dim % 2:
         out.append(f"rope needs an even head dim: hidden/n_heads = {model.head_dim}.")
     return out
 

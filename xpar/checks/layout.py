@@ -85,6 +85,9 @@ def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     if pp == 1:
         return ([f"parallel.layer_split={list(given)} given but pp=1; remove it."]
                 if given not in (None, [], [n_layers]) else [])
+    if n_layers < n_stages:  # a stage without layers crashes its worker
+        return [f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages (pp={pp} x virtual_stages={v}); "
+                f"every stage needs >= 1 layer: e.g. model.n_layers={n_stages}, or fewer stages."]
     if not given:
         return [] if even_split(n_layers, n_stages) else [
             f"model.n_layers={n_layers} does not split evenly over {n_stages} stages "
@@ -92,8 +95,8 @@ def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     split = list(given)
     if any(not isinstance(x, int) or isinstance(x, bool) for x in split):
         return [f"parallel.layer_split must list whole numbers of layers per stage, got {split}; e.g. {example}."]
-    if len(split) != n_stages or any(x < 0 for x in split) or sum(split) != n_layers:
+    if len(split) != n_stages or any(x < 1 for x in split) or sum(split) != n_layers:
         return [f"parallel.layer_split must assign each of the {n_layers} layers exactly once, in order, to "
-                f"{n_stages} stages (pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, "
+                f"{n_stages} stages, each >= 1 (pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, "
                 f"sum {sum(split)}); e.g. {example}."]
     return []

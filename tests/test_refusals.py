@@ -1,0 +1,266 @@
+"""The catalogue of bad inputs: each is refused with exit 2, xpar's one format
+(``xpar: invalid configuration:``), the expected fragment and no traceback, before any worker
+starts and before any MLflow run exists. Where a message suggests an override, the test
+follows it and the config is accepted.
+
+Fast path: the entry point's own functions in-process (the pre-Hydra override check, then
+:func:`xpar.job.run_job` on the composed config with the worker launch replaced by an
+assertion); three subprocesses cover the real ``python -m xpar`` path.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose
+
+TMP = tempfile.gettempdir()
+EMPTY = "{empty}"  # replaced by an empty file, TEXT by a readable corpus, DIR by a folder
+TEXT = "{text}"
+DIR = "{dir}"
+
+# (overrides, expected fragment, the suggested fix: overrides that must be in the message and validate)
+CATALOGUE = [
+    # unknown keys and groups (Hydra's exit 1 before): the closest valid key, as a working override
+    ("+train.stepz=5", "did you mean train.steps=5", "train.steps=5"),
+    ("train.stepz=5", "did you mean train.steps=5", "train.steps=5"),
+    ("+paralel=zero3", "did you mean parallel=zero3", "parallel=zero3"),
+    ("paralel=zero3", "did you mean parallel=zero3", "parallel=zero3"),
+    ("steps=5", "did you mean train.steps=5", "train.steps=5"),
+    ("model.hiden=32", "did you mean model.hidden=32", "model.hidden=32"),
+    ("model.nheads=4", "did you mean model.n_heads=4", "model.n_heads=4"),
+    ("parallel.micro_batch=4", "did you mean parallel.micro_batches=4", "parallel.micro_batches=4"),
+    ("train.global_batch=8", "did you mean train.global_batch_size=8", "train.global_batch_size=8"),
+    ("hardware.gpuz=A100", "did you mean hardware.gpu=A100", "hardware.gpu=A100"),
+    ("tracking.experimnt=foo", "did you mean tracking.experiment=foo", "tracking.experiment=foo"),
+    ("parallel.zero=3", "did you mean parallel.zero_stage=3", "parallel.zero_stage=3"),
+    ("modle=small", "did you mean model=small", "model=small"),
+    ("hardwre=h100_80gb_8gpu", "did you mean hardware=h100_80gb_8gpu", "hardware=h100_80gb_8gpu"),
+    ("foo.bar=1", "'foo.bar' is not in the schema; valid: groups", None),
+    ("+model.extra_layers=1", "is not in the schema", None),
+    ("+parallel=zero3", "already in the defaults list; write parallel=zero3", "parallel=zero3"),
+    ("+train.steps=5", "set it without '+': train.steps=5", "train.steps=5"),
+    ("run=estimate", "run is not a config group", None),
+    ("sweep=optuna", "sweep is not a config group", None),
+    # unknown presets
+    ("parallel=zero4", "unknown parallel preset 'zero4'", None),
+    ("model=huge", "unknown model preset 'huge'", None),
+    ("hardware=tpu_v5", "unknown hardware preset 'tpu_v5'", None),
+    ("train=fast", "unknown train preset 'fast'", None),
+    ("data=images", "unknown data preset 'images'", None),
+    ("tracking=on", "unknown tracking preset 'on'", None),
+    ("-m parallel=dp,zero9", "unknown parallel preset 'zero9'", None),
+    # wrong types (Hydra's exit 1 before)
+    ("parallel.tp=abc", "parallel.tp must be an integer, got 'abc'", "parallel.tp=1"),
+    ("parallel.pp=two", "parallel.pp must be an integer", "parallel.pp=1"),
+    ("train.steps=abc", "train.steps must be an integer", "train.steps=10"),
+    ("train.steps=", "train.steps must be an integer", "train.steps=10"),
+    ("-m train.steps=1,x", "train.steps must be an integer, got 'x'", None),
+    ("train.lr=abc", "train.lr must be a number", None),
+    ("run.progress=maybe", "run.progress must be true or false", "run.progress=true"),
+    ("model.hidden=big", "model.hidden must be an integer", "model.hidden=64"),
+    ("model.n_heads=2.5", "model.n_heads must be an integer", "model.n_heads=4"),
+    ("hardware.nodes=1.5", "hardware.nodes must be an integer", "hardware.nodes=1"),
+    ("train.micro_batch_size=x", "train.micro_batch_size must be an integer", "train.micro_batch_size=4"),
+    ("train.seq_len=long", "train.seq_len must be an integer or null", "train.seq_len=null"),
+    ("parallel.layer_split=abc", "parallel.layer_split must be a list or null", "parallel.layer_split=null"),
+    ("parallel.tp=[1,2]", "parallel.tp must be an integer", "parallel.tp=1"),
+    ("hardware.peak_tflops=fast", "hardware.peak_tflops must be a number or null", "hardware.peak_tflops=null"),
+    ("tracking.enabled=perhaps", "tracking.enabled must be true or false", None),
+    # an output directory Hydra cannot create (a traceback before)
+    ("hydra.run.dir=/proc/xpar/run", "cannot be written", f"hydra.run.dir={TMP}/xpar/outputs"),
+    ("-m hydra.sweep.dir=/proc/xpar/sweep", "cannot be written", f"hydra.sweep.dir={TMP}/xpar/multirun"),
+    ("hydra.run.dir=/etc/hostname/run", "is not a directory", f"hydra.run.dir={TMP}/xpar/outputs"),
+    # the model
+    ("model.n_heads=0", "model.n_heads must be >= 1, got 0", None),
+    ("model.hidden=0", "model.hidden must be >= 1, got 0", None),
+    ("model.n_layers=0", "model.n_layers must be >= 1", None),
+    ("model.vocab_size=0", "model.vocab_size must be >= 1", None),
+    ("model.ffn_hidden=0", "model.ffn_hidden must be >= 1", None),
+    ("model.seq_len=0", "model.seq_len must be >= 1", None),
+    ("model.hidden=66", "model.hidden must be divisible by model.n_heads", None),
+    ("model.n_heads=6", "model.hidden must be divisible by model.n_heads", None),
+    ("model.n_kv_heads=3", "n_kv_heads values that work: [1, 2, 4]", None),
+    ("model.n_kv_heads=0", "model.n_heads must be divisible by model.n_kv_heads", None),
+    ("model.hidden=12", "rope needs an even head dim", None),
+    ("model.activation=relu", "model.activation must be one of ['swiglu', 'gelu']", None),
+    ("model.norm=batchnorm", "model.norm must be one of", None),
+    ("model.position=alibi", "model.position must be one of", None),
+    ("model.position=learned train.seq_len=128", "train.seq_len must be in [1, 64]", None),
+    # the layout
+    ("parallel.zero_stage=4", "parallel.zero_stage must be one of [0, 1, 2, 3]", None),
+    ("parallel.schedule=foo", "parallel.schedule must be one of", None),
+    ("parallel.recompute=some", "parallel.recompute must be one of", None),
+    ("parallel.micro_batches=abc", "parallel.micro_batches must be an integer >= 1 or 'auto', got 'abc'", None),
+    ("parallel.micro_batches=1.5", "parallel.micro_batches must be an integer >= 1 or 'auto', got 1.5", None),
+    ("parallel.micro_batches=0", "parallel.micro_batches must be an integer >= 1", None),
+    ("parallel.dp=0", "parallel.dp must be an integer >= 1", None),
+    ("parallel.dp=abc", "parallel.dp must be an integer >= 1 or 'auto'", None),
+    ("parallel.virtual_stages=0", "parallel.virtual_stages must be an integer >= 1", None),
+    ("parallel.tp=0", "parallel.tp must be >= 1, got 0", None),
+    ("parallel.pp=0", "parallel.pp must be >= 1, got 0", None),
+    ("train.global_batch_size=0", "train.global_batch_size must be an integer >= 1", None),
+    ("train.global_batch_size=7", "train.global_batch_size must equal micro-batch size x micro-batches x dp", None),
+    ("parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1",
+     "parallel.sequence_parallel=false"),
+    ("parallel=pp parallel.layer_split=[4,0]", "each >= 1", None),
+    ("parallel=pp parallel.layer_split=[1,1,0,0]", "each >= 1", None),
+    ("parallel=pp parallel.layer_split=[2.5,1.5]", "whole numbers of layers per stage", None),
+    ("model.n_layers=2 parallel=pp parallel.schedule=interleaved_1f1b parallel.virtual_stages=2",
+     "fewer than the 4 pipeline stages", "model.n_layers=4"),
+    ("parallel=pp parallel.schedule=1f1b parallel.micro_batches=1", "micro_batches=1", None),
+    ("parallel=pp model.tied_embeddings=true", "set model.tied_embeddings=false", "model.tied_embeddings=false"),
+    ("parallel.reference_hardware=foo", "parallel.reference_hardware='foo' is not a hardware preset", None),
+    ("run.mode=execute hardware=h100_80gb_8gpu", "run.mode=execute needs the devices", "run.mode=estimate"),
+    ("hardware=h100_80gb_8gpu parallel.dp=3", "dp*tp*pp must equal the world size", "parallel.dp=auto"),
+    ("model=70b parallel=zero3", "does not fit this machine", None),
+    # the step loop
+    ("train.steps=0", "train.steps must be > 0, got 0", None),
+    ("train.steps=-1", "train.steps must be > 0", None),
+    ("train.warmup_steps=10", "train.warmup_steps must satisfy 0 <= warmup_steps < steps", None),
+    ("train.warmup_steps=-1", "train.warmup_steps must satisfy", None),
+    ("train.lr=0", "train.lr must be > 0, got 0.0", "train.lr=3e-4"),
+    ("train.lr=-1", "train.lr must be > 0", "train.lr=3e-4"),
+    ("train.weight_decay=-1", "train.weight_decay must be >= 0", None),
+    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1", None),
+    ("train.seq_len=0", "train.seq_len must be in", None),
+    ("train.dtype=fp16", "train.dtype must be one of ['fp32', 'bf16']", None),
+    ("train.max_grad_norm=0", "train.max_grad_norm must be > 0 or null", None),
+    ("train.lr_schedule=linear", "train.lr_schedule='linear' is unknown", None),
+    ("train.lr_warmup_steps=100", "train.lr_warmup_steps must satisfy", None),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1]", None),
+    ("train.threads_per_worker=0", "train.threads_per_worker must be >= 1 or null", None),
+    ("train.seq_len=100000", "pass run.allow_long=true", "run.allow_long=true"),
+    ("run.mode=train", "run.mode must be one of", None),
+    # hardware values: 0 was treated as infinitely fast, or dropped under a cluster preset
+    ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),
+    ("hardware.peak_tflops=-5", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),
+    ("hardware=h100_80gb_8gpu hardware.peak_tflops=0", "hardware.peak_tflops must be > 0", None),
+    ("hardware=h100_80gb_8gpu hardware.hbm_tb_per_s=0", "hardware.hbm_tb_per_s must be > 0", None),
+    ("hardware=h100_80gb_8gpu hardware.intra_node_gb_per_s=0", "hardware.intra_node_gb_per_s must be > 0", None),
+    ("hardware=h100_80gb_64gpu hardware.inter_node_gb_per_s=0", "hardware.inter_node_gb_per_s must be > 0", None),
+    ("hardware=h100_80gb_8gpu hardware.device_memory_gb=0", "hardware.device_memory_gb must be > 0", None),
+    ("hardware.device_memory_gb=-1", "hardware.device_memory_gb must be > 0", "hardware.device_memory_gb=null"),
+    ("hardware=h100_80gb_8gpu hardware.nodes=0", "hardware.nodes must be >= 1", "hardware.nodes=1"),
+    ("hardware.devices_per_node=0", "hardware.devices_per_node must be an integer >= 1 or 'auto'",
+     "hardware.devices_per_node=auto"),
+    ("hardware.matmul_efficiency=0", "hardware.matmul_efficiency must be in (0, 1]", "hardware.matmul_efficiency=0.7"),
+    ("hardware.link_efficiency=2", "hardware.link_efficiency must be in (0, 1]", "hardware.link_efficiency=0.7"),
+    ("hardware.framework_overhead_gb=-1", "hardware.framework_overhead_gb must be >= 0", None),
+    ("parallel=7b_8gpu hardware.peak_tflops=500", "would not apply",
+     "hardware=a100_80gb_8gpu hardware.peak_tflops=500.0"),
+    # this machine: device, data files, store and artifact directories
+    ("hardware.device=cuda", "is a CPU build", "hardware.device=cpu"),
+    ("hardware.device=cuda run.mode=estimate", "is a CPU build", "hardware.device=cpu"),
+    ("hardware.device=tpu", "hardware.device must be one of", None),
+    ("data=text", "data.path must be an existing text file", None),
+    ("data=text data.path=/nonexistent/corpus.txt", "data.path must be an existing text file", None),
+    (f"data=text data.path={EMPTY}", "holds fewer than seq_len+1=65 bytes", None),
+    (f"data=text data.path={DIR}", "data.path must be an existing text file", None),
+    (f"data=text data.path={TEXT} model.vocab_size=128", "model.vocab_size must be >= 256", None),
+    (f"data.path={TEXT}", "ignores it", f"data=text data.path={TEXT}"),
+    ("data.kind=images", "data.kind must be one of", None),
+    ("tracking.uri=sqlite:////proc/xpar/mlflow.db", "cannot be written", "tracking=off"),
+    ("tracking.uri=sqlite:////etc/hostname/mlflow.db", "cannot be written", "tracking=off"),
+    ("tracking.artifact_location=/proc/xpar/artifacts", "artifact directory /proc/xpar/artifacts cannot be written",
+     "tracking=off"),
+    ("tracking.artifact_location=file:///proc/xpar/artifacts", "cannot be written", "tracking=off"),
+]
+
+
+def _argv(case: str, files: dict) -> list[str]:
+    for mark, path in files.items():
+        case = case.replace(mark, str(path))
+    return case.split()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    (d / "empty.txt").write_text("")
+    (d / "corpus.txt").write_text("hello world. " * 200)
+    (d / "folder").mkdir()
+    return {EMPTY: d / "empty.txt", TEXT: d / "corpus.txt", DIR: d / "folder"}
+
+
+def refusal(argv: list[str], start: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """What ``python -m xpar argv`` does up to the first worker, in-process: the pre-Hydra
+    override check, then run_job on the composed config. A worker launch fails the test."""
+    import xpar.launch
+    from xpar.job import run_job
+    from xpar.overrides import refuse_bad_overrides
+
+    def no_worker(*a, **k):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(xpar.launch, "launch_local", no_worker)
+    monkeypatch.chdir(start)
+    try:
+        refuse_bad_overrides(argv)
+        overrides = [a for a in argv if a not in ("-m", "--multirun")]
+        cfg = compose("run.progress=false", *overrides)
+        run_job(cfg, start / "out", start)
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    raise AssertionError(f"accepted: {argv}")
+
+
+def _accepted(argv: list[str]) -> bool:
+    from xpar.fit import check_run
+    from xpar.overrides import override_problems
+
+    if override_problems(argv):
+        return False
+    if any(a.startswith("hydra.") for a in argv):
+        return True  # the output directory: the override check is the whole check
+    check_run(compose("run.progress=false", *[a for a in argv if a not in ("-m", "--multirun")]))
+    return True
+
+
+def test_catalogue_is_large():
+    assert len(CATALOGUE) >= 100
+
+
+@pytest.mark.parametrize("case,fragment,fix", CATALOGUE, ids=[c[0][:60] for c in CATALOGUE])
+def test_bad_input_is_refused_in_one_format(case, fragment, fix, files, tmp_path, monkeypatch, capsys):
+    argv = _argv(case, files)
+    code, err = refusal(argv, tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.startswith("xpar: invalid configuration:") or "\nxpar: invalid configuration:" in err, err
+    assert "Traceback" not in err and fragment in err, err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlartifacts").exists()
+    assert not list(tmp_path.glob("out/worker_*"))
+    if fix is not None:
+        from xpar.overrides import override_problems
+        fix_argv = _argv(fix, files)
+        assert " ".join(fix_argv) in err, err  # the message says exactly this
+        keys = {a.split("=")[0].lstrip("+") for a in fix_argv}
+        kept = [a for a in argv if a.split("=")[0].lstrip("+") not in keys and not override_problems([a])]
+        assert _accepted(kept + fix_argv), (kept, fix_argv)
+
+
+def _run(args, cwd, **kw):
+    return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])), **kw)
+
+
+def test_unknown_key_and_group_exit_2_from_the_command_line(tmp_path):
+    """Issue 12 item 4: a key not in the schema names the closest valid key; no run, no folder."""
+    r = _run(["+train.stepz=5", "+paralel=zero3"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "did you mean train.steps=5?" in r.stderr and "did you mean parallel=zero3?" in r.stderr
+    assert "Traceback" not in r.stderr and "Hydra" not in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no mlflow.db
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["model.n_heads=0", "run.progress=false"], "model.n_heads must be >= 1, got 0"),
+    (["hardware.device=cuda", "parallel.tp=2", "parallel.dp=1"], "is a CPU build"),
+])
+def test_tracebacks_of_old_are_refusals_from_the_command_line(args, fragment, tmp_path):
+    r = _run(args, tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("xpar: invalid configuration:") and fragment in r.stderr, r.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("outputs/*/worker_*"))

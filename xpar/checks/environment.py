@@ -1,0 +1,162 @@
+"""Checks of the config against this machine and against silent no-ops, run before any
+worker starts (:func:`xpar.validate.validate` calls :func:`check_environment` first).
+
+Each returns problem lines: the constraint, the values given, values that work. What they
+catch would otherwise end in a traceback (``hardware.device=cuda`` on a CPU build, an
+unwritable store), a wrong run without a word (``data.path`` without ``data=text``,
+``sequence_parallel`` at tp=1, a zero bandwidth treated as infinitely fast, ``hardware.*``
+overrides dropped under a cluster preset), or a long hang (an unwritable SQLite store).
+Torch is imported only inside :func:`check_device`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Optional
+
+POSITIVE_OR_NULL = ("peak_tflops", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
+                    "device_memory_gb")
+"""Hardware fields that divide (FLOP/s, bytes/s, bytes): null means detect or unknown, 0 is refused."""
+
+
+def check_environment(c) -> list[str]:
+    """Every check of this module."""
+    return (check_hardware_values(c) + check_hardware_overrides(c) + check_device(c) + check_data_path(c)
+            + check_sequence_parallel(c) + check_tracking_paths(c))
+
+
+def check_hardware_values(c) -> list[str]:
+    """Peak, bandwidths and memory > 0 (or null); nodes >= 1; devices_per_node >= 1 or auto;
+    efficiencies in (0, 1]; framework overhead >= 0."""
+    hw, out = c.hardware, []
+    for name in POSITIVE_OR_NULL:
+        v = getattr(hw, name)
+        if v is not None and not v > 0:
+            out.append(f"hardware.{name} must be > 0 or null ({'measured' if name == 'peak_tflops' else 'detected or unknown'}), "
+                       f"got {v}; e.g. hardware.{name}=null.")
+    if hw.nodes < 1:
+        out.append(f"hardware.nodes must be >= 1, got {hw.nodes}; e.g. hardware.nodes=1.")
+    n = hw.devices_per_node
+    if n != "auto" and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        out.append(f"hardware.devices_per_node must be an integer >= 1 or 'auto', got {n!r}; e.g. "
+                   f"hardware.devices_per_node=auto.")
+    for name in ("matmul_efficiency", "link_efficiency"):
+        v = getattr(hw, name)
+        if not 0 < v <= 1:
+            out.append(f"hardware.{name} must be in (0, 1], got {v}; e.g. hardware.{name}=0.7.")
+    if hw.framework_overhead_gb < 0:
+        out.append(f"hardware.framework_overhead_gb must be >= 0, got {hw.framework_overhead_gb}; e.g. 2.0.")
+    return out
+
+
+def _local_defaults():
+    from omegaconf import OmegaConf
+
+    from xpar.config import HardwareConfig
+    from xpar.presets import conf_dir
+
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / "local.yaml"))
+    return OmegaConf.to_object(node)
+
+
+def check_hardware_overrides(c) -> list[str]:
+    """``hardware.*`` changed on hardware=local while a cluster preset's reference hardware is
+    assumed instead (:func:`xpar.resolve.reference_hardware`): the change would be dropped."""
+    from xpar.resolve import torchrun_world
+
+    ref = c.parallel.reference_hardware
+    if not (c.hardware.name == "local" and ref and c.run.mode != "execute" and not torchrun_world()):
+        return []
+    base = _local_defaults()
+    changed = [f"hardware.{f.name}={_text(getattr(c.hardware, f.name))}" for f in fields(base)
+               if getattr(c.hardware, f.name) != getattr(base, f.name)]
+    if not changed:
+        return []
+    return [f"{' '.join(changed)} would not apply: parallel={c.parallel.name} assumes its reference cluster "
+            f"hardware={ref}; pass it explicitly to change it: hardware={ref} {' '.join(changed)}."]
+
+
+def _text(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else ("null" if v is None else str(v))
+
+
+def check_device(c) -> list[str]:
+    """hardware.device=cuda on hardware=local needs a CUDA device visible to this torch build."""
+    if c.hardware.name != "local" or c.hardware.device != "cuda":
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    why = "is a CPU build" if torch.version.cuda is None else "sees no CUDA device"
+    return [f"hardware.device=cuda, but this torch ({torch.__version__}) {why}; use hardware.device=cpu "
+            f"(or auto), or estimate a GPU cluster: hardware=h100_80gb_8gpu."]
+
+
+def check_data_path(c) -> list[str]:
+    """data.path is read only by data=text: given with synthetic data it would be ignored.
+    A text file must be readable (the size is checked in :func:`xpar.checks.config.check_data`)."""
+    path = c.data.path
+    if path and c.data.kind != "text":
+        return [f"data.path={path} is set but data.kind={c.data.kind} ignores it; train on the file with "
+                f"data=text data.path={path}, or drop data.path."]
+    if c.data.kind == "text" and path and Path(path).expanduser().is_file():
+        try:
+            with open(Path(path).expanduser(), "rb") as f:
+                f.read(1)
+        except OSError as e:
+            return [f"data.path={path} cannot be read ({e.strerror or e}); give a readable text file."]
+    return []
+
+
+def check_sequence_parallel(c) -> list[str]:
+    """Sequence parallelism shards along the tp axis: at tp=1 it would do nothing."""
+    if c.parallel.sequence_parallel and c.parallel.tp == 1:
+        return ["parallel.sequence_parallel=true needs parallel.tp > 1 (it shards norm and dropout regions "
+                "over the tp ranks), got tp=1; set parallel.sequence_parallel=false, or parallel=tp "
+                "parallel.sequence_parallel=true."]
+    return []
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a ``sqlite:///`` URI, else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+def check_tracking_paths(c, start_dir: Optional[Path] = None) -> list[str]:
+    """The SQLite store (file and folder, for its journal) and a local artifact root must be
+    writable: an unwritable store otherwise fails only after SQLite's lock retries."""
+    from xpar.overrides import unwritable
+
+    tr = c.tracking
+    if not tr.enabled:
+        return []
+    start = Path(start_dir or os.getcwd())
+    uri = tr.uri or f"sqlite:///{(start / 'mlflow.db').absolute()}"
+    out = []
+    db = sqlite_path(uri)
+    if db is not None:
+        why = unwritable(db.parent) or (_unwritable_file(db) if db.exists() else None)
+        if why:
+            out.append(f"tracking.uri={uri} cannot be written ({why}); use a writable location, e.g. "
+                       f"tracking.uri=sqlite:///{Path(os.path.expanduser('~')) / 'mlflow.db'}, or tracking=off.")
+    local_artifacts = tr.artifact_location or (None if uri.startswith(("http://", "https://")) else str(start / "mlartifacts"))
+    if local_artifacts and "://" not in local_artifacts.replace("file://", "", 1):
+        folder = Path(local_artifacts.replace("file://", "", 1))
+        why = unwritable(folder)
+        if why:
+            out.append(f"artifact directory {folder} cannot be written ({why}); pass tracking.artifact_location="
+                       f"<writable folder>, e.g. {Path(os.path.expanduser('~')) / 'mlartifacts'}, or tracking=off.")
+    return out
+
+
+def _unwritable_file(path: Path) -> Optional[str]:
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    return None
