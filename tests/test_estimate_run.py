@@ -185,8 +185,8 @@ LAYOUTS = {
     "tp": ("parallel=tp",),
     "tp_sp": ("parallel=tp", "parallel.sequence_parallel=true"),
     "tp_m2": ("parallel=tp", "parallel.micro_batches=2"),  # replicate defers its reduction
-    "pp_1f1b": ("parallel=pp",),
-    "pp_gpipe": ("parallel=pp", "parallel.schedule=gpipe"),
+    "pp_1f1b": ("parallel=pp", "model=tiny"),
+    "pp_gpipe": ("parallel=pp", "model=tiny", "parallel.schedule=gpipe"),
 }
 
 

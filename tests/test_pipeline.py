@@ -19,7 +19,7 @@ from tests.conftest import reference_losses, spawn, spec_for
 STEPS = 3
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev"]
 ZB = ["zero_bubble", "zbv", "dualpipev"]
-RUN = [f"train.steps={STEPS}", "train.warmup_steps=1"]
+RUN = [f"train.steps={STEPS}", "train.warmup_steps=1", "model=tiny"]  # parallel=pp selects mini
 
 
 def _run(spec_dict: dict):

@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import run_specs, spawn, spec_for
 
 LAYOUTS = {"dp": ["parallel=dp"], "zero3": ["parallel=zero3"], "tp": ["parallel=tp"],
-           "pp": ["parallel=pp", "parallel.schedule=1f1b"]}
+           "pp": ["parallel=pp", "model=tiny", "parallel.schedule=1f1b"]}
 MODES = ["none", "full", "selective"]
 RUN = ["train.steps=3", "train.warmup_steps=1", "parallel.micro_batches=2"]
 
