@@ -20,6 +20,7 @@ import pandas as pd
 
 COLUMNS = {  # table column -> MLflow column
     "job": "tags.xpar.job_num",
+    "name": "tags.mlflow.runName",
     "layout": "tags.xpar.layout",
     "model": "tags.xpar.model",
     "mode": "tags.xpar.mode",
@@ -81,59 +82,106 @@ def select_runs(uri: str, experiment: str, sweep: Optional[str], filter_string: 
 def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """The comparison plots that the runs support; returns the PNG paths written.
 
-    bubble_vs_microbatches.png: measured (solid), simulated (dotted) and theory (dashed)
-    bubble ratio per schedule against m; throughput_by_layout.png and memory_by_layout.png:
-    bars per run, estimates hatched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    bubble_vs_microbatches.png: bubble ratio against m (linear ticks at the swept m, axes
+    from 0) per schedule: measured (solid), simulated (dotted), theory (dashed), estimated
+    (cost model, dash-dot); throughput_by_layout.png and memory_by_layout.png: one bar per
+    run, named by its run name, estimates hatched orange beside measured blue."""
     t = headline_table(runs) if len(runs) else pd.DataFrame()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     piped = t[t["bubble"].notna()] if len(t) else t
     if len(piped):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for sched, g in piped.groupby(piped["schedule"].fillna("?")):
-            g = g.sort_values("micro_batches")
-            line, = ax.plot(g["micro_batches"], g["bubble"], "o-", label=f"{sched} measured")
-            if g["bubble_sim"].notna().any():
-                ax.plot(g["micro_batches"], g["bubble_sim"], "x:", color=line.get_color(), label=f"{sched} simulated")
-            if g["bubble_theory"].notna().any():  # (p-1)/(m+p-1), (p-1)/(v*m+p-1), or the action list
-                ax.plot(g["micro_batches"], g["bubble_theory"], "--", lw=1, color=line.get_color(),
-                        label=f"{sched} theory")
-        ax.set_xlabel("micro-batches m")
-        ax.set_ylabel("bubble ratio")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
-        ax.set_title("Pipeline bubble vs micro-batches")
-        paths.append(_save(fig, out_dir / "bubble_vs_microbatches.png"))
-    if len(t):
-        for col, label, name in (("tokens_per_s", "tokens/s (global)", "throughput_by_layout.png"),
-                                 ("peak_gib_per_device", "peak memory per device (GiB)", "memory_by_layout.png")):
-            d = t[t[col].notna()]
-            if d.empty:
-                continue
-            fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(d) + 2), 4))
-            names = [f"{r.model}\n{r.layout}" for r in d.itertuples()]
-            hatches = ["//" if mode == "estimate" else "" for mode in d["mode"]]
-            bars = ax.bar(range(len(d)), d[col], color=["tab:orange" if mode == "estimate" else "tab:blue" for mode in d["mode"]])
-            for b, h in zip(bars, hatches):
-                b.set_hatch(h)
-            ax.set_xticks(range(len(d)), names, rotation=60, ha="right", fontsize=6)
-            ax.set_ylabel(label)
-            ax.set_title(f"{label} by layout (blue measured, hatched orange estimated)", fontsize=9)
-            paths.append(_save(fig, out_dir / name))
+        paths.append(_save(bubble_figure(piped), out_dir / "bubble_vs_microbatches.png"))
+    for col, label, name in (("tokens_per_s", "tokens/s (global)", "throughput_by_layout.png"),
+                             ("peak_gib_per_device", "peak memory per device (GiB)", "memory_by_layout.png")):
+        d = t[t[col].notna()] if len(t) else t
+        if len(d):
+            paths.append(_save(bar_figure(d, col, label), out_dir / name))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    plt.close(fig)
+    return plt
+
+
+def _values(d: pd.DataFrame, col: str) -> str:
+    """'2' or '2, 4': the distinct values of a column, for titles."""
+    vals = sorted({str(int(v)) if isinstance(v, float) and v == int(v) else str(v) for v in d[col].dropna()})
+    return ", ".join(vals) or "?"
+
+
+BUBBLE_CURVES = (  # (column, style, label suffix); theory: (p-1)/(m+p-1), (p-1)/(v*m+p-1) or the action list
+    ("bubble", "o-", "measured"),
+    ("bubble_sim", "x:", "simulated (measured action times, free comm.)"),
+    ("bubble_theory", "--", "theory"),
+)
+
+
+def bubble_figure(piped: pd.DataFrame):
+    """Bubble ratio against m, one colour per (schedule, mode); estimates drawn once,
+    labelled 'estimated'. Title names pp and the model."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for (sched, mode), g in piped.groupby([piped["schedule"].fillna("?"), piped["mode"].fillna("execute")]):
+        g = g.sort_values("micro_batches")
+        if mode == "estimate":
+            ax.plot(g["micro_batches"], g["bubble"], "s-.", label=f"{sched} estimated (cost model)")
+            continue
+        color = None
+        for col, style, what in BUBBLE_CURVES:
+            if g[col].notna().any():
+                line, = ax.plot(g["micro_batches"], g[col], style, color=color, label=f"{sched} {what}")
+                color = line.get_color()
+    ms = sorted({int(m) for m in piped["micro_batches"].dropna()})
+    ax.set_xticks(ms)
+    ax.set_xlim(0, max(ms or [1]) * 1.08)
+    ax.set_ylim(0, max(0.55, float(piped[["bubble", "bubble_sim", "bubble_theory"]].max().max()) * 1.1))
+    ax.set_xlabel("micro-batches per step m")
+    ax.set_ylabel("bubble ratio (idle fraction of the step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Pipeline bubble vs micro-batches: pp={_values(piped, 'pp')}, model {_values(piped, 'model')}",
+                 fontsize=10)
+    return fig
+
+
+def bar_figure(d: pd.DataFrame, col: str, label: str):
+    """One bar per run (x: run name), value printed on the bar; measured blue, estimated
+    orange hatched; y from 0."""
+    from matplotlib.patches import Patch
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(d) + 2.5), 4.8))
+    est = [mode == "estimate" for mode in d["mode"]]
+    bars = ax.bar(range(len(d)), d[col], color=["tab:orange" if e else "tab:blue" for e in est])
+    for b, e in zip(bars, est):
+        b.set_hatch("//" if e else "")
+    ax.bar_label(bars, labels=[_short(v) for v in d[col]], fontsize=7, padding=2)
+    names = [n if len(n) <= 40 else n[:39] + "…" for n in d["name"].fillna(d["layout"].fillna("?")).astype(str)]
+    ax.set_xticks(range(len(d)), names, rotation=35, ha="right", fontsize=7)
+    ax.set_ylim(0, float(d[col].max()) * 1.15 or 1)
+    ax.set_ylabel(label)
+    handles = [Patch(color="tab:blue", label="measured")] * (not all(est))
+    handles += [Patch(facecolor="tab:orange", hatch="//", label="estimated (cost model)")] * any(est)
+    ax.legend(handles=handles, fontsize=8)
+    ax.set_title(f"{label} by run: model {_values(d, 'model')}", fontsize=10)
+    return fig
+
+
+def _short(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _save(fig, path: Path) -> Path:
+    """Save at 110 dpi with every label inside the canvas (tight bounding box)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.15)
+    _plt().close(fig)
     return path
 
 

@@ -10,51 +10,64 @@ NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backwa
 
 
 def timeline_figure(timeline: dict):
-    """Gantt chart of one pipeline step: measured (left) and simulated (right).
+    """Gantt chart of one pipeline step: measured (top) and simulated (bottom), on one time axis.
 
     One row per pp rank (rank 0 on top), one box per compute action, coloured by kind
     (F, B, I, W) and labelled with its micro-batch (``stage:mb`` when a rank holds several
-    stages); white space inside the step is idle time (the bubble). ``timeline`` is the
-    dict built by :func:`xpar.bubble.summarize`.
+    stages); grey inside the step is idle time (the bubble). Sized for MLflow's artifact
+    viewer (1000 px wide at the saved 100 dpi). ``timeline`` is the dict built by
+    :func:`xpar.bubble.summarize`.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    pp, v = timeline["pp"], timeline["v"]
+    pp = timeline["pp"]
     panels = [("measured", timeline["actions"], timeline["step_time_s"], timeline["measured"]),
-              ("simulated (measured action times, free communication)", timeline["sim_actions"],
+              ("simulated: measured action times, free communication", timeline["sim_actions"],
                timeline["sim_step_time_s"], timeline["simulated"])]
     end = max(p[2] for p in panels) * 1e3
-    fig, axes = plt.subplots(1, 2, figsize=(14, 1.0 + 0.55 * pp), sharey=True, squeeze=False)
-    kinds = set()
-    for ax, (title, per_rank, span, bubble) in zip(axes[0], panels):
-        for r, acts in enumerate(per_rank):
-            ax.barh(r, span * 1e3, left=0, height=0.8, color="#F2F2F2", edgecolor="#BBBBBB", linewidth=0.5)
-            for kind, stage, mb, t0, t1 in acts:
-                kinds.add(kind)
-                w = (t1 - t0) * 1e3
-                ax.barh(r, w, left=t0 * 1e3, height=0.8, color=COLORS.get(kind, "grey"),
-                        edgecolor="white", linewidth=0.5, alpha=1.0 if v == 1 or stage < pp else 0.6)
-                label = f"{mb}" if v == 1 else f"{stage}:{mb}"
-                if w > end / 120:
-                    ax.text(t0 * 1e3 + w / 2, r, label, ha="center", va="center", fontsize=6, color="white")
-        ax.set_title(f"{title}\nbubble {bubble:.3f}, step {span * 1e3:.1f} ms", fontsize=9)
-        ax.set_xlabel("time in step (ms)")
+    fig, axes = plt.subplots(2, 1, figsize=(10, 2.2 + 0.9 * pp), sharex=True, squeeze=False)
+    kinds: set = set()
+    for ax, (title, per_rank, span, bubble) in zip(axes[:, 0], panels):
+        kinds |= _draw_ranks(ax, per_rank, span * 1e3, end, timeline["v"], pp)
+        ax.set_title(f"{title}: bubble {bubble:.3f}, step {span * 1e3:.1f} ms", fontsize=9, loc="left")
+        ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)], fontsize=8)
+        ax.set_ylim(pp - 0.5, -0.5)  # rank 0 on top
         ax.set_xlim(0, end * 1.01)
-    ax0 = axes[0][0]
-    ax0.set_yticks(range(pp))
-    ax0.set_yticklabels([f"rank {r}" for r in range(pp)])
-    ax0.invert_yaxis()
-    handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in "FBIW" if k in kinds]
-    handles.append(Patch(facecolor="#F2F2F2", edgecolor="#BBBBBB", label="idle"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.suptitle(f"{timeline['schedule']}: pp={pp}, m={timeline['m']}, v={v}, step {timeline['step']} "
-                 f"(theory bubble {timeline['theory']:.3f}); labels: "
-                 f"{'micro-batch' if v == 1 else 'stage:micro-batch'}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    axes[1, 0].set_xlabel("time in step (ms)")
+    _legend(fig, kinds)
+    v = timeline["v"]
+    fig.suptitle(f"{timeline['schedule']}, pp={pp}, m={timeline['m']}" + (f", v={v}" if v > 1 else "")
+                 + f": step {timeline['step']}, theory bubble {timeline['theory']:.3f}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
+
+
+def _draw_ranks(ax, per_rank: list, span_ms: float, end_ms: float, v: int, pp: int) -> set:
+    """One row per rank: the step as an idle (grey) bar, the compute actions over it."""
+    kinds = set()
+    for r, acts in enumerate(per_rank):
+        ax.barh(r, span_ms, left=0, height=0.8, color="#F2F2F2", edgecolor="#BBBBBB", linewidth=0.5)
+        for kind, stage, mb, t0, t1 in acts:
+            kinds.add(kind)
+            w = (t1 - t0) * 1e3
+            ax.barh(r, w, left=t0 * 1e3, height=0.8, color=COLORS.get(kind, "grey"),
+                    edgecolor="white", linewidth=0.5, alpha=1.0 if v == 1 or stage < pp else 0.6)
+            if w > end_ms / 60:
+                label = f"{mb}" if v == 1 else f"{stage}:{mb}"
+                ax.text(t0 * 1e3 + w / 2, r, label, ha="center", va="center", fontsize=7, color="white")
+    return kinds
+
+
+def _legend(fig, kinds: set) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in "FBIW" if k in kinds]
+    handles.append(Patch(facecolor="#F2F2F2", edgecolor="#BBBBBB", label="idle (bubble)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               title="box label: micro-batch (stage:micro-batch when a rank holds several stages)",
+               title_fontsize=8)
 
 
 def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
@@ -65,7 +78,7 @@ def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
 
     fig = timeline_figure(timeline)
     path = Path(out_dir) / TIMELINE_FILE
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     try:
         import mlflow
         if mlflow.active_run() is not None:

@@ -9,6 +9,8 @@ from xpar.estimate.memory import MEMORY_TERMS, MemoryEstimate
 MEMORY_FILE = "estimate_memory.png"
 TIME_FILE = "estimate_step_time.png"
 TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
+GIB = 2 ** 30
+"""Memory is shown in GiB everywhere (console, compare, figures); metrics stay in bytes."""
 COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#937860")
 
 
@@ -20,26 +22,26 @@ def _plt():
 
 
 def memory_figure(per_rank: list[MemoryEstimate], title: str):
-    """Stacked bars of the six memory terms (GB) of each pipeline rank's most loaded device,
-    with the device memory as a dashed line."""
+    """Stacked bars of the memory terms (GiB, 2**30 bytes) of each pipeline rank's most loaded
+    device, with the device memory as a dashed line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(per_rank) + 3), 4.2))
     x = list(range(len(per_rank)))
     bottom = [0.0] * len(per_rank)
     for term, color in zip(MEMORY_TERMS, COLORS):
-        vals = [getattr(mem, term) / 1e9 for mem in per_rank]
+        vals = [getattr(mem, term) / GIB for mem in per_rank]
         ax.bar(x, vals, bottom=bottom, color=color, label=term, width=0.7)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    dev = per_rank[0].device_memory / 1e9
+    dev = per_rank[0].device_memory / GIB
     if dev:
-        ax.axhline(dev, color="black", linestyle="--", linewidth=1, label=f"device memory {dev:.0f} GB")
+        ax.axhline(dev, color="black", linestyle="--", linewidth=1, label=f"device memory {dev:.1f} GiB")
     for i, total in enumerate(bottom):
         if len(per_rank) <= 16:
             ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x)
     ax.set_xticklabels([str(mem.pp_rank) for mem in per_rank], fontsize=7 if len(per_rank) > 16 else 9)
     ax.set_xlabel("pipeline rank (its most loaded dp rank)")
-    ax.set_ylabel("GB per device (1e9 bytes)")
+    ax.set_ylabel("GiB per device (2^30 bytes)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
@@ -76,7 +78,7 @@ def write_figures(per_rank: list[MemoryEstimate], breakdown: dict[str, float], l
     for fig, name in ((memory_figure(per_rank, f"ESTIMATE (cost model): peak memory per device\n{label}"), MEMORY_FILE),
                       (time_figure(breakdown, f"ESTIMATE (cost model): step time, slowest pipeline rank\n{label}"), TIME_FILE)):
         path = out_dir / name
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.15)  # nothing cut
         plt.close(fig)
         paths.append(path)
     return paths
