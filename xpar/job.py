@@ -104,12 +104,16 @@ def _record(job: Job, body) -> Report:
             "xpar.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
     if spec.notes:
         tags["xpar.notes"] = " | ".join(spec.notes)
-    run_name = None
+    from xpar.cluster import placement_tags
+    from xpar.naming import description, run_name as layout_run_name
+    tags.update(placement_tags(spec))
+    run_name, overrides = spec.tracking.run_name or layout_run_name(spec), ""
     if job.sweep and job.sweep.get("parent_run_id"):
         overrides = " ".join(job.sweep["overrides"])
         tags.update({"mlflow.parentRunId": job.sweep["parent_run_id"], "xpar.sweep_id": job.sweep["sweep_id"],
                      "xpar.job_num": str(job.sweep["job_num"]), "xpar.overrides": overrides[:5000]})
-        run_name = f"job {job.sweep['job_num']}: {overrides}"[:250]
+        run_name = f"{run_name} #{job.sweep['job_num']}"
+    tags["mlflow.note.content"] = description(spec, overrides)
     if not spec.tracking.enabled:
         report, stats = body()
         record_timeline(report.timeline, job.out_dir)
@@ -120,6 +124,7 @@ def _record(job: Job, body) -> Report:
         report, stats = body()
         log_report(report, stats, job.yaml, job.out_dir)
         import mlflow
+        mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
         for path in report.artifacts:  # estimate figures, dry-run detail
             mlflow.log_artifact(path)
         record_timeline(report.timeline, job.out_dir)

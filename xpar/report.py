@@ -70,7 +70,6 @@ class Report:
             "throughput/mfu": self.mfu,
             "throughput/hfu": self.hfu,
             "memory/peak_bytes_per_device": self.peak_bytes_per_device,
-            "memory/peak_rank": self.peak_rank,
         }
         out.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
         out["memory/model_states_bytes"] = float(sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")))

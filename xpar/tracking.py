@@ -38,6 +38,11 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3.x's UI opens an experiment in the view this tag names (its JS enum ExperimentKind;
+without it new experiments open in the GenAI view, with the runs one click away)."""
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking store cannot be reached or used; raised before any worker starts."""
 
@@ -57,9 +62,9 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
         if exp is not None:
             return exp.experiment_id
         if artifact_location is None and uri.startswith(("http://", "https://")):
-            return mlflow.create_experiment(experiment)  # the server's --default-artifact-root decides
+            return mlflow.create_experiment(experiment, tags=EXPERIMENT_TAGS)  # the server's --default-artifact-root decides
         location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
-        return mlflow.create_experiment(experiment, artifact_location=location)
+        return mlflow.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
                                   f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
