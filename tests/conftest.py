@@ -35,33 +35,16 @@ def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
 
 
 def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = False):
-    """Single-process reference: the whole model, the whole global batch per step, gradient
-    clipping at ``train.max_grad_norm`` (as the engine does), AdamW (constant lr).
+    """Single-process fp32 reference (:func:`xpar.reference.reference_run`): the whole model,
+    the whole global batch per step, clipping and lr schedule as the engine does.
 
     Returns the per-step losses (and, with ``grads``, the gradients of the last step by
     parameter name)."""
-    from xpar.data import TokenSource
-    from xpar.models.transformer import Transformer
-    from xpar.optim import clip_grads_
-    from xpar.parallel.factory import cross_entropy
+    from xpar.reference import reference_run
 
     torch.manual_seed(0)
-    model = Transformer(spec.model)
-    model.init_weights(spec.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay,
-                            foreach=False)
-    data = TokenSource(spec)
-    losses, last_grads = [], {}
-    for step in range(steps or spec.train.steps):
-        rows = data.global_batch(step)
-        opt.zero_grad(set_to_none=True)
-        loss = cross_entropy(model(rows[:, :-1]), rows[:, 1:])
-        loss.backward()
-        last_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        clip_grads_(list(model.parameters()), spec.train.max_grad_norm)
-        opt.step()
-        losses.append(float(loss.detach()))
-    return (losses, last_grads) if grads else losses
+    out = reference_run(spec, steps, precision="fp32")
+    return (out["losses"], out["last_grads"]) if grads else out["losses"]
 
 
 def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: str) -> None:

@@ -39,7 +39,8 @@ def results():
     specs = {k: spec_for(*v, *CLIP) for k, v in LAYOUTS.items()}
     out = dict(zip(specs, spawn(_norms, 2, [s.to_dict() for s in specs.values()])))
     specs["3d"] = spec_for("parallel=3d_local", *CLIP, local_devices=8)
-    out["3d"] = spawn(_norms, 8, [specs["3d"].to_dict()])[0]
+    specs["3d_bf16"] = spec_for("parallel=3d_local", "train.dtype=bf16", *CLIP, local_devices=8)
+    out["3d"], out["3d_bf16"] = spawn(_norms, 8, [specs["3d"].to_dict(), specs["3d_bf16"].to_dict()])
     return specs, out
 
 
@@ -56,6 +57,22 @@ def test_clipped_global_norm_equals_single_process(results, layout):
     for step in range(3):
         got = sum(r[step] for r in per_rank) / len(per_rank)
         assert got == pytest.approx(ref["losses"][step], rel=1e-5), (layout, step)
+
+
+def test_bf16_3d_matches_the_mixed_precision_reference(results):
+    """3D (pp2 x dp2 x tp2, ZeRO-3) in bf16 mixed precision against the single-process run of
+    the same recipe (FSDP2 policy: bf16 compute, fp32 master and reduction); tolerance as in
+    tests/test_precision.py (relative 2e-4)."""
+    from xpar.reference import reference_run
+
+    specs, out = results
+    ref = reference_run(specs["3d_bf16"])
+    for losses, norms, _ in out["3d_bf16"]:
+        assert norms == pytest.approx(ref["grad_norms"], rel=2e-3)
+    per_rank = [r[0] for r in out["3d_bf16"] if r[0][0] is not None]
+    for step in range(3):
+        got = sum(r[step] for r in per_rank) / len(per_rank)
+        assert got == pytest.approx(ref["losses"][step], rel=2e-4), step
 
 
 def test_lr_schedule_warms_up_then_decays():

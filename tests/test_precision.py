@@ -24,15 +24,7 @@ TINY_LR = 1e-4
 (2^-8 = 3.9e-3), so a norm weight of 1.0 stored in bf16 would not move."""
 
 
-def _spec(*overrides: str):
-    """spec_for, except that bf16 with ZeRO-1 is validated as fp32 and then set to bf16:
-    xpar.checks.layout still refuses the pair (it ran bf16 AdamW states before mixed
-    precision; to be dropped there, then this helper is spec_for)."""
-    if "parallel=zero1" not in overrides:
-        return spec_for(*overrides)
-    spec = spec_for(*(o for o in overrides if o != "train.dtype=bf16"))
-    spec.train.dtype = "bf16"
-    return spec
+_spec = spec_for  # bf16 with ZeRO-1 validates now that mixed precision keeps fp32 master weights
 
 
 def _tiny_update(spec_dict: dict) -> float:

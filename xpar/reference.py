@@ -31,7 +31,8 @@ def _bf16_step(model, rows) -> torch.Tensor:
 
 def reference_run(spec: RunSpec, steps: Optional[int] = None, precision: Optional[str] = None) -> dict:
     """Train the single-process model; return ``losses`` and ``grad_norms`` (pre-clip) per
-    step and the trained ``model``. ``precision`` defaults to the recipe ``spec`` runs."""
+    step, the last step's pre-clip gradients by parameter name (``last_grads``) and the
+    trained ``model``. ``precision`` defaults to the recipe ``spec`` runs."""
     from xpar.data import TokenSource
     from xpar.models.transformer import Transformer
     from xpar.optim import build_lr_scheduler, clip_grads_
@@ -56,6 +57,7 @@ def reference_run(spec: RunSpec, steps: Optional[int] = None, precision: Optiona
                 logits = model(rows[:, :-1])
             loss = cross_entropy(logits, rows[:, 1:])
             loss.backward()
+        out["last_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         out["grad_norms"].append(clip_grads_(list(model.parameters()), spec.train.max_grad_norm))
         opt.step()
         sched.step()
