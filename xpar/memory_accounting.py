@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from xpar.torch_private import fsdp_param_groups
+from xpar.torch_private import fsdp_param_groups, fsdp_unsharded_grads
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ def grad_bytes_held(chunks: list[nn.Module], fsdp_params_: list) -> int:
     reduce dtype, in ``FSDPParam.unsharded_accumulated_grad``; the sharded ``p.grad`` appears
     when the reduce-scatter runs and frees these. Both are private fields of torch 2.13's
     FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), read because no public API
-    exposes them. While a module is unsharded, ``module.parameters()`` yields the unsharded
+    exposes them (:func:`xpar.torch_private.fsdp_unsharded_grads`). While a module is unsharded, ``module.parameters()`` yields the unsharded
     parameters themselves, so each parameter object is counted once. A DTensor gradient
     counts its tp-local part.
     """
@@ -168,10 +168,9 @@ def grad_bytes_held(chunks: list[nn.Module], fsdp_params_: list) -> int:
     extra = 0
     for fp in fsdp_params_:
         params[id(fp.sharded_param)] = fp.sharded_param
-        unsharded = getattr(fp, "_unsharded_param", None)  # absent before the first all-gather
+        unsharded, acc = fsdp_unsharded_grads(fp)
         if unsharded is not None:
             params[id(unsharded)] = unsharded
-        acc = getattr(fp, "unsharded_accumulated_grad", None)
         if acc is not None:
             extra += _nbytes(acc)
     return extra + sum(_nbytes(p.grad) for p in params.values() if p.grad is not None)

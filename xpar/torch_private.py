@@ -62,3 +62,31 @@ def is_higher_order_op(func) -> bool:
     """Whether ``func`` is a higher-order operator (``torch._ops.HigherOrderOperator``)."""
     import torch
     return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def fsdp_unsharded_grads(fsdp_param) -> tuple:
+    """(unsharded parameter or None, accumulated unsharded gradient or None) that FSDP2 holds
+    for a deferred reduction: ``FSDPParam._unsharded_param`` (its ``.grad``; absent before
+    the first all-gather) and ``FSDPParam.unsharded_accumulated_grad`` (with a mixed-precision
+    reduce dtype) of torch/distributed/fsdp/_fully_shard/_fsdp_param.py."""
+    return getattr(fsdp_param, "_unsharded_param", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)
+
+
+def wrap_schedule_loss(schedule, wrap) -> None:
+    """Replace a pipeline schedule's loss computation (``schedule._compute_loss``) by
+    ``wrap(original)``, to time it with the last stage's forward."""
+    schedule._compute_loss = wrap(schedule._compute_loss)
+
+
+def tree_leaves(tree) -> list:
+    """Leaves of a nested container (``torch.utils._pytree.tree_leaves``)."""
+    from torch.utils import _pytree
+    return _pytree.tree_leaves(tree)
+
+
+def share_sac_storage(forward_ctx, recompute_ctx, storage) -> None:
+    """Make the two contexts of ``create_selective_checkpoint_contexts`` use ``storage`` (a
+    dict: op -> {invocation index: kept outputs}) as their cache -- their ``storage``
+    attribute, torch 2.13's private layout -- so that what selective checkpointing keeps
+    can be counted."""
+    forward_ctx.storage = recompute_ctx.storage = storage

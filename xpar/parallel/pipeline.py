@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from xpar.layout import SCHEDULES
+from xpar.torch_private import wrap_schedule_loss
 from xpar.spec import RunSpec
 
 
@@ -78,14 +79,14 @@ class ActionRecorder:
 
     def instrument_loss(self, schedule: Any) -> None:
         """Count the loss computation in the forward of the last stage (it follows directly)."""
-        fn = schedule._compute_loss
-
-        def timed(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            if self.actions and self.actions[-1][0] == "F":
-                self.actions[-1][4] = time.perf_counter() - self.t_start
-            return out
-        schedule._compute_loss = timed
+        def wrap(fn):
+            def timed(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                if self.actions and self.actions[-1][0] == "F":
+                    self.actions[-1][4] = time.perf_counter() - self.t_start
+                return out
+            return timed
+        wrap_schedule_loss(schedule, wrap)
 
 
 def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-_aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
+from xpar.torch_private import functional_collectives, share_sac_storage, tree_leaves
+
+_aten, _funcol = torch.ops.aten, functional_collectives()
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
             _funcol.all_reduce.default, _funcol.all_gather_into_tensor.default,
             _funcol.reduce_scatter_tensor.default, _funcol.wait_tensor.default}
@@ -54,7 +56,7 @@ class _TrackedEntries(dict):
 
         tracker = ActivationTracker.active
         if tracker is not None:
-            for leaf in torch.utils._pytree.tree_leaves(entry):
+            for leaf in tree_leaves(entry):
                 val = getattr(leaf, "val", None)  # torch wraps each kept tensor in a _VersionWrapper
                 if isinstance(val, torch.Tensor):
                     tracker.hold(val)
@@ -74,7 +76,7 @@ def _tracked_contexts():
     which a missing key does not create."""
     fwd, rec = create_selective_checkpoint_contexts(selective_policy)
     storage = _TrackedStorage()
-    fwd.storage = rec.storage = storage
+    share_sac_storage(fwd, rec, storage)
     return fwd, rec
 
 
