@@ -1,0 +1,96 @@
+"""The MLflow UI as a first-time user sees it: a 2-job sweep into ./mlflow.db, `mlflow server`
+on 127.0.0.1 over that store, and the README's experiment page loaded in headless Chromium
+(Debian package `chromium`; .ci/run installs it). The DOM must hold the runs table (not the
+GenAI overview) with the sweep parent and the children's layout names.
+
+MLflow 3.17's UI picks the GenAI or the model-training view from its global switch (URL
+parameter ``workflowType``, else the browser's localStorage, default GenAI); older 3.x read the
+experiment tag ``mlflow.experimentKind``, which xpar also sets. Children are nested under their
+parent unless the table is sorted or filtered (``orderByKey``), as in the README's second link.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import mlflow
+import pytest
+
+from xpar.launch import free_port
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    """(UI base URL, experiment id, store dir) after a 2-job sweep."""
+    cwd = tmp_path_factory.mktemp("ui")
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "parallel.micro_batches=1,2", "train.steps=2",
+                        "train.warmup_steps=1", "run.progress=false"], cwd=cwd, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    port = free_port()
+    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{cwd / 'mlflow.db'}"], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+        yield url, mlflow.get_experiment_by_name("xpar").experiment_id, cwd
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+
+def _wait_healthy(url: str, proc) -> None:
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError("mlflow server did not become healthy in 90 s")
+            time.sleep(0.5)
+
+
+def page_text(url: str) -> str:
+    """The rendered page as text: Chromium's DOM dump (the UI renders only with a virtual
+    time budget), scripts and tags stripped."""
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                          "--virtual-time-budget=20000", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    text = re.sub(r"<script.*?</script>|<style.*?</style>", "", out.stdout, flags=re.S)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text))
+
+
+def test_the_readme_link_opens_the_runs_table_with_the_childrens_names(ui):
+    url, exp, _ = ui
+    runs = mlflow.search_runs(experiment_ids=[exp])
+    parent = runs[runs["tags.xpar.role"] == "sweep"].iloc[0]
+    assert mlflow.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
+    opened = page_text(f"{url}/#/experiments/{exp}/runs?workflowType=machine_learning")
+    assert "Run Name" in opened and parent["tags.mlflow.runName"] in opened  # the runs table, parent on top
+    assert "Detect Issues" not in opened and "Token Usage" not in opened  # not the GenAI overview
+    flat = page_text(f"{url}/#/experiments/{exp}/runs?workflowType=machine_learning"
+                     "&orderByKey=attributes.run_name&orderByAsc=true")
+    assert "tiny·dp2 #0" in flat and "tiny·dp2 #1" in flat, flat[:2000]
+
+
+def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
+    _, exp, _ = ui
+    runs = mlflow.search_runs(experiment_ids=[exp])
+    kids = runs[runs["tags.xpar.role"] != "sweep"].sort_values("tags.xpar.job_num")
+    assert list(kids["tags.mlflow.runName"]) == ["tiny·dp2 #0", "tiny·dp2 #1"]
+    assert kids["tags.mlflow.note.content"].str.contains("measured on 2 cpu worker").all()
+    assert (kids["tags.xpar.peak_rank"].str.fullmatch(r"\d+")).all()
+    assert "metrics.memory/peak_rank" not in runs  # an identifier is not charted as a metric
+    assert set(kids["tags.xpar.launcher"]) == {"local"} and set(kids["tags.xpar.nodes"]) == {"1"}
+    assert set(kids["tags.xpar.devices_per_node"]) == {"2"}
