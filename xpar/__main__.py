@@ -30,12 +30,25 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     return report.metrics().get(cfg.sweep.metric)
 
 
+def _sync(args: list[str]) -> int:
+    """``xpar sync <run dir>...``: send what the journal kept (xpar.recorder.sync)."""
+    from xpar.recorder import sync
+    if not args:
+        print("xpar: invalid configuration:\n  - xpar sync needs a run's output directory, "
+              "e.g. xpar sync outputs/<date>/<time>.", file=sys.stderr)
+        return 2
+    return max(sync(Path(a)) for a in args)
+
+
 def main() -> None:
-    """``xpar compare ...`` compares recorded runs; anything else is a Hydra run: check
+    """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
+    journal kept to the store; anything else is a Hydra run: check
     preset names (exit 2 with the valid ones), then hand over to Hydra."""
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         from xpar.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "sync":
+        raise SystemExit(_sync(sys.argv[2:]))
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -119,15 +119,16 @@ def _record(job: Job, body) -> Report:
         record_timeline(report.timeline, job.out_dir)
         print_report(spec, report)
         return report
-    from xpar.tracking import log_report, mlflow_run
-    with mlflow_run(spec, job.config, job.start_dir, tags, run_name) as run:
+    from xpar.tracking import log_report, mlflow_run, recording
+    with mlflow_run(spec, job.config, job.start_dir, tags, run_name, job.out_dir) as run:
         report, stats = body()
-        log_report(report, stats, job.yaml, job.out_dir)
-        import mlflow
-        mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
-        for path in report.artifacts:  # estimate figures, dry-run detail
-            mlflow.log_artifact(path)
-        record_timeline(report.timeline, job.out_dir)
+        with recording(run):  # a store failing here costs no result: journaled for `xpar sync`
+            log_report(report, stats, job.yaml, job.out_dir)
+            import mlflow
+            mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
+            for path in report.artifacts:  # estimate figures, dry-run detail
+                mlflow.log_artifact(path)
+            record_timeline(report.timeline, job.out_dir)
         where = f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}"
     print_report(spec, report, where)
     return report

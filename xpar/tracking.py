@@ -85,18 +85,47 @@ class _Terminated(BaseException):
 
 @contextmanager
 def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict] = None,
-               run_name: Optional[str] = None) -> Iterator[Any]:
-    """Start an MLflow run for ``spec``; yield the active run.
+               run_name: Optional[str] = None, out_dir: Optional[Path] = None) -> Iterator[Any]:
+    """Start an MLflow run for ``spec``; yield the active run (its :class:`xpar.recorder.Recorder`
+    as ``run.recorder``).
 
-    Logs the flattened resolved config as params and the run's tags on entry. Ends the run
-    FINISHED on success, KILLED on KeyboardInterrupt/SIGTERM, FAILED on any other error
-    (the error is re-raised).
+    Every record goes through the run's journal in ``out_dir`` (a temporary folder if None);
+    rank 0's per-step metrics are delivered live. Logs the flattened resolved config as params
+    on entry. Ends the run FINISHED on success, KILLED on KeyboardInterrupt/SIGTERM, FAILED on
+    any other error (re-raised): in the store, or in the journal for ``xpar sync``.
     """
+    import tempfile
+
     import mlflow
 
+    from xpar.recorder import Recorder, bound_http
+
+    bound_http()
     exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
                               spec.tracking.artifact_location, start_dir)
     run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name, tags=tags or {})
+    recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, Path(out_dir or tempfile.mkdtemp(prefix="xpar-")),
+                        spec.world_size if spec.mode == "execute" else 0)
+    run.recorder = recorder
+    with _sigterm_raises():
+        try:
+            recorder.record("params", params=flatten(config))
+            recorder.flush()
+            recorder.start_live()
+            yield run
+        except (KeyboardInterrupt, _Terminated):
+            _end(recorder, "KILLED")
+            raise KeyboardInterrupt from None
+        except BaseException:
+            _end(recorder, "FAILED")
+            raise
+        else:
+            _end(recorder, "FINISHED")
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises in the main thread (so the run ends KILLED), restored on exit."""
     old_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum, frame):
@@ -107,39 +136,72 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     except ValueError:  # not the main thread
         old_term = None
     try:
-        params = flatten(config)
-        items = list(params.items())
-        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_BATCH]))
-        yield run
-    except (KeyboardInterrupt, _Terminated):
-        mlflow.end_run("KILLED")
-        raise KeyboardInterrupt from None
-    except BaseException:
-        mlflow.end_run("FAILED")
-        raise
-    else:
-        mlflow.end_run("FINISHED")
+        yield
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
 
-def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: Path) -> None:
-    """Per-step loss and step time (one batch), summary metrics, and artifacts: the resolved
-    config YAML and the per-rank stats JSON."""
+def _end(recorder, status: str) -> None:
+    """Final status to the store (or the journal), then end MLflow's active run locally
+    (its own call is short once the store failed: :func:`xpar.recorder.bound_http`)."""
     import mlflow
-    from mlflow.entities import Metric
 
-    client = mlflow.tracking.MlflowClient()
-    run_id = mlflow.active_run().info.run_id
-    now = int(time.time() * 1000)
-    points = [Metric("train/loss", v, now, i) for i, v in enumerate(report.losses)]
-    points += [Metric("train/step_time_s", v, now, i) for i, v in enumerate(report.step_times_s)]
-    points += [Metric(k, float(v), now, 0) for k, v in report.metrics().items()]
-    for i in range(0, len(points), 1000):
-        client.log_batch(run_id, metrics=points[i:i + 1000])
-    mlflow.log_text(config_yaml, "config.yaml")
-    if stats is not None:
-        mlflow.log_text(json.dumps(stats, indent=1), "ranks.json")
+    recorder.finish(status)
+    try:
+        mlflow.end_run(status)
+    except Exception:  # the store is down: the journal holds the status for `xpar sync`
+        pass
+
+
+@contextmanager
+def recording(run) -> Iterator[None]:
+    """Around the logging after training: a store that fails there does not fail the run
+    (what it did not take is journaled, and the summary is still printed)."""
+    try:
+        yield
+    except Exception as e:
+        recorder = getattr(run, "recorder", None)
+        if recorder is None or not _is_store_error(e):
+            raise
+        recorder._failed(e)
+        from xpar.plots import TIMELINE_FILE
+        timeline = recorder.out_dir / TIMELINE_FILE
+        if timeline.is_file():
+            recorder.record("artifact", path=str(timeline), dir=None)
+
+
+def _is_store_error(e: Exception) -> bool:
+    from mlflow.exceptions import MlflowException
+    try:
+        from requests.exceptions import RequestException
+    except ImportError:  # pragma: no cover
+        RequestException = OSError
+    return isinstance(e, (MlflowException, RequestException, OSError, TimeoutError))
+
+
+def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: Path) -> None:
+    """Summary metrics, the per-step metrics not yet delivered live (e.g. ranks on other
+    nodes' disks), and artifacts: the resolved config YAML, the per-rank stats JSON and the
+    report's files. Journaled first, then delivered within the end budget."""
+    import mlflow
+
     (out_dir / "config.yaml").write_text(config_yaml)
+    run = mlflow.active_run()
+    recorder = getattr(run, "recorder", None)
+    if recorder is None:  # a run not started by mlflow_run
+        from xpar.recorder import Recorder
+        recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, out_dir)
+    recorder.stop_live()
+    now = int(time.time() * 1000)
+    done = recorder.journal.steps_journaled()
+    points = [["train/loss", v, now, i] for i, v in enumerate(report.losses) if i >= done]
+    points += [["train/step_time_s", v, now, i] for i, v in enumerate(report.step_times_s) if i >= done]
+    points += [[k, float(v), now, 0] for k, v in report.metrics().items()]
+    recorder.record("metrics", points=points)
+    recorder.record("text", text=config_yaml, file="config.yaml")
+    if stats is not None:
+        recorder.record("text", text=json.dumps(stats, indent=1), file="ranks.json")
+    for path in getattr(report, "artifacts", None) or []:
+        recorder.record("artifact", path=str(Path(path).resolve()), dir=None)
+    recorder.flush_bounded()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from xpar.journal import StepWriter
 from xpar.spec import RunSpec
 
 STATS_FILE = "ranks.json"
@@ -39,6 +41,7 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     engine = build_engine(spec, mesh)
     if spec.fail_rank == dist.get_rank():
         raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
+    record_steps(engine, StepWriter(out_dir, dist.get_rank()))
     stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress))
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
@@ -46,6 +49,24 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
         return gathered
     return None
+
+
+def record_steps(engine, writer: StepWriter) -> None:
+    """Live metrics: after each ``engine.step`` (one optimizer step of the step loop), append
+    its loss and wall seconds to this rank's step file (:class:`xpar.journal.StepWriter`, a
+    line-buffered file append: microseconds). The seconds match the loop's own timing on CPU;
+    on CUDA the device is synchronized first, as the loop does right after."""
+    inner, device, count = engine.step, engine.spec.device, [0]
+
+    def step(inputs, targets):
+        t0 = time.perf_counter()
+        loss = inner(inputs, targets)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        writer(count[0], loss, time.perf_counter() - t0)
+        count[0] += 1
+        return loss
+    engine.step = step
 
 
 def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:

@@ -1,0 +1,89 @@
+"""Faults with real processes: the tracking server dies during a run (nothing logged is lost,
+the run ends with exit 0 and its summary, ``xpar sync`` delivers the rest with the final
+status), and the step metrics carry their own timestamps."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from xpar.launch import free_port
+
+STEPS = 40
+
+
+def _get(url: str, path: str, **query) -> dict:
+    return json.loads(urllib.request.urlopen(f"{url}{path}?{urllib.parse.urlencode(query)}", timeout=30).read())
+
+
+def _start_server(port: int, root: Path) -> subprocess.Popen:
+    import shutil
+
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+                             "--default-artifact-root", str(root / "server_artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, "mlflow server did not restart"
+            time.sleep(0.5)
+
+
+def test_server_down_at_the_end_exit_0_then_sync(tmp_path):
+    port, root = free_port(), tmp_path / "server"
+    root.mkdir()
+    server = _start_server(port, root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _server_dies_then_sync(url, server, port, root, tmp_path)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _server_dies_then_sync(url, server, port, root, tmp_path):
+    run_dir = tmp_path / "run"
+    xpar = subprocess.Popen([sys.executable, "-m", "xpar", f"tracking.uri={url}", f"train.steps={STEPS}",
+                             "train.warmup_steps=1", "run.progress=false", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps_file = run_dir / "steps" / "rank0.jsonl"
+    deadline = time.time() + 120
+    while not steps_file.exists() or not steps_file.read_text().count("\n") >= 2:  # training has begun
+        assert time.time() < deadline and xpar.poll() is None, xpar.communicate()
+        time.sleep(0.05)
+    os.killpg(server.pid, signal.SIGKILL)  # the server dies while the workers train
+    server.wait(30)
+    killed_at = time.time()
+    out, err = xpar.communicate(timeout=120)
+    after_kill = time.time() - killed_at
+    assert xpar.returncode == 0, err[-3000:]
+    assert "tokens/s" in out and "Traceback" not in err, err[-3000:]
+    assert f"xpar sync {run_dir}" in err, err[-3000:]
+    assert after_kill < 30, after_kill  # training (~2 s) + bounded end, not MLflow's ~250 s of retries
+
+    proc = _start_server(port, root)
+    try:
+        r = subprocess.run([sys.executable, "-m", "xpar", "sync", str(run_dir)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        run_id = json.loads(next(ln for ln in (run_dir / "tracking_journal.jsonl").read_text().splitlines()
+                                 if '"start"' in ln))["run_id"]
+        info = _get(url, "/api/2.0/mlflow/runs/get", run_id=run_id)["run"]["info"]
+        assert info["status"] == "FINISHED"
+        history = _get(url, "/api/2.0/mlflow/metrics/get-history", run_id=run_id, metric_key="train/loss")
+        points = history.get("metrics", [])
+        assert sorted(p["step"] for p in points) == list(range(STEPS))  # every step, once
+        assert len({p["timestamp"] for p in points}) > STEPS // 2  # real step times, not one stamp
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
