@@ -15,7 +15,6 @@ from tests.conftest import compose
 from xpar.layout import SCHEDULES, Layout
 
 XPAR = Path(__file__).resolve().parents[1] / "xpar"
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def test_schedule_registry_matches_torch():
@@ -152,10 +151,11 @@ def test_every_preset_composes_and_validates(group):
             assert "refused" in text or "does not fit" in str(e), f"{group}={name}: {e}"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))
+@pytest.mark.parametrize("name", _presets("experiment"))
 def test_every_experiment_composes_and_its_jobs_validate(name):
-    """Every experiment's sweep expands into jobs that pass pre-flight, or that it skips on
-    purpose (sweep.skip_invalid with a reason)."""
+    """Every experiment preset (conf/experiment/<name>.yaml, run as ``+experiment=<name>``)
+    expands into jobs that pass pre-flight, or that it skips on purpose (sweep.skip_invalid
+    with a reason)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -163,9 +163,8 @@ def test_every_experiment_composes_and_its_jobs_validate(name):
     from xpar.sweep import job_overrides, preflight
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(EXPERIMENTS), version_base=None):  # as --config-dir experiments
-        cfg = hydra_compose(config_name=name, return_hydra_config=True,
-                            overrides=[f"hydra.searchpath=[file://{conf_dir()}]"])
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = hydra_compose(config_name="config", return_hydra_config=True, overrides=[f"+experiment={name}"])
         jobs, _ = job_overrides(cfg)
         bad = preflight(cfg)
     assert jobs
