@@ -47,6 +47,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         from xpar.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] in ("--help", "-h"):  # groups, presets, commands, where runs go
+        from xpar.help import print_help
+        print_help()
+        raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2

@@ -1,0 +1,18 @@
+"""`xpar --help` lists the config groups with their presets, the headline commands and where
+runs are recorded (xpar.help), instead of Hydra's stock page."""
+import subprocess
+import sys
+
+
+def test_help_lists_groups_presets_commands_and_the_store(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xpar", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for line in ("  model=  ", "  parallel=  ", "  hardware=  ", "  train=  ", "  data=  ", "  tracking=  ",
+                 "  +experiment=  "):
+        assert line in out, line
+    assert "tiny*" in out and "mini" in out and "dp*" in out and "zero_memory" in out  # presets, default marked
+    assert "python -m xpar -m parallel=pp parallel.micro_batches=1,2,4,8" in out  # the headline sweep
+    assert "./mlflow.db" in out and "workflowType=machine_learning" in out  # where runs go, how to see them
+    assert "Hydra" not in out.splitlines()[0] and not (tmp_path / "outputs").exists()  # nothing ran

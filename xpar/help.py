@@ -1,0 +1,65 @@
+"""``xpar --help``: the config groups and their presets, the headline commands, and where runs
+are recorded. Read from the config tree, so a new preset shows up without editing this file.
+(Hydra's own page stays available as ``--hydra-help``.) Torch-free."""
+from __future__ import annotations
+
+HEADLINE = """\
+  python -m xpar                                   tiny model, data-parallel over the local CPU workers
+  python -m xpar parallel=zero3                    same model, ZeRO-3 (FSDP2)
+  python -m xpar parallel=pp parallel.schedule=1f1b  pipeline over 2 workers (model=mini)
+  python -m xpar -m parallel=pp parallel.micro_batches=1,2,4,8   the headline sweep: bubble vs m
+  python -m xpar parallel=3d model=70b             beyond this machine: estimate + fake-PG dry run
+  python -m xpar +experiment=zero_memory           a named experiment (sweep) that checks one claim
+  torchrun --nproc-per-node 2 -m xpar parallel=zero2   the same job as torchrun ranks
+  xpar compare                                     table + plots of the newest sweep"""
+
+
+def groups_text() -> str:
+    """One line per config group of conf/: its presets, the default marked with '*'."""
+    from omegaconf import OmegaConf
+
+    from xpar.presets import conf_dir, presets
+
+    defaults = {}
+    for entry in OmegaConf.load(conf_dir() / "config.yaml").get("defaults", []):
+        if isinstance(entry, dict) or OmegaConf.is_dict(entry):
+            defaults.update({str(k): str(v) for k, v in dict(entry).items()})
+    lines = []
+    for group in sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml"))):
+        names = [n + ("*" if defaults.get(group) == n else "") for n in presets(group)]
+        add = "+" if group not in defaults else ""
+        lines.append(f"  {add}{group}=  {', '.join(names)}")
+    launchers = presets("hydra/launcher") if (conf_dir() / "hydra" / "launcher").is_dir() else []
+    if launchers:
+        lines.append(f"  hydra/launcher=  {', '.join(launchers)} (also Hydra's basic, submitit_local, submitit_slurm)")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    return f"""usage: python -m xpar [group=preset ...] [key=value ...]      (or: xpar ...)
+       python -m xpar -m key=a,b,...                           a sweep (one MLflow parent run)
+       xpar compare [--sweep ID] [--filter F] [--out DIR]      compare recorded runs
+
+Config groups (preset names; * = default; '+' = add with +group=name):
+{groups_text()}
+
+Any field can be overridden: train.steps=20, parallel.micro_batches=8, model.hidden=512.
+Print the composed config without running: python -m xpar parallel=pp --cfg job
+
+Headline commands:
+{HEADLINE}
+
+Where runs are recorded:
+  MLflow store   ./mlflow.db (SQLite, in the directory you run from), artifacts in ./mlartifacts;
+                 tracking.uri=http://127.0.0.1:5000 logs to a server; tracking=off logs nothing
+  run folders    outputs/<date>/<time>/ (one run), multirun/<date>/<time>/<job>/ (sweeps):
+                 config.yaml, ranks.json, timelines, worker tracebacks
+  comparisons    ./xpar_compare/<sweep id>/ (xpar compare)
+  MLflow UI      mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000
+                 then http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning
+
+Hydra's own help: python -m xpar --hydra-help.  More: README.md."""
+
+
+def print_help() -> None:
+    print(help_text())
