@@ -58,7 +58,7 @@ def _server_dies_then_sync(url, server, port, root, tmp_path):
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     steps_file = run_dir / "steps" / "rank0.jsonl"
     deadline = time.time() + 120
-    while not steps_file.exists() or not steps_file.read_text().count("\n") >= 2:  # training has begun
+    while not steps_file.exists() or steps_file.read_text().count("\n") < 2:  # training has begun
         assert time.time() < deadline and xpar.poll() is None, xpar.communicate()
         time.sleep(0.05)
     os.killpg(server.pid, signal.SIGKILL)  # the server dies while the workers train
@@ -87,3 +87,48 @@ def _server_dies_then_sync(url, server, port, root, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def _sweep_runs(cwd: Path):
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["xpar"])
+    parent = runs[runs["tags.xpar.role"] == "sweep"]
+    assert len(parent) == 1
+    return parent.iloc[0], runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]]
+
+
+FAST = ["train.steps=3", "train.warmup_steps=1", "run.progress=false"]
+
+
+def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
+    """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), the next
+    trial runs, and the parent's best job is the one that finished."""
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid",
+                        "hydra.sweeper.n_trials=2", "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true",
+                        "train.steps=3", "run.progress=false"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipping job" in r.stderr and "Traceback" not in r.stderr
+    parent, kids = _sweep_runs(tmp_path)
+    assert list(kids["status"]) == ["FINISHED"] and kids.iloc[0]["params.train.warmup_steps"] == "1"
+    assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] == kids.iloc[0]["run_id"]
+
+
+def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
+    sweep_dir = tmp_path / "mr"
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "-m", "train.steps=400,3", "train.warmup_steps=1",
+                          "run.progress=false", f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps = [sweep_dir / "0" / "steps" / f"rank{r}.jsonl" for r in (0, 1)]
+    deadline = time.time() + 120
+    while not all(f.exists() and f.read_text().count("\n") >= 3 for f in steps):  # 3 steps done
+        assert time.time() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-3000:]
+    parent, kids = _sweep_runs(tmp_path)
+    assert parent["status"] == "KILLED" and parent["tags.xpar.jobs_not_started"] == "1"
+    assert list(kids["status"]) == ["KILLED"]
+    assert kids.iloc[0]["metrics.train/loss"] > 0  # the steps before Ctrl-C are kept

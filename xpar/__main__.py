@@ -25,9 +25,22 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     report = run_job(cfg, out_dir, START_DIR, current_sweep())
-    if report is None:  # a skipped invalid sweep job: NaN marks the trial failed for Optuna
-        return float("nan")
+    if report is None:  # a skipped invalid sweep job: None makes Optuna mark the trial FAIL (NaN crashed it)
+        return None
     return report.metrics().get(cfg.sweep.metric)
+
+
+def optuna_failure_rate(argv: list[str]) -> list[str]:
+    """With the Optuna sweeper, ``hydra.sweeper.max_failure_rate`` from ``sweep.max_failure_rate``
+    (unless given): the overrides to add. The plugin's own default, 0, ends the sweep at the
+    first failed trial; xpar's goes on (failed and skipped trials are told to Optuna as FAIL)."""
+    if not any(a.lstrip("+").startswith("hydra/sweeper=optuna") for a in argv) or \
+            any(a.startswith("hydra.sweeper.max_failure_rate=") for a in argv):
+        return []
+    from xpar.config import SweepConfig
+    rate = next((a.split("=", 1)[1] for a in argv if a.startswith("sweep.max_failure_rate=")),
+                SweepConfig.max_failure_rate)
+    return [f"hydra.sweeper.max_failure_rate={rate}"]
 
 
 def _sync(args: list[str]) -> int:
@@ -60,9 +73,12 @@ def main() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
         os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+    sys.argv += optuna_failure_rate(sys.argv[1:])
     try:
         _hydra_main()
     except KeyboardInterrupt:
+        from xpar.sweep import mark_interrupted
+        mark_interrupted()  # a sweep's parent run ends KILLED (xpar.sweep.finish_sweep, at exit)
         print("xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED.", file=sys.stderr)
         raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:

@@ -198,6 +198,9 @@ class SweepConfig:
     """Metric that picks the sweep's best job."""
     goal: str = "max"
     """'max' or 'min' of ``metric``."""
+    max_failure_rate: float = 1.0
+    """Optuna sweeper: share of failed or skipped trials per batch above which the sweep stops
+    (hydra.sweeper.max_failure_rate); 1.0 goes on whatever fails."""
 
 
 @dataclass

@@ -93,8 +93,10 @@ class SweepCallback(Callback):
                 raise SystemExit(2)
         if not OmegaConf.select(config, "tracking.enabled", default=True):
             return
+        from xpar.recorder import bound_http
         from xpar.sweep_parent import open_parent_run
 
+        bound_http()
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         sweep_id = uuid.uuid4().hex[:8]
@@ -131,11 +133,19 @@ def current_sweep() -> Optional[dict]:
     return info
 
 
+_INTERRUPTED = []
+
+
+def mark_interrupted() -> None:
+    """The sweep was interrupted (Ctrl-C): its parent run ends KILLED."""
+    _INTERRUPTED.append(True)
+
+
 def finish_sweep(sweep_file: Path) -> None:
-    """Summarise the sweep on its parent run and end it (FINISHED, or FAILED when a child
-    failed or a job is missing). Safe to call twice."""
+    """Summarise the sweep on its parent run and end it (FINISHED; FAILED when a child failed
+    or a job is missing; KILLED after Ctrl-C). Safe to call twice."""
     from xpar.sweep_parent import close_parent_run
 
     sweep_file = Path(sweep_file)
     if sweep_file.is_file():
-        close_parent_run(json.loads(sweep_file.read_text()), sweep_file.parent)
+        close_parent_run(json.loads(sweep_file.read_text()), sweep_file.parent, interrupted=bool(_INTERRUPTED))

@@ -50,16 +50,18 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list)
             "goal": OmegaConf.select(config, "sweep.goal", default="max")}
 
 
-def close_parent_run(info: dict, sweep_dir: Path) -> None:
-    """Log the sweep table (CSV), plots and best job on the parent run and end it:
-    FINISHED, or FAILED if a child failed or an expected job left no run. No-op if ended."""
+def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> None:
+    """Log the sweep table (CSV), plots and best job (among FINISHED children) on the parent
+    run and end it: FINISHED, FAILED if a child failed or an expected job left no run, KILLED
+    if ``interrupted`` (Ctrl-C), with the jobs that never started as tag ``xpar.jobs_not_started``.
+    No-op if ended."""
     import mlflow
 
     client = mlflow.tracking.MlflowClient(info["uri"])
     pid = info["parent_run_id"]
     if client.get_run(pid).info.status != "RUNNING":
         return
-    status = "FAILED"
+    status = "KILLED" if interrupted else "FAILED"
     try:
         runs = mlflow.search_runs(experiment_ids=[info["experiment_id"]],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{pid}'")
@@ -77,5 +79,9 @@ def close_parent_run(info: dict, sweep_dir: Path) -> None:
         expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
         failed = (runs["status"] != "FINISHED").any() if len(runs) else True
         status = "FAILED" if failed or len(runs) < expected else "FINISHED"
+        if interrupted:
+            status = "KILLED"
+            if info.get("n_jobs") is not None:
+                client.set_tag(pid, "xpar.jobs_not_started", str(max(0, expected - len(runs))))
     finally:
         client.set_terminated(pid, status)
