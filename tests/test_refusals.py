@@ -264,3 +264,32 @@ def test_tracebacks_of_old_are_refusals_from_the_command_line(args, fragment, tm
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("xpar: invalid configuration:") and fragment in r.stderr, r.stderr
     assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("outputs/*/worker_*"))
+
+
+def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
+    """`xpar compare`: a bad filter, an unknown sweep id, a missing store, an unreachable server
+    and an unwritable output folder: exit 2, one line, in seconds (an unreachable URI took 250 s)."""
+    import time
+
+    import mlflow
+
+    from xpar.compare import main
+    from xpar.launch import free_port
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(uri)
+    exp = client.create_experiment("xpar")
+    run = client.create_run(exp, tags={"xpar.role": "sweep", "xpar.sweep_id": "abc12345"})
+    client.set_terminated(run.info.run_id)
+    cases = [(["--uri", uri, "--filter", "metrics.x >>> 1"], "is not a valid MLflow search filter"),
+             (["--uri", uri, "--sweep", "nosuch"], "sweep ids there: abc12345"),
+             (["--uri", f"sqlite:///{tmp_path / 'none.db'}"], "no tracking store at"),
+             (["--uri", f"http://127.0.0.1:{free_port()}"], "does not answer"),
+             (["--uri", uri, "--out", "/proc/xpar/cmp"], "cannot be written")]
+    for args, fragment in cases:
+        t0 = time.monotonic()
+        assert main(args) == 2, args
+        err = "".join(ln for ln in capsys.readouterr().err.splitlines(True) if " INFO " not in ln)  # MLflow's log
+        assert time.monotonic() - t0 < 10, args
+        assert err.count("\n") == 1 and err.startswith("xpar: invalid configuration: ") and fragment in err, err

@@ -222,7 +222,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     uri = args.uri or default_uri(Path.cwd())
     sweep = args.sweep or (None if args.filter else "latest")
-    runs, sweep = select_runs(uri, args.experiment, sweep, args.filter)
+    from xpar.compare_refusals import refuse_compare, selected
+    problem = refuse_compare(uri, args.out)
+    runs, sweep = (None, sweep) if problem else selected(select_runs, uri, args.experiment, sweep, args.filter)
+    if problem or isinstance(runs, str):
+        print(f"xpar: invalid configuration: {problem or runs}", file=sys.stderr)
+        return 2
     if runs.empty:
         print(f"xpar compare: no runs match (experiment {args.experiment!r}, sweep {sweep}, filter {args.filter})",
               file=sys.stderr)
