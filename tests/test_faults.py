@@ -132,3 +132,65 @@ def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
     assert parent["status"] == "KILLED" and parent["tags.xpar.jobs_not_started"] == "1"
     assert list(kids["status"]) == ["KILLED"]
     assert kids.iloc[0]["metrics.train/loss"] > 0  # the steps before Ctrl-C are kept
+
+
+def _pids(run_dir: Path) -> dict:
+    return {int(f.stem[4:]): json.loads(f.read_text())["pid"] for f in (run_dir / "heartbeat").glob("rank*.json")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in state
+
+
+def _start_and_wait(tmp_path: Path, run_dir: Path, *args, steps_done: int = 3):
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "train.steps=2000", "train.warmup_steps=1",
+                          "run.progress=false", "run.allow_long=true", f"hydra.run.dir={run_dir}", *args],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    files = [run_dir / "steps" / f"rank{r}.jsonl" for r in (0, 1)]
+    deadline = time.time() + 120
+    while not all(f.exists() and f.read_text().count("\n") >= steps_done for f in files):
+        assert time.time() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    return p
+
+
+def _last_run(cwd: Path):
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    run = mlflow.search_runs(experiment_names=["xpar"], order_by=["start_time DESC"]).iloc[0]
+    history = mlflow.tracking.MlflowClient().get_metric_history(run["run_id"], "train/loss")
+    return run, history
+
+
+def test_sigkilled_rank_stops_the_job_failed_with_metrics_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _start_and_wait(tmp_path, run_dir)
+    pids = _pids(run_dir)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.time()
+    out, err = p.communicate(timeout=60)
+    assert time.time() - t0 < 30 and p.returncode == 1, err[-2000:]
+    assert "worker rank 1 failed: killed by signal SIGKILL" in err
+    run, history = _last_run(tmp_path)
+    assert run["status"] == "FAILED"
+    done = (run_dir / "steps" / "rank1.jsonl").read_text().count("\n")
+    assert len(history) >= min(done, 3) and sorted(m.step for m in history) == list(range(len(history)))
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+def test_sigstopped_rank_is_named_within_60_s(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _start_and_wait(tmp_path, run_dir, "run.heartbeat_timeout_s=10")
+    pids = _pids(run_dir)
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.time()
+    out, err = p.communicate(timeout=90)
+    assert time.time() - t0 < 60 and p.returncode == 1, err[-2000:]
+    assert "worker rank 1 failed: stopped progressing" in err and "T (stopped)" in err, err[-2000:]
+    run, history = _last_run(tmp_path)
+    assert run["status"] == "FAILED" and len(history) >= 3
+    assert not any(_alive(pid) for pid in pids.values())

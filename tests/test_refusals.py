@@ -135,6 +135,8 @@ CATALOGUE = [
     ("train.threads_per_worker=0", "train.threads_per_worker must be >= 1 or null", None),
     ("train.seq_len=100000", "pass run.allow_long=true", "run.allow_long=true"),
     ("run.mode=train", "run.mode must be one of", None),
+    ("run.collective_timeout_s=0", "run.collective_timeout_s must be > 0", None),
+    ("run.heartbeat_timeout_s=1", "run.heartbeat_timeout_s must be >= 5", None),
     # hardware values: 0 was treated as infinitely fast, or dropped under a cluster preset
     ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),
     ("hardware.peak_tflops=-5", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),

@@ -7,6 +7,10 @@ MLflow 3.17's UI picks the GenAI or the model-training view from its global swit
 parameter ``workflowType``, else the browser's localStorage, default GenAI); older 3.x read the
 experiment tag ``mlflow.experimentKind``, which xpar also sets. Children are nested under their
 parent unless the table is sorted or filtered (``orderByKey``), as in the README's second link.
+
+The sweep runs through submitit's local executor with 2 tasks per job (one process start-up
+paid for two checks): each job's 2 tasks are the 2 ranks of ONE xpar job (xpar.cluster), so
+the store holds one child run per job, world size 2, tagged launcher submitit-local.
 """
 import os
 import re
@@ -28,7 +32,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 def ui(tmp_path_factory):
     """(UI base URL, experiment id, store dir) after a 2-job sweep."""
     cwd = tmp_path_factory.mktemp("ui")
-    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "parallel.micro_batches=1,2", "train.steps=2",
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/launcher=submitit_local",
+                        "hydra.launcher.tasks_per_node=2", "parallel.micro_batches=1,2", "train.steps=2",
                         "train.warmup_steps=1", "run.progress=false"], cwd=cwd, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -92,5 +97,7 @@ def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
     assert kids["tags.mlflow.note.content"].str.contains("measured on 2 cpu worker").all()
     assert (kids["tags.xpar.peak_rank"].str.fullmatch(r"\d+")).all()
     assert "metrics.memory/peak_rank" not in runs  # an identifier is not charted as a metric
-    assert set(kids["tags.xpar.launcher"]) == {"local"} and set(kids["tags.xpar.nodes"]) == {"1"}
+    assert set(kids["status"]) == {"FINISHED"} and len(kids) == 2  # one run per job, not one per task
+    assert set(kids["params.parallel.dp"]) == {"2"}  # the job's world: its 2 tasks
+    assert set(kids["tags.xpar.launcher"]) == {"submitit-local"} and set(kids["tags.xpar.nodes"]) == {"1"}
     assert set(kids["tags.xpar.devices_per_node"]) == {"2"}

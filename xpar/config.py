@@ -183,6 +183,11 @@ class RunConfig:
     """Fault injection for testing failure handling: this rank raises after building its engine."""
     allow_long: bool = False
     """Run a local job whose estimated training time exceeds an hour (xpar.checks.duration)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective (gloo/NCCL), seconds: a rank waiting longer raises."""
+    heartbeat_timeout_s: float = 30.0
+    """Local workers beat every second; one silent this long (stopped, hung outside Python's
+    reach) is named and the job ended (xpar.launch)."""
     dry_run: bool = True
     """Estimate mode: also build the representative ranks through the engine factory on a fake
     process group (xpar.dryrun) and check the cost model's parameter bytes against them."""

@@ -29,9 +29,11 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     ``sweep.skip_invalid`` is set. Returns the Report on the process that records (None on
     non-zero torchrun ranks and skipped jobs).
     """
+    from xpar.cluster import adopt_submitit_tasks
     from xpar.launch import WorkerFailed
     from xpar.tracking import TrackingUnavailable
 
+    adopt_submitit_tasks()  # the tasks of a multi-task submitit job become this one job's ranks
     try:
         spec = check_run(cfg)
     except ConfigError as e:
@@ -79,6 +81,10 @@ def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     for group in GROUPS:
         config[group] = asdict(getattr(spec, group))
+    if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched
+        from xpar.cluster import placement
+        where = placement(spec)
+        config["hardware"].update(nodes=where["nodes"], devices_per_node=where["devices_per_node"])
     return config
 
 
@@ -166,7 +172,7 @@ def _run_torchrun(job: Job) -> Optional[Report]:
     spec, out_dir = job.spec, job.out_dir
     if spec.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
     try:
         if dist.get_rank() != 0:
             run_rank(spec, out_dir)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch.multiprocessing as mp
 
@@ -39,6 +41,46 @@ def _last_error_line(traceback_text: str) -> str:
     return lines[-1].strip() if lines else "unknown error"
 
 
+def _state(pid: int) -> str:
+    """The kernel's state of process ``pid`` ('T (stopped)', 'S (sleeping)', ...), or ''."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -> Optional[tuple[int, str]]:
+    """(rank, why) of the worker whose heartbeat (xpar.worker.start_heartbeat) is the oldest and
+    older than ``timeout_s``; None while every started worker beats. The rank named is the one
+    that stopped, not one that waits for it in a collective (those keep beating)."""
+    from xpar.worker import HEARTBEAT_DIR
+
+    now = time.time() if now is None else now
+    beats = []
+    for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):
+        try:
+            beat = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        beats.append((beat["t"], int(f.stem[4:]), beat["pid"]))
+    if not beats:
+        return None
+    t, rank, pid = min(beats)
+    if now - t <= timeout_s:
+        return None
+    state = _state(pid)
+    return rank, (f"stopped progressing: no heartbeat for {now - t:.0f} s (run.heartbeat_timeout_s="
+                  f"{timeout_s:g}); pid {pid} state {state or 'gone'}")
+
+
+def _kill(p) -> None:
+    if p.is_alive():
+        p.kill()  # SIGKILL: a stopped process does not act on SIGTERM until continued
+
+
 def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
     """Run all ranks as local processes; return the per-rank stats gathered by rank 0.
 
@@ -49,8 +91,11 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
     ctx = mp.start_processes(spawn_entry, args=(spec.to_dict(), str(out_dir), free_port()),
                              nprocs=spec.world_size, join=False, start_method="spawn")
     try:
-        while not ctx.join():
-            pass
+        while not ctx.join(timeout=1.0):
+            stopped = stalled_rank(out_dir, spec.heartbeat_timeout_s)
+            if stopped is not None:
+                _kill(ctx.processes[stopped[0]])
+                raise WorkerFailed(*stopped)
     except mp.ProcessRaisedException as e:
         (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
         raise WorkerFailed(e.error_index, _last_error_line(e.msg), e.msg) from None

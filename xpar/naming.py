@@ -28,8 +28,12 @@ def run_name(spec: RunSpec) -> str:
 
 def description(spec: RunSpec, overrides: str = "") -> str:
     """Markdown shown as the run's description in the MLflow UI (tag ``mlflow.note.content``)."""
+    from xpar.cluster import placement
+
+    where = placement(spec)
     how = ("estimated by the analytic cost model (xpar/estimate), not run" if spec.mode == "estimate"
-           else f"measured on {spec.world_size} {spec.hardware.device} worker(s) via {spec.launcher}")
+           else f"measured on {spec.world_size} {spec.hardware.device} worker(s), {where['nodes']} node(s), "
+                f"launched by {where['launcher']}")
     lines = [f"**{run_name(spec)}**: model `{spec.model.name}`, dp={spec.dp} tp={spec.tp} pp={spec.pp}, "
              f"ZeRO stage {spec.parallel.zero_stage}, micro-batch size b={spec.train.micro_batch_size}, "
              f"m={spec.micro_batches} micro-batches per step, {spec.train.dtype}; {how} "

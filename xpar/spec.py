@@ -41,6 +41,10 @@ class RunSpec:
     """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
     dry_run: bool = True
     """Estimate mode: run the fake-process-group dry run (run.dry_run)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective, seconds (run.collective_timeout_s; init_process_group)."""
+    heartbeat_timeout_s: float = 30.0
+    """A local worker silent this long is named as stopped and the job ended (run.heartbeat_timeout_s)."""
 
     @property
     def dp(self) -> int:

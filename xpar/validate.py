@@ -86,4 +86,5 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
+                   collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
                    dry_run=c.run.dry_run, notes=notes)

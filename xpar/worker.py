@@ -69,10 +69,34 @@ def record_steps(engine, writer: StepWriter) -> None:
     engine.step = step
 
 
+HEARTBEAT_DIR = "heartbeat"
+HEARTBEAT_S = 1.0
+"""Seconds between a local worker's heartbeats (xpar.launch watches them)."""
+
+
+def start_heartbeat(out_dir: Path, rank: int) -> None:
+    """A daemon thread that writes ``{"pid", "t"}`` to ``<out_dir>/heartbeat/rank<rank>.json``
+    every :data:`HEARTBEAT_S`. It keeps beating while the main thread waits in a collective
+    (gloo and NCCL waits release the GIL); it stops when the process is stopped or dies."""
+    import threading
+
+    d = Path(out_dir) / HEARTBEAT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path, tmp = d / f"rank{rank}.json", d / f".rank{rank}.tmp"
+
+    def beat():
+        while True:
+            tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+            tmp.replace(path)
+            time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="xpar-heartbeat", daemon=True).start()
+
+
 def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
     """Entry point of a spawned local worker (``torch.multiprocessing.start_processes``)."""
     spec = RunSpec.from_dict(spec_dict)
     out = Path(out_dir)
+    start_heartbeat(out, local_rank)
     logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)
@@ -81,7 +105,7 @@ def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> No
         torch.cuda.set_device(local_rank)
     backend = "nccl" if spec.device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
-                            world_size=spec.world_size, timeout=timedelta(seconds=300))
+                            world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
     try:
         run_rank(spec, out)
     finally:

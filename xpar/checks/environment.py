@@ -23,7 +23,18 @@ POSITIVE_OR_NULL = ("peak_tflops", "hbm_tb_per_s", "intra_node_gb_per_s", "inter
 def check_environment(c) -> list[str]:
     """Every check of this module."""
     return (check_hardware_values(c) + check_hardware_overrides(c) + check_device(c) + check_data_path(c)
-            + check_sequence_parallel(c) + check_tracking_paths(c))
+            + check_sequence_parallel(c) + check_tracking_paths(c) + check_timeouts(c))
+
+
+def check_timeouts(c) -> list[str]:
+    """Collective timeout > 0; heartbeat timeout >= 5 s (workers beat every second)."""
+    out = []
+    if not c.run.collective_timeout_s > 0:
+        out.append(f"run.collective_timeout_s must be > 0 seconds, got {c.run.collective_timeout_s}; e.g. 300.")
+    if not c.run.heartbeat_timeout_s >= 5:
+        out.append(f"run.heartbeat_timeout_s must be >= 5 seconds (workers beat every second), got "
+                   f"{c.run.heartbeat_timeout_s}; e.g. 30.")
+    return out
 
 
 def check_hardware_values(c) -> list[str]:

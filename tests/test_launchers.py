@@ -1,0 +1,78 @@
+"""Clusters through real launchers, as one job:
+
+- two torchrun agents on 127.0.0.1 as two nodes (c10d rendezvous, 2 ranks each) -> one MLflow
+  run, world size 4, tagged torchrun / 2 nodes / 2 devices per node, in outputs/torchrun-<rdzv id>;
+- a SLURM job's environment (faked: what srun sets for task 9 of 2 nodes x 8 tasks) -> the
+  torch.distributed variables xpar.cluster exports, so its tasks become one job's ranks;
+- the `hydra/launcher=slurm` preset composes onto submitit's SLURM launcher.
+
+(submitit's local executor with 2 tasks per job is exercised by tests/test_ui.py's sweep.)
+"""
+import os
+import subprocess
+import sys
+
+import mlflow
+
+from xpar.launch import free_port
+
+
+def test_two_torchrun_agents_as_two_nodes_make_one_run_of_world_size_4(tmp_path):
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonodes",
+                "-m", "xpar", "train.steps=2", "train.warmup_steps=1", "run.progress=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XPAR_RUN_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    agents = [subprocess.Popen(torchrun, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    logs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(log[-1500:] for log in logs)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["xpar"])
+    assert len(runs) == 1, runs[["tags.mlflow.runName", "status"]]  # one run, not one per node or rank
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED" and run["tags.mlflow.runName"] == "tiny·dp4"
+    assert run["params.parallel.dp"] == "4"  # world size 4 = 2 nodes x 2
+    assert (run["tags.xpar.launcher"], run["tags.xpar.nodes"], run["tags.xpar.devices_per_node"]) == ("torchrun", "2", "2")
+    assert (run["params.hardware.nodes"], run["params.hardware.devices_per_node"]) == ("2", "2")
+    assert (tmp_path / "outputs" / "torchrun-twonodes" / "config.yaml").is_file()  # the job's own folder
+
+
+SLURM_TASK_9 = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16",
+                "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
+                "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def test_a_slurm_task_becomes_one_rank_of_the_job(monkeypatch):
+    from xpar.cluster import adopt_submitit_tasks
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                "XPAR_SUBMITIT_TASKS", "XPAR_SUBMITIT_NODES", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SLURM_TASK_9.items():
+        monkeypatch.setenv(key, value)
+    assert adopt_submitit_tasks()
+    got = {k: os.environ[k] for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    assert got == {"MASTER_ADDR": "gpu07", "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}
+    assert 20000 <= int(os.environ["MASTER_PORT"]) <= 60000  # the same on every task: seeded by the job id
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # xpar selects cuda:LOCAL_RANK itself
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.delenv("RANK")
+    assert not adopt_submitit_tasks()  # a one-task job is an ordinary local run
+
+
+def test_slurm_launcher_preset_composes():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import xpar.config  # noqa: F401
+    from xpar.presets import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose("config", return_hydra_config=True,
+                      overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.nodes=2"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.partition) == (2, 8, 8, "gpu")
+    assert launcher.submitit_folder.endswith(".submitit/%j")
