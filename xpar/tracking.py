@@ -38,6 +38,10 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: value}
 
 
+SYSTEM_METRICS_ENV = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "2",
+                      "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
+"""System metrics (cpu/memory of the recording host, GPU through pynvml if installed) sampled
+every 2 s, so that runs of a few seconds have points; the user's own settings win."""
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 """MLflow 3.x's UI opens an experiment in the view this tag names (its JS enum ExperimentKind;
 without it new experiments open in the GenAI view, with the runs one click away)."""
@@ -55,6 +59,10 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
 
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    for key, value in SYSTEM_METRICS_ENV.items():  # MLflow's own system metrics (psutil; NVML where present)
+        os.environ.setdefault(key, value)
+    import logging
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines on the console
     uri = uri or default_uri(start_dir)
     try:
         mlflow.set_tracking_uri(uri)
