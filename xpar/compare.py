@@ -151,26 +151,41 @@ def bubble_figure(piped: pd.DataFrame):
 
 
 def bar_figure(d: pd.DataFrame, col: str, label: str):
-    """One bar per run (x: run name), value printed on the bar; measured blue, estimated
-    orange hatched; y from 0."""
-    from matplotlib.patches import Patch
-
+    """One bar per run (x: run name), value printed on the bar, y from 0; measured runs (blue)
+    and estimates (orange, hatched) in separate panels, each on its own scale (a CPU
+    measurement and a cluster estimate differ by orders of magnitude)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(d) + 2.5), 4.8))
-    est = [mode == "estimate" for mode in d["mode"]]
-    bars = ax.bar(range(len(d)), d[col], color=["tab:orange" if e else "tab:blue" for e in est])
-    for b, e in zip(bars, est):
-        b.set_hatch("//" if e else "")
-    ax.bar_label(bars, labels=[_short(v) for v in d[col]], fontsize=7, padding=2)
-    names = [n if len(n) <= 40 else n[:39] + "…" for n in d["name"].fillna(d["layout"].fillna("?")).astype(str)]
-    ax.set_xticks(range(len(d)), names, rotation=35, ha="right", fontsize=7)
-    ax.set_ylim(0, float(d[col].max()) * 1.15 or 1)
-    ax.set_ylabel(label)
-    handles = [Patch(color="tab:blue", label="measured")] * (not all(est))
-    handles += [Patch(facecolor="tab:orange", hatch="//", label="estimated (cost model)")] * any(est)
-    ax.legend(handles=handles, fontsize=8)
-    ax.set_title(f"{label} by run: model {_values(d, 'model')}", fontsize=10)
+    groups = [(mode, g.sort_values("name", key=_natural, na_position="last")) for mode, g in
+              (("measured", d[d["mode"] != "estimate"]), ("estimated (cost model)", d[d["mode"] == "estimate"]))
+              if len(g)]
+    widths = [max(len(g), 1.5) for _, g in groups]
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.75 * sum(widths) + 2.5 * len(groups)), 4.8),
+                             squeeze=False, gridspec_kw={"width_ratios": widths})
+    for ax, (mode, g) in zip(axes[0], groups):
+        _bars(ax, g, col, estimate=mode != "measured")
+        ax.set_title(mode, fontsize=9)
+    axes[0][0].set_ylabel(label)
+    fig.suptitle(f"{label} by run: model {_values(d, 'model')}", fontsize=10)
     return fig
+
+
+def _natural(names: pd.Series) -> pd.Series:
+    """Sort key: digits compared as numbers (m2 before m16)."""
+    import re
+    return names.fillna("").map(lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+
+
+def _bars(ax, g: pd.DataFrame, col: str, estimate: bool) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    bars = ax.bar(range(len(g)), g[col], color="tab:orange" if estimate else "tab:blue",
+                  hatch="//" if estimate else None)
+    ax.bar_label(bars, labels=[_short(v) for v in g[col]], fontsize=7, padding=2)
+    names = [n if len(n) <= 40 else n[:39] + "…" for n in g["name"].fillna(g["layout"].fillna("?")).astype(str)]
+    ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
+    ax.set_xlim(-0.6, max(len(g), 1.5) - 0.4)
+    ax.set_ylim(0, float(g[col].max()) * 1.15 or 1)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short(v)))
 
 
 def _short(v: float) -> str:
