@@ -6,6 +6,8 @@ from typing import Optional
 
 TIMELINE_FILE = "pipeline_timeline.png"
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+LABEL_AXIS_PX = 880
+"""Approximate width of the time axis in pixels (10 in at 100 dpi, less the margins)."""
 NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
 
 
@@ -36,7 +38,7 @@ def timeline_figure(timeline: dict):
         ax.set_ylim(pp - 0.5, -0.5)  # rank 0 on top
         ax.set_xlim(0, end * 1.01)
     axes[1, 0].set_xlabel("time in step (ms)")
-    _legend(fig, kinds)
+    _legend(fig, kinds, timeline["v"])
     v = timeline["v"]
     fig.suptitle(f"{timeline['schedule']}, pp={pp}, m={timeline['m']}" + (f", v={v}" if v > 1 else "")
                  + f": step {timeline['step']}, theory bubble {timeline['theory']:.3f}", fontsize=10)
@@ -54,19 +56,20 @@ def _draw_ranks(ax, per_rank: list, span_ms: float, end_ms: float, v: int, pp: i
             w = (t1 - t0) * 1e3
             ax.barh(r, w, left=t0 * 1e3, height=0.8, color=COLORS.get(kind, "grey"),
                     edgecolor="white", linewidth=0.5, alpha=1.0 if v == 1 or stage < pp else 0.6)
-            if w > end_ms / 60:
-                label = f"{mb}" if v == 1 else f"{stage}:{mb}"
+            label = f"{mb}" if v == 1 else f"{stage}:{mb}"
+            if w / end_ms * LABEL_AXIS_PX > 6 * len(label) + 4:  # ~6 px per character at fontsize 7
                 ax.text(t0 * 1e3 + w / 2, r, label, ha="center", va="center", fontsize=7, color="white")
     return kinds
 
 
-def _legend(fig, kinds: set) -> None:
+def _legend(fig, kinds: set, v: int) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in "FBIW" if k in kinds]
     handles.append(Patch(facecolor="#F2F2F2", edgecolor="#BBBBBB", label="idle (bubble)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
-               title="box label: micro-batch (stage:micro-batch when a rank holds several stages)",
+               title="box label: micro-batch" if v == 1 else
+               "box label: stage:micro-batch (paler boxes: the rank's later stages)",
                title_fontsize=8)
 
 
