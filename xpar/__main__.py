@@ -66,6 +66,9 @@ def main() -> None:
         raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "calibrate":  # measure this machine into a hardware preset
+        from xpar.calibrate import main as calibrate_main
+        raise SystemExit(calibrate_main(sys.argv[2:]))
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:

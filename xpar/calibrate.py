@@ -1,0 +1,321 @@
+"""``xpar calibrate``: measure this machine into a hardware preset.
+
+Micro-benchmarks, each the median of repeated timings (``time.perf_counter``):
+
+- matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
+  rate is ``peak_tflops`` and ``matmul_efficiency`` is fitted to the cost model's curve
+  eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) (:mod:`xpar.estimate.cost`);
+- memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
+  (read + write) -> ``hbm_tb_per_s``;
+- collectives on ``workers`` local processes over the backend at hand (gloo on CPU): all-reduce,
+  all-gather, reduce-scatter and send/recv over message sizes, fitted to the alpha-beta model
+  t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
+  and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
+  by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
+  ``intra_node_gb_per_s`` (beta); ``link_efficiency`` = 1 (beta is already achieved bus bandwidth).
+
+The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
+``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
+curves go to an MLflow run (tag ``xpar.mode=calibrate``) and ``calibration.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+GEMM_SIDES = (64, 128, 256, 384, 512)
+MESSAGE_BYTES = tuple(2 ** k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
+QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22)
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
+
+
+def median_time(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5) -> dict[int, float]:
+    """FLOP/s of an n x n fp32 matmul per side n, with ``threads`` torch threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = {}
+        for n in sides:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps)
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_memory_bandwidth(mib: int = 64, reps: int = 5) -> float:
+    """Bytes/s of ``dst.copy_(src)`` for ``mib`` MiB fp32 tensors (read + write counted)."""
+    import torch
+
+    src = torch.ones(mib * 2 ** 18)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps)
+
+
+def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
+    """Least-squares e in rate(n) = peak * e * n / (n + half_dim) (dimensionless)."""
+    g = {n: peak * n / (n + half_dim) for n in rates}
+    return sum(rates[n] * g[n] for n in rates) / sum(g[n] ** 2 for n in rates)
+
+
+def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], None]:
+    """One call of collective ``name`` with a payload of ``nbytes`` (the all-reduced buffer,
+    the gathered output, the reduce-scattered input, the sent message)."""
+    import torch
+    import torch.distributed as dist
+
+    n = max(world, nbytes // 4 // world * world)
+    full, part = torch.ones(n), torch.ones(n // world)
+    if name == "allreduce":
+        return lambda: dist.all_reduce(full)
+    if name == "allgather":  # the single-tensor forms (all_gather_into_tensor before torch 2.13)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part)
+    if name == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, full)
+    peer = 1 - rank if rank < 2 else None
+
+    def ping_pong() -> None:  # one message each way between ranks 0 and 1
+        if peer is None:
+            return
+        if rank == 0:
+            dist.send(full, peer), dist.recv(full, peer)
+        else:
+            dist.recv(full, peer), dist.send(full, peer)
+    return ping_pong
+
+
+def collective_worker(payload: dict) -> dict:
+    """On every rank: median seconds of each collective per message size (send/recv: one
+    way, half a ping-pong); collectives the backend does not offer are left out."""
+    import torch.distributed as dist
+
+    world, rank, out = dist.get_world_size(), dist.get_rank(), {}
+    for name in payload["collectives"]:
+        try:
+            times = {}
+            for nbytes in payload["sizes"]:
+                call = _collective(name, nbytes, world, rank)
+                dist.barrier()
+                times[nbytes] = median_time(call, payload["reps"]) / (2 if name == "send_recv" else 1)
+            out[name] = times
+        except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
+            out[name] = {"unsupported": str(e).splitlines()[0][:200]}
+    return out
+
+
+def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(payload["threads"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = collective_worker(payload)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    from xpar.worker import exit_worker
+    exit_worker()
+
+
+def measure_collectives(world: int, sizes, reps: int, threads: int = 1) -> dict:
+    """:func:`collective_worker` on ``world`` local gloo processes; rank 0's timings."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from xpar.launch import free_port
+
+    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads}
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "collectives.json")
+        mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world, join=True,
+                           start_method="spawn")
+        return {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
+                for k, v in json.loads(Path(out).read_text()).items()}
+
+
+def ring_steps(collective: str, n: int) -> int:
+    """Sequential steps of a ring over n ranks: 2(n-1) all-reduce, n-1 all-gather and
+    reduce-scatter, 1 for a point-to-point message."""
+    return {"allreduce": 2 * (n - 1), "allgather": n - 1, "reduce_scatter": n - 1}.get(collective, 1)
+
+
+def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
+    """(alpha seconds per ring step, beta bytes/s) minimising the squared error of
+    t = steps * alpha + ring_bytes / beta over every measured collective and size.
+
+    Raises:
+        ValueError: fewer than two measurements, or a fit without positive bandwidth.
+    """
+    import numpy as np
+
+    from xpar.estimate.comm import ring_factor
+
+    rows, ts = [], []
+    for name, by_size in timings.items():
+        if "unsupported" in by_size:
+            continue
+        for nbytes, t in by_size.items():
+            wire = nbytes if name == "send_recv" else ring_factor(name, world) * nbytes
+            rows.append([ring_steps(name, world), wire])
+            ts.append(t)
+    if len(rows) < 2:
+        raise ValueError(f"need at least two collective timings to fit alpha and beta, got {len(rows)}")
+    a, t = np.array(rows, float), np.array(ts, float)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if alpha < 0:  # non-negative least squares over two unknowns: refit with the other at zero
+        alpha, inv_beta = 0.0, float(a[:, 1] @ t / (a[:, 1] @ a[:, 1]))
+    elif inv_beta <= 0:
+        alpha, inv_beta = float(a[:, 0] @ t / (a[:, 0] @ a[:, 0])), 0.0
+    if inv_beta <= 0:
+        raise ValueError("the timings show no cost per byte (latency-bound at every size): "
+                         "run again on a quieter machine, or without --quick (more sizes and repetitions)")
+    return float(alpha), 1.0 / float(inv_beta)
+
+
+def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, workers: int) -> dict:
+    """Hardware fields of the measured machine (units of :class:`xpar.config.HardwareConfig`:
+    TFLOP/s, TB/s, GB/s, microseconds). Only fields the schema has are returned."""
+    from dataclasses import fields
+
+    from xpar.config import HardwareConfig
+    from xpar.estimate.cost import GEMM_HALF_DIM
+
+    peak = max(matmul.values())
+    values = {"name": "local", "device": "cpu", "devices_per_node": "auto", "nodes": 1,
+              "peak_tflops": peak / 1e12,
+              "matmul_efficiency": fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM),
+              "hbm_tb_per_s": bandwidth / 1e12, "intra_node_gb_per_s": beta / 1e9, "link_efficiency": 1.0,
+              "intra_node_latency_us": alpha * 1e6, "collective_latency_us": 0.0}
+    known = {f.name for f in fields(HardwareConfig)}
+    return {k: v for k, v in values.items() if k in known}
+
+
+def write_preset(name: str, values: dict, header: list[str], conf: Optional[Path] = None) -> Path:
+    """``conf/hardware/calibrated_<name>.yaml`` with ``header`` as comments; its path.
+
+    Raises:
+        OSError: the config tree is not writable.
+    """
+    from omegaconf import OmegaConf
+
+    from xpar.presets import conf_dir
+
+    path = (conf or conf_dir()) / "hardware" / f"calibrated_{name}.yaml"
+    body = OmegaConf.to_yaml(OmegaConf.create(values))
+    path.write_text("".join(f"# {line}\n" for line in header) + body)
+    return path
+
+
+def _log(result: dict, preset: Path, out_dir: Path) -> str:
+    """An MLflow run (tag xpar.mode=calibrate) with the preset's values as params, the raw
+    curves as metrics and artifacts; its id."""
+    import mlflow
+
+    from xpar.tracking import setup_experiment
+
+    exp = setup_experiment(None, "xpar", None, Path.cwd())
+    with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
+                          tags={"xpar.mode": "calibrate", "xpar.preset": preset.stem}) as run:
+        mlflow.log_params({f"hardware.{k}": v for k, v in result["preset"].items()})
+        mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
+        mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
+        mlflow.log_artifact(str(out_dir / "calibration.json"))
+        mlflow.log_artifact(str(preset))
+        return run.info.run_id
+
+
+def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES, reps: int = 7,
+              track: bool = True, out_dir: Path = Path("."), progress: bool = True) -> dict:
+    """Measure, fit, write the preset (and log it); returns what was measured and written."""
+    import torch
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("calibrate: matmul", total=3)
+        matmul = measure_matmul(threads=threads, reps=reps)
+        bar.update(task, advance=1, description="calibrate: memory bandwidth")
+        bandwidth = measure_memory_bandwidth(reps=reps)
+        bar.update(task, advance=1, description=f"calibrate: collectives on {workers} gloo workers")
+        coll = measure_collectives(workers, sizes, reps, threads)
+        bar.update(task, advance=1)
+    alpha, beta = fit_alpha_beta(coll, workers)
+    values = preset_values(matmul, bandwidth, alpha, beta, workers)
+    header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
+              f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} gloo workers.",
+              f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
+    preset = write_preset(name, values, header)
+    result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
+              "collectives": coll, "alpha_s": alpha, "beta_bytes_per_s": beta}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
+    if track:
+        result["run_id"] = _log(result, preset, out_dir)
+    return result
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="xpar calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("target", nargs="?", default="hardware=local", help="hardware=local (the machine measured)")
+    ap.add_argument("--name", default=socket.gethostname().split(".")[0].replace("-", "_"))
+    ap.add_argument("--workers", type=int, default=2, help="local processes for the collectives")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (as train.threads_per_worker)")
+    ap.add_argument("--quick", action="store_true", help="three message sizes, five repetitions (a smoke test)")
+    ap.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``xpar calibrate [hardware=local] [--name N] [--workers W] [--threads T] [--quick]``."""
+    import re
+
+    args = _args(sys.argv[1:] if argv is None else argv)
+    problems = []
+    if args.target != "hardware=local":
+        problems.append(f"xpar calibrate measures this machine: give hardware=local (or nothing), got {args.target!r}.")
+    if not re.fullmatch(r"[A-Za-z0-9_]+", args.name):
+        problems.append(f"--name must be letters, digits and _, got {args.name!r}; e.g. --name my_box.")
+    if args.workers < 2 or args.threads < 1:
+        problems.append(f"--workers must be >= 2 and --threads >= 1, got {args.workers} and {args.threads}.")
+    if problems:
+        print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 2
+    quick = dict(sizes=QUICK_BYTES, reps=5) if args.quick else {}
+    try:
+        r = calibrate(args.name, args.workers, args.threads, track=not args.no_track, out_dir=args.out, **quick)
+    except (OSError, ValueError) as e:
+        print(f"xpar: calibrate failed: {e}", file=sys.stderr)
+        return 1
+    p = r["preset"]
+    print(f"wrote {r['preset_file']}: peak {p['peak_tflops'] * 1e3:.1f} GFLOP/s per worker, memory "
+          f"{p['hbm_tb_per_s'] * 1e3:.1f} GB/s, collectives alpha {r['alpha_s'] * 1e6:.1f} us/step, "
+          f"beta {r['beta_bytes_per_s'] / 1e9:.2f} GB/s; use it with hardware=calibrated_{args.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
