@@ -11,7 +11,7 @@ Two kinds of files, both JSON lines, both append-only:
   ``ack`` lines once the store took a record. :meth:`Journal.pending` is what the store has not
   taken; ``xpar sync <run dir>`` (:func:`xpar.tracking.sync`) replays it.
 
-:func:`merged_steps` turns the per-rank step files into the run's per-step metrics the same way
+:class:`StepMerger` turns the per-rank step files into the run's per-step metrics the same way
 :func:`xpar.report.summarize_measured` does at the end (loss: mean over the ranks that see one;
 step time: max over ranks), for the steps every rank finished.
 """
@@ -57,20 +57,50 @@ def _read_lines(path: Path) -> list[dict]:
     return out
 
 
+class StepMerger:
+    """Reads the workers' step files incrementally (each line once) and merges them into the
+    run's per-step metrics: loss = mean over the ranks that see one, step time = max over ranks
+    (as :func:`xpar.report.summarize_measured`), timestamp = the last rank's end of the step."""
+
+    def __init__(self, out_dir: Path, world: int):
+        self.files = [Path(out_dir) / STEPS_DIR / f"rank{k}.jsonl" for k in range(world)]
+        self.offsets = [0] * world
+        self.seen: list[dict] = [{} for _ in range(world)]
+
+    def _read(self, k: int) -> None:
+        try:
+            with open(self.files[k], "rb") as f:
+                f.seek(self.offsets[k])
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # complete lines only; a line being written waits
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+                self.seen[k][rec["step"]] = rec
+            except (ValueError, KeyError):
+                pass
+        self.offsets[k] += end
+
+    def new_steps(self, start: int) -> list[tuple[int, Optional[float], float, int]]:
+        """(step, mean loss or None, max step time in s, end time in ms) for each step >= ``start``
+        that every rank recorded, in order, stopping at the first incomplete one."""
+        for k in range(len(self.files)):
+            self._read(k)
+        out, step = [], start
+        while self.seen and all(step in r for r in self.seen):
+            recs = [r.pop(step) for r in self.seen]
+            losses = [x["loss"] for x in recs if x["loss"] is not None]
+            out.append((step, sum(losses) / len(losses) if losses else None, max(x["time_s"] for x in recs),
+                        max(x["ts_ms"] for x in recs)))
+            step += 1
+        return out
+
+
 def merged_steps(out_dir: Path, world: int, start: int = 0) -> list[tuple[int, Optional[float], float, int]]:
-    """(step, mean loss or None, max step time in s, end time in ms) for each step >= ``start``
-    that all ``world`` ranks recorded, in order, stopping at the first incomplete step."""
-    ranks = [{r["step"]: r for r in _read_lines(Path(out_dir) / STEPS_DIR / f"rank{k}.jsonl")}
-             for k in range(world)]
-    out = []
-    step = start
-    while ranks and all(step in r for r in ranks):
-        recs = [r[step] for r in ranks]
-        losses = [x["loss"] for x in recs if x["loss"] is not None]
-        out.append((step, sum(losses) / len(losses) if losses else None, max(x["time_s"] for x in recs),
-                    max(x["ts_ms"] for x in recs)))
-        step += 1
-    return out
+    """:meth:`StepMerger.new_steps` of the whole files, from ``start``."""
+    return StepMerger(out_dir, world).new_steps(start)
 
 
 def step_points(steps: list[tuple[int, Optional[float], float, int]]) -> list[list]:
@@ -93,6 +123,14 @@ class Journal:
         lines = _read_lines(self.path)
         self._records = [r for r in lines if "seq" in r and "kind" in r]
         self._acked = {r["ack"] for r in lines if "ack" in r}
+        self._steps = 0
+        for r in self._records:
+            self._count_steps(r)
+
+    def _count_steps(self, rec: dict) -> None:
+        if rec["kind"] == "metrics":
+            steps = [p[3] + 1 for p in rec["points"] if p[0] == "train/step_time_s"]
+            self._steps = max([self._steps] + steps)
 
     def _write(self, obj: dict) -> None:
         with open(self.path, "a") as f:
@@ -106,6 +144,7 @@ class Journal:
             rec = {"seq": len(self._records), "kind": kind, **data}
             self._write(rec)
             self._records.append(rec)
+            self._count_steps(rec)
             return rec
 
     def ack(self, rec: dict) -> None:
@@ -126,5 +165,4 @@ class Journal:
 
     def steps_journaled(self) -> int:
         """One past the last step whose metrics are journaled (0 if none)."""
-        steps = [p[3] for r in self.records("metrics") for p in r["points"] if p[0] == "train/step_time_s"]
-        return max(steps) + 1 if steps else 0
+        return self._steps

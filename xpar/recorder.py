@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from xpar.journal import Journal, merged_steps, step_points
+from xpar.journal import Journal, StepMerger, step_points
 
 HTTP_TIMEOUT_S = 5
 """Seconds per HTTP request to a tracking server (MLflow's default is 120)."""
@@ -74,9 +74,11 @@ class Recorder:
         self.uri, self.run_id, self.out_dir, self.world = uri, run_id, Path(out_dir), world
         self.client = MlflowClient(uri)
         self.journal = Journal(self.out_dir)
+        self.merger = StepMerger(self.out_dir, world)
         self.error: Optional[str] = None
         self._failed_at = 0.0
         self._send_lock = threading.Lock()
+        self._collect_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._deadline: Optional[float] = None
@@ -88,10 +90,11 @@ class Recorder:
         """Journal the per-step metrics of steps every rank finished since the last call."""
         if not self.world:
             return 0
-        new = merged_steps(self.out_dir, self.world, self.journal.steps_journaled())
-        if new:
-            self.journal.append("metrics", points=step_points(new))
-        return len(new)
+        with self._collect_lock:
+            new = self.merger.new_steps(self.journal.steps_journaled())
+            if new:
+                self.journal.append("metrics", points=step_points(new))
+            return len(new)
 
     def flush(self) -> bool:
         """Send every pending record in order; stop at the first failure. True if all went."""
