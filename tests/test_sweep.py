@@ -103,6 +103,9 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     assert (kids["params.train.global_batch_size"].astype(int)
             == ints["train.micro_batch_size"] * ints["parallel.micro_batches"] * ints["parallel.dp"]).all()
     assert (kids["params.hardware.peak_tflops"].astype(float) > 0).all()  # the device peak behind MFU
+    for k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
+        assert kids[f"metrics.{k}"].notna().all(), k  # every executed run is also estimated
+    assert kids["metrics.fidelity/peak_memory_ratio"].between(0.5, 2).all()
     c = subprocess.run([sys.executable, "-m", "xpar.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr

@@ -99,8 +99,12 @@ class Job:
 
 
 def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
+    """The measured Report, with how far the run's own estimate was (xpar.fidelity)."""
+    from xpar.fidelity import fidelity_metrics
     from xpar.report import summarize_measured
-    return summarize_measured(spec, stats)
+    report = summarize_measured(spec, stats)
+    report.extra.update(fidelity_metrics(spec, report))
+    return report
 
 
 def _record(job: Job, body) -> Report:

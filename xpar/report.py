@@ -196,6 +196,8 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
                          _fmt_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
+        elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
+            rows.append((f"{k} (own estimate vs measured)", f"{v:.3f}"))
     for r in rows:
         t.add_row(*r)
     console = Console()
