@@ -1,0 +1,91 @@
+"""The cost model against this machine: a fixed set of layouts run for real and estimated.
+
+For each layout (dp, zero1, zero2, zero3, tp, pp with gpipe and 1f1b, 3D pp2 x dp2 x tp2;
+models tiny and small), run xpar's real path on local gloo workers (launcher, engine
+factory, train loop) and print the estimated and measured step time, peak memory per
+device and bubble ratio (xpar.fidelity: the run's own estimate on its hardware), then the
+median and max |ratio - 1| over the layouts. Targets (issue "xpar calibrate and the closed
+loop"): median |step-time ratio - 1| <= 15 %, max <= 35 %; peak memory within 5 %; bubble
+within 0.05.
+
+Use a calibrated preset for the estimate to see this machine's links and memory:
+
+    xpar calibrate hardware=local --name here
+    python benchmarks/fidelity.py --hardware calibrated_here [--steps 8] [--models tiny small]
+
+Not a timed test: several minutes on 2 vCPUs; quiet machine only.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+LAYOUTS = {
+    "dp": ["parallel=dp"], "zero1": ["parallel=zero1"], "zero2": ["parallel=zero2"], "zero3": ["parallel=zero3"],
+    "tp": ["parallel=tp"], "pp-gpipe": ["parallel=pp", "parallel.schedule=gpipe"],
+    "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
+}
+
+
+def _spec(layout: list[str], model: str, hardware: str, steps: int):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import xpar.config  # noqa: F401
+    from xpar.fit import check_run
+    from xpar.presets import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose("config", overrides=[*layout, f"model={model}", f"hardware={hardware}", "tracking=off",
+                                           "run.progress=false", f"train.steps={steps}", "train.warmup_steps=2"])
+    return check_run(cfg, local_devices=8 if "parallel=3d_local" in layout else 2)
+
+
+def measure(name: str, layout: list[str], model: str, hardware: str, steps: int) -> dict:
+    """One real run; its measured and estimated figures (xpar.fidelity)."""
+    from xpar.job import _summarize
+    from xpar.launch import launch_local
+
+    spec = _spec(layout, model, hardware, steps)
+    with tempfile.TemporaryDirectory() as out:
+        report = _summarize(spec, launch_local(spec, Path(out)))
+    x = report.extra
+    return {"layout": name, "model": model, "step_s": report.step_time_s,
+            "time_ratio": x.get("fidelity/step_time_ratio", float("nan")),
+            "peak_bytes": report.peak_bytes_per_device, "mem_ratio": x.get("fidelity/peak_memory_ratio", float("nan")),
+            "bubble_diff": x.get("fidelity/bubble_diff")}
+
+
+def _summary(rows: list[dict]) -> None:
+    for key, target in (("time_ratio", "median <= 0.15, max <= 0.35"), ("mem_ratio", "every |r - 1| <= 0.05")):
+        errs = [abs(r[key] - 1) for r in rows if r[key] == r[key]]
+        print(f"{key}: median |r - 1| {statistics.median(errs):.3f}, max {max(errs):.3f}  (target {target})")
+    diffs = [abs(r["bubble_diff"]) for r in rows if r["bubble_diff"] is not None]
+    if diffs:
+        print(f"bubble: max |estimate - measured| {max(diffs):.3f}  (target <= 0.05)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", default="local")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    args = ap.parse_args()
+    rows = []
+    print(f"{'layout':<9} {'model':<6} {'step ms':>8} {'est/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8}")
+    for model in args.models:
+        for name in args.layouts:
+            r = measure(name, LAYOUTS[name], model, args.hardware, args.steps)
+            rows.append(r)
+            bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
+            print(f"{name:<9} {model:<6} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
+                  f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8}", flush=True)
+    _summary(rows)
+
+
+if __name__ == "__main__":
+    main()
