@@ -118,7 +118,7 @@ class Recorder:
         bound_http(timeout_s=1, retries=0)  # a store that failed once gets short calls from now on
         if first:
             print(f"xpar: warning: the tracking store did not take a record ({self.error}); "
-                  f"kept in {self.journal.path}, retried in the background.", file=sys.stderr, flush=True)
+                  f"kept in {self.journal.path}, retried while the run lasts.", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(SHIP_INTERVAL_S):
@@ -138,6 +138,8 @@ class Recorder:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(max(0.0, self._deadline - time.monotonic()))
+            if self._thread.is_alive():  # blocked on a store that does not answer
+                self._failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
         self.collect_steps()
 
     def flush_bounded(self) -> bool:
@@ -148,6 +150,8 @@ class Recorder:
         t = threading.Thread(target=lambda: done.append(self.flush()), daemon=True)
         t.start()
         t.join(max(0.0, (self._deadline or time.monotonic() + END_BUDGET_S) - time.monotonic()))
+        if t.is_alive():
+            self._failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
         return bool(done and done[0])
 
     # -- records ---------------------------------------------------------------------------
