@@ -35,40 +35,50 @@ QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22)
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
 
 
-def median_time(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call."""
+def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call; ``sync`` waits for
+    the device (``torch.cuda.synchronize`` on GPUs) before each clock read."""
     fn()
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5) -> dict[int, float]:
-    """FLOP/s of an n x n fp32 matmul per side n, with ``threads`` torch threads."""
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: str = "cpu") -> dict[int, float]:
+    """FLOP/s of an n x n matmul per side n: fp32 with ``threads`` torch threads on CPU,
+    bf16 on CUDA (the dtype of the GPU presets' dense peak)."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     try:
         out = {}
         for n in sides:
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps)
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device))
         return out
     finally:
         torch.set_num_threads(old)
 
 
-def measure_memory_bandwidth(mib: int = 64, reps: int = 5) -> float:
+def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") -> float:
     """Bytes/s of ``dst.copy_(src)`` for ``mib`` MiB fp32 tensors (read + write counted)."""
     import torch
 
-    src = torch.ones(mib * 2 ** 18)
+    src = torch.ones(mib * 2 ** 18, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device))
 
 
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
@@ -84,7 +94,8 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], N
     import torch.distributed as dist
 
     n = max(world, nbytes // 4 // world * world)
-    full, part = torch.ones(n), torch.ones(n // world)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
     if name == "allreduce":
         return lambda: dist.all_reduce(full)
     if name == "allgather":  # the single-tensor forms (all_gather_into_tensor before torch 2.13)
@@ -117,7 +128,8 @@ def collective_worker(payload: dict) -> dict:
             for nbytes in payload["sizes"]:
                 call = _collective(name, nbytes, world, rank)
                 dist.barrier()
-                times[nbytes] = median_time(call, payload["reps"]) / (2 if name == "send_recv" else 1)
+                times[nbytes] = median_time(call, payload["reps"], _sync(payload["device"])) / \
+                    (2 if name == "send_recv" else 1)
             out[name] = times
         except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
             out[name] = {"unsupported": str(e).splitlines()[0][:200]}
@@ -129,7 +141,10 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     import torch.distributed as dist
 
     torch.set_num_threads(payload["threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if payload["device"] == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if payload["device"] == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = collective_worker(payload)
         if rank == 0:
@@ -140,15 +155,16 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     exit_worker()
 
 
-def measure_collectives(world: int, sizes, reps: int, threads: int = 1) -> dict:
-    """:func:`collective_worker` on ``world`` local gloo processes; rank 0's timings."""
+def measure_collectives(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
+    """:func:`collective_worker` on ``world`` local processes (gloo on CPU, nccl with one GPU
+    each on CUDA); rank 0's timings."""
     import tempfile
 
     import torch.multiprocessing as mp
 
     from xpar.launch import free_port
 
-    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads}
+    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device}
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "collectives.json")
         mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world, join=True,
@@ -196,7 +212,7 @@ def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
     return float(alpha), 1.0 / float(inv_beta)
 
 
-def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, workers: int) -> dict:
+def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu") -> dict:
     """Hardware fields of the measured machine (units of :class:`xpar.config.HardwareConfig`:
     TFLOP/s, TB/s, GB/s, microseconds). Only fields the schema has are returned."""
     from dataclasses import fields
@@ -205,7 +221,7 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, wor
     from xpar.estimate.cost import GEMM_HALF_DIM
 
     peak = max(matmul.values())
-    values = {"name": "local", "device": "cpu", "devices_per_node": "auto", "nodes": 1,
+    values = {"name": "local", "device": device, "devices_per_node": "auto", "nodes": 1,
               "peak_tflops": peak / 1e12,
               "matmul_efficiency": fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM),
               "hbm_tb_per_s": bandwidth / 1e12, "intra_node_gb_per_s": beta / 1e9, "link_efficiency": 1.0,
@@ -249,23 +265,24 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
 
 
 def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES, reps: int = 7,
-              track: bool = True, out_dir: Path = Path("."), progress: bool = True) -> dict:
+              track: bool = True, out_dir: Path = Path("."), progress: bool = True, device: str = "cpu") -> dict:
     """Measure, fit, write the preset (and log it); returns what was measured and written."""
     import torch
     from rich.progress import Progress
 
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("calibrate: matmul", total=3)
-        matmul = measure_matmul(threads=threads, reps=reps)
+        matmul = measure_matmul(threads=threads, reps=reps, device=device)
         bar.update(task, advance=1, description="calibrate: memory bandwidth")
-        bandwidth = measure_memory_bandwidth(reps=reps)
-        bar.update(task, advance=1, description=f"calibrate: collectives on {workers} gloo workers")
-        coll = measure_collectives(workers, sizes, reps, threads)
+        bandwidth = measure_memory_bandwidth(reps=reps, device=device)
+        bar.update(task, advance=1, description=f"calibrate: collectives on {workers} workers")
+        coll = measure_collectives(workers, sizes, reps, threads, device)
         bar.update(task, advance=1)
     alpha, beta = fit_alpha_beta(coll, workers)
-    values = preset_values(matmul, bandwidth, alpha, beta, workers)
+    values = preset_values(matmul, bandwidth, alpha, beta, device)
     header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
-              f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} gloo workers.",
+              f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
+              f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
               f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
     preset = write_preset(name, values, header)
     result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
@@ -283,10 +300,24 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--name", default=socket.gethostname().split(".")[0].replace("-", "_"))
     ap.add_argument("--workers", type=int, default=2, help="local processes for the collectives")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (as train.threads_per_worker)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 GEMMs, HBM, nccl")
     ap.add_argument("--quick", action="store_true", help="three message sizes, five repetitions (a smoke test)")
     ap.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
     ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate")
     return ap.parse_args(argv)
+
+
+def _device_problems(device: str, workers: int) -> list[str]:
+    """CUDA calibration needs a CUDA build of torch and one GPU per worker."""
+    if device != "cuda":
+        return []
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < workers:
+        fix = f"--workers {n}" if n >= 2 else "--device cpu (collectives need two GPUs)"
+        return [f"--device cuda needs {workers} GPUs (one per worker) in a CUDA build of torch; this machine "
+                f"has {n} (torch {torch.__version__}). Use {fix}."]
+    return []
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -301,12 +332,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         problems.append(f"--name must be letters, digits and _, got {args.name!r}; e.g. --name my_box.")
     if args.workers < 2 or args.threads < 1:
         problems.append(f"--workers must be >= 2 and --threads >= 1, got {args.workers} and {args.threads}.")
+    problems += _device_problems(args.device, args.workers)
     if problems:
         print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     quick = dict(sizes=QUICK_BYTES, reps=5) if args.quick else {}
     try:
-        r = calibrate(args.name, args.workers, args.threads, track=not args.no_track, out_dir=args.out, **quick)
+        r = calibrate(args.name, args.workers, args.threads, track=not args.no_track, out_dir=args.out,
+                      device=args.device, **quick)
     except (OSError, ValueError) as e:
         print(f"xpar: calibrate failed: {e}", file=sys.stderr)
         return 1
