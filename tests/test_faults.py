@@ -67,6 +67,23 @@ def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_p
     assert sync(tmp_path / "elsewhere") == 2
 
 
+def test_watchdog_names_the_oldest_live_heartbeat(tmp_path):
+    """Fast: the rank whose heartbeat is oldest beyond the timeout is named with its process
+    state; a rank whose process has exited is left to its exit code."""
+    from xpar.launch import stalled_rank
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    d = tmp_path / "heartbeat"
+    d.mkdir()
+    now = time.time()
+    for rank, pid, t in ((0, os.getpid(), now - 1), (1, os.getpid(), now - 40), (2, gone.pid, now - 99)):
+        (d / f"rank{rank}.json").write_text(json.dumps({"pid": pid, "t": t}))
+    assert stalled_rank(tmp_path, 60, now) is None
+    rank, why = stalled_rank(tmp_path, 30, now)
+    assert rank == 1 and "no heartbeat for 40 s" in why and f"pid {os.getpid()} state R" in why
+
+
 def test_server_down_at_the_end_exit_0_then_sync(tmp_path):
     port, root = free_port(), tmp_path / "server"
     root.mkdir()
@@ -209,7 +226,7 @@ def test_sigkilled_rank_stops_the_job_failed_with_metrics_kept(tmp_path):
 
 def test_sigstopped_rank_is_named_within_60_s(tmp_path):
     run_dir = tmp_path / "run"
-    p = _start_and_wait(tmp_path, run_dir, "run.heartbeat_timeout_s=10")
+    p = _start_and_wait(tmp_path, run_dir, "run.heartbeat_timeout_s=5")
     pids = _pids(run_dir)
     os.kill(pids[1], signal.SIGSTOP)
     t0 = time.time()

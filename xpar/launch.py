@@ -65,15 +65,16 @@ def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -
             beat = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        beats.append((beat["t"], int(f.stem[4:]), beat["pid"]))
+        state = _state(beat["pid"])
+        if state and not state.startswith(("Z", "X")):  # a rank that exited is judged by its exit code
+            beats.append((beat["t"], int(f.stem[4:]), beat["pid"], state))
     if not beats:
         return None
-    t, rank, pid = min(beats)
+    t, rank, pid, state = min(beats)
     if now - t <= timeout_s:
         return None
-    state = _state(pid)
     return rank, (f"stopped progressing: no heartbeat for {now - t:.0f} s (run.heartbeat_timeout_s="
-                  f"{timeout_s:g}); pid {pid} state {state or 'gone'}")
+                  f"{timeout_s:g}); pid {pid} state {state}")
 
 
 def _kill(p) -> None:
