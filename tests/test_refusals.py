@@ -295,3 +295,19 @@ def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
         err = "".join(ln for ln in capsys.readouterr().err.splitlines(True) if " INFO " not in ln)  # MLflow's log
         assert time.monotonic() - t0 < 10, args
         assert err.count("\n") == 1 and err.startswith("xpar: invalid configuration: ") and fragment in err, err
+
+
+def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):
+    """Above a minute per step: a warning; above an hour of training: refused unless
+    run.allow_long; without a peak to estimate with (local CUDA): no check, no crash."""
+    from dataclasses import replace
+
+    from tests.conftest import spec_for
+    from xpar.checks.duration import duration_problems
+
+    spec = spec_for("train.seq_len=100000", "run.allow_long=true")
+    assert "pass run.allow_long=true" in duration_problems(spec)[0]
+    assert "per step on this machine" in capsys.readouterr().err
+    assert duration_problems(spec, {"run": {"allow_long": True}}) == []
+    assert duration_problems(replace(spec, hardware=replace(spec.hardware, peak_tflops=None))) == []
+    assert duration_problems(spec_for()) == [] and capsys.readouterr().err == ""

@@ -29,9 +29,12 @@ def duration_problems(spec: RunSpec, cfg=None) -> list[str]:
     warns on stderr above a minute per step. Estimate mode runs nothing: never refused here."""
     run = cfg.run if cfg is not None and not isinstance(cfg, dict) else (cfg or {}).get("run", {})
     allow_long = bool(getattr(run, "allow_long", None) if not isinstance(run, dict) else run.get("allow_long"))
-    if spec.mode != "execute":
+    if spec.mode != "execute" or not spec.hardware.peak_tflops:
+        return []  # nothing runs, or no peak to estimate with (local CUDA without hardware.peak_tflops)
+    try:
+        step = estimate(spec, assumptions_for(spec)).time_per_step_s
+    except (TypeError, ValueError, ZeroDivisionError):  # a figure the cost model needs is unknown here
         return []
-    step = estimate(spec, assumptions_for(spec)).time_per_step_s
     total = step * spec.train.steps
     if step > WARN_STEP_S:
         print(f"xpar: warning: estimated {_human(step)} per step on this machine ({_human(total)} for "
