@@ -310,4 +310,5 @@ def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):
     assert "per step on this machine" in capsys.readouterr().err
     assert duration_problems(spec, {"run": {"allow_long": True}}) == []
     assert duration_problems(replace(spec, hardware=replace(spec.hardware, peak_tflops=None))) == []
+    capsys.readouterr()
     assert duration_problems(spec_for()) == [] and capsys.readouterr().err == ""
