@@ -114,6 +114,9 @@ class HardwareConfig:
     """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
     framework_overhead_gb: float = 2.0
     """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
+    memory_headroom: float = 0.0
+    """Fraction of device memory the fit check keeps free (0.05: refuse a layout whose
+    estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
 
 
 @dataclass

@@ -36,8 +36,9 @@ def _gb(x: float) -> str:
 
 
 def fit_problem(spec: RunSpec) -> Optional[str]:
-    """None if the estimated peak fits device memory, else the refusal message: which
-    pipeline rank and global ranks, by how much, the breakdown, and what would fit."""
+    """None if the estimated peak fits the usable device memory (device memory less
+    ``hardware.memory_headroom``), else the refusal message: which pipeline rank and global
+    ranks, by how much, the breakdown of that rank, and what would fit."""
     mem = peak_memory(spec)
     if mem.fits or not mem.device_memory:
         return None
@@ -48,10 +49,17 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
              f"{_stages(spec, mem.pp_rank)}), on its most loaded dp rank {dp_rank} (global "
              f"rank{'s' if len(ranks) > 1 else ''} {ranks[0]}{'-' + str(ranks[-1]) if len(ranks) > 1 else ''}),")
     terms = ", ".join(f"{k} {_gb(getattr(mem, k))}" for k in MEMORY_TERMS)
+    headroom = getattr(hw, "memory_headroom", 0.0) or 0.0
+    limit = (f"{_gb(mem.usable)} usable ({_gb(mem.device_memory)} of {hw.gpu or hw.device} less "
+             f"hardware.memory_headroom={headroom:g})" if headroom else f"{_gb(mem.device_memory)} of {hw.gpu or hw.device}")
     lines = [f"layout does not fit device memory (cost-model estimate): {where} needs "
-             f"{_gb(mem.total)} per device, {_gb(mem.total - mem.device_memory)} more than the "
-             f"{_gb(mem.device_memory)} of {hw.gpu or hw.device} on hardware={hw.name}"
-             + (f"; {len(over)} of {spec.pp} pipeline ranks are over" if spec.pp > 1 else "") + f". [{terms}]"]
+             f"{_gb(mem.total)} per device, {_gb(mem.total - mem.usable)} more than the {limit} on hardware={hw.name}"
+             + (f"; {len(over)} of {spec.pp} pipeline ranks are over" if spec.pp > 1 else "") + f". [{terms}]",
+             "    " + breakdown(mem)]
+    lines += [f"    Note: {n}" for n in mem.detail.get("notes", [])]
+    offload = _offload_line(spec, mem)
+    if offload:
+        lines.append("    " + offload)
     fits = alternatives(spec)
     if fits:
         lines.append(f"    Layouts on the same {spec.world_size} devices that fit (estimated peak per device, "
@@ -60,6 +68,35 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     else:
         lines.append("    " + _no_layout_fits(spec))
     return "\n".join(lines)
+
+
+def breakdown(mem: MemoryEstimate) -> str:
+    """One line: the refused rank's terms in detail (params = fp32/stored + compute copies;
+    activations saved at the schedule's peak + transients, micro-batches in flight; buffers)."""
+    st, act, comm = mem.detail.get("states", {}), mem.detail.get("activations", {}), mem.detail.get("comm_buffers", {})
+    parts = [f"params {_gb(st.get('params_master', mem.params))} stored + {_gb(st.get('params_compute', 0))} "
+             f"compute copies",
+             f"activations {_gb(act.get('saved', mem.activations))} saved for backward at the schedule's peak "
+             f"({act.get('microbatches_in_flight', 1):g} micro-batches in flight) + {_gb(act.get('transient', 0))} "
+             f"transient"]
+    parts += [f"{k} {_gb(v)}" for k, v in comm.items() if v]
+    return "Breakdown: " + "; ".join(parts) + "."
+
+
+def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[str]:
+    """What offloading the optimizer states to CPU would need (Assumptions.cpu_offload_optimizer),
+    when that is what makes it fit."""
+    from dataclasses import replace as dc_replace
+
+    from xpar.estimate.memory import memory
+
+    a = assumptions_for(spec)
+    if getattr(a, "cpu_offload_optimizer", True) or not mem.optimizer:
+        return None
+    off = memory(spec, assume=dc_replace(a, cpu_offload_optimizer=True))
+    verdict = "would fit" if off.fits else "would still not fit"
+    return (f"With the optimizer states offloaded to host memory (a framework option, e.g. DeepSpeed "
+            f"offload_optimizer) it {verdict}: {_gb(off.total)} per device.")
 
 
 def _stages(spec: RunSpec, pp_rank: int) -> str:
@@ -87,6 +124,8 @@ def _no_layout_fits(spec: RunSpec) -> str:
         if name == "local":
             continue
         hw = _hardware(name)
+        if not str(hw.devices_per_node).isdigit() or not hw.device_memory_gb:
+            continue  # detected at run time (a local machine): no fixed world size
         world = int(hw.devices_per_node) * hw.nodes
         if world > spec.world_size and states / world < 0.5 * hw.device_memory_gb * GB:
             bigger.append((world, name))

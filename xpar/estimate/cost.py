@@ -78,6 +78,32 @@ class Assumptions:
     sp_saves_gathered: bool = True
     """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
     projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
+    # --- memory (xpar.estimate.memory.MemoryOptions reads these by name) ---
+    count_buffers: bool = True
+    """Count what the framework allocates besides model states and saved activations (DDP
+    buckets, FSDP all-gather/reduce buffers, p2p buffers, recompute workspace, fp32 loss
+    temporaries). xpar's CPU accounting counts none of them: False for hardware=local."""
+    selective_recompute: str = "op"
+    """What parallel.recompute=selective keeps: 'op' (xpar: every matmul and tp-collective
+    output), 'torchtitan_op' (SDPA outputs + every other matmul output), 'attention'
+    (Megatron: recompute only the attention core; worthless under flash attention)."""
+    recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to (torchtitan selective_layer: full
+    recompute on every other block = 0.5)."""
+    param_storage: str = "fp32"
+    """Mixed precision: 'fp32' (xpar, torchtitan: fp32 parameters are the master weights, bf16
+    compute copies) or 'bf16' (Megatron, DeepSpeed: bf16 parameters, fp32 master in the optimizer)."""
+    grad_bytes: int = 4
+    """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
+    reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
+    fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
+    between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
+    ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default); False: gradients live in
+    the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""
+    cpu_offload_optimizer: bool = False
+    """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
 
     @classmethod
     def megatron_2021(cls) -> "Assumptions":
@@ -92,7 +118,7 @@ class Assumptions:
         runs its flash kernel for CPU (ScaledDotProductFlashAttentionForCpuBackward: keeps q,
         k, v, the output and the fp32 log-sum-exp, no s x s probabilities), and RMSNorm is
         composite (keeps x, rstd and x * rstd). Used for hardware=local (:func:`assumptions_for`)."""
-        return cls(flash_attention=True, fused_rmsnorm=False)
+        return cls(flash_attention=True, fused_rmsnorm=False, count_buffers=False)
 
 
 @dataclass
@@ -132,8 +158,7 @@ def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
     """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None),
     under :func:`assumptions_for` the spec's hardware."""
     a = assumptions_for(spec)
-    return memory(spec, pp_rank, flash=a.flash_attention, dropout=a.dropout, fused_rmsnorm=a.fused_rmsnorm,
-                  sp_saves_gathered=a.sp_saves_gathered)
+    return memory(spec, pp_rank, assume=a)
 
 
 def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
@@ -224,8 +249,7 @@ def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
     pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
     x = per_rank[slow]
     exposed = _dp_exposed(spec, assume, x["comm"], mb_time[slow], pipe)
-    mem = memory(spec, flash=assume.flash_attention, dropout=assume.dropout, fused_rmsnorm=assume.fused_rmsnorm,
-                 sp_saves_gathered=assume.sp_saves_gathered)
+    mem = memory(spec, assume=assume)
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     hbm = (hw.hbm_tb_per_s or 0) * 1e12
     t_opt = 2 * (mem.optimizer / bo) * (bp + bg + bo) / hbm if hbm else 0.0

@@ -1,54 +1,70 @@
 """Per-device memory of a layout: model states, activations, buffers. Units: bytes.
 
-Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3.1 and 5, Fig. 1): mixed-precision
-Adam keeps 2 (bf16 params) + 2 (bf16 grads) + K = 12 (fp32 master params, exp_avg,
-exp_avg_sq) bytes per parameter; fp32 training keeps 4 + 4 + 8. ZeRO shards over the dp
-ranks: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the params.
-:func:`model_state_bytes` counts what xpar's torch wrappers actually hold per rank:
+Every term is named (:data:`MEMORY_TERMS`), each counted as the framework keeps it; what a
+framework does differently is a :class:`MemoryOptions` field (the memory fields of
+:class:`xpar.estimate.cost.Assumptions`, same names; framework profiles set them).
 
-- DDP (stage 0): the whole local (tp-sharded) stage, params + grads, AdamW exp_avg and
-  exp_avg_sq (the scalar ``step`` ignored);
-- ZeRO-1 (torch ``ZeroRedundancyOptimizer``): optimizer states of the *whole* parameters
-  assigned to this rank, greedily largest-first to the least-loaded rank (one param group;
-  torch's ``_partition_parameters``). The paper's K*Psi/N_d is the ideal; we report the
-  most loaded rank;
-- ZeRO-2/3 (FSDP2 ``fully_shard``): every parameter is cut along dim 0 into dp chunks of
-  ceil(d0/dp) rows, rank r holding rows [r c, min(d0, (r+1) c)) (the last ranks may hold
-  fewer or none). ZeRO-2 (reshard_after_forward=False) holds the full parameters from
-  forward to backward, so params count unsharded; grads and optimizer states are shards.
-  ZeRO-3 shards all three. Gradients stay shards with m micro-batches because xpar
-  reduce-scatters after every micro-batch's backward (xpar.parallel.factory.accumulate_step),
-  as DeepSpeed and torchtitan do. Under pipeline parallelism torch's ``PipelineStage``
-  instead turns FSDP2's gradient sync off for *every* backward and reduce-scatters once,
-  after the stage's last one (``perform_reduce_grad``; torch 2.13, whatever m), so until
-  then the rank holds its stages' whole dp-unsharded gradients: grads count unsharded
-  there, as the measured accounting does (xpar.memory_accounting.model_state_bytes). Where a
-  reduction is deferred under tp, the token embedding's gradient is held at the whole
-  vocabulary (:func:`replicated_embedding_grad_numel`).
+**Model states.** The ZeRO paper (Rajbhandari et al. 2020, Sec. 3.1, 5, Fig. 1) counts
+mixed-precision Adam as 2 (bf16 params) + 2 (bf16 grads) + K = 12 (fp32 master, exp_avg,
+exp_avg_sq) bytes per parameter (:data:`STATE_BYTES`, :func:`zero_model_state_bytes`).
+Frameworks keep other splits (:func:`state_widths`):
 
-Tensor parallelism (Megatron, Shoeybi et al. 2019): q/k/v/w1/w3 split on dim 0, wo/w2 on
-dim 1, token embedding and output projection on the vocabulary (dim 0); norms, row-parallel
-biases and the learned position embedding replicated. Shapes come from the real model
-built on the meta device, so the counts match ``sum(p.numel())`` exactly.
+- xpar and torchtitan (``param_storage='fp32'``): the stored parameters *are* the fp32
+  master weights (4), AdamW keeps 8, gradients are fp32 (``grad_bytes`` = 4: FSDP2
+  ``MixedPrecisionPolicy(reduce_dtype=fp32)`` reduces and accumulates in fp32; under
+  autocast the gradients flow back into fp32 parameters). The bf16 compute copies: FSDP2
+  ZeRO-2 holds the whole bf16 parameters from forward to backward (2 per element, counted
+  in params); ZeRO-3 all-gathers them per unit (a buffer, :func:`comm_buffer_terms`), or
+  keeps them whole under pp when ``fsdp_reshard_under_pp`` is False (torchtitan sets
+  ``reshard_after_forward=False`` with pp); torch.autocast (ZeRO-0/1) caches one bf16 copy
+  of each matmul weight per forward, saved for backward: per micro-batch in flight, from the
+  schedule (measured here, tests/test_estimate_run.py).
+- Megatron-LM and DeepSpeed (``param_storage='bf16'``): bf16 params (2), fp32 master +
+  moments in the optimizer (12); Megatron's gradients live in an fp32 contiguous buffer
+  (``grad_bytes`` = 4, no DDP bucket copy: ``ddp_bucket_copy`` False), so its distributed
+  optimizer (ZeRO-1) keeps 6 + 12/d bytes per parameter (Megatron-Core docs, "Distributed
+  Optimizer", table of bytes per parameter).
+- ``cpu_offload_optimizer``: optimizer states (and, for bf16 params, the master copy inside
+  them) live in host memory: 0 device bytes.
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", Table 2), per layer, 16-bit activations, 1-byte dropout masks:
+What each rank holds is exact for xpar's wrappers: DDP the whole local (tp-sharded) stage;
+ZeRO-1 (torch ``ZeroRedundancyOptimizer``) the optimizer states of the whole parameters
+assigned greedily, largest first, to the least-loaded rank; ZeRO-2/3 (FSDP2) dim-0 chunks
+of ceil(d0/dp) rows (rank 0 holds the most). Gradients are shards under ZeRO-2/3, whole
+where the reduction is deferred (:func:`grads_deferred`: torch's ``PipelineStage`` defers
+it to the stage's last backward, whatever m). Tensor parallelism (Megatron, Shoeybi et al.
+2019): q/k/v/w1/w3 and the vocabulary split on dim 0, wo/w2 on dim 1; shapes come from the
+real model built once on the meta device.
 
-    no parallelism        s b h (34 + 5 a s / h)
-    tensor parallel t     s b h (10 + 24/t + 5 a s / (h t))
-    t + sequence par.     s b h / t (34 + 5 a s / h)
-    selective recompute   drops the 5 a s / h terms;  full recompute keeps 2 s b h (the input)
+**Activations** (Korthikanti et al. 2022, Table 2, generalised term by term in
+:func:`layer_activation_bytes`: GQA, SwiGLU, no dropout, flash attention, composite norms,
+autocast's input casts). A pipeline rank's peak comes from the schedule's own action list
+(torch's order, :func:`xpar.estimate.schedule.schedule_actions`): walking it, each forward
+of stage s adds that stage's bytes for one micro-batch, its (weight) backward frees them, so
+interleaved, zero-bubble and V-shaped schedules are right by construction, with stages of
+unequal size (first: token ids; last: final norm, output input, fp32 log-probs).
 
-:func:`layer_activation_bytes` derives these term by term so the same count covers GQA
-(K, V of width kv), SwiGLU (four f-wide tensors instead of two), no dropout and fused
-(flash) attention; see its docstring. A stage holds the activations of every micro-batch in
-flight (Korthikanti Sec. 4.2.3): GPipe m, 1F1B min(m, p - r) on rank r, interleaved 1F1B
-p (1 + (p - 1)/(p v)) on the first rank.
+**Recompute** (:func:`layer_activation_bytes`, :func:`recompute_extra_flops_per_token`):
+``none``; ``full`` keeps each block's input (Chen et al. 2016); ``selective`` is, by
+``selective_recompute``: 'op' (xpar, executed: keep every matmul and tp-collective output,
+recompute attention core and element-wise ops), 'torchtitan_op' (torchtitan's op-level
+SAC: keep SDPA outputs and every other matmul output), 'attention' (Megatron, Korthikanti
+Sec. 4.2: recompute the attention core only -- worthless under flash attention, which keeps
+no s x s scores; the estimate says so). ``recompute_layer_fraction`` applies the policy to
+that fraction of blocks (torchtitan's selective_layer: full on every other block = 0.5).
+
+**Besides** (``count_buffers``; xpar's CPU accounting counts none of them, so the CPU
+profile turns them off): DDP gradient buckets, FSDP all-gather of the largest unit plus the
+prefetched next and its reduce-scatter buffers, pipeline send/receive buffers, the
+recompute workspace of one block during its backward, the fp32 logits/loss temporaries on
+the last stage; and ``hardware.framework_overhead_gb`` (CUDA context, NCCL, allocator
+fragmentation: a preset constant with its source).
 """
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from functools import lru_cache
 from typing import Optional
 
@@ -56,12 +72,63 @@ from xpar.config import ModelConfig
 from xpar.spec import RunSpec
 
 BYTES = {"fp32": 4, "bf16": 2}
-# bytes per parameter (params, grads, optimizer states): ZeRO paper's 2 + 2 + K, K = 12, for
-# bf16 mixed precision; fp32 AdamW: 4 + 4 + 8 (exp_avg, exp_avg_sq).
 STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+"""Bytes per parameter (params, grads, optimizer states) in the ZeRO paper's accounting: 2 + 2
++ K, K = 12, for bf16 mixed precision; fp32 AdamW 4 + 4 + 8. Used for the paper's formula and
+the dry run's element counts; what a framework keeps is :func:`state_widths`."""
 STATE_TERMS = ("params", "grads", "optimizer")
 MEMORY_TERMS = STATE_TERMS + ("activations", "comm_buffers", "framework_overhead")
 """The terms of a device's peak memory, named the same in estimates, reports and metrics."""
+SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How the framework keeps memory. Field names are those of
+    :class:`xpar.estimate.cost.Assumptions`; defaults: xpar on CUDA."""
+
+    flash_attention: bool = True
+    dropout: bool = False
+    fused_rmsnorm: bool = True
+    sp_saves_gathered: bool = True
+    count_buffers: bool = True
+    selective_recompute: str = "op"
+    recompute_layer_fraction: float = 1.0
+    param_storage: str = "fp32"
+    grad_bytes: int = 4
+    fsdp_reshard_under_pp: bool = True
+    ddp_bucket_copy: bool = True
+    cpu_offload_optimizer: bool = False
+    zero1: str = "zero_redundancy"
+    """ZeRO-1 partition: 'zero_redundancy' (torch: whole tensors, greedy) or
+    'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp))."""
+
+    @classmethod
+    def of(cls, assume=None, **overrides) -> "MemoryOptions":
+        """Options from an object with these attribute names (an Assumptions), then
+        ``overrides`` (also the legacy names flash, dropout, fused_rmsnorm, sp_saves_gathered)."""
+        if "flash" in overrides:
+            overrides["flash_attention"] = overrides.pop("flash")
+        vals = {f.name: getattr(assume, f.name) for f in fields(cls) if hasattr(assume, f.name)}
+        vals.update(overrides)
+        if vals.get("selective_recompute", "op") not in SELECTIVE_POLICIES:
+            raise ValueError(f"selective_recompute={vals['selective_recompute']!r}; expected one of {SELECTIVE_POLICIES}")
+        return cls(**vals)
+
+
+MEMORY_PROFILES = {
+    "xpar": {},
+    "torchtitan": dict(selective_recompute="torchtitan_op", fsdp_reshard_under_pp=False),
+    "megatron": dict(selective_recompute="attention", param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False,
+                     zero1="distributed_optimizer"),
+    "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer"),
+}
+"""Memory fields of :class:`xpar.estimate.cost.Assumptions` per framework (the rest as xpar):
+torchtitan -- op-level SAC (torchtitan/models/llama3/infra/parallelize.py: _save_list, every
+other mm), FSDP2 reshard_after_forward=False under pp; Megatron-LM -- selective = attention
+core (Korthikanti et al. 2022), bf16 params + fp32 main grads in a contiguous buffer,
+distributed optimizer (Megatron-Core docs: 6 + 12/d bytes per parameter); DeepSpeed -- bf16/fp16
+params and gradients, fp32 master + moments in the (flat, evenly partitioned) optimizer."""
 
 
 def zero_model_state_bytes(psi: float, stage: int, n_d: int, p: int = 2, g: int = 2, k: int = 12) -> float:
@@ -71,6 +138,26 @@ def zero_model_state_bytes(psi: float, stage: int, n_d: int, p: int = 2, g: int 
     2: P Psi + (G + K) Psi / n_d; 3: (P + G + K) Psi / n_d."""
     return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n_d, 2: p * psi + (g + k) * psi / n_d,
             3: (p + g + k) * psi / n_d}[stage]
+
+
+def precision(spec: RunSpec, o: MemoryOptions) -> dict:
+    """The precision recipe as memory sees it: ``e`` compute bytes, ``er`` residual-stream
+    bytes, ``autocast`` (xpar's torch.autocast path: fp32 parameters without FSDP, so the
+    residual stream stays fp32 and each matmul casts its input and weight to bf16;
+    xpar.parallel.precision.mixed_precision_kind)."""
+    if spec.train.dtype == "fp32":
+        return {"e": 4, "er": 4, "autocast": False}
+    autocast = o.param_storage == "fp32" and spec.parallel.zero_stage <= 1
+    return {"e": 2, "er": 4 if autocast else 2, "autocast": autocast}
+
+
+def state_widths(spec: RunSpec, o: MemoryOptions) -> tuple[int, int, int]:
+    """Bytes per element of (stored params, grads, optimizer states) as the framework keeps
+    them (module docstring): fp32 4/4/8; bf16 with fp32 storage 4/grad_bytes/8; bf16
+    with bf16 storage 2/grad_bytes/12."""
+    if spec.train.dtype == "fp32":
+        return 4, 4, 8
+    return (4, o.grad_bytes, 8) if o.param_storage == "fp32" else (2, o.grad_bytes, 12)
 
 
 # --- parameters per pipeline rank -------------------------------------------------------
@@ -114,12 +201,18 @@ def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bo
 
 def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
-    order ``model.parameters()`` yields them (tied weights once), built on the meta device."""
-    layout, out = spec.layout, []
+    order ``model.parameters()`` yields them (tied weights once), built on the meta device
+    (memoised per model, layout and tp degree)."""
+    return list(_param_shapes(astuple(spec.model), spec.layout, spec.tp, pp_rank))
+
+
+@lru_cache(maxsize=256)
+def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    out = []
     for s in layout.stages_of(pp_rank):
-        shapes = _stage_shapes(astuple(spec.model), tuple(layout.stage_layers(s)), s == 0, s == layout.n_stages - 1)
-        out += [(f"{s}:{name}", _tp_local(name, shape, spec.tp)) for name, shape in shapes]
-    return out
+        shapes = _stage_shapes(cfg_key, tuple(layout.stage_layers(s)), s == 0, s == layout.n_stages - 1)
+        out += [(f"{s}:{name}", _tp_local(name, shape, tp)) for name, shape in shapes]
+    return tuple(out)
 
 
 def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
@@ -131,14 +224,36 @@ def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
     return max(0, min(d0, (rank + 1) * c) - rank * c) * rest
 
 
+@lru_cache(maxsize=1024)
+def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """(whole elements, shapes) of a pipeline rank; memoised so that one estimate at any world
+    size touches each parameter shape once per rank it asks about."""
+    shapes = tuple(sh for _, sh in _param_shapes(cfg_key, layout, tp, pp_rank))
+    return sum(math.prod(sh) for sh in shapes), shapes
+
+
+@lru_cache(maxsize=4096)
+def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
+    return sum(fsdp_shard_numel(sh, dp, rank) for sh in shapes)
+
+
+@lru_cache(maxsize=256)
+def _zero1_sizes(numels: tuple, dp: int) -> tuple:
+    """:func:`zero1_partition`, memoised; a heap of (size, rank): O(n log dp)."""
+    sizes = [0] * dp
+    heap = [(0, r) for r in range(dp)]
+    for n in sorted(numels, reverse=True):
+        size, r = heapq.heappop(heap)
+        sizes[r] = size + n
+        heapq.heappush(heap, (size + n, r))
+    return tuple(sizes)
+
+
 def zero1_partition(numels: list[int], dp: int) -> list[int]:
     """Elements per rank assigned by torch's ZeroRedundancyOptimizer: parameters sorted by
     size, largest first (stable), each to the rank with the fewest elements so far (lowest
     rank on ties)."""
-    sizes = [0] * dp
-    for n in sorted(numels, reverse=True):
-        sizes[sizes.index(min(sizes))] += n
-    return sizes
+    return list(_zero1_sizes(tuple(numels), dp))
 
 
 def grads_deferred(spec: RunSpec) -> bool:
@@ -158,61 +273,103 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     (and composable ``replicate``) redistribute it to the weight's Shard(0) only when they
     reduce it, so a deferred gradient is held whole: (V - ceil(V/t)) h more elements.
     Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs)."""
-    if spec.tp == 1 or not grads_deferred(spec):
+    if spec.tp == 1 or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
     return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
                if name.split(":", 1)[1] == "tok_embeddings.weight")
 
 
+def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_redundancy") -> dict[str, int]:
+    """Elements dp rank ``dp_rank`` of pipeline rank ``pp_rank`` holds: ``storage`` (its
+    parameter storage: the FSDP shard under ZeRO-2/3), ``whole`` (the dp-unsharded stage),
+    ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
+    of parameter tensors), memoised: no loop over the dp ranks. ``zero1``: see
+    :class:`MemoryOptions`."""
+    whole, shapes = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    z, dp = spec.parallel.zero_stage, spec.dp
+    shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
+    if grads_deferred(spec):
+        grads = whole + replicated_embedding_grad_numel(spec, pp_rank)
+    else:
+        grads = shard if z >= 2 else whole
+    if z == 1 and zero1 == "distributed_optimizer":
+        opt = -(-whole // dp)
+    elif z == 1:
+        opt = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), dp)[dp_rank]
+    else:
+        opt = shard
+    return {"storage": shard, "whole": whole, "grads": grads, "optimizer": opt}
+
+
+def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundancy") -> int:
+    """dp rank holding the most model states: 0 under FSDP (ceil-sized chunks first) and
+    DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
+    if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
+        return 0
+    _, shapes = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    sizes = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), spec.dp)
+    return sizes.index(max(sizes))
+
+
 def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict[str, int]]:
-    """:func:`model_state_bytes` of every dp rank of pipeline rank ``stage_index``."""
-    shapes = [shape for _, shape in param_shapes(spec, stage_index)]
-    numels = [math.prod(s) for s in shapes]
-    full, dp, z = sum(numels), spec.dp, spec.parallel.zero_stage
+    """Per dp rank of pipeline rank ``stage_index``: params (held during the step: whole
+    under ZeRO-2), grads and optimizer bytes at the ZeRO paper's widths (:data:`STATE_BYTES`);
+    the dry run (xpar.dryrun) checks these element counts against torch's."""
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
-    zero1 = zero1_partition(numels, dp) if z == 1 else None
-    whole_grads = full + replicated_embedding_grad_numel(spec, stage_index)  # held while deferred
     out = []
-    for r in range(dp):
-        shard = sum(fsdp_shard_numel(s, dp, r) for s in shapes)
-        grads = whole_grads if grads_deferred(spec) else (shard if z >= 2 else full)
-        if z == 0:
-            n = (full, grads, full)
-        elif z == 1:
-            n = (full, grads, zero1[r])
-        elif z == 2:
-            n = (full, grads, shard)
-        else:
-            n = (shard, grads, shard)
-        out.append({"params": n[0] * bp, "grads": n[1] * bg, "optimizer": n[2] * bo})
+    for r in range(spec.dp):
+        n = held_numel(spec, stage_index, r)
+        params = n["whole"] if spec.parallel.zero_stage == 2 else n["storage"]
+        out.append({"params": params * bp, "grads": n["grads"] * bg, "optimizer": n["optimizer"] * bo})
     return out
 
 
 def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
     """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``."""
-    per_dp = model_state_bytes_per_rank(spec, pp_rank)
-    dp_rank = max(range(len(per_dp)), key=lambda r: sum(per_dp[r].values()))
+    dp_rank = most_loaded_dp_rank(spec, pp_rank)
     first = spec.layout.rank(pp_rank, dp_rank, 0)
     return dp_rank, list(range(first, first + spec.tp))
 
 
-def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None,
-                      dp_rank: Optional[int] = None) -> dict[str, int]:
-    """Bytes per device of params, grads and optimizer states (dict with those keys).
+def state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> dict[str, int]:
+    """Model-state bytes by part: params_master (stored parameters), params_compute (bf16
+    copies held: FSDP2 ZeRO-2's whole bf16 parameters, ZeRO-3's under pp when not
+    resharded, autocast's weight copies per micro-batch in flight), grads, optimizer."""
+    n = held_numel(spec, pp_rank, dp_rank, o.zero1)
+    wp, wg, wo = state_widths(spec, o)
+    z, rec = spec.parallel.zero_stage, precision(spec, o)
+    compute = 0
+    if spec.train.dtype == "fp32":
+        master = (n["whole"] if z == 2 else n["storage"]) * wp  # ZeRO-2 holds the whole params
+    elif o.param_storage == "bf16":  # Megatron/DeepSpeed: bf16 params, fp32 master in the optimizer
+        master = (n["whole"] if z <= 2 else n["storage"]) * wp
+    else:
+        master = n["storage"] * wp
+        if rec["autocast"]:
+            compute = schedule_peak(spec, pp_rank, o)["weight_copies"]
+        elif z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp):
+            compute = n["whole"] * rec["e"]
+    optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
+    return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
 
-    ``stage_index``: the pipeline rank (holding stages stage_index, stage_index + pp, ... for
-    interleaved schedules); None takes the rank with the most bytes. ``dp_rank``: None
-    takes the dp rank with the most bytes (rank 0 under FSDP; ZeRO-1's most loaded rank).
-    For fp32 this equals what xpar.memory_accounting.model_state_bytes measures on a real run.
+
+def model_state_bytes(spec: RunSpec, stage_index: Optional[int] = None, dp_rank: Optional[int] = None,
+                      assume=None, **options) -> dict[str, int]:
+    """Bytes per device of params, grads and optimizer states (dict with those keys) as the
+    framework keeps them (:func:`state_terms`; params = master + compute copies).
+
+    ``stage_index``: the pipeline rank; None takes the rank with the most bytes.
+    ``dp_rank``: None takes the most loaded dp rank (:func:`most_loaded_dp_rank`).
+    ``assume``/``options``: :class:`MemoryOptions`. Equals what
+    xpar.memory_accounting.model_state_bytes measures on a real run (fp32 and bf16).
     """
-    ranks = range(spec.pp) if stage_index is None else [stage_index]
+    o = MemoryOptions.of(assume, **options)
     best = None
-    for pr in ranks:
-        per_dp = model_state_bytes_per_rank(spec, pr)
-        cands = per_dp if dp_rank is None else [per_dp[dp_rank]]
-        for d in cands:
-            if best is None or sum(d.values()) > sum(best.values()):
-                best = d
+    for pr in (range(spec.pp) if stage_index is None else [stage_index]):
+        t = state_terms(spec, pr, most_loaded_dp_rank(spec, pr, o.zero1) if dp_rank is None else dp_rank, o)
+        d = {"params": t["params_master"] + t["params_compute"], "grads": t["grads"], "optimizer": t["optimizer"]}
+        if best is None or sum(d.values()) > sum(best.values()):
+            best = d
     return best
 
 
@@ -222,45 +379,77 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            recompute: str = "none", *, kv: Optional[int] = None,
                            ffn: Optional[int] = None, swiglu: bool = False, dropout: bool = True,
                            flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
-                           sp_saves_gathered: bool = False) -> float:
+                           sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
+                           autocast_casts: bool = False, kv_matmul: Optional[int] = None,
+                           selective: str = "attention") -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
-    Korthikanti et al. 2022, Sec. 4.1, term by term (e = elem bytes, mask = 1 byte/element
-    when ``dropout``), per token:
+    Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
+    ``resid_elem`` residual-stream bytes, default e; mask = 1 byte/element with ``dropout``),
+    per token:
 
-    - replicated across tp unless ``sp``: two norm inputs 2 e h, the q/k/v input and the
-      MLP input e h each, two dropout masks h each  -> 10 h for GPT (e = 2);
+    - replicated across tp unless ``sp``: two norm inputs 2 er h, the q/k/v input and the
+      MLP input e h each, two dropout masks h each  -> 10 h for GPT (e = er = 2);
     - split by tp: Q e h, K and V e kv each, the wo input e h, MLP inner tensors
-      2 e f (GELU: its input and the w2 input) or 4 e f (SwiGLU: w1 and w3 outputs, silu
-      output, w2 input)                            -> 24 h for GPT (kv = h, f = 4h);
+      2 e f (GELU) or 4 e f (SwiGLU: w1 and w3 outputs, silu output, w2 input)
+                                                    -> 24 h for GPT (kv = h, f = 4h);
     - attention scores, split by tp: softmax output e a s, its dropout mask a s and output
-      e a s (no dropout: e a s only)               -> 5 a s for GPT; with ``flash`` (fused
-      attention) only the fp32 log-sum-exp, 4 a bytes per token.
+      e a s (no dropout: e a s only)                -> 5 a s for GPT; with ``flash`` only
+      the fp32 log-sum-exp, 4 a bytes per token.
 
-    ``selective`` recompute drops the score terms; ``full`` keeps only the layer input
-    e h (divided by t with ``sp``). ``norm_saves_output``: each of the two norms also keeps
-    its normalised input x * rstd for the weight gradient (+2 e h, replicated): torch's
-    composite RMSNorm, measured on the CPU build of torch 2.13 (a fused norm kernel keeps
-    only its input). ``sp_saves_gathered`` (with ``sp``): the q/k/v input and the MLP input
-    are kept as the all-gathered full sequence, 2 e h not divided by t -- torch's DTensor
-    sequence parallelism (the linear's weight gradient reads its gathered input; Megatron
-    keeps the shard and all-gathers again in backward, as Korthikanti et al. count).
-    Measured on CPU with torch 2.13 (tests/test_estimate_run.py). Not counted: RoPE's and
-    norms' small side tensors (rstd, cos/sin). Units: bytes.
+    Framework variants (measured on CPU with torch 2.13, tests/test_estimate_run.py):
+    ``norm_saves_output``: torch's composite RMSNorm upcasts to fp32 and keeps its fp32 input
+    and x * rstd (8 h per norm whatever the dtype; a fused norm keeps its input, er h);
+    ``autocast_casts``: under torch.autocast each projection casts its fp32 input to bf16
+    separately, so q, k, v (and w1, w3) each keep their own e h copy; ``sp_saves_gathered``
+    (with ``sp``): the projections' inputs are kept all-gathered at full sequence length
+    (torch DTensor; Megatron keeps the shard and gathers again in backward).
+
+    ``recompute``: ``full`` keeps the layer input, er h (/t with sp). ``selective`` by
+    ``selective``: 'attention' (Megatron) drops the score terms; 'op' (xpar) keeps the input
+    and every matmul output -- q (h), k, v (``kv_matmul`` each, the un-expanded GQA width),
+    w1 and w3 (f), all /t, and the wo and w2 outputs (h, partial sums under tp) -- plus the tp
+    collectives' outputs (2 all-reduced h; with sp 2 gathered h and 2 reduce-scattered h/t);
+    'torchtitan_op' keeps the input, SDPA's output and log-sum-exp, and every other matmul
+    output (wq, wv, w1, w2). Not counted: RoPE's and norms' small side tensors (rstd,
+    cos/sin). Units: bytes.
     """
     kv = h if kv is None else kv
+    kvm = kv if kv_matmul is None else kv_matmul
     f = 4 * h if ffn is None else ffn
+    er = elem if resid_elem is None else resid_elem
     mask = 1 if dropout else 0
     if recompute == "full":
-        return s * b * elem * h / (t if sp else 1)
-    rep = 2 * elem * h + 2 * elem * h + 2 * mask * h + (2 * elem * h if norm_saves_output else 0)
+        return s * b * er * h / (t if sp else 1)
+    if recompute == "selective" and selective != "attention":
+        return s * b * _selective_op_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, selective)
+    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
+    norm_in = 4 if norm_saves_output else er
+    rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
     split = 2 * elem * h + 2 * elem * kv + (4 if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if recompute == "selective":
         scores = 0
-    gathered = 2 * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
+    gathered = n_in * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
     per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
     return s * b * per_token
+
+
+def _selective_op_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
+                        policy: str) -> float:
+    """Per-token bytes kept by op-level selective recompute (see :func:`layer_activation_bytes`)."""
+    n_f = 2 if swiglu else 1
+    block_in = er * h / (t if sp else 1)
+    if policy == "op":
+        kept = e * (h + 2 * kv + n_f * f) / t + 2 * e * h
+    else:  # torchtitan_op: SDPA output + lse, every other matmul (wq, wv, w1, and w2 with SwiGLU)
+        kept = e * (h + h + kv + f) / t + 4 * a / t + (e * h if swiglu else 0)
+    coll = 0.0  # tp collectives' outputs: 'op' keeps all; torchtitan only its reduce-scatters
+    if t > 1 and sp:
+        coll = 2 * e * h / t + (2 * e * h if policy == "op" else 0)
+    elif t > 1 and policy == "op":
+        coll = 2 * e * h
+    return block_in + kept + coll
 
 
 def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -274,70 +463,193 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fa
     return s * b * h * (10 + 24 / t + att / t)
 
 
+def recompute_extra_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, policy: str = "op",
+                                    fraction: float = 1.0) -> float:
+    """Forward FLOPs per token run again in backward (Narayanan et al. 2021 convention,
+    :mod:`xpar.estimate.flops`): full -- every block's forward; selective 'attention' and
+    'op' -- the attention core (scores and context; xpar's 'op' also reruns the element-wise
+    ops, which this convention does not count); 'torchtitan_op' -- the matmuls it does not
+    keep (wk, wo, and w3 with SwiGLU; the attention core is kept). Times ``fraction`` of
+    the blocks. Units: FLOP per token (the whole model's layers)."""
+    from xpar.estimate.flops import forward_flops_per_token
+
+    fwd = forward_flops_per_token(cfg, seq_len)
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
+    if recompute == "none":
+        return 0.0
+    if recompute == "full":
+        extra = fwd["matmul"] + fwd["attention"]
+    elif policy == "torchtitan_op":
+        extra = cfg.n_layers * 2 * (h * kv + h * h + (h * f if cfg.activation == "swiglu" else 0))
+    else:
+        extra = fwd["attention"]
+    return fraction * extra
+
+
+def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
+    """What the estimate should say about the recompute policy."""
+    if spec.parallel.recompute == "selective" and o.selective_recompute == "attention" and o.flash_attention:
+        return ["selective recompute of the attention core (Megatron) saves almost nothing under flash "
+                "attention: the s x s scores are never kept (only a 4 a bytes/token log-sum-exp)"]
+    return []
+
+
+def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
+    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
+    cfg, rec = spec.model, precision(spec, o)
+    return dict(kv=cfg.hidden, kv_matmul=cfg.kv_heads * cfg.head_dim, ffn=cfg.ffn_hidden,
+                swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
+                resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
+                sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
+                selective=o.selective_recompute)
+
+
+def layer_bytes(spec: RunSpec, o: MemoryOptions) -> dict[str, float]:
+    """One block, one micro-batch: ``kept`` (under the recompute policy, mixed over
+    ``recompute_layer_fraction`` of the blocks), ``none`` (no recompute) and ``workspace``
+    (rebuilt during the block's backward: none - policy, 0 without recompute). xpar's model
+    expands GQA K/V to all heads before SDPA, so K and V are kept at width h. Bytes."""
+    cfg, par = spec.model, spec.parallel
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
+    kw = _layer_kwargs(spec, o)
+    none = layer_activation_bytes(*args, "none", **kw)
+    policy = layer_activation_bytes(*args, par.recompute, **kw)
+    phi = o.recompute_layer_fraction if par.recompute != "none" else 0.0
+    return {"kept": phi * policy + (1 - phi) * none, "none": none, "workspace": none - policy if phi else 0.0}
+
+
+def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]:
+    """Activation bytes one micro-batch keeps on ``stage`` until its backward: ``layers``,
+    ``logits`` (last stage: the final norm's saved input(s), the output projection's input,
+    the fp32 log-probs of the cross entropy, 4 V / t per token, Korthikanti Sec. 4.3) and
+    ``embedding_mask`` (first stage, with dropout); and the transients of that stage:
+    ``workspace`` (one block rebuilt in its backward) and ``loss_transient`` (last stage: while
+    the loss runs backward the dense fp32 gradient of nll_loss and of log_softmax live beside
+    the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``).
+    ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
+    and the output projection). Bytes."""
+    cfg, lay, par = spec.model, spec.layout, spec.parallel
+    rec = precision(spec, o)
+    s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
+    lb = layer_bytes(spec, o)
+    n = lay.layer_split[stage]
+    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
+           "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
+    if rec["autocast"]:
+        kv = cfg.kv_heads * cfg.head_dim
+        block = (2 * h * h + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
+        kept_blocks = n * (1 - (o.recompute_layer_fraction if par.recompute != "none" else 0.0))
+        out["weight_copies"] = rec["e"] * (kept_blocks * block + (cfg.vocab_size * h / t if stage == lay.n_stages - 1 else 0))
+    if stage == 0 and o.dropout:
+        out["embedding_mask"] = s * b * h / (t if sp else 1)
+    if stage > 0 and n and not o.count_buffers:
+        out["layers"] -= _uncounted_stage_input(spec, o, rec)
+    if stage == lay.n_stages - 1:
+        sh = s * b * h / (t if sp else 1)
+        composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
+        norm = 8 * sh if composite else rec["er"] * sh
+        lin_in = rec["e"] * (s * b * h if sp and o.sp_saves_gathered else sh)
+        out["logits"] = norm + lin_in + 4 * s * b * cfg.vocab_size / t
+        out["loss_transient"] = 8 * s * b * cfg.vocab_size / t
+    return out
+
+
+def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict) -> float:
+    """Bytes of a received stage input that xpar's CPU accounting does not see
+    (``count_buffers`` False): torch's PipelineStage hands each stage its input as a leaf
+    that requires grad, which the saved-tensor tracker skips like a parameter
+    (xpar.memory_accounting.ActivationTracker). It is saved as itself by the first block's
+    checkpoint (recompute) or by a composite norm that needs no upcast (fp32 residual)."""
+    sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.parallel.sequence_parallel else 1)
+    if spec.parallel.recompute != "none" or (rec["er"] == 4 and not o.fused_rmsnorm):
+        return rec["er"] * sh
+    return 0.0
+
+
+@lru_cache(maxsize=512)
+def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, transient: tuple) -> tuple:
+    """Peak of one rank over its action list: (peak kept bytes, peak kept + transient bytes,
+    peak micro-batch chunks in flight). ``per_stage``: (stage, kept bytes per micro-batch);
+    ``transient``: (stage, bytes during that stage's forward of the last stage's loss,
+    bytes during its backward) -- both tuples so the walk is memoised."""
+    from xpar.estimate.schedule import schedule_actions
+
+    acts = schedule_actions(schedule, pp, m, v)[rank]
+    kept = dict(per_stage)
+    during = {st: (f, bw) for st, f, bw in transient}
+    live = peak = peak_all = chunks = peak_chunks = 0
+    for a in acts:
+        if a.kind == "F":
+            live += kept[a.stage]
+            chunks += 1
+            peak, peak_chunks = max(peak, live), max(peak_chunks, chunks)
+            peak_all = max(peak_all, live + during[a.stage][0])
+        elif a.kind in "BI":
+            peak_all = max(peak_all, live + during[a.stage][1])
+        if a.kind in "BW":
+            live -= kept[a.stage]
+            chunks -= 1
+    return peak, max(peak, peak_all), peak_chunks
+
+
+def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
+    """Activation bytes of pipeline rank ``pp_rank`` at its peak, walking the schedule's
+    action list (torch's order; one micro-batch at a time without pp): ``kept`` (saved
+    for backward), ``total`` (with the transients when ``count_buffers``),
+    ``weight_copies`` (autocast's bf16 weights kept, same walk) and
+    ``microbatches_in_flight`` (peak chunks in flight / v). Bytes."""
+    lay, par = spec.layout, spec.parallel
+    stages = lay.stages_of(pp_rank)
+    sb = {st: stage_bytes(spec, st, o) for st in stages}
+    kept = tuple((st, sb[st]["layers"] + sb[st]["logits"] + sb[st]["embedding_mask"]) for st in stages)
+    copies = tuple((st, sb[st]["weight_copies"]) for st in stages)
+    cb = o.count_buffers
+    trans = tuple((st, sb[st]["loss_transient"] * cb, (sb[st]["workspace"] + sb[st]["loss_transient"]) * cb)
+                  for st in stages)
+    zero = tuple((st, 0.0, 0.0) for st in stages)
+    if spec.pp == 1:
+        k, c = kept[0][1], copies[0][1]
+        out = {"kept": k, "total": k + max(trans[0][1], trans[0][2]), "weight_copies": c, "chunks": 1}
+    else:
+        args = (par.schedule, spec.pp, spec.micro_batches, lay.virtual_stages, pp_rank)
+        k, total, chunks = _walk(*args, kept, trans)
+        out = {"kept": k, "total": total, "weight_copies": _walk(*args, copies, zero)[0], "chunks": chunks}
+    out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages
+    out["token_ids"] = _token_id_bytes(spec, pp_rank)
+    return out
+
+
+def _token_id_bytes(spec: RunSpec, pp_rank: int) -> float:
+    """int64 token ids the embedding keeps for backward: one micro-batch without pp; under pp
+    torch splits the whole local batch into micro-batch views of one tensor, kept while any
+    view is (8 s b m bytes)."""
+    if not spec.layout.has_first_stage(pp_rank):
+        return 0.0
+    n = spec.seq_len * spec.train.micro_batch_size
+    return 8.0 * n * (spec.micro_batches if spec.pp > 1 else 1)
+
+
 def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
-    the rank's whole layer set (Korthikanti et al. 2022, Sec. 4.2.3):
-
-    gpipe m; 1f1b min(m, p - r); interleaved_1f1b min(v m, 2 (p - r - 1) + (v - 1) p + 1)
-    chunks of 1/v each, i.e. p (1 + (p - 1)/(p v)) on rank 0 (Megatron's warm-up, as in
-    torch's Interleaved1F1B); other schedules: the peak of torch's action order
-    (:func:`xpar.estimate.schedule.peak_in_flight`) / v.
-    """
+    the rank's whole layer set: the peak of the schedule's action list (torch's order;
+    :func:`xpar.estimate.schedule.peak_in_flight`) / v. Matches Korthikanti et al. 2022
+    Sec. 4.2.3: GPipe m, 1F1B min(m, p - r), interleaved p (1 + (p - 1)/(p v)) on rank 0."""
     if pp == 1:
         return 1.0  # gradient accumulation: one micro-batch at a time
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(m, pp - rank))
-    if schedule == "interleaved_1f1b":
-        return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
-    from xpar.estimate.schedule import peak_in_flight, torch_actions
-    return peak_in_flight(torch_actions(schedule, pp, m, v)[rank]) / v
+    from xpar.estimate.schedule import peak_in_flight, schedule_actions
+    return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
 
 
-def activation_terms(spec: RunSpec, pp_rank: int, flash: bool = True, dropout: bool = False,
-                     fused_rmsnorm: bool = True, sp_saves_gathered: bool = True) -> dict:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term.
-
-    layers: per-layer bytes x the rank's layers x micro-batches in flight; recompute_layer:
-    with full recompute, one layer's full activations rebuilt during its backward;
-    embedding (first stage): the int64 token ids (8 bytes each) per micro-batch in flight
-    and, with ``dropout``, the embedding dropout mask; logits (last stage): the final norm
-    input and output-projection input (e h each, /t with sp) and the fp32 log-softmax
-    saved by the cross entropy, 4 V / t per token (Korthikanti Sec. 4.3), for one
-    micro-batch (the last stage runs each backward right after its forward), m with GPipe.
-
-    ``flash``: xpar's model calls scaled_dot_product_attention (fused; no s x s scores
-    kept); it expands GQA K/V to all heads before that call, so K and V are counted at
-    full width h. xpar's model has no dropout. ``fused_rmsnorm=False`` (torch's composite
-    RMSNorm, e.g. on CPU): every RMSNorm also keeps x * rstd, one more e h per norm
-    (``norm_saves_output`` of :func:`layer_activation_bytes`; the final norm in logits).
-    ``sp_saves_gathered``: torch's sequence parallelism keeps the all-gathered inputs of the
-    q/k/v, MLP and output projections at full sequence length (see
-    :func:`layer_activation_bytes`).
-    """
-    cfg, par = spec.model, spec.parallel
-    s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
-    e = BYTES[spec.train.dtype]
-    extra_norm = not fused_rmsnorm and cfg.norm == "rmsnorm"
-    kw = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=dropout,
-              flash=flash, elem=e, norm_saves_output=extra_norm, sp_saves_gathered=sp_saves_gathered)
-    per_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, par.recompute, **kw)
-    full_layer = layer_activation_bytes(s, b, h, cfg.n_heads, t, sp, "none", **kw)
-    split, stages = spec.layer_split, spec.layout.stages_of(pp_rank)
-    n_layers, v = spec.layout.layers_of(pp_rank), spec.layout.virtual_stages
-    inflight = microbatches_in_flight(par.schedule, spec.pp, spec.micro_batches, v, pp_rank)
-    last_inflight = spec.micro_batches if (par.schedule == "gpipe" and spec.pp > 1) else 1
-    sh = s * b * h / (t if sp else 1)
-    return {
-        "layers": per_layer * n_layers * inflight,
-        "recompute_layer": full_layer if par.recompute == "full" and n_layers else 0.0,
-        "embedding": (8 * s * b + (s * b * h / t if dropout else 0)) * inflight if 0 in stages else 0.0,
-        "logits": (((1 + extra_norm) * e * sh + e * (s * b * h if sp and sp_saves_gathered else sh)
-                    + 4 * s * b * cfg.vocab_size / t) * last_inflight
-                   if len(split) - 1 in stages else 0.0),
-        "microbatches_in_flight": inflight,
-    }
+def activation_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict:
+    """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term: ``saved`` (kept
+    for backward at the schedule's peak, token ids included), ``transient`` (recompute
+    workspace and loss temporaries on top, when ``count_buffers``), ``token_ids``,
+    ``microbatches_in_flight`` (chunks at the peak / v). ``assume``/``options``:
+    :class:`MemoryOptions`."""
+    o = MemoryOptions.of(assume, **options)
+    p = schedule_peak(spec, pp_rank, o)
+    return {"saved": p["kept"] + p["token_ids"], "transient": p["total"] - p["kept"], "token_ids": p["token_ids"],
+            "microbatches_in_flight": p["microbatches_in_flight"]}
 
 
 # --- the whole device ------------------------------------------------------------------
@@ -357,69 +669,90 @@ class MemoryEstimate:
     device_memory: float
     """Memory of one device (hardware.device_memory_gb x 1e9)."""
     fits: bool
+    """total <= usable (device memory less ``hardware.memory_headroom``)."""
     pp_rank: int
     detail: dict = field(default_factory=dict)
-    """activations by term (layers, recompute_layer, embedding, logits), micro-batches in
-    flight, comm buffers by term."""
+    """activations by term, comm buffers by term, model-state parts (params_master,
+    params_compute), ``usable`` bytes and ``notes``."""
+
+    @property
+    def usable(self) -> float:
+        """Bytes the fit check allows: device memory x (1 - hardware.memory_headroom)."""
+        return self.detail.get("usable", self.device_memory)
 
 
-def comm_buffer_terms(spec: RunSpec, pp_rank: int) -> dict[str, float]:
-    """Communication and sharding buffers, bytes.
-
-    ddp_buckets (ZeRO 0/1): torch DDP copies gradients into flat buckets
-    (gradient_as_bucket_view=False, the default): one more gradient-sized buffer.
-    fsdp_unsharded (ZeRO 2/3): FSDP2 all-gathers one unit (a block, or the root: embedding,
-    norm, output) ahead of use: two units of params in flight for ZeRO-3, plus one unit of
-    unsharded gradients before its reduce-scatter. Under pipeline parallelism the unsharded
-    gradients are already counted in ``grads`` (torch defers FSDP2's reduction to the
-    stage's last backward, see :func:`model_state_bytes_per_rank`), so only the params.
-    With m micro-batches there is no further gradient buffer: xpar reduce-scatters every
-    micro-batch (pp = 1), and under pp the deferred gradients are the ``grads`` term.
-    pp_p2p: one send and one receive buffer of b s h elements per stage held (/t with sp).
-    """
-    z, e = spec.parallel.zero_stage, BYTES[spec.train.dtype]
-    shapes = param_shapes(spec, pp_rank)
-    full = sum(math.prod(sh) for _, sh in shapes)
+@lru_cache(maxsize=1024)
+def _largest_unit(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
+    """Elements of the largest FSDP unit on a pipeline rank: a block, or a stage's root
+    (embeddings, final norm, output), as xpar and torchtitan wrap them."""
     units: dict[str, int] = {}
-    for name, sh in shapes:
+    for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank):
         parts = name.split(".")
         key = ".".join(parts[:2]) if parts[0].endswith("layers") else parts[0].split(":")[0] + ":root"
         units[key] = units.get(key, 0) + math.prod(sh)
-    unit = max(units.values()) if units else 0
-    out = {"ddp_buckets": 0.0, "fsdp_unsharded": 0.0, "pp_p2p": 0.0}
-    if z <= 1 and spec.dp > 1:
-        out["ddp_buckets"] = full * STATE_BYTES[spec.train.dtype][1]
-    if z >= 2:
-        param_units = 2 if z == 3 else 0
-        grad_units = 1 if spec.pp == 1 else 0
-        out["fsdp_unsharded"] = unit * e * (param_units + grad_units)
+    return max(units.values()) if units else 0
+
+
+def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict[str, float]:
+    """Communication and sharding buffers, bytes (0 unless ``count_buffers``).
+
+    ddp_buckets (ZeRO 0/1, dp > 1): torch DDP copies gradients into flat buckets
+    (gradient_as_bucket_view=False, the default): one more gradient-sized buffer (Megatron's
+    gradients live in its buffer: ``ddp_bucket_copy`` False). fsdp_allgather (ZeRO-3,
+    resharded): the largest unit's unsharded parameters in the compute dtype, and the
+    prefetched next unit (FSDP2's implicit prefetch): 2 units. fsdp_reduce (ZeRO-2/3 without
+    pp): one unit of unsharded gradients in the compute dtype, plus its fp32 copy when the
+    reduction runs in fp32 (MixedPrecisionPolicy reduce_dtype); under pp the deferred whole
+    gradients are the ``grads`` term. pp_p2p: one send and one receive buffer of b s h
+    elements per stage held (/t with sp).
+    """
+    o = MemoryOptions.of(assume, **options)
+    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "pp_p2p": 0.0}
+    if not o.count_buffers:
+        return out
+    z, rec = spec.parallel.zero_stage, precision(spec, o)
+    e = rec["e"]
+    whole, _ = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    unit = _largest_unit(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
+        out["ddp_buckets"] = whole * state_widths(spec, o)[1]
+    if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):
+        out["fsdp_allgather"] = 2 * unit * e
+    if z >= 2 and spec.pp == 1:
+        out["fsdp_reduce"] = unit * (e + (o.grad_bytes if e != o.grad_bytes else 0))
     if spec.pp > 1:
         sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden
-        out["pp_p2p"] = 2 * len(spec.layout.stages_of(pp_rank)) * sh * e / (spec.tp if spec.parallel.sequence_parallel else 1)
+        out["pp_p2p"] = 2 * len(spec.layout.stages_of(pp_rank)) * sh * rec["er"] / (spec.tp if spec.parallel.sequence_parallel else 1)
     return out
 
 
-def memory(spec: RunSpec, pp_rank: Optional[int] = None, flash: bool = True,
-           dropout: bool = False, fused_rmsnorm: bool = True, sp_saves_gathered: bool = True) -> MemoryEstimate:
+def rank_memory(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> MemoryEstimate:
+    """:class:`MemoryEstimate` of pipeline rank ``pp_rank`` on its most loaded dp rank."""
+    st = state_terms(spec, pp_rank, most_loaded_dp_rank(spec, pp_rank, o.zero1), o)
+    act = activation_terms(spec, pp_rank, o)
+    comm = comm_buffer_terms(spec, pp_rank, o)
+    acts = act["saved"] + act["transient"]
+    overhead = (spec.hardware.framework_overhead_gb or 0) * 1e9
+    params = st["params_master"] + st["params_compute"]
+    total = params + st["grads"] + st["optimizer"] + acts + sum(comm.values()) + overhead
+    dev = (spec.hardware.device_memory_gb or 0) * 1e9
+    usable = dev * (1 - (getattr(spec.hardware, "memory_headroom", 0.0) or 0.0))
+    return MemoryEstimate(params=params, grads=st["grads"], optimizer=st["optimizer"], activations=acts,
+                          comm_buffers=sum(comm.values()), framework_overhead=overhead, total=total,
+                          device_memory=dev, fits=total <= usable, pp_rank=pp_rank,
+                          detail={"activations": act, "comm_buffers": comm, "states": st, "usable": usable,
+                                  "notes": recompute_notes(spec, o)})
+
+
+def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options) -> MemoryEstimate:
     """Per-device peak memory of ``spec`` on pipeline rank ``pp_rank`` (None: the most
-    loaded rank). See the module docstring for the formulas; ``flash``, ``dropout``,
-    ``fused_rmsnorm``, ``sp_saves_gathered`` as in
-    :func:`activation_terms`."""
-    ranks = range(spec.pp) if pp_rank is None else [pp_rank]
+    loaded rank). ``assume`` (an Assumptions) and ``options`` give the
+    :class:`MemoryOptions` (also the legacy ``flash``, ``dropout``, ``fused_rmsnorm``,
+    ``sp_saves_gathered``). See the module docstring for the terms."""
+    o = MemoryOptions.of(assume, **options)
     best = None
-    for r in ranks:
-        states = model_state_bytes(spec, r)
-        act = activation_terms(spec, r, flash=flash, dropout=dropout, fused_rmsnorm=fused_rmsnorm,
-                               sp_saves_gathered=sp_saves_gathered)
-        comm = comm_buffer_terms(spec, r)
-        acts = sum(v for k, v in act.items() if k != "microbatches_in_flight")
-        overhead = spec.hardware.framework_overhead_gb * 1e9
-        total = sum(states.values()) + acts + sum(comm.values()) + overhead
-        dev = (spec.hardware.device_memory_gb or 0) * 1e9
-        est = MemoryEstimate(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-                             activations=acts, comm_buffers=sum(comm.values()), framework_overhead=overhead,
-                             total=total, device_memory=dev, fits=total <= dev, pp_rank=r,
-                             detail={"activations": act, "comm_buffers": comm})
+    for r in (range(spec.pp) if pp_rank is None else [pp_rank]):
+        est = rank_memory(spec, r, o)
         if best is None or est.total > best.total:
             best = est
     return best

@@ -198,13 +198,50 @@ def simulate(actions_per_rank: list[list[Action]], durations: Durations = UNIFOR
     return SimResult(1 - sum(busy) / (len(actions_per_rank) * makespan), makespan, busy, done)
 
 
-def schedule_actions(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Action lists of an xpar schedule: analytic for gpipe/1f1b, torch's order otherwise."""
+def interleaved_actions(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021 Sec. 2.2) in torch's order
+    (``ScheduleInterleaved1F1B``, torch 2.13): micro-batches go in rounds of
+    r = m // max(1, m // pp); rank k runs min(v m, (v - 1) r + 2 (pp - 1 - k)) warm-up forwards,
+    then alternates one forward and one backward, then drains. The i-th forward is on local
+    chunk (i // r) % v, micro-batch (i // (r v)) r + i % r; backwards go through the chunks
+    in reverse. Stage of local chunk c on rank k: c pp + k. Equal to torch's list
+    (tests/test_estimate_memory.py), without building torch's schedule (seconds at pp 64)."""
+    r = m // max(1, m // pp)
+    total = v * m
+    out = []
+    for k in range(pp):
+        def fwd(i: int) -> Action:
+            return Action("F", ((i // r) % v) * pp + k, (i // (r * v)) * r + i % r)
+
+        def bwd(i: int) -> Action:
+            return Action("B", (v - 1 - (i // r) % v) * pp + k, (i // (r * v)) * r + i % r)
+
+        warm = min(total, (v - 1) * r + 2 * (pp - 1 - k))
+        acts = [fwd(i) for i in range(warm)]
+        for i in range(total - warm):
+            acts += [fwd(warm + i), bwd(i)]
+        acts += [bwd(i) for i in range(total - warm, total)]
+        out.append(acts)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _schedule_actions(schedule: str, pp: int, m: int, v: int) -> tuple:
     if schedule == "gpipe":
-        return gpipe_actions(pp, m)
-    if schedule == "1f1b":
-        return one_f_one_b_actions(pp, m)
-    return torch_actions(schedule, pp, m, v)
+        acts = gpipe_actions(pp, m)
+    elif schedule == "1f1b":
+        acts = one_f_one_b_actions(pp, m)
+    elif schedule == "interleaved_1f1b":
+        acts = interleaved_actions(pp, m, v)
+    else:
+        acts = torch_actions(schedule, pp, m, v)
+    return tuple(tuple(a) for a in acts)
+
+
+def schedule_actions(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Action lists of an xpar schedule (memoised): analytic for gpipe, 1f1b and interleaved
+    1F1B (checked against torch's), torch's order for the others."""
+    return [list(a) for a in _schedule_actions(schedule, pp, m, v)]
 
 
 def simulated_bubble(schedule: str, pp: int, m: int, v: int = 1,
