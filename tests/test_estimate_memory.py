@@ -368,3 +368,12 @@ def test_megatron_2021_layouts_fit(row):
 
     est = mem.memory(megatron_2021_spec(row), assume=Assumptions.megatron_2021(), **profile("megatron"))
     assert est.fits, (row["params_b"], est.total / 1e9)
+
+
+@pytest.mark.parametrize("pp,v", [(2, 2), (4, 2), (3, 3)])
+def test_interleaved_order_is_torchs(pp, v):
+    """The analytic interleaved 1F1B order (used at any scale) is torch's action list."""
+    from xpar.estimate.schedule import interleaved_actions
+    for m in sorted({1, pp, 2 * pp, 3 * pp + 1} - {0}):
+        if m % max(1, m // pp) == 0:
+            assert interleaved_actions(pp, m, v) == torch_actions("interleaved_1f1b", pp, m, v), (pp, m, v)

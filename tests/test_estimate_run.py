@@ -199,6 +199,12 @@ def test_estimate_report_fields(tmp_path):
     assert r.mode == "estimate" and r.world_size == 64 and r.peak_rank == 0
     assert set(r.memory) == {"params", "grads", "optimizer", "activations", "comm_buffers", "framework_overhead"}
     assert r.peak_bytes_per_device == pytest.approx(sum(r.memory.values()))
+    x = r.extra  # the memory sub-terms add up to their terms
+    assert x["estimate/params_master_bytes"] + x["estimate/params_compute_bytes"] == pytest.approx(r.memory["params"])
+    assert x["estimate/activations_saved_bytes"] + x["estimate/activations_transient_bytes"] == pytest.approx(
+        r.memory["activations"])
+    assert sum(v for k, v in x.items() if k.startswith("estimate/buffer_")) == pytest.approx(r.memory["comm_buffers"])
+    assert x["estimate/memory_usable_bytes"] == 80e9  # no headroom in the preset
     times = {k: v for k, v in r.extra.items() if k.startswith("estimate/time_")}
     assert len(times) == 7 and sum(times.values()) == pytest.approx(r.step_time_s)
     assert r.extra["pipeline/bubble_ratio_theory"] == pytest.approx(3 / (2 * 16 + 3))

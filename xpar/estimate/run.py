@@ -13,7 +13,8 @@ The Report has the fields and metric names of a measured run (xpar.report), with
   bubble, dp_comm_exposed, optimizer; they sum to the step time);
   ``estimate/hw_tflops_per_device``; ``estimate/memory_fits`` (1/0),
   ``estimate/device_memory_bytes``, ``estimate/memory_headroom_bytes`` (device memory - peak),
-  ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank);
+  ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank),
+  the memory sub-terms of :func:`memory_detail_metrics`;
 - ``estimate/dryrun_param_bytes`` and ``estimate/analytic_param_bytes``: parameter bytes held
   per device (as ``memory/params_bytes``) on the estimate's most loaded device, built by torch
   and counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
@@ -62,6 +63,19 @@ def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float
     return out
 
 
+def memory_detail_metrics(mem) -> dict[str, float]:
+    """``estimate/`` memory sub-terms of the peak device (bytes): params_master and
+    params_compute (stored parameters, bf16 compute copies), activations_saved and
+    activations_transient, each comm buffer (``estimate/buffer_<name>_bytes``) and
+    ``memory_usable_bytes`` (device memory less hardware.memory_headroom)."""
+    st, act = mem.detail.get("states", {}), mem.detail.get("activations", {})
+    out = {f"estimate/{k}_bytes": float(st[k]) for k in ("params_master", "params_compute") if k in st}
+    out.update({f"estimate/activations_{k}_bytes": float(act[k]) for k in ("saved", "transient") if k in act})
+    out.update({f"estimate/buffer_{k}_bytes": float(v) for k, v in mem.detail.get("comm_buffers", {}).items()})
+    out["estimate/memory_usable_bytes"] = float(mem.usable)
+    return out
+
+
 def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """The Report of ``spec`` in estimate mode (see the module docstring), with the dry run
     unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
@@ -81,6 +95,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         "estimate/peak_pp_rank": float(mem.pp_rank),
         "estimate/microbatches_in_flight": float(mem.detail["activations"]["microbatches_in_flight"]),
     })
+    extra.update(memory_detail_metrics(mem))
     artifacts: list[str] = []
     if spec.dry_run:
         from xpar.dryrun import dry_run, representative_ranks
