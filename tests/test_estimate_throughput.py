@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from xpar.estimate import comm, cost, schedule as sch
+from dataclasses import replace
+
+from xpar.estimate import collectives as col, comm, cost, overlap as ov, schedule as sch
 from xpar import calibration
 from xpar.calibration import make_spec, preset
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
@@ -131,10 +133,81 @@ def test_estimate_responds_to_layout():
     assert cost.matmul_efficiency(spec().hardware, 4096) > cost.matmul_efficiency(spec().hardware, 128)
 
 
-def test_megatron_assumptions_differ_from_torch_defaults():
+def test_overlapped_gradient_reduction_exposes_less_than_after_the_flush():
     s = spec(zero_stage=0, micro_batches=4)
-    assert estimate(s, Assumptions.megatron_2021()).time_breakdown["dp_comm_exposed"] > \
-        estimate(s).time_breakdown["dp_comm_exposed"]
+    after = estimate(s, replace(Assumptions(), dp_overlap=False)).time_breakdown["dp_comm_exposed"]
+    assert estimate(s).time_breakdown["dp_comm_exposed"] < 0.5 * after
+    mega = estimate(s, Assumptions.megatron_2021()).time_breakdown
+    assert mega["memory_bound"] > estimate(s).time_breakdown["memory_bound"]  # unfused softmax, dropout
+
+
+# --- collectives (alpha-beta with topology) and unit-by-unit overlap ---------------------------
+
+def test_ring_latency_counts_steps_and_node_crossings():
+    hw = spec().hardware  # 8 nodes x 8
+    g = col.group_of(hw, 64, 1)
+    assert (g.size, g.per_node, g.nodes) == (64, 8, 8)
+    lat = col.ring_time(hw, "allgather", 1.0, g) - 1.0 * 63 / 64 / (8 * 25e9 * 0.8)
+    assert lat == pytest.approx((8.4 + 56 * 3.4 + 7 * 9.6) * 1e-6)
+    # tp inside a node: NVLink bandwidth; dp stride 8 across nodes: one member per node, one NIC
+    big = 1e9
+    assert col.ring_time(hw, "allreduce", big, col.group_of(hw, 8, 1)) < col.ring_time(hw, "allreduce", big,
+                                                                                       col.group_of(hw, 8, 8))
+    assert col.group_of(hw, 8, 8).per_node == 1
+
+
+def test_tree_wins_small_allreduce_at_scale_and_hierarchical_cuts_latency():
+    hw = spec("7b", "a100_80gb_1024gpu").hardware
+    g = col.group_of(hw, 1024, 1)
+    small, large = 1e6, 4e9
+    assert col.collective_time(hw, "allreduce", small, g, "tree") < col.collective_time(hw, "allreduce", small, g, "ring")
+    assert col.collective_time(hw, "allreduce", large, g, "ring") < col.collective_time(hw, "allreduce", large, g, "tree")
+    assert col.collective_time(hw, "allreduce", small, g) == min(
+        col.collective_time(hw, "allreduce", small, g, a) for a in ("ring", "tree"))
+    # two levels: 7 + 127 steps instead of 1023 -> far less latency on a small all-gather
+    assert col.collective_time(hw, "allgather", small, g, "hierarchical") < 0.3 * col.ring_time(hw, "allgather", small, g)
+    with pytest.raises(ValueError, match="unknown collective algorithm"):
+        col.collective_time(hw, "allgather", small, g, "butterfly")
+
+
+def test_prefetch_hides_the_next_units_gather_behind_this_units_compute():
+    # 4 units of 1 s compute, 0.5 s gathers: only the first gather is exposed
+    assert ov.simulate_pass([1.0] * 4, [0.5] * 4).exposed == pytest.approx(0.5)
+    # without prefetch every gather waits for the previous unit
+    assert ov.simulate_pass([1.0] * 4, [0.5] * 4, prefetch=False).exposed == pytest.approx(2.0)
+    # gathers longer than compute: the link is the bottleneck, makespan 4 x 2 s of gathers + the
+    # last unit's 1 s, of which 4 s compute
+    assert ov.simulate_pass([1.0] * 4, [2.0] * 4).exposed == pytest.approx(5.0)
+    # reductions hide behind the units after them, the last one is exposed
+    assert ov.simulate_pass([1.0] * 4, None, [0.5] * 4).exposed == pytest.approx(0.5)
+    # compute slowed while hidden communication runs beside it
+    assert ov.simulate_pass([1.0] * 4, [0.5] * 4, slowdown=0.2).exposed == pytest.approx(0.5 + 0.2 * 1.5)
+
+
+def _zero3_175b(gpus: int):
+    hw = preset("hardware", "a100_80gb_1024gpu")
+    hw["nodes"] = gpus // 8
+    par = dict(name="zero3", dp="auto", tp=1, pp=1, zero_stage=3, micro_batches=1, recompute="full")
+    train = dict(micro_batch_size=1536 // gpus, global_batch_size=1536, dtype="bf16")
+    return make_spec(preset("model", "175b"), par, hw, train)
+
+
+def test_zero3_weak_scaling_loses_speed_to_exposed_dp_communication():
+    """GPT-3 175B, ZeRO-3 without tp/pp, global batch 1536 on 384 -> 768 -> 1536 A100s
+    (micro-batch 4 -> 2 -> 1, as Narayanan et al. 2021 Table 2): TFLOP/s per GPU falls, and at
+    1536 exposed dp communication is the largest term after the matmuls and the cause of the
+    loss (the rest scales with the per-device batch)."""
+    est = {n: estimate(_zero3_175b(n)) for n in (384, 768, 1536)}
+    tf = [est[n].tflops_per_device for n in (384, 768, 1536)]
+    assert tf[0] > tf[1] > tf[2], tf
+    top = est[1536].time_breakdown
+    others = {k: v for k, v in top.items() if k not in ("matmul", "dp_comm_exposed")}
+    assert top["dp_comm_exposed"] > 3 * max(others.values()), top
+    # per unit of matmul time, the overhead grew by the dp term
+    share = {n: {k: v / est[n].time_breakdown["matmul"] for k, v in est[n].time_breakdown.items()} for n in est}
+    grown = {k: share[1536][k] - share[384][k] for k in share[384] if k != "matmul"}
+    assert max(grown, key=grown.get) == "dp_comm_exposed" and grown["dp_comm_exposed"] > 0.8 * sum(
+        v for v in grown.values() if v > 0)
 
 
 def test_interleaved_theory_falls_back_to_the_action_list_when_m_below_pp():

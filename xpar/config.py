@@ -107,7 +107,18 @@ class HardwareConfig:
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None
-    """Per-device inter-node bandwidth (InfiniBand), GB/s."""
+    """Bandwidth of one inter-node NIC (InfiniBand/RoCE), GB/s per direction."""
+    nics_per_node: Optional[int] = None
+    """Inter-node NICs per node (compute fabric); None: one per device."""
+    collective_latency_us: float = 8.4
+    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL
+    src/graph/tuning.cc baseLat, ring, Simple protocol)."""
+    intra_node_latency_us: float = 3.4
+    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc
+    hwLat NVLink, ring, Simple)."""
+    inter_node_latency_us: float = 9.6
+    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET,
+    ring, Simple)."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8
@@ -117,6 +128,79 @@ class HardwareConfig:
     memory_headroom: float = 0.0
     """Fraction of device memory the fit check keeps free (0.05: refuse a layout whose
     estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
+
+
+@dataclass
+class FrameworkConfig:
+    """Which training framework the estimate is for: how it computes and communicates.
+    Presets in conf/framework/ (xpar, megatron, torchtitan, deepspeed), each with its source.
+    Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
+
+    name: str = "xpar"
+    flash_attention: bool = True
+    """Fused (flash) attention: no s x s scores kept or moved through HBM."""
+    dropout: bool = False
+    """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
+    fused_rmsnorm: bool = True
+    """RMSNorm as one kernel keeping only its input (False: composite, keeps x * rstd too)."""
+    sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered inputs of column-parallel GEMMs (torch
+    DTensor); False: keeps the shard and gathers again in backward (Megatron)."""
+    passes_forward: float = 2.0
+    """HBM passes per activation byte in forward (written, read back)."""
+    passes_backward: float = 4.0
+    """HBM passes per activation byte in backward."""
+    scatter_gather: bool = False
+    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
+    dp_overlap: bool = True
+    """Gradient reductions (DDP buckets, FSDP reduce-scatters) overlap the backward of the
+    units before them; False: all after the backward (after the pipeline flush)."""
+    fsdp_prefetch: bool = True
+    """ZeRO-3/FSDP all-gathers unit k+1 while unit k computes (forward and backward)."""
+    param_gather_overlap: bool = False
+    """ZeRO-1/2 parameter all-gather after the optimizer step overlaps the next forward,
+    unit by unit (Megatron-Core --overlap-param-gather); False: blocking after the step."""
+    zero1: str = "zero_redundancy"
+    """ZeRO-1 semantics: 'zero_redundancy' (torch ZeroRedundancyOptimizer: gradients
+    all-reduced, updated shards broadcast; 1.5x DDP's bytes) or 'distributed_optimizer'
+    (Megatron: gradients reduce-scattered, params all-gathered; 1x DDP's bytes)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the dp reduction (4: fp32 reduce, 2: bf16/fp16)."""
+    dp_collective: str = "nccl"
+    """Algorithm of dp collectives: 'nccl' (ring, or tree for all-reduce where faster),
+    'ring' (flat ring), 'hierarchical' (intra-node, then inter-node, then intra-node)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued."""
+    tp_overlap: float = 0.0
+    """Share of tensor-parallel communication hidden behind the layer's GEMMs (0: blocking;
+    async TP / Megatron-Core tp-comm-overlap hide most of it)."""
+    pp_overlap: float = 0.0
+    """Share of pipeline send/recv time hidden behind compute (0: blocking)."""
+    overlap_slowdown: float = 0.15
+    """Fraction by which compute slows while a collective runs beside it, the slowed time
+    counted as exposed communication: NCCL runs one thread block per channel, 16 channels
+    (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
+    # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
+    count_buffers: bool = True
+    """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""
+    selective_recompute: str = "op"
+    """What recompute=selective keeps: 'op' (xpar), 'torchtitan_op', 'attention' (Megatron)."""
+    recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to."""
+    param_storage: str = "fp32"
+    """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
+    parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
+    grad_bytes: int = 4
+    """Bytes per held gradient element under mixed precision."""
+    fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward."""
+    ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default)."""
+    cpu_offload_optimizer: bool = False
+    """Optimizer states in host memory."""
+    terms: list = field(default_factory=list)
+    """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
+    and memory terms); tests/test_framework.py checks that nothing else changes."""
 
 
 @dataclass
@@ -221,9 +305,10 @@ class XparConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    framework: FrameworkConfig = field(default_factory=FrameworkConfig)
 
 
-GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking")
+GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking", "framework")
 
 
 def register_configs() -> None:

@@ -148,13 +148,28 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     seq = tr.seq_len if tr.seq_len is not None else model.seq_len
     layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,
-                    zero_stage=zero_stage_run(par.schedule, par.pp, par.zero_stage),
+                    zero_stage=_zero_stage(c, target),
                     sequence_parallel=par.sequence_parallel, recompute=par.recompute)
     return layout, problems + batch_problems
 
 
+def _zero_stage(c: XparConfig, target: Target) -> int:
+    """The ZeRO stage that runs (:func:`xpar.layout.zero_stage_run`); in execute mode ZeRO-1
+    with tp or pp runs as ZeRO-2: torch's ZeroRedundancyOptimizer broadcasts whole parameters
+    (fails on DTensor) and is not composed with pipeline stages. Estimates keep ZeRO-1 (the
+    distributed optimizer, xpar.estimate.dp)."""
+    par = c.parallel
+    z = zero_stage_run(par.schedule, par.pp, par.zero_stage)
+    return 2 if (z == 1 and target.mode == "execute" and (par.tp > 1 or par.pp > 1)) else z
+
+
 def layout_notes(requested_zero_stage: int, layout: Layout) -> list[str]:
     """What was changed for correctness, said to the user (console, tag ``xpar.notes``)."""
+    if requested_zero_stage == 1 and layout.zero_stage == 2:
+        return [f"parallel.zero_stage=1 ran as zero_stage=2 (FSDP2 reshard_after_forward=False: gradients "
+                f"sharded too): torch's ZeroRedundancyOptimizer is not composed with tp={layout.tp}/pp={layout.pp} "
+                f"(it broadcasts whole parameters, which fails on DTensor). Estimates model ZeRO-1 as Megatron's "
+                f"distributed optimizer (run.mode=estimate)."]
     if layout.zero_stage != requested_zero_stage:
         return [f"parallel.zero_stage={requested_zero_stage} ran as zero_stage={layout.zero_stage} "
                 f"(FSDP2 reshard_after_forward=False): schedule {layout.schedule} with "

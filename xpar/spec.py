@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from xpar.config import DataConfig, HardwareConfig, ModelConfig, ParallelConfig, TrackingConfig, TrainConfig
+from xpar.config import (DataConfig, FrameworkConfig, HardwareConfig, ModelConfig, ParallelConfig, TrackingConfig,
+                         TrainConfig)
 from xpar.layout import Layout
 
 
@@ -45,6 +46,8 @@ class RunSpec:
     """Timeout of every collective, seconds (run.collective_timeout_s; init_process_group)."""
     heartbeat_timeout_s: float = 30.0
     """A local worker silent this long is named as stopped and the job ended (run.heartbeat_timeout_s)."""
+    framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    """The training framework the estimate assumes (conf/framework/; logged as params)."""
 
     @property
     def dp(self) -> int:
@@ -89,7 +92,8 @@ class RunSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "RunSpec":
         groups = dict(model=ModelConfig, parallel=ParallelConfig, hardware=HardwareConfig,
-                      train=TrainConfig, data=DataConfig, tracking=TrackingConfig, layout=Layout)
+                      train=TrainConfig, data=DataConfig, tracking=TrackingConfig, layout=Layout,
+                      framework=FrameworkConfig)
         d = dict(d, layout={k: v for k, v in d["layout"].items() if not k.startswith("_")})
         kw = {k: (groups[k](**v) if k in groups else v) for k, v in d.items()}
         return cls(**kw)

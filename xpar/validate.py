@@ -87,4 +87,4 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
-                   dry_run=c.run.dry_run, notes=notes)
+                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))

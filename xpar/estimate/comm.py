@@ -81,17 +81,23 @@ def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = Fal
     return {"tp_allreduce": n * allreduce_bytes(size, t), "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
 
 
-def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False) -> dict[str, float]:
+def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
+                    zero1: str = "zero_redundancy") -> dict[str, float]:
     """Bytes sent per step by one device of pipeline rank ``pp_rank``, by collective (see
     module docstring). ``scatter_gather``: Megatron's optimisation that sends 1/t of each
-    inter-stage tensor and all-gathers it on the receiving node (counted in pp only)."""
+    inter-stage tensor and all-gathers it on the receiving node (counted in pp only).
+    ``zero1``: 'zero_redundancy' (torch: all-reduce + broadcast of the updated shards) or
+    'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step)."""
     par, e = spec.parallel, BYTES[spec.train.dtype]
     out = dict.fromkeys(KEYS, 0.0)
     m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, par.sequence_parallel
     # dp: gradients in the training dtype, params likewise
     psi = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank)) * e
     z = par.zero_stage
-    if z <= 1:
+    if z == 1 and zero1 == "distributed_optimizer":
+        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp)
+        out["dp_allgather"] = allgather_bytes(psi, dp)
+    elif z <= 1:
         out["dp_allreduce"] = allreduce_bytes(psi, dp)
         if z == 1:
             out["dp_allgather"] = allgather_bytes(psi, dp)
@@ -121,8 +127,9 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False) -
     return out
 
 
-def comm_bytes(spec: RunSpec, pp_rank: Optional[int] = None, scatter_gather: bool = False) -> dict[str, float]:
+def comm_bytes(spec: RunSpec, pp_rank: Optional[int] = None, scatter_gather: bool = False,
+               zero1: str = "zero_redundancy") -> dict[str, float]:
     """Bytes per device per step by collective (keys: KEYS) for pipeline rank ``pp_rank``,
     or the rank sending the most in total when None."""
     ranks = range(spec.pp) if pp_rank is None else [pp_rank]
-    return max((comm_bytes_rank(spec, r, scatter_gather) for r in ranks), key=lambda d: sum(d.values()))
+    return max((comm_bytes_rank(spec, r, scatter_gather, zero1) for r in ranks), key=lambda d: sum(d.values()))

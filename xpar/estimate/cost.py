@@ -44,30 +44,36 @@ interleaved v = 2), against the 430 TFLOP/s / 43 % the Llama 3 paper reports (Ta
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from xpar.config import HardwareConfig
 from xpar.estimate import flops as fl
-from xpar.estimate.comm import comm_bytes_rank, dp_reductions
-from xpar.estimate.memory import BYTES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory
+from xpar.estimate.collectives import collective_time, group_of, p2p_time
+from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.dp import dp_timing
+from xpar.estimate.memory import BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory
 from xpar.estimate.schedule import bubble_theory
 from xpar.spec import RunSpec
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
+TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
+"""The step time by term (``Estimate.time_breakdown``, ``estimate/time_<term>_s``)."""
 
 
 @dataclass(frozen=True)
 class Assumptions:
-    """How the training framework behaves (not the hardware). Defaults: xpar on torch."""
+    """How the training framework behaves (not the hardware). Defaults: xpar on torch (CUDA).
+    Built from a ``framework`` preset (conf/framework/*.yaml) by :meth:`from_config`; the
+    fields are those of :class:`xpar.config.FrameworkConfig`, documented there."""
 
     flash_attention: bool = True
     """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
     dropout: bool = False
     """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
     dp_overlap: bool = True
-    """DDP/FSDP overlap gradient reduction with backward, FSDP prefetches gathers."""
+    """Gradient reductions overlap the backward of the units before them (xpar.estimate.overlap)."""
     scatter_gather: bool = False
     """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
     passes_forward: float = 2.0
@@ -78,6 +84,16 @@ class Assumptions:
     sp_saves_gathered: bool = True
     """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
     projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
+    name: str = "xpar"
+    fsdp_prefetch: bool = True
+    param_gather_overlap: bool = False
+    zero1: str = "zero_redundancy"
+    grad_reduce_bytes: int = 4
+    dp_collective: str = "nccl"
+    bucket_mb: float = 25.0
+    tp_overlap: float = 0.0
+    pp_overlap: float = 0.0
+    overlap_slowdown: float = 0.15
     # --- memory (xpar.estimate.memory.MemoryOptions reads these by name) ---
     count_buffers: bool = True
     """Count what the framework allocates besides model states and saved activations (DDP
@@ -106,11 +122,20 @@ class Assumptions:
     """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
 
     @classmethod
+    def from_config(cls, framework) -> "Assumptions":
+        """The assumptions of a :class:`xpar.config.FrameworkConfig` (every field of this
+        class that the framework config has; the rest keep their defaults)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: getattr(framework, k) for k in names if hasattr(framework, k)})
+
+    @classmethod
     def megatron_2021(cls) -> "Assumptions":
-        """Megatron-LM as in Narayanan et al. 2021: unfused softmax (scores in HBM), dropout,
-        gradient all-reduce after the pipeline flush (not overlapped), scatter/gather."""
-        return cls(flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True,
-                   sp_saves_gathered=False)
+        """Megatron-LM as in Narayanan et al. 2021 (conf/framework/megatron.yaml): unfused
+        softmax (scores in HBM), dropout, fp16 gradients all-reduced in one buffer after the
+        pipeline flush (not overlapped), blocking tp and p2p, scatter/gather; ZeRO-1 as the
+        distributed optimizer."""
+        return cls(name="megatron", flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True,
+                   sp_saves_gathered=False, grad_reduce_bytes=2, bucket_mb=0.0, **MEMORY_PROFILES["megatron"])
 
     @classmethod
     def xpar_cpu(cls) -> "Assumptions":
@@ -132,8 +157,7 @@ class Estimate:
     """FLOPs executed per step, all devices (recompute included)."""
     time_per_step_s: float
     time_breakdown: dict[str, float]
-    """Seconds on the slowest rank: matmul, memory_bound, tp_comm, pp_comm, bubble,
-    dp_comm_exposed, optimizer (they sum to time_per_step_s)."""
+    """Seconds on the slowest rank by term (:data:`TIME_TERMS`; they sum to time_per_step_s)."""
     tokens_per_s: float
     tokens_per_s_per_device: float
     tflops_per_device: float
@@ -146,19 +170,27 @@ class Estimate:
     comm_bytes: dict[str, float]
     """Bytes per device per step by collective, slowest rank (xpar.estimate.comm)."""
     notes: list[str] = field(default_factory=list)
+    comm_time: dict[str, float] = field(default_factory=dict)
+    """Seconds of communication issued per step on the slowest rank, hidden or not (tp, pp,
+    dp), beside the exposed shares in ``time_breakdown``."""
+    framework: str = "xpar"
 
 
 def assumptions_for(spec: RunSpec) -> Assumptions:
-    """How torch behaves on the spec's hardware: measured CPU behaviour for a local CPU
-    (:meth:`Assumptions.xpar_cpu`), xpar on CUDA otherwise."""
-    return Assumptions.xpar_cpu() if spec.hardware.device == "cpu" else Assumptions()
+    """The assumptions of the spec's framework (``spec.framework``, default xpar); on a CPU,
+    torch's composite RMSNorm (measured, :meth:`Assumptions.xpar_cpu`)."""
+    a = Assumptions.from_config(spec.framework)
+    return replace(a, fused_rmsnorm=False, count_buffers=False) if spec.hardware.device == "cpu" else a
+
+
+def _memory(spec: RunSpec, a: Assumptions, pp_rank: Optional[int] = None) -> MemoryEstimate:
+    return memory(spec, pp_rank, assume=a)
 
 
 def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
     """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None),
-    under :func:`assumptions_for` the spec's hardware."""
-    a = assumptions_for(spec)
-    return memory(spec, pp_rank, assume=a)
+    under :func:`assumptions_for` the spec."""
+    return _memory(spec, assumptions_for(spec), pp_rank)
 
 
 def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
@@ -166,97 +198,122 @@ def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
     return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
 
 
-def group_bandwidth(hw: HardwareConfig, size: int, stride: int) -> Optional[float]:
-    """Bus bandwidth (bytes/s) of a ring over ``size`` ranks ``stride`` apart; None if unknown."""
-    if hw.intra_node_gb_per_s is None:
-        return None
-    dpn = int(hw.devices_per_node)
-    intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
-    if size * stride <= dpn or hw.inter_node_gb_per_s is None:
-        return intra
-    k = max(1, min(size, dpn // stride))
-    return min(intra, k * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
-
-
-def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
-    """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
-    pp_comm) and the rank's bytes by collective (``comm``); see the module docstring."""
+def _layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
+    """Seconds per micro-batch of one layer and of the logits, forward and backward (the
+    backward includes the recomputed forward): matmul (``mm_*``) and memory-bound (``mem_*``)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
-    s, b, h, t, m = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, spec.micro_batches
+    s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
     peak, hbm = (hw.peak_tflops or 0) * 1e12, (hw.hbm_tb_per_s or 0) * 1e12
-    eta = matmul_efficiency(hw, h / t)
-    # FLOPs per token of one layer (forward) and of the logits, Narayanan et al. convention
-    fwd = fl.forward_flops_per_token(cfg, s)
-    layer_mm, layer_att = fwd["matmul"] / cfg.n_layers, fwd["attention"] / cfg.n_layers
-    extra = {"none": 0.0, "selective": layer_att, "full": layer_mm + layer_att}[par.recompute]
-    layer_hw, logits_hw = 3 * (layer_mm + layer_att) + extra, 3 * fwd["logits"]
+    rate = peak * matmul_efficiency(hw, h / t)
+    fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
+    layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
+    extra = {"none": 0.0, "selective": fwd["attention"] / cfg.n_layers, "full": layer}[par.recompute]
     act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
-    passes = assume.passes_forward * (2 if par.recompute == "full" else 1) + assume.passes_backward
-    # links: tp innermost, then dp, then pp
-    bw_tp, bw_pp = group_bandwidth(hw, t, 1), group_bandwidth(hw, 2, t * spec.dp)
-    if not hbm:
+    pf = assume.passes_forward
+    pb = assume.passes_backward + (pf if par.recompute == "full" else 0)
+    tok = s * b / t
+    mm = (lambda flops: tok * flops / rate) if rate else (lambda flops: 0.0)
+    mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
+    return {"mm_f": mm(layer), "mm_b": mm(2 * layer + extra), "mem_f": mem(pf * layer_act),
+            "mem_b": mem(pb * layer_act), "logits_mm_f": mm(fwd["logits"]), "logits_mm_b": mm(2 * fwd["logits"]),
+            "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act)}
+
+
+def _tp_times(spec: RunSpec) -> dict[str, float]:
+    """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
+    with the recomputed forward (``b``), and of one embedding/output end (``end``): 2 all-reduces
+    of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
+    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes)."""
+    t = spec.tp
+    if t == 1:
+        return {"f": 0.0, "b": 0.0, "end": 0.0}
+    hw, e = spec.hardware, BYTES[spec.train.dtype]
+    size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
+    g = group_of(hw, t, 1)
+    if spec.parallel.sequence_parallel:
+        one = collective_time(hw, "allgather", size, g) + collective_time(hw, "reduce_scatter", size, g)
+    else:
+        one = collective_time(hw, "allreduce", size, g)
+    recompute = 2 if spec.parallel.recompute == "full" else 0
+    return {"f": 2 * one, "b": (2 + recompute) * one, "end": one}
+
+
+def _pp_time(spec: RunSpec, assume: Assumptions, pp_rank: int) -> float:
+    """Seconds of pipeline sends per micro-batch on ``pp_rank`` (b s h elements to the next
+    stage forward, the gradient back; /t with sequence parallelism or scatter/gather), each
+    a point-to-point transfer (across nodes when tp x dp fills a node)."""
+    if spec.pp == 1:
+        return 0.0
+    split, stages = spec.layer_split, spec.layout.stages_of(pp_rank)
+    sends = sum((st < len(split) - 1) + (st > 0) for st in stages)
+    sp = spec.parallel.sequence_parallel or assume.scatter_gather
+    nbytes = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * BYTES[spec.train.dtype]
+    dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
+    return sends * p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
+
+
+def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
+    """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
+    pp_comm exposed, dp_comm exposed per micro-batch) and its data-parallel timing (``dp``)."""
+    hw = spec.hardware
+    c, tp = _layer_costs(spec, assume), _tp_times(spec)
+    if not hw.hbm_tb_per_s:
         notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
-    if bw_tp is None:
+    if hw.intra_node_gb_per_s is None:
         notes.append("no link bandwidth for this hardware: communication time not estimated")
     out = []
     for r in range(spec.pp):
-        n_layers, last = spec.layout.layers_of(r), spec.layout.has_last_stage(r)
-        flops_mb = s * b * (n_layers * layer_hw + (logits_hw if last else 0)) / t
-        c = comm_bytes_rank(spec, r, assume.scatter_gather)
-        tp_b = c["tp_allreduce"] + c["tp_allgather"] + c["tp_reduce_scatter"]
-        out.append({
-            "matmul": flops_mb / (peak * eta) if peak else 0.0,
-            "memory_bound": passes * (n_layers * layer_act + (logits_act if last else 0)) / hbm if hbm else 0.0,
-            "tp_comm": tp_b / m / bw_tp if bw_tp and tp_b else 0.0,
-            "pp_comm": c["pp_send_recv"] / m / bw_pp if bw_pp and c["pp_send_recv"] else 0.0,
-            "comm": c})
+        n, first, last = spec.layout.layers_of(r), spec.layout.has_first_stage(r), spec.layout.has_last_stage(r)
+        mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
+        tp_f = n * tp["f"] + (tp["end"] if first else 0.0)
+        tp_b = n * tp["b"] + (tp["end"] if last else 0.0)
+        tp_exposed = tp_f + tp_b - min(assume.tp_overlap * (tp_f + tp_b), mm_f + mm_b)
+        lg = ("logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b")
+        lmm_f, lmm_b, lmem_f, lmem_b = (c[k] if last else 0.0 for k in lg)
+        unit_f = [c["mm_f"] + c["mem_f"] + tp_exposed * tp["f"] / max(tp["f"] + tp["b"], 1e-30)] * n
+        unit_b = [c["mm_b"] + c["mem_b"] + tp_exposed * tp["b"] / max(tp["f"] + tp["b"], 1e-30)] * n
+        dp = dp_timing(spec, assume, r, [lmm_f + lmem_f] + unit_f, unit_b[::-1] + [lmm_b + lmem_b])
+        pp = _pp_time(spec, assume, r)
+        out.append({"matmul": mm_f + mm_b + lmm_f + lmm_b,
+                    "memory_bound": n * (c["mem_f"] + c["mem_b"]) + lmem_f + lmem_b,
+                    "tp_comm": tp_exposed, "pp_comm": pp * (1 - assume.pp_overlap),
+                    "dp_comm": dp.per_microbatch, "dp": dp, "tp_issued": tp_f + tp_b, "pp_issued": pp,
+                    "comm": comm_bytes_rank(spec, r, assume.scatter_gather, assume.zero1)})
     return out
 
 
-def _dp_exposed(spec: RunSpec, assume: Assumptions, comm: dict, mb_time: float, pipe: float) -> float:
-    """Seconds of data-parallel communication not hidden behind compute: each gradient
-    reduction behind its micro-batch's backward, ZeRO gathers behind the step's compute
-    (``Assumptions.dp_overlap``), else all of it."""
-    par = spec.parallel
-    bw_dp = group_bandwidth(spec.hardware, spec.dp, spec.tp)
-    t_sync = (comm["dp_allreduce"] + comm["dp_reduce_scatter"]) / bw_dp if bw_dp else 0.0
-    t_gather = comm["dp_allgather"] / bw_dp if bw_dp else 0.0
-    if not assume.dp_overlap:
-        return t_sync + t_gather
-    recompute = 1 if par.recompute == "full" else 0
-    bwd_share = (2 + recompute) / (3 + recompute)
-    n_red = dp_reductions(spec)  # each reduction overlaps its own micro-batch's backward
-    exposed = n_red * max(0.0, t_sync / n_red - bwd_share * mb_time)
-    return exposed + (t_gather if par.zero_stage == 1 else max(0.0, t_gather - pipe))
-
-
-def estimate(spec: RunSpec, assume: Assumptions = Assumptions()) -> Estimate:
-    """Estimate step time, throughput, MFU/HFU, bubble, communication and memory of ``spec``.
+def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
+    """Estimate step time, throughput, MFU/HFU, bubble, communication and memory of ``spec``
+    under ``assume`` (default: the spec's framework, :func:`assumptions_for`).
 
     Pure function of the spec (no devices, no process groups). See the module docstring
     for the formulas and the calibration.
     """
+    assume = assumptions_for(spec) if assume is None else assume
     par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
     notes: list[str] = []
     per_rank = _rank_times(spec, assume, notes)
-    mb_time = [sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm")) for x in per_rank]
+    keys = ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm")
+    mb_time = [sum(x[k] for k in keys) for x in per_rank]
     slow = max(range(p), key=lambda r: mb_time[r])
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
     x = per_rank[slow]
-    exposed = _dp_exposed(spec, assume, x["comm"], mb_time[slow], pipe)
-    mem = memory(spec, assume=assume)
+    mem = _memory(spec, assume)
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     hbm = (hw.hbm_tb_per_s or 0) * 1e12
     t_opt = 2 * (mem.optimizer / bo) * (bp + bg + bo) / hbm if hbm else 0.0
     breakdown = {"matmul": m * x["matmul"], "memory_bound": m * x["memory_bound"], "tp_comm": m * x["tp_comm"],
-                 "pp_comm": m * x["pp_comm"], "bubble": pipe - m * mb_time[slow], "dp_comm_exposed": exposed,
-                 "optimizer": t_opt}
-    return _result(spec, mem, pipe + exposed + t_opt, breakdown, beta, x["comm"], notes)
+                 "pp_comm": m * x["pp_comm"], "bubble": pipe - m * mb_time[slow],
+                 "dp_comm_exposed": m * x["dp_comm"] + x["dp"].end, "optimizer": t_opt}
+    comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
+    est = _result(spec, mem, pipe + x["dp"].end + t_opt, breakdown, beta, x["comm"], notes)
+    est.comm_time, est.framework = comm_time, assume.name
+    return est
 
 
 def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, beta: float, comm: dict,

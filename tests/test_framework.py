@@ -1,0 +1,98 @@
+"""Framework profiles (conf/framework/*.yaml): each composes, is carried by the RunSpec and logged
+with the resolved config, and changes only the estimate terms it names. Pure CPU, no workers."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from tests.conftest import compose
+from xpar.estimate.cost import TIME_TERMS, Assumptions, assumptions_for, estimate
+from xpar.estimate.memory import MEMORY_TERMS
+from xpar.presets import presets
+
+LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
+    ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
+     "parallel.recompute=selective", "parallel.sequence_parallel=true"),
+    ("parallel.tp=2", "parallel.pp=4", "parallel.zero_stage=0", "parallel.micro_batches=8", "parallel.recompute=full"),
+    ("parallel.zero_stage=3", "parallel.recompute=full"),
+    ("parallel.zero_stage=2", "parallel.micro_batches=2"),
+)
+
+
+def _spec(framework: str, *overrides: str):
+    from xpar.validate import validate
+    cfg = compose("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", f"framework={framework}",
+                  *overrides)
+    return cfg, validate(cfg)
+
+
+def _terms(spec) -> dict[str, float]:
+    e = estimate(spec)
+    return {**e.time_breakdown, **{k: getattr(e.memory, k) for k in MEMORY_TERMS}}
+
+
+def test_the_four_profiles_exist_and_xpar_is_the_default():
+    assert {"xpar", "megatron", "torchtitan", "deepspeed"} <= set(presets("framework"))
+    _, spec = _spec("xpar")
+    assert compose("tracking=off").framework.name == "xpar" and spec.framework.name == "xpar"
+
+
+def test_framework_config_mirrors_assumptions():
+    """Every Assumptions field can be set by a profile (add new ones to FrameworkConfig too)."""
+    from xpar.config import FrameworkConfig
+    missing = {f.name for f in fields(Assumptions)} - {f.name for f in fields(FrameworkConfig)}
+    assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
+
+
+@pytest.mark.parametrize("name", ["xpar", "megatron", "torchtitan", "deepspeed"])
+def test_profile_composes_is_logged_and_names_its_terms(name):
+    from xpar.job import resolved_config
+    cfg, spec = _spec(name, *LAYOUTS[0])
+    assert spec.framework.name == name and assumptions_for(spec).name == name
+    assert resolved_config(cfg, spec)["framework"]["name"] == name  # the params MLflow logs
+    named = set(spec.framework.terms)
+    assert named <= set(TIME_TERMS) | set(MEMORY_TERMS), named
+    changed: set[str] = set()
+    for overrides in LAYOUTS:
+        mine, ref = _terms(_spec(name, *overrides)[1]), _terms(_spec("xpar", *overrides)[1])
+        changed |= {k for k in mine if mine[k] != pytest.approx(ref[k], rel=1e-9, abs=1e-12)}
+    assert changed <= named, f"framework={name} changes {sorted(changed - named)} without naming them"
+    assert changed == named, f"framework={name} names {sorted(named - changed)} but they never change"
+
+
+def test_megatron_profile_is_the_calibrated_one():
+    _, spec = _spec("megatron")
+    assert assumptions_for(spec) == Assumptions.megatron_2021()
+
+
+@pytest.mark.parametrize("name", ["xpar", "megatron", "deepspeed"])
+def test_breakdown_sums_to_the_step_time(name):
+    for overrides in LAYOUTS:
+        e = estimate(_spec(name, *overrides)[1])
+        assert set(e.time_breakdown) == set(TIME_TERMS)
+        assert sum(e.time_breakdown.values()) == pytest.approx(e.time_per_step_s, rel=1e-12)
+        assert all(v >= -1e-12 for v in e.time_breakdown.values()), e.time_breakdown
+
+
+def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
+    """The issue's command (with micro-batches for pp=2): not refused by validation (whether it
+    fits 80 GB is the memory model's call, xpar.fit), and estimated."""
+    from xpar.validate import validate
+    cfg = compose("model=70b", "parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
+                  "parallel.sequence_parallel=true", "parallel.recompute=selective", "hardware=h100_80gb_64gpu",
+                  "train=cluster", "framework=megatron", "tracking=off")
+    spec = validate(cfg)
+    assert spec.mode == "estimate" and spec.parallel.zero_stage == 1
+    e = estimate(spec)
+    # distributed optimizer: gradients reduce-scattered and params all-gathered, no all-reduce
+    assert e.comm_bytes["dp_allreduce"] == 0 and e.comm_bytes["dp_reduce_scatter"] > 0
+    assert e.comm_bytes["dp_allgather"] == pytest.approx(e.comm_bytes["dp_reduce_scatter"])
+    assert e.time_breakdown["dp_comm_exposed"] > 0 and e.mfu > 0.2
+
+
+def test_zero1_with_pp_executes_as_zero2_and_says_so():
+    from xpar.validate import validate
+    spec = validate(compose("parallel=pp", "parallel.zero_stage=1", "tracking=off"), local_devices=2)
+    assert spec.mode == "execute" and spec.parallel.zero_stage == spec.layout.zero_stage == 2
+    assert any("zero_stage=1 ran as zero_stage=2" in n for n in spec.notes)

@@ -1,0 +1,152 @@
+"""Time of one collective on a group of devices: an alpha-beta model with the group's topology.
+
+A collective on ``n`` ranks laid out ``k`` per node over ``N = n / k`` nodes takes
+
+    time = alpha_base + (steps - inter_steps) * alpha_intra + inter_steps * alpha_inter
+           + bus_bytes / bus_bandwidth
+
+(NCCL's own cost model, src/graph/tuning.cc ``ncclTopoTuneModel``: ``latencies`` and
+``bandwidths`` per algorithm; constants in the hardware preset, seconds from microseconds):
+
+- ring: steps n - 1 for all-gather and reduce-scatter, 2 (n - 1) for all-reduce, of which
+  N - 1 (resp. 2 (N - 1)) cross nodes; bus bytes (n - 1)/n S and 2 (n - 1)/n S for a
+  payload of S bytes (:func:`xpar.estimate.comm.ring_factor`);
+- tree (all-reduce only, NCCL's double binary tree): latency 2 ((k - 1) alpha_intra +
+  log2(N) alpha_inter), bus bytes 2 S at NCCL's tree bus bandwidth (0.9 x the ring's,
+  at most 80 GB/s beyond two nodes on A100: ``maxTreeBw``);
+- 'nccl': the faster of ring and tree for an all-reduce (NCCL picks by size), ring otherwise;
+- hierarchical (intra-node, then inter-node, then intra-node; as HSDP or DeepSpeed's
+  hierarchical all-reduce): all-reduce = reduce-scatter over k on the intra-node link +
+  all-reduce of S / k over the N nodes (k rings in parallel, one per NIC) + all-gather over k;
+  all-gather and reduce-scatter likewise with one intra-node and one inter-node phase.
+
+Bus bandwidth of a group: inside a node, the per-device intra-node link (NVLink, one
+direction) x ``link_efficiency``; across nodes, a ring crosses every node boundary with
+its whole bus traffic, which the node sends over min(k, NICs per node) NICs: bandwidth
+min(intra, min(k, nics) x NIC bandwidth) x ``link_efficiency``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from xpar.config import HardwareConfig
+
+TREE_BUS_FACTOR = 0.9
+"""NCCL tuning.cc: tree bus bandwidth = 0.9 x the ring's."""
+TREE_MAX_BUS_GB_PER_S = 80.0
+"""NCCL tuning.cc ``maxTreeBw`` beyond two nodes (Simple protocol), GB/s."""
+ALGORITHMS = ("nccl", "ring", "tree", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: ``size`` ranks, ``per_node`` of them in each node."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.size / self.per_node))
+
+
+def group_of(hw: HardwareConfig, size: int, stride: int) -> Group:
+    """The group of ``size`` ranks ``stride`` apart in rank order (tp innermost, then dp,
+    then pp; xpar.layout), on nodes of ``hw.devices_per_node`` consecutive ranks."""
+    dpn = int(hw.devices_per_node) if str(hw.devices_per_node).isdigit() else 1
+    if size * stride <= dpn:
+        return Group(size, size)
+    return Group(size, max(1, min(size, dpn // stride)))
+
+
+def _bw(hw: HardwareConfig, group: Group) -> Optional[float]:
+    """Ring bus bandwidth of ``group`` in bytes/s (module docstring); None if unknown."""
+    if hw.intra_node_gb_per_s is None:
+        return None
+    intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
+    if group.nodes == 1 or hw.inter_node_gb_per_s is None:
+        return intra
+    nics = hw.nics_per_node or int(hw.devices_per_node)
+    return min(intra, min(group.per_node, nics) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
+
+
+def _steps(collective: str, n: int) -> int:
+    return 2 * (n - 1) if collective == "allreduce" else n - 1
+
+
+def _factor(collective: str, n: int) -> float:
+    return _steps(collective, n) / n
+
+
+def ring_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> float:
+    """Seconds of a ring ``collective`` ('allreduce', 'allgather', 'reduce_scatter') of a
+    payload of ``nbytes`` (all-reduced buffer, gathered output, reduce-scattered input)."""
+    n = group.size
+    bw = _bw(hw, group)
+    if n <= 1 or bw is None or nbytes <= 0:
+        return 0.0
+    steps, inter = _steps(collective, n), _steps(collective, group.nodes)
+    lat = hw.collective_latency_us + (steps - inter) * hw.intra_node_latency_us + inter * hw.inter_node_latency_us
+    return lat * 1e-6 + _factor(collective, n) * nbytes / bw
+
+
+def tree_allreduce_time(hw: HardwareConfig, nbytes: float, group: Group) -> float:
+    """Seconds of NCCL's tree all-reduce (module docstring)."""
+    bw = _bw(hw, group)
+    if group.size <= 1 or bw is None or nbytes <= 0:
+        return 0.0
+    bw = TREE_BUS_FACTOR * bw
+    if group.nodes > 2:
+        bw = min(bw, TREE_MAX_BUS_GB_PER_S * 1e9)
+    lat = hw.collective_latency_us + 2 * ((group.per_node - 1) * hw.intra_node_latency_us
+                                         + math.log2(group.nodes) * hw.inter_node_latency_us)
+    return lat * 1e-6 + 2 * nbytes / bw
+
+
+def hierarchical_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> float:
+    """Seconds of a two-level collective: intra-node phase(s) over ``per_node`` ranks, one
+    inter-node phase over ``nodes`` ranks on 1/per_node of the payload (module docstring)."""
+    k, n_nodes = group.per_node, group.nodes
+    if n_nodes == 1 or k == 1:
+        return ring_time(hw, collective, nbytes, group)
+    intra, inter = Group(k, k), Group(n_nodes, 1)
+    # the k inter-node rings run in parallel, one per NIC: each sees the node's NICs / k
+    nics = hw.nics_per_node or int(hw.devices_per_node)
+    share = min(1.0, nics / k)
+    t_inter = ring_time(hw, collective, nbytes / k, inter)
+    lat_inter = ring_time(hw, collective, 0.0, inter)
+    t_inter = lat_inter + (t_inter - lat_inter) / share if t_inter else 0.0
+    if collective == "allreduce":
+        return ring_time(hw, "reduce_scatter", nbytes, intra) + t_inter + ring_time(hw, "allgather", nbytes, intra)
+    return ring_time(hw, collective, nbytes, intra) + t_inter
+
+
+def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group,
+                    algorithm: str = "nccl") -> float:
+    """Seconds of one ``collective`` of ``nbytes`` payload on ``group`` with ``algorithm``
+    (one of :data:`ALGORITHMS`; see the module docstring)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown collective algorithm {algorithm!r}; one of {ALGORITHMS}")
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    if algorithm == "hierarchical":
+        return hierarchical_time(hw, collective, nbytes, group)
+    ring = ring_time(hw, collective, nbytes, group)
+    if collective != "allreduce" or algorithm == "ring":
+        return ring
+    tree = tree_allreduce_time(hw, nbytes, group)
+    return tree if algorithm == "tree" else min(ring, tree)
+
+
+def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
+    """Seconds of one point-to-point send of ``nbytes`` between neighbouring pipeline stages:
+    one step's latency plus bytes over one device's link (its NIC when ``across_nodes``)."""
+    if hw.intra_node_gb_per_s is None or nbytes <= 0:
+        return 0.0
+    if across_nodes and hw.inter_node_gb_per_s is not None:
+        bw, lat = hw.inter_node_gb_per_s, hw.inter_node_latency_us
+    else:
+        bw, lat = hw.intra_node_gb_per_s, hw.intra_node_latency_us
+    return (hw.collective_latency_us + lat) * 1e-6 + nbytes / (bw * 1e9 * hw.link_efficiency)
