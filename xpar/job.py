@@ -139,7 +139,9 @@ def _record(job: Job, body) -> Report:
             for path in report.artifacts:  # estimate figures, dry-run detail
                 mlflow.log_artifact(path)
             record_timeline(report.timeline, job.out_dir)
-        where = f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}"
+        from xpar.naming import ui_hint
+        where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
+                 f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
     print_report(spec, report, where)
     return report
 

@@ -43,3 +43,13 @@ def description(spec: RunSpec, overrides: str = "") -> str:
     lines.append("Units: memory metrics in bytes (`*_bytes`), times in seconds (`*_s`), MFU/HFU and bubble "
                  "ratios as fractions of 1; the console shows GiB and %.")
     return "\n\n".join(lines)
+
+
+def ui_hint(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where to see a run in the MLflow UI: its page on a server, or how to start the UI on a
+    SQLite store first (bound to this machine)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    return (f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000, "
+            f"then http://127.0.0.1:5000/{page}")
