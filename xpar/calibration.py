@@ -64,3 +64,127 @@ def megatron_errors(rows: list[dict]) -> list[tuple[dict, float, float]]:
         ref = float(row["tflops_per_gpu"])
         out.append((row, est.hw_tflops_per_device, est.hw_tflops_per_device / ref - 1))
     return out
+
+
+# --- calibration across public sources, leave-one-source-out --------------------------------
+
+def _fw(name: str, **changes):
+    """A framework profile (conf/framework/<name>.yaml) as Assumptions, with ``changes``."""
+    from dataclasses import replace
+
+    from xpar.config import FrameworkConfig
+    return replace(Assumptions.from_config(FrameworkConfig(**preset("framework", name))), **changes)
+
+
+def megatron_row(row: dict):
+    """(spec, assumptions, published hardware TFLOP/s per GPU) of a Table 1 row."""
+    return megatron_2021_spec(row), Assumptions.megatron_2021(), float(row["tflops_per_gpu"]), "hw_tflops"
+
+
+TORCHTITAN_AC = {"none": ("none", 1.0), "full": ("full", 1.0), "selective_op": ("selective", 1.0),
+                 "selective_layer": ("full", 0.5)}
+"""torchtitan's activation checkpointing as xpar's recompute: selective_layer = full
+recompute on every other block (recompute_layer_fraction 0.5)."""
+
+
+def torchtitan_row(row: dict):
+    """(spec, assumptions, published tokens/s per GPU) of a torchtitan FSDP2 run on 64 A100s."""
+    h, heads = int(row["hidden"]), int(row["heads"])
+    model = dict(name=row["model"], n_layers=int(row["layers"]), hidden=h, n_heads=heads,
+                 n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"]),
+                 seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
+                 tied_embeddings=False, bias=False)
+    recompute, frac = TORCHTITAN_AC[row["ac"]]
+    parallel = dict(name="fsdp2", dp=int(row["dp"]), tp=1, pp=1, zero_stage=3, micro_batches=1, recompute=recompute)
+    hw = preset("hardware", "a100_80gb_64gpu")
+    train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
+    a = _fw("torchtitan", recompute_layer_fraction=frac)
+    return make_spec(model, parallel, hw, train), a, float(row["wps_per_gpu"]), "tokens_per_s_per_device"
+
+
+def llama3_row(row: dict):
+    """(spec, assumptions, published model TFLOP/s per GPU) of a Llama 3 405B row (H100)."""
+    gpus, pp, dp = int(row["gpus"]), int(row["pp"]), int(row["dp"])
+    hw = preset("hardware", "h100_80gb_64gpu")
+    hw["nodes"] = gpus // 8
+    split = [3] + [4] * 30 + [3]
+    parallel = dict(name="llama3", dp=dp, tp=int(row["tp"]), pp=pp, zero_stage=1, schedule="interleaved_1f1b",
+                    virtual_stages=2, micro_batches=int(row["batch_per_dp"]), layer_split=split,
+                    sequence_parallel=True, recompute="none")
+    train = dict(micro_batch_size=1, global_batch_size="auto", dtype="bf16", seq_len=int(row["seq"]))
+    a = _fw("megatron", flash_attention=True, dropout=False, dp_overlap=True, param_gather_overlap=True)
+    return make_spec(preset("model", "405b"), parallel, hw, train), a, float(row["tflops_per_gpu"]), "tflops"
+
+
+SOURCES = {
+    "megatron_2021_table1": ("megatron_2021_table1.csv", "A100", megatron_row),
+    "torchtitan_fsdp2_a100": ("torchtitan_fsdp2_a100.csv", "A100", torchtitan_row),
+    "llama3_2024_table4": ("llama3_2024_table4.csv", "H100", llama3_row),
+}
+"""Public sources: file in tests/data, GPU family (one matmul efficiency each), row builder."""
+
+
+def load_cases(data_dir) -> dict[str, list]:
+    """Per source, the (spec, assumptions, published value, metric) of each row."""
+    from pathlib import Path
+    out = {}
+    for name, (fname, gpu, build) in SOURCES.items():
+        out[name] = [(gpu,) + build(r) for r in read_table(Path(data_dir) / fname)]
+    return out
+
+
+def predicted(case, efficiency: float) -> float:
+    """The estimate of a case's metric with ``efficiency`` as hardware.matmul_efficiency."""
+    from xpar.estimate.cost import with_hardware
+    _, spec, assume, _, metric = case
+    e = estimate(with_hardware(spec, matmul_efficiency=efficiency), assume)
+    return {"hw_tflops": e.hw_tflops_per_device, "tflops": e.tflops_per_device,
+            "tokens_per_s_per_device": e.tokens_per_s_per_device}[metric]
+
+
+def errors(cases: list, efficiency: float) -> list[float]:
+    """Relative errors (predicted / published - 1) of ``cases`` at ``efficiency``."""
+    return [predicted(c, efficiency) / c[3] - 1 for c in cases]
+
+
+def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
+    """The matmul efficiency minimising the median |error| of ``cases`` (golden-section search;
+    the median |error| is unimodal in the efficiency for these sources)."""
+    import statistics
+    cost = lambda x: statistics.median(abs(e) for e in errors(cases, x))  # noqa: E731
+    g = (5 ** 0.5 - 1) / 2
+    a, b = lo, hi
+    for _ in range(14):
+        c, d = b - g * (b - a), a + g * (b - a)
+        if cost(c) <= cost(d):
+            b = d
+        else:
+            a = c
+    return round((a + b) / 2, 3)
+
+
+def fit(cases_by_source: dict, exclude: str = "") -> dict[str, float]:
+    """One matmul efficiency per GPU family from every source but ``exclude``; a family with no
+    source left takes the A100 value (the transfer the held-out check measures)."""
+    fams: dict[str, list] = {}
+    for name, cases in cases_by_source.items():
+        if name != exclude:
+            for c in cases:
+                fams.setdefault(c[0], []).append(c)
+    eff = {gpu: fit_efficiency(cs) for gpu, cs in fams.items()}
+    for gpu in {c[0] for cs in cases_by_source.values() for c in cs}:
+        eff.setdefault(gpu, eff.get("A100", 0.66))
+    return eff
+
+
+def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
+    """Per source: the efficiencies fitted on all sources and on all but this one, and the
+    relative errors of its rows under each ('calibration' and 'held_out')."""
+    everything = fit(cases_by_source)
+    out = {}
+    for name, cases in cases_by_source.items():
+        without = fit(cases_by_source, exclude=name)
+        out[name] = {"fit_all": everything, "fit_without": without,
+                     "calibration": [errors([c], everything[c[0]])[0] for c in cases],
+                     "held_out": [errors([c], without[c[0]])[0] for c in cases]}
+    return out

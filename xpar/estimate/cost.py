@@ -1,45 +1,43 @@
 """Step time, throughput, MFU and memory of a layout: the analytic cost model.
 
-Time of one step on the slowest pipeline rank (units: seconds; FLOP/s; bytes/s):
+Time of one step on the slowest pipeline rank (units: seconds; FLOP/s; bytes/s), for the
+framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
 
     T_mb(r)  = F_r / (peak * eta(h/t))                      matmuls (hardware FLOPs, recompute in)
              + passes * A_r / HBM                           memory-bound element-wise work
-             + TP bytes / B_tp + PP bytes / B_pp            blocking collectives, per micro-batch
+             + exposed TP collectives + exposed PP sends    per micro-batch
+             + exposed dp gathers per micro-batch            (ZeRO-2/3, unit by unit)
     step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_r T_mb(r)     pipeline with bubble
-             + exposed dp communication + optimizer (2 passes over the local model states / HBM)
+             + dp communication left at the end (last backward's reductions, ZeRO-1 gathers)
+             + optimizer (2 passes over the local model states / HBM)
 
 - F_r: FLOPs of rank r's layers (and logits on the last stage) per micro-batch / t, from
-  xpar.estimate.flops (Narayanan et al. 2021 convention); full recompute adds one forward.
-- eta(x) = hardware.matmul_efficiency * x / (x + GEMM_HALF_DIM), x = h / t: GEMM efficiency
-  rises with the smallest GEMM dimension (narrow GEMMs fill fewer tiles and waves of the
-  GPU and are more bound by memory traffic).
-- A_r: bytes of activations the layers produce (Korthikanti et al. 2022 Table 2 tally, no
-  recompute, with TP/SP split) -- a proxy for the traffic of norms, softmax, GeLU, dropout,
-  residual adds; each byte is moved ``passes`` times: 2 in forward (written, read back),
-  4 in backward (read, gradient written and read, twice), 2 more for a recomputed forward.
-- B: ring bus bandwidth x hardware.link_efficiency; a group inside a node uses the
-  intra-node link, a group spanning nodes with k members per node min(intra, k * inter)
-  (one NIC per GPU; ranks laid out tp fastest, then dp, then pp, as Megatron and xpar's mesh).
+  xpar.estimate.flops (Narayanan et al. 2021 convention); recompute adds its forward share.
+- eta(x) = hardware.matmul_efficiency * x / (x + GEMM_HALF_DIM), x = h / t.
+- A_r: bytes of activations the layers produce (Korthikanti et al. 2022 Table 2 tally), each
+  moved ``passes`` times (2 forward, 4 backward, +2 for a recomputed forward).
+- Collectives: alpha-beta with the group's topology (members per node, NICs per node, NIC and
+  intra-node bandwidth, NCCL's latencies; xpar.estimate.collectives). TP: 2 collectives per
+  layer each way, blocking, or ``tp_overlap`` of them hidden behind the GEMMs. PP: one p2p per
+  stage boundary and micro-batch, ``pp_overlap`` hidden.
+- dp (xpar.estimate.dp, xpar.estimate.overlap): the collectives each ZeRO stage issues, at the
+  sizes issued (per FSDP unit, per DDP bucket, one buffer), on a timeline against each unit's
+  compute: prefetched gathers of unit k+1 behind unit k, reductions behind the backward of the
+  units after them, the rest exposed; compute slowed by ``overlap_slowdown`` while they overlap.
 - beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
-- dp: each gradient reduction hides behind the backward of its micro-batch (the last
-  one, or every one for ZeRO-2/3 without pp, which reduce-scatter m times:
-  xpar.estimate.comm.dp_reductions) and ZeRO parameter gathers behind compute (prefetch)
-  when ``Assumptions.dp_overlap``.
 
-CALIBRATION (benchmarks/estimate_megatron.py, tests/test_estimate_throughput.py): the ten
-rows of Narayanan et al. 2021 Table 1 (GPT, s = 2048, V = 51200, A100-80GB, interleaved
-1F1B, full recompute, 135-163 TFLOP/s per GPU counted with 96 B s l h^2 (1 + s/6h + V/16lh),
-i.e. hardware FLOPs). The table states neither the micro-batch size nor v: we assume b = 1
-(b = 2 would break Megatron's rule that pp divides the micro-batch count for the 310B row)
-and v = the smallest divisor > 1 of the layers per pipeline rank (2 or 3), with
-``Assumptions.megatron_2021()``. One set of constants for all rows, fitted by grid search
-(max |error| then median): matmul_efficiency = 0.66 (A100 presets), GEMM_HALF_DIM = 32,
-link_efficiency = 0.8 (NCCL reaches ~240 of 300 GB/s on NVLink), passes 2 + 4 (+2 for the
-recomputed forward). Result: |error| <= 5.2 % per row, median 1.6 %. The data barely
-constrain GEMM_HALF_DIM (0-64 fit about equally; h/t >= 768 in every row); it matters for
-narrow models only. The H100 presets use the same 0.66: xpar's default assumptions then give
-426 TFLOP/s (43 % MFU) for Llama 3 405B on 8192 H100 (TP8 PP16 DP64, s = 8192, ZeRO-2,
-interleaved v = 2), against the 430 TFLOP/s / 43 % the Llama 3 paper reports (Table 4).
+CALIBRATION (benchmarks/estimate_calibration.py, tests/test_estimate_throughput.py): one
+constant per GPU family, hardware.matmul_efficiency, fitted by median |error| on public
+runs; every other constant has its source (datasheets, NCCL's tuning model, framework docs).
+Sources (tests/data): Narayanan et al. 2021 Table 1 (10 rows, A100, framework=megatron;
+b = 1, v = smallest divisor > 1 of the layers per rank, as before), torchtitan FSDP2 on 64
+A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/16384 H100 (2
+rows, Table 4). Fitted: A100 0.672, H100 0.678. Leave-one-source-out (fit on the others,
+predict the source): Megatron Table 1 median 2.6 % / max 6.3 %, torchtitan 5.4 % / 17.0 %,
+Llama 3 (H100 from the A100 fit) 5.6 % / 10.6 %. With all sources: Megatron Table 1 median
+1.5 %, max 7.0 % (before the alpha-beta model: 1.6 % / 5.2 %; the 7.5B and 18.4B rows, tp 4-8
+in a node, now pay NCCL's per-step latency on every tp all-reduce). GEMM_HALF_DIM = 32 and
+link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every row).
 """
 from __future__ import annotations
 
@@ -209,6 +207,7 @@ def _layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
     extra = {"none": 0.0, "selective": fwd["attention"] / cfg.n_layers, "full": layer}[par.recompute]
+    extra *= assume.recompute_layer_fraction  # e.g. full recompute on every other block
     act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)

@@ -1,0 +1,53 @@
+"""The cost model against every public source, fitted and held out (leave-one-source-out).
+
+    python benchmarks/estimate_calibration.py [tests/data]
+
+The few constants fitted are the matmul efficiencies, one per GPU family (hardware
+``matmul_efficiency``), by :func:`xpar.calibration.fit_efficiency` (median |error|); everything
+else is physics with its source (NCCL's alpha-beta constants, datasheet bandwidths, framework
+profiles). For each source it prints the median and max |error| with the constants fitted on
+all sources ('calibration') and on all the *other* sources ('held out'): a family whose only
+source is held out takes the A100 value, so the H100 row measures how the A100 fit transfers.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from xpar import calibration as cal
+
+DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+
+def _stats(errs: list[float]) -> tuple[float, float]:
+    a = [abs(e) for e in errs]
+    return statistics.median(a), max(a)
+
+
+def main(data_dir: Path = DEFAULT) -> dict:
+    cases = cal.load_cases(data_dir)
+    res = cal.leave_one_source_out(cases)
+    table = Table(title="Cost model vs public sources: |error| of the per-GPU throughput")
+    for col in ("source", "rows", "GPU", "fit on all", "median", "max", "fit without it", "median (held out)",
+                "max (held out)"):
+        table.add_column(col, justify="right")
+    for name, r in res.items():
+        gpu = cases[name][0][0]
+        cm, cx = _stats(r["calibration"])
+        hm, hx = _stats(r["held_out"])
+        table.add_row(name, str(len(cases[name])), gpu, f"{r['fit_all'][gpu]:.3f}", f"{100 * cm:.1f}%",
+                      f"{100 * cx:.1f}%", f"{r['fit_without'][gpu]:.3f}", f"{100 * hm:.1f}%", f"{100 * hx:.1f}%")
+    console = Console(width=160)
+    console.print(table)
+    for name, r in res.items():
+        console.print(f"{name}: calibration errors {[f'{100 * e:+.1f}%' for e in r['calibration']]}; "
+                      f"held out {[f'{100 * e:+.1f}%' for e in r['held_out']]}")
+    return res
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT)
