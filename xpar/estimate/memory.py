@@ -487,10 +487,20 @@ def recompute_extra_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: s
 
 
 def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
-    """What the estimate should say about the recompute policy."""
-    if spec.parallel.recompute == "selective" and o.selective_recompute == "attention" and o.flash_attention:
+    """What the estimate should say about the recompute policy: Megatron's selective recompute
+    under flash attention saves ~nothing; an op-level policy that keeps more than no
+    recompute (with sequence parallelism at large t, the wo/w2 outputs before their
+    reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
+    if spec.parallel.recompute != "selective":
+        return []
+    if o.selective_recompute == "attention" and o.flash_attention:
         return ["selective recompute of the attention core (Megatron) saves almost nothing under flash "
                 "attention: the s x s scores are never kept (only a 4 a bytes/token log-sum-exp)"]
+    lb = layer_bytes(spec, o)
+    if lb["kept"] > lb["none"]:
+        return [f"selective recompute ({o.selective_recompute}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
+                f"of no recompute per block here (it keeps matmul and collective outputs that plain autograd "
+                f"does not need); recompute=none or full is better for memory"]
     return []
 
 
