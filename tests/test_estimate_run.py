@@ -148,6 +148,9 @@ def test_memory_headroom_refuses_what_leaves_too_little_free():
     assert "usable" in str(e.value) and f"hardware.memory_headroom={headroom:g}" in str(e.value)
     fits = spec_for("parallel=7b_8gpu", "hardware=a100_80gb_8gpu", f"hardware.memory_headroom={round(1 - share - 0.02, 2)}")
     assert fits.mode == "estimate"
+    with pytest.raises(ConfigError) as e:
+        spec_for("parallel=7b_8gpu", "hardware=a100_80gb_8gpu", "hardware.memory_headroom=1.5")
+    assert "must be a fraction of device memory in [0, 1)" in str(e.value)
 
 
 def test_estimate_on_pipeline_names_the_loaded_stage():

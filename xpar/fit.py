@@ -268,6 +268,10 @@ def host_memory_problem(spec: RunSpec) -> Optional[str]:
 def memory_problems(spec: RunSpec) -> list[str]:
     """The memory checks of a valid spec: host memory for a local CPU run, device memory
     (cost-model estimate) in estimate mode."""
+    headroom = getattr(spec.hardware, "memory_headroom", 0.0) or 0.0
+    if not 0.0 <= headroom < 1.0:
+        return [f"hardware.memory_headroom={headroom:g} must be a fraction of device memory in [0, 1) "
+                f"(0.05 keeps 5 % free); values that work: 0, 0.05, 0.1."]
     problem = None
     if spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
