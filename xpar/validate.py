@@ -17,6 +17,7 @@ from xpar.checks import ConfigError, divisors  # noqa: F401  (re-exported)
 from xpar.checks import config as config_checks
 from xpar.checks import layout as layout_checks
 from xpar.checks.environment import check_environment
+from xpar.checks.framework import check_framework
 from xpar.checks.runtime import check_runtime
 from xpar.config import XparConfig
 from xpar.layout import Layout
@@ -62,7 +63,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
     _raise_if(config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c))  # the rest assumes them
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
-                + config_checks.check_data(c))
+                + config_checks.check_data(c) + check_framework(c.framework))
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
