@@ -64,8 +64,8 @@ def time_figure(breakdown: dict[str, float], title: str):
     ax.set_yticks([])
     ax.set_xlabel("seconds per step (estimated)")
     ax.set_title(title, fontsize=9)
-    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=4, frameon=False)
-    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4, frameon=False)
+    fig.tight_layout()  # the legend below the axis is kept by savefig's tight bounding box
     return fig
 
 
