@@ -105,13 +105,13 @@ class Recorder:
                 try:
                     deliver(self.client, self.run_id, rec)
                 except Exception as e:  # unreachable, refused, timed out, store error
-                    self._failed(e)
+                    self.mark_failed(e)
                     return False
                 self.journal.ack(rec)
             self.error = None
             return True
 
-    def _failed(self, e: Exception) -> None:
+    def mark_failed(self, e: Exception) -> None:
         first = self.error is None
         self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         self._failed_at = time.monotonic()
@@ -139,7 +139,7 @@ class Recorder:
         if self._thread is not None:
             self._thread.join(max(0.0, self._deadline - time.monotonic()))
             if self._thread.is_alive():  # blocked on a store that does not answer
-                self._failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+                self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
         self.collect_steps()
 
     def flush_bounded(self) -> bool:
@@ -151,7 +151,7 @@ class Recorder:
         t.start()
         t.join(max(0.0, (self._deadline or time.monotonic() + END_BUDGET_S) - time.monotonic()))
         if t.is_alive():
-            self._failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+            self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
         return bool(done and done[0])
 
     # -- records ---------------------------------------------------------------------------

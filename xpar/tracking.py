@@ -172,7 +172,7 @@ def recording(run) -> Iterator[None]:
         recorder = getattr(run, "recorder", None)
         if recorder is None or not _is_store_error(e):
             raise
-        recorder._failed(e)
+        recorder.mark_failed(e)
         from xpar.plots import TIMELINE_FILE
         timeline = recorder.out_dir / TIMELINE_FILE
         if timeline.is_file():
