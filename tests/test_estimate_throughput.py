@@ -238,3 +238,13 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     fitted = next(iter(res.values()))["fit_all"]
     assert fitted["A100"] == pytest.approx(preset("hardware", "a100_80gb_64gpu")["matmul_efficiency"], abs=0.01)
     assert fitted["H100"] == pytest.approx(preset("hardware", "h100_80gb_64gpu")["matmul_efficiency"], abs=0.01)
+
+
+def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
+    """tp_overlap (async TP, Megatron-Core tp-comm-overlap) and pp_overlap hide their share;
+    the communication issued stays the same."""
+    s = spec(tp=8, pp=2, micro_batches=8, schedule="1f1b", sequence_parallel=True)
+    base, over = estimate(s), estimate(s, replace(Assumptions(), tp_overlap=0.8, pp_overlap=1.0))
+    assert over.time_breakdown["tp_comm"] == pytest.approx(0.2 * base.time_breakdown["tp_comm"])
+    assert over.time_breakdown["pp_comm"] == 0 < base.time_breakdown["pp_comm"]
+    assert over.comm_time["tp"] == pytest.approx(base.comm_time["tp"]) and over.time_per_step_s < base.time_per_step_s
