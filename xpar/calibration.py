@@ -116,12 +116,30 @@ def llama3_row(row: dict):
     return make_spec(preset("model", "405b"), parallel, hw, train), a, float(row["tflops_per_gpu"]), "tflops"
 
 
+def torchtitan_h100_row(row: dict):
+    """(spec, assumptions, published tokens/s per GPU) of a torchtitan Llama 3.1 8B FSDP run on
+    H100 (96 GB HBM2e, 2.4 TB/s; torchtitan_h100_2024.csv)."""
+    model = dict(name="llama31_8b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                 vocab_size=128256, seq_len=8192, activation="swiglu", norm="rmsnorm", position="rope",
+                 tied_embeddings=False, bias=False)
+    gpus = int(row["gpus"])
+    recompute, frac = TORCHTITAN_AC[row["ac"]]
+    parallel = dict(name="fsdp2", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=1, recompute=recompute)
+    hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=max(1, gpus // 8), hbm_tb_per_s=2.4, device_memory_gb=96)
+    train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
+    a = _fw("torchtitan", recompute_layer_fraction=frac)
+    return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
+
+
 SOURCES = {
     "megatron_2021_table1": ("megatron_2021_table1.csv", "A100", megatron_row),
     "torchtitan_fsdp2_a100": ("torchtitan_fsdp2_a100.csv", "A100", torchtitan_row),
     "llama3_2024_table4": ("llama3_2024_table4.csv", "H100", llama3_row),
+    "torchtitan_h100_2024": ("torchtitan_h100_2024.csv", "H100-96GB-500W", torchtitan_h100_row),
 }
-"""Public sources: file in tests/data, GPU family (one matmul efficiency each), row builder."""
+"""Public sources: file in tests/data, GPU family (one matmul efficiency each), row builder. The
+torchtitan H100 runs are their own family: a 500 W, HBM2e part whose peak its authors do not
+know (between SXM and NVL), so the SXM datasheet peak does not describe it."""
 
 
 def load_cases(data_dir) -> dict[str, list]:

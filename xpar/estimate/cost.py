@@ -32,9 +32,11 @@ runs; every other constant has its source (datasheets, NCCL's tuning model, fram
 Sources (tests/data): Narayanan et al. 2021 Table 1 (10 rows, A100, framework=megatron;
 b = 1, v = smallest divisor > 1 of the layers per rank, as before), torchtitan FSDP2 on 64
 A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/16384 H100 (2
-rows, Table 4). Fitted: A100 0.672, H100 0.678. Leave-one-source-out (fit on the others,
-predict the source): Megatron Table 1 median 2.6 % / max 6.3 %, torchtitan 5.4 % / 17.0 %,
-Llama 3 (H100 from the A100 fit) 5.6 % / 10.6 %. With all sources: Megatron Table 1 median
+rows, Table 4), torchtitan Llama 3.1 8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows,
+its own family: peak unknown). Fitted: A100 0.672, H100 0.678 (500 W part: 0.400). Leave-one-
+source-out (fit on the others, predict the source): Megatron Table 1 median 2.6 % / max 6.3 %,
+torchtitan A100 5.4 % / 17.0 %, Llama 3 (H100 from the A100 fit) 5.6 % / 10.6 %, torchtitan
+500 W H100 from the A100 fit +53 % / +56 % (the datasheet peak does not describe that part). With all sources: Megatron Table 1 median
 1.5 %, max 7.0 % (before the alpha-beta model: 1.6 % / 5.2 %; the 7.5B and 18.4B rows, tp 4-8
 in a node, now pay NCCL's per-step latency on every tp all-reduce). GEMM_HALF_DIM = 32 and
 link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every row).
