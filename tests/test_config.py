@@ -123,3 +123,17 @@ def test_worker_failure_survives_pickling():  # launchers such as submitit ship 
     from xpar.launch import WorkerFailed
     e = pickle.loads(pickle.dumps(WorkerFailed(1, "RuntimeError: boom", "traceback")))
     assert (e.rank, e.error, str(e)) == (1, "RuntimeError: boom", "worker rank 1 failed: RuntimeError: boom")
+
+
+def test_found_by_a_new_user_refused_before_any_worker():
+    """From the break-it pass: each of these used to crash a worker or run silently wrong."""
+    msg = _problems("parallel=pp", "model=tiny", "parallel.schedule=zbv", "parallel.recompute=selective")
+    assert "parallel.recompute=selective cannot run with schedule zbv" in msg and "recompute=full" in msg
+    assert "train.lr must be > 0 and finite, got inf" in _problems("train.lr=inf")
+    assert "weight_decay must be >= 0 and finite, got nan" in _problems("train.weight_decay=nan")
+    msg = _problems("parallel=pp", "model=tiny", "train.global_batch_size=4", "parallel.micro_batches=auto",
+                    "parallel.schedule=1f1b")
+    assert "micro_batches=auto gave m = train.global_batch_size / (micro_batch_size x dp) = 4 / (4 x 1)" in msg
+    assert "parallel.virtual_stages=auto" in _problems("parallel=pp", "model=tiny", "parallel.virtual_stages=2")
+    msg = _problems("parallel.recompute=bogus", "train.max_grad_norm=-1")  # every violated constraint at once
+    assert "parallel.recompute must be one of" in msg and "train.max_grad_norm must be > 0" in msg

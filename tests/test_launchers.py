@@ -46,6 +46,7 @@ SLURM_TASK_9 = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTA
 def test_a_slurm_task_becomes_one_rank_of_the_job(monkeypatch):
     from xpar.cluster import adopt_submitit_tasks
 
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # adopt_submitit_tasks exports into os.environ
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                 "XPAR_SUBMITIT_TASKS", "XPAR_SUBMITIT_NODES", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(key, raising=False)

@@ -51,8 +51,9 @@ def peak_cache_path() -> Path:
 def cached_cpu_peak_flops(threads: int = 1) -> float:
     """:func:`measure_cpu_peak_flops` with ``threads``, measured once per machine: the value
     is kept in :func:`peak_cache_path` under the key ``host|torch version|threads`` and
-    reused by later runs (delete the file to measure again). An unreadable or unwritable
-    cache falls back to measuring in this process."""
+    reused by later runs (delete the file, or its entry, to measure again). A reading for
+    several threads below the cached one-thread peak (taken under load) is raised to it. An
+    unreadable or unwritable cache falls back to measuring in this process."""
     import json
     import socket
 
@@ -67,6 +68,9 @@ def cached_cpu_peak_flops(threads: int = 1) -> float:
     if isinstance(cache.get(key), (int, float)):
         return float(cache[key])
     flops = measure_cpu_peak_flops(threads=threads)
+    one = cache.get(f"{socket.gethostname()}|torch {torch.__version__}|threads 1")
+    if threads > 1 and isinstance(one, (int, float)) and flops < one:
+        flops = float(one)  # more threads never lower the peak: a lower reading was taken under load
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -81,6 +81,7 @@ def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     for group in GROUPS:
         config[group] = asdict(getattr(spec, group))
+    config["run"]["mode"] = spec.mode  # 'auto' resolved: execute or estimate
     if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched
         from xpar.cluster import placement
         where = placement(spec)

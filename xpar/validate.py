@@ -43,7 +43,8 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     par, v = c.parallel, layout.virtual_stages
     return (layout_checks.check_tp(c.model, layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
-            + layout_checks.check_pipeline(c.model, layout, mode)
+            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
+            + layout_checks.check_recompute(layout)
             + layout_checks.check_layer_split(c.model.n_layers, par.layer_split, par.pp, v))
 
 
@@ -61,9 +62,10 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
         ConfigError: listing every violated constraint.
     """
     c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
-    _raise_if(config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c))  # the rest assumes them
+    early = config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c)
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
                 + config_checks.check_data(c) + check_framework(c.framework))
+    _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)

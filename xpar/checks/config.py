@@ -1,6 +1,7 @@
 """Checks of the composed config alone (no layout resolved yet). Each returns violations."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from xpar.checks import divisors
@@ -82,10 +83,12 @@ def check_train(c: XparConfig) -> list[str]:
                    f"(learned positions cover {model.seq_len}), got {seq}.")
     if tr.micro_batch_size < 1:
         out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}.")
-    if not tr.lr > 0:
-        out.append(f"train.lr must be > 0, got {tr.lr}; e.g. train.lr=3e-4.")
-    if tr.weight_decay < 0:
-        out.append(f"train.weight_decay must be >= 0, got {tr.weight_decay}.")
+    if not (tr.lr > 0 and math.isfinite(tr.lr)):
+        finite = "" if math.isfinite(tr.lr) else " and finite"
+        out.append(f"train.lr must be > 0{finite}, got {tr.lr}; e.g. train.lr=3e-4.")
+    if not (tr.weight_decay >= 0 and math.isfinite(tr.weight_decay)):
+        finite = "" if math.isfinite(tr.weight_decay) else " and finite"
+        out.append(f"train.weight_decay must be >= 0{finite}, got {tr.weight_decay}; e.g. train.weight_decay=0.1.")
     if tr.steps <= 0:
         out.append(f"train.steps must be > 0, got {tr.steps}.")
     if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:

@@ -48,20 +48,41 @@ def check_virtual_stages(schedule: str, pp: int, v: int) -> list[str]:
     rule = SCHEDULES[schedule].stages_per_rank
     if rule == "1" and v != 1:
         return [f"schedule {schedule} runs one stage per rank: parallel.virtual_stages must be 1, "
-                f"got {v}; use schedule interleaved_1f1b/zero_bubble for v > 1."]
+                f"got {v}; set parallel.virtual_stages=auto (or 1), or a schedule with v > 1 "
+                f"(interleaved_1f1b, zero_bubble)."]
     if rule == "v" and v < 2:
-        return [f"schedule {schedule} needs parallel.virtual_stages >= 2 (stages per rank), got {v}."]
+        return [f"schedule {schedule} needs parallel.virtual_stages >= 2 (stages per rank), got {v}; "
+                f"set parallel.virtual_stages=auto (2)."]
     if rule == "2" and v != 2:
-        return [f"schedule {schedule} is V-shaped: parallel.virtual_stages must be 2, got {v}."]
+        return [f"schedule {schedule} is V-shaped: parallel.virtual_stages must be 2, got {v}; "
+                f"set parallel.virtual_stages=auto (2)."]
     return []
 
 
-def check_pipeline(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
-    """Micro-batch count the schedule accepts; no tied embeddings split across stages."""
+def check_recompute(layout: Layout) -> list[str]:
+    """Selective recompute (torch's selective activation checkpointing) allows one backward
+    through each checkpointed region; the zero-bubble schedules split a block's backward into
+    an input-gradient (I) and a weight-gradient (W) pass, which torch 2.13 refuses at run time
+    ("Trying to backward an extra time ... selective activation checkpoint", measured here)."""
+    if layout.recompute == "selective" and layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble:
+        return [f"parallel.recompute=selective cannot run with schedule {layout.schedule}: its split "
+                f"backward (I then W) goes through each checkpointed block twice, which torch's selective "
+                f"checkpointing refuses; use parallel.recompute=full or none, or schedule interleaved_1f1b."]
+    return []
+
+
+def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False) -> list[str]:
+    """Micro-batch count the schedule accepts; no tied embeddings split across stages.
+    ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message."""
     if layout.pp == 1:
         return []
     out = []
     problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches)
+    if problem and derived:
+        b, dp = layout.micro_batch_size, layout.dp
+        problem += (f" (parallel.micro_batches=auto gave m = train.global_batch_size / (micro_batch_size x dp) = "
+                    f"{layout.global_batch} / ({b} x {dp}); for m = k set train.global_batch_size={b * dp}*k, "
+                    f"or a smaller train.micro_batch_size)")
     if problem:
         out.append(problem)
     if mode == "execute" and model.tied_embeddings:

@@ -3,6 +3,8 @@ enumerated ones (dtype, recompute) are in :data:`xpar.checks.config.CHOICES`. Ea
 lines: the constraint, the values given, values that work (empty when valid)."""
 from __future__ import annotations
 
+import math
+
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -14,8 +16,8 @@ def check_runtime(c) -> list[str]:
 def check_max_grad_norm(c) -> list[str]:
     """train.max_grad_norm: a positive number, or null (no clipping)."""
     v = c.train.max_grad_norm
-    if v is not None and not v > 0:
-        return [f"train.max_grad_norm must be > 0 or null (no clipping), got {v}; e.g. 1.0."]
+    if v is not None and not (v > 0 and math.isfinite(v)):
+        return [f"train.max_grad_norm must be > 0 or null (no clipping; finite), got {v}; e.g. 1.0."]
     return []
 
 
