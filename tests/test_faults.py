@@ -145,9 +145,10 @@ def _sweep_runs(cwd: Path):
 
 def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
     """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), the next
-    trial runs, and the parent's best job is the one that finished."""
+    trial runs, and the parent's best job is the one that finished. One trial at a time
+    (n_jobs=1): optuna's grid sampler may hand both trials of a parallel batch the same point."""
     r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid",
-                        "hydra.sweeper.n_trials=2", "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true",
+                        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true",
                         "train.steps=3", "run.progress=false", ONE_WORKER], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,7 +4,8 @@ Micro-benchmarks, each the median of repeated timings (``time.perf_counter``):
 
 - matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
   rate is ``peak_tflops`` and ``matmul_efficiency`` is fitted to the cost model's curve
-  eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) (:mod:`xpar.estimate.cost`);
+  eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) (:mod:`xpar.estimate.cost`), capped at 1
+  (CPU GEMMs reach their best rate at small n, where that curve is low);
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
   (read + write) -> ``hbm_tb_per_s``;
 - collectives on ``workers`` local processes over the backend at hand (gloo on CPU): all-reduce,
@@ -223,7 +224,7 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, dev
     peak = max(matmul.values())
     values = {"name": "local", "device": device, "devices_per_node": "auto", "nodes": 1,
               "peak_tflops": peak / 1e12,
-              "matmul_efficiency": fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM),
+              "matmul_efficiency": min(1.0, fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM)),
               "hbm_tb_per_s": bandwidth / 1e12, "intra_node_gb_per_s": beta / 1e9, "link_efficiency": 1.0,
               "intra_node_latency_us": alpha * 1e6, "collective_latency_us": 0.0}
     known = {f.name for f in fields(HardwareConfig)}
