@@ -27,6 +27,10 @@ MODEL = ["model=tiny", "model.n_layers=4", "model.hidden=256", "model.n_heads=8"
          "model.ffn_hidden=704", "model.vocab_size=4096", "model.seq_len=128"]
 
 
+EXTRA: list[str] = []
+"""Extra overrides for xpar's side (--overrides)."""
+
+
 def _spec(layout: str, steps: int):
     from hydra import compose, initialize_config_dir
 
@@ -38,7 +42,7 @@ def _spec(layout: str, steps: int):
         extra = ["parallel.schedule=1f1b", "parallel.micro_batches=4"] if layout == "pp" else []
         cfg = compose("config", overrides=[f"parallel={layout}", *extra, "tracking=off", "run.progress=false",
                                            f"train.steps={steps}", "train.warmup_steps=2",
-                                           "train.micro_batch_size=4", *MODEL])
+                                           "train.micro_batch_size=4", *MODEL, *EXTRA])
     return validate(cfg, local_devices=2)
 
 
@@ -180,7 +184,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layouts", nargs="+", default=["dp", "zero3", "tp", "pp"])
+    ap.add_argument("--overrides", nargs="*", default=[], help="extra xpar overrides, e.g. train.max_grad_norm=null")
     args = ap.parse_args()
+    EXTRA[:] = args.overrides
     from rich.console import Console
     from rich.table import Table
 

@@ -16,7 +16,8 @@ over a layout, :func:`global_grad_norm` assembles the norm from this rank's loca
 Torch's own ``clip_grad_norm_`` cannot do this here: it refuses a mix of DTensors on
 different meshes with plain tensors, and knows nothing of pipeline stages (torchtitan adds
 the pp all-reduce by hand the same way, ``torchtitan.distributed.utils.clip_grad_norm_``).
-Square sums are accumulated in float64.
+Per-tensor norms are reduced in the gradient's dtype (as torch does) and their squares
+accumulated in float64.
 
 Learning rate (``train.lr_schedule``): ``constant`` (the default; today's behaviour, lr
 fixed), or ``cosine``: linear warm-up over ``train.lr_warmup_steps`` steps from lr/warmup to
@@ -40,12 +41,19 @@ def _local_square_sum(g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(g, DTensor):
-        return g.detach().double().pow(2).sum(), ()
+        return _square_sum(g), ()
     if any(pl.is_partial() for pl in g.placements):
         g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
     # Shard or _StridedShard (FSDP2 over tp-sharded dim 0; its is_shard() is False in torch 2.13)
     groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-    return g.to_local().detach().double().pow(2).sum(), groups
+    return _square_sum(g.to_local()), groups
+
+
+def _square_sum(t: torch.Tensor) -> torch.Tensor:
+    """Square sum of ``t`` as a float64 scalar: the L2 norm reduced in the tensor's own kernel
+    (fp32 accumulation, as torch's clip_grad_norm_), squared in float64 -- no float64 copy
+    of the gradient (that copy cost 3-8 % of a step in benchmarks/overhead.py)."""
+    return torch.linalg.vector_norm(t.detach()).double() ** 2
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], pp_group=None) -> float:
