@@ -8,9 +8,9 @@ parameter ``workflowType``, else the browser's localStorage, default GenAI); old
 experiment tag ``mlflow.experimentKind``, which xpar also sets. Children are nested under their
 parent unless the table is sorted or filtered (``orderByKey``), as in the README's second link.
 
-The sweep runs through submitit's local executor with 2 tasks per job (one process start-up
-paid for two checks): each job's 2 tasks are the 2 ranks of ONE xpar job (xpar.cluster), so
-the store holds one child run per job, world size 2, tagged launcher submitit-local.
+The sweep runs through submitit's local executor with 4 tasks per job (one process start-up
+paid for two checks): each job's 4 tasks are the 4 ranks of ONE xpar job (xpar.cluster), so
+the store holds one child run per job, world size 4, tagged launcher submitit-local.
 """
 import os
 import re
@@ -33,7 +33,7 @@ def ui(tmp_path_factory):
     """(UI base URL, experiment id, store dir) after a 2-job sweep."""
     cwd = tmp_path_factory.mktemp("ui")
     r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/launcher=submitit_local",
-                        "hydra.launcher.tasks_per_node=2", "parallel.micro_batches=1,2", "train.steps=2",
+                        "hydra.launcher.tasks_per_node=4", "parallel.micro_batches=1,2", "train.steps=2",
                         "train.warmup_steps=1", "run.progress=false"], cwd=cwd, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -86,18 +86,18 @@ def test_the_readme_link_opens_the_runs_table_with_the_childrens_names(ui):
     assert "Detect Issues" not in opened and "Token Usage" not in opened  # not the GenAI overview
     flat = page_text(f"{url}/#/experiments/{exp}/runs?workflowType=machine_learning"
                      "&orderByKey=attributes.run_name&orderByAsc=true")
-    assert "tiny·dp2 #0" in flat and "tiny·dp2 #1" in flat, flat[:2000]
+    assert "tiny·dp4 #0" in flat and "tiny·dp4 #1" in flat, flat[:2000]
 
 
 def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
     _, exp, _ = ui
     runs = mlflow.search_runs(experiment_ids=[exp])
     kids = runs[runs["tags.xpar.role"] != "sweep"].sort_values("tags.xpar.job_num")
-    assert list(kids["tags.mlflow.runName"]) == ["tiny·dp2 #0", "tiny·dp2 #1"]
-    assert kids["tags.mlflow.note.content"].str.contains("measured on 2 cpu worker").all()
+    assert list(kids["tags.mlflow.runName"]) == ["tiny·dp4 #0", "tiny·dp4 #1"]
+    assert kids["tags.mlflow.note.content"].str.contains("measured on 4 cpu worker").all()
     assert (kids["tags.xpar.peak_rank"].str.fullmatch(r"\d+")).all()
     assert "metrics.memory/peak_rank" not in runs  # an identifier is not charted as a metric
     assert set(kids["status"]) == {"FINISHED"} and len(kids) == 2  # one run per job, not one per task
-    assert set(kids["params.parallel.dp"]) == {"2"}  # the job's world: its 2 tasks
+    assert set(kids["params.parallel.dp"]) == {"4"}  # the job's world: its 4 tasks, one rank each
     assert set(kids["tags.xpar.launcher"]) == {"submitit-local"} and set(kids["tags.xpar.nodes"]) == {"1"}
-    assert set(kids["tags.xpar.devices_per_node"]) == {"2"}
+    assert set(kids["tags.xpar.devices_per_node"]) == {"4"}  # 4 tasks on the one node
