@@ -262,7 +262,25 @@ def host_memory_problem(spec: RunSpec) -> Optional[str]:
             f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
             f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
             f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). Use a smaller model "
-            f"(model=tiny or small), or estimate it: run.mode=estimate hardware=a100_80gb_8gpu.")
+            f"(model=tiny or small), or estimate it: run.mode=estimate hardware={_cluster_for(spec)}.")
+
+
+def _cluster_for(spec: RunSpec) -> str:
+    """A hardware preset to estimate ``spec`` on: its parallel preset's reference cluster, else
+    the smallest preset whose device count tp x pp divides (so that dp=auto resolves)."""
+    from xpar.presets import presets
+
+    if spec.parallel.reference_hardware:
+        return spec.parallel.reference_hardware
+    sized = []
+    for name in presets("hardware"):
+        if name == "local" or name.startswith("calibrated_"):
+            continue
+        hw = _hardware(name)
+        world = int(hw.devices_per_node) * hw.nodes
+        if world % (spec.tp * spec.pp) == 0:
+            sized.append((world, name))
+    return min(sized)[1] if sized else "a100_80gb_1024gpu"
 
 
 def memory_problems(spec: RunSpec) -> list[str]:
