@@ -11,6 +11,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from tests.conftest import start_mlflow_server
 from xpar.launch import free_port
 
 STEPS = 40
@@ -22,22 +23,7 @@ def _get(url: str, path: str, **query) -> dict:
 
 
 def _start_server(port: int, root: Path) -> subprocess.Popen:
-    import shutil
-
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
-    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                             "--default-artifact-root", str(root / "server_artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            assert time.time() < deadline and proc.poll() is None, "mlflow server did not restart"
-            time.sleep(0.5)
+    return start_mlflow_server(root, port)
 
 
 def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_path):
@@ -144,18 +130,18 @@ def _sweep_runs(cwd: Path):
 
 
 def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
-    """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), the next
-    trial runs, and the parent's best job is the one that finished. One trial at a time
-    (n_jobs=1): optuna's grid sampler may hand both trials of a parallel batch the same point."""
-    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid",
-                        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true",
-                        "train.steps=3", "run.progress=false", ONE_WORKER], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
+    """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), later
+    trials run, and the parent's best job is one that finished. Random sampler with a fixed
+    seed (the grid sampler may repeat a point whose trial failed: the test was random)."""
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random",
+                        "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1",
+                        "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true", "train.steps=3",
+                        "run.progress=false", ONE_WORKER], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "skipping job" in r.stderr and "Traceback" not in r.stderr
     parent, kids = _sweep_runs(tmp_path)
-    assert list(kids["status"]) == ["FINISHED"] and kids.iloc[0]["params.train.warmup_steps"] == "1"
-    assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] == kids.iloc[0]["run_id"]
+    assert len(kids) >= 1 and set(kids["status"]) == {"FINISHED"} and set(kids["params.train.warmup_steps"]) == {"1"}
+    assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] in set(kids["run_id"])
 
 
 def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):

@@ -2,37 +2,22 @@
 and children are found with their metrics through the REST search API."""
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
+from tests.conftest import start_mlflow_server
 from xpar.launch import free_port
 
 
 @pytest.fixture
 def server(tmp_path):
     port = free_port()
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
-    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                             "--default-artifact-root", str(tmp_path / "server_artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = start_mlflow_server(tmp_path, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("mlflow server did not become healthy in 90 s")
-                time.sleep(0.5)
         yield url
     finally:
         os.killpg(proc.pid, 15)

@@ -17,12 +17,11 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 
 import mlflow
 import pytest
 
+from tests.conftest import start_mlflow_server
 from xpar.launch import free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -38,31 +37,14 @@ def ui(tmp_path_factory):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     port = free_port()
-    mlflow_bin = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
-    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{cwd / 'mlflow.db'}"], cwd=cwd,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
+    proc = start_mlflow_server(cwd, port, store=cwd / "mlflow.db")
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
         mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
         yield url, mlflow.get_experiment_by_name("xpar").experiment_id, cwd
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
-
-
-def _wait_healthy(url: str, proc) -> None:
-    deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError("mlflow server did not become healthy in 90 s")
-            time.sleep(0.5)
 
 
 def page_text(url: str) -> str:
