@@ -52,7 +52,8 @@ from xpar.estimate import flops as fl
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank
 from xpar.estimate.dp import dp_timing
-from xpar.estimate.memory import BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, layer_activation_bytes, memory
+from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
+                                  layer_activation_bytes, memory)
 from xpar.estimate.schedule import bubble_theory
 from xpar.spec import RunSpec
 
@@ -63,63 +64,27 @@ TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm
 
 
 @dataclass(frozen=True)
-class Assumptions:
+class Assumptions(MemoryOptions):
     """How the training framework behaves (not the hardware). Defaults: xpar on torch (CUDA).
     Built from a ``framework`` preset (conf/framework/*.yaml) by :meth:`from_config`; the
-    fields are those of :class:`xpar.config.FrameworkConfig`, documented there."""
+    fields are those of :class:`xpar.config.FrameworkConfig`, documented there. The memory
+    fields (and ``zero1``) are inherited from :class:`xpar.estimate.memory.MemoryOptions`."""
 
-    flash_attention: bool = True
-    """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
-    dropout: bool = False
-    """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
     dp_overlap: bool = True
     """Gradient reductions overlap the backward of the units before them (xpar.estimate.overlap)."""
     scatter_gather: bool = False
     """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
     passes_forward: float = 2.0
     passes_backward: float = 4.0
-    fused_rmsnorm: bool = True
-    """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
-    RMSNorm, which also keeps x * rstd (one more e h per norm)."""
-    sp_saves_gathered: bool = True
-    """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
-    projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
     name: str = "xpar"
     fsdp_prefetch: bool = True
     param_gather_overlap: bool = False
-    zero1: str = "zero_redundancy"
     grad_reduce_bytes: int = 4
     dp_collective: str = "nccl"
     bucket_mb: float = 25.0
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
     overlap_slowdown: float = 0.15
-    # --- memory (xpar.estimate.memory.MemoryOptions reads these by name) ---
-    count_buffers: bool = True
-    """Count what the framework allocates besides model states and saved activations (DDP
-    buckets, FSDP all-gather/reduce buffers, p2p buffers, recompute workspace, fp32 loss
-    temporaries). xpar's CPU accounting counts none of them: False for hardware=local."""
-    selective_recompute: str = "op"
-    """What parallel.recompute=selective keeps: 'op' (xpar: every matmul and tp-collective
-    output), 'torchtitan_op' (SDPA outputs + every other matmul output), 'attention'
-    (Megatron: recompute only the attention core; worthless under flash attention)."""
-    recompute_layer_fraction: float = 1.0
-    """Fraction of blocks the recompute policy applies to (torchtitan selective_layer: full
-    recompute on every other block = 0.5)."""
-    param_storage: str = "fp32"
-    """Mixed precision: 'fp32' (xpar, torchtitan: fp32 parameters are the master weights, bf16
-    compute copies) or 'bf16' (Megatron, DeepSpeed: bf16 parameters, fp32 master in the optimizer)."""
-    grad_bytes: int = 4
-    """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
-    reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
-    fsdp_reshard_under_pp: bool = True
-    """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
-    between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
-    ddp_bucket_copy: bool = True
-    """DDP copies gradients into communication buckets (torch default); False: gradients live in
-    the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""
-    cpu_offload_optimizer: bool = False
-    """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":

@@ -84,24 +84,48 @@ SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """How the framework keeps memory. Field names are those of
-    :class:`xpar.estimate.cost.Assumptions`; defaults: xpar on CUDA."""
+    """How the framework keeps memory; :class:`xpar.estimate.cost.Assumptions` extends it
+    with the time model's fields. Defaults: xpar on CUDA."""
 
     flash_attention: bool = True
+    """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
     dropout: bool = False
+    """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
     fused_rmsnorm: bool = True
+    """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
+    RMSNorm, which also keeps x * rstd (one more e h per norm)."""
     sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
+    projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
     count_buffers: bool = True
+    """Count what the framework allocates besides model states and saved activations (DDP
+    buckets, FSDP all-gather/reduce buffers, p2p buffers, recompute workspace, fp32 loss
+    temporaries). xpar's CPU accounting counts none of them: False for hardware=local."""
     selective_recompute: str = "op"
+    """What parallel.recompute=selective keeps: 'op' (xpar: every matmul and tp-collective
+    output), 'torchtitan_op' (SDPA outputs + every other matmul output), 'attention'
+    (Megatron: recompute only the attention core; worthless under flash attention)."""
     recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to (torchtitan selective_layer: full
+    recompute on every other block = 0.5)."""
     param_storage: str = "fp32"
+    """Mixed precision: 'fp32' (xpar, torchtitan: fp32 parameters are the master weights, bf16
+    compute copies) or 'bf16' (Megatron, DeepSpeed: bf16 parameters, fp32 master in the optimizer)."""
     grad_bytes: int = 4
+    """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
+    reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
     fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
+    between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
     ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default); False: gradients live in
+    the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""
     cpu_offload_optimizer: bool = False
+    """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
     zero1: str = "zero_redundancy"
-    """ZeRO-1 partition: 'zero_redundancy' (torch: whole tensors, greedy) or
-    'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp))."""
+    """ZeRO-1: 'zero_redundancy' (torch ZeroRedundancyOptimizer: whole tensors, greedy; gradients
+    all-reduced) or 'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp);
+    gradients reduce-scattered)."""
 
     @classmethod
     def of(cls, assume=None, **overrides) -> "MemoryOptions":
