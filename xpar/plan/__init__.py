@@ -1,0 +1,6 @@
+"""``xpar plan``: every valid layout of a model on a cluster, ranked by the cost model.
+
+Candidates are columns of numpy arrays over layouts (:mod:`xpar.plan.context` documents them);
+the cost model is evaluated on all of them at once and equals :func:`xpar.estimate.cost.estimate`
+on each (tests/test_plan_vector.py).
+"""

@@ -1,0 +1,62 @@
+"""What a plan is evaluated on: the fixed context (model, hardware, sequence, dtype, framework)
+and the candidate columns, one entry per layout.
+
+Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
+
+- ``tp``, ``pp``, ``dp``: degrees (int64); dp * tp * pp = the cluster's device count.
+- ``b``: micro-batch size in sequences; ``m``: micro-batches per step (int64); global batch
+  B = b * m * dp sequences.
+- ``v``: stages per pipeline rank (int64; 1 for single-stage schedules, 2 for V-shaped ones,
+  the virtual stages of looped ones). Layer splits are balanced: n_layers % (pp * v) == 0.
+- ``schedule``: names in :data:`xpar.layout.SCHEDULES` (numpy str array).
+- ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.layout.zero_stage_run` applied).
+- ``sp``: sequence parallelism (bool; only with tp > 1).
+- ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
+"""The candidate columns, in display order."""
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """The fixed part of every candidate: config-group dicts as composed by Hydra (the model and
+    hardware presets, train values such as dtype and seq_len, the framework preset)."""
+
+    model: dict
+    hardware: dict
+    train: dict = field(default_factory=dict)
+    framework: dict = field(default_factory=dict)
+
+
+def row(cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    """Candidate ``i`` as plain Python values (int, str, bool)."""
+    return {k: cols[k][i].item() for k in COLUMNS}
+
+
+def parallel_group(r: dict[str, Any]) -> dict:
+    """The ``parallel`` group of one candidate row (:func:`row`), numbers resolved."""
+    return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
+                schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
+                recompute=r["recompute"])
+
+
+def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
+    """The validated estimate-mode RunSpec of candidate ``i`` (through :mod:`xpar.validate`, as
+    ``python -m xpar run.mode=estimate`` would build it). Slow (milliseconds): for tests, the top
+    layouts and the override line, never for the search itself."""
+    from xpar.validate import validate
+
+    r = row(cols, i)
+    train = dict(ctx.train, micro_batch_size=r["b"], global_batch_size=r["b"] * r["m"] * r["dp"])
+    cfg = {"model": dict(ctx.model), "parallel": parallel_group(r), "hardware": dict(ctx.hardware),
+           "train": train, "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
+    if ctx.framework:
+        cfg["framework"] = dict(ctx.framework)
+    return validate(cfg)
