@@ -82,7 +82,9 @@ def test_lr_schedule_warms_up_then_decays():
     assert f[:3] == [0.5, 1.0, 1.0] and f[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[1:], f[2:]))
     assert f[5] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
-    assert [lr_factor(k, "constant", 10, 2, 0.1) for k in range(3)] == [1.0, 1.0, 1.0]
+    # constant: the warm-up is honoured too (it was silently ignored), then lr stays fixed
+    assert [lr_factor(k, "constant", 10, 2, 0.1) for k in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(k, "constant", 10, 0, 0.1) for k in range(2)] == [1.0, 1.0]
 
 
 def test_runs_follow_the_schedule(results):

@@ -228,10 +228,10 @@ class TrainConfig:
     """Clip the global L2 norm of the whole model's gradient to this (xpar.optim); null
     disables clipping (the pre-clip norm is still measured and logged)."""
     lr_schedule: str = "constant"
-    """'constant' (lr fixed, the default) or 'cosine': linear warm-up over lr_warmup_steps,
-    then cosine decay to min_lr_ratio * lr at the last step (xpar.optim.lr_factor)."""
+    """'constant' (the default) or 'cosine': linear warm-up over lr_warmup_steps, then lr
+    fixed, or cosine decay to min_lr_ratio * lr at the last step (xpar.optim.lr_factor)."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear lr warm-up (cosine schedule); not the timing warm-up."""
+    """Optimizer steps of linear lr warm-up (either schedule); not the timing warm-up."""
     min_lr_ratio: float = 0.1
     """Final lr / lr of the cosine schedule (0..1)."""
 

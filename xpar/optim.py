@@ -94,11 +94,12 @@ def clip_grads_(params: list[torch.Tensor], max_norm: Optional[float], pp_group=
 
 
 def lr_factor(step: int, schedule: str, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the base lr at optimizer step ``step`` (0-based)."""
-    if schedule == "constant":
-        return 1.0
+    """Multiplier of the base lr at optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup`` steps (both schedules), then 1 ('constant') or cosine decay to ``min_ratio``."""
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
     progress = (step - warmup) / max(1, steps - warmup - 1)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
