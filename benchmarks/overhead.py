@@ -42,6 +42,7 @@ EXTRA: list[str] = []
 def _spec(layout: str, steps: int):
     from hydra import compose, initialize_config_dir
 
+    import xpar.config  # noqa: F401  (registers the structured configs with Hydra)
     from xpar.presets import conf_dir
     from xpar.validate import validate
 
