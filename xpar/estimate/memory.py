@@ -64,7 +64,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import astuple, dataclass, field, fields
+from collections import Counter
+from dataclasses import astuple, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -227,7 +228,15 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
     order ``model.parameters()`` yields them (tied weights once), built on the meta device
     (memoised per model, layout and tp degree)."""
-    return list(_param_shapes(astuple(spec.model), spec.layout, spec.tp, pp_rank))
+    return list(_param_shapes(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+
+
+@lru_cache(maxsize=1024)
+def _shapes_layout(layout):
+    """The layout as parameter shapes see it (stages and their layers only): the key of the
+    shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
+    return replace(layout, dp=1, micro_batch_size=1, micro_batches=1, seq_len=1, zero_stage=0,
+                   sequence_parallel=False, recompute="none")
 
 
 @lru_cache(maxsize=256)
@@ -258,7 +267,7 @@ def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
 
 @lru_cache(maxsize=4096)
 def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
-    return sum(fsdp_shard_numel(sh, dp, rank) for sh in shapes)
+    return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in Counter(shapes).items())
 
 
 @lru_cache(maxsize=256)
@@ -309,7 +318,7 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
     of parameter tensors), memoised: no loop over the dp ranks. ``zero1``: see
     :class:`MemoryOptions`."""
-    whole, shapes = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    whole, shapes = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     z, dp = spec.parallel.zero_stage, spec.dp
     shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
@@ -330,7 +339,7 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
     DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
     if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
-    _, shapes = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    _, shapes = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     sizes = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), spec.dp)
     return sizes.index(max(sizes))
 
@@ -359,6 +368,16 @@ def state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> 
     """Model-state bytes by part: params_master (stored parameters), params_compute (bf16
     copies held: FSDP2 ZeRO-2's whole bf16 parameters, ZeRO-3's under pp when not
     resharded, autocast's weight copies per micro-batch in flight), grads, optimizer."""
+    out = held_state_terms(spec, pp_rank, dp_rank, o)
+    if precision(spec, o)["autocast"]:
+        out["params_compute"] = schedule_peak(spec, pp_rank, o)["weight_copies"]
+    return out
+
+
+def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> dict[str, int]:
+    """:func:`state_terms` less autocast's weight copies (``params_compute`` 0 under autocast;
+    those depend on the schedule, the rest on the rank's parameters, dp and the ZeRO stage only).
+    Bytes."""
     n = held_numel(spec, pp_rank, dp_rank, o.zero1)
     wp, wg, wo = state_widths(spec, o)
     z, rec = spec.parallel.zero_stage, precision(spec, o)
@@ -369,9 +388,7 @@ def state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> 
         master = (n["whole"] if z <= 2 else n["storage"]) * wp
     else:
         master = n["storage"] * wp
-        if rec["autocast"]:
-            compute = schedule_peak(spec, pp_rank, o)["weight_copies"]
-        elif z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp):
+        if not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
             compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
@@ -659,8 +676,13 @@ def _token_id_bytes(spec: RunSpec, pp_rank: int) -> float:
     view is (8 s b m bytes)."""
     if not spec.layout.has_first_stage(pp_rank):
         return 0.0
-    n = spec.seq_len * spec.train.micro_batch_size
-    return 8.0 * n * (spec.micro_batches if spec.pp > 1 else 1)
+    return token_id_bytes(spec.seq_len, spec.train.micro_batch_size, spec.micro_batches, spec.pp)
+
+
+def token_id_bytes(seq_len, b, m, pp):
+    """int64 token ids kept by the rank holding the first stage: 8 s b, times m under pp
+    (:func:`_token_id_bytes`). Bytes; numbers or numpy arrays alike."""
+    return 8.0 * (seq_len * b) * ((m - 1) * (pp > 1) + 1)
 
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
@@ -741,23 +763,39 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> di
     elements per stage held (/t with sp).
     """
     o = MemoryOptions.of(assume, **options)
-    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "pp_p2p": 0.0}
+    out = state_buffer_terms(spec, pp_rank, o)
+    out["pp_p2p"] = 0.0
+    if o.count_buffers and spec.pp > 1:
+        out["pp_p2p"] = p2p_buffer_bytes(spec.seq_len, spec.train.micro_batch_size, spec.model.hidden,
+                                         len(spec.layout.stages_of(pp_rank)), precision(spec, o)["er"], spec.tp,
+                                         spec.parallel.sequence_parallel)
+    return out
+
+
+def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
+    """The buffers of :func:`comm_buffer_terms` sized by the model states (ddp_buckets,
+    fsdp_allgather, fsdp_reduce): they depend on the rank's parameters, dp, pp and the ZeRO
+    stage only. Bytes."""
+    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0}
     if not o.count_buffers:
         return out
-    z, rec = spec.parallel.zero_stage, precision(spec, o)
-    e = rec["e"]
-    whole, _ = _stage_numels(astuple(spec.model), spec.layout, spec.tp, pp_rank)
-    unit = _largest_unit(astuple(spec.model), spec.layout, spec.tp, pp_rank)
+    z, e = spec.parallel.zero_stage, precision(spec, o)["e"]
+    whole, _ = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    unit = _largest_unit(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
     if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):
         out["fsdp_allgather"] = 2 * unit * e
     if z >= 2 and spec.pp == 1:
         out["fsdp_reduce"] = unit * (e + (o.grad_bytes if e != o.grad_bytes else 0))
-    if spec.pp > 1:
-        sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden
-        out["pp_p2p"] = 2 * len(spec.layout.stages_of(pp_rank)) * sh * rec["er"] / (spec.tp if spec.parallel.sequence_parallel else 1)
     return out
+
+
+def p2p_buffer_bytes(seq_len, b, hidden, stages_held, resid_elem, tp, sp):
+    """Pipeline send and receive buffers of one pipeline rank: 2 per stage held, b s h
+    elements of ``resid_elem`` bytes each (/tp with sequence parallelism ``sp``). Bytes.
+    Works on numbers or numpy arrays alike (the planner, :mod:`xpar.plan.vmemory`)."""
+    return 2 * stages_held * (seq_len * b * hidden) * resid_elem / (tp * sp + 1 - sp)
 
 
 def rank_memory(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> MemoryEstimate:

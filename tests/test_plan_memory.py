@@ -1,0 +1,152 @@
+"""The planner's vectorised peak memory (xpar.plan.vmemory) equals the scalar estimate's on
+random valid layouts: every model size, cluster, framework profile, schedule, ZeRO stage,
+sequence parallelism and recompute policy."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import yaml
+
+from xpar.estimate.cost import estimate, peak_memory
+from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.plan.context import COLUMNS, PlanContext, spec_of
+from xpar.plan.vmemory import KEYS, memory_columns
+from xpar.presets import conf_dir
+
+FIELDS = {"memory_params": "params", "memory_grads": "grads", "memory_optimizer": "optimizer",
+          "memory_activations": "activations", "memory_comm_buffers": "comm_buffers",
+          "memory_framework_overhead": "framework_overhead", "memory_total": "total", "memory_pp_rank": "pp_rank",
+          "memory_usable": "usable", "fits": "fits"}
+FRAMEWORK_VARIANT = {"name": "xpar", "count_buffers": False, "fused_rmsnorm": False, "recompute_layer_fraction": 0.5,
+                     "cpu_offload_optimizer": True}
+"""Memory options no preset sets: the CPU accounting's uncounted buffers and composite norm,
+recompute on half the blocks, optimizer in host memory."""
+
+
+def _preset(group: str, name: str) -> dict:
+    d = yaml.safe_load((conf_dir() / group / f"{name}.yaml").read_text())
+    d.pop("defaults", None)
+    return d
+
+
+def context(model: str, hardware: str, framework, dtype: str = "bf16") -> PlanContext:
+    fw = framework if isinstance(framework, dict) else _preset("framework", framework)
+    train = {**_preset("train", "default"), **_preset("train", "cluster"), "dtype": dtype}
+    return PlanContext(model=_preset("model", model), hardware=_preset("hardware", hardware), train=train,
+                       framework={k: v for k, v in fw.items() if k != "terms"})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
+    """One random valid layout of ``ctx``: tp dividing heads, kv heads, ffn and vocabulary
+    inside a node or over whole nodes; pp x v dividing n_layers; m the schedule accepts."""
+    mdl, hw = ctx.model, ctx.hardware
+    n, node = hw["nodes"] * hw["devices_per_node"], hw["devices_per_node"]
+    dims = (mdl["n_heads"], mdl["n_kv_heads"] or mdl["n_heads"], mdl["ffn_hidden"], mdl["vocab_size"])
+    tps = [t for t in _divisors(n) if t <= 16 and all(d % t == 0 for d in dims) and (node % t == 0 or t % node == 0)]
+    tp = int(rng.choice(tps))
+    pp = int(rng.choice([p for p in _divisors(n // tp) if mdl["n_layers"] % p == 0 and p <= 16]))
+    sched, v = "1f1b", 1
+    if pp > 1:
+        sched = str(rng.choice(list(SCHEDULES)))
+        kind = SCHEDULES[sched].stages_per_rank
+        vs = [1] if kind == "1" else [2] if kind == "2" else [d for d in _divisors(mdl["n_layers"] // pp) if d >= 2]
+        if not vs or mdl["n_layers"] % (pp * vs[0]):
+            sched, vs = "1f1b", [1]
+        v = int(rng.choice(vs))
+    m = int(rng.choice([k for k in range(1, 3 * pp + 3) if microbatch_ok(sched, pp, k)]))
+    zb = pp > 1 and SCHEDULES[sched].zero_bubble
+    rec = str(rng.choice(["none", "full"] if zb else ["none", "selective", "full"]))
+    seq = ctx.train.get("seq_len") or mdl["seq_len"]
+    return dict(tp=tp, pp=pp, dp=n // (tp * pp), b=int(rng.integers(1, 5)), m=m, v=v, schedule=sched,
+                zero=zero_stage_run(sched, pp, int(rng.integers(0, 4))),
+                sp=bool(tp > 1 and seq % tp == 0 and rng.random() < 0.5), recompute=rec)
+
+
+def candidates(rng: np.random.Generator, ctx: PlanContext, n: int) -> dict[str, np.ndarray]:
+    rows = [_row(rng, ctx) for _ in range(n)]
+    return {k: np.array([r[k] for r in rows]) for k in COLUMNS}
+
+
+def scalar(ctx: PlanContext, cols: dict, i: int) -> dict:
+    mem = peak_memory(spec_of(ctx, cols, i))
+    return {k: getattr(mem, f) for k, f in FIELDS.items()}
+
+
+def assert_equal(ctx: PlanContext, cols: dict, idx) -> None:
+    base = spec_of(ctx, cols, 0)
+    got = memory_columns(base, cols)
+    assert set(got) == set(KEYS) and all(len(got[k]) == len(cols["tp"]) for k in KEYS)
+    for i in idx:
+        want = scalar(ctx, cols, i)
+        for k, w in want.items():
+            assert got[k][i] == pytest.approx(w, rel=1e-9, abs=1e-6), (k, {c: cols[c][i] for c in COLUMNS})
+
+
+CONTEXTS = [("tiny", "a100_80gb_8gpu", "xpar", "bf16"), ("tiny", "h100_80gb_64gpu", "torchtitan", "fp32"),
+            ("7b", "a100_80gb_8gpu", "xpar", "bf16"), ("7b", "h100_80gb_8gpu", "deepspeed", "bf16"),
+            ("7b", "a100_80gb_64gpu", "megatron", "bf16"), ("70b", "a100_80gb_64gpu", "torchtitan", "bf16"),
+            ("70b", "h100_80gb_64gpu", "xpar", "bf16"), ("70b", "a100_80gb_8gpu", FRAMEWORK_VARIANT, "bf16"),
+            ("175b", "a100_80gb_1024gpu", "megatron", "bf16"), ("175b", "a100_80gb_1024gpu", "xpar", "bf16"),
+            ("175b", "h100_80gb_64gpu", "deepspeed", "bf16"), ("tiny", "a100_80gb_64gpu", FRAMEWORK_VARIANT, "fp32")]
+
+
+@pytest.mark.parametrize("model,hardware,framework,dtype", CONTEXTS,
+                         ids=[f"{c[0]}-{c[1]}-{c[2] if isinstance(c[2], str) else 'variant'}-{c[3]}" for c in CONTEXTS])
+def test_vector_memory_equals_scalar(model, hardware, framework, dtype):
+    """40 random layouts per context: every field equal to estimate(spec).memory's (rel 1e-9)."""
+    ctx = context(model, hardware, framework, dtype)
+    rng = np.random.default_rng(zlib.crc32(f"{model}{hardware}{dtype}{framework}".encode()))
+    cols = candidates(rng, ctx, 40)
+    assert_equal(ctx, cols, range(40))
+
+
+def test_estimate_memory_is_peak_memory():
+    """The scalar the test compares with is estimate's own memory figure."""
+    ctx = context("7b", "a100_80gb_8gpu", "xpar")
+    cols = candidates(np.random.default_rng(1), ctx, 3)
+    for i in range(3):
+        spec = spec_of(ctx, cols, i)
+        assert estimate(spec).memory.total == peak_memory(spec).total
+
+
+def test_every_schedule_and_rank_choice():
+    """Every schedule at pp 2-8 with m around pp, where the most loaded rank differs by
+    schedule (first, last or a middle one)."""
+    ctx = context("70b", "a100_80gb_64gpu", "xpar")
+    rows = []
+    for sched, rec in SCHEDULES.items():
+        for pp in (2, 4, 8):
+            v = {"1": 1, "2": 2, "v": 2}[rec.stages_per_rank]
+            for m in [k for k in (1, pp - 1, pp, 2 * pp, 3 * pp + 1) if k >= 1 and microbatch_ok(sched, pp, k)]:
+                for zero, recompute in ((0, "none"), (1, "full"), (2, "none")):
+                    rows.append(dict(tp=8 // pp if pp < 8 else 1, pp=pp, b=1, m=m, v=v, schedule=sched,
+                                     zero=zero, sp=False, recompute=recompute))
+    for r in rows:
+        r["dp"] = 64 // (r["tp"] * r["pp"])
+    cols = {k: np.array([r[k] for r in rows]) for k in COLUMNS}
+    got = memory_columns(spec_of(ctx, cols, 0), cols)
+    assert len(set(got["memory_pp_rank"].tolist())) > 2  # several ranks are the most loaded somewhere
+    assert_equal(ctx, cols, range(len(rows)))
+
+
+def test_empty_and_unknown():
+    ctx = context("tiny", "a100_80gb_8gpu", "xpar")
+    cols = candidates(np.random.default_rng(2), ctx, 2)
+    base = spec_of(ctx, cols, 0)
+    empty = memory_columns(base, {k: v[:0] for k, v in cols.items()})
+    assert all(len(empty[k]) == 0 for k in KEYS)
+    with pytest.raises(ValueError, match="unknown value 'bogus'"):
+        memory_columns(base, dict(cols, schedule=np.array(["bogus", "1f1b"])))
+
+
+def test_vmemory_imports_no_torch():
+    code = "import sys, xpar.plan.vmemory; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,332 @@
+"""Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.memory` over
+candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
+
+No formula is written twice. Each sub-result is computed by the scalar function itself, once per
+distinct key of the few columns it depends on (np.unique-style grouping on a representative
+candidate of each group), and combined with array arithmetic:
+
+- model states and the buffers they size (:func:`~xpar.estimate.memory.held_state_terms`,
+  :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, v, stage placement, dp,
+  ZeRO stage, deferred reduction) and rank class (holds the first stage, the last, both,
+  neither: with balanced splits, the parameters of a rank depend on nothing else);
+- one stage's activations for one micro-batch (:func:`~xpar.estimate.memory.stage_bytes`): per
+  (b, tp, sp, recompute, autocast, stages) and stage class (first, middle, last, only);
+- the schedule's peak (:func:`~xpar.estimate.memory._walk`'s rule): per (schedule, pp, m, v) and
+  rank, the live micro-batch chunks per local stage at every forward and backward of the rank's
+  action list, reduced to the rows that can be a maximum (dominated rows and ranks dropped when
+  every byte count is >= 0), then a matrix product with each candidate's bytes per stage;
+- pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
+  :func:`~xpar.estimate.memory.token_id_bytes`) as array formulas.
+
+Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline rank with the
+largest total (the first on ties), on its most loaded dp rank. Imports no torch of its own (the
+parameter shapes come from :func:`xpar.estimate.memory.param_shapes`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+
+from xpar.estimate import memory as mem
+from xpar.layout import SCHEDULES, Layout
+from xpar.resolve import resolve_layer_split
+from xpar.spec import RunSpec
+
+KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
+        "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits")
+"""The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
+:data:`xpar.estimate.memory.MEMORY_TERMS` (bytes), the total (bytes), the pipeline rank it is on,
+the usable bytes of a device and whether the total fits in them."""
+_SCHED = tuple(SCHEDULES)
+_RECOMPUTE = ("none", "selective", "full")
+
+
+def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
+    """Index of each value in ``names`` (int64)."""
+    out = np.full(len(values), -1, dtype=np.int64)
+    for k, name in enumerate(names):
+        out[values == name] = k
+    if (out < 0).any():
+        raise ValueError(f"unknown value {str(values[out < 0][0])!r}; expected one of {names}")
+    return out
+
+
+def _int_columns(cols: dict) -> dict[str, np.ndarray]:
+    """The candidate columns as int64 arrays (schedule and recompute as codes), v resolved
+    (1 without pipelining, :func:`xpar.resolve.resolve_virtual_stages`)."""
+    c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
+    c["b"] = np.maximum(c["b"], 1)
+    c["v"] = np.where(c["pp"] == 1, 1, np.asarray(cols["v"], dtype=np.int64))
+    c["sched"] = _codes(np.asarray(cols["schedule"]), _SCHED)
+    c["rec"] = _codes(np.asarray(cols["recompute"]), _RECOMPUTE)
+    c["sp"] = np.asarray(cols["sp"], dtype=bool).astype(np.int64)
+    return c
+
+
+def _group(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of equal rows over non-negative int arrays: (one representative row index per
+    group, group index of each row). A mixed-radix key, counted (no sort) when its range is small."""
+    key, size = np.zeros(len(arrays[0]), dtype=np.int64), 1
+    for a in arrays:
+        lo, hi = (int(a.min()), int(a.max())) if len(a) else (0, 0)
+        key, size = key * (hi - lo + 1) + (a - lo), size * (hi - lo + 1)
+    if size > 1 << 24:
+        _, rep, inv = np.unique(key, return_index=True, return_inverse=True)
+        return rep, inv.ravel()
+    present = np.bincount(key, minlength=size) > 0
+    remap = np.cumsum(present) - 1
+    rep = np.empty(size, dtype=np.int64)
+    rep[key] = np.arange(len(key))
+    return rep[present], remap[key]
+
+
+def _spec_at(base: RunSpec, c: dict, i: int) -> RunSpec:
+    """The RunSpec of candidate ``i`` as the memory model reads it (layout, parallel and train
+    groups; the rest from ``base``), built without validation."""
+    tp, pp, dp, b, m, v, z = (int(c[k][i]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))
+    sched, rec, sp = _SCHED[c["sched"][i]], _RECOMPUTE[c["rec"][i]], bool(c["sp"][i])
+    split = resolve_layer_split(base.model.n_layers, None, pp * v)
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
+                    layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec)
+    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=z, micro_batches=m, schedule=sched,
+                  virtual_stages=v, layer_split=None, sequence_parallel=sp, recompute=rec)
+    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
+    return replace(base, parallel=par, train=train, layout=layout)
+
+
+def _rank_class(layout: Layout, r: int) -> int:
+    """2 x (holds the first stage) + (holds the last stage)."""
+    return 2 * layout.has_first_stage(r) + layout.has_last_stage(r)
+
+
+def _stage_class(stage: int, n_stages: int) -> int:
+    """2 x (first stage) + (last stage)."""
+    return 2 * (stage == 0) + (stage == n_stages - 1)
+
+
+def _by_zero(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
+    """(autocast, residual-stream bytes er) of each candidate, from
+    :func:`xpar.estimate.memory.precision` once per ZeRO stage."""
+    rep, inv = _group(c["zero"])
+    rec = [mem.precision(_spec_at(base, c, i), o) for i in rep]
+    return (np.array([r["autocast"] for r in rec], dtype=np.int64)[inv],
+            np.array([r["er"] for r in rec], dtype=np.int64)[inv])
+
+
+def _class_ranks(layout: Layout) -> dict[int, int]:
+    """The first pipeline rank of each rank class (:func:`_rank_class`) present in ``layout``:
+    the owners of the first and last stages, and a rank holding neither (among ranks 0-2)."""
+    ranks = sorted({layout.stage_owner(0), layout.stage_owner(layout.n_stages - 1), *range(min(layout.pp, 3))})
+    out: dict[int, int] = {}
+    for r in ranks:
+        out.setdefault(_rank_class(layout, r), r)
+    return out
+
+
+def _state_table(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Per group of (tp, pp, v, placement, dp, ZeRO stage, m > 1) and rank class: bytes of
+    (params less autocast's copies, grads, optimizer, model-state buffers) on the rank's most
+    loaded dp rank -- the scalar functions on a representative candidate. Returns
+    (table [groups, 4 classes, 4], group of each candidate); NaN where a class is absent."""
+    vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=np.int64)[c["sched"]]
+    rep, inv = _group(c["tp"], c["pp"], c["v"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64))
+    table = np.full((len(rep), 4, 4), np.nan)
+    for g, i in enumerate(rep):
+        spec = _spec_at(base, c, i)
+        for k, r in _class_ranks(spec.layout).items():
+            st = mem.held_state_terms(spec, r, mem.most_loaded_dp_rank(spec, r, o.zero1), o)
+            buf = mem.state_buffer_terms(spec, r, o)
+            table[g, k] = (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"],
+                           sum(buf.values()))
+    return table, inv
+
+
+def _stage_table(base: RunSpec, c: dict, o: mem.MemoryOptions, autocast: np.ndarray) -> tuple:
+    """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
+    one micro-batch's bytes (kept until its backward, transient during its forward, transient
+    during its backward, autocast's weight copies) from :func:`xpar.estimate.memory.stage_bytes`,
+    as :func:`xpar.estimate.memory.schedule_peak` sums them. Returns (table [groups, 4, 4], group
+    of each candidate)."""
+    rep, inv = _group(c["b"], c["tp"], c["sp"], c["rec"], autocast, c["pp"] * c["v"])
+    table = np.full((len(rep), 4, 4), np.nan)
+    cb = o.count_buffers
+    for g, i in enumerate(rep):
+        spec = _spec_at(base, c, i)
+        n = spec.layout.n_stages
+        for st in sorted({0, 1 if n > 2 else 0, n - 1}):
+            sb = mem.stage_bytes(spec, st, o)
+            table[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
+                                             sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
+                                             sb["weight_copies"])
+    return table, inv
+
+
+def _rank_events(acts: list, stages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The events of one rank's action list where :func:`xpar.estimate.memory._walk` takes a
+    maximum: live chunks per local stage after each forward (F rows, [n_F, v]), and, for the
+    peak with transients, after each forward and before each backward's release (A rows), with
+    the kind (0 forward, 1 backward) and the local stage of the acting one."""
+    slot = {st: j for j, st in enumerate(stages)}
+    kinds = np.array([a.kind for a in acts])
+    sl = np.array([slot[a.stage] for a in acts], dtype=np.int64)
+    inc, dec = kinds == "F", (kinds == "B") | (kinds == "W")
+    delta = np.zeros((len(acts), len(stages)))
+    delta[np.arange(len(acts)), sl] = inc.astype(float) - dec
+    after = np.cumsum(delta, axis=0)
+    back = (kinds == "B") | (kinds == "I")
+    rows = np.concatenate([after[inc], (after - delta)[back]])
+    kind = np.concatenate([np.zeros(inc.sum(), dtype=np.int64), np.ones(back.sum(), dtype=np.int64)])
+    return after[inc], rows, kind, np.concatenate([sl[inc], sl[back]])
+
+
+def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
+    """Distinct rows of ``x``; with ``prune``, only those no other row dominates (>= in every
+    column): a maximum of a non-negative linear function is always on one of them."""
+    x = np.unique(x, axis=0)
+    if not prune or len(x) < 2:
+        return x
+    dominated = (x[None, :, :] >= x[:, None, :]).all(-1).sum(1) > 1
+    return x[~dominated]
+
+
+def _covers(a: np.ndarray, b: np.ndarray) -> bool:
+    """Every row of ``b`` is dominated by some row of ``a``."""
+    return len(b) == 0 or (len(a) > 0 and bool((a[None, :, :] >= b[:, None, :]).all(-1).any(1).all()))
+
+
+@lru_cache(maxsize=4096)
+def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
+    """Per pipeline rank that can hold the peak: (rank, rank class, stage class of each local
+    stage, F rows, A rows, their kinds, their local stages) of :func:`_rank_events`, reduced by
+    :func:`_maximal`. With ``prune`` (every byte count >= 0), a rank is dropped when an earlier
+    rank of the same classes dominates all its rows (it can never be the first maximum)."""
+    from xpar.estimate.schedule import schedule_actions
+
+    acts = schedule_actions(schedule, pp, m, v)
+    layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=m, seq_len=1,
+                    layer_split=(1,) * (pp * v), schedule=schedule)
+    kept: list[tuple] = []
+    for r in range(pp):
+        stages = layout.stages_of(r)
+        f, a, kind, sl = _rank_events(acts[r], stages)
+        typed = [(k, j, _maximal(a[(kind == k) & (sl == j)], prune)) for k in (0, 1) for j in range(len(stages))]
+        rows = np.concatenate([x for _, _, x in typed])
+        kinds = np.concatenate([np.full(len(x), k, dtype=np.int64) for k, _, x in typed])
+        slots = np.concatenate([np.full(len(x), j, dtype=np.int64) for _, j, x in typed])
+        entry = (r, _rank_class(layout, r), np.array([_stage_class(s, layout.n_stages) for s in stages]),
+                 _maximal(f, prune), rows, kinds, slots)
+        if not (prune and any(_dominates(e, entry) for e in kept)):
+            kept.append(entry)
+    return tuple(kept)
+
+
+def _dominates(a: tuple, b: tuple) -> bool:
+    """Rank entry ``a`` (earlier) is at least ``b`` for any non-negative bytes per stage."""
+    if a[1] != b[1] or not np.array_equal(a[2], b[2]) or not _covers(a[3], b[3]):
+        return False
+    for k in (0, 1):
+        for j in range(len(b[2])):
+            mine, theirs = (a[5] == k) & (a[6] == j), (b[5] == k) & (b[6] == j)
+            if not _covers(a[4][mine], b[4][theirs]):
+                return False
+    return True
+
+
+class _Best:
+    """The most loaded pipeline rank of each candidate so far (ranks offered in increasing
+    order; a later rank replaces only a strictly larger total, as the scalar loop does)."""
+
+    def __init__(self, n: int, state: tuple, extra: dict, overhead: float):
+        self.f = {k: np.zeros(n) for k in ("params", "grads", "optimizer", "activations", "comm_buffers")}
+        self.f["total"] = np.full(n, -np.inf)
+        self.f["pp_rank"] = np.zeros(n, dtype=np.int64)
+        self.state, self.extra, self.overhead = state, extra, overhead
+
+    def offer(self, idx: np.ndarray, r: int, rc: int, kept: np.ndarray, total: np.ndarray, copies: np.ndarray):
+        """Pipeline rank ``r`` (rank class ``rc``) of candidates ``idx``: its walk's peak kept
+        bytes, peak with transients and autocast's weight copies (arrays over ``idx``)."""
+        table, inv = self.state
+        st = table[inv[idx], rc]
+        token = self.extra["token"][idx] if rc >= 2 else 0.0
+        v = {"params": st[:, 0] + copies, "grads": st[:, 1], "optimizer": st[:, 2],
+             "activations": (kept + token) + (total - kept), "comm_buffers": st[:, 3] + self.extra["p2p"][idx]}
+        v["total"] = v["params"] + v["grads"] + v["optimizer"] + v["activations"] + v["comm_buffers"] + self.overhead
+        better = v["total"] > self.f["total"][idx]
+        sel = idx[better]
+        for k, x in v.items():
+            self.f[k][sel] = x[better]
+        self.f["pp_rank"][sel] = r
+
+
+def _single(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
+    """Candidates without pipelining: one micro-batch at a time on rank 0, which holds the
+    only stage (:func:`xpar.estimate.memory.schedule_peak`, pp = 1)."""
+    idx = np.flatnonzero(c["pp"] == 1)
+    if len(idx):
+        sv = stab[sinv[idx], 3]
+        best.offer(idx, 0, 3, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
+
+
+def _pipelined(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
+    """Candidates with pp > 1: per (schedule, pp, m, v), each rank of :func:`_walk_rows` offered
+    with its peaks, a product of the rank's rows with each candidate's bytes per local stage."""
+    pipe = np.flatnonzero(c["pp"] > 1)
+    if not len(pipe):
+        return
+    used = stab[np.unique(sinv[pipe])]
+    prune = bool(np.all(np.nan_to_num(used[..., [0, 3]], nan=0.0) >= 0))
+    rep, inv = _group(c["sched"][pipe], c["pp"][pipe], c["m"][pipe], c["v"][pipe])
+    order = np.argsort(inv, kind="stable")
+    ends = np.cumsum(np.bincount(inv, minlength=len(rep)))
+    for g, i0 in enumerate(pipe[rep]):
+        idx = pipe[order[(ends[g - 1] if g else 0):ends[g]]]
+        key = (_SCHED[c["sched"][i0]], int(c["pp"][i0]), int(c["m"][i0]), int(c["v"][i0]), prune)
+        sv = stab[sinv[idx]]
+        for r, rc, sc, f, rows, kinds, slots in _walk_rows(*key):
+            k, w = sv[:, sc, 0], sv[:, sc, 3]
+            kept = np.maximum((k @ f.T).max(1), 0.0) if len(f) else np.zeros(len(idx))
+            total = np.maximum(kept, (k @ rows.T + sv[:, sc[slots], 1 + kinds]).max(1)) if len(rows) else kept
+            copies = np.maximum((w @ f.T).max(1), 0.0) if len(f) else np.zeros(len(idx))
+            best.offer(idx, r, rc, kept, total, copies)
+
+
+def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length
+    L), as :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under
+    :func:`xpar.estimate.cost.assumptions_for` ``base``): the most loaded pipeline rank, on its
+    most loaded dp rank.
+
+    ``base``: the RunSpec of any candidate of the same context; only its model, hardware,
+    seq_len, train dtype and framework are read.
+
+    Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
+    (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
+    hardware.memory_headroom)), ``fits`` (bool: total <= usable). Each equals the scalar field
+    to rounding (relative 1e-12 or better; tests/test_plan_memory.py checks 1e-9).
+
+    Raises:
+        ValueError: a schedule or recompute name that xpar does not know.
+    """
+    from xpar.estimate.cost import assumptions_for
+
+    o = mem.MemoryOptions.of(assumptions_for(base))
+    c = _int_columns(cols)
+    n = len(c["tp"])
+    autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
+    hw, s = base.hardware, base.seq_len
+    extra = {"token": mem.token_id_bytes(s, c["b"], c["m"], c["pp"]),
+             "p2p": mem.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
+             * ((c["pp"] > 1) & bool(o.count_buffers))}
+    state = _state_table(base, c, o) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
+    best = _Best(n, state, extra, (hw.framework_overhead_gb or 0) * 1e9)
+    _single(best, c, stab, sinv)
+    _pipelined(best, c, stab, sinv)
+    usable = (hw.device_memory_gb or 0) * 1e9 * (1 - (getattr(hw, "memory_headroom", 0.0) or 0.0))
+    out = {f"memory_{k}": best.f[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers")}
+    out.update(memory_framework_overhead=np.full(n, best.overhead), memory_total=best.f["total"],
+               memory_pp_rank=best.f["pp_rank"], memory_usable=np.full(n, usable))
+    out["fits"] = out["memory_total"] <= usable
+    return out
