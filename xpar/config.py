@@ -234,6 +234,15 @@ class TrainConfig:
     """Optimizer steps of linear lr warm-up (either schedule); not the timing warm-up."""
     min_lr_ratio: float = 0.1
     """Final lr / lr of the cosine schedule (0..1)."""
+    checkpoint_every: Optional[int] = None
+    """Save a checkpoint (torch.distributed.checkpoint, xpar.checkpoint) every this many
+    optimizer steps; null or 0: none."""
+    checkpoint_dir: Optional[str] = None
+    """Where checkpoints go, one ``step_<k>`` directory each; null: ``<run output dir>/checkpoints``."""
+    resume: Optional[str] = None
+    """Resume from a checkpoint: a ``step_<k>`` directory, a checkpoints or run output directory
+    (its newest checkpoint), or 'latest' (the newest under train.checkpoint_dir, else under
+    outputs/ and multirun/). Not logged as a param: the resumed run's tags say where from."""
 
 
 @dataclass

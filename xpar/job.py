@@ -34,8 +34,10 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     from xpar.tracking import TrackingUnavailable
 
     adopt_submitit_tasks()  # the tasks of a multi-task submitit job become this one job's ranks
+    from xpar.checks.checkpoint import checkpointing
     try:
         spec = check_run(cfg)
+        spec, resume_meta = checkpointing(spec, start_dir)  # train.resume -> its checkpoint directory
     except ConfigError as e:
         if sweep is None:
             fail(str(e))
@@ -45,7 +47,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
         raise
     config = resolved_config(cfg, spec)
     yaml = OmegaConf.to_yaml(OmegaConf.create(config))
-    job = Job(spec, config, yaml, out_dir, start_dir, sweep)
+    job = Job(spec, config, yaml, out_dir, start_dir, sweep, resume_meta)
     try:
         if spec.launcher == "torchrun":
             return _run_torchrun(job)
@@ -82,6 +84,7 @@ def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
     for group in GROUPS:
         config[group] = asdict(getattr(spec, group))
     config["run"]["mode"] = spec.mode  # 'auto' resolved: execute or estimate
+    config["train"].pop("resume", None)  # where a run resumed from is a tag (xpar.checkpoint.tracking_link)
     if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched
         from xpar.cluster import placement
         where = placement(spec)
@@ -97,6 +100,8 @@ class Job:
     out_dir: Path
     start_dir: Path
     sweep: Optional[dict]
+    resume: Optional[dict] = None
+    """The xpar.json of the checkpoint this run resumes from (xpar.checkpoint)."""
 
 
 def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
@@ -131,6 +136,7 @@ def _record(job: Job, body) -> Report:
         print_report(spec, report)
         return report
     from xpar.tracking import log_report, mlflow_run, recording
+    tags.update(_continue_run(job))
     with mlflow_run(spec, job.config, job.start_dir, tags, run_name, job.out_dir) as run:
         report, stats = body()
         with recording(run):  # a store failing here costs no result: journaled for `xpar sync`
@@ -145,6 +151,24 @@ def _record(job: Job, body) -> Report:
                  f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
     print_report(spec, report, where)
     return report
+
+
+def _continue_run(job: Job) -> dict:
+    """A resumed run: the tags linking it to its checkpoint; when it continues the
+    checkpointed MLflow run, that run's id in ``MLFLOW_RUN_ID`` (mlflow.start_run resumes it and
+    clears the variable). See :func:`xpar.checkpoint.tracking_link`."""
+    import os
+
+    if job.resume is None:
+        return {}
+    from xpar.checkpoint import tracking_link
+    from xpar.tracking import default_uri, flatten
+    link = tracking_link(job.spec, job.resume, flatten(job.config), job.spec.tracking.uri or default_uri(job.start_dir))
+    if link.note:
+        print(link.note, file=sys.stderr)
+    if link.run_id:
+        os.environ["MLFLOW_RUN_ID"] = link.run_id
+    return link.tags
 
 
 def _uri() -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,17 +14,26 @@ from xpar.memory_accounting import ActivationTracker, model_state_bytes
 from xpar.parallel.factory import Engine
 from xpar.parallel.tensor import count_tp_comm
 
+if TYPE_CHECKING:
+    from xpar.checkpoint import History
+
 
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def train(engine: Engine, show_progress: bool = False) -> dict:
-    """Run ``spec.train.steps`` optimizer steps on this rank; return its stats.
+def train(engine: Engine, show_progress: bool = False, start: Optional["History"] = None,
+          after_step: Optional[Callable[[int, list, list, list], object]] = None) -> dict:
+    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1`` on
+    this rank; return its stats.
 
-    Memory and TP communication are accounted on step 0 (see below); the step times of
-    the timed steps (after ``warmup_steps``) carry no accounting overhead.
+    Memory and TP communication are accounted on this process's first step (see
+    :func:`_step`); the step times of the timed steps (after ``warmup_steps``) carry no
+    accounting overhead. ``start`` (:class:`xpar.checkpoint.History`): the steps before a
+    resumed run's first, whose records begin the returned lists. ``after_step(step, losses,
+    times, lrs)`` is called after each step (checkpoints, :class:`xpar.checkpoint.Saver`),
+    outside the timed region.
 
     Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
     micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
@@ -33,42 +42,28 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
     (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
     ``pipeline`` and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
-    :class:`xpar.parallel.tensor.TPCommCounter`).
+    :class:`xpar.parallel.tensor.TPCommCounter`), ``first_step`` (this process's first step).
     """
-    spec, mesh = engine.spec, engine.mesh
-    device = spec.device
+    spec = engine.spec
+    first = start.step if start is not None else 0
     data = TokenSource(spec)
-    dp_rank = mesh["dp"].get_local_rank()
-    params = [p for c in engine.chunks for p in c.parameters()]
-    tracker = ActivationTracker(params)
-    losses: list[Optional[float]] = []
-    times: list[float] = []
+    tracker = ActivationTracker([p for c in engine.chunks for p in c.parameters()])
+    losses: list[Optional[float]] = list(start.losses) if start is not None else []
+    times: list[float] = list(start.times) if start is not None else []
+    lrs: list[float] = list(start.lrs) if start is not None else []
     comm: Optional[dict] = None
-    lrs: list[float] = []
-    progress = _progress(spec.train.steps) if show_progress else None
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    if dist.get_rank() == 0 and device == "cpu" and spec.launcher == "local":
-        warn_oversubscribed(spec.world_size, spec.train.threads_per_worker)
+    progress = _progress(spec.train.steps, first) if show_progress else None
+    _before_loop(spec)
     try:
-        for step in range(spec.train.steps):
-            xs, ys = data.micro_batches(step, dp_rank, device)
-            engine.optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            t0 = time.perf_counter()
-            # Memory (saved activations, held gradients) and TP collectives are accounted on
-            # the first step only -- a warm-up step unless warmup_steps=0 -- since every step
-            # has the same shapes and issues the same collectives; timed steps run bare.
-            first = step == 0
-            engine.accounting = first
-            with (tracker if first else nullcontext()), count_tp_comm(mesh["tp"] if first else None) as counter:
-                loss = engine.step(xs, ys)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        for step in range(first, spec.train.steps):
+            loss, seconds, counter = _step(engine, data, step, tracker, accounting=(step == first))
+            times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
             losses.append(loss)
             lrs.append(engine.optimizer.param_groups[0]["lr"])  # lr of the next step
+            if after_step is not None:
+                after_step(step, losses, times, lrs)
             if progress is not None:
                 progress[0].update(progress[1], advance=1,
                                    description=f"step {step + 1}/{spec.train.steps}"
@@ -77,9 +72,37 @@ def train(engine: Engine, show_progress: bool = False) -> dict:
         if progress is not None:
             progress[0].stop()
     stats = _rank_stats(engine, tracker, losses, times, lrs)
+    stats["first_step"] = first
     if comm is not None:
         stats["comm"] = comm
     return stats
+
+
+def _before_loop(spec) -> None:
+    """Reset CUDA's peak memory; warn once (rank 0) when local CPU workers oversubscribe cores."""
+    if spec.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if dist.get_rank() == 0 and spec.device == "cpu" and spec.launcher == "local":
+        warn_oversubscribed(spec.world_size, spec.train.threads_per_worker)
+
+
+def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTracker, accounting: bool):
+    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None).
+
+    Memory (saved activations, held gradients) and TP collectives are accounted on the
+    first step of the process only (``accounting``) -- a warm-up step unless warmup_steps=0
+    -- since every step has the same shapes and issues the same collectives; timed steps
+    run bare."""
+    spec, mesh = engine.spec, engine.mesh
+    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
+    engine.optimizer.zero_grad(set_to_none=True)
+    _sync(spec.device)
+    t0 = time.perf_counter()
+    engine.accounting = accounting
+    with (tracker if accounting else nullcontext()), count_tp_comm(mesh["tp"] if accounting else None) as counter:
+        loss = engine.step(xs, ys)
+    _sync(spec.device)
+    return loss, time.perf_counter() - t0, counter
 
 
 def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:
@@ -96,8 +119,21 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
              "grad_norms": list(engine.grad_norms), "lrs": lrs,
              "step_time_stats": step_time_stats(times[spec.train.warmup_steps:])}
     if getattr(engine, "pipeline_stats", None) is not None:
-        stats["pipeline"] = engine.pipeline_stats()
+        stats["pipeline"] = _pad_pipeline(engine.pipeline_stats(), len(losses))
     return stats
+
+
+def _pad_pipeline(record: dict, total: int) -> dict:
+    """A resumed pipelined run records its steps from the resumed step on, but the bubble
+    summary (xpar.bubble.summarize) reads steps by index from 0 to ``total``: the steps before
+    are filled with copies of this process's median-span step (a measured step, so the bubble
+    figures stay those of this process's steps, the median weighted more)."""
+    steps = record.get("steps") or []
+    missing = total - len(steps)
+    if missing <= 0 or not steps:
+        return record
+    median = sorted(steps, key=lambda st: st["span"])[len(steps) // 2]
+    return dict(record, steps=[median] * missing + list(steps))
 
 
 def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
@@ -115,10 +151,10 @@ def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
     return line
 
 
-def _progress(total: int):
+def _progress(total: int, completed: int = 0):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn())
-    task = p.add_task("starting", total=total)
+    task = p.add_task("starting", total=total, completed=completed)
     p.start()
     return p, task

@@ -41,8 +41,9 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     engine = build_engine(spec, mesh)
     if spec.fail_rank == dist.get_rank():
         raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
-    record_steps(engine, StepWriter(out_dir, dist.get_rank()))
-    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress))
+    start, saver = _checkpoints(engine, out_dir)
+    record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=saver)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
     if dist.get_rank() == 0:
@@ -51,12 +52,30 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     return None
 
 
-def record_steps(engine, writer: StepWriter) -> None:
+def _checkpoints(engine, out_dir: Path):
+    """(the history to start from, or None; the checkpoint saver, or None): loads
+    ``train.resume`` (a checkpoint directory, resolved before the workers started) into
+    ``engine`` and replays its history to this rank's step file (xpar.checkpoint)."""
+    train_cfg = engine.spec.train
+    start = saver = None
+    if train_cfg.resume or train_cfg.checkpoint_every:
+        from xpar import checkpoint
+        if train_cfg.resume:
+            meta = checkpoint.load(engine, Path(train_cfg.resume))
+            start = checkpoint.history_of(meta, dist.get_rank())
+            checkpoint.replay_history(out_dir, dist.get_rank(), start)
+        if train_cfg.checkpoint_every:
+            saver = checkpoint.Saver(engine, out_dir)
+    return start, saver
+
+
+def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
     """Live metrics: after each ``engine.step`` (one optimizer step of the step loop), append
     its loss and wall seconds to this rank's step file (:class:`xpar.journal.StepWriter`, a
     line-buffered file append: microseconds). The seconds match the loop's own timing on CPU;
-    on CUDA the device is synchronized first, as the loop does right after."""
-    inner, device, count = engine.step, engine.spec.device, [0]
+    on CUDA the device is synchronized first, as the loop does right after. Steps are
+    numbered from ``first`` (a resumed run's first step)."""
+    inner, device, count = engine.step, engine.spec.device, [first]
 
     def step(inputs, targets):
         t0 = time.perf_counter()
