@@ -3,6 +3,7 @@ statuses when a job fails, and `xpar compare`."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -106,6 +107,18 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     for k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
         assert kids[f"metrics.{k}"].notna().all(), k  # every executed run is also estimated
     assert kids["metrics.fidelity/peak_memory_ratio"].between(0.5, 2).all()
+    from tests.conftest import runs_missing_fidelity  # the suite-wide check (conftest) finds these runs
+    assert runs_missing_fidelity(tmp_path) == []
+    import shutil
+    import sqlite3
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:  # outside pytest's tmp: the session check must not see it
+        shutil.copy(tmp_path / "mlflow.db", d)
+        con = sqlite3.connect(Path(d) / "mlflow.db")
+        con.execute("DELETE FROM metrics WHERE key = 'fidelity/bubble_diff'")
+        con.commit()
+        con.close()
+        assert len(runs_missing_fidelity(Path(d))) == 4  # and would report a run without them
     c = subprocess.run([sys.executable, "-m", "xpar.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr

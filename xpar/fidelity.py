@@ -6,7 +6,8 @@ with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset f
 
 - ``fidelity/step_time_ratio``: estimated / measured step time (median of timed steps);
 - ``fidelity/peak_memory_ratio``: estimated / measured peak bytes per device;
-- ``fidelity/bubble_diff``: estimated - measured bubble ratio (pipelined runs);
+- ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
+  logged for every run, so every executed run carries the three);
 - ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
   run's figures.
 """
@@ -28,7 +29,7 @@ def fidelity_metrics(spec: RunSpec, report: Report) -> dict[str, float]:
         out["fidelity/step_time_ratio"] = est.time_per_step_s / report.step_time_s
     if report.peak_bytes_per_device > 0:
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
-    measured_bubble = report.extra.get("pipeline/bubble_ratio")
-    if spec.pp > 1 and measured_bubble is not None:
+    measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
+    if measured_bubble is not None:
         out["fidelity/bubble_diff"] = est.bubble_ratio - measured_bubble
     return out
