@@ -81,6 +81,14 @@ def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = Fal
     return {"tp_allreduce": n * allreduce_bytes(size, t), "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
 
 
+def pp_sends(layout, pp_rank: int) -> int:
+    """Point-to-point sends per micro-batch of pipeline rank ``pp_rank`` (a
+    :class:`xpar.layout.Layout`'s): forward from each stage it holds but the last, backward
+    from each but the first."""
+    split, stages = layout.layer_split, layout.stages_of(pp_rank)
+    return sum((st < len(split) - 1) + (st > 0) for st in stages)
+
+
 def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
                     zero1: str = "zero_redundancy") -> dict[str, float]:
     """Bytes sent per step by one device of pipeline rank ``pp_rank``, by collective (see
@@ -122,7 +130,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
             out["tp_allreduce"] += ends * m * allreduce_bytes(size, t)
     # pp: sends forward from every stage but the last, backward from every stage but the first
     if spec.pp > 1:
-        sends = sum((st < len(split) - 1) + (st > 0) for st in stages)
+        sends = pp_sends(spec.layout, pp_rank)
         out["pp_send_recv"] = sends * m * b * s * h * e / (t if (sp or scatter_gather) else 1)
     return out
 

@@ -45,15 +45,18 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 from xpar.config import HardwareConfig
 from xpar.estimate import flops as fl
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
-from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing
 from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
                                   layer_activation_bytes, memory)
+from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.schedule import bubble_theory
 from xpar.spec import RunSpec
 
@@ -208,18 +211,48 @@ def _tp_times(spec: RunSpec) -> dict[str, float]:
     return {"f": 2 * one, "b": (2 + recompute) * one, "end": one}
 
 
-def _pp_time(spec: RunSpec, assume: Assumptions, pp_rank: int) -> float:
-    """Seconds of pipeline sends per micro-batch on ``pp_rank`` (b s h elements to the next
-    stage forward, the gradient back; /t with sequence parallelism or scatter/gather), each
-    a point-to-point transfer (across nodes when tp x dp fills a node)."""
-    if spec.pp == 1:
-        return 0.0
-    split, stages = spec.layer_split, spec.layout.stages_of(pp_rank)
-    sends = sum((st < len(split) - 1) + (st > 0) for st in stages)
+def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
+    """Seconds of one pipeline send (b s h elements, /t with sequence parallelism or
+    scatter/gather), a point-to-point transfer across nodes when tp x dp fills a node."""
     sp = spec.parallel.sequence_parallel or assume.scatter_gather
     nbytes = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * BYTES[spec.train.dtype]
     dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
-    return sends * p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
+    return p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
+
+
+def _pp_time(spec: RunSpec, assume: Assumptions, pp_rank: int) -> float:
+    """Seconds of pipeline sends per micro-batch on ``pp_rank`` (b s h elements to the next
+    stage forward, the gradient back: :func:`pp_sends` x :func:`pp_send_time`)."""
+    if spec.pp == 1:
+        return 0.0
+    return pp_sends(spec.layout, pp_rank) * pp_send_time(spec, assume)
+
+
+def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assumptions) -> dict:
+    """Seconds per micro-batch of a pipeline rank holding ``n`` blocks (and the first / last
+    stage's ends when ``first`` / ``last``): ``matmul``, ``memory_bound``, ``tp_comm``
+    (exposed), ``tp_issued``, and per FSDP unit ``unit_f``/``unit_b`` (a block forward /
+    backward with its share of exposed tp time) and ``root_f``/``root_b`` (the logits).
+    ``c``: :func:`_layer_costs`; ``tp``: :func:`_tp_times`. Every value a float, or a numpy
+    array over layouts (xpar.plan.vtime): the same arithmetic."""
+    mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
+    tp_f = n * tp["f"] + tp["end"] * first
+    tp_b = n * tp["b"] + tp["end"] * last
+    tp_exposed = tp_f + tp_b - vmin(assume.tp_overlap * (tp_f + tp_b), mm_f + mm_b)
+    lmm_f, lmm_b, lmem_f, lmem_b = (c[k] * last for k in ("logits_mm_f", "logits_mm_b", "logits_mem_f",
+                                                          "logits_mem_b"))
+    tp_all = vmax(tp["f"] + tp["b"], 1e-30)
+    return {"matmul": mm_f + mm_b + lmm_f + lmm_b, "memory_bound": n * (c["mem_f"] + c["mem_b"]) + lmem_f + lmem_b,
+            "tp_comm": tp_exposed, "tp_issued": tp_f + tp_b,
+            "unit_f": c["mm_f"] + c["mem_f"] + tp_exposed * tp["f"] / tp_all,
+            "unit_b": c["mm_b"] + c["mem_b"] + tp_exposed * tp["b"] / tp_all,
+            "root_f": lmm_f + lmem_f, "root_b": lmm_b + lmem_b}
+
+
+def microbatch_time(x: dict) -> Any:
+    """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
+    tp_comm, pp_comm, dp_comm exposed per micro-batch)."""
+    return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm"))
 
 
 def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
@@ -233,23 +266,37 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
         notes.append("no link bandwidth for this hardware: communication time not estimated")
     out = []
     for r in range(spec.pp):
-        n, first, last = spec.layout.layers_of(r), spec.layout.has_first_stage(r), spec.layout.has_last_stage(r)
-        mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
-        tp_f = n * tp["f"] + (tp["end"] if first else 0.0)
-        tp_b = n * tp["b"] + (tp["end"] if last else 0.0)
-        tp_exposed = tp_f + tp_b - min(assume.tp_overlap * (tp_f + tp_b), mm_f + mm_b)
-        lg = ("logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b")
-        lmm_f, lmm_b, lmem_f, lmem_b = (c[k] if last else 0.0 for k in lg)
-        unit_f = [c["mm_f"] + c["mem_f"] + tp_exposed * tp["f"] / max(tp["f"] + tp["b"], 1e-30)] * n
-        unit_b = [c["mm_b"] + c["mem_b"] + tp_exposed * tp["b"] / max(tp["f"] + tp["b"], 1e-30)] * n
-        dp = dp_timing(spec, assume, r, [lmm_f + lmem_f] + unit_f, unit_b[::-1] + [lmm_b + lmem_b])
+        n = spec.layout.layers_of(r)
+        x = rank_compute(c, tp, n, spec.layout.has_first_stage(r), spec.layout.has_last_stage(r), assume)
+        dp = dp_timing(spec, assume, r, [x["root_f"]] + [x["unit_f"]] * n, [x["unit_b"]] * n + [x["root_b"]])
         pp = _pp_time(spec, assume, r)
-        out.append({"matmul": mm_f + mm_b + lmm_f + lmm_b,
-                    "memory_bound": n * (c["mem_f"] + c["mem_b"]) + lmem_f + lmem_b,
-                    "tp_comm": tp_exposed, "pp_comm": pp * (1 - assume.pp_overlap),
-                    "dp_comm": dp.per_microbatch, "dp": dp, "tp_issued": tp_f + tp_b, "pp_issued": pp,
+        out.append({"matmul": x["matmul"], "memory_bound": x["memory_bound"], "tp_comm": x["tp_comm"],
+                    "pp_comm": pp * (1 - assume.pp_overlap), "dp_comm": dp.per_microbatch, "dp": dp,
+                    "tp_issued": x["tp_issued"], "pp_issued": pp,
                     "comm": comm_bytes_rank(spec, r, assume.scatter_gather, assume.zero1)})
     return out
+
+
+def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float]) -> Any:
+    """Seconds of the optimizer step: 2 passes over the local model states (params, grads and
+    optimizer states at the ZeRO paper's widths, :data:`STATE_BYTES`, for the elements the
+    device's optimizer holds: ``optimizer_bytes`` / their width) over HBM; 0 without HBM figure."""
+    bp, bg, bo = STATE_BYTES[dtype]
+    hbm = (hbm_tb_per_s or 0) * 1e12
+    return 2 * (optimizer_bytes / bo) * (bp + bg + bo) / hbm if hbm else 0.0
+
+
+def step_time(slow: dict, m: Any, beta: Any, mean_mb: Any, t_opt: Any) -> tuple[Any, dict]:
+    """(seconds per step, breakdown by :data:`TIME_TERMS`) from the slowest rank's terms
+    ``slow`` (:func:`_rank_times` entry with ``dp_end``, its dp communication left at the end),
+    m micro-batches, bubble ratio ``beta``, the mean micro-batch time over ranks and the
+    optimizer's seconds (module docstring). Floats or numpy arrays over layouts."""
+    mb_slow = microbatch_time(slow)
+    pipe = m * mb_slow + beta / (1 - beta) * m * mean_mb
+    breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"], "tp_comm": m * slow["tp_comm"],
+                 "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
+                 "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt}
+    return pipe + slow["dp_end"] + t_opt, breakdown
 
 
 def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
@@ -263,41 +310,49 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
     notes: list[str] = []
     per_rank = _rank_times(spec, assume, notes)
-    keys = ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm")
-    mb_time = [sum(x[k] for k in keys) for x in per_rank]
+    mb_time = [microbatch_time(x) for x in per_rank]
     slow = max(range(p), key=lambda r: mb_time[r])
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
-    pipe = m * mb_time[slow] + beta / (1 - beta) * m * statistics.fmean(mb_time)
     x = per_rank[slow]
     mem = _memory(spec, assume)
-    bp, bg, bo = STATE_BYTES[spec.train.dtype]
-    hbm = (hw.hbm_tb_per_s or 0) * 1e12
-    t_opt = 2 * (mem.optimizer / bo) * (bp + bg + bo) / hbm if hbm else 0.0
-    breakdown = {"matmul": m * x["matmul"], "memory_bound": m * x["memory_bound"], "tp_comm": m * x["tp_comm"],
-                 "pp_comm": m * x["pp_comm"], "bubble": pipe - m * mb_time[slow],
-                 "dp_comm_exposed": m * x["dp_comm"] + x["dp"].end, "optimizer": t_opt}
+    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s)
+    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time), t_opt)
     comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
-    est = _result(spec, mem, pipe + x["dp"].end + t_opt, breakdown, beta, x["comm"], notes)
+    est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
     est.comm_time, est.framework = comm_time, assume.name
     return est
+
+
+def _per(x: Any, time: Any) -> Any:
+    """x / time, 0 where time is 0 (floats or arrays)."""
+    if not isinstance(time, np.ndarray):
+        return x / time if time else 0.0
+    return np.divide(x, time, out=np.zeros(np.broadcast(x, time).shape), where=time != 0)
+
+
+def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, peak_tflops: Optional[float]) -> dict:
+    """Throughput of a step of ``time`` seconds with ``tokens`` tokens on ``world`` devices and
+    ``model_flops``/``hw_flops`` FLOPs per step (all devices): tokens_per_s(_per_device),
+    tflops_per_device, hw_tflops_per_device (1e12 FLOP/s), mfu, hfu (fractions of
+    ``peak_tflops``; 0 without a peak). Floats or numpy arrays over layouts."""
+    peak = (peak_tflops or 0) * 1e12
+    tf = _per(model_flops, time) / world / 1e12
+    hwtf = _per(hw_flops, time) / world / 1e12
+    return {"tokens_per_s": _per(tokens, time), "tokens_per_s_per_device": _per(tokens, time) / world,
+            "tflops_per_device": tf, "hw_tflops_per_device": hwtf,
+            "mfu": tf * 1e12 / peak if peak else 0.0 * tf, "hfu": hwtf * 1e12 / peak if peak else 0.0 * hwtf}
 
 
 def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, beta: float, comm: dict,
             notes: list[str]) -> Estimate:
     """The Estimate of a step of ``time`` seconds: throughput, model/hardware FLOP/s, MFU/HFU."""
-    cfg, s, tokens, world = spec.model, spec.seq_len, spec.tokens_per_step, spec.world_size
-    peak = (spec.hardware.peak_tflops or 0) * 1e12
+    cfg, s, tokens = spec.model, spec.seq_len, spec.tokens_per_step
     model_flops = fl.model_flops_per_token(cfg, s) * tokens
     hw_flops = fl.hardware_flops_per_token(cfg, s, spec.parallel.recompute) * tokens
-    tf = model_flops / time / world / 1e12 if time else 0.0
-    hwtf = hw_flops / time / world / 1e12 if time else 0.0
+    r = rates(time, tokens, spec.world_size, model_flops, hw_flops, spec.hardware.peak_tflops)
     return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
-                    time_per_step_s=time, time_breakdown=breakdown,
-                    tokens_per_s=tokens / time if time else 0.0,
-                    tokens_per_s_per_device=tokens / time / world if time else 0.0,
-                    tflops_per_device=tf, hw_tflops_per_device=hwtf,
-                    mfu=tf * 1e12 / peak if peak else 0.0, hfu=hwtf * 1e12 / peak if peak else 0.0,
-                    bubble_ratio=beta, comm_bytes=dict(comm), notes=notes)
+                    time_per_step_s=time, time_breakdown=breakdown, bubble_ratio=beta, comm_bytes=dict(comm),
+                    notes=notes, **r)
 
 
 def with_hardware(spec: RunSpec, **changes) -> RunSpec:

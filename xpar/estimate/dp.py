@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
 
 from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.memory import BYTES, param_shapes
-from xpar.estimate.overlap import simulate_pass
+from xpar.estimate.overlap import simulate_pass, vwhere
 from xpar.spec import RunSpec
 
 
@@ -59,21 +62,29 @@ def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
 
 
 def _times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
-    """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction."""
+    """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
+    collective timed once: the blocks of a rank are identical units)."""
     hw, z = spec.hardware, spec.parallel.zero_stage
     g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
     e = BYTES[spec.train.dtype]
     gb = assume.grad_reduce_bytes if spec.train.dtype == "bf16" else 4
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     bucket = assume.bucket_mb * 1e6
+    memo: dict[tuple[str, float], float] = {}
+
+    def timed(kind: str, nbytes: float) -> float:
+        if (kind, nbytes) not in memo:
+            memo[kind, nbytes] = collective_time(hw, kind, nbytes, g, algo)
+        return memo[kind, nbytes]
+
     if z >= 2:  # FSDP: one reduce-scatter per unit
-        red = [collective_time(hw, coll, n * gb, g, algo) for n in units]
+        red = [timed(coll, n * gb) for n in units]
     elif bucket > 0:  # buckets: a unit's share of bucket-sized messages
-        per_bucket = collective_time(hw, coll, bucket, g, algo)
+        per_bucket = timed(coll, bucket)
         red = [n * gb / bucket * per_bucket for n in units]
     else:  # one buffer after the backward
-        red = [collective_time(hw, coll, sum(units) * gb, g, algo) / len(units)] * len(units)
-    gather = [collective_time(hw, "allgather", n * e, g, algo) for n in units]
+        red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
+    gather = [timed("allgather", n * e) for n in units]
     return {"gather": gather, "reduce": red}
 
 
@@ -83,29 +94,49 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     (recompute included) in backward order (root last)."""
     if spec.dp == 1:
         return DpTiming(0.0, 0.0, 0.0)
-    z, pp, m = spec.parallel.zero_stage, spec.pp, spec.micro_batches
-    units = unit_elements(spec, pp_rank)
-    t = _times(spec, assume, units)
-    gf, gb_, red = t["gather"], t["gather"][::-1], t["reduce"][::-1]
-    none = [0.0] * len(units)
-    pre, slow = assume.fsdp_prefetch, assume.overlap_slowdown
-    fwd_g = gf if (z == 3 or (z == 2 and pp == 1)) else none
-    bwd_g = gb_ if z == 3 else none
-    every = z >= 2 and pp == 1
-    fwd = simulate_pass(compute_f, fwd_g, None, pre, slow)
-    bwd = simulate_pass(compute_b, bwd_g, red if (every and assume.dp_overlap) else None, pre, slow)
-    per_mb = fwd.exposed + bwd.exposed + (sum(red) if every and not assume.dp_overlap else 0.0)
-    end = 0.0
-    if not every:  # reductions once, in the last micro-batch's backward (or after it)
-        if assume.dp_overlap:
-            end += simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd.exposed
-        else:
-            end += sum(red)
-    if z == 2 and pp > 1:  # gathered once per step under pp
-        end += simulate_pass(compute_f, gf, None, pre, slow).exposed
-    if z == 1:  # updated parameters gathered after the step
-        end += (simulate_pass(compute_f, gf, None, pre, slow).exposed if assume.param_gather_overlap
-                else sum(gf))
-    issued = m * (sum(fwd_g) + sum(bwd_g) + (sum(red) if every else 0.0)) + (0.0 if every else sum(red)) \
-        + (sum(gf) if z == 1 or (z == 2 and pp > 1) else 0.0)
-    return DpTiming(per_mb, end, issued)
+    t = _times(spec, assume, unit_elements(spec, pp_rank))
+    x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"])
+    return DpTiming(x["per_microbatch"], x["end"], spec.micro_batches * x["issued_per_microbatch"] + x["issued_once"])
+
+
+def _masked(cond: Any, times: list) -> list:
+    """``times`` where ``cond``, zeros elsewhere (cond a bool, or a bool array over layouts)."""
+    if not isinstance(cond, np.ndarray):
+        return times if cond else [0.0] * len(times)
+    return [np.where(cond, x, 0.0) for x in times]
+
+
+def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]) -> Any:
+    """vwhere(cond, when_true(), when_false()), evaluating only the branch a bool needs."""
+    if not isinstance(cond, np.ndarray):
+        return when_true() if cond else when_false()
+    return np.where(cond, when_true() if cond.any() else 0.0, when_false() if not cond.all() else 0.0)
+
+
+def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list) -> dict:
+    """Exposed and issued dp communication of one pipeline rank (module docstring), for a
+    ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
+    then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
+    reduction, forward order (root first). Returns seconds: ``per_microbatch`` and ``end``
+    exposed (:class:`DpTiming`), ``issued_per_microbatch`` and ``issued_once`` (issued per
+    step = m x the first + the second)."""
+    gf, gb_, red = gather, gather[::-1], reduce[::-1]
+    pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
+    every = (z >= 2) & (pp == 1)
+    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), z == 3
+    gathered_once = (z == 1) | ((z == 2) & (pp > 1))
+    bwd_g = _masked(bwd_gathers, gb_)
+    with_gf = _lazy(fwd_gathers | gathered_once, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed,
+                    lambda: 0.0)
+    bwd = simulate_pass(compute_b, bwd_g, _masked(every & overlap, red) if overlap else None, pre, slow).exposed
+    sum_red, sum_gf = sum(red), sum(gf)
+    per_mb = vwhere(fwd_gathers, with_gf, 0.0) + bwd + (vwhere(every, sum_red, 0.0) if not overlap else 0.0)
+    if overlap:  # reductions once, in the last micro-batch's backward
+        end = _lazy(every, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
+    else:  # or after it
+        end = vwhere(every, 0.0, sum_red)
+    end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
+    end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
+    issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(gb_), 0.0) + vwhere(every, sum_red, 0.0)
+    once = vwhere(every, 0.0, sum_red) + vwhere(gathered_once, sum_gf, 0.0)
+    return {"per_microbatch": per_mb, "end": end, "issued_per_microbatch": issued_mb, "issued_once": once}

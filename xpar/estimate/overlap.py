@@ -16,11 +16,35 @@ reduce-scatters share the NICs):
 Exposed time = makespan - sum(compute). While communication runs beside compute, compute
 slows by ``slowdown`` (NCCL kernels use SMs and HBM bandwidth); that loss is counted as
 exposed communication too. Units: seconds.
+
+Array-polymorphic: every time may be a float or a numpy array over layouts (the planner,
+xpar.plan.vtime, runs one timeline for many layouts at once; the same code, the same
+results). :func:`vmax`, :func:`vmin` and :func:`vwhere` are max, min and a conditional that
+take either.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+def vmax(a: Any, b: Any) -> Any:
+    """max(a, b) for floats, numpy.maximum when either is an array."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def vmin(a: Any, b: Any) -> Any:
+    """min(a, b) for floats, numpy.minimum when either is an array."""
+    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def vwhere(cond: Any, a: Any, b: Any) -> Any:
+    """``a if cond else b`` for a bool, numpy.where for a bool array."""
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, a, b)
+    return a if cond else b
 
 
 @dataclass(frozen=True)
@@ -44,21 +68,29 @@ def simulate_pass(compute: Sequence[float], gather: Optional[Sequence[float]] = 
     if len(g) != n or len(r) != n:
         raise ValueError(f"gather/reduce need one entry per unit ({n}), got {len(g)}/{len(r)}")
     link, clock, ready = 0.0, 0.0, [0.0] * n
-    if n and g[0]:
-        link = ready[0] = g[0]
+    if n:
+        link = ready[0] = vwhere(g[0] != 0, g[0], 0.0)
     for i in range(n):
-        if not prefetch and i and g[i]:  # on demand: issued once the previous unit is done
-            link = ready[i] = max(link, clock) + g[i]
-        start = max(clock, ready[i])
-        if prefetch and i + 1 < n and g[i + 1]:
-            link = ready[i + 1] = max(link, start) + g[i + 1]
+        if not prefetch and i:  # on demand: issued once the previous unit is done
+            link, ready[i] = _issue(g[i], vmax(link, clock) + g[i], link, ready[i])
+        start = vmax(clock, ready[i])
+        if prefetch and i + 1 < n:
+            link, ready[i + 1] = _issue(g[i + 1], vmax(link, start) + g[i + 1], link, ready[i + 1])
         clock = start + compute[i]
-        if r[i]:
-            link = max(link, clock) + r[i]
+        link = _issue(r[i], vmax(link, clock) + r[i], link, link)[0]
     total_compute, total_comm = sum(compute), sum(g) + sum(r)
-    exposed = max(clock, link) - total_compute
-    hidden = max(0.0, total_comm - exposed)
-    return PassTiming(total_compute, total_comm, exposed + slowdown * min(hidden, total_compute))
+    exposed = vmax(clock, link) - total_compute
+    hidden = vmax(0.0, total_comm - exposed)
+    return PassTiming(total_compute, total_comm, exposed + slowdown * vmin(hidden, total_compute))
+
+
+def _issue(comm: Any, done: Any, link: Any, ready: Any) -> tuple[Any, Any]:
+    """(link, ready) after issuing a collective of ``comm`` seconds that finishes at ``done``;
+    unchanged where ``comm`` is 0 (nothing issued)."""
+    if not isinstance(comm, np.ndarray):
+        return (done, done) if comm else (link, ready)
+    issued = comm != 0
+    return np.where(issued, done, link), np.where(issued, done, ready)
 
 
 def blocking(comm: float) -> PassTiming:

@@ -1,0 +1,136 @@
+"""The planner's vectorised step time (xpar.plan.vtime) equals the scalar estimate, layout by layout.
+
+Random valid candidates (seeded) over models tiny/7b/70b/175b, the A100 and H100 presets, the four
+framework profiles, every schedule, ZeRO 0-3 and the three recompute policies; each figure of
+``time_columns`` is compared with ``estimate(spec_of(...))`` at relative 1e-9.
+"""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from xpar.estimate.cost import TIME_TERMS, estimate
+from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.plan.context import COLUMNS, PlanContext, spec_of
+from xpar.plan.vtime import TIME_KEYS, time_columns
+
+CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
+MODELS = ("tiny", "7b", "70b", "175b")
+HARDWARE = ("a100_80gb_8gpu", "a100_80gb_64gpu", "a100_80gb_1024gpu", "h100_80gb_8gpu", "h100_80gb_64gpu")
+FRAMEWORKS = ("xpar", "megatron", "torchtitan", "deepspeed")
+
+
+def _group(group: str, name: str) -> dict:
+    d = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+    d.pop("defaults", None)
+    return d
+
+
+def context(model: str, hardware: str, framework: str) -> PlanContext:
+    return PlanContext(model=_group("model", model), hardware=_group("hardware", hardware), train={"dtype": "bf16"},
+                       framework=_group("framework", framework))
+
+
+def _one(ctx: PlanContext, rng: np.random.Generator):
+    """One random candidate row, or None when the draw has no valid v."""
+    mdl, hw = ctx.model, ctx.hardware
+    world = int(hw["devices_per_node"]) * int(hw.get("nodes", 1))
+    heads, layers = mdl["n_heads"], mdl["n_layers"]
+    kv = mdl.get("n_kv_heads") or heads
+    tp = int(rng.choice([t for t in range(1, 9) if heads % t == 0 and kv % t == 0 and world % t == 0]))
+    pp = int(rng.choice([p for p in range(1, world // tp + 1) if (world // tp) % p == 0 and layers % p == 0]))
+    schedule = str(rng.choice(list(SCHEDULES)))
+    rec = SCHEDULES[schedule]
+    vs = {"1": [1], "2": [2]}.get(rec.stages_per_rank, [x for x in range(2, 9) if layers % (pp * x) == 0])
+    vs = [v for v in vs if layers % (pp * v) == 0]
+    if not vs:
+        return None
+    m = int(rng.choice([x for x in range(1, 4 * pp + 9) if microbatch_ok(schedule, pp, x)]))
+    zero = zero_stage_run(schedule, pp, int(rng.integers(0, 4)))
+    recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else ["none", "selective", "full"]))  # SAC
+    return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,
+            bool(tp > 1 and rng.random() < 0.5), recompute)
+
+
+def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """``n`` valid candidate rows (xpar.plan.context columns): tp dividing the heads and kv
+    heads, pp x v dividing the layers, m that the schedule accepts, the ZeRO stage that runs,
+    sp only with tp > 1, no selective recompute with split-backward schedules."""
+    rows = []
+    while len(rows) < n:
+        r = _one(ctx, rng)
+        if r is not None:
+            rows.append(r)
+    return {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS)}
+
+
+def scalar_fields(e) -> dict[str, float]:
+    """The Estimate's figures under time_columns' keys."""
+    d = {k: getattr(e, k) for k in ("time_per_step_s", "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device",
+                                    "tflops_per_device", "hw_tflops_per_device", "mfu", "hfu")}
+    d.update({f"time_{k}": e.time_breakdown[k] for k in TIME_TERMS})
+    d.update({f"{k}_comm_issued_s": e.comm_time[k] for k in ("dp", "tp", "pp")})
+    return d
+
+
+def _mismatches(ctx: PlanContext, cols: dict, got: dict, ests: list) -> list[str]:
+    bad = []
+    for i, e in enumerate(ests):
+        for k, want in scalar_fields(e).items():
+            if not (got[k][i] == pytest.approx(want, rel=1e-9, abs=1e-15)):
+                bad.append(f"{ctx.model['name']}/{ctx.hardware['name']}/{ctx.framework['name']} "
+                           f"{ {c: cols[c][i].item() for c in COLUMNS} } {k}: {got[k][i]!r} != {want!r}")
+    return bad
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_time_columns_equal_scalar_estimate(model):
+    rng = np.random.default_rng(MODELS.index(model))
+    bad, checked = [], 0
+    for hardware in HARDWARE:
+        for framework in FRAMEWORKS:
+            ctx = context(model, hardware, framework)
+            cols = random_candidates(ctx, rng, 2)
+            specs = [spec_of(ctx, cols, i) for i in range(2)]
+            ests = [estimate(sp) for sp in specs]
+            got = time_columns(specs[1], cols, np.array([e.memory.optimizer for e in ests]))
+            assert set(got) == set(TIME_KEYS) and all(len(x) == 2 for x in got.values())
+            bad += _mismatches(ctx, cols, got, ests)
+            checked += 2
+    assert checked == 40 and not bad, "\n".join(bad[:20])
+
+
+def test_time_columns_many_layouts_one_context():
+    """Twenty-four layouts of 175B on 1024 A100 in one call (shared keys, pp classes)."""
+    ctx = context("175b", "a100_80gb_1024gpu", "xpar")
+    cols = random_candidates(ctx, np.random.default_rng(7), 24)
+    specs = [spec_of(ctx, cols, i) for i in range(24)]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+    assert len(set(cols["pp"].tolist())) >= 4
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_time_columns_optimizer_term_without_memory_given():
+    """Without memory_optimizer, the optimizer term comes from the memory model (vectorised
+    where xpar.plan.vmemory is present): still equal to the estimate."""
+    ctx = context("7b", "h100_80gb_64gpu", "megatron")
+    cols = random_candidates(ctx, np.random.default_rng(11), 6)
+    specs = [spec_of(ctx, cols, i) for i in range(6)]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols)
+    assert all(e.time_breakdown["optimizer"] > 0 for e in ests)
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_vtime_imports_no_torch():
+    code = "import xpar.plan.vtime, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

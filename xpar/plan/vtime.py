@@ -1,0 +1,242 @@
+"""The cost model's step time over many layouts at once: :func:`xpar.estimate.cost.estimate`'s
+time figures, vectorised over candidate columns (:mod:`xpar.plan.context`).
+
+One source of truth: every formula is the estimate's own. Sub-results that depend on a few
+columns (layer costs per (tp, b, sp, recompute), unit sizes per (tp, pp, rank class), bubble
+per (schedule, pp, m, v), ...) come from the scalar functions, called once per distinct key
+(``numpy.unique``); the rest is the same array-polymorphic arithmetic the scalar path runs
+(:func:`xpar.estimate.cost.rank_compute`, :func:`xpar.estimate.dp.dp_exposure`,
+:func:`xpar.estimate.overlap.simulate_pass`, :func:`xpar.estimate.cost.step_time`,
+:func:`xpar.estimate.cost.rates`) on arrays: a loop over FSDP units (not over layouts) for
+the dp timeline, layouts grouped by units per rank.
+
+Pipeline ranks in classes. With balanced splits (n_layers % (pp v) == 0) every rank holds
+n_layers / pp blocks; ranks differ only by holding the first stage's and the last stage's
+ends. Loop placement: rank 0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement
+(zbv, dualpipev): rank 0 holds both ends, ranks 1..pp-1 are middle ranks. Three slots per
+layout (rank 0, a middle rank, the last rank), each with its count of ranks.
+
+tests/test_plan_vector.py checks every figure against the scalar estimate (relative 1e-9).
+Imports no torch (numpy and the estimate package only).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from xpar.estimate import flops as fl
+from xpar.estimate.cost import (TIME_TERMS, Assumptions, _layer_costs, _tp_times, assumptions_for, microbatch_time,
+                                optimizer_time, pp_send_time, pp_sends, rank_compute, rates, step_time)
+from xpar.estimate.dp import _times, dp_exposure, unit_elements
+from xpar.estimate.schedule import bubble_theory
+from xpar.layout import SCHEDULES, Layout, even_split
+from xpar.resolve import resolve_virtual_stages
+from xpar.spec import RunSpec
+
+TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
+    "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
+    "hfu", "dp_comm_issued_s", "tp_comm_issued_s", "pp_comm_issued_s")
+"""Keys of :func:`time_columns`: Estimate.time_per_step_s, time_breakdown[term] as
+``time_<term>``, bubble_ratio, the throughput fields and comm_time[tp|pp|dp] as
+``<axis>_comm_issued_s``."""
+SLOTS = 3
+"""Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
+
+
+def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
+            sp: bool, recompute: str) -> RunSpec:
+    """``base`` with another layout (balanced split of pp x v stages), as the scalar
+    functions read it: the layout, the parallel group's fields and the micro-batch size."""
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
+                    layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
+                    sequence_parallel=sp, recompute=recompute)
+    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
+                  virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split))
+    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
+    return replace(base, parallel=par, train=train, layout=layout)
+
+
+def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """``fn(*key)`` once per distinct row of ``columns`` (plain Python values), each of its
+    ``names`` broadcast back to every row (float64 arrays)."""
+    _, first, inverse = np.unique(_combined(columns), return_index=True, return_inverse=True)
+    values = [fn(*(c[i].item() for c in columns)) for i in first]
+    return {k: np.array([x[k] for x in values], dtype=np.float64)[inverse] for k in names}
+
+
+def _rows(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The candidate columns as arrays (v resolved: :func:`xpar.resolve.resolve_virtual_stages`),
+    plus ``v_shaped`` (V placement, pp > 1)."""
+    r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
+    r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
+    r["schedule"], r["recompute"] = np.asarray(cols["schedule"]).astype(str), np.asarray(cols["recompute"]).astype(str)
+    r["v"] = by_key([r["schedule"], r["pp"], r["v"]], lambda sch, pp, v: {"v": resolve_virtual_stages(sch, pp, v)},
+                    ("v",))["v"].astype(np.int64)  # 1 without pipelining, as validation resolves it
+    names, code = np.unique(r["schedule"], return_inverse=True)
+    r["v_shaped"] = np.array([SCHEDULES[s].v_shaped for s in names], dtype=bool)[code] & (r["pp"] > 1)
+    return r
+
+
+def _slots(r: dict, n_layers: int) -> dict[str, np.ndarray]:
+    """Per slot (axis 0, :data:`SLOTS`) and layout: a representative pipeline rank, whether it
+    holds the first / last stage, and how many ranks it stands for (0: no such rank)."""
+    pp, vs = r["pp"], r["v_shaped"]
+    one = pp == 1
+    return {"rank": np.stack([np.zeros_like(pp), np.minimum(1, pp - 1), pp - 1]),
+            "first": np.stack([np.ones_like(vs), np.zeros_like(vs), np.zeros_like(vs)]),
+            "last": np.stack([one | vs, np.zeros_like(vs), ~one & ~vs]),
+            "count": np.stack([np.ones_like(pp), np.where(one, 0, np.where(vs, pp - 1, pp - 2)),
+                               (~one & ~vs).astype(np.int64)]),
+            "n": n_layers // pp}
+
+
+def _placement_spec(base: RunSpec, tp: int, pp: int, v: int, v_shaped: bool) -> RunSpec:
+    """A spec whose layout places pp x v stages as the candidates do (loop or V placement)."""
+    return spec_at(base, tp, pp, 1, 1, 1, v, "zbv" if v_shaped else "gpipe", 0, False, "none")
+
+
+def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> list[dict[str, np.ndarray]]:
+    """Per slot: seconds of the root's and of one block's all-gather and reduction
+    (:func:`xpar.estimate.dp._times` of the rank's units, :func:`unit_elements`)."""
+    out = []
+    for k in range(SLOTS):
+        def units(tp, pp, v, vs, rank):
+            u = unit_elements(_placement_spec(base, tp, pp, v, vs), rank)
+            return {"root": u[0], "block": u[1] if len(u) > 1 else 0, "n": len(u) - 1}
+
+        el = by_key([r["tp"], r["pp"], r["v"], r["v_shaped"], s["rank"][k]], units, ("root", "block", "n"))
+
+        def times(dp, tp, zero, root, block, n):
+            spec = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
+            t = _times(spec, a, [int(root)] + [int(block)] * int(n))
+            return {"g_root": t["gather"][0], "g_block": t["gather"][-1],
+                    "r_root": t["reduce"][0], "r_block": t["reduce"][-1]}
+
+        out.append(by_key([r["dp"], r["tp"], r["zero"], el["root"], el["block"], el["n"]], times,
+                          ("g_root", "g_block", "r_root", "r_block")))
+    return out
+
+
+def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, xs: list[dict]) -> list[dict[str, np.ndarray]]:
+    """Per slot: dp communication exposed per micro-batch (``dp_comm``), at the end of the
+    step (``dp_end``) and issued per step (``dp_issued``), seconds (:class:`DpTiming`'s
+    fields). The unit timeline (:func:`dp_exposure`) runs once per distinct input (rank class,
+    tp, dp, b, ZeRO stage, sp, recompute, one stage or more; not m or the schedule), grouped by pp."""
+    ut = _dp_unit_times(base, a, r, s)
+    names = ("unit_f", "unit_b", "root_f", "root_b")
+    flat = {k: np.concatenate([xs[i][k] * np.ones(len(r["tp"])) for i in range(SLOTS)]) for k in names}
+    flat.update({k: np.concatenate([ut[i][k] for i in range(SLOTS)]) for k in ut[0]})
+    z, pp = np.tile(r["zero"], SLOTS), np.tile(r["pp"], SLOTS)
+    live = (np.tile(r["dp"], SLOTS) > 1) & (s["count"].ravel() > 0)
+    one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
+    row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")] + [one_stage])
+    key = np.concatenate([row_key * SLOTS + i for i in range(SLOTS)])
+    _, rep, inverse = np.unique(np.where(live, key, -1), return_index=True, return_inverse=True)
+    res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once")}
+    rep_live = live[rep]
+    for p in np.unique(pp[rep][rep_live]):
+        sel = np.flatnonzero(rep_live & (pp[rep] == p))
+        idx = rep[sel]
+        f = {k: x[idx] for k, x in flat.items()}
+        n = base.model.n_layers // int(p)
+        out = dp_exposure(z[idx], int(p), a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
+                          [f["g_root"]] + [f["g_block"]] * n, [f["r_root"]] + [f["r_block"]] * n)
+        for k in res:
+            res[k][sel] = out[k]
+    m = np.tile(r["m"], SLOTS)
+    every = {k: x[inverse] for k, x in res.items()}
+    issued = m * every["issued_per_microbatch"] + every["issued_once"]
+    length = len(r["tp"])
+    return [{"dp_comm": every["per_microbatch"][i * length:(i + 1) * length],
+             "dp_end": every["end"][i * length:(i + 1) * length],
+             "dp_issued": issued[i * length:(i + 1) * length]} for i in range(SLOTS)]
+
+
+def _combined(columns: list[np.ndarray]) -> np.ndarray:
+    """One int64 key per row, equal for rows equal in every column."""
+    key = np.zeros(len(columns[0]), dtype=np.int64)
+    for c in columns:
+        _, code = np.unique(c, return_inverse=True)
+        key = key * (int(code.max(initial=0)) + 1) + code
+    return key
+
+
+def _optimizer_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> np.ndarray:
+    """Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer): from
+    xpar.plan.vmemory where present, else the scalar memory model row by row (slow)."""
+    try:
+        from xpar.plan.vmemory import memory_columns
+    except ImportError:
+        memory_columns = None
+    if memory_columns is not None:
+        return np.asarray(memory_columns(base, cols)["memory_optimizer"], dtype=np.float64)
+    from xpar.estimate.memory import memory
+
+    keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
+    return by_key([r[k] for k in keys], lambda *row: {"o": memory(spec_at(base, *row), assume=a).optimizer},
+                  ("o",))["o"]
+
+
+def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
+                 memory_optimizer: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+    """Step time and throughput of every candidate (:data:`TIME_KEYS`, float64 arrays of the
+    candidates' length), each equal to :func:`xpar.estimate.cost.estimate` of the candidate's
+    spec (:func:`xpar.plan.context.spec_of`). ``base``: the RunSpec of any candidate of the same
+    context (its model, hardware, seq_len, dtype and framework are used). ``memory_optimizer``:
+    bytes of optimizer states on the most loaded device per candidate (xpar.plan.vmemory's
+    ``memory_optimizer``), for the optimizer term; computed when None. Units: seconds, tokens/s,
+    1e12 FLOP/s, fractions of peak."""
+    a = assumptions_for(base)
+    r = _rows(cols)
+    s = _slots(r, base.model.n_layers)
+    xs = _rank_columns(base, a, r, s)
+    mb = np.stack([microbatch_time(x) for x in xs])
+    slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)
+    mean = sum(s["count"][i] * mb[i] for i in range(SLOTS)) / r["pp"]
+    pick = {k: np.choose(slow, [x[k] for x in xs]) for k in xs[0]}
+    beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]],
+                  lambda sch, pp, m, v: {"b": bubble_theory(sch, pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
+    opt = _optimizer_bytes(base, cols, r, a) if memory_optimizer is None else np.asarray(memory_optimizer, float)
+    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s) * np.ones(len(r["tp"]))
+    time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
+    out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
+           "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
+           "pp_comm_issued_s": r["m"] * pick["pp_issued"]}
+    out.update(_rates(base, r, time))
+    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+
+
+def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> list[dict[str, np.ndarray]]:
+    """Per slot, the terms of :func:`xpar.estimate.cost._rank_times` (seconds per micro-batch:
+    matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, and issued tp/pp/dp)."""
+    lay = [r["tp"], r["b"], r["sp"], r["recompute"]]
+
+    def at(tp, b, sp, rec):
+        return spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, sp, rec)
+
+    c = by_key(lay, lambda *k: _layer_costs(at(*k), a), ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f",
+                                                          "logits_mm_b", "logits_mem_f", "logits_mem_b"))
+    tp = by_key(lay, lambda *k: _tp_times(at(*k)), ("f", "b", "end"))
+    send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
+        "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
+    xs = []
+    for i in range(SLOTS):
+        x = rank_compute(c, tp, s["n"], s["first"][i], s["last"][i], a)
+        sends = by_key([r["pp"], r["v"], r["v_shaped"], s["rank"][i]], lambda p, v, vs, rank: {
+            "n": pp_sends(_placement_spec(base, 1, p, v, vs).layout, rank)}, ("n",))["n"]
+        pp = np.where(r["pp"] > 1, sends * send, 0.0)
+        xs.append(dict(x, pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp))
+    for x, d in zip(xs, _dp_columns(base, a, r, s, xs)):
+        x.update(d)
+    return xs
+
+
+def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
+    """Throughput fields of :func:`xpar.estimate.cost.rates` for steps of ``time`` seconds."""
+    cfg, s = base.model, base.seq_len
+    tokens = r["b"] * r["m"] * r["dp"] * s
+    hw = by_key([r["recompute"]], lambda rec: {"f": fl.hardware_flops_per_token(cfg, s, rec)}, ("f",))["f"]
+    return rates(time, tokens, r["tp"] * r["pp"] * r["dp"], fl.model_flops_per_token(cfg, s) * tokens, hw * tokens,
+                 base.hardware.peak_tflops)
