@@ -55,7 +55,7 @@ def _sync(args: list[str]) -> int:
 
 def main() -> None:
     """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
-    journal kept to the store; anything else is a Hydra run: check
+    journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
     preset names (exit 2 with the valid ones), then hand over to Hydra."""
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         from xpar.compare import main as compare_main
@@ -69,6 +69,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "calibrate":  # measure this machine into a hardware preset
         from xpar.calibrate import main as calibrate_main
         raise SystemExit(calibrate_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":  # every layout ranked (xpar.plan): run.mode=plan
+        from xpar.plan.inputs import plan_argv
+        sys.argv[1:] = plan_argv(sys.argv[2:])
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -198,6 +198,8 @@ class FrameworkConfig:
     """DDP copies gradients into communication buckets (torch default)."""
     cpu_offload_optimizer: bool = False
     """Optimizer states in host memory."""
+    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages the framework runs (xpar plan searches these): xpar all four."""
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""
@@ -273,7 +275,8 @@ class RunConfig:
     """How to run the layout."""
 
     mode: str = "auto"
-    """auto | execute | estimate. auto executes where the devices exist, else estimates."""
+    """auto | execute | estimate | plan. auto executes where the devices exist, else estimates; plan
+    searches every layout (xpar plan, xpar.plan.command)."""
     progress: bool = True
     fail_rank: Optional[int] = None
     """Fault injection for testing failure handling: this rank raises after building its engine."""
@@ -305,6 +308,42 @@ class SweepConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``xpar plan`` (run.mode=plan): the user's constraints on the layouts searched
+    (xpar.plan.space) and what the plan shows and runs (xpar.plan.command)."""
+
+    global_batch_size: Any = "auto"
+    """Sequences per step: a number, a range [lo, hi] (tried at lo, hi and the powers of two
+    between), or 'auto': train.global_batch_size if a number, else 2^22 tokens / seq_len rounded
+    to a power of two (Llama 2/3's 4M-token batch) and at least the device count; on
+    hardware=local, devices x train.micro_batch_size."""
+    devices: Any = None
+    """Devices: null (the hardware preset's), a number, or a range [lo, hi] (whole nodes: lo, hi
+    and the powers of two between) with ``min_tokens_per_s``: the smallest cluster reaching it."""
+    min_tokens_per_s: Optional[float] = None
+    """Throughput the smallest cluster of a ``devices`` range must reach (tokens/s)."""
+    max_tp: Optional[int] = None
+    """Largest tensor-parallel degree; null: any tp dividing the heads (inside or across nodes)."""
+    pp: Optional[int] = None
+    """Fixed pipeline degree; null: any."""
+    schedules: Optional[list] = None
+    """Pipeline schedules allowed (xpar.layout.SCHEDULES); null: all."""
+    zero_stages: Optional[list] = None
+    """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
+    recompute: Optional[list] = None
+    """Recompute policies allowed (none, selective, full); null: all."""
+    max_micro_batch_size: int = 8
+    """Largest micro-batch size b tried (sequences)."""
+    memory_headroom: Optional[float] = None
+    """Fraction of device memory kept free; null: hardware.memory_headroom."""
+    top_k: int = 10
+    """Layouts shown in the ranked table."""
+    execute_top: int = 0
+    """hardware=local: run this many of the top layouts for real (an MLflow sweep) and compare
+    estimated with measured tokens/s."""
+
+
+@dataclass
 class XparConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -315,6 +354,7 @@ class XparConfig:
     run: RunConfig = field(default_factory=RunConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking", "framework")

@@ -29,6 +29,10 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     ``sweep.skip_invalid`` is set. Returns the Report on the process that records (None on
     non-zero torchrun ranks and skipped jobs).
     """
+    if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
+        from xpar.plan.command import run_plan
+        run_plan(cfg, out_dir, start_dir)
+        return None
     from xpar.cluster import adopt_submitit_tasks
     from xpar.launch import WorkerFailed
     from xpar.tracking import TrackingUnavailable

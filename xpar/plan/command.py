@@ -1,0 +1,226 @@
+"""``xpar plan`` (``run.mode=plan``): every valid layout of a model on a cluster, ranked by the
+cost model's tokens/s and explained.
+
+Enumerate (:mod:`xpar.plan.space`), evaluate step time and memory on all candidates at once
+(:mod:`xpar.plan.evaluate`), drop what does not fit, rank (:mod:`xpar.plan.rank`), explain the
+winner (:mod:`xpar.plan.explain`), print the command line that reproduces it (checked: it
+composes, validates and fits), record an MLflow run tagged ``xpar.mode=plan`` with the ranked
+table and the Pareto plot (:mod:`xpar.plan.record`), and on hardware=local run the top layouts
+for real (:mod:`xpar.plan.execute`). Imports no torch, except to resolve hardware=local and to
+run layouts for real.
+
+Refusals (bad constraints, no layout passes the rules, no layout fits) are one line each and
+exit 2; for a model that fits no layout, the smallest cluster, or the largest memory headroom,
+that would work.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from xpar.plan.context import PlanContext
+from xpar.plan.inputs import PlanInputs, plan_inputs
+from xpar.plan.space import RULES, Constraints, Space, enumerate_layouts
+
+GB = 1e9
+
+
+class PlanRefused(Exception):
+    """The request cannot be planned; ``problems`` holds one line per reason."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class Plan:
+    """A finished search at one device count. ``res``: candidate columns with the cost model's
+    figures (:mod:`xpar.plan.evaluate`); ``ranked``: indices of the layouts that fit, best first."""
+
+    inputs: PlanInputs
+    ctx: PlanContext
+    space: Space
+    res: dict
+    ranked: np.ndarray
+    seconds: dict = field(default_factory=dict)
+    clusters: list = field(default_factory=list)
+    """(devices, best tokens/s or 0) of each device count tried (a devices range)."""
+
+    @property
+    def devices(self) -> int:
+        return int(self.res["tp"][0] * self.res["pp"][0] * self.res["dp"][0])
+
+    @property
+    def best(self) -> int:
+        return int(self.ranked[0])
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Layouts dropped by rule (:data:`RULES` keys) and ``memory`` (do not fit)."""
+        return dict(self.space.dropped, memory=int(len(self.space) - len(self.ranked)))
+
+
+def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
+    """Enumerate, evaluate and rank the layouts on ``devices`` (default: the first count).
+
+    Raises:
+        PlanRefused: no layout passes the rules (the constraint that empties the space and
+            values that work), or none fits (the smallest cluster or largest headroom that would).
+    """
+    from xpar.plan.evaluate import evaluate
+    from xpar.plan.rank import order
+
+    devices = devices or inputs.device_counts[0]
+    ctx, t0 = inputs.at(devices), time.perf_counter()
+    space = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]),
+                              int(ctx.train["seq_len"]), inputs.constraints)
+    if not len(space):
+        raise PlanRefused([empty_space_line(inputs, devices, space)])
+    t1 = time.perf_counter()
+    res = evaluate(ctx, space.cols)
+    t2 = time.perf_counter()
+    ranked = order(res, res["fits"].astype(bool))
+    seconds = {"enumerate": t1 - t0, "evaluate": t2 - t1, "rank": time.perf_counter() - t2}
+    plan = Plan(inputs, ctx, space, res, ranked, seconds)
+    if not len(ranked):
+        raise PlanRefused([nothing_fits_line(plan)])
+    return plan
+
+
+def search_smallest(inputs: PlanInputs) -> Plan:
+    """With a devices range: the plan on the smallest device count whose best layout reaches
+    ``min_tokens_per_s`` (each count tried, in increasing order, is kept in ``clusters``)."""
+    tried = []
+    for n in inputs.device_counts:
+        try:
+            plan = search(inputs, n)
+        except PlanRefused:
+            tried.append((n, 0.0))
+            continue
+        tried.append((n, float(plan.res["tokens_per_s"][plan.best])))
+        if tried[-1][1] >= (inputs.min_tokens_per_s or 0):
+            plan.clusters = tried
+            return plan
+    best = max(tried, key=lambda x: x[1])
+    raise PlanRefused([f"no cluster in plan.devices={list(inputs.device_counts)} reaches plan.min_tokens_per_s="
+                       f"{inputs.min_tokens_per_s:g}: the best is {best[1]:,.0f} tokens/s on {best[0]} devices; "
+                       f"e.g. plan.min_tokens_per_s={0.9 * best[1]:.0f}, or a larger plan.devices range."])
+
+
+# --- refusals -----------------------------------------------------------------------------
+
+USER_RULES = {"max_tp": ("max_tp", "tp"), "pp_fixed": ("pp", "pp"), "schedule": ("schedules", "schedule"),
+              "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute")}
+"""Rules that come from a plan.* constraint: rule key -> (plan field, candidate column)."""
+UNCONSTRAINED = Constraints(global_batch=(1, 1))
+"""Constraints' defaults: what a plan.* field left unset allows."""
+
+
+def empty_space_line(inputs: PlanInputs, devices: int, space: Space) -> str:
+    """Why no layout passes the rules: the user's constraint that drops most, with the values
+    that work without it; else the rule that drops most."""
+    c, ctx = inputs.constraints, inputs.at(devices)
+    where = f"model={ctx.model['name']} on {devices} devices, global batch {_batch(c.global_batch)}"
+    for key, (name, col) in sorted(USER_RULES.items(), key=lambda kv: -space.dropped[kv[0]]):
+        if not space.dropped[key]:
+            continue
+        free = replace(c, **{name: getattr(UNCONSTRAINED, name)})
+        other = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]),
+                                  int(ctx.train["seq_len"]), free)
+        if len(other):
+            works = sorted({v.item() for v in np.unique(other.cols[col])})
+            return (f"no layout of {where} passes plan.{name}={_given(inputs, name)}; {col} values that work: "
+                    f"{works}; e.g. plan.{name}={_example(name, works)}.")
+    top = max(space.dropped, key=space.dropped.get)
+    return (f"no layout of {where} passes the rules; most are dropped because {RULES[top]} "
+            f"({space.dropped[top]:,} layouts); try another global batch (plan.global_batch_size) or device count.")
+
+
+def _given(inputs: PlanInputs, name: str):
+    v = getattr(inputs.constraints, name)
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _example(name: str, works: list):
+    return f"[{works[0]}]" if name in ("schedules", "zero_stages", "recompute") else works[-1]
+
+
+def _batch(span: tuple[int, int]) -> str:
+    return str(span[0]) if span[0] == span[1] else f"[{span[0]}, {span[1]}]"
+
+
+def nothing_fits_line(plan: Plan) -> str:
+    """No layout fits: by how much the leanest misses, and the largest memory headroom or the
+    smallest cluster (whole nodes, doubling, up to 64x) that would fit one."""
+    from xpar.plan.explain import label
+    res, ctx = plan.res, plan.ctx
+    lean = int(np.argmin(res["memory_total"]))
+    dev_mem = float(ctx.hardware["device_memory_gb"]) * GB
+    need = float(res["memory_total"][lean])
+    head = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {ctx.hardware.get('gpu') or 'device'} "
+            f"({plan.space.raw:,} tried, {len(plan.space):,} valid): the leanest, {label(res, lean)}, needs "
+            f"{need / GB:.1f} GB per device, {float(res['memory_usable'][lean]) / GB:.1f} GB usable")
+    if need <= dev_mem:
+        return head + f"; it fits with plan.memory_headroom={max(0.0, 1 - need / dev_mem) - 0.0005:.3f} or less."
+    for k in range(1, 7):
+        n = plan.devices * 2 ** k
+        try:
+            other = search(plan.inputs, n)
+        except PlanRefused:
+            continue
+        nodes = max(1, n // plan.inputs.devices_per_node)
+        return head + (f"; the smallest cluster that fits it is {n} devices (hardware.nodes={nodes}): "
+                       f"{label(other.res, other.best)}, {other.res['tokens_per_s'][other.best]:,.0f} tokens/s.")
+    return head + f"; no cluster up to {plan.devices * 64} devices fits it: a smaller model or sequence."
+
+
+# --- the command --------------------------------------------------------------------------
+
+def run_plan(cfg, out_dir: Path, start_dir: Path) -> Optional[Plan]:
+    """``run.mode=plan``: search, print, record, and on hardware=local execute the top layouts.
+    Bad requests exit 2 with one line per problem."""
+    from xpar.overrides import refuse
+    from xpar.plan.show import print_plan
+
+    t0 = time.perf_counter()
+    inputs, problems = plan_inputs(cfg)
+    if problems:
+        refuse(problems)
+    try:
+        plan = search_smallest(inputs) if len(inputs.device_counts) > 1 else search(inputs)
+        line, spec = reproduce(plan)
+    except PlanRefused as e:
+        refuse(e.problems)
+    plan.seconds["plan"] = time.perf_counter() - t0
+    print_plan(plan, line)
+    executed = []
+    if inputs.execute_top:
+        from xpar.plan.execute import execute_top
+        executed = execute_top(plan, out_dir, start_dir)
+    if cfg.tracking.enabled:
+        from xpar.plan.record import record_plan
+        record_plan(plan, spec, cfg, line, out_dir, start_dir, executed)
+    return plan
+
+
+def reproduce(plan: Plan):
+    """The ``python -m xpar ...`` line of the winner, and its RunSpec: the line composed by Hydra
+    and validated (:func:`xpar.fit.check_run`: rules and memory), its estimate equal to the plan's.
+
+    Raises:
+        PlanRefused: the line does not compose, validate or fit (a planner bug, said as such).
+    """
+    from xpar.plan.show import override_line
+    from xpar.plan.verify import composed_spec
+
+    line = override_line(plan)
+    spec, problem = composed_spec(line, plan.res["tokens_per_s"][plan.best])
+    if problem:
+        raise PlanRefused([f"planner error: the top layout's command line does not reproduce it: {problem} "
+                           f"(line: {line})"])
+    return line, spec

@@ -1,0 +1,73 @@
+"""The cost model over every candidate: step time and throughput (:mod:`xpar.plan.vtime`) joined
+with memory per device (:mod:`xpar.plan.vmemory`), both equal to
+:func:`xpar.estimate.cost.estimate` on each candidate's RunSpec."""
+from __future__ import annotations
+
+import numpy as np
+
+from xpar.estimate.cost import TIME_TERMS
+from xpar.plan.context import PlanContext, spec_of
+
+TIME_KEYS = ("time_per_step_s", "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+             "hw_tflops_per_device", "mfu", "hfu") + tuple(f"time_{k}" for k in TIME_TERMS)
+"""Figures the planner reads from the step-time model (seconds, tokens/s, TFLOP/s, fractions)."""
+MEMORY_KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
+               "memory_framework_overhead", "memory_total", "memory_usable", "fits")
+"""Figures the planner reads from the memory model (bytes per device on the most loaded device)."""
+
+
+def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Candidate columns plus :data:`TIME_KEYS` and :data:`MEMORY_KEYS`, one entry per candidate
+    (arrays of length L >= 1). ``fits`` compares with the usable memory (device memory less
+    ``ctx.hardware['memory_headroom']``)."""
+    base = spec_of(ctx, cols, 0)
+    out = dict(cols)
+    out.update(_time(base, cols))
+    out.update(_memory(base, cols))
+    return out
+
+
+def _time(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    try:
+        from xpar.plan.vtime import time_columns
+    except ImportError:  # TEMPORARY
+        time_columns = globals()["time_columns"]
+    res = time_columns(base, cols)
+    return {k: np.asarray(res[k]) for k in TIME_KEYS}
+
+
+def _memory(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    try:
+        from xpar.plan.vmemory import memory_columns
+    except ImportError:  # TEMPORARY
+        memory_columns = globals()["memory_columns"]
+    res = memory_columns(base, cols)
+    return {k: np.asarray(res[k]) for k in MEMORY_KEYS}
+
+
+# --- TEMPORARY scalar evaluator (until xpar.plan.vtime / vmemory land; then deleted) ---------
+
+def _scalar(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from dataclasses import asdict
+
+    from xpar.estimate.cost import estimate
+    ctx = PlanContext(model=asdict(base.model), hardware=asdict(base.hardware),
+                      train=dict(dtype=base.train.dtype, seq_len=base.seq_len), framework=asdict(base.framework))
+    rows = []
+    for i in range(len(cols["tp"])):
+        e = estimate(spec_of(ctx, cols, i))
+        r = {k: getattr(e, k) for k in TIME_KEYS[:8]}
+        r.update({f"time_{k}": e.time_breakdown[k] for k in TIME_TERMS})
+        mem = e.memory
+        r.update({f"memory_{k}": getattr(mem, k) for k in ("params", "grads", "optimizer", "activations",
+                                                           "comm_buffers", "framework_overhead", "total")})
+        r.update(memory_usable=mem.usable, fits=mem.fits)
+        rows.append(r)
+    return {k: np.array([r[k] for r in rows]) for k in rows[0]}
+
+
+def time_columns(base, cols):  # noqa: D103  (temporary)
+    return _scalar(base, cols)
+
+
+memory_columns = time_columns

@@ -1,0 +1,125 @@
+"""The closed loop on hardware=local: the plan's top layouts run for real through the normal run
+path, as one Hydra multirun (an MLflow sweep: parent run, one child per layout, pre-flight), and
+the measured tokens/s set beside the estimate, with the two rank orders.
+
+Each layout is a generated config ``<out>/execute_layouts/plan/top/<k>.yaml`` (``# @package
+_global_``: its parallel.* and train batch values), swept as ``+plan/top=1,2,...`` with
+``hydra.searchpath`` pointing there. Only layouts whose command line validates in execute mode
+are taken (e.g. tied embeddings cannot be split over pp stages for real), walking down the ranking.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MAX_TRIES = 200
+"""Ranked layouts tried (validated in execute mode) to find ``execute_top`` that run."""
+SKIP = ("plan.", "run.mode=", "hydra.", "parallel.", "train.global_batch_size=", "train.micro_batch_size=")
+
+
+def layout_overrides(plan, i: int) -> dict[str, object]:
+    """parallel.* and train batch values of candidate ``i`` (as a nested config dict)."""
+    r = plan.res
+    par = dict(dp=int(r["dp"][i]), tp=int(r["tp"][i]), pp=int(r["pp"][i]), zero_stage=int(r["zero"][i]),
+               micro_batches=int(r["m"][i]), schedule=str(r["schedule"][i]), virtual_stages=int(r["v"][i]),
+               sequence_parallel=bool(r["sp"][i]), recompute=str(r["recompute"][i]), layer_split=None)
+    b = int(r["b"][i])
+    return {"parallel": par, "train": {"micro_batch_size": b, "global_batch_size": b * par["micro_batches"] * par["dp"]}}
+
+
+def _runs(plan, i: int) -> bool:
+    """Whether candidate ``i`` validates and fits in execute mode on this machine."""
+    from omegaconf import OmegaConf
+
+    from xpar.checks import ConfigError
+    from xpar.fit import check_run
+    from xpar.plan.verify import compose_line
+    line = "python -m xpar " + " ".join(_base_overrides(plan) + ["run.mode=execute"])
+    cfg = OmegaConf.merge(compose_line(line), layout_overrides(plan, i))
+    try:
+        check_run(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def _base_overrides(plan) -> list[str]:
+    return [o for o in plan.inputs.overrides if not o.lstrip("+~").startswith(SKIP)]
+
+
+def pick(plan, k: int) -> list[int]:
+    """The first ``k`` ranked layouts that run here (at most :data:`MAX_TRIES` tried)."""
+    out = []
+    for i in plan.ranked[:MAX_TRIES]:
+        if _runs(plan, int(i)):
+            out.append(int(i))
+            if len(out) == k:
+                break
+    return out
+
+
+def write_layouts(plan, rows: list[int], root: Path) -> Path:
+    """One ``plan/top/<k>.yaml`` per layout under ``root`` (a Hydra search path)."""
+    from omegaconf import OmegaConf
+    group = root / "plan" / "top"
+    group.mkdir(parents=True, exist_ok=True)
+    for k, i in enumerate(rows, 1):
+        (group / f"{k}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(layout_overrides(plan, i)))
+    return root
+
+
+def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
+    """Run the top ``plan.inputs.execute_top`` layouts as one sweep; return one row per layout:
+    its plan rank, estimated and measured tokens/s, and measured rank (also printed)."""
+    rows = pick(plan, plan.inputs.execute_top)
+    root = write_layouts(plan, rows, out_dir / "execute_layouts")
+    sweep_dir = out_dir / "execute"
+    cmd = [sys.executable, "-m", "xpar", "-m", f"hydra.searchpath=[file://{root.resolve()}]",
+           f"hydra.sweep.dir={sweep_dir.resolve()}", "+plan/top=" + ",".join(str(k) for k in range(1, len(rows) + 1)),
+           "run.mode=execute", *_base_overrides(plan)]
+    print(f"\nExecuting the top {len(rows)} layouts for real (one MLflow sweep):\n  {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=start_dir, env=dict(os.environ))
+    measured = _measured(sweep_dir, len(rows)) if proc.returncode == 0 else {}
+    table = comparison(plan, rows, measured)
+    print_comparison(table, proc.returncode)
+    return table
+
+
+def _measured(sweep_dir: Path, n: int) -> dict[int, float]:
+    """Measured tokens/s by job number (0-based) of the sweep's child runs."""
+    from mlflow.tracking import MlflowClient
+    info = json.loads((sweep_dir / "xpar_sweep.json").read_text())
+    client = MlflowClient(info["uri"])
+    runs = client.search_runs([info["experiment_id"]], f"tags.`xpar.sweep_id` = '{info['sweep_id']}'")
+    return {int(r.data.tags["xpar.job_num"]): r.data.metrics.get("throughput/tokens_per_s", float("nan"))
+            for r in runs if "xpar.job_num" in r.data.tags}
+
+
+def comparison(plan, rows: list[int], measured: dict[int, float]) -> list[dict]:
+    """Estimated against measured tokens/s, with both rank orders (1 = fastest)."""
+    from xpar.plan.explain import label
+    rank_of = {int(i): n for n, i in enumerate(plan.ranked, 1)}
+    out = [{"layout": label(plan.res, i), "plan_rank": rank_of[i], "estimated_tokens_per_s": float(plan.res["tokens_per_s"][i]),
+            "measured_tokens_per_s": measured.get(k, float("nan"))} for k, i in enumerate(rows)]
+    order = sorted(range(len(out)), key=lambda j: -(out[j]["measured_tokens_per_s"] if measured.get(j) else -1))
+    for n, j in enumerate(order, 1):
+        out[j]["measured_rank"] = n if measured.get(j) else None
+    return out
+
+
+def print_comparison(table: list[dict], returncode: int) -> None:
+    """The side-by-side table on the console."""
+    if returncode:
+        print(f"xpar plan: the sweep of the top layouts exited {returncode}; measured figures missing.", file=sys.stderr)
+    print(f"{'plan rank':>9}  {'estimated tok/s':>15}  {'measured tok/s':>14}  {'measured rank':>13}  layout")
+    for row in table:
+        print(f"{row['plan_rank']:>9}  {row['estimated_tokens_per_s']:>15,.0f}  {row['measured_tokens_per_s']:>14,.0f}  "
+              f"{row['measured_rank'] or '-':>13}  {row['layout']}")
+    est = [r["plan_rank"] for r in table]
+    meas = [r["measured_rank"] for r in table]
+    if all(meas):
+        agree = sorted(range(len(est)), key=lambda j: est[j]) == sorted(range(len(meas)), key=lambda j: meas[j])
+        print("Rank order: " + ("the same, estimated and measured." if agree else "differs (estimated vs measured)."))

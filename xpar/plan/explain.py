@@ -1,0 +1,82 @@
+"""Why the winner wins, in a few lines from the numbers: which constraint binds (memory, the
+pipeline bubble, communication) and what the best alternatives that differ from it in one
+choice lose."""
+from __future__ import annotations
+
+import numpy as np
+
+from xpar.estimate.cost import TIME_TERMS
+from xpar.plan.rank import TERM_WORDS, describe_gap, separating_terms
+
+GB = 1e9
+ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute", "recompute"),
+                ("schedule", "schedule"), ("b", "micro-batch size"), ("sp", "sequence parallelism"))
+"""Columns along which the best different layout is reported, and their names in words."""
+
+
+def label(res: dict[str, np.ndarray], i: int) -> str:
+    """A layout in one short line: degrees, schedule, micro-batching, ZeRO, sp, recompute."""
+    pipe = f" {res['schedule'][i]}" + (f" v{res['v'][i]}" if res["v"][i] > 1 else "") if res["pp"][i] > 1 else ""
+    sp = " sp" if res["sp"][i] else ""
+    return (f"tp{res['tp'][i]} pp{res['pp'][i]} dp{res['dp'][i]}{pipe} b{res['b'][i]} m{res['m'][i]} "
+            f"ZeRO-{res['zero'][i]}{sp} recompute={res['recompute'][i]}")
+
+
+def step_shares(res: dict[str, np.ndarray], i: int) -> dict[str, float]:
+    """Fraction of the step time of layout ``i`` in each term (they sum to 1)."""
+    total = float(res["time_per_step_s"][i])
+    return {k: float(res[f"time_{k}"][i]) / total for k in TIME_TERMS}
+
+
+def memory_line(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> str:
+    """Whether memory binds: the fastest valid layout of all (fitting or not) against the winner."""
+    best = ranked[0]
+    idx = np.flatnonzero(valid)
+    fastest = idx[np.argmax(res["tokens_per_s"][idx])]
+    usable = float(res["memory_usable"][best]) / GB
+    if res["fits"][fastest] or res["tokens_per_s"][fastest] <= res["tokens_per_s"][best]:
+        return (f"Memory does not bind: the fastest valid layout fits ({res['memory_total'][best] / GB:.1f} GB of "
+                f"{usable:.1f} GB usable per device).")
+    faster = int((valid & ~res["fits"] & (res["tokens_per_s"] > res["tokens_per_s"][best])).sum())
+    gain = res["tokens_per_s"][fastest] / res["tokens_per_s"][best] - 1
+    return (f"Memory binds: {faster:,} valid layouts would be faster but do not fit; the fastest, "
+            f"{label(res, fastest)}, would give +{100 * gain:.0f} % tokens/s and needs "
+            f"{res['memory_total'][fastest] / GB:.1f} GB per device ({usable:.1f} GB usable).")
+
+
+def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
+    """Where the winner's step goes, the largest overhead (everything but matmul) named."""
+    shares = step_shares(res, i)
+    parts = ", ".join(f"{TERM_WORDS[k]} {100 * v:.0f} %" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+                      if v >= 0.005)
+    over = max((k for k in TIME_TERMS if k != "matmul"), key=lambda k: shares[k])
+    kind = {"bubble": "the pipeline bubble", "memory_bound": "memory-bound work", "optimizer": "the optimizer step"}
+    binds = kind.get(over, "communication (" + TERM_WORDS[over] + ")")
+    return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. The largest overhead is {binds}, "
+            f"{100 * shares[over]:.0f} % of the step.")
+
+
+def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[str]:
+    """For each choice in :data:`ALTERNATIVES`, the best feasible layout that differs from the
+    winner in it: its tokens/s against the winner's and the term that separates them."""
+    best, out = ranked[0], []
+    for col, words in ALTERNATIVES:
+        other = ranked[res[col][ranked] != res[col][best]]
+        if not len(other):
+            continue
+        j = other[0]
+        loss = 1 - res["tokens_per_s"][j] / res["tokens_per_s"][best]
+        term, frac = separating_terms(res, np.array([j]), best)[0]
+        gap = f": {describe_gap(term, frac)}" if term else ""
+        out.append(f"  best with another {words} ({label(res, j)}): -{100 * loss:.1f} % tokens/s{gap}")
+    return out
+
+
+def explain(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> list[str]:
+    """The winner's reasoning: the memory line, where its step goes, what alternatives lose.
+    ``ranked``: feasible layouts best first; ``valid``: rows passing every rule but memory."""
+    best = ranked[0]
+    head = (f"Winner: {label(res, best)}: {res['tokens_per_s'][best]:,.0f} tokens/s, MFU "
+            f"{100 * res['mfu'][best]:.1f} %, {res['memory_total'][best] / GB:.1f} GB per device.")
+    return [head, memory_line(res, ranked, valid), overhead_line(res, best),
+            "What the next-best alternatives lose:"] + alternative_lines(res, ranked)

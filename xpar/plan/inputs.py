@@ -1,0 +1,167 @@
+"""What ``xpar plan`` is asked: the composed config's groups as a :class:`PlanContext`, the
+``plan.*`` constraints resolved and checked (each violation one line: the constraint, the values
+given, values that work), and the device counts to search."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+from xpar.layout import SCHEDULES
+from xpar.plan.context import PlanContext
+from xpar.plan.space import RECOMPUTE, ZERO_STAGES, Constraints, batch_values
+
+TOKENS_PER_BATCH = 2 ** 22
+"""Default global batch in tokens (4M: Llama 2 and Llama 3 pre-training; GPT-3 175B used 3.2M,
+Brown et al. 2020 Table 2.1)."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """A checked plan request. ``ctx``: the context at ``device_counts[0]`` devices (its
+    hardware carries the user's memory headroom); ``overrides``: the user's command-line
+    overrides (for the reproducing command line)."""
+
+    ctx: PlanContext
+    constraints: Constraints
+    device_counts: tuple[int, ...]
+    min_tokens_per_s: Optional[float]
+    top_k: int
+    execute_top: int
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def devices_per_node(self) -> int:
+        return int(self.ctx.hardware["devices_per_node"])
+
+    def at(self, devices: int) -> PlanContext:
+        """The context on ``devices`` devices: whole nodes of the preset, or one node holding
+        ``devices`` when fewer than a node."""
+        n = self.devices_per_node
+        hw = dict(self.ctx.hardware, nodes=devices // n) if devices >= n else \
+            dict(self.ctx.hardware, nodes=1, devices_per_node=devices)
+        return replace(self.ctx, hardware=hw)
+
+
+def _plain(node) -> Any:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def _hardware(cfg) -> dict:
+    """The hardware group; 'local' resolved (device count, memory, measured peak: imports torch)."""
+    from xpar.config import HardwareConfig
+    hw = _plain(cfg.hardware)
+    if hw["name"] != "local":
+        return hw
+    from xpar.hardware import resolve_hardware
+    return asdict(resolve_hardware(HardwareConfig(**hw), threads=cfg.train.threads_per_worker or 1))
+
+
+def _range(value, key: str) -> tuple[Optional[tuple[int, int]], list[str]]:
+    """(lo, hi) of a number or a [lo, hi] list, or a problem line."""
+    vals = list(value) if isinstance(value, (list, tuple)) else [value]
+    ok = len(vals) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals)
+    if not ok or vals[0] > vals[-1]:
+        return None, [f"{key}={value} must be a whole number >= 1 or a range [lo, hi] with 1 <= lo <= hi; "
+                      f"e.g. {key}=1536 or {key}=[1024,2048]."]
+    return (vals[0], vals[-1]), []
+
+
+def global_batch(cfg, devices: int, seq_len: int, local: bool) -> tuple[Optional[tuple[int, int]], list[str]]:
+    """plan.global_batch_size resolved to (lo, hi) sequences (see PlanConfig's doc)."""
+    value = cfg.plan.global_batch_size
+    if value == "auto":
+        if isinstance(cfg.train.global_batch_size, int):
+            value = cfg.train.global_batch_size
+        elif local:
+            value = devices * cfg.train.micro_batch_size
+        else:
+            value = max(devices, 2 ** round(math.log2(TOKENS_PER_BATCH / seq_len)))
+    return _range(_plain(value), "plan.global_batch_size")
+
+
+def _choice_problems(p, framework: dict) -> list[str]:
+    """Allowed schedules, ZeRO stages (within the framework's) and recompute policies."""
+    out = []
+    runs = list(framework.get("zero_stages", ZERO_STAGES))
+    for key, given, valid in (("schedules", p.schedules, list(SCHEDULES)), ("zero_stages", p.zero_stages, runs),
+                              ("recompute", p.recompute, list(RECOMPUTE))):
+        bad = [v for v in (given or []) if v not in valid]
+        if given is not None and (bad or not given):
+            why = f" (framework={framework.get('name')} runs ZeRO stages {runs})" if key == "zero_stages" else ""
+            out.append(f"plan.{key}={list(given)}: {bad or 'empty'} not allowed{why}; values that work: {valid}, "
+                       f"e.g. plan.{key}=[{valid[0]}].")
+    return out
+
+
+def _number_problems(p, local: bool) -> list[str]:
+    out = [f"plan.{k}={getattr(p, k)} must be >= 1 (or null); e.g. plan.{k}=8." for k in ("max_tp", "pp")
+           if getattr(p, k) is not None and getattr(p, k) < 1]
+    out += [f"plan.{k}={getattr(p, k)} must be >= {lo}; e.g. plan.{k}={eg}."
+            for k, lo, eg in (("max_micro_batch_size", 1, 8), ("top_k", 1, 10), ("execute_top", 0, 3))
+            if getattr(p, k) < lo]
+    if p.memory_headroom is not None and not 0 <= p.memory_headroom < 1:
+        out.append(f"plan.memory_headroom={p.memory_headroom} must be in [0, 1); e.g. plan.memory_headroom=0.05.")
+    if p.execute_top and not local:
+        out.append(f"plan.execute_top={p.execute_top} runs layouts for real, which needs hardware=local; "
+                   f"e.g. hardware=local plan.execute_top={p.execute_top}, or plan.execute_top=0.")
+    return out
+
+
+def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
+    """Device counts to search: the preset's, plan.devices, or a range's whole-node counts."""
+    n = int(hw["devices_per_node"])
+    if p.devices is None:
+        return (n * int(hw["nodes"]),), []
+    span, bad = _range(_plain(p.devices), "plan.devices")
+    if bad:
+        return (), bad
+    counts = tuple(d for d in batch_values(*span) if d % n == 0 or n % d == 0)
+    if span[0] != span[1] and p.min_tokens_per_s is None:
+        return (), [f"plan.devices={list(span)} is a range: give plan.min_tokens_per_s (the smallest cluster "
+                    f"reaching it is searched), e.g. plan.min_tokens_per_s=100000, or one device count."]
+    if not counts:
+        return (), [f"plan.devices={list(span)} holds no whole-node count of {n}-device nodes; e.g. "
+                    f"plan.devices=[{n},{8 * n}]."]
+    return counts, []
+
+
+def plan_inputs(cfg) -> tuple[Optional[PlanInputs], list[str]]:
+    """The checked request of a composed config (``run.mode=plan``), or the problem lines."""
+    p, model, framework = cfg.plan, _plain(cfg.model), _plain(cfg.framework)
+    hw = _hardware(cfg)
+    if p.memory_headroom is not None:
+        hw["memory_headroom"] = p.memory_headroom
+    local = hw["name"] == "local"
+    counts, problems = _devices(p, hw)
+    problems += _choice_problems(p, framework) + _number_problems(p, local)
+    seq = cfg.train.seq_len or model["seq_len"]
+    batch, bad = global_batch(cfg, counts[0] if counts else 1, seq, local)
+    if problems or bad:
+        return None, problems + bad
+    c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,
+                    schedules=tuple(p.schedules or SCHEDULES),
+                    zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
+                    recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size)
+    train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
+    ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
+    inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top, tuple(_task_overrides()))
+    return replace(inputs, ctx=inputs.at(counts[0])), []
+
+
+def _task_overrides() -> list[str]:
+    """The command line's overrides (Hydra's task overrides; none outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # not inside a Hydra app (tests call the planner directly)
+        return []
+
+
+def plan_argv(args: list[str]) -> list[str]:
+    """``xpar plan <overrides>`` as a run's overrides: ``run.mode=plan``, and ``train=cluster``
+    (bf16, micro-batch 1) for a cluster preset unless a train preset is given."""
+    cluster = any(a.startswith("hardware=") and a != "hardware=local" for a in args)
+    train = [] if any(a.lstrip("+").startswith("train=") for a in args) or not cluster else ["train=cluster"]
+    return list(args) + train + ["run.mode=plan"]

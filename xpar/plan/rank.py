@@ -1,0 +1,55 @@
+"""Ranking the feasible layouts: order by estimated tokens/s, the step-time term that separates
+each from the best, and the Pareto front of memory per device against tokens/s."""
+from __future__ import annotations
+
+import numpy as np
+
+from xpar.estimate.cost import TIME_TERMS
+
+TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm": "tp communication",
+              "pp_comm": "pp send/recv", "bubble": "pipeline bubble", "dp_comm_exposed": "exposed dp communication",
+              "optimizer": "optimizer step"}
+"""The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`) in words."""
+
+
+def order(res: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
+    """Indices of the rows where ``keep`` holds, best first: highest tokens/s, then least memory
+    per device, then fewest devices in a tp group (a stable, documented tie-break)."""
+    idx = np.flatnonzero(keep)
+    keys = (res["tp"][idx], res["memory_total"][idx], -res["tokens_per_s"][idx])
+    return idx[np.lexsort(keys)]
+
+
+def term_seconds_per_token(res: dict[str, np.ndarray], rows) -> dict[str, np.ndarray]:
+    """Seconds per token of each step-time term at ``rows`` (term seconds / tokens per step;
+    tokens per step = tokens/s x step time)."""
+    tokens = res["tokens_per_s"][rows] * res["time_per_step_s"][rows]
+    return {k: res[f"time_{k}"][rows] / tokens for k in TIME_TERMS}
+
+
+def separating_terms(res: dict[str, np.ndarray], rows: np.ndarray, best: int) -> list[tuple[str, float]]:
+    """For each row, the term whose time per token exceeds the best layout's by the most, and by
+    how much as a fraction of the best's step time per token ((term_i - term_best) / T_best, per
+    token, so layouts at another global batch compare fairly); ('', 0.0) for the best itself."""
+    mine, ref = term_seconds_per_token(res, rows), term_seconds_per_token(res, np.array([best]))
+    total = sum(ref[k][0] for k in TIME_TERMS)
+    diff = np.stack([(mine[k] - ref[k][0]) / total for k in TIME_TERMS])
+    out = []
+    for j, r in enumerate(rows):
+        k = int(np.argmax(diff[:, j]))
+        out.append(("", 0.0) if r == best or diff[k, j] <= 0 else (TIME_TERMS[k], float(diff[k, j])))
+    return out
+
+
+def describe_gap(term: str, frac: float) -> str:
+    """'+18 % exposed dp communication' (or '' for none)."""
+    return f"+{100 * frac:.0f} % {TERM_WORDS[term]}" if term else ""
+
+
+def pareto_front(memory: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
+    """Indices of the layouts no other beats on both less memory and more tokens/s, by increasing
+    memory (ties in memory: the fastest only)."""
+    idx = np.lexsort((-tokens_per_s, memory))
+    fast = tokens_per_s[idx]
+    before = np.concatenate([[-np.inf], np.maximum.accumulate(fast)[:-1]])
+    return idx[fast > before]

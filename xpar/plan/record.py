@@ -1,0 +1,135 @@
+"""The plan as an MLflow run (tag ``xpar.mode=plan``), recorded the way estimate runs are
+(:func:`xpar.tracking.mlflow_run`, its journal and end status): the composed config as params,
+counts and the winner's figures as metrics, and as artifacts the ranked table (``plan_ranked.csv``:
+every layout that fits, best first), the drop counts (``plan_dropped.csv``), the console text
+(``plan.txt``) and the Pareto plot of memory per device against tokens/s (``plan_pareto.png``)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from xpar.estimate.cost import TIME_TERMS
+
+GB = 1e9
+CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "tokens_per_s",
+               "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
+               "memory_usable") + tuple(f"time_{k}" for k in TIME_TERMS)
+"""Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``."""
+
+
+def write_ranked_csv(plan, path: Path) -> Path:
+    """Every layout that fits, best first, with the term separating it from the best."""
+    from xpar.plan.rank import describe_gap, separating_terms
+    r, rows = plan.res, plan.ranked
+    gaps = separating_terms(r, rows, plan.best)
+    cols = [r[k][rows].tolist() for k in CSV_COLUMNS]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("rank",) + CSV_COLUMNS + ("separates",))
+        w.writerows([n + 1, *vals, describe_gap(*gap)] for n, (vals, gap) in enumerate(zip(zip(*cols), gaps)))
+    return path
+
+
+def pareto_figure(plan, path: Path) -> Path:
+    """Memory per device (GB) against tokens/s over the layouts that fit, the Pareto front (least
+    memory for its throughput) drawn and the winner marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from xpar.plan.rank import pareto_front
+    r, rows = plan.res, plan.ranked
+    mem, tps = r["memory_total"][rows] / GB, r["tokens_per_s"][rows]
+    front = pareto_front(mem, tps)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(mem, tps, ",", color="0.6", alpha=0.5, rasterized=True, label=f"{len(rows):,} layouts that fit")
+    ax.plot(mem[front], tps[front], "o-", color="C0", ms=3, label="Pareto front")
+    ax.plot([mem[0]], [tps[0]], "*", color="C3", ms=12, label="top layout")
+    ax.axvline(float(r["memory_usable"][plan.best]) / GB, color="C1", ls="--", lw=1, label="usable memory")
+    ax.set_xlabel("memory per device (GB, estimate)")
+    ax.set_ylabel("tokens/s (estimate)")
+    ax.set_title(f"xpar plan: model={plan.ctx.model['name']} on {plan.devices} x "
+                 f"{plan.ctx.hardware.get('gpu') or 'device'} (ESTIMATE)", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plan_metrics(plan) -> dict[str, float]:
+    """plan/* counts and seconds, and the winner's figures under the names of a run's."""
+    r, i = plan.res, plan.best
+    out = {"plan/layouts_raw": plan.space.raw, "plan/layouts_valid": len(plan.space),
+           "plan/layouts_fit": len(plan.ranked), "plan/devices": plan.devices}
+    out.update({f"plan/dropped_{k}": v for k, v in plan.dropped.items()})
+    out.update({f"plan/{k}_s": v for k, v in plan.seconds.items()})
+    out["plan/layouts_per_s"] = len(plan.space) / max(plan.seconds.get("evaluate", 0.0), 1e-9)
+    out.update({"throughput/tokens_per_s": r["tokens_per_s"][i], "throughput/mfu": r["mfu"][i],
+                "throughput/step_time_s": r["time_per_step_s"][i], "pipeline/bubble_ratio": r["bubble_ratio"][i],
+                "memory/peak_bytes_per_device": r["memory_total"][i]})
+    return {k: float(v) for k, v in out.items()}
+
+
+def write_artifacts(plan, line: str, out_dir: Path) -> list[Path]:
+    """plan_ranked.csv, plan_dropped.csv, plan.txt and plan_pareto.png in ``out_dir``."""
+    from xpar.plan.explain import explain
+    from xpar.plan.show import cluster_lines, dropped_lines
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dropped = out_dir / "plan_dropped.csv"
+    with open(dropped, "w", newline="") as f:
+        csv.writer(f).writerows([("rule", "layouts")] + list(plan.dropped.items()))
+    text = dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked,
+                                                                      np.ones(len(plan.space), bool))
+    (out_dir / "plan.txt").write_text("\n".join(text + ["", "Reproduce the top layout:", "  " + line, ""]))
+    return [write_ranked_csv(plan, out_dir / "plan_ranked.csv"), dropped, out_dir / "plan.txt",
+            pareto_figure(plan, out_dir / "plan_pareto.png")]
+
+
+def write_executed(executed: list[dict], path: Path) -> Path:
+    """The closed loop's table (xpar.plan.execute.comparison) as CSV."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(executed[0]))
+        w.writeheader()
+        w.writerows(executed)
+    return path
+
+
+def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, executed: list = ()) -> None:
+    """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
+    run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics); prints where it went."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from xpar.naming import ui_hint
+    from xpar.plan.explain import label
+    from xpar.tracking import mlflow_run, recording
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.hardware": plan.ctx.hardware["name"],
+            "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
+            "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
+    name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices"
+    paths = write_artifacts(plan, line, out_dir)
+    points = plan_metrics(plan)
+    if executed:
+        paths.append(write_executed(list(executed), out_dir / "plan_execute.csv"))
+        for k, row in enumerate(executed, 1):
+            points.update({f"plan/execute_{k}_estimated_tokens_per_s": row["estimated_tokens_per_s"],
+                           f"plan/execute_{k}_measured_tokens_per_s": row["measured_tokens_per_s"]})
+    with mlflow_run(spec, config, start_dir, tags, name, out_dir) as run:
+        with recording(run):
+            now = int(time.time() * 1000)
+            run.recorder.record("metrics", points=[[k, v, now, 0] for k, v in points.items()])
+            for path in paths:
+                run.recorder.record("artifact", path=str(path.resolve()), dir=None)
+            run.recorder.stop_live()
+            run.recorder.flush_bounded()
+        plan.run_id = run.info.run_id
+        import mlflow
+        uri = mlflow.get_tracking_uri()
+    print(f"Recorded: {run.info.experiment_id}/{run.info.run_id} in {uri}\n"
+          f"Open it: {ui_hint(uri, run.info.experiment_id, run.info.run_id)}")

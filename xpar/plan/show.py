@@ -1,0 +1,94 @@
+"""The plan on the console: the ranked table (rich), what was dropped and why, the winner's
+reasoning, and the command line that reproduces it."""
+from __future__ import annotations
+
+import numpy as np
+
+from xpar.plan.space import RULES
+
+GB = 1e9
+SKIP = ("plan.", "run.mode=", "parallel.", "train.global_batch_size=", "train.micro_batch_size=",
+        "hardware.memory_headroom=", "hardware.nodes=", "hardware.devices_per_node=")
+"""Overrides the reproducing line replaces with the winner's values."""
+
+
+def override_line(plan) -> str:
+    """``python -m xpar <user's overrides> <the winner's parallel.* and train batch>``: the run
+    of the winning layout (hardware nodes and memory headroom as planned)."""
+    r, i, ctx = plan.res, plan.best, plan.ctx
+    keep = [o for o in plan.inputs.overrides if not o.lstrip("+~").startswith(SKIP)]
+    par = [f"parallel.dp={r['dp'][i]}", f"parallel.tp={r['tp'][i]}", f"parallel.pp={r['pp'][i]}",
+           f"parallel.zero_stage={r['zero'][i]}", f"parallel.micro_batches={r['m'][i]}",
+           f"parallel.schedule={r['schedule'][i]}", f"parallel.virtual_stages={r['v'][i]}",
+           f"parallel.sequence_parallel={str(bool(r['sp'][i])).lower()}", f"parallel.recompute={r['recompute'][i]}",
+           f"train.micro_batch_size={r['b'][i]}", f"train.global_batch_size={r['b'][i] * r['m'][i] * r['dp'][i]}"]
+    hw = ctx.hardware
+    if hw["name"] != "local":
+        par.append(f"hardware.nodes={hw['nodes']}")
+        if int(hw["devices_per_node"]) != plan.inputs.devices_per_node:
+            par.append(f"hardware.devices_per_node={hw['devices_per_node']}")
+    if hw.get("memory_headroom"):
+        par.append(f"hardware.memory_headroom={hw['memory_headroom']}")
+    return "python -m xpar " + " ".join(keep + par)
+
+
+def ranked_table(plan):
+    """The top ``top_k`` layouts as a rich Table (memory per device in GB, MFU, bubble ratio,
+    tokens/s against the best and the term that separates each from it)."""
+    from rich.table import Table
+
+    from xpar.plan.rank import describe_gap, separating_terms
+    r, top = plan.res, plan.ranked[:plan.inputs.top_k]
+    gaps = separating_terms(r, top, plan.best)
+    t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
+                    f"(model={plan.ctx.model['name']}, {plan.devices} x {plan.ctx.hardware.get('gpu') or 'device'}, "
+                    f"global batch {int(r['b'][plan.best] * r['m'][plan.best] * r['dp'][plan.best])}) -- ESTIMATE")
+    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m", "ZeRO", "sp", "recompute", "tokens/s", "vs best",
+                "MFU", "bubble", "GB/device", "separates it from the best"):
+        t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right")
+    for n, (i, gap) in enumerate(zip(top, gaps), 1):
+        sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
+        rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
+        t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp")), sched, str(r["b"][i]), str(r["m"][i]),
+                  str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
+                  f"{r['tokens_per_s'][i]:,.0f}", f"{100 * rel:+.1f} %" if n > 1 else "best",
+                  f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %",
+                  f"{r['memory_total'][i] / GB:.1f}", describe_gap(*gap))
+    return t
+
+
+def dropped_lines(plan) -> list[str]:
+    """Layouts tried, valid, fitting, and the count each rule dropped (non-zero ones)."""
+    d, s = plan.dropped, plan.seconds
+    n = len(plan.space)
+    lines = [f"{plan.space.raw:,} layouts in the space, {n:,} valid, {len(plan.ranked):,} fit; evaluated in "
+             f"{s.get('evaluate', 0):.2f} s ({n / max(s.get('evaluate', 0), 1e-9):,.0f} layouts/s), "
+             f"enumerated in {s.get('enumerate', 0):.2f} s. Dropped:"]
+    words = dict(RULES, memory="does not fit device memory (cost model, with the memory headroom)")
+    lines += [f"  {v:>12,}  {words[k]}" for k, v in d.items() if v]
+    return lines
+
+
+def cluster_lines(plan) -> list[str]:
+    """With a devices range: the best tokens/s on each device count tried."""
+    if not plan.clusters:
+        return []
+    out = [f"Smallest cluster reaching {plan.inputs.min_tokens_per_s:,.0f} tokens/s: {plan.devices} devices."]
+    out += [f"  {n:>6} devices: " + (f"{tps:,.0f} tokens/s" if tps else "no layout fits") for n, tps in plan.clusters]
+    return out
+
+
+def print_plan(plan, line: str) -> None:
+    """Everything above, on the console."""
+    from rich.console import Console
+
+    from xpar.plan.explain import explain
+    console = Console(width=max(160, Console().width))
+    console.print(ranked_table(plan))
+    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan)):
+        console.print(text, highlight=False, markup=False)
+    console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _valid(plan) -> np.ndarray:
+    return np.ones(len(plan.space), dtype=bool)

@@ -1,0 +1,208 @@
+"""The layouts a plan considers: every combination of the degrees and choices, minus those that
+break a rule, each dropped layout counted under the first rule it breaks.
+
+The raw space is the product of these axes (numpy, no torch):
+
+- tp and pp: the divisors of the device count N (dp = N / (tp pp));
+- global batch B (sequences): fixed, or a range [lo, hi] tried at lo, hi and the powers of two
+  between;
+- micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
+- (schedule, v): every schedule of :data:`xpar.layout.SCHEDULES` with its stages per rank
+  (1; 2 for V-shaped ones; every divisor >= 2 of n_layers for looped ones);
+- ZeRO stage 0-3, sequence parallelism off/on, recompute none/selective/full.
+
+m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are applied) are those
+:mod:`xpar.validate` enforces for a layout (xpar.checks.layout: tp splits, balanced pipeline
+stages, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
+parallelism's sequence split), the user's constraints, and duplicates (layouts that run the same
+as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing, ZeRO-3 under zero-bubble
+schedules runs as ZeRO-2, :func:`xpar.layout.zero_stage_run`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+SINGLE_SCHEDULE = ("1f1b", 1)
+"""The (schedule, v) kept for pp = 1 (no pipeline: the schedule does not matter)."""
+
+RULES = {
+    "devices": "tp x pp does not divide the device count",
+    "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
+    "max_tp": "tp above plan.max_tp",
+    "tp_nodes": "tp group neither inside one node nor whole nodes",
+    "pp_fixed": "pp other than plan.pp",
+    "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
+    "schedule": "schedule not in plan.schedules",
+    "balanced": "pp x v does not divide n_layers (unbalanced stages)",
+    "batch": "b x dp does not divide the global batch",
+    "microbatches": "micro-batch count m the schedule refuses (xpar.layout.microbatch_ok)",
+    "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
+    "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept)",
+    "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
+    "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
+    "sp_seq": "sequence parallelism needs seq_len divisible by tp",
+    "recompute": "recompute policy not in plan.recompute",
+    "selective_zb": "selective recompute with a zero-bubble schedule (torch refuses its split backward)",
+}
+"""Why a layout is dropped, by key, in the order the rules are applied."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user allows (``plan.*``, resolved). ``global_batch``: (lo, hi) in sequences,
+    lo == hi for a fixed batch."""
+
+    global_batch: tuple[int, int]
+    max_tp: Optional[int] = None
+    pp: Optional[int] = None
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    recompute: tuple[str, ...] = RECOMPUTE
+    max_micro_batch_size: int = 8
+
+
+@dataclass
+class Space:
+    """Candidate columns (:mod:`xpar.plan.context`) and the count of dropped layouts by rule
+    (:data:`RULES` keys); ``raw``: layouts in the product before any rule."""
+
+    cols: dict[str, np.ndarray]
+    dropped: dict[str, int] = field(default_factory=dict)
+    raw: int = 0
+
+    def __len__(self) -> int:
+        return len(self.cols["tp"])
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, increasing."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batch_values(lo: int, hi: int) -> list[int]:
+    """Global batches tried for a range [lo, hi]: lo, hi and the powers of two between."""
+    pows = [1 << k for k in range(0, 40) if lo < (1 << k) < hi]
+    return sorted({lo, hi, *pows})
+
+
+def micro_batch_sizes(batches: Sequence[int], max_b: int) -> list[int]:
+    """Micro-batch sizes b <= ``max_b`` dividing at least one of the global ``batches``."""
+    return [b for b in range(1, max_b + 1) if any(B % b == 0 for B in batches)]
+
+
+def schedule_pairs(n_layers: int) -> list[tuple[str, int]]:
+    """(schedule, v) of every schedule: v = 1, 2 (V-shaped) or each divisor >= 2 of n_layers."""
+    out = []
+    for name, rec in SCHEDULES.items():
+        vs = {"1": [1], "2": [2], "v": [d for d in divisors(n_layers) if d >= 2]}[rec.stages_per_rank]
+        out += [(name, v) for v in vs]
+    return out
+
+
+class _Drops:
+    """Applies masks in order and counts what each drops, in raw layouts (``weight`` each)."""
+
+    def __init__(self, weight: int):
+        self.weight, self.dropped = weight, {k: 0 for k in RULES}
+
+    def apply(self, table: dict[str, np.ndarray], key: str, keep: np.ndarray) -> dict[str, np.ndarray]:
+        self.dropped[key] += int((~keep).sum()) * self.weight
+        return {k: v[keep] for k, v in table.items()}
+
+
+def _product(**axes: Sequence) -> dict[str, np.ndarray]:
+    """Every combination of the axes, as columns."""
+    grids = np.meshgrid(*[np.arange(len(v)) for v in axes.values()], indexing="ij")
+    return {k: np.asarray(v)[g.ravel()] for (k, v), g in zip(axes.items(), grids)}
+
+
+def _structure(model: dict, devices: int, devices_per_node: int, c: Constraints, drops: _Drops) -> dict:
+    """(tp, pp, dp, B, b, m, schedule index, v) rows that pass the rules on degrees and batches."""
+    pairs = schedule_pairs(model["n_layers"])
+    batches = batch_values(*c.global_batch)
+    bs = micro_batch_sizes(batches, c.max_micro_batch_size)
+    t = _product(tp=divisors(devices), pp=divisors(devices), B=batches, b=bs, s=range(len(pairs)))
+    names = np.array([p[0] for p in pairs])
+    t["v"] = np.array([p[1] for p in pairs])[t["s"]]
+    t = drops.apply(t, "devices", devices % (t["tp"] * t["pp"]) == 0)
+    t["dp"] = devices // (t["tp"] * t["pp"])
+    kv = model.get("n_kv_heads") or model["n_heads"]
+    dims = np.array([model["n_heads"], kv, model["ffn_hidden"], model["vocab_size"]])
+    t = drops.apply(t, "tp_split", (dims[None, :] % t["tp"][:, None] == 0).all(axis=1))
+    t = drops.apply(t, "max_tp", t["tp"] <= (c.max_tp or devices))
+    t = drops.apply(t, "tp_nodes", (devices_per_node % t["tp"] == 0) | (t["tp"] % devices_per_node == 0))
+    t = drops.apply(t, "pp_fixed", t["pp"] == (c.pp or t["pp"]))
+    single = pairs.index(SINGLE_SCHEDULE)
+    t = drops.apply(t, "pp1_schedule", (t["pp"] > 1) | (t["s"] == single))
+    t = drops.apply(t, "schedule", (t["pp"] == 1) | np.isin(names[t["s"]], c.schedules))
+    t = drops.apply(t, "balanced", model["n_layers"] % (t["pp"] * t["v"]) == 0)
+    t = drops.apply(t, "batch", t["B"] % (t["b"] * t["dp"]) == 0)
+    t["m"] = t["B"] // (t["b"] * t["dp"])
+    t = drops.apply(t, "microbatches", _microbatches_ok(names, t))
+    t["schedule"] = names[t["s"]]
+    return t
+
+
+def _microbatches_ok(names: np.ndarray, t: dict) -> np.ndarray:
+    """Whether each row's schedule accepts its m at its pp (pp = 1: always), evaluated once per
+    distinct (schedule, pp, m)."""
+    keys, inverse = np.unique(np.stack([t["s"], t["pp"], t["m"]]), axis=1, return_inverse=True)
+    ok = np.array([pp == 1 or microbatch_ok(str(names[s]), int(pp), int(m)) for s, pp, m in keys.T], dtype=bool)
+    return ok[inverse.ravel()] if len(ok) else np.zeros(0, dtype=bool)
+
+
+def _zero_runs(t: dict) -> np.ndarray:
+    """The ZeRO stage each row runs (:func:`xpar.layout.zero_stage_run`, once per distinct
+    (schedule, pp, zero))."""
+    keys, inverse = np.unique(np.stack([t["s"], t["pp"], t["zero"]]), axis=1, return_inverse=True)
+    names = {int(s): str(n) for s, n in zip(t["s"], t["schedule"])}
+    runs = np.array([zero_stage_run(names[int(s)], int(p), int(z)) for s, p, z in keys.T], dtype=np.int64)
+    return runs[inverse.ravel()] if len(runs) else np.zeros(0, dtype=np.int64)
+
+
+def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
+    """Each structural row times ZeRO stage, sequence parallelism and recompute, less the rules
+    on them."""
+    n = len(t["tp"])
+    x = _product(row=range(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE)
+    t = {k: v[x["row"]] for k, v in t.items()}
+    t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"])
+    drops.weight = 1
+    t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
+    t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == 0))
+    zb = np.array([SCHEDULES[s].zero_bubble for s in t["schedule"]], dtype=bool) & (t["pp"] > 1)
+    t = drops.apply(dict(t, zb=zb), "zero_run", _zero_runs(t) == t["zero"])
+    t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
+    t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
+    t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
+    return drops.apply(t, "selective_zb", ~(t["zb"] & (t["recompute"] == "selective")))
+
+
+def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len: int,
+                      c: Constraints) -> Space:
+    """Every layout of ``model`` (a model config dict: n_layers, n_heads, n_kv_heads, ffn_hidden,
+    vocab_size) on ``devices`` devices, ``devices_per_node`` per node, at ``seq_len`` tokens per
+    sequence, that passes :data:`RULES` under ``c``. Returns the candidate columns
+    (:mod:`xpar.plan.context`) and the count of layouts each rule dropped."""
+    weight = len(ZERO_STAGES) * 2 * len(RECOMPUTE)
+    drops = _Drops(weight)
+    t = _structure(model, devices, devices_per_node, c, drops)
+    raw = _raw_size(model, devices, c) * weight
+    t = _choices(t, seq_len, c, drops)
+    cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero")}
+    cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str))
+    from xpar.plan.context import COLUMNS
+    return Space({k: cols[k] for k in COLUMNS}, drops.dropped, raw)
+
+
+def _raw_size(model: dict, devices: int, c: Constraints) -> int:
+    batches = batch_values(*c.global_batch)
+    bs = micro_batch_sizes(batches, c.max_micro_batch_size)
+    return len(divisors(devices)) ** 2 * len(batches) * len(bs) * len(schedule_pairs(model["n_layers"]))
