@@ -231,11 +231,14 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     |error| <= 8 % and max <= 20 % for every source (benchmarks/estimate_calibration.py prints
     the tables); the fitted constants are those in the hardware presets (within 0.01)."""
     cases, res = loso
-    assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024"}
+    assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
+                        "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
+            continue
+        if name == "narayanan_2021_table2_zero3":  # not captured (see the next test)
             continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.20, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
@@ -251,3 +254,19 @@ def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
     assert over.time_breakdown["tp_comm"] == pytest.approx(0.2 * base.time_breakdown["tp_comm"])
     assert over.time_breakdown["pp_comm"] == 0 < base.time_breakdown["pp_comm"]
     assert over.comm_time["tp"] == pytest.approx(base.comm_time["tp"]) and over.time_per_step_s < base.time_per_step_s
+
+
+def test_deepspeed_zero3_2021_falls_with_scale_but_its_size_is_not_captured(loso):
+    """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
+    global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
+    138 -> 98 -> 48 (530B on 640/1120/2240). The estimate falls in the same order, but by a few
+    per cent, not by 3x: NCCL-rate rings (8 NICs per node) with prefetch overlap hide what
+    DeepSpeed 2021 exposed (errors +32 % to +304 %; open in issue 9). This test pins what holds:
+    the order."""
+    cases, res = loso
+    rows = cases["narayanan_2021_table2_zero3"]
+    errs = res["narayanan_2021_table2_zero3"]["calibration"]
+    for lo, hi in ((0, 3), (3, 6)):  # 175B, 530B
+        published = [c[3] for c in rows[lo:hi]]
+        predicted = [c[3] * (1 + e) for c, e in zip(rows[lo:hi], errs[lo:hi])]
+        assert published == sorted(published, reverse=True) and predicted == sorted(predicted, reverse=True)

@@ -131,11 +131,43 @@ def torchtitan_h100_row(row: dict):
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
+def table2_ptdp_row(row: dict):
+    """(spec, assumptions, published hardware TFLOP/s per GPU) of a PTD-P row of Narayanan et
+    al. 2021 Table 2: built as a Table 1 row (:func:`megatron_2021_spec`)."""
+    return megatron_row(row)
+
+
+def gpt_2021_model(row: dict) -> dict:
+    """The GPT of Narayanan et al. 2021 (GELU, LayerNorm, learned positions, tied embeddings,
+    biases, s = 2048, V = 51200) with the row's layers, hidden and heads."""
+    h = int(row["hidden"])
+    return dict(name=f"gpt_{row['params_b']}b", n_layers=int(row["layers"]), hidden=h, n_heads=int(row["heads"]),
+                n_kv_heads=None, ffn_hidden=4 * h, vocab_size=51200, seq_len=2048, activation="gelu",
+                norm="layernorm", position="learned", tied_embeddings=True, bias=True)
+
+
+def table2_zero3_row(row: dict):
+    """(spec, assumptions, published hardware TFLOP/s per GPU) of a ZeRO-3 row of Narayanan et
+    al. 2021 Table 2: DeepSpeed ZeRO-3 over every GPU, one micro-batch per step, full recompute,
+    on the Megatron GPT of 2021 (its kernels: no flash attention, dropout) with DeepSpeed's
+    communication (conf/framework/deepspeed.yaml)."""
+    gpus = int(row["gpus"])
+    parallel = dict(name="zero3", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=1, recompute="full")
+    hw = preset("hardware", "a100_80gb_1024gpu")
+    hw["nodes"] = gpus // int(hw["devices_per_node"])
+    train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
+                 dtype="bf16", seq_len=2048)
+    a = _fw("deepspeed", flash_attention=False, dropout=True, fused_rmsnorm=False)
+    return make_spec(gpt_2021_model(row), parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
+
+
 SOURCES = {
     "megatron_2021_table1": ("megatron_2021_table1.csv", "A100", megatron_row),
     "torchtitan_fsdp2_a100": ("torchtitan_fsdp2_a100.csv", "A100", torchtitan_row),
     "llama3_2024_table4": ("llama3_2024_table4.csv", "H100", llama3_row),
     "torchtitan_h100_2024": ("torchtitan_h100_2024.csv", "H100-96GB-500W", torchtitan_h100_row),
+    "narayanan_2021_table2_ptdp": ("narayanan_2021_table2_ptdp.csv", "A100", table2_ptdp_row),
+    "narayanan_2021_table2_zero3": ("narayanan_2021_table2_zero3.csv", "A100", table2_zero3_row),
 }
 """Public sources: file in tests/data, GPU family (one matmul efficiency each), row builder. The
 torchtitan H100 runs are their own family: a 500 W, HBM2e part whose peak its authors do not
