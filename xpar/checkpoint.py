@@ -304,13 +304,13 @@ def tracking_link(spec, meta: dict, params: dict, uri: str) -> TrackingLink:
     if not start:
         return TrackingLink(None, tags)
     run_id = start[0]["run_id"]
-    tags["xpar.resumed_from_run"] = run_id
     old_params = logged[0]["params"] if logged else {}
     diff = sorted(k for k in set(params) | set(old_params) if params.get(k) != old_params.get(k))
     if start[0]["uri"] != uri:
         diff = [f"tracking store {start[0]['uri']} -> {uri}"]
     if not diff:
         return TrackingLink(run_id, tags)
+    tags["xpar.resumed_from_run"] = run_id
     shown = ", ".join(f"{k}: {old_params.get(k)} -> {params.get(k)}" if k in params or k in old_params else k
                       for k in diff[:4]) + (f" and {len(diff) - 4} more" if len(diff) > 4 else "")
     return TrackingLink(None, tags, f"xpar: resuming in a new MLflow run linked to run {run_id} "
