@@ -21,7 +21,7 @@ Imports no torch (numpy and the estimate package only).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -43,6 +43,8 @@ TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
 ``<axis>_comm_issued_s``."""
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
+SCHEDULE_NAMES = tuple(SCHEDULES)
+RECOMPUTE = ("none", "selective", "full")
 
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
@@ -62,20 +64,32 @@ def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str,
     """``fn(*key)`` once per distinct row of ``columns`` (plain Python values), each of its
     ``names`` broadcast back to every row (float64 arrays)."""
     _, first, inverse = np.unique(_combined(columns), return_index=True, return_inverse=True)
-    values = [fn(*(c[i].item() for c in columns)) for i in first]
+    keys = zip(*(c[first].tolist() for c in columns))
+    values = [fn(*k) for k in keys]
     return {k: np.array([x[k] for x in values], dtype=np.float64)[inverse] for k in names}
 
 
+def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """:func:`by_key` over slot-and-layout columns (each shape (SLOTS, L) or (L,) for every
+    slot), one call for all slots; results shaped (SLOTS, L)."""
+    shape = (SLOTS, max(c.shape[-1] for c in columns))
+    flat = [np.broadcast_to(c, shape).ravel() for c in columns]
+    return {k: x.reshape(shape) for k, x in by_key(flat, fn, names).items()}
+
+
 def _rows(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The candidate columns as arrays (v resolved: :func:`xpar.resolve.resolve_virtual_stages`),
-    plus ``v_shaped`` (V placement, pp > 1)."""
+    """The candidate columns as arrays (v resolved: :func:`xpar.resolve.resolve_virtual_stages`;
+    schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
+    ``v_shaped`` (V placement, pp > 1)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
     r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
-    r["schedule"], r["recompute"] = np.asarray(cols["schedule"]).astype(str), np.asarray(cols["recompute"]).astype(str)
-    r["v"] = by_key([r["schedule"], r["pp"], r["v"]], lambda sch, pp, v: {"v": resolve_virtual_stages(sch, pp, v)},
-                    ("v",))["v"].astype(np.int64)  # 1 without pipelining, as validation resolves it
-    names, code = np.unique(r["schedule"], return_inverse=True)
-    r["v_shaped"] = np.array([SCHEDULES[s].v_shaped for s in names], dtype=bool)[code] & (r["pp"] > 1)
+    for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
+        found, code = np.unique(np.asarray(cols[k]).astype(str), return_inverse=True)
+        r[k] = np.array([names.index(x) for x in found], dtype=np.int64)[code]  # codes: names.index
+    r["v"] = by_key([r["schedule"], r["pp"], r["v"]], lambda sch, pp, v: {
+        "v": resolve_virtual_stages(SCHEDULE_NAMES[sch], pp, v)}, ("v",))["v"].astype(np.int64)  # 1 without pp
+    shaped = np.array([SCHEDULES[x].v_shaped for x in SCHEDULE_NAMES], dtype=bool)
+    r["v_shaped"] = shaped[r["schedule"]] & (r["pp"] > 1)
     return r
 
 
@@ -97,69 +111,78 @@ def _placement_spec(base: RunSpec, tp: int, pp: int, v: int, v_shaped: bool) -> 
     return spec_at(base, tp, pp, 1, 1, 1, v, "zbv" if v_shaped else "gpipe", 0, False, "none")
 
 
-def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> list[dict[str, np.ndarray]]:
-    """Per slot: seconds of the root's and of one block's all-gather and reduction
+_UNITS: dict[tuple, dict[str, int]] = {}
+"""Unit sizes per (model, tp, pp, v, V placement, rank): memoised across calls."""
+
+
+def _unit_sizes(base: RunSpec, model_key: tuple, tp: int, pp: int, v: int, v_shaped: bool,
+                rank: int) -> dict[str, int]:
+    """Elements of the root unit and of one block of ``rank`` (:func:`unit_elements`: blocks are
+    identical units) and the number of blocks; ``model_key``: astuple(base.model)."""
+    key = (model_key, tp, pp, v, v_shaped, rank)
+    if key not in _UNITS:
+        u = unit_elements(_placement_spec(base, tp, pp, v, v_shaped), rank)
+        _UNITS[key] = {"root": u[0], "block": u[1] if len(u) > 1 else 0, "n": len(u) - 1}
+    return _UNITS[key]
+
+
+def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
+    """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
     (:func:`xpar.estimate.dp._times` of the rank's units, :func:`unit_elements`)."""
-    out = []
-    for k in range(SLOTS):
-        def units(tp, pp, v, vs, rank):
-            u = unit_elements(_placement_spec(base, tp, pp, v, vs), rank)
-            return {"root": u[0], "block": u[1] if len(u) > 1 else 0, "n": len(u) - 1}
+    def times(dp, tp, zero, root, block, n):
+        spec = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
+        t = _times(spec, a, [int(root)] + [int(block)] * int(n))
+        return {"g_root": t["gather"][0], "g_block": t["gather"][-1], "r_root": t["reduce"][0],
+                "r_block": t["reduce"][-1]}
 
-        el = by_key([r["tp"], r["pp"], r["v"], r["v_shaped"], s["rank"][k]], units, ("root", "block", "n"))
-
-        def times(dp, tp, zero, root, block, n):
-            spec = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
-            t = _times(spec, a, [int(root)] + [int(block)] * int(n))
-            return {"g_root": t["gather"][0], "g_block": t["gather"][-1],
-                    "r_root": t["reduce"][0], "r_block": t["reduce"][-1]}
-
-        out.append(by_key([r["dp"], r["tp"], r["zero"], el["root"], el["block"], el["n"]], times,
-                          ("g_root", "g_block", "r_root", "r_block")))
-    return out
+    model_key = astuple(base.model)
+    el = per_slot([r["tp"], r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda *key: _unit_sizes(base, model_key, *key),
+                  ("root", "block", "n"))
+    return per_slot([r["dp"], r["tp"], r["zero"], el["root"], el["block"], el["n"]], times,
+                    ("g_root", "g_block", "r_root", "r_block"))
 
 
-def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, xs: list[dict]) -> list[dict[str, np.ndarray]]:
-    """Per slot: dp communication exposed per micro-batch (``dp_comm``), at the end of the
-    step (``dp_end``) and issued per step (``dp_issued``), seconds (:class:`DpTiming`'s
+def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
+    """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
+    the step (``dp_end``) and issued per step (``dp_issued``), seconds (:class:`DpTiming`'s
     fields). The unit timeline (:func:`dp_exposure`) runs once per distinct input (rank class,
     tp, dp, b, ZeRO stage, sp, recompute, one stage or more; not m or the schedule), grouped by pp."""
-    ut = _dp_unit_times(base, a, r, s)
-    names = ("unit_f", "unit_b", "root_f", "root_b")
-    flat = {k: np.concatenate([xs[i][k] * np.ones(len(r["tp"])) for i in range(SLOTS)]) for k in names}
-    flat.update({k: np.concatenate([ut[i][k] for i in range(SLOTS)]) for k in ut[0]})
-    z, pp = np.tile(r["zero"], SLOTS), np.tile(r["pp"], SLOTS)
-    live = (np.tile(r["dp"], SLOTS) > 1) & (s["count"].ravel() > 0)
+    shape = s["count"].shape
+    flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
+    flat.update({k: v.ravel() for k, v in _dp_unit_times(base, a, r, s).items()})
+    z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
+    live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")] + [one_stage])
-    key = np.concatenate([row_key * SLOTS + i for i in range(SLOTS)])
+    key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     _, rep, inverse = np.unique(np.where(live, key, -1), return_index=True, return_inverse=True)
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once")}
     rep_live = live[rep]
-    for p in np.unique(pp[rep][rep_live]):
+    for p in np.unique(pp[rep][rep_live]).tolist():
         sel = np.flatnonzero(rep_live & (pp[rep] == p))
-        idx = rep[sel]
-        f = {k: x[idx] for k, x in flat.items()}
-        n = base.model.n_layers // int(p)
-        out = dp_exposure(z[idx], int(p), a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
+        f = {k: v[rep[sel]] for k, v in flat.items()}
+        n = base.model.n_layers // p
+        out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
                           [f["g_root"]] + [f["g_block"]] * n, [f["r_root"]] + [f["r_block"]] * n)
         for k in res:
             res[k][sel] = out[k]
-    m = np.tile(r["m"], SLOTS)
-    every = {k: x[inverse] for k, x in res.items()}
-    issued = m * every["issued_per_microbatch"] + every["issued_once"]
-    length = len(r["tp"])
-    return [{"dp_comm": every["per_microbatch"][i * length:(i + 1) * length],
-             "dp_end": every["end"][i * length:(i + 1) * length],
-             "dp_issued": issued[i * length:(i + 1) * length]} for i in range(SLOTS)]
+    every = {k: v[inverse].reshape(shape) for k, v in res.items()}
+    return {"dp_comm": every["per_microbatch"], "dp_end": every["end"],
+            "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"]}
 
 
 def _combined(columns: list[np.ndarray]) -> np.ndarray:
     """One int64 key per row, equal for rows equal in every column."""
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for c in columns:
-        _, code = np.unique(c, return_inverse=True)
-        key = key * (int(code.max(initial=0)) + 1) + code
+        if c.dtype.kind in "biu" and len(c):
+            code = c.astype(np.int64) - int(c.min())
+        else:
+            _, code = np.unique(c, return_inverse=True)
+        radix = int(code.max(initial=0)) + 1
+        if int(key.max(initial=0)) * radix >= 2 ** 62:  # renumber before the key overflows
+            _, key = np.unique(key, return_inverse=True)
+        key = key * radix + code
     return key
 
 
@@ -174,9 +197,12 @@ def _optimizer_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> np.n
         return np.asarray(memory_columns(base, cols)["memory_optimizer"], dtype=np.float64)
     from xpar.estimate.memory import memory
 
+    def one(tp, pp, dp, b, m, v, sch, zero, sp, rec):
+        spec = spec_at(base, tp, pp, dp, b, m, v, SCHEDULE_NAMES[sch], zero, sp, RECOMPUTE[rec])
+        return {"o": memory(spec, assume=a).optimizer}
+
     keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
-    return by_key([r[k] for k in keys], lambda *row: {"o": memory(spec_at(base, *row), assume=a).optimizer},
-                  ("o",))["o"]
+    return by_key([r[k] for k in keys], one, ("o",))["o"]
 
 
 def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
@@ -191,13 +217,13 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
     a = assumptions_for(base)
     r = _rows(cols)
     s = _slots(r, base.model.n_layers)
-    xs = _rank_columns(base, a, r, s)
-    mb = np.stack([microbatch_time(x) for x in xs])
-    slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)
-    mean = sum(s["count"][i] * mb[i] for i in range(SLOTS)) / r["pp"]
-    pick = {k: np.choose(slow, [x[k] for x in xs]) for k in xs[0]}
-    beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]],
-                  lambda sch, pp, m, v: {"b": bubble_theory(sch, pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
+    x = _rank_columns(base, a, r, s)
+    mb = microbatch_time(x)
+    slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)[None]
+    mean = (s["count"] * mb).sum(axis=0) / r["pp"]
+    pick = {k: np.take_along_axis(np.broadcast_to(v, mb.shape), slow, axis=0)[0] for k, v in x.items()}
+    beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
+        "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
     opt = _optimizer_bytes(base, cols, r, a) if memory_optimizer is None else np.asarray(memory_optimizer, float)
     t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s) * np.ones(len(r["tp"]))
     time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
@@ -208,35 +234,31 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
     return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
 
 
-def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> list[dict[str, np.ndarray]]:
-    """Per slot, the terms of :func:`xpar.estimate.cost._rank_times` (seconds per micro-batch:
-    matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, and issued tp/pp/dp)."""
-    lay = [r["tp"], r["b"], r["sp"], r["recompute"]]
+def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
+    """Per slot (axis 0), the terms of :func:`xpar.estimate.cost._rank_times` (seconds per
+    micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
+    def layer(tp, b, sp, rec):
+        spec = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
+        return dict(_layer_costs(spec, a), **{f"tp_{k}": v for k, v in _tp_times(spec).items()})
 
-    def at(tp, b, sp, rec):
-        return spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, sp, rec)
-
-    c = by_key(lay, lambda *k: _layer_costs(at(*k), a), ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f",
-                                                          "logits_mm_b", "logits_mem_f", "logits_mem_b"))
-    tp = by_key(lay, lambda *k: _tp_times(at(*k)), ("f", "b", "end"))
+    c = by_key([r["tp"], r["b"], r["sp"], r["recompute"]], layer, (
+        "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",
+        "tp_end"))
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
         "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
-    xs = []
-    for i in range(SLOTS):
-        x = rank_compute(c, tp, s["n"], s["first"][i], s["last"][i], a)
-        sends = by_key([r["pp"], r["v"], r["v_shaped"], s["rank"][i]], lambda p, v, vs, rank: {
-            "n": pp_sends(_placement_spec(base, 1, p, v, vs).layout, rank)}, ("n",))["n"]
-        pp = np.where(r["pp"] > 1, sends * send, 0.0)
-        xs.append(dict(x, pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp))
-    for x, d in zip(xs, _dp_columns(base, a, r, s, xs)):
-        x.update(d)
-    return xs
+    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end")}, s["n"], s["first"], s["last"], a)
+    sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
+        "n": pp_sends(_placement_spec(base, 1, p, v, vs).layout, rank)}, ("n",))["n"]
+    pp = np.where(r["pp"] > 1, sends * send, 0.0)
+    x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
+    x.update(_dp_columns(base, a, r, s, x))
+    return x
 
 
 def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
     """Throughput fields of :func:`xpar.estimate.cost.rates` for steps of ``time`` seconds."""
     cfg, s = base.model, base.seq_len
     tokens = r["b"] * r["m"] * r["dp"] * s
-    hw = by_key([r["recompute"]], lambda rec: {"f": fl.hardware_flops_per_token(cfg, s, rec)}, ("f",))["f"]
+    hw = by_key([r["recompute"]], lambda rec: {"f": fl.hardware_flops_per_token(cfg, s, RECOMPUTE[rec])}, ("f",))["f"]
     return rates(time, tokens, r["tp"] * r["pp"] * r["dp"], fl.model_flops_per_token(cfg, s) * tokens, hw * tokens,
                  base.hardware.peak_tflops)
