@@ -34,7 +34,7 @@ def checkpointing(spec, start_dir: Path):
             path, meta, found = _resume_problems(spec, start_dir)
             problems += found
             if not found:
-                spec = replace(spec, train=replace(t, resume=str(path)))
+                spec = replace(spec, train=replace(t, resume=str(path)), notes=spec.notes + data_notes(spec, meta))
     if problems:
         raise ConfigError(problems)
     return spec, meta
@@ -92,3 +92,18 @@ def model_problems(meta: dict, model, path: Path) -> list[str]:
     saved = " ".join(f"model.{k}={meta['model'][k]}" for k in diff)
     return [f"train.resume: the checkpoint {path} holds another model ({given} given; the checkpoint's: "
             f"{saved}); values that work: {saved} (model={meta['model'].get('name')}), or a checkpoint of this model."]
+
+
+def data_notes(spec, meta: dict) -> list[str]:
+    """A note (not a refusal) when this run's data differs from the checkpointed run's (seed,
+    global batch, sequence length, data source): its steps after the checkpoint then see
+    other batches than the checkpointed run's would have (a step's batch is a function of
+    seed and step, xpar.data)."""
+    from xpar.checkpoint import run_meta
+
+    saved, mine = meta.get("data", {}), run_meta(spec, Path("."))["data"]
+    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
+    if not diff:
+        return []
+    return [f"resumed with other data than the checkpointed run ({', '.join(diff)}): the steps from "
+            f"{meta['step']} on see other batches than it would have."]
