@@ -8,6 +8,7 @@ SIGKILLed after a checkpoint resumes from the latest one, losing at most the ste
 """
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,14 @@ from xpar.checks import ConfigError
 
 STEPS = 12
 COMMON = ["train.warmup_steps=1", "run.progress=false", "train.lr_schedule=cosine", "train.lr_warmup_steps=2"]
+
+
+class _Evil:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
 
 
 def _xpar(cwd: Path, run_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -147,9 +156,15 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
              (("train.resume=latest", f"train.checkpoint_dir={tmp_path}"), "train.resume=latest: no complete checkpoint"),
              (("train.checkpoint_every=2", "parallel=zero1"), "not available with parallel.zero_stage=1"),
              (("train.checkpoint_every=-1",), "train.checkpoint_every must be >= 1")]
+    evil = tmp_path / "evil"  # a copy of a checkpoint whose .metadata would run a command when unpickled
+    import shutil
+    shutil.copytree(_step3(ref), evil)
+    (evil / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
+    cases.append(((f"train.resume={evil}",), "cannot be loaded safely (UnpicklingError: global posix.system"))
     for overrides, fragment in cases:
         with pytest.raises(ConfigError) as e:
             checkpointing(spec_for(*overrides), cwd)
         assert fragment in str(e.value), (overrides, str(e.value))
+    assert not (tmp_path / "pwned").exists()
     spec, meta = checkpointing(spec_for(f"train.resume={ref}", "train.steps=20"), cwd)  # a run dir: its newest
     assert meta["step"] == 12 and spec.train.resume.endswith("step_0000012")

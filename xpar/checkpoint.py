@@ -127,6 +127,40 @@ def find_checkpoint(resume: str, checkpoint_dir: Optional[str], start_dir: Path)
     return found[-1]
 
 
+def verify_metadata(path: Path) -> None:
+    """Unpickle DCP's ``.metadata`` of the checkpoint ``path`` admitting only the globals DCP
+    writes there (:func:`xpar.torch_private.dcp_metadata_globals`, torch dtypes): DCP's own
+    reader then unpickles it without restriction, so anything else (a crafted file's
+    ``os.system``) is refused before it can run. DCP reads the tensors with
+    ``torch.load(weights_only=True)``.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable or names another global.
+    """
+    import pickle
+
+    import torch
+
+    from xpar.torch_private import dcp_metadata_globals
+
+    allowed = dcp_metadata_globals()
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in allowed:
+                return allowed[(module, name)]
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            Restricted(f).load()
+    except Exception as e:  # missing, truncated, or a global outside the list
+        raise CheckpointError(f"{path}/.metadata cannot be loaded safely ({type(e).__name__}: "
+                              f"{str(e)[:200]}); resume from a checkpoint xpar wrote.") from None
+
+
 # -- state dicts ---------------------------------------------------------------------------
 def _container(chunks):
     from torch import nn
@@ -181,6 +215,7 @@ def load(engine, path: Path) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     meta = read_meta(path)
+    verify_metadata(path)
     model, optim, tensors = _state(engine)
     dcp.load({"model": _merged(model), "optim": tensors}, checkpoint_id=str(path))  # in place
     for chunk, state in zip(engine.chunks, model):

@@ -90,3 +90,23 @@ def share_sac_storage(forward_ctx, recompute_ctx, storage) -> None:
     attribute, torch 2.13's private layout -- so that what selective checkpointing keeps
     can be counted."""
     forward_ctx.storage = recompute_ctx.storage = storage
+
+
+def dcp_metadata_globals() -> dict:
+    """``(module, name) -> object`` for every global that ``torch.distributed.checkpoint``'s
+    ``.metadata`` pickle references (torch 2.13, read from xpar's checkpoints of every layout):
+    DCP's metadata dataclasses, the filesystem writer's private ``_StorageInfo``, the private
+    ``torch.serialization._get_layout`` and ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``,
+    ``torch.Size`` and ``pathlib`` paths (dtypes are admitted by type). xpar's restricted
+    unpickler admits these only (DCP itself unpickles ``.metadata`` unrestricted)."""
+    import pathlib
+
+    import torch
+    import torch.serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = {metadata: ("Metadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
+             filesystem: ("_StorageInfo",), torch.serialization: ("_get_layout",),
+             torch: ("Size",), pathlib: ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+    return {(m.__name__, n): getattr(m, n) for m, group in names.items() for n in group}

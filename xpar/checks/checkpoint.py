@@ -68,11 +68,12 @@ def check_dir(path: Optional[str]) -> list[str]:
 
 def _resume_problems(spec, start_dir: Path) -> tuple[Optional[Path], Optional[dict], list[str]]:
     """(checkpoint directory, its xpar.json, problems) of ``train.resume``."""
-    from xpar.checkpoint import CheckpointError, find_checkpoint, read_meta
+    from xpar.checkpoint import CheckpointError, find_checkpoint, read_meta, verify_metadata
 
     try:
         path = find_checkpoint(spec.train.resume, spec.train.checkpoint_dir, Path(start_dir))
         meta = read_meta(path)
+        verify_metadata(path)
     except CheckpointError as e:
         return None, None, [str(e)]
     problems = model_problems(meta, spec.model, path)
