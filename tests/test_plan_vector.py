@@ -134,3 +134,22 @@ def test_vtime_imports_no_torch():
     code = "import xpar.plan.vtime, sys; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("schedule,vs", [("looped_bfs", (2, 3)), ("zero_bubble", (2, 3)), ("zbv", (2,)),
+                                         ("dualpipev", (2,)), ("interleaved_1f1b", (2, 3))])
+def test_replay_closed_forms_equal_the_replay(schedule, vs):
+    """bubble_theory's closed forms of the uniform replay (xpar.estimate.schedule.replay_closed_form)
+    equal the replay of the action list (below and above pp micro-batches)."""
+    from xpar.estimate.schedule import replay_closed_form, simulated_bubble
+
+    checked = 0
+    for pp in (3, 4):
+        for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp, 2 * pp + 1}):
+            if not microbatch_ok(schedule, pp, m) or (schedule == "interleaved_1f1b" and m >= pp):
+                continue
+            for v in vs:
+                assert replay_closed_form(schedule, pp, m, v) == pytest.approx(simulated_bubble(schedule, pp, m, v),
+                                                                             rel=1e-12), (pp, m, v)
+                checked += 1
+    assert checked >= 4
