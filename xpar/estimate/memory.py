@@ -65,7 +65,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from dataclasses import astuple, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -228,10 +228,16 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
     order ``model.parameters()`` yields them (tied weights once), built on the meta device
     (memoised per model, layout and tp degree)."""
-    return list(_param_shapes(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+    return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
 
 
-@lru_cache(maxsize=1024)
+def _model_key(cfg: ModelConfig) -> tuple:
+    """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
+    is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
+    return tuple(getattr(cfg, f.name) for f in fields(cfg))
+
+
+@lru_cache(maxsize=8192)
 def _shapes_layout(layout):
     """The layout as parameter shapes see it (stages and their layers only): the key of the
     shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
@@ -239,7 +245,7 @@ def _shapes_layout(layout):
                    sequence_parallel=False, recompute="none")
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)
 def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     out = []
     for s in layout.stages_of(pp_rank):
@@ -257,7 +263,7 @@ def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
     return max(0, min(d0, (rank + 1) * c) - rank * c) * rest
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=8192)
 def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     """(whole elements, shapes) of a pipeline rank; memoised so that one estimate at any world
     size touches each parameter shape once per rank it asks about."""
@@ -265,12 +271,12 @@ def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     return sum(math.prod(sh) for sh in shapes), shapes
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=16384)
 def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
     return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in Counter(shapes).items())
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)
 def _zero1_sizes(numels: tuple, dp: int) -> tuple:
     """:func:`zero1_partition`, memoised; a heap of (size, rank): O(n log dp)."""
     sizes = [0] * dp
@@ -318,7 +324,7 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
     of parameter tensors), memoised: no loop over the dp ranks. ``zero1``: see
     :class:`MemoryOptions`."""
-    whole, shapes = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     z, dp = spec.parallel.zero_stage, spec.dp
     shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
@@ -339,7 +345,7 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
     DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
     if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
-    _, shapes = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    _, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     sizes = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), spec.dp)
     return sizes.index(max(sizes))
 
@@ -737,7 +743,7 @@ class MemoryEstimate:
         return self.detail.get("usable", self.device_memory)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=8192)
 def _largest_unit(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
     """Elements of the largest FSDP unit on a pipeline rank: a block, or a stage's root
     (embeddings, final norm, output), as xpar and torchtitan wrap them."""
@@ -780,8 +786,8 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     if not o.count_buffers:
         return out
     z, e = spec.parallel.zero_stage, precision(spec, o)["e"]
-    whole, _ = _stage_numels(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    unit = _largest_unit(astuple(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    unit = _largest_unit(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
     if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):

@@ -72,7 +72,7 @@ def _group(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for a in arrays:
         lo, hi = (int(a.min()), int(a.max())) if len(a) else (0, 0)
         key, size = key * (hi - lo + 1) + (a - lo), size * (hi - lo + 1)
-    if size > 1 << 24:
+    if size > max(1 << 16, 4 * len(key)):
         _, rep, inv = np.unique(key, return_index=True, return_inverse=True)
         return rep, inv.ravel()
     present = np.bincount(key, minlength=size) > 0
@@ -126,12 +126,14 @@ def _class_ranks(layout: Layout) -> dict[int, int]:
 
 
 def _state_table(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
-    """Per group of (tp, pp, v, placement, dp, ZeRO stage, m > 1) and rank class: bytes of
+    """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1) and rank class: bytes of
     (params less autocast's copies, grads, optimizer, model-state buffers) on the rank's most
-    loaded dp rank -- the scalar functions on a representative candidate. Returns
-    (table [groups, 4 classes, 4], group of each candidate); NaN where a class is absent."""
+    loaded dp rank -- the scalar functions on a representative candidate. Not v: with balanced
+    stages a rank holds n_layers / pp blocks whatever v, and the embedding or the output by its
+    class. Returns (table [groups, 4 classes, 4], group of each candidate); NaN where a class
+    is absent."""
     vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=np.int64)[c["sched"]]
-    rep, inv = _group(c["tp"], c["pp"], c["v"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64))
+    rep, inv = _group(c["tp"], c["pp"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64))
     table = np.full((len(rep), 4, 4), np.nan)
     for g, i in enumerate(rep):
         spec = _spec_at(base, c, i)
@@ -163,22 +165,21 @@ def _stage_table(base: RunSpec, c: dict, o: mem.MemoryOptions, autocast: np.ndar
     return table, inv
 
 
-def _rank_events(acts: list, stages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The events of one rank's action list where :func:`xpar.estimate.memory._walk` takes a
-    maximum: live chunks per local stage after each forward (F rows, [n_F, v]), and, for the
-    peak with transients, after each forward and before each backward's release (A rows), with
-    the kind (0 forward, 1 backward) and the local stage of the acting one."""
-    slot = {st: j for j, st in enumerate(stages)}
+    maximum, as live micro-batch chunks (all of the rank's, of the first stage, of the last
+    stage): after each forward and before each backward's release. Returns (rows [n, 3], kind
+    0 forward / 1 backward, stage class of the acting stage)."""
     kinds = np.array([a.kind for a in acts])
-    sl = np.array([slot[a.stage] for a in acts], dtype=np.int64)
-    inc, dec = kinds == "F", (kinds == "B") | (kinds == "W")
-    delta = np.zeros((len(acts), len(stages)))
-    delta[np.arange(len(acts)), sl] = inc.astype(float) - dec
-    after = np.cumsum(delta, axis=0)
-    back = (kinds == "B") | (kinds == "I")
-    rows = np.concatenate([after[inc], (after - delta)[back]])
+    st = np.array([a.stage for a in acts], dtype=np.int64)
+    inc, back = kinds == "F", (kinds == "B") | (kinds == "I")
+    delta = inc.astype(np.int64) - ((kinds == "B") | (kinds == "W"))
+    per = np.stack([delta, delta * (st == 0), delta * (st == n_stages - 1)], axis=1)
+    after = np.cumsum(per, axis=0)
+    rows = np.concatenate([after[inc], (after - per)[back]])
     kind = np.concatenate([np.zeros(inc.sum(), dtype=np.int64), np.ones(back.sum(), dtype=np.int64)])
-    return after[inc], rows, kind, np.concatenate([sl[inc], sl[back]])
+    cls = 2 * (st == 0) + (st == n_stages - 1)
+    return rows, kind, np.concatenate([cls[inc], cls[back]])
 
 
 def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
@@ -198,10 +199,11 @@ def _covers(a: np.ndarray, b: np.ndarray) -> bool:
 
 @lru_cache(maxsize=4096)
 def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
-    """Per pipeline rank that can hold the peak: (rank, rank class, stage class of each local
-    stage, F rows, A rows, their kinds, their local stages) of :func:`_rank_events`, reduced by
-    :func:`_maximal`. With ``prune`` (every byte count >= 0), a rank is dropped when an earlier
-    rank of the same classes dominates all its rows (it can never be the first maximum)."""
+    """Per pipeline rank that can hold the peak: (rank, rank class, F rows, A rows, A types) from
+    :func:`_rank_events`: F rows (forwards: the kept peak and autocast's copies), A rows with
+    type 3 x kind + stage class (every event: the peak with transients), each reduced by
+    :func:`_maximal` within its type. With ``prune`` (every coefficient >= 0), a rank is dropped
+    when an earlier rank of the same class dominates all its rows (never the first maximum)."""
     from xpar.estimate.schedule import schedule_actions
 
     acts = schedule_actions(schedule, pp, m, v)
@@ -209,29 +211,21 @@ def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
                     layer_split=(1,) * (pp * v), schedule=schedule)
     kept: list[tuple] = []
     for r in range(pp):
-        stages = layout.stages_of(r)
-        f, a, kind, sl = _rank_events(acts[r], stages)
-        typed = [(k, j, _maximal(a[(kind == k) & (sl == j)], prune)) for k in (0, 1) for j in range(len(stages))]
-        rows = np.concatenate([x for _, _, x in typed])
-        kinds = np.concatenate([np.full(len(x), k, dtype=np.int64) for k, _, x in typed])
-        slots = np.concatenate([np.full(len(x), j, dtype=np.int64) for _, j, x in typed])
-        entry = (r, _rank_class(layout, r), np.array([_stage_class(s, layout.n_stages) for s in stages]),
-                 _maximal(f, prune), rows, kinds, slots)
+        rows, kind, cls = _rank_events(acts[r], pp * v)
+        types = 3 * kind + cls
+        parts = [(t, _maximal(rows[types == t], prune)) for t in np.unique(types)]
+        entry = (r, _rank_class(layout, r), _maximal(rows[kind == 0], prune),
+                 np.concatenate([x for _, x in parts]), np.concatenate([np.full(len(x), t) for t, x in parts]))
         if not (prune and any(_dominates(e, entry) for e in kept)):
             kept.append(entry)
     return tuple(kept)
 
 
 def _dominates(a: tuple, b: tuple) -> bool:
-    """Rank entry ``a`` (earlier) is at least ``b`` for any non-negative bytes per stage."""
-    if a[1] != b[1] or not np.array_equal(a[2], b[2]) or not _covers(a[3], b[3]):
+    """Rank entry ``a`` (earlier) is at least ``b`` for any non-negative coefficients."""
+    if a[1] != b[1] or not _covers(a[2], b[2]):
         return False
-    for k in (0, 1):
-        for j in range(len(b[2])):
-            mine, theirs = (a[5] == k) & (a[6] == j), (b[5] == k) & (b[6] == j)
-            if not _covers(a[4][mine], b[4][theirs]):
-                return False
-    return True
+    return all(_covers(a[3][a[4] == t], b[3][b[4] == t]) for t in np.unique(b[4]))
 
 
 class _Best:
@@ -269,27 +263,37 @@ def _single(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
         best.offer(idx, 0, 3, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
 
 
+def _coefficients(stab: np.ndarray, col: int) -> np.ndarray:
+    """Bytes per live chunk of column ``col`` of the stage table as coefficients of (all chunks,
+    first-stage chunks, last-stage chunks): (middle, first - middle, last - middle); middle 0
+    where no stage is in the middle (then every chunk is a first or last one)."""
+    mid = np.nan_to_num(stab[:, 0, col], nan=0.0)
+    return np.stack([mid, stab[:, 2, col] - mid, stab[:, 1, col] - mid], axis=1)
+
+
 def _pipelined(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
     """Candidates with pp > 1: per (schedule, pp, m, v), each rank of :func:`_walk_rows` offered
-    with its peaks, a product of the rank's rows with each candidate's bytes per local stage."""
+    with its peaks, a product of the rank's rows with each candidate's bytes per chunk."""
     pipe = np.flatnonzero(c["pp"] > 1)
     if not len(pipe):
         return
-    used = stab[np.unique(sinv[pipe])]
-    prune = bool(np.all(np.nan_to_num(used[..., [0, 3]], nan=0.0) >= 0))
+    kc, wc = _coefficients(stab, 0), _coefficients(stab, 3)
+    used = np.unique(sinv[pipe])
+    prune = bool(np.all(kc[used] >= 0) and np.all(wc[used] >= 0))
     rep, inv = _group(c["sched"][pipe], c["pp"][pipe], c["m"][pipe], c["v"][pipe])
     order = np.argsort(inv, kind="stable")
     ends = np.cumsum(np.bincount(inv, minlength=len(rep)))
     for g, i0 in enumerate(pipe[rep]):
         idx = pipe[order[(ends[g - 1] if g else 0):ends[g]]]
         key = (_SCHED[c["sched"][i0]], int(c["pp"][i0]), int(c["m"][i0]), int(c["v"][i0]), prune)
-        sv = stab[sinv[idx]]
-        for r, rc, sc, f, rows, kinds, slots in _walk_rows(*key):
-            k, w = sv[:, sc, 0], sv[:, sc, 3]
-            kept = np.maximum((k @ f.T).max(1), 0.0) if len(f) else np.zeros(len(idx))
-            total = np.maximum(kept, (k @ rows.T + sv[:, sc[slots], 1 + kinds]).max(1)) if len(rows) else kept
-            copies = np.maximum((w @ f.T).max(1), 0.0) if len(f) else np.zeros(len(idx))
-            best.offer(idx, r, rc, kept, total, copies)
+        grp = sinv[idx]
+        k, w = kc[grp], wc[grp]
+        extra = stab[grp][:, :, 1:3].reshape(len(idx), 8)  # [stage class, forward/backward transient]
+        for r, rc, f, rows, types in _walk_rows(*key):
+            kept = np.maximum((k @ f.T).max(1), 0.0)
+            add = extra[:, 2 * (types % 3) + types // 3]
+            total = np.maximum(kept, (k @ rows.T + add).max(1))
+            best.offer(idx, r, rc, kept, total, np.maximum((w @ f.T).max(1), 0.0))
 
 
 def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
