@@ -12,7 +12,7 @@ validation refuses); micro-batch b in 1, 2, 4, 8 at the global batch, m = B / (b
 schedule accepts it. Prints the layout count, the wall time of the imports and of the first call
 (cold: bubble simulations and shapes memoised on the way), then layouts/s of repeated calls
 (median of ``--repeats``, with min and max): the planner's steady state. The optimizer term needs
-each layout's optimizer bytes: from xpar.plan.vmemory when present (timed separately), else zeros.
+each layout's optimizer bytes: zeros, or with ``--with-memory`` from xpar.plan.vmemory (timed apart).
 """
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--framework", default="xpar")
     ap.add_argument("--global-batch", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--with-memory", action="store_true",
+                    help="optimizer bytes from xpar.plan.vmemory (timed apart); default zeros")
     args = ap.parse_args()
     ctx = PlanContext(model=_group("model", args.model), hardware=_group("hardware", args.hardware),
                       train={"dtype": "bf16"}, framework=_group("framework", args.framework))
@@ -87,7 +89,8 @@ def main() -> None:
     gen_s = time.perf_counter() - t
     n = len(cols["tp"])
     base = spec_of(ctx, cols, 0)
-    opt, mem_s = _optimizer_bytes(base, cols)
+    opt, mem_s = (_optimizer_bytes(base, cols) if args.with_memory
+                  else (np.zeros(n), "zeros (--with-memory not given)"))
     t = time.perf_counter()
     first = time_columns(base, cols, opt)
     cold_s = time.perf_counter() - t

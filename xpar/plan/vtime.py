@@ -112,16 +112,17 @@ def _placement_spec(base: RunSpec, tp: int, pp: int, v: int, v_shaped: bool) -> 
 
 
 _UNITS: dict[tuple, dict[str, int]] = {}
-"""Unit sizes per (model, tp, pp, v, V placement, rank): memoised across calls."""
+"""Unit sizes per (model, tp, pp, V placement, rank): memoised across calls."""
 
 
-def _unit_sizes(base: RunSpec, model_key: tuple, tp: int, pp: int, v: int, v_shaped: bool,
-                rank: int) -> dict[str, int]:
+def _unit_sizes(base: RunSpec, model_key: tuple, tp: int, pp: int, v_shaped: bool, rank: int) -> dict[str, int]:
     """Elements of the root unit and of one block of ``rank`` (:func:`unit_elements`: blocks are
-    identical units) and the number of blocks; ``model_key``: astuple(base.model)."""
-    key = (model_key, tp, pp, v, v_shaped, rank)
+    identical units) and the number of blocks; ``model_key``: astuple(base.model). The units of
+    a rank do not depend on v (its blocks: n_layers / pp; its root: the first / last stage's
+    ends), so the smallest v of the placement stands for every v."""
+    key = (model_key, tp, pp, v_shaped, rank)
     if key not in _UNITS:
-        u = unit_elements(_placement_spec(base, tp, pp, v, v_shaped), rank)
+        u = unit_elements(_placement_spec(base, tp, pp, 2 if v_shaped else 1, v_shaped), rank)
         _UNITS[key] = {"root": u[0], "block": u[1] if len(u) > 1 else 0, "n": len(u) - 1}
     return _UNITS[key]
 
@@ -136,7 +137,7 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
                 "r_block": t["reduce"][-1]}
 
     model_key = astuple(base.model)
-    el = per_slot([r["tp"], r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda *key: _unit_sizes(base, model_key, *key),
+    el = per_slot([r["tp"], r["pp"], r["v_shaped"], s["rank"]], lambda *key: _unit_sizes(base, model_key, *key),
                   ("root", "block", "n"))
     return per_slot([r["dp"], r["tp"], r["zero"], el["root"], el["block"], el["n"]], times,
                     ("g_root", "g_block", "r_root", "r_block"))
