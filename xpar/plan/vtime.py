@@ -213,10 +213,20 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
     spec (:func:`xpar.plan.context.spec_of`). ``base``: the RunSpec of any candidate of the same
     context (its model, hardware, seq_len, dtype and framework are used). ``memory_optimizer``:
     bytes of optimizer states on the most loaded device per candidate (xpar.plan.vmemory's
-    ``memory_optimizer``), for the optimizer term; computed when None. Units: seconds, tokens/s,
-    1e12 FLOP/s, fractions of peak."""
+    ``memory_optimizer``), for the optimizer term; computed when None (pass it when the memory
+    columns are computed anyway). Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
+
+    Raises:
+        ValueError: a candidate whose pp x v does not divide the layers (splits must be balanced).
+        KeyError: a schedule not in :data:`xpar.layout.SCHEDULES` or a recompute policy not in
+            :data:`RECOMPUTE`."""
     a = assumptions_for(base)
     r = _rows(cols)
+    uneven = np.flatnonzero(base.model.n_layers % (r["pp"] * r["v"]))
+    if len(uneven):
+        i = int(uneven[0])
+        raise ValueError(f"time_columns needs balanced layer splits: n_layers={base.model.n_layers} is not a "
+                         f"multiple of pp*v={r['pp'][i]}*{r['v'][i]} (candidate {i}; {len(uneven)} such candidates)")
     s = _slots(r, base.model.n_layers)
     x = _rank_columns(base, a, r, s)
     mb = microbatch_time(x)
