@@ -150,3 +150,25 @@ def test_empty_and_unknown():
 def test_vmemory_imports_no_torch():
     code = "import sys, xpar.plan.vmemory; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _as_sets(entries) -> list:
+    return [(r, rc, {tuple(x) for x in f.tolist()}, {(int(t), tuple(x)) for t, x in zip(types, rows.tolist())})
+            for r, rc, f, rows, types in entries]
+
+
+def test_closed_form_peaks_equal_the_walk():
+    """The schedules whose peaks vmemory takes in closed form give, rank by rank, the maximal
+    live-chunk rows of the walk over their action lists (torch's for looped BFS, zbv, dualpipev)."""
+    from xpar.plan.vmemory import _closed_entries, _walk_entries
+
+    checked = 0
+    for sched, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("zbv", [2]), ("dualpipev", [2])):
+        for pp in (2, 3, 4, 5, 8):
+            for v in vs:
+                for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp + 2} - {0}):
+                    if microbatch_ok(sched, pp, m):
+                        closed = _closed_entries(sched, pp, m, v)
+                        assert _as_sets(closed) == _as_sets(_walk_entries(sched, pp, m, v, True)), (sched, pp, m, v)
+                        checked += 1
+    assert checked > 150

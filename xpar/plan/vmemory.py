@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
@@ -197,25 +198,84 @@ def _covers(a: np.ndarray, b: np.ndarray) -> bool:
     return len(b) == 0 or (len(a) > 0 and bool((a[None, :, :] >= b[:, None, :]).all(-1).any(1).all()))
 
 
-@lru_cache(maxsize=4096)
-def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
-    """Per pipeline rank that can hold the peak: (rank, rank class, F rows, A rows, A types) from
-    :func:`_rank_events`: F rows (forwards: the kept peak and autocast's copies), A rows with
-    type 3 x kind + stage class (every event: the peak with transients), each reduced by
-    :func:`_maximal` within its type. With ``prune`` (every coefficient >= 0), a rank is dropped
-    when an earlier rank of the same class dominates all its rows (never the first maximum)."""
+def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[tuple]:
+    """(rank, rank class, F rows, A rows, A types) of every rank, from the schedule's action
+    list (:func:`_rank_events`): F rows (forwards: the kept peak and autocast's copies), A rows
+    with type 3 x kind + stage class (every event: the peak with transients), each reduced by
+    :func:`_maximal` within its type."""
     from xpar.estimate.schedule import schedule_actions
 
     acts = schedule_actions(schedule, pp, m, v)
     layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=m, seq_len=1,
                     layer_split=(1,) * (pp * v), schedule=schedule)
-    kept: list[tuple] = []
+    out = []
     for r in range(pp):
         rows, kind, cls = _rank_events(acts[r], pp * v)
         types = 3 * kind + cls
         parts = [(t, _maximal(rows[types == t], prune)) for t in np.unique(types)]
-        entry = (r, _rank_class(layout, r), _maximal(rows[kind == 0], prune),
-                 np.concatenate([x for _, x in parts]), np.concatenate([np.full(len(x), t) for t, x in parts]))
+        out.append((r, _rank_class(layout, r), _maximal(rows[kind == 0], prune),
+                    np.concatenate([x for _, x in parts]), np.concatenate([np.full(len(x), t) for t, x in parts])))
+    return out
+
+
+def _entry(r: int, rc: int, typed: dict) -> tuple:
+    """A rank entry of :func:`_walk_entries` from its maximal row per type ({type: (all,
+    first-stage, last-stage) live chunks})."""
+    rows = np.array(list(typed.values()), dtype=float).reshape(-1, 3)
+    types = np.array(list(typed.keys()), dtype=np.int64)
+    return r, rc, _maximal(rows[types < 3], True), rows, types
+
+
+def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tuple]]:
+    """:func:`_walk_entries` (pruned) without the action list, where the peaks have a closed
+    form: gpipe (m chunks), 1F1B (min(m, pp - r), Narayanan et al. 2021), looped BFS (every
+    forward before any backward), and the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0:
+    min(2 m, m + k + 1, 2 pp)) and dualpipev (2 pp + 1; m >= 2 pp). Read off torch's action
+    lists and equal to the walk on a grid of pp, m, v (tests/test_plan_memory.py); None for
+    the other schedules (interleaved 1F1B, zero bubble), whose peaks are walked."""
+    if schedule in ("gpipe", "1f1b"):
+        out = []
+        for r in range(pp):
+            k = m if schedule == "gpipe" else min(m, pp - r)
+            cls = 2 * (r == 0) + (r == pp - 1)
+            row = (k, k * (r == 0), k * (r == pp - 1))
+            out.append(_entry(r, cls, {cls: row, 3 + cls: row}))
+        return out
+    if schedule == "looped_bfs":
+        return [_looped_bfs_entry(r, pp, m, v) for r in range(pp)]
+    if schedule in ("zbv", "dualpipev") and v == 2:
+        if schedule == "dualpipev":
+            first, rest = [(2 * pp + 1, 2 * pp, 1)], [2 * pp + 1] * pp
+        else:
+            first = [(min(m + 1, 2 * pp), min(m, 2 * pp - 1), 1), (min(m, 2 * pp), min(m, 2 * pp), 0)]
+            rest = [min(2 * m, m + k + 1, 2 * pp) for k in range(pp)]
+        out = [_entry(0, 3, {1: first[0], 4: first[0], 2: first[-1], 5: first[-1]})]
+        return out + [_entry(k, 0, {0: (rest[k], 0, 0), 3: (rest[k], 0, 0)}) for k in range(1, pp)]
+    return None
+
+
+def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
+    """Looped BFS on rank r: every forward of local stage j (j = 0..v-1, stage j pp + r) before
+    those of j + 1, then the backwards from the last local stage down: at the forwards of j and
+    before the backwards of j, stages 0..j hold m chunks each."""
+    typed = {}
+    for j in range(v):
+        st = j * pp + r
+        cls = 2 * (st == 0) + (st == pp * v - 1)
+        row = (m * (j + 1), m * (r == 0), m * (st == pp * v - 1))
+        typed[cls], typed[3 + cls] = row, row
+    return _entry(r, 2 * (r == 0) + (r == pp - 1), typed)
+
+
+@lru_cache(maxsize=4096)
+def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
+    """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
+    one holds (:func:`_closed_entries`, with ``prune``). With ``prune`` (every coefficient
+    >= 0), a rank is dropped when an earlier rank of the same class dominates all its rows (it
+    can never be the first maximum)."""
+    entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(schedule, pp, m, v, prune)
+    kept: list[tuple] = []
+    for entry in entries:
         if not (prune and any(_dominates(e, entry) for e in kept)):
             kept.append(entry)
     return tuple(kept)
