@@ -117,13 +117,13 @@ _UNITS: dict[tuple, dict[str, int]] = {}
 
 def _unit_sizes(base: RunSpec, model_key: tuple, tp: int, pp: int, v_shaped: bool, rank: int) -> dict[str, int]:
     """Elements of the root unit and of one block of ``rank`` (:func:`unit_elements`: blocks are
-    identical units) and the number of blocks; ``model_key``: astuple(base.model). The units of
+    identical units); ``model_key``: astuple(base.model). The units of
     a rank do not depend on v (its blocks: n_layers / pp; its root: the first / last stage's
     ends), so the smallest v of the placement stands for every v."""
     key = (model_key, tp, pp, v_shaped, rank)
     if key not in _UNITS:
         u = unit_elements(_placement_spec(base, tp, pp, 2 if v_shaped else 1, v_shaped), rank)
-        _UNITS[key] = {"root": u[0], "block": u[1] if len(u) > 1 else 0, "n": len(u) - 1}
+        _UNITS[key] = {"root": u[0], "block": u[1] if len(u) > 1 else 0}
     return _UNITS[key]
 
 
@@ -137,10 +137,28 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
                 "r_block": t["reduce"][-1]}
 
     model_key = astuple(base.model)
-    el = per_slot([r["tp"], r["pp"], r["v_shaped"], s["rank"]], lambda *key: _unit_sizes(base, model_key, *key),
-                  ("root", "block", "n"))
-    return per_slot([r["dp"], r["tp"], r["zero"], el["root"], el["block"], el["n"]], times,
-                    ("g_root", "g_block", "r_root", "r_block"))
+    rep = _unit_representatives(r, s)
+    el = by_key([np.broadcast_to(r[k], s["count"].shape).ravel()[rep] for k in ("tp", "pp", "v_shaped")]
+                + [s["rank"].ravel()[rep]], lambda *key: _unit_sizes(base, model_key, *key), ("root", "block"))
+    n = np.broadcast_to(base.model.n_layers // r["pp"], s["count"].shape)
+    return per_slot([r["dp"], r["tp"], r["zero"], el["root"].reshape(n.shape), el["block"].reshape(n.shape), n],
+                    times, ("g_root", "g_block", "r_root", "r_block"))
+
+
+def _unit_representatives(r: dict, s: dict) -> np.ndarray:
+    """For each (slot, layout), flattened: the (slot, layout) whose rank's units it takes. A
+    rank's root unit depends on its class only (one stage, first only, middle, last only, first
+    and last: V placement) and a block on tp: the live slot of the smallest pp in each
+    (tp, class) stands for the others (fewer blocks to walk)."""
+    shape = s["count"].shape
+    pp = np.broadcast_to(r["pp"], shape).ravel()
+    first, last = s["first"].ravel(), s["last"].ravel()
+    cls = np.where(pp == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
+    key = _combined([np.broadcast_to(r["tp"], shape).ravel(), cls, (s["count"] == 0).ravel()])
+    order = np.lexsort((pp, key))
+    head = order[np.r_[True, key[order][1:] != key[order][:-1]]]  # smallest pp of each key, keys ascending
+    _, inverse = np.unique(key, return_inverse=True)
+    return head[inverse]
 
 
 def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
