@@ -168,3 +168,35 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     assert not (tmp_path / "pwned").exists()
     spec, meta = checkpointing(spec_for(f"train.resume={ref}", "train.steps=20"), cwd)  # a run dir: its newest
     assert meta["step"] == 12 and spec.train.resume.endswith("step_0000012")
+
+
+def test_lr_schedule_restored_at_the_step_with_this_runs_config():
+    """restore_lr_scheduler gives bitwise LambdaLR's lr after k steps, and the next steps' lrs;
+    a changed train.lr takes effect (no process needed)."""
+    import torch
+
+    from xpar.config import TrainConfig
+    from xpar.optim import build_lr_scheduler, restore_lr_scheduler
+
+    train = TrainConfig(steps=12, lr=1e-3, lr_schedule="cosine", lr_warmup_steps=2)
+
+    def fresh(cfg):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+        return opt, build_lr_scheduler(opt, cfg)
+    opt, sched = fresh(train)
+    want = []
+    for _ in range(12):
+        opt.step()
+        sched.step()
+        want.append(opt.param_groups[0]["lr"])
+    opt, sched = fresh(train)
+    assert restore_lr_scheduler(sched, opt, train, 5) == want[4] == opt.param_groups[0]["lr"]
+    got = []
+    for _ in range(5, 12):
+        opt.step()
+        sched.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == want[5:]
+    doubled = TrainConfig(steps=12, lr=2e-3, lr_schedule="cosine", lr_warmup_steps=2)
+    opt, sched = fresh(doubled)
+    assert restore_lr_scheduler(sched, opt, doubled, 5) == 2 * want[4]

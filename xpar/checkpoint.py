@@ -13,8 +13,8 @@ What is saved, so that a resumed run continues exactly:
   under one layout loads under another (it reshards);
 - the optimizer states (AdamW ``step``, ``exp_avg``, ``exp_avg_sq``) under the same names
   (``get_optimizer_state_dict``);
-- in ``xpar.json`` (JSON, no pickle): the step, the lr schedule's state, and the run's
-  history before the step (per-step loss and step time as the tracking journal merged them,
+- in ``xpar.json`` (JSON, no pickle): the step (the lr schedule is put at it,
+  :func:`xpar.optim.restore_lr_scheduler`), and the run's history before the step (per-step loss and step time as the tracking journal merged them,
   gradient norms, lrs), the model shape and layout, and the run's output directory (whose
   tracking journal names the MLflow run to continue).
 
@@ -200,8 +200,7 @@ def save(engine, root: Path, step: int, meta) -> Path:
     model, _, tensors = _state(engine)
     dcp.save({"model": _merged(model), "optim": tensors}, checkpoint_id=str(path))
     if dist.get_rank() == 0:  # dcp.save returns after every rank's files are written
-        meta = dict(meta(), step=step, saved_at=time.time(),
-                    scheduler=engine.scheduler.state_dict() if engine.scheduler is not None else None)
+        meta = dict(meta(), step=step, saved_at=time.time())
         tmp = path / f".{META_FILE}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         tmp.replace(path / META_FILE)
@@ -209,8 +208,8 @@ def save(engine, root: Path, step: int, meta) -> Path:
 
 
 def load(engine, path: Path) -> dict:
-    """Load the checkpoint in ``path`` into ``engine`` (model, optimizer, lr schedule, gradient
-    norms so far); DCP reshards when the layout differs. Collective. Returns its ``xpar.json``."""
+    """Load the checkpoint in ``path`` into ``engine`` (model, optimizer states, the lr schedule
+    at its step, gradient norms so far); DCP reshards when the layout differs. Collective. Returns its ``xpar.json``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -223,10 +222,9 @@ def load(engine, path: Path) -> dict:
     optim["state"] = {fqn: {k: tensors[f"{_canonical(fqn)}.{k}"] for k in states}
                       for fqn, states in optim["state"].items()}
     set_optimizer_state_dict(_container(engine.chunks), engine.optimizer, optim)
-    if engine.scheduler is not None and meta.get("scheduler") is not None:
-        engine.scheduler.load_state_dict(meta["scheduler"])
-        for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr()):
-            group["lr"] = lr
+    if engine.scheduler is not None:
+        from xpar.optim import restore_lr_scheduler
+        restore_lr_scheduler(engine.scheduler, engine.optimizer, engine.spec.train, meta["step"])
     engine.grad_norms[:] = list(meta["history"]["grad_norms"])
     return meta
 

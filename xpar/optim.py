@@ -109,3 +109,18 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, train) -> torch.optim.l
     ``.step()`` after each optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_factor(
         k, train.lr_schedule, train.steps, train.lr_warmup_steps, train.min_lr_ratio))
+
+
+def restore_lr_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer,
+                         train, step: int) -> float:
+    """Put ``scheduler`` (:func:`build_lr_scheduler`) and the optimizer's lr where they are after
+    ``step`` optimizer steps of ``train``'s schedule (a resumed run: the checkpoint's step, this
+    run's lr and schedule, so a changed ``train.lr`` or ``train.steps`` takes effect). Returns the
+    lr of the next step: ``train.lr * lr_factor(step)``, LambdaLR's own expression."""
+    lr = train.lr * lr_factor(step, train.lr_schedule, train.steps, train.lr_warmup_steps, train.min_lr_ratio)
+    state = scheduler.state_dict()
+    state.update(last_epoch=step, _step_count=step + 1, _last_lr=[lr] * len(optimizer.param_groups))
+    scheduler.load_state_dict(state)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
