@@ -95,10 +95,11 @@ def _saved_at(p: Path) -> float:
         return 0.0
 
 
-def find_checkpoint(resume: str, checkpoint_dir: Optional[str], start_dir: Path) -> Path:
+def find_checkpoint(resume: str, checkpoint_dir: Optional[str], start_dir: Path, accept=None) -> Path:
     """The checkpoint directory ``train.resume`` names: a ``step_<k>`` directory itself, the
     newest in a checkpoints or run output directory, or for ``latest`` the newest under
-    ``checkpoint_dir`` (if set), else under ``<start_dir>/outputs`` and ``<start_dir>/multirun``.
+    ``checkpoint_dir`` (if set), else under ``<start_dir>/outputs`` and ``<start_dir>/multirun``
+    -- the newest whose ``xpar.json`` ``accept(meta)`` takes (this run's model), if any.
 
     Raises:
         CheckpointError: no such directory, or no complete checkpoint there.
@@ -110,7 +111,8 @@ def find_checkpoint(resume: str, checkpoint_dir: Optional[str], start_dir: Path)
             raise CheckpointError(
                 f"train.resume=latest: no complete checkpoint under {' or '.join(str(r) for r in roots)}; "
                 f"save some first with train.checkpoint_every=<steps>, or give train.resume=<checkpoint dir>.")
-        return max(found, key=_saved_at)
+        found.sort(key=_saved_at, reverse=True)
+        return next((p for p in found if accept is None or accept(read_meta(p))), found[0])
     path = Path(resume).expanduser()
     if not path.is_absolute():
         path = start_dir / path

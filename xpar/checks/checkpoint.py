@@ -71,7 +71,8 @@ def _resume_problems(spec, start_dir: Path) -> tuple[Optional[Path], Optional[di
     from xpar.checkpoint import CheckpointError, find_checkpoint, read_meta, verify_metadata
 
     try:
-        path = find_checkpoint(spec.train.resume, spec.train.checkpoint_dir, Path(start_dir))
+        path = find_checkpoint(spec.train.resume, spec.train.checkpoint_dir, Path(start_dir),
+                               accept=lambda meta: not model_problems(meta, spec.model, Path()))
         meta = read_meta(path)
         verify_metadata(path)
     except CheckpointError as e:
