@@ -115,7 +115,8 @@ def test_a_killed_run_resumes_from_its_latest_checkpoint(tmp_path):
     came while the next one was written); the redone steps give each rank's losses of before
     the kill, bitwise."""
     run = tmp_path / "outputs" / "killed"
-    args = ["train.steps=40", "train.checkpoint_every=2", "tracking=off", "train.lr_schedule=constant"]
+    args = ["train.steps=40", "train.checkpoint_every=2", "train.checkpoint_keep=2", "tracking=off",
+            "train.lr_schedule=constant"]
     p = subprocess.Popen([sys.executable, "-m", "xpar", f"hydra.run.dir={run}", *COMMON, *args], cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     step_file, deadline = run / "steps" / "rank1.jsonl", time.time() + 120
@@ -132,13 +133,16 @@ def test_a_killed_run_resumes_from_its_latest_checkpoint(tmp_path):
     r = _xpar(tmp_path, resumed, *args, "train.resume=latest")
     stats = json.loads((resumed / "ranks.json").read_text())
     first = stats[0]["first_step"]
-    newest = max(int(m.parent.name.split("_")[1]) for m in run.glob("checkpoints/step_*/xpar.json"))
+    complete = [int(m.parent.name.split("_")[1]) for m in run.glob("checkpoints/step_*/xpar.json")]
+    assert 1 <= len(complete) <= 2  # train.checkpoint_keep=2
+    newest = max(complete)
     assert first == newest and done - 3 <= first < done, (done, first)
     for rank in (0, 1):  # the steps redone after the resume: each rank's loss as before the kill, bitwise
         before = {json.loads(line)["step"]: json.loads(line)["loss"]
                   for line in (run / "steps" / f"rank{rank}.jsonl").read_text().splitlines()}
         assert [stats[rank]["losses"][i] for i in range(first, done)] == [before[i] for i in range(first, done)]
     assert len(stats[0]["losses"]) == 40 and r.returncode == 0
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_0000038", "step_0000040"]
 
 
 def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
@@ -155,7 +159,8 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
              ((f"train.resume={_step3(ref)}", "train.steps=3"), "train.steps=3 must exceed the checkpoint's step 3"),
              (("train.resume=latest", f"train.checkpoint_dir={tmp_path}"), "train.resume=latest: no complete checkpoint"),
              (("train.checkpoint_every=2", "parallel=zero1"), "not available with parallel.zero_stage=1"),
-             (("train.checkpoint_every=-1",), "train.checkpoint_every must be >= 1")]
+             (("train.checkpoint_every=-1",), "train.checkpoint_every must be >= 1"),
+             (("train.checkpoint_keep=0",), "train.checkpoint_keep must be >= 1")]
     evil = tmp_path / "evil"  # a copy of a checkpoint whose .metadata would run a command when unpickled
     import shutil
     shutil.copytree(_step3(ref), evil)

@@ -277,7 +277,24 @@ class Saver:
             return None
         path = save(self.engine, self.root, done, lambda: self._meta(done, losses, times, lrs))
         self.saved.append(path)
+        keep = self.engine.spec.train.checkpoint_keep
+        if keep and len(self.saved) > keep:
+            self._drop(self.saved[:-keep])
+            self.saved = self.saved[-keep:]
         return path
+
+    @staticmethod
+    def _drop(paths: list[Path]) -> None:
+        """Rank 0 deletes this run's older checkpoints (a newer one is complete): ``xpar.json``
+        first, so a directory half deleted is never taken for a checkpoint."""
+        import shutil
+
+        import torch.distributed as dist
+        if dist.get_rank() != 0:
+            return
+        for p in paths:
+            (p / META_FILE).unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True)
 
     def _meta(self, done: int, losses: list, times: list, lrs: list) -> dict:
         """Rank 0's ``xpar.json`` fields: the run's merged per-step loss and step time from

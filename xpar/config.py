@@ -241,6 +241,9 @@ class TrainConfig:
     optimizer steps; null or 0: none."""
     checkpoint_dir: Optional[str] = None
     """Where checkpoints go, one ``step_<k>`` directory each; null: ``<run output dir>/checkpoints``."""
+    checkpoint_keep: Optional[int] = None
+    """Keep only this run's newest this many checkpoints (older ones are deleted once a newer
+    one is complete); null: keep all."""
     resume: Optional[str] = None
     """Resume from a checkpoint: a ``step_<k>`` directory, a checkpoints or run output directory
     (its newest checkpoint), or 'latest' (the newest under train.checkpoint_dir, else under
