@@ -21,8 +21,8 @@ Imports no torch (numpy and the estimate package only).
 """
 from __future__ import annotations
 
-from dataclasses import astuple, replace
-from typing import Any, Callable, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -63,7 +63,7 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
 def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """``fn(*key)`` once per distinct row of ``columns`` (plain Python values), each of its
     ``names`` broadcast back to every row (float64 arrays)."""
-    _, first, inverse = np.unique(_combined(columns), return_index=True, return_inverse=True)
+    first, inverse = unique_rows(_combined(columns))
     keys = zip(*(c[first].tolist() for c in columns))
     values = [fn(*k) for k in keys]
     return {k: np.array([x[k] for x in values], dtype=np.float64)[inverse] for k in names}
@@ -84,8 +84,11 @@ def _rows(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
     r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
     for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
-        found, code = np.unique(np.asarray(cols[k]).astype(str), return_inverse=True)
-        r[k] = np.array([names.index(x) for x in found], dtype=np.int64)[code]  # codes: names.index
+        given, r[k] = np.asarray(cols[k]), np.full(len(r["tp"]), -1, dtype=np.int64)
+        for i, name in enumerate(names):  # codes: names.index
+            r[k][given == name] = i
+        if (r[k] < 0).any():
+            raise KeyError(f"{k}={given[r[k] < 0][0]!r}; expected one of {names}")
     r["v"] = by_key([r["schedule"], r["pp"], r["v"]], lambda sch, pp, v: {
         "v": resolve_virtual_stages(SCHEDULE_NAMES[sch], pp, v)}, ("v",))["v"].astype(np.int64)  # 1 without pp
     shaped = np.array([SCHEDULES[x].v_shaped for x in SCHEDULE_NAMES], dtype=bool)
@@ -106,59 +109,49 @@ def _slots(r: dict, n_layers: int) -> dict[str, np.ndarray]:
             "n": n_layers // pp}
 
 
-def _placement_spec(base: RunSpec, tp: int, pp: int, v: int, v_shaped: bool) -> RunSpec:
-    """A spec whose layout places pp x v stages as the candidates do (loop or V placement)."""
-    return spec_at(base, tp, pp, 1, 1, 1, v, "zbv" if v_shaped else "gpipe", 0, False, "none")
+def _placement(base: RunSpec, pp: int, v: int, v_shaped: bool) -> Layout:
+    """A layout of pp x v balanced stages placed as the candidates' (loop or V placement)."""
+    return Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
+                  layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule="zbv" if v_shaped else "gpipe")
 
 
-_UNITS: dict[tuple, dict[str, int]] = {}
-"""Unit sizes per (model, tp, pp, V placement, rank): memoised across calls."""
+RANK_CLASSES = {0: (1, 1, False, 0), 1: (3, 1, False, 0), 2: (3, 1, False, 1), 3: (3, 1, False, 2),
+                4: (2, 2, True, 0)}
+"""Rank classes by the stage ends they hold -- 0: the one stage (pp = 1: tied embeddings held
+once), 1: the first stage's, 2: none (middle), 3: the last stage's, 4: both (V placement) --
+each as (pp, v, V placement, rank) of a layout with one block per stage that has such a rank."""
 
 
-def _unit_sizes(base: RunSpec, model_key: tuple, tp: int, pp: int, v_shaped: bool, rank: int) -> dict[str, int]:
-    """Elements of the root unit and of one block of ``rank`` (:func:`unit_elements`: blocks are
-    identical units); ``model_key``: astuple(base.model). The units of
-    a rank do not depend on v (its blocks: n_layers / pp; its root: the first / last stage's
-    ends), so the smallest v of the placement stands for every v."""
-    key = (model_key, tp, pp, v_shaped, rank)
-    if key not in _UNITS:
-        u = unit_elements(_placement_spec(base, tp, pp, 2 if v_shaped else 1, v_shaped), rank)
-        _UNITS[key] = {"root": u[0], "block": u[1] if len(u) > 1 else 0}
-    return _UNITS[key]
+def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
+    """Elements of the root unit and of one block on a rank of ``rank_class``
+    (:data:`RANK_CLASSES`), from :func:`unit_elements` on a layout of one block per stage: a
+    rank's root depends on the stage ends it holds, a block on tp, neither on the blocks held."""
+    pp, v, v_shaped, rank = RANK_CLASSES[rank_class]
+    layout = Layout(dp=1, tp=tp, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
+                    layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe")
+    u = unit_elements(replace(base, layout=layout), rank)
+    return {"root": u[0], "block": u[1]}
 
 
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
-    (:func:`xpar.estimate.dp._times` of the rank's units, :func:`unit_elements`)."""
+    (:func:`xpar.estimate.dp._times` of the rank's units: the root, then n_layers / pp blocks)."""
+    specs: dict[tuple, RunSpec] = {}
+
     def times(dp, tp, zero, root, block, n):
-        spec = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
-        t = _times(spec, a, [int(root)] + [int(block)] * int(n))
+        if (dp, tp, zero) not in specs:
+            specs[dp, tp, zero] = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
+        t = _times(specs[dp, tp, zero], a, [int(root)] + [int(block)] * int(n))
         return {"g_root": t["gather"][0], "g_block": t["gather"][-1], "r_root": t["reduce"][0],
                 "r_block": t["reduce"][-1]}
 
-    model_key = astuple(base.model)
-    rep = _unit_representatives(r, s)
-    el = by_key([np.broadcast_to(r[k], s["count"].shape).ravel()[rep] for k in ("tp", "pp", "v_shaped")]
-                + [s["rank"].ravel()[rep]], lambda *key: _unit_sizes(base, model_key, *key), ("root", "block"))
-    n = np.broadcast_to(base.model.n_layers // r["pp"], s["count"].shape)
-    return per_slot([r["dp"], r["tp"], r["zero"], el["root"].reshape(n.shape), el["block"].reshape(n.shape), n],
-                    times, ("g_root", "g_block", "r_root", "r_block"))
-
-
-def _unit_representatives(r: dict, s: dict) -> np.ndarray:
-    """For each (slot, layout), flattened: the (slot, layout) whose rank's units it takes. A
-    rank's root unit depends on its class only (one stage, first only, middle, last only, first
-    and last: V placement) and a block on tp: the live slot of the smallest pp in each
-    (tp, class) stands for the others (fewer blocks to walk)."""
-    shape = s["count"].shape
-    pp = np.broadcast_to(r["pp"], shape).ravel()
-    first, last = s["first"].ravel(), s["last"].ravel()
-    cls = np.where(pp == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
-    key = _combined([np.broadcast_to(r["tp"], shape).ravel(), cls, (s["count"] == 0).ravel()])
-    order = np.lexsort((pp, key))
-    head = order[np.r_[True, key[order][1:] != key[order][:-1]]]  # smallest pp of each key, keys ascending
-    _, inverse = np.unique(key, return_inverse=True)
-    return head[inverse]
+    first, last = s["first"], s["last"]
+    cls = np.where(r["pp"] == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
+    el = per_slot([r["tp"], cls], lambda tp, c: _unit_sizes(base, tp, c), ("root", "block"))
+    n = np.broadcast_to(base.model.n_layers // r["pp"], cls.shape)
+    root, block = el["root"].astype(np.int64), el["block"].astype(np.int64)  # element counts
+    return per_slot([r["dp"], r["tp"], r["zero"], root, block, n], times,
+                    ("g_root", "g_block", "r_root", "r_block"))
 
 
 def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
@@ -174,7 +167,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")] + [one_stage])
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
-    _, rep, inverse = np.unique(np.where(live, key, -1), return_index=True, return_inverse=True)
+    rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once")}
     rep_live = live[rep]
     for p in np.unique(pp[rep][rep_live]).tolist():
@@ -190,17 +183,34 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
             "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"]}
 
 
+def unique_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first index of each distinct key in increasing key order, each row's position in that
+    list): numpy.unique's return_index and return_inverse for non-negative int keys; by
+    direct indexing (no sort) when the keys are below 4 L + 1024."""
+    key = np.asarray(key, dtype=np.int64)
+    top = int(key.max(initial=0)) + 1
+    if top > 4 * len(key) + 1024:
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse
+    first = np.full(top, len(key), dtype=np.int64)
+    np.minimum.at(first, key, np.arange(len(key)))
+    present = first < len(key)
+    return first[present], (np.cumsum(present) - 1)[key]
+
+
 def _combined(columns: list[np.ndarray]) -> np.ndarray:
-    """One int64 key per row, equal for rows equal in every column."""
+    """One non-negative int64 key per row, equal for rows equal in every column (small-range
+    int columns by offset, others by their rank among the column's values)."""
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for c in columns:
-        if c.dtype.kind in "biu" and len(c):
-            code = c.astype(np.int64) - int(c.min())
+        lo = int(c.min()) if c.dtype.kind in "biu" and len(c) else 0
+        if c.dtype.kind in "biu" and int(c.max(initial=0)) - lo < 4 * len(c) + 1024:
+            code = c.astype(np.int64) - lo
         else:
             _, code = np.unique(c, return_inverse=True)
         radix = int(code.max(initial=0)) + 1
         if int(key.max(initial=0)) * radix >= 2 ** 62:  # renumber before the key overflows
-            _, key = np.unique(key, return_inverse=True)
+            _, key = unique_rows(key)
         key = key * radix + code
     return key
 
@@ -277,7 +287,7 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
     x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end")}, s["n"], s["first"], s["last"], a)
     sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
-        "n": pp_sends(_placement_spec(base, 1, p, v, vs).layout, rank)}, ("n",))["n"]
+        "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send, 0.0)
     x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
     x.update(_dp_columns(base, a, r, s, x))
