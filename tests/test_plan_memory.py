@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,17 +159,54 @@ def _as_sets(entries) -> list:
 
 
 def test_closed_form_peaks_equal_the_walk():
-    """The schedules whose peaks vmemory takes in closed form give, rank by rank, the maximal
-    live-chunk rows of the walk over their action lists (torch's for looped BFS, zbv, dualpipev)."""
+    """The schedules whose peaks vmemory takes without walking give, rank by rank, the maximal
+    live-chunk rows of the walk over their action lists (torch's for looped BFS, zbv, dualpipev;
+    xpar's own for interleaved 1F1B)."""
     from xpar.plan.vmemory import _closed_entries, _walk_entries
 
     checked = 0
-    for sched, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("zbv", [2]), ("dualpipev", [2])):
+    for sched, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("zbv", [2]), ("dualpipev", [2]),
+                      ("interleaved_1f1b", [2, 3])):
         for pp in (2, 3, 4, 5, 8):
             for v in vs:
-                for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp + 2} - {0}):
+                for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp, 3 * pp + 2, 4 * pp} - {0}):
                     if microbatch_ok(sched, pp, m):
                         closed = _closed_entries(sched, pp, m, v)
                         assert _as_sets(closed) == _as_sets(_walk_entries(sched, pp, m, v, True)), (sched, pp, m, v)
                         checked += 1
     assert checked > 150
+
+
+def test_parameter_shapes_are_the_models():
+    """The torch-free parameter list the memory model uses equals named_parameters() of the
+    model built on the meta device, for every model preset and stage kind (also with biases,
+    LayerNorm, learned positions and tied embeddings: the 175b preset)."""
+    import dataclasses
+
+    import torch
+
+    from xpar.config import ModelConfig
+    from xpar.estimate.memory import _meta_shapes, _model_key
+    from xpar.models.transformer import Transformer
+
+    names = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+    assert "175b" in names and "tiny" in names
+    for name in names:
+        d = _preset("model", name)
+        cfg = ModelConfig(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(ModelConfig)}})
+        for n_blocks, first, last in ((0, True, True), (0, True, False), (0, False, True), (1, False, False),
+                                      (2, True, True)):
+            with torch.device("meta"):
+                model = Transformer(cfg, layers=list(range(n_blocks)), first=first, last=last)
+            want = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+            assert _meta_shapes(_model_key(cfg), n_blocks, first, last) == want, (name, n_blocks, first, last)
+
+
+def test_memory_columns_imports_no_torch():
+    """The whole evaluation (shapes, schedules in closed form) runs without importing torch."""
+    code = ("import sys; sys.path.insert(0, '.'); import numpy as np; from tests.test_plan_memory import context, candidates;"
+            "from xpar.plan.context import spec_of; from xpar.plan.vmemory import memory_columns;"
+            "ctx = context('70b', 'a100_80gb_64gpu', 'xpar'); cols = candidates(np.random.default_rng(0), ctx, 30);"
+            "cols = {k: v[cols['schedule'] != 'zero_bubble'] for k, v in cols.items()};"
+            "memory_columns(spec_of(ctx, cols, 0), cols); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -34,7 +34,7 @@ of ceil(d0/dp) rows (rank 0 holds the most). Gradients are shards under ZeRO-2/3
 where the reduction is deferred (:func:`grads_deferred`: torch's ``PipelineStage`` defers
 it to the stage's last backward, whatever m). Tensor parallelism (Megatron, Shoeybi et al.
 2019): q/k/v/w1/w3 and the vocabulary split on dim 0, wo/w2 on dim 1; shapes come from the
-real model built once on the meta device.
+model's parameters (xpar.models.transformer, written out without torch: :func:`_meta_shapes`).
 
 **Activations** (Korthikanti et al. 2022, Table 2, generalised term by term in
 :func:`layer_activation_bytes`: GQA, SwiGLU, no dropout, flash attention, composite norms,
@@ -204,13 +204,32 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=64)
 def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool) -> tuple:
-    import torch
+    """``named_parameters()`` (name, shape) of ``Transformer(cfg, range(n_blocks), first, last)``
+    (xpar.models.transformer) written out without torch, in registration order: embeddings,
+    blocks (norm, wq, wk, wv, wo, norm, w1, w2[, w3]; Linear weight then bias), final norm,
+    output (omitted when tied to the embedding on one stage: named_parameters yields a shared
+    tensor once). Equal to the model built on the meta device for every preset
+    (tests/test_plan_memory.py); the dry run checks the counts against torch's."""
+    cfg = ModelConfig(*cfg_key)
+    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
 
-    from xpar.models.transformer import Transformer
+    def norm(name: str) -> list:
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if cfg.norm != "rmsnorm" and cfg.bias else [])
 
-    with torch.device("meta"):
-        model = Transformer(ModelConfig(*cfg_key), layers=list(range(n_blocks)), first=first, last=last)
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    def linear(name: str, n_out: int, n_in: int) -> list:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if cfg.bias else [])
+
+    out = [("tok_embeddings.weight", (vocab, h))] if first else []
+    out += [("pos_embeddings.weight", (cfg.seq_len, h))] if first and cfg.position == "learned" else []
+    for i in range(n_blocks):
+        a, mlp = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", h, h) + linear(f"{a}.wk", kv, h)
+        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, h) + norm(f"layers.{i}.ffn_norm")
+        out += linear(f"{mlp}.w1", f, h) + linear(f"{mlp}.w2", h, f)
+        out += linear(f"{mlp}.w3", f, h) if cfg.activation == "swiglu" else []
+    if last:
+        out += norm("norm") + ([] if first and cfg.tied_embeddings else [("output.weight", (vocab, h))])
+    return tuple(out)
 
 
 def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bool) -> list:
@@ -226,7 +245,7 @@ def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bo
 
 def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
-    order ``model.parameters()`` yields them (tied weights once), built on the meta device
+    order ``model.parameters()`` yields them (tied weights once), from :func:`_meta_shapes`
     (memoised per model, layout and tp degree)."""
     return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
 

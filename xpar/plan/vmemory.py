@@ -184,13 +184,22 @@ def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
-    """Distinct rows of ``x``; with ``prune``, only those no other row dominates (>= in every
-    column): a maximum of a non-negative linear function is always on one of them."""
-    x = np.unique(x, axis=0)
-    if not prune or len(x) < 2:
-        return x
-    dominated = (x[None, :, :] >= x[:, None, :]).all(-1).sum(1) > 1
-    return x[~dominated]
+    """Distinct rows of ``x`` ([n, 3] live-chunk counts, >= 0); with ``prune``, only those no
+    other row dominates (>= in every column): a maximum of a non-negative linear function is
+    always on one of them. Rows are packed into one int64 for a 1-d unique."""
+    xi = x.astype(np.int64).reshape(-1, 3)
+    if len(xi) == 0:
+        return xi.astype(float)
+    b0, b1 = int(xi[:, 0].max()) + 1, int(xi[:, 2].max()) + 1
+    u = np.unique((xi[:, 1] * b1 + xi[:, 2]) * b0 + xi[:, 0])
+    if prune:  # per (first, last) count, the most chunks in all (sorted last in each group)
+        g = u // b0
+        u = u[np.append(g[1:] != g[:-1], True)]
+    rest = u // b0
+    x = np.stack([u % b0, rest // b1, rest % b1], axis=1)
+    if prune and len(x) > 1:
+        x = x[~((x[None, :, :] >= x[:, None, :]).all(-1).sum(1) > 1)]
+    return x.astype(float)
 
 
 def _covers(a: np.ndarray, b: np.ndarray) -> bool:
@@ -232,7 +241,8 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
     forward before any backward), and the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0:
     min(2 m, m + k + 1, 2 pp)) and dualpipev (2 pp + 1; m >= 2 pp). Read off torch's action
     lists and equal to the walk on a grid of pp, m, v (tests/test_plan_memory.py); None for
-    the other schedules (interleaved 1F1B, zero bubble), whose peaks are walked."""
+    zero bubble, whose peaks are walked. Interleaved 1F1B: its events counted as arrays from its
+    order (:func:`_interleaved_entry`)."""
     if schedule in ("gpipe", "1f1b"):
         out = []
         for r in range(pp):
@@ -243,6 +253,8 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
         return out
     if schedule == "looped_bfs":
         return [_looped_bfs_entry(r, pp, m, v) for r in range(pp)]
+    if schedule == "interleaved_1f1b":
+        return [_interleaved_entry(r, pp, m, v) for r in range(pp)]
     if schedule in ("zbv", "dualpipev") and v == 2:
         if schedule == "dualpipev":
             first, rest = [(2 * pp + 1, 2 * pp, 1)], [2 * pp + 1] * pp
@@ -252,6 +264,30 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
         out = [_entry(0, 3, {1: first[0], 4: first[0], 2: first[-1], 5: first[-1]})]
         return out + [_entry(k, 0, {0: (rest[k], 0, 0), 3: (rest[k], 0, 0)}) for k in range(1, pp)]
     return None
+
+
+def _interleaved_entry(k: int, pp: int, m: int, v: int) -> tuple:
+    """Interleaved 1F1B on rank k, in the order of :func:`xpar.estimate.schedule.interleaved_actions`
+    (rounds of q = m // max(1, m // pp) micro-batches; w = min(v m, (v - 1) q + 2 (pp - 1 - k))
+    warm-up forwards, then forward w + j before backward j, then the drain; the i-th forward on
+    local stage (i // q) % v, the i-th backward on v - 1 - (i // q) % v), its events as arrays."""
+    q, total = m // max(1, m // pp), v * m
+    w = min(total, (v - 1) * q + 2 * (pp - 1 - k))
+
+    def done(c: int, n: np.ndarray) -> np.ndarray:  # forwards on local stage c among the first n
+        return (n // (q * v)) * q + np.clip(n % (q * v) - c * q, 0, q)
+
+    n_f = np.concatenate([np.arange(1, total + 1), np.minimum(total, w + 1 + np.arange(total))])
+    n_b = np.concatenate([np.maximum(0, np.arange(1, total + 1) - w - 1), np.arange(total)])
+    kind = np.repeat([0, 1], total)
+    local = np.concatenate([(np.arange(total) // q) % v, v - 1 - (np.arange(total) // q) % v])
+    first, last = (k == 0), (k == pp - 1)
+    rows = np.stack([n_f - n_b, first * (done(0, n_f) - done(v - 1, n_b)),
+                     last * (done(v - 1, n_f) - done(0, n_b))], axis=1).astype(float)
+    types = 3 * kind + 2 * (first & (local == 0)) + (last & (local == v - 1))
+    parts = [(t, _maximal(rows[types == t], True)) for t in np.unique(types)]
+    return (k, 2 * first + last, _maximal(rows[kind == 0], True), np.concatenate([x for _, x in parts]),
+            np.concatenate([np.full(len(x), t) for t, x in parts]))
 
 
 def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
