@@ -1,9 +1,10 @@
 """Speed of the planner's vectorised step time (xpar.plan.vtime.time_columns): layouts per second.
 
     python benchmarks/plan_speed.py [--repeats 5] [--model 175b] [--hardware a100_80gb_1024gpu]
-                                    [--global-batch 1536] [--cold]
+                                    [--global-batch 1536] [--generator space|own] [--with-memory]
 
-Candidates: every layout of the model on the cluster from this generator -- tp in 1..8 dividing the
+Candidates: the planner's own space (xpar.plan.space.enumerate_layouts at the fixed global batch,
+default), or with ``--generator own`` every layout from this file's generator -- tp in 1..8 dividing the
 heads, kv heads and the device count; pp dividing the layers and the devices left; dp the rest;
 every schedule, v in {2, 3, 4, 6, 8} dividing the layers per rank for the looped ones (2 for the
 V-shaped, 1 for the others and without pp); ZeRO 0-3 (the stage that runs, duplicates dropped); sp
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 T0 = time.perf_counter()
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--framework", default="xpar")
     ap.add_argument("--global-batch", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--generator", choices=("space", "own"), default="space")
     ap.add_argument("--with-memory", action="store_true",
                     help="optimizer bytes from xpar.plan.vmemory (timed apart); default zeros")
     args = ap.parse_args()
@@ -85,7 +88,13 @@ def main() -> None:
                       train={"dtype": "bf16"}, framework=_group("framework", args.framework))
     world = int(ctx.hardware["devices_per_node"]) * int(ctx.hardware.get("nodes", 1))
     t = time.perf_counter()
-    cols = candidates(ctx.model, world, args.global_batch)
+    if args.generator == "space":
+        from xpar.plan.space import Constraints, enumerate_layouts
+
+        cols = enumerate_layouts(ctx.model, world, int(ctx.hardware["devices_per_node"]), ctx.model["seq_len"],
+                                 Constraints(global_batch=(args.global_batch, args.global_batch))).cols
+    else:
+        cols = candidates(ctx.model, world, args.global_batch)
     gen_s = time.perf_counter() - t
     n = len(cols["tp"])
     base = spec_of(ctx, cols, 0)
@@ -102,14 +111,14 @@ def main() -> None:
     med = statistics.median(runs)
     best = int(np.argmin(first["time_per_step_s"]))
     print(f"{args.model} on {world} {args.hardware} ({args.framework}), B={args.global_batch}: {n} layouts "
-          f"(generated in {gen_s:.2f} s)")
+          f"({args.generator} generator, {gen_s:.2f} s)")
     print(f"imports {IMPORTS_S:.2f} s; optimizer bytes {mem_s}; first call {cold_s:.2f} s "
           f"({n / cold_s:,.0f} layouts/s)")
     print(f"repeated: {n / med:,.0f} layouts/s (median of {len(runs)}: {med * 1e3:.1f} ms; "
           f"min {min(runs) * 1e3:.1f} ms, max {max(runs) * 1e3:.1f} ms)")
     print(f"fastest: {dict((k, cols[k][best].item()) for k in COLUMNS)} "
           f"{first['time_per_step_s'][best]:.2f} s/step, MFU {first['mfu'][best]:.3f}")
-    print(f"wall time including imports: {time.perf_counter() - T0:.2f} s")
+    print(f"wall time including imports: {time.perf_counter() - T0:.2f} s; torch imported: {'torch' in sys.modules}")
 
 
 def _optimizer_bytes(base, cols) -> tuple[np.ndarray, str]:

@@ -136,6 +136,26 @@ def test_vtime_imports_no_torch():
     assert r.returncode == 0, r.stderr
 
 
+def test_time_columns_runs_without_torch():
+    """Every schedule, 70B on 64 H100: time_columns imports no torch (bubbles in closed form,
+    parameter shapes written out)."""
+    code = """
+import sys, numpy as np
+from tests.test_plan_vector import context, random_candidates
+from xpar.plan.context import spec_of
+from xpar.plan.vtime import time_columns
+ctx = context("70b", "h100_80gb_64gpu", "torchtitan")
+cols = random_candidates(ctx, np.random.default_rng(3), 60)
+assert len(set(cols["schedule"].tolist())) == 7
+out = time_columns(spec_of(ctx, cols, 0), cols, np.zeros(60))
+assert np.isfinite(out["time_per_step_s"]).all() and (out["time_per_step_s"] > 0).all()
+assert 'torch' not in sys.modules, 'torch imported'
+"""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("schedule,vs", [("looped_bfs", (2, 3)), ("zero_bubble", (2, 3)), ("zbv", (2,)),
                                          ("dualpipev", (2,)), ("interleaved_1f1b", (2, 3))])
 def test_replay_closed_forms_equal_the_replay(schedule, vs):
