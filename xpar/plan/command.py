@@ -50,6 +50,8 @@ class Plan:
     seconds: dict = field(default_factory=dict)
     clusters: list = field(default_factory=list)
     """(devices, best tokens/s or 0) of each device count tried (a devices range)."""
+    run_id: Optional[str] = None
+    """The plan's MLflow run, once recorded."""
 
     @property
     def devices(self) -> int:
@@ -181,14 +183,15 @@ def nothing_fits_line(plan: Plan) -> str:
 
 # --- the command --------------------------------------------------------------------------
 
-def run_plan(cfg, out_dir: Path, start_dir: Path) -> Optional[Plan]:
+def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]] = None) -> Optional[Plan]:
     """``run.mode=plan``: search, print, record, and on hardware=local execute the top layouts.
-    Bad requests exit 2 with one line per problem."""
+    ``overrides``: the command line (default: the running Hydra app's). Bad requests exit 2
+    with one line per problem."""
     from xpar.overrides import refuse
     from xpar.plan.show import print_plan
 
     t0 = time.perf_counter()
-    inputs, problems = plan_inputs(cfg)
+    inputs, problems = plan_inputs(cfg, overrides)
     if problems:
         refuse(problems)
     try:

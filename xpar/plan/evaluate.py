@@ -28,46 +28,13 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
 
 
 def _time(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    try:
-        from xpar.plan.vtime import time_columns
-    except ImportError:  # TEMPORARY
-        time_columns = globals()["time_columns"]
+    from xpar.plan.vtime import time_columns
     res = time_columns(base, cols)
     return {k: np.asarray(res[k]) for k in TIME_KEYS}
 
 
 def _memory(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    try:
-        from xpar.plan.vmemory import memory_columns
-    except ImportError:  # TEMPORARY
-        memory_columns = globals()["memory_columns"]
+    from xpar.plan.vmemory import memory_columns
     res = memory_columns(base, cols)
     return {k: np.asarray(res[k]) for k in MEMORY_KEYS}
 
-
-# --- TEMPORARY scalar evaluator (until xpar.plan.vtime / vmemory land; then deleted) ---------
-
-def _scalar(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from dataclasses import asdict
-
-    from xpar.estimate.cost import estimate
-    ctx = PlanContext(model=asdict(base.model), hardware=asdict(base.hardware),
-                      train=dict(dtype=base.train.dtype, seq_len=base.seq_len), framework=asdict(base.framework))
-    rows = []
-    for i in range(len(cols["tp"])):
-        e = estimate(spec_of(ctx, cols, i))
-        r = {k: getattr(e, k) for k in TIME_KEYS[:8]}
-        r.update({f"time_{k}": e.time_breakdown[k] for k in TIME_TERMS})
-        mem = e.memory
-        r.update({f"memory_{k}": getattr(mem, k) for k in ("params", "grads", "optimizer", "activations",
-                                                           "comm_buffers", "framework_overhead", "total")})
-        r.update(memory_usable=mem.usable, fits=mem.fits)
-        rows.append(r)
-    return {k: np.array([r[k] for r in rows]) for k in rows[0]}
-
-
-def time_columns(base, cols):  # noqa: D103  (temporary)
-    return _scalar(base, cols)
-
-
-memory_columns = time_columns

@@ -127,8 +127,9 @@ def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
     return counts, []
 
 
-def plan_inputs(cfg) -> tuple[Optional[PlanInputs], list[str]]:
-    """The checked request of a composed config (``run.mode=plan``), or the problem lines."""
+def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[PlanInputs], list[str]]:
+    """The checked request of a composed config (``run.mode=plan``), or the problem lines.
+    ``overrides``: the command line's (default: Hydra's task overrides of the running app)."""
     p, model, framework = cfg.plan, _plain(cfg.model), _plain(cfg.framework)
     hw = _hardware(cfg)
     if p.memory_headroom is not None:
@@ -146,7 +147,8 @@ def plan_inputs(cfg) -> tuple[Optional[PlanInputs], list[str]]:
                     recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size)
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
     ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
-    inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top, tuple(_task_overrides()))
+    inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top,
+                        tuple(_task_overrides() if overrides is None else overrides))
     return replace(inputs, ctx=inputs.at(counts[0])), []
 
 

@@ -43,7 +43,10 @@ def separating_terms(res: dict[str, np.ndarray], rows: np.ndarray, best: int) ->
 
 def describe_gap(term: str, frac: float) -> str:
     """'+18 % exposed dp communication' (or '' for none)."""
-    return f"+{100 * frac:.0f} % {TERM_WORDS[term]}" if term else ""
+    if not term:
+        return ""
+    pct = 100 * frac
+    return f"+{pct:.1f} % {TERM_WORDS[term]}" if pct < 9.95 else f"+{pct:.0f} % {TERM_WORDS[term]}"
 
 
 def pareto_front(memory: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:

@@ -171,7 +171,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     """Each structural row times ZeRO stage, sequence parallelism and recompute, less the rules
     on them."""
     n = len(t["tp"])
-    x = _product(row=range(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE)
+    x = _product(row=np.arange(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE)
     t = {k: v[x["row"]] for k, v in t.items()}
     t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"])
     drops.weight = 1
