@@ -188,7 +188,7 @@ def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
     other row dominates (>= in every column): a maximum of a non-negative linear function is
     always on one of them. Rows are packed into one int64 for a 1-d unique."""
     xi = x.astype(np.int64).reshape(-1, 3)
-    if len(xi) == 0:
+    if len(xi) < 2:
         return xi.astype(float)
     b0, b1 = int(xi[:, 0].max()) + 1, int(xi[:, 2].max()) + 1
     u = np.unique((xi[:, 1] * b1 + xi[:, 2]) * b0 + xi[:, 0])
@@ -236,34 +236,47 @@ def _entry(r: int, rc: int, typed: dict) -> tuple:
 
 
 def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tuple]]:
-    """:func:`_walk_entries` (pruned) without the action list, where the peaks have a closed
-    form: gpipe (m chunks), 1F1B (min(m, pp - r), Narayanan et al. 2021), looped BFS (every
-    forward before any backward), and the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0:
-    min(2 m, m + k + 1, 2 pp)) and dualpipev (2 pp + 1; m >= 2 pp). Read off torch's action
-    lists and equal to the walk on a grid of pp, m, v (tests/test_plan_memory.py); None for
-    zero bubble, whose peaks are walked. Interleaved 1F1B: its events counted as arrays from its
-    order (:func:`_interleaved_entry`)."""
+    """:func:`_walk_entries` (pruned; of the middle ranks only those :func:`_middle` keeps)
+    without the action list, where the peaks have a closed form: gpipe (m chunks), 1F1B
+    (min(m, pp - r), Narayanan et al. 2021), looped BFS (every forward before any backward),
+    the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0: min(2 m, m + k + 1, 2 pp)) and
+    dualpipev (2 pp + 1; m >= 2 pp), read off torch's action lists; interleaved 1F1B counted as
+    arrays from its order (:func:`_interleaved_entry`). Equal to the walk on a grid of pp, m, v
+    (tests/test_plan_memory.py). None for zero bubble, whose peaks are walked."""
+    ends = sorted({0, pp - 1})
     if schedule in ("gpipe", "1f1b"):
+        top = [m if schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
         out = []
-        for r in range(pp):
-            k = m if schedule == "gpipe" else min(m, pp - r)
-            cls = 2 * (r == 0) + (r == pp - 1)
-            row = (k, k * (r == 0), k * (r == pp - 1))
+        for r in ends:
+            cls, row = 2 * (r == 0) + (r == pp - 1), (top[r], top[r] * (r == 0), top[r] * (r == pp - 1))
             out.append(_entry(r, cls, {cls: row, 3 + cls: row}))
-        return out
+        return sorted(out + _middle({k: top[k] for k in range(1, pp - 1)}))
     if schedule == "looped_bfs":
-        return [_looped_bfs_entry(r, pp, m, v) for r in range(pp)]
+        return sorted([_looped_bfs_entry(r, pp, m, v) for r in ends] + _middle({k: v * m for k in range(1, pp - 1)}))
     if schedule == "interleaved_1f1b":
-        return [_interleaved_entry(r, pp, m, v) for r in range(pp)]
+        q = m // max(1, m // pp)
+        mid = {k: min(m * v, (v - 1) * q + 2 * (pp - 1 - k) + 1) for k in range(1, pp - 1)}
+        return sorted([_interleaved_entry(r, pp, m, v) for r in ends] + _middle(mid))
     if schedule in ("zbv", "dualpipev") and v == 2:
         if schedule == "dualpipev":
-            first, rest = [(2 * pp + 1, 2 * pp, 1)], [2 * pp + 1] * pp
+            first, rest = [(2 * pp + 1, 2 * pp, 1)], {k: 2 * pp + 1 for k in range(1, pp)}
         else:
             first = [(min(m + 1, 2 * pp), min(m, 2 * pp - 1), 1), (min(m, 2 * pp), min(m, 2 * pp), 0)]
-            rest = [min(2 * m, m + k + 1, 2 * pp) for k in range(pp)]
-        out = [_entry(0, 3, {1: first[0], 4: first[0], 2: first[-1], 5: first[-1]})]
-        return out + [_entry(k, 0, {0: (rest[k], 0, 0), 3: (rest[k], 0, 0)}) for k in range(1, pp)]
+            rest = {k: min(2 * m, m + k + 1, 2 * pp) for k in range(1, pp)}
+        return [_entry(0, 3, {1: first[0], 4: first[0], 2: first[-1], 5: first[-1]})] + _middle(rest)
     return None
+
+
+def _middle(tops: dict[int, int]) -> list[tuple]:
+    """Entries of the middle ranks (class 0) given each one's most live chunks ({rank: n}; the
+    same after a forward and before a backward, all of the rank's stages in the middle): only
+    a rank with more than every earlier one (the others are dominated, never the first maximum)."""
+    out, best = [], 0
+    for k, n in sorted(tops.items()):
+        if n > best:
+            out.append(_entry(k, 0, {0: (n, 0, 0), 3: (n, 0, 0)}))
+            best = n
+    return out
 
 
 def _interleaved_entry(k: int, pp: int, m: int, v: int) -> tuple:
@@ -310,11 +323,16 @@ def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
     >= 0), a rank is dropped when an earlier rank of the same class dominates all its rows (it
     can never be the first maximum)."""
     entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(schedule, pp, m, v, prune)
+    return tuple(_prune_ranks(entries) if prune else entries)
+
+
+def _prune_ranks(entries: list[tuple]) -> list[tuple]:
+    """``entries`` (by increasing rank) less those an earlier one dominates (:func:`_dominates`)."""
     kept: list[tuple] = []
     for entry in entries:
-        if not (prune and any(_dominates(e, entry) for e in kept)):
+        if not any(_dominates(e, entry) for e in kept):
             kept.append(entry)
-    return tuple(kept)
+    return kept
 
 
 def _dominates(a: tuple, b: tuple) -> bool:
