@@ -61,7 +61,7 @@ def closed_form_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return value
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=65536)
 def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """``pipeline/bubble_ratio_theory``: the closed form where the schedule has one, else its
     action list (torch's order) replayed with uniform stage times (:func:`simulated_bubble`),
