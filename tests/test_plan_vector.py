@@ -173,3 +173,19 @@ def test_replay_closed_forms_equal_the_replay(schedule, vs):
                                                                              rel=1e-12), (pp, m, v)
                 checked += 1
     assert checked >= 4
+
+
+def test_time_columns_on_the_plan_space():
+    """Layouts drawn from the planner's own space (xpar.plan.space: every v dividing the layers,
+    b up to 8, ZeRO at dp = 1 dropped, ...) for 70B on 64 H100: equal to the scalar estimate."""
+    from xpar.plan.space import Constraints, enumerate_layouts
+
+    ctx = context("70b", "h100_80gb_64gpu", "xpar")
+    space = enumerate_layouts(ctx.model, 64, 8, ctx.model["seq_len"], Constraints(global_batch=(256, 256)))
+    pick = np.random.default_rng(5).choice(len(space), 40, replace=False)
+    cols = {k: v[pick] for k, v in space.cols.items()}
+    specs = [spec_of(ctx, cols, i) for i in range(40)]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
