@@ -335,6 +335,8 @@ class PlanConfig:
     """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
     recompute: Optional[list] = None
     """Recompute policies allowed (none, selective, full); null: all."""
+    sequence_parallel: Optional[list] = None
+    """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
     max_micro_batch_size: int = 8
     """Largest micro-batch size b tried (sequences)."""
     memory_headroom: Optional[float] = None

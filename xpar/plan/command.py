@@ -117,7 +117,8 @@ def search_smallest(inputs: PlanInputs) -> Plan:
 # --- refusals -----------------------------------------------------------------------------
 
 USER_RULES = {"max_tp": ("max_tp", "tp"), "pp_fixed": ("pp", "pp"), "schedule": ("schedules", "schedule"),
-              "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute")}
+              "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute"),
+              "sequence_parallel": ("sequence_parallel", "sp")}
 """Rules that come from a plan.* constraint: rule key -> (plan field, candidate column)."""
 UNCONSTRAINED = Constraints(global_batch=(1, 1))
 """Constraints' defaults: what a plan.* field left unset allows."""
@@ -149,7 +150,7 @@ def _given(inputs: PlanInputs, name: str):
 
 
 def _example(name: str, works: list):
-    return f"[{works[0]}]" if name in ("schedules", "zero_stages", "recompute") else works[-1]
+    return f"[{works[0]}]" if name in ("schedules", "zero_stages", "recompute", "sequence_parallel") else works[-1]
 
 
 def _batch(span: tuple[int, int]) -> str:

@@ -86,7 +86,8 @@ def _choice_problems(p, framework: dict) -> list[str]:
     out = []
     runs = list(framework.get("zero_stages", ZERO_STAGES))
     for key, given, valid in (("schedules", p.schedules, list(SCHEDULES)), ("zero_stages", p.zero_stages, runs),
-                              ("recompute", p.recompute, list(RECOMPUTE))):
+                              ("recompute", p.recompute, list(RECOMPUTE)),
+                              ("sequence_parallel", p.sequence_parallel, [False, True])):
         bad = [v for v in (given or []) if v not in valid]
         if given is not None and (bad or not given):
             why = f" (framework={framework.get('name')} runs ZeRO stages {runs})" if key == "zero_stages" else ""
@@ -144,7 +145,8 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,
                     schedules=tuple(p.schedules or SCHEDULES),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
-                    recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size)
+                    recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size,
+                    sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or (False, True))))
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
     ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
     inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top,

@@ -49,6 +49,7 @@ RULES = {
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
     "recompute": "recompute policy not in plan.recompute",
+    "sequence_parallel": "sequence parallelism not in plan.sequence_parallel",
     "selective_zb": "selective recompute with a zero-bubble schedule (torch refuses its split backward)",
 }
 """Why a layout is dropped, by key, in the order the rules are applied."""
@@ -65,6 +66,7 @@ class Constraints:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = RECOMPUTE
+    sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int = 8
 
 
@@ -182,6 +184,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
     t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
+    t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel))
     return drops.apply(t, "selective_zb", ~(t["zb"] & (t["recompute"] == "selective")))
 
 

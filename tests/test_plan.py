@@ -1,0 +1,262 @@
+"""``xpar plan``: the layout space and its rules, the ranking against published layouts
+(Narayanan et al. 2021 Table 1), the seed's scenarios, refusals, the MLflow record, the closed
+loop on hardware=local, and the planner path without torch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xpar.calibration import preset, read_table
+from xpar.plan.command import PlanRefused, search
+from xpar.plan.context import PlanContext, row, spec_of
+from xpar.plan.inputs import PlanInputs, plan_inputs
+from xpar.plan.space import RULES, Constraints, enumerate_layouts
+from xpar.plan.verify import compose_line
+
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def argv(*overrides: str) -> list[str]:
+    """The overrides ``xpar plan <overrides>`` runs with (train=cluster added for clusters)."""
+    from xpar.plan.inputs import plan_argv
+    return plan_argv(list(overrides))
+
+
+def cfg_of(*overrides: str):
+    """The config ``python -m xpar plan <overrides>`` composes."""
+    return compose_line("python -m xpar " + " ".join(argv(*overrides)))
+
+
+def plan_of(*overrides: str):
+    inputs, problems = plan_inputs(cfg_of(*overrides), argv(*overrides))
+    assert not problems, problems
+    return search(inputs)
+
+
+def find(cols: dict, **want) -> np.ndarray:
+    """Rows of ``cols`` equal to ``want`` in every given column."""
+    mask = np.ones(len(cols["tp"]), dtype=bool)
+    for k, v in want.items():
+        mask &= cols[k] == v
+    return np.flatnonzero(mask)
+
+
+# --- the space -----------------------------------------------------------------------------
+
+def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
+    model = preset("model", "70b")
+    space = enumerate_layouts(model, 64, 8, 4096, Constraints(global_batch=(512, 512)))
+    assert sum(space.dropped.values()) + len(space) == space.raw
+    assert set(space.dropped) == set(RULES)
+    c = space.cols
+    assert (c["dp"] * c["tp"] * c["pp"] == 64).all() and (c["b"] * c["m"] * c["dp"] == 512).all()
+    assert (model["n_layers"] % (c["pp"] * c["v"]) == 0).all()
+    assert (model["n_kv_heads"] % c["tp"] == 0).all() and not (c["sp"] & (c["tp"] == 1)).any()
+    assert not ((c["pp"] == 1) & (c["schedule"] != "1f1b")).any()
+    # every kept layout validates as `python -m xpar run.mode=estimate` would build it (a sample)
+    ctx = PlanContext(model=model, hardware=preset("hardware", "a100_80gb_64gpu"),
+                      train=dict(dtype="bf16", seq_len=4096), framework=preset("framework", "xpar"))
+    for i in np.random.default_rng(0).choice(len(space), 25, replace=False):
+        spec = spec_of(ctx, space.cols, int(i))
+        r = row(space.cols, int(i))
+        assert (spec.tp, spec.pp, spec.dp, spec.micro_batches, spec.parallel.zero_stage) == \
+               (r["tp"], r["pp"], r["dp"], r["m"], r["zero"])
+
+
+def test_constraints_shape_the_space():
+    model = preset("model", "70b")
+    c = Constraints(global_batch=(256, 256), max_tp=4, pp=2, schedules=("1f1b",), zero_stages=(0, 1),
+                    recompute=("full",))
+    s = enumerate_layouts(model, 64, 8, 4096, c).cols
+    assert set(s["tp"]) <= {1, 2, 4} and set(s["pp"]) == {2} and set(s["schedule"]) == {"1f1b"}
+    assert set(s["zero"]) <= {0, 1} and set(s["recompute"]) == {"full"}
+    ranged = enumerate_layouts(model, 64, 8, 4096, Constraints(global_batch=(256, 1024))).cols
+    assert set(ranged["b"] * ranged["m"] * ranged["dp"]) == {256, 512, 1024}
+
+
+# --- Narayanan et al. 2021 Table 1: the published layouts are feasible and near the top -------
+
+def megatron_inputs(r: dict) -> PlanInputs:
+    """The plan of a Table 1 row: model and hardware as xpar.calibration.megatron_2021_spec builds
+    them, framework=megatron, the row's global batch fixed."""
+    h, gpus = int(r["hidden"]), int(r["gpus"])
+    model = dict(name=f"gpt_{r['params_b']}b", n_layers=int(r["layers"]), hidden=h, n_heads=int(r["heads"]),
+                 n_kv_heads=None, ffn_hidden=4 * h, vocab_size=51200, seq_len=2048, activation="gelu",
+                 norm="layernorm", position="learned", tied_embeddings=True, bias=True)
+    hw = dict(preset("hardware", "a100_80gb_1024gpu"), nodes=gpus // 8)
+    fw = preset("framework", "megatron")
+    ctx = PlanContext(model=model, hardware=hw, train=dict(dtype="bf16", seq_len=2048), framework=fw)
+    B = int(r["global_batch"])
+    return PlanInputs(ctx, Constraints(global_batch=(B, B), zero_stages=tuple(fw["zero_stages"])), (gpus,), None, 10, 0)
+
+
+MEGATRON_2021 = dict(recompute="full", sp=False, zero=0)
+"""What Megatron-LM ran in Narayanan et al. 2021: full recompute, no sequence parallelism and no
+distributed optimizer (both came in 2022, Korthikanti et al.), 1F1B or interleaved 1F1B."""
+
+
+def published_row(plan, r: dict) -> int:
+    """The plan's row of a Table 1 layout (b = 1, v as xpar.calibration.megatron_2021_spec)."""
+    tp, pp, dp, layers = (int(r[k]) for k in ("tp", "pp", "dp", "layers"))
+    per_rank = layers // pp
+    v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 1 else 1
+    sched = "interleaved_1f1b" if v > 1 else "1f1b"
+    hit = find(plan.res, tp=tp, pp=pp, dp=dp, b=1, v=v, schedule=sched, **MEGATRON_2021)
+    assert len(hit) == 1, "the published layout is not in the plan's valid layouts"
+    return int(hit[0])
+
+
+def best_2021(plan) -> int:
+    """The top-ranked layout among those Megatron-LM could run in 2021 (:data:`MEGATRON_2021`)."""
+    res = plan.res
+    ok = np.isin(res["schedule"][plan.ranked], ("1f1b", "interleaved_1f1b"))
+    for k, v in MEGATRON_2021.items():
+        ok &= res[k][plan.ranked] == v
+    return int(plan.ranked[ok][0])
+
+
+@pytest.mark.parametrize("r", read_table(DATA / "megatron_2021_table1.csv"), ids=lambda r: f"{r['params_b']}B")
+def test_megatron_table1_layout_is_feasible_and_within_15_percent_of_the_top(r):
+    """Over the whole space the published layout is valid and fits. Its tokens/s is compared with
+    the top layout Megatron-LM could run then: the unrestricted top (selective recompute with
+    sequence parallelism, distributed optimizer) is estimated 1.3-1.5x faster, as Korthikanti et
+    al. 2022 measured for these models (benchmarks/plan.py prints both ratios)."""
+    plan = search(megatron_inputs(r))
+    i = published_row(plan, r)
+    assert plan.res["fits"][i], f"published layout estimated not to fit: {plan.res['memory_total'][i] / 1e9:.1f} GB"
+    ratio = plan.res["tokens_per_s"][i] / plan.res["tokens_per_s"][best_2021(plan)]
+    assert ratio >= 0.85, f"published layout at {ratio:.3f} of the top 2021 layout's tokens/s"
+
+
+# --- the seed's scenarios -------------------------------------------------------------------
+
+def show(plan, capsys) -> str:
+    from xpar.plan.show import print_plan
+    print_plan(plan, "python -m xpar ...")
+    out = capsys.readouterr().out
+    assert "Winner:" in out and "What the next-best alternatives lose:" in out
+    return out
+
+
+def test_7b_on_8_a100_dp_alone_does_not_fit_a_zero_stage_does(capsys):
+    plan = plan_of("model=7b", "hardware=a100_80gb_8gpu")
+    show(plan, capsys)
+    r = plan.res
+    plain = find(r, tp=1, pp=1, zero=0)
+    assert len(plain) and not r["fits"][plain].any(), "DP alone (tp=pp=1, ZeRO-0) fits"
+    zero = find(r, tp=1, pp=1)
+    assert r["fits"][zero][r["zero"][zero] > 0].any(), "no ZeRO stage with tp=pp=1 fits"
+
+
+def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
+    plan = plan_of("model=175b", "hardware=a100_80gb_1024gpu")
+    out = show(plan, capsys)
+    r, i = plan.res, plan.best
+    assert r["tp"][i] <= 8 and 8 % r["tp"][i] == 0, out
+    assert r["pp"][i] > 1 and r["tp"][i] * r["dp"][i] >= 8, out  # stages one node or more apart
+
+
+@pytest.mark.parametrize("hardware", ["a100_80gb_8gpu", "a100_80gb_64gpu"])
+def test_70b_scenarios_print_a_top_layout_and_its_reasoning(hardware, capsys):
+    plan = plan_of("model=70b", f"hardware={hardware}")
+    out = show(plan, capsys)
+    r, i = plan.res, plan.best
+    # 70B's model states (16 bytes per parameter, 1.1 TB) cannot sit whole on one 80 GB device
+    assert r["tp"][i] * r["pp"][i] > 1 or r["zero"][i] == 3, out
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+def refusal(capsys, *overrides: str) -> str:
+    from xpar.plan.command import run_plan
+    with pytest.raises(SystemExit) as e:
+        run_plan(cfg_of(*overrides, "tracking=off"), Path("."), Path("."), argv(*overrides, "tracking=off"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xpar: invalid configuration:") and "Traceback" not in err
+    return err
+
+
+def test_bad_constraints_one_line_exit_2(capsys):
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.pp=3")
+    assert "plan.pp=3" in err and "pp values that work: [1, 2, 4, 8]" in err
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.max_tp=0")
+    assert "plan.max_tp=0 must be >= 1" in err
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "framework=megatron", "plan.zero_stages=[3]")
+    assert "framework=megatron runs ZeRO stages [0, 1]" in err
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.execute_top=2")
+    assert "needs hardware=local" in err
+
+
+def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):
+    err = refusal(capsys, "model=13b", "hardware=a100_80gb_8gpu", "plan.devices=1")
+    assert "no layout of model=13b fits on 1 x A100-SXM4-80GB" in err
+    assert "the smallest cluster that fits it is" in err
+
+
+def test_headroom_that_fits_nothing_names_the_largest_that_works(capsys):
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.memory_headroom=0.95")
+    assert "fits with plan.memory_headroom=" in err
+
+
+# --- the command, its record and the reproducing line --------------------------------------
+
+def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp_path, capsys):
+    import mlflow
+
+    from xpar.plan.command import run_plan
+    from xpar.plan.verify import composed_spec
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    given = ("model=7b", "hardware=a100_80gb_8gpu", "plan.pp=1", f"tracking.uri={uri}")
+    plan = run_plan(cfg_of(*given), tmp_path / "out", tmp_path, argv(*given))
+    out = capsys.readouterr().out
+    line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
+    spec, problem = composed_spec(line, plan.res["tokens_per_s"][plan.best])
+    assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.get_run(plan.run_id)
+    assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"
+    names = {a.path for a in client.list_artifacts(plan.run_id)}
+    assert {"plan_ranked.csv", "plan_pareto.png", "plan_dropped.csv", "plan.txt"} <= names
+    ranked = (tmp_path / "out" / "plan_ranked.csv").read_text().splitlines()
+    assert len(ranked) == len(plan.ranked) + 1 and run.data.metrics["plan/layouts_fit"] == len(plan.ranked)
+
+
+def test_planner_path_does_not_import_torch(tmp_path):
+    code = ("import sys, runpy\n"
+            "sys.argv = ['xpar', 'plan', 'model=7b', 'hardware=a100_80gb_8gpu', 'tracking=off', 'plan.top_k=3']\n"
+            "try:\n    runpy.run_module('xpar', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Winner:" in p.stdout
+
+
+# --- the closed loop on this machine ------------------------------------------------------
+
+def test_execute_top_3_runs_three_layouts_and_compares_estimated_with_measured(tmp_path):
+    import mlflow
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "xpar", "plan", "model=tiny", "hardware=local", "hardware.devices_per_node=2",
+           "plan.execute_top=3", "train.steps=4", "train.warmup_steps=1", "run.progress=false", f"tracking.uri={uri}",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    table = p.stdout.split("plan rank")[1]
+    assert "Rank order:" in table
+    client = mlflow.tracking.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if r.data.tags.get("xpar.mode") == "execute"]
+    assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
+    assert all(r.data.metrics["throughput/tokens_per_s"] > 0 for r in children)
+    plan_run = next(r for r in runs if r.data.tags.get("xpar.mode") == "plan")
+    for k in (1, 2, 3):
+        assert plan_run.data.metrics[f"plan/execute_{k}_measured_tokens_per_s"] > 0
+        assert plan_run.data.metrics[f"plan/execute_{k}_estimated_tokens_per_s"] > 0
