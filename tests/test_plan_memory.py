@@ -162,13 +162,13 @@ def _as_sets(entries) -> list:
 def test_closed_form_peaks_equal_the_walk():
     """The schedules whose peaks vmemory takes without walking give, rank by rank (ranks that can
     be the first maximum), the maximal
-    live-chunk rows of the walk over their action lists (torch's for looped BFS, zbv, dualpipev;
-    xpar's own for interleaved 1F1B)."""
+    live-chunk rows of the walk over their action lists (torch's for looped BFS, zero bubble,
+    zbv, dualpipev; xpar's own for interleaved 1F1B)."""
     from xpar.plan.vmemory import _closed_entries, _prune_ranks, _walk_entries
 
     checked = 0
     for sched, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("zbv", [2]), ("dualpipev", [2]),
-                      ("interleaved_1f1b", [2, 3])):
+                      ("interleaved_1f1b", [2, 3]), ("zero_bubble", [2, 3])):
         for pp in (2, 3, 4, 8):
             for v in vs:
                 for m in sorted({1, 2, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 3 * pp, 3 * pp + 2} - {0}):

@@ -241,8 +241,9 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
     (min(m, pp - r), Narayanan et al. 2021), looped BFS (every forward before any backward),
     the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0: min(2 m, m + k + 1, 2 pp)) and
     dualpipev (2 pp + 1; m >= 2 pp), read off torch's action lists; interleaved 1F1B counted as
-    arrays from its order (:func:`_interleaved_entry`). Equal to the walk on a grid of pp, m, v
-    (tests/test_plan_memory.py). None for zero bubble, whose peaks are walked."""
+    arrays from their order (:func:`_interleaved_entry`), as is zero bubble (torch's
+    InterleavedZeroBubble). Equal to the walk on a grid of pp, m, v (tests/test_plan_memory.py).
+    None for an unknown schedule (then walked)."""
     ends = sorted({0, pp - 1})
     if schedule in ("gpipe", "1f1b"):
         top = [m if schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -253,10 +254,10 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
         return sorted(out + _middle({k: top[k] for k in range(1, pp - 1)}))
     if schedule == "looped_bfs":
         return sorted([_looped_bfs_entry(r, pp, m, v) for r in ends] + _middle({k: v * m for k in range(1, pp - 1)}))
-    if schedule == "interleaved_1f1b":
-        q = m // max(1, m // pp)
-        mid = {k: min(m * v, (v - 1) * q + 2 * (pp - 1 - k) + 1) for k in range(1, pp - 1)}
-        return sorted([_interleaved_entry(r, pp, m, v) for r in ends] + _middle(mid))
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        zb = schedule == "zero_bubble"
+        mid = {k: min(m * v, _interleaved_warmup(k, pp, m, v, zb) + 1 + k * zb) for k in range(1, pp - 1)}
+        return sorted([_interleaved_entry(r, pp, m, v, zb) for r in ends] + _middle(mid))
     if schedule in ("zbv", "dualpipev") and v == 2:
         if schedule == "dualpipev":
             first, rest = [(2 * pp + 1, 2 * pp, 1)], {k: 2 * pp + 1 for k in range(1, pp)}
@@ -279,19 +280,30 @@ def _middle(tops: dict[int, int]) -> list[tuple]:
     return out
 
 
-def _interleaved_entry(k: int, pp: int, m: int, v: int) -> tuple:
-    """Interleaved 1F1B on rank k, in the order of :func:`xpar.estimate.schedule.interleaved_actions`
-    (rounds of q = m // max(1, m // pp) micro-batches; w = min(v m, (v - 1) q + 2 (pp - 1 - k))
-    warm-up forwards, then forward w + j before backward j, then the drain; the i-th forward on
-    local stage (i // q) % v, the i-th backward on v - 1 - (i // q) % v), its events as arrays."""
+def _interleaved_warmup(k: int, pp: int, m: int, v: int, zero_bubble: bool) -> int:
+    """Warm-up forwards of rank k: min(v m, (v - 1) q + f (pp - 1 - k)), q = m // max(1, m // pp)
+    micro-batches per round, f = 2 (interleaved 1F1B), 1 (zero bubble; torch's _get_warmup_ops)."""
+    q = m // max(1, m // pp)
+    return min(v * m, (v - 1) * q + (1 if zero_bubble else 2) * (pp - 1 - k))
+
+
+def _interleaved_entry(k: int, pp: int, m: int, v: int, zero_bubble: bool = False) -> tuple:
+    """Interleaved 1F1B on rank k, in the order of :func:`xpar.estimate.schedule.interleaved_actions`,
+    or torch's InterleavedZeroBubble (``zero_bubble``), its events as arrays. Both: rounds of
+    q = m // max(1, m // pp) micro-batches, w warm-up forwards (:func:`_interleaved_warmup`),
+    then forward w + j before backward j (zero bubble: backward-for-inputs j), then the drain;
+    the i-th forward on local stage (i // q) % v, the i-th backward on v - 1 - (i // q) % v. A
+    chunk is released by its backward (interleaved) or by its weight backward, which zero
+    bubble runs k backwards late (after backward j, the weights of j - k): released before
+    backward j are max(0, j - lag), lag 0 or k."""
     q, total = m // max(1, m // pp), v * m
-    w = min(total, (v - 1) * q + 2 * (pp - 1 - k))
+    w, lag = _interleaved_warmup(k, pp, m, v, zero_bubble), k if zero_bubble else 0
 
     def done(c: int, n: np.ndarray) -> np.ndarray:  # forwards on local stage c among the first n
         return (n // (q * v)) * q + np.clip(n % (q * v) - c * q, 0, q)
 
     n_f = np.concatenate([np.arange(1, total + 1), np.minimum(total, w + 1 + np.arange(total))])
-    n_b = np.concatenate([np.maximum(0, np.arange(1, total + 1) - w - 1), np.arange(total)])
+    n_b = np.maximum(0, np.concatenate([np.arange(1, total + 1) - w - 1, np.arange(total)]) - lag)
     kind = np.repeat([0, 1], total)
     local = np.concatenate([(np.arange(total) // q) % v, v - 1 - (np.arange(total) // q) % v])
     first, last = (k == 0), (k == pp - 1)
