@@ -166,7 +166,7 @@ def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
     return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
 
 
-def _layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
+def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     """Seconds per micro-batch of one layer and of the logits, forward and backward (the
     backward includes the recomputed forward): matmul (``mm_*``) and memory-bound (``mem_*``)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
@@ -192,7 +192,7 @@ def _layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
             "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act)}
 
 
-def _tp_times(spec: RunSpec) -> dict[str, float]:
+def tp_times(spec: RunSpec) -> dict[str, float]:
     """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
     with the recomputed forward (``b``), and of one embedding/output end (``end``): 2 all-reduces
     of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
@@ -233,7 +233,7 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
     stage's ends when ``first`` / ``last``): ``matmul``, ``memory_bound``, ``tp_comm``
     (exposed), ``tp_issued``, and per FSDP unit ``unit_f``/``unit_b`` (a block forward /
     backward with its share of exposed tp time) and ``root_f``/``root_b`` (the logits).
-    ``c``: :func:`_layer_costs`; ``tp``: :func:`_tp_times`. Every value a float, or a numpy
+    ``c``: :func:`layer_costs`; ``tp``: :func:`tp_times`. Every value a float, or a numpy
     array over layouts (xpar.plan.vtime): the same arithmetic."""
     mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
     tp_f = n * tp["f"] + tp["end"] * first
@@ -259,7 +259,7 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
     """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
     pp_comm exposed, dp_comm exposed per micro-batch) and its data-parallel timing (``dp``)."""
     hw = spec.hardware
-    c, tp = _layer_costs(spec, assume), _tp_times(spec)
+    c, tp = layer_costs(spec, assume), tp_times(spec)
     if not hw.hbm_tb_per_s:
         notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
     if hw.intra_node_gb_per_s is None:

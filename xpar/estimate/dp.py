@@ -61,7 +61,7 @@ def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     return [root] + list(blocks.values())
 
 
-def _times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
+def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
     collective timed once: the blocks of a rank are identical units)."""
     hw, z = spec.hardware, spec.parallel.zero_stage
@@ -94,7 +94,7 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     (recompute included) in backward order (root last)."""
     if spec.dp == 1:
         return DpTiming(0.0, 0.0, 0.0)
-    t = _times(spec, assume, unit_elements(spec, pp_rank))
+    t = unit_times(spec, assume, unit_elements(spec, pp_rank))
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"])
     return DpTiming(x["per_microbatch"], x["end"], spec.micro_batches * x["issued_per_microbatch"] + x["issued_once"])
 
