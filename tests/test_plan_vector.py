@@ -189,3 +189,19 @@ def test_time_columns_on_the_plan_space():
     got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
     bad = _mismatches(ctx, cols, got, ests)
     assert not bad, "\n".join(bad[:20])
+
+
+def test_time_columns_on_local_cpu_hardware():
+    """hardware=local (this machine: CPU assumptions, no HBM or link figures, so no memory-bound
+    or communication time), fp32: equal to the scalar estimate."""
+    hw = dict(_group("hardware", "local"), devices_per_node=4)
+    for model in ("tiny", "mini"):
+        ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
+                          framework=_group("framework", "xpar"))
+        cols = random_candidates(ctx, np.random.default_rng(2), 6)
+        specs = [spec_of(ctx, cols, i) for i in range(6)]
+        ests = [estimate(sp) for sp in specs]
+        got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+        assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
+        bad = _mismatches(ctx, cols, got, ests)
+        assert not bad, "\n".join(bad[:20])
