@@ -206,10 +206,9 @@ def test_parameter_shapes_are_the_models():
 
 
 def test_memory_columns_imports_no_torch():
-    """The whole evaluation (shapes, schedules in closed form) runs without importing torch."""
+    """The whole evaluation (shapes, every schedule's peaks) runs without importing torch."""
     code = ("import sys; sys.path.insert(0, '.'); import numpy as np; from tests.test_plan_memory import context, candidates;"
             "from xpar.plan.context import spec_of; from xpar.plan.vmemory import memory_columns;"
             "ctx = context('70b', 'a100_80gb_64gpu', 'xpar'); cols = candidates(np.random.default_rng(0), ctx, 30);"
-            "cols = {k: v[cols['schedule'] != 'zero_bubble'] for k, v in cols.items()};"
             "memory_columns(spec_of(ctx, cols, 0), cols); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -186,20 +186,28 @@ def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.
 def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
     """Distinct rows of ``x`` ([n, 3] live-chunk counts, >= 0); with ``prune``, only those no
     other row dominates (>= in every column): a maximum of a non-negative linear function is
-    always on one of them. Rows are packed into one int64 for a 1-d unique."""
+    always on one of them."""
+    return _maximal_typed(x, np.zeros(len(x), dtype=np.int64), prune)[0]
+
+
+def _maximal_typed(x: np.ndarray, types: np.ndarray, prune: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_maximal` within each type (event kinds whose transients differ): (rows, types).
+    Rows and type are packed into one int64 for a 1-d unique."""
     xi = x.astype(np.int64).reshape(-1, 3)
     if len(xi) < 2:
-        return xi.astype(float)
-    b0, b1 = int(xi[:, 0].max()) + 1, int(xi[:, 2].max()) + 1
-    u = np.unique((xi[:, 1] * b1 + xi[:, 2]) * b0 + xi[:, 0])
-    if prune:  # per (first, last) count, the most chunks in all (sorted last in each group)
+        return xi.astype(float), np.asarray(types, dtype=np.int64)
+    b0, b1, b2 = (int(xi[:, c].max()) + 1 for c in (0, 2, 1))
+    u = np.unique(((np.asarray(types, dtype=np.int64) * b2 + xi[:, 1]) * b1 + xi[:, 2]) * b0 + xi[:, 0])
+    if prune:  # per (type, first, last) count, the most chunks in all (sorted last in each group)
         g = u // b0
         u = u[np.append(g[1:] != g[:-1], True)]
     rest = u // b0
-    x = np.stack([u % b0, rest // b1, rest % b1], axis=1)
+    x, t = np.stack([u % b0, (rest // b1) % b2, rest % b1], axis=1), rest // (b1 * b2)
     if prune and len(x) > 1:
-        x = x[~((x[None, :, :] >= x[:, None, :]).all(-1).sum(1) > 1)]
-    return x.astype(float)
+        same = t[None, :] == t[:, None]
+        keep = ~(((x[None, :, :] >= x[:, None, :]).all(-1) & same).sum(1) > 1)
+        x, t = x[keep], t[keep]
+    return x.astype(float), t
 
 
 def _covers(a: np.ndarray, b: np.ndarray) -> bool:
@@ -220,10 +228,8 @@ def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[t
     out = []
     for r in range(pp):
         rows, kind, cls = _rank_events(acts[r], pp * v)
-        types = 3 * kind + cls
-        parts = [(t, _maximal(rows[types == t], prune)) for t in np.unique(types)]
-        out.append((r, _rank_class(layout, r), _maximal(rows[kind == 0], prune),
-                    np.concatenate([x for _, x in parts]), np.concatenate([np.full(len(x), t) for t, x in parts])))
+        typed, types = _maximal_typed(rows, 3 * kind + cls, prune)
+        out.append((r, _rank_class(layout, r), _maximal(rows[kind == 0], prune), typed, types))
     return out
 
 
@@ -309,10 +315,8 @@ def _interleaved_entry(k: int, pp: int, m: int, v: int, zero_bubble: bool = Fals
     first, last = (k == 0), (k == pp - 1)
     rows = np.stack([n_f - n_b, first * (done(0, n_f) - done(v - 1, n_b)),
                      last * (done(v - 1, n_f) - done(0, n_b))], axis=1).astype(float)
-    types = 3 * kind + 2 * (first & (local == 0)) + (last & (local == v - 1))
-    parts = [(t, _maximal(rows[types == t], True)) for t in np.unique(types)]
-    return (k, 2 * first + last, _maximal(rows[kind == 0], True), np.concatenate([x for _, x in parts]),
-            np.concatenate([np.full(len(x), t) for t, x in parts]))
+    rows, types = _maximal_typed(rows, 3 * kind + 2 * (first & (local == 0)) + (last & (local == v - 1)), True)
+    return k, 2 * first + last, _maximal(rows[types < 3], True), rows, types
 
 
 def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
