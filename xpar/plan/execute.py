@@ -2,8 +2,8 @@
 path, as one Hydra multirun (an MLflow sweep: parent run, one child per layout, pre-flight), and
 the measured tokens/s set beside the estimate, with the two rank orders.
 
-Each layout is a generated config ``<out>/execute_layouts/plan/top/<k>.yaml`` (``# @package
-_global_``: its parallel.* and train batch values), swept as ``+plan/top=1,2,...`` with
+Each layout is a generated config ``<out>/execute_layouts/plan/top/top<k>.yaml`` (``# @package
+_global_``: its parallel.* and train batch values), swept as ``+plan/top=top1,top2,...`` with
 ``hydra.searchpath`` pointing there. Only layouts whose command line validates in execute mode
 are taken (e.g. tied embeddings cannot be split over pp stages for real), walking down the ranking.
 """
@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+TIE = 0.005
+"""Estimates closer than this (relative) are a tie: their order says nothing."""
 MAX_TRIES = 200
 """Ranked layouts tried (validated in execute mode) to find ``execute_top`` that run."""
 SKIP = ("plan.", "run.mode=", "hydra.", "parallel.", "train.global_batch_size=", "train.micro_batch_size=")
@@ -62,12 +64,12 @@ def pick(plan, k: int) -> list[int]:
 
 
 def write_layouts(plan, rows: list[int], root: Path) -> Path:
-    """One ``plan/top/<k>.yaml`` per layout under ``root`` (a Hydra search path)."""
+    """One ``plan/top/top<k>.yaml`` per layout under ``root`` (a Hydra search path)."""
     from omegaconf import OmegaConf
     group = root / "plan" / "top"
     group.mkdir(parents=True, exist_ok=True)
     for k, i in enumerate(rows, 1):
-        (group / f"{k}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(layout_overrides(plan, i)))
+        (group / f"top{k}.yaml").write_text("# @package _global_\n" + OmegaConf.to_yaml(layout_overrides(plan, i)))
     return root
 
 
@@ -78,7 +80,7 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
     root = write_layouts(plan, rows, out_dir / "execute_layouts")
     sweep_dir = out_dir / "execute"
     cmd = [sys.executable, "-m", "xpar", "-m", f"hydra.searchpath=[file://{root.resolve()}]",
-           f"hydra.sweep.dir={sweep_dir.resolve()}", "+plan/top=" + ",".join(str(k) for k in range(1, len(rows) + 1)),
+           f"hydra.sweep.dir={sweep_dir.resolve()}", "+plan/top=" + ",".join(f"top{k}" for k in range(1, len(rows) + 1)),
            "run.mode=execute", *_base_overrides(plan)]
     print(f"\nExecuting the top {len(rows)} layouts for real (one MLflow sweep):\n  {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, cwd=start_dir, env=dict(os.environ))
@@ -118,8 +120,13 @@ def print_comparison(table: list[dict], returncode: int) -> None:
     for row in table:
         print(f"{row['plan_rank']:>9}  {row['estimated_tokens_per_s']:>15,.0f}  {row['measured_tokens_per_s']:>14,.0f}  "
               f"{row['measured_rank'] or '-':>13}  {row['layout']}")
-    est = [r["plan_rank"] for r in table]
+    est = [r["estimated_tokens_per_s"] for r in table]
     meas = [r["measured_rank"] for r in table]
-    if all(meas):
-        agree = sorted(range(len(est)), key=lambda j: est[j]) == sorted(range(len(meas)), key=lambda j: meas[j])
-        print("Rank order: " + ("the same, estimated and measured." if agree else "differs (estimated vs measured)."))
+    if not all(meas):
+        return
+    if max(est) <= min(est) * (1 + TIE):
+        print(f"Rank order: the estimates tie (within {100 * TIE:g} %): the cost model does not separate these "
+              f"layouts on this hardware; measured, the fastest is plan rank {table[meas.index(1)]['plan_rank']}.")
+        return
+    agree = [r["plan_rank"] for r in sorted(table, key=lambda r: r["measured_rank"])] == sorted(r["plan_rank"] for r in table)
+    print("Rank order: " + ("the same, estimated and measured." if agree else "differs, estimated against measured."))
