@@ -40,8 +40,8 @@ def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_p
     w0(1, 1.0, 0.1)
     with open(tmp_path / "steps" / "rank1.jsonl", "a") as f:
         f.write('{"step": 1, "loss": 3.0, "ti')  # a line being written
-    (step, loss, seconds, ts), = merger.new_steps(0)
-    assert (step, loss, seconds) == (0, 3.0, 0.3) and ts > 0
+    (step, loss, seconds, ts, grad_norm, lr), = merger.new_steps(0)
+    assert (step, loss, seconds, grad_norm, lr) == (0, 3.0, 0.3, None, None) and ts > 0
     with open(tmp_path / "steps" / "rank1.jsonl", "a") as f:
         f.write('me_s": 0.2, "ts_ms": 5}\n')
     assert [s[:3] for s in merger.new_steps(1)] == [(1, 2.0, 0.2)]

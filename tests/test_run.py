@@ -1,5 +1,6 @@
 """End to end: `python -m xpar` writes one FINISHED MLflow run with what a user compares;
 a failing worker stops the others and leaves a FAILED run; end statuses are honest."""
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,12 @@ def test_main_job_records_one_finished_run(tmp_path):
     client = mlflow.tracking.MlflowClient()
     history = client.get_metric_history(run["run_id"], "train/loss")
     assert [h.step for h in history] == [0, 1, 2, 3]
+    norms = client.get_metric_history(run["run_id"], "train/grad_norm")  # pre-clip global norm, per step
+    assert [h.step for h in norms] == [0, 1, 2, 3] and all(h.value > 0 for h in norms)
+    ranks = json.loads(open(client.download_artifacts(run["run_id"], "ranks.json", str(tmp_path))).read())
+    assert [h.value for h in norms] == pytest.approx(ranks[0]["grad_norms"], rel=1e-12)
+    lrs = client.get_metric_history(run["run_id"], "train/lr")  # the lr each step used
+    assert [h.step for h in lrs] == [0, 1, 2, 3] and lrs[0].value == pytest.approx(float(run["params.train.lr"]))
     artifacts = {a.path for a in client.list_artifacts(run["run_id"])}
     assert {"config.yaml", "ranks.json"} <= artifacts
     local = client.download_artifacts(run["run_id"], "config.yaml", str(tmp_path))

@@ -36,10 +36,13 @@ class StepWriter:
         d.mkdir(parents=True, exist_ok=True)
         self._f = open(d / f"rank{rank}.jsonl", "a", buffering=1)  # line-buffered: one write per step
 
-    def __call__(self, step: int, loss: Optional[float], seconds: float) -> None:
-        """Record that ``step`` ended now, taking ``seconds`` (wall), with this rank's ``loss``."""
-        self._f.write(json.dumps({"step": step, "loss": loss, "time_s": seconds,
-                                  "ts_ms": int(time.time() * 1000)}) + "\n")
+    def __call__(self, step: int, loss: Optional[float], seconds: float, grad_norm: Optional[float] = None,
+                 lr: Optional[float] = None) -> None:
+        """Record that ``step`` ended now, taking ``seconds`` (wall), with this rank's ``loss``,
+        the pre-clip global gradient norm and the learning rate the step used (if known)."""
+        rec = {"step": step, "loss": loss, "time_s": seconds, "ts_ms": int(time.time() * 1000)}
+        rec.update({k: v for k, v in (("grad_norm", grad_norm), ("lr", lr)) if v is not None})
+        self._f.write(json.dumps(rec) + "\n")
 
 
 def _read_lines(path: Path) -> list[dict]:
@@ -83,33 +86,37 @@ class StepMerger:
                 pass
         self.offsets[k] += end
 
-    def new_steps(self, start: int) -> list[tuple[int, Optional[float], float, int]]:
-        """(step, mean loss or None, max step time in s, end time in ms) for each step >= ``start``
-        that every rank recorded, in order, stopping at the first incomplete one."""
+    def new_steps(self, start: int) -> list[tuple]:
+        """(step, mean loss or None, max step time in s, end time in ms, gradient norm or None, lr
+        or None) for each step >= ``start`` that every rank recorded, in order, stopping at the
+        first incomplete one. The norm (pre-clip, global: equal on every rank) and the lr are
+        the first rank's that recorded them."""
         for k in range(len(self.files)):
             self._read(k)
         out, step = [], start
         while self.seen and all(step in r for r in self.seen):
             recs = [r.pop(step) for r in self.seen]
             losses = [x["loss"] for x in recs if x["loss"] is not None]
+            first = lambda key: next((x[key] for x in recs if x.get(key) is not None), None)  # noqa: E731
             out.append((step, sum(losses) / len(losses) if losses else None, max(x["time_s"] for x in recs),
-                        max(x["ts_ms"] for x in recs)))
+                        max(x["ts_ms"] for x in recs), first("grad_norm"), first("lr")))
             step += 1
         return out
 
 
-def merged_steps(out_dir: Path, world: int, start: int = 0) -> list[tuple[int, Optional[float], float, int]]:
+def merged_steps(out_dir: Path, world: int, start: int = 0) -> list[tuple]:
     """:meth:`StepMerger.new_steps` of the whole files, from ``start``."""
     return StepMerger(out_dir, world).new_steps(start)
 
 
-def step_points(steps: list[tuple[int, Optional[float], float, int]]) -> list[list]:
-    """Metric points ``[key, value, timestamp ms, step]`` of merged steps."""
+def step_points(steps: list[tuple]) -> list[list]:
+    """Metric points ``[key, value, timestamp ms, step]`` of merged steps (:meth:`StepMerger.new_steps`):
+    train/loss, train/step_time_s, train/grad_norm (pre-clip global norm), train/lr (used by the step)."""
     points = []
-    for step, loss, seconds, ts in steps:
-        if loss is not None:
-            points.append(["train/loss", loss, ts, step])
-        points.append(["train/step_time_s", seconds, ts, step])
+    for step, loss, seconds, ts, *rest in steps:
+        values = {"train/loss": loss, "train/step_time_s": seconds}
+        values.update(zip(("train/grad_norm", "train/lr"), rest))
+        points += [[k, v, ts, step] for k, v in values.items() if v is not None]
     return points
 
 

@@ -205,6 +205,8 @@ def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: P
     done = recorder.journal.steps_journaled()
     points = [["train/loss", v, now, i] for i, v in enumerate(report.losses) if i >= done]
     points += [["train/step_time_s", v, now, i] for i, v in enumerate(report.step_times_s) if i >= done]
+    norms = (stats[0].get("grad_norms") or []) if stats else []  # pre-clip global norm: equal on every rank
+    points += [["train/grad_norm", float(v), now, i] for i, v in enumerate(norms) if i >= done]
     points += [[k, float(v), now, 0] for k, v in report.metrics().items()]
     recorder.record("metrics", points=points)
     recorder.record("text", text=config_yaml, file="config.yaml")

@@ -71,18 +71,20 @@ def _checkpoints(engine, out_dir: Path):
 
 def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
     """Live metrics: after each ``engine.step`` (one optimizer step of the step loop), append
-    its loss and wall seconds to this rank's step file (:class:`xpar.journal.StepWriter`, a
+    its loss, wall seconds, pre-clip gradient norm and lr to this rank's step file (:class:`xpar.journal.StepWriter`, a
     line-buffered file append: microseconds). The seconds match the loop's own timing on CPU;
     on CUDA the device is synchronized first, as the loop does right after. Steps are
     numbered from ``first`` (a resumed run's first step)."""
     inner, device, count = engine.step, engine.spec.device, [first]
 
     def step(inputs, targets):
+        lr = engine.optimizer.param_groups[0]["lr"]  # the step's lr (its scheduler steps inside)
         t0 = time.perf_counter()
         loss = inner(inputs, targets)
         if device == "cuda":
             torch.cuda.synchronize()
-        writer(count[0], loss, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        writer(count[0], loss, seconds, engine.grad_norms[-1] if engine.grad_norms else None, lr)
         count[0] += 1
         return loss
     engine.step = step
