@@ -217,8 +217,10 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     plan = run_plan(cfg_of(*given), tmp_path / "out", tmp_path, argv(*given))
     out = capsys.readouterr().out
     line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
-    spec, problem = composed_spec(line, plan.res["tokens_per_s"][plan.best])
+    spec, problem = composed_spec(line, row(plan.res, plan.best))
     assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
+    from xpar.fit import check_run  # the run it reproduces passes the fit check (scalar memory model)
+    assert check_run(compose_line(line)).layout == spec.layout
     client = mlflow.tracking.MlflowClient(uri)
     run = client.get_run(plan.run_id)
     assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"

@@ -4,7 +4,7 @@ cost model's tokens/s and explained.
 Enumerate (:mod:`xpar.plan.space`), evaluate step time and memory on all candidates at once
 (:mod:`xpar.plan.evaluate`), drop what does not fit, rank (:mod:`xpar.plan.rank`), explain the
 winner (:mod:`xpar.plan.explain`), print the command line that reproduces it (checked: it
-composes, validates and fits), record an MLflow run tagged ``xpar.mode=plan`` with the ranked
+composes, validates and resolves to it), record an MLflow run tagged ``xpar.mode=plan`` with the ranked
 table and the Pareto plot (:mod:`xpar.plan.record`), and on hardware=local run the top layouts
 for real (:mod:`xpar.plan.execute`). Imports no torch, except to resolve hardware=local and to
 run layouts for real.
@@ -213,8 +213,8 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
 
 
 def reproduce(plan: Plan):
-    """The ``python -m xpar ...`` line of the winner, and its RunSpec: the line composed by Hydra
-    and validated (:func:`xpar.fit.check_run`: rules and memory), its estimate equal to the plan's.
+    """The ``python -m xpar ...`` line of the winner, and its RunSpec: the line composed by Hydra,
+    validated and resolving to the winner's layout (:func:`xpar.plan.verify.composed_spec`).
 
     Raises:
         PlanRefused: the line does not compose, validate or fit (a planner bug, said as such).
@@ -223,7 +223,8 @@ def reproduce(plan: Plan):
     from xpar.plan.verify import composed_spec
 
     line = override_line(plan)
-    spec, problem = composed_spec(line, plan.res["tokens_per_s"][plan.best])
+    from xpar.plan.context import row
+    spec, problem = composed_spec(line, row(plan.res, plan.best))
     if problem:
         raise PlanRefused([f"planner error: the top layout's command line does not reproduce it: {problem} "
                            f"(line: {line})"])

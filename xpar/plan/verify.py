@@ -1,12 +1,8 @@
 """The planner's answer checked the way a user would run it: the reproducing command line
-composed by Hydra, validated and fit-checked (:func:`xpar.fit.check_run`), its estimate equal to
-the plan's."""
+composed by Hydra and validated, resolving to the planned layout."""
 from __future__ import annotations
 
 import shlex
-REL_TOL = 1e-6
-
-
 def compose_line(line: str):
     """The config Hydra composes for ``python -m xpar <overrides>`` (inside a running Hydra app
     its loader, else conf/ directly)."""
@@ -21,22 +17,25 @@ def compose_line(line: str):
         return compose(config_name="config", overrides=overrides)
 
 
-def composed_spec(line: str, tokens_per_s: float):
-    """(RunSpec, None) when ``line`` composes, validates, fits and its estimate gives
-    ``tokens_per_s`` (relative :data:`REL_TOL`); else (None, the problem in words)."""
+def composed_spec(line: str, want: dict):
+    """(RunSpec, None) when ``line`` composes, validates (:func:`xpar.validate.validate`: every
+    rule, as a run checks it) and resolves to the layout ``want`` (a candidate row,
+    :func:`xpar.plan.context.row`); else (None, the problem in words). Whether it fits and its
+    figures are the vectorised cost model's, equal to the scalar one's (tests/test_plan_vector.py,
+    tests/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
     from xpar.checks import ConfigError
-    from xpar.estimate.cost import estimate
-    from xpar.fit import check_run
+    from xpar.validate import validate
 
     try:
-        cfg = compose_line(line)
-        spec = check_run(cfg)
+        spec = validate(compose_line(line))
     except ConfigError as e:
         return None, str(e).replace("\n", " ")
     except Exception as e:  # Hydra's composition errors
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    got = estimate(spec).tokens_per_s
-    if abs(got / tokens_per_s - 1) > REL_TOL:
-        return None, f"its estimate is {got:,.1f} tokens/s, the plan's {tokens_per_s:,.1f}"
-    return spec, None
-
+    lay = spec.layout
+    got = dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, b=lay.micro_batch_size, m=lay.micro_batches, v=lay.virtual_stages,
+               schedule=lay.schedule, zero=lay.zero_stage, sp=lay.sequence_parallel, recompute=lay.recompute)
+    if lay.pp == 1:  # no pipeline: the schedule does not matter
+        got.update(schedule=want["schedule"], v=want["v"])
+    diff = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+    return (spec, None) if not diff else (None, f"it resolves to another layout: {diff} (got, wanted)")
