@@ -150,20 +150,26 @@ def _stage_table(base: RunSpec, c: dict, o: mem.MemoryOptions, autocast: np.ndar
     """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
     one micro-batch's bytes (kept until its backward, transient during its forward, transient
     during its backward, autocast's weight copies) from :func:`xpar.estimate.memory.stage_bytes`,
-    as :func:`xpar.estimate.memory.schedule_peak` sums them. Returns (table [groups, 4, 4], group
-    of each candidate)."""
-    rep, inv = _group(c["b"], c["tp"], c["sp"], c["rec"], autocast, c["pp"] * c["v"])
-    table = np.full((len(rep), 4, 4), np.nan)
+    as :func:`xpar.estimate.memory.schedule_peak` sums them. The scalar function runs once per
+    group without b: every activation term there is s b times bytes per token, the weight
+    copies do not depend on b, so the others are scaled by b / b_rep. Returns (table [groups,
+    4, 4], group of each candidate)."""
+    rep0, inv0 = _group(c["tp"], c["sp"], c["rec"], autocast, c["pp"] * c["v"])
+    unit = np.full((len(rep0), 4, 4), np.nan)
     cb = o.count_buffers
-    for g, i in enumerate(rep):
+    for g, i in enumerate(rep0):
         spec = _spec_at(base, c, i)
         n = spec.layout.n_stages
         for st in sorted({0, 1 if n > 2 else 0, n - 1}):
             sb = mem.stage_bytes(spec, st, o)
-            table[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
-                                             sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
-                                             sb["weight_copies"])
-    return table, inv
+            unit[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
+                                            sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
+                                            sb["weight_copies"])
+        unit[g, :, :3] /= c["b"][i]
+    rep, inv = _group(inv0, c["b"])
+    scale = np.ones((len(rep), 1, 4))
+    scale[:, 0, :3] = c["b"][rep][:, None]
+    return unit[inv0[rep]] * scale, inv
 
 
 def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -333,13 +339,13 @@ def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
 
 
 @lru_cache(maxsize=4096)
-def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> tuple:
+def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> dict[str, np.ndarray]:
     """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
-    one holds (:func:`_closed_entries`, with ``prune``). With ``prune`` (every coefficient
-    >= 0), a rank is dropped when an earlier rank of the same class dominates all its rows (it
-    can never be the first maximum)."""
+    one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). With
+    ``prune`` (every coefficient >= 0), a rank is dropped when an earlier rank of the same class
+    dominates all its rows (it can never be the first maximum)."""
     entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(schedule, pp, m, v, prune)
-    return tuple(_prune_ranks(entries) if prune else entries)
+    return _padded(_prune_ranks(entries) if prune else entries)
 
 
 def _prune_ranks(entries: list[tuple]) -> list[tuple]:
@@ -358,39 +364,32 @@ def _dominates(a: tuple, b: tuple) -> bool:
     return all(_covers(a[3][a[4] == t], b[3][b[4] == t]) for t in np.unique(b[4]))
 
 
-class _Best:
-    """The most loaded pipeline rank of each candidate so far (ranks offered in increasing
-    order; a later rank replaces only a strictly larger total, as the scalar loop does)."""
-
-    def __init__(self, n: int, state: tuple, extra: dict, overhead: float):
-        self.f = {k: np.zeros(n) for k in ("params", "grads", "optimizer", "activations", "comm_buffers")}
-        self.f["total"] = np.full(n, -np.inf)
-        self.f["pp_rank"] = np.zeros(n, dtype=np.int64)
-        self.state, self.extra, self.overhead = state, extra, overhead
-
-    def offer(self, idx: np.ndarray, r: int, rc: int, kept: np.ndarray, total: np.ndarray, copies: np.ndarray):
-        """Pipeline rank ``r`` (rank class ``rc``) of candidates ``idx``: its walk's peak kept
-        bytes, peak with transients and autocast's weight copies (arrays over ``idx``)."""
-        table, inv = self.state
-        st = table[inv[idx], rc]
-        token = self.extra["token"][idx] if rc >= 2 else 0.0
-        v = {"params": st[:, 0] + copies, "grads": st[:, 1], "optimizer": st[:, 2],
-             "activations": (kept + token) + (total - kept), "comm_buffers": st[:, 3] + self.extra["p2p"][idx]}
-        v["total"] = v["params"] + v["grads"] + v["optimizer"] + v["activations"] + v["comm_buffers"] + self.overhead
-        better = v["total"] > self.f["total"][idx]
-        sel = idx[better]
-        for k, x in v.items():
-            self.f[k][sel] = x[better]
-        self.f["pp_rank"][sel] = r
+_FIELDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "total")
 
 
-def _single(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
+def _fields(ctx: dict, idx: np.ndarray, rc, kept: np.ndarray, total: np.ndarray, copies: np.ndarray) -> dict:
+    """The memory terms of candidates ``idx`` on a pipeline rank of class ``rc`` (a number or an
+    array over ``idx``), from the schedule's peaks (kept bytes, with transients, autocast's
+    weight copies), summed as :func:`xpar.estimate.memory.rank_memory` does. Bytes."""
+    table, inv = ctx["state"]
+    st = table[inv[idx], rc]
+    token = np.where(np.asarray(rc) >= 2, ctx["token"][idx], 0.0)
+    out = {"params": st[:, 0] + copies, "grads": st[:, 1], "optimizer": st[:, 2],
+           "activations": (kept + token) + (total - kept), "comm_buffers": st[:, 3] + ctx["p2p"][idx]}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + out["comm_buffers"] \
+        + ctx["overhead"]
+    return out
+
+
+def _single(ctx: dict, c: dict, out: dict) -> None:
     """Candidates without pipelining: one micro-batch at a time on rank 0, which holds the
     only stage (:func:`xpar.estimate.memory.schedule_peak`, pp = 1)."""
     idx = np.flatnonzero(c["pp"] == 1)
-    if len(idx):
-        sv = stab[sinv[idx], 3]
-        best.offer(idx, 0, 3, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
+    sv = ctx["stab"][ctx["sinv"][idx], 3]
+    vals = _fields(ctx, idx, 3, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
+    for k in _FIELDS:
+        out[k][idx] = vals[k]
+    out["pp_rank"][idx] = 0
 
 
 def _coefficients(stab: np.ndarray, col: int) -> np.ndarray:
@@ -401,29 +400,60 @@ def _coefficients(stab: np.ndarray, col: int) -> np.ndarray:
     return np.stack([mid, stab[:, 2, col] - mid, stab[:, 1, col] - mid], axis=1)
 
 
-def _pipelined(best: _Best, c: dict, stab: np.ndarray, sinv: np.ndarray) -> None:
-    """Candidates with pp > 1: per (schedule, pp, m, v), each rank of :func:`_walk_rows` offered
-    with its peaks, a product of the rank's rows with each candidate's bytes per chunk."""
+def _padded(entries: list[tuple]) -> dict[str, np.ndarray]:
+    """Rank entries (rank, class, F rows, A rows, A types) as arrays over entries: rank, rank
+    class, F rows [e, RF, 3] and A rows [e, RA, 3] with their types [e, RA], padded by repeating
+    a row (which leaves every maximum as it is)."""
+    n_f, n_a = max(len(e[2]) for e in entries), max(len(e[3]) for e in entries)
+    pick = lambda x, n: np.resize(np.arange(len(x)), n)  # noqa: E731
+    return {"rank": np.array([e[0] for e in entries]), "cls": np.array([e[1] for e in entries]),
+            "f": np.stack([e[2][pick(e[2], n_f)] for e in entries]),
+            "a": np.stack([e[3][pick(e[3], n_a)] for e in entries]),
+            "types": np.stack([e[4][pick(e[4], n_a)] for e in entries])}
+
+
+def _concat(parts: list[dict]) -> dict[str, np.ndarray]:
+    """:func:`_padded` arrays of several keys as one, rows padded to the longest (repeating the
+    last row)."""
+    out = {k: np.concatenate([p[k] for p in parts]) for k in ("rank", "cls")}
+    for k, rows in (("f", "f"), ("a", "a"), ("types", "a")):
+        n = max(p[rows].shape[1] for p in parts)
+        out[k] = np.concatenate([p[k][:, np.minimum(np.arange(n), p[rows].shape[1] - 1)] for p in parts])
+    return out
+
+
+def _pipelined(ctx: dict, c: dict, out: dict) -> None:
+    """Candidates with pp > 1: every rank of :func:`_walk_rows` of each candidate's (schedule,
+    pp, m, v), as (candidate, rank) pairs: peaks as products of the rank's rows with the
+    candidate's bytes per chunk, then the first rank with the largest total (the scalar loop)."""
     pipe = np.flatnonzero(c["pp"] > 1)
     if not len(pipe):
         return
-    kc, wc = _coefficients(stab, 0), _coefficients(stab, 3)
+    stab, sinv = ctx["stab"], ctx["sinv"]
+    kept_c, copy_c = _coefficients(stab, 0), _coefficients(stab, 3)
     used = np.unique(sinv[pipe])
-    prune = bool(np.all(kc[used] >= 0) and np.all(wc[used] >= 0))
+    prune = bool(np.all(kept_c[used] >= 0) and np.all(copy_c[used] >= 0))
     rep, inv = _group(c["sched"][pipe], c["pp"][pipe], c["m"][pipe], c["v"][pipe])
-    order = np.argsort(inv, kind="stable")
-    ends = np.cumsum(np.bincount(inv, minlength=len(rep)))
-    for g, i0 in enumerate(pipe[rep]):
-        idx = pipe[order[(ends[g - 1] if g else 0):ends[g]]]
-        key = (_SCHED[c["sched"][i0]], int(c["pp"][i0]), int(c["m"][i0]), int(c["v"][i0]), prune)
-        grp = sinv[idx]
-        k, w = kc[grp], wc[grp]
-        extra = stab[grp][:, :, 1:3].reshape(len(idx), 8)  # [stage class, forward/backward transient]
-        for r, rc, f, rows, types in _walk_rows(*key):
-            kept = np.maximum((k @ f.T).max(1), 0.0)
-            add = extra[:, 2 * (types % 3) + types // 3]
-            total = np.maximum(kept, (k @ rows.T + add).max(1))
-            best.offer(idx, r, rc, kept, total, np.maximum((w @ f.T).max(1), 0.0))
+    per_key = [_walk_rows(_SCHED[c["sched"][i]], int(c["pp"][i]), int(c["m"][i]), int(c["v"][i]), prune)
+               for i in pipe[rep]]
+    ent = _concat(per_key)
+    sizes = np.array([len(x["rank"]) for x in per_key])
+    count, start = sizes[inv], (np.cumsum(sizes) - sizes)[inv]
+    first = np.cumsum(count) - count
+    cand = np.repeat(pipe, count)
+    e = np.repeat(start, count) + np.arange(count.sum()) - np.repeat(first, count)
+    grp = sinv[cand]
+    kept = np.maximum(np.einsum("pj,prj->pr", kept_c[grp], ent["f"][e]).max(1), 0.0)
+    types = ent["types"][e]
+    add = np.take_along_axis(stab[grp][:, :, 1:3].reshape(len(e), 8), 2 * (types % 3) + types // 3, axis=1)
+    total = np.maximum(kept, (np.einsum("pj,prj->pr", kept_c[grp], ent["a"][e]) + add).max(1))
+    copies = np.maximum(np.einsum("pj,prj->pr", copy_c[grp], ent["f"][e]).max(1), 0.0)
+    vals = _fields(ctx, cand, ent["cls"][e], kept, total, copies)
+    top = np.maximum.reduceat(vals["total"], first)
+    pick = np.minimum.reduceat(np.where(vals["total"] == np.repeat(top, count), np.arange(len(e)), len(e)), first)
+    for k in _FIELDS:
+        out[k][pipe] = vals[k][pick]
+    out["pp_rank"][pipe] = ent["rank"][e[pick]]
 
 
 def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -454,13 +484,15 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     extra = {"token": mem.token_id_bytes(s, c["b"], c["m"], c["pp"]),
              "p2p": mem.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
              * ((c["pp"] > 1) & bool(o.count_buffers))}
-    state = _state_table(base, c, o) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
-    best = _Best(n, state, extra, (hw.framework_overhead_gb or 0) * 1e9)
-    _single(best, c, stab, sinv)
-    _pipelined(best, c, stab, sinv)
+    ctx = dict(extra, stab=stab, sinv=sinv, overhead=(hw.framework_overhead_gb or 0) * 1e9,
+               state=_state_table(base, c, o) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64)))
+    res = {k: np.zeros(n) for k in _FIELDS}
+    res["pp_rank"] = np.zeros(n, dtype=np.int64)
+    _single(ctx, c, res)
+    _pipelined(ctx, c, res)
     usable = (hw.device_memory_gb or 0) * 1e9 * (1 - (getattr(hw, "memory_headroom", 0.0) or 0.0))
-    out = {f"memory_{k}": best.f[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers")}
-    out.update(memory_framework_overhead=np.full(n, best.overhead), memory_total=best.f["total"],
-               memory_pp_rank=best.f["pp_rank"], memory_usable=np.full(n, usable))
+    out = {f"memory_{k}": res[k] for k in _FIELDS[:5]}
+    out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
+               memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
     out["fits"] = out["memory_total"] <= usable
     return out
