@@ -37,8 +37,9 @@ def pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
 
 def step_bubbles(pipeline: list[dict], step: int) -> dict:
     """Measured and simulated bubble of one step of one pipeline (records ordered by pp
-    rank); also the per-rank measured and simulated action times for a timeline."""
-    steps = [rank["steps"][step] for rank in pipeline]
+    rank); also the per-rank measured and simulated action times for a timeline. ``step`` is
+    the run's step number; a resumed run's records start at its first step (``first_step``)."""
+    steps = [rank["steps"][step - rank.get("first_step", 0)] for rank in pipeline]
     p = len(steps)
     span = max(st["span"] for st in steps)
     measured = [sorted(st["actions"], key=lambda a: a[3]) for st in steps]
@@ -56,7 +57,8 @@ def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optio
     """(metrics for Report.extra, timeline of the median timed step of the first pipeline)."""
     pp, m = spec.pp, spec.micro_batches
     v = spec.layout.virtual_stages
-    timed = range(spec.train.warmup_steps, spec.train.steps)
+    first = max((pl.get("first_step", 0) for pls in pipelines(stats, pp) for pl in pls), default=0)
+    timed = range(max(spec.train.warmup_steps, first), spec.train.steps)  # a resumed run: its own steps
     per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines(stats, pp)]
     measured = [b["measured"] for pl in per_step for b in pl]
     simulated = [b["simulated"] for pl in per_step for b in pl]

@@ -119,21 +119,14 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
              "grad_norms": list(engine.grad_norms), "lrs": lrs,
              "step_time_stats": step_time_stats(times[spec.train.warmup_steps:])}
     if getattr(engine, "pipeline_stats", None) is not None:
-        stats["pipeline"] = _pad_pipeline(engine.pipeline_stats(), len(losses))
+        stats["pipeline"] = _first_step(engine.pipeline_stats(), len(losses))
     return stats
 
 
-def _pad_pipeline(record: dict, total: int) -> dict:
-    """A resumed pipelined run records its steps from the resumed step on, but the bubble
-    summary (xpar.bubble.summarize) reads steps by index from 0 to ``total``: the steps before
-    are filled with copies of this process's median-span step (a measured step, so the bubble
-    figures stay those of this process's steps, the median weighted more)."""
-    steps = record.get("steps") or []
-    missing = total - len(steps)
-    if missing <= 0 or not steps:
-        return record
-    median = sorted(steps, key=lambda st: st["span"])[len(steps) // 2]
-    return dict(record, steps=[median] * missing + list(steps))
+def _first_step(record: dict, total: int) -> dict:
+    """A resumed pipelined run records its steps from the resumed step on: say which (the
+    bubble summary, xpar.bubble.summarize, indexes the records from there)."""
+    return dict(record, first_step=total - len(record.get("steps") or []))
 
 
 def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
