@@ -307,17 +307,22 @@ def _interleaved_entry(k: int, pp: int, m: int, v: int, zero_bubble: bool = Fals
     the i-th forward on local stage (i // q) % v, the i-th backward on v - 1 - (i // q) % v. A
     chunk is released by its backward (interleaved) or by its weight backward, which zero
     bubble runs k backwards late (after backward j, the weights of j - k): released before
-    backward j are max(0, j - lag), lag 0 or k."""
+    backward j are max(0, j - lag), lag 0 or k. Past the lag, the steady state's live chunks
+    repeat every q v steps (each local stage gains q forwards and q releases), so the events
+    are the warm-up, lag + q v steady steps and the drain."""
     q, total = m // max(1, m // pp), v * m
     w, lag = _interleaved_warmup(k, pp, m, v, zero_bubble), k if zero_bubble else 0
 
     def done(c: int, n: np.ndarray) -> np.ndarray:  # forwards on local stage c among the first n
         return (n // (q * v)) * q + np.clip(n % (q * v) - c * q, 0, q)
 
-    n_f = np.concatenate([np.arange(1, total + 1), np.minimum(total, w + 1 + np.arange(total))])
-    n_b = np.maximum(0, np.concatenate([np.arange(1, total + 1) - w - 1, np.arange(total)]) - lag)
-    kind = np.repeat([0, 1], total)
-    local = np.concatenate([(np.arange(total) // q) % v, v - 1 - (np.arange(total) // q) % v])
+    # steady state repeats every q v steps once the lag is over: one period of it is enough
+    fwd = np.arange(1, min(total, w + lag + q * v) + 1)  # forwards (their count after each)
+    bwd = np.union1d(np.arange(min(total, lag + q * v)), np.arange(max(0, total - w - 1), total))  # backwards
+    n_f = np.concatenate([fwd, np.minimum(total, w + 1 + bwd)])
+    n_b = np.maximum(0, np.concatenate([fwd - w - 1, bwd]) - lag)
+    kind = np.repeat([0, 1], [len(fwd), len(bwd)])
+    local = np.concatenate([((fwd - 1) // q) % v, v - 1 - (bwd // q) % v])
     first, last = (k == 0), (k == pp - 1)
     rows = np.stack([n_f - n_b, first * (done(0, n_f) - done(v - 1, n_b)),
                      last * (done(v - 1, n_f) - done(0, n_b))], axis=1).astype(float)
