@@ -12,7 +12,8 @@ Definitions (p = pp ranks, timed steps only, warm-up excluded):
   measured duration of every action and free communication
   (:func:`xpar.estimate.schedule.simulate`); mean over the same steps.
 - ``pipeline/bubble_ratio_theory``: the schedule's closed form where it has one, else
-  torch's action list replayed with uniform durations (:func:`xpar.estimate.schedule.bubble_theory`).
+  torch's action list replayed with uniform durations, in closed form where that replay has one
+  (:func:`xpar.estimate.schedule.bubble_theory`).
 - ``pipeline/bubble_overhead`` = measured - simulated: what the schedule's dependencies
   with these action times do not explain (communication, synchronisation, host jitter).
 """
