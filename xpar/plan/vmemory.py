@@ -1,26 +1,32 @@
 """Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.memory` over
 candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
 
-No formula is written twice. Each sub-result is computed by the scalar function itself, once per
-distinct key of the few columns it depends on (np.unique-style grouping on a representative
-candidate of each group), and combined with array arithmetic:
+No memory formula is written twice. Each sub-result comes from the scalar function itself, once
+per distinct key of the few columns it depends on (grouping on a representative candidate of
+each group), and is combined with array arithmetic:
 
 - model states and the buffers they size (:func:`~xpar.estimate.memory.held_state_terms`,
-  :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, v, stage placement, dp,
-  ZeRO stage, deferred reduction) and rank class (holds the first stage, the last, both,
-  neither: with balanced splits, the parameters of a rank depend on nothing else);
+  :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, stage placement, dp, ZeRO
+  stage, deferred reduction) and rank class (holds the first stage, the last, both, neither:
+  with balanced splits, the parameters of a rank depend on nothing else);
 - one stage's activations for one micro-batch (:func:`~xpar.estimate.memory.stage_bytes`): per
-  (b, tp, sp, recompute, autocast, stages) and stage class (first, middle, last, only);
-- the schedule's peak (:func:`~xpar.estimate.memory._walk`'s rule): per (schedule, pp, m, v) and
-  rank, the live micro-batch chunks per local stage at every forward and backward of the rank's
-  action list, reduced to the rows that can be a maximum (dominated rows and ranks dropped when
-  every byte count is >= 0), then a matrix product with each candidate's bytes per stage;
+  (tp, sp, recompute, autocast, stages), scaled by b, and stage class (first, middle, last, only);
+- the schedule's peak (the rule of :func:`~xpar.estimate.memory._walk`): per (schedule, pp, m,
+  v) and rank, the live micro-batch chunks (all, of the first stage, of the last stage) at each
+  forward and backward where the walk takes a maximum, reduced to the rows that can be one
+  (dominated rows and ranks dropped: every byte count is >= 0), then a product with each
+  candidate's bytes per chunk, all (candidate, rank) pairs in one batch. The rows come in closed
+  form per schedule (:func:`_closed_entries`: gpipe, 1F1B, looped BFS, zbv, dualpipev from their
+  order; interleaved 1F1B and zero bubble counted as arrays), equal to the walk over the action
+  lists (tests/test_plan_memory.py), so no action list is built;
 - pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
   :func:`~xpar.estimate.memory.token_id_bytes`) as array formulas.
 
 Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline rank with the
-largest total (the first on ties), on its most loaded dp rank. Imports no torch of its own (the
-parameter shapes come from :func:`xpar.estimate.memory.param_shapes`).
+largest total (the first on ties), on its most loaded dp rank. No torch import (parameter
+shapes: :func:`xpar.estimate.memory.param_shapes`). Speed, GPT-3 175B on 1024 A100 (55,344
+layouts of xpar.plan.space at global batch 1536, 2 shared cores): first call 0.4-0.5 s, repeated
+calls 0.09-0.11 s.
 """
 from __future__ import annotations
 
