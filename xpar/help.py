@@ -10,6 +10,7 @@ HEADLINE = """\
   python -m xpar -m parallel=pp parallel.micro_batches=1,2,4,8   the headline sweep: bubble vs m
   python -m xpar parallel=3d model=70b             beyond this machine: estimate + fake-PG dry run
   python -m xpar +experiment=zero_memory           a named experiment (sweep) that checks one claim
+  xpar plan model=175b hardware=a100_80gb_1024gpu  every layout ranked by the cost model, explained
   torchrun --nproc-per-node 2 -m xpar parallel=zero2   the same job as torchrun ranks
   xpar compare                                     table + plots of the newest sweep"""
 
@@ -39,6 +40,7 @@ def help_text() -> str:
     return f"""usage: python -m xpar [group=preset ...] [key=value ...]      (or: xpar ...)
        python -m xpar -m key=a,b,...                           a sweep (one MLflow parent run)
        xpar compare [--sweep ID] [--filter F] [--out DIR]      compare recorded runs
+       xpar plan [group=preset ...] [plan.key=value ...]       every layout ranked and explained (README: Plan)
 
 Config groups (preset names; * = default; '+' = add with +group=name):
 {groups_text()}

@@ -19,7 +19,7 @@ TIE = 0.005
 """Estimates closer than this (relative) are a tie: their order says nothing."""
 MAX_TRIES = 200
 """Ranked layouts tried (validated in execute mode) to find ``execute_top`` that run."""
-SKIP = ("plan.", "run.mode=", "hydra.", "parallel.", "train.global_batch_size=", "train.micro_batch_size=")
+SKIP = ("plan.", "plan=", "run.mode=", "hydra.", "parallel.", "train.global_batch_size=", "train.micro_batch_size=")
 
 
 def layout_overrides(plan, i: int) -> dict[str, object]:

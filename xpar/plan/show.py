@@ -7,7 +7,7 @@ import numpy as np
 from xpar.plan.space import RULES
 
 GB = 1e9
-SKIP = ("plan.", "run.mode=", "parallel.", "train.global_batch_size=", "train.micro_batch_size=",
+SKIP = ("plan.", "plan=", "run.mode=", "parallel.", "train.global_batch_size=", "train.micro_batch_size=",
         "hardware.memory_headroom=", "hardware.nodes=", "hardware.devices_per_node=")
 """Overrides the reproducing line replaces with the winner's values."""
 
