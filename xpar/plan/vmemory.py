@@ -204,27 +204,28 @@ def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
 
 def _maximal_typed(x: np.ndarray, types: np.ndarray, prune: bool) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_maximal` within each type (event kinds whose transients differ): (rows, types).
-    Rows and type are packed into one int64 for a 1-d unique."""
+    Rows and type are packed into one int64 (radix one more than each column's largest value)
+    for a 1-d unique."""
     xi = x.astype(np.int64).reshape(-1, 3)
     if len(xi) < 2:
         return xi.astype(float), np.asarray(types, dtype=np.int64)
-    b0, b1, b2 = (int(xi[:, c].max()) + 1 for c in (0, 2, 1))
-    u = np.unique(((np.asarray(types, dtype=np.int64) * b2 + xi[:, 1]) * b1 + xi[:, 2]) * b0 + xi[:, 0])
+    n_all, n_last, n_first = (int(xi[:, col].max()) + 1 for col in (0, 2, 1))
+    u = np.unique(((np.asarray(types, dtype=np.int64) * n_first + xi[:, 1]) * n_last + xi[:, 2]) * n_all + xi[:, 0])
     if prune:  # per (type, first, last) count, the most chunks in all (sorted last in each group)
-        g = u // b0
+        g = u // n_all
         u = u[np.append(g[1:] != g[:-1], True)]
-    rest = u // b0
-    x, t = np.stack([u % b0, (rest // b1) % b2, rest % b1], axis=1), rest // (b1 * b2)
-    if prune and len(x) > 1:
-        same = t[None, :] == t[:, None]
-        keep = ~(((x[None, :, :] >= x[:, None, :]).all(-1) & same).sum(1) > 1)
-        x, t = x[keep], t[keep]
-    return x.astype(float), t
+    rest = u // n_all
+    rows, kinds = np.stack([u % n_all, (rest // n_last) % n_first, rest % n_last], axis=1), rest // (n_last * n_first)
+    if prune and len(rows) > 1:
+        same = kinds[None, :] == kinds[:, None]
+        keep = ~(((rows[None, :, :] >= rows[:, None, :]).all(-1) & same).sum(1) > 1)
+        rows, kinds = rows[keep], kinds[keep]
+    return rows.astype(float), kinds
 
 
-def _covers(a: np.ndarray, b: np.ndarray) -> bool:
-    """Every row of ``b`` is dominated by some row of ``a``."""
-    return len(b) == 0 or (len(a) > 0 and bool((a[None, :, :] >= b[:, None, :]).all(-1).any(1).all()))
+def _covers(upper: np.ndarray, lower: np.ndarray) -> bool:
+    """Every row of ``lower`` is dominated by some row of ``upper``."""
+    return len(lower) == 0 or (len(upper) > 0 and bool((upper[None, :, :] >= lower[:, None, :]).all(-1).any(1).all()))
 
 
 def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[tuple]:
@@ -368,11 +369,11 @@ def _prune_ranks(entries: list[tuple]) -> list[tuple]:
     return kept
 
 
-def _dominates(a: tuple, b: tuple) -> bool:
-    """Rank entry ``a`` (earlier) is at least ``b`` for any non-negative coefficients."""
-    if a[1] != b[1] or not _covers(a[2], b[2]):
+def _dominates(early: tuple, late: tuple) -> bool:
+    """Rank entry ``early`` is at least ``late`` for any non-negative coefficients."""
+    if early[1] != late[1] or not _covers(early[2], late[2]):
         return False
-    return all(_covers(a[3][a[4] == t], b[3][b[4] == t]) for t in np.unique(b[4]))
+    return all(_covers(early[3][early[4] == kind], late[3][late[4] == kind]) for kind in np.unique(late[4]))
 
 
 _FIELDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "total")
