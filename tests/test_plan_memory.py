@@ -178,6 +178,10 @@ def test_closed_form_peaks_equal_the_walk():
                         assert _as_sets(closed) == _as_sets(walk), (sched, pp, m, v)
                         checked += 1
     assert checked > 100
+    for sched, pp, m, v in (("zbv", 16, 20, 2), ("dualpipev", 16, 40, 2), ("zero_bubble", 16, 32, 2),
+                            ("looped_bfs", 16, 24, 3), ("interleaved_1f1b", 16, 48, 3)):  # a large pp too
+        assert _as_sets(_prune_ranks(_closed_entries(sched, pp, m, v))) == \
+            _as_sets(_prune_ranks(_walk_entries(sched, pp, m, v, True))), (sched, pp, m, v)
 
 
 def test_parameter_shapes_are_the_models():
