@@ -44,7 +44,7 @@ def pareto_figure(plan, path: Path) -> Path:
     mem, tps = r["memory_total"][rows] / GB, r["tokens_per_s"][rows]
     front = pareto_front(mem, tps)
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(mem, tps, ",", color="0.6", alpha=0.5, rasterized=True, label=f"{len(rows):,} layouts that fit")
+    ax.plot(mem, tps, ".", ms=1.5, color="0.55", alpha=0.35, rasterized=True, label=f"{len(rows):,} layouts that fit")
     ax.plot(mem[front], tps[front], "o-", color="C0", ms=3, label="Pareto front")
     ax.plot([mem[0]], [tps[0]], "*", color="C3", ms=12, label="top layout")
     ax.axvline(float(r["memory_usable"][plan.best]) / GB, color="C1", ls="--", lw=1, label="usable memory")
