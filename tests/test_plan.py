@@ -290,6 +290,7 @@ def test_execute_top_3_runs_three_layouts_and_compares_estimated_with_measured(t
     assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
     assert all(r.data.metrics["throughput/tokens_per_s"] > 0 for r in children)
     plan_run = next(r for r in runs if r.data.tags.get("xpar.mode") == "plan")
+    assert {r.data.tags["xpar.sweep_id"] for r in children} == {plan_run.data.tags["xpar.plan_execute_sweep"]}
     for k in (1, 2, 3):
         assert plan_run.data.metrics[f"plan/execute_{k}_measured_tokens_per_s"] > 0
         assert plan_run.data.metrics[f"plan/execute_{k}_estimated_tokens_per_s"] > 0

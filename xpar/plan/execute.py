@@ -75,7 +75,7 @@ def write_layouts(plan, rows: list[int], root: Path) -> Path:
 
 def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
     """Run the top ``plan.inputs.execute_top`` layouts as one sweep; return one row per layout:
-    its plan rank, estimated and measured tokens/s, and measured rank (also printed)."""
+    its plan rank, estimated and measured tokens/s, measured rank and the sweep's id (printed)."""
     rows = pick(plan, plan.inputs.execute_top)
     root = write_layouts(plan, rows, out_dir / "execute_layouts")
     sweep_dir = out_dir / "execute"
@@ -84,20 +84,20 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
            "run.mode=execute", *_base_overrides(plan)]
     print(f"\nExecuting the top {len(rows)} layouts for real (one MLflow sweep):\n  {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, cwd=start_dir, env=dict(os.environ))
-    measured = _measured(sweep_dir, len(rows)) if proc.returncode == 0 else {}
-    table = comparison(plan, rows, measured)
+    measured, sweep_id = _measured(sweep_dir) if proc.returncode == 0 else ({}, "")
+    table = [dict(row, sweep_id=sweep_id) for row in comparison(plan, rows, measured)]
     print_comparison(table, proc.returncode)
     return table
 
 
-def _measured(sweep_dir: Path, n: int) -> dict[int, float]:
-    """Measured tokens/s by job number (0-based) of the sweep's child runs."""
+def _measured(sweep_dir: Path) -> tuple[dict[int, float], str]:
+    """Measured tokens/s by job number (0-based) of the sweep's child runs, and the sweep's id."""
     from mlflow.tracking import MlflowClient
     info = json.loads((sweep_dir / "xpar_sweep.json").read_text())
     client = MlflowClient(info["uri"])
     runs = client.search_runs([info["experiment_id"]], f"tags.`xpar.sweep_id` = '{info['sweep_id']}'")
     return {int(r.data.tags["xpar.job_num"]): r.data.metrics.get("throughput/tokens_per_s", float("nan"))
-            for r in runs if "xpar.job_num" in r.data.tags}
+            for r in runs if "xpar.job_num" in r.data.tags}, info["sweep_id"]
 
 
 def comparison(plan, rows: list[int], measured: dict[int, float]) -> list[dict]:

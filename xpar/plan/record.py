@@ -117,6 +117,7 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
     points = plan_metrics(plan)
     if executed:
         paths.append(write_executed(list(executed), out_dir / "plan_execute.csv"))
+        tags["xpar.plan_execute_sweep"] = executed[0].get("sweep_id", "")
         for k, row in enumerate(executed, 1):
             points.update({f"plan/execute_{k}_estimated_tokens_per_s": row["estimated_tokens_per_s"],
                            f"plan/execute_{k}_measured_tokens_per_s": row["measured_tokens_per_s"]})
