@@ -31,7 +31,6 @@ calls 0.09-0.11 s.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -254,16 +253,16 @@ def _entry(r: int, rc: int, typed: dict) -> tuple:
     return r, rc, _maximal(rows[types < 3], True), rows, types
 
 
-def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tuple]]:
+def _closed_entries(schedule: str, pp: int, m: int, v: int, ends: Optional[list] = None) -> Optional[list[tuple]]:
     """:func:`_walk_entries` (pruned; of the middle ranks only those :func:`_middle` keeps)
     without the action list, where the peaks have a closed form: gpipe (m chunks), 1F1B
     (min(m, pp - r), Narayanan et al. 2021), looped BFS (every forward before any backward),
     the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0: min(2 m, m + k + 1, 2 pp)) and
     dualpipev (2 pp + 1; m >= 2 pp), read off torch's action lists; interleaved 1F1B counted as
-    arrays from their order (:func:`_interleaved_entry`), as is zero bubble (torch's
-    InterleavedZeroBubble). Equal to the walk on a grid of pp, m, v (tests/test_plan_memory.py).
-    None for an unknown schedule (then walked)."""
-    ends = sorted({0, pp - 1})
+    arrays from their order (:func:`_interleaved_entries`; ``ends``: its entries of ranks 0 and
+    pp - 1 when already computed), as is zero bubble (torch's InterleavedZeroBubble). Equal to
+    the walk on a grid of pp, m, v (tests/test_plan_memory.py). None for an unknown schedule."""
+    given, ends = ends, sorted({0, pp - 1})
     if schedule in ("gpipe", "1f1b"):
         top = [m if schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
         out = []
@@ -276,7 +275,8 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int) -> Optional[list[tup
     if schedule in ("interleaved_1f1b", "zero_bubble"):
         zb = schedule == "zero_bubble"
         mid = {k: min(m * v, _interleaved_warmup(k, pp, m, v, zb) + 1 + k * zb) for k in range(1, pp - 1)}
-        return sorted([_interleaved_entry(r, pp, m, v, zb) for r in ends] + _middle(mid))
+        given = _interleaved_entries([(r, pp, m, v, zb) for r in ends]) if given is None else given
+        return sorted(list(given) + _middle(mid))
     if schedule in ("zbv", "dualpipev") and v == 2:
         if schedule == "dualpipev":
             first, rest = [(2 * pp + 1, 2 * pp, 1)], {k: 2 * pp + 1 for k in range(1, pp)}
@@ -299,42 +299,78 @@ def _middle(tops: dict[int, int]) -> list[tuple]:
     return out
 
 
-def _interleaved_warmup(k: int, pp: int, m: int, v: int, zero_bubble: bool) -> int:
+def _interleaved_warmup(k, pp, m, v, zero_bubble):
     """Warm-up forwards of rank k: min(v m, (v - 1) q + f (pp - 1 - k)), q = m // max(1, m // pp)
-    micro-batches per round, f = 2 (interleaved 1F1B), 1 (zero bubble; torch's _get_warmup_ops)."""
-    q = m // max(1, m // pp)
-    return min(v * m, (v - 1) * q + (1 if zero_bubble else 2) * (pp - 1 - k))
+    micro-batches per round, f = 2 (interleaved 1F1B), 1 (zero bubble; torch's _get_warmup_ops).
+    Numbers or numpy arrays alike."""
+    q = m // np.maximum(1, m // pp)
+    return np.minimum(v * m, (v - 1) * q + (2 - zero_bubble) * (pp - 1 - k))
 
 
-def _interleaved_entry(k: int, pp: int, m: int, v: int, zero_bubble: bool = False) -> tuple:
-    """Interleaved 1F1B on rank k, in the order of :func:`xpar.estimate.schedule.interleaved_actions`,
-    or torch's InterleavedZeroBubble (``zero_bubble``), its events as arrays. Both: rounds of
-    q = m // max(1, m // pp) micro-batches, w warm-up forwards (:func:`_interleaved_warmup`),
-    then forward w + j before backward j (zero bubble: backward-for-inputs j), then the drain;
-    the i-th forward on local stage (i // q) % v, the i-th backward on v - 1 - (i // q) % v. A
-    chunk is released by its backward (interleaved) or by its weight backward, which zero
-    bubble runs k backwards late (after backward j, the weights of j - k): released before
-    backward j are max(0, j - lag), lag 0 or k. Past the lag, the steady state's live chunks
-    repeat every q v steps (each local stage gains q forwards and q releases), so the events
-    are the warm-up, lag + q v steady steps and the drain."""
-    q, total = m // max(1, m // pp), v * m
-    w, lag = _interleaved_warmup(k, pp, m, v, zero_bubble), k if zero_bubble else 0
+def _ragged(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated ranges [starts[i], ends[i]): (index i of each value, the values)."""
+    n = np.maximum(ends - starts, 0)
+    seg = np.repeat(np.arange(len(n)), n)
+    return seg, np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(starts, n)
 
-    def done(c: int, n: np.ndarray) -> np.ndarray:  # forwards on local stage c among the first n
-        return (n // (q * v)) * q + np.clip(n % (q * v) - c * q, 0, q)
 
-    # steady state repeats every q v steps once the lag is over: one period of it is enough
-    fwd = np.arange(1, min(total, w + lag + q * v) + 1)  # forwards (their count after each)
-    bwd = np.union1d(np.arange(min(total, lag + q * v)), np.arange(max(0, total - w - 1), total))  # backwards
-    n_f = np.concatenate([fwd, np.minimum(total, w + 1 + bwd)])
-    n_b = np.maximum(0, np.concatenate([fwd - w - 1, bwd]) - lag)
-    kind = np.repeat([0, 1], [len(fwd), len(bwd)])
-    local = np.concatenate([((fwd - 1) // q) % v, v - 1 - (bwd // q) % v])
-    first, last = (k == 0), (k == pp - 1)
-    rows = np.stack([n_f - n_b, first * (done(0, n_f) - done(v - 1, n_b)),
-                     last * (done(v - 1, n_f) - done(0, n_b))], axis=1).astype(float)
-    rows, types = _maximal_typed(rows, 3 * kind + 2 * (first & (local == 0)) + (last & (local == v - 1)), True)
-    return k, 2 * first + last, _maximal(rows[types < 3], True), rows, types
+def _interleaved_entries(items: list[tuple]) -> list[tuple]:
+    """Rank entries of :func:`_walk_entries` for (rank k, pp > 1, m, v, zero_bubble) items, the
+    end ranks 0 and pp - 1, all at once: interleaved 1F1B in the order of
+    :func:`xpar.estimate.schedule.interleaved_actions`, or torch's InterleavedZeroBubble. Both:
+    rounds of q = m // max(1, m // pp) micro-batches, w warm-up forwards
+    (:func:`_interleaved_warmup`), then forward w + j before backward j (zero bubble: backward
+    for inputs j), then the drain; the i-th forward on local stage (i // q) % v, the i-th
+    backward on v - 1 - (i // q) % v. A chunk is released by its backward, or by its weight
+    backward, which zero bubble runs k backwards late: released before backward j, max(0, j -
+    lag), lag 0 or k. Past the lag the live chunks repeat every q v steps (each local stage
+    gains q forwards and q releases): the events are the warm-up, lag + q v steady steps and
+    the drain. A rank holds the first or the last stage, not both: rows reduce in 2-d."""
+    k, pp, m, v, zb = (np.array([it[i] for it in items], dtype=np.int64) for i in range(5))
+    q, total, w, lag = m // np.maximum(1, m // pp), v * m, _interleaved_warmup(k, pp, m, v, zb), k * zb
+    seg_f, n_fwd = _ragged(np.ones_like(m), np.minimum(total, w + lag + q * v) + 1)
+    seg_1, j_1 = _ragged(np.zeros_like(m), np.minimum(total, lag + q * v))
+    seg_2, j_2 = _ragged(np.maximum(0, total - w - 1), total)
+    seg, j = np.concatenate([seg_f, seg_1, seg_2]), np.concatenate([n_fwd, j_1, j_2])
+    kind = np.repeat([0, 1], [len(seg_f), len(seg_1) + len(seg_2)])
+    qs, vs, ws, ls, ts = q[seg], v[seg], w[seg], lag[seg], total[seg]
+    n_f = np.where(kind == 0, j, np.minimum(ts, ws + 1 + j))
+    n_b = np.maximum(0, np.where(kind == 0, j - ws - 1, j) - ls)
+    local = np.where(kind == 0, ((j - 1) // qs) % vs, vs - 1 - (j // qs) % vs)
+
+    def done(c: np.ndarray, n: np.ndarray) -> np.ndarray:  # forwards on local stage c among the first n
+        return (n // (qs * vs)) * qs + np.clip(n % (qs * vs) - c * qs, 0, qs)
+
+    first, last = (k == 0)[seg], (k == pp - 1)[seg]
+    held = np.where(first, done(0, n_f) - done(vs - 1, n_b), np.where(last, done(vs - 1, n_f) - done(0, n_b), 0))
+    types = 3 * kind + 2 * (first & (local == 0)) + (last & (local == vs - 1))
+    g, tot, held = _pareto_2d(seg * 6 + types, n_f - n_b, held)
+    gf, tot_f, held_f = _pareto_2d(g[g % 6 < 3] // 6, tot[g % 6 < 3], held[g % 6 < 3])
+    cut = np.searchsorted(g // 6, np.arange(len(items) + 1))
+    cut_f = np.searchsorted(gf, np.arange(len(items) + 1))
+    out = []
+    for i, (r, last_rank) in enumerate(zip(k.tolist(), (pp - 1).tolist())):
+        a, f = slice(cut[i], cut[i + 1]), slice(cut_f[i], cut_f[i + 1])
+        cols = (lambda t, h: np.stack([t, h * (r == 0), h * (r == last_rank)], axis=1).astype(float))  # noqa: E731
+        out.append((r, 2 * (r == 0) + (r == last_rank), cols(tot_f[f], held_f[f]), cols(tot[a], held[a]), g[a] % 6))
+    return out
+
+
+def _pareto_2d(group: np.ndarray, tot: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group, the (tot, held) pairs no other pair of the group dominates, sorted by group:
+    the most tot per held count, kept where it beats every larger held count's."""
+    big = int(tot.max()) + 1 if len(tot) else 1
+    hb = int(held.max()) + 1 if len(held) else 1
+    u = np.unique((group * hb + held) * big + tot)
+    gh = u // big
+    u = u[np.append(gh[1:] != gh[:-1], True)]
+    g, h, t = u // big // hb, (u // big) % hb, u % big
+    order = np.lexsort((-h, g))
+    g, h, t = g[order], h[order], t[order]
+    vals = t + g * big
+    prev = np.concatenate([[-1], np.maximum.accumulate(vals)[:-1]])
+    keep = vals > prev
+    return g[keep], t[keep], h[keep]
 
 
 def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
@@ -350,14 +386,33 @@ def _looped_bfs_entry(r: int, pp: int, m: int, v: int) -> tuple:
     return _entry(r, 2 * (r == 0) + (r == pp - 1), typed)
 
 
-@lru_cache(maxsize=4096)
+_ROWS: dict[tuple, dict] = {}
+"""Memo of :func:`_walk_rows`."""
+
+
+def _rows_of(keys: list[tuple], prune: bool) -> list[dict]:
+    """:func:`_walk_rows` of many (schedule, pp, m, v) keys, the end ranks of the interleaved
+    ones computed in one batch (:func:`_interleaved_entries`)."""
+    todo = [key for key in dict.fromkeys(keys) if prune and key[0] in ("interleaved_1f1b", "zero_bubble")
+            and key + (prune,) not in _ROWS]
+    items = [(r, pp, m, v, sched == "zero_bubble") for sched, pp, m, v in todo for r in sorted({0, pp - 1})]
+    done = _interleaved_entries(items) if items else []
+    for key in todo:
+        ends, done = done[:len({0, key[1] - 1})], done[len({0, key[1] - 1}):]
+        _ROWS[key + (prune,)] = _padded(_prune_ranks(_closed_entries(*key, ends=ends)))
+    return [_walk_rows(*key, prune) for key in keys]
+
+
 def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> dict[str, np.ndarray]:
     """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
     one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). With
     ``prune`` (every coefficient >= 0), a rank is dropped when an earlier rank of the same class
     dominates all its rows (it can never be the first maximum)."""
-    entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(schedule, pp, m, v, prune)
-    return _padded(_prune_ranks(entries) if prune else entries)
+    key = (schedule, pp, m, v, prune)
+    if key not in _ROWS:
+        entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(*key)
+        _ROWS[key] = _padded(_prune_ranks(entries) if prune else entries)
+    return _ROWS[key]
 
 
 def _prune_ranks(entries: list[tuple]) -> list[tuple]:
@@ -446,8 +501,8 @@ def _pipelined(ctx: dict, c: dict, out: dict) -> None:
     used = np.unique(sinv[pipe])
     prune = bool(np.all(kept_c[used] >= 0) and np.all(copy_c[used] >= 0))
     rep, inv = _group(c["sched"][pipe], c["pp"][pipe], c["m"][pipe], c["v"][pipe])
-    per_key = [_walk_rows(_SCHED[c["sched"][i]], int(c["pp"][i]), int(c["m"][i]), int(c["v"][i]), prune)
-               for i in pipe[rep]]
+    per_key = _rows_of([(_SCHED[c["sched"][i]], int(c["pp"][i]), int(c["m"][i]), int(c["v"][i])) for i in pipe[rep]],
+                       prune)
     ent = _concat(per_key)
     sizes = np.array([len(x["rank"]) for x in per_key])
     count, start = sizes[inv], (np.cumsum(sizes) - sizes)[inv]
