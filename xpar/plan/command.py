@@ -160,12 +160,12 @@ def _batch(span: tuple[int, int]) -> str:
 def nothing_fits_line(plan: Plan) -> str:
     """No layout fits: by how much the leanest misses, and the largest memory headroom or the
     smallest cluster (whole nodes, doubling, up to 64x) that would fit one."""
-    from xpar.plan.explain import label
+    from xpar.plan.explain import device_name, label
     res, ctx = plan.res, plan.ctx
     lean = int(np.argmin(res["memory_total"]))
     dev_mem = float(ctx.hardware["device_memory_gb"]) * GB
     need = float(res["memory_total"][lean])
-    head = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {ctx.hardware.get('gpu') or 'device'} "
+    head = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {device_name(ctx.hardware)} "
             f"({plan.space.raw:,} tried, {len(plan.space):,} valid): the leanest, {label(res, lean)}, needs "
             f"{need / GB:.1f} GB per device, {float(res['memory_usable'][lean]) / GB:.1f} GB usable")
     if need <= dev_mem:

@@ -14,6 +14,11 @@ ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute"
 """Columns along which the best different layout is reported, and their names in words."""
 
 
+def device_name(hardware: dict) -> str:
+    """The device of a hardware group in words: the GPU model, else the device kind."""
+    return hardware.get("gpu") or f"{hardware.get('device', 'device')} worker"
+
+
 def label(res: dict[str, np.ndarray], i: int) -> str:
     """A layout in one short line: degrees, schedule, micro-batching, ZeRO, sp, recompute."""
     pipe = f" {res['schedule'][i]}" + (f" v{res['v'][i]}" if res["v"][i] > 1 else "") if res["pp"][i] > 1 else ""
@@ -50,6 +55,9 @@ def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
     parts = ", ".join(f"{TERM_WORDS[k]} {100 * v:.0f} %" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                       if v >= 0.005)
     over = max((k for k in TIME_TERMS if k != "matmul"), key=lambda k: shares[k])
+    if shares[over] < 0.005:
+        return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. No overhead is estimated (this hardware "
+                f"has no figures for memory bandwidth or links).")
     kind = {"bubble": "the pipeline bubble", "memory_bound": "memory-bound work", "optimizer": "the optimizer step"}
     binds = kind.get(over, "communication (" + TERM_WORDS[over] + ")")
     return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. The largest overhead is {binds}, "
@@ -68,7 +76,8 @@ def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[st
         loss = 1 - res["tokens_per_s"][j] / res["tokens_per_s"][best]
         term, frac = separating_terms(res, np.array([j]), best)[0]
         gap = f": {describe_gap(term, frac)}" if term else ""
-        out.append(f"  best with another {words} ({label(res, j)}): -{100 * loss:.1f} % tokens/s{gap}")
+        lost = "the same tokens/s" if abs(loss) < 0.0005 else f"-{100 * loss:.1f} % tokens/s"
+        out.append(f"  best with another {words} ({label(res, j)}): {lost}{gap}")
     return out
 
 

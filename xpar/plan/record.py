@@ -39,6 +39,7 @@ def pareto_figure(plan, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from xpar.plan.explain import device_name
     from xpar.plan.rank import pareto_front
     r, rows = plan.res, plan.ranked
     mem, tps = r["memory_total"][rows] / GB, r["tokens_per_s"][rows]
@@ -51,7 +52,7 @@ def pareto_figure(plan, path: Path) -> Path:
     ax.set_xlabel("memory per device (GB, estimate)")
     ax.set_ylabel("tokens/s (estimate)")
     ax.set_title(f"xpar plan: model={plan.ctx.model['name']} on {plan.devices} x "
-                 f"{plan.ctx.hardware.get('gpu') or 'device'} (ESTIMATE)", fontsize=10)
+                 f"{device_name(plan.ctx.hardware)} (ESTIMATE)", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -37,11 +37,12 @@ def ranked_table(plan):
     tokens/s against the best and the term that separates each from it)."""
     from rich.table import Table
 
+    from xpar.plan.explain import device_name
     from xpar.plan.rank import describe_gap, separating_terms
     r, top = plan.res, plan.ranked[:plan.inputs.top_k]
     gaps = separating_terms(r, top, plan.best)
     t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
-                    f"(model={plan.ctx.model['name']}, {plan.devices} x {plan.ctx.hardware.get('gpu') or 'device'}, "
+                    f"(model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
                     f"global batch {int(r['b'][plan.best] * r['m'][plan.best] * r['dp'][plan.best])}) -- ESTIMATE")
     for col in ("#", "tp", "pp", "dp", "schedule", "b", "m", "ZeRO", "sp", "recompute", "tokens/s", "vs best",
                 "MFU", "bubble", "GB/device", "separates it from the best"):
@@ -51,10 +52,15 @@ def ranked_table(plan):
         rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
         t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp")), sched, str(r["b"][i]), str(r["m"][i]),
                   str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
-                  f"{r['tokens_per_s'][i]:,.0f}", f"{100 * rel:+.1f} %" if n > 1 else "best",
+                  f"{r['tokens_per_s'][i]:,.0f}", _signed(rel) if n > 1 else "best",
                   f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %",
                   f"{r['memory_total'][i] / GB:.1f}", describe_gap(*gap))
     return t
+
+
+def _signed(rel: float) -> str:
+    """'-1.8 %', or '0.0 %' for a tie (no sign)."""
+    return "0.0 %" if abs(rel) < 0.0005 else f"{100 * rel:+.1f} %"
 
 
 def dropped_lines(plan) -> list[str]:
