@@ -233,14 +233,21 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool) -> tupl
 
 
 def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bool) -> list:
-    """named_parameters() shapes of ``Transformer(cfg, layers, first, last)`` built on the
-    meta device. Blocks are identical, so one block is built and its shapes repeated under
-    each block's name (building 100 blocks, even on meta, takes seconds)."""
+    """named_parameters() shapes of ``Transformer(cfg, layers, first, last)``. Blocks are
+    identical: one block's shapes are repeated under each block's name."""
+    head, block, tail = _stage_parts(cfg_key, first, last)
+    return head + [(f"layers.{i}.{n}", sh) for i in layers for n, sh in block] + tail
+
+
+@lru_cache(maxsize=256)
+def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1) -> tuple[list, list, list]:
+    """A stage's parameters in three parts: before the blocks (embeddings), one block (names
+    after ``layers.<i>.``), after them (final norm, output); shapes tp-local (:func:`_tp_local`)."""
     outer = _meta_shapes(cfg_key, 0, first, last)
     block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False)]
     head = [x for x in outer if x[0].split(".")[0] in ("tok_embeddings", "pos_embeddings")]
     tail = [x for x in outer if x not in head]
-    return head + [(f"layers.{i}.{n}", sh) for i in layers for n, sh in block] + tail
+    return tuple([(n, _tp_local(n, sh, tp)) for n, sh in part] for part in (head, block, tail))
 
 
 def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -268,8 +275,10 @@ def _shapes_layout(layout):
 def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     out = []
     for s in layout.stages_of(pp_rank):
-        shapes = _stage_shapes(cfg_key, tuple(layout.stage_layers(s)), s == 0, s == layout.n_stages - 1)
-        out += [(f"{s}:{name}", _tp_local(name, shape, tp)) for name, shape in shapes]
+        head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        out += [(f"{s}:{name}", shape) for name, shape in head]
+        out += [(f"{s}:layers.{i}.{name}", shape) for i in layout.stage_layers(s) for name, shape in block]
+        out += [(f"{s}:{name}", shape) for name, shape in tail]
     return tuple(out)
 
 
@@ -768,8 +777,8 @@ def _largest_unit(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
     (embeddings, final norm, output), as xpar and torchtitan wrap them."""
     units: dict[str, int] = {}
     for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank):
-        parts = name.split(".")
-        key = ".".join(parts[:2]) if parts[0].endswith("layers") else parts[0].split(":")[0] + ":root"
+        stage, rest = name.split(":", 1)
+        key = stage + ":" + (rest[:rest.find(".", 7)] if rest.startswith("layers.") else "root")
         units[key] = units.get(key, 0) + math.prod(sh)
     return max(units.values()) if units else 0
 
