@@ -80,6 +80,18 @@ def test_constraints_shape_the_space():
     assert set(ranged["b"] * ranged["m"] * ranged["dp"]) == {256, 512, 1024}
 
 
+def test_plan_figures_equal_the_scalar_estimate_of_each_layout():
+    """The planner's context and columns reach the cost model as `run.mode=estimate` would: its
+    best, worst and a middle layout equal xpar.estimate.cost.estimate on their RunSpec."""
+    from xpar.estimate.cost import estimate
+    plan = plan_of("model=70b", "hardware=a100_80gb_64gpu", "framework=megatron")
+    for i in (plan.ranked[0], plan.ranked[len(plan.ranked) // 2], plan.ranked[-1]):
+        e = estimate(spec_of(plan.ctx, plan.res, int(i)))
+        assert e.tokens_per_s == pytest.approx(plan.res["tokens_per_s"][i], rel=1e-9)
+        assert e.memory.total == pytest.approx(plan.res["memory_total"][i], rel=1e-9)
+        assert e.mfu == pytest.approx(plan.res["mfu"][i], rel=1e-9) and e.memory.fits
+
+
 # --- Narayanan et al. 2021 Table 1: the published layouts are feasible and near the top -------
 
 def megatron_inputs(r: dict) -> PlanInputs:
