@@ -22,14 +22,14 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
     ``ctx.hardware['memory_headroom']``)."""
     base = spec_of(ctx, cols, 0)
     out = dict(cols)
-    out.update(_time(base, cols))
     out.update(_memory(base, cols))
+    out.update(_time(base, cols, out["memory_optimizer"]))
     return out
 
 
-def _time(base, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _time(base, cols: dict[str, np.ndarray], memory_optimizer: np.ndarray) -> dict[str, np.ndarray]:
     from xpar.plan.vtime import time_columns
-    res = time_columns(base, cols)
+    res = time_columns(base, cols, memory_optimizer=memory_optimizer)  # its optimizer term reads them
     return {k: np.asarray(res[k]) for k in TIME_KEYS}
 
 
