@@ -505,11 +505,24 @@ def _pipelined(ctx: dict, c: dict, out: dict) -> None:
                        prune)
     ent = _concat(per_key)
     sizes = np.array([len(x["rank"]) for x in per_key])
-    count, start = sizes[inv], (np.cumsum(sizes) - sizes)[inv]
+    for part in np.array_split(np.arange(len(pipe)), -(-len(pipe) // _CHUNK)):  # bounded memory
+        _pairs(ctx, ent, pipe[part], sizes[inv[part]], (np.cumsum(sizes) - sizes)[inv[part]], (kept_c, copy_c), out)
+
+
+_CHUNK = 200_000
+"""Candidates evaluated together by :func:`_pairs` (a few arrays of ~10 floats per pair)."""
+
+
+def _pairs(ctx: dict, ent: dict, idx: np.ndarray, count: np.ndarray, start: np.ndarray, coef: tuple,
+           out: dict) -> None:
+    """Candidates ``idx``, each with ``count`` rank entries from ``start`` in ``ent``
+    (:func:`_concat`): their (candidate, rank) pairs' peaks, and the first rank with the largest
+    total written to ``out``."""
+    stab, (kept_c, copy_c) = ctx["stab"], coef
     first = np.cumsum(count) - count
-    cand = np.repeat(pipe, count)
+    cand = np.repeat(idx, count)
     e = np.repeat(start, count) + np.arange(count.sum()) - np.repeat(first, count)
-    grp = sinv[cand]
+    grp = ctx["sinv"][cand]
     kept = np.maximum(np.einsum("pj,prj->pr", kept_c[grp], ent["f"][e]).max(1), 0.0)
     types = ent["types"][e]
     add = np.take_along_axis(stab[grp][:, :, 1:3].reshape(len(e), 8), 2 * (types % 3) + types // 3, axis=1)
@@ -519,8 +532,8 @@ def _pipelined(ctx: dict, c: dict, out: dict) -> None:
     top = np.maximum.reduceat(vals["total"], first)
     pick = np.minimum.reduceat(np.where(vals["total"] == np.repeat(top, count), np.arange(len(e)), len(e)), first)
     for k in _FIELDS:
-        out[k][pipe] = vals[k][pick]
-    out["pp_rank"][pipe] = ent["rank"][e[pick]]
+        out[k][idx] = vals[k][pick]
+    out["pp_rank"][idx] = ent["rank"][e[pick]]
 
 
 def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
