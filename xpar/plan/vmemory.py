@@ -25,8 +25,9 @@ each group), and is combined with array arithmetic:
 Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline rank with the
 largest total (the first on ties), on its most loaded dp rank. No torch import (parameter
 shapes: :func:`xpar.estimate.memory.param_shapes`). Speed, GPT-3 175B on 1024 A100 (55,344
-layouts of xpar.plan.space at global batch 1536, 2 shared cores): first call 0.3-0.4 s, repeated
-calls 0.09-0.12 s (130-180k and 460-620k layouts/s).
+layouts of xpar.plan.space at global batch 1536, every framework profile, 2 cores shared at load
+2-4): first call in a process 0.29-0.47 s (117k-194k layouts/s), repeated calls 0.08-0.14 s
+(400k-680k layouts/s).
 """
 from __future__ import annotations
 
