@@ -17,7 +17,7 @@ CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
     "train.dtype": ("fp32", "bf16"),
     "data.kind": ("synthetic", "text"),
-    "run.mode": ("auto", "execute", "estimate"),
+    "run.mode": ("auto", "execute", "estimate", "plan"),
     "hardware.device": ("auto", "cpu", "cuda"),
 }
 
