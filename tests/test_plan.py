@@ -132,30 +132,40 @@ def best_2021(plan) -> int:
     return int(top[ok][0])
 
 
-AGAINST_PRACTICE = {"18.4": "the cost model puts tp2 x pp4 x dp32 interleaved (v5) 25 % above the published "
-                             "tp8 x dp32 (0.798 of it): the published layout spends 18 % of its step in blocking "
-                             "8-way tp all-reduces (+20 % tp communication against the top); Narayanan et al. ran "
-                             "tp = 8 inside the node. Reported for the cost model (issue 9), not bent here"}
-"""Table 1 rows where the planner's answer goes against the paper's practice: expected to fail
-(strict: the test says so once the cost model changes)."""
+def table1_rows(keep) -> list:
+    return [pytest.param(r, id=f"{r['params_b']}B") for r in read_table(DATA / "megatron_2021_table1.csv") if keep(r)]
 
 
-def table1_rows() -> list:
-    return [pytest.param(r, id=f"{r['params_b']}B", marks=[pytest.mark.xfail(strict=True, reason=AGAINST_PRACTICE[
-        r["params_b"]])] if r["params_b"] in AGAINST_PRACTICE else []) for r in read_table(DATA / "megatron_2021_table1.csv")]
-
-
-@pytest.mark.parametrize("r", table1_rows())
-def test_megatron_table1_layout_is_feasible_and_within_15_percent_of_the_top(r):
-    """Over the whole space the published layout is valid and fits. Its tokens/s is compared with
-    the top layout Megatron-LM could run then (conf/plan/megatron_2021.yaml); the unrestricted top
-    (selective or no recompute, sequence parallelism, distributed optimizer) is estimated 1.3-1.7x
-    faster than the published layouts (benchmarks/plan.py prints both ratios)."""
+def published_ratio(r: dict) -> tuple:
+    """(plan, published row index, its tokens/s / the top 2021 layout's)."""
     plan = search(megatron_inputs(r))
     i = published_row(plan, r)
     assert plan.res["fits"][i], f"published layout estimated not to fit: {plan.res['memory_total'][i] / 1e9:.1f} GB"
-    ratio = plan.res["tokens_per_s"][i] / plan.res["tokens_per_s"][best_2021(plan)]
+    return plan, i, plan.res["tokens_per_s"][i] / plan.res["tokens_per_s"][best_2021(plan)]
+
+
+@pytest.mark.parametrize("r", table1_rows(lambda r: r["params_b"] != "18.4"))
+def test_megatron_table1_layout_is_feasible_and_within_15_percent_of_the_top(r):
+    """Over the whole space the published layout is valid and fits. Its tokens/s is compared with
+    the top layout Megatron-LM could run then (conf/plan/megatron_2021.yaml); the unrestricted top
+    (selective or no recompute, sequence parallelism, distributed optimizer: 2022 techniques) is
+    estimated 1.3-1.7x faster than the published layouts (benchmarks/plan.py prints both ratios)."""
+    _, _, ratio = published_ratio(r)
     assert ratio >= 0.85, f"published layout at {ratio:.3f} of the top 2021 layout's tokens/s"
+
+
+@pytest.mark.parametrize("r", table1_rows(lambda r: r["params_b"] == "18.4"))
+def test_megatron_table1_18b_is_where_the_plan_goes_against_practice(r):
+    """The one row the planner does not reproduce (open in issue 9): the cost model puts tp2 x pp4
+    x dp32 interleaved about 25 % above the published tp8 x dp32, which spends ~18 % of its step in
+    blocking 8-way tp all-reduces; Narayanan et al. ran tp = 8 inside the node at 135 TFLOP/s
+    (the estimate of that row is 7 % low). This pins the finding and its cause: it fails once the
+    cost model's tp or pp costs change, and the row then joins the test above."""
+    plan, i, ratio = published_ratio(r)
+    top = best_2021(plan)
+    assert 0.7 < ratio < 0.85, ratio
+    gap = {t: (plan.res[f"time_{t}"][i] - plan.res[f"time_{t}"][top]) for t in ("tp_comm", "pp_comm", "bubble")}
+    assert max(gap, key=gap.get) == "tp_comm" and gap["tp_comm"] > 0, gap
 
 
 # --- the seed's scenarios -------------------------------------------------------------------
