@@ -299,6 +299,12 @@ def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     return sum(math.prod(sh) for sh in shapes), shapes
 
 
+@lru_cache(maxsize=8192)
+def _numels(shapes: tuple) -> tuple:
+    """Elements of each shape (memoised: the ZeRO-1 partition asks for them per dp degree)."""
+    return tuple(math.prod(sh) for sh in shapes)
+
+
 @lru_cache(maxsize=16384)
 def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
     return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in Counter(shapes).items())
@@ -362,7 +368,7 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     if z == 1 and zero1 == "distributed_optimizer":
         opt = -(-whole // dp)
     elif z == 1:
-        opt = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), dp)[dp_rank]
+        opt = _zero1_sizes(_numels(shapes), dp)[dp_rank]
     else:
         opt = shard
     return {"storage": shard, "whole": whole, "grads": grads, "optimizer": opt}
@@ -374,7 +380,7 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
     if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
     _, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    sizes = _zero1_sizes(tuple(math.prod(sh) for sh in shapes), spec.dp)
+    sizes = _zero1_sizes(_numels(shapes), spec.dp)
     return sizes.index(max(sizes))
 
 
@@ -775,12 +781,12 @@ class MemoryEstimate:
 def _largest_unit(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
     """Elements of the largest FSDP unit on a pipeline rank: a block, or a stage's root
     (embeddings, final norm, output), as xpar and torchtitan wrap them."""
-    units: dict[str, int] = {}
-    for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank):
-        stage, rest = name.split(":", 1)
-        key = stage + ":" + (rest[:rest.find(".", 7)] if rest.startswith("layers.") else "root")
-        units[key] = units.get(key, 0) + math.prod(sh)
-    return max(units.values()) if units else 0
+    units = [0]
+    for s in layout.stages_of(pp_rank):
+        head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        units.append(sum(math.prod(sh) for _, sh in head + tail))  # the stage's root
+        units.append(sum(math.prod(sh) for _, sh in block) if layout.layer_split[s] else 0)  # each block
+    return max(units)
 
 
 def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict[str, float]:
