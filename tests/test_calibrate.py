@@ -45,6 +45,8 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert spec.mode == "execute"
         assert spec.hardware.peak_tflops == pytest.approx(raw["preset"]["peak_tflops"])
         assert spec.hardware.intra_node_gb_per_s == pytest.approx(raw["beta_bytes_per_s"] / 1e9)
+        from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
+        assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
         runs = mlflow.search_runs(experiment_names=["xpar"])
         assert list(runs["tags.xpar.mode"]) == ["calibrate"]

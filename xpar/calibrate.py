@@ -227,6 +227,8 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, dev
               "matmul_efficiency": min(1.0, fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM)),
               "hbm_tb_per_s": bandwidth / 1e12, "intra_node_gb_per_s": beta / 1e9, "link_efficiency": 1.0,
               "intra_node_latency_us": alpha * 1e6, "collective_latency_us": 0.0}
+    if device == "cpu":  # as conf/hardware/local.yaml: no CUDA context, host memory is no device limit
+        values.update(framework_overhead_gb=0.0, device_memory_gb=None)
     known = {f.name for f in fields(HardwareConfig)}
     return {k: v for k, v in values.items() if k in known}
 
