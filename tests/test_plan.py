@@ -245,6 +245,19 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "framework=megatron runs ZeRO stages [0, 1]" in err
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.execute_top=2")
     assert "needs hardware=local" in err
+    err = refusal(capsys, "model=tiny", "hardware=local", "plan.execute_top=1")  # refusal() adds tracking=off
+    assert "compares the runs it records in MLflow, and tracking is off" in err
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.min_tokens_per_s=1e9")
+    assert "picks the smallest cluster of a range of plan.devices" in err
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("hardware.nodes=0", "hardware.nodes must be >= 1, got 0"), ("model.n_layers=0", "model.n_layers must be >= 1"),
+    ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null"),
+    ("train.seq_len=0", "train.seq_len must be in [1, 4096] for model=7b, got 0; e.g. train.seq_len=4096.")])
+def test_model_and_hardware_values_are_checked_as_a_run_checks_them(capsys, bad, says):
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", bad)
+    assert says in err
 
 
 def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):

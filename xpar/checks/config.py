@@ -79,8 +79,9 @@ def check_train(c: XparConfig) -> list[str]:
     out = []
     seq = tr.seq_len if tr.seq_len is not None else model.seq_len
     if seq < 1 or (model.position == "learned" and seq > model.seq_len):
-        out.append(f"train.seq_len must be in [1, {model.seq_len}] for model={model.name} "
-                   f"(learned positions cover {model.seq_len}), got {seq}.")
+        why = f" (learned positions cover {model.seq_len})" if model.position == "learned" else ""
+        out.append(f"train.seq_len must be in [1, {model.seq_len}] for model={model.name}{why}, got {seq}; "
+                   f"e.g. train.seq_len={model.seq_len}.")
     if tr.micro_batch_size < 1:
         out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}.")
     if not (tr.lr > 0 and math.isfinite(tr.lr)):

@@ -110,6 +110,24 @@ def _number_problems(p, local: bool) -> list[str]:
     return out
 
 
+def _request_problems(cfg) -> list[str]:
+    """Constraints that would be silently ignored: min_tokens_per_s without a device range, and
+    execute_top without tracking (the comparison reads the sweep's runs back from MLflow)."""
+    p, out = cfg.plan, []
+    if p.min_tokens_per_s is not None and (p.devices is None or len(set(_plain_list(p.devices))) < 2):
+        out.append(f"plan.min_tokens_per_s={p.min_tokens_per_s} picks the smallest cluster of a range of "
+                   f"plan.devices, but none is given; e.g. plan.devices=[8,512], or drop plan.min_tokens_per_s.")
+    if p.execute_top and not cfg.tracking.enabled:
+        out.append(f"plan.execute_top={p.execute_top} compares the runs it records in MLflow, and tracking is "
+                   f"off; drop tracking=off, or plan.execute_top=0.")
+    return out
+
+
+def _plain_list(value) -> list:
+    v = _plain(value)
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
 def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
     """Device counts to search: the preset's, plan.devices, or a range's whole-node counts."""
     n = int(hw["devices_per_node"])
@@ -128,16 +146,31 @@ def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
     return counts, []
 
 
+def config_problems(cfg) -> list[str]:
+    """The run's own checks that a plan rests on (as ``python -m xpar`` refuses them): choices,
+    model sizes, hardware values, the framework profile, the sequence length."""
+    from xpar.checks import config as checks
+    from xpar.checks.environment import check_hardware_values
+    from xpar.checks.framework import check_framework
+    from xpar.validate import to_schema
+
+    c = to_schema(cfg)
+    out = checks.check_choices(c) + checks.check_model(c) + check_hardware_values(c) + check_framework(c.framework)
+    return out or [p for p in checks.check_train(c) if p.startswith("train.seq_len")]
+
+
 def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[PlanInputs], list[str]]:
     """The checked request of a composed config (``run.mode=plan``), or the problem lines.
     ``overrides``: the command line's (default: Hydra's task overrides of the running app)."""
+    if problems := config_problems(cfg):
+        return None, problems
     p, model, framework = cfg.plan, _plain(cfg.model), _plain(cfg.framework)
     hw = _hardware(cfg)
     if p.memory_headroom is not None:
         hw["memory_headroom"] = p.memory_headroom
     local = hw["name"] == "local"
     counts, problems = _devices(p, hw)
-    problems += _choice_problems(p, framework) + _number_problems(p, local)
+    problems += _choice_problems(p, framework) + _number_problems(p, local) + _request_problems(cfg)
     seq = cfg.train.seq_len or model["seq_len"]
     batch, bad = global_batch(cfg, counts[0] if counts else 1, seq, local)
     if problems or bad:
