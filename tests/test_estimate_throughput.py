@@ -270,3 +270,16 @@ def test_deepspeed_zero3_2021_falls_with_scale_but_its_size_is_not_captured(loso
         published = [c[3] for c in rows[lo:hi]]
         predicted = [c[3] * (1 + e) for c, e in zip(rows[lo:hi], errs[lo:hi])]
         assert published == sorted(published, reverse=True) and predicted == sorted(predicted, reverse=True)
+
+
+def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a_cpu():
+    """train.dtype=fp32 on an A100 runs its matmuls on CUDA cores (19.5 TFLOP/s; torch uses no
+    TF32 for fp32 matmuls by default), 16x slower than bf16's 312; a CPU preset has one measured
+    peak for both."""
+    from tests.conftest import spec_for
+    gpu = {d: estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3",
+                                "run.mode=estimate", f"train.dtype={d}")) for d in ("bf16", "fp32")}
+    ratio = gpu["fp32"].time_breakdown["matmul"] / gpu["bf16"].time_breakdown["matmul"]
+    assert ratio == pytest.approx(312 / 19.5)
+    cpu = {d: spec_for("hardware=local", "hardware.peak_tflops=0.1", f"train.dtype={d}") for d in ("bf16", "fp32")}
+    assert cost.compute_peak(cpu["fp32"].hardware, "fp32") == cost.compute_peak(cpu["bf16"].hardware, "bf16") == 1e11

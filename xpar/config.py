@@ -102,7 +102,11 @@ class HardwareConfig:
     device_memory_gb: Optional[float] = None
     """Memory per device in GB (1e9 bytes); None detects (host RAM on CPU)."""
     peak_tflops: Optional[float] = None
-    """Dense peak per device for the training dtype in TFLOP/s (1e12 FLOP/s); None measures."""
+    """Dense peak per device for bf16/fp16 (tensor cores on GPUs) in TFLOP/s (1e12 FLOP/s); None
+    measures. MFU is measured against it."""
+    peak_tflops_fp32: Optional[float] = None
+    """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
+    fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""
     hbm_tb_per_s: Optional[float] = None
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""

@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
-POSITIVE_OR_NULL = ("peak_tflops", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
+POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
                     "device_memory_gb")
 """Hardware fields that divide (FLOP/s, bytes/s, bytes): null means detect or unknown, 0 is refused."""
 

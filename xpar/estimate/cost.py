@@ -166,13 +166,21 @@ def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
     return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
 
 
+def compute_peak(hw: HardwareConfig, dtype: str) -> float:
+    """FLOP/s the matmuls of ``dtype`` run at: ``peak_tflops_fp32`` for fp32 where the preset
+    gives it (A100: 19.5, H100 SXM: 67 TFLOP/s, NVIDIA datasheets: torch's fp32 matmuls use no
+    TF32 by default), else ``peak_tflops``; 0 when unknown."""
+    tflops = hw.peak_tflops_fp32 if dtype == "fp32" and hw.peak_tflops_fp32 else hw.peak_tflops
+    return (tflops or 0) * 1e12
+
+
 def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     """Seconds per micro-batch of one layer and of the logits, forward and backward (the
     backward includes the recomputed forward): matmul (``mm_*``) and memory-bound (``mem_*``)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
-    peak, hbm = (hw.peak_tflops or 0) * 1e12, (hw.hbm_tb_per_s or 0) * 1e12
+    peak, hbm = compute_peak(hw, spec.train.dtype), (hw.hbm_tb_per_s or 0) * 1e12
     rate = peak * matmul_efficiency(hw, h / t)
     fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
