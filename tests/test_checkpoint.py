@@ -166,6 +166,16 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     shutil.copytree(_step3(ref), evil)
     (evil / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
     cases.append(((f"train.resume={evil}",), "cannot be loaded safely (UnpicklingError: global posix.system"))
+    aside = tmp_path.parent / f"{tmp_path.name}_aside"  # outside train.checkpoint_dir={tmp_path} above
+    for name, damage in (("short", lambda f: f.write_bytes(f.read_bytes()[:1000])), ("gone", lambda f: f.unlink())):
+        broken = aside / name  # a shard truncated, or deleted: refused before any worker
+        shutil.copytree(_step3(ref), broken)
+        damage(sorted(broken.glob("*.distcp"))[0])
+        cases.append(((f"train.resume={broken}",), "the checkpoint is damaged"))
+    reused = aside / "reused"  # another run's checkpoints in the folder: not overwritten
+    shutil.copytree(_step3(ref), reused / "step_0000003")
+    cases.append(((f"train.checkpoint_dir={reused}", "train.checkpoint_every=2"),
+                  "already holds 1 checkpoint(s) of another run (step_0000003)"))
     for overrides, fragment in cases:
         with pytest.raises(ConfigError) as e:
             checkpointing(spec_for(*overrides), cwd)

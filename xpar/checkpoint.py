@@ -157,10 +157,30 @@ def verify_metadata(path: Path) -> None:
 
     try:
         with open(Path(path) / ".metadata", "rb") as f:
-            Restricted(f).load()
+            metadata = Restricted(f).load()
     except Exception as e:  # missing, truncated, or a global outside the list
         raise CheckpointError(f"{path}/.metadata cannot be loaded safely ({type(e).__name__}: "
                               f"{str(e)[:200]}); resume from a checkpoint xpar wrote.") from None
+    verify_files(Path(path), metadata)
+
+
+def verify_files(path: Path, metadata) -> None:
+    """Every byte range DCP's metadata points at (``storage_data``: file, offset, length) lies
+    inside a file that exists: a deleted or truncated shard is refused before any worker starts.
+
+    Raises:
+        CheckpointError: naming the first missing or short file.
+    """
+    need: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"has {have} bytes of the {size} its metadata names"
+            raise CheckpointError(f"{f} {state}: the checkpoint is damaged; resume from another one "
+                                  f"(train.resume=<step dir>) or from the start (drop train.resume).")
 
 
 # -- state dicts ---------------------------------------------------------------------------
@@ -261,7 +281,7 @@ def checkpoint_env() -> dict:
 # -- the step loop's side -------------------------------------------------------------------
 class Saver:
     """Called by the step loop after each optimizer step (:func:`xpar.train.train`'s
-    ``after_step``); saves a checkpoint every ``train.checkpoint_every`` steps."""
+    ``after_step``); saves a checkpoint every ``train.checkpoint_every`` steps and after the last."""
 
     def __init__(self, engine, out_dir: Path):
         self.engine, self.out_dir = engine, Path(out_dir)
@@ -270,11 +290,11 @@ class Saver:
         self.saved: list[Path] = []
 
     def __call__(self, step: int, losses: list, times: list, lrs: list) -> Optional[Path]:
-        """After 0-based ``step``: save if ``step + 1`` is a multiple of the interval.
+        """After 0-based ``step``: save if ``step + 1`` is a multiple of the interval or the last step.
         ``losses``, ``times``, ``lrs``: this rank's lists of every step so far."""
         done = step + 1
-        if not self.every or done % self.every:
-            return None
+        if not self.every or (done % self.every and done != self.engine.spec.train.steps):
+            return None  # every `every` steps, and the last step
         path = save(self.engine, self.root, done, lambda: self._meta(done, losses, times, lrs))
         self.saved.append(path)
         keep = self.engine.spec.train.checkpoint_keep

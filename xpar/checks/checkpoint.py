@@ -22,7 +22,7 @@ def checkpointing(spec, start_dir: Path):
         ConfigError: every problem of checkpointing or resuming this run.
     """
     t = spec.train
-    problems = check_interval(t.checkpoint_every) + check_dir(t.checkpoint_dir)
+    problems = check_interval(t.checkpoint_every) + check_dir(t.checkpoint_dir) + check_reuse(t)
     if t.checkpoint_keep is not None and t.checkpoint_keep < 1:
         problems.append(f"train.checkpoint_keep must be >= 1 (checkpoints kept), or null to keep all, "
                         f"got {t.checkpoint_keep}; e.g. 3.")
@@ -54,6 +54,21 @@ def check_interval(every) -> list[str]:
     if every is not None and int(every) < 0:
         return [f"train.checkpoint_every must be >= 1 (steps), or 0/null for no checkpoints, got {every}; e.g. 100."]
     return []
+
+
+def check_reuse(t) -> list[str]:
+    """A run that checkpoints into a ``train.checkpoint_dir`` already holding checkpoints, and is
+    not resuming, would overwrite another run's steps: refused (nothing a user saved is lost)."""
+    from xpar.checkpoint import complete_checkpoints
+
+    if not (t.checkpoint_every and t.checkpoint_dir) or t.resume:
+        return []
+    held = complete_checkpoints(Path(t.checkpoint_dir).expanduser())
+    if not held:
+        return []
+    return [f"train.checkpoint_dir={t.checkpoint_dir} already holds {len(held)} checkpoint(s) of another run "
+            f"({', '.join(p.name for p in held[-3:])}): this run would overwrite them; give another "
+            f"train.checkpoint_dir, or continue that run with train.resume=latest."]
 
 
 def check_dir(path: Optional[str]) -> list[str]:
