@@ -329,3 +329,14 @@ def test_execute_top_3_runs_three_layouts_and_compares_estimated_with_measured(t
     for k in (1, 2, 3):
         assert plan_run.data.metrics[f"plan/execute_{k}_measured_tokens_per_s"] > 0
         assert plan_run.data.metrics[f"plan/execute_{k}_estimated_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("framework, schedules, pp_zero", [
+    ("deepspeed", {"1f1b"}, {0, 1}), ("megatron", {"1f1b", "interleaved_1f1b"}, {0, 1})])
+def test_a_framework_plan_holds_only_what_the_framework_runs(framework, schedules, pp_zero):
+    """DeepSpeed's PipelineEngine runs 1F1B with ZeRO 0/1 only; Megatron-LM runs 1F1B and
+    interleaved 1F1B and ZeRO 0/1 (its distributed optimizer): the plan offers nothing else."""
+    r = plan_of("model=70b", "hardware=a100_80gb_64gpu", f"framework={framework}").res
+    piped = r["pp"] > 1
+    assert piped.any() and set(r["schedule"][piped]) <= schedules
+    assert set(int(z) for z in r["zero"][piped]) <= pp_zero

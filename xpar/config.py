@@ -204,6 +204,11 @@ class FrameworkConfig:
     """Optimizer states in host memory."""
     zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
     """ZeRO stages the framework runs (xpar plan searches these): xpar all four."""
+    pp_zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages it runs together with pipeline parallelism (pp > 1)."""
+    schedules: list = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                                     "zero_bubble", "zbv", "dualpipev"])
+    """Pipeline schedules it runs (xpar.layout.SCHEDULES names; xpar plan searches these)."""
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""

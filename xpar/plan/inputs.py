@@ -85,12 +85,14 @@ def _choice_problems(p, framework: dict) -> list[str]:
     """Allowed schedules, ZeRO stages (within the framework's) and recompute policies."""
     out = []
     runs = list(framework.get("zero_stages", ZERO_STAGES))
-    for key, given, valid in (("schedules", p.schedules, list(SCHEDULES)), ("zero_stages", p.zero_stages, runs),
+    scheds = list(framework.get("schedules", SCHEDULES))
+    for key, given, valid in (("schedules", p.schedules, scheds), ("zero_stages", p.zero_stages, runs),
                               ("recompute", p.recompute, list(RECOMPUTE)),
                               ("sequence_parallel", p.sequence_parallel, [False, True])):
         bad = [v for v in (given or []) if v not in valid]
         if given is not None and (bad or not given):
-            why = f" (framework={framework.get('name')} runs ZeRO stages {runs})" if key == "zero_stages" else ""
+            why = {"zero_stages": f" (framework={framework.get('name')} runs ZeRO stages {runs})",
+                   "schedules": f" (framework={framework.get('name')} runs schedules {scheds})"}.get(key, "")
             out.append(f"plan.{key}={list(given)}: {bad or 'empty'} not allowed{why}; values that work: {valid}, "
                        f"e.g. plan.{key}=[{valid[0]}].")
     return out
@@ -176,8 +178,9 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     if problems or bad:
         return None, problems + bad
     c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,
-                    schedules=tuple(p.schedules or SCHEDULES),
+                    schedules=tuple(p.schedules or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
+                    pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),
                     recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size,
                     sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or (False, True))))
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}

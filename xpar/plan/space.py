@@ -44,6 +44,7 @@ RULES = {
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.layout.microbatch_ok)",
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
+    "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept)",
     "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
@@ -65,6 +66,8 @@ class Constraints:
     pp: Optional[int] = None
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     zero_stages: tuple[int, ...] = ZERO_STAGES
+    pp_zero_stages: tuple[int, ...] = ZERO_STAGES
+    """ZeRO stages allowed with pp > 1 (the framework's, framework.pp_zero_stages)."""
     recompute: tuple[str, ...] = RECOMPUTE
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int = 8
@@ -178,6 +181,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"])
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
+    t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == 0))
     zb = np.array([SCHEDULES[s].zero_bubble for s in t["schedule"]], dtype=bool) & (t["pp"] > 1)
     t = drops.apply(dict(t, zb=zb), "zero_run", _zero_runs(t) == t["zero"])
