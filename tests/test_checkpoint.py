@@ -183,6 +183,7 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     assert not (tmp_path / "pwned").exists()
     spec, meta = checkpointing(spec_for(f"train.resume={ref}", "train.steps=20"), cwd)  # a run dir: its newest
     assert meta["step"] == 12 and spec.train.resume.endswith("step_0000012")
+    assert f"resumed from {spec.train.resume} at step 12" in " ".join(spec.notes)  # said on the console
 
 
 def test_lr_schedule_restored_at_the_step_with_this_runs_config():

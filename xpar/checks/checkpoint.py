@@ -37,7 +37,9 @@ def checkpointing(spec, start_dir: Path):
             path, meta, found = _resume_problems(spec, start_dir)
             problems += found
             if not found:
-                spec = replace(spec, train=replace(t, resume=str(path)), notes=spec.notes + data_notes(spec, meta))
+                resumed = f"resumed from {path} at step {meta['step']} (its earlier steps are the checkpointed run's)"
+                spec = replace(spec, train=replace(t, resume=str(path)),
+                               notes=spec.notes + [resumed] + data_notes(spec, meta))
     if problems:
         raise ConfigError(problems)
     return spec, meta
