@@ -290,6 +290,10 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     client = mlflow.tracking.MlflowClient(uri)
     run = client.get_run(plan.run_id)
     assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"
+    params = run.data.params  # the winner's layout, resolved (not the parallel group's unused defaults)
+    assert (params["parallel.tp"], params["parallel.pp"], params["parallel.dp"], params["run.mode"]) == (
+        str(spec.tp), str(spec.pp), str(spec.dp), "plan")
+    assert params["parallel.zero_stage"] == str(spec.parallel.zero_stage) and params["parallel.dp"] != "auto"
     names = {a.path for a in client.list_artifacts(plan.run_id)}
     assert {"plan_ranked.csv", "plan_pareto.png", "plan_dropped.csv", "plan.txt"} <= names
     ranked = (tmp_path / "out" / "plan_ranked.csv").read_text().splitlines()

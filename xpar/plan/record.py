@@ -1,5 +1,5 @@
 """The plan as an MLflow run (tag ``xpar.mode=plan``), recorded the way estimate runs are
-(:func:`xpar.tracking.mlflow_run`, its journal and end status): the composed config as params,
+(:func:`xpar.tracking.mlflow_run`, its journal and end status): the config with the winner's layout resolved as params,
 counts and the winner's figures as metrics, and as artifacts the ranked table (``plan_ranked.csv``:
 every layout that fits, best first), the drop counts (``plan_dropped.csv``), the console text
 (``plan.txt``) and the Pareto plot of memory per device against tokens/s (``plan_pareto.png``)."""
@@ -103,12 +103,12 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics); prints where it went."""
     import time
 
-    from omegaconf import OmegaConf
-
+    from xpar.job import resolved_config
     from xpar.naming import ui_hint
     from xpar.plan.explain import label
     from xpar.tracking import mlflow_run, recording
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = resolved_config(cfg, spec)  # params: the winner's layout resolved, never the unused defaults
+    config["run"]["mode"] = "plan"
     config.pop("hydra", None)
     tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.hardware": plan.ctx.hardware["name"],
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
