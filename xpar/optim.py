@@ -36,40 +36,40 @@ EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon in the clip coefficient."""
 
 
-def _local_square_sum(g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """(square sum of this rank's part of ``g`` in float64, the process groups to sum it over)."""
+def _local_part(g: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(this rank's part of ``g``, the process groups its square sum is summed over)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(g, DTensor):
-        return _square_sum(g), ()
+        return g, ()
     if any(pl.is_partial() for pl in g.placements):
         g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
     # Shard or _StridedShard (FSDP2 over tp-sharded dim 0; its is_shard() is False in torch 2.13)
     groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-    return _square_sum(g.to_local()), groups
+    return g.to_local(), groups
 
 
-def _square_sum(t: torch.Tensor) -> torch.Tensor:
-    """Square sum of ``t`` as a float64 scalar: the L2 norm reduced in the tensor's own kernel
-    (fp32 accumulation, as torch's clip_grad_norm_), squared in float64 -- no float64 copy
-    of the gradient (that copy cost 3-8 % of a step in benchmarks/overhead.py)."""
-    return torch.linalg.vector_norm(t.detach()).double() ** 2
+def _square_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Square sum of ``parts`` as a float64 scalar: each part's L2 norm reduced in its own
+    kernel (fp32 accumulation, as torch's clip_grad_norm_), the norms squared and summed once in
+    float64 -- no float64 copy of any gradient (that copy cost 3-8 % of a step in
+    benchmarks/overhead.py), and no per-gradient float64 ops (2-6 % of a tp step there)."""
+    norms = torch.stack([torch.linalg.vector_norm(t.detach()) for t in parts])
+    return (norms.double() ** 2).sum()
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], pp_group=None) -> float:
     """L2 norm of the whole model's gradient (all ranks' parts, see module docstring);
     every rank returns the same value. Collective: all ranks of the groups involved call it."""
-    sums: dict[tuple, list] = {}  # group names -> [groups, square sum]
+    parts: dict[tuple, list] = {}  # group names -> [groups, local parts]
     for p in params:
         if p.grad is None:
             continue
-        sq, groups = _local_square_sum(p.grad)
-        key = tuple(g.group_name for g in groups)
-        if key not in sums:
-            sums[key] = [groups, torch.zeros((), dtype=torch.float64)]
-        sums[key][1] += sq
+        local, groups = _local_part(p.grad)
+        parts.setdefault(tuple(g.group_name for g in groups), [groups, []])[1].append(local)
     total = torch.zeros((), dtype=torch.float64)
-    for groups, sq in sums.values():
+    for groups, locals_ in parts.values():
+        sq = _square_sum(locals_)
         for g in groups:
             dist.all_reduce(sq, group=g)
         total += sq
