@@ -345,8 +345,11 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     Shard(0) on tp) returns a *Replicate* gradient: the whole V x h on every tp rank. FSDP2
     (and composable ``replicate``) redistribute it to the weight's Shard(0) only when they
     reduce it, so a deferred gradient is held whole: (V - ceil(V/t)) h more elements.
-    Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs)."""
-    if spec.tp == 1 or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
+    Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs). ZeRO-0/1 at dp = 1
+    have no wrapper: xpar places the gradient back after every backward
+    (xpar.parallel.data_parallel.keep_grads_placed), nothing is held whole."""
+    unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1
+    if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
     return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
                if name.split(":", 1)[1] == "tok_embeddings.weight")
