@@ -47,7 +47,7 @@ def test_framework_config_mirrors_assumptions():
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "torchtitan", "deepspeed"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
-    from xpar.job import resolved_config
+    from xpar.resolved_config import resolved_config
     cfg, spec = _spec(name, *LAYOUTS[0])
     assert spec.framework.name == name and assumptions_for(spec).name == name
     assert resolved_config(cfg, spec)["framework"]["name"] == name  # the params MLflow logs

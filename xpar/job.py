@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xpar.plots import record_timeline
 from xpar.report import Report, layout_name, print_report
+from xpar.resolved_config import resolved_config
 from xpar.spec import RunSpec
 from xpar.checks import ConfigError
 from xpar.fit import check_run
@@ -73,27 +74,6 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             raise
         print(f"xpar: {e}", file=sys.stderr)
         raise SystemExit(2)
-
-
-def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
-    """The config as it runs: every group replaced by the spec's resolved copy (dp, global
-    batch, micro-batches, virtual stages and layer split as numbers, the ZeRO stage that
-    runs, the detected hardware with the device peak behind MFU). Logged as params and
-    saved as config.yaml, so no 'auto' reaches a record."""
-    from dataclasses import asdict
-
-    from xpar.config import GROUPS
-
-    config = OmegaConf.to_container(cfg, resolve=True)
-    for group in GROUPS:
-        config[group] = asdict(getattr(spec, group))
-    config["run"]["mode"] = spec.mode  # 'auto' resolved: execute or estimate
-    config["train"].pop("resume", None)  # where a run resumed from is a tag (xpar.checkpoint.tracking_link)
-    if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched
-        from xpar.cluster import placement
-        where = placement(spec)
-        config["hardware"].update(nodes=where["nodes"], devices_per_node=where["devices_per_node"])
-    return config
 
 
 @dataclass

@@ -103,7 +103,7 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics); prints where it went."""
     import time
 
-    from xpar.job import resolved_config
+    from xpar.resolved_config import resolved_config
     from xpar.naming import ui_hint
     from xpar.plan.explain import label
     from xpar.tracking import mlflow_run, recording
