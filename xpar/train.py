@@ -67,7 +67,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
             if progress is not None:
                 progress[0].update(progress[1], advance=1,
                                    description=f"step {step + 1}/{spec.train.steps}"
-                                               + ("" if loss is None else f" loss {loss:.4f}"))
+                                               + ("" if loss is None else f" rank 0 loss {loss:.4f}"))
     finally:
         if progress is not None:
             progress[0].stop()
