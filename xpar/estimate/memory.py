@@ -781,15 +781,15 @@ class MemoryEstimate:
 
 
 @lru_cache(maxsize=8192)
-def _largest_unit(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
-    """Elements of the largest FSDP unit on a pipeline rank: a block, or a stage's root
-    (embeddings, final norm, output), as xpar and torchtitan wrap them."""
-    units = [0]
+def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int]:
+    """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output) and
+    of the largest block unit on a pipeline rank, as xpar and torchtitan wrap them."""
+    roots, blocks = [0], [0]
     for s in layout.stages_of(pp_rank):
         head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        units.append(sum(math.prod(sh) for _, sh in head + tail))  # the stage's root
-        units.append(sum(math.prod(sh) for _, sh in block) if layout.layer_split[s] else 0)  # each block
-    return max(units)
+        roots.append(sum(math.prod(sh) for _, sh in head + tail))
+        blocks.append(sum(math.prod(sh) for _, sh in block) if layout.layer_split[s] else 0)
+    return max(roots), max(blocks)
 
 
 def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict[str, float]:
@@ -798,8 +798,10 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> di
     ddp_buckets (ZeRO 0/1, dp > 1): torch DDP copies gradients into flat buckets
     (gradient_as_bucket_view=False, the default): one more gradient-sized buffer (Megatron's
     gradients live in its buffer: ``ddp_bucket_copy`` False). fsdp_allgather (ZeRO-3,
-    resharded): the largest unit's unsharded parameters in the compute dtype, and the
-    prefetched next unit (FSDP2's implicit prefetch): 2 units. fsdp_reduce (ZeRO-2/3 without
+    resharded): in the compute dtype, the root's unsharded parameters (gathered at the start of
+    the forward and held through it -- through the backward too without pp,
+    xpar.parallel.data_parallel.apply_fsdp), the running block's and the prefetched next
+    block's (FSDP2's implicit prefetch): root + 2 blocks. fsdp_reduce (ZeRO-2/3 without
     pp): one unit of unsharded gradients in the compute dtype, plus its fp32 copy when the
     reduction runs in fp32 (MixedPrecisionPolicy reduce_dtype); under pp the deferred whole
     gradients are the ``grads`` term. pp_p2p: one send and one receive buffer of b s h
@@ -824,11 +826,12 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
         return out
     z, e = spec.parallel.zero_stage, precision(spec, o)["e"]
     whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    unit = _largest_unit(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    unit = max(root, block)
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
     if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):
-        out["fsdp_allgather"] = 2 * unit * e
+        out["fsdp_allgather"] = (root + 2 * block) * e
     if z >= 2 and spec.pp == 1:
         out["fsdp_reduce"] = unit * (e + (o.grad_bytes if e != o.grad_bytes else 0))
     return out

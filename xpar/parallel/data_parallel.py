@@ -59,35 +59,42 @@ def _has_dtensor_params(model: nn.Module) -> bool:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool,
-               dtype: str = "fp32") -> nn.Module:
+               dtype: str = "fp32", root_reshard_after_forward: bool = False) -> nn.Module:
     """FSDP2 ``fully_shard`` per transformer block, then the root (embedding, norm, output).
 
-    reshard_after_forward=False keeps parameters unsharded from forward to backward (ZeRO-2:
-    gradients and optimizer states sharded); True frees them after each block's forward and
-    all-gathers again in backward (ZeRO-3). ``dtype='bf16'``: FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 sharded
-    parameters (:func:`xpar.parallel.precision.fsdp_policy`).
+    reshard_after_forward=False keeps the blocks' parameters unsharded from forward to
+    backward (ZeRO-2: gradients and optimizer states sharded); True frees them after each
+    block's forward and all-gathers again in backward (ZeRO-3). The root is kept unsharded
+    from its forward to its backward unless ``root_reshard_after_forward`` (torch's default and
+    advice for a root, whose output layer the backward needs first; re-gathering it cost 3 % of
+    a tiny-model ZeRO-3 step here, benchmarks/overhead.py). Pipeline stages reshard their root
+    too: a stage's forward of the next micro-batch is not followed by its own backward.
+    ``dtype='bf16'``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+    over fp32 sharded parameters (:func:`xpar.parallel.precision.fsdp_policy`).
     """
     from xpar.parallel.precision import fsdp_policy
 
     mp = fsdp_policy(dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and root_reshard_after_forward,
+                mp_policy=mp)
     return model
 
 
 def wrap_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, device: str,
-            dtype: str = "fp32") -> nn.Module:
-    """Apply the dp-axis strategy for ``zero_stage`` (0..3). Under bf16, ZeRO-0/1 expect
-    the model's forward already under autocast (:func:`xpar.parallel.precision.apply_autocast`)."""
+            dtype: str = "fp32", pipelined: bool = False) -> nn.Module:
+    """Apply the dp-axis strategy for ``zero_stage`` (0..3) to a model or (``pipelined``) a
+    pipeline stage. Under bf16, ZeRO-0/1 expect the model's forward already under autocast
+    (:func:`xpar.parallel.precision.apply_autocast`)."""
     if zero_stage <= 1:
         if dp_mesh.size() == 1:  # one dp rank: no gradient to average, no wrapper (it only copied:
             return keep_grads_placed(model)  # 3-5 % of a tp step, benchmarks/overhead.py)
         if _has_dtensor_params(model):  # tensor parallel: DDP cannot wrap DTensor parameters
             return apply_replicate(model, dp_mesh)
         return apply_ddp(model, dp_mesh, device)
-    return apply_fsdp(model, dp_mesh, reshard_after_forward=(zero_stage == 3), dtype=dtype)
+    return apply_fsdp(model, dp_mesh, reshard_after_forward=(zero_stage == 3), dtype=dtype,
+                      root_reshard_after_forward=pipelined)
 
 
 def build_optimizer(params: list[nn.Parameter], zero_stage: int, dp_mesh: DeviceMesh,

@@ -144,7 +144,7 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     chunk = apply_recompute(chunk, par.recompute)                                       # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
-    return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype)                    # 4
+    return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
