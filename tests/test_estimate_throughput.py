@@ -238,7 +238,8 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
-        if name == "narayanan_2021_table2_zero3":  # not captured (see the next test)
+        if name == "narayanan_2021_table2_zero3":  # DeepSpeed 2021's ZeRO-3: its own bound (see below)
+            assert statistics.median(held) <= 0.15 and max(held) <= 0.20, (name, r["held_out"])
             continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.20, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
@@ -256,20 +257,25 @@ def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
     assert over.comm_time["tp"] == pytest.approx(base.comm_time["tp"]) and over.time_per_step_s < base.time_per_step_s
 
 
-def test_deepspeed_zero3_2021_falls_with_scale_but_its_size_is_not_captured(loso):
+def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
     global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
-    138 -> 98 -> 48 (530B on 640/1120/2240). The estimate falls in the same order, but by a few
-    per cent, not by 3x: NCCL-rate rings (8 NICs per node) with prefetch overlap hide what
-    DeepSpeed 2021 exposed (errors +32 % to +304 %; open in issue 9). This test pins what holds:
-    the order."""
+    138 -> 98 -> 48 (530B on 640/1120/2240). DeepSpeed of 2021 (conf/framework/deepspeed_2021.yaml)
+    gathered and reduce-scattered each parameter tensor through torch's list API, after a device
+    synchronize: host ops per rank and tensor, not overlapped. Estimated within 20 % on every row
+    (before this mechanism: +32 % to +304 %), in the published order, and at the largest scale
+    the exposed dp communication is most of the step."""
     cases, res = loso
     rows = cases["narayanan_2021_table2_zero3"]
     errs = res["narayanan_2021_table2_zero3"]["calibration"]
+    assert max(abs(e) for e in errs) <= 0.20, errs
     for lo, hi in ((0, 3), (3, 6)):  # 175B, 530B
         published = [c[3] for c in rows[lo:hi]]
         predicted = [c[3] * (1 + e) for c, e in zip(rows[lo:hi], errs[lo:hi])]
         assert published == sorted(published, reverse=True) and predicted == sorted(predicted, reverse=True)
+    _, spec, assume, _, _ = rows[2]
+    est = estimate(spec, assume)
+    assert est.time_breakdown["dp_comm_exposed"] > 0.6 * est.time_per_step_s, est.time_breakdown
 
 
 def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a_cpu():

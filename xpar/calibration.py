@@ -150,14 +150,14 @@ def table2_zero3_row(row: dict):
     """(spec, assumptions, published hardware TFLOP/s per GPU) of a ZeRO-3 row of Narayanan et
     al. 2021 Table 2: DeepSpeed ZeRO-3 over every GPU, one micro-batch per step, full recompute,
     on the Megatron GPT of 2021 (its kernels: no flash attention, dropout) with DeepSpeed's
-    communication (conf/framework/deepspeed.yaml)."""
+    communication as of 2021 (conf/framework/deepspeed_2021.yaml)."""
     gpus = int(row["gpus"])
     parallel = dict(name="zero3", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=1, recompute="full")
     hw = preset("hardware", "a100_80gb_1024gpu")
     hw["nodes"] = gpus // int(hw["devices_per_node"])
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
                  dtype="bf16", seq_len=2048)
-    a = _fw("deepspeed", flash_attention=False, dropout=True, fused_rmsnorm=False)
+    a = _fw("deepspeed_2021", flash_attention=False, dropout=True, fused_rmsnorm=False)
     return make_spec(gpt_2021_model(row), parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 

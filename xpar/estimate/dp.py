@@ -18,7 +18,10 @@ final norm, output):
   unit by unit when ``param_gather_overlap``.
 
 Parameters travel in the training dtype, gradients in ``grad_reduce_bytes`` per element (fp32
-reduce in xpar's and torchtitan's bf16 recipe). The overlap itself is
+reduce in xpar's and torchtitan's bf16 recipe). A framework that issues ZeRO-3's collectives per
+parameter tensor through torch's list API (``zero3_host_ops_per_rank`` > 0: DeepSpeed 2021) also
+pays, per collective, host ops per rank and tensor and one more device copy of its bytes
+(:func:`list_api_times`). The overlap itself is
 :func:`xpar.estimate.overlap.simulate_pass`. Units: seconds.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.memory import BYTES, param_shapes
+from xpar.estimate.memory import BYTES, param_shapes, tensor_counts
 from xpar.estimate.overlap import simulate_pass, vwhere
 from xpar.spec import RunSpec
 
@@ -85,7 +88,29 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     gather = [timed("allgather", n * e) for n in units]
+    if z == 3 and assume.zero3_host_ops_per_rank:
+        gather = [g + x for g, x in zip(gather, list_api_times(spec, assume, units, e))]
+        red = [r + x for r, x in zip(red, list_api_times(spec, assume, units, gb))]
     return {"gather": gather, "reduce": red}
+
+
+def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int) -> list[float]:
+    """Seconds per unit that one ZeRO-3 collective issued per parameter tensor through torch's
+    list API adds (DeepSpeed v0.3.x, 2021: ``partition_parameters._allgather_param`` and
+    ``_reduce_scatter_gradient`` pass a list of one view per rank): ``zero3_host_ops_per_rank``
+    host ops of ``host_op_us`` per rank and tensor (DeepSpeed's view per rank; torch's copy
+    between the list and its flat buffer per rank), and one device copy of the unit's bytes, read
+    and written over HBM (pytorch/pytorch PR 33924 measured these copies: 4.6x the in-place
+    all-gather on a DGX-1). Tensors per unit: a block's, and the whole model's embeddings, final
+    norm and output for a root with elements (a stage's root holds at most those: the error is
+    two tensors' host ops). ``elem_bytes``: bytes per element moved."""
+    block, root = tensor_counts(spec.model, spec.tp)
+    per_tensor = assume.zero3_host_ops_per_rank * assume.host_op_us * 1e-6 * spec.dp
+    hbm = (spec.hardware.hbm_tb_per_s or 0) * 1e12
+    copy = [2 * n * elem_bytes / hbm if hbm else 0.0 for n in units]
+    tensors = [root if units[0] else 0] + [block] * (len(units) - 1)
+    return [k * per_tensor + c for k, c in zip(tensors, copy)]
+
 
 
 def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compute_b: list[float]) -> DpTiming:

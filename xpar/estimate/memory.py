@@ -257,6 +257,17 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
 
 
+def tensor_counts(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameter tensors of one block, of the model's ends: embeddings, final norm, output)."""
+    return _tensor_counts(_model_key(cfg), tp)
+
+
+@lru_cache(maxsize=256)
+def _tensor_counts(cfg_key: tuple, tp: int) -> tuple[int, int]:
+    head, block, tail = _stage_parts(cfg_key, True, True, tp)
+    return len(block), len(head) + len(tail)
+
+
 def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
