@@ -16,3 +16,21 @@ def test_help_lists_groups_presets_commands_and_the_store(tmp_path):
     assert "python -m xpar -m parallel=pp parallel.micro_batches=1,2,4,8" in out  # the headline sweep
     assert "./mlflow.db" in out and "workflowType=machine_learning" in out  # where runs go, how to see them
     assert "Hydra" not in out.splitlines()[0] and not (tmp_path / "outputs").exists()  # nothing ran
+
+
+def test_plan_help_lists_every_plan_key_and_runs_nothing(tmp_path):
+    """`xpar plan --help` (was Hydra's page): usage, examples, every plan.* key with its default
+    and meaning from xpar.config.PlanConfig."""
+    import dataclasses
+
+    from xpar.config import PlanConfig
+    from xpar.help import field_docs
+
+    r = subprocess.run([sys.executable, "-m", "xpar", "plan", "model=7b", "--help"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = field_docs(PlanConfig)
+    for f in dataclasses.fields(PlanConfig):
+        assert f"  plan.{f.name}=" in r.stdout and docs[f.name], f.name
+    assert "Sequences per step" in r.stdout and "xpar plan model=175b hardware=a100_80gb_1024gpu" in r.stdout
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()

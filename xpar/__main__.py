@@ -69,6 +69,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "calibrate":  # measure this machine into a hardware preset
         from xpar.calibrate import main as calibrate_main
         raise SystemExit(calibrate_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "plan" and {"--help", "-h"} & set(sys.argv[2:]):
+        from xpar.help import plan_help_text
+        print(plan_help_text())
+        raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "plan":  # every layout ranked (xpar.plan): run.mode=plan
         from xpar.plan.inputs import plan_argv
         sys.argv[1:] = plan_argv(sys.argv[2:])

@@ -65,3 +65,55 @@ Hydra's own help: python -m xpar --hydra-help.  More: README.md."""
 
 def print_help() -> None:
     print(help_text())
+
+
+PLAN_EXAMPLES = """\
+  xpar plan model=175b hardware=a100_80gb_1024gpu                   the 175B / 1024 A100 search
+  xpar plan model=70b hardware=a100_80gb_64gpu framework=megatron   as Megatron-LM would run it
+  xpar plan model=7b hardware=a100_80gb_8gpu plan.zero_stages=[0,1] plan.max_tp=2
+  xpar plan model=70b hardware=h100_80gb_64gpu plan.devices=[64,512] plan.min_tokens_per_s=2e5
+  xpar plan model=tiny hardware=local plan.execute_top=3              run the top 3 for real here"""
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string after each field), from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for field, doc in zip(body, body[1:]):
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            docs[field.target.id] = " ".join(str(doc.value.value).split())
+    return docs
+
+
+def plan_help_text() -> str:
+    """``xpar plan --help``: usage, examples and every ``plan.*`` key with its default and meaning."""
+    import dataclasses
+    import textwrap
+
+    from xpar.config import PlanConfig
+
+    docs = field_docs(PlanConfig)
+    keys = []
+    for f in dataclasses.fields(PlanConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        text = textwrap.fill(docs.get(f.name, ""), width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        keys.append(f"  plan.{f.name}={'null' if default is None else default}\n{text}")
+    keys_text = "\n".join(keys)
+    return f"""usage: xpar plan [group=preset ...] [plan.key=value ...]     (= python -m xpar run.mode=plan train=cluster ...)
+
+Every valid layout of the model on the hardware (tp, pp, dp, ZeRO stage, micro-batch size and count,
+schedule and virtual stages, sequence parallelism, recompute), ranked by the cost model's tokens/s and
+explained; an MLflow run (tag xpar.mode=plan) with the ranked table; the winner as a python -m xpar line.
+
+Examples:
+{PLAN_EXAMPLES}
+
+Constraints (plan.*):
+{keys_text}
+
+Groups as for a run (model=, hardware=, framework=, train=): xpar --help lists their presets."""
+
