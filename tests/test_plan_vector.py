@@ -1,8 +1,9 @@
 """The planner's vectorised step time (xpar.plan.vtime) equals the scalar estimate, layout by layout.
 
 Random valid candidates (seeded) over models tiny/7b/70b/175b, the A100 and H100 presets, the four
-framework profiles, every schedule, ZeRO 0-3 and the three recompute policies; each figure of
-``time_columns`` is compared with ``estimate(spec_of(...))`` at relative 1e-9.
+framework profiles, every schedule, ZeRO 0-3, the three recompute policies and optimizer offload
+on or off; each figure of ``time_columns`` is compared with ``estimate(spec_of(...))`` at
+relative 1e-9.
 """
 from __future__ import annotations
 
@@ -54,19 +55,20 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
     zero = zero_stage_run(schedule, pp, int(rng.integers(0, 4)))
     recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else ["none", "selective", "full"]))  # SAC
     return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,
-            bool(tp > 1 and rng.random() < 0.5), recompute)
+            bool(tp > 1 and rng.random() < 0.5), recompute, bool(rng.random() < 0.5))
 
 
 def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """``n`` valid candidate rows (xpar.plan.context columns): tp dividing the heads and kv
     heads, pp x v dividing the layers, m that the schedule accepts, the ZeRO stage that runs,
-    sp only with tp > 1, no selective recompute with split-backward schedules."""
+    sp only with tp > 1, no selective recompute with split-backward schedules; the optimizer
+    offloaded (column ``offload``) on about half of them."""
     rows = []
     while len(rows) < n:
         r = _one(ctx, rng)
         if r is not None:
             rows.append(r)
-    return {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS)}
+    return {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS + ("offload",))}
 
 
 def scalar_fields(e) -> dict[str, float]:
@@ -75,7 +77,17 @@ def scalar_fields(e) -> dict[str, float]:
                                     "tflops_per_device", "hw_tflops_per_device", "mfu", "hfu")}
     d.update({f"time_{k}": e.time_breakdown[k] for k in TIME_TERMS})
     d.update({f"{k}_comm_issued_s": e.comm_time[k] for k in ("dp", "tp", "pp")})
+    off = e.offload
+    d.update(offload_host_step_s=off.get("host_step_s", 0.0),
+             offload_pcie_s=off.get("grad_to_host_exposed_s", 0.0) + off.get("param_to_device_s", 0.0))
     return d
+
+
+def memory_args(ests: list) -> tuple[np.ndarray, np.ndarray]:
+    """(memory_optimizer, optimizer_elements) of time_columns from the scalar estimates (the
+    elements an offloaded optimizer moves; 0 where it does not offload, where they are unread)."""
+    return (np.array([e.memory.optimizer for e in ests]),
+            np.array([e.offload.get("elements", 0.0) for e in ests]))
 
 
 def _mismatches(ctx: PlanContext, cols: dict, got: dict, ests: list) -> list[str]:
@@ -84,25 +96,27 @@ def _mismatches(ctx: PlanContext, cols: dict, got: dict, ests: list) -> list[str
         for k, want in scalar_fields(e).items():
             if not (got[k][i] == pytest.approx(want, rel=1e-9, abs=1e-15)):
                 bad.append(f"{ctx.model['name']}/{ctx.hardware['name']}/{ctx.framework['name']} "
-                           f"{ {c: cols[c][i].item() for c in COLUMNS} } {k}: {got[k][i]!r} != {want!r}")
+                           f"{ {c: cols[c][i].item() for c in cols} } {k}: {got[k][i]!r} != {want!r}")
     return bad
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_time_columns_equal_scalar_estimate(model):
     rng = np.random.default_rng(MODELS.index(model))
-    bad, checked = [], 0
+    bad, checked, offloaded = [], 0, 0
     for hardware in HARDWARE:
         for framework in FRAMEWORKS:
             ctx = context(model, hardware, framework)
             cols = random_candidates(ctx, rng, 2)
             specs = [spec_of(ctx, cols, i) for i in range(2)]
             ests = [estimate(sp) for sp in specs]
-            got = time_columns(specs[1], cols, np.array([e.memory.optimizer for e in ests]))
+            got = time_columns(specs[1], cols, *memory_args(ests))
             assert set(got) == set(TIME_KEYS) and all(len(x) == 2 for x in got.values())
             bad += _mismatches(ctx, cols, got, ests)
             checked += 2
+            offloaded += int((got["offload_host_step_s"] > 0).sum())
     assert checked == 40 and not bad, "\n".join(bad[:20])
+    assert offloaded >= 10  # the offloaded step is exercised (every preset here has host figures)
 
 
 def test_time_columns_many_layouts_one_context():
@@ -111,7 +125,7 @@ def test_time_columns_many_layouts_one_context():
     cols = random_candidates(ctx, np.random.default_rng(7), 24)
     specs = [spec_of(ctx, cols, i) for i in range(24)]
     ests = [estimate(sp) for sp in specs]
-    got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+    got = time_columns(specs[0], cols, *memory_args(ests))
     assert len(set(cols["pp"].tolist())) >= 4
     bad = _mismatches(ctx, cols, got, ests)
     assert not bad, "\n".join(bad[:20])
@@ -186,7 +200,7 @@ def test_time_columns_on_the_plan_space():
     cols = {k: v[pick] for k, v in space.cols.items()}
     specs = [spec_of(ctx, cols, i) for i in range(40)]
     ests = [estimate(sp) for sp in specs]
-    got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+    got = time_columns(specs[0], cols, *memory_args(ests))
     bad = _mismatches(ctx, cols, got, ests)
     assert not bad, "\n".join(bad[:20])
 
@@ -201,7 +215,7 @@ def test_time_columns_on_local_cpu_hardware():
         cols = random_candidates(ctx, np.random.default_rng(2), 6)
         specs = [spec_of(ctx, cols, i) for i in range(6)]
         ests = [estimate(sp) for sp in specs]
-        got = time_columns(specs[0], cols, np.array([e.memory.optimizer for e in ests]))
+        got = time_columns(specs[0], cols, *memory_args(ests))
         assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
         bad = _mismatches(ctx, cols, got, ests)
         assert not bad, "\n".join(bad[:20])

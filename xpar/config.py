@@ -132,6 +132,14 @@ class HardwareConfig:
     memory_headroom: float = 0.0
     """Fraction of device memory the fit check keeps free (0.05: refuse a layout whose
     estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
+    pcie_gb_per_s: Optional[float] = None
+    """Host <-> device bandwidth per device, GB/s per direction, with every device of the node
+    copying at once (optimizer offload, xpar.estimate.offload); None: unknown (no offload)."""
+    host_memory_gb: Optional[float] = None
+    """Host memory (DRAM) per node, GB (1e9 bytes): holds offloaded optimizer states; None: unknown."""
+    host_mem_gb_per_s: Optional[float] = None
+    """Host memory bandwidth per node, GB/s (all sockets): bounds the host AdamW step of an
+    offloaded optimizer; None: unknown (no offload)."""
 
 
 @dataclass
@@ -207,7 +215,12 @@ class FrameworkConfig:
     ddp_bucket_copy: bool = True
     """DDP copies gradients into communication buckets (torch default)."""
     cpu_offload_optimizer: bool = False
-    """Optimizer states in host memory."""
+    """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
+    (DeepSpeed offload_optimizer; timed by xpar.estimate.offload). Estimate only: xpar does not
+    execute it (execute mode refuses it)."""
+    offload: list = field(default_factory=lambda: [False, True])
+    """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
+    [false, true]."""
     zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
     """ZeRO stages the framework runs (xpar plan searches these): xpar all four."""
     pp_zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
@@ -352,6 +365,8 @@ class PlanConfig:
     """Recompute policies allowed (none, selective, full); null: all."""
     sequence_parallel: Optional[list] = None
     """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
+    offload: Optional[list] = None
+    """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
     max_micro_batch_size: int = 8
     """Largest micro-batch size b tried (sequences)."""
     memory_headroom: Optional[float] = None

@@ -24,6 +24,7 @@ from xpar.checks import ConfigError
 from xpar.checks.duration import duration_problems
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks
+from xpar.estimate.offload import offload_problem
 from xpar.spec import RunSpec
 from xpar.validate import validate
 
@@ -290,10 +291,10 @@ def memory_problems(spec: RunSpec) -> list[str]:
     if not 0.0 <= headroom < 1.0:
         return [f"hardware.memory_headroom={headroom:g} must be a fraction of device memory in [0, 1) "
                 f"(0.05 keeps 5 % free); values that work: 0, 0.05, 0.1."]
-    problem = None
-    if spec.mode == "execute" and spec.hardware.device == "cpu":
+    problem = offload_problem(spec, assumptions_for(spec))  # xpar.estimate.offload: execute, ZeRO-0, host memory
+    if problem is None and spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
-    elif spec.mode == "estimate":
+    elif problem is None and spec.mode == "estimate":
         problem = fit_problem(spec)
     return [problem] if problem else []
 

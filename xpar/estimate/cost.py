@@ -56,6 +56,7 @@ from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing
 from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
                                   layer_activation_bytes, memory)
+from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.schedule import bubble_theory
 from xpar.spec import RunSpec
@@ -144,6 +145,10 @@ class Estimate:
     """Seconds of communication issued per step on the slowest rank, hidden or not (tp, pp,
     dp), beside the exposed shares in ``time_breakdown``."""
     framework: str = "xpar"
+    offload: dict = field(default_factory=dict)
+    """An offloaded optimizer's seconds per step by part (xpar.estimate.offload.OFFLOAD_TERMS; its
+    ``exposed_s`` is in ``time_breakdown['optimizer']``), ``elements`` and host ``host_bytes`` per
+    node; empty without offload."""
 
 
 def assumptions_for(spec: RunSpec) -> Assumptions:
@@ -326,11 +331,25 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     x = per_rank[slow]
     mem = _memory(spec, assume)
     t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s)
-    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time), t_opt)
+    off = _offload(spec, assume, mem.pp_rank, x, notes)
+    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time),
+                                t_opt + off.get("exposed_s", 0.0))
     comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
     est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
-    est.comm_time, est.framework = comm_time, assume.name
+    est.comm_time, est.framework, est.offload = comm_time, assume.name, off
     return est
+
+
+def _offload(spec: RunSpec, assume: Assumptions, pp_rank: int, x: dict, notes: list[str]) -> dict:
+    """The offloaded optimizer step of the device on ``pp_rank`` (xpar.estimate.offload), with
+    the slowest rank's micro-batch compute ``x`` as the backward the gradient copies overlap;
+    {} without offload, or with a note when the hardware has no host figures."""
+    if not assume.cpu_offload_optimizer:
+        return {}
+    step = offload_step(spec, assume, pp_rank, x["matmul"] + x["memory_bound"])
+    if step is None:
+        notes.append("no PCIe or host-memory figures for this hardware: the offloaded optimizer step is not estimated")
+    return step or {}
 
 
 def _per(x: Any, time: Any) -> Any:

@@ -63,8 +63,11 @@ class Plan:
 
     @property
     def dropped(self) -> dict[str, int]:
-        """Layouts dropped by rule (:data:`RULES` keys) and ``memory`` (do not fit)."""
-        return dict(self.space.dropped, memory=int(len(self.space) - len(self.ranked)))
+        """Layouts dropped by rule (:data:`RULES` keys), ``memory`` (do not fit device memory) and
+        ``host_memory`` (fit it, but their offloaded optimizer states do not fit host memory)."""
+        fits = self.res["fits"].astype(bool)
+        host = int((fits & ~self.res["host_fits"].astype(bool)).sum()) if "host_fits" in self.res else 0
+        return dict(self.space.dropped, memory=int((~fits).sum()), host_memory=host)
 
 
 def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
@@ -75,7 +78,7 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
             values that work), or none fits (the smallest cluster or largest headroom that would).
     """
     from xpar.plan.evaluate import evaluate
-    from xpar.plan.rank import order
+    from xpar.plan.rank import feasible, order
 
     devices = devices or inputs.device_counts[0]
     ctx, t0 = inputs.at(devices), time.perf_counter()
@@ -86,7 +89,7 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
     t1 = time.perf_counter()
     res = evaluate(ctx, space.cols)
     t2 = time.perf_counter()
-    ranked = order(res, res["fits"].astype(bool))
+    ranked = order(res, feasible(res))
     seconds = {"enumerate": t1 - t0, "evaluate": t2 - t1, "rank": time.perf_counter() - t2}
     plan = Plan(inputs, ctx, space, res, ranked, seconds)
     if not len(ranked):

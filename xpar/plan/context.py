@@ -12,6 +12,8 @@ Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
 - ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.layout.zero_stage_run` applied).
 - ``sp``: sequence parallelism (bool; only with tp > 1).
 - ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
+- ``offload`` (optional, :data:`OPTIONAL_COLUMNS`): the optimizer offloaded to host memory
+  (bool; ``framework.cpu_offload_optimizer``, xpar.estimate.offload). Absent: the framework's.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import numpy as np
 
 COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
 """The candidate columns, in display order."""
+OPTIONAL_COLUMNS = ("offload",)
+"""Columns a candidate set may leave out (then the framework's setting holds for every candidate)."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,8 @@ class PlanContext:
 
 
 def row(cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
-    """Candidate ``i`` as plain Python values (int, str, bool)."""
-    return {k: cols[k][i].item() for k in COLUMNS}
+    """Candidate ``i`` as plain Python values (int, str, bool), with the optional columns present."""
+    return {k: cols[k][i].item() for k in COLUMNS + OPTIONAL_COLUMNS if k in cols}
 
 
 def parallel_group(r: dict[str, Any]) -> dict:
@@ -59,4 +63,6 @@ def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
            "train": train, "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
     if ctx.framework:
         cfg["framework"] = dict(ctx.framework)
+    if "offload" in r:
+        cfg["framework"] = dict(cfg.get("framework", {}), cpu_offload_optimizer=bool(r["offload"]))
     return validate(cfg)

@@ -3,14 +3,17 @@ pipeline bubble, communication) and what the best alternatives that differ from 
 choice lose."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from xpar.estimate.cost import TIME_TERMS
-from xpar.plan.rank import TERM_WORDS, describe_gap, separating_terms
+from xpar.plan.rank import TERM_WORDS, describe_gap, feasible, separating_terms
 
 GB = 1e9
 ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute", "recompute"),
-                ("schedule", "schedule"), ("b", "micro-batch size"), ("sp", "sequence parallelism"))
+                ("schedule", "schedule"), ("b", "micro-batch size"), ("sp", "sequence parallelism"),
+                ("offload", "optimizer offload"))
 """Columns along which the best different layout is reported, and their names in words."""
 
 
@@ -23,8 +26,9 @@ def label(res: dict[str, np.ndarray], i: int) -> str:
     """A layout in one short line: degrees, schedule, micro-batching, ZeRO, sp, recompute."""
     pipe = f" {res['schedule'][i]}" + (f" v{res['v'][i]}" if res["v"][i] > 1 else "") if res["pp"][i] > 1 else ""
     sp = " sp" if res["sp"][i] else ""
+    off = " offload" if "offload" in res and res["offload"][i] else ""
     return (f"tp{res['tp'][i]} pp{res['pp'][i]} dp{res['dp'][i]}{pipe} b{res['b'][i]} m{res['m'][i]} "
-            f"ZeRO-{res['zero'][i]}{sp} recompute={res['recompute'][i]}")
+            f"ZeRO-{res['zero'][i]}{sp}{off} recompute={res['recompute'][i]}")
 
 
 def step_shares(res: dict[str, np.ndarray], i: int) -> dict[str, float]:
@@ -35,14 +39,14 @@ def step_shares(res: dict[str, np.ndarray], i: int) -> dict[str, float]:
 
 def memory_line(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> str:
     """Whether memory binds: the fastest valid layout of all (fitting or not) against the winner."""
-    best = ranked[0]
+    best, fits = ranked[0], feasible(res)
     idx = np.flatnonzero(valid)
     fastest = idx[np.argmax(res["tokens_per_s"][idx])]
     usable = float(res["memory_usable"][best]) / GB
-    if res["fits"][fastest] or res["tokens_per_s"][fastest] <= res["tokens_per_s"][best]:
+    if fits[fastest] or res["tokens_per_s"][fastest] <= res["tokens_per_s"][best]:
         return (f"Memory does not bind: the fastest valid layout fits ({res['memory_total'][best] / GB:.1f} GB of "
                 f"{usable:.1f} GB usable per device).")
-    faster = int((valid & ~res["fits"] & (res["tokens_per_s"] > res["tokens_per_s"][best])).sum())
+    faster = int((valid & ~fits & (res["tokens_per_s"] > res["tokens_per_s"][best])).sum())
     gain = res["tokens_per_s"][fastest] / res["tokens_per_s"][best] - 1
     return (f"Memory binds: {faster:,} valid layouts would be faster but do not fit; the fastest, "
             f"{label(res, fastest)}, would give +{100 * gain:.0f} % tokens/s and needs "
@@ -64,11 +68,27 @@ def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
             f"{100 * shares[over]:.0f} % of the step.")
 
 
+def offload_line(res: dict[str, np.ndarray], i: int, hardware: dict) -> str:
+    """What offloading the optimizer costs layout ``i`` ('' when it does not offload): the host
+    AdamW step and the exposed PCIe copies per step (xpar.estimate.offload), and the host memory
+    its states take per node."""
+    if "offload" not in res or not res["offload"][i]:
+        return ""
+    host, pcie = float(res["offload_host_step_s"][i]), float(res["offload_pcie_s"][i])
+    share = (host + pcie) / float(res["time_per_step_s"][i])
+    return (f"Optimizer offloaded to host memory (ZeRO-Offload's schedule, xpar.estimate.offload): +{host:.3g} s "
+            f"host AdamW, +{pcie:.3g} s PCIe per step ({100 * share:.1f} % of the step); its states take "
+            f"{float(res['host_bytes'][i]) / GB:,.0f} GB of the node's {float(hardware.get('host_memory_gb') or 0):,.0f} "
+            f"GB host memory.")
+
+
 def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[str]:
     """For each choice in :data:`ALTERNATIVES`, the best feasible layout that differs from the
     winner in it: its tokens/s against the winner's and the term that separates them."""
     best, out = ranked[0], []
     for col, words in ALTERNATIVES:
+        if col not in res:
+            continue
         other = ranked[res[col][ranked] != res[col][best]]
         if not len(other):
             continue
@@ -81,11 +101,14 @@ def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[st
     return out
 
 
-def explain(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> list[str]:
-    """The winner's reasoning: the memory line, where its step goes, what alternatives lose.
-    ``ranked``: feasible layouts best first; ``valid``: rows passing every rule but memory."""
+def explain(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray,
+            hardware: Optional[dict] = None) -> list[str]:
+    """The winner's reasoning: the memory line, where its step goes, an offloaded optimizer's
+    cost, what alternatives lose. ``ranked``: feasible layouts best first; ``valid``: rows
+    passing every rule but memory; ``hardware``: the hardware group (host memory)."""
     best = ranked[0]
     head = (f"Winner: {label(res, best)}: {res['tokens_per_s'][best]:,.0f} tokens/s, MFU "
             f"{100 * res['mfu'][best]:.1f} %, {res['memory_total'][best] / GB:.1f} GB per device.")
-    return [head, memory_line(res, ranked, valid), overhead_line(res, best),
-            "What the next-best alternatives lose:"] + alternative_lines(res, ranked)
+    off = offload_line(res, best, hardware or {})
+    return [head, memory_line(res, ranked, valid), overhead_line(res, best)] + ([off] if off else []) + [
+        "What the next-best alternatives lose:"] + alternative_lines(res, ranked)

@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
+from xpar.estimate.offload import offload_figures_known
 from xpar.layout import SCHEDULES
 from xpar.plan.context import PlanContext
 from xpar.plan.space import RECOMPUTE, ZERO_STAGES, Constraints, batch_values
@@ -86,13 +87,16 @@ def _choice_problems(p, framework: dict) -> list[str]:
     out = []
     runs = list(framework.get("zero_stages", ZERO_STAGES))
     scheds = list(framework.get("schedules", SCHEDULES))
+    offload = [bool(x) for x in framework.get("offload", [False])]
     for key, given, valid in (("schedules", p.schedules, scheds), ("zero_stages", p.zero_stages, runs),
                               ("recompute", p.recompute, list(RECOMPUTE)),
-                              ("sequence_parallel", p.sequence_parallel, [False, True])):
+                              ("sequence_parallel", p.sequence_parallel, [False, True]),
+                              ("offload", p.offload, offload)):
         bad = [v for v in (given or []) if v not in valid]
         if given is not None and (bad or not given):
             why = {"zero_stages": f" (framework={framework.get('name')} runs ZeRO stages {runs})",
-                   "schedules": f" (framework={framework.get('name')} runs schedules {scheds})"}.get(key, "")
+                   "schedules": f" (framework={framework.get('name')} runs schedules {scheds})",
+                   "offload": f" (framework={framework.get('name')} runs optimizer offload {offload})"}.get(key, "")
             out.append(f"plan.{key}={list(given)}: {bad or 'empty'} not allowed{why}; values that work: {valid}, "
                        f"e.g. plan.{key}=[{valid[0]}].")
     return out
@@ -182,7 +186,9 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),
                     recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size,
-                    sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or (False, True))))
+                    sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or (False, True))),
+                    offload=tuple(bool(x) for x in (p.offload or framework.get("offload", [False]))),
+                    offload_hardware=offload_figures_known(hw))
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
     ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
     inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top,

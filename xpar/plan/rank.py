@@ -12,6 +12,13 @@ TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm"
 """The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`) in words."""
 
 
+def feasible(res: dict[str, np.ndarray]) -> np.ndarray:
+    """Layouts that fit: device memory (``fits``) and, for an offloaded optimizer, the node's
+    host memory (``host_fits``, when the columns hold it)."""
+    fits = np.asarray(res["fits"], dtype=bool)
+    return fits & np.asarray(res["host_fits"], dtype=bool) if "host_fits" in res else fits
+
+
 def order(res: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
     """Indices of the rows where ``keep`` holds, best first: highest tokens/s, then least memory
     per device, then fewest devices in a tp group (a stable, documented tie-break)."""

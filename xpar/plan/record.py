@@ -13,9 +13,9 @@ import numpy as np
 from xpar.estimate.cost import TIME_TERMS
 
 GB = 1e9
-CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "tokens_per_s",
+CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload", "tokens_per_s",
                "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
-               "memory_usable") + tuple(f"time_{k}" for k in TIME_TERMS)
+               "memory_usable", "host_bytes") + tuple(f"time_{k}" for k in TIME_TERMS)
 """Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``."""
 
 
@@ -83,7 +83,7 @@ def write_artifacts(plan, line: str, out_dir: Path) -> list[Path]:
     with open(dropped, "w", newline="") as f:
         csv.writer(f).writerows([("rule", "layouts")] + list(plan.dropped.items()))
     text = dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked,
-                                                                      np.ones(len(plan.space), bool))
+                                                                      np.ones(len(plan.space), bool), plan.ctx.hardware)
     (out_dir / "plan.txt").write_text("\n".join(text + ["", "Reproduce the top layout:", "  " + line, ""]))
     return [write_ranked_csv(plan, out_dir / "plan_ranked.csv"), dropped, out_dir / "plan.txt",
             pareto_figure(plan, out_dir / "plan_pareto.png")]

@@ -8,7 +8,8 @@ from xpar.plan.space import RULES
 
 GB = 1e9
 SKIP = ("plan.", "plan=", "run.mode=", "parallel.", "train.global_batch_size=", "train.micro_batch_size=",
-        "hardware.memory_headroom=", "hardware.nodes=", "hardware.devices_per_node=")
+        "hardware.memory_headroom=", "hardware.nodes=", "hardware.devices_per_node=",
+        "framework.cpu_offload_optimizer=")
 """Overrides the reproducing line replaces with the winner's values."""
 
 
@@ -22,6 +23,8 @@ def override_line(plan) -> str:
            f"parallel.schedule={r['schedule'][i]}", f"parallel.virtual_stages={r['v'][i]}",
            f"parallel.sequence_parallel={str(bool(r['sp'][i])).lower()}", f"parallel.recompute={r['recompute'][i]}",
            f"train.micro_batch_size={r['b'][i]}", f"train.global_batch_size={r['b'][i] * r['m'][i] * r['dp'][i]}"]
+    if "offload" in r and (r["offload"][i] or ctx.framework.get("cpu_offload_optimizer")):
+        par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
     hw = ctx.hardware
     if hw["name"] != "local":
         par.append(f"hardware.nodes={hw['nodes']}")
@@ -44,14 +47,15 @@ def ranked_table(plan):
     t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
                     f"(model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
                     f"global batch {int(r['b'][plan.best] * r['m'][plan.best] * r['dp'][plan.best])}) -- ESTIMATE")
-    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m", "ZeRO", "sp", "recompute", "tokens/s", "vs best",
-                "MFU", "bubble", "GB/device", "separates it from the best"):
+    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m", "ZeRO", "sp", "recompute", "offload", "tokens/s",
+                "vs best", "MFU", "bubble", "GB/device", "separates it from the best"):
         t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right")
     for n, (i, gap) in enumerate(zip(top, gaps), 1):
         sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
         rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
         t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp")), sched, str(r["b"][i]), str(r["m"][i]),
                   str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
+                  "yes" if "offload" in r and r["offload"][i] else "",
                   f"{r['tokens_per_s'][i]:,.0f}", _signed(rel) if n > 1 else "best",
                   f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %",
                   f"{r['memory_total'][i] / GB:.1f}", describe_gap(*gap))
@@ -70,7 +74,8 @@ def dropped_lines(plan) -> list[str]:
     lines = [f"{plan.space.raw:,} layouts in the space, {n:,} valid, {len(plan.ranked):,} fit; evaluated in "
              f"{s.get('evaluate', 0):.2f} s ({n / max(s.get('evaluate', 0), 1e-9):,.0f} layouts/s), "
              f"enumerated in {s.get('enumerate', 0):.2f} s. Dropped:"]
-    words = dict(RULES, memory="does not fit device memory (cost model, with the memory headroom)")
+    words = dict(RULES, memory="does not fit device memory (cost model, with the memory headroom)",
+                 host_memory="offloaded optimizer states do not fit the node's host memory (hardware.host_memory_gb)")
     lines += [f"  {v:>12,}  {words[k]}" for k, v in d.items() if v]
     return lines
 
@@ -91,7 +96,7 @@ def print_plan(plan, line: str) -> None:
     from xpar.plan.explain import explain
     console = Console(width=max(160, Console().width))
     console.print(ranked_table(plan))
-    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan)):
+    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware):
         console.print(text, highlight=False, markup=False)
     console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
 

@@ -9,7 +9,8 @@ The raw space is the product of these axes (numpy, no torch):
 - micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
 - (schedule, v): every schedule of :data:`xpar.layout.SCHEDULES` with its stages per rank
   (1; 2 for V-shaped ones; every divisor >= 2 of n_layers for looped ones);
-- ZeRO stage 0-3, sequence parallelism off/on, recompute none/selective/full.
+- ZeRO stage 0-3, sequence parallelism off/on, recompute none/selective/full, optimizer offload
+  off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
 
 m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are applied) are those
 :mod:`xpar.validate` enforces for a layout (xpar.checks.layout: tp splits, balanced pipeline
@@ -29,6 +30,7 @@ from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD = (False, True)
 SINGLE_SCHEDULE = ("1f1b", 1)
 """The (schedule, v) kept for pp = 1 (no pipeline: the schedule does not matter)."""
 
@@ -52,6 +54,11 @@ RULES = {
     "recompute": "recompute policy not in plan.recompute",
     "sequence_parallel": "sequence parallelism not in plan.sequence_parallel",
     "selective_zb": "selective recompute with a zero-bubble schedule (torch refuses its split backward)",
+    "offload": "optimizer offload the framework does not run (framework.offload), or not in plan.offload",
+    "offload_hw": "optimizer offload on hardware without PCIe and host-memory figures (hardware.pcie_gb_per_s, "
+                  "host_mem_gb_per_s, host_memory_gb)",
+    "offload_zero": "optimizer offload at ZeRO-0 with dp > 1 (each rank offloads its optimizer partition: "
+                    "DeepSpeed offload_optimizer needs ZeRO stage 1-3)",
 }
 """Why a layout is dropped, by key, in the order the rules are applied."""
 
@@ -71,6 +78,11 @@ class Constraints:
     recompute: tuple[str, ...] = RECOMPUTE
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int = 8
+    offload: tuple[bool, ...] = (False,)
+    """Optimizer offload choices (framework.offload, narrowed by plan.offload)."""
+    offload_hardware: bool = True
+    """Whether the hardware gives the figures an offloaded step is timed with
+    (:func:`xpar.estimate.offload.offload_figures_known`)."""
 
 
 @dataclass
@@ -173,12 +185,12 @@ def _zero_runs(t: dict) -> np.ndarray:
 
 
 def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
-    """Each structural row times ZeRO stage, sequence parallelism and recompute, less the rules
-    on them."""
+    """Each structural row times ZeRO stage, sequence parallelism, recompute and optimizer
+    offload, less the rules on them."""
     n = len(t["tp"])
-    x = _product(row=np.arange(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE)
+    x = _product(row=np.arange(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE, offload=OFFLOAD)
     t = {k: v[x["row"]] for k, v in t.items()}
-    t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"])
+    t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"], offload=x["offload"])
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
@@ -189,7 +201,11 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
     t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
     t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel))
-    return drops.apply(t, "selective_zb", ~(t["zb"] & (t["recompute"] == "selective")))
+    t = drops.apply(t, "selective_zb", ~(t["zb"] & (t["recompute"] == "selective")))
+    t = drops.apply(t, "offload", ~t["offload"] | bool(True in c.offload))
+    t = drops.apply(t, "offload", t["offload"] | bool(False in c.offload))
+    t = drops.apply(t, "offload_hw", ~t["offload"] | c.offload_hardware)
+    return drops.apply(t, "offload_zero", ~t["offload"] | (t["zero"] >= 1) | (t["dp"] == 1))
 
 
 def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len: int,
@@ -198,15 +214,16 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     vocab_size) on ``devices`` devices, ``devices_per_node`` per node, at ``seq_len`` tokens per
     sequence, that passes :data:`RULES` under ``c``. Returns the candidate columns
     (:mod:`xpar.plan.context`) and the count of layouts each rule dropped."""
-    weight = len(ZERO_STAGES) * 2 * len(RECOMPUTE)
+    weight = len(ZERO_STAGES) * 2 * len(RECOMPUTE) * len(OFFLOAD)
     drops = _Drops(weight)
     t = _structure(model, devices, devices_per_node, c, drops)
     raw = _raw_size(model, devices, c) * weight
     t = _choices(t, seq_len, c, drops)
     cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero")}
-    cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str))
-    from xpar.plan.context import COLUMNS
-    return Space({k: cols[k] for k in COLUMNS}, drops.dropped, raw)
+    cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
+                offload=t["offload"].astype(bool))
+    from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
+    return Space({k: cols[k] for k in COLUMNS + OPTIONAL_COLUMNS}, drops.dropped, raw)
 
 
 def _raw_size(model: dict, devices: int, c: Constraints) -> int:

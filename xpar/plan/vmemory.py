@@ -37,15 +37,19 @@ from typing import Optional
 import numpy as np
 
 from xpar.estimate import memory as mem
+from xpar.estimate.offload import devices_per_node, host_state_bytes
 from xpar.layout import SCHEDULES, Layout
 from xpar.resolve import resolve_layer_split
 from xpar.spec import RunSpec
 
 KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
-        "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits")
+        "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits",
+        "optimizer_elements", "host_bytes", "host_fits")
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
 :data:`xpar.estimate.memory.MEMORY_TERMS` (bytes), the total (bytes), the pipeline rank it is on,
-the usable bytes of a device and whether the total fits in them."""
+the usable bytes of a device and whether the total fits in them; the optimizer's elements on that
+device (offloaded or not), the host bytes per node an offloaded optimizer needs (0 without
+offload) and whether they fit ``hardware.host_memory_gb`` (xpar.estimate.offload)."""
 _SCHED = tuple(SCHEDULES)
 _RECOMPUTE = ("none", "selective", "full")
 
@@ -60,15 +64,18 @@ def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
     return out
 
 
-def _int_columns(cols: dict) -> dict[str, np.ndarray]:
+def _int_columns(cols: dict, offload: bool = False) -> dict[str, np.ndarray]:
     """The candidate columns as int64 arrays (schedule and recompute as codes), v resolved
-    (1 without pipelining, :func:`xpar.resolve.resolve_virtual_stages`)."""
+    (1 without pipelining, :func:`xpar.resolve.resolve_virtual_stages`); ``offload`` where the
+    optional column is absent (the framework's ``cpu_offload_optimizer``)."""
     c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
     c["b"] = np.maximum(c["b"], 1)
     c["v"] = np.where(c["pp"] == 1, 1, np.asarray(cols["v"], dtype=np.int64))
     c["sched"] = _codes(np.asarray(cols["schedule"]), _SCHED)
     c["rec"] = _codes(np.asarray(cols["recompute"]), _RECOMPUTE)
     c["sp"] = np.asarray(cols["sp"], dtype=bool).astype(np.int64)
+    c["offload"] = np.asarray(cols["offload"], dtype=bool).astype(np.int64) if "offload" in cols else \
+        np.full(len(c["tp"]), int(offload), dtype=np.int64)
     return c
 
 
@@ -133,22 +140,23 @@ def _class_ranks(layout: Layout) -> dict[int, int]:
 
 
 def _state_table(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
-    """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1) and rank class: bytes of
-    (params less autocast's copies, grads, optimizer, model-state buffers) on the rank's most
-    loaded dp rank -- the scalar functions on a representative candidate. Not v: with balanced
-    stages a rank holds n_layers / pp blocks whatever v, and the embedding or the output by its
-    class. Returns (table [groups, 4 classes, 4], group of each candidate); NaN where a class
-    is absent."""
+    """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1, offload) and rank class: bytes of
+    (params less autocast's copies, grads, optimizer, model-state buffers) and the optimizer's
+    elements on the rank's most loaded dp rank -- the scalar functions on a representative
+    candidate. Not v: with balanced stages a rank holds n_layers / pp blocks whatever v, and the
+    embedding or the output by its class. Returns (table [groups, 4 classes, 5], group of each
+    candidate); NaN where a class is absent."""
     vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=np.int64)[c["sched"]]
-    rep, inv = _group(c["tp"], c["pp"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64))
-    table = np.full((len(rep), 4, 4), np.nan)
+    rep, inv = _group(c["tp"], c["pp"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64), c["offload"])
+    table = np.full((len(rep), 4, 5), np.nan)
     for g, i in enumerate(rep):
-        spec = _spec_at(base, c, i)
+        spec, og = _spec_at(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
         for k, r in _class_ranks(spec.layout).items():
-            st = mem.held_state_terms(spec, r, mem.most_loaded_dp_rank(spec, r, o.zero1), o)
-            buf = mem.state_buffer_terms(spec, r, o)
+            dp_rank = mem.most_loaded_dp_rank(spec, r, o.zero1)
+            st = mem.held_state_terms(spec, r, dp_rank, og)
+            buf = mem.state_buffer_terms(spec, r, og)
             table[g, k] = (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"],
-                           sum(buf.values()))
+                           sum(buf.values()), mem.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
     return table, inv
 
 
@@ -432,7 +440,7 @@ def _dominates(early: tuple, late: tuple) -> bool:
     return all(_covers(early[3][early[4] == kind], late[3][late[4] == kind]) for kind in np.unique(late[4]))
 
 
-_FIELDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "total")
+_FIELDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "total", "optimizer_elements")
 
 
 def _fields(ctx: dict, idx: np.ndarray, rc, kept: np.ndarray, total: np.ndarray, copies: np.ndarray) -> dict:
@@ -446,6 +454,7 @@ def _fields(ctx: dict, idx: np.ndarray, rc, kept: np.ndarray, total: np.ndarray,
            "activations": (kept + token) + (total - kept), "comm_buffers": st[:, 3] + ctx["p2p"][idx]}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + out["comm_buffers"] \
         + ctx["overhead"]
+    out["optimizer_elements"] = st[:, 4]
     return out
 
 
@@ -548,7 +557,9 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
 
     Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
     (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
-    hardware.memory_headroom)), ``fits`` (bool: total <= usable). Each equals the scalar field
+    hardware.memory_headroom)), ``fits`` (bool: total <= usable), ``optimizer_elements``,
+    ``host_bytes`` and ``host_fits`` (:func:`_host_columns`). The optional candidate column
+    ``offload`` (bool) sets ``cpu_offload_optimizer`` per candidate (default: the framework's). Each equals the scalar field
     to rounding (relative 1e-12 or better; tests/test_plan_memory.py checks 1e-9).
 
     Raises:
@@ -557,7 +568,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     from xpar.estimate.cost import assumptions_for
 
     o = mem.MemoryOptions.of(assumptions_for(base))
-    c = _int_columns(cols)
+    c = _int_columns(cols, o.cpu_offload_optimizer)
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
@@ -566,7 +577,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
              "p2p": mem.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
              * ((c["pp"] > 1) & bool(o.count_buffers))}
     ctx = dict(extra, stab=stab, sinv=sinv, overhead=(hw.framework_overhead_gb or 0) * 1e9,
-               state=_state_table(base, c, o) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64)))
+               state=_state_table(base, c, o) if n else (np.zeros((0, 4, 5)), np.zeros(0, np.int64)))
     res = {k: np.zeros(n) for k in _FIELDS}
     res["pp_rank"] = np.zeros(n, dtype=np.int64)
     _single(ctx, c, res)
@@ -576,4 +587,14 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
                memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
     out["fits"] = out["memory_total"] <= usable
+    out.update(_host_columns(hw, c["offload"], res["optimizer_elements"]))
     return out
+
+
+def _host_columns(hw, offload: np.ndarray, elements: np.ndarray) -> dict[str, np.ndarray]:
+    """``optimizer_elements``, ``host_bytes`` (per node, offloaded candidates; 0 otherwise) and
+    ``host_fits`` (host bytes <= hardware.host_memory_gb; True without offload), from
+    :func:`xpar.estimate.offload.host_state_bytes`."""
+    host = np.where(offload > 0, host_state_bytes(elements, devices_per_node(hw)), 0.0)
+    return {"optimizer_elements": elements, "host_bytes": host,
+            "host_fits": host <= (hw.host_memory_gb or 0) * 1e9}

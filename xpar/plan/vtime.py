@@ -37,6 +37,9 @@ from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, layer_costs, microbatch_time, optimizer_time,
                                 pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
+from xpar.estimate.memory import BYTES, state_widths
+from xpar.estimate.offload import (OFFLOAD_TERMS, devices_per_node, gradient_copies, offload_elements,
+                                   offload_figures_known, offload_time)
 from xpar.estimate.schedule import bubble_theory
 from xpar.layout import SCHEDULES, Layout, even_split
 from xpar.resolve import resolve_virtual_stages
@@ -44,10 +47,11 @@ from xpar.spec import RunSpec
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
     "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
-    "hfu", "dp_comm_issued_s", "tp_comm_issued_s", "pp_comm_issued_s")
+    "hfu", "dp_comm_issued_s", "tp_comm_issued_s", "pp_comm_issued_s", "offload_host_step_s", "offload_pcie_s")
 """Keys of :func:`time_columns`: Estimate.time_per_step_s, time_breakdown[term] as
-``time_<term>``, bubble_ratio, the throughput fields and comm_time[tp|pp|dp] as
-``<axis>_comm_issued_s``."""
+``time_<term>``, bubble_ratio, the throughput fields, comm_time[tp|pp|dp] as
+``<axis>_comm_issued_s``, and an offloaded optimizer's host step and exposed PCIe copies
+(Estimate.offload: host_step_s, grad_to_host_exposed_s + param_to_device_s; 0 without offload)."""
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -84,12 +88,13 @@ def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[st
     return {k: x.reshape(shape) for k, x in by_key(flat, fn, names).items()}
 
 
-def _rows(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
     """The candidate columns as arrays (v resolved: :func:`xpar.resolve.resolve_virtual_stages`;
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
-    ``v_shaped`` (V placement, pp > 1)."""
+    ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
     r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
+    r["offload"] = np.asarray(cols["offload"], dtype=bool) if "offload" in cols else np.full(len(r["tp"]), offload)
     for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
         given, r[k] = np.asarray(cols[k]), np.full(len(r["tp"]), -1, dtype=np.int64)
         for i, name in enumerate(names):  # codes: names.index
@@ -222,41 +227,66 @@ def _combined(columns: list[np.ndarray]) -> np.ndarray:
     return key
 
 
-def _optimizer_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> np.ndarray:
-    """Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer): from
-    xpar.plan.vmemory where present, else the scalar memory model row by row (slow)."""
+def _optimizer_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np.ndarray, np.ndarray]:
+    """(Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer), the
+    optimizer's elements there (offloaded or not)): from xpar.plan.vmemory where present, else
+    the scalar memory model row by row (slow)."""
     try:
         from xpar.plan.vmemory import memory_columns
     except ImportError:
         memory_columns = None
     if memory_columns is not None:
-        return np.asarray(memory_columns(base, cols)["memory_optimizer"], dtype=np.float64)
+        res = memory_columns(base, cols)
+        return (np.asarray(res["memory_optimizer"], dtype=np.float64),
+                np.asarray(res["optimizer_elements"], dtype=np.float64))
     from xpar.estimate.memory import memory
 
-    def one(tp, pp, dp, b, m, v, sch, zero, sp, rec):
+    def one(tp, pp, dp, b, m, v, sch, zero, sp, rec, off):
         spec = spec_at(base, tp, pp, dp, b, m, v, SCHEDULE_NAMES[sch], zero, sp, RECOMPUTE[rec])
-        return {"o": memory(spec, assume=a).optimizer}
+        est = memory(spec, assume=replace(a, cpu_offload_optimizer=bool(off)))
+        return {"o": est.optimizer, "n": offload_elements(spec, a, est.pp_rank)}
 
-    keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
-    return by_key([r[k] for k in keys], one, ("o",))["o"]
+    keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload")
+    got = by_key([r[k] for k in keys], one, ("o", "n"))
+    return got["o"], got["n"]
 
 
-def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
-                 memory_optimizer: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, elements: np.ndarray) -> dict:
+    """:func:`xpar.estimate.offload.offload_time` of every candidate (zeros where it does not
+    offload, or the hardware has no host figures: the scalar estimate's note), with the slowest
+    slot's micro-batch compute (``pick``) and the optimizer's ``elements`` on the memory peak."""
+    hw = base.hardware
+    zero = {k: np.zeros(len(r["tp"])) for k in OFFLOAD_TERMS}
+    if not r["offload"].any() or not offload_figures_known(hw):
+        return zero
+    grad_bytes = state_widths(base, a)[1]
+    copies = gradient_copies(r["zero"], r["dp"], r["m"])
+    out = offload_time(np.asarray(elements, float), copies, grad_bytes, BYTES[base.train.dtype],
+                       pick["matmul"] + pick["memory_bound"], hw.pcie_gb_per_s, hw.host_mem_gb_per_s,
+                       devices_per_node(hw))
+    return {k: np.where(r["offload"], out[k], 0.0) for k in OFFLOAD_TERMS}
+
+
+def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: Optional[np.ndarray] = None,
+                 optimizer_elements: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Step time and throughput of every candidate (:data:`TIME_KEYS`, float64 arrays of the
     candidates' length), each equal to :func:`xpar.estimate.cost.estimate` of the candidate's
     spec (:func:`xpar.plan.context.spec_of`). ``base``: the RunSpec of any candidate of the same
     context (its model, hardware, seq_len, dtype and framework are used). ``memory_optimizer``:
     bytes of optimizer states on the most loaded device per candidate (xpar.plan.vmemory's
     ``memory_optimizer``), for the optimizer term; computed when None (pass it when the memory
-    columns are computed anyway). Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
+    columns are computed anyway), with ``optimizer_elements`` (vmemory's: the optimizer's
+    elements on that device, what an offloaded optimizer moves; needed when a candidate
+    offloads). The optional column ``offload`` (bool; default the framework's
+    ``cpu_offload_optimizer``) adds the offloaded step (xpar.estimate.offload) to the optimizer
+    term. Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
 
     Raises:
         ValueError: a candidate whose pp x v does not divide the layers (splits must be balanced).
         KeyError: a schedule not in :data:`xpar.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
     a = assumptions_for(base)
-    r = _rows(cols)
+    r = _rows(cols, a.cpu_offload_optimizer)
     uneven = np.flatnonzero(base.model.n_layers % (r["pp"] * r["v"]))
     if len(uneven):
         i = int(uneven[0])
@@ -270,12 +300,17 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray],
     pick = {k: np.take_along_axis(np.broadcast_to(v, mb.shape), slow, axis=0)[0] for k, v in x.items()}
     beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
-    opt = _optimizer_bytes(base, cols, r, a) if memory_optimizer is None else np.asarray(memory_optimizer, float)
-    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s) * np.ones(len(r["tp"]))
+    if memory_optimizer is None or (optimizer_elements is None and r["offload"].any()):
+        opt, elements = _optimizer_bytes(base, cols, r, a)
+    else:
+        opt, elements = np.asarray(memory_optimizer, float), optimizer_elements
+    off = _offload_columns(base, a, r, pick, elements)
+    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s) + off["exposed_s"]
     time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
     out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
            "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
-           "pp_comm_issued_s": r["m"] * pick["pp_issued"]}
+           "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
+           "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, time))
     return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
 

@@ -1,0 +1,132 @@
+"""Optimizer offload (framework.cpu_offload_optimizer, xpar.estimate.offload): its step time in the
+estimate and the planner, the host-memory fit, the hardware it needs, and the refusals."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xpar.calibration import preset
+from xpar.checks import ConfigError
+from xpar.estimate.cost import estimate, with_hardware
+from xpar.estimate.offload import HOST_STATE_BYTES, offload_time
+from xpar.fit import check_run
+from xpar.plan.context import PlanContext, spec_of
+from xpar.plan.verify import compose_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def offloaded(model: str = "70b", hardware: str = "a100_80gb_8gpu", *extra: str):
+    """The estimate-mode spec of ZeRO-3 over 8 A100s with the optimizer offloaded."""
+    line = (f"python -m xpar model={model} hardware={hardware} train=cluster parallel=zero3 parallel.recompute=full "
+            f"train.global_batch_size=64 parallel.micro_batches=auto framework=deepspeed framework.cpu_offload_optimizer=true run.mode=estimate "
+            f"tracking=off " + " ".join(extra))
+    return check_run(compose_line(line))
+
+
+def test_offloaded_step_is_timed_and_sits_in_the_optimizer_term():
+    spec = offloaded()
+    e = estimate(spec)
+    off = e.offload
+    assert off["host_step_s"] > 0 and off["param_to_device_s"] > 0 and off["grad_to_host_s"] > 0
+    assert e.memory.optimizer == 0  # the states are on the host
+    assert e.time_breakdown["optimizer"] == pytest.approx(off["exposed_s"], rel=1e-12)  # nothing left on the device
+    assert sum(e.time_breakdown.values()) == pytest.approx(e.time_per_step_s, rel=1e-12)
+    # the node's 8 devices share the host: its step moves 8 x elements x (28 + 2) bytes at 409.6 GB/s
+    assert off["host_step_s"] == pytest.approx(8 * off["elements"] * 30 / 409.6e9, rel=1e-12)
+    assert off["host_bytes"] == 8 * off["elements"] * HOST_STATE_BYTES
+    plain = estimate(replace(spec, framework=replace(spec.framework, cpu_offload_optimizer=False)))
+    assert e.time_per_step_s > plain.time_per_step_s - plain.time_breakdown["optimizer"]
+
+
+def test_offload_time_grows_with_the_model_and_shrinks_with_pcie_bandwidth():
+    small, big = estimate(offloaded("7b")), estimate(offloaded("70b"))
+    for k in ("host_step_s", "param_to_device_s", "grad_to_host_s"):
+        assert big.offload[k] > 5 * small.offload[k], k
+    spec = offloaded()
+    fast = estimate(with_hardware(spec, pcie_gb_per_s=2 * spec.hardware.pcie_gb_per_s))
+    slow = estimate(spec)
+    assert fast.offload["param_to_device_s"] == pytest.approx(slow.offload["param_to_device_s"] / 2, rel=1e-12)
+    assert fast.offload["grad_to_host_s"] == pytest.approx(slow.offload["grad_to_host_s"] / 2, rel=1e-12)
+    assert fast.offload["host_step_s"] == slow.offload["host_step_s"]
+    assert fast.time_breakdown["optimizer"] < slow.time_breakdown["optimizer"]
+
+
+def test_offload_time_on_arrays_equals_floats_and_hides_copies_behind_the_backward():
+    args = dict(grad_bytes=2, param_bytes=2, pcie_gb_per_s=12.5, host_mem_gb_per_s=400.0, devices_per_node=8)
+    n, copies, mb = np.array([1e9, 4e9, 8e9]), np.array([1, 16, 16]), np.array([0.01, 0.01, 100.0])
+    arr = offload_time(n, copies, microbatch_compute_s=mb, **args)
+    for j in range(3):
+        one = offload_time(float(n[j]), int(copies[j]), microbatch_compute_s=float(mb[j]), **args)
+        assert all(arr[k][j] == pytest.approx(v, rel=1e-15) for k, v in one.items())
+    assert arr["grad_to_host_exposed_s"][2] == 0  # a long backward hides every copy
+    one_copy = 4e9 * 2 / 12.5e9  # a short backward hides 2/3 of its compute from each of the 16 copies
+    assert arr["grad_to_host_exposed_s"][1] == pytest.approx(16 * (one_copy - 0.01 * 2 / 3), rel=1e-12)
+
+
+def test_planner_offload_columns_equal_the_scalar_estimate():
+    """Memory (device and host) and time of offloaded and plain candidates, planner against scalar."""
+    from xpar.plan.evaluate import evaluate
+    from xpar.plan.space import Constraints, enumerate_layouts
+    ctx = PlanContext(model=preset("model", "70b"), hardware=preset("hardware", "a100_80gb_8gpu"),
+                      train=dict(dtype="bf16", seq_len=4096), framework=preset("framework", "deepspeed"))
+    space = enumerate_layouts(ctx.model, 8, 8, 4096, Constraints(global_batch=(64, 64), offload=(False, True)))
+    pick = np.random.default_rng(4).choice(len(space), 16, replace=False)
+    cols = {k: v[pick] for k, v in space.cols.items()}
+    assert 0 < cols["offload"].sum() < 16
+    res = evaluate(ctx, cols)
+    for i in range(16):
+        e = estimate(spec_of(ctx, cols, i))
+        assert res["memory_total"][i] == pytest.approx(e.memory.total, rel=1e-9)
+        assert res["time_per_step_s"][i] == pytest.approx(e.time_per_step_s, rel=1e-9)
+        assert res["host_bytes"][i] == pytest.approx(e.offload.get("host_bytes", 0.0), rel=1e-9)
+        assert res["offload_host_step_s"][i] == pytest.approx(e.offload.get("host_step_s", 0.0), rel=1e-9)
+
+
+def _plan(*overrides: str):
+    from xpar.plan.command import search
+    from xpar.plan.inputs import plan_argv, plan_inputs
+    args = plan_argv(list(overrides))
+    inputs, problems = plan_inputs(compose_line("python -m xpar " + " ".join(args)), args)
+    assert not problems, problems
+    return search(inputs)
+
+
+def test_no_host_figures_no_offload_layouts_and_no_offload_time():
+    plan = _plan("model=7b", "hardware=a100_80gb_8gpu", "hardware.pcie_gb_per_s=null")
+    assert not plan.res["offload"].any() and plan.dropped["offload_hw"] > 0
+    e = estimate(offloaded("7b", "a100_80gb_8gpu", "hardware.host_mem_gb_per_s=null"))
+    assert e.offload == {} and any("offloaded optimizer step is not estimated" in n for n in e.notes)
+
+
+def test_frameworks_that_do_not_offload_get_no_offload_layouts():
+    for fw in ("megatron", "torchtitan"):
+        plan = _plan("model=7b", "hardware=a100_80gb_8gpu", f"framework={fw}", "plan.pp=1")
+        assert not plan.res["offload"].any() and plan.dropped["offload"] > 0, fw
+
+
+def test_host_memory_must_hold_the_offloaded_states():
+    with pytest.raises(ConfigError, match="host memory per node"):
+        offloaded("70b", "a100_80gb_8gpu", "hardware.host_memory_gb=512")
+    # 70B's 69e9 elements x 16 bytes = 1104 GB on balanced stages; a stage holding the embeddings takes more
+    plan = _plan("model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=1108")
+    assert plan.dropped["host_memory"] > 0 and (plan.res["host_bytes"][plan.ranked] <= 1108e9).all()
+
+
+def test_offload_at_zero0_over_dp_is_refused():
+    with pytest.raises(ConfigError, match=r"needs parallel.zero_stage >= 1 at dp > 1"):
+        check_run(compose_line("python -m xpar model=7b hardware=a100_80gb_8gpu train=cluster parallel=dp "
+                               "framework.cpu_offload_optimizer=true run.mode=estimate tracking=off"))
+
+
+def test_execute_mode_refuses_offload_in_one_line_exit_2(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "xpar", "framework.cpu_offload_optimizer=true", "tracking=off",
+                        f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "framework.cpu_offload_optimizer=true is estimated only" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,150 @@
+"""Time and host memory of an offloaded optimizer step (``framework.cpu_offload_optimizer``).
+
+The schedule is ZeRO-Offload's (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale
+Model Training", Sec. 4; DeepSpeed ``zero_optimization.offload_optimizer: {device: cpu}``
+with DeepSpeedCPUAdam): the device keeps its compute-dtype parameters; the fp32 master
+weights, the AdamW moments and an fp32 gradient buffer of the device's optimizer partition
+(its ``elements``, the same elements its optimizer would hold on the device) live in host
+memory. Per step, on every device at once:
+
+    grad_to_host  = copies x elements x grad_bytes / pcie         device -> host, PCIe
+    host_step     = devices_per_node x elements x (28 + param_bytes) / host_mem_bw
+    param_to_dev  = elements x param_bytes / pcie                  host -> device, PCIe
+    exposed       = copies x max(0, one copy - BACKWARD_SHARE x micro-batch compute)
+                    + host_step + param_to_dev
+
+- ``copies``: gradient copies per step: one per micro-batch where the gradients are reduced
+  every micro-batch (ZeRO-2/3: the reduced shard is copied and accumulated in fp32 on the
+  host, DeepSpeed stage_1_and_2 / stage3 with offload), one per step otherwise (ZeRO-1, dp = 1).
+- Overlap: each copy runs beside the backward of its micro-batch (DeepSpeed overlap_comm issues
+  it on a side stream as buckets are reduced); the part longer than that backward is exposed.
+  The backward is BACKWARD_SHARE of the micro-batch's compute (matmul + memory-bound work).
+- The host step reads master, gradient and both moments (16 bytes per element), writes master
+  and moments (12) and the updated parameters in the compute dtype for the copy back
+  (``param_bytes``): memory-bandwidth bound (CPU Adam's SIMD loop moves far fewer FLOPs than
+  bytes), and a node's devices share its CPUs and DRAM. Neither the host step nor the copy
+  back overlaps compute (DeepSpeed's delayed parameter update, which would hide them, is off
+  by default): both are exposed.
+- Host memory per node: devices_per_node x elements x HOST_STATE_BYTES must fit
+  ``hardware.host_memory_gb`` (:func:`host_state_bytes`).
+
+Every device is taken as the most loaded one (its ``elements``): an upper bound within a few
+per cent with balanced stages. Hardware figures: ``hardware.pcie_gb_per_s`` (per device, every
+device copying), ``host_mem_gb_per_s`` and ``host_memory_gb`` (per node), datasheet values in
+conf/hardware/*.yaml; None where unknown (:func:`offload_figures_known`), then no time is
+estimated (a note) and the planner searches no offload layouts.
+
+Not modelled: FSDP2's CPUOffloadPolicy, which also keeps the parameter shards on the host and
+copies each unit's shard to the device at every all-gather (torchtitan's profile therefore
+offers no offload); NVMe offload (ZeRO-Infinity).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from xpar.estimate.memory import BYTES, held_numel, memory, most_loaded_dp_rank, state_widths
+from xpar.estimate.overlap import vmax
+
+HOST_STATE_BYTES = 16
+"""Host bytes per offloaded element: fp32 master (4), exp_avg (4), exp_avg_sq (4) and the fp32
+gradient accumulated on the host (4) (DeepSpeed: single_partition_of_fp32_groups and its
+fp32 grad, DeepSpeedCPUAdam's states)."""
+HOST_STEP_READ_WRITE_BYTES = 28
+"""Bytes the host AdamW step moves per element besides the parameter copy: reads master,
+gradient, exp_avg, exp_avg_sq (16), writes master, exp_avg, exp_avg_sq (12)."""
+BACKWARD_SHARE = 2.0 / 3.0
+"""Backward share of a micro-batch's compute: backward = 2 x forward FLOPs (Narayanan et al.
+2021, the 3-passes convention of xpar.estimate.flops)."""
+OFFLOAD_TERMS = ("grad_to_host_s", "grad_to_host_exposed_s", "host_step_s", "param_to_device_s", "exposed_s")
+"""Keys of :func:`offload_time` (seconds per step)."""
+
+
+def offload_time(elements: Any, copies: Any, grad_bytes: float, param_bytes: float, microbatch_compute_s: Any,
+                 pcie_gb_per_s: float, host_mem_gb_per_s: float, devices_per_node: int) -> dict[str, Any]:
+    """Seconds per step of an offloaded optimizer on one device (module docstring), by part
+    (:data:`OFFLOAD_TERMS`): ``grad_to_host_s`` (issued), ``grad_to_host_exposed_s``,
+    ``host_step_s``, ``param_to_device_s`` and their exposed sum ``exposed_s``.
+
+    ``elements``: the device's optimizer elements; ``copies``: gradient copies per step;
+    ``grad_bytes`` / ``param_bytes``: bytes per element of the copied gradient and of the
+    parameters copied back; ``microbatch_compute_s``: matmul + memory-bound seconds of one
+    micro-batch on the device; bandwidths in GB/s (1e9 bytes/s), both > 0. Floats or numpy
+    arrays over layouts (the same arithmetic)."""
+    pcie, host = pcie_gb_per_s * 1e9, host_mem_gb_per_s * 1e9
+    one = elements * grad_bytes / pcie
+    grad_exposed = copies * vmax(one - BACKWARD_SHARE * microbatch_compute_s, 0.0)
+    host_step = devices_per_node * elements * (HOST_STEP_READ_WRITE_BYTES + param_bytes) / host
+    back = elements * param_bytes / pcie
+    return {"grad_to_host_s": copies * one, "grad_to_host_exposed_s": grad_exposed, "host_step_s": host_step,
+            "param_to_device_s": back, "exposed_s": grad_exposed + host_step + back}
+
+
+def host_state_bytes(elements: Any, devices_per_node: int) -> Any:
+    """Host memory a node needs for its devices' offloaded states, bytes (each device as the
+    most loaded: ``elements`` x :data:`HOST_STATE_BYTES` x devices per node)."""
+    return devices_per_node * elements * HOST_STATE_BYTES
+
+
+def gradient_copies(zero_stage: Any, dp: Any, micro_batches: Any) -> Any:
+    """Gradient copies to the host per step: m where gradients are reduced every micro-batch
+    (ZeRO-2/3 at dp > 1), else 1 (floats or arrays)."""
+    per_microbatch = (zero_stage >= 2) & (dp > 1)
+    return per_microbatch * micro_batches + (1 - per_microbatch) * 1
+
+
+def offload_figures_known(hw) -> bool:
+    """Whether ``hw`` (a HardwareConfig or a hardware dict) gives PCIe, host-memory bandwidth
+    and host-memory figures (all three > 0)."""
+    get = hw.get if isinstance(hw, dict) else (lambda k, d=None: getattr(hw, k, d))
+    return all((get(k) or 0) > 0 for k in ("pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb"))
+
+
+def devices_per_node(hw) -> int:
+    """The node's device count of a HardwareConfig ('auto': 1)."""
+    n = hw.devices_per_node
+    return int(n) if str(n).isdigit() else 1
+
+
+def offload_elements(spec, options, pp_rank: int) -> int:
+    """Optimizer elements of the most loaded dp rank of pipeline rank ``pp_rank`` (what it
+    offloads; :func:`xpar.estimate.memory.held_numel`). ``options``: MemoryOptions/Assumptions."""
+    return held_numel(spec, pp_rank, most_loaded_dp_rank(spec, pp_rank, options.zero1), options.zero1)["optimizer"]
+
+
+def offload_step(spec, assume, pp_rank: int, microbatch_compute_s: float) -> Optional[dict[str, float]]:
+    """:func:`offload_time` of ``spec`` (a RunSpec with ``cpu_offload_optimizer``) for the device
+    of pipeline rank ``pp_rank`` (the memory peak's), plus ``elements`` and ``host_bytes`` (per
+    node); None when the hardware lacks the figures (:func:`offload_figures_known`)."""
+    hw = spec.hardware
+    if not offload_figures_known(hw):
+        return None
+    n = offload_elements(spec, assume, pp_rank)
+    grad_bytes = state_widths(spec, assume)[1]
+    copies = gradient_copies(spec.parallel.zero_stage, spec.dp, spec.micro_batches)
+    out = offload_time(n, copies, grad_bytes, BYTES[spec.train.dtype], microbatch_compute_s, hw.pcie_gb_per_s,
+                       hw.host_mem_gb_per_s, devices_per_node(hw))
+    return dict(out, elements=float(n), host_bytes=float(host_state_bytes(n, devices_per_node(hw))))
+
+
+def offload_problem(spec, assume) -> Optional[str]:
+    """Why ``spec`` cannot offload its optimizer as asked (``framework.cpu_offload_optimizer``),
+    or None: execute mode (xpar does not run it), ZeRO-0 at dp > 1 (DeepSpeed's offload is a
+    ZeRO stage 1-3 option), or the node's host memory too small for the offloaded states."""
+    if not getattr(assume, "cpu_offload_optimizer", False):
+        return None
+    if spec.mode == "execute":
+        return ("framework.cpu_offload_optimizer=true is estimated only: xpar does not execute optimizer offload "
+                f"(run.mode={spec.mode} on hardware={spec.hardware.name}); e.g. framework.cpu_offload_optimizer=false, "
+                "or run.mode=estimate with a cluster preset (hardware=a100_80gb_8gpu).")
+    if spec.parallel.zero_stage == 0 and spec.dp > 1:
+        return (f"framework.cpu_offload_optimizer=true needs parallel.zero_stage >= 1 at dp > 1 (got zero_stage=0, "
+                f"dp={spec.dp}): offload moves each rank's optimizer partition (DeepSpeed offload_optimizer: ZeRO "
+                "stages 1-3); values that work: parallel.zero_stage=1, 2 or 3; e.g. parallel.zero_stage=3.")
+    step = offload_step(spec, assume, memory(spec, assume=assume).pp_rank, 0.0)
+    have = (spec.hardware.host_memory_gb or 0) * 1e9
+    if step is not None and step["host_bytes"] > have:
+        return (f"offloaded optimizer states need {step['host_bytes'] / 1e9:.0f} GB of host memory per node "
+                f"({devices_per_node(spec.hardware)} devices x {step['elements'] / 1e9:.2f}e9 elements x "
+                f"{HOST_STATE_BYTES} bytes), more than hardware.host_memory_gb={have / 1e9:g}; e.g. more devices "
+                f"(hardware.nodes={2 * spec.hardware.nodes}) or framework.cpu_offload_optimizer=false.")
+    return None
