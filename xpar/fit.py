@@ -111,14 +111,16 @@ def _no_layout_fits(spec: RunSpec) -> str:
     from xpar.presets import presets
 
     psi = param_count(spec.model).total
-    per_param = sum(STATE_BYTES[spec.train.dtype])
+    offloaded = spec.framework.cpu_offload_optimizer  # the optimizer's states are on the host
+    per_param = sum(STATE_BYTES[spec.train.dtype][:2 if offloaded else 3])
     states = per_param * psi
     dev = spec.hardware.device_memory_gb * GB
     msg = (f"No alternative tried fits (ZeRO stage, recompute, sequence parallelism, micro-batch size, "
            f"tp x pp over {spec.world_size} devices).")
     if states > spec.world_size * dev:
         msg = (f"No layout of model={spec.model.name} fits hardware={spec.hardware.name}: its model states "
-               f"alone ({per_param} bytes/param in {spec.train.dtype} with AdamW x {psi / 1e9:.2f}e9 params = "
+               f"alone ({per_param} bytes/param in {spec.train.dtype} with AdamW"
+               f"{' offloaded to host memory' if offloaded else ''} x {psi / 1e9:.2f}e9 params = "
                f"{_gb(states)}) exceed the {spec.world_size} devices' {_gb(spec.world_size * dev)} in total.")
     bigger = []
     for name in presets("hardware"):
@@ -223,7 +225,7 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
         tr = replace(spec.train, global_batch_size=spec.global_batch, **tchg)
         cfg = XparConfig(model=replace(spec.model), parallel=par, hardware=replace(spec.hardware), train=tr,
                          data=replace(spec.data), tracking=replace(spec.tracking),
-                         run=RunConfig(mode="estimate", progress=False))
+                         run=RunConfig(mode="estimate", progress=False), framework=replace(spec.framework))
         try:
             cand = validate(cfg)
         except ConfigError:

@@ -349,6 +349,10 @@ def _offload(spec: RunSpec, assume: Assumptions, pp_rank: int, x: dict, notes: l
     step = offload_step(spec, assume, pp_rank, x["matmul"] + x["memory_bound"])
     if step is None:
         notes.append("no PCIe or host-memory figures for this hardware: the offloaded optimizer step is not estimated")
+    else:
+        notes.append(f"optimizer offloaded to host memory (ZeRO-Offload's schedule): +{step['host_step_s']:.3g} s host "
+                     f"AdamW, +{step['grad_to_host_exposed_s'] + step['param_to_device_s']:.3g} s PCIe exposed per "
+                     f"step; {step['host_bytes'] / 1e9:,.0f} GB of host memory per node")
     return step or {}
 
 
