@@ -261,6 +261,8 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "plan.max_tp=0 must be >= 1" in err
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "framework=megatron", "plan.zero_stages=[3]")
     assert "framework=megatron runs ZeRO stages [0, 1]" in err
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "framework=megatron", "plan.offload=[true]")
+    assert "framework=megatron runs optimizer offload [false]" in err and "e.g. plan.offload=[false]" in err
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.execute_top=2")
     assert "needs hardware=local" in err
     err = refusal(capsys, "model=tiny", "hardware=local", "plan.execute_top=1")  # refusal() adds tracking=off

@@ -96,10 +96,17 @@ def _choice_problems(p, framework: dict) -> list[str]:
         if given is not None and (bad or not given):
             why = {"zero_stages": f" (framework={framework.get('name')} runs ZeRO stages {runs})",
                    "schedules": f" (framework={framework.get('name')} runs schedules {scheds})",
-                   "offload": f" (framework={framework.get('name')} runs optimizer offload {offload})"}.get(key, "")
-            out.append(f"plan.{key}={list(given)}: {bad or 'empty'} not allowed{why}; values that work: {valid}, "
-                       f"e.g. plan.{key}=[{valid[0]}].")
+                   "offload": f" (framework={framework.get('name')} runs optimizer offload {_hydra(offload)})"}.get(key, "")
+            out.append(f"plan.{key}={_hydra(list(given))}: {_hydra(bad) if bad else 'empty'} not allowed{why}; "
+                       f"values that work: {_hydra(valid)}, e.g. plan.{key}=[{_hydra(valid[0])}].")
     return out
+
+
+def _hydra(value) -> str:
+    """A value as written on the command line (booleans lower-case: [false, true])."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_hydra(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _number_problems(p, local: bool) -> list[str]:
