@@ -20,8 +20,10 @@ memory. Per step, on every device at once:
   it on a side stream as buckets are reduced); the part longer than that backward is exposed.
   The backward is BACKWARD_SHARE of the micro-batch's compute (matmul + memory-bound work).
 - The host step reads master, gradient and both moments (16 bytes per element), writes master
-  and moments (12) and the updated parameters in the compute dtype for the copy back
-  (``param_bytes``): memory-bandwidth bound (CPU Adam's SIMD loop moves far fewer FLOPs than
+  and moments (12) and the updated parameters for the copy back in the width the device stores
+  them (``param_bytes``, :func:`xpar.estimate.memory.state_widths`: 2 for bf16 storage as
+  DeepSpeed keeps them, 4 where the device's parameters are the fp32 master, as xpar's are; the
+  gradient copy likewise in the width the device holds gradients): memory-bandwidth bound (CPU Adam's SIMD loop moves far fewer FLOPs than
   bytes), and a node's devices share its CPUs and DRAM. Neither the host step nor the copy
   back overlaps compute (DeepSpeed's delayed parameter update, which would hide them, is off
   by default): both are exposed.
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from xpar.estimate.memory import BYTES, held_numel, memory, most_loaded_dp_rank, state_widths
+from xpar.estimate.memory import held_numel, memory, most_loaded_dp_rank, state_widths
 from xpar.estimate.overlap import vmax
 
 HOST_STATE_BYTES = 16
@@ -119,9 +121,9 @@ def offload_step(spec, assume, pp_rank: int, microbatch_compute_s: float) -> Opt
     if not offload_figures_known(hw):
         return None
     n = offload_elements(spec, assume, pp_rank)
-    grad_bytes = state_widths(spec, assume)[1]
+    param_bytes, grad_bytes, _ = state_widths(spec, assume)
     copies = gradient_copies(spec.parallel.zero_stage, spec.dp, spec.micro_batches)
-    out = offload_time(n, copies, grad_bytes, BYTES[spec.train.dtype], microbatch_compute_s, hw.pcie_gb_per_s,
+    out = offload_time(n, copies, grad_bytes, param_bytes, microbatch_compute_s, hw.pcie_gb_per_s,
                        hw.host_mem_gb_per_s, devices_per_node(hw))
     return dict(out, elements=float(n), host_bytes=float(host_state_bytes(n, devices_per_node(hw))))
 

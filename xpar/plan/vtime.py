@@ -37,7 +37,7 @@ from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, layer_costs, microbatch_time, optimizer_time,
                                 pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
-from xpar.estimate.memory import BYTES, state_widths
+from xpar.estimate.memory import state_widths
 from xpar.estimate.offload import (OFFLOAD_TERMS, devices_per_node, gradient_copies, offload_elements,
                                    offload_figures_known, offload_time)
 from xpar.estimate.schedule import bubble_theory
@@ -259,9 +259,9 @@ def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, element
     zero = {k: np.zeros(len(r["tp"])) for k in OFFLOAD_TERMS}
     if not r["offload"].any() or not offload_figures_known(hw):
         return zero
-    grad_bytes = state_widths(base, a)[1]
+    param_bytes, grad_bytes, _ = state_widths(base, a)
     copies = gradient_copies(r["zero"], r["dp"], r["m"])
-    out = offload_time(np.asarray(elements, float), copies, grad_bytes, BYTES[base.train.dtype],
+    out = offload_time(np.asarray(elements, float), copies, grad_bytes, param_bytes,
                        pick["matmul"] + pick["memory_bound"], hw.pcie_gb_per_s, hw.host_mem_gb_per_s,
                        devices_per_node(hw))
     return {k: np.where(r["offload"], out[k], 0.0) for k in OFFLOAD_TERMS}
