@@ -45,6 +45,13 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert spec.mode == "execute"
         assert spec.hardware.peak_tflops == pytest.approx(raw["preset"]["peak_tflops"])
         assert spec.hardware.intra_node_gb_per_s == pytest.approx(raw["beta_bytes_per_s"] / 1e9)
+        host = raw["host"]  # host time per operator, per DTensor operator, per FSDP2 unit (xpar.estimate.host)
+        assert 0 < host["op_overhead_us"] < 1000 and host["dtensor_op_overhead_us"] > 0
+        assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100
+        assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
+        assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
+        from xpar.estimate.cost import estimate
+        assert estimate(spec).time_breakdown["host_overhead"] > 0
         from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
         assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -58,3 +65,63 @@ def test_calibrate_refuses_another_machine(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=a100_80gb_8gpu"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "measures this machine" in r.stderr and "Traceback" not in r.stderr
+
+
+def _dispatched(fn) -> int:
+    from xpar.calibrate import _count_ops
+    return _count_ops(fn)
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_operator_counts_are_the_models(norm, position):
+    """xpar.estimate.host's operator counts equal what the model dispatches (TorchDispatchMode),
+    for a block, the first stage's embeddings and the last stage's norm, logits and loss, over
+    activation, bias and grouped K/V."""
+    import itertools
+    from dataclasses import replace
+
+    import torch
+
+    from xpar.estimate.host import block_ops, end_ops
+    from xpar.models.transformer import Block, Transformer
+    from xpar.parallel.factory import cross_entropy
+
+    base = spec_for("model=tiny").model
+    for act, bias, kv in itertools.product(("swiglu", "gelu"), (False, True), (2, 4)):
+        cfg = replace(base, norm=norm, position=position, activation=act, bias=bias, n_kv_heads=kv)
+        block, x, out = Block(cfg), torch.randn(1, 8, cfg.hidden, requires_grad=True), []
+        f = _dispatched(lambda: out.append(block(x)))
+        b = _dispatched(lambda: out[0].backward(torch.ones_like(out[0])))
+        assert (f, b) == block_ops(cfg), cfg
+        tok, ends = torch.randint(0, cfg.vocab_size, (1, 8)), end_ops(cfg)
+        first, h = Transformer(cfg, layers=[0], first=True, last=False), []  # a stage of one block: ends = stage - block
+        assert _dispatched(lambda: h.append(first(tok))) - f == ends["first_f"]
+        assert _dispatched(lambda: h[0].backward(torch.ones_like(h[0]))) - b == ends["first_b"]
+        last, loss = Transformer(cfg, layers=[0], first=False, last=True), []
+        assert _dispatched(lambda: loss.append(cross_entropy(last(x), tok))) - f == ends["last_f"]
+        assert _dispatched(lambda: loss[0].backward()) - b == ends["last_b"]
+
+
+def test_host_time_only_where_measured():
+    """GPU presets carry no host figures: their estimates have no host term; a CPU preset with
+    the figures pays them per operator, more under FSDP2 (DTensor parameters, unit hooks), and
+    a step stretches by workers / cores when they outnumber the cores."""
+    from dataclasses import replace
+
+    from xpar.estimate.cost import estimate
+
+    gpu = estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel=zero3"))
+    assert gpu.time_breakdown["host_overhead"] == 0
+    figures = dict(op_overhead_us=2.0, dtensor_op_overhead_us=7.0, fsdp_unit_overhead_us=400.0)
+
+    def est(*overrides, **hw):
+        spec = spec_for(*overrides)
+        return estimate(replace(spec, hardware=replace(spec.hardware, **hw)))
+
+    bare, dp = est("parallel=dp"), est("parallel=dp", **figures)
+    zero3 = est("parallel=zero3", **figures)
+    assert bare.time_breakdown["host_overhead"] == 0 < dp.time_breakdown["host_overhead"]
+    assert zero3.time_breakdown["host_overhead"] > dp.time_breakdown["host_overhead"] + 4 * 400e-6
+    shared = est("parallel=dp", cpu_cores=1, **figures)  # 2 workers on 1 core
+    assert shared.time_per_step_s == pytest.approx(2 * dp.time_per_step_s)

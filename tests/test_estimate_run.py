@@ -209,7 +209,7 @@ def test_estimate_report_fields(tmp_path):
     assert sum(v for k, v in x.items() if k.startswith("estimate/buffer_")) == pytest.approx(r.memory["comm_buffers"])
     assert x["estimate/memory_usable_bytes"] == 80e9  # no headroom in the preset
     times = {k: v for k, v in r.extra.items() if k.startswith("estimate/time_")}
-    assert len(times) == 7 and sum(times.values()) == pytest.approx(r.step_time_s)
+    assert len(times) == 8 and sum(times.values()) == pytest.approx(r.step_time_s)  # TIME_TERMS, host_overhead 0 here
     assert r.extra["pipeline/bubble_ratio_theory"] == pytest.approx(3 / (2 * 16 + 3))
     assert all(Path(p).stat().st_size > 10_000 for p in r.artifacts) and len(r.artifacts) == 2
 

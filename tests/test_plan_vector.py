@@ -219,3 +219,23 @@ def test_time_columns_on_local_cpu_hardware():
         assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
         bad = _mismatches(ctx, cols, got, ests)
         assert not bad, "\n".join(bad[:20])
+
+
+def test_time_columns_with_host_overhead_and_shared_cores():
+    """A calibrated CPU preset (xpar calibrate: host time per operator, per DTensor operator and
+    per FSDP2 unit, links and memory measured, 2 cores shared by up to 8 workers): equal to the
+    scalar estimate, and the host term and the oversubscription are exercised."""
+    hw = dict(_group("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
+              intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
+              op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2)
+    for model in ("tiny", "mini"):
+        ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
+                          framework=_group("framework", "xpar"))
+        cols = random_candidates(ctx, np.random.default_rng(3), 8)
+        specs = [spec_of(ctx, cols, i) for i in range(8)]
+        ests = [estimate(sp) for sp in specs]
+        got = time_columns(specs[0], cols, *memory_args(ests))
+        assert (got["time_host_overhead"] > 0).all()
+        assert all(e.time_breakdown["host_overhead"] > 0 for e in ests)
+        bad = _mismatches(ctx, cols, got, ests)
+        assert not bad, "\n".join(bad[:20])

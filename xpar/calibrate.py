@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -34,19 +35,30 @@ GEMM_SIDES = (64, 128, 256, 384, 512)
 MESSAGE_BYTES = tuple(2 ** k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
 QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22)
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
+STEP_WINDOW_S = 0.02
+"""Seconds of one compute sample (matmul, memory, host time): about a tiny-model step here."""
 
 
-def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call; ``sync`` waits for
-    the device (``torch.cuda.synchronize`` on GPUs) before each clock read."""
+def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None,
+                window: float = 0.0) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples after one warm-up call; a sample
+    calls ``fn`` until ``window`` seconds have passed (at least once) and divides by the calls:
+    a window as long as a training step sees the share of the cores a step gets on a shared
+    machine (a single short call mostly escapes preemption). ``sync`` waits for the device
+    (``torch.cuda.synchronize`` on GPUs) before each clock read."""
     fn()
     sync()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
+        t0, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            sync()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window:
+                break
+        times.append(elapsed / calls)
     return statistics.median(times)
 
 
@@ -67,7 +79,7 @@ def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: st
         out = {}
         for n in sides:
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device))
+            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device), STEP_WINDOW_S)
         return out
     finally:
         torch.set_num_threads(old)
@@ -79,7 +91,7 @@ def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") 
 
     src = torch.ones(mib * 2 ** 18, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device))
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device), STEP_WINDOW_S)
 
 
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
@@ -147,7 +159,7 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = collective_worker(payload)
+        result = {"compute": compute_worker(payload), "collectives": collective_worker(payload)}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -156,9 +168,31 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     exit_worker()
 
 
-def measure_collectives(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
-    """:func:`collective_worker` on ``world`` local processes (gloo on CPU, nccl with one GPU
-    each on CUDA); rank 0's timings."""
+def compute_worker(payload: dict) -> dict:
+    """On every rank at once, as a run's workers compute side by side (sharing cores, caches and
+    memory bandwidth, and the machine's other load): matmul rates per GEMM side, memory
+    bandwidth and (CPU) :func:`host_worker`'s figures on a 1-rank mesh of this rank; rank 0's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device, reps = payload["device"], payload["reps"]
+    dist.barrier()
+    matmul = measure_matmul(threads=payload["threads"], reps=reps, device=device)
+    dist.barrier()
+    bandwidth = measure_memory_bandwidth(reps=reps, device=device)
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+    dist.barrier()
+    host = {}
+    if device == "cpu":
+        host = host_worker(reps, DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
+    return {"matmul": matmul, "memory_bandwidth": bandwidth, "host": host}
+
+
+def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
+    """:func:`compute_worker` then :func:`collective_worker` on ``world`` local processes (gloo
+    on CPU, nccl with one GPU each on CUDA); rank 0's figures: ``compute`` (``matmul``: FLOP/s
+    per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds) and ``collectives``
+    (seconds per collective and size)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -170,8 +204,69 @@ def measure_collectives(world: int, sizes, reps: int, threads: int = 1, device: 
         out = str(Path(d) / "collectives.json")
         mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world, join=True,
                            start_method="spawn")
-        return {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
-                for k, v in json.loads(Path(out).read_text()).items()}
+        raw = json.loads(Path(out).read_text())
+    compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
+    return {"compute": compute,
+            "collectives": {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
+                            for k, v in raw["collectives"].items()}}
+
+
+def _count_ops(fn: Callable[[], object]) -> int:
+    """Aten operators that ``fn()`` dispatches (``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _tiny_block():
+    """A transformer block of the tiny preset's architecture at hidden 8 (compute negligible
+    beside the host time of its operators) and its input of one token."""
+    import torch
+
+    from xpar.config import ModelConfig
+    from xpar.models.transformer import Block
+
+    cfg = ModelConfig(name="probe", n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, ffn_hidden=8, vocab_size=16,
+                      seq_len=1, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+    return Block(cfg), torch.randn(1, 1, 8)
+
+
+def host_worker(reps: int, mesh) -> dict:
+    """On a 1-rank device ``mesh`` (no communication): host microseconds per aten operator (a
+    tiny block's forward and backward / its operators), the extra per operator on DTensors
+    (AdamW's update of 20 DTensor parameters against plain ones, 9 operators per tensor + 2),
+    FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block):
+    xpar.estimate.host."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    block, x = _tiny_block()
+    step = (lambda m: lambda: m(x).sum().backward())
+    ops = _count_ops(step(block))
+    plain = median_time(step(block), reps, window=STEP_WINDOW_S)
+    sharded, _ = _tiny_block()
+    fully_shard(sharded, mesh=mesh)
+    unit = median_time(step(sharded), reps, window=STEP_WINDOW_S) - plain
+    per_op = {}
+    for kind in ("plain", "dtensor"):
+        make = (lambda t: t) if kind == "plain" else (lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+        params = [torch.nn.Parameter(make(torch.randn(8, 8))) for _ in range(20)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        per_op[kind] = median_time(opt.step, reps, window=STEP_WINDOW_S) / (9 * len(params) + 2)
+    return {"op_overhead_us": plain / ops * 1e6, "dtensor_op_overhead_us": max(0.0, per_op["dtensor"] - per_op["plain"]) * 1e6,
+            "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops}
 
 
 def ring_steps(collective: str, n: int) -> int:
@@ -213,9 +308,12 @@ def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
     return float(alpha), 1.0 / float(inv_beta)
 
 
-def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu") -> dict:
+def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu",
+                  host: Optional[dict] = None) -> dict:
     """Hardware fields of the measured machine (units of :class:`xpar.config.HardwareConfig`:
-    TFLOP/s, TB/s, GB/s, microseconds). Only fields the schema has are returned."""
+    TFLOP/s, TB/s, GB/s, microseconds); ``host``: :func:`measure_host`'s figures (a CPU's host
+    time adds to its step; a GPU's hides behind its queue: left at 0). Only fields the schema has
+    are returned."""
     from dataclasses import fields
 
     from xpar.config import HardwareConfig
@@ -229,6 +327,8 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, dev
               "intra_node_latency_us": alpha * 1e6, "collective_latency_us": 0.0}
     if device == "cpu":  # as conf/hardware/local.yaml: no CUDA context, host memory is no device limit
         values.update(framework_overhead_gb=0.0, device_memory_gb=None)
+        values.update({k: v for k, v in (host or {}).items() if k.endswith("_us")})
+        values["cpu_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     known = {f.name for f in fields(HardwareConfig)}
     return {k: v for k, v in values.items() if k in known}
 
@@ -274,22 +374,20 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     from rich.progress import Progress
 
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("calibrate: matmul", total=3)
-        matmul = measure_matmul(threads=threads, reps=reps, device=device)
-        bar.update(task, advance=1, description="calibrate: memory bandwidth")
-        bandwidth = measure_memory_bandwidth(reps=reps, device=device)
-        bar.update(task, advance=1, description=f"calibrate: collectives on {workers} workers")
-        coll = measure_collectives(workers, sizes, reps, threads, device)
+        task = bar.add_task(f"calibrate: matmul, memory, host time and collectives on {workers} workers", total=1)
+        measured = measure_workers(workers, sizes, reps, threads, device)
         bar.update(task, advance=1)
+    coll, compute = measured["collectives"], measured["compute"]
+    matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
     alpha, beta = fit_alpha_beta(coll, workers)
-    values = preset_values(matmul, bandwidth, alpha, beta, device)
+    values = preset_values(matmul, bandwidth, alpha, beta, device, host)
     header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
               f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
               f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
               f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
     preset = write_preset(name, values, header)
     result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
-              "collectives": coll, "alpha_s": alpha, "beta_bytes_per_s": beta}
+              "collectives": coll, "alpha_s": alpha, "beta_bytes_per_s": beta, "host": host}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:

@@ -132,6 +132,17 @@ class HardwareConfig:
     memory_headroom: float = 0.0
     """Fraction of device memory the fit check keeps free (0.05: refuse a layout whose
     estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
+    op_overhead_us: float = 0.0
+    """Host microseconds per aten operator issued, autograd included, where the host's time adds
+    to the step (a CPU); measured by ``xpar calibrate``; 0: hidden (GPU presets). xpar.estimate.host."""
+    dtensor_op_overhead_us: float = 0.0
+    """Extra host microseconds of an operator on DTensors (FSDP2, tp); measured by ``xpar calibrate``."""
+    fsdp_unit_overhead_us: float = 0.0
+    """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
+    measured by ``xpar calibrate``."""
+    cpu_cores: Optional[int] = None
+    """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
+    cores stretch the estimated step (xpar.estimate.host.oversubscription); None: not a shared CPU."""
     pcie_gb_per_s: Optional[float] = None
     """Host <-> device bandwidth per device, GB/s per direction, with every device of the node
     copying at once (optimizer offload, xpar.estimate.offload); None: unknown (no offload)."""

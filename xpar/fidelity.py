@@ -7,7 +7,11 @@ with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset f
 - ``fidelity/step_time_ratio``: estimated / measured step time (median of timed steps);
 - ``fidelity/peak_memory_ratio``: estimated / measured peak bytes per device;
 - ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
-  logged for every run, so every executed run carries the three);
+  logged for every run, so every executed run carries the three). Both on the measured
+  definition (xpar.bubble): the idle fraction of the pipeline ranks within the schedule's time,
+  where a rank waiting for a send is idle too; the estimate's is :func:`estimated_idle` (its
+  schedule bubble plus its exposed pipeline sends), which is the schedule's bubble when sends
+  are free;
 - ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
   run's figures.
 """
@@ -31,5 +35,16 @@ def fidelity_metrics(spec: RunSpec, report: Report) -> dict[str, float]:
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
     measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
     if measured_bubble is not None:
-        out["fidelity/bubble_diff"] = est.bubble_ratio - measured_bubble
+        out["fidelity/bubble_diff"] = (estimated_idle(est.time_breakdown) if spec.pp > 1 else 0.0) - measured_bubble
     return out
+
+
+def estimated_idle(breakdown: dict[str, float]) -> float:
+    """The estimate's idle fraction of the pipeline ranks within the schedule (the measured
+    bubble's definition, xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the stages'
+    compute): (bubble + exposed pipeline sends) / (the schedule's time: compute, host time, tp
+    collectives, sends and bubble) from the slowest rank's step-time terms
+    (Estimate.time_breakdown, seconds); 0 for an empty step."""
+    pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
+                                                   "host_overhead"))
+    return (breakdown.get("bubble", 0.0) + breakdown.get("pp_comm", 0.0)) / pipeline if pipeline else 0.0

@@ -54,6 +54,7 @@ from xpar.estimate import flops as fl
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing
+from xpar.estimate.host import host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
                                   layer_activation_bytes, memory)
 from xpar.estimate.offload import offload_step
@@ -63,7 +64,8 @@ from xpar.spec import RunSpec
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
-TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
+TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer",
+              "host_overhead")
 """The step time by term (``Estimate.time_breakdown``, ``estimate/time_<term>_s``)."""
 
 
@@ -153,9 +155,13 @@ class Estimate:
 
 def assumptions_for(spec: RunSpec) -> Assumptions:
     """The assumptions of the spec's framework (``spec.framework``, default xpar); on a CPU,
-    torch's composite RMSNorm (measured, :meth:`Assumptions.xpar_cpu`)."""
+    torch's composite RMSNorm (measured, :meth:`Assumptions.xpar_cpu`), and collectives that
+    hide nothing behind compute (``overlap_slowdown`` 1: gloo's copies and reductions run on the
+    cores that compute)."""
     a = Assumptions.from_config(spec.framework)
-    return replace(a, fused_rmsnorm=False, count_buffers=False) if spec.hardware.device == "cpu" else a
+    if spec.hardware.device != "cpu":
+        return a
+    return replace(a, fused_rmsnorm=False, count_buffers=False, overlap_slowdown=1.0)
 
 
 def _memory(spec: RunSpec, a: Assumptions, pp_rank: Optional[int] = None) -> MemoryEstimate:
@@ -266,28 +272,30 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
 
 def microbatch_time(x: dict) -> Any:
     """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
-    tp_comm, pp_comm, dp_comm exposed per micro-batch)."""
-    return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm"))
+    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.host)."""
+    return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host"))
 
 
 def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
     """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
-    pp_comm exposed, dp_comm exposed per micro-batch) and its data-parallel timing (``dp``)."""
+    pp_comm exposed, dp_comm exposed per micro-batch, host) and its data-parallel timing (``dp``),
+    and the host's seconds per step outside the micro-batches (``host_step``, xpar.estimate.host)."""
     hw = spec.hardware
-    c, tp = layer_costs(spec, assume), tp_times(spec)
+    c, tp, h = layer_costs(spec, assume), tp_times(spec), host_costs(spec)
     if not hw.hbm_tb_per_s:
         notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
     if hw.intra_node_gb_per_s is None:
         notes.append("no link bandwidth for this hardware: communication time not estimated")
     out = []
     for r in range(spec.pp):
-        n = spec.layout.layers_of(r)
-        x = rank_compute(c, tp, n, spec.layout.has_first_stage(r), spec.layout.has_last_stage(r), assume)
+        n, first, last = spec.layout.layers_of(r), spec.layout.has_first_stage(r), spec.layout.has_last_stage(r)
+        x = rank_compute(c, tp, n, first, last, assume)
         dp = dp_timing(spec, assume, r, [x["root_f"]] + [x["unit_f"]] * n, [x["unit_b"]] * n + [x["root_b"]])
         pp = _pp_time(spec, assume, r)
         out.append({"matmul": x["matmul"], "memory_bound": x["memory_bound"], "tp_comm": x["tp_comm"],
                     "pp_comm": pp * (1 - assume.pp_overlap), "dp_comm": dp.per_microbatch, "dp": dp,
-                    "tp_issued": x["tp_issued"], "pp_issued": pp,
+                    "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last),
+                    "host_step": host_step(h, n, first, last),
                     "comm": comm_bytes_rank(spec, r, assume.scatter_gather, assume.zero1)})
     return out
 
@@ -310,8 +318,9 @@ def step_time(slow: dict, m: Any, beta: Any, mean_mb: Any, t_opt: Any) -> tuple[
     pipe = m * mb_slow + beta / (1 - beta) * m * mean_mb
     breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"], "tp_comm": m * slow["tp_comm"],
                  "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
-                 "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt}
-    return pipe + slow["dp_end"] + t_opt, breakdown
+                 "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
+                 "host_overhead": m * slow["host"] + slow["host_step"]}
+    return pipe + slow["dp_end"] + t_opt + slow["host_step"], breakdown
 
 
 def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
@@ -334,6 +343,8 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time),
                                 t_opt + off.get("exposed_s", 0.0))
+    stretch = oversubscription(hw.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
+    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
     comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
     est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
     est.comm_time, est.framework, est.offload = comm_time, assume.name, off

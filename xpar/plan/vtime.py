@@ -37,6 +37,7 @@ from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, layer_costs, microbatch_time, optimizer_time,
                                 pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
+from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
 from xpar.estimate.offload import (OFFLOAD_TERMS, devices_per_node, gradient_copies, offload_elements,
                                    offload_figures_known, offload_time)
@@ -307,6 +308,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     off = _offload_columns(base, a, r, pick, elements)
     t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s) + off["exposed_s"]
     time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
+    stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
+    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
     out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
            "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
            "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
@@ -332,6 +335,9 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send, 0.0)
     x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
+    h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"]], lambda t, d, p, z, rec: host_costs(
+        spec_at(base, t, p, d, 1, 1, 1, "gpipe", z, False, RECOMPUTE[rec])), HOST_KEYS)
+    x.update(host=rank_host(h, s["n"], s["first"], s["last"]), host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     return x
 

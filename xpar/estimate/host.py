@@ -1,0 +1,134 @@
+"""Host time of a step: what the CPU spends issuing work, beside the work itself.
+
+On a GPU the host runs ahead of the device and this time hides behind the kernel queue (the
+GPU presets leave the figures at 0, so nothing changes there). On a CPU the same thread issues
+and computes, so every operator's dispatch and autograd bookkeeping adds to the step. Three
+figures per machine, measured by ``xpar calibrate`` (:mod:`xpar.calibrate`) into the preset:
+
+- ``hardware.op_overhead_us``: host microseconds per aten operator issued, autograd included
+  (a transformer block at hidden 8 and one token, forward and backward, timed and divided by
+  the aten operators it dispatches);
+- ``hardware.dtensor_op_overhead_us``: the extra microseconds of an operator on DTensors (a
+  1-rank mesh, no communication): FSDP2's sharded parameters and the tp-split linears;
+- ``hardware.fsdp_unit_overhead_us``: FSDP2's hooks per unit and micro-batch, forward and
+  backward (copy-in/out, the unshard/reshard state machine), on a 1-rank mesh.
+
+Operator counts (counted with ``TorchDispatchMode`` on :mod:`xpar.models.transformer`,
+torch 2.13, every combination of norm, position, activation, bias and grouped K/V:
+tests/test_calibrate.py checks the formulas against the count):
+
+- a block, forward: 39 (LayerNorm, learned positions, GELU, no bias, K/V heads = heads) + 12
+  for RMSNorm (composite) + 44 for RoPE + 5 for SwiGLU + 8 for grouped K/V (repeat); backward:
+  75 + 32 RMSNorm + 20 RoPE + 12 SwiGLU + 7 grouped K/V (+1 without RoPE) + 3 per linear with a
+  bias and 2 per LayerNorm with a bias;
+- the first stage's embeddings: 1 forward / 1 backward (4 / 5 with learned positions); the last
+  stage's norm, logits and cross entropy: 16 / 31 with RMSNorm, 10 / 15 (+1 with a bias)
+  with LayerNorm;
+- a linear on DTensors (tp > 1): 4 operators forward (transpose, matmul, views), 9 backward;
+- per parameter tensor and step: AdamW's single-tensor path issues 9 operators
+  (``torch.optim.AdamW(foreach=False)``, xpar.parallel.data_parallel.build_optimizer), the
+  global gradient-norm clip 3 (xpar.optim.clip_grads_).
+
+Units: seconds. Every function takes floats, or numpy arrays over layouts for ``n``, ``first``
+and ``last`` (the planner, xpar.plan.vtime: the same arithmetic).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from xpar.config import ModelConfig
+from xpar.estimate.collectives import collective_time, group_of
+from xpar.estimate.memory import tensor_counts
+from xpar.estimate.overlap import vmax
+from xpar.spec import RunSpec
+
+LINEAR_OPS = (4, 9)
+"""Operators of one linear layer, forward and backward (transpose, matmul, views)."""
+HOST_KEYS = ("f", "b", "first_f", "first_b", "last_f", "last_b", "unit", "tensor", "clip", "tensors_block",
+             "tensors_first", "tensors_last")
+"""Keys of :func:`host_costs`."""
+STEP_OPS_PER_TENSOR = 9 + 3
+"""Per parameter tensor and step: AdamW's single-tensor update (9) and the norm clip (3)."""
+
+
+def block_ops(cfg: ModelConfig) -> tuple[int, int]:
+    """(forward, backward) aten operators of one transformer block of ``cfg`` (module
+    docstring; exact for every combination counted)."""
+    rms, rope = cfg.norm == "rmsnorm", cfg.position == "rope"
+    swiglu, gqa = cfg.activation == "swiglu", cfg.kv_heads < cfg.n_heads
+    linears = 6 + swiglu
+    f = 39 + 12 * rms + 44 * rope + 5 * swiglu + 8 * gqa
+    b = 75 + 32 * rms + 20 * rope + 12 * swiglu + 7 * gqa + (gqa and not rope)
+    b += cfg.bias * (3 * linears + 2 * (not rms))
+    return f, b
+
+
+def end_ops(cfg: ModelConfig) -> dict[str, int]:
+    """Aten operators of the first stage's embeddings and of the last stage's norm, logits and
+    loss, forward and backward: ``first_f``, ``first_b``, ``last_f``, ``last_b``."""
+    learned, rms = cfg.position == "learned", cfg.norm == "rmsnorm"
+    return {"first_f": 4 if learned else 1, "first_b": 5 if learned else 1,
+            "last_f": 16 if rms else 10, "last_b": 31 if rms else 15 + cfg.bias}
+
+
+def host_costs(spec: RunSpec) -> dict[str, float]:
+    """Host seconds of ``spec`` on its hardware (module docstring): per micro-batch one block
+    forward ``f`` and backward ``b`` (the recomputed forward in, with full recompute), the first
+    stage's ends ``first_f``/``first_b``, the last stage's ``last_f``/``last_b``, FSDP2's hooks
+    per unit ``unit`` (forward and backward, ZeRO-2/3); per step one parameter tensor's update
+    and clip ``tensor`` and the clip's scalar all-reduces ``clip`` (:func:`clip_allreduce_time`);
+    the parameter tensors of a block ``tensors_block``, of the first stage's ends
+    ``tensors_first`` and of the last stage's ``tensors_last``. Host terms are 0 on hardware
+    without the figures (GPU presets)."""
+    hw, cfg = spec.hardware, spec.model
+    op = (getattr(hw, "op_overhead_us", 0.0) or 0.0) * 1e-6
+    dt = (getattr(hw, "dtensor_op_overhead_us", 0.0) or 0.0) * 1e-6
+    f, b = block_ops(cfg)
+    linears = 6 + (cfg.activation == "swiglu")
+    tp_f, tp_b = ((linears * LINEAR_OPS[0] * dt, linears * LINEAR_OPS[1] * dt) if spec.tp > 1 else (0.0, 0.0))
+    block_f = f * op + tp_f
+    block_b = b * op + tp_b + (block_f if spec.parallel.recompute == "full" else 0.0)
+    ends = {k: v * op for k, v in end_ops(cfg).items()}
+    dtensor_params = spec.tp > 1 or spec.parallel.zero_stage >= 2
+    unit = (getattr(hw, "fsdp_unit_overhead_us", 0.0) or 0.0) * 1e-6 if spec.parallel.zero_stage >= 2 else 0.0
+    block, end = tensor_counts(cfg, spec.tp)
+    head = 1 + (cfg.position == "learned")
+    return {"f": block_f, "b": block_b, **ends, "unit": unit,
+            "tensor": STEP_OPS_PER_TENSOR * (op + (dt if dtensor_params else 0.0)),
+            "clip": clip_allreduce_time(spec) if op else 0.0,
+            "tensors_block": block, "tensors_first": head, "tensors_last": end - head}
+
+
+def clip_allreduce_time(spec: RunSpec) -> float:
+    """Seconds of the gradient-norm clip's scalar (8-byte) all-reduces per step
+    (xpar.optim.global_grad_norm): over dp for FSDP2's sharded gradients (ZeRO-2/3), over tp
+    for tp-split ones, over pp for the stages' sums."""
+    hw, par = spec.hardware, spec.parallel
+    groups = [(spec.dp, spec.tp)] if par.zero_stage >= 2 else []
+    groups += [(spec.tp, 1)] + [(spec.pp, spec.tp * spec.dp)]
+    return sum(collective_time(hw, "allreduce", 8, group_of(hw, n, stride)) for n, stride in groups if n > 1)
+
+
+def rank_host(h: dict, n: Any, first: Any, last: Any) -> Any:
+    """Host seconds per micro-batch of a pipeline rank holding ``n`` blocks (and the first /
+    last stage's ends when ``first`` / ``last``), FSDP2 units being its blocks and its root.
+    ``h``: :func:`host_costs`."""
+    ends = first * (h["first_f"] + h["first_b"]) + last * (h["last_f"] + h["last_b"])
+    return n * (h["f"] + h["b"]) + ends + (n + 1) * h["unit"]
+
+
+def host_step(h: dict, n: Any, first: Any, last: Any) -> Any:
+    """Host seconds per step outside the micro-batches on a pipeline rank holding ``n`` blocks
+    and the given ends: the optimizer update and the gradient clip of its parameter tensors,
+    and the clip's all-reduces. ``h``: :func:`host_costs`."""
+    tensors = n * h["tensors_block"] + first * h["tensors_first"] + last * h["tensors_last"]
+    return tensors * h["tensor"] + h["clip"]
+
+
+def oversubscription(cpu_cores: Any, world: Any, threads: int) -> Any:
+    """Factor by which a step stretches when ``world`` workers of ``threads`` torch threads share
+    ``cpu_cores`` cores (the OS scheduler gives each thread cores / threads of the time):
+    max(1, world x threads / cores); 1 when ``cpu_cores`` is unknown (None, GPU presets)."""
+    if not cpu_cores:
+        return 1.0
+    return vmax(1.0, world * threads / cpu_cores)
