@@ -369,7 +369,7 @@ class PlanConfig:
     pp: Optional[int] = None
     """Fixed pipeline degree; null: any."""
     schedules: Optional[list] = None
-    """Pipeline schedules allowed (xpar.layout.SCHEDULES); null: all."""
+    """Pipeline schedules allowed (xpar.layout.SCHEDULES); null: those the framework runs (framework.schedules)."""
     zero_stages: Optional[list] = None
     """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
     recompute: Optional[list] = None

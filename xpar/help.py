@@ -40,7 +40,9 @@ def help_text() -> str:
     return f"""usage: python -m xpar [group=preset ...] [key=value ...]      (or: xpar ...)
        python -m xpar -m key=a,b,...                           a sweep (one MLflow parent run)
        xpar compare [--sweep ID] [--filter F] [--out DIR]      compare recorded runs
-       xpar plan [group=preset ...] [plan.key=value ...]       every layout ranked and explained (README: Plan)
+       xpar plan [group=preset ...] [plan.key=value ...]       every layout ranked and explained (xpar plan --help)
+       xpar calibrate hardware=local --name NAME               measure this machine into hardware=calibrated_NAME
+       xpar sync <run dir>                                     send what a run's journal kept to the MLflow store
 
 Config groups (preset names; * = default; '+' = add with +group=name):
 {groups_text()}
