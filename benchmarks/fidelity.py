@@ -17,7 +17,8 @@ The small model (GPT-2 124M) runs at micro-batch 1 x 128 tokens (MODEL_OVERRIDES
 4 x 1024 a dp step takes ~65 s here, the layout set an hour. ``--repeat k`` runs each layout k
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
-run) is printed beside each row. Not a timed test: several minutes on 2 vCPUs.
+run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate
+--quick``, ~5 s) right before every run, as it is then. Not a timed test: several minutes on 2 vCPUs.
 """
 from __future__ import annotations
 
@@ -72,15 +73,32 @@ def spec_estimate_s(extra: dict) -> float:
     return sum(v for k, v in extra.items() if k.startswith("fidelity/estimate_time_"))
 
 
-def quietest(name: str, layout: list[str], model: str, hardware: str, steps: int, repeat: int) -> dict:
-    """:func:`measure` ``repeat`` times; the run with the shortest step, with the 1-minute load
-    average before it (``load``)."""
+def recalibrate(name: str) -> str:
+    """``xpar calibrate hardware=local --quick --no-track --name <name>`` (about 5 s here): the
+    machine measured as it is now; the preset's name (hardware=calibrated_<name>)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):  # a quick fit on a busy machine can find no cost per byte (exit 1): measure again
+        with tempfile.TemporaryDirectory() as out:
+            r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--quick", "--no-track",
+                                "--name", name, "--out", out], capture_output=True, text=True)
+        if r.returncode == 0:
+            return f"calibrated_{name}"
+    raise RuntimeError(f"xpar calibrate failed three times: {r.stderr.strip()[-500:]}")
+
+
+def quietest(name: str, layout: list[str], model: str, hardware: str, steps: int, repeat: int,
+             calibrate_each: bool = False) -> dict:
+    """:func:`measure` ``repeat`` times (each after :func:`recalibrate` with ``calibrate_each``);
+    the run with the shortest step, with the 1-minute load average before it (``load``)."""
     import os
 
     runs = []
     for _ in range(max(1, repeat)):
+        hw = recalibrate("fidelity_now") if calibrate_each else hardware
         load = os.getloadavg()[0]
-        runs.append(dict(measure(name, layout, model, hardware, steps), load=load))
+        runs.append(dict(measure(name, layout, model, hw, steps), load=load))
     return min(runs, key=lambda r: r["step_s"])
 
 
@@ -100,18 +118,24 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the shortest step is kept")
+    ap.add_argument("--calibrate-each", action="store_true",
+                    help="xpar calibrate --quick before every run (a shared machine's load changes by the minute); "
+                         "overrides --hardware")
     args = ap.parse_args()
     rows = []
     print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'peak MiB':>9} {'est/meas':>8} "
           f"{'bubble d':>8} {'load':>5}")
     for model in args.models:
         for name in args.layouts:
-            r = quietest(name, LAYOUTS[name], model, args.hardware, args.steps, args.repeat)
+            r = quietest(name, LAYOUTS[name], model, args.hardware, args.steps, args.repeat, args.calibrate_each)
             rows.append(r)
             bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
             print(f"{name:<9} {model:<6} {r['est_s'] * 1e3:>8.1f} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
                   f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f}", flush=True)
     _summary(rows)
+    if args.calibrate_each:
+        from xpar.presets import conf_dir
+        (conf_dir() / "hardware" / "calibrated_fidelity_now.yaml").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """``xpar calibrate``: measure this machine into a hardware preset.
 
-Micro-benchmarks, each the median of repeated timings (``time.perf_counter``):
+Everything is measured on ``workers`` local processes at once, as a run's workers compute and
+communicate side by side (sharing cores, caches, memory bandwidth and the machine's other load).
+Compute figures are the median over samples of step-length windows (:data:`STEP_WINDOW_S`: a
+sample repeats its call for that long, so it sees the share of the cores a step gets on a shared
+machine); collectives the mean over :data:`COLLECTIVE_REPS` calls (what a step pays on average).
 
 - matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
   rate is ``peak_tflops`` and ``matmul_efficiency`` is fitted to the cost model's curve
@@ -8,8 +12,13 @@ Micro-benchmarks, each the median of repeated timings (``time.perf_counter``):
   (CPU GEMMs reach their best rate at small n, where that curve is low);
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
   (read + write) -> ``hbm_tb_per_s``;
-- collectives on ``workers`` local processes over the backend at hand (gloo on CPU): all-reduce,
-  all-gather, reduce-scatter and send/recv over message sizes, fitted to the alpha-beta model
+- host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
+  forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
+  DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
+  under FSDP2 against the plain block -> ``fsdp_unit_overhead_us`` (a 1-rank mesh per worker:
+  no communication); the cores the workers share -> ``cpu_cores``;
+- collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter
+  and send/recv over message sizes, fitted to the alpha-beta model
   t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
   and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
   by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
@@ -17,7 +26,8 @@ Micro-benchmarks, each the median of repeated timings (``time.perf_counter``):
 
 The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
 ``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
-curves go to an MLflow run (tag ``xpar.mode=calibrate``) and ``calibration.json``.
+curves go to an MLflow run (tag ``xpar.mode=calibrate``) and ``calibration.json``. On a shared
+machine the figures move with its load: measure again before comparing runs with estimates.
 """
 from __future__ import annotations
 
@@ -35,17 +45,22 @@ GEMM_SIDES = (64, 128, 256, 384, 512)
 MESSAGE_BYTES = tuple(2 ** k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
 QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22)
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
+COLLECTIVE_REPS = 12
+"""Calls timed per collective and size, averaged (mean): a step issues many collectives, and on a
+shared CPU their time has a long tail (a woken gloo thread waits for a core), which a step pays
+on average; the median would hide it."""
 STEP_WINDOW_S = 0.02
 """Seconds of one compute sample (matmul, memory, host time): about a tiny-model step here."""
 
 
 def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None,
-                window: float = 0.0) -> float:
+                window: float = 0.0, average: Callable[[list], float] = statistics.median) -> float:
     """Median seconds per call of ``fn`` over ``reps`` samples after one warm-up call; a sample
     calls ``fn`` until ``window`` seconds have passed (at least once) and divides by the calls:
     a window as long as a training step sees the share of the cores a step gets on a shared
     machine (a single short call mostly escapes preemption). ``sync`` waits for the device
-    (``torch.cuda.synchronize`` on GPUs) before each clock read."""
+    (``torch.cuda.synchronize`` on GPUs) before each clock read; ``average``: of the samples
+    (``statistics.fmean`` for what many calls cost on average)."""
     fn()
     sync()
     times = []
@@ -59,7 +74,7 @@ def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = 
             if elapsed >= window:
                 break
         times.append(elapsed / calls)
-    return statistics.median(times)
+    return average(times)
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -130,8 +145,9 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], N
 
 
 def collective_worker(payload: dict) -> dict:
-    """On every rank: median seconds of each collective per message size (send/recv: one
-    way, half a ping-pong); collectives the backend does not offer are left out."""
+    """On every rank: mean seconds of each collective per message size (:data:`COLLECTIVE_REPS`
+    calls at least; send/recv: one way, half a ping-pong); collectives the backend does not
+    offer are left out."""
     import torch.distributed as dist
 
     world, rank, out = dist.get_world_size(), dist.get_rank(), {}
@@ -141,8 +157,8 @@ def collective_worker(payload: dict) -> dict:
             for nbytes in payload["sizes"]:
                 call = _collective(name, nbytes, world, rank)
                 dist.barrier()
-                times[nbytes] = median_time(call, payload["reps"], _sync(payload["device"])) / \
-                    (2 if name == "send_recv" else 1)
+                times[nbytes] = median_time(call, max(payload["reps"], COLLECTIVE_REPS), _sync(payload["device"]),
+                                            average=statistics.fmean) / (2 if name == "send_recv" else 1)
             out[name] = times
         except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
             out[name] = {"unsupported": str(e).splitlines()[0][:200]}
