@@ -97,11 +97,17 @@ def _plan(*overrides: str):
     return search(inputs)
 
 
-def test_no_host_figures_no_offload_layouts_and_no_offload_time():
+def test_no_host_figures_no_offload_layouts_and_an_estimate_refuses_offload():
     plan = _plan("model=7b", "hardware=a100_80gb_8gpu", "hardware.pcie_gb_per_s=null")
     assert not plan.res["offload"].any() and plan.dropped["offload_hw"] > 0
-    e = estimate(offloaded("7b", "a100_80gb_8gpu", "hardware.host_mem_gb_per_s=null"))
-    assert e.offload == {} and any("offloaded optimizer step is not estimated" in n for n in e.notes)
+    # issue 11.3: was accepted with a 0 s optimizer step (offload faster than none); now refused in one line
+    with pytest.raises(ConfigError) as e:
+        offloaded("13b", "a100_80gb_8gpu", "hardware.host_mem_gb_per_s=null", "hardware.host_memory_gb=null")
+    [line] = e.value.problems
+    assert "has no hardware.host_mem_gb_per_s, hardware.host_memory_gb (null)" in line
+    fix = "hardware.host_mem_gb_per_s=409.6 hardware.host_memory_gb=2000"
+    assert fix in line and "framework.cpu_offload_optimizer=false" in line
+    offloaded("13b", "a100_80gb_8gpu", "hardware.host_mem_gb_per_s=null", "hardware.host_memory_gb=null", fix)
 
 
 def test_frameworks_that_do_not_offload_get_no_offload_layouts():
@@ -118,10 +124,68 @@ def test_host_memory_must_hold_the_offloaded_states():
     assert plan.dropped["host_memory"] > 0 and (plan.res["host_bytes"][plan.ranked] <= 1108e9).all()
 
 
-def test_offload_at_zero0_over_dp_is_refused():
-    with pytest.raises(ConfigError, match=r"needs parallel.zero_stage >= 1 at dp > 1"):
-        check_run(compose_line("python -m xpar model=7b hardware=a100_80gb_8gpu train=cluster parallel=dp "
-                               "framework.cpu_offload_optimizer=true run.mode=estimate tracking=off"))
+def test_offload_at_zero0_is_refused_at_any_dp_and_zero1_at_dp1_is_the_same_layout():
+    line = "python -m xpar model=7b hardware=a100_80gb_8gpu train=cluster framework.cpu_offload_optimizer=true " \
+           "run.mode=estimate tracking=off "
+    with pytest.raises(ConfigError, match=r"needs parallel.zero_stage >= 1 \(got zero_stage=0, dp=8\)"):
+        check_run(compose_line(line + "parallel=dp"))
+    # issue 11.7: the plan's top line paired ZeRO-0 with offload at dp = 1, while its own drop reason said 1-3
+    with pytest.raises(ConfigError, match=r"e.g. parallel.zero_stage=1\."):
+        check_run(compose_line(line + "parallel.tp=8 parallel.dp=1 parallel.zero_stage=0 parallel.recompute=full"))
+    one = check_run(compose_line(line + "parallel.tp=8 parallel.dp=1 parallel.zero_stage=1 parallel.recompute=full"))
+    plain = estimate(replace(one, framework=replace(one.framework, cpu_offload_optimizer=False)))
+    zero0 = replace(one, parallel=replace(one.parallel, zero_stage=0), framework=replace(one.framework, cpu_offload_optimizer=False))
+    assert estimate(zero0).time_per_step_s == pytest.approx(plain.time_per_step_s, rel=1e-12)  # dp = 1: ZeRO-1 = ZeRO-0
+    assert estimate(zero0).memory.total == pytest.approx(plain.memory.total, rel=1e-12)
+
+
+def test_plan_offload_rows_run_zero_stage_1_or_more_and_the_drop_reason_agrees():
+    plan = _plan("model=70b", "hardware=a100_80gb_8gpu", "framework=deepspeed")
+    r, best = plan.res, plan.best
+    assert r["offload"][best] and r["zero"][best] >= 1
+    assert (r["zero"][r["offload"].astype(bool)] >= 1).all() and plan.dropped["offload_zero"] > 0
+    assert not (r["zero"][~r["offload"].astype(bool) & (r["dp"] == 1)]).any()  # plain rows at dp = 1: ZeRO-0 kept
+    from xpar.plan.command import reproduce
+    line, spec = reproduce(plan)
+    assert "parallel.zero_stage=0 framework.cpu_offload_optimizer=true" not in line and spec.parallel.zero_stage >= 1
+
+
+def test_deepspeed_2021_profile_runs_no_offload():
+    plan = _plan("model=7b", "hardware=a100_80gb_8gpu", "framework=deepspeed_2021", "plan.pp=1")
+    assert not plan.res["offload"].any() and plan.dropped["offload"] > 0
+
+
+@pytest.mark.parametrize("fw", ["megatron", "torchtitan", "deepspeed_2021"])
+def test_estimate_refuses_offload_where_the_framework_profile_runs_none(fw):
+    with pytest.raises(ConfigError, match=f"framework={fw} runs no optimizer offload"):
+        offloaded("7b", "a100_80gb_8gpu", f"framework={fw}")
+
+
+@pytest.mark.parametrize("bad", ["[maybe]", "[]", "[1]"])
+def test_framework_offload_must_be_booleans(bad):
+    with pytest.raises(ConfigError, match=r"framework.offload=.* not allowed; .* values that work: \[false\]"):
+        offloaded("7b", "a100_80gb_8gpu", f"framework.offload={bad}")
+
+
+def test_fit_refusal_suggests_offload_only_where_it_would_be_accepted():
+    base = ("python -m xpar model=70b hardware=a100_80gb_8gpu train=cluster parallel=zero3 parallel.recompute=full "
+            "train.global_batch_size=64 parallel.micro_batches=auto run.mode=estimate tracking=off ")
+    with pytest.raises(ConfigError) as e:
+        check_run(compose_line(base + "framework=deepspeed parallel.zero_stage=1"))
+    assert "(framework.cpu_offload_optimizer=true: estimate only" in str(e.value)
+    for fw in ("megatron parallel.zero_stage=1", "torchtitan"):
+        with pytest.raises(ConfigError) as e:
+            check_run(compose_line(base + f"framework={fw}"))
+        assert "offload" not in str(e.value), fw
+
+
+def test_model_states_alone_count_the_framework_widths():
+    """issue 11.11: under framework=xpar the device keeps fp32 parameters and gradients (8 bytes/param)."""
+    with pytest.raises(ConfigError) as e:
+        check_run(compose_line("python -m xpar model=70b hardware=a100_80gb_8gpu train=cluster parallel=zero3 "
+                               "framework.cpu_offload_optimizer=true hardware.device_memory_gb=40 "
+                               "run.mode=estimate tracking=off"))
+    assert "alone (8 bytes/param in bf16 with AdamW under framework=xpar offloaded to host memory" in str(e.value)
 
 
 def test_execute_mode_refuses_offload_in_one_line_exit_2(tmp_path):

@@ -17,14 +17,15 @@ validation, then these checks, every refusal a :class:`~xpar.checks.ConfigError`
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from typing import Optional
 
 from xpar.checks import ConfigError
 from xpar.checks.duration import duration_problems
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks
-from xpar.estimate.offload import offload_problem
+from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks, state_widths
+from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
 from xpar.spec import RunSpec
 from xpar.validate import validate
 
@@ -85,19 +86,27 @@ def breakdown(mem: MemoryEstimate) -> str:
 
 
 def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[str]:
-    """What offloading the optimizer states to CPU would need (Assumptions.cpu_offload_optimizer),
-    when that is what makes it fit."""
-    from dataclasses import replace as dc_replace
-
-    from xpar.estimate.memory import memory
-
-    a = assumptions_for(spec)
-    if getattr(a, "cpu_offload_optimizer", True) or not mem.optimizer:
+    """What xpar's optimizer offload (``framework.cpu_offload_optimizer=true``, estimate only)
+    would give, said only where that line would be accepted: the framework runs offload
+    (framework.offload), the hardware has the host figures, ZeRO stage >= 1 (set to 1 when
+    at 0), and the host memory holds the states. None otherwise."""
+    if spec.framework.cpu_offload_optimizer or not mem.optimizer or True not in list(spec.framework.offload):
         return None
-    off = memory(spec, assume=dc_replace(a, cpu_offload_optimizer=True))
-    verdict = "would fit" if off.fits else "would still not fit"
-    return (f"With the optimizer states offloaded to host memory (a framework option, e.g. DeepSpeed "
-            f"offload_optimizer) it {verdict}: {_gb(off.total)} per device.")
+    pchg = {} if spec.parallel.zero_stage >= 1 else {"zero_stage": 1}
+    cfg = variant(spec, pchg, {})
+    cfg.framework = replace(cfg.framework, cpu_offload_optimizer=True)
+    try:
+        cand = validate(cfg)
+    except ConfigError:
+        return None
+    a = assumptions_for(cand)
+    if offload_problem(cand, a) or host_memory_need(cand, a):
+        return None
+    off = peak_memory(cand)
+    line = ("parallel.zero_stage=1 " if pchg else "") + "framework.cpu_offload_optimizer=true"
+    return (f"With the optimizer states offloaded to host memory ({line}: estimate only, ZeRO-Offload's schedule as "
+            f"DeepSpeed's offload_optimizer runs it) it {'would fit' if off.fits else 'would still not fit'}: "
+            f"{_gb(off.total)} per device.")
 
 
 def _stages(spec: RunSpec, pp_rank: int) -> str:
@@ -112,14 +121,14 @@ def _no_layout_fits(spec: RunSpec) -> str:
 
     psi = param_count(spec.model).total
     offloaded = spec.framework.cpu_offload_optimizer  # the optimizer's states are on the host
-    per_param = sum(STATE_BYTES[spec.train.dtype][:2 if offloaded else 3])
+    per_param = sum(state_widths(spec, assumptions_for(spec))[:2 if offloaded else 3])  # as the framework keeps them
     states = per_param * psi
     dev = spec.hardware.device_memory_gb * GB
     msg = (f"No alternative tried fits (ZeRO stage, recompute, sequence parallelism, micro-batch size, "
            f"tp x pp over {spec.world_size} devices).")
     if states > spec.world_size * dev:
         msg = (f"No layout of model={spec.model.name} fits hardware={spec.hardware.name}: its model states "
-               f"alone ({per_param} bytes/param in {spec.train.dtype} with AdamW"
+               f"alone ({per_param} bytes/param in {spec.train.dtype} with AdamW under framework={spec.framework.name}"
                f"{' offloaded to host memory' if offloaded else ''} x {psi / 1e9:.2f}e9 params = "
                f"{_gb(states)}) exceed the {spec.world_size} devices' {_gb(spec.world_size * dev)} in total.")
     bigger = []
@@ -199,43 +208,65 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     return out
 
 
-def _label(pchg: dict, tchg: dict) -> str:
+def _label(pchg: dict, tchg: dict, global_batch: int) -> str:
+    """The overrides of a change, complete: a change of tp, pp or the micro-batch size also sets
+    dp and the micro-batch count to auto and keeps the global batch (else a line with a fixed dp
+    or micro-batch count would run another global batch, or be refused)."""
     parts = [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in pchg.items()]
     parts += [f"train.{k}={v}" for k, v in tchg.items()]
+    if "tp" in pchg or "pp" in pchg:
+        parts.append("parallel.dp=auto")
+    if "tp" in pchg or "pp" in pchg or tchg:
+        parts += ["parallel.micro_batches=auto", f"train.global_batch_size={global_batch}"]
     return " ".join(parts)
+
+
+def variant(spec: RunSpec, pchg: dict, tchg: dict, hwchg: Optional[dict] = None):
+    """The estimate-mode XparConfig of ``spec`` with parallel (``pchg``), train (``tchg``) and
+    hardware (``hwchg``) fields changed; dp and micro-batches auto, the global batch kept."""
+    from xpar.config import RunConfig, XparConfig
+
+    par = replace(spec.parallel, dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
+    if "tp" in pchg or "pp" in pchg:
+        par.layer_split = None
+        if par.pp > 1 and spec.pp == 1:
+            par.schedule, par.virtual_stages = "1f1b", "auto"
+    if par.tp == 1:
+        par.sequence_parallel = False
+    tr = replace(spec.train, global_batch_size=spec.global_batch, **tchg)
+    return XparConfig(model=replace(spec.model), parallel=par, hardware=replace(spec.hardware, **(hwchg or {})),
+                      train=tr, data=replace(spec.data), tracking=replace(spec.tracking),
+                      run=RunConfig(mode="estimate", progress=False), framework=replace(spec.framework))
+
+
+def _passes(cfg) -> Optional[RunSpec]:
+    """The spec of ``cfg`` when it validates, fits device memory and offloads (if it does) as
+    asked into host memory that holds it; else None. No alternatives are searched."""
+    try:
+        cand = validate(cfg)
+    except ConfigError:
+        return None
+    a = assumptions_for(cand)
+    if not peak_memory(cand).fits or offload_problem(cand, a) or host_memory_need(cand, a):
+        return None
+    return cand
 
 
 def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400) -> list[tuple[str, MemoryEstimate, float]]:
     """Layouts on the same hardware and global batch that fit: (overrides, peak memory, step
     time), the fewest changes first, then the fastest; at most ``limit``."""
-    from xpar.config import RunConfig, XparConfig
-
     found = []
     fewest = None
     for k, pchg, tchg in _candidates(spec)[:max_checked]:
         if fewest is not None and k > fewest:
             break  # enough found with fewer changes
-        par = replace(spec.parallel, dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
-        if "tp" in pchg or "pp" in pchg:
-            par.layer_split = None
-            if par.pp > 1 and spec.pp == 1:
-                par.schedule, par.virtual_stages = "1f1b", "auto"
-        if par.tp == 1:
-            par.sequence_parallel = False
-        tr = replace(spec.train, global_batch_size=spec.global_batch, **tchg)
-        cfg = XparConfig(model=replace(spec.model), parallel=par, hardware=replace(spec.hardware), train=tr,
-                         data=replace(spec.data), tracking=replace(spec.tracking),
-                         run=RunConfig(mode="estimate", progress=False), framework=replace(spec.framework))
-        try:
-            cand = validate(cfg)
-        except ConfigError:
+        cand = _passes(variant(spec, pchg, tchg))
+        if cand is None:
             continue
         mem = peak_memory(cand)
-        if not mem.fits:
-            continue
         fewest = k
         t = estimate(cand, assumptions_for(cand)).time_per_step_s
-        found.append((k, t, _label(pchg, tchg), mem))
+        found.append((k, t, _label(pchg, tchg, spec.global_batch), mem))
     found.sort(key=lambda x: (x[0], x[1]))
     return [(label, mem, t) for _, t, label, mem in found[:limit]]
 
@@ -286,6 +317,33 @@ def _cluster_for(spec: RunSpec) -> str:
     return min(sized)[1] if sized else "a100_80gb_1024gpu"
 
 
+def offload_host_problem(spec: RunSpec) -> Optional[str]:
+    """None unless ``spec`` offloads its optimizer into host memory too small for it
+    (:func:`xpar.estimate.offload.host_memory_need`); then the refusal with the fixes that pass
+    every check when followed (each checked here): more nodes (dp auto, the global batch kept),
+    a larger host, or no offload."""
+    step = host_memory_need(spec, assumptions_for(spec))
+    if step is None:
+        return None
+    fixes = []
+    for k in range(1, 7):
+        nodes = spec.hardware.nodes * 2 ** k
+        if _passes(variant(spec, {}, {}, {"nodes": nodes})):
+            fixes.append(f"hardware.nodes={nodes} parallel.dp=auto parallel.micro_batches=auto "
+                         f"train.global_batch_size={spec.global_batch}")
+            break
+    host_gb = math.ceil(step["host_bytes"] / GB / 10) * 10
+    if _passes(variant(spec, {}, {}, {"host_memory_gb": float(host_gb)})):
+        fixes.append(f"hardware.host_memory_gb={host_gb}")
+    plain = variant(spec, {}, {})
+    plain.framework = replace(plain.framework, cpu_offload_optimizer=False)
+    if _passes(plain):
+        fixes.append("framework.cpu_offload_optimizer=false")
+    says = ("; values that work (each checked): " + ", or ".join(fixes)) if fixes else \
+        "; no larger cluster (up to 64x the nodes), host, or run without offload passes: a smaller model"
+    return host_memory_line(spec, step) + says + "."
+
+
 def memory_problems(spec: RunSpec) -> list[str]:
     """The memory checks of a valid spec: host memory for a local CPU run, device memory
     (cost-model estimate) in estimate mode."""
@@ -293,7 +351,7 @@ def memory_problems(spec: RunSpec) -> list[str]:
     if not 0.0 <= headroom < 1.0:
         return [f"hardware.memory_headroom={headroom:g} must be a fraction of device memory in [0, 1) "
                 f"(0.05 keeps 5 % free); values that work: 0, 0.05, 0.1."]
-    problem = offload_problem(spec, assumptions_for(spec))  # xpar.estimate.offload: execute, ZeRO-0, host memory
+    problem = offload_problem(spec, assumptions_for(spec)) or offload_host_problem(spec)  # xpar.estimate.offload
     if problem is None and spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
     elif problem is None and spec.mode == "estimate":

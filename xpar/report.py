@@ -51,6 +51,8 @@ class Report:
     """Pipelined runs: one step's measured and simulated action times (xpar.bubble)."""
     artifacts: list[str] = field(default_factory=list)
     """Files to log with the run (estimates: figures, dry-run JSON); paths."""
+    notes: list[str] = field(default_factory=list)
+    """What the figures rest on, said under the table (estimates: the cost model's notes)."""
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -202,9 +204,9 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         t.add_row(*r)
     console = Console()
     console.print(t)
-    if spec.notes:
-        for n in spec.notes:
-            console.print(f"[yellow]note:[/] {n}")
+    from rich.markup import escape
+    for n in list(spec.notes) + list(report.notes):
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
     if report.artifacts:
         console.print(f"Files: {', '.join(report.artifacts)}")
     if where:

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
-                    "device_memory_gb")
-"""Hardware fields that divide (FLOP/s, bytes/s, bytes): null means detect or unknown, 0 is refused."""
+                    "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
+"""Hardware fields that divide or bound (FLOP/s, bytes/s, bytes): null means detect or unknown, 0 is refused
+(the last three time and hold an offloaded optimizer, xpar.estimate.offload)."""
 
 
 def check_environment(c) -> list[str]:

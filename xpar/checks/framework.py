@@ -20,4 +20,33 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
             if not 0.0 <= getattr(fw, k) <= 1.0]
     out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."
             for k in ("grad_reduce_bytes", "grad_bytes") if getattr(fw, k) not in (2, 4)]
-    return out
+    return out + offload_problems(fw)
+
+
+def not_booleans(values) -> list:
+    """The entries of ``values`` that are not booleans (a list option of booleans: framework.offload,
+    plan.offload, plan.sequence_parallel); 'maybe' or 1 are not."""
+    return [v for v in values if not isinstance(v, bool)]
+
+
+def hydra_text(value) -> str:
+    """A value as written on the command line (booleans lower-case: [false, true])."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(hydra_text(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def offload_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.offload a non-empty list of booleans; framework.cpu_offload_optimizer=true only
+    where the profile runs offload (true in framework.offload: megatron and torchtitan do not)."""
+    given = list(fw.offload) if isinstance(fw.offload, (list, tuple)) else [fw.offload]
+    bad = not_booleans(given)
+    if bad or not given:
+        return [f"framework.offload={hydra_text(given)}: {hydra_text(bad) if bad else 'empty'} not allowed; it lists "
+                f"the optimizer offload choices the framework runs, booleans; values that work: [false], [true], "
+                f"[false, true]; e.g. framework.offload=[false,true]."]
+    if fw.cpu_offload_optimizer and True not in given:
+        return [f"framework.cpu_offload_optimizer=true, but framework={fw.name} runs no optimizer offload "
+                f"(framework.offload={hydra_text(given)}); e.g. framework.cpu_offload_optimizer=false, or a profile that "
+                f"runs it (framework=deepspeed or framework=xpar, at parallel.zero_stage >= 1)."]
+    return []

@@ -97,8 +97,7 @@ def gradient_copies(zero_stage: Any, dp: Any, micro_batches: Any) -> Any:
 def offload_figures_known(hw) -> bool:
     """Whether ``hw`` (a HardwareConfig or a hardware dict) gives PCIe, host-memory bandwidth
     and host-memory figures (all three > 0)."""
-    get = hw.get if isinstance(hw, dict) else (lambda k, d=None: getattr(hw, k, d))
-    return all((get(k) or 0) > 0 for k in ("pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb"))
+    return not missing_host_fields(hw)
 
 
 def devices_per_node(hw) -> int:
@@ -128,25 +127,60 @@ def offload_step(spec, assume, pp_rank: int, microbatch_compute_s: float) -> Opt
     return dict(out, elements=float(n), host_bytes=float(host_state_bytes(n, devices_per_node(hw))))
 
 
+HOST_FIELDS = ("pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
+"""The hardware fields an offloaded step is timed and held with (:func:`offload_figures_known`)."""
+
+
+def missing_host_fields(hw) -> list[str]:
+    """The :data:`HOST_FIELDS` of ``hw`` (HardwareConfig or dict) that are null or not > 0."""
+    get = hw.get if isinstance(hw, dict) else (lambda k, d=None: getattr(hw, k, d))
+    return [k for k in HOST_FIELDS if not (get(k) or 0) > 0]
+
+
 def offload_problem(spec, assume) -> Optional[str]:
     """Why ``spec`` cannot offload its optimizer as asked (``framework.cpu_offload_optimizer``),
-    or None: execute mode (xpar does not run it), ZeRO-0 at dp > 1 (DeepSpeed's offload is a
-    ZeRO stage 1-3 option), or the node's host memory too small for the offloaded states."""
+    or None: execute mode (xpar does not run it), hardware without the PCIe and host figures
+    (the step would cost 0 s, :data:`HOST_FIELDS`), or ZeRO-0 (DeepSpeed's offload_optimizer is
+    a ZeRO stage 1-3 option; at dp = 1 ZeRO-1 shards nothing and runs as ZeRO-0 does, so
+    parallel.zero_stage=1 is the layout). Host memory: :func:`host_memory_need`."""
     if not getattr(assume, "cpu_offload_optimizer", False):
         return None
     if spec.mode == "execute":
         return ("framework.cpu_offload_optimizer=true is estimated only: xpar does not execute optimizer offload "
                 f"(run.mode={spec.mode} on hardware={spec.hardware.name}); e.g. framework.cpu_offload_optimizer=false, "
                 "or run.mode=estimate with a cluster preset (hardware=a100_80gb_8gpu).")
-    if spec.parallel.zero_stage == 0 and spec.dp > 1:
-        return (f"framework.cpu_offload_optimizer=true needs parallel.zero_stage >= 1 at dp > 1 (got zero_stage=0, "
+    missing = missing_host_fields(spec.hardware)
+    if missing:
+        return (f"framework.cpu_offload_optimizer=true needs the host figures an offloaded step is timed with, and "
+                f"hardware={spec.hardware.name} has no {', '.join('hardware.' + k for k in missing)} (null); give them, "
+                f"e.g. {' '.join(f'hardware.{k}={EXAMPLE_HOST[k]:g}' for k in missing)} (a DGX A100 node, "
+                "conf/hardware/a100_80gb_8gpu.yaml), or framework.cpu_offload_optimizer=false.")
+    if spec.parallel.zero_stage == 0:
+        return (f"framework.cpu_offload_optimizer=true needs parallel.zero_stage >= 1 (got zero_stage=0, "
                 f"dp={spec.dp}): offload moves each rank's optimizer partition (DeepSpeed offload_optimizer: ZeRO "
-                "stages 1-3); values that work: parallel.zero_stage=1, 2 or 3; e.g. parallel.zero_stage=3.")
+                "stages 1-3; at dp = 1 ZeRO-1 shards nothing, the same layout as ZeRO-0); values that work: "
+                f"parallel.zero_stage=1, 2 or 3; e.g. parallel.zero_stage={1 if spec.dp == 1 else 3}.")
+    return None
+
+
+EXAMPLE_HOST = {"pcie_gb_per_s": 12.5, "host_mem_gb_per_s": 409.6, "host_memory_gb": 2000.0}
+"""A DGX A100 node's host figures (conf/hardware/a100_80gb_8gpu.yaml, datasheet values): the example a
+refusal gives for missing :data:`HOST_FIELDS`."""
+
+
+def host_memory_need(spec, assume) -> Optional[dict]:
+    """The offloaded step of ``spec`` (:func:`offload_step`: ``host_bytes`` per node, ``elements``)
+    when its states do not fit ``hardware.host_memory_gb``; None when they fit or nothing is
+    offloaded."""
+    if not getattr(assume, "cpu_offload_optimizer", False) or missing_host_fields(spec.hardware):
+        return None
     step = offload_step(spec, assume, memory(spec, assume=assume).pp_rank, 0.0)
     have = (spec.hardware.host_memory_gb or 0) * 1e9
-    if step is not None and step["host_bytes"] > have:
-        return (f"offloaded optimizer states need {step['host_bytes'] / 1e9:.0f} GB of host memory per node "
-                f"({devices_per_node(spec.hardware)} devices x {step['elements'] / 1e9:.2f}e9 elements x "
-                f"{HOST_STATE_BYTES} bytes), more than hardware.host_memory_gb={have / 1e9:g}; e.g. more devices "
-                f"(hardware.nodes={2 * spec.hardware.nodes}) or framework.cpu_offload_optimizer=false.")
-    return None
+    return step if step is not None and step["host_bytes"] > have else None
+
+
+def host_memory_line(spec, step: dict) -> str:
+    """The refusal of :func:`host_memory_need`, without a suggestion (the caller checks one)."""
+    return (f"offloaded optimizer states need {step['host_bytes'] / 1e9:,.0f} GB of host memory per node "
+            f"({devices_per_node(spec.hardware)} devices x {step['elements'] / 1e9:.2f}e9 elements x "
+            f"{HOST_STATE_BYTES} bytes), more than hardware.host_memory_gb={spec.hardware.host_memory_gb:g}")

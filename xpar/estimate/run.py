@@ -20,6 +20,10 @@ The Report has the fields and metric names of a measured run (xpar.report), with
   and counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
   params or grads bytes over the ranks built; ``estimate/dryrun_ranks``, ``estimate/dryrun_s``
   (per-rank detail in the artifact ``dryrun.json``);
+- an offloaded optimizer (``framework.cpu_offload_optimizer``, xpar.estimate.offload):
+  ``estimate/offload_<part>_s`` for each of :data:`xpar.estimate.offload.OFFLOAD_TERMS`
+  (grad_to_host, grad_to_host_exposed, host_step, param_to_device, exposed; seconds per step)
+  and ``estimate/offload_host_bytes`` (host memory per node);
 - pipelined layouts: ``pipeline/bubble_ratio`` (the cost model's) and
   ``pipeline/bubble_ratio_theory`` (closed form, or torch's action list replayed with uniform
   stage times where the schedule has none);
@@ -28,6 +32,10 @@ The Report has the fields and metric names of a measured run (xpar.report), with
   ``comm/<group>_ring_bytes``: the bytes a ring implementation sends per device for them
   (2(n-1)/n and (n-1)/n of the payload); ``comm/pp_send_recv_bytes``: bytes sent to the
   neighbouring stages.
+
+Notes: the cost model's notes (:attr:`xpar.estimate.cost.Estimate.notes`, e.g. the offloaded
+step's parts) are the Report's ``notes``: printed under the table and, in a tracked run,
+appended to the run's ``xpar.notes`` tag (after the spec's own notes).
 
 Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
 """
@@ -39,6 +47,7 @@ from pathlib import Path
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.memory import MEMORY_TERMS, peak_ranks
+from xpar.estimate.offload import OFFLOAD_TERMS
 from xpar.estimate.schedule import bubble_theory
 from xpar.report import Report, layout_name, zero_paper_bytes
 from xpar.spec import RunSpec
@@ -76,6 +85,33 @@ def memory_detail_metrics(mem) -> dict[str, float]:
     return out
 
 
+def offload_metrics(offload: dict) -> dict[str, float]:
+    """``estimate/offload_<part>_s`` (:data:`OFFLOAD_TERMS`, seconds per step) and
+    ``estimate/offload_host_bytes`` (per node) of an offloaded step; {} without offload."""
+    out = {f"estimate/offload_{k}": float(offload[k]) for k in OFFLOAD_TERMS if k in offload}
+    if "host_bytes" in offload:
+        out["estimate/offload_host_bytes"] = float(offload["host_bytes"])
+    return out
+
+
+def tag_notes(spec: RunSpec, notes: list[str]) -> None:
+    """Append ``notes`` to the active MLflow run's ``xpar.notes`` tag (the spec's notes first, as
+    xpar.job tags them), through the run's journal when it has one; nothing without a run."""
+    if not notes or not spec.tracking.enabled:
+        return
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        return
+    tags = {"xpar.notes": " | ".join(list(spec.notes) + list(notes))}
+    recorder = getattr(run, "recorder", None)
+    if recorder is not None:
+        recorder.record("tags", tags=tags)
+    else:
+        mlflow.set_tags(tags)
+
+
 def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """The Report of ``spec`` in estimate mode (see the module docstring), with the dry run
     unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
@@ -96,6 +132,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         "estimate/microbatches_in_flight": float(mem.detail["activations"]["microbatches_in_flight"]),
     })
     extra.update(memory_detail_metrics(mem))
+    extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
     if spec.dry_run:
         from xpar.dryrun import dry_run, representative_ranks
@@ -123,6 +160,8 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         mfu=est.mfu, hfu=est.hfu, peak_bytes_per_device=mem.total, peak_rank=ranks[0],
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
+    report.notes = list(est.notes)
+    tag_notes(spec, report.notes)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
 

@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
+from xpar.checks.framework import hydra_text, not_booleans
 from xpar.estimate.offload import offload_figures_known
 from xpar.layout import SCHEDULES
 from xpar.plan.context import PlanContext
@@ -92,7 +93,8 @@ def _choice_problems(p, framework: dict) -> list[str]:
                               ("recompute", p.recompute, list(RECOMPUTE)),
                               ("sequence_parallel", p.sequence_parallel, [False, True]),
                               ("offload", p.offload, offload)):
-        bad = [v for v in (given or []) if v not in valid]
+        boolean = key in ("sequence_parallel", "offload")  # 'maybe' or 1 are not booleans
+        bad = [v for v in (given or []) if v not in valid or (boolean and not_booleans([v]))]
         if given is not None and (bad or not given):
             why = {"zero_stages": f" (framework={framework.get('name')} runs ZeRO stages {runs})",
                    "schedules": f" (framework={framework.get('name')} runs schedules {scheds})",
@@ -102,11 +104,7 @@ def _choice_problems(p, framework: dict) -> list[str]:
     return out
 
 
-def _hydra(value) -> str:
-    """A value as written on the command line (booleans lower-case: [false, true])."""
-    if isinstance(value, list):
-        return "[" + ", ".join(_hydra(v) for v in value) + "]"
-    return str(value).lower() if isinstance(value, bool) else str(value)
+_hydra = hydra_text
 
 
 def _number_problems(p, local: bool) -> list[str]:

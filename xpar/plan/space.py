@@ -16,7 +16,8 @@ m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are appli
 :mod:`xpar.validate` enforces for a layout (xpar.checks.layout: tp splits, balanced pipeline
 stages, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
 parallelism's sequence split), the user's constraints, and duplicates (layouts that run the same
-as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing, ZeRO-3 under zero-bubble
+as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing (stage 0 kept, stage 1 for an
+offloaded optimizer, which DeepSpeed runs at stages 1-3 only), ZeRO-3 under zero-bubble
 schedules runs as ZeRO-2, :func:`xpar.layout.zero_stage_run`).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ RULES = {
     "microbatches": "micro-batch count m the schedule refuses (xpar.layout.microbatch_ok)",
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
     "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism",
-    "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept)",
+    "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
     "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
@@ -57,8 +58,8 @@ RULES = {
     "offload": "optimizer offload the framework does not run (framework.offload), or not in plan.offload",
     "offload_hw": "optimizer offload on hardware without PCIe and host-memory figures (hardware.pcie_gb_per_s, "
                   "host_mem_gb_per_s, host_memory_gb)",
-    "offload_zero": "optimizer offload at ZeRO-0 with dp > 1 (each rank offloads its optimizer partition: "
-                    "DeepSpeed offload_optimizer needs ZeRO stage 1-3)",
+    "offload_zero": "optimizer offload at ZeRO-0 (each rank offloads its optimizer partition: DeepSpeed "
+                    "offload_optimizer needs ZeRO stage 1-3; at dp = 1 it is kept as stage 1, the same layout)",
 }
 """Why a layout is dropped, by key, in the order the rules are applied."""
 
@@ -194,7 +195,8 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
-    t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == 0))
+    kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.offload.offload_problem)
+    t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = np.array([SCHEDULES[s].zero_bubble for s in t["schedule"]], dtype=bool) & (t["pp"] > 1)
     t = drops.apply(dict(t, zb=zb), "zero_run", _zero_runs(t) == t["zero"])
     t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
@@ -205,7 +207,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "offload", ~t["offload"] | bool(True in c.offload))
     t = drops.apply(t, "offload", t["offload"] | bool(False in c.offload))
     t = drops.apply(t, "offload_hw", ~t["offload"] | c.offload_hardware)
-    return drops.apply(t, "offload_zero", ~t["offload"] | (t["zero"] >= 1) | (t["dp"] == 1))
+    return drops.apply(t, "offload_zero", ~t["offload"] | (t["zero"] >= 1))
 
 
 def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len: int,
