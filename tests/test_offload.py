@@ -194,3 +194,51 @@ def test_execute_mode_refuses_offload_in_one_line_exit_2(tmp_path):
                        timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "framework.cpu_offload_optimizer=true is estimated only" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_estimate_notes_are_printed_and_tagged_and_offload_parts_logged(tmp_path, capsys):
+    """issue 11.3: Estimate.notes were written but never shown or logged."""
+    import mlflow
+
+    from xpar.job import run_job
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    line = ("python -m xpar model=13b hardware=a100_80gb_8gpu train=cluster parallel=zero3 framework=deepspeed "
+            f"framework.cpu_offload_optimizer=true run.mode=estimate run.dry_run=false tracking.uri={uri}")
+    report = run_job(compose_line(line), tmp_path / "out", tmp_path)
+    out = capsys.readouterr().out
+    assert "note: optimizer offloaded to host memory (ZeRO-Offload's schedule)" in " ".join(out.split())
+    assert report.notes and report.notes[0].startswith("optimizer offloaded to host memory")
+    client = mlflow.tracking.MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert report.notes[0] in run.data.tags["xpar.notes"]
+    m = run.data.metrics
+    for part in ("grad_to_host_s", "grad_to_host_exposed_s", "host_step_s", "param_to_device_s", "exposed_s"):
+        assert f"estimate/offload_{part}" in m, part
+    assert m["estimate/offload_host_step_s"] > 0 and m["estimate/offload_host_bytes"] > 0
+    assert m["estimate/offload_exposed_s"] == pytest.approx(m["estimate/time_optimizer_s"], rel=1e-9)
+
+
+def test_fit_alternatives_that_change_degrees_print_a_line_that_keeps_the_global_batch():
+    """issue 12: 'global batch 8 kept' was promised over a line that ran global batch 2."""
+    from xpar.fit import alternatives
+    base = ("python -m xpar model=13b hardware=a100_80gb_8gpu train=cluster parallel.dp=8 parallel.micro_batches=1 "
+            "train.micro_batch_size=1 train.global_batch_size=8 run.mode=estimate tracking=off ")
+    spec = check_run(compose_line(base + "parallel.zero_stage=3"))  # a valid spec to list alternatives around
+    found = alternatives(spec, limit=40)
+    degree = [label for label, _, _ in found if "parallel.tp=" in label or "parallel.pp=" in label]
+    assert degree, found
+    for label, _, _ in found:
+        followed = check_run(compose_line(base + "parallel.zero_stage=3 " + label))
+        assert followed.global_batch == 8, label
+
+
+def test_host_memory_refusal_suggests_override_sets_that_pass_when_followed():
+    """issue 11.10: the refusal suggested hardware.nodes=2, refused on its own (dp fixed by parallel=zero3)."""
+    with pytest.raises(ConfigError) as e:
+        offloaded("70b", "a100_80gb_8gpu", "hardware.host_memory_gb=512")
+    [line] = e.value.problems
+    assert "more than hardware.host_memory_gb=512; values that work (each checked): hardware.nodes=4 " in line
+    fixes = line.split("values that work (each checked): ")[1].rstrip(".").split(", or ")
+    assert len(fixes) >= 2
+    for fix in fixes:
+        offloaded("70b", "a100_80gb_8gpu", "hardware.host_memory_gb=512", fix)  # passes every check

@@ -281,7 +281,7 @@ def test_model_and_hardware_values_are_checked_as_a_run_checks_them(capsys, bad,
 
 
 def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):
-    err = refusal(capsys, "model=13b", "hardware=a100_80gb_8gpu", "plan.devices=1")
+    err = refusal(capsys, "model=13b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=1")
     assert "no layout of model=13b fits on 1 x A100-SXM4-80GB" in err
     assert "the smallest cluster that fits it is" in err
 
@@ -364,3 +364,57 @@ def test_a_framework_plan_holds_only_what_the_framework_runs(framework, schedule
     piped = r["pp"] > 1
     assert piped.any() and set(r["schedule"][piped]) <= schedules
     assert set(int(z) for z in r["zero"][piped]) <= pp_zero
+
+
+# --- issue 11: what a fresh user found in offload and the planner -----------------------------
+
+def test_host_memory_is_named_when_it_is_what_does_not_fit_and_the_fixes_plan(capsys):
+    import re
+    err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=500")
+    assert "plan.memory_headroom" not in err  # was: a device-memory reason and a headroom that cannot help
+    assert "layouts fit device memory, all with the optimizer offloaded" in err
+    assert re.search(r"needs 1,1\d\d GB per node, more than hardware.host_memory_gb=500; it fits with "
+                     r"hardware.host_memory_gb=\d+, or the smallest cluster that fits it is 16 devices "
+                     r"\(hardware.nodes=2\)", err), err
+    for fix in (re.search(r"it fits with (hardware.host_memory_gb=\d+)", err).group(1), "hardware.nodes=2"):
+        plan = plan_of("model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=500", fix)
+        assert len(plan.ranked) > 0, fix
+
+
+def test_offload_asked_on_hardware_without_host_figures_says_why(capsys):
+    err = refusal(capsys, "model=tiny", "hardware=local", "plan.offload=[true]")
+    assert ("passes plan.offload=[true] (what it keeps is dropped: optimizer offload on hardware without PCIe and "
+            "host-memory figures") in err and "e.g. plan.offload=[false]." in err
+
+
+@pytest.mark.parametrize("devices, fix, follow", [
+    (4, "e.g. plan.devices=8, or nodes of 4 devices: hardware.devices_per_node=4 plan.devices=4.",
+     "hardware.devices_per_node=4 plan.devices=4"),
+    (12, "e.g. plan.devices=8 or plan.devices=16.", "plan.devices=16")])
+def test_plan_devices_must_be_whole_nodes_and_the_fix_plans(capsys, devices, fix, follow):
+    from xpar.plan.command import reproduce
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", f"plan.devices={devices}")
+    assert f"plan.devices={devices} is not a whole number of hardware=a100_80gb_8gpu's 8-device nodes" in err
+    assert fix in err and "planner error" not in err  # was (4): a planner error after the search
+    plan = plan_of("model=7b", "hardware=a100_80gb_8gpu", *follow.split())
+    line, spec = reproduce(plan)  # the line names the node size it planned on
+    assert spec.world_size == plan.devices
+
+
+def test_execute_top_leaves_offload_layouts_out_and_refuses_when_only_they_are_left(tmp_path, capsys):
+    from xpar.plan.command import run_plan
+    from xpar.plan.execute import offloads, pick
+    host = ("model=tiny", "hardware=local", "hardware.pcie_gb_per_s=10", "hardware.host_mem_gb_per_s=20",
+            "hardware.host_memory_gb=16")
+    plan = plan_of(*host)
+    off = np.array([offloads(plan, int(i)) for i in plan.ranked])
+    assert off.any() and (~off).any()
+    plan.ranked = np.concatenate([plan.ranked[off], plan.ranked[~off]])  # offload layouts on top
+    rows = pick(plan, 2)
+    assert len(rows) == 2 and not any(offloads(plan, i) for i in rows)  # was: the top offload rows, run without it
+    over = (*host, "plan.offload=[true]", "plan.execute_top=1", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}")
+    with pytest.raises(SystemExit) as e:
+        run_plan(cfg_of(*over), tmp_path, tmp_path, argv(*over))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "plan.execute_top=1: none of the top" in err and "e.g. plan.offload=[false]" in err
+    assert not (tmp_path / "execute").exists()  # nothing was run

@@ -260,6 +260,8 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
     for k, pchg, tchg in _candidates(spec)[:max_checked]:
         if fewest is not None and k > fewest:
             break  # enough found with fewer changes
+        if pchg.get("sequence_parallel") and pchg.get("tp", spec.tp) == 1:
+            continue  # refused at tp = 1 when followed (xpar.checks.environment.check_sequence_parallel)
         cand = _passes(variant(spec, pchg, tchg))
         if cand is None:
             continue

@@ -15,6 +15,7 @@ that would work.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.plan.context import PlanContext
-from xpar.plan.inputs import PlanInputs, plan_inputs
+from xpar.plan.inputs import PlanInputs, _hydra, plan_inputs
 from xpar.plan.space import RULES, Constraints, Space, enumerate_layouts
 
 GB = 1e9
@@ -121,8 +122,11 @@ def search_smallest(inputs: PlanInputs) -> Plan:
 
 USER_RULES = {"max_tp": ("max_tp", "tp"), "pp_fixed": ("pp", "pp"), "schedule": ("schedules", "schedule"),
               "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute"),
-              "sequence_parallel": ("sequence_parallel", "sp")}
+              "sequence_parallel": ("sequence_parallel", "sp"), "offload": ("offload", "offload")}
 """Rules that come from a plan.* constraint: rule key -> (plan field, candidate column)."""
+WHY_ASKED_DROPPED = {"offload": ("offload_hw", "offload_zero")}
+"""Rules that drop what a plan.* constraint asks for (rule key -> the rules that drop the layouts it
+keeps): said with the constraint, since they are why nothing passes it."""
 UNCONSTRAINED = Constraints(global_batch=(1, 1))
 """Constraints' defaults: what a plan.* field left unset allows."""
 
@@ -140,11 +144,20 @@ def empty_space_line(inputs: PlanInputs, devices: int, space: Space) -> str:
                                   int(ctx.train["seq_len"]), free)
         if len(other):
             works = sorted({v.item() for v in np.unique(other.cols[col])})
-            return (f"no layout of {where} passes plan.{name}={_given(inputs, name)}; {col} values that work: "
-                    f"{works}; e.g. plan.{name}={_example(name, works)}.")
+            return (f"no layout of {where} passes plan.{name}={_hydra(_given(inputs, name))}{_why(key, space)}; "
+                    f"{col} values that work: {_hydra(works)}; e.g. plan.{name}={_example(name, works)}.")
     top = max(space.dropped, key=space.dropped.get)
     return (f"no layout of {where} passes the rules; most are dropped because {RULES[top]} "
             f"({space.dropped[top]:,} layouts); try another global batch (plan.global_batch_size) or device count.")
+
+
+def _why(key: str, space: Space) -> str:
+    """' (what it keeps is dropped: <rule>, n layouts)' for a constraint of :data:`WHY_ASKED_DROPPED`."""
+    related = [k for k in WHY_ASKED_DROPPED.get(key, ()) if space.dropped.get(k)]
+    if not related:
+        return ""
+    top = max(related, key=space.dropped.get)
+    return f" (what it keeps is dropped: {RULES[top]}, {space.dropped[top]:,} layouts)"
 
 
 def _given(inputs: PlanInputs, name: str):
@@ -153,7 +166,8 @@ def _given(inputs: PlanInputs, name: str):
 
 
 def _example(name: str, works: list):
-    return f"[{works[0]}]" if name in ("schedules", "zero_stages", "recompute", "sequence_parallel") else works[-1]
+    return f"[{_hydra(works[0])}]" if name in ("schedules", "zero_stages", "recompute", "sequence_parallel",
+                                               "offload") else works[-1]
 
 
 def _batch(span: tuple[int, int]) -> str:
@@ -161,18 +175,50 @@ def _batch(span: tuple[int, int]) -> str:
 
 
 def nothing_fits_line(plan: Plan) -> str:
-    """No layout fits: by how much the leanest misses, and the largest memory headroom or the
-    smallest cluster (whole nodes, doubling, up to 64x) that would fit one."""
-    from xpar.plan.explain import device_name, label
+    """No layout fits: by how much the leanest misses -- device memory, or, where layouts fit
+    the device only with the optimizer offloaded, the node's host memory -- and what would fit
+    one: the largest memory headroom, a larger host, or the smallest cluster (whole nodes,
+    doubling, up to 64x)."""
+    from xpar.plan.explain import device_name
     res, ctx = plan.res, plan.ctx
-    lean = int(np.argmin(res["memory_total"]))
+    fits = res["fits"].astype(bool)
+    where = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {device_name(ctx.hardware)} "
+             f"({plan.space.raw:,} tried, {len(plan.space):,} valid)")
+    if fits.any():  # they fit the device, none the host (rank.feasible)
+        return _host_memory_line(plan, where, fits)
+    host_ok = res["host_fits"].astype(bool) if "host_fits" in res else np.ones(len(fits), dtype=bool)
+    pool = np.flatnonzero(host_ok) if host_ok.any() else np.arange(len(fits))
+    lean = int(pool[np.argmin(res["memory_total"][pool])])
     dev_mem = float(ctx.hardware["device_memory_gb"]) * GB
     need = float(res["memory_total"][lean])
-    head = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {device_name(ctx.hardware)} "
-            f"({plan.space.raw:,} tried, {len(plan.space):,} valid): the leanest, {label(res, lean)}, needs "
-            f"{need / GB:.1f} GB per device, {float(res['memory_usable'][lean]) / GB:.1f} GB usable")
-    if need <= dev_mem:
+    from xpar.plan.explain import label
+    head = (f"{where}: the leanest, {label(res, lean)}, needs {need / GB:.1f} GB per device, "
+            f"{float(res['memory_usable'][lean]) / GB:.1f} GB usable")
+    if need <= dev_mem and host_ok[lean]:
         return head + f"; it fits with plan.memory_headroom={max(0.0, 1 - need / dev_mem) - 0.0005:.3f} or less."
+    return head + "; " + _smallest_cluster(plan) + "."
+
+
+def _host_memory_line(plan: Plan, where: str, fits: np.ndarray) -> str:
+    """Layouts fit device memory only with the optimizer offloaded, and their states exceed the
+    node's host memory: the leanest host need against hardware.host_memory_gb, a host that holds
+    it (that layout then fits both), and the smallest cluster."""
+    from xpar.plan.explain import label
+    res, hw = plan.res, plan.ctx.hardware
+    rows = np.flatnonzero(fits)
+    lean = int(rows[np.argmin(res["host_bytes"][rows])])
+    need = float(res["host_bytes"][lean])
+    host = math.ceil(need / GB / 10) * 10
+    return (f"{where}: {len(rows):,} layouts fit device memory, all with the optimizer offloaded, and their states "
+            f"exceed the node's host memory: the leanest on the host, {label(res, lean)}, needs {need / GB:,.0f} GB "
+            f"per node, more than hardware.host_memory_gb={float(hw.get('host_memory_gb') or 0):g}; it fits with "
+            f"hardware.host_memory_gb={host}, or {_smallest_cluster(plan)}.")
+
+
+def _smallest_cluster(plan: Plan) -> str:
+    """'the smallest cluster that fits it is N devices (hardware.nodes=k): <layout>, T tokens/s',
+    searched at 2x, 4x, ... 64x the devices (each a full search)."""
+    from xpar.plan.explain import label
     for k in range(1, 7):
         n = plan.devices * 2 ** k
         try:
@@ -180,9 +226,9 @@ def nothing_fits_line(plan: Plan) -> str:
         except PlanRefused:
             continue
         nodes = max(1, n // plan.inputs.devices_per_node)
-        return head + (f"; the smallest cluster that fits it is {n} devices (hardware.nodes={nodes}): "
-                       f"{label(other.res, other.best)}, {other.res['tokens_per_s'][other.best]:,.0f} tokens/s.")
-    return head + f"; no cluster up to {plan.devices * 64} devices fits it: a smaller model or sequence."
+        return (f"the smallest cluster that fits it is {n} devices (hardware.nodes={nodes}): "
+                f"{label(other.res, other.best)}, {other.res['tokens_per_s'][other.best]:,.0f} tokens/s")
+    return f"no cluster up to {plan.devices * 64} devices fits it: a smaller model or sequence"
 
 
 # --- the command --------------------------------------------------------------------------

@@ -5,7 +5,8 @@ the measured tokens/s set beside the estimate, with the two rank orders.
 Each layout is a generated config ``<out>/execute_layouts/plan/top/top<k>.yaml`` (``# @package
 _global_``: its parallel.* and train batch values), swept as ``+plan/top=top1,top2,...`` with
 ``hydra.searchpath`` pointing there. Only layouts whose command line validates in execute mode
-are taken (e.g. tied embeddings cannot be split over pp stages for real), walking down the ranking.
+are taken (e.g. tied embeddings cannot be split over pp stages for real), walking down the ranking;
+layouts with an offloaded optimizer are left out (estimated only: xpar does not execute offload).
 """
 from __future__ import annotations
 
@@ -52,11 +53,18 @@ def _base_overrides(plan) -> list[str]:
     return [o for o in plan.inputs.overrides if not o.lstrip("+~").startswith(SKIP)]
 
 
+def offloads(plan, i: int) -> bool:
+    """Whether candidate ``i`` offloads its optimizer (estimated only: execute mode cannot run it)."""
+    return bool("offload" in plan.res and plan.res["offload"][i])
+
+
 def pick(plan, k: int) -> list[int]:
-    """The first ``k`` ranked layouts that run here (at most :data:`MAX_TRIES` tried)."""
+    """The first ``k`` ranked layouts that run here (at most :data:`MAX_TRIES` tried); layouts
+    with an offloaded optimizer are left out (xpar does not execute offload, and a run without it
+    would be labelled with something it did not do)."""
     out = []
     for i in plan.ranked[:MAX_TRIES]:
-        if _runs(plan, int(i)):
+        if not offloads(plan, int(i)) and _runs(plan, int(i)):
             out.append(int(i))
             if len(out) == k:
                 break
@@ -77,6 +85,16 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
     """Run the top ``plan.inputs.execute_top`` layouts as one sweep; return one row per layout:
     its plan rank, estimated and measured tokens/s, measured rank and the sweep's id (printed)."""
     rows = pick(plan, plan.inputs.execute_top)
+    if not rows:
+        from xpar.overrides import refuse
+        top = plan.ranked[:MAX_TRIES]
+        off = sum(offloads(plan, int(i)) for i in top)
+        rest = "" if off == len(top) else "; the others do not validate in execute mode"
+        why, fix = ((f"{off} offload the optimizer, which xpar estimates only{rest}",
+                     f"plan.offload=[false] plan.execute_top={plan.inputs.execute_top}") if off else
+                    ("none validates in execute mode", "plan.execute_top=0"))
+        refuse([f"plan.execute_top={plan.inputs.execute_top}: none of the top {len(top)} layouts runs for real here "
+                f"({why}); e.g. {fix}."])
     root = write_layouts(plan, rows, out_dir / "execute_layouts")
     sweep_dir = out_dir / "execute"
     cmd = [sys.executable, "-m", "xpar", "-m", f"hydra.searchpath=[file://{root.resolve()}]",

@@ -140,14 +140,20 @@ def _plain_list(value) -> list:
 
 
 def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
-    """Device counts to search: the preset's, plan.devices, or a range's whole-node counts."""
+    """Device counts to search: the preset's, plan.devices (whole nodes), or a range's whole-node counts."""
     n = int(hw["devices_per_node"])
     if p.devices is None:
         return (n * int(hw["nodes"]),), []
     span, bad = _range(_plain(p.devices), "plan.devices")
     if bad:
         return (), bad
-    counts = tuple(d for d in batch_values(*span) if d % n == 0 or n % d == 0)
+    counts = tuple(d for d in batch_values(*span) if d % n == 0)  # whole nodes: a command line runs whole nodes
+    if span[0] == span[1] and span[0] % n:
+        d, lo = span[0], max(n, span[0] // n * n)
+        fix = (f"plan.devices={n}, or nodes of {d} devices: hardware.devices_per_node={d} plan.devices={d}" if d < n
+               else f"plan.devices={lo} or plan.devices={lo + n}")
+        return (), [f"plan.devices={d} is not a whole number of hardware={hw['name']}'s {n}-device nodes: a plan "
+                    f"runs on whole nodes (hardware.nodes); e.g. {fix}."]
     if span[0] != span[1] and p.min_tokens_per_s is None:
         return (), [f"plan.devices={list(span)} is a range: give plan.min_tokens_per_s (the smallest cluster "
                     f"reaching it is searched), e.g. plan.min_tokens_per_s=100000, or one device count."]

@@ -28,7 +28,8 @@ def override_line(plan) -> str:
     hw = ctx.hardware
     if hw["name"] != "local":
         par.append(f"hardware.nodes={hw['nodes']}")
-        if int(hw["devices_per_node"]) != plan.inputs.devices_per_node:
+        given = any(o.startswith("hardware.devices_per_node=") for o in plan.inputs.overrides)
+        if given or int(hw["devices_per_node"]) != plan.inputs.devices_per_node:
             par.append(f"hardware.devices_per_node={hw['devices_per_node']}")
     if hw.get("memory_headroom"):
         par.append(f"hardware.memory_headroom={hw['memory_headroom']}")
