@@ -33,8 +33,9 @@ memory. Per step, on every device at once:
 Every device is taken as the most loaded one (its ``elements``): an upper bound within a few
 per cent with balanced stages. Hardware figures: ``hardware.pcie_gb_per_s`` (per device, every
 device copying), ``host_mem_gb_per_s`` and ``host_memory_gb`` (per node), datasheet values in
-conf/hardware/*.yaml; None where unknown (:func:`offload_figures_known`), then no time is
-estimated (a note) and the planner searches no offload layouts.
+conf/hardware/*.yaml; None where unknown (:func:`offload_figures_known`), then an estimate
+refuses offload (:func:`offload_problem`: the step would cost 0 s) and the planner searches no
+offload layouts (a direct :func:`xpar.estimate.cost.estimate` call notes it and times nothing).
 
 Not modelled: FSDP2's CPUOffloadPolicy, which also keeps the parameter shards on the host and
 copies each unit's shard to the device at every all-gather (torchtitan's profile therefore
