@@ -67,8 +67,20 @@ def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dic
     while len(rows) < n:
         r = _one(ctx, rng)
         if r is not None:
-            rows.append(r)
+            rows.append(r if not r[-1] or _offload_accepted(ctx, r) else r[:-1] + (False,))
     return {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS + ("offload",))}
+
+
+def _offload_accepted(ctx: PlanContext, row: tuple) -> bool:
+    """Whether the estimate accepts this row with the optimizer offloaded (the framework runs
+    offload, ZeRO >= 1, the hardware has host figures and its host memory holds the states)."""
+    from xpar.checks import ConfigError
+
+    try:
+        spec_of(ctx, {k: np.array([v]) for k, v in zip(COLUMNS + ("offload",), row)}, 0)
+    except ConfigError:
+        return False
+    return True
 
 
 def scalar_fields(e) -> dict[str, float]:
@@ -116,7 +128,7 @@ def test_time_columns_equal_scalar_estimate(model):
             checked += 2
             offloaded += int((got["offload_host_step_s"] > 0).sum())
     assert checked == 40 and not bad, "\n".join(bad[:20])
-    assert offloaded >= 10  # the offloaded step is exercised (every preset here has host figures)
+    assert offloaded >= 5  # the offloaded step is exercised (where the framework runs offload: xpar, deepspeed)
 
 
 def test_time_columns_many_layouts_one_context():
