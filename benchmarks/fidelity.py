@@ -14,7 +14,9 @@ Use a calibrated preset for the estimate to see this machine's links, memory and
     python benchmarks/fidelity.py --hardware calibrated_here [--steps 8] [--models tiny small] [--repeat 2]
 
 The small model (GPT-2 124M) runs at micro-batch 1 x 128 tokens (MODEL_OVERRIDES): at its preset
-4 x 1024 a dp step takes ~65 s here, the layout set an hour. ``--repeat k`` runs each layout k
+4 x 1024 a dp step takes ~65 s here, the layout set an hour; its vocabulary padded to 50304 (a
+multiple of 128, as Megatron-LM pads GPT-2's 50257) so that tp = 2 divides it, and its output
+not tied to the embedding (pp > 1 would split the tied pair across stages). ``--repeat k`` runs each layout k
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
 run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate
@@ -33,7 +35,8 @@ LAYOUTS = {
     "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
 }
 
-MODEL_OVERRIDES = {"small": ["train.micro_batch_size=1", "train.seq_len=128"]}
+MODEL_OVERRIDES = {"small": ["train.micro_batch_size=1", "train.seq_len=128", "model.vocab_size=50304",
+                             "model.tied_embeddings=false"]}
 """Shapes that keep a layout's run under a minute here (module docstring)."""
 
 

@@ -10,6 +10,9 @@ framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
     step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_r T_mb(r)     pipeline with bubble
              + dp communication left at the end (last backward's reductions, ZeRO-1 gathers)
              + optimizer (2 passes over the local model states / HBM)
+             + host time outside the micro-batches (xpar.estimate.host: optimizer and clip ops)
+    T_mb(r) also holds the host time of the rank's operators (xpar.estimate.host; 0 on GPU
+    presets), and a CPU whose workers outnumber its cores stretches the step by workers / cores.
 
 - F_r: FLOPs of rank r's layers (and logits on the last stage) per micro-batch / t, from
   xpar.estimate.flops (Narayanan et al. 2021 convention); recompute adds its forward share.
