@@ -125,3 +125,20 @@ def test_host_time_only_where_measured():
     assert zero3.time_breakdown["host_overhead"] > dp.time_breakdown["host_overhead"] + 4 * 400e-6
     shared = est("parallel=dp", cpu_cores=1, **figures)  # 2 workers on 1 core
     assert shared.time_per_step_s == pytest.approx(2 * dp.time_per_step_s)
+
+
+def test_estimated_idle_is_the_measured_definition():
+    """fidelity's estimated bubble is 1 - sum busy / (pp x schedule time), as measured: the
+    schedule's bubble for balanced stages without send time; a lighter stage idles too; exposed
+    sends are idle time; host time after the schedule is left out."""
+    from xpar.fidelity import estimated_idle
+
+    m, beta = 4, 0.2
+    balanced = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 1.0}
+    assert estimated_idle(balanced, beta) == pytest.approx(beta)
+    uneven = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 0.75}  # stages of 1.0 and 0.5 s
+    assert estimated_idle(uneven, beta) == pytest.approx(1 - (m * 1.0 + m * 0.5) / (2 * (m * 1.0 + uneven["bubble"])))
+    sends = dict(balanced, matmul=m * 0.9, pp_comm=m * 0.1)  # same schedule, a tenth of it waiting on sends
+    assert estimated_idle(sends, beta) == pytest.approx(beta + 0.1 * (1 - beta))
+    assert estimated_idle(dict(balanced, host_overhead=3.0), beta, outside=3.0) == pytest.approx(beta)
+    assert estimated_idle(balanced, 0.0) == 0.0

@@ -9,9 +9,9 @@ with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset f
 - ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
   logged for every run, so every executed run carries the three). Both on the measured
   definition (xpar.bubble): the idle fraction of the pipeline ranks within the schedule's time,
-  where a rank waiting for a send is idle too; the estimate's is :func:`estimated_idle` (its
-  schedule bubble plus its exposed pipeline sends), which is the schedule's bubble when sends
-  are free;
+  where a rank waiting for a send or for a slower stage is idle too; the estimate's is
+  :func:`estimated_idle` (its schedule bubble, its exposed pipeline sends and its stages'
+  imbalance), which is the schedule's bubble when sends are free and stages equal;
 - ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
   run's figures.
 """
@@ -35,16 +35,35 @@ def fidelity_metrics(spec: RunSpec, report: Report) -> dict[str, float]:
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
     measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
     if measured_bubble is not None:
-        out["fidelity/bubble_diff"] = (estimated_idle(est.time_breakdown) if spec.pp > 1 else 0.0) - measured_bubble
+        idle = estimated_idle(est.time_breakdown, est.bubble_ratio, _host_outside(spec)) if spec.pp > 1 else 0.0
+        out["fidelity/bubble_diff"] = idle - measured_bubble
     return out
 
 
-def estimated_idle(breakdown: dict[str, float]) -> float:
-    """The estimate's idle fraction of the pipeline ranks within the schedule (the measured
-    bubble's definition, xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the stages'
-    compute): (bubble + exposed pipeline sends) / (the schedule's time: compute, host time, tp
-    collectives, sends and bubble) from the slowest rank's step-time terms
-    (Estimate.time_breakdown, seconds); 0 for an empty step."""
+def _host_outside(spec: RunSpec) -> float:
+    """Seconds of the estimate's host_overhead term spent after the schedule (optimizer, clip and
+    its all-reduces: xpar.estimate.host.host_step), most on any pipeline rank, stretched as the
+    estimate's terms are when workers outnumber cores."""
+    from xpar.estimate.host import host_costs, host_step, oversubscription
+
+    h, lay = host_costs(spec), spec.layout
+    outside = max(host_step(h, lay.layers_of(r), lay.has_first_stage(r), lay.has_last_stage(r)) for r in range(spec.pp))
+    return outside * oversubscription(spec.hardware.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
+
+
+def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.0) -> float:
+    """The estimate's idle fraction of the pipeline ranks within the schedule, on the measured
+    bubble's definition (xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the stages'
+    compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the slowest
+    rank's step-time terms (Estimate.time_breakdown, seconds) and the schedule's bubble ``beta``.
+    The bubble term is beta / (1 - beta) x m x the mean micro-batch time over ranks
+    (xpar.estimate.cost.step_time), which gives that mean; the schedule's time is the compute,
+    host, tp, send and bubble terms, less ``outside`` (host seconds after the schedule). Equals
+    beta + sends / schedule time when the ranks are balanced; a rank lighter than the slowest
+    idles too. 0 for an empty step or no bubble."""
     pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
-                                                   "host_overhead"))
-    return (breakdown.get("bubble", 0.0) + breakdown.get("pp_comm", 0.0)) / pipeline if pipeline else 0.0
+                                                   "host_overhead")) - outside
+    if not pipeline or not 0 < beta < 1:
+        return 0.0
+    busy_per_rank = breakdown.get("bubble", 0.0) * (1 - beta) / beta - breakdown.get("pp_comm", 0.0)
+    return 1 - busy_per_rank / pipeline
