@@ -143,3 +143,10 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     e3, ez = estimate(d3), estimate(z3)
     assert e3.tflops_per_device > 2 * ez.tflops_per_device
     assert ez.time_breakdown["dp_comm_exposed"] > 0.5 * ez.time_per_step_s
+
+
+def test_a_framework_other_than_xpar_in_execute_mode_says_it_shapes_the_estimate_only():
+    from xpar.validate import validate
+    spec = validate(compose("tracking=off", "parallel=zero3", "framework=deepspeed_2021"), local_devices=2)
+    assert spec.mode == "execute" and any("framework=deepspeed_2021 shapes this run's estimate" in n for n in spec.notes)
+    assert not any("shapes this run's estimate" in n for n in validate(compose("tracking=off"), local_devices=2).notes)

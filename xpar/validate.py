@@ -85,6 +85,9 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
     notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout)
+    if target.mode == "execute" and c.framework.name != "xpar":
+        notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
+                     "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
     return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
