@@ -418,3 +418,14 @@ def test_execute_top_leaves_offload_layouts_out_and_refuses_when_only_they_are_l
     err = capsys.readouterr().err
     assert e.value.code == 2 and "plan.execute_top=1: none of the top" in err and "e.g. plan.offload=[false]" in err
     assert not (tmp_path / "execute").exists()  # nothing was run
+
+
+def test_every_step_time_term_has_words_and_a_colour():
+    """The plan's explanations (TERM_WORDS) and the estimate's chart (COLORS) name every term of
+    the breakdown: a calibrated CPU preset's host_overhead crashed `xpar plan` with a KeyError."""
+    from xpar.estimate.cost import TIME_TERMS
+    from xpar.estimate.figures import COLORS
+    from xpar.plan.rank import TERM_WORDS
+    assert set(TERM_WORDS) == set(TIME_TERMS) and len(COLORS) >= len(TIME_TERMS)
+    plan = plan_of("model=tiny", "hardware=local", "hardware.op_overhead_us=2.1", "hardware.cpu_cores=2")
+    assert plan.res["time_host_overhead"][plan.best] > 0

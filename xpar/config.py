@@ -203,6 +203,12 @@ class FrameworkConfig:
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
     (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
+    zero3_host_ops_per_rank: float = 0.0
+    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 collective: 0 for flat
+    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered and reduce-scattered each
+    parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
+    host_op_us: float = 4.0
+    """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
     # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
     count_buffers: bool = True
     """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""
@@ -211,12 +217,6 @@ class FrameworkConfig:
     recompute_layer_fraction: float = 1.0
     """Fraction of blocks the recompute policy applies to."""
     param_storage: str = "fp32"
-    zero3_host_ops_per_rank: float = 0.0
-    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 collective: 0 for flat
-    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered and reduce-scattered each
-    parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
-    host_op_us: float = 4.0
-    """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
     """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
     parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
     grad_bytes: int = 4

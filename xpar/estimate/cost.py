@@ -94,9 +94,9 @@ class Assumptions(MemoryOptions):
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
     overlap_slowdown: float = 0.15
-
     zero3_host_ops_per_rank: float = 0.0
     host_op_us: float = 4.0
+
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
         """The assumptions of a :class:`xpar.config.FrameworkConfig` (every field of this

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from xpar.estimate.cost import TIME_TERMS
 from xpar.estimate.memory import MEMORY_TERMS, MemoryEstimate
 
 MEMORY_FILE = "estimate_memory.png"
 TIME_FILE = "estimate_step_time.png"
-TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer")
 GIB = 2 ** 30
 """Memory is shown in GiB everywhere (console, compare, figures); metrics stay in bytes."""
-COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#937860")
+COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#937860", "#DA8BC3")
+"""One per term of :data:`xpar.estimate.cost.TIME_TERMS`, in order."""
 
 
 def _plt():

@@ -8,7 +8,7 @@ from xpar.estimate.cost import TIME_TERMS
 
 TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm": "tp communication",
               "pp_comm": "pp send/recv", "bubble": "pipeline bubble", "dp_comm_exposed": "exposed dp communication",
-              "optimizer": "optimizer step"}
+              "optimizer": "optimizer step", "host_overhead": "host overhead (operator dispatch)"}
 """The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`) in words."""
 
 
