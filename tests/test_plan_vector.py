@@ -217,20 +217,27 @@ def test_time_columns_on_the_plan_space():
     assert not bad, "\n".join(bad[:20])
 
 
+def _cpu_columns(hw: dict, model: str, seed: int, n: int):
+    """(specs, scalar estimates, time_columns) of ``n`` random fp32 layouts of ``model`` on the CPU
+    hardware ``hw`` (framework xpar), after checking the planner equals the scalar estimate."""
+    ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
+                      framework=_group("framework", "xpar"))
+    cols = random_candidates(ctx, np.random.default_rng(seed), n)
+    specs = [spec_of(ctx, cols, i) for i in range(n)]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols, *memory_args(ests))
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
+    return specs, ests, got
+
+
 def test_time_columns_on_local_cpu_hardware():
     """hardware=local (this machine: CPU assumptions, no HBM or link figures, so no memory-bound
     or communication time), fp32: equal to the scalar estimate."""
     hw = dict(_group("hardware", "local"), devices_per_node=4)
     for model in ("tiny", "mini"):
-        ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
-                          framework=_group("framework", "xpar"))
-        cols = random_candidates(ctx, np.random.default_rng(2), 6)
-        specs = [spec_of(ctx, cols, i) for i in range(6)]
-        ests = [estimate(sp) for sp in specs]
-        got = time_columns(specs[0], cols, *memory_args(ests))
+        specs, _, got = _cpu_columns(hw, model, 2, 6)
         assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
-        bad = _mismatches(ctx, cols, got, ests)
-        assert not bad, "\n".join(bad[:20])
 
 
 def test_time_columns_with_host_overhead_and_shared_cores():
@@ -241,13 +248,6 @@ def test_time_columns_with_host_overhead_and_shared_cores():
               intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
               op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2)
     for model in ("tiny", "mini"):
-        ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
-                          framework=_group("framework", "xpar"))
-        cols = random_candidates(ctx, np.random.default_rng(3), 8)
-        specs = [spec_of(ctx, cols, i) for i in range(8)]
-        ests = [estimate(sp) for sp in specs]
-        got = time_columns(specs[0], cols, *memory_args(ests))
+        _, ests, got = _cpu_columns(hw, model, 3, 8)
         assert (got["time_host_overhead"] > 0).all()
         assert all(e.time_breakdown["host_overhead"] > 0 for e in ests)
-        bad = _mismatches(ctx, cols, got, ests)
-        assert not bad, "\n".join(bad[:20])
