@@ -12,7 +12,8 @@ from tests.conftest import spec_for
 
 def test_alpha_beta_fit_recovers_the_model():
     """Timings made from t = steps * alpha + ring_bytes / beta give alpha and beta back."""
-    from xpar.calibrate import fit_alpha_beta, ring_steps
+    from xpar.calibrate import fit_alpha_beta
+    from xpar.estimate.collectives import ring_steps
     from xpar.estimate.comm import ring_factor
 
     alpha, beta, n = 25e-6, 3e9, 4

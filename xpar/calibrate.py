@@ -285,12 +285,6 @@ def host_worker(reps: int, mesh) -> dict:
             "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops}
 
 
-def ring_steps(collective: str, n: int) -> int:
-    """Sequential steps of a ring over n ranks: 2(n-1) all-reduce, n-1 all-gather and
-    reduce-scatter, 1 for a point-to-point message."""
-    return {"allreduce": 2 * (n - 1), "allgather": n - 1, "reduce_scatter": n - 1}.get(collective, 1)
-
-
 def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
     """(alpha seconds per ring step, beta bytes/s) minimising the squared error of
     t = steps * alpha + ring_bytes / beta over every measured collective and size.
@@ -300,6 +294,7 @@ def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
     """
     import numpy as np
 
+    from xpar.estimate.collectives import ring_steps
     from xpar.estimate.comm import ring_factor
 
     rows, ts = [], []

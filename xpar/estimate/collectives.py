@@ -72,12 +72,16 @@ def _bw(hw: HardwareConfig, group: Group) -> Optional[float]:
     return min(intra, min(group.per_node, nics) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
 
 
-def _steps(collective: str, n: int) -> int:
+def ring_steps(collective: str, n: int) -> int:
+    """Sequential steps of a ring over n ranks: 2 (n - 1) for an all-reduce, n - 1 for an
+    all-gather or a reduce-scatter, 1 for a point-to-point message (``send_recv``)."""
+    if collective == "send_recv":
+        return 1
     return 2 * (n - 1) if collective == "allreduce" else n - 1
 
 
 def _factor(collective: str, n: int) -> float:
-    return _steps(collective, n) / n
+    return ring_steps(collective, n) / n
 
 
 def ring_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> float:
@@ -87,7 +91,7 @@ def ring_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) 
     bw = _bw(hw, group)
     if n <= 1 or bw is None or nbytes <= 0:
         return 0.0
-    steps, inter = _steps(collective, n), _steps(collective, group.nodes)
+    steps, inter = ring_steps(collective, n), ring_steps(collective, group.nodes)
     lat = hw.collective_latency_us + (steps - inter) * hw.intra_node_latency_us + inter * hw.inter_node_latency_us
     return lat * 1e-6 + _factor(collective, n) * nbytes / bw
 
