@@ -34,3 +34,14 @@ def test_plan_help_lists_every_plan_key_and_runs_nothing(tmp_path):
         assert f"  plan.{f.name}=" in r.stdout and docs[f.name], f.name
     assert "Sequences per step" in r.stdout and "xpar plan model=175b hardware=a100_80gb_1024gpu" in r.stdout
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_help_pages_end_quietly_when_the_reader_stops_early(tmp_path):
+    """`xpar help | head -1` and `xpar plan help | head -1`: no BrokenPipeError traceback when the
+    reader is gone before the page is written (the pipe's read end closed at once)."""
+    for args in (["help"], ["plan", "help"]):
+        p = subprocess.Popen([sys.executable, "-m", "xpar", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        p.stdout.close()  # the reader goes away before the child writes (it is still importing)
+        err = p.stderr.read()
+        assert p.wait(timeout=60) == 0 and "Traceback" not in err, (args, err)

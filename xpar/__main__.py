@@ -60,7 +60,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         from xpar.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] in ("--help", "-h"):  # groups, presets, commands, where runs go
+    if len(sys.argv) > 1 and sys.argv[1] in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
         from xpar.help import print_help
         print_help()
         raise SystemExit(0)
@@ -69,9 +69,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "calibrate":  # measure this machine into a hardware preset
         from xpar.calibrate import main as calibrate_main
         raise SystemExit(calibrate_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "plan" and {"--help", "-h"} & set(sys.argv[2:]):
-        from xpar.help import plan_help_text
-        print(plan_help_text())
+    if len(sys.argv) > 1 and sys.argv[1] == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
+        from xpar.help import plan_help_text, print_page
+        print_page(plan_help_text())
         raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "plan":  # every layout ranked (xpar.plan): run.mode=plan
         from xpar.plan.inputs import plan_argv

@@ -65,8 +65,20 @@ Where runs are recorded:
 Hydra's own help: python -m xpar --hydra-help.  More: README.md."""
 
 
+def print_page(text: str) -> None:
+    """Print a help page; a reader that closes the pipe early (``| head``) ends it quietly (the
+    Python docs' recipe: point stdout at devnull so the exit's flush does not raise)."""
+    import os
+    import sys
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def print_help() -> None:
-    print(help_text())
+    print_page(help_text())
 
 
 PLAN_EXAMPLES = """\
