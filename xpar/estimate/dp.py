@@ -82,9 +82,11 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
 
     if z >= 2:  # FSDP: one reduce-scatter per unit
         red = [timed(coll, n * gb) for n in units]
-    elif bucket > 0:  # buckets: a unit's share of bucket-sized messages
-        per_bucket = timed(coll, bucket)
-        red = [n * gb / bucket * per_bucket for n in units]
+    elif bucket > 0:  # buckets: a unit's share of the messages, ceil(gradient bytes / bucket) of them
+        total = sum(units) * gb
+        buckets = max(1, math.ceil(total / bucket))
+        per_bucket = timed(coll, total / buckets)
+        red = [n * gb / total * buckets * per_bucket if total else 0.0 for n in units]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     gather = [timed("allgather", n * e) for n in units]
