@@ -24,6 +24,26 @@ def test_alpha_beta_fit_recovers_the_model():
     assert got == pytest.approx((alpha, beta), rel=1e-6)
 
 
+def test_pipeline_sends_pay_the_measured_point_to_point_latency():
+    """gloo here: a send/recv costs ~50 us, a collective ~0.3-4 ms per step. calibrate fits the
+    send/recv latency on its own (hardware.p2p_latency_us) and a pipeline send pays it, not the
+    collectives' step latency; without it the old sum holds."""
+    from dataclasses import replace
+
+    from xpar.calibrate import fit_p2p_latency
+    from xpar.estimate.collectives import p2p_time
+
+    beta = 2e9
+    timings = {"send_recv": {s: 50e-6 + s / beta for s in (2 ** 10, 2 ** 16, 2 ** 20)},
+               "allreduce": {2 ** 10: 2e-3}}
+    assert fit_p2p_latency(timings, beta) == pytest.approx(50e-6)
+    assert fit_p2p_latency({"send_recv": {"unsupported": "x"}}, beta) is None
+    hw = spec_for("hardware=local", "hardware.intra_node_gb_per_s=2", "hardware.intra_node_latency_us=900",
+                  "hardware.collective_latency_us=0", "hardware.link_efficiency=1").hardware
+    assert p2p_time(hw, 2e6, False) == pytest.approx(900e-6 + 1e-3)
+    assert p2p_time(replace(hw, p2p_latency_us=50.0), 2e6, False) == pytest.approx(50e-6 + 1e-3)
+
+
 def test_matmul_efficiency_fit_is_the_cost_model_curve():
     from xpar.calibrate import fit_matmul_efficiency
     rates = {n: 1e11 * 0.8 * n / (n + 32) for n in (64, 256, 512)}

@@ -319,6 +319,17 @@ def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
     return float(alpha), 1.0 / float(inv_beta)
 
 
+def fit_p2p_latency(timings: dict, beta: float) -> Optional[float]:
+    """Seconds of latency of one point-to-point message: the median over the measured sizes of
+    send/recv time minus its bytes at the fitted bandwidth ``beta`` (bytes/s), at least 0; None
+    without send/recv timings. A pipeline send pays this, not a collective's per-step latency
+    (:func:`fit_alpha_beta` fits that over every collective)."""
+    by_size = timings.get("send_recv") or {}
+    if not by_size or "unsupported" in by_size:
+        return None
+    return max(0.0, statistics.median(t - nbytes / beta for nbytes, t in by_size.items()))
+
+
 def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu",
                   host: Optional[dict] = None) -> dict:
     """Hardware fields of the measured machine (units of :class:`xpar.config.HardwareConfig`:
@@ -392,6 +403,9 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
     alpha, beta = fit_alpha_beta(coll, workers)
     values = preset_values(matmul, bandwidth, alpha, beta, device, host)
+    p2p = fit_p2p_latency(coll, beta)
+    if p2p is not None:
+        values["p2p_latency_us"] = p2p * 1e6
     header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
               f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
               f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",

@@ -123,6 +123,10 @@ class HardwareConfig:
     inter_node_latency_us: float = 9.6
     """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET,
     ring, Simple)."""
+    p2p_latency_us: Optional[float] = None
+    """Latency of one point-to-point message (a pipeline send), microseconds, where it is
+    measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
+    collectives pay ~0.3-4 ms per step); None: collective_latency_us + one link step."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8

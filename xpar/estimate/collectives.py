@@ -146,11 +146,13 @@ def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: G
 
 def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
     """Seconds of one point-to-point send of ``nbytes`` between neighbouring pipeline stages:
-    one step's latency plus bytes over one device's link (its NIC when ``across_nodes``)."""
+    one step's latency (``hardware.p2p_latency_us`` where measured) plus bytes over one device's
+    link (its NIC when ``across_nodes``)."""
     if hw.intra_node_gb_per_s is None or nbytes <= 0:
         return 0.0
     if across_nodes and hw.inter_node_gb_per_s is not None:
         bw, lat = hw.inter_node_gb_per_s, hw.inter_node_latency_us
     else:
         bw, lat = hw.intra_node_gb_per_s, hw.intra_node_latency_us
-    return (hw.collective_latency_us + lat) * 1e-6 + nbytes / (bw * 1e9 * hw.link_efficiency)
+    lat = hw.collective_latency_us + lat if hw.p2p_latency_us is None else hw.p2p_latency_us
+    return lat * 1e-6 + nbytes / (bw * 1e9 * hw.link_efficiency)
