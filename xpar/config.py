@@ -213,6 +213,12 @@ class FrameworkConfig:
     parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    adamw_bytes_per_element: Optional[float] = 84.0
+    """Memory traffic of the optimizer step per element it updates, bytes. 84: torch's AdamW with
+    foreach=False (xpar.parallel.data_parallel.build_optimizer) runs 8 element-wise kernels over
+    fp32 tensors per parameter (weight decay mul_ 8, exp_avg lerp_ 12, exp_avg_sq mul_ 8 and
+    addcmul_ 16, sqrt 8, div 8, add_ 8, param addcdiv_ 16: torch/optim/adamw.py); null: a fused
+    AdamW, one read and one write of the states (2 passes at the ZeRO paper's widths)."""
     # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
     count_buffers: bool = True
     """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""

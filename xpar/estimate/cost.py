@@ -96,6 +96,7 @@ class Assumptions(MemoryOptions):
     overlap_slowdown: float = 0.15
     zero3_host_ops_per_rank: float = 0.0
     host_op_us: float = 4.0
+    adamw_bytes_per_element: Optional[float] = 84.0
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -109,9 +110,10 @@ class Assumptions(MemoryOptions):
         """Megatron-LM as in Narayanan et al. 2021 (conf/framework/megatron.yaml): unfused
         softmax (scores in HBM), dropout, fp16 gradients all-reduced in one buffer after the
         pipeline flush (not overlapped), blocking tp and p2p, scatter/gather; ZeRO-1 as the
-        distributed optimizer."""
+        distributed optimizer; apex's fused Adam."""
         return cls(name="megatron", flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True,
-                   sp_saves_gathered=False, grad_reduce_bytes=2, bucket_mb=0.0, **MEMORY_PROFILES["megatron"])
+                   sp_saves_gathered=False, grad_reduce_bytes=2, bucket_mb=0.0, adamw_bytes_per_element=None,
+                   **MEMORY_PROFILES["megatron"])
 
     @classmethod
     def xpar_cpu(cls) -> "Assumptions":
@@ -303,13 +305,17 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
     return out
 
 
-def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float]) -> Any:
-    """Seconds of the optimizer step: 2 passes over the local model states (params, grads and
-    optimizer states at the ZeRO paper's widths, :data:`STATE_BYTES`, for the elements the
-    device's optimizer holds: ``optimizer_bytes`` / their width) over HBM; 0 without HBM figure."""
+def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
+                   bytes_per_element: Optional[float] = None) -> Any:
+    """Seconds of the optimizer step over HBM for the elements the device's optimizer holds
+    (``optimizer_bytes`` / the optimizer-state width of :data:`STATE_BYTES`): ``bytes_per_element``
+    each (an unfused AdamW, Assumptions.adamw_bytes_per_element), or, when None, 2 passes over the
+    params, grads and optimizer states at the ZeRO paper's widths (a fused AdamW); 0 without HBM
+    figure."""
     bp, bg, bo = STATE_BYTES[dtype]
     hbm = (hbm_tb_per_s or 0) * 1e12
-    return 2 * (optimizer_bytes / bo) * (bp + bg + bo) / hbm if hbm else 0.0
+    per_element = 2 * (bp + bg + bo) if bytes_per_element is None else bytes_per_element
+    return (optimizer_bytes / bo) * per_element / hbm if hbm else 0.0
 
 
 def step_time(slow: dict, m: Any, beta: Any, mean_mb: Any, t_opt: Any) -> tuple[Any, dict]:
@@ -342,7 +348,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     x = per_rank[slow]
     mem = _memory(spec, assume)
-    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s)
+    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time),
                                 t_opt + off.get("exposed_s", 0.0))
