@@ -127,6 +127,8 @@ def _record(job: Job, body) -> Report:
             log_report(report, stats, job.yaml, job.out_dir)
             import mlflow
             mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
+            if report.notes:  # what the figures rest on (an estimate's cost-model notes), after the spec's
+                mlflow.set_tag("xpar.notes", " | ".join(list(spec.notes) + list(report.notes)))
             for path in report.artifacts:  # estimate figures, dry-run detail
                 mlflow.log_artifact(path)
             record_timeline(report.timeline, job.out_dir)

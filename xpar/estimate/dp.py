@@ -114,7 +114,6 @@ def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int) -> 
     return [k * per_tensor + c for k, c in zip(tensors, copy)]
 
 
-
 def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compute_b: list[float]) -> DpTiming:
     """Exposed dp communication of ``pp_rank`` (module docstring). ``compute_f``: seconds of
     each unit's forward in forward order (root first); ``compute_b``: each unit's backward

@@ -35,7 +35,7 @@ The Report has the fields and metric names of a measured run (xpar.report), with
 
 Notes: the cost model's notes (:attr:`xpar.estimate.cost.Estimate.notes`, e.g. the offloaded
 step's parts) are the Report's ``notes``: printed under the table and, in a tracked run,
-appended to the run's ``xpar.notes`` tag (after the spec's own notes).
+appended to the run's ``xpar.notes`` tag after the spec's own notes (xpar.job).
 
 Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
 """
@@ -94,24 +94,6 @@ def offload_metrics(offload: dict) -> dict[str, float]:
     return out
 
 
-def tag_notes(spec: RunSpec, notes: list[str]) -> None:
-    """Append ``notes`` to the active MLflow run's ``xpar.notes`` tag (the spec's notes first, as
-    xpar.job tags them), through the run's journal when it has one; nothing without a run."""
-    if not notes or not spec.tracking.enabled:
-        return
-    import mlflow
-
-    run = mlflow.active_run()
-    if run is None:
-        return
-    tags = {"xpar.notes": " | ".join(list(spec.notes) + list(notes))}
-    recorder = getattr(run, "recorder", None)
-    if recorder is not None:
-        recorder.record("tags", tags=tags)
-    else:
-        mlflow.set_tags(tags)
-
-
 def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """The Report of ``spec`` in estimate mode (see the module docstring), with the dry run
     unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
@@ -161,7 +143,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     report.notes = list(est.notes)
-    tag_notes(spec, report.notes)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
 
