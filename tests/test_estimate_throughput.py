@@ -100,6 +100,17 @@ def test_dp_comm_bytes_ddp_zero2_zero3():
     assert sum(z3.values()) == pytest.approx(1.5 * sum(ddp.values()))
 
 
+def test_logged_dp_bytes_are_the_bytes_the_estimate_times():
+    """bf16 training under xpar's recipe reduces fp32 gradients (framework.grad_reduce_bytes 4):
+    the estimate's logged comm bytes count 4 bytes per gradient element, as its timing does
+    (they counted the training dtype's 2 while the time used 4)."""
+    for z, key in ((0, "dp_allreduce"), (3, "dp_reduce_scatter")):
+        s = spec(zero_stage=z)
+        assert s.train.dtype == "bf16"
+        assert estimate(s).comm_bytes[key] == pytest.approx(2 * comm.comm_bytes(s)[key])
+        assert estimate(s, Assumptions.megatron_2021()).comm_bytes[key] == pytest.approx(comm.comm_bytes(s)[key])
+
+
 def test_pp_and_tp_comm_of_a_3d_layout():
     s = spec(tp=8, pp=2, micro_batches=4, schedule="1f1b")
     c0, c1 = comm.comm_bytes(s, 0), comm.comm_bytes(s, 1)

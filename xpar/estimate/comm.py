@@ -90,27 +90,30 @@ def pp_sends(layout, pp_rank: int) -> int:
 
 
 def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
-                    zero1: str = "zero_redundancy") -> dict[str, float]:
+                    zero1: str = "zero_redundancy", grad_bytes: Optional[int] = None) -> dict[str, float]:
     """Bytes sent per step by one device of pipeline rank ``pp_rank``, by collective (see
     module docstring). ``scatter_gather``: Megatron's optimisation that sends 1/t of each
     inter-stage tensor and all-gathers it on the receiving node (counted in pp only).
     ``zero1``: 'zero_redundancy' (torch: all-reduce + broadcast of the updated shards) or
-    'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step)."""
+    'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step).
+    ``grad_bytes``: bytes per gradient element reduced (4 for an fp32 reduction of bf16 training,
+    :func:`xpar.estimate.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts."""
     par, e = spec.parallel, BYTES[spec.train.dtype]
     out = dict.fromkeys(KEYS, 0.0)
     m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, par.sequence_parallel
-    # dp: gradients in the training dtype, params likewise
-    psi = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank)) * e
+    # dp: params in the training dtype, gradients in grad_bytes per element
+    elements = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank))
+    psi, grads = elements * e, elements * (e if grad_bytes is None else grad_bytes)
     z = par.zero_stage
     if z == 1 and zero1 == "distributed_optimizer":
-        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp)
+        out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp)
         out["dp_allgather"] = allgather_bytes(psi, dp)
     elif z <= 1:
-        out["dp_allreduce"] = allreduce_bytes(psi, dp)
+        out["dp_allreduce"] = allreduce_bytes(grads, dp)
         if z == 1:
             out["dp_allgather"] = allgather_bytes(psi, dp)
     else:
-        out["dp_reduce_scatter"] = reduce_scatter_bytes(psi, dp) * dp_reductions(spec)
+        out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp) * dp_reductions(spec)
         gathers = 2 * m if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
     # tp

@@ -56,7 +56,7 @@ from xpar.config import HardwareConfig
 from xpar.estimate import flops as fl
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank, pp_sends
-from xpar.estimate.dp import dp_timing
+from xpar.estimate.dp import dp_timing, grad_bytes
 from xpar.estimate.host import host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
                                   layer_activation_bytes, memory)
@@ -301,7 +301,7 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
                     "pp_comm": pp * (1 - assume.pp_overlap), "dp_comm": dp.per_microbatch, "dp": dp,
                     "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last),
                     "host_step": host_step(h, n, first, last),
-                    "comm": comm_bytes_rank(spec, r, assume.scatter_gather, assume.zero1)})
+                    "comm": comm_bytes_rank(spec, r, assume.scatter_gather, assume.zero1, grad_bytes(spec, assume))})
     return out
 
 

@@ -64,13 +64,18 @@ def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     return [root] + list(blocks.values())
 
 
+def grad_bytes(spec: RunSpec, assume) -> int:
+    """Bytes per gradient element that the dp reduction moves: the framework's
+    ``grad_reduce_bytes`` under bf16 (4: fp32 reduce, xpar's and torchtitan's recipe), 4 for fp32."""
+    return assume.grad_reduce_bytes if spec.train.dtype == "bf16" else 4
+
+
 def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
     collective timed once: the blocks of a rank are identical units)."""
     hw, z = spec.hardware, spec.parallel.zero_stage
     g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
-    e = BYTES[spec.train.dtype]
-    gb = assume.grad_reduce_bytes if spec.train.dtype == "bf16" else 4
+    e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     bucket = assume.bucket_mb * 1e6
     memo: dict[tuple[str, float], float] = {}
