@@ -36,11 +36,12 @@ def main(data_dir: Path = DEFAULT) -> dict:
                 "max (held out)"):
         table.add_column(col, justify="right")
     for name, r in res.items():
-        gpu = cases[name][0][0]
+        gpus = sorted({c[0] for c in cases[name]})
         cm, cx = _stats(r["calibration"])
         hm, hx = _stats(r["held_out"])
-        table.add_row(name, str(len(cases[name])), gpu, f"{r['fit_all'][gpu]:.3f}", f"{100 * cm:.1f}%",
-                      f"{100 * cx:.1f}%", f"{r['fit_without'][gpu]:.3f}", f"{100 * hm:.1f}%", f"{100 * hx:.1f}%")
+        table.add_row(name, str(len(cases[name])), " ".join(gpus), " ".join(f"{r['fit_all'][g]:.3f}" for g in gpus),
+                      f"{100 * cm:.1f}%", f"{100 * cx:.1f}%", " ".join(f"{r['fit_without'][g]:.3f}" for g in gpus),
+                      f"{100 * hm:.1f}%", f"{100 * hx:.1f}%")
     console = Console(width=160)
     console.print(table)
     for name, r in res.items():

@@ -243,9 +243,12 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     the tables); the fitted constants are those in the hardware presets (within 0.01)."""
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
-                        "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3"}
+                        "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
+                        "ibm_fms_fsdp_2024"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
+        if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
+            continue
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
@@ -300,3 +303,63 @@ def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a
     assert ratio == pytest.approx(312 / 19.5)
     cpu = {d: spec_for("hardware=local", "hardware.peak_tflops=0.1", f"train.dtype={d}") for d in ("bf16", "fp32")}
     assert cost.compute_peak(cpu["fp32"].hardware, "fp32") == cost.compute_peak(cpu["bf16"].hardware, "bf16") == 1e11
+
+
+def _published_rows(name: str) -> list[dict]:
+    return calibration.read_table(DATA / calibration.SOURCES[name][0])
+
+
+def test_mpt_fsdp_on_16_to_128_a100s_held_out(loso):
+    """llm-foundry's MPT benchmarks (torch FSDP FULL_SHARD, 125M-70B on 16-128 A100s, 8 x 200 Gb/s
+    per node), never fitted on (calibration.CHECK_ONLY: the constants are those fitted without
+    them). Median |error| 7.2 %. Every row within 12 % but two, both over-predicted by more than
+    20 %: 70B on 64 A100-40GB (MFU 35.9 % against 48.9 % on 128; the estimate puts it at 36 of the
+    device's 42 GB: allocator pressure near capacity is not modelled) and 1B on 32 GPUs (18 %
+    below its own 16- and 64-GPU rows in the table). The signs are the finding: rows with full
+    recompute (7B-70B) are under-predicted by 3-11 % (the matmul efficiency that would match them
+    is 0.69-0.76 against 0.673 fitted), rows without (125M-3B) over-predicted by 1-12 %, growing as
+    h shrinks. Scale: from 16 to 128 GPUs the published throughput per GPU falls 0.6-6.3 %, the
+    estimate 0-1 %: each model's ratio within 0.06 of the published one."""
+    cases, res = loso
+    r, rows = res["llmfoundry_mpt_a100"], _published_rows("llmfoundry_mpt_a100")
+    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 34
+    errs = {(row["model"], row["gpus"], row["gpu_memory_gb"]): e for row, e in zip(rows, r["held_out"])}
+    outliers = {("70b", "64", "40"), ("1b", "32", "40")}
+    assert statistics.median(abs(e) for e in errs.values()) <= 0.08
+    assert max(abs(e) for k, e in errs.items() if k not in outliers) <= 0.12, errs
+    assert all(errs[k] > 0.20 for k in outliers), errs
+    ratio = {}
+    for row, c, e in zip(rows, cases["llmfoundry_mpt_a100"], r["held_out"]):
+        if row["gpu_memory_gb"] == "40" and row["gpus"] in ("16", "128"):
+            ratio.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
+    assert len([m for m in ratio.values() if len(m) == 2]) == 7
+    for model, by in ratio.items():
+        if len(by) == 2:
+            published, estimated = (by["128"][i] / by["16"][i] for i in (0, 1))
+            assert abs(estimated - published) <= 0.06, (model, published, estimated)
+
+
+def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
+    """The IBM/Meta FSDP blog (2024): Llama 2 34B/70B, FULL_SHARD, b = 2, s = 4096, full
+    recompute, on 128 A100s with 400 Gb/s per node and 96 H100s with 800 Gb/s per node; never
+    fitted on. A100 rows under-predicted by 9 % / 14 %, and not for the network: the estimate
+    without its exposed dp communication is still slower than published (the same compute-side
+    shortfall as every full-recompute FSDP row, MPT's and torchtitan's). H100 rows over-predicted
+    by 18-22 %: the estimate exposes about 10 % of the step to dp communication, what the blog
+    reads in its traces ("a 10% gap due to network peeking out"), and the rest is compute the
+    H100 fit (Llama 3, Megatron-style, tp 8) does not transfer to these runs (the blog suspects
+    HBM bandwidth; HFU 0.44-0.45 published)."""
+    cases, res = loso
+    r, rows = res["ibm_fms_fsdp_2024"], _published_rows("ibm_fms_fsdp_2024")
+    assert r["fit_all"] == r["fit_without"]
+    for row, (gpu, spec, assume, ref, _), e in zip(rows, cases["ibm_fms_fsdp_2024"], r["held_out"]):
+        est = estimate(with_hardware(spec, matmul_efficiency=r["fit_all"][gpu]), assume)
+        exposed = est.time_breakdown["dp_comm_exposed"] / est.time_per_step_s
+        published_step = spec.tokens_per_step / int(row["gpus"]) / ref
+        if gpu == "A100":
+            assert -0.15 <= e < 0, (row["model"], e)
+            assert est.time_per_step_s - est.time_breakdown["dp_comm_exposed"] > published_step
+            assert 0.03 < exposed < 0.10, exposed
+        else:
+            assert 0.10 < e <= 0.25, (row["model"], e)
+            assert 0.07 < exposed < 0.15, exposed
