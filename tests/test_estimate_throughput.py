@@ -244,7 +244,7 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
-                        "ibm_fms_fsdp_2024"}
+                        "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
@@ -363,3 +363,30 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
         else:
             assert 0.10 < e <= 0.25, (row["model"], e)
             assert 0.07 < exposed < 0.15, exposed
+
+
+def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
+    """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
+    1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
+    Gb/s per node assumed), never fitted on. Over-predicted on every row: +8 to +15 % with full
+    recompute (13B-70B), +25 to +39 % without (1B-7B), as the IBM H100 rows: the H100 fit (Llama
+    3, Megatron-style) does not transfer to these FSDP runs. Scale: the published throughput per
+    GPU falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
+    0.4-3.3 %, and only through the compute slowed beside the hidden collectives (overlap_slowdown
+    on ring latency that grows with the ranks: without it the estimate is flat). Halving the
+    NIC bandwidth does not change the trend (a ring's bus bandwidth does not depend on its size);
+    three times NCCL's latencies matches 7B but not 13B-70B, whose loss (2.5-4.8 %) no
+    communication term reproduces. Asserted: the bounds above and each model's 512/128 ratio
+    below 1 and within 0.07 of the published one."""
+    cases, res = loso
+    r, rows = res["llmfoundry_mpt_h100"], _published_rows("llmfoundry_mpt_h100")
+    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
+    by: dict = {}
+    for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
+        lo, hi = (0.05, 0.17) if row["ac"] == "true" else (0.20, 0.42)
+        assert lo < e < hi, (row["model"], row["gpus"], e)
+        by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
+    assert len(by) == 6
+    for model, d in by.items():
+        published, estimated = (d["512"][i] / d["128"][i] for i in (0, 1))
+        assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.07, (model, published, estimated)

@@ -161,32 +161,40 @@ def table2_zero3_row(row: dict):
     return make_spec(gpt_2021_model(row), parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 
+GPU_PRESETS = {"A100": "a100_80gb_64gpu", "H100": "h100_80gb_64gpu"}
+"""The hardware preset of each GPU family of the FSDP sources (resized to the row's GPUs)."""
+MPT_SHARDING = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}
+"""torch FSDP sharding strategies as ZeRO stages (SHARD_GRAD_OP keeps the gathered parameters
+from the forward to the backward: FSDP2's reshard_after_forward=False, xpar's stage 2)."""
+MPT_REDUCE_BYTES = {"PURE": 2, "DEFAULT": 4}
+"""Bytes per gradient element reduce-scattered under Composer's FSDP mixed-precision modes
+(composer get_mixed_precision: PURE reduces in the bf16 precision, DEFAULT in fp32)."""
+
+
 def mpt_row(row: dict):
     """(spec, assumptions, published tokens/s per GPU) of an llm-foundry MPT row
-    (llmfoundry_mpt_a100.csv): Composer's torch FSDP FULL_SHARD = ZeRO-3 over every GPU, no tp/pp,
-    ``grad_accum`` micro-batches per step, full recompute or none; the GPT shape of MPT as
-    benchmarked (GELU, LayerNorm, biases, learned positions, tied embeddings, V = 50368, s = 2048).
-    Hardware: the A100-80GB preset (8 x 200 Gb/s per node, as published) resized to the row's
-    GPUs; 40 GB rows take the A100-40GB HBM (1.555 TB/s, datasheet). Profile: torchtitan's FSDP
-    (per-block units with prefetch, flash attention, no dropout: what Composer's FSDP with
-    triton flash attention runs) with bf16 gradient reduce-scatters (MP Mode PURE)."""
+    (llmfoundry_mpt_a100.csv, llmfoundry_mpt_h100.csv): Composer's torch FSDP over every GPU, no
+    tp/pp, ZeRO stage by ``sharding`` (:data:`MPT_SHARDING`; FULL_SHARD where the file has no
+    such column), ``grad_accum`` micro-batches per step, full recompute or none; the GPT shape of
+    MPT as benchmarked (GELU, LayerNorm, biases, learned positions, tied embeddings, V = 50368,
+    s = 2048). Hardware: the 64-GPU preset of the row's GPU (A100 where the file has no ``gpu``
+    column) resized to the row's GPUs, fabric as the preset (8 NICs per node); A100 40 GB rows take
+    its HBM (1.555 TB/s, datasheet). Profile: torchtitan's FSDP (per-block units with prefetch,
+    flash attention, no dropout: what Composer's FSDP with flash attention runs) with the
+    reduce-scatter width of the row's MP mode (:data:`MPT_REDUCE_BYTES`; PURE by default)."""
     h, gpus = int(row["hidden"]), int(row["gpus"])
     model = dict(name=f"mpt_{row['model']}", n_layers=int(row["layers"]), hidden=h, n_heads=int(row["heads"]),
                  n_kv_heads=None, ffn_hidden=4 * h, vocab_size=50368, seq_len=2048, activation="gelu",
                  norm="layernorm", position="learned", tied_embeddings=True, bias=True)
-    parallel = dict(name="fsdp", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=int(row["grad_accum"]),
-                    recompute="full" if row["ac"] == "true" else "none")
-    hw = dict(preset("hardware", "a100_80gb_64gpu"), nodes=gpus // 8)
-    if int(row["gpu_memory_gb"]) == 40:
+    parallel = dict(name="fsdp", dp=gpus, tp=1, pp=1, zero_stage=MPT_SHARDING[row.get("sharding", "FULL_SHARD")],
+                    micro_batches=int(row["grad_accum"]), recompute="full" if row["ac"] == "true" else "none")
+    hw = dict(preset("hardware", GPU_PRESETS[row.get("gpu", "A100")]), nodes=gpus // 8)
+    if row.get("gpu_memory_gb") == "40":
         hw.update(device_memory_gb=42.3, hbm_tb_per_s=1.555)  # 42.3e9 bytes as the 40 GB device reports
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=2048)
-    a = _fw("torchtitan", grad_reduce_bytes=2)
+    a = _fw("torchtitan", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")])
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
-
-
-IBM_PRESETS = {"A100": "a100_80gb_64gpu", "H100": "h100_80gb_64gpu"}
-"""The hardware preset of each GPU of ibm_fms_fsdp_2024.csv (fabric replaced by the row's)."""
 
 
 def ibm_fsdp_row(row: dict):
@@ -203,7 +211,7 @@ def ibm_fsdp_row(row: dict):
                  tied_embeddings=False, bias=False)
     parallel = dict(name="fsdp", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=1, recompute=row["ac"])
     nics = 4
-    hw = dict(preset("hardware", IBM_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
+    hw = dict(preset("hardware", GPU_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
               inter_node_gb_per_s=float(row["fabric_gbps_per_node"]) / 8 / nics)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
     a = _fw("torchtitan", grad_reduce_bytes=2)
@@ -218,6 +226,7 @@ SOURCES = {
     "narayanan_2021_table2_ptdp": ("narayanan_2021_table2_ptdp.csv", "A100", table2_ptdp_row),
     "narayanan_2021_table2_zero3": ("narayanan_2021_table2_zero3.csv", "A100", table2_zero3_row),
     "llmfoundry_mpt_a100": ("llmfoundry_mpt_a100.csv", "A100", mpt_row),
+    "llmfoundry_mpt_h100": ("llmfoundry_mpt_h100.csv", "H100", mpt_row),
     "ibm_fms_fsdp_2024": ("ibm_fms_fsdp_2024.csv", None, ibm_fsdp_row),
 }
 """Public sources: file in tests/data, GPU family (one matmul efficiency each; None: the row's
@@ -265,7 +274,7 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
     return round((a + b) / 2, 3)
 
 
-CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "ibm_fms_fsdp_2024"})
+CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"})
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale added as checks after the constants were
 fitted (issue 9), held out from every fit so that they cannot move the constants; their
 'calibration' and 'held out' errors are both at the constants fitted without them."""
