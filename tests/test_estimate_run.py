@@ -71,7 +71,7 @@ def test_layout_that_does_not_fit_exits_2_before_anything_runs(tmp_path):
 def test_preset_resolves_local_hardware_to_its_reference_cluster():
     s = spec_for("parallel=3d", "model=70b")
     assert s.hardware.name == "a100_80gb_64gpu" and s.mode == "estimate" and s.world_size == 64
-    assert s.hardware.device_memory_gb == 80 and s.hardware.peak_tflops == 312  # through the schema
+    assert s.hardware.device_memory_gb == 85.0 and s.hardware.peak_tflops == 312  # through the schema
     assert s.dp == 2 and s.train.dtype == "bf16" and s.train.micro_batch_size == 1  # train=cluster
     assert any("hardware=a100_80gb_64gpu assumed: the preset's reference cluster" in n for n in s.notes)
     other = spec_for("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu")  # an explicit choice wins
@@ -104,7 +104,7 @@ def test_not_fit_names_stage_rank_excess_and_that_nothing_fits_on_one_node():
         spec_for("parallel=70b_8gpu")
     msg = str(e.value)
     assert "does not fit device memory" in msg and "pipeline rank 0" in msg and "global ranks 0-7" in msg
-    assert "more than the 80.0 GB" in msg and "optimizer 69.0 GB" in msg  # 8 B/param of AdamW, fp32 master in params
+    assert "more than the 85.0 GB" in msg and "optimizer 69.0 GB" in msg  # 8 B/param of AdamW, fp32 master in params
     assert "Breakdown: params 34.5 GB stored" in msg and "micro-batches in flight" in msg
     assert "No layout of model=70b fits hardware=a100_80gb_8gpu" in msg
     assert "a100_80gb_64gpu (parallel=70b_64gpu)" in msg
@@ -115,8 +115,8 @@ def test_not_fit_lists_alternatives_that_do_fit():
         spec_for("parallel=7b_8gpu", "parallel.zero_stage=0")
     msg = str(e.value)
     from xpar.estimate.cost import peak_memory
-    over = peak_memory(spec_for("parallel=7b_8gpu", "parallel.zero_stage=0", "hardware=a100_80gb_8gpu", "hardware.device_memory_gb=400")).total - 80e9
-    assert f"{over / 1e9:.1f} GB more than the 80.0 GB" in msg and "global rank 0)" in msg
+    over = peak_memory(spec_for("parallel=7b_8gpu", "parallel.zero_stage=0", "hardware=a100_80gb_8gpu", "hardware.device_memory_gb=400")).total - 85e9
+    assert f"{over / 1e9:.1f} GB more than the 85.0 GB" in msg and "global rank 0)" in msg
     assert "ddp_buckets" in msg  # the breakdown names DDP's bucket copy of the gradients
     listed = [line.strip().split(":")[0] for line in msg.splitlines() if line.startswith("      ")]
     assert listed and "parallel.zero_stage=2" in listed
@@ -141,7 +141,7 @@ def test_memory_headroom_refuses_what_leaves_too_little_free():
     from xpar.estimate.cost import peak_memory
 
     s = spec_for("parallel=7b_8gpu")
-    share = peak_memory(s).total / 80e9
+    share = peak_memory(s).total / 85e9
     headroom = round(1 - share + 0.05, 2)  # leaves 5 % less than the peak needs
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=7b_8gpu", "hardware=a100_80gb_8gpu", f"hardware.memory_headroom={headroom}")
@@ -207,7 +207,7 @@ def test_estimate_report_fields(tmp_path):
     assert x["estimate/activations_saved_bytes"] + x["estimate/activations_transient_bytes"] == pytest.approx(
         r.memory["activations"])
     assert sum(v for k, v in x.items() if k.startswith("estimate/buffer_")) == pytest.approx(r.memory["comm_buffers"])
-    assert x["estimate/memory_usable_bytes"] == 80e9  # no headroom in the preset
+    assert x["estimate/memory_usable_bytes"] == 85e9  # no headroom in the preset
     times = {k: v for k, v in r.extra.items() if k.startswith("estimate/time_")}
     assert len(times) == 8 and sum(times.values()) == pytest.approx(r.step_time_s)  # TIME_TERMS, host_overhead 0 here
     assert r.extra["pipeline/bubble_ratio_theory"] == pytest.approx(3 / (2 * 16 + 3))
