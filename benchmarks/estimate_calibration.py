@@ -47,7 +47,29 @@ def main(data_dir: Path = DEFAULT) -> dict:
     for name, r in res.items():
         console.print(f"{name}: calibration errors {[f'{100 * e:+.1f}%' for e in r['calibration']]}; "
                       f"held out {[f'{100 * e:+.1f}%' for e in r['held_out']]}")
+    for name in BREAKDOWN_SOURCES:
+        console.print(_breakdown_table(name, cases[name], res[name]["fit_all"], data_dir))
     return res
+
+
+BREAKDOWN_SOURCES = ("korthikanti_2022_table5", "dgxc_nemo_h100_bf16")
+"""Megatron-style tp x pp x dp checks whose rows are printed term by term (issue 9)."""
+
+
+def _breakdown_table(name: str, cases: list, eff: dict, data_dir: Path) -> Table:
+    """Per row of ``name``: layout, error and each time term's share of the estimated step."""
+    from xpar.estimate.cost import TIME_TERMS
+    rows = cal.read_table(Path(data_dir) / cal.SOURCES[name][0])
+    table = Table(title=f"{name}: share of the estimated step by term (matmul efficiency as fitted)")
+    for col in ("row", "gpus", "tp/pp/v", "error") + TIME_TERMS:
+        table.add_column(col, justify="right")
+    for row, case in zip(rows, cases):
+        b = cal.breakdown(case, eff[case[0]])
+        label = row.get("model") or f"{row['params_b']}B {row['mode']}"
+        v = row.get("vp") or row.get("virtual_stages")
+        table.add_row(label, row["gpus"], f"{row['tp']}/{row['pp']}/{v}", f"{100 * b['error']:+.1f}%",
+                      *(f"{100 * b.get(t, 0.0):.1f}%" for t in TIME_TERMS))
+    return table
 
 
 if __name__ == "__main__":

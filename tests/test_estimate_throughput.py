@@ -244,7 +244,7 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
-                        "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"}
+                        "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5", "dgxc_nemo_h100_bf16"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
@@ -390,3 +390,83 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     for model, d in by.items():
         published, estimated = (d["512"][i] / d["128"][i] for i in (0, 1))
         assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.07, (model, published, estimated)
+
+
+def test_megatron_2022_selective_recompute_on_a100_held_out(loso):
+    """Korthikanti et al. 2022 Table 5 (GPT 22B-1T on 8-2240 A100s, tp 8, dp 1 but one row):
+    iteration times with full recompute and with sequence parallelism + selective recompute,
+    never fitted on. Median |error| 5.2 %, every row within 12 %, all under-predicted but 22B
+    with selective recompute (+5 %): the matmul efficiency that fits the source alone is 0.74
+    against 0.673 fitted (as the MPT full-recompute rows: 2022's Megatron runs faster GEMMs than
+    the 2021 Table 1 it is fitted on). Worst: 1T (-11 %, -12 %), whose 1F1B bubble over pp 64 is
+    10 % of the estimated step (v = 1 assumed: 2 layers per rank, interleaving not stated; v = 2
+    gives -7 %). The gain of the paper's method over full recompute is overstated: estimated
+    1.34-1.40x against 1.29-1.32x published (asserted: above the published and within 0.12 of
+    it). Data parallelism: 530B at dp 8 (2240 GPUs) costs 3.5 % published (37.83 -> 39.15 s, the
+    all-reduce after the flush, not overlapped), 0.9 % estimated: asserted below half."""
+    cases, res = loso
+    r, rows = res["korthikanti_2022_table5"], _published_rows("korthikanti_2022_table5")
+    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 9
+    errs = r["held_out"]
+    assert statistics.median(abs(e) for e in errs) <= 0.06 and max(abs(e) for e in errs) <= 0.13, errs
+    assert all(e < 0 for row, e in zip(rows, errs) if row["params_b"] != "22"), errs
+    by = {(row["params_b"], row["mode"], row["dp"]): (c[3], c[3] * (1 + e))
+          for row, c, e in zip(rows, cases["korthikanti_2022_table5"], errs)}
+    for size in ("22", "175", "530", "1000"):
+        published, estimated = (by[(size, "present", "1")][i] / by[(size, "full", "1")][i] for i in (0, 1))
+        assert 1.28 < published < 1.33 and published < estimated < published + 0.12, (size, published, estimated)
+    published, estimated = (by[("530", "present", "1")][i] / by[("530", "present", "8")][i] - 1 for i in (0, 1))
+    assert published > 0.03 and 0 < estimated < published / 2, (published, estimated)
+
+
+def _dgxc(cases, rows, model):
+    return [(row, c) for row, c in zip(rows, cases["dgxc_nemo_h100_bf16"]) if row["model"] == model]
+
+
+def test_nemo_3d_on_h100_held_out_over_predicted(loso):
+    """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
+    Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
+    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap), never
+    fitted on. Every row over-predicted: +2 to +5 % for 15B (no pipeline), +10 to +14 % for 175B
+    and 340B (MFU 53-55 % published). The matmul efficiency that fits the source alone is 0.60
+    against 0.678 fitted on Llama 3 (asserted: below 0.64), as the H100 FSDP checks (MPT 0.57,
+    IBM 0.53): every H100 source but the one fitted says the H100 constant is too high. Scale:
+    per-GPU throughput from the smallest to the largest run falls 2.1 % (175B), 4.7 % (340B),
+    2.6 % (15B) published; estimated within 0.03 of each."""
+    cases, res = loso
+    r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
+    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
+    for row, e in zip(rows, r["held_out"]):
+        lo, hi = (0.01, 0.06) if row["pp"] == "1" else (0.09, 0.15)
+        assert lo < e < hi, (row["model"], row["gpus"], e)
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) < 0.64
+    for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
+        pairs = _dgxc(cases, rows, model)
+        (_, small), (_, large) = pairs[0], pairs[-1]
+        published = large[3] / small[3]
+        eff = r["fit_all"]["H100"]
+        estimated = calibration.predicted(large, eff) / calibration.predicted(small, eff)
+        assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.03, (model, published, estimated)
+
+
+def test_nemo_h100_rows_no_single_tp_overlap_explains_them():
+    """The NeMo H100 rows hinge on an unpublished knob, the share of tp communication that the
+    userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8): blocking TP (0) brings 175B and
+    340B within 5 % but puts 15B (4 micro-batches of 4 x 4096 tokens: tp comm 17 % of its step
+    unhidden) 8-10 % below; hiding more raises every row. At the preset's H100 matmul efficiency
+    no share from 0 to 1 puts all 18 rows within 5 % (the best, 0.2-0.3, leaves 15B at -4..-7 %
+    and the pipelined rows at +4..+8 %): the pipelined rows lose time the 15B rows do not, and
+    the tp term alone cannot say where (pp sends, counted hidden under overlap_p2p_comm, are
+    6.5 % of the 175B step when blocking)."""
+    eff = preset("hardware", "h100_80gb_64gpu")["matmul_efficiency"]
+    rows = _published_rows("dgxc_nemo_h100_bf16")
+    err = {}
+    for tpo in [i / 10 for i in range(11)]:
+        for row in rows:
+            err.setdefault(tpo, {}).setdefault(row["model"], []).append(
+                calibration.errors([("H100",) + calibration.dgxc_row(row, tp_overlap=tpo)], eff)[0])
+    assert all(abs(e) < 0.05 for m in ("gpt3_175b", "nemotron4_340b") for e in err[0.0][m]), err[0.0]
+    assert all(-0.11 < e < -0.05 for e in err[0.0]["nemotron4_15b"]), err[0.0]["nemotron4_15b"]
+    for model in err[0.0]:
+        assert all(a < b for a, b in zip(err[0.0][model], err[1.0][model]))
+    assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
