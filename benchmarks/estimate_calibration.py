@@ -52,7 +52,7 @@ def main(data_dir: Path = DEFAULT) -> dict:
     return res
 
 
-BREAKDOWN_SOURCES = ("korthikanti_2022_table5", "dgxc_nemo_h100_bf16")
+BREAKDOWN_SOURCES = ("korthikanti_2022_table5", "smith_2022_mtnlg", "dgxc_nemo_h100_bf16")
 """Megatron-style tp x pp x dp checks whose rows are printed term by term (issue 9)."""
 
 

@@ -244,7 +244,8 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
-                        "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5", "dgxc_nemo_h100_bf16"}
+                        "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5", "dgxc_nemo_h100_bf16",
+                        "smith_2022_mtnlg"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
@@ -470,3 +471,29 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them():
     for model in err[0.0]:
         assert all(a < b for a, b in zip(err[0.0][model], err[1.0][model]))
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
+
+
+def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
+    """MT-NLG 530B (Smith et al. 2022, Sec. 2.4): tp 8, pp 35, dp 8/10/12 on 2240-3360 A100s,
+    global batch 1920, 126/121/113 TFLOP/s per GPU published; never fitted on. Over-predicted by
+    19-24 %: the profile is Megatron-LM's and MT-NLG ran DeepSpeed's 2021 pipeline engine (1F1B,
+    ZeRO-1, full recompute assumed). The same model and tp/pp on the same cluster in Korthikanti
+    et al. 2022 (dp 1, v = 3, full recompute) ran 43 % faster per GPU (41.8 against 29.2
+    tokens/s); the estimate explains 8 points of that gap (the 1F1B bubble over 240 micro-batches,
+    12 % of its step, and the dp reduction), not 30: what is missing is framework-side, not a
+    term of the layout. Scale: per-GPU throughput falls 10.3 % from 280 to 420 nodes published,
+    6 % estimated (the bubble as m falls from 240 to 160): asserted in that order."""
+    cases, res = loso
+    r, rows = res["smith_2022_mtnlg"], _published_rows("smith_2022_mtnlg")
+    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 3
+    assert all(0.15 < e < 0.28 for e in r["held_out"]), r["held_out"]
+    mt, k = cases["smith_2022_mtnlg"], cases["korthikanti_2022_table5"]
+    k_full = next(c for c, row in zip(k, _published_rows("korthikanti_2022_table5"))
+                  if row["params_b"] == "530" and row["mode"] == "full")
+    eff = r["fit_all"]["A100"]
+    published = mt[0][3] / k_full[3]
+    estimated = calibration.predicted(mt[0], eff) / calibration.predicted(k_full, eff)
+    assert published < 0.72 and 0.88 < estimated < 0.96, (published, estimated)
+    drop_published = 1 - mt[2][3] / mt[0][3]
+    drop_estimated = 1 - calibration.predicted(mt[2], eff) / calibration.predicted(mt[0], eff)
+    assert 0.03 < drop_estimated < drop_published, (drop_published, drop_estimated)

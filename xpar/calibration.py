@@ -218,26 +218,42 @@ def ibm_fsdp_row(row: dict):
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
-def korthikanti_row(row: dict):
-    """(spec, assumptions, published tokens/s per GPU) of a row of Korthikanti et al. 2022
-    (korthikanti_2022_table5.csv): the GPT of :func:`gpt_2021_model`, tp 8, ``mode`` full = full
-    recompute without sequence parallelism, present = sequence parallelism with selective
-    recompute of the attention core; interleaved 1F1B with the row's v where v > 1; DDP (no
-    distributed optimizer), gradients all-reduced after the flush. Profile: Megatron-LM as
-    calibrated on Narayanan et al. 2021 (:meth:`Assumptions.megatron_2021`: fused softmax, not
-    flash attention, dropout, blocking tp and p2p). Published value: global batch x s /
-    (iteration time x GPUs)."""
+def gpt_3d_spec(row: dict, zero_stage: int = 0) -> RunSpec:
+    """RunSpec of a Megatron GPT row with a ``mode`` column (korthikanti_2022_table5.csv,
+    smith_2022_mtnlg.csv): the GPT of :func:`gpt_2021_model`, s = 2048, the row's tp, pp, dp,
+    micro-batch and global batch on the 1024-GPU A100 preset resized to the row's GPUs; ``mode``
+    full = full recompute without sequence parallelism, present = sequence parallelism with
+    selective recompute; interleaved 1F1B with the row's v where v > 1."""
     gpus, pp, v = int(row["gpus"]), int(row["pp"]), int(row["virtual_stages"])
     present = row["mode"] == "present"
-    parallel = dict(name="megatron_2022", dp=int(row["dp"]), tp=int(row["tp"]), pp=pp, zero_stage=0,
+    parallel = dict(name="megatron_3d", dp=int(row["dp"]), tp=int(row["tp"]), pp=pp, zero_stage=zero_stage,
                     micro_batches="auto", schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v,
                     sequence_parallel=present, recompute="selective" if present else "full")
     hw = dict(preset("hardware", "a100_80gb_1024gpu"), nodes=max(1, gpus // 8))
-    gbs = int(row["global_batch"])
-    train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=gbs, dtype="bf16", seq_len=2048)
-    ref = gbs * 2048 / (float(row["iteration_s"]) * gpus)
-    spec = make_spec(gpt_2021_model(row), parallel, hw, train)
-    return spec, Assumptions.megatron_2021(), ref, "tokens_per_s_per_device"
+    train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
+                 seq_len=2048)
+    return make_spec(gpt_2021_model(row), parallel, hw, train)
+
+
+def _tokens_per_s_per_gpu(row: dict) -> float:
+    """Published tokens/s per GPU of a row with global_batch, iteration_s and gpus (s = 2048)."""
+    return int(row["global_batch"]) * 2048 / (float(row["iteration_s"]) * int(row["gpus"]))
+
+
+def korthikanti_row(row: dict):
+    """(spec, assumptions, published tokens/s per GPU) of a row of Korthikanti et al. 2022
+    (korthikanti_2022_table5.csv; :func:`gpt_3d_spec`): DDP (no distributed optimizer),
+    gradients all-reduced after the flush. Profile: Megatron-LM as calibrated on Narayanan et al.
+    2021 (:meth:`Assumptions.megatron_2021`: fused softmax, not flash attention, dropout,
+    blocking tp and p2p). Published value: global batch x s / (iteration time x GPUs)."""
+    return gpt_3d_spec(row), Assumptions.megatron_2021(), _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
+
+
+def mtnlg_row(row: dict):
+    """(spec, assumptions, published tokens/s per GPU) of an MT-NLG 530B row (smith_2022_mtnlg.csv;
+    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, the 2021 Megatron profile."""
+    spec = gpt_3d_spec(row, zero_stage=1)
+    return spec, Assumptions.megatron_2021(), _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
 
 
 DGXC_TP_OVERLAP = 0.8
@@ -293,6 +309,7 @@ SOURCES = {
     "ibm_fms_fsdp_2024": ("ibm_fms_fsdp_2024.csv", None, ibm_fsdp_row),
     "korthikanti_2022_table5": ("korthikanti_2022_table5.csv", "A100", korthikanti_row),
     "dgxc_nemo_h100_bf16": ("dgxc_nemo_h100_bf16.csv", "H100", dgxc_row),
+    "smith_2022_mtnlg": ("smith_2022_mtnlg.csv", "A100", mtnlg_row),
 }
 """Public sources: file in tests/data, GPU family (one matmul efficiency each; None: the row's
 ``gpu`` column), row builder. The
@@ -340,9 +357,9 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
 
 
 CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5",
-                        "dgxc_nemo_h100_bf16"})
+                        "dgxc_nemo_h100_bf16", "smith_2022_mtnlg"})
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale and Megatron-style tp x pp x dp runs
-(Korthikanti et al. 2022 on A100, NeMo's H100 recipes) added as checks after the constants were
+(Korthikanti et al. 2022 and MT-NLG on A100, NeMo's H100 recipes) added as checks after the constants were
 fitted (issue 9), held out from every fit so that they cannot move the constants; their
 'calibration' and 'held out' errors are both at the constants fitted without them."""
 
