@@ -497,3 +497,23 @@ def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
     drop_published = 1 - mt[2][3] / mt[0][3]
     drop_estimated = 1 - calibration.predicted(mt[2], eff) / calibration.predicted(mt[0], eff)
     assert 0.03 < drop_estimated < drop_published, (drop_published, drop_estimated)
+
+
+def test_h100_efficiency_rests_on_one_llama3_row_and_the_3d_checks_want_less(loso):
+    """Diagnosis of the H100 checks (issue 9), constants unchanged. The H100 matmul efficiency
+    (0.678) is fitted on the two Llama 3 rows, whose estimated steps are 34 % and 45 % other terms
+    (bubble 19 % / 31 %, blocking tp 11 % / 9 %); they disagree by 10 points (published 430 -> 400
+    TFLOP/s from 8k to 16k GPUs, estimated -17 %), so their median |error| is flat (5.0-5.5 %)
+    from 0.678 up to 0.76: the constant is where the 8k row is exact. The NeMo rows, whose steps
+    are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every row
+    is within 6 %, and the FSDP H100 checks (MPT, IBM), over-predicted at 0.678, come closer too.
+    One principle for the H100 over-predictions: the efficiency, not a communication term."""
+    cases, _ = loso
+    llama = cases["llama3_2024_table4"]
+    cost = {e: statistics.median(abs(x) for x in calibration.errors(llama, e)) for e in (0.678, 0.72, 0.76)}
+    assert max(cost.values()) - min(cost.values()) < 0.01, cost
+    assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], 0.62))
+    for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
+        h100 = [c for c in cases[name] if c[0] == "H100"]
+        at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (0.678, 0.62)}
+        assert at[0.62] < at[0.678] - 0.04, (name, at)
