@@ -481,7 +481,7 @@ def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
     et al. 2022 (dp 1, v = 3, full recompute) ran 43 % faster per GPU (41.8 against 29.2
     tokens/s); the estimate explains 8 points of that gap (the 1F1B bubble over 240 micro-batches,
     12 % of its step, and the dp reduction), not 30: what is missing is framework-side, not a
-    term of the layout. Scale: per-GPU throughput falls 10.3 % from 280 to 420 nodes published,
+    term of the layout. Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published,
     6 % estimated (the bubble as m falls from 240 to 160): asserted in that order."""
     cases, res = loso
     r, rows = res["smith_2022_mtnlg"], _published_rows("smith_2022_mtnlg")
@@ -503,7 +503,7 @@ def test_h100_efficiency_rests_on_one_llama3_row_and_the_3d_checks_want_less(los
     """Diagnosis of the H100 checks (issue 9), constants unchanged. The H100 matmul efficiency
     (0.678) is fitted on the two Llama 3 rows, whose estimated steps are 34 % and 45 % other terms
     (bubble 19 % / 31 %, blocking tp 11 % / 9 %); they disagree by 10 points (published 430 -> 400
-    TFLOP/s from 8k to 16k GPUs, estimated -17 %), so their median |error| is flat (5.0-5.5 %)
+    TFLOP/s from 8k to 16k GPUs, estimated -16 %), so their median |error| is flat (5.0-5.5 %)
     from 0.678 up to 0.76: the constant is where the 8k row is exact. The NeMo rows, whose steps
     are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every row
     is within 6 %, and the FSDP H100 checks (MPT, IBM), over-predicted at 0.678, come closer too.
