@@ -56,17 +56,94 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
     return check_run(cfg, local_devices=8 if "parallel=3d_local" in layout else 2)
 
 
+def _children() -> list[int]:
+    """Pids whose parent is this process (the local workers of a run), from /proc."""
+    import os
+
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+class ShareSampler:
+    """Samples the workers' threads (xpar.fidelity.task_cpu_ns) every ``period`` seconds while a
+    run goes on; :meth:`share` is their CPU share between two wall times (the timed steps)."""
+
+    def __init__(self, period: float = 0.1):
+        import threading
+
+        self.period, self.samples, self.stop = period, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        from xpar.fidelity import task_cpu_ns
+        pids: list[int] = []
+        while not self.stop.wait(self.period):
+            pids = pids if len(self.samples) % 10 else _children()  # the workers: looked up once a second
+            self.samples.append((time.time(), task_cpu_ns(pids, main_only=True)))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def share(self, t0: float, t1: float) -> float:
+        """CPU share between the last sample before ``t0`` and the first after ``t1`` (the
+        whole run's where none brackets them); 1.0 without samples."""
+        from xpar.fidelity import cpu_share
+
+        s = [x for x in self.samples if x[1]]
+        if len(s) < 2:
+            return 1.0
+        before = max((x for x in s if x[0] <= t0), key=lambda x: x[0], default=s[0])
+        after = min((x for x in s if x[0] >= t1), key=lambda x: x[0], default=s[-1])
+        return cpu_share(before[1], after[1])
+
+
+def _timed_window(out: Path, warmup: int) -> tuple[float, float]:
+    """Wall times (s) of the end of the last warm-up step and of the last step, rank 0's step file."""
+    import json
+
+    recs = [json.loads(line) for line in (out / "steps" / "rank0.jsonl").read_text().splitlines() if line.strip()]
+    ends = {r["step"]: r["ts_ms"] / 1e3 for r in recs}
+    return ends.get(warmup - 1, min(ends.values())), max(ends.values())
+
+
 def measure(name: str, layout: list[str], model: str, hardware: str, steps: int) -> dict:
-    """One real run; its measured and estimated figures (xpar.fidelity)."""
+    """One real run; its measured and estimated figures (xpar.fidelity), and the estimate again
+    on the cores its workers got (``est_got_s``, ``got_ratio``: xpar.fidelity.cores_got from
+    their CPU share over the timed steps, ``share``)."""
+    from xpar.estimate.cost import estimate, with_hardware
+    from xpar.fidelity import cores_got
     from xpar.job import _summarize
     from xpar.launch import launch_local
 
     spec = _spec(layout, model, hardware, steps)
-    with tempfile.TemporaryDirectory() as out:
-        report = _summarize(spec, launch_local(spec, Path(out)))
-    x = report.extra
+    with tempfile.TemporaryDirectory() as out, ShareSampler() as sampler:
+        stats = launch_local(spec, Path(out))
+        window = _timed_window(Path(out), spec.train.warmup_steps)
+    report = _summarize(spec, stats)
+    x, share = report.extra, sampler.share(*window)
+    got = None
+    if spec.hardware.cpu_cores:
+        threads = spec.train.threads_per_worker or 1
+        cores = cores_got(share, spec.world_size, threads, spec.hardware.cpu_cores)
+        got = estimate(with_hardware(spec, cpu_cores=cores)).time_per_step_s
     return {"layout": name, "model": model, "step_s": report.step_time_s, "est_s": spec_estimate_s(x),
-            "time_ratio": x.get("fidelity/step_time_ratio", float("nan")),
+            "time_ratio": x.get("fidelity/step_time_ratio", float("nan")), "share": share,
+            "est_got_s": got, "got_ratio": got / report.step_time_s if got and report.step_time_s else float("nan"),
             "peak_bytes": report.peak_bytes_per_device, "mem_ratio": x.get("fidelity/peak_memory_ratio", float("nan")),
             "bubble_diff": x.get("fidelity/bubble_diff")}
 
@@ -106,8 +183,12 @@ def quietest(name: str, layout: list[str], model: str, hardware: str, steps: int
 
 
 def _summary(rows: list[dict]) -> None:
-    for key, target in (("time_ratio", "median <= 0.15, max <= 0.35"), ("mem_ratio", "every |r - 1| <= 0.05")):
+    for key, target in (("time_ratio", "median <= 0.15, max <= 0.35"),
+                        ("got_ratio", "the same, estimated on the cores the workers got"),
+                        ("mem_ratio", "every |r - 1| <= 0.05")):
         errs = [abs(r[key] - 1) for r in rows if r[key] == r[key]]
+        if not errs:
+            continue
         print(f"{key}: median |r - 1| {statistics.median(errs):.3f}, max {max(errs):.3f}  (target {target})")
     diffs = [abs(r["bubble_diff"]) for r in rows if r["bubble_diff"] is not None]
     if diffs:
@@ -126,14 +207,16 @@ def main() -> None:
                          "overrides --hardware")
     args = ap.parse_args()
     rows = []
-    print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'peak MiB':>9} {'est/meas':>8} "
-          f"{'bubble d':>8} {'load':>5}")
+    print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'share':>5} {'est got':>8} "
+          f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5}")
     for model in args.models:
         for name in args.layouts:
             r = quietest(name, LAYOUTS[name], model, args.hardware, args.steps, args.repeat, args.calibrate_each)
             rows.append(r)
             bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
+            got = "" if r["est_got_s"] is None else f"{r['est_got_s'] * 1e3:.1f}"
             print(f"{name:<9} {model:<6} {r['est_s'] * 1e3:>8.1f} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
+                  f"{r['share']:>5.2f} {got:>8} {r['got_ratio']:>8.3f} "
                   f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f}", flush=True)
     _summary(rows)
     if args.calibrate_each:

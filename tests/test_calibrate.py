@@ -44,6 +44,54 @@ def test_pipeline_sends_pay_the_measured_point_to_point_latency():
     assert p2p_time(replace(hw, p2p_latency_us=50.0), 2e6, False) == pytest.approx(50e-6 + 1e-3)
 
 
+def test_measured_ring_step_curves_replace_alpha_beta_inside_a_node():
+    """calibrate turns each collective's timings on w workers into seconds per ring step by chunk
+    (payload / w; send/recv: the message), made non-decreasing; a single-node group then pays
+    ring steps x the curve at its chunk (linear between points, the last segment extended), a
+    group across nodes and a preset without curves keep the alpha-beta model."""
+    from dataclasses import replace
+
+    from xpar.calibrate import monotone, ring_step_curves
+    from xpar.estimate.collectives import Group, collective_time, curve_at, p2p_time
+
+    w = 2
+    timings = {"allgather": {2 ** 20: 1e-3, 2 ** 24: 20e-3, 2 ** 26: 200e-3},  # super-linear, as gloo's here
+               "allreduce": {2 ** 20: 3e-3, 2 ** 24: 2e-3, 2 ** 26: 40e-3},  # a slow outlier at 1 MiB
+               "send_recv": {2 ** 20: 1e-3, 2 ** 26: 30e-3}, "reduce_scatter": {"unsupported": "x"}}
+    curves = ring_step_curves(timings, w)
+    assert set(curves) == {"allgather", "allreduce", "send_recv"}
+    assert curves["allgather"] == [[2 ** 19, 1e3], [2 ** 23, 20e3], [2 ** 25, 200e3]]
+    assert [us for _, us in curves["allreduce"]] == pytest.approx([1.25e3, 1.25e3, 20e3])  # 2 steps, pooled
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == pytest.approx([2.0, 2.0, 2.0, 5.0])
+    assert curve_at([[10, 1.0], [20, 3.0]], 15) == 2.0 and curve_at([[10, 1.0], [20, 3.0]], 5) == 1.0
+    assert curve_at([[10, 1.0], [20, 3.0]], 40) == 7.0
+    hw = spec_for("hardware=local", "hardware.intra_node_gb_per_s=2", "hardware.collective_latency_us=0",
+                  "hardware.link_efficiency=1").hardware
+    measured = replace(hw, ring_step_us_by_bytes=curves)
+    assert collective_time(measured, "allgather", 2 ** 26, Group(2, 2)) == pytest.approx(0.2)
+    assert collective_time(measured, "allgather", 3 * 2 ** 25, Group(2, 2)) == pytest.approx(0.32)  # extended
+    assert collective_time(measured, "allgather", 2 ** 25, Group(4, 4)) == pytest.approx(3 * 20e-3)  # 8 MiB chunks
+    assert collective_time(measured, "allreduce", 2 ** 24, Group(2, 2)) == pytest.approx(2.5e-3)
+    assert p2p_time(measured, 2 ** 20, False) == pytest.approx(1e-3)
+    for kind, group in (("reduce_scatter", Group(2, 2)), ("allgather", Group(4, 2))):  # no curve; across nodes
+        assert collective_time(measured, kind, 2 ** 24, group) == collective_time(hw, kind, 2 ** 24, group)
+
+
+def test_cpu_share_and_the_cores_a_run_got():
+    """The workers' CPU share between two schedstat samples (ns on a core / ns runnable) and the
+    cores that makes: all of them when the share is 1 or the workers are fewer; 8 workers on 2
+    cores at share 0.2 had 1.6 cores (the estimate's stretch then 5, not 4)."""
+    from xpar.fidelity import cores_got, cpu_share, task_cpu_ns
+
+    before = {(1, 1): (100, 0), (1, 2): (0, 0), (9, 9): (5, 5)}
+    after = {(1, 1): (400, 100), (1, 2): (100, 400)}  # thread (9, 9) ended: left out
+    assert cpu_share(before, after) == pytest.approx((300 + 100) / (300 + 100 + 100 + 400))
+    assert cpu_share({}, {}) == 1.0
+    assert cores_got(1.0, 2, 1, 2) == 2 and cores_got(0.5, 2, 1, 2) == 1.0 and cores_got(0.2, 8, 1, 2) == 1.6
+    mine = task_cpu_ns([os.getpid()], main_only=True)
+    assert list(mine) == [(os.getpid(), os.getpid())] and mine[os.getpid(), os.getpid()][0] > 0
+
+
 def test_matmul_efficiency_fit_is_the_cost_model_curve():
     from xpar.calibrate import fit_matmul_efficiency
     rates = {n: 1e11 * 0.8 * n / (n + 32) for n in (64, 256, 512)}
@@ -62,10 +110,16 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         raw = json.loads((tmp_path / "cal" / "calibration.json").read_text())
         assert set(raw["collectives"]) == {"allreduce", "allgather", "reduce_scatter", "send_recv"}
         assert raw["alpha_s"] >= 0 and raw["beta_bytes_per_s"] > 0
+        curves = raw["preset"]["ring_step_us_by_bytes"]  # per collective, non-decreasing in chunk size
+        assert set(curves) == set(raw["collectives"]) and len(curves["allgather"]) == 4
+        assert all(a[1] <= b[1] for c in curves.values() for a, b in zip(c, c[1:]))
         spec = spec_for(f"hardware=calibrated_{name}")  # validates and resolves with the measured figures
         assert spec.mode == "execute"
         assert spec.hardware.peak_tflops == pytest.approx(raw["preset"]["peak_tflops"])
         assert spec.hardware.intra_node_gb_per_s == pytest.approx(raw["beta_bytes_per_s"] / 1e9)
+        got = spec.hardware.ring_step_us_by_bytes["allgather"]
+        assert [b for b, _ in got] == [b for b, _ in curves["allgather"]]
+        assert [us for _, us in got] == pytest.approx([us for _, us in curves["allgather"]])
         host = raw["host"]  # host time per operator, per DTensor operator, per FSDP2 unit (xpar.estimate.host)
         assert 0 < host["op_overhead_us"] < 1000 and host["dtensor_op_overhead_us"] > 0
         assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100

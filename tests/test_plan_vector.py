@@ -240,6 +240,22 @@ def test_time_columns_on_local_cpu_hardware():
         assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
 
 
+def test_time_columns_with_measured_collective_curves():
+    """A calibrated CPU preset with gloo's measured ring-step curves (hardware.ring_step_us_by_bytes:
+    all-gather and reduce-scatter dearer per byte than all-reduce, super-linear past a few MiB):
+    equal to the scalar estimate, whose dp and pipeline times come from the curves."""
+    curves = {"allreduce": [[512, 150.0], [2 ** 21, 1800.0], [2 ** 27, 78000.0]],
+              "allgather": [[512, 160.0], [2 ** 21, 2300.0], [2 ** 27, 226000.0]],
+              "reduce_scatter": [[512, 700.0], [2 ** 21, 4900.0], [2 ** 27, 285000.0]],
+              "send_recv": [[1024, 40.0], [2 ** 22, 1000.0], [2 ** 28, 54000.0]]}
+    hw = dict(_group("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
+              intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
+              op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2,
+              ring_step_us_by_bytes=curves)
+    _, ests, got = _cpu_columns(hw, "mini", 4, 8)
+    assert (got["time_dp_comm_exposed"] > 0).any()
+
+
 def test_time_columns_with_host_overhead_and_shared_cores():
     """A calibrated CPU preset (xpar calibrate: host time per operator, per DTensor operator and
     per FSDP2 unit, links and memory measured, 2 cores shared by up to 8 workers): equal to the

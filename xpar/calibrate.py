@@ -2,9 +2,11 @@
 
 Everything is measured on ``workers`` local processes at once, as a run's workers compute and
 communicate side by side (sharing cores, caches, memory bandwidth and the machine's other load).
-Compute figures are the median over samples of step-length windows (:data:`STEP_WINDOW_S`: a
-sample repeats its call for that long, so it sees the share of the cores a step gets on a shared
-machine); collectives the mean over :data:`COLLECTIVE_REPS` calls (what a step pays on average).
+Compute figures are the median over samples of step-length windows (:data:`STEP_WINDOW_S`), in
+CPU seconds on a CPU with one thread per worker (:func:`compute_clock`: what the work costs a
+core, whatever else the machine runs at the time; the estimate stretches a step for the share of
+the cores its workers get); collectives the median over :data:`COLLECTIVE_REPS` calls, in wall
+time, as a curve per collective and size (``ring_step_us_by_bytes``).
 
 - matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
   rate is ``peak_tflops`` and ``matmul_efficiency`` is fitted to the cost model's curve
@@ -22,7 +24,11 @@ machine); collectives the mean over :data:`COLLECTIVE_REPS` calls (what a step p
   t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
   and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
   by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
-  ``intra_node_gb_per_s`` (beta); ``link_efficiency`` = 1 (beta is already achieved bus bandwidth).
+  ``intra_node_gb_per_s`` (beta); ``link_efficiency`` = 1 (beta is already achieved bus bandwidth);
+  and per collective the seconds of one ring step by the chunk it carries, made non-decreasing
+  in size (:func:`ring_step_curves`) -> ``ring_step_us_by_bytes``, which the estimate uses inside
+  a node instead of alpha and beta (xpar.estimate.collectives.measured_time): 1 KiB .. 256 MiB,
+  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root).
 
 The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
 ``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
@@ -42,39 +48,55 @@ from pathlib import Path
 from typing import Callable, Optional
 
 GEMM_SIDES = (64, 128, 256, 384, 512)
-MESSAGE_BYTES = tuple(2 ** k for k in range(10, 23, 2))  # 1 KiB .. 4 MiB
-QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22)
+MESSAGE_BYTES = tuple(2 ** k for k in range(10, 29, 2))  # 1 KiB .. 256 MiB
+QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22, 2 ** 26)
+LARGE_BYTES = 2 ** 23
+"""Messages above this many bytes are timed :data:`LARGE_REPS` times (one call: tens to hundreds
+of milliseconds), smaller ones :data:`COLLECTIVE_REPS` times."""
+LARGE_REPS = 3
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
 COLLECTIVE_REPS = 12
-"""Calls timed per collective and size, averaged (mean): a step issues many collectives, and on a
-shared CPU their time has a long tail (a woken gloo thread waits for a core), which a step pays
-on average; the median would hide it."""
+"""Calls timed per collective and size; their median is kept: the time of a collective on the
+machine as it is without other load (on a shared CPU a call's time has a long tail, a woken gloo
+thread waiting for a core that another process holds; what a run's step pays for that load is
+its workers' CPU share, measured during the run: benchmarks/fidelity.py)."""
 STEP_WINDOW_S = 0.02
 """Seconds of one compute sample (matmul, memory, host time): about a tiny-model step here."""
 
 
 def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None,
-                window: float = 0.0, average: Callable[[list], float] = statistics.median) -> float:
+                window: float = 0.0, average: Callable[[list], float] = statistics.median,
+                clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds per call of ``fn`` over ``reps`` samples after one warm-up call; a sample
-    calls ``fn`` until ``window`` seconds have passed (at least once) and divides by the calls:
-    a window as long as a training step sees the share of the cores a step gets on a shared
-    machine (a single short call mostly escapes preemption). ``sync`` waits for the device
-    (``torch.cuda.synchronize`` on GPUs) before each clock read; ``average``: of the samples
-    (``statistics.fmean`` for what many calls cost on average)."""
+    calls ``fn`` until ``window`` seconds of ``clock`` have passed (at least once) and divides by
+    the calls. ``clock``: wall time (default), or :func:`time.process_time` for what a call costs
+    the cores it runs on, whatever else runs beside (:func:`compute_clock`). ``sync`` waits for
+    the device (``torch.cuda.synchronize`` on GPUs) before each clock read; ``average``: of the
+    samples (``statistics.fmean`` for what many calls cost on average)."""
     fn()
     sync()
     times = []
     for _ in range(reps):
-        t0, calls = time.perf_counter(), 0
+        t0, calls = clock(), 0
         while True:
             fn()
             sync()
             calls += 1
-            elapsed = time.perf_counter() - t0
+            elapsed = clock() - t0
             if elapsed >= window:
                 break
         times.append(elapsed / calls)
     return average(times)
+
+
+def compute_clock(device: str, threads: int = 1) -> Callable[[], float]:
+    """The clock of compute samples: on a CPU with one torch thread per worker the process's CPU
+    seconds (:func:`time.process_time`: what the work costs the core, not the time other
+    processes held it -- a shared machine's load changes by the minute, and the cost model
+    stretches a step for the share of the cores its workers get,
+    xpar.estimate.host.oversubscription); wall time on a GPU, or with several threads (their CPU
+    seconds add up: not a worker's rate)."""
+    return time.process_time if device == "cpu" and threads == 1 else time.perf_counter
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -94,7 +116,8 @@ def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: st
         out = {}
         for n in sides:
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device), STEP_WINDOW_S)
+            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device), STEP_WINDOW_S,
+                                              clock=compute_clock(device, threads))
         return out
     finally:
         torch.set_num_threads(old)
@@ -106,7 +129,8 @@ def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") 
 
     src = torch.ones(mib * 2 ** 18, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device), STEP_WINDOW_S)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device), STEP_WINDOW_S,
+                                             clock=compute_clock(device, torch.get_num_threads()))
 
 
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
@@ -144,25 +168,40 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], N
     return ping_pong
 
 
+def timed_share(measure: Callable[[], float], device: str) -> tuple[float, float]:
+    """(what ``measure()`` returns, the CPU share of this process's main thread while it ran:
+    xpar.fidelity.cpu_share, 1.0 on a GPU or without schedstat): how loaded the machine was."""
+    if device != "cpu":
+        return measure(), 1.0
+    from xpar.fidelity import cpu_share, task_cpu_ns
+
+    before = task_cpu_ns([os.getpid()], main_only=True)
+    seconds = measure()
+    return seconds, cpu_share(before, task_cpu_ns([os.getpid()], main_only=True))
+
+
 def collective_worker(payload: dict) -> dict:
-    """On every rank: mean seconds of each collective per message size (:data:`COLLECTIVE_REPS`
-    calls at least; send/recv: one way, half a ping-pong); collectives the backend does not
-    offer are left out."""
+    """On every rank: median seconds of each collective per message size (:data:`COLLECTIVE_REPS`
+    calls at least, :data:`LARGE_REPS` above :data:`LARGE_BYTES`; send/recv: one way, half a
+    ping-pong), in wall time: ``times``, and the CPU share of the main thread they were measured
+    at (:func:`timed_share`): ``shares``; collectives the backend does not offer are left out."""
     import torch.distributed as dist
 
-    world, rank, out = dist.get_world_size(), dist.get_rank(), {}
+    world, rank, out, shares = dist.get_world_size(), dist.get_rank(), {}, {}
     for name in payload["collectives"]:
         try:
-            times = {}
+            times, shares[name] = {}, {}
             for nbytes in payload["sizes"]:
                 call = _collective(name, nbytes, world, rank)
                 dist.barrier()
-                times[nbytes] = median_time(call, max(payload["reps"], COLLECTIVE_REPS), _sync(payload["device"]),
-                                            average=statistics.fmean) / (2 if name == "send_recv" else 1)
+                reps = LARGE_REPS if nbytes > LARGE_BYTES else max(payload["reps"], COLLECTIVE_REPS)
+                t, shares[name][nbytes] = timed_share(lambda: median_time(call, reps, _sync(payload["device"])),
+                                                      payload["device"])
+                times[nbytes] = t / (2 if name == "send_recv" else 1)
             out[name] = times
         except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
             out[name] = {"unsupported": str(e).splitlines()[0][:200]}
-    return out
+    return {"times": out, "shares": shares}
 
 
 def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
@@ -175,7 +214,7 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = {"compute": compute_worker(payload), "collectives": collective_worker(payload)}
+        result = {"compute": compute_worker(payload), **collective_worker(payload)}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -207,8 +246,8 @@ def compute_worker(payload: dict) -> dict:
 def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
     """:func:`compute_worker` then :func:`collective_worker` on ``world`` local processes (gloo
     on CPU, nccl with one GPU each on CUDA); rank 0's figures: ``compute`` (``matmul``: FLOP/s
-    per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds) and ``collectives``
-    (seconds per collective and size)."""
+    per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds), ``collectives`` (seconds
+    per collective and size) and ``collective_shares`` (the CPU shares they were measured at)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -222,9 +261,9 @@ def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str 
                            start_method="spawn")
         raw = json.loads(Path(out).read_text())
     compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
-    return {"compute": compute,
+    return {"compute": compute, "collective_shares": raw["shares"],
             "collectives": {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
-                            for k, v in raw["collectives"].items()}}
+                            for k, v in raw["times"].items()}}
 
 
 def _count_ops(fn: Callable[[], object]) -> int:
@@ -269,10 +308,11 @@ def host_worker(reps: int, mesh) -> dict:
     block, x = _tiny_block()
     step = (lambda m: lambda: m(x).sum().backward())
     ops = _count_ops(step(block))
-    plain = median_time(step(block), reps, window=STEP_WINDOW_S)
+    timed = (lambda fn: median_time(fn, reps, window=STEP_WINDOW_S, clock=compute_clock("cpu", torch.get_num_threads())))
+    plain = timed(step(block))
     sharded, _ = _tiny_block()
     fully_shard(sharded, mesh=mesh)
-    unit = median_time(step(sharded), reps, window=STEP_WINDOW_S) - plain
+    unit = timed(step(sharded)) - plain
     per_op = {}
     for kind in ("plain", "dtensor"):
         make = (lambda t: t) if kind == "plain" else (lambda t: distribute_tensor(t, mesh, [Shard(0)]))
@@ -280,7 +320,7 @@ def host_worker(reps: int, mesh) -> dict:
         for p in params:
             p.grad = torch.ones_like(p)
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-        per_op[kind] = median_time(opt.step, reps, window=STEP_WINDOW_S) / (9 * len(params) + 2)
+        per_op[kind] = timed(opt.step) / (9 * len(params) + 2)
     return {"op_overhead_us": plain / ops * 1e6, "dtensor_op_overhead_us": max(0.0, per_op["dtensor"] - per_op["plain"]) * 1e6,
             "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops}
 
@@ -328,6 +368,38 @@ def fit_p2p_latency(timings: dict, beta: float) -> Optional[float]:
     if not by_size or "unsupported" in by_size:
         return None
     return max(0.0, statistics.median(t - nbytes / beta for nbytes, t in by_size.items()))
+
+
+def ring_step_curves(timings: dict, world: int) -> dict:
+    """``hardware.ring_step_us_by_bytes`` from the collectives measured on ``world`` workers
+    (``timings``: seconds by collective and payload bytes): per collective, [chunk bytes,
+    microseconds per ring step] pairs, chunk = payload / world (send/recv: the message) and
+    step = time / :func:`xpar.estimate.collectives.ring_steps`; collectives the backend did not
+    run are left out."""
+    from xpar.estimate.collectives import ring_steps
+
+    out = {}
+    for name, by_size in timings.items():
+        if "unsupported" in by_size or not by_size:
+            continue
+        share = 1 if name == "send_recv" else world
+        sizes = sorted(by_size)
+        steps_us = monotone([by_size[n] / ring_steps(name, world) * 1e6 for n in sizes])
+        out[name] = [[int(n) // share, us] for n, us in zip(sizes, steps_us)]
+    return out
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in squared error (isotonic regression, pool
+    adjacent violators): a bigger message never costs less, so a small size's slow outlier (a
+    gloo thread waiting for a core on a shared machine) is averaged with its neighbours."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu",
@@ -406,13 +478,15 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     p2p = fit_p2p_latency(coll, beta)
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6
+    values["ring_step_us_by_bytes"] = ring_step_curves(coll, workers)
     header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
               f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
               f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
               f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
     preset = write_preset(name, values, header)
     result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
-              "collectives": coll, "alpha_s": alpha, "beta_bytes_per_s": beta, "host": host}
+              "collectives": coll, "collective_shares": measured["collective_shares"], "alpha_s": alpha,
+              "beta_bytes_per_s": beta, "host": host}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:

@@ -127,6 +127,14 @@ class HardwareConfig:
     """Latency of one point-to-point message (a pipeline send), microseconds, where it is
     measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
     collectives pay ~0.3-4 ms per step); None: collective_latency_us + one link step."""
+    ring_step_us_by_bytes: Optional[dict] = None
+    """Measured seconds of one ring step by collective and chunk size, inside one node: for each
+    of 'allreduce', 'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes,
+    microseconds per step] (``xpar calibrate``: payload / ranks per step, time / ring steps;
+    send_recv: the message, one step). Where a collective has its curve, a single-node group
+    pays ring steps x the curve at its chunk (xpar.estimate.collectives.measured_time) instead
+    of the alpha-beta model: gloo's cost per byte differs by collective and grows faster than
+    linear past a few MiB. None: the alpha-beta model (GPU presets)."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8

@@ -67,3 +67,46 @@ def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.
         return 0.0
     busy_per_rank = breakdown.get("bubble", 0.0) * (1 - beta) / beta - breakdown.get("pp_comm", 0.0)
     return 1 - busy_per_rank / pipeline
+
+
+def task_cpu_ns(pids: list[int], main_only: bool = False) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per thread of the processes ``pids`` (Linux ``/proc/<pid>/task/<tid>/schedstat``): (ns on a
+    core, ns runnable but waiting for one), keyed by (pid, tid); only each process's main thread
+    with ``main_only`` (the one that computes: gloo's and other helper threads mostly wait);
+    threads or processes that ended are left out; {} where the kernel does not expose schedstat."""
+    import os
+
+    out = {}
+    for pid in pids:
+        try:
+            tids = [str(pid)] if main_only else os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run, wait = f.read().split()[:2]
+            except (OSError, ValueError):
+                continue
+            out[pid, int(tid)] = (int(run), int(wait))
+    return out
+
+
+def cpu_share(before: dict, after: dict) -> float:
+    """The share of the time the threads wanted a core that they had one, between two
+    :func:`task_cpu_ns` samples: sum of on-core ns / sum of (on-core + waiting) ns over the threads
+    in both (1.0 when nothing ran). Below 1 when the threads outnumber the cores or other
+    processes hold them: a step then takes about 1 / share of its uncontended time."""
+    run = wait = 0
+    for key, (r1, w1) in after.items():
+        r0, w0 = before.get(key, (0, 0))
+        run, wait = run + r1 - r0, wait + w1 - w0
+    return run / (run + wait) if run + wait > 0 else 1.0
+
+
+def cores_got(share: float, workers: int, threads: int, cores: int) -> float:
+    """The cores ``workers`` processes of ``threads`` torch threads effectively had when their
+    threads ran ``share`` of the time they were runnable (:func:`cpu_share`): at most ``cores``,
+    at least share x workers x threads; xpar.estimate.host.oversubscription then stretches the
+    estimate by workers x threads / that (1 / share when the workers saturate the cores)."""
+    return max(1e-3, min(float(cores), share * workers * threads))

@@ -24,6 +24,13 @@ Bus bandwidth of a group: inside a node, the per-device intra-node link (NVLink,
 direction) x ``link_efficiency``; across nodes, a ring crosses every node boundary with
 its whole bus traffic, which the node sends over min(k, NICs per node) NICs: bandwidth
 min(intra, min(k, nics) x NIC bandwidth) x ``link_efficiency``.
+
+A measured machine (``xpar calibrate``: gloo on a CPU) replaces the alpha-beta model inside a
+node by its own curves, ``hardware.ring_step_us_by_bytes``: per collective, seconds of one ring
+step by the chunk it carries (:func:`measured_time`). gloo's all-gather and reduce-scatter cost
+more per byte than its all-reduce, and every collective's cost per byte grows past a few MiB
+(measured here, 2 workers: a 64 MiB all-gather ~5x a 16 MiB one); one alpha and one beta over
+all of them and a 4 MiB largest size put GPT-2 small's 309 MB FSDP root at a tenth of its time.
 """
 from __future__ import annotations
 
@@ -127,14 +134,47 @@ def hierarchical_time(hw: HardwareConfig, collective: str, nbytes: float, group:
     return ring_time(hw, collective, nbytes, intra) + t_inter
 
 
+def curve_at(points: list, x: float) -> float:
+    """A measured curve ``points`` ([x, y] pairs, any order) at ``x``: linear between the
+    neighbouring points, the smallest x's y below it (a fixed latency), the last segment's line
+    extended above the largest (at least the largest y)."""
+    pts = sorted((float(a), float(b)) for a, b in points)
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    i = next((k for k in range(1, len(pts)) if x <= pts[k][0]), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, pts[-1][1]) if x > pts[-1][0] else y
+
+
+def measured_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> Optional[float]:
+    """Seconds of ``collective`` on ``group`` from the machine's measured ring-step curve
+    (``hardware.ring_step_us_by_bytes``, written by ``xpar calibrate``): :func:`ring_steps` x
+    the curve at the chunk one step carries (``nbytes`` / group size; the message itself for
+    'send_recv'). None where the curve does not apply: no curve for this collective, or a group
+    across nodes (the curve is measured inside one)."""
+    curve = (hw.ring_step_us_by_bytes or {}).get(collective)
+    if not curve or group.nodes > 1:
+        return None
+    chunk = nbytes if collective == "send_recv" else nbytes / group.size
+    return ring_steps(collective, group.size) * curve_at(curve, chunk) * 1e-6
+
+
 def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group,
                     algorithm: str = "nccl") -> float:
     """Seconds of one ``collective`` of ``nbytes`` payload on ``group`` with ``algorithm``
-    (one of :data:`ALGORITHMS`; see the module docstring)."""
+    (one of :data:`ALGORITHMS`; see the module docstring); the machine's measured curve where it
+    has one (:func:`measured_time`, whatever the algorithm: it is the backend's own).
+
+    Raises:
+        ValueError: an unknown ``algorithm``."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown collective algorithm {algorithm!r}; one of {ALGORITHMS}")
     if group.size <= 1 or nbytes <= 0:
         return 0.0
+    measured = measured_time(hw, collective, nbytes, group)
+    if measured is not None:
+        return measured
     if algorithm == "hierarchical":
         return hierarchical_time(hw, collective, nbytes, group)
     ring = ring_time(hw, collective, nbytes, group)
@@ -147,8 +187,14 @@ def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: G
 def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
     """Seconds of one point-to-point send of ``nbytes`` between neighbouring pipeline stages:
     one step's latency (``hardware.p2p_latency_us`` where measured) plus bytes over one device's
-    link (its NIC when ``across_nodes``)."""
-    if hw.intra_node_gb_per_s is None or nbytes <= 0:
+    link (its NIC when ``across_nodes``); inside a node, the measured send/recv curve where the
+    machine has one (:func:`measured_time`)."""
+    if nbytes <= 0:
+        return 0.0
+    measured = None if across_nodes else measured_time(hw, "send_recv", nbytes, Group(2, 2))
+    if measured is not None:
+        return measured
+    if hw.intra_node_gb_per_s is None:
         return 0.0
     if across_nodes and hw.inter_node_gb_per_s is not None:
         bw, lat = hw.inter_node_gb_per_s, hw.inter_node_latency_us
