@@ -253,6 +253,11 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
+        if name in ("llama3_2024_table4", "dgxc_nemo_h100_bf16"):  # the two H100 sources, each held out, predict
+            # each other within 15 % (median) / 20 % (max): Llama 3 alone says 0.678, NeMo alone 0.596 (see
+            # test_h100_efficiency_is_fitted_where_the_step_is_matmul)
+            assert statistics.median(held) <= 0.15 and max(held) <= 0.20, (name, r["held_out"])
+            continue
         if name == "narayanan_2021_table2_zero3":  # DeepSpeed 2021's ZeRO-3: its own bound (see below)
             assert statistics.median(held) <= 0.15 and max(held) <= 0.20, (name, r["held_out"])
             continue
@@ -295,13 +300,16 @@ def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
 
 def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a_cpu():
     """train.dtype=fp32 on an A100 runs its matmuls on CUDA cores (19.5 TFLOP/s; torch uses no
-    TF32 for fp32 matmuls by default), 16x slower than bf16's 312; a CPU preset has one measured
-    peak for both."""
+    TF32 for fp32 matmuls by default), 16x slower than bf16's 312, and its MFU is a fraction of
+    that peak; a CPU preset has one measured peak for both."""
     from tests.conftest import spec_for
     gpu = {d: estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3",
                                 "run.mode=estimate", f"train.dtype={d}")) for d in ("bf16", "fp32")}
     ratio = gpu["fp32"].time_breakdown["matmul"] / gpu["bf16"].time_breakdown["matmul"]
     assert ratio == pytest.approx(312 / 19.5)
+    # MFU is a fraction of the training dtype's peak (it divided fp32 runs by the bf16 peak: 16x low)
+    for d, peak in (("bf16", 312e12), ("fp32", 19.5e12)):
+        assert gpu[d].mfu == pytest.approx(gpu[d].tflops_per_device * 1e12 / peak)
     cpu = {d: spec_for("hardware=local", "hardware.peak_tflops=0.1", f"train.dtype={d}") for d in ("bf16", "fp32")}
     assert cost.compute_peak(cpu["fp32"].hardware, "fp32") == cost.compute_peak(cpu["bf16"].hardware, "bf16") == 1e11
 
@@ -346,10 +354,10 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     fitted on. A100 rows under-predicted by 9 % / 14 %, and not for the network: the estimate
     without its exposed dp communication is still slower than published (the same compute-side
     shortfall as every full-recompute FSDP row, MPT's and torchtitan's). H100 rows over-predicted
-    by 18-22 %: the estimate exposes about 10 % of the step to dp communication, what the blog
-    reads in its traces ("a 10% gap due to network peeking out"), and the rest is compute the
-    H100 fit (Llama 3, Megatron-style, tp 8) does not transfer to these runs (the blog suspects
-    HBM bandwidth; HFU 0.44-0.45 published)."""
+    by 6-10 % (18-22 % at the Llama-3-only H100 efficiency 0.678, before NeMo's rows joined the
+    fit): the estimate exposes about 10 % of the step to dp communication, what the blog reads in
+    its traces ("a 10% gap due to network peeking out"); the blog suspects HBM bandwidth for the
+    rest (HFU 0.44-0.45 published)."""
     cases, res = loso
     r, rows = res["ibm_fms_fsdp_2024"], _published_rows("ibm_fms_fsdp_2024")
     assert r["fit_all"] == r["fit_without"]
@@ -362,16 +370,17 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
             assert est.time_per_step_s - est.time_breakdown["dp_comm_exposed"] > published_step
             assert 0.03 < exposed < 0.10, exposed
         else:
-            assert 0.10 < e <= 0.25, (row["model"], e)
+            assert 0.03 < e <= 0.12, (row["model"], e)
             assert 0.07 < exposed < 0.15, exposed
 
 
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
-    Gb/s per node assumed), never fitted on. Over-predicted on every row: +8 to +15 % with full
-    recompute (13B-70B), +25 to +39 % without (1B-7B), as the IBM H100 rows: the H100 fit (Llama
-    3, Megatron-style) does not transfer to these FSDP runs. Scale: the published throughput per
+    Gb/s per node assumed), never fitted on. With full recompute (13B-70B) within 4 %; without
+    (1B-7B) over-predicted by 12-26 % (at the Llama-3-only H100 efficiency 0.678, before NeMo's
+    rows joined the fit: +8 to +15 % and +25 to +39 %): what the rows without recompute lose is
+    not in the matmul term (small models: memory-bound and host time). Scale: the published throughput per
     GPU falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
     0.4-3.3 %, and only through the compute slowed beside the hidden collectives (overlap_slowdown
     on ring latency that grows with the ranks: without it the estimate is flat). Halving the
@@ -384,7 +393,7 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
     by: dict = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
-        lo, hi = (0.05, 0.17) if row["ac"] == "true" else (0.20, 0.42)
+        lo, hi = (-0.05, 0.05) if row["ac"] == "true" else (0.10, 0.28)
         assert lo < e < hi, (row["model"], row["gpus"], e)
         by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
     assert len(by) == 6
@@ -427,16 +436,18 @@ def _dgxc(cases, rows, model):
 def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
     Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
-    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap), never
-    fitted on. Every row over-predicted: +2 to +5 % for 15B (no pipeline), +10 to +14 % for 175B
-    and 340B (MFU 53-55 % published). The matmul efficiency that fits the source alone is 0.60
-    against 0.678 fitted on Llama 3 (asserted: below 0.64), as the H100 FSDP checks (MPT 0.57,
-    IBM 0.53): every H100 source but the one fitted says the H100 constant is too high. Scale:
-    per-GPU throughput from the smallest to the largest run falls 2.1 % (175B), 4.7 % (340B),
-    2.6 % (15B) published; estimated within 0.03 of each."""
+    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Held out
+    (the H100 efficiency from Llama 3 alone, 0.678) every row is over-predicted: +2 to +5 % for 15B
+    (no pipeline), +10 to +14 % for 175B and 340B (MFU 53-55 % published). The matmul efficiency
+    that fits the source alone is 0.60 (asserted: below 0.64), as the H100 FSDP checks want (MPT
+    0.57, IBM 0.53): so the source joined the H100 fit (0.598 with Llama 3), where every row is
+    within 9 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 % (175B),
+    4.7 % (340B), 2.6 % (15B) published; estimated within 0.03 of each."""
     cases, res = loso
     r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
-    assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
+    assert len(rows) == len(r["held_out"]) == 18 and "dgxc_nemo_h100_bf16" not in calibration.CHECK_ONLY
+    assert r["fit_without"]["H100"] == pytest.approx(0.678, abs=0.005) and r["fit_all"]["H100"] < 0.62
+    assert max(abs(e) for e in r["calibration"]) < 0.09, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
         lo, hi = (0.01, 0.06) if row["pp"] == "1" else (0.09, 0.15)
         assert lo < e < hi, (row["model"], row["gpus"], e)
@@ -450,16 +461,15 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
         assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.03, (model, published, estimated)
 
 
-def test_nemo_h100_rows_no_single_tp_overlap_explains_them():
+def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     """The NeMo H100 rows hinge on an unpublished knob, the share of tp communication that the
     userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8): blocking TP (0) brings 175B and
     340B within 5 % but puts 15B (4 micro-batches of 4 x 4096 tokens: tp comm 17 % of its step
-    unhidden) 8-10 % below; hiding more raises every row. At the preset's H100 matmul efficiency
-    no share from 0 to 1 puts all 18 rows within 5 % (the best, 0.2-0.3, leaves 15B at -4..-7 %
-    and the pipelined rows at +4..+8 %): the pipelined rows lose time the 15B rows do not, and
-    the tp term alone cannot say where (pp sends, counted hidden under overlap_p2p_comm, are
-    6.5 % of the 175B step when blocking)."""
-    eff = preset("hardware", "h100_80gb_64gpu")["matmul_efficiency"]
+    unhidden) 8-10 % below; hiding more raises every row. At the H100 matmul efficiency of Llama 3
+    alone (0.678) no share from 0 to 1 puts all 18 rows within 5 % (the best, 0.2-0.3, leaves 15B
+    at -4..-7 % and the pipelined rows at +4..+8 %): the tp knob alone cannot make these rows agree
+    with that constant -- the efficiency has to move (test_h100_efficiency_is_fitted_where_the_step_is_matmul)."""
+    eff = loso[1]["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     rows = _published_rows("dgxc_nemo_h100_bf16")
     err = {}
     for tpo in [i / 10 for i in range(11)]:
@@ -499,21 +509,23 @@ def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
     assert 0.03 < drop_estimated < drop_published, (drop_published, drop_estimated)
 
 
-def test_h100_efficiency_rests_on_one_llama3_row_and_the_3d_checks_want_less(loso):
-    """Diagnosis of the H100 checks (issue 9), constants unchanged. The H100 matmul efficiency
-    (0.678) is fitted on the two Llama 3 rows, whose estimated steps are 34 % and 45 % other terms
-    (bubble 19 % / 31 %, blocking tp 11 % / 9 %); they disagree by 10 points (published 430 -> 400
-    TFLOP/s from 8k to 16k GPUs, estimated -16 %), so their median |error| is flat (5.0-5.5 %)
-    from 0.678 up to 0.76: the constant is where the 8k row is exact. The NeMo rows, whose steps
-    are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every row
-    is within 6 %, and the FSDP H100 checks (MPT, IBM), over-predicted at 0.678, come closer too.
-    One principle for the H100 over-predictions: the efficiency, not a communication term."""
-    cases, _ = loso
+def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
+    """Why the H100 constant is 0.598 and not 0.678 (issue 9). Fitted on the two Llama 3 rows
+    alone it was 0.678: their estimated steps are 34 % and 45 % other terms (bubble 19 % / 31 % at
+    an unstated v, blocking tp 11 % / 9 %) and they disagree by 10 points (published 430 -> 400
+    TFLOP/s from 8k to 16k GPUs, estimated -16 %), so their median |error| is flat (5.0-5.5 %) from
+    0.678 up to 0.76. The NeMo rows, whose steps are 82-91 % matmul, measure it almost directly: at
+    0.62 with the recipes' TP overlap every row is within 6 %, and the never-fitted FSDP H100 checks
+    (MPT, IBM), over-predicted at 0.678, come closer by more than 4 points. With NeMo in the fit the
+    constant is the preset's, and the FSDP checks gain at it as at 0.62."""
+    cases, res = loso
     llama = cases["llama3_2024_table4"]
     cost = {e: statistics.median(abs(x) for x in calibration.errors(llama, e)) for e in (0.678, 0.72, 0.76)}
     assert max(cost.values()) - min(cost.values()) < 0.01, cost
     assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], 0.62))
+    fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
+    assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["matmul_efficiency"], abs=0.005) and fitted < 0.62
     for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
         h100 = [c for c in cases[name] if c[0] == "H100"]
-        at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (0.678, 0.62)}
-        assert at[0.62] < at[0.678] - 0.04, (name, at)
+        at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (0.678, 0.62, fitted)}
+        assert at[0.62] < at[0.678] - 0.04 and at[fitted] < at[0.678] - 0.04, (name, at)

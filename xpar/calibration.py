@@ -357,11 +357,14 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
 
 
 CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5",
-                        "dgxc_nemo_h100_bf16", "smith_2022_mtnlg"})
+                        "smith_2022_mtnlg"})
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale and Megatron-style tp x pp x dp runs
-(Korthikanti et al. 2022 and MT-NLG on A100, NeMo's H100 recipes) added as checks after the constants were
-fitted (issue 9), held out from every fit so that they cannot move the constants; their
-'calibration' and 'held out' errors are both at the constants fitted without them."""
+(Korthikanti et al. 2022 and MT-NLG on A100) added as checks after the constants were fitted
+(issue 9), held out from every fit so that they cannot move the constants; their
+'calibration' and 'held out' errors are both at the constants fitted without them. NeMo's H100
+recipes (dgxc_nemo_h100_bf16) were added the same way and then admitted to the H100 fit: their
+steps are 82-91 % matmul, so they measure the H100 efficiency almost directly, where the two
+Llama 3 rows (19-31 % bubble at an unstated v) could not tell 0.678 from 0.76."""
 
 
 def breakdown(case, efficiency: float) -> dict[str, float]:

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
+from xpar.estimate.cost import compute_peak
 from xpar.estimate.flops import hardware_flops_per_token, model_flops_per_token
 from xpar.spec import RunSpec
 
@@ -129,7 +130,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     step_time = spread["median"]
     model_f, hw_f = flops_per_step(spec)
     tflops = model_f / step_time / spec.world_size / 1e12
-    peak = spec.hardware.peak_tflops or 0.0
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12  # the training dtype's dense peak
     totals = []
     for s in stats:
         mem = s["memory"]

@@ -35,8 +35,10 @@ runs; every other constant has its source (datasheets, NCCL's tuning model, fram
 Sources (tests/data): Narayanan et al. 2021 Table 1 (10 rows, A100, framework=megatron;
 b = 1, v = smallest divisor > 1 of the layers per rank, as before), torchtitan FSDP2 on 64
 A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/16384 H100 (2
-rows, Table 4), torchtitan Llama 3.1 8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows,
-its own family: peak unknown). Fitted: A100 0.672, H100 0.678 (500 W part: 0.400). Leave-one-
+rows, Table 4) with NVIDIA's NeMo BF16 recipes on 16-2048 H100s (18 rows), torchtitan Llama 3.1
+8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows, its own family: peak unknown), and
+never-fitted checks (xpar.calibration.CHECK_ONLY). Fitted: A100 0.672, H100 0.598 (Llama 3 alone:
+0.678; 500 W part: 0.400). Leave-one-
 source-out (fit on the others, predict the source): Megatron Table 1 median 2.6 % / max 6.3 %,
 torchtitan A100 5.4 % / 17.0 %, Llama 3 (H100 from the A100 fit) 5.6 % / 10.6 %, torchtitan
 500 W H100 from the A100 fit +53 % / +56 % (the datasheet peak does not describe that part). With all sources: Megatron Table 1 median
@@ -387,7 +389,8 @@ def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, p
     """Throughput of a step of ``time`` seconds with ``tokens`` tokens on ``world`` devices and
     ``model_flops``/``hw_flops`` FLOPs per step (all devices): tokens_per_s(_per_device),
     tflops_per_device, hw_tflops_per_device (1e12 FLOP/s), mfu, hfu (fractions of
-    ``peak_tflops``; 0 without a peak). Floats or numpy arrays over layouts."""
+    ``peak_tflops``, the dense peak of the training dtype: :func:`compute_peak`; 0 without a
+    peak). Floats or numpy arrays over layouts."""
     peak = (peak_tflops or 0) * 1e12
     tf = _per(model_flops, time) / world / 1e12
     hwtf = _per(hw_flops, time) / world / 1e12
@@ -402,7 +405,7 @@ def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, be
     cfg, s, tokens = spec.model, spec.seq_len, spec.tokens_per_step
     model_flops = fl.model_flops_per_token(cfg, s) * tokens
     hw_flops = fl.hardware_flops_per_token(cfg, s, spec.parallel.recompute) * tokens
-    r = rates(time, tokens, spec.world_size, model_flops, hw_flops, spec.hardware.peak_tflops)
+    r = rates(time, tokens, spec.world_size, model_flops, hw_flops, compute_peak(spec.hardware, spec.train.dtype) / 1e12)
     return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
                     time_per_step_s=time, time_breakdown=breakdown, bubble_ratio=beta, comm_bytes=dict(comm),
                     notes=notes, **r)

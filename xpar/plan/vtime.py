@@ -34,8 +34,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from xpar.estimate import flops as fl
-from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, layer_costs, microbatch_time, optimizer_time,
-                                pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
+from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, layer_costs, microbatch_time,
+                                optimizer_time, pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
@@ -348,4 +348,4 @@ def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
     tokens = r["b"] * r["m"] * r["dp"] * s
     hw = by_key([r["recompute"]], lambda rec: {"f": fl.hardware_flops_per_token(cfg, s, RECOMPUTE[rec])}, ("f",))["f"]
     return rates(time, tokens, r["tp"] * r["pp"] * r["dp"], fl.model_flops_per_token(cfg, s) * tokens, hw * tokens,
-                 base.hardware.peak_tflops)
+                 compute_peak(base.hardware, base.train.dtype) / 1e12)
