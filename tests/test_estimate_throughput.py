@@ -167,6 +167,25 @@ def test_ring_latency_counts_steps_and_node_crossings():
     assert col.group_of(hw, 8, 8).per_node == 1
 
 
+def test_groups_of_a_node_share_its_nics():
+    """The dp rings of the 8 tp ranks of a node cross nodes at once: with one NIC per node each
+    gets an eighth of it (the same time as 8 NICs of 1/8 the bandwidth); a group holding the whole
+    node gets the NICs there are (4 x 100 Gb/s: 4 NICs' worth, as before); pipeline sends too."""
+    hw = spec().hardware
+    one_nic = replace(hw, nics_per_node=1)
+    eighth = replace(hw, nics_per_node=8, inter_node_gb_per_s=hw.inter_node_gb_per_s / 8)
+    dp = col.group_of(hw, 8, 8)  # one member per node
+    for kind in ("allreduce", "allgather", "reduce_scatter"):
+        assert col.collective_time(one_nic, kind, 1e9, dp, "ring") == pytest.approx(
+            col.collective_time(eighth, kind, 1e9, dp, "ring"))
+        assert col.collective_time(one_nic, kind, 1e9, dp, "ring") > 7 * col.collective_time(hw, kind, 1e9, dp, "ring")
+    whole = col.group_of(hw, 64, 1)  # all 8 devices of each node in one ring
+    four = replace(hw, nics_per_node=4)
+    assert col.ring_time(four, "allgather", 1e9, whole) == pytest.approx(
+        col.ring_time(replace(hw, inter_node_gb_per_s=hw.inter_node_gb_per_s / 2), "allgather", 1e9, whole))
+    assert col.p2p_time(one_nic, 1e8, True) == pytest.approx(col.p2p_time(eighth, 1e8, True))
+
+
 def test_tree_wins_small_allreduce_at_scale_and_hierarchical_cuts_latency():
     hw = spec("7b", "a100_80gb_1024gpu").hardware
     g = col.group_of(hw, 1024, 1)

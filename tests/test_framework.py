@@ -135,7 +135,7 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     share = {k: v / ez.time_per_step_s for k, v in ez.time_breakdown.items()}
     assert share["dp_comm_exposed"] > 0.5 and max(share, key=share.get) == "dp_comm_exposed"
     share3 = {k: v / e3.time_per_step_s for k, v in e3.time_breakdown.items()}
-    assert max(share3, key=share3.get) == "matmul" and share3["dp_comm_exposed"] < 0.05
+    assert max(share3, key=share3.get) == "matmul" and share3["dp_comm_exposed"] < 0.08  # 8 dp rings on 4 NICs
     # where the fabric is twice as wide per GPU the ordering flips for FSDP2's flat collectives (the model's claim)
     assert estimate(z3).tflops_per_device > estimate(d3).tflops_per_device
     # ... but not for the ZeRO-3 Narayanan et al. ran there (DeepSpeed 2021: per-tensor list collectives, Table 2)

@@ -22,8 +22,12 @@ A collective on ``n`` ranks laid out ``k`` per node over ``N = n / k`` nodes tak
 
 Bus bandwidth of a group: inside a node, the per-device intra-node link (NVLink, one
 direction) x ``link_efficiency``; across nodes, a ring crosses every node boundary with
-its whole bus traffic, which the node sends over min(k, NICs per node) NICs: bandwidth
-min(intra, min(k, nics) x NIC bandwidth) x ``link_efficiency``.
+its whole bus traffic, which the node sends over the NICs its k members get: every device of
+a node is in one group of each kind and the groups of a kind communicate at once (the dp
+groups of all tp ranks, the pipeline sends of all of them), so each device gets
+min(1, NICs per node / devices per node) of a NIC (:func:`nic_share`) and the group
+min(intra, k x share x NIC bandwidth) x ``link_efficiency``. A node with fewer NICs than
+devices (4 x 100 Gb/s for 8 GPUs) halves what each of its 8 concurrent rings gets.
 
 A measured machine (``xpar calibrate``: gloo on a CPU) replaces the alpha-beta model inside a
 node by its own curves, ``hardware.ring_step_us_by_bytes``: per collective, seconds of one ring
@@ -68,6 +72,15 @@ def group_of(hw: HardwareConfig, size: int, stride: int) -> Group:
     return Group(size, max(1, min(size, dpn // stride)))
 
 
+def nic_share(hw: HardwareConfig) -> float:
+    """NICs per device when every device of a node crosses nodes at once: min(1, NICs per
+    node / devices per node); 1 where either is unknown (module docstring)."""
+    dpn = int(hw.devices_per_node) if str(hw.devices_per_node).isdigit() else 0
+    if not dpn or not hw.nics_per_node:
+        return 1.0
+    return min(1.0, hw.nics_per_node / dpn)
+
+
 def _bw(hw: HardwareConfig, group: Group) -> Optional[float]:
     """Ring bus bandwidth of ``group`` in bytes/s (module docstring); None if unknown."""
     if hw.intra_node_gb_per_s is None:
@@ -75,8 +88,7 @@ def _bw(hw: HardwareConfig, group: Group) -> Optional[float]:
     intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
     if group.nodes == 1 or hw.inter_node_gb_per_s is None:
         return intra
-    nics = hw.nics_per_node or int(hw.devices_per_node)
-    return min(intra, min(group.per_node, nics) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
+    return min(intra, group.per_node * nic_share(hw) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency)
 
 
 def ring_steps(collective: str, n: int) -> int:
@@ -123,9 +135,9 @@ def hierarchical_time(hw: HardwareConfig, collective: str, nbytes: float, group:
     if n_nodes == 1 or k == 1:
         return ring_time(hw, collective, nbytes, group)
     intra, inter = Group(k, k), Group(n_nodes, 1)
-    # the k inter-node rings run in parallel, one per NIC: each sees the node's NICs / k
-    nics = hw.nics_per_node or int(hw.devices_per_node)
-    share = min(1.0, nics / k)
+    # the k inter-node rings run in parallel, and with them those of the node's other groups: a
+    # NIC's share per ring (nic_share)
+    share = nic_share(hw)
     t_inter = ring_time(hw, collective, nbytes / k, inter)
     lat_inter = ring_time(hw, collective, 0.0, inter)
     t_inter = lat_inter + (t_inter - lat_inter) / share if t_inter else 0.0
@@ -187,8 +199,8 @@ def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: G
 def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
     """Seconds of one point-to-point send of ``nbytes`` between neighbouring pipeline stages:
     one step's latency (``hardware.p2p_latency_us`` where measured) plus bytes over one device's
-    link (its NIC when ``across_nodes``); inside a node, the measured send/recv curve where the
-    machine has one (:func:`measured_time`)."""
+    link (its share of the node's NICs when ``across_nodes``: :func:`nic_share`); inside a node,
+    the measured send/recv curve where the machine has one (:func:`measured_time`)."""
     if nbytes <= 0:
         return 0.0
     measured = None if across_nodes else measured_time(hw, "send_recv", nbytes, Group(2, 2))
@@ -196,8 +208,8 @@ def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
         return measured
     if hw.intra_node_gb_per_s is None:
         return 0.0
-    if across_nodes and hw.inter_node_gb_per_s is not None:
-        bw, lat = hw.inter_node_gb_per_s, hw.inter_node_latency_us
+    if across_nodes and hw.inter_node_gb_per_s is not None:  # every device of the node sends at once
+        bw, lat = hw.inter_node_gb_per_s * nic_share(hw), hw.inter_node_latency_us
     else:
         bw, lat = hw.intra_node_gb_per_s, hw.intra_node_latency_us
     lat = hw.collective_latency_us + lat if hw.p2p_latency_us is None else hw.p2p_latency_us
