@@ -106,7 +106,9 @@ def test_not_fit_names_stage_rank_excess_and_that_nothing_fits_on_one_node():
     assert "does not fit device memory" in msg and "pipeline rank 0" in msg and "global ranks 0-7" in msg
     assert "more than the 85.0 GB" in msg and "optimizer 69.0 GB" in msg  # 8 B/param of AdamW, fp32 master in params
     assert "Breakdown: params 34.5 GB stored" in msg and "micro-batches in flight" in msg
-    assert "No layout of model=70b fits hardware=a100_80gb_8gpu" in msg
+    assert "it would fit: 73.2 GB per device" in msg  # the offload line, then no contradiction after it:
+    assert "No layout of model=70b fits hardware=a100_80gb_8gpu with the optimizer states on the devices" in msg
+    assert "xpar plan model=70b hardware=a100_80gb_8gpu ranks every layout that fits so" in msg
     assert "a100_80gb_64gpu (parallel=70b_64gpu)" in msg
 
 
@@ -132,7 +134,8 @@ def test_70b_plain_dp_on_8_gpus_is_refused_with_breakdown_and_alternatives():
     assert "does not fit device memory" in msg and "global rank 0)" in msg
     assert "Breakdown: params" in msg and "ddp_buckets" in msg  # the refused rank's terms
     assert "offloaded to host memory" in msg and "would still not fit" in msg
-    assert "No layout of model=70b fits hardware=a100_80gb_8gpu" in msg and "parallel=70b_64gpu" in msg
+    assert "No layout of model=70b fits hardware=a100_80gb_8gpu:" in msg and "parallel=70b_64gpu" in msg
+    assert "with the optimizer states on the devices" not in msg  # offloaded, it would still not fit
 
 
 def test_memory_headroom_refuses_what_leaves_too_little_free():

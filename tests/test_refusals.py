@@ -140,19 +140,56 @@ CATALOGUE = [
     # hardware values: 0 was treated as infinitely fast, or dropped under a cluster preset
     ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),
     ("hardware.peak_tflops=-5", "hardware.peak_tflops must be > 0 or null", "hardware.peak_tflops=null"),
-    ("hardware=h100_80gb_8gpu hardware.peak_tflops=0", "hardware.peak_tflops must be > 0", None),
-    ("hardware=h100_80gb_8gpu hardware.hbm_tb_per_s=0", "hardware.hbm_tb_per_s must be > 0", None),
-    ("hardware=h100_80gb_8gpu hardware.intra_node_gb_per_s=0", "hardware.intra_node_gb_per_s must be > 0", None),
-    ("hardware=h100_80gb_64gpu hardware.inter_node_gb_per_s=0", "hardware.inter_node_gb_per_s must be > 0", None),
-    ("hardware=h100_80gb_8gpu hardware.device_memory_gb=0", "hardware.device_memory_gb must be > 0", None),
+    # off hardware=local nothing measures the peak or detects memory: 0 and null are refused with the
+    # preset's own figure (null made the matmul time 0, or every layout "fit"; 0 suggested null)
+    ("hardware=h100_80gb_8gpu hardware.peak_tflops=0", "got 0.0 on hardware=h100_80gb_8gpu",
+     "hardware.peak_tflops=989"),
+    ("hardware=a100_80gb_64gpu hardware.peak_tflops=-5", "A100 312, H100 SXM 989", "hardware.peak_tflops=312"),
+    ("parallel=3d model=70b hardware=a100_80gb_64gpu hardware.peak_tflops=null",
+     "hardware.peak_tflops=null on hardware=a100_80gb_64gpu: xpar measures a peak only on hardware=local",
+     "hardware.peak_tflops=312"),
+    ("hardware=h100_80gb_8gpu hardware.hbm_tb_per_s=0", "hardware.hbm_tb_per_s must be > 0", "hardware.hbm_tb_per_s=3.35"),
+    ("hardware=h100_80gb_8gpu hardware.intra_node_gb_per_s=0", "hardware.intra_node_gb_per_s must be > 0",
+     "hardware.intra_node_gb_per_s=450"),
+    ("hardware=h100_80gb_64gpu hardware.inter_node_gb_per_s=0",
+     "hardware.inter_node_gb_per_s must be > 0 or null (null: on one node only), got 0.0 on hardware=h100_80gb_64gpu",
+     "hardware.inter_node_gb_per_s=50"),
+    ("hardware=a100_80gb_64gpu hardware.inter_node_gb_per_s=null", "priced at the intra-node link's 300 GB/s",
+     "hardware.inter_node_gb_per_s=25"),
+    ("hardware=a100_80gb_64gpu hardware.inter_node_gb_per_s=null", "hardware.inter_node_gb_per_s=null on",
+     "hardware.nodes=1"),
+    ("hardware=h100_80gb_8gpu hardware.device_memory_gb=0", "hardware.device_memory_gb must be > 0",
+     "hardware.device_memory_gb=85"),
+    ("parallel=3d model=70b hardware=a100_80gb_64gpu hardware.device_memory_gb=null",
+     "hardware.device_memory_gb=null on hardware=a100_80gb_64gpu", "hardware.device_memory_gb=85"),
     ("hardware.device_memory_gb=-1", "hardware.device_memory_gb must be > 0", "hardware.device_memory_gb=null"),
+    # latencies and host overheads add to the step: a negative one gave a negative step time (MFU -21 %)
+    ("hardware=a100_80gb_64gpu hardware.intra_node_latency_us=-1000", "hardware.intra_node_latency_us must be >= 0",
+     "hardware.intra_node_latency_us=3.4"),
+    ("hardware=a100_80gb_64gpu hardware.inter_node_latency_us=-1", "hardware.inter_node_latency_us must be >= 0",
+     "hardware.inter_node_latency_us=9.6"),
+    ("hardware=a100_80gb_64gpu hardware.collective_latency_us=-1", "hardware.collective_latency_us must be >= 0",
+     "hardware.collective_latency_us=8.4"),
+    ("hardware=a100_80gb_64gpu hardware.p2p_latency_us=-1", "hardware.p2p_latency_us must be >= 0",
+     "hardware.p2p_latency_us=null"),
+    ("hardware.op_overhead_us=-1", "hardware.op_overhead_us must be >= 0", "hardware.op_overhead_us=0"),
+    ("hardware.dtensor_op_overhead_us=-1", "hardware.dtensor_op_overhead_us must be >= 0",
+     "hardware.dtensor_op_overhead_us=0"),
+    ("hardware.fsdp_unit_overhead_us=-1", "hardware.fsdp_unit_overhead_us must be >= 0",
+     "hardware.fsdp_unit_overhead_us=0"),
+    # a NIC count of 0 was read as one per device, -8 sped the step up
+    ("hardware=a100_80gb_64gpu hardware.nics_per_node=0", "hardware.nics_per_node must be an integer >= 1 or null",
+     "hardware.nics_per_node=8"),
+    ("hardware=a100_80gb_64gpu hardware.nics_per_node=-8", "got -8", "hardware.nics_per_node=8"),
+    ("hardware.nics_per_node=0", "hardware.nics_per_node must be an integer >= 1 or null", "hardware.nics_per_node=null"),
     # optimizer offload's host figures (issue 11.2: 0 and negatives were accepted)
     ("hardware=a100_80gb_8gpu hardware.pcie_gb_per_s=0", "hardware.pcie_gb_per_s must be > 0 or null",
-     "hardware.pcie_gb_per_s=null"),
+     "hardware.pcie_gb_per_s=12.5"),
     ("hardware=a100_80gb_8gpu hardware.host_mem_gb_per_s=-1", "hardware.host_mem_gb_per_s must be > 0 or null",
-     "hardware.host_mem_gb_per_s=null"),
+     "hardware.host_mem_gb_per_s=409.6"),
     ("hardware=a100_80gb_8gpu hardware.host_memory_gb=0", "hardware.host_memory_gb must be > 0 or null",
-     "hardware.host_memory_gb=null"),
+     "hardware.host_memory_gb=2000"),
+    ("hardware.pcie_gb_per_s=0", "hardware.pcie_gb_per_s must be > 0 or null", "hardware.pcie_gb_per_s=null"),
     ("framework.offload=[maybe]", "framework.offload=[maybe]: [maybe] not allowed", "framework.offload=[false,true]"),
     ("hardware=h100_80gb_8gpu hardware.nodes=0", "hardware.nodes must be >= 1", "hardware.nodes=1"),
     ("hardware.devices_per_node=0", "hardware.devices_per_node must be an integer >= 1 or 'auto'",
@@ -320,3 +357,50 @@ def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):
     assert duration_problems(replace(spec, hardware=replace(spec.hardware, peak_tflops=None))) == []
     capsys.readouterr()
     assert duration_problems(spec_for()) == [] and capsys.readouterr().err == ""
+
+
+def test_a_refused_hardware_value_is_not_suggested_again(files, tmp_path, monkeypatch, capsys):
+    """Under a cluster preset's reference hardware, a refused figure was also put on the "would
+    not apply ... pass it explicitly" line with the refused value (hardware.device_memory_gb=0.0):
+    now it has its own line only, and a valid change keeps the pass-it-explicitly line."""
+    code, err = refusal(["parallel=3d", "hardware.device_memory_gb=0"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "hardware.device_memory_gb must be > 0 or null" in err
+    assert "would not apply" not in err and "device_memory_gb=0.0" not in err.split("got 0.0")[1], err
+    code, err = refusal(["parallel=3d", "hardware.device_memory_gb=0", "hardware.nodes=4"], tmp_path, monkeypatch, capsys)
+    assert "pass it explicitly to change it: hardware=a100_80gb_64gpu hardware.nodes=4." in err, err
+
+
+def test_an_estimate_of_a_local_gpu_without_a_peak_is_refused(monkeypatch):
+    """hardware=local on a CUDA device: xpar measures no GPU peak (resolve_hardware leaves None),
+    so an estimate would price every matmul at 0 s; refused with the datasheet figures, and
+    accepted once hardware.peak_tflops is given. (A GPU is simulated: this torch is a CPU build.)"""
+    from dataclasses import replace
+
+    import xpar.hardware
+    from tests.conftest import spec_for
+    from xpar.checks import ConfigError
+
+    real = xpar.hardware.resolve_hardware
+
+    def as_gpu(hw, *a, **k):
+        return replace(real(hw, *a, **k), device="cuda", peak_tflops=hw.peak_tflops)
+    monkeypatch.setattr(xpar.hardware, "resolve_hardware", as_gpu)
+    with pytest.raises(ConfigError) as e:
+        spec_for("run.mode=estimate")
+    msg = str(e.value)
+    assert "hardware.peak_tflops=null on hardware=local with device cuda" in msg and "A100 312, H100 SXM 989" in msg
+    assert "e.g. hardware.peak_tflops=312, or run.mode=execute" in msg
+    s = spec_for("run.mode=estimate", "hardware.peak_tflops=312")
+    assert s.hardware.peak_tflops == 312 and s.hardware.device == "cuda"
+
+
+def test_plan_refuses_null_device_memory_instead_of_a_traceback(capsys):
+    """`xpar plan ... hardware.device_memory_gb=null` on a GPU preset ended in a TypeError in
+    nothing_fits_line (exit 1): now exit 2 with the preset's figure."""
+    from tests.test_plan import refusal as plan_refusal
+
+    err = plan_refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.device_memory_gb=null")
+    assert "hardware.device_memory_gb=null on hardware=a100_80gb_8gpu" in err
+    assert "e.g. hardware.device_memory_gb=85 (the preset's figure)" in err
+    err = plan_refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.peak_tflops=null")
+    assert "e.g. hardware.peak_tflops=312 (the preset's figure)" in err

@@ -23,6 +23,7 @@ from typing import Optional
 
 from xpar.checks import ConfigError
 from xpar.checks.duration import duration_problems
+from xpar.checks.hardware import load_hardware_preset
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.memory import MEMORY_TERMS, STATE_BYTES, MemoryEstimate, peak_ranks, state_widths
 from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
@@ -61,14 +62,14 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     lines += [f"    Note: {n}" for n in mem.detail.get("notes", [])]
     offload = _offload_line(spec, mem)
     if offload:
-        lines.append("    " + offload)
+        lines.append("    " + offload[0])
     fits = alternatives(spec)
     if fits:
         lines.append(f"    Layouts on the same {spec.world_size} devices that fit (estimated peak per device, "
                      f"step time; global batch {spec.global_batch} kept):")
         lines += [f"      {label}: {_gb(mem.total)}, {t:.3g} s/step" for label, mem, t in fits]
     else:
-        lines.append("    " + _no_layout_fits(spec))
+        lines.append("    " + _no_layout_fits(spec, offload_fits=bool(offload and offload[1])))
     return "\n".join(lines)
 
 
@@ -85,11 +86,11 @@ def breakdown(mem: MemoryEstimate) -> str:
     return "Breakdown: " + "; ".join(parts) + "."
 
 
-def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[str]:
+def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[tuple[str, bool]]:
     """What xpar's optimizer offload (``framework.cpu_offload_optimizer=true``, estimate only)
     would give, said only where that line would be accepted: the framework runs offload
     (framework.offload), the hardware has the host figures, ZeRO stage >= 1 (set to 1 when
-    at 0), and the host memory holds the states. None otherwise."""
+    at 0), and the host memory holds the states: (the line, whether it fits). None otherwise."""
     if spec.framework.cpu_offload_optimizer or not mem.optimizer or True not in list(spec.framework.offload):
         return None
     pchg = {} if spec.parallel.zero_stage >= 1 else {"zero_stage": 1}
@@ -106,57 +107,63 @@ def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[str]:
     line = ("parallel.zero_stage=1 " if pchg else "") + "framework.cpu_offload_optimizer=true"
     return (f"With the optimizer states offloaded to host memory ({line}: estimate only, ZeRO-Offload's schedule as "
             f"DeepSpeed's offload_optimizer runs it) it {'would fit' if off.fits else 'would still not fit'}: "
-            f"{_gb(off.total)} per device.")
+            f"{_gb(off.total)} per device.", off.fits)
 
 
 def _stages(spec: RunSpec, pp_rank: int) -> str:
     return ",".join(str(s) for s in spec.layout.stages_of(pp_rank))
 
 
-def _no_layout_fits(spec: RunSpec) -> str:
+def _no_layout_fits(spec: RunSpec, offload_fits: bool = False) -> str:
     """Why nothing on these devices fits, and the hardware presets whose devices can hold
-    the model states at all (ZeRO-3 over every device: states / world)."""
+    the model states at all (ZeRO-3 over every device: states / world). ``offload_fits``: the
+    offload line before it fits (:func:`_offload_line`): then this says that nothing fits with
+    the optimizer states on the devices, and points to that line and to ``xpar plan``."""
     from xpar.models.shapes import param_count
-    from xpar.presets import presets
 
     psi = param_count(spec.model).total
     offloaded = spec.framework.cpu_offload_optimizer  # the optimizer's states are on the host
     per_param = sum(state_widths(spec, assumptions_for(spec))[:2 if offloaded else 3])  # as the framework keeps them
     states = per_param * psi
     dev = spec.hardware.device_memory_gb * GB
-    msg = (f"No alternative tried fits (ZeRO stage, recompute, sequence parallelism, micro-batch size, "
+    on_devices = " with the optimizer states on the devices" if offload_fits else ""
+    msg = (f"No alternative tried fits{on_devices} (ZeRO stage, recompute, sequence parallelism, micro-batch size, "
            f"tp x pp over {spec.world_size} devices).")
     if states > spec.world_size * dev:
-        msg = (f"No layout of model={spec.model.name} fits hardware={spec.hardware.name}: its model states "
+        msg = (f"No layout of model={spec.model.name} fits hardware={spec.hardware.name}{on_devices}: its model states "
                f"alone ({per_param} bytes/param in {spec.train.dtype} with AdamW under framework={spec.framework.name}"
                f"{' offloaded to host memory' if offloaded else ''} x {psi / 1e9:.2f}e9 params = "
                f"{_gb(states)}) exceed the {spec.world_size} devices' {_gb(spec.world_size * dev)} in total.")
+    if offload_fits:
+        msg += (f" With them offloaded this layout fits (the line above, estimate only), and xpar plan "
+                f"model={spec.model.name} hardware={spec.hardware.name} ranks every layout that fits so.")
+    bigger = _bigger_hardware(spec, states)
+    if bigger:
+        msg += f" Hardware where the states take under half of device memory: {', '.join(bigger)}."
+    return msg
+
+
+def _bigger_hardware(spec: RunSpec, states: float) -> list[str]:
+    """Up to three hardware presets with more devices than ``spec`` whose devices hold the model
+    states (``states`` bytes, ZeRO-3 over every device) in under half their memory, smallest
+    first, each with a parallel preset written for it where there is one."""
+    from xpar.presets import presets
+
     bigger = []
     for name in presets("hardware"):
         if name == "local":
             continue
-        hw = _hardware(name)
+        hw = load_hardware_preset(name)
         if not str(hw.devices_per_node).isdigit() or not hw.device_memory_gb:
             continue  # detected at run time (a local machine): no fixed world size
         world = int(hw.devices_per_node) * hw.nodes
         if world > spec.world_size and states / world < 0.5 * hw.device_memory_gb * GB:
             bigger.append((world, name))
-    if bigger:
-        named = []
-        for _, name in sorted(bigger)[:3]:
-            by = _presets_for(name, spec.model.name)
-            named.append(name + (f" (parallel={by[0]})" if by else ""))
-        msg += f" Hardware where the states take under half of device memory: {', '.join(named)}."
-    return msg
-
-
-def _hardware(name: str):
-    from omegaconf import OmegaConf
-
-    from xpar.config import HardwareConfig
-    from xpar.presets import conf_dir
-    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml"))
-    return OmegaConf.to_object(node)
+    named = []
+    for _, name in sorted(bigger)[:3]:
+        by = _presets_for(name, spec.model.name)
+        named.append(name + (f" (parallel={by[0]})" if by else ""))
+    return named
 
 
 def _presets_for(hardware: str, model: str) -> list[str]:
@@ -312,7 +319,7 @@ def _cluster_for(spec: RunSpec) -> str:
     for name in presets("hardware"):
         if name == "local" or name.startswith("calibrated_"):
             continue
-        hw = _hardware(name)
+        hw = load_hardware_preset(name)
         world = int(hw.devices_per_node) * hw.nodes
         if world % (spec.tp * spec.pp) == 0:
             sized.append((world, name))

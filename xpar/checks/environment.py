@@ -15,10 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
-POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
-                    "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
-"""Hardware fields that divide or bound (FLOP/s, bytes/s, bytes): null means detect or unknown, 0 is refused
-(the last three time and hold an offloaded optimizer, xpar.estimate.offload)."""
+from xpar.checks.hardware import POSITIVE_OR_NULL, check_hardware_values  # noqa: F401  (re-exported)
+from xpar.checks.hardware import hardware_value_problems, load_hardware_preset
 
 
 def check_environment(c) -> list[str]:
@@ -38,51 +36,19 @@ def check_timeouts(c) -> list[str]:
     return out
 
 
-def check_hardware_values(c) -> list[str]:
-    """Peak, bandwidths and memory > 0 (or null); nodes >= 1; devices_per_node >= 1 or auto;
-    efficiencies in (0, 1]; framework overhead >= 0."""
-    hw, out = c.hardware, []
-    for name in POSITIVE_OR_NULL:
-        v = getattr(hw, name)
-        if v is not None and not v > 0:
-            out.append(f"hardware.{name} must be > 0 or null ({'measured' if name == 'peak_tflops' else 'detected or unknown'}), "
-                       f"got {v}; e.g. hardware.{name}=null.")
-    if hw.nodes < 1:
-        out.append(f"hardware.nodes must be >= 1, got {hw.nodes}; e.g. hardware.nodes=1.")
-    n = hw.devices_per_node
-    if n != "auto" and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-        out.append(f"hardware.devices_per_node must be an integer >= 1 or 'auto', got {n!r}; e.g. "
-                   f"hardware.devices_per_node=auto.")
-    for name in ("matmul_efficiency", "link_efficiency"):
-        v = getattr(hw, name)
-        if not 0 < v <= 1:
-            out.append(f"hardware.{name} must be in (0, 1], got {v}; e.g. hardware.{name}=0.7.")
-    if hw.framework_overhead_gb < 0:
-        out.append(f"hardware.framework_overhead_gb must be >= 0, got {hw.framework_overhead_gb}; e.g. 2.0.")
-    return out
-
-
-def _local_defaults():
-    from omegaconf import OmegaConf
-
-    from xpar.config import HardwareConfig
-    from xpar.presets import conf_dir
-
-    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / "local.yaml"))
-    return OmegaConf.to_object(node)
-
-
 def check_hardware_overrides(c) -> list[str]:
     """``hardware.*`` changed on hardware=local while a cluster preset's reference hardware is
-    assumed instead (:func:`xpar.resolve.reference_hardware`): the change would be dropped."""
+    assumed instead (:func:`xpar.resolve.reference_hardware`): the change would be dropped. A change
+    that :func:`~xpar.checks.hardware.hardware_value_problems` refuses is left to its own line (the
+    line here would suggest the refused value again)."""
     from xpar.resolve import torchrun_world
 
     ref = c.parallel.reference_hardware
     if not (c.hardware.name == "local" and ref and c.run.mode != "execute" and not torchrun_world()):
         return []
-    base = _local_defaults()
+    base, refused = load_hardware_preset("local"), hardware_value_problems(c.hardware)  # said on their own lines
     changed = [f"hardware.{f.name}={_text(getattr(c.hardware, f.name))}" for f in fields(base)
-               if getattr(c.hardware, f.name) != getattr(base, f.name)]
+               if getattr(c.hardware, f.name) != getattr(base, f.name) and f.name not in refused]
     if not changed:
         return []
     return [f"{' '.join(changed)} would not apply: parallel={c.parallel.name} assumes its reference cluster "

@@ -189,7 +189,7 @@ def nothing_fits_line(plan: Plan) -> str:
     host_ok = res["host_fits"].astype(bool) if "host_fits" in res else np.ones(len(fits), dtype=bool)
     pool = np.flatnonzero(host_ok) if host_ok.any() else np.arange(len(fits))
     lean = int(pool[np.argmin(res["memory_total"][pool])])
-    dev_mem = float(ctx.hardware["device_memory_gb"]) * GB
+    dev_mem = float(ctx.hardware.get("device_memory_gb") or 0) * GB  # refused as null before (xpar.checks.hardware)
     need = float(res["memory_total"][lean])
     from xpar.plan.explain import label
     head = (f"{where}: the leanest, {label(res, lean)}, needs {need / GB:.1f} GB per device, "
