@@ -100,10 +100,12 @@ class HardwareConfig:
     """GPUs per node, or CPU workers for local runs; 'auto' detects."""
     nodes: int = 1
     device_memory_gb: Optional[float] = None
-    """Memory per device in GB (1e9 bytes); None detects (host RAM on CPU)."""
+    """Memory per device in GB (1e9 bytes), as the device reports it; None detects (host RAM on CPU),
+    on hardware=local only: elsewhere refused (xpar.checks.hardware)."""
     peak_tflops: Optional[float] = None
     """Dense peak per device for bf16/fp16 (tensor cores on GPUs) in TFLOP/s (1e12 FLOP/s); None
-    measures. MFU is measured against it."""
+    measures, on hardware=local with a CPU only: refused on other hardware and for an estimate of a
+    local GPU (xpar.checks.hardware). MFU is measured against it."""
     peak_tflops_fp32: Optional[float] = None
     """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
     fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""
@@ -111,12 +113,14 @@ class HardwareConfig:
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None
-    """Bandwidth of one inter-node NIC (InfiniBand/RoCE), GB/s per direction."""
+    """Bandwidth of one inter-node NIC (InfiniBand/RoCE), GB/s per direction; None: one node only
+    (refused with nodes > 1: cross-node traffic would be priced at the intra-node link's speed)."""
     nics_per_node: Optional[int] = None
-    """Inter-node NICs per node (compute fabric); None: one per device."""
+    """Inter-node NICs per node (compute fabric), an integer >= 1; None: one per device."""
     collective_latency_us: float = 8.4
     """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL
-    src/graph/tuning.cc baseLat, ring, Simple protocol)."""
+    src/graph/tuning.cc baseLat, ring, Simple protocol). Every ``*_us`` field is >= 0
+    (xpar.checks.hardware): it adds to the step."""
     intra_node_latency_us: float = 3.4
     """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc
     hwLat NVLink, ring, Simple)."""
