@@ -17,6 +17,8 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
     ("parallel.tp=2", "parallel.pp=4", "parallel.zero_stage=0", "parallel.micro_batches=8", "parallel.recompute=full"),
     ("parallel.zero_stage=3", "parallel.recompute=full"),
     ("parallel.zero_stage=2", "parallel.micro_batches=2"),
+    ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=0", "parallel.micro_batches=8",
+     "parallel.recompute=selective", "parallel.sequence_parallel=true"),  # the first for profiles without ZeRO-1
 )
 
 
@@ -25,6 +27,17 @@ def _spec(framework: str, *overrides: str):
     cfg = compose("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", f"framework={framework}",
                   *overrides)
     return cfg, validate(cfg)
+
+
+def _runs(framework: str, overrides: tuple) -> bool:
+    """Whether the profile runs the layout (framework.zero_stages, pp_zero_stages, schedules)."""
+    from xpar.checks import ConfigError
+    try:
+        _spec(framework, *overrides)
+    except ConfigError as e:
+        assert f"framework={framework} does not run" in str(e), e
+        return False
+    return True
 
 
 def _terms(spec) -> dict[tuple[str, str], float]:
@@ -50,13 +63,15 @@ def test_framework_config_mirrors_assumptions():
 @pytest.mark.parametrize("name", ["xpar", "megatron", "torchtitan", "deepspeed"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.resolved_config import resolved_config
-    cfg, spec = _spec(name, *LAYOUTS[0])
+    runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)
+    assert len(runs) >= 2, runs
+    cfg, spec = _spec(name, *runs[0])
     assert spec.framework.name == name and assumptions_for(spec).name == name
     assert resolved_config(cfg, spec)["framework"]["name"] == name  # the params MLflow logs
     named = set(spec.framework.terms)
     assert named <= set(TIME_TERMS) | set(MEMORY_TERMS), named
     changed: set[str] = set()
-    for overrides in LAYOUTS:
+    for overrides in runs:
         mine, ref = _terms(_spec(name, *overrides)[1]), _terms(_spec("xpar", *overrides)[1])
         changed |= {k[1] for k in mine if mine[k] != pytest.approx(ref[k], rel=1e-9, abs=1e-12)}
     assert changed <= named, f"framework={name} changes {sorted(changed - named)} without naming them"
@@ -70,7 +85,7 @@ def test_megatron_profile_is_the_calibrated_one():
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "deepspeed"])
 def test_breakdown_sums_to_the_step_time(name):
-    for overrides in LAYOUTS:
+    for overrides in (o for o in LAYOUTS if _runs(name, o)):
         e = estimate(_spec(name, *overrides)[1])
         assert set(e.time_breakdown) == set(TIME_TERMS)
         assert sum(e.time_breakdown.values()) == pytest.approx(e.time_per_step_s, rel=1e-12)
@@ -121,9 +136,10 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     On a fabric of 4 x 100 Gb/s per node (AWS p4d class) the 3D layout is estimated faster and
     the breakdown says why: ZeRO-3 spends most of its step in exposed dp communication, the 3D
     layout in matmuls. On the Selene-class preset (8 x 200 Gb/s per node) the alpha-beta model
-    estimates FSDP2's ZeRO-3 (flat all-gathers, prefetched) faster; with framework=deepspeed_2021,
-    the ZeRO-3 Narayanan et al. 2021 measured there (Table 2, within 20 %), the 3D layout is 3x
-    faster, its exposed dp communication the cause."""
+    estimates FSDP2's ZeRO-3 (flat all-gathers, prefetched) faster; against the ZeRO-3 Narayanan et
+    al. 2021 measured there (framework=deepspeed_2021: Table 2, within 20 %), the 3D layout as
+    Megatron-LM ran it (framework=megatron) is 3x faster, ZeRO-3's exposed dp communication the
+    cause."""
     from xpar.estimate.cost import with_hardware
     d3 = _estimate_175b("parallel=175b_1024gpu")
     z3 = _estimate_175b("parallel=zero3", "model=175b", "hardware=a100_80gb_1024gpu", "train=cluster",
@@ -138,10 +154,11 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     assert max(share3, key=share3.get) == "matmul" and share3["dp_comm_exposed"] < 0.08  # 8 dp rings on 4 NICs
     # where the fabric is twice as wide per GPU the ordering flips for FSDP2's flat collectives (the model's claim)
     assert estimate(z3).tflops_per_device > estimate(d3).tflops_per_device
-    # ... but not for the ZeRO-3 Narayanan et al. ran there (DeepSpeed 2021: per-tensor list collectives, Table 2)
-    d3, z3 = (_estimate_175b(*o, "framework=deepspeed_2021") for o in (
-        ("parallel=175b_1024gpu",),
-        ("parallel=zero3", "model=175b", "hardware=a100_80gb_1024gpu", "train=cluster", "parallel.recompute=full")))
+    # ... but not for what Narayanan et al. compared there (Table 2): Megatron-LM's PTD-P against DeepSpeed 2021's
+    # ZeRO-3 (per-tensor list collectives; DeepSpeed ran no interleaved schedule, Megatron no ZeRO-3)
+    d3 = _estimate_175b("parallel=175b_1024gpu", "framework=megatron")
+    z3 = _estimate_175b("parallel=zero3", "model=175b", "hardware=a100_80gb_1024gpu", "train=cluster",
+                        "parallel.recompute=full", "framework=deepspeed_2021")
     e3, ez = estimate(d3), estimate(z3)
     assert e3.tflops_per_device > 2 * ez.tflops_per_device
     assert ez.time_breakdown["dp_comm_exposed"] > 0.5 * ez.time_per_step_s
@@ -152,3 +169,23 @@ def test_a_framework_other_than_xpar_in_execute_mode_says_it_shapes_the_estimate
     spec = validate(compose("tracking=off", "parallel=zero3", "framework=deepspeed_2021"), local_devices=2)
     assert spec.mode == "execute" and any("framework=deepspeed_2021 shapes this run's estimate" in n for n in spec.notes)
     assert not any("shapes this run's estimate" in n for n in validate(compose("tracking=off"), local_devices=2).notes)
+
+
+def test_a_layout_the_framework_does_not_run_is_refused_with_what_it_runs():
+    """framework.zero_stages / pp_zero_stages / schedules bind direct estimates as they bind the
+    planner (a fresh user estimated parallel=3d, ZeRO-2 under pp with interleaving, as DeepSpeed:
+    its PipelineEngine runs neither); the suggested layout is accepted."""
+    from xpar.checks import ConfigError
+    from xpar.validate import validate
+    base = ("parallel=3d", "model=70b", "tracking=off", "run.dry_run=false")
+    with pytest.raises(ConfigError) as err:
+        validate(compose(*base, "framework=deepspeed"))
+    msg = str(err.value)
+    assert "framework=deepspeed does not run parallel.zero_stage=2 with pp > 1 (framework.pp_zero_stages=[0, 1])" in msg
+    assert "does not run parallel.schedule=interleaved_1f1b (framework.schedules=[1f1b])" in msg
+    spec = validate(compose(*base, "framework=deepspeed", "parallel.zero_stage=1", "parallel.schedule=1f1b",
+                            "parallel.virtual_stages=1"))
+    assert spec.framework.name == "deepspeed" and spec.parallel.zero_stage == 1
+    with pytest.raises(ConfigError, match=r"framework=megatron does not run parallel.zero_stage=3 .*e.g. parallel.zero_stage=1"):
+        validate(compose("parallel=zero3", "model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "tracking=off",
+                         "framework=megatron"))

@@ -75,7 +75,10 @@ def test_planner_offload_columns_equal_the_scalar_estimate():
     from xpar.plan.space import Constraints, enumerate_layouts
     ctx = PlanContext(model=preset("model", "70b"), hardware=preset("hardware", "a100_80gb_8gpu"),
                       train=dict(dtype="bf16", seq_len=4096), framework=preset("framework", "deepspeed"))
-    space = enumerate_layouts(ctx.model, 8, 8, 4096, Constraints(global_batch=(64, 64), offload=(False, True)))
+    fw = ctx.framework  # the layouts DeepSpeed runs (its schedules and ZeRO stages under pp)
+    space = enumerate_layouts(ctx.model, 8, 8, 4096, Constraints(
+        global_batch=(64, 64), offload=(False, True), schedules=tuple(fw["schedules"]),
+        zero_stages=tuple(fw["zero_stages"]), pp_zero_stages=tuple(fw["pp_zero_stages"])))
     pick = np.random.default_rng(4).choice(len(space), 16, replace=False)
     cols = {k: v[pick] for k, v in space.cols.items()}
     assert 0 < cols["offload"].sum() < 16

@@ -105,7 +105,9 @@ def megatron_inputs(r: dict) -> PlanInputs:
     fw = preset("framework", "megatron")
     ctx = PlanContext(model=model, hardware=hw, train=dict(dtype="bf16", seq_len=2048), framework=fw)
     B = int(r["global_batch"])
-    return PlanInputs(ctx, Constraints(global_batch=(B, B), zero_stages=tuple(fw["zero_stages"])), (gpus,), None, 10, 0)
+    c = Constraints(global_batch=(B, B), zero_stages=tuple(fw["zero_stages"]), pp_zero_stages=tuple(fw["pp_zero_stages"]),
+                    schedules=tuple(fw["schedules"]))  # what Megatron-LM runs, as xpar plan framework=megatron
+    return PlanInputs(ctx, c, (gpus,), None, 10, 0)
 
 
 MEGATRON_2021 = preset("plan", "megatron_2021")

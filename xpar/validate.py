@@ -17,7 +17,7 @@ from xpar.checks import ConfigError, divisors  # noqa: F401  (re-exported)
 from xpar.checks import config as config_checks
 from xpar.checks import layout as layout_checks
 from xpar.checks.environment import check_environment
-from xpar.checks.framework import check_framework
+from xpar.checks.framework import check_framework, check_framework_layout
 from xpar.checks.hardware import estimate_peak_problem
 from xpar.checks.runtime import check_runtime
 from xpar.config import XparConfig
@@ -70,6 +70,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
+    problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule)
     problems += estimate_peak_problem(target.hardware, target.mode)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):

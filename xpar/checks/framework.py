@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from xpar.config import FrameworkConfig
+from xpar.layout import SCHEDULES
 
 CHOICES = {
     "zero1": ("zero_redundancy", "distributed_optimizer"),
@@ -21,6 +22,26 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."
             for k in ("grad_reduce_bytes", "grad_bytes") if getattr(fw, k) not in (2, 4)]
     return out + offload_problems(fw)
+
+
+def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str) -> list[str]:
+    """The layout among what ``framework.name`` runs (its profile's lists, as ``xpar plan`` reads
+    them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
+    parallel.schedule in framework.schedules with pp > 1. One line each, with the nearest that
+    works (e.g. framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; megatron: ZeRO-0/1)."""
+    out = []
+    stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
+    if stages and zero_stage not in stages:
+        key, under = ("pp_zero_stages", " with pp > 1") if pp > 1 else ("zero_stages", "")
+        near = max((z for z in stages if z <= zero_stage), default=stages[0])
+        out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
+                   f"{hydra_text(stages)}); e.g. parallel.zero_stage={near}, or framework=xpar (runs every stage).")
+    if pp > 1 and fw.schedules and schedule not in fw.schedules:
+        first = fw.schedules[0]
+        fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
+        out.append(f"framework={fw.name} does not run parallel.schedule={schedule} (framework.schedules="
+                   f"{hydra_text(list(fw.schedules))}); e.g. {fix}, or framework=xpar.")
+    return out
 
 
 def not_booleans(values) -> list:
