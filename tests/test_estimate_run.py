@@ -319,3 +319,13 @@ def test_estimate_mode_on_this_machine_reports_the_measured_layout(measured, tmp
     assert {k: r.memory[k] for k in ("params", "grads", "optimizer")} == {k: got[k] for k in ("params", "grads", "optimizer")}
     assert r.memory["framework_overhead"] == 0  # conf/hardware/local.yaml
     assert r.extra["estimate/dryrun_param_bytes_diff"] == 0
+
+
+def test_an_executed_runs_fidelity_estimate_says_what_it_leaves_out():
+    """On an uncalibrated hardware=local the run's own estimate has no link, HBM or host figures
+    (its fidelity/step_time_ratio counts matmuls only): the run's notes say so and how to measure
+    them; on a preset with every figure nothing is added."""
+    from xpar.job import fidelity_notes
+    local = fidelity_notes(spec_for("hardware=local"))
+    assert any("no link bandwidth" in n for n in local) and any("xpar calibrate hardware=local" in n for n in local)
+    assert fidelity_notes(spec_for("parallel=3d", "model=70b")) == []
