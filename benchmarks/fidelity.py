@@ -20,7 +20,14 @@ not tied to the embedding (pp > 1 would split the tied pair across stages). ``--
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
 run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate
---quick``, ~5 s) right before every run, as it is then. Not a timed test: several minutes on 2 vCPUs.
+--quick``, ~10 s) right before every run, as it is then. Not a timed test: several minutes on 2 vCPUs.
+
+``xpar calibrate`` measures compute in CPU seconds (what the work costs a core, whatever else the
+machine runs); the estimate stretches a step only for its own workers outnumbering the cores
+(xpar.estimate.host.oversubscription). A shared machine's other load stretches it too, and by
+the minute: each run's workers' CPU share over the timed steps (the main threads' schedstat: ns
+on a core / ns runnable, ``share``) gives the cores they got (xpar.fidelity.cores_got), and the
+estimate on those cores is printed beside the plain one (``est got``, ``got/meas``).
 """
 from __future__ import annotations
 

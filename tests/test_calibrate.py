@@ -57,9 +57,11 @@ def test_measured_ring_step_curves_replace_alpha_beta_inside_a_node():
     w = 2
     timings = {"allgather": {2 ** 20: 1e-3, 2 ** 24: 20e-3, 2 ** 26: 200e-3},  # super-linear, as gloo's here
                "allreduce": {2 ** 20: 3e-3, 2 ** 24: 2e-3, 2 ** 26: 40e-3},  # a slow outlier at 1 MiB
-               "send_recv": {2 ** 20: 1e-3, 2 ** 26: 30e-3}, "reduce_scatter": {"unsupported": "x"}}
+               "send_recv": {2 ** 20: 1e-3, 2 ** 26: 30e-3}, "broadcast": {2 ** 20: 1e-3, 2 ** 26: 50e-3},
+               "reduce_scatter": {"unsupported": "x"}}
     curves = ring_step_curves(timings, w)
-    assert set(curves) == {"allgather", "allreduce", "send_recv"}
+    assert set(curves) == {"allgather", "allreduce", "send_recv", "broadcast"}
+    assert curves["broadcast"] == [[2 ** 20, 1e3], [2 ** 26, 50e3]]  # the whole message each step
     assert curves["allgather"] == [[2 ** 19, 1e3], [2 ** 23, 20e3], [2 ** 25, 200e3]]
     assert [us for _, us in curves["allreduce"]] == pytest.approx([1.25e3, 1.25e3, 20e3])  # 2 steps, pooled
     assert monotone([3.0, 1.0, 2.0, 5.0]) == pytest.approx([2.0, 2.0, 2.0, 5.0])
@@ -73,6 +75,7 @@ def test_measured_ring_step_curves_replace_alpha_beta_inside_a_node():
     assert collective_time(measured, "allgather", 2 ** 25, Group(4, 4)) == pytest.approx(3 * 20e-3)  # 8 MiB chunks
     assert collective_time(measured, "allreduce", 2 ** 24, Group(2, 2)) == pytest.approx(2.5e-3)
     assert p2p_time(measured, 2 ** 20, False) == pytest.approx(1e-3)
+    assert collective_time(measured, "broadcast", 2 ** 26, Group(3, 3)) == pytest.approx(2 * 50e-3)  # root to 2
     for kind, group in (("reduce_scatter", Group(2, 2)), ("allgather", Group(4, 2))):  # no curve; across nodes
         assert collective_time(measured, kind, 2 ** 24, group) == collective_time(hw, kind, 2 ** 24, group)
 
@@ -108,7 +111,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         assert f"hardware=calibrated_{name}" in r.stdout
         raw = json.loads((tmp_path / "cal" / "calibration.json").read_text())
-        assert set(raw["collectives"]) == {"allreduce", "allgather", "reduce_scatter", "send_recv"}
+        assert set(raw["collectives"]) == {"allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv"}
         assert raw["alpha_s"] >= 0 and raw["beta_bytes_per_s"] > 0
         curves = raw["preset"]["ring_step_us_by_bytes"]  # per collective, non-decreasing in chunk size
         assert set(curves) == set(raw["collectives"]) and len(curves["allgather"]) == 4
@@ -217,3 +220,27 @@ def test_estimated_idle_is_the_measured_definition():
     assert estimated_idle(sends, beta) == pytest.approx(beta + 0.1 * (1 - beta))
     assert estimated_idle(dict(balanced, host_overhead=3.0), beta, outside=3.0) == pytest.approx(beta)
     assert estimated_idle(balanced, 0.0) == 0.0
+    gathers = dict(balanced, matmul=m * 0.6, dp_comm_exposed=m * 0.4 + 2.0)  # FSDP gathers in the stages, 2 s after
+    assert estimated_idle(gathers, beta, outside=2.0) == pytest.approx(beta)
+
+
+def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
+    """3D (pp x FSDP over dp): the gathers of each micro-batch run inside the stages' forward and
+    backward, busy as measured; the estimated idle stays the schedule's bubble plus sends, in
+    [0, 1) (it was negative when the gathers were in the mean micro-batch but not the schedule)."""
+    from dataclasses import replace
+
+    from xpar.estimate.cost import estimate
+    from xpar.fidelity import _dp_outside, _host_outside, estimated_idle
+
+    spec = spec_for("parallel=3d_local", "hardware.intra_node_gb_per_s=1.5", "hardware.hbm_tb_per_s=0.02",
+                    "hardware.peak_tflops=0.1", "hardware.cpu_cores=2", "hardware.op_overhead_us=2",
+                    local_devices=8)
+    slow = {k: [[512, 2000.0], [2 ** 27, 2e5]] for k in ("allgather", "reduce_scatter")}  # gathers dominate
+    spec = replace(spec, hardware=replace(spec.hardware, ring_step_us_by_bytes=slow))
+    est = estimate(spec)
+    t = est.time_breakdown
+    assert t["dp_comm_exposed"] > t["bubble"] > 0
+    idle = estimated_idle(t, est.bubble_ratio, _host_outside(spec) + _dp_outside(spec))
+    assert est.bubble_ratio <= idle < 1
+    assert estimated_idle(dict(t, dp_comm_exposed=0.0), est.bubble_ratio, _host_outside(spec)) < 0  # the old sum

@@ -19,8 +19,8 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
   DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
   under FSDP2 against the plain block -> ``fsdp_unit_overhead_us`` (a 1-rank mesh per worker:
   no communication); the cores the workers share -> ``cpu_cores``;
-- collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter
-  and send/recv over message sizes, fitted to the alpha-beta model
+- collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter,
+  broadcast and send/recv over message sizes, fitted to the alpha-beta model
   t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
   and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
   by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
@@ -54,7 +54,10 @@ LARGE_BYTES = 2 ** 23
 """Messages above this many bytes are timed :data:`LARGE_REPS` times (one call: tens to hundreds
 of milliseconds), smaller ones :data:`COLLECTIVE_REPS` times."""
 LARGE_REPS = 3
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "send_recv")
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
+"""Measured by :func:`collective_worker`; broadcast as ZeRO-1's ZeroRedundancyOptimizer issues it
+(each parameter tensor from its owner after the step; gloo: 64 MiB in ~0.1 s here, where an
+all-gather of it takes ~0.2 s)."""
 COLLECTIVE_REPS = 12
 """Calls timed per collective and size; their median is kept: the time of a collective on the
 machine as it is without other load (on a shared CPU a call's time has a long tail, a woken gloo
@@ -141,7 +144,7 @@ def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float)
 
 def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], None]:
     """One call of collective ``name`` with a payload of ``nbytes`` (the all-reduced buffer,
-    the gathered output, the reduce-scattered input, the sent message)."""
+    the gathered output, the reduce-scattered input, the broadcast or sent message)."""
     import torch
     import torch.distributed as dist
 
@@ -156,6 +159,8 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], N
     if name == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(part, full)
+    if name == "broadcast":
+        return lambda: dist.broadcast(full, 0)
     peer = 1 - rank if rank < 2 else None
 
     def ping_pong() -> None:  # one message each way between ranks 0 and 1
@@ -373,16 +378,17 @@ def fit_p2p_latency(timings: dict, beta: float) -> Optional[float]:
 def ring_step_curves(timings: dict, world: int) -> dict:
     """``hardware.ring_step_us_by_bytes`` from the collectives measured on ``world`` workers
     (``timings``: seconds by collective and payload bytes): per collective, [chunk bytes,
-    microseconds per ring step] pairs, chunk = payload / world (send/recv: the message) and
+    microseconds per ring step] pairs, chunk = payload / world (send/recv, broadcast: the
+    message, xpar.estimate.collectives.WHOLE_MESSAGE) and
     step = time / :func:`xpar.estimate.collectives.ring_steps`; collectives the backend did not
     run are left out."""
-    from xpar.estimate.collectives import ring_steps
+    from xpar.estimate.collectives import WHOLE_MESSAGE, ring_steps
 
     out = {}
     for name, by_size in timings.items():
         if "unsupported" in by_size or not by_size:
             continue
-        share = 1 if name == "send_recv" else world
+        share = 1 if name in WHOLE_MESSAGE else world
         sizes = sorted(by_size)
         steps_us = monotone([by_size[n] / ring_steps(name, world) * 1e6 for n in sizes])
         out[name] = [[int(n) // share, us] for n, us in zip(sizes, steps_us)]

@@ -35,7 +35,8 @@ def fidelity_metrics(spec: RunSpec, report: Report) -> dict[str, float]:
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
     measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
     if measured_bubble is not None:
-        idle = estimated_idle(est.time_breakdown, est.bubble_ratio, _host_outside(spec)) if spec.pp > 1 else 0.0
+        outside = _host_outside(spec) + _dp_outside(spec) if spec.pp > 1 else 0.0
+        idle = estimated_idle(est.time_breakdown, est.bubble_ratio, outside) if spec.pp > 1 else 0.0
         out["fidelity/bubble_diff"] = idle - measured_bubble
     return out
 
@@ -51,18 +52,32 @@ def _host_outside(spec: RunSpec) -> float:
     return outside * oversubscription(spec.hardware.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
 
 
+def _dp_outside(spec: RunSpec) -> float:
+    """Seconds of the estimate's dp_comm_exposed term left after the schedule on the slowest
+    pipeline rank (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's
+    gathers after the step), stretched as the estimate's terms are; the rest of the term, the
+    FSDP gathers of every micro-batch, runs inside the stages' forward and backward."""
+    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
+    from xpar.estimate.host import oversubscription
+
+    slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
+    return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
+                                             spec.train.threads_per_worker or 1)
+
+
 def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.0) -> float:
     """The estimate's idle fraction of the pipeline ranks within the schedule, on the measured
     bubble's definition (xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the stages'
     compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the slowest
     rank's step-time terms (Estimate.time_breakdown, seconds) and the schedule's bubble ``beta``.
     The bubble term is beta / (1 - beta) x m x the mean micro-batch time over ranks
-    (xpar.estimate.cost.step_time), which gives that mean; the schedule's time is the compute,
-    host, tp, send and bubble terms, less ``outside`` (host seconds after the schedule). Equals
+    (xpar.estimate.cost.step_time), which gives that mean (dp gathers of each micro-batch in);
+    the schedule's time is the compute, host, tp, send, dp and bubble terms, less ``outside``
+    (host and dp seconds after the schedule: :func:`_host_outside`, :func:`_dp_outside`). Equals
     beta + sends / schedule time when the ranks are balanced; a rank lighter than the slowest
     idles too. 0 for an empty step or no bubble."""
     pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
-                                                   "host_overhead")) - outside
+                                                   "dp_comm_exposed", "host_overhead")) - outside
     if not pipeline or not 0 < beta < 1:
         return 0.0
     busy_per_rank = breakdown.get("bubble", 0.0) * (1 - beta) / beta - breakdown.get("pp_comm", 0.0)

@@ -49,6 +49,9 @@ TREE_BUS_FACTOR = 0.9
 TREE_MAX_BUS_GB_PER_S = 80.0
 """NCCL tuning.cc ``maxTreeBw`` beyond two nodes (Simple protocol), GB/s."""
 ALGORITHMS = ("nccl", "ring", "tree", "hierarchical")
+WHOLE_MESSAGE = ("send_recv", "broadcast")
+"""Collectives whose every step carries the whole message (a point-to-point send; gloo's
+broadcast, root to each other rank in turn), not 1/n of it (:func:`measured_time`)."""
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,13 @@ def measured_time(hw: HardwareConfig, collective: str, nbytes: float, group: Gro
     """Seconds of ``collective`` on ``group`` from the machine's measured ring-step curve
     (``hardware.ring_step_us_by_bytes``, written by ``xpar calibrate``): :func:`ring_steps` x
     the curve at the chunk one step carries (``nbytes`` / group size; the message itself for
-    'send_recv'). None where the curve does not apply: no curve for this collective, or a group
+    'send_recv' and 'broadcast': gloo's root sends it whole to each of the n - 1 others). None
+    where the curve does not apply: no curve for this collective, or a group
     across nodes (the curve is measured inside one)."""
     curve = (hw.ring_step_us_by_bytes or {}).get(collective)
     if not curve or group.nodes > 1:
         return None
-    chunk = nbytes if collective == "send_recv" else nbytes / group.size
+    chunk = nbytes if collective in WHOLE_MESSAGE else nbytes / group.size
     return ring_steps(collective, group.size) * curve_at(curve, chunk) * 1e-6
 
 
