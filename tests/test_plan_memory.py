@@ -47,16 +47,17 @@ def _divisors(n: int) -> list[int]:
 
 def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
     """One random valid layout of ``ctx``: tp dividing heads, kv heads, ffn and vocabulary
-    inside a node or over whole nodes; pp x v dividing n_layers; m the schedule accepts."""
+    inside a node or over whole nodes; pp x v dividing n_layers; m the schedule accepts; the
+    schedule and ZeRO stage among the framework's (framework.schedules, zero_stages, pp_zero_stages)."""
     mdl, hw = ctx.model, ctx.hardware
     n, node = hw["nodes"] * hw["devices_per_node"], hw["devices_per_node"]
     dims = (mdl["n_heads"], mdl["n_kv_heads"] or mdl["n_heads"], mdl["ffn_hidden"], mdl["vocab_size"])
     tps = [t for t in _divisors(n) if t <= 16 and all(d % t == 0 for d in dims) and (node % t == 0 or t % node == 0)]
     tp = int(rng.choice(tps))
     pp = int(rng.choice([p for p in _divisors(n // tp) if mdl["n_layers"] % p == 0 and p <= 16]))
-    sched, v = "1f1b", 1
+    sched, v, fw = "1f1b", 1, ctx.framework  # what the framework runs (its lists; all where it has none)
     if pp > 1:
-        sched = str(rng.choice(list(SCHEDULES)))
+        sched = str(rng.choice(list(fw.get("schedules", SCHEDULES))))
         kind = SCHEDULES[sched].stages_per_rank
         vs = [1] if kind == "1" else [2] if kind == "2" else [d for d in _divisors(mdl["n_layers"] // pp) if d >= 2]
         if not vs or mdl["n_layers"] % (pp * vs[0]):
@@ -67,7 +68,8 @@ def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
     rec = str(rng.choice(["none", "full"] if zb else ["none", "selective", "full"]))
     seq = ctx.train.get("seq_len") or mdl["seq_len"]
     return dict(tp=tp, pp=pp, dp=n // (tp * pp), b=int(rng.integers(1, 5)), m=m, v=v, schedule=sched,
-                zero=zero_stage_run(sched, pp, int(rng.integers(0, 4))),
+                zero=zero_stage_run(sched, pp, int(rng.choice(fw.get("pp_zero_stages" if pp > 1 else "zero_stages",
+                                                                     [0, 1, 2, 3])))),
                 sp=bool(tp > 1 and seq % tp == 0 and rng.random() < 0.5), recompute=rec)
 
 
