@@ -45,14 +45,15 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
     kv = mdl.get("n_kv_heads") or heads
     tp = int(rng.choice([t for t in range(1, 9) if heads % t == 0 and kv % t == 0 and world % t == 0]))
     pp = int(rng.choice([p for p in range(1, world // tp + 1) if (world // tp) % p == 0 and layers % p == 0]))
-    schedule = str(rng.choice(list(SCHEDULES)))
+    fw = ctx.framework  # what the framework runs: its schedules and ZeRO stages
+    schedule = str(rng.choice(list(fw["schedules"])))
     rec = SCHEDULES[schedule]
     vs = {"1": [1], "2": [2]}.get(rec.stages_per_rank, [x for x in range(2, 9) if layers % (pp * x) == 0])
     vs = [v for v in vs if layers % (pp * v) == 0]
     if not vs:
         return None
     m = int(rng.choice([x for x in range(1, 4 * pp + 9) if microbatch_ok(schedule, pp, x)]))
-    zero = zero_stage_run(schedule, pp, int(rng.integers(0, 4)))
+    zero = zero_stage_run(schedule, pp, int(rng.choice(fw["pp_zero_stages" if pp > 1 else "zero_stages"])))
     recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else ["none", "selective", "full"]))  # SAC
     return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,
             bool(tp > 1 and rng.random() < 0.5), recompute, bool(rng.random() < 0.5))
@@ -60,7 +61,8 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
 
 def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """``n`` valid candidate rows (xpar.plan.context columns): tp dividing the heads and kv
-    heads, pp x v dividing the layers, m that the schedule accepts, the ZeRO stage that runs,
+    heads, pp x v dividing the layers, m that the schedule accepts, the schedule and ZeRO stage
+    among the framework's (its lists), the ZeRO stage that runs,
     sp only with tp > 1, no selective recompute with split-backward schedules; the optimizer
     offloaded (column ``offload``) on about half of them."""
     rows = []
