@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from xpar.config import HardwareConfig
+from xpar.estimate.comm import ring_factor
 
 TREE_BUS_FACTOR = 0.9
 """NCCL tuning.cc: tree bus bandwidth = 0.9 x the ring's."""
@@ -105,10 +106,6 @@ def ring_steps(collective: str, n: int) -> int:
     return 2 * (n - 1) if collective == "allreduce" else n - 1
 
 
-def _factor(collective: str, n: int) -> float:
-    return ring_steps(collective, n) / n
-
-
 def ring_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> float:
     """Seconds of a ring ``collective`` ('allreduce', 'allgather', 'reduce_scatter') of a
     payload of ``nbytes`` (all-reduced buffer, gathered output, reduce-scattered input)."""
@@ -118,7 +115,7 @@ def ring_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) 
         return 0.0
     steps, inter = ring_steps(collective, n), ring_steps(collective, group.nodes)
     lat = hw.collective_latency_us + (steps - inter) * hw.intra_node_latency_us + inter * hw.inter_node_latency_us
-    return lat * 1e-6 + _factor(collective, n) * nbytes / bw
+    return lat * 1e-6 + ring_factor(collective, n) * nbytes / bw
 
 
 def tree_allreduce_time(hw: HardwareConfig, nbytes: float, group: Group) -> float:

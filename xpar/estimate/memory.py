@@ -268,18 +268,6 @@ def _tensor_counts(cfg_key: tuple, tp: int) -> tuple[int, int]:
     return len(block), len(head) + len(tail)
 
 
-def tensor_elements(cfg: ModelConfig, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(elements of each parameter tensor of one block, of each of the model's ends:
-    embeddings, final norm, output), tp-local."""
-    return _tensor_elements(_model_key(cfg), tp)
-
-
-@lru_cache(maxsize=256)
-def _tensor_elements(cfg_key: tuple, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    head, block, tail = _stage_parts(cfg_key, True, True, tp)
-    return tuple(math.prod(sh) for _, sh in block), tuple(math.prod(sh) for _, sh in head + tail)
-
-
 def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
