@@ -230,7 +230,12 @@ def test_70b_on_8_a100_fits_with_the_optimizer_offloaded(capsys):
 def test_70b_on_8_a100_without_offload_fits_no_layout_and_names_the_smallest_cluster(capsys):
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]")
     assert "no layout of model=70b fits on 8 x A100-SXM4-80GB" in err
-    assert "the smallest cluster that fits it is 16 devices (hardware.nodes=2)" in err
+    import re
+    fix = re.search(r"the smallest cluster that fits it is 16 devices \((hardware.nodes=2 plan.global_batch_size=\d+)\)",
+                    err)
+    assert fix, err
+    # followed, it plans (an 'auto' global batch would grow with the devices: the suggestion keeps the one it found)
+    assert len(plan_of("model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]", *fix.group(1).split()).ranked)
 
 
 def test_devices_range_finds_the_smallest_cluster_reaching_the_throughput():
@@ -377,7 +382,7 @@ def test_host_memory_is_named_when_it_is_what_does_not_fit_and_the_fixes_plan(ca
     assert "layouts fit device memory, all with the optimizer offloaded" in err
     assert re.search(r"needs 1,1\d\d GB per node, more than hardware.host_memory_gb=500; it fits with "
                      r"hardware.host_memory_gb=\d+, or the smallest cluster that fits it is 16 devices "
-                     r"\(hardware.nodes=2\)", err), err
+                     r"\(hardware.nodes=2 plan.global_batch_size=\d+\)", err), err
     for fix in (re.search(r"it fits with (hardware.host_memory_gb=\d+)", err).group(1), "hardware.nodes=2"):
         plan = plan_of("model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=500", fix)
         assert len(plan.ranked) > 0, fix
@@ -431,3 +436,14 @@ def test_every_step_time_term_has_words_and_a_colour():
     assert set(TERM_WORDS) == set(TIME_TERMS) and len(COLORS) >= len(TIME_TERMS)
     plan = plan_of("model=tiny", "hardware=local", "hardware.op_overhead_us=2.1", "hardware.cpu_cores=2")
     assert plan.res["time_host_overhead"][plan.best] > 0
+
+
+def test_equal_estimates_rank_the_simplest_layout_first():
+    """An uncalibrated hardware=local has no communication figures: every layout of the tiny model
+    is estimated as its matmuls and they tie; the simplest (ZeRO-0, no pipeline, no tp, one
+    micro-batch) is ranked first, not the leanest (ZeRO-3 measured 10x slower here)."""
+    plan = plan_of("model=tiny", "hardware=local")
+    r, i = plan.res, plan.best
+    top = plan.ranked[:10]
+    assert np.all(r["tokens_per_s"][top] == r["tokens_per_s"][i])  # the tie this is about
+    assert (r["zero"][i], r["pp"][i], r["tp"][i], r["m"][i]) == (0, 1, 1, 1), {k: r[k][i] for k in ("zero", "pp", "tp", "m")}

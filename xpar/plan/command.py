@@ -216,8 +216,9 @@ def _host_memory_line(plan: Plan, where: str, fits: np.ndarray) -> str:
 
 
 def _smallest_cluster(plan: Plan) -> str:
-    """'the smallest cluster that fits it is N devices (hardware.nodes=k): <layout>, T tokens/s',
-    searched at 2x, 4x, ... 64x the devices (each a full search)."""
+    """'the smallest cluster that fits it is N devices (hardware.nodes=k plan.global_batch_size=B):
+    <layout>, T tokens/s', searched at 2x, 4x, ... 64x the devices (each a full search); B the
+    layout's global batch, which an 'auto' batch would not keep at N devices."""
     from xpar.plan.explain import label
     for k in range(1, 7):
         n = plan.devices * 2 ** k
@@ -225,10 +226,14 @@ def _smallest_cluster(plan: Plan) -> str:
             other = search(plan.inputs, n)
         except PlanRefused:
             continue
-        nodes = max(1, n // plan.inputs.devices_per_node)
-        return (f"the smallest cluster that fits it is {n} devices (hardware.nodes={nodes}): "
-                f"{label(other.res, other.best)}, {other.res['tokens_per_s'][other.best]:,.0f} tokens/s")
-    return f"no cluster up to {plan.devices * 64} devices fits it: a smaller model or sequence"
+        nodes, i = max(1, n // plan.inputs.devices_per_node), other.best
+        batch = int(other.res["b"][i] * other.res["m"][i] * other.res["dp"][i])  # kept: 'auto' grows with devices
+        return (f"the smallest cluster that fits it is {n} devices (hardware.nodes={nodes} "
+                f"plan.global_batch_size={batch}): {label(other.res, i)}, {other.res['tokens_per_s'][i]:,.0f} tokens/s")
+    sizes = ", ".join(str(plan.devices * 2 ** k) for k in range(1, 7))
+    return (f"no cluster of {sizes} devices (doubling) fits it; sizes between were not searched (tp x pp must divide "
+            f"the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches one, or a "
+            f"smaller model or sequence")
 
 
 # --- the command --------------------------------------------------------------------------

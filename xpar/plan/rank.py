@@ -20,10 +20,14 @@ def feasible(res: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def order(res: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
-    """Indices of the rows where ``keep`` holds, best first: highest tokens/s, then least memory
-    per device, then fewest devices in a tp group (a stable, documented tie-break)."""
+    """Indices of the rows where ``keep`` holds, best first: highest tokens/s, then, among equal
+    estimates, the simplest layout -- lowest ZeRO stage, fewest pipeline stages, fewest devices
+    in a tp group, fewest micro-batches -- then least memory per device. Exact ties come where the hardware has no
+    communication figures (an uncalibrated hardware=local: every layout estimated as its
+    matmuls), and there the simplest is the one to run first."""
     idx = np.flatnonzero(keep)
-    keys = (res["tp"][idx], res["memory_total"][idx], -res["tokens_per_s"][idx])
+    keys = (res["memory_total"][idx], res["m"][idx], res["tp"][idx], res["pp"][idx], res["zero"][idx],
+            -res["tokens_per_s"][idx])
     return idx[np.lexsort(keys)]
 
 
