@@ -2,6 +2,7 @@
 with the resolved config, and changes only the estimate terms it names. Pure CPU, no workers."""
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 import pytest
@@ -189,3 +190,22 @@ def test_a_layout_the_framework_does_not_run_is_refused_with_what_it_runs():
     with pytest.raises(ConfigError, match=r"framework=megatron does not run parallel.zero_stage=3 .*e.g. parallel.zero_stage=1"):
         validate(compose("parallel=zero3", "model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "tracking=off",
                          "framework=megatron"))
+
+
+def test_megatron_interleaving_rules_and_2021_deepspeed_without_sequence_parallelism():
+    """Megatron-LM runs interleaved 1F1B at pp > 2 with m divisible by pp (parallel_state.py,
+    schedules.py); DeepSpeed 2021 had no sequence parallelism. Refused with a working value."""
+    from xpar.checks import ConfigError
+    from xpar.validate import validate
+    base = ("model=70b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", "run.dry_run=false",
+            "framework=megatron", "parallel.tp=8", "parallel.zero_stage=1", "parallel.schedule=interleaved_1f1b",
+            "parallel.virtual_stages=2", "parallel.recompute=full")
+    with pytest.raises(ConfigError, match=r"runs interleaved_1f1b only at pp >= 3 .*got parallel.pp=2"):
+        validate(compose(*base, "parallel.pp=2", "parallel.micro_batches=8"))
+    with pytest.raises(ConfigError) as err:
+        validate(compose(*base, "parallel.pp=4", "parallel.micro_batches=6"))
+    fix = re.search(r"e.g. (parallel.micro_batches=\d+)", str(err.value)).group(1)
+    assert fix == "parallel.micro_batches=4" and validate(compose(*base, "parallel.pp=4", fix)).micro_batches == 4
+    with pytest.raises(ConfigError, match=r"framework=deepspeed_2021 does not run parallel.sequence_parallel=true"):
+        validate(compose("parallel=zero1", "model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "tracking=off",
+                         "parallel.tp=2", "parallel.sequence_parallel=true", "framework=deepspeed_2021"))

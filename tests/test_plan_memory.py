@@ -73,8 +73,20 @@ def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
                 sp=bool(tp > 1 and seq % tp == 0 and rng.random() < 0.5), recompute=rec)
 
 
+def _framework_runs(ctx: PlanContext, r: dict) -> bool:
+    """Megatron-LM's interleaving rules (framework.interleaved_min_pp, interleaved_m_per_pp)."""
+    fw, pp = ctx.framework, r["pp"]
+    if r["schedule"] != "interleaved_1f1b" or pp == 1:
+        return True
+    return pp >= fw.get("interleaved_min_pp", 2) and not (fw.get("interleaved_m_per_pp") and r["m"] % pp)
+
+
 def candidates(rng: np.random.Generator, ctx: PlanContext, n: int) -> dict[str, np.ndarray]:
-    rows = [_row(rng, ctx) for _ in range(n)]
+    rows: list[dict] = []
+    while len(rows) < n:
+        r = _row(rng, ctx)
+        if _framework_runs(ctx, r):
+            rows.append(r)
     return {k: np.array([r[k] for r in rows]) for k in COLUMNS}
 
 

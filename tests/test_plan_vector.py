@@ -53,6 +53,9 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
     if not vs:
         return None
     m = int(rng.choice([x for x in range(1, 4 * pp + 9) if microbatch_ok(schedule, pp, x)]))
+    if schedule == "interleaved_1f1b" and pp > 1 and (pp < fw.get("interleaved_min_pp", 2) or (
+            fw.get("interleaved_m_per_pp") and m % pp)):
+        return None  # Megatron-LM's interleaving rules (framework.interleaved_*)
     zero = zero_stage_run(schedule, pp, int(rng.choice(fw["pp_zero_stages" if pp > 1 else "zero_stages"])))
     recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else ["none", "selective", "full"]))  # SAC
     return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,

@@ -32,14 +32,15 @@ def megatron_2021_spec(row: dict, micro_batch_size: int = 1, hardware: str = "a1
     """RunSpec of one row of Narayanan et al. 2021 Table 1 (keys as in
     megatron_2021_table1.csv): GPT (GELU, LayerNorm, learned positions, tied embeddings,
     biases), s = 2048, V = 51200, bf16 mixed precision, interleaved 1F1B with v = smallest
-    divisor > 1 of the layers per rank, full recompute, on ``hardware`` resized to the row's
+    divisor > 1 of the layers per rank where pp > 2 (Megatron-LM interleaves only there: 1F1B at
+    pp = 2), full recompute, on ``hardware`` resized to the row's
     GPU count (8 per node)."""
     h, l, t, pp, gpus = (int(row[k]) for k in ("hidden", "layers", "tp", "pp", "gpus"))
     model = dict(name=f"gpt_{row['params_b']}b", n_layers=l, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None,
                  ffn_hidden=4 * h, vocab_size=51200, seq_len=2048, activation="gelu", norm="layernorm",
                  position="learned", tied_embeddings=True, bias=True)
     per_rank = l // pp
-    v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 1 else 1
+    v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 2 else 1  # Megatron: pp > 2
     parallel = dict(name="megatron", dp=int(row["dp"]), tp=t, pp=pp, zero_stage=0, micro_batches="auto",
                     schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full")
     hw = preset("hardware", hardware)

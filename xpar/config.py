@@ -261,6 +261,13 @@ class FrameworkConfig:
     schedules: list = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
                                                      "zero_bubble", "zbv", "dualpipev"])
     """Pipeline schedules it runs (xpar.layout.SCHEDULES names; xpar plan searches these)."""
+    interleaved_min_pp: int = 2
+    """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
+    interleaved_m_per_pp: bool = False
+    """Whether its interleaved 1F1B needs the micro-batch count m divisible by pp (Megatron-LM);
+    torch's Interleaved1F1B has its own rule (xpar.layout.SCHEDULES)."""
+    sequence_parallel: list = field(default_factory=lambda: [False, True])
+    """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""

@@ -70,7 +70,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
-    problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule)
+    problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
+                                       layout.micro_batches, bool(c.parallel.sequence_parallel))
     problems += estimate_peak_problem(target.hardware, target.mode)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):

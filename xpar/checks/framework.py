@@ -24,11 +24,14 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     return out + offload_problems(fw)
 
 
-def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str) -> list[str]:
-    """The layout among what ``framework.name`` runs (its profile's lists, as ``xpar plan`` reads
+def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
+                           sp: bool = False) -> list[str]:
+    """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
-    parallel.schedule in framework.schedules with pp > 1. One line each, with the nearest that
-    works (e.g. framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; megatron: ZeRO-0/1)."""
+    parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
+    framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
+    (Megatron-LM), sequence parallelism in framework.sequence_parallel. One line each, with the
+    nearest that works (e.g. framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only)."""
     out = []
     stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
     if stages and zero_stage not in stages:
@@ -41,7 +44,27 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
         fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
         out.append(f"framework={fw.name} does not run parallel.schedule={schedule} (framework.schedules="
                    f"{hydra_text(list(fw.schedules))}); e.g. {fix}, or framework=xpar.")
+    if pp > 1 and schedule == "interleaved_1f1b":
+        out += _interleaved_problems(fw, pp, m)
+    if sp not in list(fw.sequence_parallel):
+        out.append(f"framework={fw.name} does not run parallel.sequence_parallel={hydra_text(sp)} (framework."
+                   f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
+                   f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out
+
+
+def _interleaved_problems(fw: FrameworkConfig, pp: int, m: int) -> list[str]:
+    """Megatron-LM's rules of its interleaved 1F1B (framework.interleaved_min_pp, interleaved_m_per_pp)."""
+    if pp < fw.interleaved_min_pp:
+        return [f"framework={fw.name} runs interleaved_1f1b only at pp >= {fw.interleaved_min_pp} "
+                f"(framework.interleaved_min_pp), got parallel.pp={pp}; e.g. parallel.schedule=1f1b "
+                f"parallel.virtual_stages=1, or framework=xpar."]
+    if fw.interleaved_m_per_pp and m % pp:
+        near = sorted({max(pp, m - m % pp), m - m % pp + pp})
+        return [f"framework={fw.name} runs interleaved_1f1b with micro-batches divisible by pp={pp} "
+                f"(framework.interleaved_m_per_pp), got {m}; micro-batch counts that work: {near}, "
+                f"e.g. parallel.micro_batches={near[0]}, or framework=xpar."]
+    return []
 
 
 def not_booleans(values) -> list:

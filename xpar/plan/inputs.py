@@ -91,13 +91,16 @@ def _choice_problems(p, framework: dict) -> list[str]:
     offload = [bool(x) for x in framework.get("offload", [False])]
     for key, given, valid in (("schedules", p.schedules, scheds), ("zero_stages", p.zero_stages, runs),
                               ("recompute", p.recompute, list(RECOMPUTE)),
-                              ("sequence_parallel", p.sequence_parallel, [False, True]),
+                              ("sequence_parallel", p.sequence_parallel,
+                               [bool(x) for x in framework.get("sequence_parallel", [False, True])]),
                               ("offload", p.offload, offload)):
         boolean = key in ("sequence_parallel", "offload")  # 'maybe' or 1 are not booleans
         bad = [v for v in (given or []) if v not in valid or (boolean and not_booleans([v]))]
         if given is not None and (bad or not given):
             why = {"zero_stages": f" (framework={framework.get('name')} runs ZeRO stages {runs})",
                    "schedules": f" (framework={framework.get('name')} runs schedules {scheds})",
+                   "sequence_parallel": f" (framework={framework.get('name')} runs sequence parallelism "
+                                        f"{_hydra([bool(x) for x in framework.get('sequence_parallel', [False, True])])})",
                    "offload": f" (framework={framework.get('name')} runs optimizer offload {_hydra(offload)})"}.get(key, "")
             out.append(f"plan.{key}={_hydra(list(given))}: {_hydra(bad) if bad else 'empty'} not allowed{why}; "
                        f"values that work: {_hydra(valid)}, e.g. plan.{key}=[{_hydra(valid[0])}].")
@@ -197,7 +200,10 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),
                     recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size,
-                    sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or (False, True))),
+                    sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or framework.get("sequence_parallel",
+                                                                                                   (False, True)))),
+                    interleaved_min_pp=int(framework.get("interleaved_min_pp", 2)),
+                    interleaved_m_per_pp=bool(framework.get("interleaved_m_per_pp", False)),
                     offload=tuple(bool(x) for x in (p.offload or framework.get("offload", [False]))),
                     offload_hardware=offload_figures_known(hw))
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}

@@ -46,6 +46,8 @@ RULES = {
     "balanced": "pp x v does not divide n_layers (unbalanced stages)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.layout.microbatch_ok)",
+    "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
+                   "divisible by pp (framework.interleaved_m_per_pp)",
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
     "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
@@ -76,6 +78,10 @@ class Constraints:
     zero_stages: tuple[int, ...] = ZERO_STAGES
     pp_zero_stages: tuple[int, ...] = ZERO_STAGES
     """ZeRO stages allowed with pp > 1 (the framework's, framework.pp_zero_stages)."""
+    interleaved_min_pp: int = 2
+    """Smallest pp of an interleaved 1F1B (framework.interleaved_min_pp; Megatron-LM: 3)."""
+    interleaved_m_per_pp: bool = False
+    """Interleaved 1F1B needs m divisible by pp (framework.interleaved_m_per_pp; Megatron-LM)."""
     recompute: tuple[str, ...] = RECOMPUTE
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int = 8
@@ -164,6 +170,9 @@ def _structure(model: dict, devices: int, devices_per_node: int, c: Constraints,
     t = drops.apply(t, "batch", t["B"] % (t["b"] * t["dp"]) == 0)
     t["m"] = t["B"] // (t["b"] * t["dp"])
     t = drops.apply(t, "microbatches", _microbatches_ok(names, t))
+    inter = (t["pp"] > 1) & (names[t["s"]] == "interleaved_1f1b")
+    bad = (t["pp"] < c.interleaved_min_pp) | (c.interleaved_m_per_pp & (t["m"] % t["pp"] != 0))
+    t = drops.apply(t, "interleaved", ~(inter & bad))
     t["schedule"] = names[t["s"]]
     return t
 
