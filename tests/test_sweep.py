@@ -124,3 +124,21 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     assert c.returncode == 0, c.stderr
     assert "4 runs of sweep" in c.stdout and "bubble_theory" in c.stdout
     assert (tmp_path / "cmp" / "bubble_vs_microbatches.png").stat().st_size > 1000
+
+
+def test_compare_table_says_where_each_run_ran_and_how_close_its_estimate_was():
+    """`xpar compare` rows carry hardware, framework, devices (dp x tp x pp), global batch, step
+    time and fidelity/step_time_ratio beside tokens/s (a fresh-user breaker could not tell a
+    405B run on 64 H100s from one on 512)."""
+    import pandas as pd
+
+    from xpar.compare import headline_table
+    runs = pd.DataFrame([{"run_id": "a", "tags.xpar.hardware": "h100_80gb_64gpu", "params.framework.name": "megatron",
+                          "params.parallel.dp": "2", "params.parallel.tp": "8", "params.parallel.pp": "4",
+                          "params.train.global_batch_size": "256", "metrics.throughput/step_time_s": 1.5,
+                          "metrics.fidelity/step_time_ratio": 0.9, "metrics.throughput/tokens_per_s": 1e5}])
+    t = headline_table(runs)
+    row = t.iloc[0]
+    assert (row["hardware"], row["framework"], row["devices"], row["global_batch"]) == ("h100_80gb_64gpu", "megatron",
+                                                                                        64, 256)
+    assert row["step_time_s"] == 1.5 and row["fidelity_step_ratio"] == 0.9

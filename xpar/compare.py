@@ -23,22 +23,29 @@ COLUMNS = {  # table column -> MLflow column
     "name": "tags.mlflow.runName",
     "layout": "tags.xpar.layout",
     "model": "tags.xpar.model",
+    "hardware": "tags.xpar.hardware",
+    "framework": "params.framework.name",
     "mode": "tags.xpar.mode",
     "status": "status",
     "pp": "params.parallel.pp",
     "schedule": "params.parallel.schedule",
     "micro_batches": "params.parallel.micro_batches",
+    "dp": "params.parallel.dp",
+    "tp": "params.parallel.tp",
+    "global_batch": "params.train.global_batch_size",
+    "step_time_s": "metrics.throughput/step_time_s",
     "tokens_per_s": "metrics.throughput/tokens_per_s",
     "tflops_per_device": "metrics.throughput/tflops_per_device",
     "mfu": "metrics.throughput/mfu",
     "peak_gib_per_device": "metrics.memory/peak_bytes_per_device",
     "model_states_gib": "metrics.memory/model_states_bytes",
     "zero_paper_gib": "metrics.memory/zero_paper_model_states_bytes",
+    "fidelity_step_ratio": "metrics.fidelity/step_time_ratio",
     "bubble": "metrics.pipeline/bubble_ratio",
     "bubble_sim": "metrics.pipeline/bubble_ratio_sim",
     "bubble_theory": "metrics.pipeline/bubble_ratio_theory",
 }
-NUMERIC = ("pp", "micro_batches", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
+NUMERIC = ("pp", "micro_batches", "dp", "tp", "global_batch", "step_time_s", "fidelity_step_ratio", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
            "model_states_gib", "zero_paper_gib",
            "bubble", "bubble_sim", "bubble_theory")
 
@@ -53,6 +60,7 @@ def headline_table(runs: pd.DataFrame) -> pd.DataFrame:
         out[name] = pd.to_numeric(out[name], errors="coerce")
     for col in ("peak_gib_per_device", "model_states_gib", "zero_paper_gib"):
         out[col] = out[col] / 2 ** 30
+    out["devices"] = out["dp"] * out["tp"] * out["pp"]  # the world size (NaN where a degree was not logged)
     if out["job"].notna().any():
         out = out.assign(_j=pd.to_numeric(out["job"], errors="coerce")).sort_values("_j").drop(columns="_j")
     return out.reset_index(drop=True)
@@ -205,8 +213,9 @@ def print_table(t: pd.DataFrame, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    cols = ["job", "model", "layout", "mode", "status", "tokens_per_s", "tflops_per_device", "mfu",
-            "peak_gib_per_device", "model_states_gib", "zero_paper_gib", "bubble", "bubble_sim", "bubble_theory"]
+    cols = ["job", "model", "layout", "hardware", "framework", "devices", "mode", "status", "global_batch",
+            "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device", "fidelity_step_ratio",
+            "bubble", "bubble_sim", "bubble_theory"]  # table.csv also holds the model-state terms
     cols = [c for c in cols if t[c].notna().any()]  # leave out what no run has (e.g. bubble without pp)
     for c in cols:
         table.add_column(c, justify="right")
@@ -214,14 +223,16 @@ def print_table(t: pd.DataFrame, title: str) -> None:
         cells = []
         for c in cols:
             v = getattr(r, c)
-            if isinstance(v, float):
+            if isinstance(v, float) and c in ("devices", "global_batch") and not pd.isna(v):
+                cells.append(f"{int(v):,}")
+            elif isinstance(v, float):
                 cells.append("" if pd.isna(v) else (f"{v:.3f}" if abs(v) < 10 else f"{v:,.0f}"))
             else:
                 cells.append("" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v))
         table.add_row(*cells)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=220)
+        console = Console(width=260)
     console.print(table)
 
 
