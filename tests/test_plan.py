@@ -459,3 +459,15 @@ def test_plans_keep_to_the_frameworks_schedule_rules():
     assert inter.any() and not (inter & ((r["pp"] < 3) | (r["m"] % r["pp"] != 0))).any()
     plan = plan_of("model=70b", "hardware=a100_80gb_64gpu", "framework=deepspeed_2021")
     assert not plan.res["sp"].any() and plan.space.dropped["interleaved"] == 0
+
+
+def test_a_global_batch_range_is_named_in_the_title_and_each_rows_batch_shown(capsys):
+    """plan.global_batch_size=[lo,hi] ranks layouts at several batches: the title names the range and
+    a column B gives each row's (b x m x dp); a fixed batch keeps the one number in the title."""
+    plan = plan_of("model=13b", "hardware=h100_80gb_16gpu", "plan.global_batch_size=[64,1024]")
+    out = show(plan, capsys)
+    assert "global batch 64-1024 (column B)" in out
+    r = plan.res
+    assert len(set((r["b"] * r["m"] * r["dp"])[plan.ranked[:50]])) > 1  # the rows this is about
+    fixed = show(plan_of("model=13b", "hardware=h100_80gb_16gpu", "plan.global_batch_size=512"), capsys)
+    assert "global batch 512)" in fixed and "(column B)" not in fixed

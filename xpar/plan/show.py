@@ -45,16 +45,20 @@ def ranked_table(plan):
     from xpar.plan.rank import describe_gap, separating_terms
     r, top = plan.res, plan.ranked[:plan.inputs.top_k]
     gaps = separating_terms(r, top, plan.best)
+    lo, hi = plan.inputs.constraints.global_batch
+    batch = r["b"] * r["m"] * r["dp"]  # a range of global batches: each row's own, in a column
     t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
                     f"(model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
-                    f"global batch {int(r['b'][plan.best] * r['m'][plan.best] * r['dp'][plan.best])}) -- ESTIMATE")
-    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m", "ZeRO", "sp", "recompute", "offload", "tokens/s",
-                "vs best", "MFU", "bubble", "GB/device", "separates it from the best"):
+                    f"global batch {int(batch[plan.best]) if lo == hi else f'{lo}-{hi} (column B)'}) -- ESTIMATE")
+    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m") + (("B",) if lo != hi else ()) + (
+            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device",
+            "separates it from the best"):
         t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right")
     for n, (i, gap) in enumerate(zip(top, gaps), 1):
         sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
         rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
         t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp")), sched, str(r["b"][i]), str(r["m"][i]),
+                  *((str(int(batch[i])),) if lo != hi else ()),
                   str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
                   "yes" if "offload" in r and r["offload"][i] else "",
                   f"{r['tokens_per_s'][i]:,.0f}", _signed(rel) if n > 1 else "best",
