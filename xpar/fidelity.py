@@ -21,13 +21,13 @@ from xpar.report import Report
 from xpar.spec import RunSpec
 
 
-def fidelity_metrics(spec: RunSpec, report: Report) -> dict[str, float]:
-    """The ``fidelity/*`` metrics of a measured ``report`` of ``spec`` (see module docstring).
-
-    Ratios are omitted where the measured figure is zero (nothing to compare)."""
+def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
+    """The ``fidelity/*`` metrics of a measured ``report`` of ``spec`` (see module docstring);
+    ``est``: the run's estimate (:func:`xpar.estimate.cost.estimate` of ``spec``) when the caller
+    has it. Ratios are omitted where the measured figure is zero (nothing to compare)."""
     from xpar.estimate.cost import estimate
 
-    est = estimate(spec)
+    est = est if est is not None else estimate(spec)
     out = {f"fidelity/estimate_time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
     if report.step_time_s > 0:
         out["fidelity/step_time_ratio"] = est.time_per_step_s / report.step_time_s

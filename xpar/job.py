@@ -92,18 +92,20 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     """The measured Report, with how far the run's own estimate was (xpar.fidelity)."""
     from xpar.fidelity import fidelity_metrics
     from xpar.report import summarize_measured
-    report = summarize_measured(spec, stats)
-    report.extra.update(fidelity_metrics(spec, report))
-    report.notes.extend(fidelity_notes(spec))
+    from xpar.estimate.cost import estimate
+    report, est = summarize_measured(spec, stats), estimate(spec)  # the run's own estimate, once
+    report.extra.update(fidelity_metrics(spec, report, est))
+    report.notes.extend(fidelity_notes(spec, est))
     return report
 
 
-def fidelity_notes(spec: RunSpec) -> list[str]:
-    """What the run's own estimate (the fidelity/* metrics) leaves out: its cost-model notes
-    (a hardware without link, HBM or host figures times no communication, memory-bound or host
-    work), and on an uncalibrated ``hardware=local`` how to measure them."""
+def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
+    """What the run's own estimate (the fidelity/* metrics; ``est`` when the caller has it)
+    leaves out: its cost-model notes (a hardware without link, HBM or host figures times no
+    communication, memory-bound or host work), and on an uncalibrated ``hardware=local`` how to
+    measure them."""
     from xpar.estimate.cost import estimate
-    notes = [f"fidelity estimate: {n}" for n in estimate(spec).notes]
+    notes = [f"fidelity estimate: {n}" for n in (est if est is not None else estimate(spec)).notes]
     if notes and spec.hardware.name == "local":
         notes.append("hardware=local has no measured links, HBM or host figures: `xpar calibrate hardware=local "
                      "--name here`, then hardware=calibrated_here, for an estimate that counts them")
