@@ -128,8 +128,12 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100
         assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
         assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
-        from xpar.estimate.cost import estimate
-        assert estimate(spec).time_breakdown["host_overhead"] > 0
+        from xpar.estimate.cost import estimate, optimizer_time
+        e = estimate(spec)
+        assert e.time_breakdown["host_overhead"] > 0
+        ns = raw["preset"]["optimizer_ns_per_element"]  # torch's AdamW step measured per element
+        assert 0 < ns < 1000 and spec.hardware.optimizer_ns_per_element == pytest.approx(ns)
+        assert e.time_breakdown["optimizer"] == pytest.approx(e.memory.optimizer / 8 * ns * 1e-9, rel=1e-9)
         from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
         assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -179,6 +183,16 @@ def test_operator_counts_are_the_models(norm, position):
         last, loss = Transformer(cfg, layers=[0], first=False, last=True), []
         assert _dispatched(lambda: loss.append(cross_entropy(last(x), tok))) - f == ends["last_f"]
         assert _dispatched(lambda: loss[0].backward()) - b == ends["last_b"]
+
+
+def test_a_measured_optimizer_rate_replaces_bytes_over_bandwidth_for_the_unfused_adamw():
+    """AdamW's step: bytes over HBM unless the hardware carries a measured rate; the measured rate
+    describes torch's single-tensor AdamW (xpar's), not the fused ones other frameworks run."""
+    from xpar.estimate.cost import optimizer_time
+    fp32_states = 8 * 1e6  # 1e6 elements of two fp32 moments
+    assert optimizer_time(fp32_states, "fp32", 0.02, 84.0) == pytest.approx(1e6 * 84 / 0.02e12)
+    assert optimizer_time(fp32_states, "fp32", 0.02, 84.0, 5.0) == pytest.approx(1e6 * 5e-9)
+    assert optimizer_time(fp32_states, "fp32", 0.02, None, 5.0) == optimizer_time(fp32_states, "fp32", 0.02, None)
 
 
 def test_host_time_only_where_measured():

@@ -14,6 +14,9 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
   (CPU GEMMs reach their best rate at small n, where that curve is low);
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
   (read + write) -> ``hbm_tb_per_s``;
+- optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
+  element -> ``optimizer_ns_per_element`` (on a CPU its sqrt and div are compute-bound: bytes over
+  bandwidth put GPT-2 small's step at 0.37 s where it took 0.63 s here);
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
   forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
   DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
@@ -136,6 +139,21 @@ def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") 
                                              clock=compute_clock(device, torch.get_num_threads()))
 
 
+def measure_optimizer(elements: int = 2 ** 24, tensors: int = 4, reps: int = 5, device: str = "cpu") -> float:
+    """Nanoseconds per parameter element of torch's single-tensor AdamW step (``foreach=False``,
+    xpar.parallel.data_parallel.build_optimizer) over ``tensors`` fp32 tensors of ``elements`` /
+    ``tensors`` each (16 MiB, with their grads and states past the L3 cache as a model's are); CPU seconds on CPU."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(elements // tensors, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    opt.step()  # allocate the states
+    t = median_time(opt.step, reps, _sync(device), STEP_WINDOW_S, clock=compute_clock(device, torch.get_num_threads()))
+    return t / elements * 1e9
+
+
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
     """Least-squares e in rate(n) = peak * e * n / (n + half_dim) (dimensionless)."""
     g = {n: peak * n / (n + half_dim) for n in rates}
@@ -240,12 +258,14 @@ def compute_worker(payload: dict) -> dict:
     matmul = measure_matmul(threads=payload["threads"], reps=reps, device=device)
     dist.barrier()
     bandwidth = measure_memory_bandwidth(reps=reps, device=device)
+    dist.barrier()
+    optimizer = measure_optimizer(reps=reps, device=device)
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
     dist.barrier()
     host = {}
     if device == "cpu":
         host = host_worker(reps, DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
-    return {"matmul": matmul, "memory_bandwidth": bandwidth, "host": host}
+    return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host}
 
 
 def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
@@ -462,6 +482,7 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
         mlflow.log_params({f"hardware.{k}": v for k, v in result["preset"].items()})
         mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
         mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
+        mlflow.log_metric("calibrate/optimizer_ns_per_element", result["preset"]["optimizer_ns_per_element"])
         mlflow.log_artifact(str(out_dir / "calibration.json"))
         mlflow.log_artifact(str(preset))
         return run.info.run_id
@@ -481,6 +502,7 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
     alpha, beta = fit_alpha_beta(coll, workers)
     values = preset_values(matmul, bandwidth, alpha, beta, device, host)
+    values["optimizer_ns_per_element"] = compute["optimizer_ns_per_element"]
     p2p = fit_p2p_latency(coll, beta)
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6

@@ -156,6 +156,11 @@ class HardwareConfig:
     fsdp_unit_overhead_us: float = 0.0
     """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
     measured by ``xpar calibrate``."""
+    optimizer_ns_per_element: Optional[float] = None
+    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
+    parameter element, measured by ``xpar calibrate`` (a CPU's sqrt and div are compute-bound, so
+    bytes over memory bandwidth under-count it ~2x: 5.1 vs 2.3 ns here); None: bytes over
+    ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
     cpu_cores: Optional[int] = None
     """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
     cores stretch the estimated step (xpar.estimate.host.oversubscription); None: not a shared CPU."""

@@ -154,6 +154,10 @@ def _other_problems(hw, preset) -> dict[str, str]:
     for name in ("matmul_efficiency", "link_efficiency"):
         if not 0 < getattr(hw, name) <= 1:
             out[name] = f"hardware.{name} must be in (0, 1], got {getattr(hw, name)}; e.g. hardware.{name}=0.7."
+    ns = hw.optimizer_ns_per_element
+    if ns is not None and ns <= 0:
+        out["optimizer_ns_per_element"] = (f"hardware.optimizer_ns_per_element must be > 0 nanoseconds or null (bytes "
+                                           f"over memory bandwidth), got {ns}; e.g. hardware.optimizer_ns_per_element=null.")
     if hw.framework_overhead_gb < 0:
         out["framework_overhead_gb"] = (f"hardware.framework_overhead_gb must be >= 0, got {hw.framework_overhead_gb}; "
                                         f"e.g. 2.0.")

@@ -308,16 +308,21 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
 
 
 def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
-                   bytes_per_element: Optional[float] = None) -> Any:
-    """Seconds of the optimizer step over HBM for the elements the device's optimizer holds
-    (``optimizer_bytes`` / the optimizer-state width of :data:`STATE_BYTES`): ``bytes_per_element``
-    each (an unfused AdamW, Assumptions.adamw_bytes_per_element), or, when None, 2 passes over the
-    params, grads and optimizer states at the ZeRO paper's widths (a fused AdamW); 0 without HBM
-    figure."""
+                   bytes_per_element: Optional[float] = None, ns_per_element: Optional[float] = None) -> Any:
+    """Seconds of the optimizer step for the elements the device's optimizer holds
+    (``optimizer_bytes`` / the optimizer-state width of :data:`STATE_BYTES`). An unfused AdamW
+    (``bytes_per_element`` given, Assumptions.adamw_bytes_per_element: what xpar executes) takes
+    ``ns_per_element`` each where the hardware has that measured figure
+    (HardwareConfig.optimizer_ns_per_element, ``xpar calibrate``), else moves ``bytes_per_element``
+    over HBM; a fused AdamW (``bytes_per_element`` None) makes 2 passes over the params, grads and
+    optimizer states at the ZeRO paper's widths. 0 without an HBM figure or a measured rate."""
     bp, bg, bo = STATE_BYTES[dtype]
+    elements = optimizer_bytes / bo
+    if bytes_per_element is not None and ns_per_element:
+        return elements * ns_per_element * 1e-9
     hbm = (hbm_tb_per_s or 0) * 1e12
     per_element = 2 * (bp + bg + bo) if bytes_per_element is None else bytes_per_element
-    return (optimizer_bytes / bo) * per_element / hbm if hbm else 0.0
+    return elements * per_element / hbm if hbm else 0.0
 
 
 def step_time(slow: dict, m: Any, beta: Any, mean_mb: Any, t_opt: Any) -> tuple[Any, dict]:
@@ -350,7 +355,8 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     x = per_rank[slow]
     mem = _memory(spec, assume)
-    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element)
+    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
+                           hw.optimizer_ns_per_element)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time),
                                 t_opt + off.get("exposed_s", 0.0))

@@ -306,7 +306,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     else:
         opt, elements = np.asarray(memory_optimizer, float), optimizer_elements
     off = _offload_columns(base, a, r, pick, elements)
-    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s, a.adamw_bytes_per_element) + off["exposed_s"]
+    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s, a.adamw_bytes_per_element,
+                           base.hardware.optimizer_ns_per_element) + off["exposed_s"]
     time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
     stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
     time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
