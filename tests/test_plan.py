@@ -473,3 +473,19 @@ def test_a_global_batch_range_is_named_in_the_title_and_each_rows_batch_shown(ca
     assert len(set((r["b"] * r["m"] * r["dp"])[plan.ranked[:50]])) > 1  # the rows this is about
     fixed = show(plan_of("model=13b", "hardware=h100_80gb_16gpu", "plan.global_batch_size=512"), capsys)
     assert "global batch 512)" in fixed and "(column B)" not in fixed
+
+
+def test_plan_on_a_cpu_preset_keeps_the_default_train_a_gpu_cluster_gets_train_cluster():
+    """A calibrated CPU preset is no GPU cluster: its plan keeps fp32 (a fresh-user breaker found
+    ``xpar plan hardware=calibrated_*`` silently planning bf16 at micro-batch 1)."""
+    from xpar.plan.inputs import plan_argv
+    from xpar.presets import conf_dir
+    cpu = conf_dir() / "hardware" / f"calibrated_pytest_plan_{os.getpid()}.yaml"
+    cpu.write_text("name: local\ndevice: cpu\ndevices_per_node: auto\nnodes: 1\npeak_tflops: 0.1\n")
+    try:
+        assert "train=cluster" not in plan_argv([f"hardware={cpu.stem}", "model=tiny"])
+    finally:
+        cpu.unlink()
+    assert "train=cluster" not in plan_argv(["hardware=local", "model=tiny"])
+    assert "train=cluster" in plan_argv(["hardware=a100_80gb_8gpu", "model=7b"])
+    assert "train=cluster" not in plan_argv(["hardware=a100_80gb_8gpu", "model=7b", "train=default"])

@@ -224,7 +224,19 @@ def _task_overrides() -> list[str]:
 
 def plan_argv(args: list[str]) -> list[str]:
     """``xpar plan <overrides>`` as a run's overrides: ``run.mode=plan``, and ``train=cluster``
-    (bf16, micro-batch 1) for a cluster preset unless a train preset is given."""
-    cluster = any(a.startswith("hardware=") and a != "hardware=local" for a in args)
-    train = [] if any(a.lstrip("+").startswith("train=") for a in args) or not cluster else ["train=cluster"]
-    return list(args) + train + ["run.mode=plan"]
+    (bf16, micro-batch 1) for a GPU cluster preset (its ``device`` is cuda) unless a train
+    preset is given; local (device auto) and a CPU ``calibrated_*`` preset keep the default train (fp32)."""
+    train_given = any(a.lstrip("+").startswith("train=") for a in args)
+    names = [a.split("=", 1)[1] for a in args if a.startswith("hardware=")]
+    cluster = bool(names) and _preset_device(names[-1]) == "cuda"
+    return list(args) + ([] if train_given or not cluster else ["train=cluster"]) + ["run.mode=plan"]
+
+
+def _preset_device(name: str) -> str:
+    """The ``device`` of hardware preset ``name`` (cuda when the preset or its field is missing)."""
+    import yaml
+
+    from xpar.presets import conf_dir
+    path = conf_dir() / "hardware" / f"{name}.yaml"
+    data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return str((data or {}).get("device", "cuda"))
