@@ -277,6 +277,11 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "compares the runs it records in MLflow, and tracking is off" in err
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.min_tokens_per_s=1e9")
     assert "picks the smallest cluster of a range of plan.devices" in err
+    # 24 A100s at global batch 1024: dp would be 3 x 2^k; the line gives a batch and a device count that pass
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.devices=24")
+    assert "e.g. plan.global_batch_size=1023 or plan.devices=16" in err
+    for fix in (["plan.devices=24", "plan.global_batch_size=1023"], ["plan.devices=16"]):
+        assert plan_of("model=7b", "hardware=a100_80gb_8gpu", *fix).best is not None
 
 
 @pytest.mark.parametrize("bad, says", [

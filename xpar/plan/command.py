@@ -148,7 +148,34 @@ def empty_space_line(inputs: PlanInputs, devices: int, space: Space) -> str:
                     f"{col} values that work: {_hydra(works)}; e.g. plan.{name}={_example(name, works)}.")
     top = max(space.dropped, key=space.dropped.get)
     return (f"no layout of {where} passes the rules; most are dropped because {RULES[top]} "
-            f"({space.dropped[top]:,} layouts); try another global batch (plan.global_batch_size) or device count.")
+            f"({space.dropped[top]:,} layouts); {_nearest_that_passes(inputs, devices)}.")
+
+
+def _passes(inputs: PlanInputs, devices: int, batch: tuple[int, int]) -> bool:
+    """Whether any layout of ``devices`` devices at global batch ``batch`` passes the rules."""
+    ctx = inputs.at(devices)
+    c = replace(inputs.constraints, global_batch=batch)
+    return len(enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]),
+                                 int(ctx.train["seq_len"]), c)) > 0
+
+
+def _nearest_that_passes(inputs: PlanInputs, devices: int) -> str:
+    """'e.g. plan.global_batch_size=B' (the nearest batch some layout passes at: a multiple of a dp
+    the devices allow) 'or plan.devices=N' (the nearest whole-node count that passes at the batch
+    given), each checked; else the bare advice."""
+    lo, hi = inputs.constraints.global_batch
+    fixes = []
+    dps = [d for d in range(1, devices + 1) if devices % d == 0]
+    for b in sorted({max(d, round(lo / d) * d) for d in dps} - {lo}, key=lambda b: (abs(b - lo), b))[:16]:
+        if lo == hi and _passes(inputs, devices, (b, b)):
+            fixes.append(f"plan.global_batch_size={b}")
+            break
+    node = inputs.devices_per_node
+    for n in sorted({devices + k * node for k in range(-4, 5)} - {devices}, key=lambda n: (abs(n - devices), n)):
+        if n >= node and n % node == 0 and _passes(inputs, n, (lo, hi)):
+            fixes.append(f"plan.devices={n}")
+            break
+    return "e.g. " + " or ".join(fixes) if fixes else "try another global batch (plan.global_batch_size) or device count"
 
 
 def _why(key: str, space: Space) -> str:
