@@ -134,6 +134,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         ns = raw["preset"]["optimizer_ns_per_element"]  # torch's AdamW step measured per element
         assert 0 < ns < 1000 and spec.hardware.optimizer_ns_per_element == pytest.approx(ns)
         assert e.time_breakdown["optimizer"] == pytest.approx(e.memory.optimizer / 8 * ns * 1e-9, rel=1e-9)
+        assert 0 <= raw["preset"]["sync_wait_us"] < 1e5 and spec.hardware.sync_wait_us == raw["preset"]["sync_wait_us"]
         from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
         assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -193,6 +194,30 @@ def test_a_measured_optimizer_rate_replaces_bytes_over_bandwidth_for_the_unfused
     assert optimizer_time(fp32_states, "fp32", 0.02, 84.0) == pytest.approx(1e6 * 84 / 0.02e12)
     assert optimizer_time(fp32_states, "fp32", 0.02, 84.0, 5.0) == pytest.approx(1e6 * 5e-9)
     assert optimizer_time(fp32_states, "fp32", 0.02, None, 5.0) == optimizer_time(fp32_states, "fp32", 0.02, None)
+
+
+def test_every_collective_and_send_waits_for_its_peers_once_per_call_unstretched():
+    """hardware.sync_wait_us (xpar calibrate: a collective after compute against one alone) adds to
+    every collective and pipeline send; a step whose workers outnumber the cores stretches its work,
+    not its waits (a waiting worker holds no core)."""
+    from dataclasses import replace
+
+    from xpar.estimate.collectives import Group, collective_time, p2p_time
+    from xpar.estimate.cost import estimate, with_hardware
+    spec = spec_for("parallel=tp", "model=tiny", "hardware=local", "hardware.peak_tflops=0.1",
+                    "hardware.intra_node_gb_per_s=1.5", "hardware.cpu_cores=2")
+    hw, waited = spec.hardware, replace(spec.hardware, sync_wait_us=1000.0)
+    for n in (4096, 2 ** 22):
+        assert collective_time(waited, "allreduce", n, Group(2, 2)) == pytest.approx(
+            collective_time(hw, "allreduce", n, Group(2, 2)) + 1e-3)
+        assert p2p_time(waited, n, False) == pytest.approx(p2p_time(hw, n, False) + 1e-3)
+    assert collective_time(waited, "allreduce", 4096, Group(1, 1)) == 0  # no peers, no wait
+    base, wait = estimate(spec), estimate(with_hardware(spec, sync_wait_us=1000.0))
+    calls = spec.micro_batches * (4 * spec.model.n_layers + 2)  # tp all-reduces: 2 per layer each way, 2 ends
+    assert wait.time_breakdown["tp_comm"] - base.time_breakdown["tp_comm"] == pytest.approx(calls * 1e-3)
+    crowded = with_hardware(spec, cpu_cores=1)  # 2 workers on 1 core: work stretched 2x, waits not
+    extra = estimate(with_hardware(crowded, sync_wait_us=1000.0)).time_per_step_s - estimate(crowded).time_per_step_s
+    assert extra == pytest.approx(wait.time_per_step_s - base.time_per_step_s, rel=1e-6)
 
 
 def test_host_time_only_where_measured():

@@ -256,9 +256,9 @@ def test_time_columns_with_measured_collective_curves():
     hw = dict(_group("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
               intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
               op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2,
-              ring_step_us_by_bytes=curves)
-    _, ests, got = _cpu_columns(hw, "mini", 4, 8)
-    assert (got["time_dp_comm_exposed"] > 0).any()
+              ring_step_us_by_bytes=curves, sync_wait_us=900.0, optimizer_ns_per_element=3.4)
+    specs, ests, got = _cpu_columns(hw, "mini", 4, 8)  # xpar calibrate's waits and AdamW rate in too
+    assert (got["time_dp_comm_exposed"] > 0).any() and specs[0].world_size == 8  # 4x the 2 cores: waits unstretched
 
 
 def test_time_columns_with_host_overhead_and_shared_cores():

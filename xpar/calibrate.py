@@ -17,6 +17,8 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
   element -> ``optimizer_ns_per_element`` (on a CPU its sqrt and div are compute-bound: bytes over
   bandwidth put GPT-2 small's step at 0.37 s where it took 0.63 s here);
+- the wait at a blocking collective: a 16-float all-reduce after ~2 ms of compute, mean wall time,
+  less the compute and the all-reduce alone (:func:`measure_sync_wait`) -> ``sync_wait_us``;
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
   forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
   DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
@@ -227,6 +229,36 @@ def collective_worker(payload: dict) -> dict:
     return {"times": out, "shares": shares}
 
 
+SYNC_WORK_S = 0.002
+"""Seconds of compute between the collectives :func:`measure_sync_wait` issues: a tiny model's
+interval between tp all-reduces or FSDP gathers here is 0.2-3 ms."""
+
+
+def measure_sync_wait(reps: int = 40, device: str = "cpu") -> float:
+    """Mean seconds a small all-reduce issued after :data:`SYNC_WORK_S` of compute takes beyond the
+    compute and the same all-reduce issued alone (every rank at once, wall time: the later peer and
+    the wake-up of a waiting thread, what a run's blocking collectives pay); >= 0."""
+    import torch
+    import torch.distributed as dist
+
+    a, g = torch.randn(128, 128, device=device), torch.ones(16, device=device)
+    sync = _sync(device)
+    calls = max(1, int(SYNC_WORK_S / max(median_time(lambda: a @ a, 5, sync, 0.01), 1e-7)))
+
+    def compute() -> None:
+        for _ in range(calls):
+            a @ a
+        sync()
+
+    def mean_wall(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        return median_time(fn, reps, sync, average=statistics.fmean)
+
+    alone = median_time(lambda: dist.all_reduce(g), reps, sync)
+    both = mean_wall(lambda: (compute(), dist.all_reduce(g)))
+    return max(0.0, both - mean_wall(compute) - alone)
+
+
 def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -237,7 +269,8 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = {"compute": compute_worker(payload), **collective_worker(payload)}
+        result = {"compute": compute_worker(payload), **collective_worker(payload),
+                  "sync_wait_s": measure_sync_wait(device=payload["device"])}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
@@ -286,7 +319,7 @@ def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str 
                            start_method="spawn")
         raw = json.loads(Path(out).read_text())
     compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
-    return {"compute": compute, "collective_shares": raw["shares"],
+    return {"compute": compute, "collective_shares": raw["shares"], "sync_wait_s": raw["sync_wait_s"],
             "collectives": {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
                             for k, v in raw["times"].items()}}
 
@@ -483,6 +516,7 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
         mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
         mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
         mlflow.log_metric("calibrate/optimizer_ns_per_element", result["preset"]["optimizer_ns_per_element"])
+        mlflow.log_metric("calibrate/sync_wait_us", result["preset"]["sync_wait_us"])
         mlflow.log_artifact(str(out_dir / "calibration.json"))
         mlflow.log_artifact(str(preset))
         return run.info.run_id
@@ -503,6 +537,7 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     alpha, beta = fit_alpha_beta(coll, workers)
     values = preset_values(matmul, bandwidth, alpha, beta, device, host)
     values["optimizer_ns_per_element"] = compute["optimizer_ns_per_element"]
+    values["sync_wait_us"] = measured["sync_wait_s"] * 1e6
     p2p = fit_p2p_latency(coll, beta)
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6

@@ -156,6 +156,11 @@ class HardwareConfig:
     fsdp_unit_overhead_us: float = 0.0
     """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
     measured by ``xpar calibrate``."""
+    sync_wait_us: float = 0.0
+    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
+    ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by
+    ``xpar calibrate``; added to every collective and send (xpar.estimate.collectives). 0: GPU
+    presets (no such measurement)."""
     optimizer_ns_per_element: Optional[float] = None
     """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
     parameter element, measured by ``xpar calibrate`` (a CPU's sqrt and div are compute-bound, so

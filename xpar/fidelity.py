@@ -57,9 +57,10 @@ def _dp_outside(spec: RunSpec) -> float:
     pipeline rank (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's
     gathers after the step), stretched as the estimate's terms are; the rest of the term, the
     FSDP gathers of every micro-batch, runs inside the stages' forward and backward."""
-    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
+    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time, waits_unstretched
     from xpar.estimate.host import oversubscription
 
+    spec = waits_unstretched(spec, spec.world_size)
     slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
     return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
                                              spec.train.threads_per_worker or 1)

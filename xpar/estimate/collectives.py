@@ -38,6 +38,10 @@ step by the chunk it carries (:func:`measured_time`). gloo's all-gather and redu
 more per byte than its all-reduce, and every collective's cost per byte grows past a few MiB
 (measured here, 2 workers: a 64 MiB all-gather ~5x a 16 MiB one); one alpha and one beta over
 all of them and a 4 MiB largest size put GPT-2 small's 309 MB FSDP root at a tenth of its time.
+Every collective and send also waits ``hardware.sync_wait_us`` for its peers: the mean excess of a
+collective issued after compute over the same collective issued alone (measured by ``xpar
+calibrate``: 1-2 ms per small all-reduce after 1-3 ms of compute on 2 gloo workers here, where the
+collective alone takes 0.3 ms; the later peer and a woken thread on a busy core). 0 on GPU presets.
 """
 from __future__ import annotations
 
@@ -188,6 +192,11 @@ def collective_time(hw: HardwareConfig, collective: str, nbytes: float, group: G
         raise ValueError(f"unknown collective algorithm {algorithm!r}; one of {ALGORITHMS}")
     if group.size <= 1 or nbytes <= 0:
         return 0.0
+    return _unwaited_time(hw, collective, nbytes, group, algorithm) + hw.sync_wait_us * 1e-6
+
+
+def _unwaited_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group, algorithm: str) -> float:
+    """:func:`collective_time` without the wait for the peers (``hardware.sync_wait_us``)."""
     measured = measured_time(hw, collective, nbytes, group)
     if measured is not None:
         return measured
@@ -207,9 +216,10 @@ def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
     the measured send/recv curve where the machine has one (:func:`measured_time`)."""
     if nbytes <= 0:
         return 0.0
+    wait = hw.sync_wait_us * 1e-6
     measured = None if across_nodes else measured_time(hw, "send_recv", nbytes, Group(2, 2))
     if measured is not None:
-        return measured
+        return measured + wait
     if hw.intra_node_gb_per_s is None:
         return 0.0
     if across_nodes and hw.inter_node_gb_per_s is not None:  # every device of the node sends at once
@@ -217,4 +227,4 @@ def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:
     else:
         bw, lat = hw.intra_node_gb_per_s, hw.intra_node_latency_us
     lat = hw.collective_latency_us + lat if hw.p2p_latency_us is None else hw.p2p_latency_us
-    return lat * 1e-6 + nbytes / (bw * 1e9 * hw.link_efficiency)
+    return lat * 1e-6 + nbytes / (bw * 1e9 * hw.link_efficiency) + wait

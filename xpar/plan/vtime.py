@@ -35,7 +35,8 @@ import numpy as np
 
 from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, layer_costs, microbatch_time,
-                                optimizer_time, pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times)
+                                optimizer_time, pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times,
+                                waits_unstretched)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
@@ -286,6 +287,11 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
         ValueError: a candidate whose pp x v does not divide the layers (splits must be balanced).
         KeyError: a schedule not in :data:`xpar.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
+    world = cols["tp"] * cols["pp"] * cols["dp"]
+    if base.hardware.sync_wait_us and len(np.unique(world)) > 1:  # the waits depend on the workers
+        return _by_world(base, cols, world, memory_optimizer, optimizer_elements)
+    if len(world):
+        base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
     r = _rows(cols, a.cpu_offload_optimizer)
     uneven = np.flatnonzero(base.model.n_layers % (r["pp"] * r["v"]))
@@ -317,6 +323,20 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
            "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, time))
     return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+
+
+def _by_world(base: RunSpec, cols: dict, world: np.ndarray, memory_optimizer: Optional[np.ndarray],
+              optimizer_elements: Optional[np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`time_columns` of candidates of several device counts, one count at a time."""
+    out = {k: np.zeros(len(world)) for k in TIME_KEYS}
+    for w in np.unique(world):
+        i = np.flatnonzero(world == w)
+        part = time_columns(base, {k: np.asarray(v)[i] for k, v in cols.items()},
+                            None if memory_optimizer is None else np.asarray(memory_optimizer)[i],
+                            None if optimizer_elements is None else np.asarray(optimizer_elements)[i])
+        for k in TIME_KEYS:
+            out[k][i] = part[k]
+    return out
 
 
 def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
