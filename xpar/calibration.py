@@ -182,7 +182,8 @@ def mpt_row(row: dict):
     column) resized to the row's GPUs, fabric as the preset (8 NICs per node); A100 40 GB rows take
     its HBM (1.555 TB/s, datasheet). Profile: torchtitan's FSDP (per-block units with prefetch,
     flash attention, no dropout: what Composer's FSDP with flash attention runs) with the
-    reduce-scatter width of the row's MP mode (:data:`MPT_REDUCE_BYTES`; PURE by default)."""
+    reduce-scatter width of the row's MP mode (:data:`MPT_REDUCE_BYTES`; PURE by default) and
+    FSDP1's copies (``fsdp_copies='fsdp1'``: Composer wraps torch's FSDP1)."""
     h, gpus = int(row["hidden"]), int(row["gpus"])
     model = dict(name=f"mpt_{row['model']}", n_layers=int(row["layers"]), hidden=h, n_heads=int(row["heads"]),
                  n_kv_heads=None, ffn_hidden=4 * h, vocab_size=50368, seq_len=2048, activation="gelu",
@@ -194,7 +195,7 @@ def mpt_row(row: dict):
         hw.update(device_memory_gb=42.3, hbm_tb_per_s=1.555)  # 42.3e9 bytes as the 40 GB device reports
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=2048)
-    a = _fw("torchtitan", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")])
+    a = _fw("torchtitan", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")], fsdp_copies="fsdp1")
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -204,7 +205,7 @@ def ibm_fsdp_row(row: dict):
     ``local_batch`` per step, full recompute; the GPU's preset with the published inter-node
     bandwidth per node (``fabric_gbps_per_node`` Gb/s over 4 NICs: only the node total enters
     the cross-node ring). Profile: torchtitan's FSDP with bf16 reduce-scatters (fms-fsdp's
-    bfSixteen mixed precision)."""
+    bfSixteen mixed precision) and FSDP1's copies (fms-fsdp wraps torch's FSDP1)."""
     gpus = int(row["gpus"])
     model = dict(name=row["model"], n_layers=int(row["layers"]), hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"]),
@@ -215,7 +216,7 @@ def ibm_fsdp_row(row: dict):
     hw = dict(preset("hardware", GPU_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
               inter_node_gb_per_s=float(row["fabric_gbps_per_node"]) / 8 / nics)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = _fw("torchtitan", grad_reduce_bytes=2)
+    a = _fw("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1")
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 

@@ -235,6 +235,14 @@ class FrameworkConfig:
     parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    fsdp_copies: str = "fsdp2"
+    """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
+    _fsdp_collectives.py): each all-gather's flat output copied into the unit's parameters
+    (``split_with_sizes_copy`` in ``wait_for_unshard``: read + write in the parameter dtype) and the
+    unit's gradients into the reduce-scatter input, cast to the reduce dtype
+    (``foreach_reduce_scatter_copy_in``); 'fsdp1' (FlatParameter: parameters and gradients are views
+    of the gathered and reduced flat buffers): only the cast of the flat gradient where the reduce
+    dtype differs; 'none': DeepSpeed (ZeRO-3 gathers into a buffer its parameters view)."""
     adamw_bytes_per_element: Optional[float] = 84.0
     """Memory traffic of the optimizer step per element it updates, bytes. 84: torch's AdamW with
     foreach=False (xpar.parallel.data_parallel.build_optimizer) runs 8 element-wise kernels over

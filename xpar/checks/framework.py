@@ -7,6 +7,7 @@ from xpar.layout import SCHEDULES
 CHOICES = {
     "zero1": ("zero_redundancy", "distributed_optimizer"),
     "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.collectives.ALGORITHMS
+    "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.dp.FSDP_COPIES
     "selective_recompute": ("op", "torchtitan_op", "attention"),  # xpar.estimate.memory.SELECTIVE_POLICIES
     "param_storage": ("fp32", "bf16"),
 }

@@ -38,12 +38,10 @@ A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/1638
 rows, Table 4) with NVIDIA's NeMo BF16 recipes on 16-2048 H100s (18 rows), torchtitan Llama 3.1
 8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows, its own family: peak unknown), and
 never-fitted checks (xpar.calibration.CHECK_ONLY). Fitted: A100 0.672, H100 0.598 (Llama 3 alone:
-0.678; 500 W part: 0.400). Leave-one-
-source-out (fit on the others, predict the source): Megatron Table 1 median 2.6 % / max 6.3 %,
-torchtitan A100 5.4 % / 17.0 %, Llama 3 (H100 from the A100 fit) 5.6 % / 10.6 %, torchtitan
-500 W H100 from the A100 fit +53 % / +56 % (the datasheet peak does not describe that part). With all sources: Megatron Table 1 median
-1.5 %, max 7.0 % (before the alpha-beta model: 1.6 % / 5.2 %; the 7.5B and 18.4B rows, tp 4-8
-in a node, now pay NCCL's per-step latency on every tp all-reduce). GEMM_HALF_DIM = 32 and
+0.678; 500 W part: 0.408). Leave-one-source-out and all-source figures per source:
+``python benchmarks/estimate_calibration.py`` (e.g. Megatron Table 1 held out median 2.3 % / max
+6.4 %, with all sources 1.5 % / 7.0 %; torchtitan A100 held out 7.3 % / 11.2 % since FSDP2's
+compute-stream copies are priced: 5.8 % / 16.5 % before). GEMM_HALF_DIM = 32 and
 link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every row).
 """
 from __future__ import annotations
@@ -98,6 +96,7 @@ class Assumptions(MemoryOptions):
     overlap_slowdown: float = 0.15
     zero3_host_ops_per_rank: float = 0.0
     host_op_us: float = 4.0
+    fsdp_copies: str = "fsdp2"
     adamw_bytes_per_element: Optional[float] = 84.0
 
     @classmethod

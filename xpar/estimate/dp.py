@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -51,6 +51,11 @@ class DpTiming:
     per_microbatch: float
     end: float
     issued: float
+    copy_per_microbatch: float = 0.0
+    """Seconds of FSDP2's copies on the compute stream per micro-batch (:func:`copy_times`; in
+    ``per_microbatch``) ..."""
+    copy_once: float = 0.0
+    """... and once per step (under pp, the stage's single gather and reduction; in ``end``)."""
 
 
 def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
@@ -104,7 +109,33 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     if z == 3 and assume.zero3_host_ops_per_rank:
         gather = [g + x for g, x in zip(gather, list_api_times(spec, assume, units, e))]
         red = [r + x for r, x in zip(red, list_api_times(spec, assume, units, gb))]
-    return {"gather": gather, "reduce": red}
+    return {"gather": gather, "reduce": red, **copy_times(spec, assume, units)}
+
+
+FSDP_COPIES = ("fsdp2", "fsdp1", "none")
+"""Values of Assumptions.fsdp_copies (xpar.config.FrameworkConfig)."""
+
+
+def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
+    """Seconds per unit of the ZeRO-2/3 copies on the compute stream (Assumptions.fsdp_copies;
+    dp > 1): ``copy_gather``, after each all-gather, FSDP2's copy of the flat output into the
+    unit's parameters (read and write of its elements in the training dtype); ``copy_reduce``,
+    before each reduce-scatter, FSDP2's copy of the unit's gradients (training dtype) into the
+    reduce buffer (``grad_reduce_bytes`` each), FSDP1's cast of its flat gradient where the widths
+    differ. Over ``hardware.hbm_tb_per_s``; zeros without it.
+
+    Raises:
+        ValueError: an ``fsdp_copies`` not in :data:`FSDP_COPIES`."""
+    kind, hbm = assume.fsdp_copies, (spec.hardware.hbm_tb_per_s or 0) * 1e12
+    if kind not in FSDP_COPIES:
+        raise ValueError(f"framework.fsdp_copies must be one of {FSDP_COPIES}, got {kind!r}")
+    e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
+    copy_out = 2 * e if kind == "fsdp2" else 0
+    copy_in = e + gb if kind == "fsdp2" or (kind == "fsdp1" and gb != e) else 0
+    if not (spec.parallel.zero_stage >= 2 and spec.dp > 1 and hbm):
+        copy_out = copy_in = 0
+    return {"copy_gather": [copy_out * n / hbm if copy_out else 0.0 for n in units],
+            "copy_reduce": [copy_in * n / hbm if copy_in else 0.0 for n in units]}
 
 
 def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int) -> list[float]:
@@ -132,8 +163,10 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     if spec.dp == 1:
         return DpTiming(0.0, 0.0, 0.0)
     t = unit_times(spec, assume, unit_elements(spec, pp_rank))
-    x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"])
-    return DpTiming(x["per_microbatch"], x["end"], spec.micro_batches * x["issued_per_microbatch"] + x["issued_once"])
+    x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
+                    t["copy_gather"], t["copy_reduce"])
+    return DpTiming(x["per_microbatch"], x["end"], spec.micro_batches * x["issued_per_microbatch"] + x["issued_once"],
+                    x["copy_per_microbatch"], x["copy_once"])
 
 
 def _masked(cond: Any, times: list) -> list:
@@ -150,13 +183,33 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
     return np.where(cond, when_true() if cond.any() else 0.0, when_false() if not cond.all() else 0.0)
 
 
-def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list) -> dict:
+def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
+                copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
-    reduction, forward order (root first). Returns seconds: ``per_microbatch`` and ``end``
-    exposed (:class:`DpTiming`), ``issued_per_microbatch`` and ``issued_once`` (issued per
-    step = m x the first + the second)."""
+    reduction, forward order (root first); ``copy_gather``/``copy_reduce``: each unit's compute-
+    stream copies after its gather and before its reduction (:func:`copy_times`; None: none), added
+    to the unit's compute where they happen and counted as exposed dp time (they exist for the
+    collectives). Returns seconds: ``per_microbatch`` and ``end`` exposed (:class:`DpTiming`, the
+    copies in), ``issued_per_microbatch`` and ``issued_once`` (issued per step = m x the first +
+    the second), ``copy_per_microbatch`` and ``copy_once`` (the copies alone)."""
+    zeros = [0.0] * len(gather)
+    cg, cr = copy_gather or zeros, copy_reduce or zeros
+    every = (z >= 2) & (pp == 1)
+    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), z == 3
+    compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
+    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, cg[::-1]), _masked(every, cr[::-1]))]
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce)
+    copy_mb = vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(cg), 0.0) + vwhere(every, sum(cr), 0.0)
+    copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
+    out["per_microbatch"] = out["per_microbatch"] + copy_mb  # the copies are dp's cost: exposed with it
+    out["end"] = out["end"] + copy_once
+    return dict(out, copy_per_microbatch=copy_mb, copy_once=copy_once)
+
+
+def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list) -> dict:
+    """:func:`dp_exposure` on compute that already holds the copies."""
     gf, gb_, red = gather, gather[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
     every = (z >= 2) & (pp == 1)

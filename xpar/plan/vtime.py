@@ -147,6 +147,10 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     return {"root": u[0], "block": u[1]}
 
 
+UNIT_TIMES = {"g": "gather", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
+"""Columns of :func:`_dp_unit_times` (``<key>_root``, ``<key>_block``) -> xpar.estimate.dp.unit_times keys."""
+
+
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
     (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then n_layers / pp blocks)."""
@@ -156,8 +160,7 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
         if (dp, tp, zero) not in specs:
             specs[dp, tp, zero] = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
         t = unit_times(specs[dp, tp, zero], a, [int(root)] + [int(block)] * int(n))
-        return {"g_root": t["gather"][0], "g_block": t["gather"][-1], "r_root": t["reduce"][0],
-                "r_block": t["reduce"][-1]}
+        return {f"{k}_{u}": t[name][i] for k, name in UNIT_TIMES.items() for u, i in (("root", 0), ("block", -1))}
 
     first, last = s["first"], s["last"]
     cls = np.where(r["pp"] == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
@@ -165,7 +168,7 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
     n = np.broadcast_to(base.model.n_layers // r["pp"], cls.shape)
     root, block = el["root"].astype(np.int64), el["block"].astype(np.int64)  # element counts
     return per_slot([r["dp"], r["tp"], r["zero"], root, block, n], times,
-                    ("g_root", "g_block", "r_root", "r_block"))
+                    tuple(f"{k}_{u}" for k in UNIT_TIMES for u in ("root", "block")))
 
 
 def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
@@ -182,14 +185,16 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")] + [one_stage])
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
-    res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once")}
+    res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
+                                           "copy_per_microbatch", "copy_once")}
     rep_live = live[rep]
     for p in np.unique(pp[rep][rep_live]).tolist():
         sel = np.flatnonzero(rep_live & (pp[rep] == p))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         n = base.model.n_layers // p
+        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES}
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
-                          [f["g_root"]] + [f["g_block"]] * n, [f["r_root"]] + [f["r_block"]] * n)
+                          units["g"], units["r"], units["cg"], units["cr"])
         for k in res:
             res[k][sel] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
