@@ -6,6 +6,8 @@ builds RunSpecs of published layouts (Narayanan et al. 2021 Table 1) with
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from xpar.estimate.cost import Assumptions, estimate
 from xpar.spec import RunSpec
 
@@ -349,12 +351,17 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
     cost = lambda x: statistics.median(abs(e) for e in errors(cases, x))  # noqa: E731
     g = (5 ** 0.5 - 1) / 2
     a, b = lo, hi
-    for _ in range(14):
-        c, d = b - g * (b - a), a + g * (b - a)
-        if cost(c) <= cost(d):
-            b = d
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = cost(c), cost(d)
+    for _ in range(14):  # one new point per step: the kept inner point is the next step's other
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = cost(c)
         else:
-            a = c
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = cost(d)
     return round((a + b) / 2, 3)
 
 
@@ -380,16 +387,21 @@ def breakdown(case, efficiency: float) -> dict[str, float]:
     return out
 
 
-def fit(cases_by_source: dict, exclude: str = "") -> dict[str, float]:
+def fit(cases_by_source: dict, exclude: str = "", fitted: Optional[dict] = None) -> dict[str, float]:
     """One matmul efficiency per GPU family from every source but ``exclude`` and the
     :data:`CHECK_ONLY` sources; a family with no source left takes the A100 value (the
-    transfer the held-out check measures)."""
+    transfer the held-out check measures). ``fitted``: a cache of family fits by their cases
+    (leave-one-source-out refits only the family of the source it leaves out)."""
     fams: dict[str, list] = {}
     for name, cases in cases_by_source.items():
         if name != exclude and name not in CHECK_ONLY:
             for c in cases:
                 fams.setdefault(c[0], []).append(c)
-    eff = {gpu: fit_efficiency(cs) for gpu, cs in fams.items()}
+    fitted = {} if fitted is None else fitted
+    eff = {}
+    for gpu, cs in fams.items():
+        key = (gpu, tuple(map(id, cs)))
+        eff[gpu] = fitted[key] = fitted[key] if key in fitted else fit_efficiency(cs)
     for gpu in {c[0] for cs in cases_by_source.values() for c in cs}:
         eff.setdefault(gpu, eff.get("A100", 0.66))
     return eff
@@ -398,10 +410,11 @@ def fit(cases_by_source: dict, exclude: str = "") -> dict[str, float]:
 def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
     """Per source: the efficiencies fitted on all sources and on all but this one, and the
     relative errors of its rows under each ('calibration' and 'held_out')."""
-    everything = fit(cases_by_source)
+    fitted: dict = {}
+    everything = fit(cases_by_source, fitted=fitted)
     out = {}
     for name, cases in cases_by_source.items():
-        without = fit(cases_by_source, exclude=name)
+        without = fit(cases_by_source, exclude=name, fitted=fitted)
         out[name] = {"fit_all": everything, "fit_without": without,
                      "calibration": [errors([c], everything[c[0]])[0] for c in cases],
                      "held_out": [errors([c], without[c[0]])[0] for c in cases]}
