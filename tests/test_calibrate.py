@@ -128,7 +128,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100
         assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
         assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
-        from xpar.estimate.cost import estimate, optimizer_time
+        from xpar.estimate.cost import estimate
         e = estimate(spec)
         assert e.time_breakdown["host_overhead"] > 0
         ns = raw["preset"]["optimizer_ns_per_element"]  # torch's AdamW step measured per element

@@ -287,7 +287,9 @@ def test_bad_constraints_one_line_exit_2(capsys):
 @pytest.mark.parametrize("bad, says", [
     ("hardware.nodes=0", "hardware.nodes must be >= 1, got 0"), ("model.n_layers=0", "model.n_layers must be >= 1"),
     ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null"),
-    ("train.seq_len=0", "train.seq_len must be in [1, 4096] for model=7b, got 0; e.g. train.seq_len=4096.")])
+    ("train.seq_len=0", "train.seq_len must be in [1, 4096] for model=7b, got 0; e.g. train.seq_len=4096."),
+    ("hardware.sync_wait_us=nan", "hardware.sync_wait_us must be >= 0 microseconds and finite"),
+    ("hardware.optimizer_ns_per_element=inf", "hardware.optimizer_ns_per_element must be > 0 nanoseconds and finite")])
 def test_model_and_hardware_values_are_checked_as_a_run_checks_them(capsys, bad, says):
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", bad)
     assert says in err
@@ -494,3 +496,16 @@ def test_plan_on_a_cpu_preset_keeps_the_default_train_a_gpu_cluster_gets_train_c
     assert "train=cluster" not in plan_argv(["hardware=local", "model=tiny"])
     assert "train=cluster" in plan_argv(["hardware=a100_80gb_8gpu", "model=7b"])
     assert "train=cluster" not in plan_argv(["hardware=a100_80gb_8gpu", "model=7b", "train=default"])
+
+
+def test_a_plan_over_nodes_without_an_inter_node_figure_is_one_line_and_its_command_names_the_nodes(capsys):
+    """A CPU preset with a measured link but no inter-node figure, planned over 2 nodes: one line with
+    the figure to give (it was a traceback from inside the search: fresh-user breaker); given it, the
+    reproducing command names the 2 nodes (it left hardware.nodes out for a local preset)."""
+    from xpar.plan.show import override_line
+    cpu = ("model=tiny", "hardware=local", "hardware.devices_per_node=2", "hardware.intra_node_gb_per_s=1.5",
+           "plan.devices=4")
+    err = refusal(capsys, *cpu)
+    assert "at plan.devices=4: hardware.inter_node_gb_per_s=null" in err and "hardware.inter_node_gb_per_s=25" in err
+    line = override_line(plan_of(*cpu, "hardware.inter_node_gb_per_s=25"))
+    assert "hardware.nodes=2" in line.split(), line

@@ -15,6 +15,8 @@ Each refusal names the constraint, the value given and a value that works
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import fields
 from typing import Optional
 
@@ -138,8 +140,9 @@ def _other_problems(hw, preset) -> dict[str, str]:
     out = {}
     for name in latency_fields():
         v = getattr(hw, name)
-        if v is not None and v < 0:
-            out[name] = (f"hardware.{name} must be >= 0 microseconds (a latency or a host overhead adds to the step), "
+        if v is not None and not 0 <= v < math.inf:  # NaN and inf too
+            out[name] = (f"hardware.{name} must be >= 0 microseconds and finite (a latency or a host overhead adds to "
+                         f"the step), "
                          f"got {v}; e.g. hardware.{name}={_working_value(hw, name, preset)}.")
     n = hw.nics_per_node
     if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
@@ -155,9 +158,10 @@ def _other_problems(hw, preset) -> dict[str, str]:
         if not 0 < getattr(hw, name) <= 1:
             out[name] = f"hardware.{name} must be in (0, 1], got {getattr(hw, name)}; e.g. hardware.{name}=0.7."
     ns = hw.optimizer_ns_per_element
-    if ns is not None and ns <= 0:
-        out["optimizer_ns_per_element"] = (f"hardware.optimizer_ns_per_element must be > 0 nanoseconds or null (bytes "
-                                           f"over memory bandwidth), got {ns}; e.g. hardware.optimizer_ns_per_element=null.")
+    if ns is not None and not 0 < ns < math.inf:
+        out["optimizer_ns_per_element"] = (f"hardware.optimizer_ns_per_element must be > 0 nanoseconds and finite, or "
+                                           f"null (bytes over memory bandwidth), got {ns}; "
+                                           f"e.g. hardware.optimizer_ns_per_element=null.")
     if hw.framework_overhead_gb < 0:
         out["framework_overhead_gb"] = (f"hardware.framework_overhead_gb must be >= 0, got {hw.framework_overhead_gb}; "
                                         f"e.g. 2.0.")

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.checks import ConfigError
 from xpar.plan.context import PlanContext
 from xpar.plan.inputs import PlanInputs, _hydra, plan_inputs
 from xpar.plan.space import RULES, Constraints, Space, enumerate_layouts
@@ -88,7 +89,10 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
     if not len(space):
         raise PlanRefused([empty_space_line(inputs, devices, space)])
     t1 = time.perf_counter()
-    res = evaluate(ctx, space.cols)
+    try:
+        res = evaluate(ctx, space.cols)
+    except ConfigError as e:  # the hardware at this device count (e.g. nodes without an inter-node figure)
+        raise PlanRefused([f"at plan.devices={devices}: {p}" for p in e.problems]) from None
     t2 = time.perf_counter()
     ranked = order(res, feasible(res))
     seconds = {"enumerate": t1 - t0, "evaluate": t2 - t1, "rank": time.perf_counter() - t2}
@@ -171,8 +175,9 @@ def _nearest_that_passes(inputs: PlanInputs, devices: int) -> str:
             fixes.append(f"plan.global_batch_size={b}")
             break
     node = inputs.devices_per_node
+    one_node = inputs.ctx.hardware.get("inter_node_gb_per_s") is None  # no figure to price a second node with
     for n in sorted({devices + k * node for k in range(-4, 5)} - {devices}, key=lambda n: (abs(n - devices), n)):
-        if n >= node and n % node == 0 and _passes(inputs, n, (lo, hi)):
+        if n >= node and n % node == 0 and not (one_node and n > node) and _passes(inputs, n, (lo, hi)):
             fixes.append(f"plan.devices={n}")
             break
     return "e.g. " + " or ".join(fixes) if fixes else "try another global batch (plan.global_batch_size) or device count"

@@ -26,7 +26,7 @@ def override_line(plan) -> str:
     if "offload" in r and (r["offload"][i] or ctx.framework.get("cpu_offload_optimizer")):
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
     hw = ctx.hardware
-    if hw["name"] != "local":
+    if hw["name"] != "local" or int(hw.get("nodes") or 1) > 1:  # a local plan over nodes names them too
         par.append(f"hardware.nodes={hw['nodes']}")
         given = any(o.startswith("hardware.devices_per_node=") for o in plan.inputs.overrides)
         if given or int(hw["devices_per_node"]) != plan.inputs.devices_per_node:
