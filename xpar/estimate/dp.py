@@ -25,7 +25,9 @@ Parameters travel in the training dtype, gradients in ``grad_reduce_bytes`` per 
 reduce in xpar's and torchtitan's bf16 recipe). A framework that issues ZeRO-3's collectives per
 parameter tensor through torch's list API (``zero3_host_ops_per_rank`` > 0: DeepSpeed 2021) also
 pays, per collective, host ops per rank and tensor and one more device copy of its bytes
-(:func:`list_api_times`). The overlap itself is
+(:func:`list_api_times`). FSDP2 also copies on the compute stream: each gather's flat output into
+the unit's parameters, the unit's gradients into the reduce-scatter input (``fsdp_copies``,
+:func:`copy_times`), in the unit's compute and in the exposed dp time. The overlap itself is
 :func:`xpar.estimate.overlap.simulate_pass`. Units: seconds.
 """
 from __future__ import annotations
