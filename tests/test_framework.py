@@ -123,7 +123,8 @@ def test_a_bad_framework_choice_is_one_clear_line():
         validate(compose("tracking=off", "framework.dp_collective=butterfly", "framework.tp_overlap=1.5"),
                  local_devices=2)
     msg = str(err.value)
-    assert "framework.dp_collective='butterfly' is not one of nccl, ring, tree, hierarchical" in msg
+    assert "framework.dp_collective='butterfly' is not one of nccl, ring, tree, hierarchical; e.g. " \
+           "framework.dp_collective=nccl" in msg
     assert "framework.tp_overlap=1.5 must be between 0 and 1" in msg
 
 

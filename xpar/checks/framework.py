@@ -16,8 +16,8 @@ FRACTIONS = ("tp_overlap", "pp_overlap", "overlap_slowdown", "recompute_layer_fr
 
 def check_framework(fw: FrameworkConfig) -> list[str]:
     """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4."""
-    out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}." for k, v in CHOICES.items()
-           if getattr(fw, k) not in v]
+    out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
+           for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
             if not 0.0 <= getattr(fw, k) <= 1.0]
     out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."

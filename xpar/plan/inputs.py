@@ -153,7 +153,8 @@ def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
     counts = tuple(d for d in batch_values(*span) if d % n == 0)  # whole nodes: a command line runs whole nodes
     if span[0] == span[1] and span[0] % n:
         d, lo = span[0], max(n, span[0] // n * n)
-        fix = (f"plan.devices={n}, or nodes of {d} devices: hardware.devices_per_node={d} plan.devices={d}" if d < n
+        devices = "device" if d == 1 else "devices"
+        fix = (f"plan.devices={n}, or nodes of {d} {devices}: hardware.devices_per_node={d} plan.devices={d}" if d < n
                else f"plan.devices={lo} or plan.devices={lo + n}")
         return (), [f"plan.devices={d} is not a whole number of hardware={hw['name']}'s {n}-device nodes: a plan "
                     f"runs on whole nodes (hardware.nodes); e.g. {fix}."]
