@@ -25,9 +25,10 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
     """The ``fidelity/*`` metrics of a measured ``report`` of ``spec`` (see module docstring);
     ``est``: the run's estimate (:func:`xpar.estimate.cost.estimate` of ``spec``) when the caller
     has it. Ratios are omitted where the measured figure is zero (nothing to compare)."""
-    from xpar.estimate.cost import estimate
+    from xpar.estimate.cost import estimate, waits_unstretched
 
     est = est if est is not None else estimate(spec)
+    unstretched = waits_unstretched(spec, spec.world_size)  # as the estimate prices the waits
     out = {f"fidelity/estimate_time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
     if report.step_time_s > 0:
         out["fidelity/step_time_ratio"] = est.time_per_step_s / report.step_time_s
@@ -35,7 +36,7 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
     measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
     if measured_bubble is not None:
-        outside = _host_outside(spec) + _dp_outside(spec) if spec.pp > 1 else 0.0
+        outside = _host_outside(unstretched) + _dp_outside(unstretched) if spec.pp > 1 else 0.0
         idle = estimated_idle(est.time_breakdown, est.bubble_ratio, outside) if spec.pp > 1 else 0.0
         out["fidelity/bubble_diff"] = idle - measured_bubble
     return out
@@ -57,10 +58,9 @@ def _dp_outside(spec: RunSpec) -> float:
     pipeline rank (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's
     gathers after the step), stretched as the estimate's terms are; the rest of the term, the
     FSDP gathers of every micro-batch, runs inside the stages' forward and backward."""
-    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time, waits_unstretched
+    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
     from xpar.estimate.host import oversubscription
 
-    spec = waits_unstretched(spec, spec.world_size)
     slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
     return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
                                              spec.train.threads_per_worker or 1)
