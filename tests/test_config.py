@@ -28,9 +28,14 @@ def test_param_count_equals_built_model():
             assert sum(p.numel() for p in Transformer(cfg).parameters()) == param_count(cfg).total
 
 
+OTHER_TESTS_PRESETS = "calibrated_pytest"
+"""Presets that tests/test_calibrate.py and tests/test_plan.py write and remove while another pytest
+worker may be listing the group (-n 2): not this test's to compose."""
+
+
 @pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
 def test_every_preset_composes(group):
-    names = presets(group)
+    names = [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]
     assert names
     for name in names:
         c = to_schema(compose(f"{group}={name}", "data.path=README.md"))

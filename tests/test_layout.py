@@ -129,8 +129,9 @@ def test_zero3_under_a_zero_bubble_schedule_is_resolved_and_noted():
 
 
 def _presets(group: str) -> list[str]:
+    from tests.test_config import OTHER_TESTS_PRESETS
     from xpar.presets import presets
-    return presets(group)
+    return [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]
 
 
 @pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])

@@ -69,12 +69,7 @@ def _parent_and_children(runs):
     return parent.iloc[0], kids
 
 
-def test_submitit_local_launcher_groups_jobs(tmp_path):
-    r = _xpar(tmp_path, "-m", "hydra/launcher=submitit_local", "parallel.micro_batches=1,2", *FAST)
-    assert r.returncode == 0, r.stderr[-2000:]
-    parent, kids = _parent_and_children(_runs(tmp_path))
-    assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] in set(kids["run_id"])
-    assert sorted(kids["tags.xpar.job_num"]) == ["0", "1"] and set(kids["status"]) == {"FINISHED"}
+# submitit's local launcher grouping its jobs under one parent: tests/test_ui.py (one sweep for both).
 
 
 def test_optuna_sweeper_groups_trials_and_preflights_discrete_choices(tmp_path):

@@ -80,6 +80,10 @@ def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
     assert (kids["tags.xpar.peak_rank"].str.fullmatch(r"\d+")).all()
     assert "metrics.memory/peak_rank" not in runs  # an identifier is not charted as a metric
     assert set(kids["status"]) == {"FINISHED"} and len(kids) == 2  # one run per job, not one per task
+    parent = runs[runs["tags.xpar.role"] == "sweep"]
+    assert len(parent) == 1 and parent.iloc[0]["status"] == "FINISHED"  # submitit's jobs grouped under one parent
+    assert parent.iloc[0]["tags.xpar.best_run_id"] in set(kids["run_id"])
+    assert set(kids["tags.mlflow.parentRunId"]) == {parent.iloc[0]["run_id"]}
     assert set(kids["params.parallel.dp"]) == {"4"}  # the job's world: its 4 tasks, one rank each
     assert set(kids["tags.xpar.launcher"]) == {"submitit-local"} and set(kids["tags.xpar.nodes"]) == {"1"}
     assert set(kids["tags.xpar.devices_per_node"]) == {"4"}  # 4 tasks on the one node

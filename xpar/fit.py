@@ -151,8 +151,8 @@ def _bigger_hardware(spec: RunSpec, states: float) -> list[str]:
 
     bigger = []
     for name in presets("hardware"):
-        if name == "local":
-            continue
+        if name == "local" or name.startswith("calibrated_"):
+            continue  # the machine at hand, as measured: not a bigger cluster to suggest
         hw = load_hardware_preset(name)
         if not str(hw.devices_per_node).isdigit() or not hw.device_memory_gb:
             continue  # detected at run time (a local machine): no fixed world size
