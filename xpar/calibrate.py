@@ -266,6 +266,9 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
     torch.set_num_threads(payload["threads"])
     if payload["device"] == "cuda":
         torch.cuda.set_device(rank)
+    else:  # as a run's workers allocate (xpar.worker.run_rank)
+        from xpar.host_memory import keep_large_tensors_on_the_heap
+        keep_large_tensors_on_the_heap()
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

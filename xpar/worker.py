@@ -31,12 +31,14 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     Expects the default process group to be initialised. Rank 0 also writes them to
     ``out_dir/ranks.json``.
     """
+    from xpar.host_memory import keep_large_tensors_on_the_heap
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.train import train
 
     if spec.device == "cpu":
         torch.set_num_threads(spec.train.threads_per_worker)
+        keep_large_tensors_on_the_heap()
     mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp)
     engine = build_engine(spec, mesh)
     if spec.fail_rank == dist.get_rank():
