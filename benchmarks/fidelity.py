@@ -11,7 +11,7 @@ within 0.05.
 Use a calibrated preset for the estimate to see this machine's links, memory and host time:
 
     xpar calibrate hardware=local --name here
-    python benchmarks/fidelity.py --hardware calibrated_here [--steps 8] [--models tiny small] [--repeat 2]
+    python benchmarks/fidelity.py --hardware calibrated_here [--steps N] [--models tiny small] [--repeat 2]
 
 The small model (GPT-2 124M) runs at micro-batch 1 x 128 tokens (MODEL_OVERRIDES): at its preset
 4 x 1024 a dp step takes ~65 s here, the layout set an hour; its vocabulary padded to 50304 (a
@@ -41,6 +41,10 @@ LAYOUTS = {
     "tp": ["parallel=tp"], "pp-gpipe": ["parallel=pp", "parallel.schedule=gpipe"],
     "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
 }
+
+STEPS = {"tiny": 40, "small": 8}
+"""Steps per run by model (2 of them warm-up): the timed steps span about a second or more (a tiny
+step takes 15-60 ms here; the median of 6 such steps moved by 35 % between back-to-back runs)."""
 
 MODEL_OVERRIDES = {"small": ["train.micro_batch_size=1", "train.seq_len=128", "model.vocab_size=50304",
                              "model.tied_embeddings=false"]}
@@ -205,7 +209,7 @@ def _summary(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="local")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: STEPS by model)")
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the shortest step is kept")
@@ -218,7 +222,8 @@ def main() -> None:
           f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5}")
     for model in args.models:
         for name in args.layouts:
-            r = quietest(name, LAYOUTS[name], model, args.hardware, args.steps, args.repeat, args.calibrate_each)
+            steps = args.steps or STEPS.get(model, 8)
+            r = quietest(name, LAYOUTS[name], model, args.hardware, steps, args.repeat, args.calibrate_each)
             rows.append(r)
             bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
             got = "" if r["est_got_s"] is None else f"{r['est_got_s'] * 1e3:.1f}"

@@ -68,6 +68,10 @@ COLLECTIVE_REPS = 12
 machine as it is without other load (on a shared CPU a call's time has a long tail, a woken gloo
 thread waiting for a core that another process holds; what a run's step pays for that load is
 its workers' CPU share, measured during the run: benchmarks/fidelity.py)."""
+HOST_REPS = 21
+"""Samples of each host-time figure, --quick included (~0.4 s each): with 5, three back-to-back
+quick calibrations here gave op_overhead_us 2.4-4.1, dtensor_op_overhead_us 8.3-15.7 and
+fsdp_unit_overhead_us 456-1287 (a difference of two timings)."""
 STEP_WINDOW_S = 0.02
 """Seconds of one compute sample (matmul, memory, host time): about a tiny-model step here."""
 
@@ -234,7 +238,7 @@ SYNC_WORK_S = 0.002
 interval between tp all-reduces or FSDP gathers here is 0.2-3 ms."""
 
 
-def measure_sync_wait(reps: int = 40, device: str = "cpu") -> float:
+def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
     """Mean seconds a small all-reduce issued after :data:`SYNC_WORK_S` of compute takes beyond the
     compute and the same all-reduce issued alone (every rank at once, wall time: the later peer and
     the wake-up of a waiting thread, what a run's blocking collectives pay); >= 0."""
@@ -300,7 +304,7 @@ def compute_worker(payload: dict) -> dict:
     dist.barrier()
     host = {}
     if device == "cpu":
-        host = host_worker(reps, DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
+        host = host_worker(max(reps, HOST_REPS), DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
     return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host}
 
 
