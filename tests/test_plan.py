@@ -301,6 +301,18 @@ def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):
     assert "the smallest cluster that fits it is" in err
 
 
+def test_smallest_cluster_is_searched_between_doublings_or_says_it_was_not(capsys):
+    """Doubling 5 devices finds 10; the whole-node sizes 6-9 are searched too and 8 fits (a
+    fresh-user breaker: 405B was said to need 512 GPUs where 448 fit). Where more than
+    BETWEEN_MAX sizes lie between, the line says they were not searched instead of 'smallest'."""
+    err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=5")
+    assert "the smallest cluster that fits it is 8 devices (hardware.nodes=8 " in err
+    err = refusal(capsys, "model=175b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=2")
+    assert "doubling the devices, the first cluster that fits it is 32 devices" in err
+    assert "the 15 sizes between 16 and 32 were not searched (plan.devices=<N> searches one)" in err
+    assert "smallest" not in err
+
+
 def test_headroom_that_fits_nothing_names_the_largest_that_works(capsys):
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.memory_headroom=0.95")
     assert "fits with plan.memory_headroom=" in err

@@ -247,25 +247,48 @@ def _host_memory_line(plan: Plan, where: str, fits: np.ndarray) -> str:
             f"hardware.host_memory_gb={host}, or {_smallest_cluster(plan)}.")
 
 
-def _smallest_cluster(plan: Plan) -> str:
-    """'the smallest cluster that fits it is N devices (hardware.nodes=k plan.global_batch_size=B):
-    <layout>, T tokens/s', searched at 2x, 4x, ... 64x the devices (each a full search); B the
-    layout's global batch, which an 'auto' batch would not keep at N devices."""
-    from xpar.plan.explain import label
-    for k in range(1, 7):
-        n = plan.devices * 2 ** k
+BETWEEN_MAX = 7
+"""Whole-node sizes between the last doubling that failed and the first that fits which
+:func:`_smallest_cluster` also searches (each a full search); past that it says they were not."""
+
+
+def _first_fit(plan: Plan, sizes) -> tuple:
+    """(devices, plan) of the first of ``sizes`` where some layout fits; (None, None) if none."""
+    for n in sizes:
         try:
-            other = search(plan.inputs, n)
+            return n, search(plan.inputs, n)
         except PlanRefused:
             continue
-        nodes, i = max(1, n // plan.inputs.devices_per_node), other.best
-        batch = int(other.res["b"][i] * other.res["m"][i] * other.res["dp"][i])  # kept: 'auto' grows with devices
-        return (f"the smallest cluster that fits it is {n} devices (hardware.nodes={nodes} "
-                f"plan.global_batch_size={batch}): {label(other.res, i)}, {other.res['tokens_per_s'][i]:,.0f} tokens/s")
-    sizes = ", ".join(str(plan.devices * 2 ** k) for k in range(1, 7))
-    return (f"no cluster of {sizes} devices (doubling) fits it; sizes between were not searched (tp x pp must divide "
-            f"the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches one, or a "
-            f"smaller model or sequence")
+    return None, None
+
+
+def _smallest_cluster(plan: Plan) -> str:
+    """'the smallest cluster that fits it is N devices (hardware.nodes=k plan.global_batch_size=B):
+    <layout>, T tokens/s', searched at 2x, 4x, ... 64x the devices (each a full search), then at
+    the whole-node sizes between the last miss and the first fit where there are at most
+    :data:`BETWEEN_MAX` (else the line says that those were not searched); B the layout's global
+    batch, which an 'auto' batch would not keep at N devices."""
+    from xpar.plan.explain import label
+    dpn = plan.inputs.devices_per_node
+    n, other = _first_fit(plan, [plan.devices * 2 ** k for k in range(1, 7)])
+    if n is None:
+        sizes = ", ".join(str(plan.devices * 2 ** k) for k in range(1, 7))
+        return (f"no cluster of {sizes} devices (doubling) fits it; sizes between were not searched (tp x pp must "
+                f"divide the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches "
+                f"one, or a smaller model or sequence")
+    between = list(range(n // 2 + dpn, n, dpn))
+    claim, unsearched = "the smallest cluster that fits it is", ""
+    if len(between) <= BETWEEN_MAX:
+        smaller, plan_there = _first_fit(plan, between)
+        if smaller is not None:
+            n, other = smaller, plan_there
+    else:
+        claim = "doubling the devices, the first cluster that fits it is"
+        unsearched = f"; the {len(between)} sizes between {n // 2} and {n} were not searched (plan.devices=<N> searches one)"
+    nodes, i = max(1, n // dpn), other.best
+    batch = int(other.res["b"][i] * other.res["m"][i] * other.res["dp"][i])  # kept: 'auto' grows with devices
+    return (f"{claim} {n} devices (hardware.nodes={nodes} plan.global_batch_size={batch}): "
+            f"{label(other.res, i)}, {other.res['tokens_per_s'][i]:,.0f} tokens/s{unsearched}")
 
 
 # --- the command --------------------------------------------------------------------------
