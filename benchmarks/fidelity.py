@@ -26,7 +26,9 @@ run) is printed beside each row. ``--calibrate-each`` measures the machine again
 machine runs); the estimate stretches a step only for its own workers outnumbering the cores
 (xpar.estimate.host.oversubscription). A shared machine's other load stretches it too, and by
 the minute: each run's workers' CPU share over the timed steps (the main threads' schedstat: ns
-on a core / ns runnable, ``share``) gives the cores they got (xpar.fidelity.cores_got), and the
+on a core / ns runnable, ``share``) and the hypervisor's steal over the same window (``/proc/stat``:
+time the VM's vCPUs ran nothing of this guest, which neither counts) give the cores they got
+(xpar.fidelity.cores_got), and the
 estimate on those cores is printed beside the plain one (``est got``, ``got/meas``).
 """
 from __future__ import annotations
@@ -85,7 +87,8 @@ def _children() -> list[int]:
 
 class ShareSampler:
     """Samples the workers' threads (xpar.fidelity.task_cpu_ns) every ``period`` seconds while a
-    run goes on; :meth:`share` is their CPU share between two wall times (the timed steps)."""
+    run goes on, with the machine's steal ticks; :meth:`window` is their CPU share and the steal
+    fraction between two wall times (the timed steps)."""
 
     def __init__(self, period: float = 0.1):
         import threading
@@ -96,11 +99,11 @@ class ShareSampler:
     def _run(self) -> None:
         import time
 
-        from xpar.fidelity import task_cpu_ns
+        from xpar.fidelity import machine_jiffies, task_cpu_ns
         pids: list[int] = []
         while not self.stop.wait(self.period):
             pids = pids if len(self.samples) % 10 else _children()  # the workers: looked up once a second
-            self.samples.append((time.time(), task_cpu_ns(pids, main_only=True)))
+            self.samples.append((time.time(), task_cpu_ns(pids, main_only=True), machine_jiffies()))
 
     def __enter__(self):
         self.thread.start()
@@ -110,17 +113,18 @@ class ShareSampler:
         self.stop.set()
         self.thread.join()
 
-    def share(self, t0: float, t1: float) -> float:
-        """CPU share between the last sample before ``t0`` and the first after ``t1`` (the
-        whole run's where none brackets them); 1.0 without samples."""
-        from xpar.fidelity import cpu_share
+    def window(self, t0: float, t1: float) -> tuple[float, float]:
+        """(CPU share of the workers, steal fraction of the machine) between the last sample
+        before ``t0`` and the first after ``t1`` (the whole run's where none brackets them);
+        (1.0, 0.0) without samples."""
+        from xpar.fidelity import cpu_share, steal_fraction
 
         s = [x for x in self.samples if x[1]]
         if len(s) < 2:
-            return 1.0
+            return 1.0, 0.0
         before = max((x for x in s if x[0] <= t0), key=lambda x: x[0], default=s[0])
         after = min((x for x in s if x[0] >= t1), key=lambda x: x[0], default=s[-1])
-        return cpu_share(before[1], after[1])
+        return cpu_share(before[1], after[1]), steal_fraction(before[2], after[2])
 
 
 def _timed_window(out: Path, warmup: int) -> tuple[float, float]:
@@ -146,14 +150,14 @@ def measure(name: str, layout: list[str], model: str, hardware: str, steps: int)
         stats = launch_local(spec, Path(out))
         window = _timed_window(Path(out), spec.train.warmup_steps)
     report = _summarize(spec, stats)
-    x, share = report.extra, sampler.share(*window)
+    x, (share, steal) = report.extra, sampler.window(*window)
     got = None
     if spec.hardware.cpu_cores:
         threads = spec.train.threads_per_worker or 1
-        cores = cores_got(share, spec.world_size, threads, spec.hardware.cpu_cores)
+        cores = cores_got(share, spec.world_size, threads, spec.hardware.cpu_cores, steal)
         got = estimate(with_hardware(spec, cpu_cores=cores)).time_per_step_s
     return {"layout": name, "model": model, "step_s": report.step_time_s, "est_s": spec_estimate_s(x),
-            "time_ratio": x.get("fidelity/step_time_ratio", float("nan")), "share": share,
+            "time_ratio": x.get("fidelity/step_time_ratio", float("nan")), "share": share, "steal": steal,
             "est_got_s": got, "got_ratio": got / report.step_time_s if got and report.step_time_s else float("nan"),
             "peak_bytes": report.peak_bytes_per_device, "mem_ratio": x.get("fidelity/peak_memory_ratio", float("nan")),
             "bubble_diff": x.get("fidelity/bubble_diff")}
@@ -218,7 +222,7 @@ def main() -> None:
                          "overrides --hardware")
     args = ap.parse_args()
     rows = []
-    print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'share':>5} {'est got':>8} "
+    print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'share':>5} {'steal':>5} {'est got':>8} "
           f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5}")
     for model in args.models:
         for name in args.layouts:
@@ -228,7 +232,7 @@ def main() -> None:
             bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
             got = "" if r["est_got_s"] is None else f"{r['est_got_s'] * 1e3:.1f}"
             print(f"{name:<9} {model:<6} {r['est_s'] * 1e3:>8.1f} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
-                  f"{r['share']:>5.2f} {got:>8} {r['got_ratio']:>8.3f} "
+                  f"{r['share']:>5.2f} {r['steal']:>5.2f} {got:>8} {r['got_ratio']:>8.3f} "
                   f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f}", flush=True)
     _summary(rows)
     if args.calibrate_each:

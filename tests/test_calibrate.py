@@ -91,6 +91,11 @@ def test_cpu_share_and_the_cores_a_run_got():
     assert cpu_share(before, after) == pytest.approx((300 + 100) / (300 + 100 + 100 + 400))
     assert cpu_share({}, {}) == 1.0
     assert cores_got(1.0, 2, 1, 2) == 2 and cores_got(0.5, 2, 1, 2) == 1.0 and cores_got(0.2, 8, 1, 2) == 1.6
+    assert cores_got(1.0, 2, 1, 2, steal=0.1) == pytest.approx(1.8)  # the hypervisor ran another guest 10 % of the time
+    from xpar.fidelity import machine_jiffies, steal_fraction
+    assert steal_fraction((10, 1000), (30, 1200)) == pytest.approx(0.1) and steal_fraction((0, 0), (0, 0)) == 0.0
+    steal, total = machine_jiffies()
+    assert 0 <= steal <= total and total > 0  # Linux /proc/stat
     mine = task_cpu_ns([os.getpid()], main_only=True)
     assert list(mine) == [(os.getpid(), os.getpid())] and mine[os.getpid(), os.getpid()][0] > 0
 

@@ -120,9 +120,30 @@ def cpu_share(before: dict, after: dict) -> float:
     return run / (run + wait) if run + wait > 0 else 1.0
 
 
-def cores_got(share: float, workers: int, threads: int, cores: int) -> float:
+def machine_jiffies() -> tuple[int, int]:
+    """(steal, total) clock ticks of all CPUs since boot (Linux ``/proc/stat``, its ``cpu`` line:
+    steal is the time the hypervisor ran something else on this guest's vCPUs, which neither a
+    task's CPU seconds nor its schedstat wait counts); (0, 0) where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+
+
+def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time stolen by the hypervisor between two
+    :func:`machine_jiffies` samples (0 when no time passed)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def cores_got(share: float, workers: int, threads: int, cores: int, steal: float = 0.0) -> float:
     """The cores ``workers`` processes of ``threads`` torch threads effectively had when their
-    threads ran ``share`` of the time they were runnable (:func:`cpu_share`): at most ``cores``,
-    at least share x workers x threads; xpar.estimate.host.oversubscription then stretches the
-    estimate by workers x threads / that (1 / share when the workers saturate the cores)."""
-    return max(1e-3, min(float(cores), share * workers * threads))
+    threads ran ``share`` of the time they were runnable (:func:`cpu_share`) and the hypervisor
+    stole ``steal`` of the machine's time (:func:`steal_fraction`): at most ``cores``, at least
+    share x workers x threads, times 1 - steal; xpar.estimate.host.oversubscription then
+    stretches the estimate by workers x threads / that (1 / share when the workers saturate the
+    cores)."""
+    return max(1e-3, min(float(cores), share * workers * threads) * (1 - steal))
