@@ -276,7 +276,7 @@ def _smallest_cluster(plan: Plan) -> str:
         return (f"no cluster of {sizes} devices (doubling) fits it; sizes between were not searched (tp x pp must "
                 f"divide the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches "
                 f"one, or a smaller model or sequence")
-    between = list(range(n // 2 + dpn, n, dpn))
+    between = list(range((n // 2 // dpn + 1) * dpn, n, dpn))  # whole nodes past the last miss
     claim, unsearched = "the smallest cluster that fits it is", ""
     if len(between) <= BETWEEN_MAX:
         smaller, plan_there = _first_fit(plan, between)
