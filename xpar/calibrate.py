@@ -15,8 +15,8 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
   (read + write) -> ``hbm_tb_per_s``;
 - optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
-  element -> ``optimizer_ns_per_element`` (on a CPU its sqrt and div are compute-bound: bytes over
-  bandwidth put GPT-2 small's step at 0.37 s where it took 0.63 s here);
+  element -> ``optimizer_ns_per_element`` (2.0-2.8 ns here with large tensors kept on the heap,
+  xpar.host_memory; 84 bytes per element over the copy bandwidth would say ~4.3 ns);
 - the wait at a blocking collective: a 16-float all-reduce after ~2 ms of compute, mean wall time,
   less the compute and the all-reduce alone (:func:`measure_sync_wait`) -> ``sync_wait_us``;
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,

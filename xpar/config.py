@@ -163,8 +163,8 @@ class HardwareConfig:
     presets (no such measurement)."""
     optimizer_ns_per_element: Optional[float] = None
     """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
-    parameter element, measured by ``xpar calibrate`` (a CPU's sqrt and div are compute-bound, so
-    bytes over memory bandwidth under-count it ~2x: 5.1 vs 2.3 ns here); None: bytes over
+    parameter element, measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element
+    over the measured copy bandwidth would say ~4.3: temporaries partly cached); None: bytes over
     ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
     cpu_cores: Optional[int] = None
     """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
