@@ -221,6 +221,10 @@ def main() -> None:
                     help="xpar calibrate --quick before every run (a shared machine's load changes by the minute); "
                          "overrides --hardware")
     args = ap.parse_args()
+    if not args.calibrate_each and not args.hardware.startswith("calibrated_"):
+        print(f"note: hardware={args.hardware} holds no measured figures of this machine (links, memory, host time, "
+              f"cores), so the estimates and 'est got' say little; measure it first: xpar calibrate hardware=local "
+              f"--name here, then --hardware calibrated_here (or --calibrate-each)", flush=True)
     rows = []
     print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'share':>5} {'steal':>5} {'est got':>8} "
           f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5}")

@@ -248,6 +248,13 @@ def test_devices_range_finds_the_smallest_cluster_reaching_the_throughput():
     best = dict(plan.clusters)
     assert best[plan.devices] >= 20000 and all(v < 20000 for n, v in best.items() if n < plan.devices)
     assert 0 < best[8] < 20000  # 70B on one node: only with the optimizer offloaded, and slow
+    # the powers of two find 64; the whole nodes between 32 and 64 are tried too (a fresh-user breaker: 40
+    # devices reached 15,000 tokens/s where the plan said 64)
+    assert set(range(40, 64, 8)) <= set(best) and plan.unsearched == ()
+    from xpar.plan.show import cluster_lines
+    assert cluster_lines(plan)[0] == f"Smallest cluster reaching 20,000 tokens/s: {plan.devices} devices."
+    plan.unsearched = (128, 256, 15)  # more than BETWEEN_MAX counts between: said, not claimed smallest
+    assert "the 15 whole-node counts between 128 and 256 were not searched" in cluster_lines(plan)[0]
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -289,7 +296,9 @@ def test_bad_constraints_one_line_exit_2(capsys):
     ("hardware.peak_tflops=0", "hardware.peak_tflops must be > 0 or null"),
     ("train.seq_len=0", "train.seq_len must be in [1, 4096] for model=7b, got 0; e.g. train.seq_len=4096."),
     ("hardware.sync_wait_us=nan", "hardware.sync_wait_us must be >= 0 microseconds and finite"),
-    ("hardware.optimizer_ns_per_element=inf", "hardware.optimizer_ns_per_element must be > 0 nanoseconds and finite")])
+    ("hardware.optimizer_ns_per_element=inf", "hardware.optimizer_ns_per_element must be > 0 nanoseconds and finite"),
+    ("hardware.cpu_cores=0", "hardware.cpu_cores must be an integer >= 1 or null"),
+    ("plan.min_tokens_per_s=nan", "plan.min_tokens_per_s=nan must be > 0 tokens/s and finite")])
 def test_model_and_hardware_values_are_checked_as_a_run_checks_them(capsys, bad, says):
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", bad)
     assert says in err

@@ -571,7 +571,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="local processes for the collectives")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (as train.threads_per_worker)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 GEMMs, HBM, nccl")
-    ap.add_argument("--quick", action="store_true", help="three message sizes, five repetitions (a smoke test)")
+    ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_BYTES)} message sizes, five repetitions (a smoke test)")
     ap.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
     ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate")
     return ap.parse_args(argv)

@@ -94,7 +94,7 @@ def check_train(c: XparConfig) -> list[str]:
         out.append(f"train.steps must be > 0, got {tr.steps}.")
     if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:
         out.append(f"train.warmup_steps must satisfy 0 <= warmup_steps < steps, got warmup_steps="
-                   f"{tr.warmup_steps}, steps={tr.steps}; e.g. warmup_steps={min(2, tr.steps - 1)}.")
+                   f"{tr.warmup_steps}, steps={tr.steps}; e.g. train.warmup_steps={min(2, tr.steps - 1)}.")
     return out
 
 

@@ -16,6 +16,7 @@ Each refusal names the constraint, the value given and a value that works
 from __future__ import annotations
 
 import math
+import os
 
 from dataclasses import fields
 from typing import Optional
@@ -154,6 +155,10 @@ def _other_problems(hw, preset) -> dict[str, str]:
     if n != "auto" and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
         out["devices_per_node"] = (f"hardware.devices_per_node must be an integer >= 1 or 'auto', got {n!r}; e.g. "
                                    f"hardware.devices_per_node=auto.")
+    cores = hw.cpu_cores
+    if cores is not None and not (isinstance(cores, int) and not isinstance(cores, bool) and cores >= 1):
+        out["cpu_cores"] = (f"hardware.cpu_cores must be an integer >= 1 or null (not a CPU: no stretch for "
+                            f"workers outnumbering cores), got {cores!r}; e.g. hardware.cpu_cores={os.cpu_count() or 1}.")
     for name in ("matmul_efficiency", "link_efficiency"):
         if not 0 < getattr(hw, name) <= 1:
             out[name] = f"hardware.{name} must be in (0, 1], got {getattr(hw, name)}; e.g. hardware.{name}=0.7."

@@ -51,7 +51,10 @@ class Plan:
     ranked: np.ndarray
     seconds: dict = field(default_factory=dict)
     clusters: list = field(default_factory=list)
-    """(devices, best tokens/s or 0) of each device count tried (a devices range)."""
+    """(devices, best tokens/s or 0) of each device count tried (a devices range), by devices."""
+    unsearched: tuple = ()
+    """(below, above, count): whole-node counts between two tried ones that were not searched
+    (more than :data:`BETWEEN_MAX`); () when every count below the one chosen was tried."""
     run_id: Optional[str] = None
     """The plan's MLflow run, once recorded."""
 
@@ -104,22 +107,48 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
 
 def search_smallest(inputs: PlanInputs) -> Plan:
     """With a devices range: the plan on the smallest device count whose best layout reaches
-    ``min_tokens_per_s`` (each count tried, in increasing order, is kept in ``clusters``)."""
-    tried = []
+    ``min_tokens_per_s``. The range's counts (its ends and the powers of two between) are tried in
+    increasing order, then the whole-node counts between the last that fell short and the first
+    that reached it (at most :data:`BETWEEN_MAX` of them, else ``unsearched`` says so); every count
+    tried is kept in ``clusters``."""
+    tried: list = []
+    below = None
     for n in inputs.device_counts:
-        try:
-            plan = search(inputs, n)
-        except PlanRefused:
-            tried.append((n, 0.0))
-            continue
-        tried.append((n, float(plan.res["tokens_per_s"][plan.best])))
-        if tried[-1][1] >= (inputs.min_tokens_per_s or 0):
-            plan.clusters = tried
-            return plan
+        plan = _reaching(inputs, n, tried)
+        if plan is not None:
+            return _smallest_between(inputs, plan, below, tried)
+        below = n
     best = max(tried, key=lambda x: x[1])
     raise PlanRefused([f"no cluster in plan.devices={list(inputs.device_counts)} reaches plan.min_tokens_per_s="
                        f"{inputs.min_tokens_per_s:g}: the best is {best[1]:,.0f} tokens/s on {best[0]} devices; "
                        f"e.g. plan.min_tokens_per_s={0.9 * best[1]:.0f}, or a larger plan.devices range."])
+
+
+def _reaching(inputs: PlanInputs, n: int, tried: list) -> Optional[Plan]:
+    """The plan on ``n`` devices if its best layout reaches ``min_tokens_per_s``, else None;
+    (n, its best tokens/s or 0) appended to ``tried``."""
+    try:
+        plan = search(inputs, n)
+    except PlanRefused:
+        tried.append((n, 0.0))
+        return None
+    tried.append((n, float(plan.res["tokens_per_s"][plan.best])))
+    return plan if tried[-1][1] >= (inputs.min_tokens_per_s or 0) else None
+
+
+def _smallest_between(inputs: PlanInputs, plan: Plan, below: Optional[int], tried: list) -> Plan:
+    """``plan``, or the plan on a smaller whole-node count above ``below`` that also reaches the
+    target (searched when there are at most :data:`BETWEEN_MAX`); ``clusters`` and ``unsearched`` set."""
+    dpn = inputs.devices_per_node
+    between = [] if below is None else list(range(below + dpn, plan.devices, dpn))
+    unsearched = (below, plan.devices, len(between)) if len(between) > BETWEEN_MAX else ()
+    for n in [] if unsearched else between:
+        smaller = _reaching(inputs, n, tried)
+        if smaller is not None:
+            plan = smaller
+            break
+    plan.clusters, plan.unsearched = sorted(tried), unsearched
+    return plan
 
 
 # --- refusals -----------------------------------------------------------------------------

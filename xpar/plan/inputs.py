@@ -118,6 +118,9 @@ def _number_problems(p, local: bool) -> list[str]:
             if getattr(p, k) < lo]
     if p.memory_headroom is not None and not 0 <= p.memory_headroom < 1:
         out.append(f"plan.memory_headroom={p.memory_headroom} must be in [0, 1); e.g. plan.memory_headroom=0.05.")
+    if p.min_tokens_per_s is not None and not 0 < p.min_tokens_per_s < math.inf:
+        out.append(f"plan.min_tokens_per_s={p.min_tokens_per_s} must be > 0 tokens/s and finite; e.g. "
+                   f"plan.min_tokens_per_s=10000.")
     if p.execute_top and not local:
         out.append(f"plan.execute_top={p.execute_top} runs layouts for real, which needs hardware=local; "
                    f"e.g. hardware=local plan.execute_top={p.execute_top}, or plan.execute_top=0.")

@@ -90,6 +90,11 @@ def cluster_lines(plan) -> list[str]:
     if not plan.clusters:
         return []
     out = [f"Smallest cluster reaching {plan.inputs.min_tokens_per_s:,.0f} tokens/s: {plan.devices} devices."]
+    if plan.unsearched:
+        below, above, count = plan.unsearched
+        out = [f"First cluster tried that reaches {plan.inputs.min_tokens_per_s:,.0f} tokens/s: {plan.devices} devices; "
+               f"the {count} whole-node counts between {below} and {above} were not searched (plan.devices=<N> "
+               f"searches one)."]
     out += [f"  {n:>6} devices: " + (f"{tps:,.0f} tokens/s" if tps else "no layout fits") for n, tps in plan.clusters]
     return out
 
