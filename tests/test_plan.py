@@ -232,7 +232,7 @@ def test_70b_on_8_a100_without_offload_fits_no_layout_and_names_the_smallest_clu
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]")
     assert "no layout of model=70b fits on 8 x A100-SXM4-80GB" in err
     import re
-    fix = re.search(r"the smallest cluster that fits it is 16 devices \((hardware.nodes=2 plan.global_batch_size=\d+)\)",
+    fix = re.search(r"the smallest cluster that fits the model is 16 devices \((hardware.nodes=2 plan.global_batch_size=\d+)\)",
                     err)
     assert fix, err
     # followed, it plans (an 'auto' global batch would grow with the devices: the suggestion keeps the one it found)
@@ -289,6 +289,10 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "e.g. plan.global_batch_size=1023 or plan.devices=16" in err
     for fix in (["plan.devices=24", "plan.global_batch_size=1023"], ["plan.devices=16"]):
         assert plan_of("model=7b", "hardware=a100_80gb_8gpu", *fix).best is not None
+    # the device count it names also fits (a fresh-user breaker: 405B on 40 was sent to 32, where nothing fits)
+    err = refusal(capsys, "model=405b", "hardware=a100_80gb_8gpu", "plan.devices=40")
+    assert "or plan.devices=48." in err
+    assert plan_of("model=405b", "hardware=a100_80gb_8gpu", "plan.devices=48").best is not None
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -307,7 +311,7 @@ def test_model_and_hardware_values_are_checked_as_a_run_checks_them(capsys, bad,
 def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):
     err = refusal(capsys, "model=13b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=1")
     assert "no layout of model=13b fits on 1 x A100-SXM4-80GB" in err
-    assert "the smallest cluster that fits it is" in err
+    assert "the smallest cluster that fits the model is" in err
 
 
 def test_smallest_cluster_is_searched_between_doublings_or_says_it_was_not(capsys):
@@ -315,9 +319,9 @@ def test_smallest_cluster_is_searched_between_doublings_or_says_it_was_not(capsy
     fresh-user breaker: 405B was said to need 512 GPUs where 448 fit). Where more than
     BETWEEN_MAX sizes lie between, the line says they were not searched instead of 'smallest'."""
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=5")
-    assert "the smallest cluster that fits it is 8 devices (hardware.nodes=8 " in err
+    assert "the smallest cluster that fits the model is 8 devices (hardware.nodes=8 " in err
     err = refusal(capsys, "model=175b", "hardware=a100_80gb_8gpu", "hardware.devices_per_node=1", "plan.devices=2")
-    assert "doubling the devices, the first cluster that fits it is 32 devices" in err
+    assert "doubling the devices, the first cluster that fits the model is 32 devices" in err
     assert "the 15 sizes between 16 and 32 were not searched (plan.devices=<N> searches one)" in err
     assert "smallest" not in err
 
@@ -412,7 +416,7 @@ def test_host_memory_is_named_when_it_is_what_does_not_fit_and_the_fixes_plan(ca
     assert "plan.memory_headroom" not in err  # was: a device-memory reason and a headroom that cannot help
     assert "layouts fit device memory, all with the optimizer offloaded" in err
     assert re.search(r"needs 1,1\d\d GB per node, more than hardware.host_memory_gb=500; it fits with "
-                     r"hardware.host_memory_gb=\d+, or the smallest cluster that fits it is 16 devices "
+                     r"hardware.host_memory_gb=\d+, or the smallest cluster that fits the model is 16 devices "
                      r"\(hardware.nodes=2 plan.global_batch_size=\d+\)", err), err
     for fix in (re.search(r"it fits with (hardware.host_memory_gb=\d+)", err).group(1), "hardware.nodes=2"):
         plan = plan_of("model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=500", fix)

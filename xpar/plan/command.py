@@ -192,23 +192,53 @@ def _passes(inputs: PlanInputs, devices: int, batch: tuple[int, int]) -> bool:
                                  int(ctx.train["seq_len"]), c)) > 0
 
 
+def _fits(inputs: PlanInputs, devices: int, batch: tuple[int, int]) -> bool:
+    """Whether some layout of ``devices`` devices at global batch ``batch`` passes the rules and
+    fits the device (a full evaluation of that space)."""
+    from xpar.plan.evaluate import evaluate
+    from xpar.plan.rank import feasible
+
+    ctx = inputs.at(devices)
+    space = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]), int(ctx.train["seq_len"]),
+                              replace(inputs.constraints, global_batch=batch))
+    try:
+        return bool(len(space)) and bool(feasible(evaluate(ctx, space.cols)).any())
+    except ConfigError:
+        return False
+
+
+def _first_that_works(candidates, passes, fits):
+    """The first candidate that ``passes`` and ``fits``, else the first that ``passes``, else None
+    (``fits``, a full evaluation, is asked only of candidates that pass)."""
+    first = None
+    for c in candidates:
+        if passes(c):
+            if fits(c):
+                return c
+            first = first if first is not None else c
+    return first
+
+
 def _nearest_that_passes(inputs: PlanInputs, devices: int) -> str:
     """'e.g. plan.global_batch_size=B' (the nearest batch some layout passes at: a multiple of a dp
     the devices allow) 'or plan.devices=N' (the nearest whole-node count that passes at the batch
-    given), each checked; else the bare advice."""
+    given), each checked, and one where a layout also fits preferred; else the bare advice."""
     lo, hi = inputs.constraints.global_batch
     fixes = []
     dps = [d for d in range(1, devices + 1) if devices % d == 0]
-    for b in sorted({max(d, round(lo / d) * d) for d in dps} - {lo}, key=lambda b: (abs(b - lo), b))[:16]:
-        if lo == hi and _passes(inputs, devices, (b, b)):
-            fixes.append(f"plan.global_batch_size={b}")
-            break
+    batches = sorted({max(d, round(lo / d) * d) for d in dps} - {lo}, key=lambda b: (abs(b - lo), b))[:16]
+    b = _first_that_works(batches if lo == hi else [], lambda b: _passes(inputs, devices, (b, b)),
+                          lambda b: _fits(inputs, devices, (b, b)))
+    if b is not None:
+        fixes.append(f"plan.global_batch_size={b}")
     node = inputs.devices_per_node
     one_node = inputs.ctx.hardware.get("inter_node_gb_per_s") is None  # no figure to price a second node with
-    for n in sorted({devices + k * node for k in range(-4, 5)} - {devices}, key=lambda n: (abs(n - devices), n)):
-        if n >= node and n % node == 0 and not (one_node and n > node) and _passes(inputs, n, (lo, hi)):
-            fixes.append(f"plan.devices={n}")
-            break
+    counts = [n for n in sorted({devices + k * node for k in range(-4, 5)} - {devices},
+                                key=lambda n: (abs(n - devices), n))
+              if n >= node and n % node == 0 and not (one_node and n > node)]
+    n = _first_that_works(counts, lambda n: _passes(inputs, n, (lo, hi)), lambda n: _fits(inputs, n, (lo, hi)))
+    if n is not None:
+        fixes.append(f"plan.devices={n}")
     return "e.g. " + " or ".join(fixes) if fixes else "try another global batch (plan.global_batch_size) or device count"
 
 
@@ -292,7 +322,7 @@ def _first_fit(plan: Plan, sizes) -> tuple:
 
 
 def _smallest_cluster(plan: Plan) -> str:
-    """'the smallest cluster that fits it is N devices (hardware.nodes=k plan.global_batch_size=B):
+    """'the smallest cluster that fits the model is N devices (hardware.nodes=k plan.global_batch_size=B):
     <layout>, T tokens/s', searched at 2x, 4x, ... 64x the devices (each a full search), then at
     the whole-node sizes between the last miss and the first fit where there are at most
     :data:`BETWEEN_MAX` (else the line says that those were not searched); B the layout's global
@@ -302,17 +332,17 @@ def _smallest_cluster(plan: Plan) -> str:
     n, other = _first_fit(plan, [plan.devices * 2 ** k for k in range(1, 7)])
     if n is None:
         sizes = ", ".join(str(plan.devices * 2 ** k) for k in range(1, 7))
-        return (f"no cluster of {sizes} devices (doubling) fits it; sizes between were not searched (tp x pp must "
+        return (f"no cluster of {sizes} devices (doubling) fits the model; sizes between were not searched (tp x pp must "
                 f"divide the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches "
                 f"one, or a smaller model or sequence")
     between = list(range((n // 2 // dpn + 1) * dpn, n, dpn))  # whole nodes past the last miss
-    claim, unsearched = "the smallest cluster that fits it is", ""
+    claim, unsearched = "the smallest cluster that fits the model is", ""
     if len(between) <= BETWEEN_MAX:
         smaller, plan_there = _first_fit(plan, between)
         if smaller is not None:
             n, other = smaller, plan_there
     else:
-        claim = "doubling the devices, the first cluster that fits it is"
+        claim = "doubling the devices, the first cluster that fits the model is"
         unsearched = f"; the {len(between)} sizes between {n // 2} and {n} were not searched (plan.devices=<N> searches one)"
     nodes, i = max(1, n // dpn), other.best
     batch = int(other.res["b"][i] * other.res["m"][i] * other.res["dp"][i])  # kept: 'auto' grows with devices
