@@ -286,6 +286,7 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "picks the smallest cluster of a range of plan.devices" in err
     # 24 A100s at global batch 1024: dp would be 3 x 2^k; the line gives a batch and a device count that pass
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.devices=24")
+    assert "the last are dropped because b x dp does not divide the global batch, most because tp x pp" in err
     assert "e.g. plan.global_batch_size=1023 or plan.devices=16" in err
     for fix in (["plan.devices=24", "plan.global_batch_size=1023"], ["plan.devices=16"]):
         assert plan_of("model=7b", "hardware=a100_80gb_8gpu", *fix).best is not None

@@ -180,7 +180,9 @@ def empty_space_line(inputs: PlanInputs, devices: int, space: Space) -> str:
             return (f"no layout of {where} passes plan.{name}={_hydra(_given(inputs, name))}{_why(key, space)}; "
                     f"{col} values that work: {_hydra(works)}; e.g. plan.{name}={_example(name, works)}.")
     top = max(space.dropped, key=space.dropped.get)
-    return (f"no layout of {where} passes the rules; most are dropped because {RULES[top]} "
+    last = space.emptied_by
+    why = f"the last are dropped because {RULES[last]}, " if last and last != top else ""
+    return (f"no layout of {where} passes the rules; {why}most because {RULES[top]} "
             f"({space.dropped[top]:,} layouts); {_nearest_that_passes(inputs, devices)}.")
 
 

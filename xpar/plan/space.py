@@ -100,6 +100,8 @@ class Space:
     cols: dict[str, np.ndarray]
     dropped: dict[str, int] = field(default_factory=dict)
     raw: int = 0
+    emptied_by: str = ""
+    """The rule (a :data:`RULES` key) that dropped the last layouts left; "" while some pass."""
 
     def __len__(self) -> int:
         return len(self.cols["tp"])
@@ -134,10 +136,12 @@ class _Drops:
     """Applies masks in order and counts what each drops, in raw layouts (``weight`` each)."""
 
     def __init__(self, weight: int):
-        self.weight, self.dropped = weight, {k: 0 for k in RULES}
+        self.weight, self.dropped, self.emptied_by = weight, {k: 0 for k in RULES}, ""
 
     def apply(self, table: dict[str, np.ndarray], key: str, keep: np.ndarray) -> dict[str, np.ndarray]:
         self.dropped[key] += int((~keep).sum()) * self.weight
+        if len(keep) and not keep.any() and not self.emptied_by:
+            self.emptied_by = key
         return {k: v[keep] for k, v in table.items()}
 
 
@@ -234,7 +238,7 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool))
     from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
-    return Space({k: cols[k] for k in COLUMNS + OPTIONAL_COLUMNS}, drops.dropped, raw)
+    return Space({k: cols[k] for k in COLUMNS + OPTIONAL_COLUMNS}, drops.dropped, raw, drops.emptied_by)
 
 
 def _raw_size(model: dict, devices: int, c: Constraints) -> int:
