@@ -75,8 +75,10 @@ class Plan:
         return dict(self.space.dropped, memory=int((~fits).sum()), host_memory=host)
 
 
-def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
+def search(inputs: PlanInputs, devices: Optional[int] = None, explain: bool = True) -> Plan:
     """Enumerate, evaluate and rank the layouts on ``devices`` (default: the first count).
+    ``explain=False``: a refusal says only what failed (the searches behind a refusal's own
+    suggestions, which would otherwise search for suggestions of their own).
 
     Raises:
         PlanRefused: no layout passes the rules (the constraint that empties the space and
@@ -90,7 +92,7 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
     space = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]),
                               int(ctx.train["seq_len"]), inputs.constraints)
     if not len(space):
-        raise PlanRefused([empty_space_line(inputs, devices, space)])
+        raise PlanRefused([empty_space_line(inputs, devices, space) if explain else f"no layout passes on {devices}"])
     t1 = time.perf_counter()
     try:
         res = evaluate(ctx, space.cols)
@@ -101,7 +103,7 @@ def search(inputs: PlanInputs, devices: Optional[int] = None) -> Plan:
     seconds = {"enumerate": t1 - t0, "evaluate": t2 - t1, "rank": time.perf_counter() - t2}
     plan = Plan(inputs, ctx, space, res, ranked, seconds)
     if not len(ranked):
-        raise PlanRefused([nothing_fits_line(plan)])
+        raise PlanRefused([nothing_fits_line(plan) if explain else f"no layout fits on {devices}"])
     return plan
 
 
@@ -128,7 +130,7 @@ def _reaching(inputs: PlanInputs, n: int, tried: list) -> Optional[Plan]:
     """The plan on ``n`` devices if its best layout reaches ``min_tokens_per_s``, else None;
     (n, its best tokens/s or 0) appended to ``tried``."""
     try:
-        plan = search(inputs, n)
+        plan = search(inputs, n, explain=False)
     except PlanRefused:
         tried.append((n, 0.0))
         return None
@@ -139,8 +141,7 @@ def _reaching(inputs: PlanInputs, n: int, tried: list) -> Optional[Plan]:
 def _smallest_between(inputs: PlanInputs, plan: Plan, below: Optional[int], tried: list) -> Plan:
     """``plan``, or the plan on a smaller whole-node count above ``below`` that also reaches the
     target (searched when there are at most :data:`BETWEEN_MAX`); ``clusters`` and ``unsearched`` set."""
-    dpn = inputs.devices_per_node
-    between = [] if below is None else list(range(below + dpn, plan.devices, dpn))
+    between = [] if below is None else whole_nodes_between(below, plan.devices, inputs.devices_per_node)
     unsearched = (below, plan.devices, len(between)) if len(between) > BETWEEN_MAX else ()
     for n in [] if unsearched else between:
         smaller = _reaching(inputs, n, tried)
@@ -196,17 +197,12 @@ def _passes(inputs: PlanInputs, devices: int, batch: tuple[int, int]) -> bool:
 
 def _fits(inputs: PlanInputs, devices: int, batch: tuple[int, int]) -> bool:
     """Whether some layout of ``devices`` devices at global batch ``batch`` passes the rules and
-    fits the device (a full evaluation of that space)."""
-    from xpar.plan.evaluate import evaluate
-    from xpar.plan.rank import feasible
-
-    ctx = inputs.at(devices)
-    space = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]), int(ctx.train["seq_len"]),
-                              replace(inputs.constraints, global_batch=batch))
+    fits the device (a full search)."""
     try:
-        return bool(len(space)) and bool(feasible(evaluate(ctx, space.cols)).any())
-    except ConfigError:
+        search(replace(inputs, constraints=replace(inputs.constraints, global_batch=batch)), devices, explain=False)
+    except PlanRefused:
         return False
+    return True
 
 
 def _first_that_works(candidates, passes, fits):
@@ -313,11 +309,16 @@ BETWEEN_MAX = 7
 :func:`_smallest_cluster` also searches (each a full search); past that it says they were not."""
 
 
+def whole_nodes_between(below: int, above: int, devices_per_node: int) -> list[int]:
+    """Device counts of whole nodes strictly between ``below`` and ``above``."""
+    return list(range((below // devices_per_node + 1) * devices_per_node, above, devices_per_node))
+
+
 def _first_fit(plan: Plan, sizes) -> tuple:
     """(devices, plan) of the first of ``sizes`` where some layout fits; (None, None) if none."""
     for n in sizes:
         try:
-            return n, search(plan.inputs, n)
+            return n, search(plan.inputs, n, explain=False)
         except PlanRefused:
             continue
     return None, None
@@ -337,7 +338,7 @@ def _smallest_cluster(plan: Plan) -> str:
         return (f"no cluster of {sizes} devices (doubling) fits the model; sizes between were not searched (tp x pp must "
                 f"divide the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches "
                 f"one, or a smaller model or sequence")
-    between = list(range((n // 2 // dpn + 1) * dpn, n, dpn))  # whole nodes past the last miss
+    between = whole_nodes_between(n // 2, n, dpn)  # past the last doubling that failed
     claim, unsearched = "the smallest cluster that fits the model is", ""
     if len(between) <= BETWEEN_MAX:
         smaller, plan_there = _first_fit(plan, between)
