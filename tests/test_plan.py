@@ -363,6 +363,30 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     assert len(ranked) == len(plan.ranked) + 1 and run.data.metrics["plan/layouts_fit"] == len(plan.ranked)
 
 
+def test_an_unwritable_store_is_refused_before_the_search(capsys):
+    from xpar.plan.command import run_plan
+    given = ("model=7b", "hardware=a100_80gb_8gpu", "tracking.uri=sqlite:////proc/nope/mlflow.db")
+    with pytest.raises(SystemExit) as e:
+        run_plan(cfg_of(*given), Path("."), Path("."), argv(*given))
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "tracking.uri=sqlite:////proc/nope/mlflow.db cannot be written" in err
+    assert "planner error" not in err and "xpar plan: top" not in out  # said before searching, nothing planned
+
+
+def _raise_value_error():
+    raise ValueError("from the helper")
+
+
+def test_side_process_runs_one_call_in_the_forked_helper_then_here():
+    from xpar import side_process
+    assert side_process.start(modules=())
+    assert side_process.call(os.getpid) != os.getpid()  # ran in the helper
+    assert side_process.call(os.getpid) == os.getpid()  # one call each: the next runs here
+    assert side_process.start(modules=())
+    with pytest.raises(ValueError, match="from the helper"):
+        side_process.call(_raise_value_error)
+
+
 def test_planner_path_does_not_import_torch(tmp_path):
     code = ("import sys, runpy\n"
             "sys.argv = ['xpar', 'plan', 'model=7b', 'hardware=a100_80gb_8gpu', 'tracking=off', 'plan.top_k=3']\n"

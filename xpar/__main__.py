@@ -76,6 +76,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "plan":  # every layout ranked (xpar.plan): run.mode=plan
         from xpar.plan.inputs import plan_argv
         sys.argv[1:] = plan_argv(sys.argv[2:])
+        if not {"tracking=off", "tracking.enabled=false"} & set(sys.argv[1:]):
+            from xpar import side_process
+            side_process.start()  # imports MLflow on the other core while the plan is searched
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -32,7 +32,14 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     """
     if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
         from xpar.plan.command import run_plan
-        run_plan(cfg, out_dir, start_dir)
+        from xpar.tracking import TrackingUnavailable
+        try:
+            run_plan(cfg, out_dir, start_dir)
+        except TrackingUnavailable as e:
+            if sweep is not None:
+                raise
+            print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
+            raise SystemExit(2)
         return None
     from xpar.cluster import adopt_submitit_tasks
     from xpar.launch import WorkerFailed

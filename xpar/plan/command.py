@@ -359,11 +359,13 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
     """``run.mode=plan``: search, print, record, and on hardware=local execute the top layouts.
     ``overrides``: the command line (default: the running Hydra app's). Bad requests exit 2
     with one line per problem."""
+    from xpar.checks.environment import check_tracking_paths
     from xpar.overrides import refuse
     from xpar.plan.show import print_plan
 
     t0 = time.perf_counter()
     inputs, problems = plan_inputs(cfg, overrides)
+    problems += check_tracking_paths(cfg, start_dir)  # before the search, not after it
     if problems:
         refuse(problems)
     try:

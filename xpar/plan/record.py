@@ -101,12 +101,9 @@ def write_executed(executed: list[dict], path: Path) -> Path:
 def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, executed: list = ()) -> None:
     """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics); prints where it went."""
-    import time
-
     from xpar.resolved_config import resolved_config
     from xpar.naming import ui_hint
     from xpar.plan.explain import label
-    from xpar.tracking import mlflow_run, recording
     config = resolved_config(cfg, spec)  # params: the winner's layout resolved, never the unused defaults
     config["run"]["mode"] = "plan"
     config.pop("hydra", None)
@@ -124,6 +121,27 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
         for k, row in enumerate(executed, 1):
             points.update({f"plan/execute_{k}_estimated_tokens_per_s": row["estimated_tokens_per_s"],
                            f"plan/execute_{k}_measured_tokens_per_s": row["measured_tokens_per_s"]})
+    from xpar import side_process
+    experiment_id, run_id, uri = side_process.call(log_plan, spec, config, start_dir, tags, name, out_dir, points,
+                                                   paths)
+    plan.run_id = run_id
+    print(f"Recorded: {experiment_id}/{run_id} in {uri}\n"
+          f"Open it: {ui_hint(uri, experiment_id, run_id)}")
+
+
+def log_plan(spec, config: dict, start_dir: Path, tags: dict, name: str, out_dir: Path, points: dict,
+             paths: list[Path]) -> tuple[str, str, str]:
+    """The plan's MLflow run (xpar.tracking.mlflow_run): params, ``points`` as metrics, ``paths``
+    as artifacts; (experiment id, run id, tracking URI). Runs in the helper that imported MLflow
+    while the plan was searched, when ``xpar plan`` started one (xpar.side_process).
+
+    Raises:
+        xpar.tracking.TrackingUnavailable: the store cannot be reached or used."""
+    import time
+
+    import mlflow
+
+    from xpar.tracking import mlflow_run, recording
     with mlflow_run(spec, config, start_dir, tags, name, out_dir) as run:
         with recording(run):
             now = int(time.time() * 1000)
@@ -132,8 +150,4 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
                 run.recorder.record("artifact", path=str(path.resolve()), dir=None)
             run.recorder.stop_live()
             run.recorder.flush_bounded()
-        plan.run_id = run.info.run_id
-        import mlflow
-        uri = mlflow.get_tracking_uri()
-    print(f"Recorded: {run.info.experiment_id}/{run.info.run_id} in {uri}\n"
-          f"Open it: {ui_hint(uri, run.info.experiment_id, run.info.run_id)}")
+    return run.info.experiment_id, run.info.run_id, mlflow.get_tracking_uri()
