@@ -1,7 +1,7 @@
 """The cost model against this machine: a fixed set of layouts run for real and estimated.
 
 For each layout (dp, zero1, zero2, zero3, tp, pp with gpipe and 1f1b, 3D pp2 x dp2 x tp2;
-models tiny and small), run xpar's real path on local gloo workers (launcher, engine
+models mini and small by default), run xpar's real path on local gloo workers (launcher, engine
 factory, train loop) and print the estimated and measured step time, peak memory per
 device and bubble ratio (xpar.fidelity: the run's own estimate on its hardware), then the
 median and max |ratio - 1| over the layouts. Targets (issue "xpar calibrate and the closed
@@ -12,6 +12,12 @@ Use a calibrated preset for the estimate to see this machine's links, memory and
 
     xpar calibrate hardware=local --name here
     python benchmarks/fidelity.py --hardware calibrated_here [--steps N] [--models tiny small] [--repeat 2]
+
+The two sizes are mini (7.5M parameters, 4 x 64 tokens: a 2-worker step of 0.2-0.5 s here) and small
+(GPT-2 124M). ``--models tiny`` adds the toy model (0.1M parameters): its 15-60 ms steps are
+host time and waits at blocking collectives, and the same layout moved 30-50 % between runs
+minutes apart (sessions 6-7); it shows the host-time model, not the compute and communication
+model the targets are about.
 
 The small model (GPT-2 124M) runs at micro-batch 1 x 128 tokens (MODEL_OVERRIDES): at its preset
 4 x 1024 a dp step takes ~65 s here, the layout set an hour; its vocabulary padded to 50304 (a
@@ -44,9 +50,10 @@ LAYOUTS = {
     "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
 }
 
-STEPS = {"tiny": 40, "small": 8}
-"""Steps per run by model (2 of them warm-up): the timed steps span about a second or more (a tiny
-step takes 15-60 ms here; the median of 6 such steps moved by 35 % between back-to-back runs)."""
+STEPS = {"tiny": 40, "mini": 20, "small": 8}
+"""Steps per run by model (2 of them warm-up): the timed steps span several seconds (a tiny step
+takes 15-60 ms here, and the median of 6 such steps moved by 35 % between back-to-back runs; a
+mini step 0.2-0.5 s, 2 s in 3D)."""
 
 MODEL_OVERRIDES = {"small": ["train.micro_batch_size=1", "train.seq_len=128", "model.vocab_size=50304",
                              "model.tied_embeddings=false"]}
@@ -214,7 +221,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="local")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: STEPS by model)")
-    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--models", nargs="+", default=["mini", "small"])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the shortest step is kept")
     ap.add_argument("--calibrate-each", action="store_true",

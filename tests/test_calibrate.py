@@ -131,6 +131,8 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         host = raw["host"]  # host time per operator, per DTensor operator, per FSDP2 unit (xpar.estimate.host)
         assert 0 < host["op_overhead_us"] < 1000 and host["dtensor_op_overhead_us"] > 0
         assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100
+        assert host["tp_block_overhead_us"] > 0 and host["tp_last_overhead_us"] > 0  # DTensor under the tp plan
+        assert spec.hardware.tp_block_overhead_us == pytest.approx(host["tp_block_overhead_us"])
         assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
         assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
         from xpar.estimate.cost import estimate
@@ -247,6 +249,27 @@ def test_host_time_only_where_measured():
     assert zero3.time_breakdown["host_overhead"] > dp.time_breakdown["host_overhead"] + 4 * 400e-6
     shared = est("parallel=dp", cpu_cores=1, **figures)  # 2 workers on 1 core
     assert shared.time_per_step_s == pytest.approx(2 * dp.time_per_step_s)
+
+
+def test_tp_host_time_is_the_measured_block_and_ends_else_the_linears_operators():
+    """With the tp figures xpar calibrate measures, a tp run pays them per block and micro-batch and
+    once per stage end; presets without them (older calibrations) fall back to 13 DTensor
+    operators per linear."""
+    from dataclasses import replace
+
+    from xpar.estimate.host import LINEAR_OPS, host_costs
+
+    spec = spec_for("parallel=tp", "hardware=local")
+    base = dict(op_overhead_us=2.0, dtensor_op_overhead_us=7.0)
+    old = host_costs(replace(spec, hardware=replace(spec.hardware, **base)))
+    tp = dict(tp_block_overhead_us=3000.0, tp_first_overhead_us=400.0, tp_last_overhead_us=2500.0)
+    new = host_costs(replace(spec, hardware=replace(spec.hardware, **base, **tp)))
+    linears = 7  # the tiny preset's SwiGLU block: wq, wk, wv, wo, w1, w2, w3
+    assert old["f"] + old["b"] - new["f"] - new["b"] == pytest.approx((linears * sum(LINEAR_OPS) * 7.0 - 3000.0) * 1e-6)
+    assert new["first_f"] + new["first_b"] - old["first_f"] - old["first_b"] == pytest.approx(400e-6)
+    assert new["last_f"] + new["last_b"] - old["last_f"] - old["last_b"] == pytest.approx(2500e-6)
+    dp = host_costs(replace(spec_for("parallel=dp", "hardware=local"), hardware=replace(spec.hardware, **base, **tp)))
+    assert dp["last_f"] + dp["last_b"] == pytest.approx(old["last_f"] + old["last_b"])  # no tp, no tp time
 
 
 def test_estimated_idle_is_the_measured_definition():

@@ -22,8 +22,11 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
   forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
   DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
-  under FSDP2 against the plain block -> ``fsdp_unit_overhead_us`` (a 1-rank mesh per worker:
-  no communication); the cores the workers share -> ``cpu_cores``;
+  under FSDP2 against the plain block -> ``fsdp_unit_overhead_us``; the block under the tp plan,
+  the first stage's embedding and the last stage's output and loss under tp against plain ones ->
+  ``tp_block_overhead_us``, ``tp_first_overhead_us``, ``tp_last_overhead_us`` (a 1-rank mesh per
+  worker: no communication; here ~3.2 ms per block, where 13 DTensor operators per linear at
+  ``dtensor_op_overhead_us`` would say ~1 ms); the cores the workers share -> ``cpu_cores``;
 - collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter,
   broadcast and send/recv over message sizes, fitted to the alpha-beta model
   t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
@@ -347,25 +350,59 @@ def _count_ops(fn: Callable[[], object]) -> int:
     return Count.n
 
 
+def _probe_config():
+    """The tiny preset's architecture at hidden 8 and one token: compute negligible beside the host
+    time of its operators."""
+    from xpar.config import ModelConfig
+    return ModelConfig(name="probe", n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, ffn_hidden=8, vocab_size=16,
+                       seq_len=1, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+
+
 def _tiny_block():
-    """A transformer block of the tiny preset's architecture at hidden 8 (compute negligible
-    beside the host time of its operators) and its input of one token."""
+    """A transformer block of :func:`_probe_config` and its input of one token."""
     import torch
 
-    from xpar.config import ModelConfig
     from xpar.models.transformer import Block
+    return Block(_probe_config()), torch.randn(1, 1, 8)
 
-    cfg = ModelConfig(name="probe", n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, ffn_hidden=8, vocab_size=16,
-                      seq_len=1, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
-    return Block(cfg), torch.randn(1, 1, 8)
+
+def tp_worker(mesh, timed: Callable[[Callable], float], plain_block_s: float) -> dict:
+    """Extra host microseconds under tensor parallelism on a 1-rank ``mesh`` (DTensor dispatch,
+    sharding propagation, redistributions that move nothing), forward and backward per
+    micro-batch: a block under the Megatron plan (xpar.parallel.tensor.block_plan) against the
+    plain block (``plain_block_s``, seconds), the first stage's embedding and the last stage's
+    norm, output and vocabulary-parallel loss under xpar.parallel.tensor.apply_tp against plain
+    ones. ``timed(fn)``: seconds per call."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from xpar.models.transformer import Transformer
+    from xpar.parallel.tensor import apply_tp, block_plan, loss_context, parallel_cross_entropy
+
+    block, x = _tiny_block()
+    parallelize_module(block, mesh, block_plan(block, False))
+    tokens, h = torch.zeros(1, 1, dtype=torch.long), torch.randn(1, 1, 8)
+
+    def last_step(m, tp: int):
+        def step():
+            with loss_context(tp):
+                parallel_cross_entropy(m(h), tokens).backward()
+        return step
+    extra = {}
+    for name, make, step in (("first", lambda: Transformer(_probe_config(), [], True, False),
+                              lambda m, tp: lambda: m(tokens).sum().backward()),
+                             ("last", lambda: Transformer(_probe_config(), [], False, True), last_step)):
+        plain = timed(step(make(), 1))
+        extra[f"tp_{name}_overhead_us"] = max(0.0, timed(step(apply_tp(make(), mesh, False), 2)) - plain) * 1e6
+    return {"tp_block_overhead_us": max(0.0, timed(lambda: block(x).sum().backward()) - plain_block_s) * 1e6, **extra}
 
 
 def host_worker(reps: int, mesh) -> dict:
     """On a 1-rank device ``mesh`` (no communication): host microseconds per aten operator (a
     tiny block's forward and backward / its operators), the extra per operator on DTensors
     (AdamW's update of 20 DTensor parameters against plain ones, 9 operators per tensor + 2),
-    FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block):
-    xpar.estimate.host."""
+    FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block), and
+    tensor parallelism's per block and stage end (:func:`tp_worker`): xpar.estimate.host."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -387,7 +424,7 @@ def host_worker(reps: int, mesh) -> dict:
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
         per_op[kind] = timed(opt.step) / (9 * len(params) + 2)
     return {"op_overhead_us": plain / ops * 1e6, "dtensor_op_overhead_us": max(0.0, per_op["dtensor"] - per_op["plain"]) * 1e6,
-            "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops}
+            "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops, **tp_worker(mesh, timed, plain)}
 
 
 def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:

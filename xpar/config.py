@@ -156,6 +156,16 @@ class HardwareConfig:
     fsdp_unit_overhead_us: float = 0.0
     """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
     measured by ``xpar calibrate``."""
+    tp_block_overhead_us: float = 0.0
+    """Extra host microseconds of one transformer block under tensor parallelism (DTensor dispatch
+    and sharding propagation of the Megatron plan, xpar.parallel.tensor.block_plan), forward and
+    backward per micro-batch, measured by ``xpar calibrate`` on a 1-rank mesh (no communication);
+    0: estimated from ``dtensor_op_overhead_us`` per linear. xpar.estimate.host."""
+    tp_first_overhead_us: float = 0.0
+    """The same for the first stage's vocabulary-parallel embedding; measured by ``xpar calibrate``."""
+    tp_last_overhead_us: float = 0.0
+    """The same for the last stage's norm, output projection and vocabulary-parallel loss
+    (``loss_parallel``); measured by ``xpar calibrate``."""
     sync_wait_us: float = 0.0
     """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
     ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by

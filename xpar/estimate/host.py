@@ -12,6 +12,11 @@ figures per machine, measured by ``xpar calibrate`` (:mod:`xpar.calibrate`) into
   1-rank mesh, no communication): FSDP2's sharded parameters and the tp-split linears;
 - ``hardware.fsdp_unit_overhead_us``: FSDP2's hooks per unit and micro-batch, forward and
   backward (copy-in/out, the unshard/reshard state machine), on a 1-rank mesh.
+- ``hardware.tp_block_overhead_us``, ``tp_first_overhead_us``, ``tp_last_overhead_us``: the extra
+  of a block, of the first stage's embedding and of the last stage's output and loss under tensor
+  parallelism (DTensor dispatch and sharding propagation of every operator, not only the
+  linears'), forward and backward, on a 1-rank mesh; split forward : backward as a linear's
+  operators (4 : 9). Without them (older presets): ``dtensor_op_overhead_us`` per linear operator.
 
 Operator counts (counted with ``TorchDispatchMode`` on :mod:`xpar.models.transformer`,
 torch 2.13, every combination of norm, position, activation, bias and grouped K/V:
@@ -84,11 +89,16 @@ def host_costs(spec: RunSpec) -> dict[str, float]:
     op = (getattr(hw, "op_overhead_us", 0.0) or 0.0) * 1e-6
     dt = (getattr(hw, "dtensor_op_overhead_us", 0.0) or 0.0) * 1e-6
     f, b = block_ops(cfg)
-    linears = 6 + (cfg.activation == "swiglu")
-    tp_f, tp_b = ((linears * LINEAR_OPS[0] * dt, linears * LINEAR_OPS[1] * dt) if spec.tp > 1 else (0.0, 0.0))
+    tp_f, tp_b = tp_split((getattr(hw, "tp_block_overhead_us", 0.0) or 0.0) * 1e-6
+                          or (6 + (cfg.activation == "swiglu")) * sum(LINEAR_OPS) * dt) if spec.tp > 1 else (0.0, 0.0)
     block_f = f * op + tp_f
     block_b = b * op + tp_b + (block_f if spec.parallel.recompute == "full" else 0.0)
     ends = {k: v * op for k, v in end_ops(cfg).items()}
+    if spec.tp > 1:
+        for end in ("first", "last"):
+            extra_f, extra_b = tp_split((getattr(hw, f"tp_{end}_overhead_us", 0.0) or 0.0) * 1e-6)
+            ends[f"{end}_f"] += extra_f
+            ends[f"{end}_b"] += extra_b
     dtensor_params = spec.tp > 1 or spec.parallel.zero_stage >= 2
     unit = (getattr(hw, "fsdp_unit_overhead_us", 0.0) or 0.0) * 1e-6 if spec.parallel.zero_stage >= 2 else 0.0
     block, end = tensor_counts(cfg, spec.tp)
@@ -97,6 +107,11 @@ def host_costs(spec: RunSpec) -> dict[str, float]:
             "tensor": STEP_OPS_PER_TENSOR * (op + (dt if dtensor_params else 0.0)),
             "clip": clip_allreduce_time(spec) if op else 0.0,
             "tensors_block": block, "tensors_first": head, "tensors_last": end - head}
+
+
+def tp_split(seconds: float) -> tuple[float, float]:
+    """(forward, backward) shares of a tp host overhead, as a linear's operators split (4 : 9)."""
+    return seconds * LINEAR_OPS[0] / sum(LINEAR_OPS), seconds * LINEAR_OPS[1] / sum(LINEAR_OPS)
 
 
 def clip_allreduce_time(spec: RunSpec) -> float:
