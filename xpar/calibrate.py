@@ -17,7 +17,7 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
   element -> ``optimizer_ns_per_element`` (2.0-2.8 ns here with large tensors kept on the heap,
   xpar.host_memory; 84 bytes per element over the copy bandwidth would say ~4.3 ns);
-- the wait at a blocking collective: a 16-float all-reduce after ~2 ms of compute, mean wall time,
+- the wait at a blocking collective: a 16-float all-reduce after ~10 ms of compute (:data:`SYNC_WORK_S`), mean wall time,
   less the compute and the all-reduce alone (:func:`measure_sync_wait`) -> ``sync_wait_us``;
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
   forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
@@ -236,9 +236,13 @@ def collective_worker(payload: dict) -> dict:
     return {"times": out, "shares": shares}
 
 
-SYNC_WORK_S = 0.002
-"""Seconds of compute between the collectives :func:`measure_sync_wait` issues: a tiny model's
-interval between tp all-reduces or FSDP gathers here is 0.2-3 ms."""
+SYNC_WORK_S = 0.01
+"""Seconds of compute between the collectives :func:`measure_sync_wait` issues. The wait grows with
+the compute before the collective (the later peer's lead grows with it) and levels off: measured
+here, 1.3 ms after 2 ms of compute, 2.2-2.4 after 5, 3.2-5.9 after 20, 3.4-5.2 after 50. xpar's
+CPU runs of the benchmark sizes compute 3-50 ms between syncs (mini tp: 3-6 ms per all-reduce;
+GPT-2 small tp 8-16; FSDP units 10-40; pipeline stages 35+), so the one figure is taken at 10 ms
+(the tiny model's 0.2-3 ms intervals pay about half of it)."""
 
 
 def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
