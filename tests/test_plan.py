@@ -387,6 +387,29 @@ def test_side_process_runs_one_call_in_the_forked_helper_then_here():
         side_process.call(_raise_value_error)
 
 
+def test_the_helper_ends_when_its_parent_dies_without_calling_it():
+    """A fresh-user breaker killed xpar plan's main process: the helper lived on, holding the
+    stdout pipe open (a `| cat` never ended). It now sees the parent's end close and exits."""
+    code = ("import os, sys\nfrom xpar import side_process\nside_process.start(modules=())\n"
+            "print(side_process._helper[0].pid, flush=True)\nos._exit(0)\n")  # dies as if killed: no atexit
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(p.stdout.split()[0])
+    import time
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{pid}") and \
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("args, on", [([], True), (["tracking=off"], False), (["tracking.enabled=False"], False),
+                                      (["tracking.enabled=0"], False), (["tracking=off", "tracking.enabled=true"], True),
+                                      (["tracking.enabled=false", "tracking=default"], True)])
+def test_the_helper_is_started_only_when_tracking_is_on(args, on):
+    from xpar.__main__ import tracking_on
+    assert tracking_on(args) is on
+
+
 def test_planner_path_does_not_import_torch(tmp_path):
     code = ("import sys, runpy\n"
             "sys.argv = ['xpar', 'plan', 'model=7b', 'hardware=a100_80gb_8gpu', 'tracking=off', 'plan.top_k=3']\n"

@@ -24,7 +24,11 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     from xpar.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    report = run_job(cfg, out_dir, START_DIR, current_sweep())
+    try:
+        report = run_job(cfg, out_dir, START_DIR, current_sweep())
+    except BrokenPipeError:  # whoever read stdout is gone (`xpar plan ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
     if report is None:  # a skipped invalid sweep job: None makes Optuna mark the trial FAIL (NaN crashed it)
         return None
     return report.metrics().get(cfg.sweep.metric)
@@ -53,32 +57,50 @@ def _sync(args: list[str]) -> int:
     return max(sync(Path(a)) for a in args)
 
 
-def main() -> None:
-    """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
-    journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
-    preset names (exit 2 with the valid ones), then hand over to Hydra."""
-    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+def tracking_on(argv: list[str]) -> bool:
+    """Whether the overrides leave MLflow tracking on: the last ``tracking=<preset>`` or
+    ``tracking.enabled=<bool>`` given decides (on by default)."""
+    on = True
+    for a in argv:
+        key, _, value = a.lstrip("+").partition("=")
+        if key == "tracking":
+            on = value != "off"
+        elif key == "tracking.enabled":
+            on = value.strip().lower() not in ("false", "0", "no", "off", "n")
+    return on
+
+
+def _commands() -> None:
+    """``xpar compare|help|sync|calibrate`` (run here, then exit) and ``xpar plan`` (its overrides
+    become a run.mode=plan run's); anything else is left to Hydra."""
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command == "compare":
         from xpar.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
+    if command in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
         from xpar.help import print_help
         print_help()
         raise SystemExit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "sync":
+    if command == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "calibrate":  # measure this machine into a hardware preset
+    if command == "calibrate":  # measure this machine into a hardware preset
         from xpar.calibrate import main as calibrate_main
         raise SystemExit(calibrate_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
+    if command == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
         from xpar.help import plan_help_text, print_page
         print_page(plan_help_text())
         raise SystemExit(0)
-    if len(sys.argv) > 1 and sys.argv[1] == "plan":  # every layout ranked (xpar.plan): run.mode=plan
+    if command == "plan":  # every layout ranked (xpar.plan): run.mode=plan
         from xpar.plan.inputs import plan_argv
         sys.argv[1:] = plan_argv(sys.argv[2:])
-        if not {"tracking=off", "tracking.enabled=false"} & set(sys.argv[1:]):
+        if tracking_on(sys.argv[1:]):
             from xpar import side_process
             side_process.start()  # imports MLflow on the other core while the plan is searched
+
+
+def _before_hydra() -> None:
+    """Commands, then refusals of bad overrides (exit 2), then the torchrun and Optuna arguments."""
+    _commands()
     refuse_bad_overrides(sys.argv[1:])  # unknown groups, presets and keys, wrong types, output dir: exit 2
     rank = os.environ.get("RANK")
     if rank not in (None, "0") and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -87,6 +109,18 @@ def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
         os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
     sys.argv += optuna_failure_rate(sys.argv[1:])
+
+
+def main() -> None:
+    """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
+    journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
+    preset names (exit 2 with the valid ones), then hand over to Hydra. Ctrl-C ends with one line
+    and exit 130."""
+    try:
+        _before_hydra()
+    except KeyboardInterrupt:
+        print("xpar: interrupted before anything ran.", file=sys.stderr)
+        raise SystemExit(130)
     try:
         _hydra_main()
     except KeyboardInterrupt:

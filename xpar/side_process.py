@@ -31,16 +31,19 @@ def start(modules: tuple[str, ...] = MLFLOW_MODULES) -> bool:
     sys.stderr.flush()  # else the child would write this process's buffered output again at its exit
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(there, modules), daemon=True, name="xpar-side")
+    proc = ctx.Process(target=_serve, args=(there, here, modules), daemon=True, name="xpar-side")
     proc.start()
     there.close()
     _helper = (proc, here)
     return True
 
 
-def _serve(conn, modules: tuple[str, ...]) -> None:
+def _serve(conn, parents_end, modules: tuple[str, ...]) -> None:
     """The helper's body: import, wait for (function, args), send back (ok, value or exception).
-    Ctrl-C (sent to the whole process group) ends it quietly; the caller reports it."""
+    It closes its copy of the parent's end first, so that the parent's death (killed, or ended
+    without a call) reaches it as end-of-file and it exits. Ctrl-C (sent to the whole process
+    group) ends it quietly; the caller reports it."""
+    parents_end.close()
     try:
         for name in modules:
             try:
