@@ -402,6 +402,21 @@ def test_the_helper_ends_when_its_parent_dies_without_calling_it():
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_the_helper_opens_the_sqlite_store_before_the_call(tmp_path):
+    """xpar plan's helper creates or opens the SQLite store while the plan is searched (a new
+    store's tables take ~2 s here); only a SQLite URI is opened early."""
+    from functools import partial
+
+    from xpar import side_process
+    from xpar.__main__ import START_DIR, sqlite_store
+    from xpar.tracking import default_uri
+    assert sqlite_store([]) == default_uri(START_DIR)
+    assert sqlite_store([f"tracking.uri=sqlite:///{tmp_path}/a.db"]) == f"sqlite:///{tmp_path}/a.db"
+    assert sqlite_store(["tracking.uri=http://127.0.0.1:5000"]) is None
+    assert side_process.start(modules=(), warm=partial((tmp_path / "warm").write_text, "x"))
+    assert side_process.call(os.getpid) != os.getpid() and (tmp_path / "warm").read_text() == "x"
+
+
 @pytest.mark.parametrize("args, on", [([], True), (["tracking=off"], False), (["tracking.enabled=False"], False),
                                       (["tracking.enabled=0"], False), (["tracking=off", "tracking.enabled=true"], True),
                                       (["tracking.enabled=false", "tracking=default"], True)])

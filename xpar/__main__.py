@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,7 @@ from omegaconf import DictConfig
 import xpar.config  # noqa: F401  (registers the schema)
 from xpar.overrides import refuse_bad_overrides
 from xpar.presets import conf_dir
+from xpar.tracking import open_store
 
 START_DIR = Path.cwd()
 
@@ -70,6 +72,21 @@ def tracking_on(argv: list[str]) -> bool:
     return on
 
 
+def sqlite_store(argv: list[str]) -> Optional[str]:
+    """The SQLite tracking URI the overrides select (the default store in the start directory
+    without ``tracking.uri``); None for any other store, or an override Hydra cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from xpar.tracking import default_uri
+    given = [a for a in argv if a.lstrip("+").startswith("tracking.uri=")]
+    try:
+        uri = OverridesParser.create().parse_overrides(given[-1:])[0].value() if given else None
+    except Exception:  # noqa: BLE001 (refuse_bad_overrides says what is wrong with it)
+        return None
+    uri = uri or default_uri(START_DIR)
+    return uri if isinstance(uri, str) and uri.startswith("sqlite:///") else None
+
+
 def _commands() -> None:
     """``xpar compare|help|sync|calibrate`` (run here, then exit) and ``xpar plan`` (its overrides
     become a run.mode=plan run's); anything else is left to Hydra."""
@@ -95,7 +112,9 @@ def _commands() -> None:
         sys.argv[1:] = plan_argv(sys.argv[2:])
         if tracking_on(sys.argv[1:]):
             from xpar import side_process
-            side_process.start()  # imports MLflow on the other core while the plan is searched
+            uri = sqlite_store(sys.argv[1:])
+            # imports MLflow (and opens or creates a SQLite store) on the other core while the plan is searched
+            side_process.start(warm=None if uri is None else partial(open_store, uri))
 
 
 def _before_hydra() -> None:

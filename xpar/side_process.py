@@ -20,9 +20,11 @@ MLFLOW_MODULES = ("mlflow", "mlflow.store.tracking.sqlalchemy_store")
 _helper: Optional[tuple] = None  # (process, connection) of the started helper
 
 
-def start(modules: tuple[str, ...] = MLFLOW_MODULES) -> bool:
-    """Fork the helper, which imports ``modules`` and then waits for one :func:`call`. Returns
-    False (and starts nothing) where the ``fork`` start method is not available."""
+def start(modules: tuple[str, ...] = MLFLOW_MODULES, warm: Optional[Callable[[], object]] = None) -> bool:
+    """Fork the helper, which imports ``modules``, runs ``warm()`` (errors ignored: the call
+    meets them again and reports them; Ctrl-C and SIGTERM held until it returns, so that a new
+    SQLite store is never left half-built) and then waits for one :func:`call`. Returns False
+    (and starts nothing) where the ``fork`` start method is not available."""
     global _helper
     import multiprocessing as mp
     if "fork" not in mp.get_all_start_methods():
@@ -31,14 +33,14 @@ def start(modules: tuple[str, ...] = MLFLOW_MODULES) -> bool:
     sys.stderr.flush()  # else the child would write this process's buffered output again at its exit
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(there, here, modules), daemon=True, name="xpar-side")
+    proc = ctx.Process(target=_serve, args=(there, here, modules, warm), daemon=True, name="xpar-side")
     proc.start()
     there.close()
     _helper = (proc, here)
     return True
 
 
-def _serve(conn, parents_end, modules: tuple[str, ...]) -> None:
+def _serve(conn, parents_end, modules: tuple[str, ...], warm: Optional[Callable[[], object]] = None) -> None:
     """The helper's body: import, wait for (function, args), send back (ok, value or exception).
     It closes its copy of the parent's end first, so that the parent's death (killed, or ended
     without a call) reaches it as end-of-file and it exits. Ctrl-C (sent to the whole process
@@ -50,6 +52,8 @@ def _serve(conn, parents_end, modules: tuple[str, ...]) -> None:
                 importlib.import_module(name)
             except Exception:  # the call imports it again and raises where it is reported
                 pass
+        if warm is not None:
+            _held(warm)
         fn, args = conn.recv()
     except (KeyboardInterrupt, EOFError):
         return
@@ -61,6 +65,19 @@ def _serve(conn, parents_end, modules: tuple[str, ...]) -> None:
         conn.send(reply)
     except Exception as e:  # an unpicklable value or exception: its text
         conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"[:2000] or repr(e))))
+
+
+def _held(fn: Callable[[], object]) -> None:
+    """``fn()`` with SIGINT and SIGTERM blocked (delivered when it returns); its errors ignored."""
+    import signal
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 (the call reports it)
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:

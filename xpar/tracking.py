@@ -25,6 +25,14 @@ def default_uri(start_dir: Path) -> str:
     return f"sqlite:///{(start_dir / 'mlflow.db').resolve()}"
 
 
+def open_store(uri: str) -> None:
+    """Open the tracking store at ``uri`` once, creating it if new (a new SQLite store builds its
+    tables, ~2 s here), so that a later run in this process finds it ready. Raises what MLflow
+    raises for an unusable store."""
+    import mlflow
+    mlflow.tracking.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     """Nested dict -> {'a.b.c': 'value'} with values as strings (lists as JSON)."""
     out: dict[str, str] = {}
