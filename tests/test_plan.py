@@ -413,6 +413,7 @@ def test_the_helper_opens_the_sqlite_store_before_the_call(tmp_path):
     assert sqlite_store([]) == default_uri(START_DIR)
     assert sqlite_store([f"tracking.uri=sqlite:///{tmp_path}/a.db"]) == f"sqlite:///{tmp_path}/a.db"
     assert sqlite_store(["tracking.uri=http://127.0.0.1:5000"]) is None
+    assert sqlite_store(["-m", "plan.max_tp=1,2"]) is None and sqlite_store(["plan.execute_top=3"]) is None
     assert side_process.start(modules=(), warm=partial((tmp_path / "warm").write_text, "x"))
     assert side_process.call(os.getpid) != os.getpid() and (tmp_path / "warm").read_text() == "x"
 
@@ -433,6 +434,24 @@ def test_planner_path_does_not_import_torch(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Winner:" in p.stdout
+
+
+def test_a_plan_multirun_records_each_plan_under_the_sweeps_parent_run(tmp_path):
+    """A fresh-user breaker: `xpar plan -m ...` left its sweep's parent run FAILED with an empty
+    table, the plans beside it rather than under it."""
+    import mlflow
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "xpar", "plan", "-m", "model=7b", "hardware=a100_80gb_8gpu", "plan.top_k=1",
+           "plan.max_tp=1,2", f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    client = mlflow.tracking.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    plans = [r for r in runs if r.data.tags.get("xpar.mode") == "plan"]
+    parents = {r.data.tags.get("mlflow.parentRunId") for r in plans}
+    assert len(plans) == 2 and len(parents) == 1 and None not in parents
+    parent = client.get_run(parents.pop())
+    assert parent.info.status == "FINISHED" and "xpar.best_run_id" in parent.data.tags
 
 
 # --- the closed loop on this machine ------------------------------------------------------

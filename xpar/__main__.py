@@ -74,10 +74,16 @@ def tracking_on(argv: list[str]) -> bool:
 
 def sqlite_store(argv: list[str]) -> Optional[str]:
     """The SQLite tracking URI the overrides select (the default store in the start directory
-    without ``tracking.uri``); None for any other store, or an override Hydra cannot parse."""
+    without ``tracking.uri``), for the helper to open while the plan is searched; None for any
+    other store, an override Hydra cannot parse, and where this process opens the store before
+    the plan is recorded (a multirun's parent run, ``plan.execute_top``'s runs): two processes
+    building a new store at once break it (MLflow: "No such index ...")."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from xpar.tracking import default_uri
+    if {"-m", "--multirun"} & set(argv) or any(a.startswith("plan.execute_top=") and a[17:] not in ("0", "null")
+                                             for a in argv):
+        return None
     given = [a for a in argv if a.lstrip("+").startswith("tracking.uri=")]
     try:
         uri = OverridesParser.create().parse_overrides(given[-1:])[0].value() if given else None

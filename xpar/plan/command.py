@@ -355,10 +355,12 @@ def _smallest_cluster(plan: Plan) -> str:
 
 # --- the command --------------------------------------------------------------------------
 
-def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]] = None) -> Optional[Plan]:
+def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]] = None,
+             sweep: Optional[dict] = None) -> Optional[Plan]:
     """``run.mode=plan``: search, print, record, and on hardware=local execute the top layouts.
-    ``overrides``: the command line (default: the running Hydra app's). Bad requests exit 2
-    with one line per problem."""
+    ``overrides``: the command line (default: the running Hydra app's); ``sweep``: the multirun
+    job's sweep (xpar.sweep.current_sweep), whose parent run the plan's run joins. Bad requests
+    exit 2 with one line per problem."""
     from xpar.checks.environment import check_tracking_paths
     from xpar.overrides import refuse
     from xpar.plan.show import print_plan
@@ -381,7 +383,7 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
         executed = execute_top(plan, out_dir, start_dir)
     if cfg.tracking.enabled:
         from xpar.plan.record import record_plan
-        record_plan(plan, spec, cfg, line, out_dir, start_dir, executed)
+        record_plan(plan, spec, cfg, line, out_dir, start_dir, executed, sweep)
     return plan
 
 

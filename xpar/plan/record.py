@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -98,9 +99,11 @@ def write_executed(executed: list[dict], path: Path) -> Path:
     return path
 
 
-def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, executed: list = ()) -> None:
+def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, executed: list = (),
+                sweep: Optional[dict] = None) -> None:
     """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
-    run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics); prints where it went."""
+    run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics), a child of ``sweep``'s parent
+    run in a multirun (xpar.job.sweep_tags); prints where it went."""
     from xpar.resolved_config import resolved_config
     from xpar.naming import ui_hint
     from xpar.plan.explain import label
@@ -112,7 +115,10 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
             "xpar.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
             "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
-    name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices"
+    from xpar.job import sweep_tags
+    tags.update(sweep_tags(sweep))
+    name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices" + (f" #{sweep['job_num']}" if tags.get(
+        "xpar.job_num") else "")
     paths = write_artifacts(plan, line, out_dir)
     points = plan_metrics(plan)
     if executed:
