@@ -61,7 +61,10 @@ QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22, 2 ** 26)
 LARGE_BYTES = 2 ** 23
 """Messages above this many bytes are timed :data:`LARGE_REPS` times (one call: tens to hundreds
 of milliseconds), smaller ones :data:`COLLECTIVE_REPS` times."""
-LARGE_REPS = 3
+LARGE_REPS = 7
+"""Calls timed per large message (their median kept): with 3, the 64 MiB all-reduce of back-to-back
+quick calibrations here moved the estimate of GPT-2 small's dp gradient all-reduce between 0.33 and
+0.67 s (measured in the runs: ~0.7 s, 26 buckets of 25 MB at ~27 ms)."""
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
 """Measured by :func:`collective_worker`; broadcast as ZeRO-1's ZeroRedundancyOptimizer issues it
 (each parameter tensor from its owner after the step; gloo: 64 MiB in ~0.1 s here, where an
@@ -246,28 +249,30 @@ GPT-2 small tp 8-16; FSDP units 10-40; pipeline stages 35+), so the one figure i
 
 
 def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
-    """Mean seconds a small all-reduce issued after :data:`SYNC_WORK_S` of compute takes beyond the
-    compute and the same all-reduce issued alone (every rank at once, wall time: the later peer and
-    the wake-up of a waiting thread, what a run's blocking collectives pay); >= 0."""
+    """Mean seconds a small all-reduce issued right after :data:`SYNC_WORK_S` of compute takes
+    beyond the same all-reduce issued alone (every rank at once, wall time: the later peer and the
+    wake-up of a waiting thread, what a run's blocking collectives pay); >= 0. Each sample starts
+    at a barrier, as a run's ranks leave their previous collective together, and times the
+    all-reduce alone after its own compute (the difference of two separately timed means moved
+    by +-1 ms here)."""
     import torch
     import torch.distributed as dist
 
     a, g = torch.randn(128, 128, device=device), torch.ones(16, device=device)
     sync = _sync(device)
     calls = max(1, int(SYNC_WORK_S / max(median_time(lambda: a @ a, 5, sync, 0.01), 1e-7)))
-
-    def compute() -> None:
+    alone = median_time(lambda: dist.all_reduce(g), reps, sync)
+    after = []
+    for _ in range(reps):
+        dist.barrier()
         for _ in range(calls):
             a @ a
         sync()
-
-    def mean_wall(fn: Callable[[], object]) -> float:
-        dist.barrier()
-        return median_time(fn, reps, sync, average=statistics.fmean)
-
-    alone = median_time(lambda: dist.all_reduce(g), reps, sync)
-    both = mean_wall(lambda: (compute(), dist.all_reduce(g)))
-    return max(0.0, both - mean_wall(compute) - alone)
+        t0 = time.perf_counter()
+        dist.all_reduce(g)
+        sync()
+        after.append(time.perf_counter() - t0)
+    return max(0.0, statistics.fmean(after) - alone)
 
 
 def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
