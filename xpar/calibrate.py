@@ -17,8 +17,9 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
   element -> ``optimizer_ns_per_element`` (2.0-2.8 ns here with large tensors kept on the heap,
   xpar.host_memory; 84 bytes per element over the copy bandwidth would say ~4.3 ns);
-- the wait at a blocking collective: a 16-float all-reduce after ~10 ms of compute (:data:`SYNC_WORK_S`), mean wall time,
-  less the compute and the all-reduce alone (:func:`measure_sync_wait`) -> ``sync_wait_us``;
+- the wait at a blocking collective: a 16-float all-reduce timed right after ~10 ms of compute
+  (:data:`SYNC_WORK_S`) started at a barrier, mean wall time, less the all-reduce alone
+  (:func:`measure_sync_wait`) -> ``sync_wait_us``;
 - host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
   forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
   DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
