@@ -119,15 +119,6 @@ def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
     return notes
 
 
-def sweep_tags(sweep: Optional[dict]) -> dict:
-    """The tags that make a job's run a child of its sweep's parent run (xpar.sweep): parent run,
-    sweep id, job number, the job's overrides; {} outside a sweep or without a parent run."""
-    if not sweep or not sweep.get("parent_run_id"):
-        return {}
-    return {"mlflow.parentRunId": sweep["parent_run_id"], "xpar.sweep_id": sweep["sweep_id"],
-            "xpar.job_num": str(sweep["job_num"]), "xpar.overrides": " ".join(sweep["overrides"])[:5000]}
-
-
 def _record(job: Job, body) -> Report:
     """Run ``body`` inside an MLflow run (when tracking is enabled); log and print."""
     spec = job.spec
@@ -141,6 +132,7 @@ def _record(job: Job, body) -> Report:
     run_name, overrides = spec.tracking.run_name or layout_run_name(spec), ""
     if job.sweep and job.sweep.get("parent_run_id"):
         overrides = " ".join(job.sweep["overrides"])
+        from xpar.sweep import sweep_tags
         tags.update(sweep_tags(job.sweep))
         run_name = f"{run_name} #{job.sweep['job_num']}"
     tags["mlflow.note.content"] = description(spec, overrides)

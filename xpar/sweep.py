@@ -119,6 +119,15 @@ class SweepCallback(Callback):
             finish_sweep(self._file)
 
 
+def sweep_tags(sweep: Optional[dict]) -> dict:
+    """The tags that make a job's run a child of its sweep's parent run (xpar.sweep): parent run,
+    sweep id, job number, the job's overrides; {} outside a sweep or without a parent run."""
+    if not sweep or not sweep.get("parent_run_id"):
+        return {}
+    return {"mlflow.parentRunId": sweep["parent_run_id"], "xpar.sweep_id": sweep["sweep_id"],
+            "xpar.job_num": str(sweep["job_num"]), "xpar.overrides": " ".join(sweep["overrides"])[:5000]}
+
+
 def current_sweep() -> Optional[dict]:
     """Inside a multirun job: the sweep's parent-run info plus this job's number and
     overrides; None in a single run."""

@@ -103,7 +103,7 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
                 sweep: Optional[dict] = None) -> None:
     """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics), a child of ``sweep``'s parent
-    run in a multirun (xpar.job.sweep_tags); prints where it went."""
+    run in a multirun (xpar.sweep.sweep_tags); prints where it went."""
     from xpar.resolved_config import resolved_config
     from xpar.naming import ui_hint
     from xpar.plan.explain import label
@@ -115,7 +115,7 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
             "xpar.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
             "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
-    from xpar.job import sweep_tags
+    from xpar.sweep import sweep_tags
     tags.update(sweep_tags(sweep))
     name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices" + (f" #{sweep['job_num']}" if tags.get(
         "xpar.job_num") else "")
