@@ -81,8 +81,9 @@ def sqlite_store(argv: list[str]) -> Optional[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from xpar.tracking import default_uri
-    if {"-m", "--multirun"} & set(argv) or any(a.startswith("plan.execute_top=") and a[17:] not in ("0", "null")
-                                             for a in argv):
+    executes = any(key == "plan.execute_top" and value not in ("0", "null")
+                   for key, _, value in (a.partition("=") for a in argv))
+    if executes or {"-m", "--multirun"} & set(argv):
         return None
     given = [a for a in argv if a.lstrip("+").startswith("tracking.uri=")]
     try:
