@@ -281,8 +281,11 @@ def test_estimated_idle_is_the_measured_definition():
     m, beta = 4, 0.2
     balanced = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 1.0}
     assert estimated_idle(balanced, beta) == pytest.approx(beta)
-    uneven = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 0.75}  # stages of 1.0 and 0.5 s
+    uneven = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 0.5}  # stages of 1.0 and 0.5 s
     assert estimated_idle(uneven, beta) == pytest.approx(1 - (m * 1.0 + m * 0.5) / (2 * (m * 1.0 + uneven["bubble"])))
+    three = {"matmul": 8 * 1.0, "bubble": 2 / 8 * 8 * 0.5}  # stages of 1.0, 0.75 and 0.25 s; beta 2 / 10 at m 8
+    assert estimated_idle(three, 0.2, pp=3) == pytest.approx(
+        1 - (8 * 1.0 + 8 * 0.75 + 8 * 0.25) / (3 * (8.0 + three["bubble"])))
     sends = dict(balanced, matmul=m * 0.9, pp_comm=m * 0.1)  # same schedule, a tenth of it waiting on sends
     assert estimated_idle(sends, beta) == pytest.approx(beta + 0.1 * (1 - beta))
     assert estimated_idle(dict(balanced, host_overhead=3.0), beta, outside=3.0) == pytest.approx(beta)

@@ -52,6 +52,27 @@ def test_simulated_bubble_equals_theory_gpipe_1f1b(p, m):
         assert res.makespan == pytest.approx(3.0 * (m + p - 1))
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 1)])
+def test_pipeline_time_of_uneven_stages_is_the_simulated_makespan(p, m):
+    """The cost model's pipeline, m x the slowest stage + beta / (1 - beta) x m x the others'
+    mean (xpar.estimate.cost.step_time, fill_time), is the makespan of the replayed GPipe and 1F1B
+    orders with one stage slower than the rest (GPT-2 small's last stage holds the LM head); the
+    mean over all stages would overstate it."""
+    from xpar.estimate.cost import fill_time, step_time
+
+    per_stage = [1.0 + 0.25 * r for r in range(p - 1)] + [2.5]  # F + B seconds per micro-batch
+    def seconds(a):
+        return per_stage[a.stage] * (1 / 3 if a.kind == "F" else 2 / 3)
+    slow = {"matmul": max(per_stage), "memory_bound": 0.0, "tp_comm": 0.0, "pp_comm": 0.0, "dp_comm": 0.0,
+            "host": 0.0, "host_step": 0.0, "dp_end": 0.0}
+    for name, acts in (("gpipe", sch.gpipe_actions(p, m)), ("1f1b", sch.one_f_one_b_actions(p, m))):
+        beta = sch.closed_form_bubble(name, p, m)
+        got, _ = step_time(slow, m, beta, fill_time(sum(per_stage), max(per_stage), p), 0.0)
+        assert got == pytest.approx(sch.simulate(acts, seconds).makespan)
+        mean_over_all, _ = step_time(slow, m, beta, sum(per_stage) / p, 0.0)
+        assert mean_over_all > got * 1.02
+
+
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4)])
 def test_torch_orders_replay_to_theory(p, m, v):
     assert sch.simulate(sch.torch_actions("1f1b", p, m)).bubble_ratio == pytest.approx(sch.closed_form_bubble("1f1b", p, m))

@@ -7,7 +7,7 @@ framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
              + passes * A_r / HBM                           memory-bound element-wise work
              + exposed TP collectives + exposed PP sends    per micro-batch
              + exposed dp gathers per micro-batch            (ZeRO-2/3, unit by unit)
-    step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_r T_mb(r)     pipeline with bubble
+    step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_{r != slowest} T_mb(r)   pipeline with bubble
              + dp communication left at the end (last backward's reductions, ZeRO-1 gathers)
              + optimizer (2 passes over the local model states / HBM)
              + host time outside the micro-batches (xpar.estimate.host: optimizer and clip ops)
@@ -28,6 +28,11 @@ framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
   compute: prefetched gathers of unit k+1 behind unit k, reductions behind the backward of the
   units after them, the rest exposed; compute slowed by ``overlap_slowdown`` while they overlap.
 - beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
+  The fill and drain pass through every stage but the slowest, which sets the pace: hence the
+  mean over the other ranks (GPipe and 1F1B: makespan (m - 1) max_r T + sum_r T, exact for the
+  simulator's replay of torch's order, tests/test_estimate_throughput.py; balanced stages: m T /
+  (1 - beta)). Before (the mean over all ranks) the bubble of GPT-2 small on pp 2, its last stage
+  twice the first's (the LM head), was estimated 0.36-0.37 where 0.32 was measured here.
 
 CALIBRATION (benchmarks/estimate_calibration.py, tests/test_estimate_throughput.py): one
 constant per GPU family, hardware.matmul_efficiency, fitted by median |error| on public
@@ -46,7 +51,6 @@ link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
@@ -324,18 +328,29 @@ def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[floa
     return elements * per_element / hbm if hbm else 0.0
 
 
-def step_time(slow: dict, m: Any, beta: Any, mean_mb: Any, t_opt: Any) -> tuple[Any, dict]:
+def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[Any, dict]:
     """(seconds per step, breakdown by :data:`TIME_TERMS`) from the slowest rank's terms
     ``slow`` (:func:`_rank_times` entry with ``dp_end``, its dp communication left at the end),
-    m micro-batches, bubble ratio ``beta``, the mean micro-batch time over ranks and the
-    optimizer's seconds (module docstring). Floats or numpy arrays over layouts."""
+    m micro-batches, bubble ratio ``beta``, ``fill_mb`` (:func:`fill_time`: the mean micro-batch
+    time of the other ranks) and the optimizer's seconds (module docstring). Floats or numpy
+    arrays over layouts."""
     mb_slow = microbatch_time(slow)
-    pipe = m * mb_slow + beta / (1 - beta) * m * mean_mb
+    pipe = m * mb_slow + beta / (1 - beta) * m * fill_mb
     breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"], "tp_comm": m * slow["tp_comm"],
                  "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
                  "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
                  "host_overhead": m * slow["host"] + slow["host_step"]}
     return pipe + slow["dp_end"] + t_opt + slow["host_step"], breakdown
+
+
+def fill_time(total_mb: Any, slow_mb: Any, pp: Any) -> Any:
+    """Seconds per micro-batch that a pipeline's fill and drain take per stage: the mean
+    micro-batch time of the ranks other than the slowest, from the sum over all ``pp`` ranks
+    (``total_mb``) and the slowest's (``slow_mb``); the slowest's own with one rank (no bubble
+    then). Floats or numpy arrays over layouts (module docstring)."""
+    if isinstance(pp, np.ndarray):
+        return np.where(pp > 1, (total_mb - slow_mb) / np.maximum(pp - 1, 1), slow_mb)
+    return (total_mb - slow_mb) / (pp - 1) if pp > 1 else slow_mb
 
 
 def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
@@ -358,7 +373,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
                            hw.optimizer_ns_per_element)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
-    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, statistics.fmean(mb_time),
+    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, fill_time(sum(mb_time), mb_time[slow], p),
                                 t_opt + off.get("exposed_s", 0.0))
     stretch = oversubscription(hw.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
     time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}

@@ -34,9 +34,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from xpar.estimate import flops as fl
-from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, layer_costs, microbatch_time,
-                                optimizer_time, pp_send_time, pp_sends, rank_compute, rates, step_time, tp_times,
-                                waits_unstretched)
+from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, fill_time, layer_costs,
+                                microbatch_time, optimizer_time, pp_send_time, pp_sends, rank_compute, rates,
+                                step_time, tp_times, waits_unstretched)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
@@ -308,8 +308,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     x = _rank_columns(base, a, r, s)
     mb = microbatch_time(x)
     slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)[None]
-    mean = (s["count"] * mb).sum(axis=0) / r["pp"]
     pick = {k: np.take_along_axis(np.broadcast_to(v, mb.shape), slow, axis=0)[0] for k, v in x.items()}
+    fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
     beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
     if memory_optimizer is None or (optimizer_elements is None and r["offload"].any()):
@@ -319,7 +319,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     off = _offload_columns(base, a, r, pick, elements)
     t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s, a.adamw_bytes_per_element,
                            base.hardware.optimizer_ns_per_element) + off["exposed_s"]
-    time, breakdown = step_time(pick, r["m"], beta, mean, t_opt)
+    time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
     stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
     time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
     out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
