@@ -25,8 +25,11 @@ multiple of 128, as Megatron-LM pads GPT-2's 50257) so that tp = 2 divides it, a
 not tied to the embedding (pp > 1 would split the tied pair across stages). ``--repeat k`` runs each layout k
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
-run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate
---quick``, ~10 s) right before every run, as it is then. Not a timed test: several minutes on 2 vCPUs.
+run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate``,
+~30 s) right before every run, as it is then: the whole calibration, not ``--quick`` (4 message sizes,
+5 repetitions), whose estimates of the same layout moved 10-30 % between back-to-back calibrations
+(GPT-2 small's 25 MB dp buckets fall between its 4 and 64 MiB points). Not a timed test: 15-25
+minutes on 2 vCPUs.
 
 ``xpar calibrate`` measures compute in CPU seconds (what the work costs a core, whatever else the
 machine runs); the estimate stretches a step only for its own workers outnumbering the cores
@@ -176,14 +179,14 @@ def spec_estimate_s(extra: dict) -> float:
 
 
 def recalibrate(name: str) -> str:
-    """``xpar calibrate hardware=local --quick --no-track --name <name>`` (about 5 s here): the
-    machine measured as it is now; the preset's name (hardware=calibrated_<name>)."""
+    """``xpar calibrate hardware=local --no-track --name <name>`` (about 30 s here): the machine
+    measured as it is now; the preset's name (hardware=calibrated_<name>)."""
     import subprocess
     import sys
 
     for _ in range(3):  # a quick fit on a busy machine can find no cost per byte (exit 1): measure again
         with tempfile.TemporaryDirectory() as out:
-            r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--quick", "--no-track",
+            r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--no-track",
                                 "--name", name, "--out", out], capture_output=True, text=True)
         if r.returncode == 0:
             return f"calibrated_{name}"
@@ -225,7 +228,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the shortest step is kept")
     ap.add_argument("--calibrate-each", action="store_true",
-                    help="xpar calibrate --quick before every run (a shared machine's load changes by the minute); "
+                    help="xpar calibrate before every run (a shared machine's load changes by the minute); "
                          "overrides --hardware")
     args = ap.parse_args()
     if not args.calibrate_each and not args.hardware.startswith("calibrated_"):

@@ -36,8 +36,11 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
         out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
     measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
     if measured_bubble is not None:
-        outside = _host_outside(unstretched) + _dp_outside(unstretched) if spec.pp > 1 else 0.0
-        idle = estimated_idle(est.time_breakdown, est.bubble_ratio, outside, spec.pp) if spec.pp > 1 else 0.0
+        idle = 0.0
+        if spec.pp > 1:
+            dp_end, fsdp = _dp_end(unstretched), unstretched.layout.zero_stage >= 2
+            outside = _host_outside(unstretched) + (0.0 if fsdp else dp_end)
+            idle = estimated_idle(est.time_breakdown, est.bubble_ratio, outside, spec.pp, dp_end if fsdp else 0.0)
         out["fidelity/bubble_diff"] = idle - measured_bubble
     return out
 
@@ -53,11 +56,15 @@ def _host_outside(spec: RunSpec) -> float:
     return outside * oversubscription(spec.hardware.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
 
 
-def _dp_outside(spec: RunSpec) -> float:
-    """Seconds of the estimate's dp_comm_exposed term left after the schedule on the slowest
-    pipeline rank (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's
-    gathers after the step), stretched as the estimate's terms are; the rest of the term, the
-    FSDP gathers of every micro-batch, runs inside the stages' forward and backward."""
+def _dp_end(spec: RunSpec) -> float:
+    """Seconds of the estimate's dp_comm_exposed term left after the slowest pipeline rank's last
+    backward (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's gathers
+    after the step), stretched as the estimate's terms are; the rest of the term, the FSDP
+    gathers of every micro-batch, runs inside the stages' forward and backward. Under FSDP
+    (ZeRO-2/3) torch runs that reduction in the schedule, after the stage's actions
+    (``PipelineStage.perform_reduce_grad``, torch 2.13): inside the measured schedule time, and
+    idle by the measured definition; otherwise it is outside the schedule (DDP's in the last
+    backward counted there too)."""
     from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
     from xpar.estimate.host import oversubscription
 
@@ -66,7 +73,8 @@ def _dp_outside(spec: RunSpec) -> float:
                                              spec.train.threads_per_worker or 1)
 
 
-def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.0, pp: int = 2) -> float:
+def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.0, pp: int = 2,
+                   idle_inside: float = 0.0) -> float:
     """The estimate's idle fraction of the ``pp`` pipeline ranks within the schedule, on the
     measured bubble's definition (xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the
     stages' compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the
@@ -75,16 +83,17 @@ def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.
     ``outside`` (host and dp seconds after the schedule: :func:`_host_outside`,
     :func:`_dp_outside`); of it, the bubble term is beta / (1 - beta) x m x the mean micro-batch
     time of the other ranks (xpar.estimate.cost.fill_time), the rest m x the slowest rank's (dp
-    gathers of each micro-batch in), which give the mean over all ranks. Equals beta + sends /
-    schedule time when the ranks are balanced; a rank lighter than the slowest idles too. 0 for
-    an empty step or no bubble."""
+    gathers of each micro-batch in), which give the mean over all ranks. ``idle_inside``: seconds
+    of the schedule outside every stage's actions (FSDP's deferred gradient reduction,
+    :func:`_dp_end`), idle on every rank. Equals beta + sends / schedule time when the ranks are
+    balanced; a rank lighter than the slowest idles too. 0 for an empty step or no bubble."""
     pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
                                                    "dp_comm_exposed", "host_overhead")) - outside
     if not pipeline or not 0 < beta < 1:
         return 0.0
     bubble = breakdown.get("bubble", 0.0)
     others, slowest = bubble * (1 - beta) / beta, pipeline - bubble  # m x micro-batch time
-    busy_per_rank = (others * (pp - 1) + slowest) / pp - breakdown.get("pp_comm", 0.0)
+    busy_per_rank = (others * (pp - 1) + slowest) / pp - breakdown.get("pp_comm", 0.0) - idle_inside
     return 1 - busy_per_rank / pipeline
 
 
