@@ -98,21 +98,21 @@ def main() -> None:
     gen_s = time.perf_counter() - t
     n = len(cols["tp"])
     base = spec_of(ctx, cols, 0)
-    opt, mem_s = (_optimizer_bytes(base, cols) if args.with_memory
-                  else (np.zeros(n), "zeros (--with-memory not given)"))
+    (opt, grads), mem_s = (_state_bytes(base, cols) if args.with_memory
+                           else ((np.zeros(n), np.zeros(n)), "zeros (--with-memory not given)"))
     t = time.perf_counter()
-    first = time_columns(base, cols, opt)
+    first = time_columns(base, cols, opt, None, grads)
     cold_s = time.perf_counter() - t
     runs = []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        time_columns(base, cols, opt)
+        time_columns(base, cols, opt, None, grads)
         runs.append(time.perf_counter() - t)
     med = statistics.median(runs)
     best = int(np.argmin(first["time_per_step_s"]))
     print(f"{args.model} on {world} {args.hardware} ({args.framework}), B={args.global_batch}: {n} layouts "
           f"({args.generator} generator, {gen_s:.2f} s)")
-    print(f"imports {IMPORTS_S:.2f} s; optimizer bytes {mem_s}; first call {cold_s:.2f} s "
+    print(f"imports {IMPORTS_S:.2f} s; optimizer and gradient bytes {mem_s}; first call {cold_s:.2f} s "
           f"({n / cold_s:,.0f} layouts/s)")
     print(f"repeated: {n / med:,.0f} layouts/s (median of {len(runs)}: {med * 1e3:.1f} ms; "
           f"min {min(runs) * 1e3:.1f} ms, max {max(runs) * 1e3:.1f} ms)")
@@ -121,14 +121,14 @@ def main() -> None:
     print(f"wall time including imports: {time.perf_counter() - T0:.2f} s; torch imported: {'torch' in sys.modules}")
 
 
-def _optimizer_bytes(base, cols) -> tuple[np.ndarray, str]:
+def _state_bytes(base, cols) -> tuple[tuple[np.ndarray, np.ndarray], str]:
     try:
         from xpar.plan.vmemory import memory_columns
     except ImportError:
-        return np.zeros(len(cols["tp"])), "zeros (no xpar.plan.vmemory)"
+        return (np.zeros(len(cols["tp"])), np.zeros(len(cols["tp"]))), "zeros (no xpar.plan.vmemory)"
     t = time.perf_counter()
-    opt = memory_columns(base, cols)["memory_optimizer"]
-    return opt, f"from xpar.plan.vmemory in {time.perf_counter() - t:.2f} s"
+    mem = memory_columns(base, cols)
+    return (mem["memory_optimizer"], mem["memory_grads"]), f"from xpar.plan.vmemory in {time.perf_counter() - t:.2f} s"
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert e.time_breakdown["host_overhead"] > 0
         ns = raw["preset"]["optimizer_ns_per_element"]  # torch's AdamW step measured per element
         assert 0 < ns < 1000 and spec.hardware.optimizer_ns_per_element == pytest.approx(ns)
-        assert e.time_breakdown["optimizer"] == pytest.approx(e.memory.optimizer / 8 * ns * 1e-9, rel=1e-9)
+        grads = e.memory.grads * (1 + 2 + 3 * (spec.micro_batches - 1)) / (spec.hardware.hbm_tb_per_s * 1e12)
+        assert e.time_breakdown["optimizer"] == pytest.approx(e.memory.optimizer / 8 * ns * 1e-9 + grads, rel=1e-9)
         assert 0 <= raw["preset"]["sync_wait_us"] < 1e5 and spec.hardware.sync_wait_us == raw["preset"]["sync_wait_us"]
         from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
         assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
@@ -317,3 +318,27 @@ def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
     assert est.bubble_ratio <= idle < 1
     assert _dp_end(spec) > 0 and idle > estimated_idle(t, est.bubble_ratio, _host_outside(spec) + _dp_end(spec))
     assert estimated_idle(dict(t, dp_comm_exposed=0.0), est.bubble_ratio, _host_outside(spec)) < 0  # the old sum
+
+
+def test_passes_over_the_gradients_are_counted_on_the_cpu():
+    """The optimizer term holds the passes over the gradients on the CPU (xpar.estimate.cost.
+    gradient_time): the clip's norm (1) and scaling (2), and autograd's accumulation (3 per
+    micro-batch after the first); without the clip only the norm; none on a GPU preset."""
+    from dataclasses import replace
+
+    from xpar.estimate.cost import assumptions_for, estimate, gradient_time
+    from xpar.estimate.host import oversubscription
+
+    assert gradient_time(1e9, 4, True, 0.01, 3.0) == pytest.approx(1e9 * (1 + 2 + 3 * 3) / 1e10)
+    assert gradient_time(1e9, 1, False, 0.01, 3.0) == pytest.approx(1e9 / 1e10)
+    assert gradient_time(1e9, 4, True, 0.01, 3.0, counted=False) == 0.0
+    for overrides in (("parallel=pp", "parallel.micro_batches=4"), ("parallel=dp", "train.max_grad_norm=null")):
+        spec = spec_for("hardware=local", "hardware.hbm_tb_per_s=0.02", *overrides)
+        a = assumptions_for(spec)
+        e, without = estimate(spec, a), estimate(spec, replace(a, gradient_passes=False))
+        want = gradient_time(e.memory.grads, spec.micro_batches, spec.train.max_grad_norm is not None, 0.02, 3.0)
+        stretch = oversubscription(spec.hardware.cpu_cores, spec.world_size, 1)  # 1 on 2 or more cores
+        assert want > 0 and e.time_breakdown["optimizer"] - without.time_breakdown["optimizer"] == pytest.approx(
+            want * stretch)
+    gpu = spec_for("hardware=a100_80gb_8gpu", local_devices=8)
+    assert not assumptions_for(gpu).gradient_passes

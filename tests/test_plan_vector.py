@@ -100,11 +100,12 @@ def scalar_fields(e) -> dict[str, float]:
     return d
 
 
-def memory_args(ests: list) -> tuple[np.ndarray, np.ndarray]:
-    """(memory_optimizer, optimizer_elements) of time_columns from the scalar estimates (the
-    elements an offloaded optimizer moves; 0 where it does not offload, where they are unread)."""
+def memory_args(ests: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(memory_optimizer, optimizer_elements, memory_grads) of time_columns from the scalar
+    estimates (the elements an offloaded optimizer moves; 0 where it does not offload, where they
+    are unread)."""
     return (np.array([e.memory.optimizer for e in ests]),
-            np.array([e.offload.get("elements", 0.0) for e in ests]))
+            np.array([e.offload.get("elements", 0.0) for e in ests]), np.array([e.memory.grads for e in ests]))
 
 
 def _mismatches(ctx: PlanContext, cols: dict, got: dict, ests: list) -> list[str]:
@@ -178,7 +179,7 @@ from xpar.plan.vtime import time_columns
 ctx = context("70b", "h100_80gb_64gpu", "torchtitan")
 cols = random_candidates(ctx, np.random.default_rng(3), 60)
 assert len(set(cols["schedule"].tolist())) == 7
-out = time_columns(spec_of(ctx, cols, 0), cols, np.zeros(60))
+out = time_columns(spec_of(ctx, cols, 0), cols, np.zeros(60), None, np.zeros(60))
 assert np.isfinite(out["time_per_step_s"]).all() and (out["time_per_step_s"] > 0).all()
 assert 'torch' not in sys.modules, 'torch imported'
 """

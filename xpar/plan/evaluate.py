@@ -27,14 +27,14 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
     base = spec_of(ctx, cols, 0)
     out = dict(cols)
     out.update(_memory(base, cols))
-    out.update(_time(base, cols, out["memory_optimizer"], out["optimizer_elements"]))
+    out.update(_time(base, cols, out["memory_optimizer"], out["optimizer_elements"], out["memory_grads"]))
     return out
 
 
 def _time(base, cols: dict[str, np.ndarray], memory_optimizer: np.ndarray,
-          elements: np.ndarray) -> dict[str, np.ndarray]:
+          elements: np.ndarray, grads: np.ndarray) -> dict[str, np.ndarray]:
     from xpar.plan.vtime import time_columns
-    res = time_columns(base, cols, memory_optimizer=memory_optimizer, optimizer_elements=elements)  # optimizer term
+    res = time_columns(base, cols, memory_optimizer, elements, grads)  # the optimizer and gradient terms
     return {k: np.asarray(res[k]) for k in TIME_KEYS}
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, fill_time, layer_costs,
-                                microbatch_time, optimizer_time, pp_send_time, pp_sends, rank_compute, rates,
+                                gradient_time, microbatch_time, optimizer_time, pp_send_time, pp_sends, rank_compute, rates,
                                 step_time, tp_times, waits_unstretched)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
@@ -234,28 +234,28 @@ def _combined(columns: list[np.ndarray]) -> np.ndarray:
     return key
 
 
-def _optimizer_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np.ndarray, np.ndarray]:
+def _state_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer), the
-    optimizer's elements there (offloaded or not)): from xpar.plan.vmemory where present, else
-    the scalar memory model row by row (slow)."""
+    optimizer's elements there (offloaded or not), gradient bytes there (Estimate.memory.grads)):
+    from xpar.plan.vmemory where present, else the scalar memory model row by row (slow)."""
     try:
         from xpar.plan.vmemory import memory_columns
     except ImportError:
         memory_columns = None
     if memory_columns is not None:
         res = memory_columns(base, cols)
-        return (np.asarray(res["memory_optimizer"], dtype=np.float64),
-                np.asarray(res["optimizer_elements"], dtype=np.float64))
+        return tuple(np.asarray(res[k], dtype=np.float64) for k in ("memory_optimizer", "optimizer_elements",
+                                                                     "memory_grads"))
     from xpar.estimate.memory import memory
 
     def one(tp, pp, dp, b, m, v, sch, zero, sp, rec, off):
         spec = spec_at(base, tp, pp, dp, b, m, v, SCHEDULE_NAMES[sch], zero, sp, RECOMPUTE[rec])
         est = memory(spec, assume=replace(a, cpu_offload_optimizer=bool(off)))
-        return {"o": est.optimizer, "n": offload_elements(spec, a, est.pp_rank)}
+        return {"o": est.optimizer, "n": offload_elements(spec, a, est.pp_rank), "g": est.grads}
 
     keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload")
-    got = by_key([r[k] for k in keys], one, ("o", "n"))
-    return got["o"], got["n"]
+    got = by_key([r[k] for k in keys], one, ("o", "n", "g"))
+    return got["o"], got["n"], got["g"]
 
 
 def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, elements: np.ndarray) -> dict:
@@ -275,7 +275,8 @@ def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, element
 
 
 def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: Optional[np.ndarray] = None,
-                 optimizer_elements: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
+                 optimizer_elements: Optional[np.ndarray] = None,
+                 memory_grads: Optional[np.ndarray] = None) -> dict[str, np.ndarray]:
     """Step time and throughput of every candidate (:data:`TIME_KEYS`, float64 arrays of the
     candidates' length), each equal to :func:`xpar.estimate.cost.estimate` of the candidate's
     spec (:func:`xpar.plan.context.spec_of`). ``base``: the RunSpec of any candidate of the same
@@ -284,7 +285,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     ``memory_optimizer``), for the optimizer term; computed when None (pass it when the memory
     columns are computed anyway), with ``optimizer_elements`` (vmemory's: the optimizer's
     elements on that device, what an offloaded optimizer moves; needed when a candidate
-    offloads). The optional column ``offload`` (bool; default the framework's
+    offloads), and ``memory_grads`` (vmemory's gradient bytes there, for the passes over the
+    gradients: xpar.estimate.cost.gradient_time). The optional column ``offload`` (bool; default the framework's
     ``cpu_offload_optimizer``) adds the offloaded step (xpar.estimate.offload) to the optimizer
     term. Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
 
@@ -294,7 +296,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
             :data:`RECOMPUTE`."""
     world = cols["tp"] * cols["pp"] * cols["dp"]
     if base.hardware.sync_wait_us and len(np.unique(world)) > 1:  # the waits depend on the workers
-        return _by_world(base, cols, world, memory_optimizer, optimizer_elements)
+        return _by_world(base, cols, world, memory_optimizer, optimizer_elements, memory_grads)
     if len(world):
         base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
@@ -312,13 +314,15 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
     beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
-    if memory_optimizer is None or (optimizer_elements is None and r["offload"].any()):
-        opt, elements = _optimizer_bytes(base, cols, r, a)
+    if memory_optimizer is None or memory_grads is None or (optimizer_elements is None and r["offload"].any()):
+        opt, elements, grads = _state_bytes(base, cols, r, a)
     else:
-        opt, elements = np.asarray(memory_optimizer, float), optimizer_elements
+        opt, elements, grads = np.asarray(memory_optimizer, float), optimizer_elements, np.asarray(memory_grads, float)
     off = _offload_columns(base, a, r, pick, elements)
-    t_opt = optimizer_time(opt, base.train.dtype, base.hardware.hbm_tb_per_s, a.adamw_bytes_per_element,
-                           base.hardware.optimizer_ns_per_element) + off["exposed_s"]
+    hw = base.hardware
+    t_opt = (optimizer_time(opt, base.train.dtype, hw.hbm_tb_per_s, a.adamw_bytes_per_element, hw.optimizer_ns_per_element)
+             + gradient_time(grads, r["m"], base.train.max_grad_norm is not None, hw.hbm_tb_per_s,
+                             a.grad_accumulation_passes, a.gradient_passes) + off["exposed_s"])
     time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
     stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
     time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
@@ -330,15 +334,14 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
 
 
-def _by_world(base: RunSpec, cols: dict, world: np.ndarray, memory_optimizer: Optional[np.ndarray],
-              optimizer_elements: Optional[np.ndarray]) -> dict[str, np.ndarray]:
-    """:func:`time_columns` of candidates of several device counts, one count at a time."""
+def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`time_columns` of candidates of several device counts, one count at a time (``state``:
+    its memory_optimizer, optimizer_elements and memory_grads, each None or per candidate)."""
     out = {k: np.zeros(len(world)) for k in TIME_KEYS}
     for w in np.unique(world):
         i = np.flatnonzero(world == w)
         part = time_columns(base, {k: np.asarray(v)[i] for k, v in cols.items()},
-                            None if memory_optimizer is None else np.asarray(memory_optimizer)[i],
-                            None if optimizer_elements is None else np.asarray(optimizer_elements)[i])
+                            *(None if x is None else np.asarray(x)[i] for x in state))
         for k in TIME_KEYS:
             out[k][i] = part[k]
     return out
