@@ -281,18 +281,21 @@ def test_estimated_idle_is_the_measured_definition():
 
     m, beta = 4, 0.2
     balanced = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 1.0}
-    assert estimated_idle(balanced, beta) == pytest.approx(beta)
+    assert estimated_idle(balanced, beta, 2) == pytest.approx(beta)
     uneven = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 0.5}  # stages of 1.0 and 0.5 s
-    assert estimated_idle(uneven, beta) == pytest.approx(1 - (m * 1.0 + m * 0.5) / (2 * (m * 1.0 + uneven["bubble"])))
+    assert estimated_idle(uneven, beta, 2) == pytest.approx(1 - (m * 1.0 + m * 0.5) / (2 * (m * 1.0 + uneven["bubble"])))
     three = {"matmul": 8 * 1.0, "bubble": 2 / 8 * 8 * 0.5}  # stages of 1.0, 0.75 and 0.25 s; beta 2 / 10 at m 8
-    assert estimated_idle(three, 0.2, pp=3) == pytest.approx(
+    assert estimated_idle(three, 0.2, 3) == pytest.approx(
         1 - (8 * 1.0 + 8 * 0.75 + 8 * 0.25) / (3 * (8.0 + three["bubble"])))
     sends = dict(balanced, matmul=m * 0.9, pp_comm=m * 0.1)  # same schedule, a tenth of it waiting on sends
-    assert estimated_idle(sends, beta) == pytest.approx(beta + 0.1 * (1 - beta))
-    assert estimated_idle(dict(balanced, host_overhead=3.0), beta, outside=3.0) == pytest.approx(beta)
-    assert estimated_idle(balanced, 0.0) == 0.0
+    assert estimated_idle(sends, beta, 2) == pytest.approx(beta + 0.1 * (1 - beta))
+    assert estimated_idle(dict(balanced, host_overhead=3.0), beta, 2, outside=3.0) == pytest.approx(beta)
+    assert estimated_idle(balanced, 0.0, 2) == 0.0
     gathers = dict(balanced, matmul=m * 0.6, dp_comm_exposed=m * 0.4 + 2.0)  # FSDP gathers in the stages, 2 s after
-    assert estimated_idle(gathers, beta, outside=2.0) == pytest.approx(beta)
+    assert estimated_idle(gathers, beta, 2, outside=2.0) == pytest.approx(beta)
+    # FSDP's reduction after the last backward: 1 s in the schedule, in no action of either rank
+    reduce = dict(balanced, dp_comm_exposed=1.0)  # stages of 1 s each: schedule 4 + 1 + 1, busy 4 per rank
+    assert estimated_idle(reduce, beta, 2, idle_inside=1.0) == pytest.approx(1 - 2 * 4.0 / (2 * 6.0))
 
 
 def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
@@ -314,29 +317,34 @@ def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
     est = estimate(spec)
     t = est.time_breakdown
     assert t["dp_comm_exposed"] > t["bubble"] > 0
-    idle = estimated_idle(t, est.bubble_ratio, _host_outside(spec), spec.pp, idle_inside=_dp_end(spec))
+    idle = estimated_idle(t, est.bubble_ratio, spec.pp, _host_outside(spec), idle_inside=_dp_end(spec))
     assert est.bubble_ratio <= idle < 1
-    assert _dp_end(spec) > 0 and idle > estimated_idle(t, est.bubble_ratio, _host_outside(spec) + _dp_end(spec))
-    assert estimated_idle(dict(t, dp_comm_exposed=0.0), est.bubble_ratio, _host_outside(spec)) < 0  # the old sum
+    assert _dp_end(spec) > 0 and idle > estimated_idle(t, est.bubble_ratio, spec.pp, _host_outside(spec) + _dp_end(spec))
+    assert estimated_idle(dict(t, dp_comm_exposed=0.0), est.bubble_ratio, spec.pp, _host_outside(spec)) < 0  # the old sum
 
 
 def test_passes_over_the_gradients_are_counted_on_the_cpu():
     """The optimizer term holds the passes over the gradients on the CPU (xpar.estimate.cost.
-    gradient_time): the clip's norm (1) and scaling (2), and autograd's accumulation (3 per
-    micro-batch after the first); without the clip only the norm; none on a GPU preset."""
+    gradient_time): autograd's accumulation (3 per micro-batch after the first) over the held
+    gradients; over the reduced ones (1/dp of them under pp with ZeRO-2/3) the clip's norm (1)
+    and scaling (2) and torch's division by m under pp (2); without the clip only the norm; none
+    on a GPU preset."""
     from dataclasses import replace
 
-    from xpar.estimate.cost import assumptions_for, estimate, gradient_time
+    from xpar.estimate.cost import assumptions_for, estimate, gradient_time, reduced_grad_bytes
     from xpar.estimate.host import oversubscription
 
-    assert gradient_time(1e9, 4, True, 0.01, 3.0) == pytest.approx(1e9 * (1 + 2 + 3 * 3) / 1e10)
-    assert gradient_time(1e9, 1, False, 0.01, 3.0) == pytest.approx(1e9 / 1e10)
-    assert gradient_time(1e9, 4, True, 0.01, 3.0, counted=False) == 0.0
+    assert gradient_time(1e9, 1e9, 4, 1, True, 0.01, 3.0) == pytest.approx(1e9 * (3 * 3 + 1 + 2) / 1e10)
+    assert gradient_time(1e9, 5e8, 4, 2, True, 0.01, 3.0) == pytest.approx((1e9 * 3 * 3 + 5e8 * (1 + 2 + 2)) / 1e10)
+    assert gradient_time(1e9, 1e9, 1, 2, False, 0.01, 3.0) == pytest.approx(1e9 / 1e10)
+    assert gradient_time(1e9, 1e9, 4, 1, True, 0.01, 3.0, counted=False) == 0.0
+    assert reduced_grad_bytes(8.0, 2, 2, 3) == 4.0 and reduced_grad_bytes(8.0, 2, 1, 3) == reduced_grad_bytes(8.0, 2, 2, 1) == 8.0
     for overrides in (("parallel=pp", "parallel.micro_batches=4"), ("parallel=dp", "train.max_grad_norm=null")):
         spec = spec_for("hardware=local", "hardware.hbm_tb_per_s=0.02", *overrides)
         a = assumptions_for(spec)
         e, without = estimate(spec, a), estimate(spec, replace(a, gradient_passes=False))
-        want = gradient_time(e.memory.grads, spec.micro_batches, spec.train.max_grad_norm is not None, 0.02, 3.0)
+        want = gradient_time(e.memory.grads, e.memory.grads, spec.micro_batches, spec.pp,
+                             spec.train.max_grad_norm is not None, 0.02, 3.0)
         stretch = oversubscription(spec.hardware.cpu_cores, spec.world_size, 1)  # 1 on 2 or more cores
         assert want > 0 and e.time_breakdown["optimizer"] - without.time_breakdown["optimizer"] == pytest.approx(
             want * stretch)

@@ -73,6 +73,23 @@ def test_pipeline_time_of_uneven_stages_is_the_simulated_makespan(p, m):
         assert mean_over_all > got * 1.02
 
 
+@pytest.mark.parametrize("per_stage", [[2.5, 1.0, 1.0, 1.0], [1.0, 2.5, 1.0, 1.5], [1.0, 1.0, 2.0, 1.2]])
+def test_pipeline_time_of_a_slow_stage_elsewhere_is_an_upper_bound(per_stage):
+    """With the slowest stage not last, GPipe's makespan is still (m - 1) max + sum (the
+    estimate), 1F1B's is at most that: the cost model never estimates such a pipeline short."""
+    from xpar.estimate.cost import fill_time, step_time
+
+    p, m = len(per_stage), 4
+    def seconds(a):
+        return per_stage[a.stage] * (1 / 3 if a.kind == "F" else 2 / 3)
+    slow = {"matmul": max(per_stage), "memory_bound": 0.0, "tp_comm": 0.0, "pp_comm": 0.0, "dp_comm": 0.0,
+            "host": 0.0, "host_step": 0.0, "dp_end": 0.0}
+    for name, acts in (("gpipe", sch.gpipe_actions(p, m)), ("1f1b", sch.one_f_one_b_actions(p, m))):
+        got, _ = step_time(slow, m, sch.closed_form_bubble(name, p, m), fill_time(sum(per_stage), max(per_stage), p), 0.0)
+        makespan = sch.simulate(acts, seconds).makespan
+        assert got == pytest.approx(makespan) if name == "gpipe" else got >= makespan - 1e-9
+
+
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4)])
 def test_torch_orders_replay_to_theory(p, m, v):
     assert sch.simulate(sch.torch_actions("1f1b", p, m)).bubble_ratio == pytest.approx(sch.closed_form_bubble("1f1b", p, m))

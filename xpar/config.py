@@ -259,6 +259,13 @@ class FrameworkConfig:
     fp32 tensors per parameter (weight decay mul_ 8, exp_avg lerp_ 12, exp_avg_sq mul_ 8 and
     addcmul_ 16, sqrt 8, div 8, add_ 8, param addcdiv_ 16: torch/optim/adamw.py); null: a fused
     AdamW, one read and one write of the states (2 passes at the ZeRO paper's widths)."""
+    grad_accumulation_passes: float = 3.0
+    """Passes over the held gradient bytes per micro-batch after the first (autograd's
+    AccumulateGrad: 2 reads, 1 write); counted with ``gradient_passes``."""
+    gradient_passes: bool = False
+    """Count the passes over the gradients outside the GEMMs (accumulation, torch's pipeline
+    scaling, the norm clip: xpar.estimate.cost.gradient_time). Set on a CPU whatever the profile;
+    off on GPUs, where they are <= 1.5 % of the public runs' steps."""
     # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
     count_buffers: bool = True
     """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""

@@ -40,7 +40,7 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
         if spec.pp > 1:
             dp_end, fsdp = _dp_end(unstretched), unstretched.layout.zero_stage >= 2
             outside = _host_outside(unstretched) + (0.0 if fsdp else dp_end)
-            idle = estimated_idle(est.time_breakdown, est.bubble_ratio, outside, spec.pp, dp_end if fsdp else 0.0)
+            idle = estimated_idle(est.time_breakdown, est.bubble_ratio, spec.pp, outside, dp_end if fsdp else 0.0)
         out["fidelity/bubble_diff"] = idle - measured_bubble
     return out
 
@@ -73,27 +73,28 @@ def _dp_end(spec: RunSpec) -> float:
                                              spec.train.threads_per_worker or 1)
 
 
-def estimated_idle(breakdown: dict[str, float], beta: float, outside: float = 0.0, pp: int = 2,
+def estimated_idle(breakdown: dict[str, float], beta: float, pp: int, outside: float = 0.0,
                    idle_inside: float = 0.0) -> float:
     """The estimate's idle fraction of the ``pp`` pipeline ranks within the schedule, on the
     measured bubble's definition (xpar.bubble: 1 - sum busy / (pp x schedule time), busy being the
     stages' compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the
     slowest rank's step-time terms (Estimate.time_breakdown, seconds) and the schedule's bubble
     ``beta``. The schedule's time is the compute, host, tp, send, dp and bubble terms, less
-    ``outside`` (host and dp seconds after the schedule: :func:`_host_outside`,
-    :func:`_dp_outside`); of it, the bubble term is beta / (1 - beta) x m x the mean micro-batch
-    time of the other ranks (xpar.estimate.cost.fill_time), the rest m x the slowest rank's (dp
-    gathers of each micro-batch in), which give the mean over all ranks. ``idle_inside``: seconds
-    of the schedule outside every stage's actions (FSDP's deferred gradient reduction,
-    :func:`_dp_end`), idle on every rank. Equals beta + sends / schedule time when the ranks are
-    balanced; a rank lighter than the slowest idles too. 0 for an empty step or no bubble."""
+    ``outside`` (seconds after the schedule: :func:`_host_outside`, and :func:`_dp_end` without
+    FSDP). Of it, the bubble term is beta / (1 - beta) x m x the mean micro-batch time of the
+    other ranks (xpar.estimate.cost.fill_time), the rest m x the slowest rank's (dp gathers of
+    each micro-batch in): together the mean over all ranks. ``idle_inside``: seconds of the
+    schedule outside every stage's actions (FSDP's deferred gradient reduction, :func:`_dp_end`),
+    idle on every rank; it is in the slowest rank's terms, not in the others' (the bubble term).
+    Equals beta + sends / schedule time when the ranks are balanced; a rank lighter than the
+    slowest idles too. 0 for an empty step or no bubble."""
     pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
                                                    "dp_comm_exposed", "host_overhead")) - outside
     if not pipeline or not 0 < beta < 1:
         return 0.0
     bubble = breakdown.get("bubble", 0.0)
     others, slowest = bubble * (1 - beta) / beta, pipeline - bubble  # m x micro-batch time
-    busy_per_rank = (others * (pp - 1) + slowest) / pp - breakdown.get("pp_comm", 0.0) - idle_inside
+    busy_per_rank = (others * (pp - 1) + slowest - idle_inside) / pp - breakdown.get("pp_comm", 0.0)
     return 1 - busy_per_rank / pipeline
 
 

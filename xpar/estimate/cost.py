@@ -30,10 +30,13 @@ framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
   units after them, the rest exposed; compute slowed by ``overlap_slowdown`` while they overlap.
 - beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
   The fill and drain pass through every stage but the slowest, which sets the pace: hence the
-  mean over the other ranks (GPipe and 1F1B: makespan (m - 1) max_r T + sum_r T, exact for the
-  simulator's replay of torch's order, tests/test_estimate_throughput.py; balanced stages: m T /
-  (1 - beta)). Before (the mean over all ranks) the bubble of GPT-2 small on pp 2, its last stage
-  twice the first's (the LM head), was estimated 0.36-0.37 where 0.32 was measured here.
+  mean over the other ranks, makespan (m - 1) max_r T + sum_r T for GPipe and 1F1B: the
+  simulator's replay (tests/test_estimate_throughput.py) equals it for GPipe whatever the order
+  of the stages, and for 1F1B and interleaved 1F1B (m >= p) when the slowest stage is the last
+  (the LM head's), and stays under it otherwise (an upper bound: 1F1B with per-stage times
+  2.5, 1, 1, 1 at m 4 replays in 10.5, estimated 13.0); balanced stages give m T / (1 - beta).
+  Before (the mean over all ranks) the bubble of GPT-2 small on pp 2, its last stage twice the
+  first's, was estimated 0.36-0.37 where 0.32 was measured here.
 
 CALIBRATION (benchmarks/estimate_calibration.py, tests/test_estimate_throughput.py): one
 constant per GPU family, hardware.matmul_efficiency, fitted by median |error| on public
@@ -338,19 +341,33 @@ def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[floa
     return elements * per_element / hbm if hbm else 0.0
 
 
-def gradient_time(grad_bytes: Any, m: Any, clip: bool, hbm_tb_per_s: Optional[float],
-                  accumulation_passes: float, counted: bool = True) -> Any:
-    """Seconds per step of the memory passes over the device's gradients (``grad_bytes``, the
-    memory model's ``grads``) outside the GEMMs: accumulation of the m micro-batches
-    (``accumulation_passes`` x (m - 1): Assumptions.grad_accumulation_passes) and the global-norm
-    clip (xpar.optim.clip_grads_): the norm reads them once (always: the norm is logged), the
-    scaling reads and writes them when ``clip`` (train.max_grad_norm set; counted as if the norm
-    exceeded it, as it does early in training). Counted in the optimizer term. 0 without an HBM
-    figure, or unless ``counted`` (Assumptions.gradient_passes: on the CPU). On GPT-2 small over dp 2 here: 3 x 0.5 GB at 17.7 GB/s, ~85 ms of a 2.5 s step, where
-    the profiled norm and scaling took 60-70 ms. Floats or numpy arrays over layouts."""
+def gradient_time(held_bytes: Any, reduced_bytes: Any, m: Any, pp: Any, clip: bool,
+                  hbm_tb_per_s: Optional[float], accumulation_passes: float, counted: bool = True) -> Any:
+    """Seconds per step of the memory passes over a device's gradients outside the GEMMs, at the
+    HBM (on a CPU: copy) bandwidth: accumulation of the m micro-batches into the gradients held
+    (``held_bytes``, the memory model's ``grads``; ``accumulation_passes`` x (m - 1):
+    Assumptions.grad_accumulation_passes); then, over the gradients after the dp reduction
+    (``reduced_bytes``: :func:`reduced_grad_bytes`), torch's division by m under pp (2 passes:
+    PipelineStage.scale_grads, torch 2.13) and the global-norm clip (xpar.optim.clip_grads_):
+    the norm reads them (1 pass, always: the norm is logged), the scaling reads and writes them
+    when ``clip`` (train.max_grad_norm set; counted as if the norm exceeded it, as it does early in
+    training). Counted in the optimizer term, though accumulation runs in the backward. 0
+    without an HBM figure, or unless ``counted`` (Assumptions.gradient_passes: on the CPU). GPT-2
+    small over dp 2 here: 3 x 0.5 GB at 17.7 GB/s, ~85 ms of a 2.5 s step; the profiled norm and
+    scaling took 60-70 ms. Floats or numpy arrays over layouts."""
     hbm = (hbm_tb_per_s or 0) * 1e12
-    passes = accumulation_passes * (m - 1) + 1 + (2 if clip else 0)
-    return grad_bytes * passes / hbm if hbm and counted else 0.0 * grad_bytes
+    if not (hbm and counted):
+        return 0.0 * held_bytes
+    after = 1 + (2 if clip else 0) + 2 * ((pp > 1) & (m > 1))
+    return (held_bytes * accumulation_passes * (m - 1) + reduced_bytes * after) / hbm
+
+
+def reduced_grad_bytes(held_bytes: Any, dp: Any, pp: Any, zero_stage: Any) -> Any:
+    """Gradient bytes a device holds after the dp reduction: the held ones (``held_bytes``), but
+    1/dp of them under pp with ZeRO-2/3, whose reduce-scatter waits for the last backward
+    (xpar.estimate.memory.grads_deferred: the memory model counts the whole stage's). Floats or
+    numpy arrays over layouts."""
+    return held_bytes / (1 + (dp - 1) * ((pp > 1) & (zero_stage >= 2)))
 
 
 def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[Any, dict]:
@@ -397,8 +414,8 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     mem = _memory(spec, assume)
     t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
                            hw.optimizer_ns_per_element) + gradient_time(
-        mem.grads, m, spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes,
-        assume.gradient_passes)
+        mem.grads, reduced_grad_bytes(mem.grads, spec.dp, p, spec.layout.zero_stage), m, p,
+        spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes, assume.gradient_passes)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, fill_time(sum(mb_time), mb_time[slow], p),
                                 t_opt + off.get("exposed_s", 0.0))

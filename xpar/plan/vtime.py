@@ -17,7 +17,7 @@ ends. Loop placement: rank 0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); 
 (zbv, dualpipev): rank 0 holds both ends, ranks 1..pp-1 are middle ranks. Three slots per
 layout (rank 0, a middle rank, the last rank), each with its count of ranks; the slowest slot
 (the first on ties, as the scalar max over ranks) gives the breakdown, the count-weighted mean
-the bubble's share.
+of the other ranks the bubble's share (xpar.estimate.cost.fill_time).
 
 tests/test_plan_vector.py checks every figure against the scalar estimate (relative 1e-9) and
 that no torch is imported, at import or at run time (parameter shapes written out in
@@ -36,7 +36,7 @@ import numpy as np
 from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, fill_time, layer_costs,
                                 gradient_time, microbatch_time, optimizer_time, pp_send_time, pp_sends, rank_compute, rates,
-                                step_time, tp_times, waits_unstretched)
+                                reduced_grad_bytes, step_time, tp_times, waits_unstretched)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
@@ -314,14 +314,17 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
     beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
-    if memory_optimizer is None or memory_grads is None or (optimizer_elements is None and r["offload"].any()):
+    if (memory_optimizer is None or (optimizer_elements is None and r["offload"].any())
+            or (memory_grads is None and a.gradient_passes)):
         opt, elements, grads = _state_bytes(base, cols, r, a)
     else:
-        opt, elements, grads = np.asarray(memory_optimizer, float), optimizer_elements, np.asarray(memory_grads, float)
+        opt, elements = np.asarray(memory_optimizer, float), optimizer_elements
+        grads = np.zeros(len(opt)) if memory_grads is None else np.asarray(memory_grads, float)  # unread then
     off = _offload_columns(base, a, r, pick, elements)
     hw = base.hardware
+    reduced = reduced_grad_bytes(grads, r["dp"], r["pp"], r["zero"])
     t_opt = (optimizer_time(opt, base.train.dtype, hw.hbm_tb_per_s, a.adamw_bytes_per_element, hw.optimizer_ns_per_element)
-             + gradient_time(grads, r["m"], base.train.max_grad_norm is not None, hw.hbm_tb_per_s,
+             + gradient_time(grads, reduced, r["m"], r["pp"], base.train.max_grad_norm is not None, hw.hbm_tb_per_s,
                              a.grad_accumulation_passes, a.gradient_passes) + off["exposed_s"])
     time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
     stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
