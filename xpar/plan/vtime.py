@@ -314,6 +314,24 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
     beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
+    t_opt, off = _optimizer_columns(base, cols, a, r, pick, memory_optimizer, optimizer_elements, memory_grads)
+    time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
+    stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
+    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
+    out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
+           "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
+           "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
+           "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
+    out.update(_rates(base, r, time))
+    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+
+
+def _optimizer_columns(base: RunSpec, cols: dict, a: Assumptions, r: dict, pick: dict,
+                       memory_optimizer: Optional[np.ndarray], optimizer_elements: Optional[np.ndarray],
+                       memory_grads: Optional[np.ndarray]) -> tuple[np.ndarray, dict]:
+    """(The optimizer term per candidate: the optimizer step, the passes over the gradients
+    (xpar.estimate.cost.gradient_time) and an offloaded step's exposed time, seconds; the offload
+    columns), from the memory model's columns where given (:func:`time_columns`)."""
     if (memory_optimizer is None or (optimizer_elements is None and r["offload"].any())
             or (memory_grads is None and a.gradient_passes)):
         opt, elements, grads = _state_bytes(base, cols, r, a)
@@ -326,15 +344,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     t_opt = (optimizer_time(opt, base.train.dtype, hw.hbm_tb_per_s, a.adamw_bytes_per_element, hw.optimizer_ns_per_element)
              + gradient_time(grads, reduced, r["m"], r["pp"], base.train.max_grad_norm is not None, hw.hbm_tb_per_s,
                              a.grad_accumulation_passes, a.gradient_passes) + off["exposed_s"])
-    time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
-    stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
-    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
-    out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
-           "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
-           "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
-           "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
-    out.update(_rates(base, r, time))
-    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+    return t_opt, off
 
 
 def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.ndarray]) -> dict[str, np.ndarray]:
