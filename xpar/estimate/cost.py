@@ -370,6 +370,21 @@ def reduced_grad_bytes(held_bytes: Any, dp: Any, pp: Any, zero_stage: Any) -> An
     return held_bytes / (1 + (dp - 1) * ((pp > 1) & (zero_stage >= 2)))
 
 
+def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, grad_bytes: Any, dp: Any, pp: Any,
+                   zero_stage: Any, m: Any) -> Any:
+    """Seconds of the optimizer term before any offload: :func:`optimizer_time` of the device's
+    optimizer states and :func:`gradient_time` of its gradients (``grad_bytes``: the memory model's
+    ``grads``), for ``spec``'s hardware, dtype and clip under ``assume``. The scalar estimate and
+    the planner (xpar.plan.vtime, numpy arrays over layouts for every argument but the first two)
+    both price it here."""
+    hw = spec.hardware
+    return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
+                           hw.optimizer_ns_per_element)
+            + gradient_time(grad_bytes, reduced_grad_bytes(grad_bytes, dp, pp, zero_stage), m, pp,
+                            spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes,
+                            assume.gradient_passes))
+
+
 def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[Any, dict]:
     """(seconds per step, breakdown by :data:`TIME_TERMS`) from the slowest rank's terms
     ``slow`` (:func:`_rank_times` entry with ``dp_end``, its dp communication left at the end),
@@ -412,10 +427,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     x = per_rank[slow]
     mem = _memory(spec, assume)
-    t_opt = optimizer_time(mem.optimizer, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
-                           hw.optimizer_ns_per_element) + gradient_time(
-        mem.grads, reduced_grad_bytes(mem.grads, spec.dp, p, spec.layout.zero_stage), m, p,
-        spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes, assume.gradient_passes)
+    t_opt = optimizer_term(spec, assume, mem.optimizer, mem.grads, spec.dp, p, spec.layout.zero_stage, m)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, fill_time(sum(mb_time), mb_time[slow], p),
                                 t_opt + off.get("exposed_s", 0.0))

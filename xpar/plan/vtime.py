@@ -35,8 +35,8 @@ import numpy as np
 
 from xpar.estimate import flops as fl
 from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, fill_time, layer_costs,
-                                gradient_time, microbatch_time, optimizer_time, pp_send_time, pp_sends, rank_compute, rates,
-                                reduced_grad_bytes, step_time, tp_times, waits_unstretched)
+                                microbatch_time, optimizer_term, pp_send_time, pp_sends, rank_compute, rates, step_time,
+                                tp_times, waits_unstretched)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
 from xpar.estimate.memory import state_widths
@@ -339,12 +339,7 @@ def _optimizer_columns(base: RunSpec, cols: dict, a: Assumptions, r: dict, pick:
         opt, elements = np.asarray(memory_optimizer, float), optimizer_elements
         grads = np.zeros(len(opt)) if memory_grads is None else np.asarray(memory_grads, float)  # unread then
     off = _offload_columns(base, a, r, pick, elements)
-    hw = base.hardware
-    reduced = reduced_grad_bytes(grads, r["dp"], r["pp"], r["zero"])
-    t_opt = (optimizer_time(opt, base.train.dtype, hw.hbm_tb_per_s, a.adamw_bytes_per_element, hw.optimizer_ns_per_element)
-             + gradient_time(grads, reduced, r["m"], r["pp"], base.train.max_grad_norm is not None, hw.hbm_tb_per_s,
-                             a.grad_accumulation_passes, a.gradient_passes) + off["exposed_s"])
-    return t_opt, off
+    return optimizer_term(base, a, opt, grads, r["dp"], r["pp"], r["zero"], r["m"]) + off["exposed_s"], off
 
 
 def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.ndarray]) -> dict[str, np.ndarray]:
