@@ -245,6 +245,20 @@ def test_torch_zero1_syncs_parameters_by_broadcast_after_the_step():
     assert torch_zero1[1] > megatron[1]  # a broadcast moves every byte to every rank: (n-1)/n less for a ring gather
 
 
+def test_zero3_under_pp_gathers_each_forward_and_the_first_backward():
+    """Under pp torch keeps a ZeRO-3 stage's parameters unsharded after each backward but the
+    last (counted in a real run: tests/test_pipeline.py), so per step the units are gathered
+    before each of the m forwards and once before the backward: the backward's gathers are
+    issued once and exposed once (``first_backward``), not every micro-batch as without pp."""
+    from xpar.estimate.dp import dp_exposure
+    a, gather, red = Assumptions(), [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
+    idle = [0.0, 0.0, 0.0]  # no compute to hide behind: every collective exposed
+    pp2, pp1 = (dp_exposure(3, p, a, idle, idle, gather, red) for p in (2, 1))
+    assert pp2["issued_per_microbatch"] == 3.0 and pp2["issued_once"] == 6.0 + 3.0
+    assert pp2["first_backward"] == pytest.approx(3.0) and pp2["per_microbatch"] == pytest.approx(3.0)
+    assert pp1["issued_per_microbatch"] == 3.0 + 3.0 + 6.0 and pp1["first_backward"] == 0.0
+
+
 def test_groups_of_a_node_share_its_nics():
     """The dp rings of the 8 tp ranks of a node cross nodes at once: with one NIC per node each
     gets an eighth of it (the same time as 8 NICs of 1/8 the bandwidth); a group holding the whole

@@ -87,13 +87,47 @@ def _grad_error(spec_dict: dict, zero_stage: int) -> dict:
             "n_bad": sum(e > 1e-4 for e in errors.values())}
 
 
+def _gathers_per_step(spec_dict: dict) -> list[int]:
+    """Worker: all-gathers each rank issues in its second schedule step (FSDP2 calls
+    ``dist.all_gather_single``), every rank's count on rank 0 in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    from xpar.data import TokenSource
+    from xpar.parallel.factory import build_engine
+    from xpar.parallel.mesh import build_mesh
+    from xpar.spec import RunSpec
+
+    spec = RunSpec.from_dict(spec_dict)
+    mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp)
+    engine, real, calls = build_engine(spec, mesh), dist.all_gather_single, [0]
+    xs, ys = TokenSource(spec).micro_batches(0, mesh["dp"].get_local_rank(), "cpu")
+    first, last = any(st.is_first for st in engine.stages), any(st.is_last for st in engine.stages)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    for step in range(2):
+        calls[0], dist.all_gather_single = 0, counted if step else real
+        try:
+            engine.schedule.step(*((torch.cat(xs),) if first else ()), target=torch.cat(ys) if last else None,
+                                 losses=[], return_outputs=False)
+        finally:
+            dist.all_gather_single = real
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, calls[0])
+    return counts
+
+
 def zero_checks(payload: dict) -> dict:
     """Worker (pp2 x dp2): gradients of each zero-bubble spec as xpar runs it, and with
-    FSDP2 reshard_after_forward=True forced (the trap); then training losses."""
+    FSDP2 reshard_after_forward=True forced (the trap); then training losses, and the
+    all-gathers of a ZeRO-3 1F1B step."""
     out = {"grads": {}, "trap": {}, "runs": run_all(payload["runs"])}
     for name, d in payload["grads"].items():
         out["grads"][name] = _grad_error(d, d["parallel"]["zero_stage"])
         out["trap"][name] = _grad_error(d, 3)
+    out["gathers"] = _gathers_per_step(payload["runs"]["1f1b_zero3"])
     return out
 
 
@@ -185,6 +219,21 @@ def test_reshard_after_forward_trap_is_real(pp2_dp2, schedule):
 def test_pp_dp_training_matches_single_process(pp2_dp2, name):
     specs, out = pp2_dp2
     _check_losses(specs[name], out["runs"][name]["losses"], name)
+
+
+def test_zero3_under_pp_gathers_the_backward_once_per_step(pp2_dp2):
+    """torch's PipelineStage keeps FSDP2's parameters unsharded after each backward but the
+    last, so a ZeRO-3 stage all-gathers each unit before every micro-batch's forward and before
+    its first backward only: m + 1 gathers per unit and step, as the cost model prices them
+    (xpar.estimate.dp), not 2 m."""
+    from xpar.estimate.dp import unit_elements
+
+    specs, out = pp2_dp2
+    spec = specs["1f1b_zero3"]
+    assert spec.parallel.zero_stage == 3 and spec.micro_batches == 4
+    for rank, count in enumerate(out["gathers"]):
+        units = sum(1 for n in unit_elements(spec, spec.layout.coords(rank)[0]) if n)
+        assert count == (spec.micro_batches + 1) * units, (rank, count, units)
 
 
 def _check_model_states(spec, out: dict, name: str) -> None:

@@ -6,7 +6,13 @@ final norm, output):
 
 - ZeRO-3 (FSDP ``reshard_after_forward=True``): one all-gather per unit before its forward and
   one before its backward, every micro-batch; one reduce-scatter per unit after its backward,
-  every micro-batch (without pp; under pp torch defers it to the stage's last backward).
+  every micro-batch (without pp; under pp torch defers it to the stage's last backward). Under
+  pp the backward gathers once per step: torch's stage keeps the parameters unsharded after each
+  backward but the last (``PipelineStage.backward_maybe_with_nosync``: reshard_after_backward
+  False), so m forward gathers and one backward gather per unit and step (counted here, torch
+  2.13, 3D tiny: 15 all-gathers per rank and step at m = 4, 9 at m = 2, 3 units; GPipe, 1F1B and
+  interleaved alike); that one is priced in the stage's first backward, spread over the m
+  micro-batches (``first_backward``).
 - ZeRO-2 (FSDP, no reshard after forward): the all-gathers before forward only (once per step
   under pp), reduce-scatters as ZeRO-3.
 - DDP (stage 0): gradient all-reduce in buckets of ``bucket_mb`` (torch DDP: 25 MB) during the
@@ -167,8 +173,9 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     t = unit_times(spec, assume, unit_elements(spec, pp_rank))
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
                     t["copy_gather"], t["copy_reduce"])
-    return DpTiming(x["per_microbatch"], x["end"], spec.micro_batches * x["issued_per_microbatch"] + x["issued_once"],
-                    x["copy_per_microbatch"], x["copy_once"])
+    m = spec.micro_batches
+    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"], m * x["issued_per_microbatch"] + x["issued_once"],
+                    x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])
 
 
 def _masked(cond: Any, times: list) -> list:
@@ -195,19 +202,23 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     to the unit's compute where they happen and counted as exposed dp time (they exist for the
     collectives). Returns seconds: ``per_microbatch`` and ``end`` exposed (:class:`DpTiming`, the
     copies in), ``issued_per_microbatch`` and ``issued_once`` (issued per step = m x the first +
-    the second), ``copy_per_microbatch`` and ``copy_once`` (the copies alone)."""
+    the second), ``first_backward``: exposed once per step in the stage's first backward (ZeRO-3's
+    backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and
+    ``copy_first_backward`` (the copies alone)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
-    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), z == 3
+    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
     compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, cg[::-1]), _masked(every, cr[::-1]))]
     out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce)
     copy_mb = vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(cg), 0.0) + vwhere(every, sum(cr), 0.0)
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
+    copy_first = vwhere((z == 3) & (pp > 1), sum(cg), 0.0)
+    out["first_backward"] = out["first_backward"] + copy_first
     out["per_microbatch"] = out["per_microbatch"] + copy_mb  # the copies are dp's cost: exposed with it
     out["end"] = out["end"] + copy_once
-    return dict(out, copy_per_microbatch=copy_mb, copy_once=copy_once)
+    return dict(out, copy_per_microbatch=copy_mb, copy_once=copy_once, copy_first_backward=copy_first)
 
 
 def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list) -> dict:
@@ -215,9 +226,10 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     gf, gb_, red = gather, gather[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
     every = (z >= 2) & (pp == 1)
-    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), z == 3
-    gathered_once = (z == 1) | ((z == 2) & (pp > 1))
+    fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
+    gathered_once, bwd_once = (z == 1) | ((z == 2) & (pp > 1)), (z == 3) & (pp > 1)
     bwd_g = _masked(bwd_gathers, gb_)
+    first_bwd = _lazy(bwd_once, lambda: simulate_pass(compute_b, gb_, None, pre, slow).exposed, lambda: 0.0)
     with_gf = _lazy(fwd_gathers | gathered_once, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed,
                     lambda: 0.0)
     bwd = simulate_pass(compute_b, bwd_g, _masked(every & overlap, red) if overlap else None, pre, slow).exposed
@@ -230,5 +242,6 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
     issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(gb_), 0.0) + vwhere(every, sum_red, 0.0)
-    once = vwhere(every, 0.0, sum_red) + vwhere(gathered_once, sum_gf, 0.0)
-    return {"per_microbatch": per_mb, "end": end, "issued_per_microbatch": issued_mb, "issued_once": once}
+    once = vwhere(every, 0.0, sum_red) + vwhere(gathered_once, sum_gf, 0.0) + vwhere(bwd_once, sum(gb_), 0.0)
+    return {"per_microbatch": per_mb, "end": end, "issued_per_microbatch": issued_mb, "issued_once": once,
+            "first_backward": first_bwd}

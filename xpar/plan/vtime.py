@@ -186,7 +186,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
-                                           "copy_per_microbatch", "copy_once")}
+                                           "first_backward")}
     rep_live = live[rep]
     for p in np.unique(pp[rep][rep_live]).tolist():
         sel = np.flatnonzero(rep_live & (pp[rep] == p))
@@ -198,7 +198,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
         for k in res:
             res[k][sel] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
-    return {"dp_comm": every["per_microbatch"], "dp_end": every["end"],
+    return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"],
             "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"]}
 
 
