@@ -53,10 +53,16 @@ LAYOUTS = {
     "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
 }
 
-STEPS = {"tiny": 40, "mini": 20, "small": 8}
-"""Steps per run by model (2 of them warm-up): the timed steps span several seconds (a tiny step
-takes 15-60 ms here, and the median of 6 such steps moved by 35 % between back-to-back runs; a
-mini step 0.2-0.5 s, 2 s in 3D)."""
+STEPS = {"tiny": 40, "mini": 20, "small": 11}
+"""Steps per run by model (:data:`WARMUP` of them warm-up): the timed steps span several seconds
+(a tiny step takes 15-60 ms here, and the median of 6 such steps moved by 35 % between
+back-to-back runs; a mini step 0.2-0.5 s, 2 s in 3D)."""
+
+WARMUP = {"tiny": 2, "mini": 2, "small": 4}
+"""Warm-up steps by model, left out of the measured step time. GPT-2 small's FSDP steps here
+settle only after 4-5 steps (ZeRO-2, seconds per step: 5.7 5.4 4.3 3.7 3.1 4.1 2.9 3.3; 6.7 5.7
+4.1 3.5 2.8 3.2 2.8 3.2 ...; 3D: 26.7 15.2 13.0 13.3 12.8 11.7 11.1), a mini step after 1-2;
+the estimate is of the settled step."""
 
 MODEL_OVERRIDES = {"small": ["train.micro_batch_size=1", "train.seq_len=128", "model.vocab_size=50304",
                              "model.tied_embeddings=false"]}
@@ -75,7 +81,7 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose("config", overrides=[*layout, f"model={model}", *MODEL_OVERRIDES.get(model, []),
                                            f"hardware={hardware}", "tracking=off",
-                                           "run.progress=false", f"train.steps={steps}", "train.warmup_steps=2"])
+                                           "run.progress=false", f"train.steps={steps}", f"train.warmup_steps={WARMUP.get(model, 2)}"])
     return check_run(cfg, local_devices=8 if "parallel=3d_local" in layout else 2)
 
 
