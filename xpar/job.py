@@ -206,11 +206,14 @@ def _run_torchrun(job: Job) -> Optional[Report]:
     import torch
     import torch.distributed as dist
 
+    from xpar.host_memory import keep_large_tensors_on_the_heap
     from xpar.worker import run_rank
 
     spec, out_dir = job.spec, job.out_dir
     if spec.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:  # before gloo's threads allocate (xpar.host_memory)
+        keep_large_tensors_on_the_heap()
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
     try:
         if dist.get_rank() != 0:

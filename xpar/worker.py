@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from xpar.host_memory import keep_large_tensors_on_the_heap
 from xpar.journal import StepWriter
 from xpar.spec import RunSpec
 
@@ -31,7 +32,6 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     Expects the default process group to be initialised. Rank 0 also writes them to
     ``out_dir/ranks.json``.
     """
-    from xpar.host_memory import keep_large_tensors_on_the_heap
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.train import train
@@ -118,6 +118,8 @@ def start_heartbeat(out_dir: Path, rank: int) -> None:
 def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
     """Entry point of a spawned local worker (``torch.multiprocessing.start_processes``)."""
     spec = RunSpec.from_dict(spec_dict)
+    if spec.device == "cpu":  # before any thread of ours or gloo's allocates (xpar.host_memory)
+        keep_large_tensors_on_the_heap()
     out = Path(out_dir)
     start_heartbeat(out, local_rank)
     logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
