@@ -25,7 +25,8 @@ multiple of 128, as Megatron-LM pads GPT-2's 50257) so that tp = 2 divides it, a
 not tied to the embedding (pp > 1 would split the tied pair across stages). ``--repeat k`` runs each layout k
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
-run) is printed beside each row. ``--calibrate-each`` measures the machine again (``xpar calibrate``,
+run) is printed beside each row. A run during which the hypervisor stole more than ``--max-steal``
+(5 %) of the machine is measured again, twice at most (``tries``: the runs a row took). ``--calibrate-each`` measures the machine again (``xpar calibrate``,
 ~30 s) right before every run, as it is then: the whole calibration, not ``--quick`` (4 message sizes,
 5 repetitions), whose estimates of the same layout moved 10-30 % between back-to-back calibrations
 (GPT-2 small's 25 MB dp buckets fall between its 4 and 64 MiB points). Not a timed test: 15-25
@@ -199,18 +200,32 @@ def recalibrate(name: str) -> str:
     raise RuntimeError(f"xpar calibrate failed three times: {r.stderr.strip()[-500:]}")
 
 
+MAX_STEAL = 0.05
+"""A run whose timed steps lost more than this share of the machine to the hypervisor (steal:
+another guest on the same cores) is measured again, at most :data:`STEAL_RETRIES` times. The
+estimate is of this machine, not of its neighbours' load; measured here in one benchmark run,
+ZeRO-2 mini at 33 % steal took 613 ms against 226-330 ms in the runs before (estimate 326)."""
+STEAL_RETRIES = 2
+
+
 def quietest(name: str, layout: list[str], model: str, hardware: str, steps: int, repeat: int,
-             calibrate_each: bool = False) -> dict:
-    """:func:`measure` ``repeat`` times (each after :func:`recalibrate` with ``calibrate_each``);
-    the run with the shortest step, with the 1-minute load average before it (``load``)."""
+             calibrate_each: bool = False, max_steal: float = MAX_STEAL) -> dict:
+    """:func:`measure` ``repeat`` times (each after :func:`recalibrate` with ``calibrate_each``),
+    each measured again while its steal exceeds ``max_steal`` (at most :data:`STEAL_RETRIES`
+    times); the run with the least steal past ``max_steal``, then the shortest step, with the
+    1-minute load average before it (``load``) and the runs it took (``tries``)."""
     import os
 
     runs = []
     for _ in range(max(1, repeat)):
-        hw = recalibrate("fidelity_now") if calibrate_each else hardware
-        load = os.getloadavg()[0]
-        runs.append(dict(measure(name, layout, model, hw, steps), load=load))
-    return min(runs, key=lambda r: r["step_s"])
+        for _ in range(1 + STEAL_RETRIES):
+            hw = recalibrate("fidelity_now") if calibrate_each else hardware
+            load = os.getloadavg()[0]
+            runs.append(dict(measure(name, layout, model, hw, steps), load=load))
+            if runs[-1]["steal"] <= max_steal:
+                break
+    best = min(runs, key=lambda r: (max(r["steal"], max_steal), r["step_s"]))
+    return dict(best, tries=len(runs))
 
 
 def _summary(rows: list[dict]) -> None:
@@ -233,6 +248,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["mini", "small"])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the shortest step is kept")
+    ap.add_argument("--max-steal", type=float, default=MAX_STEAL,
+                    help="measure a run again while the hypervisor stole more than this share of the machine")
     ap.add_argument("--calibrate-each", action="store_true",
                     help="xpar calibrate before every run (a shared machine's load changes by the minute); "
                          "overrides --hardware")
@@ -243,17 +260,18 @@ def main() -> None:
               f"--name here, then --hardware calibrated_here (or --calibrate-each)", flush=True)
     rows = []
     print(f"{'layout':<9} {'model':<6} {'est ms':>8} {'step ms':>8} {'est/meas':>8} {'share':>5} {'steal':>5} {'est got':>8} "
-          f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5}")
+          f"{'got/meas':>8} {'peak MiB':>9} {'est/meas':>8} {'bubble d':>8} {'load':>5} {'tries':>5}")
     for model in args.models:
         for name in args.layouts:
             steps = args.steps or STEPS.get(model, 8)
-            r = quietest(name, LAYOUTS[name], model, args.hardware, steps, args.repeat, args.calibrate_each)
+            r = quietest(name, LAYOUTS[name], model, args.hardware, steps, args.repeat, args.calibrate_each,
+                         args.max_steal)
             rows.append(r)
             bd = "" if r["bubble_diff"] is None else f"{r['bubble_diff']:+.3f}"
             got = "" if r["est_got_s"] is None else f"{r['est_got_s'] * 1e3:.1f}"
             print(f"{name:<9} {model:<6} {r['est_s'] * 1e3:>8.1f} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
                   f"{r['share']:>5.2f} {r['steal']:>5.2f} {got:>8} {r['got_ratio']:>8.3f} "
-                  f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f}", flush=True)
+                  f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f} {r['tries']:>5}", flush=True)
     _summary(rows)
     if args.calibrate_each:
         from xpar.presets import conf_dir
