@@ -82,7 +82,7 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose("config", overrides=[*layout, f"model={model}", *MODEL_OVERRIDES.get(model, []),
                                            f"hardware={hardware}", "tracking=off",
-                                           "run.progress=false", f"train.steps={steps}", f"train.warmup_steps={WARMUP.get(model, 2)}"])
+                                           "run.progress=false", f"train.steps={steps}", f"train.warmup_steps={min(WARMUP.get(model, 2), steps - 1)}"])
     return check_run(cfg, local_devices=8 if "parallel=3d_local" in layout else 2)
 
 

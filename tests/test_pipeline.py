@@ -222,10 +222,10 @@ def test_pp_dp_training_matches_single_process(pp2_dp2, name):
 
 
 def test_zero3_under_pp_gathers_the_backward_once_per_step(pp2_dp2):
-    """torch's PipelineStage keeps FSDP2's parameters unsharded after each backward but the
-    last, so a ZeRO-3 stage all-gathers each unit before every micro-batch's forward and before
-    its first backward only: m + 1 gathers per unit and step, as the cost model prices them
-    (xpar.estimate.dp), not 2 m."""
+    """torch's PipelineStage turns FSDP2's reshard after backward off until the stage's final
+    gradient reduction, while each forward reshards after itself: a ZeRO-3 stage gathers a
+    unit before each action that finds it sharded, m + 1 times per step, as the cost model
+    counts them (xpar.estimate.dp, xpar.estimate.comm), not the 2 m of a run without pp."""
     from xpar.estimate.dp import unit_elements
 
     specs, out = pp2_dp2

@@ -14,8 +14,9 @@ a buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)
   DeepSpeed and torchtitan do: xpar.parallel.factory.accumulate_step), except under pp,
   where torch's PipelineStage defers FSDP2's reduction to the stage's last backward (once).
   FSDP2 reshards after each backward by default, so ZeRO-2 all-gathers m times and ZeRO-3
-  2 m times; torch pipelining keeps params unsharded across backwards, so ZeRO-2 under pp
-  gathers once (ZeRO-3 is still counted 2 m there: an upper bound).
+  2 m times; torch pipelining keeps params unsharded across backwards (resharded only in the
+  stage's final gradient reduction), so ZeRO-2 under pp gathers once and ZeRO-3 m + 1 times
+  (counted in a real run: tests/test_pipeline.py; xpar.estimate.dp).
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per layer and micro-batch,
   2 all-reduces of b s h elements in forward and 2 in backward (with sequence parallelism
   each becomes an all-gather + a reduce-scatter, same bytes); full recompute repeats the
@@ -114,7 +115,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
             out["dp_allgather"] = allgather_bytes(psi, dp)
     else:
         out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp) * dp_reductions(spec)
-        gathers = 2 * m if z == 3 else (m if spec.pp == 1 else 1)
+        gathers = (2 * m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
     # tp
     stages, split = spec.layout.stages_of(pp_rank), spec.layer_split

@@ -4,15 +4,20 @@ What each ZeRO stage issues (Rajbhandari et al. 2020; xpar.estimate.comm has the
 message sizes as issued, units as FSDP wraps them (each transformer block; the root: embedding,
 final norm, output):
 
-- ZeRO-3 (FSDP ``reshard_after_forward=True``): one all-gather per unit before its forward and
-  one before its backward, every micro-batch; one reduce-scatter per unit after its backward,
-  every micro-batch (without pp; under pp torch defers it to the stage's last backward). Under
-  pp the backward gathers once per step: torch's stage keeps the parameters unsharded after each
-  backward but the last (``PipelineStage.backward_maybe_with_nosync``: reshard_after_backward
-  False), so m forward gathers and one backward gather per unit and step (counted here, torch
-  2.13, 3D tiny: 15 all-gathers per rank and step at m = 4, 9 at m = 2, 3 units; GPipe, 1F1B and
-  interleaved alike); that one is priced in the stage's first backward, spread over the m
-  micro-batches (``first_backward``).
+- ZeRO-3 (FSDP ``reshard_after_forward=True``): without pp, one all-gather per unit before its
+  forward and one before its backward, every micro-batch, and one reduce-scatter per unit after
+  its backward, every micro-batch. Under pp torch's stage turns FSDP2's reshard after backward
+  off for every backward and reshards only in its final gradient reduction
+  (``PipelineStage.perform_reduce_grad``, where the reduce-scatters run, once), while each
+  forward still reshards after itself (torch 2.13): a unit is gathered before any action that
+  finds it sharded, m + 1 times per step (counted in a real run, tests/test_pipeline.py; 3D tiny:
+  15 all-gathers per rank and step at m = 4, 9 at m = 2, 3 units; GPipe, 1F1B and interleaved
+  alike). Which actions those are depends on the schedule: GPipe's m forwards and first
+  backward; 1F1B's warm-up forwards, then the backwards that follow a forward. Priced as
+  GPipe's: m gathers before forwards (the least compute to hide behind: an upper bound on the
+  exposure where backwards take the place of forwards) and one before the stage's first
+  backward (``first_backward``), spread over the m micro-batches, so the pipeline's fill and
+  drain also pay its share (each stage's first backward is on the drain's path).
 - ZeRO-2 (FSDP, no reshard after forward): the all-gathers before forward only (once per step
   under pp), reduce-scatters as ZeRO-3.
 - DDP (stage 0): gradient all-reduce in buckets of ``bucket_mb`` (torch DDP: 25 MB) during the
