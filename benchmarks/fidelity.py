@@ -26,9 +26,9 @@ not tied to the embedding (pp > 1 would split the tied pair across stages). ``--
 times and keeps the run with the shortest step (the cost model estimates a machine to itself; on
 a shared machine the quietest run is the closest to that); the load average (1 min, before the
 run) is printed beside each row. A run during which the hypervisor stole more than ``--max-steal``
-(5 %) of the machine is measured again, twice at most (``tries``: the runs a row took). ``--calibrate-each`` measures the machine again (``xpar calibrate``,
-~30 s) right before every run, as it is then: the whole calibration, not ``--quick`` (4 message sizes,
-5 repetitions), whose estimates of the same layout moved 10-30 % between back-to-back calibrations
+(5 %) of the machine is measured again, twice at most (``tries``: the runs a row took).
+``--calibrate-each`` measures the machine again (``xpar calibrate``, ~30 s) right before every
+run, as it is then: the whole calibration, not ``--quick`` (4 message sizes, 5 repetitions), whose estimates of the same layout moved 10-30 % between back-to-back calibrations
 (GPT-2 small's 25 MB dp buckets fall between its 4 and 64 MiB points). Not a timed test: 15-25
 minutes on 2 vCPUs.
 
@@ -82,7 +82,8 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose("config", overrides=[*layout, f"model={model}", *MODEL_OVERRIDES.get(model, []),
                                            f"hardware={hardware}", "tracking=off",
-                                           "run.progress=false", f"train.steps={steps}", f"train.warmup_steps={min(WARMUP.get(model, 2), steps - 1)}"])
+                                           "run.progress=false", f"train.steps={steps}",
+                                           f"train.warmup_steps={min(WARMUP.get(model, 2), steps - 1)}"])
     return check_run(cfg, local_devices=8 if "parallel=3d_local" in layout else 2)
 
 
@@ -271,7 +272,8 @@ def main() -> None:
             got = "" if r["est_got_s"] is None else f"{r['est_got_s'] * 1e3:.1f}"
             print(f"{name:<9} {model:<6} {r['est_s'] * 1e3:>8.1f} {r['step_s'] * 1e3:>8.1f} {r['time_ratio']:>8.3f} "
                   f"{r['share']:>5.2f} {r['steal']:>5.2f} {got:>8} {r['got_ratio']:>8.3f} "
-                  f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f} {r['tries']:>5}", flush=True)
+                  f"{r['peak_bytes'] / 2 ** 20:>9.2f} {r['mem_ratio']:>8.3f} {bd:>8} {r['load']:>5.2f} "
+                  f"{r['tries']:>5}", flush=True)
     _summary(rows)
     if args.calibrate_each:
         from xpar.presets import conf_dir

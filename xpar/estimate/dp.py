@@ -179,7 +179,8 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
                     t["copy_gather"], t["copy_reduce"])
     m = spec.micro_batches
-    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"], m * x["issued_per_microbatch"] + x["issued_once"],
+    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"],
+                    m * x["issued_per_microbatch"] + x["issued_once"],
                     x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])
 
 
