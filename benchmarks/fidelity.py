@@ -29,8 +29,9 @@ run) is printed beside each row. A run during which the hypervisor stole more th
 (5 %) of the machine is measured again, twice at most (``tries``: the runs a row took).
 ``--calibrate-each`` measures the machine again (``xpar calibrate``, ~30 s) right before every
 run, as it is then: the whole calibration, not ``--quick`` (4 message sizes, 5 repetitions),
-whose estimates of the same layout moved 10-30 % between back-to-back calibrations (GPT-2 small's 25 MB dp buckets fall between its 4 and 64 MiB points). Not a timed test: 15-25
-minutes on 2 vCPUs.
+whose estimates of the same layout moved 10-30 % between back-to-back calibrations (GPT-2
+small's 25 MB dp buckets fall between its 4 and 64 MiB points). Not a timed test: 15-25 minutes
+on 2 vCPUs.
 
 ``xpar calibrate`` measures compute in CPU seconds (what the work costs a core, whatever else the
 machine runs); the estimate stretches a step only for its own workers outnumbering the cores
