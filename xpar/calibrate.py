@@ -66,6 +66,15 @@ LARGE_REPS = 7
 """Calls timed per large message (their median kept): with 3, the 64 MiB all-reduce of back-to-back
 quick calibrations here moved the estimate of GPT-2 small's dp gradient all-reduce between 0.33 and
 0.67 s (measured in the runs: ~0.7 s, 26 buckets of 25 MB at ~27 ms)."""
+SETTLED_FAULTS = 0.01
+"""A large call counts only when no rank took page faults over more than this fraction of the
+message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather and reduce-scatter
+allocate a temporary the size of the message in each call; on a heap that has just grown (a
+calibration's fresh buffers) it lands on fresh pages again and again, one fault per page. Measured
+here (2 workers, torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its
+65,536 pages and 0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and
+ZeRO-3 runs, once settled, the median call of every size faulted no page (the 298 MiB root
+all-gather 166-194 ms): a calibration that kept the faulting calls priced that gather 5x."""
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
 """Measured by :func:`collective_worker`; broadcast as ZeRO-1's ZeroRedundancyOptimizer issues it
 (each parameter tensor from its owner after the step; gloo: 64 MiB in ~0.1 s here, where an
@@ -173,6 +182,58 @@ def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float)
     return sum(rates[n] * g[n] for n in rates) / sum(g[n] ** 2 for n in rates)
 
 
+REFERENCE_BLOCK = dict(name="reference", n_layers=1, hidden=512, n_heads=8, n_kv_heads=8, ffn_hidden=1536,
+                       vocab_size=256, seq_len=128, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+REFERENCE_BATCH = 2
+"""The transformer block whose forward and backward fit a CPU's ``matmul_efficiency``
+(:func:`fit_block_efficiency`): Llama-style, between the mini and GPT-2 small presets in width,
+at 2 x 128 tokens. Measured here (one thread per worker, both workers at once, CPU seconds),
+real blocks reach a similar share of the best square GEMM's rate whatever their shape: mini's
+(hidden 384, 4 x 64 tokens) 144 GFLOP/s of matmul FLOPs per second forward and backward, GPT-2
+small's (768, 1 x 128) 149, where square GEMMs peak at 190-210 (the rest: element-wise work,
+GEMMs on transposed operands, weights that leave the cache)."""
+
+
+def measure_block(reps: int = 5, device: str = "cpu") -> float:
+    """Seconds of one forward and backward of :data:`REFERENCE_BLOCK` at :data:`REFERENCE_BATCH`
+    sequences (its input requiring grad, as every block's in a model), CPU seconds on a CPU
+    (:func:`compute_clock`)."""
+    import torch
+
+    from xpar.config import ModelConfig
+    from xpar.models.transformer import Block
+
+    cfg = ModelConfig(**REFERENCE_BLOCK)
+    block = Block(cfg).to(device)
+    x = torch.randn(REFERENCE_BATCH, cfg.seq_len, cfg.hidden, device=device, requires_grad=True)
+    return median_time(lambda: block(x).sum().backward(), reps, _sync(device), STEP_WINDOW_S,
+                       clock=compute_clock(device, torch.get_num_threads()))
+
+
+def fit_block_efficiency(seconds: float, peak_tflops: float, hbm_tb_per_s: float, op_overhead_us: float) -> float:
+    """``hardware.matmul_efficiency`` with which the cost model's time of :data:`REFERENCE_BLOCK`
+    (xpar.estimate.cost.layer_costs: its matmul FLOPs at ``peak_tflops`` x efficiency x the
+    shape factor, its memory-bound passes at ``hbm_tb_per_s``, and its operators' host time at
+    ``op_overhead_us``, xpar.estimate.host.block_ops) equals the measured ``seconds`` forward and
+    backward; within [0.2, 1] (a block measured faster than its memory-bound and host terms
+    alone: 1)."""
+    from types import SimpleNamespace as NS
+
+    from xpar.config import HardwareConfig, ModelConfig
+    from xpar.estimate.cost import Assumptions, layer_costs
+    from xpar.estimate.host import block_ops
+
+    cfg = ModelConfig(**REFERENCE_BLOCK)
+    hw = HardwareConfig(device="cpu", peak_tflops=peak_tflops, hbm_tb_per_s=hbm_tb_per_s, matmul_efficiency=1.0)
+    spec = NS(model=cfg, hardware=hw, seq_len=cfg.seq_len, tp=1,  # the fields layer_costs reads
+              train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"),
+              parallel=NS(recompute="none", sequence_parallel=False))
+    c = layer_costs(spec, Assumptions.xpar_cpu())
+    rest = c["mem_f"] + c["mem_b"] + sum(block_ops(cfg)) * op_overhead_us * 1e-6
+    left = seconds - rest
+    return 1.0 if left <= 0 else min(1.0, max(0.2, (c["mm_f"] + c["mm_b"]) / left))
+
+
 def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], None]:
     """One call of collective ``name`` with a payload of ``nbytes`` (the all-reduced buffer,
     the gathered output, the reduce-scattered input, the broadcast or sent message)."""
@@ -216,9 +277,40 @@ def timed_share(measure: Callable[[], float], device: str) -> tuple[float, float
     return seconds, cpu_share(before, task_cpu_ns([os.getpid()], main_only=True))
 
 
+def settled_time(call: Callable[[], None], reps: int, nbytes: int, sync: Callable[[], None] = lambda: None,
+                 max_calls: int = 0) -> float:
+    """Median wall seconds of a collective ``call`` of ``nbytes`` over ``reps`` calls during which
+    no rank page-faulted on more than :data:`SETTLED_FAULTS` of the message's pages (the state a
+    run's steps reach; a call with faults is timed but left out), at most ``max_calls`` calls
+    (default 3 x ``reps``; the median of all when too few qualify). Every rank calls it at once:
+    the ranks' fault counts are all-reduced (max) after each call, which also lines them up."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    faults = torch.zeros(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    pages, every, settled = max(1, nbytes // 4096), [], []
+    call()
+    for _ in range(max_calls or 3 * reps):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        call()
+        sync()
+        every.append(time.perf_counter() - t0)
+        faults.fill_(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        dist.all_reduce(faults, op=dist.ReduceOp.MAX)
+        if faults.item() <= SETTLED_FAULTS * pages:
+            settled.append(every[-1])
+            if len(settled) == reps:
+                break
+    return statistics.median(settled if len(settled) >= max(1, reps // 2) else every)
+
+
 def collective_worker(payload: dict) -> dict:
     """On every rank: median seconds of each collective per message size (:data:`COLLECTIVE_REPS`
-    calls at least, :data:`LARGE_REPS` above :data:`LARGE_BYTES`; send/recv: one way, half a
+    calls at least, :data:`LARGE_REPS` settled calls above :data:`LARGE_BYTES`, :func:`settled_time`;
+    send/recv: one way, half a
     ping-pong), in wall time: ``times``, and the CPU share of the main thread they were measured
     at (:func:`timed_share`): ``shares``; collectives the backend does not offer are left out."""
     import torch.distributed as dist
@@ -230,9 +322,10 @@ def collective_worker(payload: dict) -> dict:
             for nbytes in payload["sizes"]:
                 call = _collective(name, nbytes, world, rank)
                 dist.barrier()
-                reps = LARGE_REPS if nbytes > LARGE_BYTES else max(payload["reps"], COLLECTIVE_REPS)
-                t, shares[name][nbytes] = timed_share(lambda: median_time(call, reps, _sync(payload["device"])),
-                                                      payload["device"])
+                sync = _sync(payload["device"])
+                timed = ((lambda: settled_time(call, LARGE_REPS, nbytes, sync)) if nbytes > LARGE_BYTES else
+                         (lambda: median_time(call, max(payload["reps"], COLLECTIVE_REPS), sync)))
+                t, shares[name][nbytes] = timed_share(timed, payload["device"])
                 times[nbytes] = t / (2 if name == "send_recv" else 1)
             out[name] = times
         except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
@@ -318,7 +411,10 @@ def compute_worker(payload: dict) -> dict:
     host = {}
     if device == "cpu":
         host = host_worker(max(reps, HOST_REPS), DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
-    return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host}
+    dist.barrier()
+    block = measure_block(reps, device)
+    return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host,
+            "block_s": block}
 
 
 def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
@@ -516,10 +612,12 @@ def monotone(ys: list[float]) -> list[float]:
 
 
 def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu",
-                  host: Optional[dict] = None) -> dict:
+                  host: Optional[dict] = None, block_s: Optional[float] = None) -> dict:
     """Hardware fields of the measured machine (units of :class:`xpar.config.HardwareConfig`:
-    TFLOP/s, TB/s, GB/s, microseconds); ``host``: :func:`measure_host`'s figures (a CPU's host
-    time adds to its step; a GPU's hides behind its queue: left at 0). Only fields the schema has
+    TFLOP/s, TB/s, GB/s, microseconds); ``host``: :func:`host_worker`'s figures (a CPU's host
+    time adds to its step; a GPU's hides behind its queue: left at 0). ``matmul_efficiency``:
+    on a CPU with ``block_s`` (:func:`measure_block`, seconds) fitted to the reference block
+    (:func:`fit_block_efficiency`), else to the square GEMMs' curve. Only fields the schema has
     are returned."""
     from dataclasses import fields
 
@@ -536,6 +634,9 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, dev
         values.update(framework_overhead_gb=0.0, device_memory_gb=None)
         values.update({k: v for k, v in (host or {}).items() if k.endswith("_us")})
         values["cpu_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if block_s:
+            values["matmul_efficiency"] = fit_block_efficiency(block_s, peak / 1e12, bandwidth / 1e12,
+                                                               (host or {}).get("op_overhead_us", 0.0))
     known = {f.name for f in fields(HardwareConfig)}
     return {k: v for k, v in values.items() if k in known}
 
@@ -569,6 +670,8 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
         mlflow.log_params({f"hardware.{k}": v for k, v in result["preset"].items()})
         mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
         mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
+        if result.get("block_s"):
+            mlflow.log_metric("calibrate/reference_block_s", result["block_s"])
         mlflow.log_metric("calibrate/optimizer_ns_per_element", result["preset"]["optimizer_ns_per_element"])
         mlflow.log_metric("calibrate/sync_wait_us", result["preset"]["sync_wait_us"])
         mlflow.log_artifact(str(out_dir / "calibration.json"))
@@ -589,7 +692,7 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     coll, compute = measured["collectives"], measured["compute"]
     matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
     alpha, beta = fit_alpha_beta(coll, workers)
-    values = preset_values(matmul, bandwidth, alpha, beta, device, host)
+    values = preset_values(matmul, bandwidth, alpha, beta, device, host, compute.get("block_s"))
     values["optimizer_ns_per_element"] = compute["optimizer_ns_per_element"]
     values["sync_wait_us"] = measured["sync_wait_s"] * 1e6
     p2p = fit_p2p_latency(coll, beta)
@@ -603,7 +706,7 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     preset = write_preset(name, values, header)
     result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
               "collectives": coll, "collective_shares": measured["collective_shares"], "alpha_s": alpha,
-              "beta_bytes_per_s": beta, "host": host}
+              "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s")}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:
