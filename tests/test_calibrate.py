@@ -106,6 +106,59 @@ def test_matmul_efficiency_fit_is_the_cost_model_curve():
     assert fit_matmul_efficiency(rates, 1e11, 32) == pytest.approx(0.8)
 
 
+def test_cpu_matmul_efficiency_makes_the_cost_model_time_the_measured_reference_block():
+    """On a CPU, matmul_efficiency is fitted so that the cost model's forward and backward of the
+    reference block (layer_costs at that efficiency + its operators' host time) equals the
+    measured seconds; a block measured faster than its non-matmul terms gives 1, never more."""
+    from types import SimpleNamespace as NS
+
+    from xpar.calibrate import REFERENCE_BATCH, REFERENCE_BLOCK, fit_block_efficiency
+    from xpar.config import HardwareConfig, ModelConfig
+    from xpar.estimate.cost import Assumptions, layer_costs
+    from xpar.estimate.host import block_ops
+
+    cfg, peak, hbm, op_us = ModelConfig(**REFERENCE_BLOCK), 0.2, 0.015, 2.5
+    spec = NS(model=cfg, seq_len=cfg.seq_len, tp=1, train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"),
+              parallel=NS(recompute="none", sequence_parallel=False),
+              hardware=HardwareConfig(device="cpu", peak_tflops=peak, hbm_tb_per_s=hbm, matmul_efficiency=0.7))
+    c = layer_costs(spec, Assumptions.xpar_cpu())
+    measured = sum(c.values()) - sum(v for k, v in c.items() if k.startswith("logits")) + sum(block_ops(cfg)) * op_us * 1e-6
+    assert fit_block_efficiency(measured, peak, hbm, op_us) == pytest.approx(0.7)
+    assert fit_block_efficiency(c["mem_f"], peak, hbm, op_us) == 1.0
+    hw = spec_for("hardware=local").hardware
+    from xpar.calibrate import preset_values
+    values = preset_values({512: 2e11}, hbm * 1e12, 1e-3, 1e9, "cpu", {"op_overhead_us": op_us}, measured)
+    assert values["matmul_efficiency"] == pytest.approx(0.7) and hw.device == "cpu"
+
+
+def test_large_collectives_are_timed_in_calls_that_take_no_page_faults():
+    """gloo allocates a message-sized temporary per all-gather: on a freshly grown heap some
+    calls fault on every page of it (0.8-1.1 s for 256 MiB here, 0.15 s without). settled_time
+    keeps the calls during which no rank faulted on more than 1 % of the message's pages."""
+    import mmap
+    import time
+
+    import torch.distributed as dist
+
+    from xpar.calibrate import settled_time
+    from xpar.launch import free_port
+
+    calls = []
+
+    def call():  # every other call writes 64 MiB of fresh pages, and is slow
+        calls.append(len(calls))
+        if len(calls) % 2:
+            with mmap.mmap(-1, 2 ** 26) as fresh:
+                fresh.write(bytes(2 ** 26))
+        time.sleep(0.01 if len(calls) % 2 else 0.001)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = settled_time(call, 3, 2 ** 26)
+    finally:
+        dist.destroy_process_group()
+    assert t < 0.005 and len(calls) == 6  # a warm-up call, then two faulting and three settled
+
+
 def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
     name = f"pytest_{os.getpid()}"
     r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--quick", "--name", name,
@@ -135,6 +188,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert spec.hardware.tp_block_overhead_us == pytest.approx(host["tp_block_overhead_us"])
         assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
         assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
+        assert raw["block_s"] > 0 and 0.2 <= spec.hardware.matmul_efficiency <= 1  # fitted to the reference block
         from xpar.estimate.cost import estimate
         e = estimate(spec)
         assert e.time_breakdown["host_overhead"] > 0

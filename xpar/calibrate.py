@@ -9,9 +9,11 @@ the cores its workers get); collectives the median over :data:`COLLECTIVE_REPS` 
 time, as a curve per collective and size (``ring_step_us_by_bytes``).
 
 - matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
-  rate is ``peak_tflops`` and ``matmul_efficiency`` is fitted to the cost model's curve
-  eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) (:mod:`xpar.estimate.cost`), capped at 1
-  (CPU GEMMs reach their best rate at small n, where that curve is low);
+  rate is ``peak_tflops``. ``matmul_efficiency``: on a CPU, fitted so that the cost model times
+  a reference transformer block's forward and backward as measured (:func:`fit_block_efficiency`:
+  0.86 here, where real blocks reach ~75 % of the best GEMM's rate); on a GPU, fitted to the cost
+  model's curve eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) over the square GEMMs
+  (:mod:`xpar.estimate.cost`), capped at 1;
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
   (read + write) -> ``hbm_tb_per_s``;
 - optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
@@ -37,7 +39,8 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
   and per collective the seconds of one ring step by the chunk it carries, made non-decreasing
   in size (:func:`ring_step_curves`) -> ``ring_step_us_by_bytes``, which the estimate uses inside
   a node instead of alpha and beta (xpar.estimate.collectives.measured_time): 1 KiB .. 256 MiB,
-  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root).
+  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root); above 8 MiB only calls that
+  took no page faults count, as in a settled run (:func:`settled_time`).
 
 The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
 ``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
