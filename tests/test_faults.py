@@ -156,7 +156,7 @@ def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
         time.sleep(0.05)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err[-3000:]
+    assert p.returncode == 130, out[-2000:] + err[-3000:]
     parent, kids = _sweep_runs(tmp_path)
     assert parent["status"] == "KILLED" and parent["tags.xpar.jobs_not_started"] == "1"
     assert list(kids["status"]) == ["KILLED"]

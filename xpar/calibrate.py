@@ -39,8 +39,9 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
   and per collective the seconds of one ring step by the chunk it carries, made non-decreasing
   in size (:func:`ring_step_curves`) -> ``ring_step_us_by_bytes``, which the estimate uses inside
   a node instead of alpha and beta (xpar.estimate.collectives.measured_time): 1 KiB .. 256 MiB,
-  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root); above 8 MiB only calls that
-  took no page faults count, as in a settled run (:func:`settled_time`).
+  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root); above 8 MiB only calls in
+  which no rank faulted on more than 1 % of the message's pages count, as in a settled run
+  (:func:`settled_time`).
 
 The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
 ``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
@@ -77,7 +78,9 @@ calibration's fresh buffers) it lands on fresh pages again and again, one fault 
 here (2 workers, torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its
 65,536 pages and 0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and
 ZeRO-3 runs, once settled, the median call of every size faulted no page (the 298 MiB root
-all-gather 166-194 ms): a calibration that kept the faulting calls priced that gather 5x."""
+all-gather 166-194 ms): a calibration that kept the faulting calls priced that gather 5x. Where
+transparent huge pages are 'always', a fresh region faults once per 2 MiB and passes: the
+check then keeps what the calls cost as they came."""
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
 """Measured by :func:`collective_worker`; broadcast as ZeRO-1's ZeroRedundancyOptimizer issues it
 (each parameter tensor from its owner after the step; gloo: 64 MiB in ~0.1 s here, where an
@@ -199,8 +202,9 @@ GEMMs on transposed operands, weights that leave the cache)."""
 
 def measure_block(reps: int = 5, device: str = "cpu") -> float:
     """Seconds of one forward and backward of :data:`REFERENCE_BLOCK` at :data:`REFERENCE_BATCH`
-    sequences (its input requiring grad, as every block's in a model), CPU seconds on a CPU
-    (:func:`compute_clock`)."""
+    sequences (its input requiring grad, as every block's in a model; gradients set to None
+    before each, as xpar's step does: accumulation is priced apart,
+    xpar.estimate.cost.gradient_time), CPU seconds on a CPU (:func:`compute_clock`)."""
     import torch
 
     from xpar.config import ModelConfig
@@ -209,8 +213,12 @@ def measure_block(reps: int = 5, device: str = "cpu") -> float:
     cfg = ModelConfig(**REFERENCE_BLOCK)
     block = Block(cfg).to(device)
     x = torch.randn(REFERENCE_BATCH, cfg.seq_len, cfg.hidden, device=device, requires_grad=True)
-    return median_time(lambda: block(x).sum().backward(), reps, _sync(device), STEP_WINDOW_S,
-                       clock=compute_clock(device, torch.get_num_threads()))
+
+    def step() -> None:  # fresh gradients each call, as a step after zero_grad(set_to_none=True)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x).sum().backward()
+    return median_time(step, reps, _sync(device), STEP_WINDOW_S, clock=compute_clock(device, torch.get_num_threads()))
 
 
 def fit_block_efficiency(seconds: float, peak_tflops: float, hbm_tb_per_s: float, op_overhead_us: float) -> float:
@@ -295,6 +303,7 @@ def settled_time(call: Callable[[], None], reps: int, nbytes: int, sync: Callabl
     faults = torch.zeros(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     pages, every, settled = max(1, nbytes // 4096), [], []
     call()
+    sync()
     for _ in range(max_calls or 3 * reps):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
@@ -415,7 +424,7 @@ def compute_worker(payload: dict) -> dict:
     if device == "cpu":
         host = host_worker(max(reps, HOST_REPS), DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
     dist.barrier()
-    block = measure_block(reps, device)
+    block = measure_block(reps, device) if device == "cpu" else None  # only a CPU's efficiency is fitted to it
     return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host,
             "block_s": block}
 
