@@ -144,11 +144,19 @@ def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
     assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] in set(kids["run_id"])
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the child before exec: SIGINT handled as in a terminal's foreground job. A process
+    started with SIGINT ignored keeps it ignored (Python installs no handler then): so does pytest
+    launched in the background by a non-interactive shell (``nohup ... &``), and its children
+    with it, where this test failed with exit 0, the sweep run to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
     sweep_dir = tmp_path / "mr"
     p = subprocess.Popen([sys.executable, "-m", "xpar", "-m", "train.steps=400,3", "train.warmup_steps=1", ONE_WORKER,
                           "run.progress=false", f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_reaches_it)
     steps = [sweep_dir / "0" / "steps" / "rank0.jsonl"]
     deadline = time.time() + 120
     while not all(f.exists() and f.read_text().count("\n") >= 3 for f in steps):  # 3 steps done
