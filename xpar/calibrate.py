@@ -11,7 +11,7 @@ time, as a curve per collective and size (``ring_step_us_by_bytes``).
 - matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
   rate is ``peak_tflops``. ``matmul_efficiency``: on a CPU, fitted so that the cost model times
   a reference transformer block's forward and backward as measured (:func:`fit_block_efficiency`:
-  0.86 here, where real blocks reach ~75 % of the best GEMM's rate); on a GPU, fitted to the cost
+  0.81-0.86 here, where real blocks reach ~75 % of the best GEMM's rate); on a GPU, fitted to the cost
   model's curve eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) over the square GEMMs
   (:mod:`xpar.estimate.cost`), capped at 1;
 - memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
