@@ -72,13 +72,14 @@ quick calibrations here moved the estimate of GPT-2 small's dp gradient all-redu
 0.67 s (measured in the runs: ~0.7 s, 26 buckets of 25 MB at ~27 ms)."""
 SETTLED_FAULTS = 0.01
 """A large call counts only when no rank took page faults over more than this fraction of the
-message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather and reduce-scatter
-allocate a temporary the size of the message in each call; on a heap that has just grown (a
-calibration's fresh buffers) it lands on fresh pages again and again, one fault per page. Measured
-here (2 workers, torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its
-65,536 pages and 0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and
-ZeRO-3 runs, once settled, the median call of every size faulted no page (the 298 MiB root
-all-gather 166-194 ms): a calibration that kept the faulting calls priced that gather 5x. Where
+message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather allocates a temporary
+the size of the message in each call; on a heap that has just grown (a calibration's fresh
+buffers) it lands on fresh pages again and again, one fault per page. Measured here (2 workers,
+torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its 65,536 pages and
+0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and ZeRO-3 runs, once
+settled, the median all-gather of every size faulted no page (the 298 MiB root: 166-194 ms; its
+reduce-scatter faulted on ~11 % of its pages on one rank of ZeRO-3, none on the other): a
+calibration that kept the faulting calls priced that gather 5x. Where
 transparent huge pages are 'always', a fresh region faults once per 2 MiB and passes: the
 check then keeps what the calls cost as they came."""
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
