@@ -92,3 +92,22 @@ def test_long_params_are_kept_within_mlflow_limits():
     flat = flatten({"x": {"y": "z" * 10000, "l": [1, 2]}})
     assert len(flat["x.y"]) <= MAX_PARAM_CHARS and flat["x.y"].endswith("[truncated]")
     assert flat["x.l"] == "[1, 2]"
+
+
+def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
+    """train.lr=1e30: step 0 is finite and its update makes every later loss NaN. Default
+    (on_nonfinite=stop): exit 1, FAILED, one line naming step 1, its rank and the value. With
+    skip (one worker): FINISHED, the 3 skipped steps counted, the run tagged diverged."""
+    stop, skip = tmp_path / "stop", tmp_path / "skip"
+    stop.mkdir(), skip.mkdir()
+    r = _xpar(stop, "train.lr=1e30", "train.steps=4", "train.warmup_steps=1", timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "non-finite step 1: first on rank 0; loss nan" in r.stderr and "Traceback" not in r.stderr
+    assert list(_runs(stop)["status"]) == ["FAILED"]
+    r = _xpar(skip, "train.lr=1e30", "train.steps=4", "train.warmup_steps=1", "train.on_nonfinite=skip",
+              "hardware.devices_per_node=1", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "diverged: 3 of 4 steps" in " ".join(r.stdout.split())
+    run = _runs(skip).iloc[0]
+    assert run["status"] == "FINISHED" and run["tags.xpar.diverged"] == "true"
+    assert run["metrics.train/skipped_steps"] == 3 and run["metrics.train/nonfinite_steps"] == 3

@@ -329,6 +329,12 @@ class TrainConfig:
     seed: int = 0
     threads_per_worker: Optional[int] = None
     """torch threads per worker on CPU (torch.set_num_threads); None = 1."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or global gradient norm is NaN or inf (checked every step on every
+    rank, xpar.optim.check_finite): 'stop' ends the run FAILED naming the step, rank and value;
+    'skip' skips that optimizer step (and its lr step) and counts it (train/skipped_steps);
+    'ignore' steps anyway and counts it (train/nonfinite_steps). Either count marks the run
+    diverged (tag xpar.diverged): its throughput is not a clean measurement."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global L2 norm of the whole model's gradient to this (xpar.optim); null
     disables clipping (the pre-clip norm is still measured and logged)."""

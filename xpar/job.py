@@ -103,7 +103,22 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     report, est = summarize_measured(spec, stats), estimate(spec)  # the run's own estimate, once
     report.extra.update(fidelity_metrics(spec, report, est))
     report.notes.extend(fidelity_notes(spec, est))
+    report.notes.extend(nonfinite_notes(spec, stats, report))
     return report
+
+
+def nonfinite_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
+    """Counts of the non-finite and skipped steps (``train.on_nonfinite`` skip or ignore) as
+    ``train/nonfinite_steps`` and ``train/skipped_steps`` in ``report.extra``, and the note that
+    says such a run's throughput is not a clean measurement ([] for a finite run)."""
+    bad, skipped = stats[0].get("nonfinite_steps") or [], stats[0].get("skipped_steps") or []
+    report.extra["train/nonfinite_steps"] = float(len(bad))
+    report.extra["train/skipped_steps"] = float(len(skipped))
+    if not bad:
+        return []
+    what = "skipped" if skipped else "taken anyway (train.on_nonfinite=ignore)"
+    return [f"diverged: {len(bad)} of {spec.train.steps} steps had a NaN/inf loss or gradient norm (first: step "
+            f"{bad[0]}), their optimizer steps {what}; throughput and MFU are not a clean measurement"]
 
 
 def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
@@ -149,6 +164,8 @@ def _record(job: Job, body) -> Report:
             log_report(report, stats, job.yaml, job.out_dir)
             import mlflow
             mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
+            if report.extra.get("train/nonfinite_steps"):
+                mlflow.set_tag("xpar.diverged", "true")
             if report.notes:  # what the figures rest on (an estimate's cost-model notes), after the spec's
                 mlflow.set_tag("xpar.notes", " | ".join(list(spec.notes) + list(report.notes)))
             for path in report.artifacts:  # estimate figures, dry-run detail

@@ -124,3 +124,29 @@ def restore_lr_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or global gradient norm was NaN or inf under ``train.on_nonfinite=stop``."""
+
+
+def first_nonfinite_rank(loss: Optional[float], norm: float) -> Optional[int]:
+    """The lowest global rank whose step was not finite (its own loss, or the global norm,
+    which every rank holds), or None when every rank's step was finite. One one-element
+    all-reduce (MIN) over the default group: every rank gets the same answer, so every rank
+    takes the same decision (stop, skip or step)."""
+    bad = not math.isfinite(norm) or (loss is not None and not math.isfinite(loss))
+    if not dist.is_initialized():
+        return 0 if bad else None
+    world = dist.get_world_size()
+    first = torch.tensor([float(dist.get_rank() if bad else world)])
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    return None if int(first.item()) == world else int(first.item())
+
+
+def nonfinite_message(step: int, rank: int, loss: Optional[float], norm: float, lr: float) -> str:
+    """The one line a stopped run ends with (``loss``: this rank's, None where it sees none)."""
+    seen = f"loss {loss} on rank {dist.get_rank() if dist.is_initialized() else 0}, " if loss is not None else ""
+    return (f"non-finite step {step}: first on rank {rank}; {seen}global gradient norm {norm} "
+            f"(train.on_nonfinite=stop); lower train.lr (now {lr:g}), or train.on_nonfinite=skip to skip "
+            f"such steps.")

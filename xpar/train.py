@@ -98,7 +98,7 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     engine.optimizer.zero_grad(set_to_none=True)
     _sync(spec.device)
     t0 = time.perf_counter()
-    engine.accounting = accounting
+    engine.accounting, engine.current_step = accounting, step
     with (tracker if accounting else nullcontext()), count_tp_comm(mesh["tp"] if accounting else None) as counter:
         loss = engine.step(xs, ys)
     _sync(spec.device)
@@ -117,6 +117,7 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
     stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
              "losses": losses, "step_times_s": times, "memory": memory,
              "grad_norms": list(engine.grad_norms), "lrs": lrs,
+             "nonfinite_steps": list(engine.nonfinite_steps), "skipped_steps": list(engine.skipped_steps),
              "step_time_stats": step_time_stats(times[spec.train.warmup_steps:])}
     if getattr(engine, "pipeline_stats", None) is not None:
         stats["pipeline"] = _first_step(engine.pipeline_stats(), len(losses))

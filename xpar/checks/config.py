@@ -16,6 +16,7 @@ CHOICES = {
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": ("none", "selective", "full"),
     "train.dtype": ("fp32", "bf16"),
+    "train.on_nonfinite": ("stop", "skip", "ignore"),
     "data.kind": ("synthetic", "text"),
     "run.mode": ("auto", "execute", "estimate", "plan"),
     "hardware.device": ("auto", "cpu", "cuda"),

@@ -63,20 +63,41 @@ class Engine:
     """The lr schedule (xpar.optim.build_lr_scheduler), stepped after each optimizer step."""
     grad_norms: list = field(default_factory=list)
     """Pre-clip global gradient norm of each step so far (xpar.optim.global_grad_norm)."""
+    current_step: int = 0
+    """The optimizer step being taken (set by the step loop), for the non-finite message."""
+    nonfinite_steps: list = field(default_factory=list)
+    """Steps whose loss or global gradient norm was NaN or inf (``train.on_nonfinite``)."""
+    skipped_steps: list = field(default_factory=list)
+    """Of those, the steps whose optimizer step was skipped (``on_nonfinite=skip``)."""
     _fsdp_params: Optional[list] = field(default=None, init=False, repr=False)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
         return self.step_fn(self, inputs, targets)
 
-    def finish_step(self) -> None:
+    def finish_step(self, loss: Optional[float] = None) -> None:
         """After the last backward of a step: clip the global gradient norm to
-        ``train.max_grad_norm`` (recording the pre-clip norm in ``grad_norms``), take the
-        optimizer step, advance the lr schedule."""
-        from xpar.optim import clip_grads_
+        ``train.max_grad_norm`` (recording the pre-clip norm in ``grad_norms``), check that
+        this rank's ``loss`` (None where it sees none) and the norm are finite on every rank
+        (``train.on_nonfinite``), take the optimizer step, advance the lr schedule.
+
+        Raises:
+            NonFiniteStep: a non-finite step under ``on_nonfinite=stop`` (on every rank).
+        """
+        from xpar.optim import NonFiniteStep, clip_grads_, first_nonfinite_rank, nonfinite_message
 
         params = [p for c in self.chunks for p in c.parameters()]
         pp_group = self.mesh["pp"].get_group() if self.spec.pp > 1 else None
-        self.grad_norms.append(clip_grads_(params, self.spec.train.max_grad_norm, pp_group))
+        norm = clip_grads_(params, self.spec.train.max_grad_norm, pp_group)
+        self.grad_norms.append(norm)
+        bad_rank = first_nonfinite_rank(loss, norm)
+        if bad_rank is not None:
+            self.nonfinite_steps.append(self.current_step)
+            policy = self.spec.train.on_nonfinite
+            if policy == "stop":
+                raise NonFiniteStep(nonfinite_message(self.current_step, bad_rank, loss, norm, self.spec.train.lr))
+            if policy == "skip":
+                self.skipped_steps.append(self.current_step)
+                return
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -207,7 +228,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
             loss.backward()
         engine.probe_grads()  # held gradients peak at a micro-batch boundary
         total += float(loss.detach())
-    engine.finish_step()  # gradients are zeroed by the loop at the start of the next step
+    engine.finish_step(total)  # gradients are zeroed by the loop at the start of the next step
     return total
 
 

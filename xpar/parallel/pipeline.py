@@ -216,7 +216,6 @@ def pipeline_step(engine, inputs: list[torch.Tensor], targets: list[torch.Tensor
     with engine.loss_context():  # loss_parallel around the loss and its backward when tp > 1
         engine.schedule.step(*args, target=target, losses=losses, return_outputs=False)
     engine.recorder.end()
-    engine.finish_step()  # clip the global norm (all-reduced over pp), optimizer and lr steps
-    if not last:
-        return None
-    return sum(float(l.detach()) for l in losses) / len(losses)
+    loss = sum(float(l.detach()) for l in losses) / len(losses) if last else None
+    engine.finish_step(loss)  # clip the global norm (all-reduced over pp), check it, optimizer and lr steps
+    return loss
