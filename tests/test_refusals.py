@@ -126,7 +126,6 @@ CATALOGUE = [
     ("train.lr=-1", "train.lr must be > 0", "train.lr=3e-4"),
     ("train.weight_decay=-1", "train.weight_decay must be >= 0", None),
     ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1", None),
-    ("train.seq_len=0", "train.seq_len must be in", None),
     ("train.dtype=fp16", "train.dtype must be one of ['fp32', 'bf16']", None),
     ("train.max_grad_norm=0", "train.max_grad_norm must be > 0 or null", None),
     ("train.lr_schedule=linear", "train.lr_schedule='linear' is unknown", None),
@@ -215,6 +214,24 @@ CATALOGUE = [
     ("tracking.artifact_location=/proc/xpar/artifacts", "artifact directory /proc/xpar/artifacts cannot be written",
      "tracking=off"),
     ("tracking.artifact_location=file:///proc/xpar/artifacts", "cannot be written", "tracking=off"),
+    # issue 28: empty paths wrote into the start directory; tracebacks; silently ignored keys; failing advice
+    ("hydra.run.dir=", "hydra.run.dir is set but empty", "hydra.run.dir=outputs/mine"),
+    ("train.checkpoint_dir=", "train.checkpoint_dir is set but empty", "train.checkpoint_dir=null"),
+    ("tracking.uri=", "tracking.uri is set but empty", "tracking.uri=null"),
+    ("tracking.artifact_location=", "tracking.artifact_location is set but empty", "tracking.artifact_location=null"),
+    ("tracking.experiment=", "tracking.experiment is set but empty", "tracking.experiment=xpar"),
+    ("train.checkpoint_every=1 train.checkpoint_dir=/proc/xpar/ckpt", "train.checkpoint_dir=/proc/xpar/ckpt is not "
+     "writable", None),
+    ("train.threads_per_worker=-1", "train.threads_per_worker must be >= 1 or null", None),
+    ("run.fail_rank=7", "run.fail_rank must be a rank of this run, 0..1", "run.fail_rank=1"),
+    ("run.fail_rank=-1", "run.fail_rank must be a rank of this run", "run.fail_rank=1"),
+    ("run.fail_rank=0 run.mode=estimate hardware=h100_80gb_8gpu", "starts no worker", "run.fail_rank=null"),
+    ("sweep.goal=sideways", "sweep.goal must be one of ['max', 'min']", None),
+    ("sweep.metric=throughput/tokens_per_sec", "is not a metric xpar logs",
+     "sweep.metric=throughput/tokens_per_s"),
+    ("train.on_nonfinite=warn", "train.on_nonfinite must be one of ['stop', 'skip', 'ignore']", None),
+    ("parallel.dp=16", "dp*tp*pp=16 local CPU workers", "parallel.dp=8"),
+    ("train.seq_len=0", "train.seq_len must be >= 1, got 0", "train.seq_len=64"),
 ]
 
 
@@ -404,3 +421,23 @@ def test_plan_refuses_null_device_memory_instead_of_a_traceback(capsys):
     assert "e.g. hardware.device_memory_gb=85 (the preset's figure)" in err
     err = plan_refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.peak_tflops=null")
     assert "e.g. hardware.peak_tflops=312 (the preset's figure)" in err
+
+
+def test_empty_run_dir_variable_is_refused_and_nothing_is_written(tmp_path):
+    """XPAR_RUN_DIR= (set but empty) resolved hydra.run.dir to '' (omegaconf#1179): every file of
+    the run went into the start directory. Refused before Hydra starts; the directory stays empty."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), XPAR_RUN_DIR="")
+    r = subprocess.run([sys.executable, "-m", "xpar"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2 and "XPAR_RUN_DIR is set but empty" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("meta", ["{}", '{"step": "x", "model": {}}', '{"step": -1, "model": {}}', "[]"])
+def test_a_checkpoint_meta_xpar_did_not_write_is_refused(tmp_path, meta):
+    """xpar.json of {} or a non-integer step raised KeyError/TypeError in the resume checks."""
+    from xpar.checkpoint import CheckpointError, read_meta
+
+    (tmp_path / "xpar.json").write_text(meta)
+    with pytest.raises(CheckpointError, match="is not one xpar wrote"):
+        read_meta(tmp_path)

@@ -71,12 +71,17 @@ def read_meta(path: Path) -> dict:
     """``xpar.json`` of the checkpoint directory ``path``.
 
     Raises:
-        CheckpointError: not there or unreadable (an incomplete checkpoint).
+        CheckpointError: not there or unreadable (an incomplete checkpoint), or not xpar's.
     """
     try:
-        return json.loads((Path(path) / META_FILE).read_text())
+        meta = json.loads((Path(path) / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a complete checkpoint ({META_FILE}: {type(e).__name__})") from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool)
+            and meta["step"] >= 0 and isinstance(meta.get("model"), dict)):
+        raise CheckpointError(f"{path}/{META_FILE} is not one xpar wrote (it needs an integer 'step' >= 0 and a "
+                              f"'model' mapping); resume from a checkpoint xpar saved, e.g. train.resume=latest.")
+    return meta
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

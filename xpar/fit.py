@@ -304,8 +304,22 @@ def host_memory_problem(spec: RunSpec) -> Optional[str]:
             f"{states / 1e9:.1f} GB at {sum(STATE_BYTES[dtype])} bytes/param for "
             f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
             f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
-            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). Use a smaller model "
-            f"(model=tiny or small), or estimate it: run.mode=estimate hardware={_cluster_for(spec)}.")
+            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). {_smaller(spec)}, or estimate it: "
+            f"run.mode=estimate hardware={_cluster_for(spec)}.")
+
+
+MODEL_PRESETS_BY_SIZE = ("tiny", "mini", "small", "7b", "13b", "70b", "175b", "405b")
+"""conf/model presets, smallest first."""
+
+
+def _smaller(spec: RunSpec) -> str:
+    """What to run instead on this machine: smaller model presets, or for the smallest (or a
+    custom model) fewer workers and a micro-batch of one."""
+    name = spec.model.name
+    smaller = MODEL_PRESETS_BY_SIZE[:MODEL_PRESETS_BY_SIZE.index(name)][:2] if name in MODEL_PRESETS_BY_SIZE else ()
+    if smaller:
+        return f"Use a smaller model ({' or '.join(f'model={m}' for m in smaller)})"
+    return "Use fewer workers and smaller micro-batches (hardware.devices_per_node=1 train.micro_batch_size=1)"
 
 
 def _cluster_for(spec: RunSpec) -> str:

@@ -210,7 +210,14 @@ def output_dir_problems(argv: list[str]) -> list[str]:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = _dir_override(argv, key)
-    path = given or (None if multirun else os.environ.get("XPAR_RUN_DIR")) or ("multirun" if multirun else "outputs")
+    if given is not None and not given.strip():
+        return [f"{key} is set but empty: the run would write into the start directory; give a directory, "
+                f"e.g. {key}={'multirun' if multirun else 'outputs'}/mine, or leave it out."]
+    env = None if multirun else os.environ.get("XPAR_RUN_DIR")
+    if given is None and env is not None and not env.strip():
+        return ["XPAR_RUN_DIR is set but empty: the run would write into the start directory (omegaconf#1179); "
+                "unset it (unset XPAR_RUN_DIR) or set it to a directory, e.g. XPAR_RUN_DIR=outputs/pinned."]
+    path = given or env or ("multirun" if multirun else "outputs")
     static = path.split("${", 1)[0] or "."
     problem = unwritable(Path(static))
     if problem is None:

@@ -82,6 +82,12 @@ class Report:
         return out
 
 
+SUMMARY_METRICS = ("throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "throughput/step_time_s",
+                   "throughput/tflops_per_device", "throughput/mfu", "throughput/hfu", "memory/peak_bytes_per_device",
+                   "memory/model_states_bytes", "train/final_loss")
+"""The summary metrics every run logs (:meth:`Report.metrics`, besides its memory terms and extras)."""
+
+
 def layout_name(spec: RunSpec) -> str:
     p = spec.parallel
     s = f"dp{spec.dp}-tp{spec.tp}-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}"

@@ -19,7 +19,7 @@ from xpar.checks import layout as layout_checks
 from xpar.checks.environment import check_environment
 from xpar.checks.framework import check_framework, check_framework_layout
 from xpar.checks.hardware import estimate_peak_problem
-from xpar.checks.runtime import check_runtime
+from xpar.checks.runtime import check_runtime, check_threads
 from xpar.config import XparConfig
 from xpar.layout import Layout
 from xpar.resolve import Target, build_layout, layout_notes, resolve_target, torchrun_world  # noqa: F401
@@ -63,22 +63,61 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
         ConfigError: listing every violated constraint.
     """
     c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
-    early = config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c)
+    early = (config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c)
+             + check_threads(c))
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
-                + config_checks.check_data(c) + check_framework(c.framework))
+                + config_checks.check_data(c) + check_framework(c.framework) + config_checks.check_sweep(c))
     _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
                                        layout.micro_batches, bool(c.parallel.sequence_parallel))
-    problems += estimate_peak_problem(target.hardware, target.mode)
+    problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
+    problems += worker_count_problems(c, layout, target)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):
         problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
                         f"CUDA devices; reduce the degrees or use run.mode=estimate.")
     _raise_if(problems)
     return build_spec(c, target, layout)
+
+
+def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
+    """``run.fail_rank`` (fault injection) names a rank of this executed run; a rank outside it
+    or an estimate would inject nothing, silently."""
+    rank, world = c.run.fail_rank, layout.world_size
+    if rank is None:
+        return []
+    if mode != "execute":
+        return [f"run.fail_rank={rank} injects a worker failure, but run.mode={mode} starts no worker; "
+                f"drop it (run.fail_rank=null)."]
+    if not 0 <= rank < world:
+        return [f"run.fail_rank must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
+                f"e.g. run.fail_rank={world - 1}."]
+    return []
+
+
+MAX_WORKERS_PER_CORE = 4
+"""Local CPU workers per core xpar starts without ``run.allow_long``: 8 on 2 cores (the 3D
+tests' pp2 x dp2 x tp2) start in ~10 s here; 16 printed nothing for ~50 s (measured 2026-12-02)."""
+
+
+def worker_count_problems(c: XparConfig, layout: Layout, target: Target) -> list[str]:
+    """Local CPU workers beyond :data:`MAX_WORKERS_PER_CORE` per core: refused unless
+    ``run.allow_long=true`` (they start for minutes and time the OS scheduler)."""
+    import os
+
+    if not (target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cpu"):
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = MAX_WORKERS_PER_CORE * cores
+    if layout.world_size <= limit or c.run.allow_long:
+        return []
+    dp_ok = max(1, limit // (layout.tp * layout.pp))
+    return [f"dp*tp*pp={layout.world_size} local CPU workers on {cores} cores (at most {limit}, "
+            f"{MAX_WORKERS_PER_CORE} per core, start in seconds); e.g. parallel.dp={dp_ok}, or run.allow_long=true "
+            f"to start them anyway, or run.mode=estimate with a cluster hardware preset."]
 
 
 def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:

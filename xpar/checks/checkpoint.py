@@ -75,14 +75,15 @@ def check_reuse(t) -> list[str]:
 
 def check_dir(path: Optional[str]) -> list[str]:
     """train.checkpoint_dir, when given: its nearest existing folder is writable."""
-    if not path:
+    from xpar.overrides import unwritable
+
+    if not path or not str(path).strip():  # empty: refused by xpar.checks.environment.check_empty_paths
         return []
-    p = Path(path).expanduser().resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    if not (p.is_dir() and os.access(p, os.W_OK | os.X_OK)):
-        return [f"train.checkpoint_dir={path} is not writable here ({p} is not a writable folder); "
-                f"give a writable folder, or null for <run output dir>/checkpoints."]
+    why = unwritable(Path(path))
+    if why:
+        return [f"train.checkpoint_dir={path} is not writable here ({why}); give a writable folder, e.g. "
+                f"train.checkpoint_dir={Path(os.path.expanduser('~')) / 'xpar_checkpoints'}, or null for "
+                f"<run output dir>/checkpoints."]
     return []
 
 

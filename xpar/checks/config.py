@@ -17,6 +17,7 @@ CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
     "train.dtype": ("fp32", "bf16"),
     "train.on_nonfinite": ("stop", "skip", "ignore"),
+    "sweep.goal": ("max", "min"),
     "data.kind": ("synthetic", "text"),
     "run.mode": ("auto", "execute", "estimate", "plan"),
     "hardware.device": ("auto", "cpu", "cuda"),
@@ -79,10 +80,11 @@ def check_train(c: XparConfig) -> list[str]:
     model, tr = c.model, c.train
     out = []
     seq = tr.seq_len if tr.seq_len is not None else model.seq_len
-    if seq < 1 or (model.position == "learned" and seq > model.seq_len):
-        why = f" (learned positions cover {model.seq_len})" if model.position == "learned" else ""
-        out.append(f"train.seq_len must be in [1, {model.seq_len}] for model={model.name}{why}, got {seq}; "
-                   f"e.g. train.seq_len={model.seq_len}.")
+    if model.position == "learned" and not 1 <= seq <= model.seq_len:
+        out.append(f"train.seq_len must be in [1, {model.seq_len}] for model={model.name} (learned positions cover "
+                   f"{model.seq_len}), got {seq}; e.g. train.seq_len={model.seq_len}.")
+    elif seq < 1:  # rope: any length >= 1 runs
+        out.append(f"train.seq_len must be >= 1, got {seq}; e.g. train.seq_len={model.seq_len}.")
     if tr.micro_batch_size < 1:
         out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}.")
     if not (tr.lr > 0 and math.isfinite(tr.lr)):
@@ -113,3 +115,24 @@ def check_data(c: XparConfig) -> list[str]:
         out.append(f"data=text uses byte tokens (0..255): model.vocab_size must be >= 256, "
                    f"got {c.model.vocab_size}.")
     return out
+
+
+SWEEP_METRIC_FAMILIES = ("pipeline/", "comm/", "estimate/", "fidelity/", "plan/", "train/", "throughput/step_time_")
+"""Families of the metrics a run logs besides the summary ones (xpar.report.Report.metrics: its
+``extra``, memory terms ``memory/<term>_bytes``, the step-time spread)."""
+
+
+def check_sweep(c: XparConfig) -> list[str]:
+    """``sweep.metric`` names a metric xpar logs (a name no run logs picked no best job and gave
+    Optuna nothing, silently)."""
+    import difflib
+
+    from xpar.report import SUMMARY_METRICS
+
+    metric = c.sweep.metric
+    if metric in SUMMARY_METRICS or metric.startswith(SWEEP_METRIC_FAMILIES) or \
+            (metric.startswith("memory/") and metric.endswith("_bytes")):
+        return []
+    close = difflib.get_close_matches(metric, SUMMARY_METRICS, n=1, cutoff=0.0) or [SUMMARY_METRICS[0]]
+    return [f"sweep.metric={metric} is not a metric xpar logs; e.g. sweep.metric={close[0]} "
+            f"(summary metrics: {', '.join(SUMMARY_METRICS)})."]

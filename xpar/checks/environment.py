@@ -22,7 +22,21 @@ from xpar.checks.hardware import hardware_value_problems, load_hardware_preset
 def check_environment(c) -> list[str]:
     """Every check of this module."""
     return (check_hardware_values(c) + check_hardware_overrides(c) + check_device(c) + check_data_path(c)
-            + check_sequence_parallel(c) + check_tracking_paths(c) + check_timeouts(c))
+            + check_sequence_parallel(c) + check_empty_paths(c) + check_tracking_paths(c) + check_timeouts(c))
+
+
+def check_empty_paths(c) -> list[str]:
+    """A path key given but empty (``train.checkpoint_dir=``, ``tracking.uri=``,
+    ``tracking.artifact_location=``) would silently mean the start directory or the default:
+    refused (omegaconf#1179 makes an empty environment variable do the same)."""
+    keys = {"train.checkpoint_dir": c.train.checkpoint_dir, "tracking.uri": c.tracking.uri,
+            "tracking.artifact_location": c.tracking.artifact_location, "data.path": c.data.path}
+    out = [f"{key} is set but empty; give a path (or null for the default), e.g. {key}=null."
+           for key, value in keys.items() if value is not None and not str(value).strip()]
+    if not str(c.tracking.experiment).strip():
+        out.append("tracking.experiment is set but empty (MLflow needs a name); e.g. tracking.experiment=xpar.")
+    return out
+
 
 
 def check_timeouts(c) -> list[str]:

@@ -10,7 +10,7 @@ LR_SCHEDULES = ("constant", "cosine")
 
 def check_runtime(c) -> list[str]:
     """Every check of this module."""
-    return check_max_grad_norm(c) + check_lr_schedule(c) + check_threads(c)
+    return check_max_grad_norm(c) + check_lr_schedule(c)
 
 
 def check_max_grad_norm(c) -> list[str]:
@@ -35,7 +35,9 @@ def check_lr_schedule(c) -> list[str]:
 
 
 def check_threads(c) -> list[str]:
-    """train.threads_per_worker: null (1) or >= 1."""
+    """train.threads_per_worker: null (1) or >= 1. Checked before the target is resolved
+    (:func:`xpar.validate.validate`'s early checks): resolving hardware=local measures the peak
+    with these threads (torch.set_num_threads(-1) raised there)."""
     v = c.train.threads_per_worker
     if v is not None and int(v) < 1:
         return [f"train.threads_per_worker must be >= 1 or null (= 1), got {v}; e.g. 1."]

@@ -227,9 +227,15 @@ def _task_overrides() -> list[str]:
 
 
 def plan_argv(args: list[str]) -> list[str]:
-    """``xpar plan <overrides>`` as a run's overrides: ``run.mode=plan``, and ``train=cluster``
+    """``xpar plan <overrides>`` as a run's overrides (exit 2 on a ``run.mode`` other than
+    plan, which would be overridden silently): ``run.mode=plan``, and ``train=cluster``
     (bf16, micro-batch 1) for a GPU cluster preset (its ``device`` is cuda) unless a train
     preset is given; local (device auto) and a CPU ``calibrated_*`` preset keep the default train (fp32)."""
+    modes = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("run.mode=")]
+    if modes and modes[-1] != "plan":
+        from xpar.overrides import refuse
+        refuse([f"xpar plan searches layouts (run.mode=plan); run.mode={modes[-1]} is not taken with it: drop it, "
+                f"or run the best layouts it finds with plan.execute_top=1."])
     train_given = any(a.lstrip("+").startswith("train=") for a in args)
     names = [a.split("=", 1)[1] for a in args if a.startswith("hardware=")]
     cluster = bool(names) and _preset_device(names[-1]) == "cuda"
