@@ -111,3 +111,17 @@ def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
     run = _runs(skip).iloc[0]
     assert run["status"] == "FINISHED" and run["tags.xpar.diverged"] == "true"
     assert run["metrics.train/skipped_steps"] == 3 and run["metrics.train/nonfinite_steps"] == 3
+
+
+def test_three_concurrent_first_runs_in_a_new_directory_are_all_recorded(tmp_path):
+    """Three first runs started at once on a new SQLite store ran MLflow's migrations together:
+    one succeeded, the others exited 2 ("duplicate column name") and the store was broken for
+    every later run. Creation is serialised (xpar.tracking.store_lock): all three finish."""
+    args = [sys.executable, "-m", "xpar", "train.steps=2", "train.warmup_steps=1", "hardware.devices_per_node=1",
+            "run.progress=false"]
+    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
+    runs = _runs(tmp_path)
+    assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}

@@ -30,7 +30,31 @@ def open_store(uri: str) -> None:
     tables, ~2 s here), so that a later run in this process finds it ready. Raises what MLflow
     raises for an unusable store."""
     import mlflow
-    mlflow.tracking.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    with store_lock(uri):
+        mlflow.tracking.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<db>.lock`` beside a SQLite store while a process creates or
+    opens it (its tables, the experiment): two or three first runs started at once in a new
+    directory ran MLflow's migrations concurrently ("duplicate column name") and broke the store
+    for every later run. Other URIs: no lock (a server serialises its own store)."""
+    import fcntl
+
+    from xpar.checks.environment import sqlite_path
+
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
@@ -73,19 +97,38 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines on the console
     uri = uri or default_uri(start_dir)
     try:
-        mlflow.set_tracking_uri(uri)
-        exp = mlflow.get_experiment_by_name(experiment)
-        if exp is not None:
-            return exp.experiment_id
-        if artifact_location is None and uri.startswith(("http://", "https://")):
-            return mlflow.create_experiment(experiment, tags=EXPERIMENT_TAGS)  # the server's --default-artifact-root decides
-        location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
-        return mlflow.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
+        with store_lock(uri):
+            return _experiment_id(uri, experiment, artifact_location, start_dir)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
                                   f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
-                                  f"Start the server, fix the URI, or use the default SQLite store "
-                                  f"(omit tracking.uri) or tracking=off.") from None
+                                  f"{_store_advice(uri)}") from None
+
+
+def _store_advice(uri: str) -> str:
+    """What to do about a store that failed: a server to start, or a SQLite file to move aside."""
+    if uri.startswith(("http://", "https://")):
+        return "Start the server, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
+    from xpar.checks.environment import sqlite_path
+    db = sqlite_path(uri)
+    if db is not None and db.exists():
+        return (f"If {db} is damaged, move it aside (mv {db} {db}.broken) and run again: a new store is "
+                f"created; or pass tracking.uri=sqlite:///<another file>, or tracking=off.")
+    return "Fix the URI, use the default SQLite store (omit tracking.uri), or tracking=off."
+
+
+def _experiment_id(uri: str, experiment: str, artifact_location: Optional[str], start_dir: Path) -> str:
+    """The id of ``experiment`` in the store at ``uri``, created if missing."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is not None:
+        return exp.experiment_id
+    if artifact_location is None and uri.startswith(("http://", "https://")):
+        return mlflow.create_experiment(experiment, tags=EXPERIMENT_TAGS)  # the server's --default-artifact-root decides
+    location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
 
 
 def param_key(key: str) -> str:
