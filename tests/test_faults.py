@@ -100,6 +100,8 @@ def _server_dies_then_sync(url, server, port, root, tmp_path):
     assert xpar.returncode == 0, err[-3000:]
     assert "tokens/s" in out and "Traceback" not in err, err[-3000:]
     assert f"xpar sync {run_dir}" in err, err[-3000:]
+    assert "Recorded in MLflow" not in out and "NOT all recorded in MLflow:" in out, out[-2000:]
+    assert "metric points" in out and "xpar sync" in out, out[-2000:]  # how many, and what to do
     assert after_kill < 30, after_kill  # training (~2 s) + bounded end, not MLflow's ~250 s of retries
 
     proc = _start_server(port, root)

@@ -174,7 +174,8 @@ def _record(job: Job, body) -> Report:
         from xpar.naming import ui_hint
         where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
                  f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
-    print_report(spec, report, where)
+    from xpar.recorder import recording_gap
+    print_report(spec, report, recording_gap(run.recorder) or where)
     return report
 
 

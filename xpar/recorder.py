@@ -172,6 +172,22 @@ class Recorder:
         return ok
 
 
+def recording_gap(recorder: Recorder) -> Optional[str]:
+    """None when the store took every record of the run, else the line that says how much it
+    did not: metric points (of those journaled) and other records, and the ``xpar sync`` that
+    delivers them (the summary then does not say "Recorded in MLflow")."""
+    from xpar.report import NOT_ALL_RECORDED
+
+    pending = recorder.journal.pending()
+    if not pending:
+        return None
+    points = sum(len(r.get("points", [])) for r in recorder.journal.records("metrics"))
+    missing = sum(len(r.get("points", [])) for r in pending if r["kind"] == "metrics")
+    others = sum(r["kind"] != "metrics" for r in pending)
+    return (f"{NOT_ALL_RECORDED}: {missing} of {points} metric points and {others} other record(s) are only in the "
+            f"journal {recorder.journal.path}; send them with: xpar sync {recorder.out_dir}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

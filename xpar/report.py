@@ -174,8 +174,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+NOT_ALL_RECORDED = "NOT all recorded in MLflow"
+"""How the summary's last line starts when the store did not take every record
+(:func:`xpar.recorder.recording_gap`)."""
+
+
 def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> None:
-    """The console summary table (rich)."""
+    """The console summary table (rich); ``where``: where the run was recorded, or the line
+    saying what the store did not take (it starts with :data:`NOT_ALL_RECORDED`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -216,5 +222,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
     if report.artifacts:
         console.print(f"Files: {', '.join(report.artifacts)}")
-    if where:
+    if where and where.startswith(NOT_ALL_RECORDED):
+        console.print(f"[red]{escape(where)}[/]", highlight=False)
+    elif where:
         console.print(f"Recorded in MLflow: {where}")
