@@ -125,3 +125,66 @@ def test_three_concurrent_first_runs_in_a_new_directory_are_all_recorded(tmp_pat
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
     runs = _runs(tmp_path)
     assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}
+
+
+def _wait_for_steps(run_dir, n, proc, timeout=120):
+    import time
+    steps = run_dir / "steps" / "rank0.jsonl"
+    deadline = time.time() + timeout
+    while not steps.exists() or steps.read_text().count("\n") < n:
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
+def test_kill_9_of_xpar_ends_its_workers_and_the_next_command_ends_the_run(tmp_path):
+    """kill -9 of the parent left its run RUNNING and its workers training on as orphans. Now
+    each worker ends itself within a heartbeat (1 s) of losing its parent, and the next xpar
+    command in that directory ends the run KILLED, saying why."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "train.steps=2000", "train.warmup_steps=1",
+                          "run.progress=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_steps(run_dir, 3, p)
+    workers = [pid for pid in _processes_in(tmp_path) if pid != p.pid]
+    assert len(workers) >= 2, workers
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    deadline = time.time() + 10  # heartbeat 1 s; the rest is process exit on 2 busy cores
+    while set(workers) & set(_processes_in(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not set(workers) & set(_processes_in(tmp_path)), "workers outlived xpar"
+    assert list(_runs(tmp_path)["status"]) == ["RUNNING"]
+    r = _xpar(tmp_path, "train.steps=2", "train.warmup_steps=1", "hardware.devices_per_node=1", "run.progress=false")
+    assert r.returncode == 0 and "ended KILLED" in r.stderr, r.stderr[-2000:]
+    runs = _runs(tmp_path).sort_values("start_time")
+    assert list(runs["status"]) == ["KILLED", "FINISHED"]
+    assert "was gone" in runs.iloc[0]["tags.xpar.ended_by"]
+
+
+def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
+    """kill -9 of a sweep left its parent run RUNNING forever and the jobs that never started
+    recorded nowhere. The next xpar command in that directory ends the parent and its running
+    job KILLED, and counts the jobs that never started. (SIGTERM acts as Ctrl-C: see
+    xpar.sweep._sigterm_interrupts.)"""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "-m", "train.steps=2000", "train.warmup_steps=1",
+                          "run.progress=false", "hardware.devices_per_node=1", "train.seed=0,1,2"], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("multirun/*/*/0/steps/rank0.jsonl")):
+        assert time.time() < deadline and p.poll() is None, "the sweep's first job did not start"
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    r = _xpar(tmp_path, "train.steps=2", "train.warmup_steps=1", "hardware.devices_per_node=1", "run.progress=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = _runs(tmp_path)
+    parent = runs[runs["tags.xpar.role"] == "sweep"].iloc[0]
+    assert parent["status"] == "KILLED" and parent["tags.xpar.jobs_not_started"] == "2", parent
+    jobs = runs[runs["tags.mlflow.parentRunId"] == parent["run_id"]]
+    assert list(jobs["status"]) == ["KILLED"]

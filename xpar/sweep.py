@@ -113,6 +113,19 @@ class SweepCallback(Callback):
         # launcher subprocesses such as submitit's) carries the one true location.
         os.environ[SWEEP_ENV] = str(self._file)
         atexit.register(finish_sweep, self._file)
+        _sigterm_interrupts()
+
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM to the sweep's process acts as Ctrl-C: the job running ends KILLED, then the parent
+    run (xpar.__main__ marks the sweep interrupted; :func:`finish_sweep` at exit) with the jobs that
+    never started counted. Python's default SIGTERM ended the process with no exit handler: the
+    parent run stayed RUNNING forever."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if getattr(self, "_file", None) is not None:

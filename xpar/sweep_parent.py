@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from xpar.compare import headline_table, write_plots
-from xpar.tracking import MAX_PARAM_CHARS, MAX_PARAMS_PER_BATCH, param_key, setup_experiment
+from xpar.tracking import MAX_PARAM_CHARS, MAX_PARAMS_PER_BATCH, owner_tags, param_key, setup_experiment
 
 
 def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list) -> dict:
@@ -23,7 +23,9 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list)
     overrides = " ".join(config.hydra.overrides.task)
     params = dict(config.hydra.sweeper.get("params") or {})
     tags = {"xpar.sweep_id": sweep_id, "xpar.role": "sweep", "xpar.overrides": overrides[:5000],
-            "mlflow.runName": f"sweep {sweep_id}"}
+            "mlflow.runName": f"sweep {sweep_id}", **owner_tags()}
+    if n_jobs is not None:
+        tags["xpar.n_jobs"] = str(n_jobs)
     client = mlflow.tracking.MlflowClient()
     run = client.create_run(exp_id, tags=tags)
     try:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,11 +125,58 @@ def _experiment_id(uri: str, experiment: str, artifact_location: Optional[str], 
     mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is not None:
+        end_orphaned_runs(mlflow.tracking.MlflowClient(uri), exp.experiment_id)
         return exp.experiment_id
     if artifact_location is None and uri.startswith(("http://", "https://")):
         return mlflow.create_experiment(experiment, tags=EXPERIMENT_TAGS)  # the server's --default-artifact-root decides
     location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
     return mlflow.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
+
+
+def owner_tags() -> dict:
+    """Tags naming the process that records a run (host, pid and the pid's start time, so a
+    reused pid is not taken for it): :func:`end_orphaned_runs` reads them."""
+    import socket
+
+    import psutil
+    return {"xpar.host": socket.gethostname(), "xpar.pid": str(os.getpid()),
+            "xpar.pid_started": f"{psutil.Process().create_time():.2f}"}
+
+
+def _owner_alive(tags: dict) -> bool:
+    import psutil
+    try:
+        proc = psutil.Process(int(tags["xpar.pid"]))
+        return abs(proc.create_time() - float(tags.get("xpar.pid_started", 0))) < 1.0 and \
+            proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError, KeyError):
+        return False
+
+
+def end_orphaned_runs(client, experiment_id: str) -> list[str]:
+    """End KILLED the RUNNING runs of this host whose recording process is gone (``kill -9``
+    of xpar or of a sweep's parent left them RUNNING forever), with the tag ``xpar.ended_by``
+    saying so; a sweep's parent also gets ``xpar.jobs_not_started`` (its ``xpar.n_jobs`` less
+    the jobs that left a run). Called by every later xpar command that opens the experiment
+    (:func:`setup_experiment`). Returns their run ids."""
+    import socket
+
+    host, ended = socket.gethostname(), []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
+        tags = run.data.tags
+        if tags.get("xpar.host") != host or "xpar.pid" not in tags or _owner_alive(tags):
+            continue
+        client.set_tag(run.info.run_id, "xpar.ended_by",
+                       f"a later xpar command: its process {tags['xpar.pid']} on {host} was gone without ending it")
+        if tags.get("xpar.role") == "sweep" and tags.get("xpar.n_jobs"):
+            jobs = client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+            client.set_tag(run.info.run_id, "xpar.jobs_not_started", str(max(0, int(tags["xpar.n_jobs"]) - len(jobs))))
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run.info.run_id)
+    if ended:
+        print(f"xpar: {len(ended)} run(s) left RUNNING by a process that is gone now ended KILLED "
+              f"({', '.join(r[:8] for r in ended)}).", file=sys.stderr)
+    return ended
 
 
 def param_key(key: str) -> str:
@@ -162,7 +210,8 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     bound_http()
     exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
                               spec.tracking.artifact_location, start_dir)
-    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name, tags=tags or {})
+    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name,
+                           tags={**(tags or {}), **owner_tags()})
     recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, Path(out_dir or tempfile.mkdtemp(prefix="xpar-")),
                         spec.world_size if spec.mode == "execute" else 0)
     run.recorder = recorder

@@ -93,22 +93,29 @@ def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
 
 
 HEARTBEAT_DIR = "heartbeat"
+ORPHAN_EXIT = 75
+"""Exit status of a worker that ended itself because xpar, its parent, was gone."""
 HEARTBEAT_S = 1.0
 """Seconds between a local worker's heartbeats (xpar.launch watches them)."""
 
 
 def start_heartbeat(out_dir: Path, rank: int) -> None:
     """A daemon thread that writes ``{"pid", "t"}`` to ``<out_dir>/heartbeat/rank<rank>.json``
-    every :data:`HEARTBEAT_S`. It keeps beating while the main thread waits in a collective
+    every :data:`HEARTBEAT_S`, and ends this worker (exit :data:`ORPHAN_EXIT`) once the process
+    that started it is gone (a worker re-parented: xpar was killed with SIGKILL; two workers
+    had trained on as orphans to step 400). It keeps beating while the main thread waits in a collective
     (gloo and NCCL waits release the GIL); it stops when the process is stopped or dies."""
     import threading
 
     d = Path(out_dir) / HEARTBEAT_DIR
     d.mkdir(parents=True, exist_ok=True)
     path, tmp = d / f"rank{rank}.json", d / f".rank{rank}.tmp"
+    parent = os.getppid()
 
     def beat():
         while True:
+            if os.getppid() != parent:  # xpar died (kill -9): nothing records this run any more
+                os._exit(ORPHAN_EXIT)
             tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
             tmp.replace(path)
             time.sleep(HEARTBEAT_S)
