@@ -28,13 +28,34 @@ JOURNAL_FILE = "tracking_journal.jsonl"
 STEPS_DIR = "steps"
 
 
+_WARNED: set = set()
+
+
+def disk_warning(path: Path, e: OSError, consequence: str) -> str:
+    """One stderr line (once per process) for a file of a run that cannot be written (``No space
+    left on device``): what stops and what to do. Returns the reason."""
+    import sys
+
+    why = f"{e.strerror or e}"
+    if not _WARNED:
+        _WARNED.add(path)
+        print(f"xpar: warning: cannot write {path} ({why}): {consequence}; free space there, or pass "
+              f"hydra.run.dir=<a folder with space> next time.", file=sys.stderr, flush=True)
+    return why
+
+
 class StepWriter:
     """One worker's per-step records, appended to ``<out_dir>/steps/rank<rank>.jsonl``."""
 
     def __init__(self, out_dir: Path, rank: int):
         d = Path(out_dir) / STEPS_DIR
         d.mkdir(parents=True, exist_ok=True)
-        self._f = open(d / f"rank{rank}.jsonl", "a", buffering=1)  # line-buffered: one write per step
+        path = d / f"rank{rank}.jsonl"
+        try:
+            self._f = open(path, "a", buffering=1)  # line-buffered: one write per step
+        except OSError as e:  # a full disk: the run goes on (see __call__)
+            disk_warning(path, e, "live step metrics stop; every step is logged at the end")
+            self._f = None
 
     def __call__(self, step: int, loss: Optional[float], seconds: float, grad_norm: Optional[float] = None,
                  lr: Optional[float] = None) -> None:
@@ -42,7 +63,13 @@ class StepWriter:
         the pre-clip global gradient norm and the learning rate the step used (if known)."""
         rec = {"step": step, "loss": loss, "time_s": seconds, "ts_ms": int(time.time() * 1000)}
         rec.update({k: v for k, v in (("grad_norm", grad_norm), ("lr", lr)) if v is not None})
-        self._f.write(json.dumps(rec) + "\n")
+        if self._f is None:
+            return
+        try:
+            self._f.write(json.dumps(rec) + "\n")
+        except OSError as e:  # the run goes on; the parent logs every step from the gathered stats at the end
+            disk_warning(Path(self._f.name), e, "live step metrics stop; every step is logged at the end")
+            self._f = None
 
 
 def _read_lines(path: Path) -> list[dict]:
@@ -127,6 +154,8 @@ class Journal:
         self.path = Path(out_dir) / JOURNAL_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.disk_error: Optional[str] = None
+        """Why the journal file stopped being written (a full disk), or None."""
         lines = _read_lines(self.path)
         self._records = [r for r in lines if "seq" in r and "kind" in r]
         self._acked = {r["ack"] for r in lines if "ack" in r}
@@ -140,10 +169,15 @@ class Journal:
             self._steps = max([self._steps] + steps)
 
     def _write(self, obj: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(obj) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append ``obj``; on a full or failing disk, warn once and keep it in memory only (the
+        store can still take it; ``xpar sync`` then cannot)."""
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            self.disk_error = disk_warning(self.path, e, "the tracking journal keeps records in memory only")
 
     def append(self, kind: str, **data) -> dict:
         """Append a record of ``kind`` (with ``data``); return it (its ``seq`` numbers it)."""

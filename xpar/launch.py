@@ -63,6 +63,7 @@ def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -
     for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):
         try:
             beat = json.loads(f.read_text())
+            beat["t"] = max(beat["t"], f.stat().st_mtime)  # on a full disk a worker only touches the file
         except (OSError, ValueError):
             continue
         state = _state(beat["pid"])
@@ -98,7 +99,10 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
                 _kill(ctx.processes[stopped[0]])
                 raise WorkerFailed(*stopped)
     except mp.ProcessRaisedException as e:
-        (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
+        try:
+            (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
+        except OSError:  # a full disk: the error line below still says what failed
+            pass
         raise WorkerFailed(e.error_index, _last_error_line(e.msg), e.msg) from None
     except mp.ProcessExitedException as e:
         code = e.exit_code
@@ -112,4 +116,27 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return json.loads((out_dir / STATS_FILE).read_text())
+    return read_stats(out_dir)
+
+
+def read_stats(out_dir: Path) -> list[dict]:
+    """The per-rank stats rank 0 wrote (:func:`xpar.worker.run_rank`): ``ranks.json`` in the run's
+    folder, or, where that disk was full, its copy in the system's temporary folder
+    (:func:`xpar.worker.stats_fallback`).
+
+    Raises:
+        WorkerFailed: neither could be read (rank 0 could write neither).
+    """
+    from xpar.worker import stats_fallback
+
+    for path in (out_dir / STATS_FILE, stats_fallback(out_dir)):
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if path != out_dir / STATS_FILE:
+            path.unlink(missing_ok=True)
+        return stats
+    raise WorkerFailed(0, f"its gathered stats could be written neither to {out_dir / STATS_FILE} nor to "
+                          f"{stats_fallback(out_dir)} (a full disk?); free space, or pass "
+                          f"hydra.run.dir=<a folder with space>")

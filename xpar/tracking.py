@@ -294,7 +294,11 @@ def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: P
     report's files. Journaled first, then delivered within the end budget."""
     import mlflow
 
-    (out_dir / "config.yaml").write_text(config_yaml)
+    try:
+        (out_dir / "config.yaml").write_text(config_yaml)
+    except OSError as e:  # a full disk: the config still goes to MLflow below
+        from xpar.journal import disk_warning
+        disk_warning(out_dir / "config.yaml", e, "the resolved config goes to MLflow only")
     run = mlflow.active_run()
     recorder = getattr(run, "recorder", None)
     if recorder is None:  # a run not started by mlflow_run

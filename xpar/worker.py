@@ -49,9 +49,27 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
     if dist.get_rank() == 0:
-        (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
+        try:
+            (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
+        except OSError as e:  # a full disk: the parent reads them from the temporary folder
+            from xpar.journal import disk_warning
+            disk_warning(out_dir / STATS_FILE, e, f"the per-rank stats go to {stats_fallback(out_dir)}")
+            try:
+                stats_fallback(out_dir).write_text(json.dumps(gathered))
+            except OSError:
+                pass  # the parent says that neither could be written (xpar.launch.read_stats)
         return gathered
     return None
+
+
+def stats_fallback(out_dir: Path) -> Path:
+    """Where rank 0 writes the stats when the run's folder cannot take them (a full disk): the
+    system's temporary folder, named after the run's folder."""
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha1(str(Path(out_dir).absolute()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"xpar-ranks-{key}.json"
 
 
 def _checkpoints(engine, out_dir: Path):
@@ -116,8 +134,11 @@ def start_heartbeat(out_dir: Path, rank: int) -> None:
         while True:
             if os.getppid() != parent:  # xpar died (kill -9): nothing records this run any more
                 os._exit(ORPHAN_EXIT)
-            tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
-            tmp.replace(path)
+            try:
+                tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+                tmp.replace(path)
+            except OSError:  # a full disk: the file's mtime still beats (xpar.launch.stalled_rank reads both)
+                os.utime(path) if path.exists() else None
             time.sleep(HEARTBEAT_S)
     threading.Thread(target=beat, name="xpar-heartbeat", daemon=True).start()
 
