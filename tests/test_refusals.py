@@ -232,6 +232,7 @@ CATALOGUE = [
     ("train.on_nonfinite=warn", "train.on_nonfinite must be one of ['stop', 'skip', 'ignore']", None),
     ("parallel.dp=16", "dp*tp*pp=16 local CPU workers", "parallel.dp=8"),
     ("train.seq_len=0", "train.seq_len must be >= 1, got 0", "train.seq_len=64"),
+    ("-m hydra/launcher=slurm", "hydra/launcher=slurm needs SLURM on this host", None),
 ]
 
 

@@ -283,9 +283,9 @@ def dgxc_row(row: dict, tp_overlap: float = DGXC_TP_OVERLAP):
     (ZeRO-1, Megatron semantics) with gradient reduce-scatters overlapping the backward
     (overlap_grad_sync) and parameter all-gathers the next forward (overlap_param_sync) in
     ``bucket_mb`` buckets of bf16, interleaved 1F1B with the row's vp, recompute as the row.
-    Profile: Megatron (conf/framework/megatron.yaml) with Transformer Engine's flash attention,
-    dropout as the recipe, ``tp_overlap`` of the tp collectives hidden (:data:`DGXC_TP_OVERLAP`),
-    pp sends hidden where vp > 1 (overlap_p2p_comm). Hardware: the H100 preset resized to the
+    Profile: Megatron-Core (conf/framework/megatron_core.yaml: Transformer Engine's flash attention,
+    overlapped gradient and parameter collectives), dropout and bucket size as the recipe, ``tp_overlap``
+    of the tp collectives hidden (:data:`DGXC_TP_OVERLAP`), pp sends hidden where vp > 1 (overlap_p2p_comm). Hardware: the H100 preset resized to the
     row's GPUs (8 per node, 8 x 400 Gb/s)."""
     gpus, tp, pp, v = (int(row[k]) for k in ("gpus", "tp", "pp", "vp"))
     parallel = dict(name="nemo", dp=gpus // (tp * pp), tp=tp, pp=pp, zero_stage=1, micro_batches="auto",
@@ -294,8 +294,7 @@ def dgxc_row(row: dict, tp_overlap: float = DGXC_TP_OVERLAP):
     hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=gpus // 8)
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=int(row["seq"]))
-    a = _fw("megatron", flash_attention=True, dropout=row["dropout"] == "true", dp_overlap=True,
-            param_gather_overlap=True, grad_reduce_bytes=2, bucket_mb=float(row["bucket_mb"]), tp_overlap=tp_overlap,
+    a = _fw("megatron_core", dropout=row["dropout"] == "true", bucket_mb=float(row["bucket_mb"]), tp_overlap=tp_overlap,
             pp_overlap=1.0 if v > 1 else 0.0)
     ref = float(row["tokens_per_s"]) / gpus
     return make_spec(dgxc_model(row), parallel, hw, train), a, ref, "tokens_per_s_per_device"

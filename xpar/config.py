@@ -245,6 +245,10 @@ class FrameworkConfig:
     parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    replicated_embedding_grad: bool = True
+    """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
+    (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays
+    vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
     fsdp_copies: str = "fsdp2"
     """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
     _fsdp_collectives.py): each all-gather's flat output copied into the unit's parameters

@@ -107,7 +107,21 @@ def override_problems(argv: list[str]) -> list[str]:
         if override.is_delete() or "/" in override.key_or_group:
             continue
         out += _override_problem(arg, override)
-    return out + output_dir_problems(argv)
+    return out + output_dir_problems(argv) + launcher_problems(argv)
+
+
+def launcher_problems(argv: list[str]) -> list[str]:
+    """``hydra/launcher=slurm`` where SLURM is not installed: submitit raised a traceback
+    ('Could not detect "srun"') after the sweep had started."""
+    import shutil
+
+    if not any(a.lstrip("+").startswith("hydra/launcher=slurm") for a in argv):
+        return []
+    missing = [cmd for cmd in ("srun", "sbatch") if shutil.which(cmd) is None]
+    if not missing:
+        return []
+    return [f"hydra/launcher=slurm needs SLURM on this host ({' and '.join(missing)} not on PATH): run it from a "
+            f"cluster's login node, or drop hydra/launcher=slurm to run the jobs here."]
 
 
 def _override_problem(arg: str, override) -> list[str]:

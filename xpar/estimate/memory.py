@@ -127,6 +127,11 @@ class MemoryOptions:
     """ZeRO-1: 'zero_redundancy' (torch ZeroRedundancyOptimizer: whole tensors, greedy; gradients
     all-reduced) or 'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp);
     gradients reduce-scattered)."""
+    replicated_embedding_grad: bool = True
+    """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
+    every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
+    torchtitan). False: the gradient stays vocabulary-sharded as its parameter (Megatron's
+    VocabParallelEmbedding, DeepSpeed with Megatron's tp)."""
 
     @classmethod
     def of(cls, assume=None, **overrides) -> "MemoryOptions":
@@ -145,15 +150,19 @@ MEMORY_PROFILES = {
     "xpar": {},
     "torchtitan": dict(selective_recompute="torchtitan_op", fsdp_reshard_under_pp=False),
     "megatron": dict(selective_recompute="attention", param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False,
-                     zero1="distributed_optimizer"),
-    "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer"),
+                     zero1="distributed_optimizer", replicated_embedding_grad=False),
+    "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer",
+                      replicated_embedding_grad=False),
 }
+MEMORY_PROFILES["megatron_core"] = MEMORY_PROFILES["megatron"]  # the same memory rules (conf/framework/megatron_core.yaml)
 """Memory fields of :class:`xpar.estimate.cost.Assumptions` per framework (the rest as xpar):
 torchtitan -- op-level SAC (torchtitan/models/llama3/infra/parallelize.py: _save_list, every
 other mm), FSDP2 reshard_after_forward=False under pp; Megatron-LM -- selective = attention
 core (Korthikanti et al. 2022), bf16 params + fp32 main grads in a contiguous buffer,
-distributed optimizer (Megatron-Core docs: 6 + 12/d bytes per parameter); DeepSpeed -- bf16/fp16
-params and gradients, fp32 master + moments in the (flat, evenly partitioned) optimizer."""
+distributed optimizer (Megatron-Core docs: 6 + 12/d bytes per parameter), vocabulary-sharded
+embedding gradients (megatron/core/tensor_parallel/layers.py VocabParallelEmbedding); DeepSpeed --
+bf16/fp16 params and gradients, fp32 master + moments in the (flat, evenly partitioned) optimizer,
+Megatron's tp layers (sharded embedding gradients)."""
 
 
 def zero_model_state_bytes(psi: float, stage: int, n_d: int, p: int = 2, g: int = 2, k: int = 12) -> float:
@@ -366,17 +375,18 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
                if name.split(":", 1)[1] == "tok_embeddings.weight")
 
 
-def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_redundancy") -> dict[str, int]:
+def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_redundancy",
+               replicated_embedding_grad: bool = True) -> dict[str, int]:
     """Elements dp rank ``dp_rank`` of pipeline rank ``pp_rank`` holds: ``storage`` (its
     parameter storage: the FSDP shard under ZeRO-2/3), ``whole`` (the dp-unsharded stage),
     ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
-    of parameter tensors), memoised: no loop over the dp ranks. ``zero1``: see
-    :class:`MemoryOptions`."""
+    of parameter tensors), memoised: no loop over the dp ranks. ``zero1``,
+    ``replicated_embedding_grad``: see :class:`MemoryOptions`."""
     whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     z, dp = spec.parallel.zero_stage, spec.dp
     shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
-        grads = whole + replicated_embedding_grad_numel(spec, pp_rank)
+        grads = whole + (replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0)
     else:
         grads = shard if z >= 2 else whole
     if z == 1 and zero1 == "distributed_optimizer":
@@ -432,7 +442,7 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     """:func:`state_terms` less autocast's weight copies (``params_compute`` 0 under autocast;
     those depend on the schedule, the rest on the rank's parameters, dp and the ZeRO stage only).
     Bytes."""
-    n = held_numel(spec, pp_rank, dp_rank, o.zero1)
+    n = held_numel(spec, pp_rank, dp_rank, o.zero1, o.replicated_embedding_grad)
     wp, wg, wo = state_widths(spec, o)
     z, rec = spec.parallel.zero_stage, precision(spec, o)
     compute = 0
