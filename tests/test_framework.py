@@ -61,7 +61,7 @@ def test_framework_config_mirrors_assumptions():
     assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
 
 
-@pytest.mark.parametrize("name", ["xpar", "megatron", "torchtitan", "deepspeed"])
+@pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.resolved_config import resolved_config
     runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)
@@ -210,3 +210,35 @@ def test_megatron_interleaving_rules_and_2021_deepspeed_without_sequence_paralle
     with pytest.raises(ConfigError, match=r"framework=deepspeed_2021 does not run parallel.sequence_parallel=true"):
         validate(compose("parallel=zero1", "model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "tracking=off",
                          "parallel.tp=2", "parallel.sequence_parallel=true", "framework=deepspeed_2021"))
+
+
+@pytest.mark.parametrize("name,replicated", [("xpar", True), ("torchtitan", True), ("megatron", False),
+                                             ("megatron_core", False), ("deepspeed", False)])
+def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicated):
+    """Issue 27: a deferred gradient of the vocabulary-parallel embedding is whole (V x h) on every
+    tp rank under torch DTensor (measured in xpar's engine), sharded under Megatron's
+    VocabParallelEmbedding: the first pipeline rank's grads differ by exactly (t - 1) V/t h elements
+    at the profile's gradient width."""
+    from xpar.estimate.memory import held_numel, memory, state_widths
+
+    _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:])
+    a = assumptions_for(spec)
+    assert a.replicated_embedding_grad is replicated
+    sharded = held_numel(spec, 0, 0, a.zero1, replicated_embedding_grad=False)["grads"]
+    extra = (spec.tp - 1) * (spec.model.vocab_size // spec.tp) * spec.model.hidden
+    _, width, _ = state_widths(spec, a)
+    assert memory(spec, 0, assume=a).grads == (sharded + (extra if replicated else 0)) * width
+
+
+def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
+    """The NeMo H100 recipes (tests/data/dgxc_nemo_h100_bf16.csv) are estimated with the megatron_core
+    profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap."""
+    from dataclasses import replace
+
+    from xpar.calibration import DGXC_TP_OVERLAP, _fw
+
+    core = _fw("megatron_core")
+    assert (core.flash_attention, core.dp_overlap, core.param_gather_overlap, core.zero1, core.tp_overlap) == \
+        (True, True, True, "distributed_optimizer", DGXC_TP_OVERLAP)
+    assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
+                   param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP) == core
