@@ -61,7 +61,7 @@ def test_framework_config_mirrors_assumptions():
     assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
 
 
-@pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed"])
+@pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.resolved_config import resolved_config
     runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)

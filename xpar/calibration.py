@@ -182,10 +182,9 @@ def mpt_row(row: dict):
     MPT as benchmarked (GELU, LayerNorm, biases, learned positions, tied embeddings, V = 50368,
     s = 2048). Hardware: the 64-GPU preset of the row's GPU (A100 where the file has no ``gpu``
     column) resized to the row's GPUs, fabric as the preset (8 NICs per node); A100 40 GB rows take
-    its HBM (1.555 TB/s, datasheet). Profile: torchtitan's FSDP (per-block units with prefetch,
-    flash attention, no dropout: what Composer's FSDP with flash attention runs) with the
-    reduce-scatter width of the row's MP mode (:data:`MPT_REDUCE_BYTES`; PURE by default) and
-    FSDP1's copies (``fsdp_copies='fsdp1'``: Composer wraps torch's FSDP1)."""
+    its HBM (1.555 TB/s, datasheet). Profile: llm-foundry (conf/framework/llmfoundry.yaml: torchtitan's
+    FSDP timing with FSDP1's copies and the fused cross entropy) with the reduce-scatter width of the
+    row's MP mode (:data:`MPT_REDUCE_BYTES`; PURE by default)."""
     h, gpus = int(row["hidden"]), int(row["gpus"])
     model = dict(name=f"mpt_{row['model']}", n_layers=int(row["layers"]), hidden=h, n_heads=int(row["heads"]),
                  n_kv_heads=None, ffn_hidden=4 * h, vocab_size=50368, seq_len=2048, activation="gelu",
@@ -197,7 +196,7 @@ def mpt_row(row: dict):
         hw.update(device_memory_gb=42.3, hbm_tb_per_s=1.555)  # 42.3e9 bytes as the 40 GB device reports
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=2048)
-    a = _fw("torchtitan", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")], fsdp_copies="fsdp1")
+    a = _fw("llmfoundry", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")])
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 

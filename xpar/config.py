@@ -245,6 +245,9 @@ class FrameworkConfig:
     parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    loss_kernel: str = "fp32"
+    """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
+    in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
     (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays

@@ -10,6 +10,7 @@ CHOICES = {
     "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.dp.FSDP_COPIES
     "selective_recompute": ("op", "torchtitan_op", "attention"),  # xpar.estimate.memory.SELECTIVE_POLICIES
     "param_storage": ("fp32", "bf16"),
+    "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "overlap_slowdown", "recompute_layer_fraction")
 

@@ -127,6 +127,11 @@ class MemoryOptions:
     """ZeRO-1: 'zero_redundancy' (torch ZeroRedundancyOptimizer: whole tensors, greedy; gradients
     all-reduced) or 'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp);
     gradients reduce-scattered)."""
+    loss_kernel: str = "fp32"
+    """The cross entropy: 'fp32' (xpar, torchtitan: ``cross_entropy(logits.float())`` keeps fp32
+    log-probs, 4 V/t bytes per token, and its backward holds two more dense fp32 gradients) or
+    'fused' (an in-place fused kernel: flash-attn's CrossEntropyLoss, llm-foundry's default
+    ``loss_fn='fused_crossentropy'``: keeps only the logits, the gradient written over them)."""
     replicated_embedding_grad: bool = True
     """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
     every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
@@ -640,7 +645,8 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     ``embedding_mask`` (first stage, with dropout); and the transients of that stage:
     ``workspace`` (one block rebuilt in its backward) and ``loss_transient`` (last stage: while
     the loss runs backward the dense fp32 gradient of nll_loss and of log_softmax live beside
-    the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``).
+    the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
+    fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
     and the output projection). Bytes."""
     cfg, lay, par = spec.model, spec.layout, spec.parallel
@@ -664,8 +670,9 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
         norm = 8 * sh if composite else rec["er"] * sh
         lin_in = rec["e"] * (s * b * h if sp and o.sp_saves_gathered else sh)
-        out["logits"] = norm + lin_in + 4 * s * b * cfg.vocab_size / t
-        out["loss_transient"] = 8 * s * b * cfg.vocab_size / t
+        fused = o.loss_kernel == "fused"
+        out["logits"] = norm + lin_in + (rec["e"] if fused else 4) * s * b * cfg.vocab_size / t
+        out["loss_transient"] = 0.0 if fused else 8 * s * b * cfg.vocab_size / t
     return out
 
 
