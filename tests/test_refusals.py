@@ -230,7 +230,6 @@ CATALOGUE = [
     ("sweep.metric=throughput/tokens_per_sec", "is not a metric xpar logs",
      "sweep.metric=throughput/tokens_per_s"),
     ("train.on_nonfinite=warn", "train.on_nonfinite must be one of ['stop', 'skip', 'ignore']", None),
-    ("parallel.dp=16", "dp*tp*pp=16 local CPU workers", "parallel.dp=8"),
     ("train.seq_len=0", "train.seq_len must be >= 1, got 0", "train.seq_len=64"),
     ("-m hydra/launcher=slurm", "hydra/launcher=slurm needs SLURM on this host", None),
 ]

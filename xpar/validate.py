@@ -74,7 +74,6 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
                                        layout.micro_batches, bool(c.parallel.sequence_parallel))
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
-    problems += worker_count_problems(c, layout, target)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):
         problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
