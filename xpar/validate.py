@@ -97,28 +97,6 @@ def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     return []
 
 
-MAX_WORKERS_PER_CORE = 4
-"""Local CPU workers per core xpar starts without ``run.allow_long``: 8 on 2 cores (the 3D
-tests' pp2 x dp2 x tp2) start in ~10 s here; 16 printed nothing for ~50 s (measured 2026-12-02)."""
-
-
-def worker_count_problems(c: XparConfig, layout: Layout, target: Target) -> list[str]:
-    """Local CPU workers beyond :data:`MAX_WORKERS_PER_CORE` per core: refused unless
-    ``run.allow_long=true`` (they start for minutes and time the OS scheduler)."""
-    import os
-
-    if not (target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cpu"):
-        return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    limit = MAX_WORKERS_PER_CORE * cores
-    if layout.world_size <= limit or c.run.allow_long:
-        return []
-    dp_ok = max(1, limit // (layout.tp * layout.pp))
-    return [f"dp*tp*pp={layout.world_size} local CPU workers on {cores} cores (at most {limit}, "
-            f"{MAX_WORKERS_PER_CORE} per core, start in seconds); e.g. parallel.dp={dp_ok}, or run.allow_long=true "
-            f"to start them anyway, or run.mode=estimate with a cluster hardware preset."]
-
-
 def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     """The RunSpec of a valid config: resolved copies of the groups, consistent with ``layout``."""
     par = replace(c.parallel, dp=layout.dp, micro_batches=layout.micro_batches,
