@@ -28,6 +28,7 @@ import math
 import pytest
 
 from tests.conftest import spawn, spec_for
+from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs) per spec
 from xpar.layout import SCHEDULES
 
 AXES = {
@@ -109,23 +110,6 @@ def executed_rows(runnable: list[dict]) -> list[dict]:
     return picked
 
 
-def _train(spec_dicts: list[dict]) -> list:
-    """Worker: train each spec through xpar's real path; per spec every rank's (losses, grad_norms)."""
-    import tempfile
-    from pathlib import Path
-
-    from xpar.spec import RunSpec
-    from xpar.worker import run_rank
-
-    out = []
-    for d in spec_dicts:
-        with tempfile.TemporaryDirectory() as tmp:
-            stats = run_rank(RunSpec.from_dict(d), Path(tmp))
-        if stats is not None:
-            out.append([[s["losses"], s["grad_norms"]] for s in stats])
-    return out
-
-
 @pytest.fixture(scope="module")
 def matrix():
     from tests.conftest import compose
@@ -182,11 +166,11 @@ def test_every_executed_row_equals_the_reference(matrix):
         loss_rel, norm_rel = (1e-4, 1e-4) if row["dtype"] == "fp32" else (2e-4, 1e-2)
         per_rank = results[key(row)]
         for step in range(STEPS):
-            seen = [losses[step] for losses, _ in per_rank if losses[step] is not None]
+            seen = [r[0][step] for r in per_rank if r[0][step] is not None]
             got = sum(seen) / len(seen)
             if got != pytest.approx(ref["losses"][step], rel=loss_rel):
                 bad.append(f"{key(row)}: step {step} loss {got} vs {ref['losses'][step]}")
-        for rank, (_, norms) in enumerate(per_rank):
+        for rank, (_, norms, _) in enumerate(per_rank):
             if norms != pytest.approx(ref["grad_norms"], rel=norm_rel):
                 bad.append(f"{key(row)}: rank {rank} norms {norms} vs {ref['grad_norms']}")
     assert not bad, "\n".join(bad[:20])
