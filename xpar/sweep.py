@@ -115,6 +115,10 @@ class SweepCallback(Callback):
         atexit.register(finish_sweep, self._file)
         _sigterm_interrupts()
 
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if getattr(self, "_file", None) is not None:
+            finish_sweep(self._file)
+
 
 def _sigterm_interrupts() -> None:
     """SIGTERM to the sweep's process acts as Ctrl-C: the job running ends KILLED, then the parent
@@ -126,10 +130,6 @@ def _sigterm_interrupts() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if getattr(self, "_file", None) is not None:
-            finish_sweep(self._file)
 
 
 def sweep_tags(sweep: Optional[dict]) -> dict:
