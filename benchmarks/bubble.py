@@ -6,7 +6,7 @@ and 1F1B at m = 1, 2, 4, 8 micro-batches (1F1B needs m >= pp, so no m = 1). Each
 through xpar's real path (launcher, engine factory, PipelineStage, torch schedule, per-action
 timers) and its per-rank records are read back: per timed step (warm-up excluded)
 
-    measured   1 - sum_ranks busy / (pp * step time)    (xpar.bubble.step_bubbles)
+    measured   1 - sum_ranks busy / (pp * step time)    (xpar.estimate.bubble.step_bubbles)
     simulated  the executed action order replayed with the measured action times, free comm
     theory     (p - 1) / (m + p - 1)
 
@@ -31,9 +31,9 @@ def _spec(schedule: str, m: int, steps: int):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import xpar.config  # noqa: F401
-    from xpar.presets import conf_dir
-    from xpar.validate import validate
+    import xpar.config.schema  # noqa: F401
+    from xpar.config.presets import conf_dir
+    from xpar.config.validate import validate
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -45,10 +45,10 @@ def _spec(schedule: str, m: int, steps: int):
 
 
 def measure(schedule: str, m: int, steps: int) -> dict:
-    from xpar.bubble import pipelines, step_bubbles
+    from xpar.estimate.bubble import pipelines, step_bubbles
     from xpar.estimate.schedule import bubble_theory as theory
-    from xpar.launch import launch_local
     from xpar.models.shapes import param_count
+    from xpar.run.launch import launch_local
 
     spec = _spec(schedule, m, steps)
     with tempfile.TemporaryDirectory() as out:
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
     a = ap.parse_args()
-    from xpar.layout import microbatch_ok
+    from xpar.config.layout import microbatch_ok
 
     rows = []
     t0 = time.perf_counter()

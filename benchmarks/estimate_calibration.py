@@ -3,7 +3,7 @@
     python benchmarks/estimate_calibration.py [tests/data]
 
 The few constants fitted are the matmul efficiencies, one per GPU family (hardware
-``matmul_efficiency``), by :func:`xpar.calibration.fit_efficiency` (median |error|); everything
+``matmul_efficiency``), by :func:`xpar.calibrate.published.fit_efficiency` (median |error|); everything
 else is physics with its source (NCCL's alpha-beta constants, datasheet bandwidths, framework
 profiles). For each source it prints the median and max |error| with the constants fitted on
 all sources ('calibration') and on all the *other* sources ('held out'): a family whose only
@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from xpar import calibration as cal
+from xpar.calibrate import published as cal
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data"
 

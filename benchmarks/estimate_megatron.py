@@ -5,7 +5,7 @@
 Prints, per row, the layout, the published and predicted TFLOP/s per GPU (hardware FLOPs,
 full recompute counted, as the paper), the error, and where the predicted step time goes.
 Assumptions (micro-batch size 1, v = smallest divisor > 1 of layers per rank, Megatron 2021
-framework behaviour) are those of :func:`xpar.calibration.megatron_2021_spec`.
+framework behaviour) are those of :func:`xpar.calibrate.published.megatron_2021_spec`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from xpar.calibration import megatron_2021_spec, read_table
+from xpar.calibrate.published import megatron_2021_spec, read_table
 from xpar.estimate.cost import Assumptions, estimate
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data" / "megatron_2021_table1.csv"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from xpar.calibration import make_spec, preset
+from xpar.calibrate.published import make_spec, preset
 from xpar.estimate.cost import TIME_TERMS, estimate, with_hardware
 
 FABRICS = {"8x200G/node": {}, "4x100G/node": dict(inter_node_gb_per_s=12.5, nics_per_node=4)}

@@ -32,9 +32,9 @@ def spec_of(overrides: tuple):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import xpar.config  # noqa: F401
-    from xpar.fit import check_run
-    from xpar.presets import conf_dir
+    import xpar.config.schema  # noqa: F401
+    from xpar.config.presets import conf_dir
+    from xpar.estimate.fit import check_run
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

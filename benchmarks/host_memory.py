@@ -1,5 +1,5 @@
 """torch's single-tensor AdamW step (xpar's) over GPT-2 small's parameter shapes, 2 processes
-stepping at once (as 2 dp workers do), with and without xpar.host_memory's heap policy: the
+stepping at once (as 2 dp workers do), with and without xpar.run.host_memory's heap policy: the
 median step of each and their ratio, per repeat. Not a timed test: ~1 minute on 2 vCPUs.
 
     python benchmarks/host_memory.py [--repeat 3]
@@ -16,7 +16,7 @@ import sys
 STEP = """
 import statistics, sys, time
 import torch
-from xpar.host_memory import keep_large_tensors_on_the_heap
+from xpar.run.host_memory import keep_large_tensors_on_the_heap
 torch.set_num_threads(1)
 if sys.argv[1] == 'heap':
     keep_large_tensors_on_the_heap()
@@ -52,7 +52,7 @@ def main() -> None:
         ratios.append(mmap / heap)
         print(f"repeat {i}: AdamW step over GPT-2 small's parameters, 2 processes at once: glibc's default "
               f"{mmap * 1e3:.0f} ms, large tensors on the heap {heap * 1e3:.0f} ms, x{ratios[-1]:.2f}", flush=True)
-    print(f"speed-up of the heap policy (xpar.host_memory): median x{statistics.median(ratios):.2f}, "
+    print(f"speed-up of the heap policy (xpar.run.host_memory): median x{statistics.median(ratios):.2f}, "
           f"min x{min(ratios):.2f}, max x{max(ratios):.2f}")
 
 

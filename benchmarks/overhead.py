@@ -3,7 +3,7 @@
 For each layout (dp = DDP, zero3 = FSDP2 fully_shard per block then root, tp = tensor
 parallel over the 2 workers with torch's Megatron styles and loss_parallel, pp = two
 PipelineStages under Schedule1F1B with 4 micro-batches), run xpar's worker body
-(:func:`xpar.worker.run_rank`: mesh, engine factory, live step records, the train loop with
+(:func:`xpar.run.worker.run_rank`: mesh, engine factory, live step records, the train loop with
 its accounting) and a plain torch loop, in the same two gloo workers (one thread each),
 alternating which side goes first, ROUNDS times each; print the steps/s of both and their
 ratio (xpar / plain; 1.0 = no overhead). Goal: >= 0.98. Same processes for both sides: the
@@ -42,9 +42,9 @@ EXTRA: list[str] = []
 def _spec(layout: str, steps: int):
     from hydra import compose, initialize_config_dir
 
-    import xpar.config  # noqa: F401  (registers the structured configs with Hydra)
-    from xpar.presets import conf_dir
-    from xpar.validate import validate
+    import xpar.config.schema  # noqa: F401  (registers the structured configs with Hydra)
+    from xpar.config.presets import conf_dir
+    from xpar.config.validate import validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         extra = ["parallel.schedule=1f1b", "parallel.micro_batches=4"] if layout == "pp" else []
@@ -60,8 +60,8 @@ def plain_times(rank: int, world: int, spec) -> list[float]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from xpar.data import TokenSource
     from xpar.models.transformer import Transformer
+    from xpar.run.data import TokenSource
 
     if spec.pp > 1:
         return _pp_by_hand(rank, world, spec)
@@ -97,10 +97,10 @@ def plain_times(rank: int, world: int, spec) -> list[float]:
 
 
 def xpar_times(spec, out_dir: Path) -> list[float]:
-    """Step times of xpar's worker body (:func:`xpar.worker.run_rank`: mesh, engine factory,
+    """Step times of xpar's worker body (:func:`xpar.run.worker.run_rank`: mesh, engine factory,
     live step records, train loop with its accounting) on this rank: the slowest rank's per
     step, as xpar reports it (run_rank gathers every rank's stats on rank 0)."""
-    from xpar.worker import run_rank
+    from xpar.run.worker import run_rank
 
     stats = run_rank(spec, out_dir)
     return [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)] if stats else []
@@ -115,7 +115,7 @@ def slowest(times: list[float]) -> list[float]:
 
 def ab_worker(rank: int, world: int, port: int, spec_dict: dict, rounds: int, out: str) -> None:
     """Both sides in the same two processes, alternating which goes first each round."""
-    from xpar.spec import RunSpec
+    from xpar.config.spec import RunSpec
 
     spec = RunSpec.from_dict(spec_dict)
     torch.set_num_threads(1)
@@ -139,8 +139,8 @@ def _pp_by_hand(rank: int, world: int, spec) -> list[float]:
     """Two pipeline stages with torch's PipelineStage and Schedule1F1B (no xpar code)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from xpar.data import TokenSource
     from xpar.models.transformer import Transformer
+    from xpar.run.data import TokenSource
 
     cfg, b, m, S = spec.model, spec.train.micro_batch_size, spec.micro_batches, spec.seq_len
     per = cfg.n_layers // world
@@ -195,8 +195,12 @@ def _tp_by_hand(model, mesh):
     """Megatron tensor parallelism with torch's styles (no xpar code): q/k/v, w1/w3 column,
     wo/w2 row, vocabulary-parallel embedding and output, logits left vocab-sharded."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     for block in model.layers.values():
         parallelize_module(block, mesh, {
@@ -222,7 +226,7 @@ def _loss_parallel(tp: int):
 
 def run_ab(spec, rounds: int) -> dict[str, list]:
     """Step times per round of xpar and plain: {"xpar": [[s, ...] per round], "plain": ...}."""
-    from xpar.launch import free_port
+    from xpar.run.launch import free_port
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "t.json")

@@ -46,7 +46,7 @@ def megatron() -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from test_plan import DATA, best_2021, megatron_inputs, published_row
 
-    from xpar.calibration import read_table
+    from xpar.calibrate.published import read_table
     from xpar.plan.command import search
     from xpar.plan.explain import label
     print(f"{'model':>8} {'rank':>6} {'of':>6} {'vs top':>7} {'vs 2021 top':>11}  top layout (unrestricted)")

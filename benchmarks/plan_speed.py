@@ -28,7 +28,7 @@ import pathlib  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run  # noqa: E402
+from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run  # noqa: E402
 from xpar.plan.context import COLUMNS, PlanContext, spec_of  # noqa: E402
 from xpar.plan.vtime import time_columns  # noqa: E402
 

@@ -13,16 +13,17 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from xpar.spec import RunSpec
+from xpar.config.spec import RunSpec
 
 
 def compose(*overrides: str):
     """The composed DictConfig for ``overrides`` (as on the command line)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import xpar.config  # noqa: F401
-    from xpar.presets import conf_dir
+    import xpar.config.schema  # noqa: F401
+    from xpar.config.presets import conf_dir
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -31,19 +32,19 @@ def compose(*overrides: str):
 
 def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
     """A validated RunSpec (tracking off, no progress bar)."""
-    from xpar.fit import check_run
+    from xpar.estimate.fit import check_run
 
     cfg = compose("tracking=off", "run.progress=false", *overrides)
     return check_run(cfg, local_devices=local_devices)
 
 
 def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = False):
-    """Single-process fp32 reference (:func:`xpar.reference.reference_run`): the whole model,
+    """Single-process fp32 reference (:func:`xpar.run.reference.reference_run`): the whole model,
     the whole global batch per step, clipping and lr schedule as the engine does.
 
     Returns the per-step losses (and, with ``grads``, the gradients of the last step by
     parameter name)."""
-    from xpar.reference import reference_run
+    from xpar.run.reference import reference_run
 
     torch.manual_seed(0)
     out = reference_run(spec, steps, precision="fp32")
@@ -61,7 +62,7 @@ def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: s
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-    from xpar.worker import exit_worker
+    from xpar.run.worker import exit_worker
     exit_worker()  # skip finalization: gloo may abort a finished process there (see exit_worker)
 
 
@@ -70,7 +71,7 @@ def spawn(fn: Callable, world: int, payload) -> object:
     children can import it); return rank 0's JSON-serialisable result."""
     import torch.multiprocessing as mp
 
-    from xpar.launch import free_port
+    from xpar.run.launch import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
@@ -85,7 +86,7 @@ def run_specs(spec_dicts: list[dict]) -> list[list]:
     [(losses, memory of every rank)] per spec."""
     import tempfile as tf
 
-    from xpar.worker import run_rank
+    from xpar.run.worker import run_rank
 
     results = []
     for d in spec_dicts:

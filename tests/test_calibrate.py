@@ -12,7 +12,7 @@ from tests.conftest import spec_for
 
 def test_alpha_beta_fit_recovers_the_model():
     """Timings made from t = steps * alpha + ring_bytes / beta give alpha and beta back."""
-    from xpar.calibrate import fit_alpha_beta
+    from xpar.calibrate.preset import fit_alpha_beta
     from xpar.estimate.collectives import ring_steps
     from xpar.estimate.comm import ring_factor
 
@@ -30,7 +30,7 @@ def test_pipeline_sends_pay_the_measured_point_to_point_latency():
     collectives' step latency; without it the old sum holds."""
     from dataclasses import replace
 
-    from xpar.calibrate import fit_p2p_latency
+    from xpar.calibrate.preset import fit_p2p_latency
     from xpar.estimate.collectives import p2p_time
 
     beta = 2e9
@@ -51,7 +51,7 @@ def test_measured_ring_step_curves_replace_alpha_beta_inside_a_node():
     group across nodes and a preset without curves keep the alpha-beta model."""
     from dataclasses import replace
 
-    from xpar.calibrate import monotone, ring_step_curves
+    from xpar.calibrate.preset import monotone, ring_step_curves
     from xpar.estimate.collectives import Group, collective_time, curve_at, p2p_time
 
     w = 2
@@ -84,7 +84,7 @@ def test_cpu_share_and_the_cores_a_run_got():
     """The workers' CPU share between two schedstat samples (ns on a core / ns runnable) and the
     cores that makes: all of them when the share is 1 or the workers are fewer; 8 workers on 2
     cores at share 0.2 had 1.6 cores (the estimate's stretch then 5, not 4)."""
-    from xpar.fidelity import cores_got, cpu_share, task_cpu_ns
+    from xpar.estimate.fidelity import cores_got, cpu_share, task_cpu_ns
 
     before = {(1, 1): (100, 0), (1, 2): (0, 0), (9, 9): (5, 5)}
     after = {(1, 1): (400, 100), (1, 2): (100, 400)}  # thread (9, 9) ended: left out
@@ -92,7 +92,7 @@ def test_cpu_share_and_the_cores_a_run_got():
     assert cpu_share({}, {}) == 1.0
     assert cores_got(1.0, 2, 1, 2) == 2 and cores_got(0.5, 2, 1, 2) == 1.0 and cores_got(0.2, 8, 1, 2) == 1.6
     assert cores_got(1.0, 2, 1, 2, steal=0.1) == pytest.approx(1.8)  # the hypervisor ran another guest 10 % of the time
-    from xpar.fidelity import machine_jiffies, steal_fraction
+    from xpar.estimate.fidelity import machine_jiffies, steal_fraction
     assert steal_fraction((10, 1000), (30, 1200)) == pytest.approx(0.1) and steal_fraction((0, 0), (0, 0)) == 0.0
     steal, total = machine_jiffies()
     assert 0 <= steal <= total and total > 0  # Linux /proc/stat
@@ -101,7 +101,7 @@ def test_cpu_share_and_the_cores_a_run_got():
 
 
 def test_matmul_efficiency_fit_is_the_cost_model_curve():
-    from xpar.calibrate import fit_matmul_efficiency
+    from xpar.calibrate.preset import fit_matmul_efficiency
     rates = {n: 1e11 * 0.8 * n / (n + 32) for n in (64, 256, 512)}
     assert fit_matmul_efficiency(rates, 1e11, 32) == pytest.approx(0.8)
 
@@ -112,8 +112,9 @@ def test_cpu_matmul_efficiency_makes_the_cost_model_time_the_measured_reference_
     measured seconds; a block measured faster than its non-matmul terms gives 1, never more."""
     from types import SimpleNamespace as NS
 
-    from xpar.calibrate import REFERENCE_BATCH, REFERENCE_BLOCK, fit_block_efficiency
-    from xpar.config import HardwareConfig, ModelConfig
+    from xpar.calibrate.measure import REFERENCE_BATCH, REFERENCE_BLOCK
+    from xpar.calibrate.preset import fit_block_efficiency
+    from xpar.config.schema import HardwareConfig, ModelConfig
     from xpar.estimate.cost import Assumptions, layer_costs
     from xpar.estimate.host import block_ops
 
@@ -125,7 +126,7 @@ def test_cpu_matmul_efficiency_makes_the_cost_model_time_the_measured_reference_
     measured = sum(c.values()) - sum(v for k, v in c.items() if k.startswith("logits")) + sum(block_ops(cfg)) * op_us * 1e-6
     assert fit_block_efficiency(measured, peak, hbm, op_us) == pytest.approx(0.7)
     assert fit_block_efficiency(c["mem_f"], peak, hbm, op_us) == 1.0
-    from xpar.calibrate import preset_values
+    from xpar.calibrate.preset import preset_values
     values = preset_values({512: 2e11}, hbm * 1e12, 1e-3, 1e9, "cpu", {"op_overhead_us": op_us}, measured)
     assert values["matmul_efficiency"] == pytest.approx(0.7)
     assert preset_values({512: 2e11}, hbm * 1e12, 1e-3, 1e9, "cuda", None, measured)["matmul_efficiency"] == 1.0  # GEMMs
@@ -140,8 +141,8 @@ def test_large_collectives_are_timed_in_calls_that_take_no_page_faults():
 
     import torch.distributed as dist
 
-    from xpar.calibrate import settled_time
-    from xpar.launch import free_port
+    from xpar.calibrate.measure import settled_time
+    from xpar.run.launch import free_port
 
     calls = []
 
@@ -164,7 +165,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
     name = f"pytest_{os.getpid()}"
     r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--quick", "--name", name,
                         "--out", str(tmp_path / "cal")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    from xpar.presets import conf_dir
+    from xpar.config.presets import conf_dir
     preset = conf_dir() / "hardware" / f"calibrated_{name}.yaml"
     try:
         assert r.returncode == 0, r.stderr[-2000:]
@@ -189,7 +190,9 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         assert spec.hardware.tp_block_overhead_us == pytest.approx(host["tp_block_overhead_us"])
         assert spec.hardware.op_overhead_us == pytest.approx(host["op_overhead_us"])
         assert spec.hardware.cpu_cores == len(os.sched_getaffinity(0))
-        from xpar.calibrate import fit_block_efficiency  # matmul_efficiency fitted to the reference block
+        from xpar.calibrate.preset import (
+            fit_block_efficiency,  # matmul_efficiency fitted to the reference block
+        )
         assert raw["block_s"] > 0 and spec.hardware.matmul_efficiency == pytest.approx(fit_block_efficiency(
             raw["block_s"], raw["preset"]["peak_tflops"], raw["preset"]["hbm_tb_per_s"], host["op_overhead_us"]))
         from xpar.estimate.cost import estimate
@@ -200,7 +203,9 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         grads = e.memory.grads * (1 + 2 + 3 * (spec.micro_batches - 1)) / (spec.hardware.hbm_tb_per_s * 1e12)
         assert e.time_breakdown["optimizer"] == pytest.approx(e.memory.optimizer / 8 * ns * 1e-9 + grads, rel=1e-9)
         assert 0 <= raw["preset"]["sync_wait_us"] < 1e5 and spec.hardware.sync_wait_us == raw["preset"]["sync_wait_us"]
-        from xpar.estimate.cost import peak_memory  # memory is the local preset's: no CUDA context on a CPU
+        from xpar.estimate.cost import (
+            peak_memory,  # memory is the local preset's: no CUDA context on a CPU
+        )
         assert peak_memory(spec).total == pytest.approx(peak_memory(spec_for("hardware=local")).total, rel=1e-9)
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
         runs = mlflow.search_runs(experiment_names=["xpar"])
@@ -216,7 +221,7 @@ def test_calibrate_refuses_another_machine(tmp_path):
 
 
 def _dispatched(fn) -> int:
-    from xpar.calibrate import _count_ops
+    from xpar.calibrate.measure import _count_ops
     return _count_ops(fn)
 
 
@@ -334,7 +339,7 @@ def test_estimated_idle_is_the_measured_definition():
     """fidelity's estimated bubble is 1 - sum busy / (pp x schedule time), as measured: the
     schedule's bubble for balanced stages without send time; a lighter stage idles too; exposed
     sends are idle time; host time after the schedule is left out."""
-    from xpar.fidelity import estimated_idle
+    from xpar.estimate.fidelity import estimated_idle
 
     m, beta = 4, 0.2
     balanced = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 1.0}
@@ -364,7 +369,7 @@ def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
     from dataclasses import replace
 
     from xpar.estimate.cost import estimate
-    from xpar.fidelity import _dp_end, _host_outside, estimated_idle
+    from xpar.estimate.fidelity import _dp_end, _host_outside, estimated_idle
 
     spec = spec_for("parallel=3d_local", "hardware.intra_node_gb_per_s=1.5", "hardware.hbm_tb_per_s=0.02",
                     "hardware.peak_tflops=0.1", "hardware.cpu_cores=2", "hardware.op_overhead_us=2",
@@ -388,7 +393,12 @@ def test_passes_over_the_gradients_are_counted_on_the_cpu():
     on a GPU preset."""
     from dataclasses import replace
 
-    from xpar.estimate.cost import assumptions_for, estimate, gradient_time, reduced_grad_bytes
+    from xpar.estimate.cost import (
+        assumptions_for,
+        estimate,
+        gradient_time,
+        reduced_grad_bytes,
+    )
     from xpar.estimate.host import oversubscription
 
     assert gradient_time(1e9, 1e9, 4, 1, True, 0.01, 3.0) == pytest.approx(1e9 * (3 * 3 + 1 + 2) / 1e10)

@@ -1,4 +1,4 @@
-"""Checkpoint and resume (xpar.checkpoint) with real 2-worker runs of the tiny model.
+"""Checkpoint and resume (xpar.run.checkpoint) with real 2-worker runs of the tiny model.
 
 One uninterrupted reference run (dp=2, cosine lr schedule, a checkpoint every 3 steps) is
 shared by the tests: a DDP resume from its step-3 checkpoint must give bitwise the same
@@ -19,7 +19,7 @@ from statistics import fmean
 import pytest
 
 from tests.conftest import spec_for
-from xpar.checks import ConfigError
+from xpar.config.checks import ConfigError
 
 STEPS = 12
 COMMON = ["train.warmup_steps=1", "run.progress=false", "train.lr_schedule=cosine", "train.lr_warmup_steps=2"]
@@ -152,7 +152,7 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "xpar: invalid configuration" in r.stderr and "train.resume=does/not/exist: no such directory" in r.stderr
     assert not (tmp_path / "refused" / "worker_0.log").exists() and len(_runs(cwd)) == runs_before
-    from xpar.checks.checkpoint import checkpointing
+    from xpar.run.resume import checkpointing
 
     cases = [((f"train.resume={ref / 'steps'}",), "no complete checkpoint in"),
              ((f"train.resume={_step3(ref)}", "model.hidden=128"), "holds another model (model.hidden=128 given"),
@@ -191,8 +191,8 @@ def test_lr_schedule_restored_at_the_step_with_this_runs_config():
     a changed train.lr takes effect (no process needed)."""
     import torch
 
-    from xpar.config import TrainConfig
-    from xpar.optim import build_lr_scheduler, restore_lr_scheduler
+    from xpar.config.schema import TrainConfig
+    from xpar.parallel.optim import build_lr_scheduler, restore_lr_scheduler
 
     train = TrainConfig(steps=12, lr=1e-3, lr_schedule="cosine", lr_warmup_steps=2)
 

@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping (xpar.optim): the pre-clip norm every rank reports equals
+"""Global gradient-norm clipping (xpar.parallel.optim): the pre-clip norm every rank reports equals
 the single-process norm on dp, zero3, tp, pp and 3D (pp2 x dp2 x tp2, ZeRO-3), and training
 with clipping active keeps the single-process losses. Also the lr schedule's shape.
 
@@ -22,8 +22,8 @@ def _norms(spec_dicts: list[dict]) -> list:
     import tempfile
     from pathlib import Path
 
-    from xpar.spec import RunSpec
-    from xpar.worker import run_rank
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
 
     out = []
     for d in spec_dicts:
@@ -46,7 +46,7 @@ def results():
 
 @pytest.mark.parametrize("layout", list(LAYOUTS) + ["3d"])
 def test_clipped_global_norm_equals_single_process(results, layout):
-    from xpar.reference import reference_run
+    from xpar.run.reference import reference_run
 
     specs, out = results
     ref = reference_run(specs[layout])
@@ -63,7 +63,7 @@ def test_bf16_3d_matches_the_mixed_precision_reference(results):
     """3D (pp2 x dp2 x tp2, ZeRO-3) in bf16 mixed precision against the single-process run of
     the same recipe (FSDP2 policy: bf16 compute, fp32 master and reduction); tolerance as in
     tests/test_precision.py (relative 2e-4)."""
-    from xpar.reference import reference_run
+    from xpar.run.reference import reference_run
 
     specs, out = results
     ref = reference_run(specs["3d_bf16"])
@@ -76,7 +76,7 @@ def test_bf16_3d_matches_the_mixed_precision_reference(results):
 
 
 def test_lr_schedule_warms_up_then_decays():
-    from xpar.optim import lr_factor
+    from xpar.parallel.optim import lr_factor
 
     f = [lr_factor(k, "cosine", steps=10, warmup=2, min_ratio=0.1) for k in range(10)]
     assert f[:3] == [0.5, 1.0, 1.0] and f[-1] == pytest.approx(0.1)
@@ -88,7 +88,7 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def test_runs_follow_the_schedule(results):
-    from xpar.optim import lr_factor
+    from xpar.parallel.optim import lr_factor
 
     specs, out = results
     t = specs["dp"].train

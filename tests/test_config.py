@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from tests.conftest import compose, spec_for
+from xpar.config.presets import check_presets, presets
+from xpar.config.validate import ConfigError, to_schema
 from xpar.models.shapes import param_count
-from xpar.presets import check_presets, presets
-from xpar.validate import ConfigError, to_schema
 
 PUBLISHED = {"7b": 6.74e9, "13b": 13.02e9, "70b": 68.98e9, "175b": 174.6e9, "405b": 405.9e9, "small": 124.4e6}
 
@@ -21,6 +21,7 @@ def test_param_count_matches_published(name, count):
 
 def test_param_count_equals_built_model():
     import torch
+
     from xpar.models.transformer import Transformer
     for name in ("tiny", "small", "70b"):
         cfg = to_schema(compose(f"model={name}")).model
@@ -117,7 +118,7 @@ def test_learning_rate_and_fractional_layer_split_are_refused():
 
 
 def test_unusable_tracking_store_is_a_clear_error(tmp_path):
-    from xpar.tracking import TrackingUnavailable, setup_experiment
+    from xpar.track.runs import TrackingUnavailable, setup_experiment
     with pytest.raises(TrackingUnavailable) as e:
         setup_experiment("foo://bar", "xpar", None, tmp_path)
     assert "tracking.uri=foo://bar" in str(e.value) and "tracking=off" in str(e.value)
@@ -125,7 +126,8 @@ def test_unusable_tracking_store_is_a_clear_error(tmp_path):
 
 def test_worker_failure_survives_pickling():  # launchers such as submitit ship job errors between processes
     import pickle
-    from xpar.launch import WorkerFailed
+
+    from xpar.run.launch import WorkerFailed
     e = pickle.loads(pickle.dumps(WorkerFailed(1, "RuntimeError: boom", "traceback")))
     assert (e.rank, e.error, str(e)) == (1, "RuntimeError: boom", "worker rank 1 failed: RuntimeError: boom")
 

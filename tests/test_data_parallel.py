@@ -7,14 +7,19 @@ LAYOUTS = ["dp", "zero1", "zero2", "zero3"]
 
 
 def _held_grads(spec_dict: dict) -> dict:
-    """Worker: gradient bytes a ZeRO-3 rank holds (xpar.memory_accounting.grad_bytes_held: ``.grad``
+    """Worker: gradient bytes a ZeRO-3 rank holds (xpar.parallel.memory_accounting.grad_bytes_held: ``.grad``
     plus FSDP2's unsharded gradients of a deferred reduction) after one micro-batch's
     backward with FSDP2's gradient sync on, then, from zero, with it off."""
-    from xpar.data import TokenSource
-    from xpar.memory_accounting import _nbytes, dp_full_param_bytes, fsdp_params, grad_bytes_held
+    from xpar.config.spec import RunSpec
     from xpar.parallel.factory import build_engine
+    from xpar.parallel.memory_accounting import (
+        _nbytes,
+        dp_full_param_bytes,
+        fsdp_params,
+        grad_bytes_held,
+    )
     from xpar.parallel.mesh import build_mesh
-    from xpar.spec import RunSpec
+    from xpar.run.data import TokenSource
 
     spec = RunSpec.from_dict(spec_dict)
     engine = build_engine(spec, build_mesh("cpu", spec.pp, spec.dp, spec.tp))

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from xpar.calibrate.published import make_spec, preset, read_table
+from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
-from xpar.calibration import make_spec, preset, read_table
 from xpar.estimate.cost import with_hardware
 from xpar.estimate.schedule import one_f_one_b_actions, peak_in_flight, torch_actions
 from xpar.models.shapes import param_count
@@ -35,7 +36,7 @@ def spec(model="tiny", hardware="a100_80gb_8gpu", train=None, model_over=None, *
 @pytest.mark.parametrize("row", read_table(DATA / "zero_2020_table1.csv"), ids=lambda r: f"{r['params']}-s{r['stage']}-n{r['n_d']}")
 def test_zero_table1_every_row(row):
     """Within 2% at the table's printed precision (it prints 0.12 for 7.5e9 / 1024 * 16 = 0.117)."""
-    got = mem.zero_model_state_bytes(float(row["params"]), int(row["stage"]), int(row["n_d"])) / 1e9
+    got = model_states.zero_model_state_bytes(float(row["params"]), int(row["stage"]), int(row["n_d"])) / 1e9
     printed = row["gb_per_device"]
     decimals = len(printed.split(".")[1]) if "." in printed else 0
     assert round(got, decimals) == pytest.approx(float(printed), rel=0.02)
@@ -44,7 +45,7 @@ def test_zero_table1_every_row(row):
 
 def test_zero_formula_stage_ordering():
     psi = 1e9
-    vals = [mem.zero_model_state_bytes(psi, z, 64) for z in range(4)]
+    vals = [model_states.zero_model_state_bytes(psi, z, 64) for z in range(4)]
     assert vals[0] == 16 * psi and vals == sorted(vals, reverse=True)
 
 
@@ -57,7 +58,7 @@ def test_stage_param_counts_match_analytic_count(model, pp):
              layer_split=None if pp == 1 else mem_split(model, pp))
     pc = param_count(s.model)
     for r in range(pp):
-        n = sum(math.prod(sh) for _, sh in mem.param_shapes(s, r))
+        n = sum(math.prod(sh) for _, sh in model_states.param_shapes(s, r))
         layers = s.layer_split[r]
         assert n == pc.stage(layers, first=r == 0, last=r == pp - 1)
 
@@ -73,14 +74,14 @@ def test_fsdp_shards_follow_torch_chunk():
         for dp in (1, 2, 3, 4, 8):
             chunks = torch.chunk(torch.empty(shape, device="meta"), dp, dim=0)
             want = [c.numel() for c in chunks] + [0] * (dp - len(chunks))
-            got = [mem.fsdp_shard_numel(shape, dp, r) for r in range(dp)]
+            got = [model_states.fsdp_shard_numel(shape, dp, r) for r in range(dp)]
             assert got == want
 
 
 def test_zero1_partition_is_greedy_largest_first():
     # sorted 10, 7, 5, 4, 3: 10->r0, 7->r1, 5->r1 (12), 4->r0 (14), 3->r1 (15)
-    assert mem.zero1_partition([3, 10, 4, 7, 5], 2) == [14, 15]
-    assert sum(mem.zero1_partition([5] * 7, 3)) == 35
+    assert model_states.zero1_partition([3, 10, 4, 7, 5], 2) == [14, 15]
+    assert sum(model_states.zero1_partition([5] * 7, 3)) == 35
 
 
 def test_model_state_bytes_fp32_per_zero_stage():
@@ -88,19 +89,19 @@ def test_model_state_bytes_fp32_per_zero_stage():
     full = {z: mem.model_state_bytes(spec(dp=3, zero_stage=z)) for z in range(4)}
     assert full[0] == {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel}
     s3 = spec(dp=3, zero_stage=3)
-    shapes = [sh for _, sh in mem.param_shapes(s3, 0)]
-    rank0 = sum(mem.fsdp_shard_numel(sh, 3, 0) for sh in shapes)
+    shapes = [sh for _, sh in model_states.param_shapes(s3, 0)]
+    rank0 = sum(model_states.fsdp_shard_numel(sh, 3, 0) for sh in shapes)
     assert full[3] == {"params": 4 * rank0, "grads": 4 * rank0, "optimizer": 8 * rank0}
     assert full[2] == {"params": 4 * numel, "grads": 4 * rank0, "optimizer": 8 * rank0}
     assert full[1]["params"] == 4 * numel and full[1]["grads"] == 4 * numel
-    assert full[1]["optimizer"] == 8 * max(mem.zero1_partition([math.prod(sh) for sh in shapes], 3))
+    assert full[1]["optimizer"] == 8 * max(model_states.zero1_partition([math.prod(sh) for sh in shapes], 3))
     assert numel * 8 / 3 <= full[1]["optimizer"] < numel * 8 / 3 * 1.1  # /dp is the ideal
-    per_rank = mem.model_state_bytes_per_rank(s3)
+    per_rank = model_states.model_state_bytes_per_rank(s3)
     assert sum(d["params"] for d in per_rank) == 4 * numel  # shards cover every element once
 
 
 def preset_cfg(name):
-    from xpar.config import ModelConfig
+    from xpar.config.schema import ModelConfig
     return ModelConfig(**preset("model", name))
 
 
@@ -123,9 +124,9 @@ def test_bf16_states_as_frameworks_keep_them():
     Megatron's distributed optimizer: 6 + 12/d (Megatron-Core docs); CPU offload: no
     optimizer bytes on the device."""
     n = param_count(preset_cfg("small")).total
-    z2 = mem.state_terms(spec("small", dp=4, zero_stage=2, train={"dtype": "bf16"}), 0, 0, mem.MemoryOptions())
+    z2 = mem.state_terms(spec("small", dp=4, zero_stage=2, train={"dtype": "bf16"}), 0, 0, model_states.MemoryOptions())
     s2 = spec("small", dp=4, zero_stage=2)
-    shard = mem.held_numel(s2, 0, 0)["storage"]
+    shard = model_states.held_numel(s2, 0, 0)["storage"]
     assert z2 == {"params_master": 4 * shard, "params_compute": 2 * n, "grads": 4 * shard, "optimizer": 8 * shard}
     s1 = spec("small", dp=8, zero_stage=1, train={"dtype": "bf16"})
     megatron = dict(param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False, zero1="distributed_optimizer")
@@ -136,8 +137,8 @@ def test_bf16_states_as_frameworks_keep_them():
     off = mem.model_state_bytes(s1, cpu_offload_optimizer=True, **megatron)
     assert off["optimizer"] == 0 and off["params"] == meg["params"]
     tt = mem.state_terms(spec("small", dp=2, pp=2, zero_stage=3, micro_batches=2, train={"dtype": "bf16"}), 0, 0,
-                         mem.MemoryOptions(fsdp_reshard_under_pp=False))
-    assert tt["params_compute"] == 2 * mem.held_numel(spec("small", dp=2, pp=2, zero_stage=3, micro_batches=2), 0, 0)["whole"]
+                         model_states.MemoryOptions(fsdp_reshard_under_pp=False))
+    assert tt["params_compute"] == 2 * model_states.held_numel(spec("small", dp=2, pp=2, zero_stage=3, micro_batches=2), 0, 0)["whole"]
 
 
 def test_rank_stages_match_pipeline_placement():
@@ -159,29 +160,29 @@ GPT3 = dict(s=2048, b=1, h=12288, a=96)
                                      (8, True, "full"), (4, False, "none")])
 def test_activation_terms_reproduce_table2(t, sp, rc):
     for shape in (GPT3, dict(s=1024, b=4, h=4096, a=32)):
-        got = mem.layer_activation_bytes(**shape, t=t, sp=sp, recompute=rc)
-        assert got == pytest.approx(mem.korthikanti_table2(**shape, t=t, sp=sp, recompute=rc), rel=1e-12)
+        got = activations.layer_activation_bytes(**shape, t=t, sp=sp, recompute=rc)
+        assert got == pytest.approx(activations.korthikanti_table2(**shape, t=t, sp=sp, recompute=rc), rel=1e-12)
 
 
 def test_table2_numbers_gpt3_layer():
     # sbh = 2048 * 12288 = 25,165,824; 5as/h = 80
     sbh = 2048 * 12288
-    assert mem.korthikanti_table2(**GPT3) == sbh * 114
-    assert mem.korthikanti_table2(**GPT3, t=8) == sbh * 23            # 10 + 3 + 10
-    assert mem.korthikanti_table2(**GPT3, t=8, sp=True) == sbh * 114 / 8
-    assert mem.korthikanti_table2(**GPT3, t=8, sp=True, recompute="selective") == sbh * 34 / 8
-    assert mem.korthikanti_table2(**GPT3, recompute="full") == 2 * sbh
+    assert activations.korthikanti_table2(**GPT3) == sbh * 114
+    assert activations.korthikanti_table2(**GPT3, t=8) == sbh * 23            # 10 + 3 + 10
+    assert activations.korthikanti_table2(**GPT3, t=8, sp=True) == sbh * 114 / 8
+    assert activations.korthikanti_table2(**GPT3, t=8, sp=True, recompute="selective") == sbh * 34 / 8
+    assert activations.korthikanti_table2(**GPT3, recompute="full") == 2 * sbh
 
 
 def test_activation_generalisation_gqa_swiglu_dropout():
     s, b, h, a, f = 512, 2, 1024, 16, 2816
-    base = mem.layer_activation_bytes(s, b, h, a, ffn=f)
-    gqa = mem.layer_activation_bytes(s, b, h, a, ffn=f, kv=256)
+    base = activations.layer_activation_bytes(s, b, h, a, ffn=f)
+    gqa = activations.layer_activation_bytes(s, b, h, a, ffn=f, kv=256)
     assert base - gqa == s * b * 2 * 2 * (h - 256)                   # K and V at kv width
-    assert mem.layer_activation_bytes(s, b, h, a, ffn=f, swiglu=True) - base == s * b * 2 * 2 * f
-    no_drop = mem.layer_activation_bytes(s, b, h, a, ffn=f, dropout=False)
+    assert activations.layer_activation_bytes(s, b, h, a, ffn=f, swiglu=True) - base == s * b * 2 * 2 * f
+    no_drop = activations.layer_activation_bytes(s, b, h, a, ffn=f, dropout=False)
     assert base - no_drop == s * b * (2 * h + 3 * a * s)              # masks h, a s; dropout output 2 a s
-    flash = mem.layer_activation_bytes(s, b, h, a, ffn=f, dropout=False, flash=True)
+    flash = activations.layer_activation_bytes(s, b, h, a, ffn=f, dropout=False, flash=True)
     assert no_drop - flash == s * b * (2 * a * s - 4 * a)
 
 
@@ -189,14 +190,14 @@ def test_activation_generalisation_gqa_swiglu_dropout():
 def test_interleaved_in_flight_matches_torch_order_and_korthikanti(p, m, v):
     order = torch_actions("interleaved_1f1b", p, m, v)
     for r in range(p):
-        assert mem.microbatches_in_flight("interleaved_1f1b", p, m, v, r) == peak_in_flight(order[r]) / v
-    assert mem.microbatches_in_flight("interleaved_1f1b", p, m, v, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+        assert activations.microbatches_in_flight("interleaved_1f1b", p, m, v, r) == peak_in_flight(order[r]) / v
+    assert activations.microbatches_in_flight("interleaved_1f1b", p, m, v, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
 def test_1f1b_and_gpipe_in_flight():
     order = one_f_one_b_actions(4, 8)
-    assert [mem.microbatches_in_flight("1f1b", 4, 8, 1, r) for r in range(4)] == [peak_in_flight(x) for x in order] == [4, 3, 2, 1]
-    assert mem.microbatches_in_flight("gpipe", 4, 8) == 8
+    assert [activations.microbatches_in_flight("1f1b", 4, 8, 1, r) for r in range(4)] == [peak_in_flight(x) for x in order] == [4, 3, 2, 1]
+    assert activations.microbatches_in_flight("gpipe", 4, 8) == 8
 
 
 # --- the whole device --------------------------------------------------------------------------
@@ -228,22 +229,22 @@ def test_in_flight_walk_weights_stages_by_their_own_bytes():
     """The peak of a pipeline rank is the schedule's action list walked with each stage's own
     bytes: under GPipe the last stage holds m micro-batches including their fp32 log-probs,
     under 1F1B one; an interleaved rank holds its two stages' chunks at their own sizes."""
-    o = mem.MemoryOptions(count_buffers=False)
+    o = model_states.MemoryOptions(count_buffers=False)
     g = spec("small", dp=1, pp=2, schedule="gpipe", micro_batches=4, model_over={"tied_embeddings": False})
     f = spec("small", dp=1, pp=2, schedule="1f1b", micro_batches=4, model_over={"tied_embeddings": False})
-    last_g, last_f = (mem.stage_bytes(x, 1, o) for x in (g, f))
+    last_g, last_f = (activations.stage_bytes(x, 1, o) for x in (g, f))
     kept = last_g["layers"] + last_g["logits"]
-    assert mem.schedule_peak(g, 1, o)["kept"] == pytest.approx(4 * kept)
-    assert mem.schedule_peak(f, 1, o)["kept"] == pytest.approx(kept)
+    assert activations.schedule_peak(g, 1, o)["kept"] == pytest.approx(4 * kept)
+    assert activations.schedule_peak(f, 1, o)["kept"] == pytest.approx(kept)
     i = spec("small", dp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=4,
              model_over={"tied_embeddings": False})
-    per = {st: mem.stage_bytes(i, st, o)["layers"] for st in i.layout.stages_of(0)}
+    per = {st: activations.stage_bytes(i, st, o)["layers"] for st in i.layout.stages_of(0)}
     order = torch_actions("interleaved_1f1b", 2, 4, 2)[0]
     live = best = 0.0
     for a in order:  # the same walk written out
         live += per[a.stage] if a.kind == "F" else (-per[a.stage] if a.kind in "BW" else 0)
         best = max(best, live)
-    assert mem.schedule_peak(i, 0, o)["kept"] == pytest.approx(best)
+    assert activations.schedule_peak(i, 0, o)["kept"] == pytest.approx(best)
 
 
 def test_recompute_policies_memory_and_flops():
@@ -252,20 +253,20 @@ def test_recompute_policies_memory_and_flops():
     saves only the 4 a bytes/token log-sum-exp under flash attention, and says so."""
     s, b, h, a, f, kv = 2048, 1, 4096, 32, 14336, 1024
     kw = dict(kv=h, kv_matmul=kv, ffn=f, swiglu=True, dropout=False, flash=True, elem=2)
-    none = mem.layer_activation_bytes(s, b, h, a, recompute="none", **kw)
-    full = mem.layer_activation_bytes(s, b, h, a, recompute="full", **kw)
-    op = mem.layer_activation_bytes(s, b, h, a, recompute="selective", selective="op", **kw)
-    tt = mem.layer_activation_bytes(s, b, h, a, recompute="selective", selective="torchtitan_op", **kw)
-    att = mem.layer_activation_bytes(s, b, h, a, recompute="selective", selective="attention", **kw)
+    none = activations.layer_activation_bytes(s, b, h, a, recompute="none", **kw)
+    full = activations.layer_activation_bytes(s, b, h, a, recompute="full", **kw)
+    op = activations.layer_activation_bytes(s, b, h, a, recompute="selective", selective="op", **kw)
+    tt = activations.layer_activation_bytes(s, b, h, a, recompute="selective", selective="torchtitan_op", **kw)
+    att = activations.layer_activation_bytes(s, b, h, a, recompute="selective", selective="attention", **kw)
     assert full == s * b * 2 * h
     assert op == s * b * (2 * h + 2 * (h + 2 * kv + 2 * f) + 2 * 2 * h)
     assert tt == s * b * (2 * h + 2 * (2 * h + kv + f) + 4 * a + 2 * h)
     assert none - att == s * b * 4 * a  # the lse only
     assert full < tt < op < none
     cfg = preset_cfg("7b")
-    fl = {p: mem.recompute_extra_flops_per_token(cfg, 4096, "selective", p) for p in ("op", "torchtitan_op", "attention")}
+    fl = {p: activations.recompute_extra_flops_per_token(cfg, 4096, "selective", p) for p in ("op", "torchtitan_op", "attention")}
     assert fl["op"] == fl["attention"] > 0 and fl["torchtitan_op"] > 0
-    assert mem.recompute_extra_flops_per_token(cfg, 4096, "full", fraction=0.5) > fl["torchtitan_op"]
+    assert activations.recompute_extra_flops_per_token(cfg, 4096, "full", fraction=0.5) > fl["torchtitan_op"]
     x = spec("7b", "a100_80gb_8gpu", dp=8, zero_stage=3, recompute="selective", train={"dtype": "bf16", "micro_batch_size": 1})
     assert any("flash" in n for n in mem.memory(x, selective_recompute="attention").detail["notes"])
     assert not mem.memory(x).detail["notes"]
@@ -330,7 +331,7 @@ def known_spec(row: dict):
 
 def profile(framework: str, **changes) -> dict:
     """memory() options of a framework's memory profile (xpar.estimate.memory.MEMORY_PROFILES)."""
-    return {**mem.MEMORY_PROFILES[framework], **changes}
+    return {**model_states.MEMORY_PROFILES[framework], **changes}
 
 
 KNOWN = read_table(DATA / "known_runs.csv")
@@ -371,7 +372,7 @@ def test_torchtitan_llama2_70b_at_local_batch_2_is_refused(ac):
 
 @pytest.mark.parametrize("row", read_table(DATA / "megatron_2021_table1.csv"), ids=lambda r: f"{r['params_b']}b")
 def test_megatron_2021_layouts_fit(row):
-    from xpar.calibration import megatron_2021_spec
+    from xpar.calibrate.published import megatron_2021_spec
     from xpar.estimate.cost import Assumptions
 
     est = mem.memory(megatron_2021_spec(row), assume=Assumptions.megatron_2021(), **profile("megatron"))
@@ -405,7 +406,7 @@ def test_published_runs_of_every_source_fit_under_their_profile():
     profiles megatron, megatron_core, deepspeed_2021, torchtitan, llmfoundry) passes the memory
     check under the framework profile it is estimated with, except :data:`STILL_REFUSED`: a row
     that starts to fit, or one that stops fitting, fails this test."""
-    from xpar.calibration import load_cases
+    from xpar.calibrate.published import load_cases
 
     cases = load_cases(DATA)
     assert sum(len(rows) for rows in cases.values()) >= 120
@@ -420,7 +421,7 @@ def test_a_fused_loss_keeps_the_logits_only():
     """llm-foundry's fused cross entropy (loss_kernel fused) keeps bf16 logits, 2 V bytes per token, where
     cross_entropy(logits.float()) keeps fp32 log-probs (4 V) and holds two fp32 gradients (8 V) in backward."""
     spec = titan_spec(read_table(DATA / "torchtitan_fsdp2_a100.csv")[0], 1)
-    fp32, fused = (mem.stage_bytes(spec, 0, mem.MemoryOptions(loss_kernel=k)) for k in ("fp32", "fused"))
+    fp32, fused = (activations.stage_bytes(spec, 0, model_states.MemoryOptions(loss_kernel=k)) for k in ("fp32", "fused"))
     per_token_v = spec.seq_len * spec.train.micro_batch_size * spec.model.vocab_size
     assert fp32["logits"] - fused["logits"] == 2 * per_token_v
     assert fp32["loss_transient"] == 8 * per_token_v and fused["loss_transient"] == 0

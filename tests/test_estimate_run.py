@@ -14,7 +14,7 @@ import mlflow
 import pytest
 
 from tests.conftest import spawn, spec_for
-from xpar.validate import ConfigError
+from xpar.config.validate import ConfigError
 
 
 def _xpar(cwd, *args, timeout=120):
@@ -158,7 +158,7 @@ def test_memory_headroom_refuses_what_leaves_too_little_free():
 
 def test_estimate_on_pipeline_names_the_loaded_stage():
     s = spec_for("parallel=3d", "model=70b")
-    from xpar.fit import fit_problem
+    from xpar.estimate.fit import fit_problem
     tight = replace(s, hardware=replace(s.hardware, device_memory_gb=50))
     msg = fit_problem(tight)
     assert "pipeline rank 0 (stages 0,4)" in msg and "of 4 pipeline ranks are over" in msg
@@ -176,7 +176,7 @@ def test_estimate_on_pipeline_names_the_loaded_stage():
       "parallel.pp=4", "parallel.micro_batches=4"), None),                  # DDP + PipelineStage
 ], ids=["70b-tp8-dp8-z3", "70b-tp8-dp8-z2", "175b-first-last", "7b-zero1", "small-pp4"])
 def test_dry_run_param_bytes_equal_the_analytic_ones(overrides, coords):
-    from xpar.dryrun import dry_run
+    from xpar.estimate.dryrun import dry_run
 
     spec = spec_for(*overrides)
     d = dry_run(spec, coords)
@@ -186,7 +186,7 @@ def test_dry_run_param_bytes_equal_the_analytic_ones(overrides, coords):
 
 
 def test_dry_run_turns_torch_refusals_into_plan_errors():
-    from xpar.dryrun import PlanError, dry_run
+    from xpar.estimate.dryrun import PlanError, dry_run
 
     s = spec_for("parallel=pp", "model=small", "model.tied_embeddings=false", "hardware=a100_80gb_8gpu",
                  "train=cluster", "parallel.pp=4", "parallel.micro_batches=4", "parallel.schedule=1f1b")
@@ -252,8 +252,8 @@ as executed: one spawn of 2 gloo workers (~25 s here)."""
 def measure(payload: dict) -> dict:
     """Worker: train each spec through xpar's real path; rank 0 returns every rank's memory,
     mesh coordinates and TP communication."""
-    from xpar.spec import RunSpec
-    from xpar.worker import run_rank
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
 
     out = {}
     for name, d in payload.items():
@@ -295,8 +295,7 @@ def test_estimated_memory_equals_measured(measured, layout):
 
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
 def test_estimated_tp_comm_equals_measured(measured, layout):
-    from xpar.estimate.cost import estimate
-    from xpar.estimate.cost import assumptions_for
+    from xpar.estimate.cost import assumptions_for, estimate
     from xpar.estimate.run import comm_metrics
 
     specs, out = measured
@@ -325,7 +324,7 @@ def test_an_executed_runs_fidelity_estimate_says_what_it_leaves_out():
     """On an uncalibrated hardware=local the run's own estimate has no link, HBM or host figures
     (its fidelity/step_time_ratio counts matmuls only): the run's notes say so and how to measure
     them; on a preset with every figure nothing is added."""
-    from xpar.job import fidelity_notes
+    from xpar.run.job import fidelity_notes
     local = fidelity_notes(spec_for("hardware=local"))
     assert any("no link bandwidth" in n for n in local) and any("xpar calibrate hardware=local" in n for n in local)
     assert fidelity_notes(spec_for("parallel=3d", "model=70b")) == []

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from dataclasses import replace
-
-from xpar.estimate import collectives as col, comm, cost, overlap as ov, schedule as sch
-from xpar import calibration
-from xpar.calibration import make_spec, preset
+from xpar.calibrate import published as calibration
+from xpar.calibrate.published import make_spec, preset
+from xpar.estimate import collectives as col
+from xpar.estimate import comm, cost
+from xpar.estimate import overlap as ov
+from xpar.estimate import schedule as sch
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
-from xpar.estimate.memory import param_shapes
+from xpar.estimate.model_states import param_shapes
 
 DATA = Path(__file__).parent / "data"
 
@@ -213,7 +215,7 @@ def test_cross_node_ring_bandwidth_is_the_nodes_nics_as_nccl_tests_measure_it():
     below across nodes (21 % at 128 MiB over 24 ranks, ring latency included: link_efficiency 0.8
     is conservative there). One NIC per GPU (the node's NICs split over its 8 GPUs, 12.5 GB/s:
     the reading that makes ZeRO-3 over 1024 A100s slow) would be 7x too slow."""
-    from xpar.calibration import read_table
+    from xpar.calibrate.published import read_table
     hw0 = spec().hardware
     for row in read_table(DATA / "nccl_tests_busbw.csv"):
         nodes, k, size = int(row["nodes"]), int(row["gpus_per_node"]), float(row["bytes"])

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.conftest import start_mlflow_server
-from xpar.launch import free_port
+from xpar.run.launch import free_port
 
 STEPS = 40
 ONE_WORKER = "hardware.devices_per_node=1"  # one worker where the fault is not a worker's: faster start
@@ -29,8 +29,8 @@ def _start_server(port: int, root: Path) -> subprocess.Popen:
 def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_path):
     """Fast, no processes: complete step lines only, loss mean / time max over ranks, pending
     records survive a reload, and `xpar sync` refuses a folder without a journal."""
-    from xpar.journal import Journal, StepMerger, StepWriter
-    from xpar.recorder import sync
+    from xpar.track.journal import Journal, StepMerger, StepWriter
+    from xpar.track.recorder import sync
 
     w0, w1 = StepWriter(tmp_path, 0), StepWriter(tmp_path, 1)
     merger = StepMerger(tmp_path, 2)
@@ -56,7 +56,7 @@ def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_p
 def test_watchdog_names_the_oldest_live_heartbeat(tmp_path):
     """Fast: the rank whose heartbeat is oldest beyond the timeout is named with its process
     state; a rank whose process has exited is left to its exit code."""
-    from xpar.launch import stalled_rank
+    from xpar.run.launch import stalled_rank
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -263,9 +263,9 @@ def test_journal_and_stats_survive_a_full_disk(tmp_path, capsys):
     stats rank 0 could not write to the run folder are read from the temporary folder."""
     from pathlib import Path
 
-    from xpar.journal import Journal
-    from xpar.launch import WorkerFailed, read_stats
-    from xpar.worker import stats_fallback
+    from xpar.run.launch import WorkerFailed, read_stats
+    from xpar.run.worker import stats_fallback
+    from xpar.track.journal import Journal
 
     j = Journal(tmp_path)
     j.path = Path("/dev/full")

@@ -8,9 +8,9 @@ from dataclasses import fields
 import pytest
 
 from tests.conftest import compose
+from xpar.config.presets import presets
 from xpar.estimate.cost import TIME_TERMS, Assumptions, assumptions_for, estimate
-from xpar.estimate.memory import MEMORY_TERMS
-from xpar.presets import presets
+from xpar.estimate.model_states import MEMORY_TERMS
 
 LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
     ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
@@ -24,7 +24,7 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
 
 
 def _spec(framework: str, *overrides: str):
-    from xpar.validate import validate
+    from xpar.config.validate import validate
     cfg = compose("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", f"framework={framework}",
                   *overrides)
     return cfg, validate(cfg)
@@ -32,7 +32,7 @@ def _spec(framework: str, *overrides: str):
 
 def _runs(framework: str, overrides: tuple) -> bool:
     """Whether the profile runs the layout (framework.zero_stages, pp_zero_stages, schedules)."""
-    from xpar.checks import ConfigError
+    from xpar.config.checks import ConfigError
     try:
         _spec(framework, *overrides)
     except ConfigError as e:
@@ -56,14 +56,14 @@ def test_the_four_profiles_exist_and_xpar_is_the_default():
 
 def test_framework_config_mirrors_assumptions():
     """Every Assumptions field can be set by a profile (add new ones to FrameworkConfig too)."""
-    from xpar.config import FrameworkConfig
+    from xpar.config.schema import FrameworkConfig
     missing = {f.name for f in fields(Assumptions)} - {f.name for f in fields(FrameworkConfig)}
     assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
 
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
-    from xpar.resolved_config import resolved_config
+    from xpar.config.recorded import resolved_config
     runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)
     assert len(runs) >= 2, runs
     cfg, spec = _spec(name, *runs[0])
@@ -96,7 +96,7 @@ def test_breakdown_sums_to_the_step_time(name):
 def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
     """The issue's command, with the micro-batches pp=2 needs and full recompute (Megatron's
     unfused attention at s=4096 keeps ~90 GB of scores otherwise): validated, fits, estimated."""
-    from xpar.fit import check_run
+    from xpar.estimate.fit import check_run
     cfg = compose("model=70b", "parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
                   "parallel.recompute=full", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron",
                   "tracking=off")
@@ -110,15 +110,15 @@ def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
 
 
 def test_zero1_with_pp_executes_as_zero2_and_says_so():
-    from xpar.validate import validate
+    from xpar.config.validate import validate
     spec = validate(compose("parallel=pp", "parallel.zero_stage=1", "tracking=off"), local_devices=2)
     assert spec.mode == "execute" and spec.parallel.zero_stage == spec.layout.zero_stage == 2
     assert any("zero_stage=1 ran as zero_stage=2" in n for n in spec.notes)
 
 
 def test_a_bad_framework_choice_is_one_clear_line():
-    from xpar.checks import ConfigError
-    from xpar.validate import validate
+    from xpar.config.checks import ConfigError
+    from xpar.config.validate import validate
     with pytest.raises(ConfigError) as err:
         validate(compose("tracking=off", "framework.dp_collective=butterfly", "framework.tp_overlap=1.5"),
                  local_devices=2)
@@ -129,7 +129,7 @@ def test_a_bad_framework_choice_is_one_clear_line():
 
 
 def _estimate_175b(*overrides: str):
-    from xpar.validate import validate
+    from xpar.config.validate import validate
     return validate(compose("tracking=off", *overrides))
 
 
@@ -167,7 +167,7 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
 
 
 def test_a_framework_other_than_xpar_in_execute_mode_says_it_shapes_the_estimate_only():
-    from xpar.validate import validate
+    from xpar.config.validate import validate
     spec = validate(compose("tracking=off", "parallel=zero3", "framework=deepspeed_2021"), local_devices=2)
     assert spec.mode == "execute" and any("framework=deepspeed_2021 shapes this run's estimate" in n for n in spec.notes)
     assert not any("shapes this run's estimate" in n for n in validate(compose("tracking=off"), local_devices=2).notes)
@@ -177,8 +177,8 @@ def test_a_layout_the_framework_does_not_run_is_refused_with_what_it_runs():
     """framework.zero_stages / pp_zero_stages / schedules bind direct estimates as they bind the
     planner (a fresh user estimated parallel=3d, ZeRO-2 under pp with interleaving, as DeepSpeed:
     its PipelineEngine runs neither); the suggested layout is accepted."""
-    from xpar.checks import ConfigError
-    from xpar.validate import validate
+    from xpar.config.checks import ConfigError
+    from xpar.config.validate import validate
     base = ("parallel=3d", "model=70b", "tracking=off", "run.dry_run=false")
     with pytest.raises(ConfigError) as err:
         validate(compose(*base, "framework=deepspeed"))
@@ -196,8 +196,8 @@ def test_a_layout_the_framework_does_not_run_is_refused_with_what_it_runs():
 def test_megatron_interleaving_rules_and_2021_deepspeed_without_sequence_parallelism():
     """Megatron-LM runs interleaved 1F1B at pp > 2 with m divisible by pp (parallel_state.py,
     schedules.py); DeepSpeed 2021 had no sequence parallelism. Refused with a working value."""
-    from xpar.checks import ConfigError
-    from xpar.validate import validate
+    from xpar.config.checks import ConfigError
+    from xpar.config.validate import validate
     base = ("model=70b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", "run.dry_run=false",
             "framework=megatron", "parallel.tp=8", "parallel.zero_stage=1", "parallel.schedule=interleaved_1f1b",
             "parallel.virtual_stages=2", "parallel.recompute=full")
@@ -219,7 +219,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
     tp rank under torch DTensor (measured in xpar's engine), sharded under Megatron's
     VocabParallelEmbedding: the first pipeline rank's grads differ by exactly (t - 1) V/t h elements
     at the profile's gradient width."""
-    from xpar.estimate.memory import held_numel, memory, state_widths
+    from xpar.estimate.memory import memory
+    from xpar.estimate.model_states import held_numel, state_widths
 
     _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:])
     a = assumptions_for(spec)
@@ -235,7 +236,7 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap."""
     from dataclasses import replace
 
-    from xpar.calibration import DGXC_TP_OVERLAP, _fw
+    from xpar.calibrate.published import DGXC_TP_OVERLAP, _fw
 
     core = _fw("megatron_core")
     assert (core.flash_attention, core.dp_overlap, core.param_gather_overlap, core.zero1, core.tp_overlap) == \

@@ -20,10 +20,10 @@ def test_help_lists_groups_presets_commands_and_the_store(tmp_path):
 
 def test_plan_help_lists_every_plan_key_and_runs_nothing(tmp_path):
     """`xpar plan --help` (was Hydra's page): usage, examples, every plan.* key with its default
-    and meaning from xpar.config.PlanConfig."""
+    and meaning from xpar.config.schema.PlanConfig."""
     import dataclasses
 
-    from xpar.config import PlanConfig
+    from xpar.config.schema import PlanConfig
     from xpar.help import field_docs
 
     r = subprocess.run([sys.executable, "-m", "xpar", "plan", "model=7b", "--help"], cwd=tmp_path, capture_output=True,

@@ -1,4 +1,4 @@
-"""CPU workers keep large tensors on glibc's heap (xpar.host_memory): a large temporary no
+"""CPU workers keep large tensors on glibc's heap (xpar.run.host_memory): a large temporary no
 longer pays a fresh mmap and its page faults (AdamW on a 154 MB embedding: 7.3 -> 2.3 ns per
 element here; benchmarks/host_memory.py prints the ratio)."""
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 WHERE = """
 import torch
-from xpar.host_memory import keep_large_tensors_on_the_heap
+from xpar.run.host_memory import keep_large_tensors_on_the_heap
 
 def region(t):
     addr = t.data_ptr()
@@ -52,7 +52,8 @@ def test_a_large_tensor_of_another_thread_lies_on_the_heap_too():
 def test_workers_ask_before_they_build_the_model():
     import inspect
 
-    from xpar import calibrate, job, worker
+    from xpar.calibrate import measure as calibrate
+    from xpar.run import job, worker
     src = inspect.getsource(worker.run_rank)
     assert src.index("keep_large_tensors_on_the_heap()") < src.index("build_engine(")
     assert "keep_large_tensors_on_the_heap()" in inspect.getsource(calibrate._rank_entry)

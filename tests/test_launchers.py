@@ -3,7 +3,7 @@
 - two torchrun agents on 127.0.0.1 as two nodes (c10d rendezvous, 2 ranks each) -> one MLflow
   run, world size 4, tagged torchrun / 2 nodes / 2 devices per node, in outputs/torchrun-<rdzv id>;
 - a SLURM job's environment (faked: what srun sets for task 9 of 2 nodes x 8 tasks) -> the
-  torch.distributed variables xpar.cluster exports, so its tasks become one job's ranks;
+  torch.distributed variables xpar.config.cluster exports, so its tasks become one job's ranks;
 - the `hydra/launcher=slurm` preset composes onto submitit's SLURM launcher.
 
 (submitit's local executor with 2 tasks per job is exercised by tests/test_ui.py's sweep.)
@@ -14,7 +14,7 @@ import sys
 
 import mlflow
 
-from xpar.launch import free_port
+from xpar.run.launch import free_port
 
 
 def test_two_torchrun_agents_as_two_nodes_make_one_run_of_world_size_4(tmp_path):
@@ -44,7 +44,7 @@ SLURM_TASK_9 = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTA
 
 
 def test_a_slurm_task_becomes_one_rank_of_the_job(monkeypatch):
-    from xpar.cluster import adopt_submitit_tasks
+    from xpar.config.cluster import adopt_submitit_tasks
 
     monkeypatch.setattr(os, "environ", os.environ.copy())  # adopt_submitit_tasks exports into os.environ
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -66,8 +66,8 @@ def test_slurm_launcher_preset_composes():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import xpar.config  # noqa: F401
-    from xpar.presets import conf_dir
+    import xpar.config.schema  # noqa: F401
+    from xpar.config.presets import conf_dir
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose
-from xpar.layout import SCHEDULES, Layout
+from xpar.config.layout import SCHEDULES, Layout
 
 XPAR = Path(__file__).resolve().parents[1] / "xpar"
 
@@ -87,6 +87,34 @@ def test_import_graph_has_no_cycle():
         visit(node, [])
 
 
+# The package layers, lowest first: a module imports only from its own layer or those below it
+# (function-level imports included). xpar/__init__.py and __main__.py (the command line) sit on top.
+LAYERS = ("config", "models", "parallel", "estimate", "track", "plan", "run", "calibrate", "help")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else len(LAYERS)
+
+
+def test_imports_only_go_down_the_layers():
+    up = [f"{m} ({LAYERS[_layer(m)] if _layer(m) < len(LAYERS) else 'top'}) imports {d} ({LAYERS[_layer(d)]})"
+          for m, deps in sorted(_module_graph().items()) for d in sorted(deps)
+          if d != "xpar" and _layer(d) > _layer(m)]
+    assert not up, "\n".join(up)
+
+
+def test_the_top_level_is_the_layers_and_no_module_is_over_600_lines():
+    top = sorted(p.name for p in XPAR.iterdir() if p.name not in ("__pycache__", "__init__.py", "__main__.py"))
+    assert top == sorted([n for n in LAYERS if n != "help"] + ["help.py"]), top
+    long = [f"{p.relative_to(XPAR.parent)} ({n} lines)" for p in XPAR.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, long
+    for pkg in LAYERS[:-1]:  # each package says what it owns and what it may import
+        doc = ast.get_docstring(ast.parse((XPAR / pkg / "__init__.py").read_text())) or ""
+        assert len(doc) > 80 and "import" in doc, pkg
+
+
 def test_no_function_over_60_lines():
     long = []
     for path in XPAR.rglob("*.py"):
@@ -99,7 +127,7 @@ def test_no_function_over_60_lines():
 
 
 def test_layout_validation_and_cost_model_do_not_import_torch():
-    code = ("import sys, xpar.layout, xpar.checks.config, xpar.checks.layout, xpar.resolve, xpar.validate, "
+    code = ("import sys, xpar.config.layout, xpar.config.checks.config, xpar.config.checks.layout, xpar.config.resolve, xpar.config.validate, "
             "xpar.estimate.cost, xpar.estimate.comm, xpar.estimate.schedule; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -107,7 +135,7 @@ def test_layout_validation_and_cost_model_do_not_import_torch():
 
 
 def test_validation_does_not_change_the_config():
-    from xpar.validate import to_schema, validate
+    from xpar.config.validate import to_schema, validate
 
     for overrides in (["parallel=pp", "parallel.schedule=zbv", "parallel.zero_stage=3"], ["parallel=3d", "model=70b"],
                       ["train.global_batch_size=16", "parallel.micro_batches=auto"]):
@@ -120,7 +148,7 @@ def test_validation_does_not_change_the_config():
 
 
 def test_zero3_under_a_zero_bubble_schedule_is_resolved_and_noted():
-    from xpar.validate import to_schema, validate
+    from xpar.config.validate import to_schema, validate
 
     spec = validate(to_schema(compose("tracking=off", "parallel=pp", "parallel.schedule=zbv", "parallel.zero_stage=3")),
                     local_devices=2)
@@ -130,7 +158,7 @@ def test_zero3_under_a_zero_bubble_schedule_is_resolved_and_noted():
 
 def _presets(group: str) -> list[str]:
     from tests.test_config import OTHER_TESTS_PRESETS
-    from xpar.presets import presets
+    from xpar.config.presets import presets
     return [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]
 
 
@@ -138,9 +166,9 @@ def _presets(group: str) -> list[str]:
 def test_every_preset_composes_and_validates(group):
     """Each preset on its own (the rest default) passes validation and the memory checks,
     except the presets that exist to show a refusal (named in their file)."""
-    from xpar.checks import ConfigError
-    from xpar.fit import check_run
-    from xpar.presets import conf_dir
+    from xpar.config.checks import ConfigError
+    from xpar.config.presets import conf_dir
+    from xpar.estimate.fit import check_run
 
     for name in _presets(group):
         text = (conf_dir() / group / f"{name}.yaml").read_text()
@@ -157,11 +185,12 @@ def test_every_experiment_composes_and_its_jobs_validate(name):
     """Every experiment preset (conf/experiment/<name>.yaml, run as ``+experiment=<name>``)
     expands into jobs that pass pre-flight, or that it skips on purpose (sweep.skip_invalid
     with a reason)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from xpar.presets import conf_dir
-    from xpar.sweep import job_overrides, preflight
+    from xpar.config.presets import conf_dir
+    from xpar.track.sweep import job_overrides, preflight
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import start_mlflow_server
-from xpar.launch import free_port
+from xpar.run.launch import free_port
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ are
 
 Each executed row trains 3 steps and its loss (mean over the ranks holding the last stage)
 and pre-clip global gradient norm (every rank) are compared with the single-process reference
-of the same recipe (:func:`xpar.reference.reference_run`): relative 1e-4 in fp32 (as
+of the same recipe (:func:`xpar.run.reference.reference_run`): relative 1e-4 in fp32 (as
 tests/test_pipeline.py), 2e-4 for bf16's loss and 1e-2 for its norm (tests/test_precision.py's
 loss tolerance; the norm of bf16 gradients carries bf16's 2^-8 resolution).
 
@@ -28,8 +28,10 @@ import math
 import pytest
 
 from tests.conftest import spawn, spec_for
-from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs) per spec
-from xpar.layout import SCHEDULES
+from tests.test_clipping import (
+    _norms as _train,  # worker: every rank's (losses, grad_norms, lrs) per spec
+)
+from xpar.config.layout import SCHEDULES
 
 AXES = {
     "schedule": ["none", *SCHEDULES],
@@ -72,8 +74,8 @@ def classify(base, row: dict):
     of :data:`BASE` (composing each row with Hydra would cost ~0.1 s a row)."""
     from dataclasses import replace
 
-    from xpar.checks import ConfigError
-    from xpar.fit import check_run
+    from xpar.config.checks import ConfigError
+    from xpar.estimate.fit import check_run
 
     groups = {"parallel": {}, "train": {}}
     for k, v in settings(row).items():
@@ -113,7 +115,7 @@ def executed_rows(runnable: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def matrix():
     from tests.conftest import compose
-    from xpar.validate import to_schema
+    from xpar.config.validate import to_schema
 
     base = to_schema(compose("tracking=off", "run.progress=false", *BASE))
     classified = [(r, *classify(base, r)) for r in all_rows()]
@@ -156,7 +158,7 @@ def test_executed_rows_cover_every_pair_and_the_core(matrix):
 
 
 def test_every_executed_row_equals_the_reference(matrix):
-    from xpar.reference import reference_run
+    from xpar.run.reference import reference_run
 
     _, picked, specs, results = matrix
     bad = []

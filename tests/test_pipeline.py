@@ -24,8 +24,8 @@ RUN = [f"train.steps={STEPS}", "train.warmup_steps=1", "model=tiny"]  # parallel
 
 def _run(spec_dict: dict):
     """Train one spec through xpar's real path (worker side); rank 0 gets every rank's stats."""
-    from xpar.spec import RunSpec
-    from xpar.worker import run_rank
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
 
     with tempfile.TemporaryDirectory() as tmp:
         return run_rank(RunSpec.from_dict(spec_dict), Path(tmp))
@@ -33,8 +33,8 @@ def _run(spec_dict: dict):
 
 def run_all(payload: dict) -> dict:
     """Worker: train each named spec; rank 0 returns per-rank losses and the bubble metrics."""
-    from xpar.bubble import summarize
-    from xpar.spec import RunSpec
+    from xpar.config.spec import RunSpec
+    from xpar.estimate.bubble import summarize
 
     out = {}
     for name, d in payload.items():
@@ -54,10 +54,10 @@ def _grad_error(spec_dict: dict, zero_stage: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from xpar.data import TokenSource
+    from xpar.config.spec import RunSpec
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
-    from xpar.spec import RunSpec
+    from xpar.run.data import TokenSource
 
     spec = RunSpec.from_dict(spec_dict)
     spec.parallel.zero_stage = zero_stage
@@ -93,10 +93,10 @@ def _gathers_per_step(spec_dict: dict) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    from xpar.data import TokenSource
+    from xpar.config.spec import RunSpec
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
-    from xpar.spec import RunSpec
+    from xpar.run.data import TokenSource
 
     spec = RunSpec.from_dict(spec_dict)
     mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp)
@@ -241,7 +241,12 @@ def _check_model_states(spec, out: dict, name: str) -> None:
     torch's PipelineStage defers FSDP2's gradient reduction to the stage's last backward, so
     each rank holds its stages' whole (dp-unsharded) gradients until then: measured by
     probing FSDP2's unsharded gradients just before each reduction, estimated as such."""
-    from xpar.estimate.memory import STATE_BYTES, model_state_bytes, param_shapes, replicated_embedding_grad_numel
+    from xpar.estimate.memory import model_state_bytes
+    from xpar.estimate.model_states import (
+        STATE_BYTES,
+        param_shapes,
+        replicated_embedding_grad_numel,
+    )
 
     for mem, c in zip(out["memory"], out["coords"]):
         est = model_state_bytes(spec, c["pp"], c["dp"])
@@ -278,7 +283,7 @@ def test_3d_matches_single_process(three_d, name):
 def _torch_accepts(schedule: str, pp: int, m: int) -> bool:
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from xpar.layout import SCHEDULES
+    from xpar.config.layout import SCHEDULES
     try:
         get_schedule_ops(SCHEDULES[schedule].torch_name, pp, m, None if schedule in ("gpipe", "1f1b") else 2)
     except ValueError:
@@ -290,7 +295,7 @@ def _torch_accepts(schedule: str, pp: int, m: int) -> bool:
 def test_microbatch_rule_is_torchs(schedule):
     """plan.microbatch_ok says yes exactly where torch 2.13's schedule accepts m (pp 2 and 4,
     m 1..12); the multi-process tests above run the accepted counts."""
-    from xpar.layout import microbatch_ok
+    from xpar.config.layout import microbatch_ok
     for pp in (2, 4):
         for m in range(1, 13):
             assert microbatch_ok(schedule, pp, m) == _torch_accepts(schedule, pp, m), (schedule, pp, m)
@@ -303,8 +308,8 @@ def test_microbatch_rule_is_torchs(schedule):
     ("zero_bubble", 7, "divisible by its number of rounds max(1, m // pp) = 3"),
 ])
 def test_microbatch_messages(schedule, m, expect):
-    from xpar.layout import microbatch_ok
-    from xpar.validate import ConfigError
+    from xpar.config.layout import microbatch_ok
+    from xpar.config.validate import ConfigError
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=pp", f"parallel.schedule={schedule}", f"parallel.micro_batches={m}")
     msg = str(e.value)
@@ -320,7 +325,7 @@ def test_schedules_without_microbatch_rule_accept_one(schedule):
 
 @pytest.mark.parametrize("split,why", [("[1,2]", "sum 3"), ("[2,3]", "sum 5"), ("[4]", "len 1"), ("[1,1,1,1]", "len 4")])
 def test_layer_split_must_cover_each_layer_once(split, why):
-    from xpar.validate import ConfigError
+    from xpar.config.validate import ConfigError
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=pp", f"parallel.layer_split={split}")
     assert "assign each of the 4 layers exactly once" in str(e.value) and why in str(e.value)
@@ -373,9 +378,9 @@ def _record(per_rank: list[list]) -> list[dict]:
 def test_measured_bubble_of_an_ideal_gpipe_step_is_theory():
     """Synthetic records of a perfect GPipe step (F = 1, B = 2, p = 2, m = 4): measured,
     simulated and theory agree (0.2), and the timeline PNG renders."""
-    from xpar.bubble import step_bubbles
+    from xpar.estimate.bubble import step_bubbles
     from xpar.estimate.schedule import gpipe_actions, simulate
-    from xpar.plots import timeline_figure
+    from xpar.track.plots import timeline_figure
 
     acts = gpipe_actions(2, 4)
     sim = simulate(acts, {"F": 1.0, "B": 2.0})

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xpar.calibration import preset, read_table
+from xpar.calibrate.published import preset, read_table
 from xpar.plan.command import PlanRefused, search
 from xpar.plan.context import PlanContext, row, spec_of
 from xpar.plan.inputs import PlanInputs, plan_inputs
@@ -95,7 +95,7 @@ def test_plan_figures_equal_the_scalar_estimate_of_each_layout():
 # --- Narayanan et al. 2021 Table 1: the published layouts are feasible and near the top -------
 
 def megatron_inputs(r: dict) -> PlanInputs:
-    """The plan of a Table 1 row: model and hardware as xpar.calibration.megatron_2021_spec builds
+    """The plan of a Table 1 row: model and hardware as xpar.calibrate.published.megatron_2021_spec builds
     them, framework=megatron, the row's global batch fixed."""
     h, gpus = int(r["hidden"]), int(r["gpus"])
     model = dict(name=f"gpt_{r['params_b']}b", n_layers=int(r["layers"]), hidden=h, n_heads=int(r["heads"]),
@@ -117,7 +117,7 @@ sequence parallelism, no distributed optimizer, 1F1B or interleaved 1F1B."""
 
 
 def published_row(plan, r: dict) -> int:
-    """The plan's row of a Table 1 layout (b = 1, v as xpar.calibration.megatron_2021_spec)."""
+    """The plan's row of a Table 1 layout (b = 1, v as xpar.calibrate.published.megatron_2021_spec)."""
     tp, pp, dp, layers = (int(r[k]) for k in ("tp", "pp", "dp", "layers"))
     per_rank = layers // pp
     v = next((d for d in range(2, per_rank + 1) if per_rank % d == 0), 1) if pp > 2 else 1
@@ -346,13 +346,15 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
     spec, problem = composed_spec(line, row(plan.res, plan.best))
     assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
-    from xpar.fit import check_run  # the run it reproduces passes the fit check (scalar memory model)
+    from xpar.estimate.fit import (
+        check_run,  # the run it reproduces passes the fit check (scalar memory model)
+    )
     assert check_run(compose_line(line)).layout == spec.layout
     client = mlflow.tracking.MlflowClient(uri)
     run = client.get_run(plan.run_id)
     assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"
-    from xpar.report import layout_name
-    assert run.data.tags["xpar.layout"] == layout_name(spec)  # the winner's, as xpar compare lists it
+    from xpar.estimate.report import layout_name
+    assert run.data.tags["xpar.config.layout"] == layout_name(spec)  # the winner's, as xpar compare lists it
     params = run.data.params  # the winner's layout, resolved (not the parallel group's unused defaults)
     assert (params["parallel.tp"], params["parallel.pp"], params["parallel.dp"], params["run.mode"]) == (
         str(spec.tp), str(spec.pp), str(spec.dp), "plan")
@@ -378,7 +380,7 @@ def _raise_value_error():
 
 
 def test_side_process_runs_one_call_in_the_forked_helper_then_here():
-    from xpar import side_process
+    from xpar.track import side_process
     assert side_process.start(modules=())
     assert side_process.call(os.getpid) != os.getpid()  # ran in the helper
     assert side_process.call(os.getpid) == os.getpid()  # one call each: the next runs here
@@ -407,9 +409,9 @@ def test_the_helper_opens_the_sqlite_store_before_the_call(tmp_path):
     store's tables take ~2 s here); only a SQLite URI is opened early."""
     from functools import partial
 
-    from xpar import side_process
     from xpar.__main__ import START_DIR, sqlite_store
-    from xpar.tracking import default_uri
+    from xpar.track import side_process
+    from xpar.track.runs import default_uri
     assert sqlite_store([]) == default_uri(START_DIR)
     assert sqlite_store([f"tracking.uri=sqlite:///{tmp_path}/a.db"]) == f"sqlite:///{tmp_path}/a.db"
     assert sqlite_store(["tracking.uri=http://127.0.0.1:5000"]) is None
@@ -592,8 +594,8 @@ def test_a_global_batch_range_is_named_in_the_title_and_each_rows_batch_shown(ca
 def test_plan_on_a_cpu_preset_keeps_the_default_train_a_gpu_cluster_gets_train_cluster():
     """A calibrated CPU preset is no GPU cluster: its plan keeps fp32 (a fresh-user breaker found
     ``xpar plan hardware=calibrated_*`` silently planning bf16 at micro-batch 1)."""
+    from xpar.config.presets import conf_dir
     from xpar.plan.inputs import plan_argv
-    from xpar.presets import conf_dir
     cpu = conf_dir() / "hardware" / f"calibrated_pytest_plan_{os.getpid()}.yaml"
     cpu.write_text("name: local\ndevice: cpu\ndevices_per_node: auto\nnodes: 1\npeak_tflops: 0.1\n")
     try:

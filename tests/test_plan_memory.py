@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import yaml
 
+from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.config.presets import conf_dir
 from xpar.estimate.cost import estimate, peak_memory
-from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.vmemory import KEYS, memory_columns
-from xpar.presets import conf_dir
 
 FIELDS = {"memory_params": "params", "memory_grads": "grads", "memory_optimizer": "optimizer",
           "memory_activations": "activations", "memory_comm_buffers": "comm_buffers",
@@ -206,8 +206,8 @@ def test_parameter_shapes_are_the_models():
 
     import torch
 
-    from xpar.config import ModelConfig
-    from xpar.estimate.memory import _meta_shapes, _model_key
+    from xpar.config.schema import ModelConfig
+    from xpar.estimate.model_states import _meta_shapes, _model_key
     from xpar.models.transformer import Transformer
 
     names = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))

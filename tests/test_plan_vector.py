@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import yaml
 
+from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.estimate.cost import TIME_TERMS, estimate
-from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.vtime import TIME_KEYS, time_columns
 
@@ -79,7 +79,7 @@ def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dic
 def _offload_accepted(ctx: PlanContext, row: tuple) -> bool:
     """Whether the estimate accepts this row with the optimizer offloaded (the framework runs
     offload, ZeRO >= 1, the hardware has host figures and its host memory holds the states)."""
-    from xpar.checks import ConfigError
+    from xpar.config.checks import ConfigError
 
     try:
         spec_of(ctx, {k: np.array([v]) for k, v in zip(COLUMNS + ("offload",), row)}, 0)

@@ -1,5 +1,5 @@
 """bf16 mixed precision (xpar.parallel.precision) on every dp/tp/pp strategy against the
-single-process mixed-precision reference of the same recipe (xpar.reference), the fp32
+single-process mixed-precision reference of the same recipe (xpar.run.reference), the fp32
 master weights and states it holds, and an update below bf16's resolution surviving.
 
 One spawn of 2 gloo workers runs every case in a row.
@@ -29,10 +29,10 @@ _spec = spec_for  # bf16 with ZeRO-1 validates now that mixed precision keeps fp
 
 def _tiny_update(spec_dict: dict) -> float:
     """Worker: one step at lr TINY_LR; how far the first norm weight moved from 1.0."""
-    from xpar.data import TokenSource
+    from xpar.config.spec import RunSpec
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
-    from xpar.spec import RunSpec
+    from xpar.run.data import TokenSource
 
     spec = RunSpec.from_dict(spec_dict)
     engine = build_engine(spec, build_mesh("cpu", spec.pp, spec.dp, spec.tp))
@@ -59,7 +59,7 @@ def results():
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_losses_match_the_mixed_precision_reference(results, layout):
-    from xpar.reference import reference_run
+    from xpar.run.reference import reference_run
 
     specs, runs, _ = results
     ref = reference_run(specs[layout])["losses"]

@@ -1,5 +1,5 @@
 """Every private torch/Hydra API xpar relies on still exists where xpar reads it
-(xpar.torch_private, xpar.hydra_private): a torch or Hydra upgrade that moves one fails here,
+(xpar.parallel.torch_internals, xpar.config.hydra_internals): a torch or Hydra upgrade that moves one fails here,
 by name, instead of deep inside a run."""
 import inspect
 
@@ -8,7 +8,7 @@ import torch
 
 
 def test_schedule_ops_builds_an_action_list_offline():
-    from xpar.torch_private import schedule_ops
+    from xpar.parallel.torch_internals import schedule_ops
     ops = schedule_ops("1F1B", 2, 2, None)
     assert len(ops) == 2 and any(a is not None and a.computation_type.value == "F" for a in ops[0])
 
@@ -16,7 +16,7 @@ def test_schedule_ops_builds_an_action_list_offline():
 def test_fake_store_and_replicate_and_dispatch_mode():
     import torch.distributed as dist
 
-    from xpar import torch_private as tp
+    from xpar.parallel import torch_internals as tp
     assert isinstance(tp.fake_store(), dist.Store)
     assert callable(tp.composable_replicate())
     assert inspect.isclass(tp.dispatch_mode_base())
@@ -48,13 +48,13 @@ def test_schedule_loss_hook_and_sac_storage_exist():
 def test_hydra_sweep_expansion():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from xpar.hydra_private import split_sweep_arguments
+    from xpar.config.hydra_internals import split_sweep_arguments
     parser = OverridesParser.create()
     batches = split_sweep_arguments(parser.parse_overrides(["a=1,2", "b=x"]))
     assert sorted(map(tuple, batches[0])) == [("a=1", "b=x"), ("a=2", "b=x")]
 
 
-@pytest.mark.parametrize("module", ["xpar.torch_private", "xpar.hydra_private"])
+@pytest.mark.parametrize("module", ["xpar.parallel.torch_internals", "xpar.config.hydra_internals"])
 def test_private_modules_import_their_libraries_lazily(module):
     import importlib
     mod = importlib.import_module(module)

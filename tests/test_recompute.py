@@ -41,10 +41,10 @@ def test_full_recompute_keeps_the_block_inputs():
     tensors -- and selective adds what its cache keeps (the matmul outputs)."""
     import torch
 
-    from xpar.data import TokenSource
-    from xpar.memory_accounting import ActivationTracker
     from xpar.models.transformer import Transformer
+    from xpar.parallel.memory_accounting import ActivationTracker
     from xpar.parallel.recompute import apply_recompute
+    from xpar.run.data import TokenSource
 
     spec = spec_for("train.steps=1", "train.warmup_steps=0")
     rows = TokenSource(spec).global_batch(0)

@@ -4,7 +4,7 @@ starts and before any MLflow run exists. Where a message suggests an override, t
 follows it and the config is accepted.
 
 Fast path: the entry point's own functions in-process (the pre-Hydra override check, then
-:func:`xpar.job.run_job` on the composed config with the worker launch replaced by an
+:func:`xpar.run.job.run_job` on the composed config with the worker launch replaced by an
 assertion); three subprocesses cover the real ``python -m xpar`` path.
 """
 import os
@@ -253,13 +253,13 @@ def files(tmp_path_factory):
 def refusal(argv: list[str], start: Path, monkeypatch, capsys) -> tuple[int, str]:
     """What ``python -m xpar argv`` does up to the first worker, in-process: the pre-Hydra
     override check, then run_job on the composed config. A worker launch fails the test."""
-    import xpar.launch
-    from xpar.job import run_job
-    from xpar.overrides import refuse_bad_overrides
+    import xpar.run.launch
+    from xpar.config.overrides import refuse_bad_overrides
+    from xpar.run.job import run_job
 
     def no_worker(*a, **k):
         raise AssertionError("a worker was started")
-    monkeypatch.setattr(xpar.launch, "launch_local", no_worker)
+    monkeypatch.setattr(xpar.run.launch, "launch_local", no_worker)
     monkeypatch.chdir(start)
     try:
         refuse_bad_overrides(argv)
@@ -272,8 +272,8 @@ def refusal(argv: list[str], start: Path, monkeypatch, capsys) -> tuple[int, str
 
 
 def _accepted(argv: list[str]) -> bool:
-    from xpar.fit import check_run
-    from xpar.overrides import override_problems
+    from xpar.config.overrides import override_problems
+    from xpar.estimate.fit import check_run
 
     if override_problems(argv):
         return False
@@ -297,7 +297,7 @@ def test_bad_input_is_refused_in_one_format(case, fragment, fix, files, tmp_path
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlartifacts").exists()
     assert not list(tmp_path.glob("out/worker_*"))
     if fix is not None:
-        from xpar.overrides import override_problems
+        from xpar.config.overrides import override_problems
         fix_argv = _argv(fix, files)
         assert " ".join(fix_argv) in err, err  # the message says exactly this
         keys = {a.split("=")[0].lstrip("+") for a in fix_argv}
@@ -337,8 +337,8 @@ def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
 
     import mlflow
 
-    from xpar.compare import main
-    from xpar.launch import free_port
+    from xpar.run.launch import free_port
+    from xpar.track.compare import main
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -365,7 +365,7 @@ def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):
     from dataclasses import replace
 
     from tests.conftest import spec_for
-    from xpar.checks.duration import duration_problems
+    from xpar.estimate.duration import duration_problems
 
     spec = spec_for("train.seq_len=100000", "run.allow_long=true")
     assert "pass run.allow_long=true" in duration_problems(spec)[0]
@@ -393,15 +393,15 @@ def test_an_estimate_of_a_local_gpu_without_a_peak_is_refused(monkeypatch):
     accepted once hardware.peak_tflops is given. (A GPU is simulated: this torch is a CPU build.)"""
     from dataclasses import replace
 
-    import xpar.hardware
+    import xpar.config.hardware
     from tests.conftest import spec_for
-    from xpar.checks import ConfigError
+    from xpar.config.checks import ConfigError
 
-    real = xpar.hardware.resolve_hardware
+    real = xpar.config.hardware.resolve_hardware
 
     def as_gpu(hw, *a, **k):
         return replace(real(hw, *a, **k), device="cuda", peak_tflops=hw.peak_tflops)
-    monkeypatch.setattr(xpar.hardware, "resolve_hardware", as_gpu)
+    monkeypatch.setattr(xpar.config.hardware, "resolve_hardware", as_gpu)
     with pytest.raises(ConfigError) as e:
         spec_for("run.mode=estimate")
     msg = str(e.value)
@@ -436,7 +436,7 @@ def test_empty_run_dir_variable_is_refused_and_nothing_is_written(tmp_path):
 @pytest.mark.parametrize("meta", ["{}", '{"step": "x", "model": {}}', '{"step": -1, "model": {}}', "[]"])
 def test_a_checkpoint_meta_xpar_did_not_write_is_refused(tmp_path, meta):
     """xpar.json of {} or a non-integer step raised KeyError/TypeError in the resume checks."""
-    from xpar.checkpoint import CheckpointError, read_meta
+    from xpar.run.checkpoint import CheckpointError, read_meta
 
     (tmp_path / "xpar.json").write_text(meta)
     with pytest.raises(CheckpointError, match="is not one xpar wrote"):

@@ -9,7 +9,6 @@ import mlflow
 import pytest
 
 
-
 def _xpar(cwd, *args, env=None, timeout=180):
     e = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True,
@@ -75,7 +74,7 @@ def _processes_in(cwd):
 
 def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
     from tests.conftest import spec_for
-    from xpar.tracking import mlflow_run
+    from xpar.track.runs import mlflow_run
 
     spec = spec_for(f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.enabled=true")
     for exc, status in ((KeyboardInterrupt, "KILLED"), (ValueError, "FAILED")):
@@ -88,7 +87,7 @@ def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
 
 
 def test_long_params_are_kept_within_mlflow_limits():
-    from xpar.tracking import MAX_PARAM_CHARS, flatten
+    from xpar.track.runs import MAX_PARAM_CHARS, flatten
     flat = flatten({"x": {"y": "z" * 10000, "l": [1, 2]}})
     assert len(flat["x.y"]) <= MAX_PARAM_CHARS and flat["x.y"].endswith("[truncated]")
     assert flat["x.l"] == "[1, 2]"
@@ -116,7 +115,7 @@ def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
 def test_three_concurrent_first_runs_in_a_new_directory_are_all_recorded(tmp_path):
     """Three first runs started at once on a new SQLite store ran MLflow's migrations together:
     one succeeded, the others exited 2 ("duplicate column name") and the store was broken for
-    every later run. Creation is serialised (xpar.tracking.store_lock): all three finish."""
+    every later run. Creation is serialised (xpar.track.runs.store_lock): all three finish."""
     args = [sys.executable, "-m", "xpar", "train.steps=2", "train.warmup_steps=1", "hardware.devices_per_node=1",
             "run.progress=false"]
     procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,7 +167,7 @@ def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
     """kill -9 of a sweep left its parent run RUNNING forever and the jobs that never started
     recorded nowhere. The next xpar command in that directory ends the parent and its running
     job KILLED, and counts the jobs that never started. (SIGTERM acts as Ctrl-C: see
-    xpar.sweep._sigterm_interrupts.)"""
+    xpar.track.sweep._sigterm_interrupts.)"""
     import signal
     import time
 

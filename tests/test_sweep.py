@@ -44,7 +44,7 @@ def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     assert list(children["tags.xpar.job_num"]) == ["1"] and list(children["status"]) == ["FINISHED"]
     invalid = mlflow.tracking.MlflowClient().download_artifacts(parent["run_id"], "invalid_jobs.csv", str(tmp_path))
     assert "train.steps must be > 0, got 0." in open(invalid).read()  # the reason is kept beside the results
-    c = subprocess.run([sys.executable, "-m", "xpar.compare", "--sweep", parent["tags.xpar.sweep_id"],
+    c = subprocess.run([sys.executable, "-m", "xpar.track.compare", "--sweep", parent["tags.xpar.sweep_id"],
                         "--out", str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr
     assert "1 runs of sweep" in c.stdout and "FINISHED" in c.stdout
@@ -102,7 +102,9 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     for k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
         assert kids[f"metrics.{k}"].notna().all(), k  # every executed run is also estimated
     assert kids["metrics.fidelity/peak_memory_ratio"].between(0.5, 2).all()
-    from tests.conftest import runs_missing_fidelity  # the suite-wide check (conftest) finds these runs
+    from tests.conftest import (
+        runs_missing_fidelity,  # the suite-wide check (conftest) finds these runs
+    )
     assert runs_missing_fidelity(tmp_path) == []
     import shutil
     import sqlite3
@@ -114,7 +116,7 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
         con.commit()
         con.close()
         assert len(runs_missing_fidelity(Path(d))) == 4  # and would report a run without them
-    c = subprocess.run([sys.executable, "-m", "xpar.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
+    c = subprocess.run([sys.executable, "-m", "xpar.track.compare", "--out", str(tmp_path / "cmp")], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr
     assert "4 runs of sweep" in c.stdout and "bubble_theory" in c.stdout
@@ -127,7 +129,7 @@ def test_compare_table_says_where_each_run_ran_and_how_close_its_estimate_was():
     405B run on 64 H100s from one on 512)."""
     import pandas as pd
 
-    from xpar.compare import headline_table
+    from xpar.track.compare import headline_table
     runs = pd.DataFrame([{"run_id": "a", "tags.xpar.hardware": "h100_80gb_64gpu", "params.framework.name": "megatron",
                           "params.parallel.dp": "2", "params.parallel.tp": "8", "params.parallel.pp": "4",
                           "params.train.global_batch_size": "256", "metrics.throughput/step_time_s": 1.5,

@@ -24,7 +24,7 @@ B, S = 2, 16  # micro-batch and sequence of the forward / one-layer checks
 
 
 def _model_cfg(kind: str):
-    from xpar.config import ModelConfig
+    from xpar.config.schema import ModelConfig
 
     if kind == "llama":  # = conf/model/tiny.yaml
         return ModelConfig(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, vocab_size=256, seq_len=64)
@@ -132,8 +132,8 @@ def tp_checks(payload: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from xpar.spec import RunSpec
-    from xpar.worker import run_rank
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
     out = {"forward": {f"{kind}/sp={sp}": _forward_check(kind, sp, mesh)
@@ -257,7 +257,7 @@ def test_tp_memory_accounting_is_local_shards(results):
 # --- validation (no workers) ---------------------------------------------------------------
 
 def _problems(*overrides: str, local_devices: int = 2) -> str:
-    from xpar.validate import ConfigError, validate
+    from xpar.config.validate import ConfigError, validate
 
     with pytest.raises(ConfigError) as e:
         validate(compose("tracking=off", *overrides), local_devices=local_devices)

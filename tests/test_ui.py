@@ -9,7 +9,7 @@ experiment tag ``mlflow.experimentKind``, which xpar also sets. Children are nes
 parent unless the table is sorted or filtered (``orderByKey``), as in the README's second link.
 
 The sweep runs through submitit's local executor with 4 tasks per job (one process start-up
-paid for two checks): each job's 4 tasks are the 4 ranks of ONE xpar job (xpar.cluster), so
+paid for two checks): each job's 4 tasks are the 4 ranks of ONE xpar job (xpar.config.cluster), so
 the store holds one child run per job, world size 4, tagged launcher submitit-local.
 """
 import os
@@ -22,7 +22,7 @@ import mlflow
 import pytest
 
 from tests.conftest import start_mlflow_server
-from xpar.launch import free_port
+from xpar.run.launch import free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 

@@ -19,7 +19,7 @@ def test_installed_wheel_composes_from_another_directory(tmp_path):
     assert (target / "xpar" / "conf" / "experiment" / "setup" / "small_local.yaml").is_file()  # +experiment=zero_memory
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    code = ("import xpar.presets as p, xpar.__main__ as m;"
+    code = ("import xpar.config.presets as p, xpar.__main__ as m;"
             "from hydra import compose, initialize_config_dir;"
             "initialize_config_dir(config_dir=str(p.conf_dir()), version_base=None);"
             "c = compose(config_name='config', overrides=['parallel=zero3', 'model=70b']);"

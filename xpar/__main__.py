@@ -11,10 +11,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import xpar.config  # noqa: F401  (registers the schema)
-from xpar.overrides import refuse_bad_overrides
-from xpar.presets import conf_dir
-from xpar.tracking import open_store
+import xpar.config.schema  # noqa: F401  (registers the schema)
+from xpar.config.overrides import refuse_bad_overrides
+from xpar.config.presets import conf_dir
+from xpar.track.runs import open_store
 
 START_DIR = Path.cwd()
 
@@ -22,8 +22,8 @@ START_DIR = Path.cwd()
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     """One job; returns the value of ``sweep.metric`` (the objective for sweepers such as Optuna)."""
-    from xpar.job import run_job
-    from xpar.sweep import current_sweep
+    from xpar.run.job import run_job
+    from xpar.track.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -43,15 +43,15 @@ def optuna_failure_rate(argv: list[str]) -> list[str]:
     if not any(a.lstrip("+").startswith("hydra/sweeper=optuna") for a in argv) or \
             any(a.startswith("hydra.sweeper.max_failure_rate=") for a in argv):
         return []
-    from xpar.config import SweepConfig
+    from xpar.config.schema import SweepConfig
     rate = next((a.split("=", 1)[1] for a in argv if a.startswith("sweep.max_failure_rate=")),
                 SweepConfig.max_failure_rate)
     return [f"hydra.sweeper.max_failure_rate={rate}"]
 
 
 def _sync(args: list[str]) -> int:
-    """``xpar sync <run dir>...``: send what the journal kept (xpar.recorder.sync)."""
-    from xpar.recorder import sync
+    """``xpar sync <run dir>...``: send what the journal kept (xpar.track.recorder.sync)."""
+    from xpar.track.recorder import sync
     if not args:
         print("xpar: invalid configuration:\n  - xpar sync needs a run's output directory, "
               "e.g. xpar sync outputs/<date>/<time>.", file=sys.stderr)
@@ -80,7 +80,7 @@ def sqlite_store(argv: list[str]) -> Optional[str]:
     building a new store at once break it (MLflow: "No such index ...")."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from xpar.tracking import default_uri
+    from xpar.track.runs import default_uri
     executes = any(key == "plan.execute_top" and value not in ("0", "null")
                    for key, _, value in (a.partition("=") for a in argv))
     if executes or {"-m", "--multirun"} & set(argv):
@@ -99,7 +99,7 @@ def _commands() -> None:
     become a run.mode=plan run's); anything else is left to Hydra."""
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command == "compare":
-        from xpar.compare import main as compare_main
+        from xpar.track.compare import main as compare_main
         raise SystemExit(compare_main(sys.argv[2:]))
     if command in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
         from xpar.help import print_help
@@ -108,7 +108,7 @@ def _commands() -> None:
     if command == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
     if command == "calibrate":  # measure this machine into a hardware preset
-        from xpar.calibrate import main as calibrate_main
+        from xpar.calibrate.command import main as calibrate_main
         raise SystemExit(calibrate_main(sys.argv[2:]))
     if command == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
         from xpar.help import plan_help_text, print_page
@@ -118,7 +118,7 @@ def _commands() -> None:
         from xpar.plan.inputs import plan_argv
         sys.argv[1:] = plan_argv(sys.argv[2:])
         if tracking_on(sys.argv[1:]):
-            from xpar import side_process
+            from xpar.track import side_process
             uri = sqlite_store(sys.argv[1:])
             # imports MLflow (and opens or creates a SQLite store) on the other core while the plan is searched
             side_process.start(warm=None if uri is None else partial(open_store, uri))
@@ -150,14 +150,14 @@ def main() -> None:
     try:
         _hydra_main()
     except KeyboardInterrupt:
-        from xpar.sweep import mark_interrupted
-        mark_interrupted()  # a sweep's parent run ends KILLED (xpar.sweep.finish_sweep, at exit)
+        from xpar.track.sweep import mark_interrupted
+        mark_interrupted()  # a sweep's parent run ends KILLED (xpar.track.sweep.finish_sweep, at exit)
         print("xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED.", file=sys.stderr)
         raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank that finished (results logged) skips interpreter finalization,
-        # where gloo can abort the process (see xpar.worker.exit_worker).
-        from xpar.worker import exit_worker
+        # where gloo can abort the process (see xpar.run.worker.exit_worker).
+        from xpar.run.worker import exit_worker
         exit_worker()
 
 

@@ -19,7 +19,7 @@ def groups_text() -> str:
     """One line per config group of conf/: its presets, the default marked with '*'."""
     from omegaconf import OmegaConf
 
-    from xpar.presets import conf_dir, presets
+    from xpar.config.presets import conf_dir, presets
 
     defaults = {}
     for entry in OmegaConf.load(conf_dir() / "config.yaml").get("defaults", []):
@@ -108,7 +108,7 @@ def plan_help_text() -> str:
     import dataclasses
     import textwrap
 
-    from xpar.config import PlanConfig
+    from xpar.config.schema import PlanConfig
 
     docs = field_docs(PlanConfig)
     keys = []

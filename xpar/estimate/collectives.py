@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from xpar.config import HardwareConfig
+from xpar.config.schema import HardwareConfig
 from xpar.estimate.comm import ring_factor
 
 TREE_BUS_FACTOR = 0.9
@@ -76,7 +76,7 @@ class Group:
 
 def group_of(hw: HardwareConfig, size: int, stride: int) -> Group:
     """The group of ``size`` ranks ``stride`` apart in rank order (tp innermost, then dp,
-    then pp; xpar.layout), on nodes of ``hw.devices_per_node`` consecutive ranks."""
+    then pp; xpar.config.layout), on nodes of ``hw.devices_per_node`` consecutive ranks."""
     dpn = int(hw.devices_per_node) if str(hw.devices_per_node).isdigit() else 1
     if size * stride <= dpn:
         return Group(size, size)

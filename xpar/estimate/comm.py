@@ -31,22 +31,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from xpar.estimate.memory import BYTES, param_shapes
-from xpar.spec import RunSpec
+from xpar.config.spec import RunSpec
+from xpar.estimate.model_states import BYTES, param_shapes
+from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
         "tp_reduce_scatter", "pp_send_recv")
-
-
-def ring_factor(collective: str, n: int) -> float:
-    """Bytes a ring sends per device per payload byte over n ranks (see the module
-    docstring): all-reduce 2 (n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n;
-    broadcast 1; 0 for a group of one."""
-    if n <= 1:
-        return 0.0
-    if collective == "allreduce":
-        return 2 * (n - 1) / n
-    return 1.0 if collective == "broadcast" else (n - 1) / n
 
 
 def allreduce_bytes(nbytes: float, n: int) -> float:
@@ -84,7 +74,7 @@ def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = Fal
 
 def pp_sends(layout, pp_rank: int) -> int:
     """Point-to-point sends per micro-batch of pipeline rank ``pp_rank`` (a
-    :class:`xpar.layout.Layout`'s): forward from each stage it holds but the last, backward
+    :class:`xpar.config.layout.Layout`'s): forward from each stage it holds but the last, backward
     from each but the first."""
     split, stages = layout.layer_split, layout.stages_of(pp_rank)
     return sum((st < len(split) - 1) + (st > 0) for st in stages)

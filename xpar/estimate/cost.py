@@ -46,7 +46,7 @@ b = 1, v = smallest divisor > 1 of the layers per rank, as before), torchtitan F
 A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/16384 H100 (2
 rows, Table 4) with NVIDIA's NeMo BF16 recipes on 16-2048 H100s (18 rows), torchtitan Llama 3.1
 8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows, its own family: peak unknown), and
-never-fitted checks (xpar.calibration.CHECK_ONLY). Fitted: A100 0.672, H100 0.598 (Llama 3 alone:
+never-fitted checks (xpar.calibrate.published.CHECK_ONLY). Fitted: A100 0.672, H100 0.598 (Llama 3 alone:
 0.678; 500 W part: 0.408). Leave-one-source-out and all-source figures per source:
 ``python benchmarks/estimate_calibration.py`` (e.g. Megatron Table 1 held out median 2.3 % / max
 6.4 %, with all sources 1.5 % / 7.0 %; torchtitan A100 held out 7.3 % / 11.2 % since FSDP2's
@@ -60,18 +60,24 @@ from typing import Any, Optional
 
 import numpy as np
 
-from xpar.config import HardwareConfig
+from xpar.config.schema import HardwareConfig
+from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
+from xpar.estimate.activations import layer_activation_bytes
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing, grad_bytes
 from xpar.estimate.host import host_costs, host_step, oversubscription, rank_host
-from xpar.estimate.memory import (BYTES, MEMORY_PROFILES, STATE_BYTES, MemoryEstimate, MemoryOptions,
-                                  layer_activation_bytes, memory)
+from xpar.estimate.memory import MemoryEstimate, memory
+from xpar.estimate.model_states import (
+    BYTES,
+    MEMORY_PROFILES,
+    STATE_BYTES,
+    MemoryOptions,
+)
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.schedule import bubble_theory
-from xpar.spec import RunSpec
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
@@ -84,7 +90,7 @@ TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm
 class Assumptions(MemoryOptions):
     """How the training framework behaves (not the hardware). Defaults: xpar on torch (CUDA).
     Built from a ``framework`` preset (conf/framework/*.yaml) by :meth:`from_config`; the
-    fields are those of :class:`xpar.config.FrameworkConfig`, documented there. The memory
+    fields are those of :class:`xpar.config.schema.FrameworkConfig`, documented there. The memory
     fields (and ``zero1``) are inherited from :class:`xpar.estimate.memory.MemoryOptions`."""
 
     dp_overlap: bool = True
@@ -118,7 +124,7 @@ class Assumptions(MemoryOptions):
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
-        """The assumptions of a :class:`xpar.config.FrameworkConfig` (every field of this
+        """The assumptions of a :class:`xpar.config.schema.FrameworkConfig` (every field of this
         class that the framework config has; the rest keep their defaults)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: getattr(framework, k) for k in names if hasattr(framework, k)})
@@ -348,7 +354,7 @@ def gradient_time(held_bytes: Any, reduced_bytes: Any, m: Any, pp: Any, clip: bo
     (``held_bytes``, the memory model's ``grads``; ``accumulation_passes`` x (m - 1):
     Assumptions.grad_accumulation_passes); then, over the gradients after the dp reduction
     (``reduced_bytes``: :func:`reduced_grad_bytes`), torch's division by m under pp (2 passes:
-    PipelineStage.scale_grads, torch 2.13) and the global-norm clip (xpar.optim.clip_grads_):
+    PipelineStage.scale_grads, torch 2.13) and the global-norm clip (xpar.parallel.optim.clip_grads_):
     the norm reads them (1 pass, always: the norm is logged), the scaling reads and writes them
     when ``clip`` (train.max_grad_norm set; counted as if the norm exceeded it, as it does early in
     training). Counted in the optimizer term, though accumulation runs in the backward. 0

@@ -49,10 +49,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.memory import BYTES, param_shapes, tensor_counts
+from xpar.estimate.model_states import BYTES, param_shapes, tensor_counts
 from xpar.estimate.overlap import simulate_pass, vwhere
-from xpar.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
 
 
 FSDP_COPIES = ("fsdp2", "fsdp1", "none")
-"""Values of Assumptions.fsdp_copies (xpar.config.FrameworkConfig)."""
+"""Values of Assumptions.fsdp_copies (xpar.config.schema.FrameworkConfig)."""
 
 
 def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:

@@ -12,7 +12,7 @@ For GPT shapes this reduces to the papers' closed forms:
 """
 from __future__ import annotations
 
-from xpar.config import ModelConfig
+from xpar.config.schema import ModelConfig
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, float]:

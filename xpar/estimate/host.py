@@ -3,7 +3,7 @@
 On a GPU the host runs ahead of the device and this time hides behind the kernel queue (the
 GPU presets leave the figures at 0, so nothing changes there). On a CPU the same thread issues
 and computes, so every operator's dispatch and autograd bookkeeping adds to the step. Three
-figures per machine, measured by ``xpar calibrate`` (:mod:`xpar.calibrate`) into the preset:
+figures per machine, measured by ``xpar calibrate`` (:mod:`xpar.calibrate.command`) into the preset:
 
 - ``hardware.op_overhead_us``: host microseconds per aten operator issued, autograd included
   (a transformer block at hidden 8 and one token, forward and backward, timed and divided by
@@ -32,7 +32,7 @@ tests/test_calibrate.py checks the formulas against the count):
 - a linear on DTensors (tp > 1): 4 operators forward (transpose, matmul, views), 9 backward;
 - per parameter tensor and step: AdamW's single-tensor path issues 9 operators
   (``torch.optim.AdamW(foreach=False)``, xpar.parallel.data_parallel.build_optimizer), the
-  global gradient-norm clip 3 (xpar.optim.clip_grads_).
+  global gradient-norm clip 3 (xpar.parallel.optim.clip_grads_).
 
 Units: seconds. Every function takes floats, or numpy arrays over layouts for ``n``, ``first``
 and ``last`` (the planner, xpar.plan.vtime: the same arithmetic).
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from xpar.config import ModelConfig
+from xpar.config.schema import ModelConfig
+from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.memory import tensor_counts
+from xpar.estimate.model_states import tensor_counts
 from xpar.estimate.overlap import vmax
-from xpar.spec import RunSpec
 
 LINEAR_OPS = (4, 9)
 """Operators of one linear layer, forward and backward (transpose, matmul, views)."""
@@ -116,7 +116,7 @@ def tp_split(seconds: float) -> tuple[float, float]:
 
 def clip_allreduce_time(spec: RunSpec) -> float:
     """Seconds of the gradient-norm clip's scalar (8-byte) all-reduces per step
-    (xpar.optim.global_grad_norm): over dp for FSDP2's sharded gradients (ZeRO-2/3), over tp
+    (xpar.parallel.optim.global_grad_norm): over dp for FSDP2's sharded gradients (ZeRO-2/3), over tp
     for tp-split ones, over pp for the stages' sums."""
     hw, par = spec.hardware, spec.parallel
     groups = [(spec.dp, spec.tp)] if par.zero_stage >= 2 else []

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from xpar.estimate.memory import held_numel, memory, most_loaded_dp_rank, state_widths
+from xpar.estimate.memory import memory
+from xpar.estimate.model_states import held_numel, most_loaded_dp_rank, state_widths
 from xpar.estimate.overlap import vmax
 
 HOST_STATE_BYTES = 16

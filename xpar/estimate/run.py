@@ -1,7 +1,7 @@
 """Estimate mode: the Report of a layout beyond this machine, from the cost model and a
 fake-process-group dry run of the real engine factory.
 
-The Report has the fields and metric names of a measured run (xpar.report), with
+The Report has the fields and metric names of a measured run (xpar.estimate.report), with
 ``mode='estimate'``:
 
 - throughput: ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` (model FLOPs), ``mfu``,
@@ -35,7 +35,7 @@ The Report has the fields and metric names of a measured run (xpar.report), with
 
 Notes: the cost model's notes (:attr:`xpar.estimate.cost.Estimate.notes`, e.g. the offloaded
 step's parts) are the Report's ``notes``: printed under the table and, in a tracked run,
-appended to the run's ``xpar.notes`` tag after the spec's own notes (xpar.job).
+appended to the run's ``xpar.notes`` tag after the spec's own notes (xpar.run.job).
 
 Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
 """
@@ -44,13 +44,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.estimate.memory import MEMORY_TERMS, peak_ranks
+from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
+from xpar.estimate.report import Report, layout_name, zero_paper_bytes
 from xpar.estimate.schedule import bubble_theory
-from xpar.report import Report, layout_name, zero_paper_bytes
-from xpar.spec import RunSpec
 
 DRYRUN_FILE = "dryrun.json"
 
@@ -99,7 +99,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
 
     Raises:
-        xpar.dryrun.PlanError: torch refused to build a rank of the layout.
+        xpar.estimate.dryrun.PlanError: torch refused to build a rank of the layout.
     """
     est = estimate(spec, assumptions_for(spec))
     mem = est.memory
@@ -117,7 +117,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
     if spec.dry_run:
-        from xpar.dryrun import dry_run, representative_ranks
+        from xpar.estimate.dryrun import dry_run, representative_ranks
 
         coords = representative_ranks(spec)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too

@@ -2,7 +2,7 @@
 
 The bubble ratio is the idle fraction of the pipeline ranks within a step:
 ``1 - sum_ranks busy / (pp * makespan)``. The closed forms, with uniform per-stage times,
-are the schedules' own (:data:`xpar.layout.SCHEDULES`, ``closed_form``; Narayanan et al.
+are the schedules' own (:data:`xpar.config.layout.SCHEDULES`, ``closed_form``; Narayanan et al.
 state the bubble relative to the ideal time, (p - 1)/m and (p - 1)/(v m); as a fraction of
 the step it becomes the forms there). Where a schedule has none (looped BFS, zero-bubble
 schedules, Qi et al. 2024; interleaved with m < p), :func:`simulated_bubble` replays torch's
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Mapping, Optional, Union
 
-from xpar.layout import SCHEDULES
+from xpar.config.layout import SCHEDULES
+
 # Uniform durations per stage: backward = 2 x forward, split evenly into I and W.
 UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -127,7 +128,7 @@ def one_f_one_b_actions(pp: int, m: int) -> list[list[Action]]:
 
 def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> list[list[Action]]:
     """Per-rank compute order of a torch schedule, built offline (no process group) with the
-    private ``get_schedule_ops`` (:func:`xpar.torch_private.schedule_ops`).
+    private ``get_schedule_ops`` (:func:`xpar.parallel.torch_internals.schedule_ops`).
 
     In torch 2.13 it returns, per rank, a list of ``_Action(stage_index, computation_type,
     microbatch_index, sub_actions)`` or None (idle slots). Idle slots and REDUCE_GRAD are
@@ -137,7 +138,7 @@ def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> li
     by order of appearance (torch runs those in increasing order). Valid labels are kept,
     so LoopedBFS keeps its reversed backward order.
     """
-    from xpar.torch_private import schedule_ops
+    from xpar.parallel.torch_internals import schedule_ops
 
     rec = SCHEDULES[schedule]
     ops = schedule_ops(rec.torch_name, pp, m, None if rec.stages_per_rank == "1" else (v or 2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xpar.config import ModelConfig
+from xpar.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)

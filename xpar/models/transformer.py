@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xpar.config import ModelConfig
+from xpar.config.schema import ModelConfig
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: str) -> nn.Module:
     """Replicate the model on every dp rank; gradients all-reduced (averaged) in buckets
     during backward. ZeRO stage 0 and, with the ZeRO-1 optimizer, stage 1. On the meta device
-    (the fake-process-group dry run, xpar.dryrun) the initial shape check and broadcast are
+    (the fake-process-group dry run, xpar.estimate.dryrun) the initial shape check and broadcast are
     skipped: they read values, which meta tensors do not have."""
     ids = [torch.cuda.current_device()] if device == "cuda" else None
     return DDP(model, device_ids=ids, process_group=dp_mesh.get_group(), init_sync=device != "meta")
@@ -28,7 +28,7 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     for a model whose parameters are DTensors (tensor parallel), which DDP cannot wrap
     (its initial broadcast fails on DTensor): torch's composable ``replicate`` built on the
     FSDP2 machinery with a replicate-only dp mesh, per transformer block, then the root."""
-    from xpar.torch_private import composable_replicate
+    from xpar.parallel.torch_internals import composable_replicate
 
     replicate = composable_replicate()
     for block in model.layers.values():

@@ -9,7 +9,7 @@
     4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy)
     5. pipeline stages on the pp axis with their schedule
     6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
-       step clips the global gradient norm before the optimizer step (xpar.optim)
+       step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
 
 TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
 placements), and both before the pipeline stage is built over the wrapped chunk (the
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from xpar.config.spec import RunSpec
 from xpar.models.transformer import Transformer
 from xpar.parallel.data_parallel import build_optimizer, wrap_dp
-from xpar.spec import RunSpec
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -60,9 +60,9 @@ class Engine:
     """Probe memory in this step. The loop accounts on the first step only (every step has
     the same shapes), so the timed steps carry no accounting overhead."""
     scheduler: Any = None
-    """The lr schedule (xpar.optim.build_lr_scheduler), stepped after each optimizer step."""
+    """The lr schedule (xpar.parallel.optim.build_lr_scheduler), stepped after each optimizer step."""
     grad_norms: list = field(default_factory=list)
-    """Pre-clip global gradient norm of each step so far (xpar.optim.global_grad_norm)."""
+    """Pre-clip global gradient norm of each step so far (xpar.parallel.optim.global_grad_norm)."""
     current_step: int = 0
     """The optimizer step being taken (set by the step loop), for the non-finite message."""
     nonfinite_steps: list = field(default_factory=list)
@@ -83,7 +83,12 @@ class Engine:
         Raises:
             NonFiniteStep: a non-finite step under ``on_nonfinite=stop`` (on every rank).
         """
-        from xpar.optim import NonFiniteStep, clip_grads_, first_nonfinite_rank, nonfinite_message
+        from xpar.parallel.optim import (
+            NonFiniteStep,
+            clip_grads_,
+            first_nonfinite_rank,
+            nonfinite_message,
+        )
 
         params = [p for c in self.chunks for p in c.parameters()]
         pp_group = self.mesh["pp"].get_group() if self.spec.pp > 1 else None
@@ -105,9 +110,9 @@ class Engine:
     def probe_grads(self) -> None:
         """Update ``grads_peak`` with the gradient bytes held now: local ``.grad`` plus
         FSDP2's unsharded gradients awaiting a deferred reduction
-        (:func:`xpar.memory_accounting.grad_bytes_held`). Called where the held gradients peak: after
+        (:func:`xpar.parallel.memory_accounting.grad_bytes_held`). Called where the held gradients peak: after
         each micro-batch's backward, and before each pipeline stage's gradient reduction."""
-        from xpar.memory_accounting import fsdp_params, grad_bytes_held
+        from xpar.parallel.memory_accounting import fsdp_params, grad_bytes_held
 
         if not self.accounting:
             return
@@ -185,7 +190,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     params = [p for c in chunks for p in c.parameters()]
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step)
     if materialize_model:                                                          # 6
-        from xpar.optim import build_lr_scheduler
+        from xpar.parallel.optim import build_lr_scheduler
         engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
                                            spec.train.weight_decay)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
@@ -213,7 +218,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
       micro-batches: ZeRO-2/3's gradient saving gone whenever m > 1.
 
     ``engine.probe_grads()`` after each backward records the gradient bytes held (the
-    measured ``grads`` term, xpar.memory_accounting.model_state_bytes).
+    measured ``grads`` term, xpar.parallel.memory_accounting.model_state_bytes).
     """
     model, m = engine.chunks[0], len(inputs)
     loss_fn = engine.loss_fn

@@ -1,14 +1,14 @@
 """The pp axis: pipeline stages and their schedule (torch.distributed.pipelining).
 
 Each pipeline rank holds one stage, or v stages for the multi-stage schedules, placed as
-:class:`xpar.layout.Layout` says (loop or V placement).
+:class:`xpar.config.layout.Layout` says (loop or V placement).
 
 :func:`attach_schedule` wraps each already TP/DP-wrapped chunk in a ``PipelineStage`` on the
 pp process group, builds the schedule by name and installs :func:`pipeline_step` as the
 engine's step. Every compute action of every stage (F: forward, B: full backward, I:
 backward for inputs, W: backward for weights) is timed with ``time.perf_counter``; the loss
 of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
-action records that :mod:`xpar.bubble` turns into bubble ratios and a timeline.
+action records that :mod:`xpar.estimate.bubble` turns into bubble ratios and a timeline.
 
 Gradient reduction over dp is torch's: ``PipelineStage.backward_maybe_with_nosync`` turns
 FSDP2's gradient sync off for *every* backward (DDP: ``no_sync`` until the last one) and
@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from xpar.layout import SCHEDULES
-from xpar.torch_private import wrap_schedule_loss
-from xpar.spec import RunSpec
+from xpar.config.layout import SCHEDULES
+from xpar.config.spec import RunSpec
+from xpar.parallel.torch_internals import wrap_schedule_loss
 
 
 def schedule_class(name: str) -> type:
-    """The torch schedule class of an xpar schedule name (:data:`xpar.layout.SCHEDULES`)."""
+    """The torch schedule class of an xpar schedule name (:data:`xpar.config.layout.SCHEDULES`)."""
     return schedules.get_schedule_class(SCHEDULES[name].torch_name)
 
 

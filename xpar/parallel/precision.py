@@ -22,7 +22,7 @@ The loss is computed in fp32 on both paths (``xpar.parallel.factory.cross_entrop
 policy, no autocast. No pure-bf16 (bf16 parameters and optimizer states) mode exists.
 
 The two paths round differently (all-bf16 residual stream vs fp32 residual stream), so each
-is compared with its own single-process reference (:mod:`xpar.reference`).
+is compared with its own single-process reference (:mod:`xpar.run.reference`).
 """
 from __future__ import annotations
 

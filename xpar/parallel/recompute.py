@@ -19,7 +19,7 @@ names do not change and FSDP2 / DDP hooks stay around the checkpointed region):
 - ``none``: nothing recomputed.
 
 Accounting: checkpoint's saved block inputs go through saved-tensor hooks and are counted
-by :class:`xpar.memory_accounting.ActivationTracker`; the tensors that selective
+by :class:`xpar.parallel.memory_accounting.ActivationTracker`; the tensors that selective
 checkpointing caches in its own storage do not, so :func:`_tracked_contexts` reports them
 to the active tracker (:meth:`ActivationTracker.hold`).
 """
@@ -29,9 +29,17 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from xpar.torch_private import functional_collectives, share_sac_storage, tree_leaves
+from xpar.parallel.torch_internals import (
+    functional_collectives,
+    share_sac_storage,
+    tree_leaves,
+)
 
 _aten, _funcol = torch.ops.aten, functional_collectives()
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
@@ -52,7 +60,7 @@ class _TrackedEntries(dict):
     storage; reports each kept tensor to the active tracker."""
 
     def __setitem__(self, idx, entry) -> None:
-        from xpar.memory_accounting import ActivationTracker
+        from xpar.parallel.memory_accounting import ActivationTracker
 
         tracker = ActivationTracker.active
         if tracker is not None:

@@ -48,9 +48,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from xpar.estimate.comm import ring_factor
-from xpar.torch_private import (dispatch_mode_base, functional_collectives, in_backward,
-                                 is_higher_order_op)
+from xpar.parallel.ring import ring_factor
+from xpar.parallel.torch_internals import (
+    dispatch_mode_base,
+    functional_collectives,
+    in_backward,
+    is_higher_order_op,
+)
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -193,7 +197,7 @@ class TPCommCounter(dispatch_mode_base()):
     Bytes are PAYLOAD bytes: the size of the whole tensor the collective is about -- the
     all-reduced tensor, the gathered (output) tensor of an all-gather, the input tensor of
     a reduce-scatter. The bytes a ring algorithm sends per device are payload x
-    :func:`xpar.estimate.comm.ring_factor` (:meth:`ring_bytes`).
+    :func:`xpar.parallel.ring.ring_factor` (:meth:`ring_bytes`).
     """
 
     def __init__(self, tp_mesh: DeviceMesh):

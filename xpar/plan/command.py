@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from xpar.checks import ConfigError
+from xpar.config.checks import ConfigError
 from xpar.plan.context import PlanContext
 from xpar.plan.inputs import PlanInputs, _hydra, plan_inputs
 from xpar.plan.space import RULES, Constraints, Space, enumerate_layouts
@@ -278,7 +278,7 @@ def nothing_fits_line(plan: Plan) -> str:
     host_ok = res["host_fits"].astype(bool) if "host_fits" in res else np.ones(len(fits), dtype=bool)
     pool = np.flatnonzero(host_ok) if host_ok.any() else np.arange(len(fits))
     lean = int(pool[np.argmin(res["memory_total"][pool])])
-    dev_mem = float(ctx.hardware.get("device_memory_gb") or 0) * GB  # refused as null before (xpar.checks.hardware)
+    dev_mem = float(ctx.hardware.get("device_memory_gb") or 0) * GB  # refused as null before (xpar.config.checks.hardware)
     need = float(res["memory_total"][lean])
     from xpar.plan.explain import label
     head = (f"{where}: the leanest, {label(res, lean)}, needs {need / GB:.1f} GB per device, "
@@ -359,10 +359,10 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
              sweep: Optional[dict] = None) -> Optional[Plan]:
     """``run.mode=plan``: search, print, record, and on hardware=local execute the top layouts.
     ``overrides``: the command line (default: the running Hydra app's); ``sweep``: the multirun
-    job's sweep (xpar.sweep.current_sweep), whose parent run the plan's run joins. Bad requests
+    job's sweep (xpar.track.sweep.current_sweep), whose parent run the plan's run joins. Bad requests
     exit 2 with one line per problem."""
-    from xpar.checks.environment import check_tracking_paths
-    from xpar.overrides import refuse
+    from xpar.config.checks.environment import check_tracking_paths
+    from xpar.config.overrides import refuse
     from xpar.plan.show import print_plan
 
     t0 = time.perf_counter()

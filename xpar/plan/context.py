@@ -8,8 +8,8 @@ Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
   B = b * m * dp sequences.
 - ``v``: stages per pipeline rank (int64; 1 for single-stage schedules, 2 for V-shaped ones,
   the virtual stages of looped ones). Layer splits are balanced: n_layers % (pp * v) == 0.
-- ``schedule``: names in :data:`xpar.layout.SCHEDULES` (numpy str array).
-- ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.layout.zero_stage_run` applied).
+- ``schedule``: names in :data:`xpar.config.layout.SCHEDULES` (numpy str array).
+- ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.config.layout.zero_stage_run` applied).
 - ``sp``: sequence parallelism (bool; only with tp > 1).
 - ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
 - ``offload`` (optional, :data:`OPTIONAL_COLUMNS`): the optimizer offloaded to host memory
@@ -52,10 +52,10 @@ def parallel_group(r: dict[str, Any]) -> dict:
 
 
 def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
-    """The validated estimate-mode RunSpec of candidate ``i`` (through :mod:`xpar.validate`, as
+    """The validated estimate-mode RunSpec of candidate ``i`` (through :mod:`xpar.config.validate`, as
     ``python -m xpar run.mode=estimate`` would build it). Slow (milliseconds): for tests, the top
     layouts and the override line, never for the search itself."""
-    from xpar.validate import validate
+    from xpar.config.validate import validate
 
     r = row(cols, i)
     train = dict(ctx.train, micro_batch_size=r["b"], global_batch_size=r["b"] * r["m"] * r["dp"])

@@ -37,8 +37,8 @@ def _runs(plan, i: int) -> bool:
     """Whether candidate ``i`` validates and fits in execute mode on this machine."""
     from omegaconf import OmegaConf
 
-    from xpar.checks import ConfigError
-    from xpar.fit import check_run
+    from xpar.config.checks import ConfigError
+    from xpar.estimate.fit import check_run
     from xpar.plan.verify import compose_line
     line = "python -m xpar " + " ".join(_base_overrides(plan) + ["run.mode=execute"])
     cfg = OmegaConf.merge(compose_line(line), layout_overrides(plan, i))
@@ -86,7 +86,7 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
     its plan rank, estimated and measured tokens/s, measured rank and the sweep's id (printed)."""
     rows = pick(plan, plan.inputs.execute_top)
     if not rows:
-        from xpar.overrides import refuse
+        from xpar.config.overrides import refuse
         top = plan.ranked[:MAX_TRIES]
         off = sum(offloads(plan, int(i)) for i in top)
         rest = "" if off == len(top) else "; the others do not validate in execute mode"

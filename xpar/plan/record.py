@@ -1,5 +1,5 @@
 """The plan as an MLflow run (tag ``xpar.mode=plan``), recorded the way estimate runs are
-(:func:`xpar.tracking.mlflow_run`, its journal and end status): the config with the winner's layout resolved as params,
+(:func:`xpar.track.runs.mlflow_run`, its journal and end status): the config with the winner's layout resolved as params,
 counts and the winner's figures as metrics, and as artifacts the ranked table (``plan_ranked.csv``:
 every layout that fits, best first), the drop counts (``plan_dropped.csv``), the console text
 (``plan.txt``) and the Pareto plot of memory per device against tokens/s (``plan_pareto.png``)."""
@@ -103,19 +103,19 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
                 sweep: Optional[dict] = None) -> None:
     """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics), a child of ``sweep``'s parent
-    run in a multirun (xpar.sweep.sweep_tags); prints where it went."""
-    from xpar.resolved_config import resolved_config
-    from xpar.naming import ui_hint
+    run in a multirun (xpar.track.sweep.sweep_tags); prints where it went."""
+    from xpar.config.recorded import resolved_config
     from xpar.plan.explain import label
+    from xpar.track.naming import ui_hint
     config = resolved_config(cfg, spec)  # params: the winner's layout resolved, never the unused defaults
     config["run"]["mode"] = "plan"
     config.pop("hydra", None)
-    from xpar.report import layout_name
-    tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.hardware": plan.ctx.hardware["name"],
-            "xpar.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
+    from xpar.estimate.report import layout_name
+    tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.config.hardware": plan.ctx.hardware["name"],
+            "xpar.config.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
             "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
-    from xpar.sweep import sweep_tags
+    from xpar.track.sweep import sweep_tags
     tags.update(sweep_tags(sweep))
     name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices" + (f" #{sweep['job_num']}" if tags.get(
         "xpar.job_num") else "")
@@ -127,7 +127,7 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
         for k, row in enumerate(executed, 1):
             points.update({f"plan/execute_{k}_estimated_tokens_per_s": row["estimated_tokens_per_s"],
                            f"plan/execute_{k}_measured_tokens_per_s": row["measured_tokens_per_s"]})
-    from xpar import side_process
+    from xpar.track import side_process
     experiment_id, run_id, uri = side_process.call(log_plan, spec, config, start_dir, tags, name, out_dir, points,
                                                    paths)
     plan.run_id = run_id
@@ -137,17 +137,17 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
 
 def log_plan(spec, config: dict, start_dir: Path, tags: dict, name: str, out_dir: Path, points: dict,
              paths: list[Path]) -> tuple[str, str, str]:
-    """The plan's MLflow run (xpar.tracking.mlflow_run): params, ``points`` as metrics, ``paths``
+    """The plan's MLflow run (xpar.track.runs.mlflow_run): params, ``points`` as metrics, ``paths``
     as artifacts; (experiment id, run id, tracking URI). Runs in the helper that imported MLflow
-    while the plan was searched, when ``xpar plan`` started one (xpar.side_process).
+    while the plan was searched, when ``xpar plan`` started one (xpar.track.side_process).
 
     Raises:
-        xpar.tracking.TrackingUnavailable: the store cannot be reached or used."""
+        xpar.track.runs.TrackingUnavailable: the store cannot be reached or used."""
     import time
 
     import mlflow
 
-    from xpar.tracking import mlflow_run, recording
+    from xpar.track.runs import mlflow_run, recording
     with mlflow_run(spec, config, start_dir, tags, name, out_dir) as run:
         with recording(run):
             now = int(time.time() * 1000)

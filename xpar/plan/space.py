@@ -7,18 +7,18 @@ The raw space is the product of these axes (numpy, no torch):
 - global batch B (sequences): fixed, or a range [lo, hi] tried at lo, hi and the powers of two
   between;
 - micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
-- (schedule, v): every schedule of :data:`xpar.layout.SCHEDULES` with its stages per rank
+- (schedule, v): every schedule of :data:`xpar.config.layout.SCHEDULES` with its stages per rank
   (1; 2 for V-shaped ones; every divisor >= 2 of n_layers for looped ones);
 - ZeRO stage 0-3, sequence parallelism off/on, recompute none/selective/full, optimizer offload
   off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
 
 m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are applied) are those
-:mod:`xpar.validate` enforces for a layout (xpar.checks.layout: tp splits, balanced pipeline
+:mod:`xpar.config.validate` enforces for a layout (xpar.config.checks.layout: tp splits, balanced pipeline
 stages, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
 parallelism's sequence split), the user's constraints, and duplicates (layouts that run the same
 as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing (stage 0 kept, stage 1 for an
 offloaded optimizer, which DeepSpeed runs at stages 1-3 only), ZeRO-3 under zero-bubble
-schedules runs as ZeRO-2, :func:`xpar.layout.zero_stage_run`).
+schedules runs as ZeRO-2, :func:`xpar.config.layout.zero_stage_run`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from xpar.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -45,7 +45,7 @@ RULES = {
     "schedule": "schedule not in plan.schedules",
     "balanced": "pp x v does not divide n_layers (unbalanced stages)",
     "batch": "b x dp does not divide the global batch",
-    "microbatches": "micro-batch count m the schedule refuses (xpar.layout.microbatch_ok)",
+    "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
                    "divisible by pp (framework.interleaved_m_per_pp)",
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
@@ -190,7 +190,7 @@ def _microbatches_ok(names: np.ndarray, t: dict) -> np.ndarray:
 
 
 def _zero_runs(t: dict) -> np.ndarray:
-    """The ZeRO stage each row runs (:func:`xpar.layout.zero_stage_run`, once per distinct
+    """The ZeRO stage each row runs (:func:`xpar.config.layout.zero_stage_run`, once per distinct
     (schedule, pp, zero))."""
     keys, inverse = np.unique(np.stack([t["s"], t["pp"], t["zero"]]), axis=1, return_inverse=True)
     names = {int(s): str(n) for s, n in zip(t["s"], t["schedule"])}

@@ -3,13 +3,15 @@ composed by Hydra and validated, resolving to the planned layout."""
 from __future__ import annotations
 
 import shlex
+
+
 def compose_line(line: str):
     """The config Hydra composes for ``python -m xpar <overrides>`` (inside a running Hydra app
     its loader, else conf/ directly)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from xpar.presets import conf_dir
+    from xpar.config.presets import conf_dir
     overrides = shlex.split(line)[3:]  # after 'python -m xpar'
     if GlobalHydra.instance().is_initialized():
         return compose(config_name="config", overrides=overrides)
@@ -18,13 +20,13 @@ def compose_line(line: str):
 
 
 def composed_spec(line: str, want: dict):
-    """(RunSpec, None) when ``line`` composes, validates (:func:`xpar.validate.validate`: every
+    """(RunSpec, None) when ``line`` composes, validates (:func:`xpar.config.validate.validate`: every
     rule, as a run checks it) and resolves to the layout ``want`` (a candidate row,
     :func:`xpar.plan.context.row`); else (None, the problem in words). Whether it fits and its
     figures are the vectorised cost model's, equal to the scalar one's (tests/test_plan_vector.py,
     tests/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
-    from xpar.checks import ConfigError
-    from xpar.validate import validate
+    from xpar.config.checks import ConfigError
+    from xpar.config.validate import validate
 
     try:
         spec = validate(compose_line(line))

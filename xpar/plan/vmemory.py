@@ -26,8 +26,7 @@ Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline
 largest total (the first on ties), on its most loaded dp rank. No torch import (parameter
 shapes: :func:`xpar.estimate.memory.param_shapes`). Speed, GPT-3 175B on 1024 A100 (55,344
 layouts of xpar.plan.space at global batch 1536, every framework profile, 2 cores shared at load
-2-4): first call in a process 0.29-0.47 s (117k-194k layouts/s), repeated calls 0.08-0.14 s
-(400k-680k layouts/s).
+2-4): first call in a process 0.29-0.47 s (117k-194k layouts/s), repeated 0.08-0.14 s (400k-680k/s).
 """
 from __future__ import annotations
 
@@ -36,11 +35,12 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.config.layout import SCHEDULES, Layout
+from xpar.config.resolve import resolve_layer_split
+from xpar.config.spec import RunSpec
+from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
 from xpar.estimate.offload import devices_per_node, host_state_bytes
-from xpar.layout import SCHEDULES, Layout
-from xpar.resolve import resolve_layer_split
-from xpar.spec import RunSpec
 
 KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
         "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits",
@@ -66,7 +66,7 @@ def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
 
 def _int_columns(cols: dict, offload: bool = False) -> dict[str, np.ndarray]:
     """The candidate columns as int64 arrays (schedule and recompute as codes), v resolved
-    (1 without pipelining, :func:`xpar.resolve.resolve_virtual_stages`); ``offload`` where the
+    (1 without pipelining, :func:`xpar.config.resolve.resolve_virtual_stages`); ``offload`` where the
     optional column is absent (the framework's ``cpu_offload_optimizer``)."""
     c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
     c["b"] = np.maximum(c["b"], 1)
@@ -120,11 +120,11 @@ def _stage_class(stage: int, n_stages: int) -> int:
     return 2 * (stage == 0) + (stage == n_stages - 1)
 
 
-def _by_zero(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
+def _by_zero(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
     """(autocast, residual-stream bytes er) of each candidate, from
     :func:`xpar.estimate.memory.precision` once per ZeRO stage."""
     rep, inv = _group(c["zero"])
-    rec = [mem.precision(_spec_at(base, c, i), o) for i in rep]
+    rec = [model_states.precision(_spec_at(base, c, i), o) for i in rep]
     return (np.array([r["autocast"] for r in rec], dtype=np.int64)[inv],
             np.array([r["er"] for r in rec], dtype=np.int64)[inv])
 
@@ -139,7 +139,7 @@ def _class_ranks(layout: Layout) -> dict[int, int]:
     return out
 
 
-def _state_table(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
+def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
     """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1, offload) and rank class: bytes of
     (params less autocast's copies, grads, optimizer, model-state buffers) and the optimizer's
     elements on the rank's most loaded dp rank -- the scalar functions on a representative
@@ -152,15 +152,15 @@ def _state_table(base: RunSpec, c: dict, o: mem.MemoryOptions) -> tuple[np.ndarr
     for g, i in enumerate(rep):
         spec, og = _spec_at(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
         for k, r in _class_ranks(spec.layout).items():
-            dp_rank = mem.most_loaded_dp_rank(spec, r, o.zero1)
-            st = mem.held_state_terms(spec, r, dp_rank, og)
+            dp_rank = model_states.most_loaded_dp_rank(spec, r, o.zero1)
+            st = model_states.held_state_terms(spec, r, dp_rank, og)
             buf = mem.state_buffer_terms(spec, r, og)
             table[g, k] = (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"],
-                           sum(buf.values()), mem.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
+                           sum(buf.values()), model_states.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
     return table, inv
 
 
-def _stage_table(base: RunSpec, c: dict, o: mem.MemoryOptions, autocast: np.ndarray) -> tuple:
+def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast: np.ndarray) -> tuple:
     """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
     one micro-batch's bytes (kept until its backward, transient during its forward, transient
     during its backward, autocast's weight copies) from :func:`xpar.estimate.memory.stage_bytes`,
@@ -175,7 +175,7 @@ def _stage_table(base: RunSpec, c: dict, o: mem.MemoryOptions, autocast: np.ndar
         spec = _spec_at(base, c, i)
         n = spec.layout.n_stages
         for st in sorted({0, 1 if n > 2 else 0, n - 1}):
-            sb = mem.stage_bytes(spec, st, o)
+            sb = activations.stage_bytes(spec, st, o)
             unit[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
                                             sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
                                             sb["weight_copies"])
@@ -567,13 +567,13 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     """
     from xpar.estimate.cost import assumptions_for
 
-    o = mem.MemoryOptions.of(assumptions_for(base))
+    o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
     hw, s = base.hardware, base.seq_len
-    extra = {"token": mem.token_id_bytes(s, c["b"], c["m"], c["pp"]),
+    extra = {"token": activations.token_id_bytes(s, c["b"], c["m"], c["pp"]),
              "p2p": mem.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
              * ((c["pp"] > 1) & bool(o.count_buffers))}
     ctx = dict(extra, stab=stab, sinv=sinv, overhead=(hw.framework_overhead_gb or 0) * 1e9,

@@ -33,19 +33,45 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from xpar.config.layout import SCHEDULES, Layout, even_split
+from xpar.config.resolve import resolve_virtual_stages
+from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
-from xpar.estimate.cost import (TIME_TERMS, Assumptions, assumptions_for, compute_peak, fill_time, layer_costs,
-                                microbatch_time, optimizer_term, pp_send_time, pp_sends, rank_compute, rates, step_time,
-                                tp_times, waits_unstretched)
+from xpar.estimate.cost import (
+    TIME_TERMS,
+    Assumptions,
+    assumptions_for,
+    compute_peak,
+    fill_time,
+    layer_costs,
+    microbatch_time,
+    optimizer_term,
+    pp_send_time,
+    pp_sends,
+    rank_compute,
+    rates,
+    step_time,
+    tp_times,
+    waits_unstretched,
+)
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
-from xpar.estimate.host import HOST_KEYS, host_costs, host_step, oversubscription, rank_host
-from xpar.estimate.memory import state_widths
-from xpar.estimate.offload import (OFFLOAD_TERMS, devices_per_node, gradient_copies, offload_elements,
-                                   offload_figures_known, offload_time)
+from xpar.estimate.host import (
+    HOST_KEYS,
+    host_costs,
+    host_step,
+    oversubscription,
+    rank_host,
+)
+from xpar.estimate.model_states import state_widths
+from xpar.estimate.offload import (
+    OFFLOAD_TERMS,
+    devices_per_node,
+    gradient_copies,
+    offload_elements,
+    offload_figures_known,
+    offload_time,
+)
 from xpar.estimate.schedule import bubble_theory
-from xpar.layout import SCHEDULES, Layout, even_split
-from xpar.resolve import resolve_virtual_stages
-from xpar.spec import RunSpec
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
     "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
@@ -91,7 +117,7 @@ def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[st
 
 
 def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
-    """The candidate columns as arrays (v resolved: :func:`xpar.resolve.resolve_virtual_stages`;
+    """The candidate columns as arrays (v resolved: :func:`xpar.config.resolve.resolve_virtual_stages`;
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
@@ -292,7 +318,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
 
     Raises:
         ValueError: a candidate whose pp x v does not divide the layers (splits must be balanced).
-        KeyError: a schedule not in :data:`xpar.layout.SCHEDULES` or a recompute policy not in
+        KeyError: a schedule not in :data:`xpar.config.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
     world = cols["tp"] * cols["pp"] * cols["dp"]
     if base.hardware.sync_wait_us and len(np.unique(world)) > 1:  # the waits depend on the workers

@@ -1,0 +1,185 @@
+"""``xpar calibrate``: measure this machine into a hardware preset.
+
+Everything is measured on ``workers`` local processes at once, as a run's workers compute and
+communicate side by side (sharing cores, caches, memory bandwidth and the machine's other load).
+Compute figures are the median over samples of step-length windows (:data:`STEP_WINDOW_S`), in
+CPU seconds on a CPU with one thread per worker (:func:`compute_clock`: what the work costs a
+core, whatever else the machine runs at the time; the estimate stretches a step for the share of
+the cores its workers get); collectives the median over :data:`COLLECTIVE_REPS` calls, in wall
+time, as a curve per collective and size (``ring_step_us_by_bytes``).
+
+- matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
+  rate is ``peak_tflops``. ``matmul_efficiency``: on a CPU, fitted so that the cost model times
+  a reference transformer block's forward and backward as measured (:func:`fit_block_efficiency`:
+  0.81-0.86 here, where real blocks reach ~75 % of the best GEMM's rate); on a GPU, fitted to the cost
+  model's curve eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) over the square GEMMs
+  (:mod:`xpar.estimate.cost`), capped at 1;
+- memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
+  (read + write) -> ``hbm_tb_per_s``;
+- optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
+  element -> ``optimizer_ns_per_element`` (2.0-2.8 ns here with large tensors kept on the heap,
+  xpar.run.host_memory; 84 bytes per element over the copy bandwidth would say ~4.3 ns);
+- the wait at a blocking collective: a 16-float all-reduce timed right after ~10 ms of compute
+  (:data:`SYNC_WORK_S`) started at a barrier, mean wall time, less the all-reduce alone
+  (:func:`measure_sync_wait`) -> ``sync_wait_us``;
+- host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
+  forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
+  DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
+  under FSDP2 against the plain block -> ``fsdp_unit_overhead_us``; the block under the tp plan,
+  the first stage's embedding and the last stage's output and loss under tp against plain ones ->
+  ``tp_block_overhead_us``, ``tp_first_overhead_us``, ``tp_last_overhead_us`` (a 1-rank mesh per
+  worker: no communication; here ~3.2 ms per block, where 13 DTensor operators per linear at
+  ``dtensor_op_overhead_us`` would say ~1 ms); the cores the workers share -> ``cpu_cores``;
+- collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter,
+  broadcast and send/recv over message sizes, fitted to the alpha-beta model
+  t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
+  and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
+  by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
+  ``intra_node_gb_per_s`` (beta); ``link_efficiency`` = 1 (beta is already achieved bus bandwidth);
+  and per collective the seconds of one ring step by the chunk it carries, made non-decreasing
+  in size (:func:`ring_step_curves`) -> ``ring_step_us_by_bytes``, which the estimate uses inside
+  a node instead of alpha and beta (xpar.estimate.collectives.measured_time): 1 KiB .. 256 MiB,
+  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root); above 8 MiB only calls in
+  which no rank faulted on more than 1 % of the message's pages count, as in a settled run
+  (:func:`settled_time`).
+
+The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
+``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
+curves go to an MLflow run (tag ``xpar.mode=calibrate``) and ``calibration.json``. On a shared
+machine the figures move with its load: measure again before comparing runs with estimates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from xpar.calibrate.measure import MESSAGE_BYTES, QUICK_BYTES, measure_workers
+from xpar.calibrate.preset import (
+    fit_alpha_beta,
+    fit_p2p_latency,
+    preset_values,
+    ring_step_curves,
+    write_preset,
+)
+
+
+def _log(result: dict, preset: Path, out_dir: Path) -> str:
+    """An MLflow run (tag xpar.mode=calibrate) with the preset's values as params, the raw
+    curves as metrics and artifacts; its id."""
+    import mlflow
+
+    from xpar.track.runs import setup_experiment
+
+    exp = setup_experiment(None, "xpar", None, Path.cwd())
+    with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
+                          tags={"xpar.mode": "calibrate", "xpar.preset": preset.stem}) as run:
+        mlflow.log_params({f"hardware.{k}": v for k, v in result["preset"].items()})
+        mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
+        mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
+        if result.get("block_s"):
+            mlflow.log_metric("calibrate/reference_block_s", result["block_s"])
+        mlflow.log_metric("calibrate/optimizer_ns_per_element", result["preset"]["optimizer_ns_per_element"])
+        mlflow.log_metric("calibrate/sync_wait_us", result["preset"]["sync_wait_us"])
+        mlflow.log_artifact(str(out_dir / "calibration.json"))
+        mlflow.log_artifact(str(preset))
+        return run.info.run_id
+
+
+def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES, reps: int = 7,
+              track: bool = True, out_dir: Path = Path("."), progress: bool = True, device: str = "cpu") -> dict:
+    """Measure, fit, write the preset (and log it); returns what was measured and written."""
+    import torch
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"calibrate: matmul, memory, host time and collectives on {workers} workers", total=1)
+        measured = measure_workers(workers, sizes, reps, threads, device)
+        bar.update(task, advance=1)
+    coll, compute = measured["collectives"], measured["compute"]
+    matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
+    alpha, beta = fit_alpha_beta(coll, workers)
+    values = preset_values(matmul, bandwidth, alpha, beta, device, host, compute.get("block_s"))
+    values["optimizer_ns_per_element"] = compute["optimizer_ns_per_element"]
+    values["sync_wait_us"] = measured["sync_wait_s"] * 1e6
+    p2p = fit_p2p_latency(coll, beta)
+    if p2p is not None:
+        values["p2p_latency_us"] = p2p * 1e6
+    values["ring_step_us_by_bytes"] = ring_step_curves(coll, workers)
+    header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
+              f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
+              f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
+              f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
+    preset = write_preset(name, values, header)
+    result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
+              "collectives": coll, "collective_shares": measured["collective_shares"], "alpha_s": alpha,
+              "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s")}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
+    if track:
+        result["run_id"] = _log(result, preset, out_dir)
+    return result
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="xpar calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("target", nargs="?", default="hardware=local", help="hardware=local (the machine measured)")
+    ap.add_argument("--name", default=socket.gethostname().split(".")[0].replace("-", "_"))
+    ap.add_argument("--workers", type=int, default=2, help="local processes for the collectives")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (as train.threads_per_worker)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 GEMMs, HBM, nccl")
+    ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_BYTES)} message sizes, five repetitions (a smoke test)")
+    ap.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
+    ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate")
+    return ap.parse_args(argv)
+
+
+def _device_problems(device: str, workers: int) -> list[str]:
+    """CUDA calibration needs a CUDA build of torch and one GPU per worker."""
+    if device != "cuda":
+        return []
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < workers:
+        fix = f"--workers {n}" if n >= 2 else "--device cpu (collectives need two GPUs)"
+        return [f"--device cuda needs {workers} GPUs (one per worker) in a CUDA build of torch; this machine "
+                f"has {n} (torch {torch.__version__}). Use {fix}."]
+    return []
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``xpar calibrate [hardware=local] [--name N] [--workers W] [--threads T] [--quick]``."""
+    import re
+
+    args = _args(sys.argv[1:] if argv is None else argv)
+    problems = []
+    if args.target != "hardware=local":
+        problems.append(f"xpar calibrate measures this machine: give hardware=local (or nothing), got {args.target!r}.")
+    if not re.fullmatch(r"[A-Za-z0-9_]+", args.name):
+        problems.append(f"--name must be letters, digits and _, got {args.name!r}; e.g. --name my_box.")
+    if args.workers < 2 or args.threads < 1:
+        problems.append(f"--workers must be >= 2 and --threads >= 1, got {args.workers} and {args.threads}.")
+    problems += _device_problems(args.device, args.workers)
+    if problems:
+        print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 2
+    quick = dict(sizes=QUICK_BYTES, reps=5) if args.quick else {}
+    try:
+        r = calibrate(args.name, args.workers, args.threads, track=not args.no_track, out_dir=args.out,
+                      device=args.device, **quick)
+    except (OSError, ValueError) as e:
+        print(f"xpar: calibrate failed: {e}", file=sys.stderr)
+        return 1
+    p = r["preset"]
+    print(f"wrote {r['preset_file']}: peak {p['peak_tflops'] * 1e3:.1f} GFLOP/s per worker, memory "
+          f"{p['hbm_tb_per_s'] * 1e3:.1f} GB/s, collectives alpha {r['alpha_s'] * 1e6:.1f} us/step, "
+          f"beta {r['beta_bytes_per_s'] / 1e9:.2f} GB/s; use it with hardware=calibrated_{args.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,509 @@
+"""The measurements of ``xpar calibrate`` (what each one times and why is in
+:mod:`xpar.calibrate.command`): GEMMs, memory bandwidth, the optimizer step, a transformer block,
+host time per operator, and collectives on local worker processes."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+GEMM_SIDES = (64, 128, 256, 384, 512)
+
+
+MESSAGE_BYTES = tuple(2 ** k for k in range(10, 29, 2))  # 1 KiB .. 256 MiB
+
+
+QUICK_BYTES = (2 ** 12, 2 ** 18, 2 ** 22, 2 ** 26)
+
+
+LARGE_BYTES = 2 ** 23
+
+
+"""Messages above this many bytes are timed :data:`LARGE_REPS` times (one call: tens to hundreds
+of milliseconds), smaller ones :data:`COLLECTIVE_REPS` times."""
+
+
+LARGE_REPS = 7
+
+
+"""Calls timed per large message (their median kept): with 3, the 64 MiB all-reduce of back-to-back
+quick calibrations here moved the estimate of GPT-2 small's dp gradient all-reduce between 0.33 and
+0.67 s (measured in the runs: ~0.7 s, 26 buckets of 25 MB at ~27 ms)."""
+
+
+SETTLED_FAULTS = 0.01
+
+
+"""A large call counts only when no rank took page faults over more than this fraction of the
+message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather allocates a temporary
+the size of the message in each call; on a heap that has just grown (a calibration's fresh
+buffers) it lands on fresh pages again and again, one fault per page. Measured here (2 workers,
+torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its 65,536 pages and
+0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and ZeRO-3 runs, once
+settled, the median all-gather of every size faulted no page (the 298 MiB root: 166-194 ms; its
+reduce-scatter faulted on ~11 % of its pages on one rank of ZeRO-3, none on the other): a
+calibration that kept the faulting calls priced that gather 5x. Where
+transparent huge pages are 'always', a fresh region faults once per 2 MiB and passes: the
+check then keeps what the calls cost as they came."""
+
+
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv")
+
+
+"""Measured by :func:`collective_worker`; broadcast as ZeRO-1's ZeroRedundancyOptimizer issues it
+(each parameter tensor from its owner after the step; gloo: 64 MiB in ~0.1 s here, where an
+all-gather of it takes ~0.2 s)."""
+
+
+COLLECTIVE_REPS = 12
+
+
+"""Calls timed per collective and size; their median is kept: the time of a collective on the
+machine as it is without other load (on a shared CPU a call's time has a long tail, a woken gloo
+thread waiting for a core that another process holds; what a run's step pays for that load is
+its workers' CPU share, measured during the run: benchmarks/fidelity.py)."""
+
+
+HOST_REPS = 21
+
+
+"""Samples of each host-time figure, --quick included (~0.4 s each): with 5, three back-to-back
+quick calibrations here gave op_overhead_us 2.4-4.1, dtensor_op_overhead_us 8.3-15.7 and
+fsdp_unit_overhead_us 456-1287 (a difference of two timings)."""
+
+
+STEP_WINDOW_S = 0.02
+
+
+"""Seconds of one compute sample (matmul, memory, host time): about a tiny-model step here."""
+
+
+def median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None,
+                window: float = 0.0, average: Callable[[list], float] = statistics.median,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples after one warm-up call; a sample
+    calls ``fn`` until ``window`` seconds of ``clock`` have passed (at least once) and divides by
+    the calls. ``clock``: wall time (default), or :func:`time.process_time` for what a call costs
+    the cores it runs on, whatever else runs beside (:func:`compute_clock`). ``sync`` waits for
+    the device (``torch.cuda.synchronize`` on GPUs) before each clock read; ``average``: of the
+    samples (``statistics.fmean`` for what many calls cost on average)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0, calls = clock(), 0
+        while True:
+            fn()
+            sync()
+            calls += 1
+            elapsed = clock() - t0
+            if elapsed >= window:
+                break
+        times.append(elapsed / calls)
+    return average(times)
+
+
+def compute_clock(device: str, threads: int = 1) -> Callable[[], float]:
+    """The clock of compute samples: on a CPU with one torch thread per worker the process's CPU
+    seconds (:func:`time.process_time`: what the work costs the core, not the time other
+    processes held it -- a shared machine's load changes by the minute, and the cost model
+    stretches a step for the share of the cores its workers get,
+    xpar.estimate.host.oversubscription); wall time on a GPU, or with several threads (their CPU
+    seconds add up: not a worker's rate)."""
+    return time.process_time if device == "cpu" and threads == 1 else time.perf_counter
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: str = "cpu") -> dict[int, float]:
+    """FLOP/s of an n x n matmul per side n: fp32 with ``threads`` torch threads on CPU,
+    bf16 on CUDA (the dtype of the GPU presets' dense peak)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        out = {}
+        for n in sides:
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            out[n] = 2 * n ** 3 / median_time(lambda: a @ b, reps, _sync(device), STEP_WINDOW_S,
+                                              clock=compute_clock(device, threads))
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of ``dst.copy_(src)`` for ``mib`` MiB fp32 tensors (read + write counted)."""
+    import torch
+
+    src = torch.ones(mib * 2 ** 18, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device), STEP_WINDOW_S,
+                                             clock=compute_clock(device, torch.get_num_threads()))
+
+
+def measure_optimizer(elements: int = 2 ** 24, tensors: int = 4, reps: int = 5, device: str = "cpu") -> float:
+    """Nanoseconds per parameter element of torch's single-tensor AdamW step (``foreach=False``,
+    xpar.parallel.data_parallel.build_optimizer) over ``tensors`` fp32 tensors of ``elements`` /
+    ``tensors`` each (16 MiB, with their grads and states past the L3 cache as a model's are); CPU seconds on CPU."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(elements // tensors, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    opt.step()  # allocate the states
+    t = median_time(opt.step, reps, _sync(device), STEP_WINDOW_S, clock=compute_clock(device, torch.get_num_threads()))
+    return t / elements * 1e9
+
+
+REFERENCE_BLOCK = dict(name="reference", n_layers=1, hidden=512, n_heads=8, n_kv_heads=8, ffn_hidden=1536,
+                       vocab_size=256, seq_len=128, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+
+
+REFERENCE_BATCH = 2
+
+
+"""The transformer block whose forward and backward fit a CPU's ``matmul_efficiency``
+(:func:`fit_block_efficiency`): Llama-style, between the mini and GPT-2 small presets in width,
+at 2 x 128 tokens. Measured here (one thread per worker, both workers at once, CPU seconds),
+real blocks reach a similar share of the best square GEMM's rate whatever their shape: mini's
+(hidden 384, 4 x 64 tokens) 144 GFLOP/s of matmul FLOPs per second forward and backward, GPT-2
+small's (768, 1 x 128) 149, where square GEMMs peak at 190-210 (the rest: element-wise work,
+GEMMs on transposed operands, weights that leave the cache)."""
+
+
+def measure_block(reps: int = 5, device: str = "cpu") -> float:
+    """Seconds of one forward and backward of :data:`REFERENCE_BLOCK` at :data:`REFERENCE_BATCH`
+    sequences (its input requiring grad, as every block's in a model; gradients set to None
+    before each, as xpar's step does: accumulation is priced apart,
+    xpar.estimate.cost.gradient_time), CPU seconds on a CPU (:func:`compute_clock`)."""
+    import torch
+
+    from xpar.config.schema import ModelConfig
+    from xpar.models.transformer import Block
+
+    cfg = ModelConfig(**REFERENCE_BLOCK)
+    block = Block(cfg).to(device)
+    x = torch.randn(REFERENCE_BATCH, cfg.seq_len, cfg.hidden, device=device, requires_grad=True)
+
+    def step() -> None:  # fresh gradients each call, as a step after zero_grad(set_to_none=True)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x).sum().backward()
+    return median_time(step, reps, _sync(device), STEP_WINDOW_S, clock=compute_clock(device, torch.get_num_threads()))
+
+
+def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], None]:
+    """One call of collective ``name`` with a payload of ``nbytes`` (the all-reduced buffer,
+    the gathered output, the reduce-scattered input, the broadcast or sent message)."""
+    import torch
+    import torch.distributed as dist
+
+    n = max(world, nbytes // 4 // world * world)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
+    if name == "allreduce":
+        return lambda: dist.all_reduce(full)
+    if name == "allgather":  # the single-tensor forms (all_gather_into_tensor before torch 2.13)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part)
+    if name == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, full)
+    if name == "broadcast":
+        return lambda: dist.broadcast(full, 0)
+    peer = 1 - rank if rank < 2 else None
+
+    def ping_pong() -> None:  # one message each way between ranks 0 and 1
+        if peer is None:
+            return
+        if rank == 0:
+            dist.send(full, peer), dist.recv(full, peer)
+        else:
+            dist.recv(full, peer), dist.send(full, peer)
+    return ping_pong
+
+
+def timed_share(measure: Callable[[], float], device: str) -> tuple[float, float]:
+    """(what ``measure()`` returns, the CPU share of this process's main thread while it ran:
+    xpar.estimate.fidelity.cpu_share, 1.0 on a GPU or without schedstat): how loaded the machine was."""
+    if device != "cpu":
+        return measure(), 1.0
+    from xpar.estimate.fidelity import cpu_share, task_cpu_ns
+
+    before = task_cpu_ns([os.getpid()], main_only=True)
+    seconds = measure()
+    return seconds, cpu_share(before, task_cpu_ns([os.getpid()], main_only=True))
+
+
+def settled_time(call: Callable[[], None], reps: int, nbytes: int, sync: Callable[[], None] = lambda: None,
+                 max_calls: int = 0) -> float:
+    """Median wall seconds of a collective ``call`` of ``nbytes`` over ``reps`` calls during which
+    no rank page-faulted on more than :data:`SETTLED_FAULTS` of the message's pages (the state a
+    run's steps reach; a call with faults is timed but left out), at most ``max_calls`` calls
+    (default 3 x ``reps``; the median of all when too few qualify). Every rank calls it at once:
+    the ranks' fault counts are all-reduced (max) after each call, which also lines them up."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    faults = torch.zeros(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    pages, every, settled = max(1, nbytes // 4096), [], []
+    call()
+    sync()
+    for _ in range(max_calls or 3 * reps):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        call()
+        sync()
+        every.append(time.perf_counter() - t0)
+        faults.fill_(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        dist.all_reduce(faults, op=dist.ReduceOp.MAX)
+        if faults.item() <= SETTLED_FAULTS * pages:
+            settled.append(every[-1])
+            if len(settled) == reps:
+                break
+    return statistics.median(settled if len(settled) >= max(1, reps // 2) else every)
+
+
+def collective_worker(payload: dict) -> dict:
+    """On every rank: median seconds of each collective per message size (:data:`COLLECTIVE_REPS`
+    calls at least, :data:`LARGE_REPS` settled calls above :data:`LARGE_BYTES`, :func:`settled_time`;
+    send/recv: one way, half a
+    ping-pong), in wall time: ``times``, and the CPU share of the main thread they were measured
+    at (:func:`timed_share`): ``shares``; collectives the backend does not offer are left out."""
+    import torch.distributed as dist
+
+    world, rank, out, shares = dist.get_world_size(), dist.get_rank(), {}, {}
+    for name in payload["collectives"]:
+        try:
+            times, shares[name] = {}, {}
+            for nbytes in payload["sizes"]:
+                call = _collective(name, nbytes, world, rank)
+                dist.barrier()
+                sync = _sync(payload["device"])
+                timed = ((lambda: settled_time(call, LARGE_REPS, nbytes, sync)) if nbytes > LARGE_BYTES else
+                         (lambda: median_time(call, max(payload["reps"], COLLECTIVE_REPS), sync)))
+                t, shares[name][nbytes] = timed_share(timed, payload["device"])
+                times[nbytes] = t / (2 if name == "send_recv" else 1)
+            out[name] = times
+        except (RuntimeError, ValueError) as e:  # e.g. a collective gloo does not implement
+            out[name] = {"unsupported": str(e).splitlines()[0][:200]}
+    return {"times": out, "shares": shares}
+
+
+SYNC_WORK_S = 0.01
+
+
+"""Seconds of compute between the collectives :func:`measure_sync_wait` issues. The wait grows with
+the compute before the collective (the later peer's lead grows with it) and levels off: measured
+here, 1.3 ms after 2 ms of compute, 2.2-2.4 after 5, 3.2-5.9 after 20, 3.4-5.2 after 50. xpar's
+CPU runs of the benchmark sizes compute 3-50 ms between syncs (mini tp: 3-6 ms per all-reduce;
+GPT-2 small tp 8-16; FSDP units 10-40; pipeline stages 35+), so the one figure is taken at 10 ms
+(the tiny model's 0.2-3 ms intervals pay about half of it)."""
+
+
+def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
+    """Mean seconds a small all-reduce issued right after :data:`SYNC_WORK_S` of compute takes
+    beyond the same all-reduce issued alone (every rank at once, wall time: the later peer and the
+    wake-up of a waiting thread, what a run's blocking collectives pay); >= 0. Each sample starts
+    at a barrier, as a run's ranks leave their previous collective together, and times the
+    all-reduce alone after its own compute (the difference of two separately timed means moved
+    by +-1 ms here)."""
+    import torch
+    import torch.distributed as dist
+
+    a, g = torch.randn(128, 128, device=device), torch.ones(16, device=device)
+    sync = _sync(device)
+    calls = max(1, int(SYNC_WORK_S / max(median_time(lambda: a @ a, 5, sync, 0.01), 1e-7)))
+    alone = median_time(lambda: dist.all_reduce(g), reps, sync)
+    after = []
+    for _ in range(reps):
+        dist.barrier()
+        for _ in range(calls):
+            a @ a
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(g)
+        sync()
+        after.append(time.perf_counter() - t0)
+    return max(0.0, statistics.fmean(after) - alone)
+
+
+def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(payload["threads"])
+    if payload["device"] == "cuda":
+        torch.cuda.set_device(rank)
+    else:  # as a run's workers allocate (xpar.run.worker.run_rank)
+        from xpar.run.host_memory import keep_large_tensors_on_the_heap
+        keep_large_tensors_on_the_heap()
+    backend = "nccl" if payload["device"] == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = {"compute": compute_worker(payload), **collective_worker(payload),
+                  "sync_wait_s": measure_sync_wait(device=payload["device"])}
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    from xpar.run.worker import exit_worker
+    exit_worker()
+
+
+def compute_worker(payload: dict) -> dict:
+    """On every rank at once, as a run's workers compute side by side (sharing cores, caches and
+    memory bandwidth, and the machine's other load): matmul rates per GEMM side, memory
+    bandwidth and (CPU) :func:`host_worker`'s figures on a 1-rank mesh of this rank; rank 0's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device, reps = payload["device"], payload["reps"]
+    dist.barrier()
+    matmul = measure_matmul(threads=payload["threads"], reps=reps, device=device)
+    dist.barrier()
+    bandwidth = measure_memory_bandwidth(reps=reps, device=device)
+    dist.barrier()
+    optimizer = measure_optimizer(reps=reps, device=device)
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+    dist.barrier()
+    host = {}
+    if device == "cpu":
+        host = host_worker(max(reps, HOST_REPS), DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
+    dist.barrier()
+    block = measure_block(reps, device) if device == "cpu" else None  # only a CPU's efficiency is fitted to it
+    return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host,
+            "block_s": block}
+
+
+def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
+    """:func:`compute_worker` then :func:`collective_worker` on ``world`` local processes (gloo
+    on CPU, nccl with one GPU each on CUDA); rank 0's figures: ``compute`` (``matmul``: FLOP/s
+    per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds), ``collectives`` (seconds
+    per collective and size) and ``collective_shares`` (the CPU shares they were measured at)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from xpar.run.launch import free_port
+
+    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device}
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "collectives.json")
+        mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world, join=True,
+                           start_method="spawn")
+        raw = json.loads(Path(out).read_text())
+    compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
+    return {"compute": compute, "collective_shares": raw["shares"], "sync_wait_s": raw["sync_wait_s"],
+            "collectives": {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
+                            for k, v in raw["times"].items()}}
+
+
+def _count_ops(fn: Callable[[], object]) -> int:
+    """Aten operators that ``fn()`` dispatches (``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _probe_config():
+    """The tiny preset's architecture at hidden 8 and one token: compute negligible beside the host
+    time of its operators."""
+    from xpar.config.schema import ModelConfig
+    return ModelConfig(name="probe", n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, ffn_hidden=8, vocab_size=16,
+                       seq_len=1, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+
+
+def _tiny_block():
+    """A transformer block of :func:`_probe_config` and its input of one token."""
+    import torch
+
+    from xpar.models.transformer import Block
+    return Block(_probe_config()), torch.randn(1, 1, 8)
+
+
+def tp_worker(mesh, timed: Callable[[Callable], float], plain_block_s: float) -> dict:
+    """Extra host microseconds under tensor parallelism on a 1-rank ``mesh`` (DTensor dispatch,
+    sharding propagation, redistributions that move nothing), forward and backward per
+    micro-batch: a block under the Megatron plan (xpar.parallel.tensor.block_plan) against the
+    plain block (``plain_block_s``, seconds), the first stage's embedding and the last stage's
+    norm, output and vocabulary-parallel loss under xpar.parallel.tensor.apply_tp against plain
+    ones. ``timed(fn)``: seconds per call."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from xpar.models.transformer import Transformer
+    from xpar.parallel.tensor import (
+        apply_tp,
+        block_plan,
+        loss_context,
+        parallel_cross_entropy,
+    )
+
+    block, x = _tiny_block()
+    parallelize_module(block, mesh, block_plan(block, False))
+    tokens, h = torch.zeros(1, 1, dtype=torch.long), torch.randn(1, 1, 8)
+
+    def last_step(m, tp: int):
+        def step():
+            with loss_context(tp):
+                parallel_cross_entropy(m(h), tokens).backward()
+        return step
+    extra = {}
+    for name, make, step in (("first", lambda: Transformer(_probe_config(), [], True, False),
+                              lambda m, tp: lambda: m(tokens).sum().backward()),
+                             ("last", lambda: Transformer(_probe_config(), [], False, True), last_step)):
+        plain = timed(step(make(), 1))
+        extra[f"tp_{name}_overhead_us"] = max(0.0, timed(step(apply_tp(make(), mesh, False), 2)) - plain) * 1e6
+    return {"tp_block_overhead_us": max(0.0, timed(lambda: block(x).sum().backward()) - plain_block_s) * 1e6, **extra}
+
+
+def host_worker(reps: int, mesh) -> dict:
+    """On a 1-rank device ``mesh`` (no communication): host microseconds per aten operator (a
+    tiny block's forward and backward / its operators), the extra per operator on DTensors
+    (AdamW's update of 20 DTensor parameters against plain ones, 9 operators per tensor + 2),
+    FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block), and
+    tensor parallelism's per block and stage end (:func:`tp_worker`): xpar.estimate.host."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    block, x = _tiny_block()
+    step = (lambda m: lambda: m(x).sum().backward())
+    ops = _count_ops(step(block))
+    timed = (lambda fn: median_time(fn, reps, window=STEP_WINDOW_S, clock=compute_clock("cpu", torch.get_num_threads())))
+    plain = timed(step(block))
+    sharded, _ = _tiny_block()
+    fully_shard(sharded, mesh=mesh)
+    unit = timed(step(sharded)) - plain
+    per_op = {}
+    for kind in ("plain", "dtensor"):
+        make = (lambda t: t) if kind == "plain" else (lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+        params = [torch.nn.Parameter(make(torch.randn(8, 8))) for _ in range(20)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        per_op[kind] = timed(opt.step) / (9 * len(params) + 2)
+    return {"op_overhead_us": plain / ops * 1e6, "dtensor_op_overhead_us": max(0.0, per_op["dtensor"] - per_op["plain"]) * 1e6,
+            "fsdp_unit_overhead_us": max(0.0, unit) * 1e6, "block_ops": ops, **tp_worker(mesh, timed, plain)}

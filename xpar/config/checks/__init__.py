@@ -1,0 +1,22 @@
+"""Validation as small named checks.
+
+Each check reads a composed config (:mod:`xpar.config.checks.config`) or a resolved
+:class:`~xpar.config.layout.Layout` (:mod:`xpar.config.checks.layout`) and returns its violations, one
+line each naming the constraint, the values given and values that work. No check changes
+what it reads. :func:`xpar.config.validate.validate` runs them all and raises
+:class:`ConfigError` with every violation before any worker starts.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """One or more violated constraints; ``problems`` holds one message per constraint."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, increasing."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,138 @@
+"""Checks of the composed config alone (no layout resolved yet). Each returns violations."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from xpar.config.checks import divisors
+from xpar.config.layout import SCHEDULES
+from xpar.config.schema import XparConfig
+
+CHOICES = {
+    "model.activation": ("swiglu", "gelu"),
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.position": ("rope", "learned"),
+    "parallel.zero_stage": (0, 1, 2, 3),
+    "parallel.schedule": tuple(SCHEDULES),
+    "parallel.recompute": ("none", "selective", "full"),
+    "train.dtype": ("fp32", "bf16"),
+    "train.on_nonfinite": ("stop", "skip", "ignore"),
+    "sweep.goal": ("max", "min"),
+    "data.kind": ("synthetic", "text"),
+    "run.mode": ("auto", "execute", "estimate", "plan"),
+    "hardware.device": ("auto", "cpu", "cuda"),
+}
+
+
+def check_choices(c: XparConfig) -> list[str]:
+    """Every enumerated field holds one of its values."""
+    out = []
+    for key, allowed in CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(c, group), name)
+        if value not in allowed:
+            out.append(f"{key} must be one of {list(allowed)}, got {value!r}.")
+    return out
+
+
+def check_model(c: XparConfig) -> list[str]:
+    """Positive sizes; whole heads; GQA groups; an even head dim for RoPE."""
+    model = c.model
+    out = [f"model.{name} must be >= 1, got {getattr(model, name)}."
+           for name in ("n_layers", "hidden", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
+           if getattr(model, name) < 1]
+    if model.n_heads >= 1 and model.hidden % model.n_heads:
+        ok = [d for d in divisors(model.hidden) if d <= 256]
+        out.append(f"model.hidden must be divisible by model.n_heads: {model.hidden} % {model.n_heads} != 0; "
+                   f"n_heads values that divide {model.hidden}: {ok}.")
+    if model.kv_heads < 1 or (model.n_heads % model.kv_heads):
+        out.append(f"model.n_heads must be divisible by model.n_kv_heads (grouped-query attention): "
+                   f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads}; n_kv_heads values that work: "
+                   f"{divisors(max(model.n_heads, 1))}.")
+    elif model.position == "rope" and model.n_heads >= 1 and model.hidden % model.n_heads == 0 and model.head_dim % 2:
+        out.append(f"rope needs an even head dim: hidden/n_heads = {model.head_dim}.")
+    return out
+
+
+def _int_or_auto(key: str, value, minimum: int = 1) -> list[str]:
+    if value == "auto":
+        return []
+    try:
+        ok = int(value) == value and int(value) >= minimum
+    except (TypeError, ValueError):
+        ok = False
+    return [] if ok else [f"{key} must be an integer >= {minimum} or 'auto', got {value!r}."]
+
+
+def check_degrees(c: XparConfig) -> list[str]:
+    """tp, pp >= 1; dp, micro_batches and virtual_stages whole numbers >= 1 or 'auto'."""
+    par = c.parallel
+    out = [f"parallel.{name} must be >= 1, got {getattr(par, name)}." for name in ("tp", "pp")
+           if getattr(par, name) < 1]
+    for name in ("dp", "micro_batches", "virtual_stages"):
+        out += _int_or_auto(f"parallel.{name}", getattr(par, name))
+    out += _int_or_auto("train.global_batch_size", c.train.global_batch_size)
+    return out
+
+
+def check_train(c: XparConfig) -> list[str]:
+    """Sequence length within the model's positions, b >= 1, lr > 0, steps and warm-up."""
+    model, tr = c.model, c.train
+    out = []
+    seq = tr.seq_len if tr.seq_len is not None else model.seq_len
+    if model.position == "learned" and not 1 <= seq <= model.seq_len:
+        out.append(f"train.seq_len must be in [1, {model.seq_len}] for model={model.name} (learned positions cover "
+                   f"{model.seq_len}), got {seq}; e.g. train.seq_len={model.seq_len}.")
+    elif seq < 1:  # rope: any length >= 1 runs
+        out.append(f"train.seq_len must be >= 1, got {seq}; e.g. train.seq_len={model.seq_len}.")
+    if tr.micro_batch_size < 1:
+        out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}.")
+    if not (tr.lr > 0 and math.isfinite(tr.lr)):
+        finite = "" if math.isfinite(tr.lr) else " and finite"
+        out.append(f"train.lr must be > 0{finite}, got {tr.lr}; e.g. train.lr=3e-4.")
+    if not (tr.weight_decay >= 0 and math.isfinite(tr.weight_decay)):
+        finite = "" if math.isfinite(tr.weight_decay) else " and finite"
+        out.append(f"train.weight_decay must be >= 0{finite}, got {tr.weight_decay}; e.g. train.weight_decay=0.1.")
+    if tr.steps <= 0:
+        out.append(f"train.steps must be > 0, got {tr.steps}.")
+    if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:
+        out.append(f"train.warmup_steps must satisfy 0 <= warmup_steps < steps, got warmup_steps="
+                   f"{tr.warmup_steps}, steps={tr.steps}; e.g. train.warmup_steps={min(2, tr.steps - 1)}.")
+    return out
+
+
+def check_data(c: XparConfig) -> list[str]:
+    """A text corpus exists, holds one sequence, and fits the byte vocabulary."""
+    if c.data.kind != "text":
+        return []
+    out = []
+    path, seq = c.data.path, c.train.seq_len if c.train.seq_len is not None else c.model.seq_len
+    if not path or not Path(path).expanduser().is_file():
+        out.append(f"data.path must be an existing text file for data=text, got {path!r}.")
+    elif Path(path).expanduser().stat().st_size < seq + 1:
+        out.append(f"data.path={path} holds fewer than seq_len+1={seq + 1} bytes.")
+    if c.model.vocab_size < 256:
+        out.append(f"data=text uses byte tokens (0..255): model.vocab_size must be >= 256, "
+                   f"got {c.model.vocab_size}.")
+    return out
+
+
+SWEEP_METRIC_FAMILIES = ("pipeline/", "comm/", "estimate/", "fidelity/", "plan/", "train/", "throughput/step_time_")
+"""Families of the metrics a run logs besides the summary ones (xpar.estimate.report.Report.metrics: its
+``extra``, memory terms ``memory/<term>_bytes``, the step-time spread)."""
+
+
+def check_sweep(c: XparConfig) -> list[str]:
+    """``sweep.metric`` names a metric xpar logs (a name no run logs picked no best job and gave
+    Optuna nothing, silently)."""
+    import difflib
+
+    from xpar.config.schema import SUMMARY_METRICS
+
+    metric = c.sweep.metric
+    if metric in SUMMARY_METRICS or metric.startswith(SWEEP_METRIC_FAMILIES) or \
+            (metric.startswith("memory/") and metric.endswith("_bytes")):
+        return []
+    close = difflib.get_close_matches(metric, SUMMARY_METRICS, n=1, cutoff=0.0) or [SUMMARY_METRICS[0]]
+    return [f"sweep.metric={metric} is not a metric xpar logs; e.g. sweep.metric={close[0]} "
+            f"(summary metrics: {', '.join(SUMMARY_METRICS)})."]

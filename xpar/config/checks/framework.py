@@ -1,0 +1,98 @@
+"""Checks of the framework profile (conf/framework/): choices and ranges. Returns violations."""
+from __future__ import annotations
+
+from xpar.config.layout import SCHEDULES
+from xpar.config.schema import FrameworkConfig
+
+CHOICES = {
+    "zero1": ("zero_redundancy", "distributed_optimizer"),
+    "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.collectives.ALGORITHMS
+    "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.dp.FSDP_COPIES
+    "selective_recompute": ("op", "torchtitan_op", "attention"),  # xpar.estimate.memory.SELECTIVE_POLICIES
+    "param_storage": ("fp32", "bf16"),
+    "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
+}
+FRACTIONS = ("tp_overlap", "pp_overlap", "overlap_slowdown", "recompute_layer_fraction")
+
+
+def check_framework(fw: FrameworkConfig) -> list[str]:
+    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4."""
+    out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
+           for k, v in CHOICES.items() if getattr(fw, k) not in v]
+    out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
+            if not 0.0 <= getattr(fw, k) <= 1.0]
+    out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."
+            for k in ("grad_reduce_bytes", "grad_bytes") if getattr(fw, k) not in (2, 4)]
+    return out + offload_problems(fw)
+
+
+def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
+                           sp: bool = False) -> list[str]:
+    """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
+    them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
+    parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
+    framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
+    (Megatron-LM), sequence parallelism in framework.sequence_parallel. One line each, with the
+    nearest that works (e.g. framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only)."""
+    out = []
+    stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
+    if stages and zero_stage not in stages:
+        key, under = ("pp_zero_stages", " with pp > 1") if pp > 1 else ("zero_stages", "")
+        near = max((z for z in stages if z <= zero_stage), default=stages[0])
+        out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
+                   f"{hydra_text(stages)}); e.g. parallel.zero_stage={near}, or framework=xpar (runs every stage).")
+    if pp > 1 and fw.schedules and schedule not in fw.schedules:
+        first = fw.schedules[0]
+        fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
+        out.append(f"framework={fw.name} does not run parallel.schedule={schedule} (framework.schedules="
+                   f"{hydra_text(list(fw.schedules))}); e.g. {fix}, or framework=xpar.")
+    if pp > 1 and schedule == "interleaved_1f1b":
+        out += _interleaved_problems(fw, pp, m)
+    if sp not in list(fw.sequence_parallel):
+        out.append(f"framework={fw.name} does not run parallel.sequence_parallel={hydra_text(sp)} (framework."
+                   f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
+                   f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
+    return out
+
+
+def _interleaved_problems(fw: FrameworkConfig, pp: int, m: int) -> list[str]:
+    """Megatron-LM's rules of its interleaved 1F1B (framework.interleaved_min_pp, interleaved_m_per_pp)."""
+    if pp < fw.interleaved_min_pp:
+        return [f"framework={fw.name} runs interleaved_1f1b only at pp >= {fw.interleaved_min_pp} "
+                f"(framework.interleaved_min_pp), got parallel.pp={pp}; e.g. parallel.schedule=1f1b "
+                f"parallel.virtual_stages=1, or framework=xpar."]
+    if fw.interleaved_m_per_pp and m % pp:
+        near = sorted({max(pp, m - m % pp), m - m % pp + pp})
+        return [f"framework={fw.name} runs interleaved_1f1b with micro-batches divisible by pp={pp} "
+                f"(framework.interleaved_m_per_pp), got {m}; micro-batch counts that work: {near}, "
+                f"e.g. parallel.micro_batches={near[0]}, or framework=xpar."]
+    return []
+
+
+def not_booleans(values) -> list:
+    """The entries of ``values`` that are not booleans (a list option of booleans: framework.offload,
+    plan.offload, plan.sequence_parallel); 'maybe' or 1 are not."""
+    return [v for v in values if not isinstance(v, bool)]
+
+
+def hydra_text(value) -> str:
+    """A value as written on the command line (booleans lower-case: [false, true])."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(hydra_text(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def offload_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.offload a non-empty list of booleans; framework.cpu_offload_optimizer=true only
+    where the profile runs offload (true in framework.offload: megatron and torchtitan do not)."""
+    given = list(fw.offload) if isinstance(fw.offload, (list, tuple)) else [fw.offload]
+    bad = not_booleans(given)
+    if bad or not given:
+        return [f"framework.offload={hydra_text(given)}: {hydra_text(bad) if bad else 'empty'} not allowed; it lists "
+                f"the optimizer offload choices the framework runs, booleans; values that work: [false], [true], "
+                f"[false, true]; e.g. framework.offload=[false,true]."]
+    if fw.cpu_offload_optimizer and True not in given:
+        return [f"framework.cpu_offload_optimizer=true, but framework={fw.name} runs no optimizer offload "
+                f"(framework.offload={hydra_text(given)}); e.g. framework.cpu_offload_optimizer=false, or a profile that "
+                f"runs it (framework=deepspeed or framework=xpar, at parallel.zero_stage >= 1)."]
+    return []

@@ -1,0 +1,122 @@
+"""Checks of a resolved :class:`~xpar.config.layout.Layout` against the model and the mode.
+Each returns violations and changes nothing."""
+from __future__ import annotations
+
+from xpar.config.layout import (
+    SCHEDULES,
+    Layout,
+    balanced_split,
+    even_split,
+    microbatch_problem,
+)
+from xpar.config.schema import ModelConfig
+
+
+def check_tp(model: ModelConfig, layout: Layout) -> list[str]:
+    """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
+    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output); with
+    sequence parallelism the training sequence by tp."""
+    t = layout.tp
+    if t == 1:
+        return []
+    out = []
+    dims = (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
+            ("vocab_size", model.vocab_size))
+    bad = [f"model.{name}={n}" for name, n in dims if n % t]
+    if bad:
+        ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims)]
+        out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads, "
+                   f"MLP columns and vocabulary rows per tp rank); tp values that divide "
+                   f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads}, ffn_hidden={model.ffn_hidden} and "
+                   f"vocab_size={model.vocab_size}: {ok}.")
+    seq = layout.seq_len
+    if layout.sequence_parallel and seq % t:
+        ok = [s for s in range(t, min(seq, model.seq_len) + 1, t)][-3:]
+        out.append(f"parallel.sequence_parallel=true shards the sequence over tp: train.seq_len={seq} "
+                   f"must be divisible by parallel.tp={t}; e.g. train.seq_len in {ok}, or "
+                   f"sequence_parallel=false.")
+    return out
+
+
+def check_zero1(layout: Layout, mode: str) -> list[str]:
+    """ZeRO-1 with tp or pp: estimated as Megatron's distributed optimizer (optimizer states
+    sharded over dp, gradients reduce-scattered, parameters all-gathered after the step). In
+    execute mode torch's ZeroRedundancyOptimizer fails on DTensor parameters and is not
+    composed with pipeline stages: xpar runs ZeRO-2 instead and says so
+    (:func:`xpar.config.resolve.layout_notes`), so nothing is refused here."""
+    return []
+
+
+def check_virtual_stages(schedule: str, pp: int, v: int) -> list[str]:
+    """Stages per rank as the schedule places them: one, v >= 2, or exactly two (V shape)."""
+    if pp == 1:
+        return []
+    rule = SCHEDULES[schedule].stages_per_rank
+    if rule == "1" and v != 1:
+        return [f"schedule {schedule} runs one stage per rank: parallel.virtual_stages must be 1, "
+                f"got {v}; set parallel.virtual_stages=auto (or 1), or a schedule with v > 1 "
+                f"(interleaved_1f1b, zero_bubble)."]
+    if rule == "v" and v < 2:
+        return [f"schedule {schedule} needs parallel.virtual_stages >= 2 (stages per rank), got {v}; "
+                f"set parallel.virtual_stages=auto (2)."]
+    if rule == "2" and v != 2:
+        return [f"schedule {schedule} is V-shaped: parallel.virtual_stages must be 2, got {v}; "
+                f"set parallel.virtual_stages=auto (2)."]
+    return []
+
+
+def check_recompute(layout: Layout) -> list[str]:
+    """Selective recompute (torch's selective activation checkpointing) allows one backward
+    through each checkpointed region; the zero-bubble schedules split a block's backward into
+    an input-gradient (I) and a weight-gradient (W) pass, which torch 2.13 refuses at run time
+    ("Trying to backward an extra time ... selective activation checkpoint", measured here)."""
+    if layout.recompute == "selective" and layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble:
+        return [f"parallel.recompute=selective cannot run with schedule {layout.schedule}: its split "
+                f"backward (I then W) goes through each checkpointed block twice, which torch's selective "
+                f"checkpointing refuses; use parallel.recompute=full or none, or schedule interleaved_1f1b."]
+    return []
+
+
+def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False) -> list[str]:
+    """Micro-batch count the schedule accepts; no tied embeddings split across stages.
+    ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message."""
+    if layout.pp == 1:
+        return []
+    out = []
+    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches)
+    if problem and derived:
+        b, dp = layout.micro_batch_size, layout.dp
+        problem += (f" (parallel.micro_batches=auto gave m = train.global_batch_size / (micro_batch_size x dp) = "
+                    f"{layout.global_batch} / ({b} x {dp}); for m = k set train.global_batch_size={b * dp}*k, "
+                    f"or a smaller train.micro_batch_size)")
+    if problem:
+        out.append(problem)
+    if mode == "execute" and model.tied_embeddings:
+        out.append(f"model={model.name} ties its output to the embedding, which pp>1 would split across "
+                   f"stages; set model.tied_embeddings=false or pp=1.")
+    return out
+
+
+def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
+    """An explicit split assigns each layer once, in order, to the pp x v stages; without
+    one, the stages must split the layers evenly."""
+    n_stages = pp * v
+    example = even_split(n_layers, n_stages) or balanced_split(n_layers, n_stages)
+    if pp == 1:
+        return ([f"parallel.layer_split={list(given)} given but pp=1; remove it."]
+                if given not in (None, [], [n_layers]) else [])
+    if n_layers < n_stages:  # a stage without layers crashes its worker
+        return [f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages (pp={pp} x virtual_stages={v}); "
+                f"every stage needs >= 1 layer: e.g. model.n_layers={n_stages}, or fewer stages."]
+    if not given:
+        return [] if even_split(n_layers, n_stages) else [
+            f"model.n_layers={n_layers} does not split evenly over {n_stages} stages "
+            f"(pp={pp} x virtual_stages={v}); give an explicit parallel.layer_split, e.g. {example}."]
+    split = list(given)
+    if any(not isinstance(x, int) or isinstance(x, bool) for x in split):
+        return [f"parallel.layer_split must list whole numbers of layers per stage, got {split}; e.g. {example}."]
+    if len(split) != n_stages or any(x < 1 for x in split) or sum(split) != n_layers:
+        return [f"parallel.layer_split must assign each of the {n_layers} layers exactly once, in order, to "
+                f"{n_stages} stages, each >= 1 (pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, "
+                f"sum {sum(split)}); e.g. {example}."]
+    return []

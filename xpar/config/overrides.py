@@ -1,0 +1,262 @@
+"""Command-line overrides checked before Hydra composes anything.
+
+Hydra refuses an unknown key, an unknown group or a wrong type with its own message and exit
+status 1 (``Could not override 'train.stepz'``, ``Value 'abc' ... could not be converted to
+Integer``), and an output directory it cannot create with a traceback. :func:`override_problems`
+finds these in ``argv`` first, against the typed schema (:class:`xpar.config.schema.XparConfig`) and
+the preset files under ``conf/``, so that :func:`refuse_bad_overrides` can print them in xpar's
+one refusal format (``xpar: invalid configuration:``, the constraint, the values given, values
+that work) and exit 2 before any worker starts. Every suggested override is one that the same
+check accepts. Torch-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from xpar.config.schema import GROUPS, XparConfig
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(XparConfig)}
+"""Top-level schema sections (model, parallel, ..., run, sweep) -> their dataclass."""
+
+
+def refuse(problems: list[str]) -> None:
+    """Print ``problems`` in the refusal format and exit 2."""
+    print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_bad_overrides(argv: list[str]) -> None:
+    """Exit 2 with every problem of the command line ``argv`` (see :func:`override_problems`)."""
+    problems = override_problems(argv)
+    if problems:
+        refuse(problems)
+
+
+def groups() -> list[str]:
+    """Config groups: the folders of ``conf/`` (model, parallel, ..., and any added later)."""
+    from xpar.config.presets import conf_dir
+    return sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+
+
+def fields_of(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
+def all_keys() -> list[str]:
+    """Every ``section.field`` of the schema."""
+    return [f"{s}.{f}" for s in SECTIONS for f in fields_of(s)]
+
+
+def _closest(word: str, candidates: list[str]) -> Optional[str]:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _text(value: Any) -> str:
+    """An override value as it is written on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_text(v) for v in value) + "]"
+    return str(value)
+
+
+def _values(override) -> Optional[list]:
+    """The concrete values an override sets (each choice of a sweep); None for intervals and
+    other sweeps that only a sweeper expands."""
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    value = override.value()
+    if not override.is_sweep_override():
+        return [value]
+    if isinstance(value, ChoiceSweep):
+        return [getattr(v, "text", v) for v in value.list]
+    if isinstance(value, RangeSweep):
+        return list(override.sweep_iterator())
+    return None
+
+
+def override_problems(argv: list[str]) -> list[str]:
+    """Problems of the overrides in ``argv`` (flags and ``hydra.*`` left to Hydra): unknown
+    groups, presets, sections and keys (with the closest valid one), ``+`` on a key that
+    exists, values of the wrong type, and an output directory that cannot be written."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out: list[str] = []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or arg.lstrip("+~").startswith("hydra"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException as e:
+            out.append(f"cannot parse the override {arg!r}: {str(e).splitlines()[0][:200]}; write key=value, "
+                       f"e.g. train.steps=5 or parallel=zero3.")
+            continue
+        if override.is_delete() or "/" in override.key_or_group:
+            continue
+        out += _override_problem(arg, override)
+    return out + output_dir_problems(argv) + launcher_problems(argv)
+
+
+def launcher_problems(argv: list[str]) -> list[str]:
+    """``hydra/launcher=slurm`` where SLURM is not installed: submitit raised a traceback
+    ('Could not detect "srun"') after the sweep had started."""
+    import shutil
+
+    if not any(a.lstrip("+").startswith("hydra/launcher=slurm") for a in argv):
+        return []
+    missing = [cmd for cmd in ("srun", "sbatch") if shutil.which(cmd) is None]
+    if not missing:
+        return []
+    return [f"hydra/launcher=slurm needs SLURM on this host ({' and '.join(missing)} not on PATH): run it from a "
+            f"cluster's login node, or drop hydra/launcher=slurm to run the jobs here."]
+
+
+def _override_problem(arg: str, override) -> list[str]:
+    key, values = override.key_or_group, _values(override)
+    if "." not in key:
+        if key in groups() and override.is_add() == (key in GROUPS):  # '+' only for groups outside the defaults
+            return [f"{arg}: {key} is {'already' if key in GROUPS else 'not'} in the defaults list; write "
+                    f"{_suggest(key, _text(values[0]) if values and len(values) == 1 else None)}."]
+        return _group_problem(arg, key, values)
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        return _unknown(arg, key, values)
+    if name not in fields_of(section):
+        return _unknown(arg, key, values, section)
+    if override.is_add():
+        return [f"{arg}: '+' adds a key that does not exist, but {key} is in the schema; "
+                f"set it without '+': {key}={_text(override.value()) if values else '...'}."]
+    return _type_problems(arg, section, name, values)
+
+
+def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
+    """``group=preset``: a known group and preset; a section (run, sweep) is not a group."""
+    from xpar.config.presets import presets
+
+    if key in groups():
+        known = presets(key)
+        bad = [v for v in (values or []) if str(v) not in known]
+        return [f"unknown {key} preset {str(v)!r} in {arg}; available: {', '.join(known)}." for v in bad]
+    if key in SECTIONS:
+        return [f"{arg}: {key} is not a config group but a section of fields ({', '.join(fields_of(key))}); "
+                f"set one of them, e.g. {key}.{fields_of(key)[0]}=..."]
+    return _unknown(arg, key, values)
+
+
+def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] = None) -> list[str]:
+    """An unknown key or group, with the closest valid one written as a working override."""
+    value = _text(values[0]) if values and len(values) == 1 else None
+    candidates = ([f"{section}.{f}" for f in fields_of(section)] if section
+                  else groups() + all_keys())
+    leaf = key.split(".")[-1]
+    near = _closest(key, candidates) or next((k for k in candidates if k.split(".")[-1] == leaf), None) \
+        or _closest(leaf, candidates)
+    what = f"key {key!r} is not in the schema" if section or "." in key else f"{key!r} is neither a config group nor a key"
+    if near is None:
+        valid = ", ".join(candidates) if section else (f"groups {', '.join(groups())}; sections "
+                                                        f"{', '.join(f'{s}.*' for s in SECTIONS)}")
+        return [f"{arg}: {what}; valid: {valid}."]
+    return [f"{arg}: {what}; did you mean {_suggest(near, value)}?"]
+
+
+def _suggest(near: str, value: Optional[str]) -> str:
+    """``near=value`` written so that it composes: a group outside the defaults list needs '+'."""
+    from xpar.config.presets import presets
+
+    if value is None:
+        return f"{near}=..."
+    if "." not in near:  # a group
+        known = presets(near)
+        if value not in known:
+            return f"{near}=<one of {', '.join(known)}>"
+        return f"{'' if near in GROUPS else '+'}{near}={value}"
+    return f"{near}={value}"
+
+
+def _type_problems(arg: str, section: str, name: str, values: Optional[list]) -> list[str]:
+    """Each value must convert to the field's type (the check OmegaConf does when Hydra merges)."""
+    from omegaconf.errors import ValidationError
+
+    node = OmegaConf.structured(SECTIONS[section])
+    default = getattr(node, name)
+    for value in values or []:
+        try:
+            setattr(node, name, value)
+        except ValidationError:
+            kind = _kind(SECTIONS[section], name)
+            return [f"{section}.{name} must be {kind}, got {_text(value)!r} ({arg}); e.g. {section}.{name}="
+                    f"{_text(default)}."]
+    return []
+
+
+def _kind(cls, name: str) -> str:
+    import typing
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    text = words.get(base, getattr(base, "__name__", str(base)))
+    return text + (" or null" if type(None) in typing.get_args(hint) else "")
+
+
+def _dir_override(argv: list[str], key: str) -> Optional[str]:
+    for arg in argv:
+        if arg.startswith(key + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def output_dir_problems(argv: list[str]) -> list[str]:
+    """The run (or sweep) directory Hydra will create must be writable."""
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = _dir_override(argv, key)
+    if given is not None and not given.strip():
+        return [f"{key} is set but empty: the run would write into the start directory; give a directory, "
+                f"e.g. {key}={'multirun' if multirun else 'outputs'}/mine, or leave it out."]
+    env = None if multirun else os.environ.get("XPAR_RUN_DIR")
+    if given is None and env is not None and not env.strip():
+        return ["XPAR_RUN_DIR is set but empty: the run would write into the start directory (omegaconf#1179); "
+                "unset it (unset XPAR_RUN_DIR) or set it to a directory, e.g. XPAR_RUN_DIR=outputs/pinned."]
+    path = given or env or ("multirun" if multirun else "outputs")
+    static = path.split("${", 1)[0] or "."
+    problem = unwritable(Path(static))
+    if problem is None:
+        return []
+    fix = Path(tempfile.gettempdir()) / "xpar" / ("multirun" if multirun else "outputs")
+    return [f"the output directory {path} cannot be written ({problem}); start xpar from a writable "
+            f"directory or pass {key}={fix}."]
+
+
+def unwritable(path: Path) -> Optional[str]:
+    """None if a file can be created at ``path`` (a directory, existing or to be created),
+    else why not. Probes the nearest existing ancestor by creating and removing a file (so
+    it is right for root and read-only file systems alike)."""
+    path = Path(path).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return "no existing parent"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".xpar-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"{probe}: {e.strerror or e}"
+    return None

@@ -1,0 +1,41 @@
+"""Where the config tree lives, and preset-name checks before Hydra composes anything."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from xpar.config.schema import GROUPS
+
+
+def conf_dir() -> Path:
+    """``conf/`` at the repository top (checkout, editable install) or ``xpar/conf`` (wheel)."""
+    here = Path(__file__).resolve().parents[1]  # xpar/
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"xpar: no config tree found at {here / 'conf'} or {here.parent / 'conf'}")
+
+
+def presets(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def check_presets(argv: list[str]) -> None:
+    """Exit 2 naming the valid presets if an override ``group=name[,name...]`` names an
+    unknown preset of a config group (model, parallel, hardware, train, data, tracking)."""
+    bad = []
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in GROUPS:
+            continue
+        names = value.strip("[]").split(",") if "(" not in value else []
+        known = presets(key)
+        for name in names:
+            if name and name not in known:
+                bad.append(f"  - unknown {key} preset {name!r}; available: {', '.join(known)}.")
+    if bad:
+        import sys
+        print("xpar: invalid configuration:\n" + "\n".join(bad), file=sys.stderr)
+        raise SystemExit(2)

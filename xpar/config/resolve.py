@@ -1,0 +1,188 @@
+"""Resolution of a composed config into a :class:`~xpar.config.layout.Layout` and its target:
+every 'auto' becomes a number here, once. Each function returns its result and the
+violations it met (the config is never changed)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from xpar.config.checks import divisors
+from xpar.config.layout import (
+    SCHEDULES,
+    Layout,
+    balanced_split,
+    even_split,
+    zero_stage_run,
+)
+from xpar.config.schema import HardwareConfig, XparConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the layout runs: mode 'execute' or 'estimate', the hardware (detected for
+    'local'), the world size when it is fixed (None: a local run fills this machine), and
+    how it is launched ('local' or 'torchrun')."""
+
+    mode: str
+    hardware: HardwareConfig
+    world: Optional[int]
+    source: str
+    """Where the world size comes from, for messages."""
+    launcher: str
+    notes: tuple[str, ...] = ()
+
+
+def torchrun_world() -> Optional[dict[str, int]]:
+    """Rank/world of a torchrun (torchelastic) launch, or None when xpar launches itself."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                               and "MASTER_ADDR" in os.environ):
+        return {k: int(os.environ[k.upper()]) for k in ("rank", "world_size", "local_rank")
+                if k.upper() in os.environ}
+    return None
+
+
+def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[str]]:
+    """(hardware, notes, problems): hardware=local with a parallel preset written for a
+    cluster (``reference_hardware``) assumes that preset's cluster (conf/hardware/<name>.yaml,
+    through the same schema), so that mode auto estimates it, and says so in a note."""
+    from xpar.config.presets import conf_dir, presets
+
+    name, hw = c.parallel.reference_hardware, c.hardware
+    if not (hw.name == "local" and name and c.run.mode != "execute" and not torchrun_world()):
+        return hw, [], []
+    if name not in presets("hardware"):
+        return hw, [], [f"parallel.reference_hardware={name!r} is not a hardware preset; available: "
+                        f"{', '.join(presets('hardware'))}."]
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml"))
+    note = (f"hardware={name} assumed: the preset's reference cluster (parallel={c.parallel.name} names "
+            f"reference_hardware={name}); pass hardware=<preset> for another cluster.")
+    return OmegaConf.to_object(node), [note], []
+
+
+def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[Target, list[str]]:
+    """Mode, hardware and world size of the run."""
+    from xpar.config.hardware import resolve_hardware
+
+    hardware, notes, problems = reference_hardware(c)
+    trun = torchrun_world()
+    local = hardware.name == "local"
+    mode = c.run.mode if c.run.mode != "auto" else ("execute" if (local or trun) else "estimate")
+    if mode == "execute" and not local and not trun:
+        problems.append(
+            f"run.mode=execute needs the devices of hardware={hardware.name} "
+            f"({hardware.devices_per_node} x {hardware.nodes} nodes); this machine is 'local'. "
+            f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
+    hw = resolve_hardware(hardware, local_devices if not trun else None, threads=c.train.threads_per_worker or 1)
+    if trun:
+        world, source = trun["world_size"], f"torchrun WORLD_SIZE={trun['world_size']}"
+    elif mode == "estimate":
+        world = int(hw.devices_per_node) * hw.nodes
+        source = f"hardware={hw.name} ({hw.devices_per_node} devices x {hw.nodes} nodes = {world})"
+    else:
+        world, source = None, f"local devices={hw.devices_per_node}"
+    return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes)), problems
+
+
+def resolve_dp(dp, tp: int, pp: int, target: Target) -> tuple[int, list[str]]:
+    """dp from 'auto' (world / (tp pp); a local run fills this machine's devices), checked
+    against the world size."""
+    world, source, tp_pp = target.world, target.source, tp * pp
+    if dp == "auto":
+        if world is None:
+            return max(1, int(target.hardware.devices_per_node) // tp_pp), []
+        if world % tp_pp:
+            return 1, [f"dp=auto needs world size divisible by tp*pp: {source}, tp*pp={tp_pp}; "
+                       f"tp*pp values that divide {world}: {divisors(world)}."]
+        return world // tp_pp, []
+    dp = int(dp)
+    if world is not None and dp * tp_pp != world:
+        fix = f" or dp={world // tp_pp}." if world % tp_pp == 0 else f", with tp*pp dividing {world}."
+        return dp, [f"dp*tp*pp must equal the world size: dp={dp} x tp={tp} x pp={pp} = {dp * tp_pp}, "
+                    f"but {source}. Use parallel.dp=auto" + fix]
+    return dp, []
+
+
+def resolve_batch(b: int, m, global_batch, dp: int) -> tuple[int, int, list[str]]:
+    """(micro-batches m, global batch B) with B = b m dp; either may be 'auto'."""
+    if global_batch == "auto":
+        m = 1 if m == "auto" else int(m)
+        return m, b * m * dp, []
+    B = int(global_batch)
+    if m == "auto":
+        if B % (b * dp):
+            ok = [x for x in divisors(B) if x <= 64 and (B // x) % dp == 0]
+            return 1, B, [f"train.global_batch_size={B} must be divisible by micro-batch size x dp "
+                          f"= {b} x {dp} = {b * dp}; micro_batch_size values that work: {ok}."]
+        return B // (b * dp), B, []
+    m = int(m)
+    if B != b * m * dp:
+        return m, B, [f"train.global_batch_size must equal micro-batch size x micro-batches x dp: "
+                      f"{B} != {b} x {m} x {dp} = {b * m * dp}. Set train.global_batch_size={b * m * dp} "
+                      f"(or auto), or parallel.micro_batches=auto."]
+    return m, B, []
+
+
+def resolve_virtual_stages(schedule: str, pp: int, v) -> int:
+    """Stages per pipeline rank: 'auto' is 1 for one-stage schedules (gpipe, 1f1b), 2 for the
+    others; always 1 without pipelining."""
+    if pp == 1:
+        return 1
+    return SCHEDULES[schedule].default_virtual_stages() if v == "auto" else int(v)
+
+
+def resolve_layer_split(n_layers: int, given, n_stages: int) -> list[int]:
+    """The given split, or an even one (balanced where none is even: a placeholder while
+    :func:`xpar.config.checks.layout.check_layer_split` reports the problem)."""
+    if n_stages == 1:
+        return [n_layers]
+    if given and all(isinstance(x, int) and not isinstance(x, bool) for x in given) and len(given) == n_stages:
+        return [int(x) for x in given]
+    return even_split(n_layers, n_stages) or balanced_split(n_layers, n_stages)
+
+
+def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
+    """The resolved layout of ``c`` on ``target``, and the violations met resolving it."""
+    par, tr, model = c.parallel, c.train, c.model
+    dp, problems = resolve_dp(par.dp, par.tp, par.pp, target)
+    b = max(1, tr.micro_batch_size)
+    m, B, batch_problems = resolve_batch(b, par.micro_batches, tr.global_batch_size, max(dp, 1))
+    v = resolve_virtual_stages(par.schedule, par.pp, par.virtual_stages)
+    split = resolve_layer_split(model.n_layers, par.layer_split, par.pp * v)
+    seq = tr.seq_len if tr.seq_len is not None else model.seq_len
+    layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
+                    seq_len=seq, layer_split=tuple(split), schedule=par.schedule,
+                    zero_stage=_zero_stage(c, target),
+                    sequence_parallel=par.sequence_parallel, recompute=par.recompute)
+    return layout, problems + batch_problems
+
+
+def _zero_stage(c: XparConfig, target: Target) -> int:
+    """The ZeRO stage that runs (:func:`xpar.config.layout.zero_stage_run`); in execute mode ZeRO-1
+    with tp or pp runs as ZeRO-2: torch's ZeroRedundancyOptimizer broadcasts whole parameters
+    (fails on DTensor) and is not composed with pipeline stages. Estimates keep ZeRO-1 (the
+    distributed optimizer, xpar.estimate.dp)."""
+    par = c.parallel
+    z = zero_stage_run(par.schedule, par.pp, par.zero_stage)
+    return 2 if (z == 1 and target.mode == "execute" and (par.tp > 1 or par.pp > 1)) else z
+
+
+def layout_notes(requested_zero_stage: int, layout: Layout) -> list[str]:
+    """What was changed for correctness, said to the user (console, tag ``xpar.notes``)."""
+    if requested_zero_stage == 1 and layout.zero_stage == 2:
+        return [f"parallel.zero_stage=1 ran as zero_stage=2 (FSDP2 reshard_after_forward=False: gradients "
+                f"sharded too): torch's ZeroRedundancyOptimizer is not composed with tp={layout.tp}/pp={layout.pp} "
+                f"(it broadcasts whole parameters, which fails on DTensor). Estimates model ZeRO-1 as Megatron's "
+                f"distributed optimizer (run.mode=estimate)."]
+    if layout.zero_stage != requested_zero_stage:
+        return [f"parallel.zero_stage={requested_zero_stage} ran as zero_stage={layout.zero_stage} "
+                f"(FSDP2 reshard_after_forward=False): schedule {layout.schedule} with "
+                f"reshard_after_forward=True gives wrong gradients silently in torch 2.13."]
+    if layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble and layout.zero_stage == 0 and layout.dp > 1 \
+            and layout.tp == 1:
+        return [f"schedule {layout.schedule} under DDP: xpar all-reduces each stage's gradients over dp after its "
+                f"last weight-gradient pass (torch's split backward calls autograd.grad, so DDP's hooks never fire: "
+                f"pytorch#144530)."]
+    return []

@@ -1,0 +1,498 @@
+"""Structured-config schemas for every config group, registered in Hydra's ConfigStore.
+
+The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a
+wrong type on the command line (``parallel.tp=abc``) is refused by OmegaConf with the
+full key before anything runs. Cross-field constraints live in :mod:`xpar.config.validate`,
+the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only transformer (Llama or GPT style)."""
+
+    name: str = "tiny"
+    n_layers: int = 4
+    """Number of transformer blocks (l)."""
+    hidden: int = 64
+    """Model width (h)."""
+    n_heads: int = 4
+    """Attention heads (a); head dim = hidden / n_heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads (multi-head)."""
+    ffn_hidden: int = 172
+    """MLP inner width (4h for GPT, ~8h/3 rounded for SwiGLU)."""
+    vocab_size: int = 256
+    """Vocabulary size (V)."""
+    seq_len: int = 64
+    """Context length the model was published with (s); train.seq_len may shorten it."""
+    activation: str = "swiglu"
+    """'swiglu' (3 MLP matrices) or 'gelu' (2 MLP matrices)."""
+    norm: str = "rmsnorm"
+    """'rmsnorm' or 'layernorm'."""
+    position: str = "rope"
+    """'rope' or 'learned' (absolute position embedding of seq_len rows)."""
+    tied_embeddings: bool = False
+    """Output projection shares the token-embedding matrix."""
+    bias: bool = False
+    """Linear layers and norms carry biases (GPT-2/3 do, Llama does not)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout: degrees, ZeRO stage, micro-batching, pipeline schedule."""
+
+    name: str = "dp"
+    dp: Any = "auto"
+    """Data-parallel degree, or 'auto' = world size / (tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row splits within a layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages across layers)."""
+    zero_stage: int = 0
+    """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
+    3: FSDP2 reshard_after_forward=True."""
+    micro_batches: Any = 1
+    """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
+    micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev."""
+    virtual_stages: Any = 1
+    """Stages per pipeline rank (v) for interleaved and V-shaped schedules, or 'auto': 1 for
+    gpipe and 1f1b, 2 for the others."""
+    layer_split: Optional[list] = None
+    """Explicit layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
+    recompute: str = "none"
+    """Activation recomputation per transformer block (xpar.parallel.recompute): none |
+    selective (keep matmul outputs, recompute the rest) | full (keep the block input)."""
+    reference_hardware: Optional[str] = None
+    """Hardware preset this layout was written for (cluster presets)."""
+
+
+@dataclass
+class HardwareConfig:
+    """A machine or cluster. 'local' is detected at run time."""
+
+    name: str = "local"
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda if available, else cpu)."""
+    gpu: Optional[str] = None
+    """Accelerator model, e.g. 'A100-SXM4-80GB'."""
+    devices_per_node: Any = "auto"
+    """GPUs per node, or CPU workers for local runs; 'auto' detects."""
+    nodes: int = 1
+    device_memory_gb: Optional[float] = None
+    """Memory per device in GB (1e9 bytes), as the device reports it; None detects (host RAM on CPU),
+    on hardware=local only: elsewhere refused (xpar.config.checks.hardware)."""
+    peak_tflops: Optional[float] = None
+    """Dense peak per device for bf16/fp16 (tensor cores on GPUs) in TFLOP/s (1e12 FLOP/s); None
+    measures, on hardware=local with a CPU only: refused on other hardware and for an estimate of a
+    local GPU (xpar.config.checks.hardware). MFU is measured against it."""
+    peak_tflops_fp32: Optional[float] = None
+    """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
+    fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""
+    hbm_tb_per_s: Optional[float] = None
+    intra_node_gb_per_s: Optional[float] = None
+    """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
+    inter_node_gb_per_s: Optional[float] = None
+    """Bandwidth of one inter-node NIC (InfiniBand/RoCE), GB/s per direction; None: one node only
+    (refused with nodes > 1: cross-node traffic would be priced at the intra-node link's speed)."""
+    nics_per_node: Optional[int] = None
+    """Inter-node NICs per node (compute fabric), an integer >= 1; None: one per device."""
+    collective_latency_us: float = 8.4
+    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL
+    src/graph/tuning.cc baseLat, ring, Simple protocol). Every ``*_us`` field is >= 0
+    (xpar.config.checks.hardware): it adds to the step."""
+    intra_node_latency_us: float = 3.4
+    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc
+    hwLat NVLink, ring, Simple)."""
+    inter_node_latency_us: float = 9.6
+    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET,
+    ring, Simple)."""
+    p2p_latency_us: Optional[float] = None
+    """Latency of one point-to-point message (a pipeline send), microseconds, where it is
+    measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
+    collectives pay ~0.3-4 ms per step); None: collective_latency_us + one link step."""
+    ring_step_us_by_bytes: Optional[dict] = None
+    """Measured seconds of one ring step by collective and chunk size, inside one node: for each
+    of 'allreduce', 'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes,
+    microseconds per step] (``xpar calibrate``: payload / ranks per step, time / ring steps;
+    send_recv: the message, one step). Where a collective has its curve, a single-node group
+    pays ring steps x the curve at its chunk (xpar.estimate.collectives.measured_time) instead
+    of the alpha-beta model: gloo's cost per byte differs by collective and grows faster than
+    linear past a few MiB. None: the alpha-beta model (GPU presets)."""
+    matmul_efficiency: float = 0.7
+    """Achievable fraction of peak for large matmuls (cost model calibration)."""
+    link_efficiency: float = 0.8
+    """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
+    framework_overhead_gb: float = 2.0
+    """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
+    memory_headroom: float = 0.0
+    """Fraction of device memory the fit check keeps free (0.05: refuse a layout whose
+    estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
+    op_overhead_us: float = 0.0
+    """Host microseconds per aten operator issued, autograd included, where the host's time adds
+    to the step (a CPU); measured by ``xpar calibrate``; 0: hidden (GPU presets). xpar.estimate.host."""
+    dtensor_op_overhead_us: float = 0.0
+    """Extra host microseconds of an operator on DTensors (FSDP2, tp); measured by ``xpar calibrate``."""
+    fsdp_unit_overhead_us: float = 0.0
+    """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
+    measured by ``xpar calibrate``."""
+    tp_block_overhead_us: float = 0.0
+    """Extra host microseconds of one transformer block under tensor parallelism (DTensor dispatch
+    and sharding propagation of the Megatron plan, xpar.parallel.tensor.block_plan), forward and
+    backward per micro-batch, measured by ``xpar calibrate`` on a 1-rank mesh (no communication);
+    0: estimated from ``dtensor_op_overhead_us`` per linear. xpar.estimate.host."""
+    tp_first_overhead_us: float = 0.0
+    """The same for the first stage's vocabulary-parallel embedding; measured by ``xpar calibrate``."""
+    tp_last_overhead_us: float = 0.0
+    """The same for the last stage's norm, output projection and vocabulary-parallel loss
+    (``loss_parallel``); measured by ``xpar calibrate``."""
+    sync_wait_us: float = 0.0
+    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
+    ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by
+    ``xpar calibrate``; added to every collective and send (xpar.estimate.collectives). 0: GPU
+    presets (no such measurement)."""
+    optimizer_ns_per_element: Optional[float] = None
+    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
+    parameter element, measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element
+    over the measured copy bandwidth would say ~4.3: temporaries partly cached); None: bytes over
+    ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
+    cpu_cores: Optional[int] = None
+    """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
+    cores stretch the estimated step (xpar.estimate.host.oversubscription); None: not a shared CPU."""
+    pcie_gb_per_s: Optional[float] = None
+    """Host <-> device bandwidth per device, GB/s per direction, with every device of the node
+    copying at once (optimizer offload, xpar.estimate.offload); None: unknown (no offload)."""
+    host_memory_gb: Optional[float] = None
+    """Host memory (DRAM) per node, GB (1e9 bytes): holds offloaded optimizer states; None: unknown."""
+    host_mem_gb_per_s: Optional[float] = None
+    """Host memory bandwidth per node, GB/s (all sockets): bounds the host AdamW step of an
+    offloaded optimizer; None: unknown (no offload)."""
+
+
+@dataclass
+class FrameworkConfig:
+    """Which training framework the estimate is for: how it computes and communicates.
+    Presets in conf/framework/ (xpar, megatron, torchtitan, deepspeed), each with its source.
+    Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
+
+    name: str = "xpar"
+    flash_attention: bool = True
+    """Fused (flash) attention: no s x s scores kept or moved through HBM."""
+    dropout: bool = False
+    """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
+    fused_rmsnorm: bool = True
+    """RMSNorm as one kernel keeping only its input (False: composite, keeps x * rstd too)."""
+    sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered inputs of column-parallel GEMMs (torch
+    DTensor); False: keeps the shard and gathers again in backward (Megatron)."""
+    passes_forward: float = 2.0
+    """HBM passes per activation byte in forward (written, read back)."""
+    passes_backward: float = 4.0
+    """HBM passes per activation byte in backward."""
+    scatter_gather: bool = False
+    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
+    dp_overlap: bool = True
+    """Gradient reductions (DDP buckets, FSDP reduce-scatters) overlap the backward of the
+    units before them; False: all after the backward (after the pipeline flush)."""
+    fsdp_prefetch: bool = True
+    """ZeRO-3/FSDP all-gathers unit k+1 while unit k computes (forward and backward)."""
+    param_gather_overlap: bool = False
+    """ZeRO-1/2 parameter all-gather after the optimizer step overlaps the next forward,
+    unit by unit (Megatron-Core --overlap-param-gather); False: blocking after the step."""
+    zero1: str = "zero_redundancy"
+    """ZeRO-1 semantics: 'zero_redundancy' (torch ZeroRedundancyOptimizer: gradients
+    all-reduced, updated shards broadcast; 1.5x DDP's bytes) or 'distributed_optimizer'
+    (Megatron: gradients reduce-scattered, params all-gathered; 1x DDP's bytes)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the dp reduction (4: fp32 reduce, 2: bf16/fp16)."""
+    dp_collective: str = "nccl"
+    """Algorithm of dp collectives: 'nccl' (ring, or tree for all-reduce where faster),
+    'ring' (flat ring), 'hierarchical' (intra-node, then inter-node, then intra-node)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued."""
+    tp_overlap: float = 0.0
+    """Share of tensor-parallel communication hidden behind the layer's GEMMs (0: blocking;
+    async TP / Megatron-Core tp-comm-overlap hide most of it)."""
+    pp_overlap: float = 0.0
+    """Share of pipeline send/recv time hidden behind compute (0: blocking)."""
+    overlap_slowdown: float = 0.15
+    """Fraction by which compute slows while a collective runs beside it, the slowed time
+    counted as exposed communication: NCCL runs one thread block per channel, 16 channels
+    (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
+    zero3_host_ops_per_rank: float = 0.0
+    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 collective: 0 for flat
+    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered and reduce-scattered each
+    parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
+    host_op_us: float = 4.0
+    """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    loss_kernel: str = "fp32"
+    """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
+    in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
+    replicated_embedding_grad: bool = True
+    """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
+    (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays
+    vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
+    fsdp_copies: str = "fsdp2"
+    """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
+    _fsdp_collectives.py): each all-gather's flat output copied into the unit's parameters
+    (``split_with_sizes_copy`` in ``wait_for_unshard``: read + write in the parameter dtype) and the
+    unit's gradients into the reduce-scatter input, cast to the reduce dtype
+    (``foreach_reduce_scatter_copy_in``); 'fsdp1' (FlatParameter: parameters and gradients are views
+    of the gathered and reduced flat buffers): only the cast of the flat gradient where the reduce
+    dtype differs; 'none': DeepSpeed (ZeRO-3 gathers into a buffer its parameters view)."""
+    adamw_bytes_per_element: Optional[float] = 84.0
+    """Memory traffic of the optimizer step per element it updates, bytes. 84: torch's AdamW with
+    foreach=False (xpar.parallel.data_parallel.build_optimizer) runs 8 element-wise kernels over
+    fp32 tensors per parameter (weight decay mul_ 8, exp_avg lerp_ 12, exp_avg_sq mul_ 8 and
+    addcmul_ 16, sqrt 8, div 8, add_ 8, param addcdiv_ 16: torch/optim/adamw.py); null: a fused
+    AdamW, one read and one write of the states (2 passes at the ZeRO paper's widths)."""
+    grad_accumulation_passes: float = 3.0
+    """Passes over the held gradient bytes per micro-batch after the first (autograd's
+    AccumulateGrad: 2 reads, 1 write); counted with ``gradient_passes``."""
+    gradient_passes: bool = False
+    """Count the passes over the gradients outside the GEMMs (accumulation, torch's pipeline
+    scaling, the norm clip: xpar.estimate.cost.gradient_time). Set on a CPU whatever the profile;
+    off on GPUs, where they are <= 1.5 % of the public runs' steps."""
+    # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
+    count_buffers: bool = True
+    """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""
+    selective_recompute: str = "op"
+    """What recompute=selective keeps: 'op' (xpar), 'torchtitan_op', 'attention' (Megatron)."""
+    recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to."""
+    param_storage: str = "fp32"
+    """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
+    parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
+    grad_bytes: int = 4
+    """Bytes per held gradient element under mixed precision."""
+    fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward."""
+    ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default)."""
+    cpu_offload_optimizer: bool = False
+    """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
+    (DeepSpeed offload_optimizer; timed by xpar.estimate.offload). Estimate only: xpar does not
+    execute it (execute mode refuses it)."""
+    offload: list = field(default_factory=lambda: [False, True])
+    """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
+    [false, true]."""
+    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages the framework runs (xpar plan searches these): xpar all four."""
+    pp_zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages it runs together with pipeline parallelism (pp > 1)."""
+    schedules: list = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                                     "zero_bubble", "zbv", "dualpipev"])
+    """Pipeline schedules it runs (xpar.config.layout.SCHEDULES names; xpar plan searches these)."""
+    interleaved_min_pp: int = 2
+    """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
+    interleaved_m_per_pp: bool = False
+    """Whether its interleaved 1F1B needs the micro-batch count m divisible by pp (Megatron-LM);
+    torch's Interleaved1F1B has its own rule (xpar.config.layout.SCHEDULES)."""
+    sequence_parallel: list = field(default_factory=lambda: [False, True])
+    """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
+    terms: list = field(default_factory=list)
+    """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
+    and memory terms); tests/test_framework.py checks that nothing else changes."""
+
+
+@dataclass
+class TrainConfig:
+    """The step loop."""
+
+    steps: int = 10
+    warmup_steps: int = 2
+    """Steps excluded from timing (must be < steps)."""
+    global_batch_size: Any = "auto"
+    """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch (b)."""
+    seq_len: Optional[int] = None
+    """Training sequence length; None uses model.seq_len."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    dtype: str = "fp32"
+    """fp32 (pure fp32) or bf16: mixed precision -- bf16 compute, fp32 master weights and
+    AdamW states, fp32 gradient reduction and loss (xpar.parallel.precision)."""
+    seed: int = 0
+    threads_per_worker: Optional[int] = None
+    """torch threads per worker on CPU (torch.set_num_threads); None = 1."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or global gradient norm is NaN or inf (checked every step on every
+    rank, xpar.parallel.optim.check_finite): 'stop' ends the run FAILED naming the step, rank and value;
+    'skip' skips that optimizer step (and its lr step) and counts it (train/skipped_steps);
+    'ignore' steps anyway and counts it (train/nonfinite_steps). Either count marks the run
+    diverged (tag xpar.diverged): its throughput is not a clean measurement."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global L2 norm of the whole model's gradient to this (xpar.parallel.optim); null
+    disables clipping (the pre-clip norm is still measured and logged)."""
+    lr_schedule: str = "constant"
+    """'constant' (the default) or 'cosine': linear warm-up over lr_warmup_steps, then lr
+    fixed, or cosine decay to min_lr_ratio * lr at the last step (xpar.parallel.optim.lr_factor)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear lr warm-up (either schedule); not the timing warm-up."""
+    min_lr_ratio: float = 0.1
+    """Final lr / lr of the cosine schedule (0..1)."""
+    checkpoint_every: Optional[int] = None
+    """Save a checkpoint (torch.distributed.checkpoint, xpar.run.checkpoint) every this many
+    optimizer steps; null or 0: none."""
+    checkpoint_dir: Optional[str] = None
+    """Where checkpoints go, one ``step_<k>`` directory each; null: ``<run output dir>/checkpoints``."""
+    checkpoint_keep: Optional[int] = None
+    """Keep only this run's newest this many checkpoints (older ones are deleted once a newer
+    one is complete); null: keep all."""
+    resume: Optional[str] = None
+    """Resume from a checkpoint: a ``step_<k>`` directory, a checkpoints or run output directory
+    (its newest checkpoint), or 'latest' (the newest under train.checkpoint_dir, else under
+    outputs/ and multirun/). Not logged as a param: the resumed run's tags say where from."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    kind: str = "synthetic"
+    """'synthetic' (seeded random tokens) or 'text' (byte-level tokens of a local file)."""
+    path: Optional[str] = None
+    """Text file for kind=text."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow."""
+
+    enabled: bool = True
+    uri: Optional[str] = None
+    """Tracking URI; None = sqlite:///<directory xpar was started from>/mlflow.db."""
+    experiment: str = "xpar"
+    artifact_location: Optional[str] = None
+    """Artifact root for a new experiment; None = <start directory>/mlartifacts."""
+    run_name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    """How to run the layout."""
+
+    mode: str = "auto"
+    """auto | execute | estimate | plan. auto executes where the devices exist, else estimates; plan
+    searches every layout (xpar plan, xpar.plan.command)."""
+    progress: bool = True
+    fail_rank: Optional[int] = None
+    """Fault injection for testing failure handling: this rank raises after building its engine."""
+    allow_long: bool = False
+    """Run a local job whose estimated training time exceeds an hour (xpar.estimate.duration)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective (gloo/NCCL), seconds: a rank waiting longer raises."""
+    heartbeat_timeout_s: float = 30.0
+    """Local workers beat every second; one silent this long (stopped, hung outside Python's
+    reach) is named and the job ended (xpar.run.launch)."""
+    dry_run: bool = True
+    """Estimate mode: also build the representative ranks through the engine factory on a fake
+    process group (xpar.estimate.dryrun) and check the cost model's parameter bytes against them."""
+
+
+@dataclass
+class SweepConfig:
+    """Multirun sweeps (``-m``)."""
+
+    skip_invalid: bool = False
+    """Pre-flight: skip jobs whose config is invalid (True) or stop the sweep before any job runs."""
+    metric: str = "throughput/tokens_per_s"
+    """Metric that picks the sweep's best job."""
+    goal: str = "max"
+    """'max' or 'min' of ``metric``."""
+    max_failure_rate: float = 1.0
+    """Optuna sweeper: share of failed or skipped trials per batch above which the sweep stops
+    (hydra.sweeper.max_failure_rate); 1.0 goes on whatever fails."""
+
+
+@dataclass
+class PlanConfig:
+    """``xpar plan`` (run.mode=plan): the user's constraints on the layouts searched
+    (xpar.plan.space) and what the plan shows and runs (xpar.plan.command)."""
+
+    global_batch_size: Any = "auto"
+    """Sequences per step: a number, a range [lo, hi] (tried at lo, hi and the powers of two
+    between), or 'auto': train.global_batch_size if a number, else 2^22 tokens / seq_len rounded
+    to a power of two (Llama 2/3's 4M-token batch) and at least the device count; on
+    hardware=local, devices x train.micro_batch_size."""
+    devices: Any = None
+    """Devices: null (the hardware preset's), a number, or a range [lo, hi] (whole nodes: lo, hi
+    and the powers of two between) with ``min_tokens_per_s``: the smallest cluster reaching it."""
+    min_tokens_per_s: Optional[float] = None
+    """Throughput the smallest cluster of a ``devices`` range must reach (tokens/s)."""
+    max_tp: Optional[int] = None
+    """Largest tensor-parallel degree; null: any tp dividing the heads (inside or across nodes)."""
+    pp: Optional[int] = None
+    """Fixed pipeline degree; null: any."""
+    schedules: Optional[list] = None
+    """Pipeline schedules allowed (xpar.config.layout.SCHEDULES); null: those the framework runs (framework.schedules)."""
+    zero_stages: Optional[list] = None
+    """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
+    recompute: Optional[list] = None
+    """Recompute policies allowed (none, selective, full); null: all."""
+    sequence_parallel: Optional[list] = None
+    """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
+    offload: Optional[list] = None
+    """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
+    max_micro_batch_size: int = 8
+    """Largest micro-batch size b tried (sequences)."""
+    memory_headroom: Optional[float] = None
+    """Fraction of device memory kept free; null: hardware.memory_headroom."""
+    top_k: int = 10
+    """Layouts shown in the ranked table."""
+    execute_top: int = 0
+    """hardware=local: run this many of the top layouts for real (an MLflow sweep) and compare
+    estimated with measured tokens/s."""
+
+
+@dataclass
+class XparConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+GROUPS = ("model", "parallel", "hardware", "train", "data", "tracking", "framework")
+
+
+def register_configs() -> None:
+    """Register the schema as ``xpar_schema`` (the first entry of conf/config.yaml's defaults)."""
+    cs = ConfigStore.instance()
+    cs.store(name="xpar_schema", node=XparConfig)
+
+
+register_configs()
+
+
+SUMMARY_METRICS = ("throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "throughput/step_time_s",
+                   "throughput/tflops_per_device", "throughput/mfu", "throughput/hfu", "memory/peak_bytes_per_device",
+                   "memory/model_states_bytes", "train/final_loss")
+"""The summary metrics every run logs (:meth:`xpar.estimate.report.Report.metrics`, besides its memory terms and extras)."""

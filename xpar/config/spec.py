@@ -1,0 +1,108 @@
+"""RunSpec: the validated, fully resolved run (no 'auto' left), built by :mod:`xpar.config.validate`.
+
+The layout's facts (degrees, micro-batches, stages, rank order) are owned by its
+:class:`~xpar.config.layout.Layout`; the config groups it carries are resolved copies consistent
+with that layout (what is logged as params)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from xpar.config.layout import Layout
+from xpar.config.schema import (
+    DataConfig,
+    FrameworkConfig,
+    HardwareConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+
+
+@dataclass
+class RunSpec:
+    """Everything a worker, the estimator or the report needs, with derived values resolved.
+
+    ``parallel.dp`` and ``parallel.micro_batches`` are ints, ``train.global_batch_size`` and
+    ``train.seq_len`` are ints, ``hardware`` figures are filled in (detected for 'local').
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    hardware: HardwareConfig
+    train: TrainConfig
+    data: DataConfig
+    tracking: TrackingConfig
+    mode: str
+    """'execute' (real workers) or 'estimate' (cost model + fake-PG dry run)."""
+    layout: Layout
+    device: str
+    """'cpu' or 'cuda' (execute), 'cuda' for an estimated cluster."""
+    launcher: str = "local"
+    """'local' (xpar spawns workers) or 'torchrun' (this process is one rank)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    fail_rank: Optional[int] = None
+    """Fault injection (run.fail_rank): this rank raises after building its engine."""
+    notes: list[str] = field(default_factory=list)
+    """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
+    dry_run: bool = True
+    """Estimate mode: run the fake-process-group dry run (run.dry_run)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective, seconds (run.collective_timeout_s; init_process_group)."""
+    heartbeat_timeout_s: float = 30.0
+    """A local worker silent this long is named as stopped and the job ended (run.heartbeat_timeout_s)."""
+    framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    """The training framework the estimate assumes (conf/framework/; logged as params)."""
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.layout.micro_batches
+
+    @property
+    def global_batch(self) -> int:
+        return self.layout.global_batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.layout.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.tokens_per_step
+
+    @property
+    def layer_split(self) -> list[int]:
+        """Blocks per pipeline stage, len = pp * virtual_stages (stage order)."""
+        return list(self.layout.layer_split)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSpec":
+        groups = dict(model=ModelConfig, parallel=ParallelConfig, hardware=HardwareConfig,
+                      train=TrainConfig, data=DataConfig, tracking=TrackingConfig, layout=Layout,
+                      framework=FrameworkConfig)
+        d = dict(d, layout={k: v for k, v in d["layout"].items() if not k.startswith("_")})
+        kw = {k: (groups[k](**v) if k in groups else v) for k, v in d.items()}
+        return cls(**kw)
+
+

@@ -1,0 +1,122 @@
+"""Validation: a composed config in, a resolved :class:`~xpar.config.spec.RunSpec` out.
+
+Runs every named check (:mod:`xpar.config.checks.config` on the config, :mod:`xpar.config.checks.layout`
+on the resolved :class:`~xpar.config.layout.Layout`), collects every violation and raises them
+together as :class:`ConfigError` before any worker starts; the entry point prints them and
+exits 2. Nothing here changes the config it is given. Whether the layout fits memory is
+checked after validation by :mod:`xpar.estimate.fit`, which calls the cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from xpar.config.checks import ConfigError, divisors  # noqa: F401  (re-exported)
+from xpar.config.checks import config as config_checks
+from xpar.config.checks import layout as layout_checks
+from xpar.config.checks.environment import check_environment
+from xpar.config.checks.framework import check_framework, check_framework_layout
+from xpar.config.checks.hardware import estimate_peak_problem
+from xpar.config.checks.runtime import check_runtime, check_threads
+from xpar.config.layout import Layout
+from xpar.config.resolve import (  # noqa: F401
+    Target,
+    build_layout,
+    layout_notes,
+    resolve_target,
+    torchrun_world,
+)
+from xpar.config.schema import XparConfig
+from xpar.config.spec import RunSpec
+
+
+def to_schema(cfg: DictConfig | dict) -> XparConfig:
+    """Typed config from a composed DictConfig (resolves interpolations)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    merged = OmegaConf.merge(OmegaConf.structured(XparConfig), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
+    """Every check of the resolved layout."""
+    par, v = c.parallel, layout.virtual_stages
+    return (layout_checks.check_tp(c.model, layout) + layout_checks.check_zero1(layout, mode)
+            + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
+            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
+            + layout_checks.check_recompute(layout)
+            + layout_checks.check_layer_split(c.model.n_layers, par.layer_split, par.pp, v))
+
+
+def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None) -> RunSpec:
+    """Check every constraint and resolve the run.
+
+    Args:
+        cfg: the composed config (not changed).
+        local_devices: devices on this machine (CPU workers or GPUs); None detects.
+
+    Returns:
+        The resolved :class:`RunSpec` (no 'auto' left).
+
+    Raises:
+        ConfigError: listing every violated constraint.
+    """
+    c = cfg if isinstance(cfg, XparConfig) else to_schema(cfg)
+    early = (config_checks.check_choices(c) + config_checks.check_degrees(c) + check_environment(c)
+             + check_threads(c))
+    problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
+                + config_checks.check_data(c) + check_framework(c.framework) + config_checks.check_sweep(c))
+    _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
+    target, target_problems = resolve_target(c, local_devices)
+    layout, layout_resolution = build_layout(c, target)
+    problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
+    problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
+                                       layout.micro_batches, bool(c.parallel.sequence_parallel))
+    problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
+    if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
+            and layout.world_size > int(target.hardware.devices_per_node):
+        problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
+                        f"CUDA devices; reduce the degrees or use run.mode=estimate.")
+    _raise_if(problems)
+    return build_spec(c, target, layout)
+
+
+def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
+    """``run.fail_rank`` (fault injection) names a rank of this executed run; a rank outside it
+    or an estimate would inject nothing, silently."""
+    rank, world = c.run.fail_rank, layout.world_size
+    if rank is None:
+        return []
+    if mode != "execute":
+        return [f"run.fail_rank={rank} injects a worker failure, but run.mode={mode} starts no worker; "
+                f"drop it (run.fail_rank=null)."]
+    if not 0 <= rank < world:
+        return [f"run.fail_rank must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
+                f"e.g. run.fail_rank={world - 1}."]
+    return []
+
+
+def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
+    """The RunSpec of a valid config: resolved copies of the groups, consistent with ``layout``."""
+    par = replace(c.parallel, dp=layout.dp, micro_batches=layout.micro_batches,
+                  virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
+                  layer_split=list(layout.layer_split))
+    train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
+                    threads_per_worker=c.train.threads_per_worker or 1)
+    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout)
+    if target.mode == "execute" and c.framework.name != "xpar":
+        notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
+                     "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
+    return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
+                   data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
+                   device=target.hardware.device if target.mode == "execute" else "cuda",
+                   launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
+                   collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
+                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))

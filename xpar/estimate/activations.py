@@ -1,0 +1,305 @@
+"""Saved activations per layer, stage and pipeline schedule (Korthikanti et al. 2022; the
+schedule walk of torch's action lists): the second part of the memory estimate
+(:mod:`xpar.estimate.memory` documents the accounting and its sources)."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from xpar.config.schema import ModelConfig
+from xpar.config.spec import RunSpec
+from xpar.estimate.model_states import MemoryOptions, precision
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", *, kv: Optional[int] = None,
+                           ffn: Optional[int] = None, swiglu: bool = False, dropout: bool = True,
+                           flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
+                           sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
+                           autocast_casts: bool = False, kv_matmul: Optional[int] = None,
+                           selective: str = "attention") -> float:
+    """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
+
+    Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
+    ``resid_elem`` residual-stream bytes, default e; mask = 1 byte/element with ``dropout``),
+    per token:
+
+    - replicated across tp unless ``sp``: two norm inputs 2 er h, the q/k/v input and the
+      MLP input e h each, two dropout masks h each  -> 10 h for GPT (e = er = 2);
+    - split by tp: Q e h, K and V e kv each, the wo input e h, MLP inner tensors
+      2 e f (GELU) or 4 e f (SwiGLU: w1 and w3 outputs, silu output, w2 input)
+                                                    -> 24 h for GPT (kv = h, f = 4h);
+    - attention scores, split by tp: softmax output e a s, its dropout mask a s and output
+      e a s (no dropout: e a s only)                -> 5 a s for GPT; with ``flash`` only
+      the fp32 log-sum-exp, 4 a bytes per token.
+
+    Framework variants (measured on CPU with torch 2.13, tests/test_estimate_run.py):
+    ``norm_saves_output``: torch's composite RMSNorm upcasts to fp32 and keeps its fp32 input
+    and x * rstd (8 h per norm whatever the dtype; a fused norm keeps its input, er h);
+    ``autocast_casts``: under torch.autocast each projection casts its fp32 input to bf16
+    separately, so q, k, v (and w1, w3) each keep their own e h copy; ``sp_saves_gathered``
+    (with ``sp``): the projections' inputs are kept all-gathered at full sequence length
+    (torch DTensor; Megatron keeps the shard and gathers again in backward).
+
+    ``recompute``: ``full`` keeps the layer input, er h (/t with sp). ``selective`` by
+    ``selective``: 'attention' (Megatron) drops the score terms; 'op' (xpar) keeps the input
+    and every matmul output -- q (h), k, v (``kv_matmul`` each, the un-expanded GQA width),
+    w1 and w3 (f), all /t, and the wo and w2 outputs (h, partial sums under tp) -- plus the tp
+    collectives' outputs (2 all-reduced h; with sp 2 gathered h and 2 reduce-scattered h/t);
+    'torchtitan_op' keeps the input, SDPA's output and log-sum-exp, and every other matmul
+    output (wq, wv, w1, w2). Not counted: RoPE's and norms' small side tensors (rstd,
+    cos/sin). Units: bytes.
+    """
+    kv = h if kv is None else kv
+    kvm = kv if kv_matmul is None else kv_matmul
+    f = 4 * h if ffn is None else ffn
+    er = elem if resid_elem is None else resid_elem
+    mask = 1 if dropout else 0
+    if recompute == "full":
+        return s * b * er * h / (t if sp else 1)
+    if recompute == "selective" and selective != "attention":
+        return s * b * _selective_op_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, selective)
+    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
+    norm_in = 4 if norm_saves_output else er
+    rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
+    split = 2 * elem * h + 2 * elem * kv + (4 if swiglu else 2) * elem * f
+    scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
+    if recompute == "selective":
+        scores = 0
+    gathered = n_in * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
+    per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
+    return s * b * per_token
+
+
+def _selective_op_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
+                        policy: str) -> float:
+    """Per-token bytes kept by op-level selective recompute (see :func:`layer_activation_bytes`)."""
+    n_f = 2 if swiglu else 1
+    block_in = er * h / (t if sp else 1)
+    if policy == "op":
+        kept = e * (h + 2 * kv + n_f * f) / t + 2 * e * h
+    else:  # torchtitan_op: SDPA output + lse, every other matmul (wq, wv, w1, and w2 with SwiGLU)
+        kept = e * (h + h + kv + f) / t + 4 * a / t + (e * h if swiglu else 0)
+    coll = 0.0  # tp collectives' outputs: 'op' keeps all; torchtitan only its reduce-scatters
+    if t > 1 and sp:
+        coll = 2 * e * h / t + (2 * e * h if policy == "op" else 0)
+    elif t > 1 and policy == "op":
+        coll = 2 * e * h
+    return block_in + kept + coll
+
+
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                       recompute: str = "none") -> float:
+    """Korthikanti et al. 2022 Table 2 closed forms (GPT, 16-bit, dropout). Units: bytes."""
+    att = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if sp:
+        return s * b * h / t * (34 + att)
+    return s * b * h * (10 + 24 / t + att / t)
+
+
+def recompute_extra_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, policy: str = "op",
+                                    fraction: float = 1.0) -> float:
+    """Forward FLOPs per token run again in backward (Narayanan et al. 2021 convention,
+    :mod:`xpar.estimate.flops`): full -- every block's forward; selective 'attention' and
+    'op' -- the attention core (scores and context; xpar's 'op' also reruns the element-wise
+    ops, which this convention does not count); 'torchtitan_op' -- the matmuls it does not
+    keep (wk, wo, and w3 with SwiGLU; the attention core is kept). Times ``fraction`` of
+    the blocks. Units: FLOP per token (the whole model's layers)."""
+    from xpar.estimate.flops import forward_flops_per_token
+
+    fwd = forward_flops_per_token(cfg, seq_len)
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
+    if recompute == "none":
+        return 0.0
+    if recompute == "full":
+        extra = fwd["matmul"] + fwd["attention"]
+    elif policy == "torchtitan_op":
+        extra = cfg.n_layers * 2 * (h * kv + h * h + (h * f if cfg.activation == "swiglu" else 0))
+    else:
+        extra = fwd["attention"]
+    return fraction * extra
+
+
+def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
+    """What the estimate should say about the recompute policy: Megatron's selective recompute
+    under flash attention saves ~nothing; an op-level policy that keeps more than no
+    recompute (with sequence parallelism at large t, the wo/w2 outputs before their
+    reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
+    if spec.parallel.recompute != "selective":
+        return []
+    if o.selective_recompute == "attention" and o.flash_attention:
+        return ["selective recompute of the attention core (Megatron) saves almost nothing under flash "
+                "attention: the s x s scores are never kept (only a 4 a bytes/token log-sum-exp)"]
+    lb = layer_bytes(spec, o)
+    if lb["kept"] > lb["none"]:
+        return [f"selective recompute ({o.selective_recompute}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
+                f"of no recompute per block here (it keeps matmul and collective outputs that plain autograd "
+                f"does not need); recompute=none or full is better for memory"]
+    return []
+
+
+def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
+    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
+    cfg, rec = spec.model, precision(spec, o)
+    return dict(kv=cfg.hidden, kv_matmul=cfg.kv_heads * cfg.head_dim, ffn=cfg.ffn_hidden,
+                swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
+                resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
+                sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
+                selective=o.selective_recompute)
+
+
+def layer_bytes(spec: RunSpec, o: MemoryOptions) -> dict[str, float]:
+    """One block, one micro-batch: ``kept`` (under the recompute policy, mixed over
+    ``recompute_layer_fraction`` of the blocks), ``none`` (no recompute) and ``workspace``
+    (rebuilt during the block's backward: none - policy, 0 without recompute). xpar's model
+    expands GQA K/V to all heads before SDPA, so K and V are kept at width h. Bytes."""
+    cfg, par = spec.model, spec.parallel
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
+    kw = _layer_kwargs(spec, o)
+    none = layer_activation_bytes(*args, "none", **kw)
+    policy = layer_activation_bytes(*args, par.recompute, **kw)
+    phi = o.recompute_layer_fraction if par.recompute != "none" else 0.0
+    return {"kept": phi * policy + (1 - phi) * none, "none": none, "workspace": none - policy if phi else 0.0}
+
+
+def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]:
+    """Activation bytes one micro-batch keeps on ``stage`` until its backward: ``layers``,
+    ``logits`` (last stage: the final norm's saved input(s), the output projection's input,
+    the fp32 log-probs of the cross entropy, 4 V / t per token, Korthikanti Sec. 4.3) and
+    ``embedding_mask`` (first stage, with dropout); and the transients of that stage:
+    ``workspace`` (one block rebuilt in its backward) and ``loss_transient`` (last stage: while
+    the loss runs backward the dense fp32 gradient of nll_loss and of log_softmax live beside
+    the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
+    fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
+    ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
+    and the output projection). Bytes."""
+    cfg, lay, par = spec.model, spec.layout, spec.parallel
+    rec = precision(spec, o)
+    s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
+    lb = layer_bytes(spec, o)
+    n = lay.layer_split[stage]
+    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
+           "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
+    if rec["autocast"]:
+        kv = cfg.kv_heads * cfg.head_dim
+        block = (2 * h * h + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
+        kept_blocks = n * (1 - (o.recompute_layer_fraction if par.recompute != "none" else 0.0))
+        out["weight_copies"] = rec["e"] * (kept_blocks * block + (cfg.vocab_size * h / t if stage == lay.n_stages - 1 else 0))
+    if stage == 0 and o.dropout:
+        out["embedding_mask"] = s * b * h / (t if sp else 1)
+    if stage > 0 and n and not o.count_buffers:
+        out["layers"] -= _uncounted_stage_input(spec, o, rec)
+    if stage == lay.n_stages - 1:
+        sh = s * b * h / (t if sp else 1)
+        composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
+        norm = 8 * sh if composite else rec["er"] * sh
+        lin_in = rec["e"] * (s * b * h if sp and o.sp_saves_gathered else sh)
+        fused = o.loss_kernel == "fused"
+        out["logits"] = norm + lin_in + (rec["e"] if fused else 4) * s * b * cfg.vocab_size / t
+        out["loss_transient"] = 0.0 if fused else 8 * s * b * cfg.vocab_size / t
+    return out
+
+
+def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict) -> float:
+    """Bytes of a received stage input that xpar's CPU accounting does not see
+    (``count_buffers`` False): torch's PipelineStage hands each stage its input as a leaf
+    that requires grad, which the saved-tensor tracker skips like a parameter
+    (xpar.parallel.memory_accounting.ActivationTracker). It is saved as itself by the first block's
+    checkpoint (recompute) or by a composite norm that needs no upcast (fp32 residual)."""
+    sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.parallel.sequence_parallel else 1)
+    if spec.parallel.recompute != "none" or (rec["er"] == 4 and not o.fused_rmsnorm):
+        return rec["er"] * sh
+    return 0.0
+
+
+@lru_cache(maxsize=512)
+def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, transient: tuple) -> tuple:
+    """Peak of one rank over its action list: (peak kept bytes, peak kept + transient bytes,
+    peak micro-batch chunks in flight). ``per_stage``: (stage, kept bytes per micro-batch);
+    ``transient``: (stage, bytes during that stage's forward of the last stage's loss,
+    bytes during its backward) -- both tuples so the walk is memoised."""
+    from xpar.estimate.schedule import schedule_actions
+
+    acts = schedule_actions(schedule, pp, m, v)[rank]
+    kept = dict(per_stage)
+    during = {st: (f, bw) for st, f, bw in transient}
+    live = peak = peak_all = chunks = peak_chunks = 0
+    for a in acts:
+        if a.kind == "F":
+            live += kept[a.stage]
+            chunks += 1
+            peak, peak_chunks = max(peak, live), max(peak_chunks, chunks)
+            peak_all = max(peak_all, live + during[a.stage][0])
+        elif a.kind in "BI":
+            peak_all = max(peak_all, live + during[a.stage][1])
+        if a.kind in "BW":
+            live -= kept[a.stage]
+            chunks -= 1
+    return peak, max(peak, peak_all), peak_chunks
+
+
+def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
+    """Activation bytes of pipeline rank ``pp_rank`` at its peak, walking the schedule's
+    action list (torch's order; one micro-batch at a time without pp): ``kept`` (saved
+    for backward), ``total`` (with the transients when ``count_buffers``),
+    ``weight_copies`` (autocast's bf16 weights kept, same walk) and
+    ``microbatches_in_flight`` (peak chunks in flight / v). Bytes."""
+    lay, par = spec.layout, spec.parallel
+    stages = lay.stages_of(pp_rank)
+    sb = {st: stage_bytes(spec, st, o) for st in stages}
+    kept = tuple((st, sb[st]["layers"] + sb[st]["logits"] + sb[st]["embedding_mask"]) for st in stages)
+    copies = tuple((st, sb[st]["weight_copies"]) for st in stages)
+    cb = o.count_buffers
+    trans = tuple((st, sb[st]["loss_transient"] * cb, (sb[st]["workspace"] + sb[st]["loss_transient"]) * cb)
+                  for st in stages)
+    zero = tuple((st, 0.0, 0.0) for st in stages)
+    if spec.pp == 1:
+        k, c = kept[0][1], copies[0][1]
+        out = {"kept": k, "total": k + max(trans[0][1], trans[0][2]), "weight_copies": c, "chunks": 1}
+    else:
+        args = (par.schedule, spec.pp, spec.micro_batches, lay.virtual_stages, pp_rank)
+        k, total, chunks = _walk(*args, kept, trans)
+        out = {"kept": k, "total": total, "weight_copies": _walk(*args, copies, zero)[0], "chunks": chunks}
+    out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages
+    out["token_ids"] = _token_id_bytes(spec, pp_rank)
+    return out
+
+
+def _token_id_bytes(spec: RunSpec, pp_rank: int) -> float:
+    """int64 token ids the embedding keeps for backward: one micro-batch without pp; under pp
+    torch splits the whole local batch into micro-batch views of one tensor, kept while any
+    view is (8 s b m bytes)."""
+    if not spec.layout.has_first_stage(pp_rank):
+        return 0.0
+    return token_id_bytes(spec.seq_len, spec.train.micro_batch_size, spec.micro_batches, spec.pp)
+
+
+def token_id_bytes(seq_len, b, m, pp):
+    """int64 token ids kept by the rank holding the first stage: 8 s b, times m under pp
+    (:func:`_token_id_bytes`). Bytes; numbers or numpy arrays alike."""
+    return 8.0 * (seq_len * b) * ((m - 1) * (pp > 1) + 1)
+
+
+def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
+    the rank's whole layer set: the peak of the schedule's action list (torch's order;
+    :func:`xpar.estimate.schedule.peak_in_flight`) / v. Matches Korthikanti et al. 2022
+    Sec. 4.2.3: GPipe m, 1F1B min(m, p - r), interleaved p (1 + (p - 1)/(p v)) on rank 0."""
+    if pp == 1:
+        return 1.0  # gradient accumulation: one micro-batch at a time
+    from xpar.estimate.schedule import peak_in_flight, schedule_actions
+    return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
+
+
+def activation_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict:
+    """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term: ``saved`` (kept
+    for backward at the schedule's peak, token ids included), ``transient`` (recompute
+    workspace and loss temporaries on top, when ``count_buffers``), ``token_ids``,
+    ``microbatches_in_flight`` (chunks at the peak / v). ``assume``/``options``:
+    :class:`MemoryOptions`."""
+    o = MemoryOptions.of(assume, **options)
+    p = schedule_peak(spec, pp_rank, o)
+    return {"saved": p["kept"] + p["token_ids"], "transient": p["total"] - p["kept"], "token_ids": p["token_ids"],
+            "microbatches_in_flight": p["microbatches_in_flight"]}

@@ -1,0 +1,162 @@
+"""How far an executed run's own estimate was from what happened (the closed loop).
+
+Every measured run is also estimated on the hardware it ran on (:func:`xpar.estimate.cost.estimate`
+with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset from
+``xpar calibrate`` gives the estimate measured link and memory figures) and logs:
+
+- ``fidelity/step_time_ratio``: estimated / measured step time (median of timed steps);
+- ``fidelity/peak_memory_ratio``: estimated / measured peak bytes per device;
+- ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
+  logged for every run, so every executed run carries the three). Both on the measured
+  definition (xpar.estimate.bubble): the idle fraction of the pipeline ranks within the schedule's time,
+  where a rank waiting for a send or for a slower stage is idle too; the estimate's is
+  :func:`estimated_idle` (its schedule bubble, its exposed pipeline sends and its stages'
+  imbalance), which is the schedule's bubble when sends are free and stages equal;
+- ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
+  run's figures.
+"""
+from __future__ import annotations
+
+from xpar.config.spec import RunSpec
+from xpar.estimate.report import Report
+
+
+def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
+    """The ``fidelity/*`` metrics of a measured ``report`` of ``spec`` (see module docstring);
+    ``est``: the run's estimate (:func:`xpar.estimate.cost.estimate` of ``spec``) when the caller
+    has it. Ratios are omitted where the measured figure is zero (nothing to compare)."""
+    from xpar.estimate.cost import estimate, waits_unstretched
+
+    est = est if est is not None else estimate(spec)
+    unstretched = waits_unstretched(spec, spec.world_size)  # as the estimate prices the waits
+    out = {f"fidelity/estimate_time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
+    if report.step_time_s > 0:
+        out["fidelity/step_time_ratio"] = est.time_per_step_s / report.step_time_s
+    if report.peak_bytes_per_device > 0:
+        out["fidelity/peak_memory_ratio"] = est.memory.total / report.peak_bytes_per_device
+    measured_bubble = report.extra.get("pipeline/bubble_ratio", 0.0 if spec.pp == 1 else None)
+    if measured_bubble is not None:
+        idle = 0.0
+        if spec.pp > 1:
+            dp_end, fsdp = _dp_end(unstretched), unstretched.layout.zero_stage >= 2
+            outside = _host_outside(unstretched) + (0.0 if fsdp else dp_end)
+            idle = estimated_idle(est.time_breakdown, est.bubble_ratio, spec.pp, outside, dp_end if fsdp else 0.0)
+        out["fidelity/bubble_diff"] = idle - measured_bubble
+    return out
+
+
+def _host_outside(spec: RunSpec) -> float:
+    """Seconds of the estimate's host_overhead term spent after the schedule (optimizer, clip and
+    its all-reduces: xpar.estimate.host.host_step), most on any pipeline rank, stretched as the
+    estimate's terms are when workers outnumber cores."""
+    from xpar.estimate.host import host_costs, host_step, oversubscription
+
+    h, lay = host_costs(spec), spec.layout
+    outside = max(host_step(h, lay.layers_of(r), lay.has_first_stage(r), lay.has_last_stage(r)) for r in range(spec.pp))
+    return outside * oversubscription(spec.hardware.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
+
+
+def _dp_end(spec: RunSpec) -> float:
+    """Seconds of the estimate's dp_comm_exposed term left after the slowest pipeline rank's last
+    backward (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's gathers
+    after the step), stretched as the estimate's terms are; the rest of the term, the FSDP
+    gathers of every micro-batch, runs inside the stages' forward and backward. Under FSDP
+    (ZeRO-2/3) torch runs that reduction in the schedule, after the stage's actions
+    (``PipelineStage.perform_reduce_grad``, torch 2.13): inside the measured schedule time, and
+    idle by the measured definition; otherwise it is outside the schedule (DDP's in the last
+    backward counted there too)."""
+    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
+    from xpar.estimate.host import oversubscription
+
+    slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
+    return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
+                                             spec.train.threads_per_worker or 1)
+
+
+def estimated_idle(breakdown: dict[str, float], beta: float, pp: int, outside: float = 0.0,
+                   idle_inside: float = 0.0) -> float:
+    """The estimate's idle fraction of the ``pp`` pipeline ranks within the schedule, on the
+    measured bubble's definition (xpar.estimate.bubble: 1 - sum busy / (pp x schedule time), busy being the
+    stages' compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the
+    slowest rank's step-time terms (Estimate.time_breakdown, seconds) and the schedule's bubble
+    ``beta``. The schedule's time is the compute, host, tp, send, dp and bubble terms, less
+    ``outside`` (seconds after the schedule: :func:`_host_outside`, and :func:`_dp_end` without
+    FSDP). Of it, the bubble term is beta / (1 - beta) x m x the mean micro-batch time of the
+    other ranks (xpar.estimate.cost.fill_time), the rest m x the slowest rank's (dp gathers of
+    each micro-batch in): together the mean over all ranks. ``idle_inside``: seconds of the
+    schedule outside every stage's actions (FSDP's deferred gradient reduction, :func:`_dp_end`),
+    idle on every rank; it is in the slowest rank's terms, not in the others' (the bubble term).
+    Equals beta + sends / schedule time when the ranks are balanced; a rank lighter than the
+    slowest idles too. 0 for an empty step or no bubble."""
+    pipeline = sum(breakdown.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble",
+                                                   "dp_comm_exposed", "host_overhead")) - outside
+    if not pipeline or not 0 < beta < 1:
+        return 0.0
+    bubble = breakdown.get("bubble", 0.0)
+    others, slowest = bubble * (1 - beta) / beta, pipeline - bubble  # m x micro-batch time
+    busy_per_rank = (others * (pp - 1) + slowest - idle_inside) / pp - breakdown.get("pp_comm", 0.0)
+    return 1 - busy_per_rank / pipeline
+
+
+def task_cpu_ns(pids: list[int], main_only: bool = False) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per thread of the processes ``pids`` (Linux ``/proc/<pid>/task/<tid>/schedstat``): (ns on a
+    core, ns runnable but waiting for one), keyed by (pid, tid); only each process's main thread
+    with ``main_only`` (the one that computes: gloo's and other helper threads mostly wait);
+    threads or processes that ended are left out; {} where the kernel does not expose schedstat."""
+    import os
+
+    out = {}
+    for pid in pids:
+        try:
+            tids = [str(pid)] if main_only else os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run, wait = f.read().split()[:2]
+            except (OSError, ValueError):
+                continue
+            out[pid, int(tid)] = (int(run), int(wait))
+    return out
+
+
+def cpu_share(before: dict, after: dict) -> float:
+    """The share of the time the threads wanted a core that they had one, between two
+    :func:`task_cpu_ns` samples: sum of on-core ns / sum of (on-core + waiting) ns over the threads
+    in both (1.0 when nothing ran). Below 1 when the threads outnumber the cores or other
+    processes hold them: a step then takes about 1 / share of its uncontended time."""
+    run = wait = 0
+    for key, (r1, w1) in after.items():
+        r0, w0 = before.get(key, (0, 0))
+        run, wait = run + r1 - r0, wait + w1 - w0
+    return run / (run + wait) if run + wait > 0 else 1.0
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(steal, total) clock ticks of all CPUs since boot (Linux ``/proc/stat``, its ``cpu`` line:
+    steal is the time the hypervisor ran something else on this guest's vCPUs, which neither a
+    task's CPU seconds nor its schedstat wait counts); (0, 0) where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+
+
+def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time stolen by the hypervisor between two
+    :func:`machine_jiffies` samples (0 when no time passed)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def cores_got(share: float, workers: int, threads: int, cores: int, steal: float = 0.0) -> float:
+    """The cores ``workers`` processes of ``threads`` torch threads effectively had when their
+    threads ran ``share`` of the time they were runnable (:func:`cpu_share`) and the hypervisor
+    stole ``steal`` of the machine's time (:func:`steal_fraction`): at most ``cores``, at least
+    share x workers x threads, times 1 - steal; xpar.estimate.host.oversubscription then
+    stretches the estimate by workers x threads / that (1 / share when the workers saturate the
+    cores)."""
+    return max(1e-3, min(float(cores), share * workers * threads) * (1 - steal))

@@ -1,0 +1,395 @@
+"""Model states per device (parameters, gradients, optimizer states) and the options that say how a
+framework keeps them: the first part of the memory estimate (:mod:`xpar.estimate.memory` documents
+the accounting and its sources)."""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+
+from xpar.config.schema import ModelConfig
+from xpar.config.spec import RunSpec
+
+BYTES = {"fp32": 4, "bf16": 2}
+STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+"""Bytes per parameter (params, grads, optimizer states) in the ZeRO paper's accounting: 2 + 2
++ K, K = 12, for bf16 mixed precision; fp32 AdamW 4 + 4 + 8. Used for the paper's formula and
+the dry run's element counts; what a framework keeps is :func:`state_widths`."""
+STATE_TERMS = ("params", "grads", "optimizer")
+MEMORY_TERMS = STATE_TERMS + ("activations", "comm_buffers", "framework_overhead")
+"""The terms of a device's peak memory, named the same in estimates, reports and metrics."""
+SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How the framework keeps memory; :class:`xpar.estimate.cost.Assumptions` extends it
+    with the time model's fields. Defaults: xpar on CUDA."""
+
+    flash_attention: bool = True
+    """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
+    dropout: bool = False
+    """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
+    fused_rmsnorm: bool = True
+    """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
+    RMSNorm, which also keeps x * rstd (one more e h per norm)."""
+    sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
+    projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
+    count_buffers: bool = True
+    """Count what the framework allocates besides model states and saved activations (DDP
+    buckets, FSDP all-gather/reduce buffers, p2p buffers, recompute workspace, fp32 loss
+    temporaries). xpar's CPU accounting counts none of them: False for hardware=local."""
+    selective_recompute: str = "op"
+    """What parallel.recompute=selective keeps: 'op' (xpar: every matmul and tp-collective
+    output), 'torchtitan_op' (SDPA outputs + every other matmul output), 'attention'
+    (Megatron: recompute only the attention core; worthless under flash attention)."""
+    recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to (torchtitan selective_layer: full
+    recompute on every other block = 0.5)."""
+    param_storage: str = "fp32"
+    """Mixed precision: 'fp32' (xpar, torchtitan: fp32 parameters are the master weights, bf16
+    compute copies) or 'bf16' (Megatron, DeepSpeed: bf16 parameters, fp32 master in the optimizer)."""
+    grad_bytes: int = 4
+    """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
+    reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
+    fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
+    between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
+    ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default); False: gradients live in
+    the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""
+    cpu_offload_optimizer: bool = False
+    """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
+    zero1: str = "zero_redundancy"
+    """ZeRO-1: 'zero_redundancy' (torch ZeroRedundancyOptimizer: whole tensors, greedy; gradients
+    all-reduced) or 'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp);
+    gradients reduce-scattered)."""
+    loss_kernel: str = "fp32"
+    """The cross entropy: 'fp32' (xpar, torchtitan: ``cross_entropy(logits.float())`` keeps fp32
+    log-probs, 4 V/t bytes per token, and its backward holds two more dense fp32 gradients) or
+    'fused' (an in-place fused kernel: flash-attn's CrossEntropyLoss, llm-foundry's default
+    ``loss_fn='fused_crossentropy'``: keeps only the logits, the gradient written over them)."""
+    replicated_embedding_grad: bool = True
+    """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
+    every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
+    torchtitan). False: the gradient stays vocabulary-sharded as its parameter (Megatron's
+    VocabParallelEmbedding, DeepSpeed with Megatron's tp)."""
+
+    @classmethod
+    def of(cls, assume=None, **overrides) -> "MemoryOptions":
+        """Options from an object with these attribute names (an Assumptions), then
+        ``overrides`` (also the legacy names flash, dropout, fused_rmsnorm, sp_saves_gathered)."""
+        if "flash" in overrides:
+            overrides["flash_attention"] = overrides.pop("flash")
+        vals = {f.name: getattr(assume, f.name) for f in fields(cls) if hasattr(assume, f.name)}
+        vals.update(overrides)
+        if vals.get("selective_recompute", "op") not in SELECTIVE_POLICIES:
+            raise ValueError(f"selective_recompute={vals['selective_recompute']!r}; expected one of {SELECTIVE_POLICIES}")
+        return cls(**vals)
+
+
+MEMORY_PROFILES = {
+    "xpar": {},
+    "torchtitan": dict(selective_recompute="torchtitan_op", fsdp_reshard_under_pp=False),
+    "megatron": dict(selective_recompute="attention", param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False,
+                     zero1="distributed_optimizer", replicated_embedding_grad=False),
+    "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer",
+                      replicated_embedding_grad=False),
+}
+MEMORY_PROFILES["megatron_core"] = MEMORY_PROFILES["megatron"]  # the same memory rules (conf/framework/megatron_core.yaml)
+"""Memory fields of :class:`xpar.estimate.cost.Assumptions` per framework (the rest as xpar):
+torchtitan -- op-level SAC (torchtitan/models/llama3/infra/parallelize.py: _save_list, every
+other mm), FSDP2 reshard_after_forward=False under pp; Megatron-LM -- selective = attention
+core (Korthikanti et al. 2022), bf16 params + fp32 main grads in a contiguous buffer,
+distributed optimizer (Megatron-Core docs: 6 + 12/d bytes per parameter), vocabulary-sharded
+embedding gradients (megatron/core/tensor_parallel/layers.py VocabParallelEmbedding); DeepSpeed --
+bf16/fp16 params and gradients, fp32 master + moments in the (flat, evenly partitioned) optimizer,
+Megatron's tp layers (sharded embedding gradients)."""
+
+
+def zero_model_state_bytes(psi: float, stage: int, n_d: int, p: int = 2, g: int = 2, k: int = 12) -> float:
+    """Model-state bytes per device, ZeRO paper Sec. 5 / Fig. 1 / Table 1 (Psi parameters,
+    P bytes per param, G per gradient, K of optimizer states; mixed-precision Adam
+    2 + 2 + 12; dp degree n_d): stage 0 (P + G + K) Psi; 1: (P + G) Psi + K Psi / n_d;
+    2: P Psi + (G + K) Psi / n_d; 3: (P + G + K) Psi / n_d."""
+    return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi / n_d, 2: p * psi + (g + k) * psi / n_d,
+            3: (p + g + k) * psi / n_d}[stage]
+
+
+def precision(spec: RunSpec, o: MemoryOptions) -> dict:
+    """The precision recipe as memory sees it: ``e`` compute bytes, ``er`` residual-stream
+    bytes, ``autocast`` (xpar's torch.autocast path: fp32 parameters without FSDP, so the
+    residual stream stays fp32 and each matmul casts its input and weight to bf16;
+    xpar.parallel.precision.mixed_precision_kind)."""
+    if spec.train.dtype == "fp32":
+        return {"e": 4, "er": 4, "autocast": False}
+    autocast = o.param_storage == "fp32" and spec.parallel.zero_stage <= 1
+    return {"e": 2, "er": 4 if autocast else 2, "autocast": autocast}
+
+
+def state_widths(spec: RunSpec, o: MemoryOptions) -> tuple[int, int, int]:
+    """Bytes per element of (stored params, grads, optimizer states) as the framework keeps
+    them (module docstring): fp32 4/4/8; bf16 with fp32 storage 4/grad_bytes/8; bf16
+    with bf16 storage 2/grad_bytes/12."""
+    if spec.train.dtype == "fp32":
+        return 4, 4, 8
+    return (4, o.grad_bytes, 8) if o.param_storage == "fp32" else (2, o.grad_bytes, 12)
+
+
+# --- parameters per pipeline rank -------------------------------------------------------
+
+def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """Shape of one tp rank's piece (ceil for uneven splits: the largest piece)."""
+    leaf = name.split(".")[-2] if "." in name else name
+    split = None
+    if leaf in ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "output"):
+        split = 0
+    elif leaf in ("wo", "w2") and name.endswith("weight"):
+        split = 1
+    if tp == 1 or split is None:
+        return shape
+    s = list(shape)
+    s[split] = math.ceil(s[split] / tp)
+    return tuple(s)
+
+
+@lru_cache(maxsize=64)
+def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool) -> tuple:
+    """``named_parameters()`` (name, shape) of ``Transformer(cfg, range(n_blocks), first, last)``
+    (xpar.models.transformer) written out without torch, in registration order: embeddings,
+    blocks (norm, wq, wk, wv, wo, norm, w1, w2[, w3]; Linear weight then bias), final norm,
+    output (omitted when tied to the embedding on one stage: named_parameters yields a shared
+    tensor once). Equal to the model built on the meta device for every preset
+    (tests/test_plan_memory.py); the dry run checks the counts against torch's."""
+    cfg = ModelConfig(*cfg_key)
+    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+
+    def norm(name: str) -> list:
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if cfg.norm != "rmsnorm" and cfg.bias else [])
+
+    def linear(name: str, n_out: int, n_in: int) -> list:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if cfg.bias else [])
+
+    out = [("tok_embeddings.weight", (vocab, h))] if first else []
+    out += [("pos_embeddings.weight", (cfg.seq_len, h))] if first and cfg.position == "learned" else []
+    for i in range(n_blocks):
+        a, mlp = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", h, h) + linear(f"{a}.wk", kv, h)
+        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, h) + norm(f"layers.{i}.ffn_norm")
+        out += linear(f"{mlp}.w1", f, h) + linear(f"{mlp}.w2", h, f)
+        out += linear(f"{mlp}.w3", f, h) if cfg.activation == "swiglu" else []
+    if last:
+        out += norm("norm") + ([] if first and cfg.tied_embeddings else [("output.weight", (vocab, h))])
+    return tuple(out)
+
+
+def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bool) -> list:
+    """named_parameters() shapes of ``Transformer(cfg, layers, first, last)``. Blocks are
+    identical: one block's shapes are repeated under each block's name."""
+    head, block, tail = _stage_parts(cfg_key, first, last)
+    return head + [(f"layers.{i}.{n}", sh) for i in layers for n, sh in block] + tail
+
+
+@lru_cache(maxsize=256)
+def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1) -> tuple[list, list, list]:
+    """A stage's parameters in three parts: before the blocks (embeddings), one block (names
+    after ``layers.<i>.``), after them (final norm, output); shapes tp-local (:func:`_tp_local`)."""
+    outer = _meta_shapes(cfg_key, 0, first, last)
+    block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False)]
+    head = [x for x in outer if x[0].split(".")[0] in ("tok_embeddings", "pos_embeddings")]
+    tail = [x for x in outer if x not in head]
+    return tuple([(n, _tp_local(n, sh, tp)) for n, sh in part] for part in (head, block, tail))
+
+
+def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
+    order ``model.parameters()`` yields them (tied weights once), from :func:`_meta_shapes`
+    (memoised per model, layout and tp degree)."""
+    return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+
+
+def tensor_counts(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameter tensors of one block, of the model's ends: embeddings, final norm, output)."""
+    return _tensor_counts(_model_key(cfg), tp)
+
+
+@lru_cache(maxsize=256)
+def _tensor_counts(cfg_key: tuple, tp: int) -> tuple[int, int]:
+    head, block, tail = _stage_parts(cfg_key, True, True, tp)
+    return len(block), len(head) + len(tail)
+
+
+def _model_key(cfg: ModelConfig) -> tuple:
+    """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
+    is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
+    return tuple(getattr(cfg, f.name) for f in fields(cfg))
+
+
+@lru_cache(maxsize=8192)
+def _shapes_layout(layout):
+    """The layout as parameter shapes see it (stages and their layers only): the key of the
+    shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
+    return replace(layout, dp=1, micro_batch_size=1, micro_batches=1, seq_len=1, zero_stage=0,
+                   sequence_parallel=False, recompute="none")
+
+
+@lru_cache(maxsize=4096)
+def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    out = []
+    for s in layout.stages_of(pp_rank):
+        head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        out += [(f"{s}:{name}", shape) for name, shape in head]
+        out += [(f"{s}:layers.{i}.{name}", shape) for i in layout.stage_layers(s) for name, shape in block]
+        out += [(f"{s}:{name}", shape) for name, shape in tail]
+    return tuple(out)
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
+    """Elements of FSDP2's local shard on dp rank ``rank``: rows
+    [rank c, min(d0, (rank+1) c)) with c = ceil(d0 / dp) (torch.chunk on dim 0)."""
+    d0 = shape[0] if shape else 1
+    rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+    c = math.ceil(d0 / dp)
+    return max(0, min(d0, (rank + 1) * c) - rank * c) * rest
+
+
+@lru_cache(maxsize=8192)
+def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """(whole elements, shapes) of a pipeline rank; memoised so that one estimate at any world
+    size touches each parameter shape once per rank it asks about."""
+    shapes = tuple(sh for _, sh in _param_shapes(cfg_key, layout, tp, pp_rank))
+    return sum(math.prod(sh) for sh in shapes), shapes
+
+
+@lru_cache(maxsize=8192)
+def _numels(shapes: tuple) -> tuple:
+    """Elements of each shape (memoised: the ZeRO-1 partition asks for them per dp degree)."""
+    return tuple(math.prod(sh) for sh in shapes)
+
+
+@lru_cache(maxsize=16384)
+def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
+    return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in Counter(shapes).items())
+
+
+@lru_cache(maxsize=4096)
+def _zero1_sizes(numels: tuple, dp: int) -> tuple:
+    """:func:`zero1_partition`, memoised; a heap of (size, rank): O(n log dp)."""
+    sizes = [0] * dp
+    heap = [(0, r) for r in range(dp)]
+    for n in sorted(numels, reverse=True):
+        size, r = heapq.heappop(heap)
+        sizes[r] = size + n
+        heapq.heappush(heap, (size + n, r))
+    return tuple(sizes)
+
+
+def zero1_partition(numels: list[int], dp: int) -> list[int]:
+    """Elements per rank assigned by torch's ZeroRedundancyOptimizer: parameters sorted by
+    size, largest first (stable), each to the rank with the fewest elements so far (lowest
+    rank on ties)."""
+    return list(_zero1_sizes(tuple(numels), dp))
+
+
+def grads_deferred(spec: RunSpec) -> bool:
+    """Whether the dp reduction of gradients waits for the step's last backward, the rank
+    holding its whole (dp-unsharded) gradients until then: always under pp (torch's
+    PipelineStage defers DDP's and FSDP2's reduction, whatever m), and without pp for ZeRO-0/1
+    with m > 1 (no_sync). ZeRO-2/3 without pp reduce-scatter every micro-batch."""
+    return spec.pp > 1 or (spec.parallel.zero_stage <= 1 and spec.micro_batches > 1)
+
+
+def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
+    """Gradient elements held beyond the tp-local token embedding while a reduction is
+    deferred (:func:`grads_deferred`), on the rank holding stage 0 under tp.
+
+    torch's DTensor backward of the vocabulary-parallel embedding (RowwiseParallel, weight
+    Shard(0) on tp) returns a *Replicate* gradient: the whole V x h on every tp rank. FSDP2
+    (and composable ``replicate``) redistribute it to the weight's Shard(0) only when they
+    reduce it, so a deferred gradient is held whole: (V - ceil(V/t)) h more elements.
+    Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs). ZeRO-0/1 at dp = 1
+    have no wrapper: xpar places the gradient back after every backward
+    (xpar.parallel.data_parallel.keep_grads_placed), nothing is held whole."""
+    unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1
+    if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
+        return 0
+    return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
+               if name.split(":", 1)[1] == "tok_embeddings.weight")
+
+
+def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_redundancy",
+               replicated_embedding_grad: bool = True) -> dict[str, int]:
+    """Elements dp rank ``dp_rank`` of pipeline rank ``pp_rank`` holds: ``storage`` (its
+    parameter storage: the FSDP shard under ZeRO-2/3), ``whole`` (the dp-unsharded stage),
+    ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
+    of parameter tensors), memoised: no loop over the dp ranks. ``zero1``,
+    ``replicated_embedding_grad``: see :class:`MemoryOptions`."""
+    whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    z, dp = spec.parallel.zero_stage, spec.dp
+    shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
+    if grads_deferred(spec):
+        grads = whole + (replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0)
+    else:
+        grads = shard if z >= 2 else whole
+    if z == 1 and zero1 == "distributed_optimizer":
+        opt = -(-whole // dp)
+    elif z == 1:
+        opt = _zero1_sizes(_numels(shapes), dp)[dp_rank]
+    else:
+        opt = shard
+    return {"storage": shard, "whole": whole, "grads": grads, "optimizer": opt}
+
+
+def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundancy") -> int:
+    """dp rank holding the most model states: 0 under FSDP (ceil-sized chunks first) and
+    DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
+    if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
+        return 0
+    _, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    sizes = _zero1_sizes(_numels(shapes), spec.dp)
+    return sizes.index(max(sizes))
+
+
+def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict[str, int]]:
+    """Per dp rank of pipeline rank ``stage_index``: params (held during the step: whole
+    under ZeRO-2), grads and optimizer bytes at the ZeRO paper's widths (:data:`STATE_BYTES`);
+    the dry run (xpar.estimate.dryrun) checks these element counts against torch's."""
+    bp, bg, bo = STATE_BYTES[spec.train.dtype]
+    out = []
+    for r in range(spec.dp):
+        n = held_numel(spec, stage_index, r)
+        params = n["whole"] if spec.parallel.zero_stage == 2 else n["storage"]
+        out.append({"params": params * bp, "grads": n["grads"] * bg, "optimizer": n["optimizer"] * bo})
+    return out
+
+
+def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
+    """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``."""
+    dp_rank = most_loaded_dp_rank(spec, pp_rank)
+    first = spec.layout.rank(pp_rank, dp_rank, 0)
+    return dp_rank, list(range(first, first + spec.tp))
+
+
+
+
+def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> dict[str, int]:
+    """:func:`state_terms` less autocast's weight copies (``params_compute`` 0 under autocast;
+    those depend on the schedule, the rest on the rank's parameters, dp and the ZeRO stage only).
+    Bytes."""
+    n = held_numel(spec, pp_rank, dp_rank, o.zero1, o.replicated_embedding_grad)
+    wp, wg, wo = state_widths(spec, o)
+    z, rec = spec.parallel.zero_stage, precision(spec, o)
+    compute = 0
+    if spec.train.dtype == "fp32":
+        master = (n["whole"] if z == 2 else n["storage"]) * wp  # ZeRO-2 holds the whole params
+    elif o.param_storage == "bf16":  # Megatron/DeepSpeed: bf16 params, fp32 master in the optimizer
+        master = (n["whole"] if z <= 2 else n["storage"]) * wp
+    else:
+        master = n["storage"] * wp
+        if not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
+            compute = n["whole"] * rec["e"]
+    optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
+    return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}

@@ -1,0 +1,225 @@
+"""Report: the headline figures of a run, one dataclass for measured runs and estimates,
+and its console table.
+
+Metric definitions:
+
+- ``throughput/tokens_per_s``: global tokens per step / median step time, over timed steps
+  (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
+- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
+  attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
+- ``throughput/mfu``: tflops_per_device / the hardware's dense peak for the dtype;
+  ``throughput/hfu`` the same with hardware FLOPs (recompute included).
+- ``memory/peak_bytes_per_device``: the most loaded rank's bytes
+  (:mod:`xpar.parallel.memory_accounting` for measured runs, :mod:`xpar.estimate.memory` for
+  estimates), with the breakdown ``memory/<term>_bytes``.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+from xpar.config.schema import SUMMARY_METRICS  # noqa: F401  (re-exported)
+from xpar.config.spec import RunSpec
+from xpar.estimate.cost import compute_peak
+from xpar.estimate.flops import hardware_flops_per_token, model_flops_per_token
+
+MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
+"""The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
+
+
+@dataclass
+class Report:
+    """Headline figures. Units: seconds, tokens/s, TFLOP/s (1e12 FLOP/s), bytes."""
+
+    mode: str
+    """'measured' (workers ran) or 'estimate' (cost model)."""
+    layout: str
+    world_size: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    hfu: float
+    peak_bytes_per_device: float
+    peak_rank: int
+    memory: dict[str, float]
+    """Breakdown of the peak rank: params, grads, optimizer, activations (+ estimate terms)."""
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    """Further metrics by full name (pipeline/*, comm/*, estimate/*)."""
+    timeline: Optional[dict] = None
+    """Pipelined runs: one step's measured and simulated action times (xpar.estimate.bubble)."""
+    artifacts: list[str] = field(default_factory=list)
+    """Files to log with the run (estimates: figures, dry-run JSON); paths."""
+    notes: list[str] = field(default_factory=list)
+    """What the figures rest on, said under the table (estimates: the cost model's notes)."""
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        return self.losses[-1] if self.losses else None
+
+    def metrics(self) -> dict[str, float]:
+        """Summary metrics by their logged names."""
+        out = {
+            "throughput/tokens_per_s": self.tokens_per_s,
+            "throughput/tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "throughput/step_time_s": self.step_time_s,
+            "throughput/tflops_per_device": self.tflops_per_device,
+            "throughput/mfu": self.mfu,
+            "throughput/hfu": self.hfu,
+            "memory/peak_bytes_per_device": self.peak_bytes_per_device,
+        }
+        out.update({f"memory/{k}_bytes": float(v) for k, v in self.memory.items()})
+        out["memory/model_states_bytes"] = float(sum(self.memory.get(k, 0.0) for k in ("params", "grads", "optimizer")))
+        if self.final_loss is not None:
+            out["train/final_loss"] = self.final_loss
+        out.update(self.extra)
+        return out
+
+
+
+
+def layout_name(spec: RunSpec) -> str:
+    p = spec.parallel
+    s = f"dp{spec.dp}-tp{spec.tp}-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}"
+    if spec.pp > 1:
+        s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+    return s
+
+
+def flops_per_step(spec: RunSpec) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one optimizer step over the global batch."""
+    tokens = spec.tokens_per_step
+    return (model_flops_per_token(spec.model, spec.seq_len) * tokens,
+            hardware_flops_per_token(spec.model, spec.seq_len, spec.parallel.recompute) * tokens)
+
+
+def zero_paper_bytes(spec: RunSpec) -> float:
+    """Model-state bytes per device by the ZeRO paper's formulas
+    (:func:`xpar.estimate.memory.zero_model_state_bytes`) with the run's bytes per param
+    (:data:`xpar.estimate.memory.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
+    Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
+    params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
+    from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
+    from xpar.models.shapes import param_count
+
+    psi = param_count(spec.model).total / (spec.tp * spec.pp)
+    P, G, K = STATE_BYTES[spec.train.dtype]
+    return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)
+
+
+def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
+    """Fold per-rank stats into a Report.
+
+    Step time per step = max over ranks; the reported step time is the MEDIAN over timed
+    steps (warm-up excluded), robust to the odd slow step of a shared CPU; its spread goes
+    to ``extra``: ``throughput/step_time_{median,iqr,min,max,mean}_s`` and
+    ``throughput/step_time_cv`` (xpar.estimate.timing.step_time_stats). The global loss of a step is
+    the mean over ranks that see a loss (tp ranks hold equal copies, so this is the mean
+    over dp replicas).
+    """
+    from xpar.estimate.timing import step_time_stats
+
+    w = spec.train.warmup_steps
+    per_step = [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)]
+    timed = per_step[w:]
+    spread = step_time_stats(timed)
+    step_time = spread["median"]
+    model_f, hw_f = flops_per_step(spec)
+    tflops = model_f / step_time / spec.world_size / 1e12
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12  # the training dtype's dense peak
+    totals = []
+    for s in stats:
+        mem = s["memory"]
+        totals.append(mem.get("cuda_max_allocated") or sum(mem[k] for k in MEASURED_TERMS))
+    peak_rank = max(range(len(stats)), key=lambda r: totals[r])
+    losses = []
+    for i in range(spec.train.steps):
+        vals = [s["losses"][i] for s in stats if s["losses"][i] is not None]
+        losses.append(statistics.fmean(vals))
+    report = Report(
+        mode="measured", layout=layout_name(spec), world_size=spec.world_size,
+        step_time_s=step_time, tokens_per_s=spec.tokens_per_step / step_time,
+        tflops_per_device=tflops, mfu=tflops / peak if peak else 0.0,
+        hfu=(hw_f / step_time / spec.world_size / 1e12) / peak if peak else 0.0,
+        peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
+        memory={k: float(stats[peak_rank]["memory"][k]) for k in MEASURED_TERMS},
+        losses=losses, step_times_s=per_step)
+    report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
+    report.extra.update({f"throughput/step_time_{k}_s" if k != "cv" else "throughput/step_time_cv": v
+                         for k, v in spread.items()})
+    if spec.pp > 1:
+        from xpar.estimate.bubble import summarize
+        pipeline, report.timeline = summarize(spec, stats)
+        report.extra.update(pipeline)
+    comm = [s["comm"] for s in stats if s.get("comm")]  # tp > 1: comm/tp_*_bytes per step per device
+    if comm:
+        report.extra.update({k: float(max(c[k] for c in comm)) for k in comm[0]})
+    return report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+NOT_ALL_RECORDED = "NOT all recorded in MLflow"
+"""How the summary's last line starts when the store did not take every record
+(:func:`xpar.track.recorder.recording_gap`)."""
+
+
+def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> None:
+    """The console summary table (rich); ``where``: where the run was recorded, or the line
+    saying what the store did not take (it starts with :data:`NOT_ALL_RECORDED`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = ("ESTIMATE (analytic cost model, not measured)" if report.mode == "estimate"
+             else "Measured on this machine")
+    t = Table(title=f"xpar: model={spec.model.name} {report.layout} on {spec.hardware.name} -- {title}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("world size (devices)", f"{report.world_size}"),
+        ("global batch x seq", f"{spec.global_batch} x {spec.seq_len}"),
+        ("step time", f"{report.step_time_s * 1e3:.1f} ms"),
+        ("tokens/s (global)", f"{report.tokens_per_s:,.0f}"),
+        ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
+        ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
+        ("MFU", f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
+        (f"peak memory per device (rank {report.peak_rank})", _fmt_bytes(report.peak_bytes_per_device)),
+    ]
+    rows += [(f"  {k}", _fmt_bytes(v)) for k, v in report.memory.items()]
+    if report.final_loss is not None:
+        rows.append(("loss first -> last", f"{report.losses[0]:.4f} -> {report.final_loss:.4f}"))
+    for k, v in report.extra.items():
+        if k.startswith("pipeline/"):
+            rows.append((k, f"{v:.3f}"))
+        elif k.startswith("comm/") and k.endswith("_bytes"):
+            rows.append((f"{k} (per step per device)", _fmt_bytes(v)))
+        elif k.startswith("estimate/"):  # breakdowns of an estimate
+            rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
+                         _fmt_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
+        elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
+            rows.append((f"{k} (own estimate vs measured)", f"{v:.3f}"))
+    for r in rows:
+        t.add_row(*r)
+    console = Console()
+    console.print(t)
+    from rich.markup import escape
+    for n in list(spec.notes) + list(report.notes):
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
+    if report.artifacts:
+        console.print(f"Files: {', '.join(report.artifacts)}")
+    if where and where.startswith(NOT_ALL_RECORDED):
+        console.print(f"[red]{escape(where)}[/]", highlight=False)
+    elif where:
+        console.print(f"Recorded in MLflow: {where}")

@@ -1,0 +1,7 @@
+"""Executing a run on this machine or a cluster: the job (one run of ``python -m xpar``), the
+launch of local workers, the worker and its training loop, data, checkpoints and resume,
+host memory, and the single-process reference every layout is checked against.
+
+May import every layer below it (config, models, parallel, estimate, track, plan); never
+:mod:`xpar.calibrate` (tests/test_layout.py).
+"""

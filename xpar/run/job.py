@@ -1,0 +1,247 @@
+"""What one Hydra job does: validate, execute or estimate, report, record."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from xpar.config.checks import ConfigError
+from xpar.config.recorded import resolved_config
+from xpar.config.spec import RunSpec
+from xpar.estimate.fit import check_run
+from xpar.estimate.report import Report, layout_name, print_report
+from xpar.track.plots import record_timeline
+
+
+def fail(lines: str, code: int = 2) -> None:
+    print(f"xpar: invalid configuration:\n{lines}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict] = None) -> Optional[Report]:
+    """Validate ``cfg``, then execute or estimate it and record it.
+
+    In a single run, invalid input exits 2 listing every violated constraint and a failed
+    worker exits 1 naming its rank. Inside a sweep (``sweep`` given) errors are raised so
+    that Hydra marks the job failed and goes on, and an invalid job is skipped when
+    ``sweep.skip_invalid`` is set. Returns the Report on the process that records (None on
+    non-zero torchrun ranks and skipped jobs).
+    """
+    if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
+        from xpar.plan.command import run_plan
+        from xpar.track.runs import TrackingUnavailable
+        try:
+            run_plan(cfg, out_dir, start_dir, sweep=sweep)
+        except TrackingUnavailable as e:
+            if sweep is not None:
+                raise
+            print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        return None
+    from xpar.config.cluster import adopt_submitit_tasks
+    from xpar.run.launch import WorkerFailed
+    from xpar.track.runs import TrackingUnavailable
+
+    adopt_submitit_tasks()  # the tasks of a multi-task submitit job become this one job's ranks
+    from xpar.run.resume import checkpointing
+    try:
+        spec = check_run(cfg)
+        spec, resume_meta = checkpointing(spec, start_dir)  # train.resume -> its checkpoint directory
+    except ConfigError as e:
+        if sweep is None:
+            fail(str(e))
+        if cfg.sweep.skip_invalid:
+            print(f"xpar: skipping job {sweep['job_num']} (invalid):\n{e}", file=sys.stderr)
+            return None
+        raise
+    config = resolved_config(cfg, spec)
+    yaml = OmegaConf.to_yaml(OmegaConf.create(config))
+    job = Job(spec, config, yaml, out_dir, start_dir, sweep, resume_meta)
+    try:
+        if spec.launcher == "torchrun":
+            return _run_torchrun(job)
+        if spec.mode == "estimate":
+            return _run_estimate(job)
+        from xpar.run.launch import launch_local
+
+        def body() -> tuple[Report, list[dict]]:
+            stats = launch_local(spec, out_dir)
+            return _summarize(spec, stats), stats
+        return _record(job, body)
+    except WorkerFailed as e:
+        if sweep is not None:
+            raise
+        print(f"xpar: {e}\n(traceback in {out_dir})", file=sys.stderr)
+        raise SystemExit(1)
+    except TrackingUnavailable as e:
+        if sweep is not None:
+            raise
+        print(f"xpar: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+@dataclass
+class Job:
+    spec: RunSpec
+    config: dict
+    yaml: str
+    out_dir: Path
+    start_dir: Path
+    sweep: Optional[dict]
+    resume: Optional[dict] = None
+    """The xpar.json of the checkpoint this run resumes from (xpar.run.checkpoint)."""
+
+
+def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
+    """The measured Report, with how far the run's own estimate was (xpar.estimate.fidelity)."""
+    from xpar.estimate.cost import estimate
+    from xpar.estimate.fidelity import fidelity_metrics
+    from xpar.estimate.report import summarize_measured
+    report, est = summarize_measured(spec, stats), estimate(spec)  # the run's own estimate, once
+    report.extra.update(fidelity_metrics(spec, report, est))
+    report.notes.extend(fidelity_notes(spec, est))
+    report.notes.extend(nonfinite_notes(spec, stats, report))
+    return report
+
+
+def nonfinite_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
+    """Counts of the non-finite and skipped steps (``train.on_nonfinite`` skip or ignore) as
+    ``train/nonfinite_steps`` and ``train/skipped_steps`` in ``report.extra``, and the note that
+    says such a run's throughput is not a clean measurement ([] for a finite run)."""
+    bad, skipped = stats[0].get("nonfinite_steps") or [], stats[0].get("skipped_steps") or []
+    report.extra["train/nonfinite_steps"] = float(len(bad))
+    report.extra["train/skipped_steps"] = float(len(skipped))
+    if not bad:
+        return []
+    what = "skipped" if skipped else "taken anyway (train.on_nonfinite=ignore)"
+    return [f"diverged: {len(bad)} of {spec.train.steps} steps had a NaN/inf loss or gradient norm (first: step "
+            f"{bad[0]}), their optimizer steps {what}; throughput and MFU are not a clean measurement"]
+
+
+def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
+    """What the run's own estimate (the fidelity/* metrics; ``est`` when the caller has it)
+    leaves out: its cost-model notes (a hardware without link, HBM or host figures times no
+    communication, memory-bound or host work), and on an uncalibrated ``hardware=local`` how to
+    measure them."""
+    from xpar.estimate.cost import estimate
+    notes = [f"fidelity estimate: {n}" for n in (est if est is not None else estimate(spec)).notes]
+    if notes and spec.hardware.name == "local":
+        notes.append("hardware=local has no measured links, HBM or host figures: `xpar calibrate hardware=local "
+                     "--name here`, then hardware=calibrated_here, for an estimate that counts them")
+    return notes
+
+
+def _record(job: Job, body) -> Report:
+    """Run ``body`` inside an MLflow run (when tracking is enabled); log and print."""
+    spec = job.spec
+    tags = {"xpar.mode": spec.mode, "xpar.config.layout": layout_name(spec), "xpar.model": spec.model.name,
+            "xpar.config.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
+    if spec.notes:
+        tags["xpar.notes"] = " | ".join(spec.notes)
+    from xpar.config.cluster import placement_tags
+    from xpar.track.naming import description
+    from xpar.track.naming import run_name as layout_run_name
+    tags.update(placement_tags(spec))
+    run_name, overrides = spec.tracking.run_name or layout_run_name(spec), ""
+    if job.sweep and job.sweep.get("parent_run_id"):
+        overrides = " ".join(job.sweep["overrides"])
+        from xpar.track.sweep import sweep_tags
+        tags.update(sweep_tags(job.sweep))
+        run_name = f"{run_name} #{job.sweep['job_num']}"
+    tags["mlflow.note.content"] = description(spec, overrides)
+    if not spec.tracking.enabled:
+        report, stats = body()
+        record_timeline(report.timeline, job.out_dir)
+        print_report(spec, report)
+        return report
+    from xpar.track.runs import log_report, mlflow_run, recording
+    tags.update(_continue_run(job))
+    with mlflow_run(spec, job.config, job.start_dir, tags, run_name, job.out_dir) as run:
+        report, stats = body()
+        with recording(run):  # a store failing here costs no result: journaled for `xpar sync`
+            log_report(report, stats, job.yaml, job.out_dir)
+            import mlflow
+            mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
+            if report.extra.get("train/nonfinite_steps"):
+                mlflow.set_tag("xpar.diverged", "true")
+            if report.notes:  # what the figures rest on (an estimate's cost-model notes), after the spec's
+                mlflow.set_tag("xpar.notes", " | ".join(list(spec.notes) + list(report.notes)))
+            for path in report.artifacts:  # estimate figures, dry-run detail
+                mlflow.log_artifact(path)
+            record_timeline(report.timeline, job.out_dir)
+        from xpar.track.naming import ui_hint
+        where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
+                 f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
+    from xpar.track.recorder import recording_gap
+    print_report(spec, report, recording_gap(run.recorder) or where)
+    return report
+
+
+def _continue_run(job: Job) -> dict:
+    """A resumed run: the tags linking it to its checkpoint; when it continues the
+    checkpointed MLflow run, that run's id in ``MLFLOW_RUN_ID`` (mlflow.start_run resumes it and
+    clears the variable). See :func:`xpar.run.checkpoint.tracking_link`."""
+    import os
+
+    if job.resume is None:
+        return {}
+    from xpar.run.checkpoint import tracking_link
+    from xpar.track.runs import default_uri, flatten
+    link = tracking_link(job.spec, job.resume, flatten(job.config), job.spec.tracking.uri or default_uri(job.start_dir))
+    if link.note:
+        print(link.note, file=sys.stderr)
+    if link.run_id:
+        os.environ["MLFLOW_RUN_ID"] = link.run_id
+    return link.tags
+
+
+def _uri() -> str:
+    import mlflow
+    return mlflow.get_tracking_uri()
+
+
+def _run_estimate(job: Job) -> Report:
+    try:
+        from xpar.estimate.run import estimate_report
+    except ImportError:
+        fail("  - run.mode=estimate is not available yet in this build; use hardware=local.")
+    from xpar.estimate.dryrun import PlanError
+    try:
+        return _record(job, lambda: (estimate_report(job.spec, job.out_dir), None))
+    except PlanError as e:  # torch refused to build the layout in the dry run
+        if job.sweep is not None:
+            raise
+        fail(f"  - {e}")
+
+
+def _run_torchrun(job: Job) -> Optional[Report]:
+    """Under torchrun this process is one rank; rank 0 records."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from xpar.run.host_memory import keep_large_tensors_on_the_heap
+    from xpar.run.worker import run_rank
+
+    spec, out_dir = job.spec, job.out_dir
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:  # before gloo's threads allocate (xpar.run.host_memory)
+        keep_large_tensors_on_the_heap()
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.collective_timeout_s))
+    try:
+        if dist.get_rank() != 0:
+            run_rank(spec, out_dir)
+            return None
+
+        def body():
+            stats = run_rank(spec, out_dir)
+            return _summarize(spec, stats), stats
+        return _record(job, body)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Local worker launch and failure propagation.
+
+``python -m xpar`` starts ``world size`` workers on this machine with
+``torch.multiprocessing.start_processes`` (spawn). If any worker raises or dies, the others
+are terminated, and :class:`WorkerFailed` names the rank and its error.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.multiprocessing as mp
+
+from xpar.config.spec import RunSpec
+from xpar.run.worker import STATS_FILE, spawn_entry
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised or exited abnormally; ``rank`` is its global rank."""
+
+    def __init__(self, rank: int, error: str, detail: str = ""):
+        self.rank, self.error, self.detail = rank, error, detail
+        super().__init__(f"worker rank {rank} failed: {error}")
+
+    def __reduce__(self):  # picklable: launchers such as submitit send job errors between processes
+        return (WorkerFailed, (self.rank, self.error, self.detail))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_error_line(traceback_text: str) -> str:
+    lines = [ln for ln in traceback_text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
+
+
+def _state(pid: int) -> str:
+    """The kernel's state of process ``pid`` ('T (stopped)', 'S (sleeping)', ...), or ''."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -> Optional[tuple[int, str]]:
+    """(rank, why) of the worker whose heartbeat (xpar.run.worker.start_heartbeat) is the oldest and
+    older than ``timeout_s``; None while every started worker beats. The rank named is the one
+    that stopped, not one that waits for it in a collective (those keep beating)."""
+    from xpar.run.worker import HEARTBEAT_DIR
+
+    now = time.time() if now is None else now
+    beats = []
+    for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):
+        try:
+            beat = json.loads(f.read_text())
+            beat["t"] = max(beat["t"], f.stat().st_mtime)  # on a full disk a worker only touches the file
+        except (OSError, ValueError):
+            continue
+        state = _state(beat["pid"])
+        if state and not state.startswith(("Z", "X")):  # a rank that exited is judged by its exit code
+            beats.append((beat["t"], int(f.stem[4:]), beat["pid"], state))
+    if not beats:
+        return None
+    t, rank, pid, state = min(beats)
+    if now - t <= timeout_s:
+        return None
+    return rank, (f"stopped progressing: no heartbeat for {now - t:.0f} s (run.heartbeat_timeout_s="
+                  f"{timeout_s:g}); pid {pid} state {state}")
+
+
+def _kill(p) -> None:
+    if p.is_alive():
+        p.kill()  # SIGKILL: a stopped process does not act on SIGTERM until continued
+
+
+def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
+    """Run all ranks as local processes; return the per-rank stats gathered by rank 0.
+
+    Raises:
+        WorkerFailed: the first worker that raised or exited non-zero (the rest are ended).
+        KeyboardInterrupt: re-raised after ending the workers.
+    """
+    ctx = mp.start_processes(spawn_entry, args=(spec.to_dict(), str(out_dir), free_port()),
+                             nprocs=spec.world_size, join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=1.0):
+            stopped = stalled_rank(out_dir, spec.heartbeat_timeout_s)
+            if stopped is not None:
+                _kill(ctx.processes[stopped[0]])
+                raise WorkerFailed(*stopped)
+    except mp.ProcessRaisedException as e:
+        try:
+            (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
+        except OSError:  # a full disk: the error line below still says what failed
+            pass
+        raise WorkerFailed(e.error_index, _last_error_line(e.msg), e.msg) from None
+    except mp.ProcessExitedException as e:
+        code = e.exit_code
+        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise WorkerFailed(e.error_index, why) from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return read_stats(out_dir)
+
+
+def read_stats(out_dir: Path) -> list[dict]:
+    """The per-rank stats rank 0 wrote (:func:`xpar.run.worker.run_rank`): ``ranks.json`` in the run's
+    folder, or, where that disk was full, its copy in the system's temporary folder
+    (:func:`xpar.run.worker.stats_fallback`).
+
+    Raises:
+        WorkerFailed: neither could be read (rank 0 could write neither).
+    """
+    from xpar.run.worker import stats_fallback
+
+    for path in (out_dir / STATS_FILE, stats_fallback(out_dir)):
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if path != out_dir / STATS_FILE:
+            path.unlink(missing_ok=True)
+        return stats
+    raise WorkerFailed(0, f"its gathered stats could be written neither to {out_dir / STATS_FILE} nor to "
+                          f"{stats_fallback(out_dir)} (a full disk?); free space, or pass "
+                          f"hydra.run.dir=<a folder with space>")

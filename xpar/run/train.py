@@ -1,0 +1,154 @@
+"""The step loop on one rank: data, timing, memory accounting, progress."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from xpar.estimate.timing import step_time_stats
+from xpar.parallel.factory import Engine
+from xpar.parallel.memory_accounting import ActivationTracker, model_state_bytes
+from xpar.parallel.tensor import count_tp_comm
+from xpar.run.data import TokenSource
+
+if TYPE_CHECKING:
+    from xpar.run.checkpoint import History
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(engine: Engine, show_progress: bool = False, start: Optional["History"] = None,
+          after_step: Optional[Callable[[int, list, list, list], object]] = None) -> dict:
+    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1`` on
+    this rank; return its stats.
+
+    Memory and TP communication are accounted on this process's first step (see
+    :func:`_step`); the step times of the timed steps (after ``warmup_steps``) carry no
+    accounting overhead. ``start`` (:class:`xpar.run.checkpoint.History`): the steps before a
+    resumed run's first, whose records begin the returned lists. ``after_step(step, losses,
+    times, lrs)`` is called after each step (checkpoints, :class:`xpar.run.checkpoint.Saver`),
+    outside the timed region.
+
+    Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
+    micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
+    seconds per step, warm-up included), ``step_time_stats`` (of the timed steps),
+    ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
+    (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
+    activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
+    ``pipeline`` and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
+    :class:`xpar.parallel.tensor.TPCommCounter`), ``first_step`` (this process's first step).
+    """
+    spec = engine.spec
+    first = start.step if start is not None else 0
+    data = TokenSource(spec)
+    tracker = ActivationTracker([p for c in engine.chunks for p in c.parameters()])
+    losses: list[Optional[float]] = list(start.losses) if start is not None else []
+    times: list[float] = list(start.times) if start is not None else []
+    lrs: list[float] = list(start.lrs) if start is not None else []
+    comm: Optional[dict] = None
+    progress = _progress(spec.train.steps, first) if show_progress else None
+    _before_loop(spec)
+    try:
+        for step in range(first, spec.train.steps):
+            loss, seconds, counter = _step(engine, data, step, tracker, accounting=(step == first))
+            times.append(seconds)
+            if counter is not None:
+                comm = counter.metrics()
+            losses.append(loss)
+            lrs.append(engine.optimizer.param_groups[0]["lr"])  # lr of the next step
+            if after_step is not None:
+                after_step(step, losses, times, lrs)
+            if progress is not None:
+                progress[0].update(progress[1], advance=1,
+                                   description=f"step {step + 1}/{spec.train.steps}"
+                                               + ("" if loss is None else f" rank 0 loss {loss:.4f}"))
+    finally:
+        if progress is not None:
+            progress[0].stop()
+    stats = _rank_stats(engine, tracker, losses, times, lrs)
+    stats["first_step"] = first
+    if comm is not None:
+        stats["comm"] = comm
+    return stats
+
+
+def _before_loop(spec) -> None:
+    """Reset CUDA's peak memory; warn once (rank 0) when local CPU workers oversubscribe cores."""
+    if spec.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if dist.get_rank() == 0 and spec.device == "cpu" and spec.launcher == "local":
+        warn_oversubscribed(spec.world_size, spec.train.threads_per_worker)
+
+
+def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTracker, accounting: bool):
+    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None).
+
+    Memory (saved activations, held gradients) and TP collectives are accounted on the
+    first step of the process only (``accounting``) -- a warm-up step unless warmup_steps=0
+    -- since every step has the same shapes and issues the same collectives; timed steps
+    run bare."""
+    spec, mesh = engine.spec, engine.mesh
+    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
+    engine.optimizer.zero_grad(set_to_none=True)
+    _sync(spec.device)
+    t0 = time.perf_counter()
+    engine.accounting, engine.current_step = accounting, step
+    with (tracker if accounting else nullcontext()), count_tp_comm(mesh["tp"] if accounting else None) as counter:
+        loss = engine.step(xs, ys)
+    _sync(spec.device)
+    return loss, time.perf_counter() - t0, counter
+
+
+def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:
+    """This rank's stats dict (see :func:`train`) after the last step."""
+    spec, mesh = engine.spec, engine.mesh
+    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage, engine.grads_peak,
+                               dtype=spec.train.dtype, copies_peak=tracker.copies_peak)
+    memory["activations"] = tracker.peak
+    if spec.device == "cuda":
+        memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    coords = [mesh[a].get_local_rank() for a in ("pp", "dp", "tp")]
+    stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
+             "losses": losses, "step_times_s": times, "memory": memory,
+             "grad_norms": list(engine.grad_norms), "lrs": lrs,
+             "nonfinite_steps": list(engine.nonfinite_steps), "skipped_steps": list(engine.skipped_steps),
+             "step_time_stats": step_time_stats(times[spec.train.warmup_steps:])}
+    if getattr(engine, "pipeline_stats", None) is not None:
+        stats["pipeline"] = _first_step(engine.pipeline_stats(), len(losses))
+    return stats
+
+
+def _first_step(record: dict, total: int) -> dict:
+    """A resumed pipelined run records its steps from the resumed step on: say which (the
+    bubble summary, xpar.estimate.bubble.summarize, indexes the records from there)."""
+    return dict(record, first_step=total - len(record.get("steps") or []))
+
+
+def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
+    """One stderr line when ``workers`` x ``threads`` torch threads exceed this host's cores
+    (step times then measure the OS scheduler); returns the line, or None."""
+    import os
+    import sys
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers * threads <= cores:
+        return None
+    line = (f"xpar: warning: {workers} workers x {threads} threads = {workers * threads} threads on "
+            f"{cores} cores; timings are oversubscribed (train.threads_per_worker, fewer workers)")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def _progress(total: int, completed: int = 0):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn())
+    task = p.add_task("starting", total=total, completed=completed)
+    p.start()
+    return p, task

@@ -1,0 +1,184 @@
+"""One rank: process group, mesh, engine, training loop; rank 0 gathers every rank's stats.
+
+Spawned by :mod:`xpar.run.launch` (local workers) or run in-process under torchrun. Workers
+live in this normal module (not ``__main__``) so spawned children can unpickle them, and
+receive the spec as a plain dict and the output directory explicitly (children see no
+Hydra state).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from xpar.config.spec import RunSpec
+from xpar.run.host_memory import keep_large_tensors_on_the_heap
+from xpar.track.journal import StepWriter
+
+STATS_FILE = "ranks.json"
+
+
+def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
+    """Build and train this rank's part; return all ranks' stats on rank 0 (None elsewhere).
+
+    Expects the default process group to be initialised. Rank 0 also writes them to
+    ``out_dir/ranks.json``.
+    """
+    from xpar.parallel.factory import build_engine
+    from xpar.parallel.mesh import build_mesh
+    from xpar.run.train import train
+
+    if spec.device == "cpu":
+        torch.set_num_threads(spec.train.threads_per_worker)
+        keep_large_tensors_on_the_heap()
+    mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp)
+    engine = build_engine(spec, mesh)
+    if spec.fail_rank == dist.get_rank():
+        raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
+    start, saver = _checkpoints(engine, out_dir)
+    record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=saver)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stats, gathered, dst=0)
+    if dist.get_rank() == 0:
+        try:
+            (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
+        except OSError as e:  # a full disk: the parent reads them from the temporary folder
+            from xpar.track.journal import disk_warning
+            disk_warning(out_dir / STATS_FILE, e, f"the per-rank stats go to {stats_fallback(out_dir)}")
+            try:
+                stats_fallback(out_dir).write_text(json.dumps(gathered))
+            except OSError:
+                pass  # the parent says that neither could be written (xpar.run.launch.read_stats)
+        return gathered
+    return None
+
+
+def stats_fallback(out_dir: Path) -> Path:
+    """Where rank 0 writes the stats when the run's folder cannot take them (a full disk): the
+    system's temporary folder, named after the run's folder."""
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha1(str(Path(out_dir).absolute()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"xpar-ranks-{key}.json"
+
+
+def _checkpoints(engine, out_dir: Path):
+    """(the history to start from, or None; the checkpoint saver, or None): loads
+    ``train.resume`` (a checkpoint directory, resolved before the workers started) into
+    ``engine`` and replays its history to this rank's step file (xpar.run.checkpoint)."""
+    train_cfg = engine.spec.train
+    start = saver = None
+    if train_cfg.resume or train_cfg.checkpoint_every:
+        from xpar.run import checkpoint
+        if train_cfg.resume:
+            meta = checkpoint.load(engine, Path(train_cfg.resume))
+            start = checkpoint.history_of(meta, dist.get_rank())
+            checkpoint.replay_history(out_dir, dist.get_rank(), start)
+        if train_cfg.checkpoint_every:
+            saver = checkpoint.Saver(engine, out_dir)
+    return start, saver
+
+
+def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
+    """Live metrics: after each ``engine.step`` (one optimizer step of the step loop), append
+    its loss, wall seconds, pre-clip gradient norm and lr to this rank's step file (:class:`xpar.track.journal.StepWriter`, a
+    line-buffered file append: microseconds). The seconds match the loop's own timing on CPU;
+    on CUDA the device is synchronized first, as the loop does right after. Steps are
+    numbered from ``first`` (a resumed run's first step)."""
+    inner, device, count = engine.step, engine.spec.device, [first]
+
+    def step(inputs, targets):
+        lr = engine.optimizer.param_groups[0]["lr"]  # the step's lr (its scheduler steps inside)
+        t0 = time.perf_counter()
+        loss = inner(inputs, targets)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        writer(count[0], loss, seconds, engine.grad_norms[-1] if engine.grad_norms else None, lr)
+        count[0] += 1
+        return loss
+    engine.step = step
+
+
+HEARTBEAT_DIR = "heartbeat"
+ORPHAN_EXIT = 75
+"""Exit status of a worker that ended itself because xpar, its parent, was gone."""
+HEARTBEAT_S = 1.0
+"""Seconds between a local worker's heartbeats (xpar.run.launch watches them)."""
+
+
+def start_heartbeat(out_dir: Path, rank: int) -> None:
+    """A daemon thread that writes ``{"pid", "t"}`` to ``<out_dir>/heartbeat/rank<rank>.json``
+    every :data:`HEARTBEAT_S`, and ends this worker (exit :data:`ORPHAN_EXIT`) once the process
+    that started it is gone (a worker re-parented: xpar was killed with SIGKILL; two workers
+    had trained on as orphans to step 400). It keeps beating while the main thread waits in a collective
+    (gloo and NCCL waits release the GIL); it stops when the process is stopped or dies."""
+    import threading
+
+    d = Path(out_dir) / HEARTBEAT_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path, tmp = d / f"rank{rank}.json", d / f".rank{rank}.tmp"
+    parent = os.getppid()
+
+    def beat():
+        while True:
+            if os.getppid() != parent:  # xpar died (kill -9): nothing records this run any more
+                os._exit(ORPHAN_EXIT)
+            try:
+                tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+                tmp.replace(path)
+            except OSError:  # a full disk: the file's mtime still beats (xpar.run.launch.stalled_rank reads both)
+                os.utime(path) if path.exists() else None
+            time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="xpar-heartbeat", daemon=True).start()
+
+
+def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
+    """Entry point of a spawned local worker (``torch.multiprocessing.start_processes``)."""
+    spec = RunSpec.from_dict(spec_dict)
+    if spec.device == "cpu":  # before any thread of ours or gloo's allocates (xpar.run.host_memory)
+        keep_large_tensors_on_the_heap()
+    out = Path(out_dir)
+    start_heartbeat(out, local_rank)
+    logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+    if spec.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
+                            world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+    try:
+        run_rank(spec, out)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def exit_worker() -> None:
+    """End a finished worker process without Python finalization (exit status 0).
+
+    torch 2.13 + gloo: a gloo thread may free the last reference to a collective's work
+    while the interpreter finalizes; freeing needs the GIL, the thread is ended, and
+    std::terminate aborts the process ("terminate called without an active exception",
+    SIGABRT) after all work is done -- measured in ~10-20% of 2-rank runs, DDP and TP
+    alike (backtrace: ProcessGroupGloo::runLoop -> ~AsyncWork -> ~ThreadLocalState ->
+    take_gil -> pthread_exit). Nothing is left to clean up here: results are written.
+    """
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,95 @@
+"""The parent MLflow run of a sweep: created before the first job, closed with the sweep
+table, plots and the best job after the last (:mod:`xpar.track.sweep` calls these)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from xpar.track.compare import headline_table, write_plots
+from xpar.track.runs import (
+    MAX_PARAM_CHARS,
+    MAX_PARAMS_PER_BATCH,
+    owner_tags,
+    param_key,
+    setup_experiment,
+)
+
+
+def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list) -> dict:
+    """Create the parent run of a sweep (not made active, so jobs in this process can start
+    their own runs). ``invalid``: (job number, overrides, problems) of the jobs pre-flight
+    refused, logged as ``invalid_jobs.csv`` so the reasons stay beside the results.
+    Returns what jobs need to find the parent."""
+    import mlflow
+    from omegaconf import OmegaConf
+
+    start_dir = Path(config.hydra.runtime.cwd)
+    tr = config.tracking
+    exp_id = setup_experiment(tr.uri, tr.experiment, tr.artifact_location, start_dir)
+    overrides = " ".join(config.hydra.overrides.task)
+    params = dict(config.hydra.sweeper.get("params") or {})
+    tags = {"xpar.sweep_id": sweep_id, "xpar.role": "sweep", "xpar.config.overrides": overrides[:5000],
+            "mlflow.runName": f"sweep {sweep_id}", **owner_tags()}
+    if n_jobs is not None:
+        tags["xpar.n_jobs"] = str(n_jobs)
+    client = mlflow.tracking.MlflowClient()
+    run = client.create_run(exp_id, tags=tags)
+    try:
+        if params:
+            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(param_key(f"sweep.{k}"), str(v)[:MAX_PARAM_CHARS])
+                                                       for k, v in list(params.items())[:MAX_PARAMS_PER_BATCH]])
+        if invalid:
+            import csv
+            import io
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(["job", "overrides", "reason"])
+            for num, overrides, problems in invalid:
+                for p in problems:
+                    w.writerow([num, " ".join(overrides), p])
+            client.log_text(run.info.run_id, buf.getvalue(), "invalid_jobs.csv")
+            client.set_tag(run.info.run_id, "xpar.invalid_jobs", str(len(invalid)))
+    except Exception:  # never leave the parent RUNNING
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
+    return {"sweep_id": sweep_id, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
+            "uri": mlflow.get_tracking_uri(), "n_jobs": n_jobs, "skipped": [n for n, _, _ in invalid],
+            "metric": OmegaConf.select(config, "sweep.metric", default="throughput/tokens_per_s"),
+            "goal": OmegaConf.select(config, "sweep.goal", default="max")}
+
+
+def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> None:
+    """Log the sweep table (CSV), plots and best job (among FINISHED children) on the parent
+    run and end it: FINISHED, FAILED if a child failed or an expected job left no run, KILLED
+    if ``interrupted`` (Ctrl-C), with the jobs that never started as tag ``xpar.jobs_not_started``.
+    No-op if ended."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(info["uri"])
+    pid = info["parent_run_id"]
+    if client.get_run(pid).info.status != "RUNNING":
+        return
+    status = "KILLED" if interrupted else "FAILED"
+    try:
+        runs = mlflow.search_runs(experiment_ids=[info["experiment_id"]],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{pid}'")
+        table = headline_table(runs)
+        client.log_text(pid, table.to_csv(index=False), "sweep_table.csv")
+        metric = f"metrics.{info['metric']}"
+        done = runs[runs["status"] == "FINISHED"] if len(runs) else runs
+        if len(done) and metric in done and done[metric].notna().any():
+            best = done.loc[done[metric].idxmax() if info["goal"] == "max" else done[metric].idxmin()]
+            client.set_tag(pid, "xpar.best_job", f"{best.get('tags.xpar.job_num')} {best.get('tags.xpar.overrides')}")
+            client.set_tag(pid, "xpar.best_run_id", best["run_id"])
+            client.log_metric(pid, f"best/{info['metric']}", float(best[metric]))
+        for path in write_plots(runs, sweep_dir / "plots"):
+            client.log_artifact(pid, str(path), "plots")
+        expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
+        failed = (runs["status"] != "FINISHED").any() if len(runs) else True
+        status = "FAILED" if failed or len(runs) < expected else "FINISHED"
+        if interrupted:
+            status = "KILLED"
+            if info.get("n_jobs") is not None:
+                client.set_tag(pid, "xpar.jobs_not_started", str(max(0, expected - len(runs))))
+    finally:
+        client.set_terminated(pid, status)

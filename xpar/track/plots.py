@@ -1,0 +1,91 @@
+"""Figures (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+TIMELINE_FILE = "pipeline_timeline.png"
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+LABEL_AXIS_PX = 880
+"""Approximate width of the time axis in pixels (10 in at 100 dpi, less the margins)."""
+NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
+
+
+def timeline_figure(timeline: dict):
+    """Gantt chart of one pipeline step: measured (top) and simulated (bottom), on one time axis.
+
+    One row per pp rank (rank 0 on top), one box per compute action, coloured by kind
+    (F, B, I, W) and labelled with its micro-batch (``stage:mb`` when a rank holds several
+    stages); grey inside the step is idle time (the bubble). Sized for MLflow's artifact
+    viewer (1000 px wide at the saved 100 dpi). ``timeline`` is the dict built by
+    :func:`xpar.estimate.bubble.summarize`.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pp = timeline["pp"]
+    panels = [("measured", timeline["actions"], timeline["step_time_s"], timeline["measured"]),
+              ("simulated: measured action times, free communication", timeline["sim_actions"],
+               timeline["sim_step_time_s"], timeline["simulated"])]
+    end = max(p[2] for p in panels) * 1e3
+    fig, axes = plt.subplots(2, 1, figsize=(10, 2.2 + 0.9 * pp), sharex=True, squeeze=False)
+    kinds: set = set()
+    for ax, (title, per_rank, span, bubble) in zip(axes[:, 0], panels):
+        kinds |= _draw_ranks(ax, per_rank, span * 1e3, end, timeline["v"], pp)
+        ax.set_title(f"{title}: bubble {bubble:.3f}, step {span * 1e3:.1f} ms", fontsize=9, loc="left")
+        ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)], fontsize=8)
+        ax.set_ylim(pp - 0.5, -0.5)  # rank 0 on top
+        ax.set_xlim(0, end * 1.01)
+    axes[1, 0].set_xlabel("time in step (ms)")
+    _legend(fig, kinds, timeline["v"])
+    v = timeline["v"]
+    fig.suptitle(f"{timeline['schedule']}, pp={pp}, m={timeline['m']}" + (f", v={v}" if v > 1 else "")
+                 + f": step {timeline['step']}, theory bubble {timeline['theory']:.3f}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def _draw_ranks(ax, per_rank: list, span_ms: float, end_ms: float, v: int, pp: int) -> set:
+    """One row per rank: the step as an idle (grey) bar, the compute actions over it."""
+    kinds = set()
+    for r, acts in enumerate(per_rank):
+        ax.barh(r, span_ms, left=0, height=0.8, color="#F2F2F2", edgecolor="#BBBBBB", linewidth=0.5)
+        for kind, stage, mb, t0, t1 in acts:
+            kinds.add(kind)
+            w = (t1 - t0) * 1e3
+            ax.barh(r, w, left=t0 * 1e3, height=0.8, color=COLORS.get(kind, "grey"),
+                    edgecolor="white", linewidth=0.5, alpha=1.0 if v == 1 or stage < pp else 0.6)
+            label = f"{mb}" if v == 1 else f"{stage}:{mb}"
+            if w / end_ms * LABEL_AXIS_PX > 6 * len(label) + 4:  # ~6 px per character at fontsize 7
+                ax.text(t0 * 1e3 + w / 2, r, label, ha="center", va="center", fontsize=7, color="white")
+    return kinds
+
+
+def _legend(fig, kinds: set, v: int) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in "FBIW" if k in kinds]
+    handles.append(Patch(facecolor="#F2F2F2", edgecolor="#BBBBBB", label="idle (bubble)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               title="box label: micro-batch" if v == 1 else
+               "box label: stage:micro-batch (paler boxes: the rank's later stages)",
+               title_fontsize=8)
+
+
+def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
+    """Save the timeline PNG in ``out_dir`` and log it to the active MLflow run, if any."""
+    if not timeline:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(timeline)
+    path = Path(out_dir) / TIMELINE_FILE
+    fig.savefig(path, dpi=100)
+    try:
+        import mlflow
+        if mlflow.active_run() is not None:
+            mlflow.log_figure(fig, TIMELINE_FILE)
+    finally:
+        plt.close(fig)
+    return path

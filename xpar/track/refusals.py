@@ -1,0 +1,66 @@
+"""``xpar compare``'s refusals: one line and exit 2, within seconds, for a tracking store that
+is missing or unreachable, an output folder that cannot be written, an MLflow filter the store
+rejects and a sweep id that names no sweep (:func:`xpar.track.compare.main` calls these)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+HEALTH_TIMEOUT_S = 3
+"""Seconds to wait for a tracking server's /health before refusing."""
+
+FILTER_EXAMPLE = "--filter \"tags.`xpar.mode` = 'estimate'\""
+
+
+def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:
+    """None, or why the store at ``uri`` or the folder ``out`` cannot be used (one line)."""
+    from xpar.config.checks.environment import sqlite_path
+    from xpar.config.overrides import unwritable
+    from xpar.track.recorder import bound_http
+
+    bound_http()
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        return (f"no tracking store at {uri} (no file {db}); run xpar from this directory first, "
+                f"or pass --uri <the store's URI>.")
+    if uri.startswith(("http://", "https://")):
+        import urllib.request
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+        except Exception as e:  # refused, timed out, not a server
+            return (f"the tracking server --uri {uri} does not answer ({type(e).__name__}: "
+                    f"{str(e)[:120]}); start it, or give a reachable URI.")
+    if out is not None:
+        why = unwritable(Path(out))
+        if why:
+            return f"--out {out} cannot be written ({why}); give a writable folder, e.g. --out ./xpar_compare."
+    return None
+
+
+def selected(select_runs: Callable, uri: str, experiment: str, sweep: Optional[str], filter_string: Optional[str]):
+    """``select_runs(...)``, or the refusal line (a str) for a rejected filter, an unknown
+    sweep id or experiment."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        runs, sweep = select_runs(uri, experiment, sweep, filter_string)
+    except MlflowException as e:
+        first = str(e).splitlines()[0][:200]
+        if filter_string:
+            return f"--filter {filter_string!r} is not a valid MLflow search filter ({first}); e.g. {FILTER_EXAMPLE}.", sweep
+        return f"the tracking store at {uri} failed: {first}", sweep
+    except SystemExit as e:  # select_runs: no sweep in the experiment
+        return f"{str(e.code).removeprefix('xpar compare: ')}; run a sweep (python -m xpar -m ...) or use --filter.", sweep
+    if runs.empty and sweep and sweep != "latest" and not filter_string:
+        known = _sweep_ids(experiment)
+        return (f"--sweep {sweep} names no sweep in experiment {experiment!r} at {uri}; sweep ids there: "
+                f"{', '.join(known) or 'none'}."), sweep
+    return runs, sweep
+
+
+def _sweep_ids(experiment: str) -> list[str]:
+    import mlflow
+
+    parents = mlflow.search_runs(experiment_names=[experiment], filter_string="tags.`xpar.role` = 'sweep'",
+                                 order_by=["start_time DESC"], max_results=10)
+    return [] if parents.empty else list(parents["tags.xpar.sweep_id"])

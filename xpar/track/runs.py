@@ -1,0 +1,327 @@
+"""MLflow: one run per job, params, batched metrics, artifacts, and an honest end status.
+
+Default store: ``sqlite:///<start dir>/mlflow.db`` with artifacts in ``<start dir>/mlartifacts``
+(set explicitly, since SQLite fixes an experiment's artifact root at creation). The run ends
+FINISHED, FAILED on an error, KILLED on Ctrl-C or SIGTERM; never left RUNNING.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from xpar.config.spec import RunSpec
+
+MAX_PARAMS_PER_BATCH = 100
+MAX_PARAM_CHARS = 6000  # MLflow's param value limit (3.x); longer values are truncated with a marker
+
+
+def default_uri(start_dir: Path) -> str:
+    return f"sqlite:///{(start_dir / 'mlflow.db').resolve()}"
+
+
+def open_store(uri: str) -> None:
+    """Open the tracking store at ``uri`` once, creating it if new (a new SQLite store builds its
+    tables, ~2 s here), so that a later run in this process finds it ready. Raises what MLflow
+    raises for an unusable store."""
+    import mlflow
+    with store_lock(uri):
+        mlflow.tracking.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<db>.lock`` beside a SQLite store while a process creates or
+    opens it (its tables, the experiment): two or three first runs started at once in a new
+    directory ran MLflow's migrations concurrently ("duplicate column name") and broke the store
+    for every later run. Other URIs: no lock (a server serialises its own store)."""
+    import fcntl
+
+    from xpar.config.checks.environment import sqlite_path
+
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dict -> {'a.b.c': 'value'} with values as strings (lists as JSON)."""
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    value = json.dumps(d) if isinstance(d, (list, tuple)) else str(d)
+    if len(value) > MAX_PARAM_CHARS:
+        value = value[:MAX_PARAM_CHARS - 20] + "...[truncated]"
+    return {prefix[:-1]: value}
+
+
+SYSTEM_METRICS_ENV = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "2",
+                      "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
+"""System metrics (cpu/memory of the recording host, GPU through pynvml if installed) sampled
+every 2 s, so that runs of a few seconds have points; the user's own settings win."""
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3.x's UI opens an experiment in the view this tag names (its JS enum ExperimentKind;
+without it new experiments open in the GenAI view, with the runs one click away)."""
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be reached or used; raised before any worker starts."""
+
+
+def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Optional[str],
+                     start_dir: Path) -> str:
+    """Point MLflow at ``uri`` (default: the SQLite store in ``start_dir``) with bounded HTTP
+    retries, create the experiment with an explicit artifact location if missing; return its id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    for key, value in SYSTEM_METRICS_ENV.items():  # MLflow's own system metrics (psutil; NVML where present)
+        os.environ.setdefault(key, value)
+    import logging
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines on the console
+    uri = uri or default_uri(start_dir)
+    try:
+        with store_lock(uri):
+            return _experiment_id(uri, experiment, artifact_location, start_dir)
+    except Exception as e:  # unreachable server, unknown scheme, unwritable store
+        raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
+                                  f"{_store_advice(uri)}") from None
+
+
+def _store_advice(uri: str) -> str:
+    """What to do about a store that failed: a server to start, or a SQLite file to move aside."""
+    if uri.startswith(("http://", "https://")):
+        return "Start the server, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
+    from xpar.config.checks.environment import sqlite_path
+    db = sqlite_path(uri)
+    if db is not None and db.exists():
+        return (f"If {db} is damaged, move it aside (mv {db} {db}.broken) and run again: a new store is "
+                f"created; or pass tracking.uri=sqlite:///<another file>, or tracking=off.")
+    return "Fix the URI, use the default SQLite store (omit tracking.uri), or tracking=off."
+
+
+def _experiment_id(uri: str, experiment: str, artifact_location: Optional[str], start_dir: Path) -> str:
+    """The id of ``experiment`` in the store at ``uri``, created if missing."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is not None:
+        end_orphaned_runs(mlflow.tracking.MlflowClient(uri), exp.experiment_id)
+        return exp.experiment_id
+    if artifact_location is None and uri.startswith(("http://", "https://")):
+        return mlflow.create_experiment(experiment, tags=EXPERIMENT_TAGS)  # the server's --default-artifact-root decides
+    location = artifact_location or (start_dir / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
+
+
+def owner_tags() -> dict:
+    """Tags naming the process that records a run (host, pid and the pid's start time, so a
+    reused pid is not taken for it): :func:`end_orphaned_runs` reads them."""
+    import socket
+
+    import psutil
+    return {"xpar.host": socket.gethostname(), "xpar.pid": str(os.getpid()),
+            "xpar.pid_started": f"{psutil.Process().create_time():.2f}"}
+
+
+def _owner_alive(tags: dict) -> bool:
+    """Whether the process named by :func:`owner_tags` still runs. This process always does.
+    Start times are compared within 5 s: psutil derives them from /proc/stat's boot time, which
+    moves by a second when the clock is adjusted (a sweep's parent was once ended KILLED by its
+    own job so, in CI)."""
+    import psutil
+    try:
+        if int(tags["xpar.pid"]) == os.getpid():
+            return True
+        proc = psutil.Process(int(tags["xpar.pid"]))
+        return abs(proc.create_time() - float(tags.get("xpar.pid_started", 0))) < 5.0 and \
+            proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError, KeyError):
+        return False
+
+
+def end_orphaned_runs(client, experiment_id: str) -> list[str]:
+    """End KILLED the RUNNING runs of this host whose recording process is gone (``kill -9``
+    of xpar or of a sweep's parent left them RUNNING forever), with the tag ``xpar.ended_by``
+    saying so; a sweep's parent also gets ``xpar.jobs_not_started`` (its ``xpar.n_jobs`` less
+    the jobs that left a run). Called by every later xpar command that opens the experiment
+    (:func:`setup_experiment`). Returns their run ids."""
+    import socket
+
+    host, ended = socket.gethostname(), []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
+        tags = run.data.tags
+        if tags.get("xpar.host") != host or "xpar.pid" not in tags or _owner_alive(tags):
+            continue
+        client.set_tag(run.info.run_id, "xpar.ended_by",
+                       f"a later xpar command: its process {tags['xpar.pid']} on {host} was gone without ending it")
+        if tags.get("xpar.role") == "sweep" and tags.get("xpar.n_jobs"):
+            jobs = client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+            client.set_tag(run.info.run_id, "xpar.jobs_not_started", str(max(0, int(tags["xpar.n_jobs"]) - len(jobs))))
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run.info.run_id)
+    if ended:
+        print(f"xpar: {len(ended)} run(s) left RUNNING by a process that is gone now ended KILLED "
+              f"({', '.join(r[:8] for r in ended)}).", file=sys.stderr)
+    return ended
+
+
+def param_key(key: str) -> str:
+    """A valid MLflow param/metric name: Hydra override prefixes (+, ++, ~) dropped and any
+    character outside letters, digits, ``_ - . / :`` and space replaced by ``_``."""
+    key = key.replace("+", "").replace("~", "")
+    return re.sub(r"[^A-Za-z0-9_\-./: ]", "_", key)
+
+
+class _Terminated(BaseException):
+    pass
+
+
+@contextmanager
+def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict] = None,
+               run_name: Optional[str] = None, out_dir: Optional[Path] = None) -> Iterator[Any]:
+    """Start an MLflow run for ``spec``; yield the active run (its :class:`xpar.track.recorder.Recorder`
+    as ``run.recorder``).
+
+    Every record goes through the run's journal in ``out_dir`` (a temporary folder if None);
+    rank 0's per-step metrics are delivered live. Logs the flattened resolved config as params
+    on entry. Ends the run FINISHED on success, KILLED on KeyboardInterrupt/SIGTERM, FAILED on
+    any other error (re-raised): in the store, or in the journal for ``xpar sync``.
+    """
+    import tempfile
+
+    import mlflow
+
+    from xpar.track.recorder import Recorder, bound_http
+
+    bound_http()
+    exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
+                              spec.tracking.artifact_location, start_dir)
+    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name,
+                           tags={**(tags or {}), **owner_tags()})
+    recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, Path(out_dir or tempfile.mkdtemp(prefix="xpar-")),
+                        spec.world_size if spec.mode == "execute" else 0)
+    run.recorder = recorder
+    with _sigterm_raises():
+        try:
+            recorder.record("params", params=flatten(config))
+            recorder.flush()
+            recorder.start_live()
+            yield run
+        except (KeyboardInterrupt, _Terminated):
+            _end(recorder, "KILLED")
+            raise KeyboardInterrupt from None
+        except BaseException:
+            _end(recorder, "FAILED")
+            raise
+        else:
+            _end(recorder, "FINISHED")
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises in the main thread (so the run ends KILLED), restored on exit."""
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        old_term = None
+    try:
+        yield
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _end(recorder, status: str) -> None:
+    """Final status to the store (or the journal), then end MLflow's active run locally
+    (its own call is short once the store failed: :func:`xpar.track.recorder.bound_http`)."""
+    import mlflow
+
+    recorder.finish(status)
+    try:
+        mlflow.end_run(status)
+    except Exception:  # the store is down: the journal holds the status for `xpar sync`
+        pass
+
+
+@contextmanager
+def recording(run) -> Iterator[None]:
+    """Around the logging after training: a store that fails there does not fail the run
+    (what it did not take is journaled, and the summary is still printed)."""
+    try:
+        yield
+    except Exception as e:
+        recorder = getattr(run, "recorder", None)
+        if recorder is None or not _is_store_error(e):
+            raise
+        recorder.mark_failed(e)
+        from xpar.track.plots import TIMELINE_FILE
+        timeline = recorder.out_dir / TIMELINE_FILE
+        if timeline.is_file():
+            recorder.record("artifact", path=str(timeline), dir=None)
+
+
+def _is_store_error(e: Exception) -> bool:
+    from mlflow.exceptions import MlflowException
+    try:
+        from requests.exceptions import RequestException
+    except ImportError:  # pragma: no cover
+        RequestException = OSError
+    return isinstance(e, (MlflowException, RequestException, OSError, TimeoutError))
+
+
+def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: Path) -> None:
+    """Summary metrics, the per-step metrics not yet delivered live (e.g. ranks on other
+    nodes' disks), and artifacts: the resolved config YAML, the per-rank stats JSON and the
+    report's files. Journaled first, then delivered within the end budget."""
+    import mlflow
+
+    try:
+        (out_dir / "config.yaml").write_text(config_yaml)
+    except OSError as e:  # a full disk: the config still goes to MLflow below
+        from xpar.track.journal import disk_warning
+        disk_warning(out_dir / "config.yaml", e, "the resolved config goes to MLflow only")
+    run = mlflow.active_run()
+    recorder = getattr(run, "recorder", None)
+    if recorder is None:  # a run not started by mlflow_run
+        from xpar.track.recorder import Recorder
+        recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, out_dir)
+    recorder.stop_live()
+    now = int(time.time() * 1000)
+    done = recorder.journal.steps_journaled()
+    points = [["train/loss", v, now, i] for i, v in enumerate(report.losses) if i >= done]
+    points += [["train/step_time_s", v, now, i] for i, v in enumerate(report.step_times_s) if i >= done]
+    norms = (stats[0].get("grad_norms") or []) if stats else []  # pre-clip global norm: equal on every rank
+    points += [["train/grad_norm", float(v), now, i] for i, v in enumerate(norms) if i >= done]
+    points += [[k, float(v), now, 0] for k, v in report.metrics().items()]
+    recorder.record("metrics", points=points)
+    recorder.record("text", text=config_yaml, file="config.yaml")
+    if stats is not None:
+        recorder.record("text", text=json.dumps(stats, indent=1), file="ranks.json")
+    for path in getattr(report, "artifacts", None) or []:
+        recorder.record("artifact", path=str(Path(path).resolve()), dir=None)
+    recorder.flush_bounded()
