@@ -18,6 +18,7 @@ class ModelConfig:
     """Shape of a decoder-only transformer (Llama or GPT style)."""
 
     name: str = "tiny"
+    """The presets name (model=<name>), shown in run names."""
     n_layers: int = 4
     """Number of transformer blocks (l)."""
     hidden: int = 64
@@ -43,7 +44,9 @@ class ModelConfig:
     bias: bool = False
     """Linear layers and norms carry biases (GPT-2/3 do, Llama does not)."""
     rope_theta: float = 10000.0
+    """RoPE base frequency (Su et al. 2021; Llama 3 uses 500000)."""
     norm_eps: float = 1e-5
+    """Epsilon of RMSNorm / LayerNorm."""
 
     @property
     def kv_heads(self) -> int:
@@ -59,6 +62,7 @@ class ParallelConfig:
     """The parallel layout: degrees, ZeRO stage, micro-batching, pipeline schedule."""
 
     name: str = "dp"
+    """The presets name (parallel=<name>), shown in run names."""
     dp: Any = "auto"
     """Data-parallel degree, or 'auto' = world size / (tp * pp)."""
     tp: int = 1
@@ -92,6 +96,7 @@ class HardwareConfig:
     """A machine or cluster. 'local' is detected at run time."""
 
     name: str = "local"
+    """The presets name (hardware=<name>); local: this machine, measured."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (cuda if available, else cpu)."""
     gpu: Optional[str] = None
@@ -99,6 +104,7 @@ class HardwareConfig:
     devices_per_node: Any = "auto"
     """GPUs per node, or CPU workers for local runs; 'auto' detects."""
     nodes: int = 1
+    """Nodes of devices_per_node devices each (world size = nodes x devices_per_node)."""
     device_memory_gb: Optional[float] = None
     """Memory per device in GB (1e9 bytes), as the device reports it; None detects (host RAM on CPU),
     on hardware=local only: elsewhere refused (xpar.config.checks.hardware)."""
@@ -110,6 +116,7 @@ class HardwareConfig:
     """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
     fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""
     hbm_tb_per_s: Optional[float] = None
+    """Device memory bandwidth in TB/s (1e12 bytes/s); None measures on hardware=local."""
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None
@@ -196,6 +203,7 @@ class FrameworkConfig:
     Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
 
     name: str = "xpar"
+    """The framework profile (framework=<name>): whose memory and time behaviour an estimate assumes."""
     flash_attention: bool = True
     """Fused (flash) attention: no s x s scores kept or moved through HBM."""
     dropout: bool = False
@@ -320,6 +328,7 @@ class TrainConfig:
     """The step loop."""
 
     steps: int = 10
+    """Optimizer steps to run (must be > 0)."""
     warmup_steps: int = 2
     """Steps excluded from timing (must be < steps)."""
     global_batch_size: Any = "auto"
@@ -329,11 +338,14 @@ class TrainConfig:
     seq_len: Optional[int] = None
     """Training sequence length; None uses model.seq_len."""
     lr: float = 3e-4
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
+    """AdamW weight decay (decoupled, Loshchilov & Hutter 2019)."""
     dtype: str = "fp32"
     """fp32 (pure fp32) or bf16: mixed precision -- bf16 compute, fp32 master weights and
     AdamW states, fp32 gradient reduction and loss (xpar.parallel.precision)."""
     seed: int = 0
+    """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None
     """torch threads per worker on CPU (torch.set_num_threads); None = 1."""
     on_nonfinite: str = "stop"
@@ -381,12 +393,15 @@ class TrackingConfig:
     """MLflow."""
 
     enabled: bool = True
+    """Record the run in MLflow (tracking=off sets false: nothing is recorded)."""
     uri: Optional[str] = None
     """Tracking URI; None = sqlite:///<directory xpar was started from>/mlflow.db."""
     experiment: str = "xpar"
+    """MLflow experiment name (must not be empty)."""
     artifact_location: Optional[str] = None
     """Artifact root for a new experiment; None = <start directory>/mlartifacts."""
     run_name: Optional[str] = None
+    """MLflow run name; None names the run after its layout (e.g. "tiny dp2 zero1")."""
 
 
 @dataclass
@@ -397,6 +412,7 @@ class RunConfig:
     """auto | execute | estimate | plan. auto executes where the devices exist, else estimates; plan
     searches every layout (xpar plan, xpar.plan.command)."""
     progress: bool = True
+    """Show a rich progress bar of the steps on the console."""
     fail_rank: Optional[int] = None
     """Fault injection for testing failure handling: this rank raises after building its engine."""
     allow_long: bool = False
