@@ -354,7 +354,7 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     run = client.get_run(plan.run_id)
     assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"
     from xpar.estimate.report import layout_name
-    assert run.data.tags["xpar.config.layout"] == layout_name(spec)  # the winner's, as xpar compare lists it
+    assert run.data.tags["xpar.layout"] == layout_name(spec)  # the winner's, as xpar compare lists it
     params = run.data.params  # the winner's layout, resolved (not the parallel group's unused defaults)
     assert (params["parallel.tp"], params["parallel.pp"], params["parallel.dp"], params["run.mode"]) == (
         str(spec.tp), str(spec.pp), str(spec.dp), "plan")

@@ -111,8 +111,8 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
     config["run"]["mode"] = "plan"
     config.pop("hydra", None)
     from xpar.estimate.report import layout_name
-    tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.config.hardware": plan.ctx.hardware["name"],
-            "xpar.config.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
+    tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.hardware": plan.ctx.hardware["name"],
+            "xpar.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
             "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
     from xpar.track.sweep import sweep_tags

@@ -137,8 +137,8 @@ def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
 def _record(job: Job, body) -> Report:
     """Run ``body`` inside an MLflow run (when tracking is enabled); log and print."""
     spec = job.spec
-    tags = {"xpar.mode": spec.mode, "xpar.config.layout": layout_name(spec), "xpar.model": spec.model.name,
-            "xpar.config.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
+    tags = {"xpar.mode": spec.mode, "xpar.layout": layout_name(spec), "xpar.model": spec.model.name,
+            "xpar.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
     if spec.notes:
         tags["xpar.notes"] = " | ".join(spec.notes)
     from xpar.config.cluster import placement_tags

@@ -28,7 +28,7 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list)
     exp_id = setup_experiment(tr.uri, tr.experiment, tr.artifact_location, start_dir)
     overrides = " ".join(config.hydra.overrides.task)
     params = dict(config.hydra.sweeper.get("params") or {})
-    tags = {"xpar.sweep_id": sweep_id, "xpar.role": "sweep", "xpar.config.overrides": overrides[:5000],
+    tags = {"xpar.sweep_id": sweep_id, "xpar.role": "sweep", "xpar.overrides": overrides[:5000],
             "mlflow.runName": f"sweep {sweep_id}", **owner_tags()}
     if n_jobs is not None:
         tags["xpar.n_jobs"] = str(n_jobs)

@@ -138,7 +138,7 @@ def sweep_tags(sweep: Optional[dict]) -> dict:
     if not sweep or not sweep.get("parent_run_id"):
         return {}
     return {"mlflow.parentRunId": sweep["parent_run_id"], "xpar.sweep_id": sweep["sweep_id"],
-            "xpar.job_num": str(sweep["job_num"]), "xpar.config.overrides": " ".join(sweep["overrides"])[:5000]}
+            "xpar.job_num": str(sweep["job_num"]), "xpar.overrides": " ".join(sweep["overrides"])[:5000]}
 
 
 def current_sweep() -> Optional[dict]:
