@@ -19,24 +19,31 @@ README = ROOT / "README.md"
 COVERED_ELSEWHERE = {
     "python3 -m venv": "CI's .ci/run (the set-up line itself)",
     "python -m pytest": "CI's .ci/run",
-    "torchrun": "tests/test_launchers.py (torchrun ranks as one run)",
+    "torchrun": "tests/test_launchers.py (torchrun ranks, and two agents as two nodes, as one run)",
     "mlflow ui": "tests/test_ui.py (the UI in headless Chromium from this link)",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server": "tests/test_mlflow_server.py (a sweep against it)",
     "xpar compare": "tests/test_sweep.py (the README's sweep, then compare)",
     "xpar calibrate": "tests/test_calibrate.py (xpar calibrate --quick)",
-    "python -m xpar -m": "tests/test_sweep.py (the README's micro-batch sweep)",
+    "python -m xpar -m": "tests/test_sweep.py, test_launchers.py, test_mlflow_server.py (sweeps, launchers, servers)",
     "python -m xpar hardware=calibrated_here": "tests/test_calibrate.py (a run on the preset calibrate wrote)",
+    "xpar plan model=tiny hardware=local plan.execute_top=3": "tests/test_plan.py (execute_top runs the top layouts)",
 }
+PAGES = [README] + sorted((ROOT / "docs").rglob("*.md"))
 
 
-def readme_commands() -> list[str]:
-    """The command lines of the README's bash blocks (comments and continuation joined)."""
-    out, block = [], False
-    for line in README.read_text().splitlines():
+def commands(page: Path) -> list[str]:
+    """The command lines of a page's bash blocks (comments dropped, continuation lines joined)."""
+    out, block, pending = [], False, ""
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
             block = line.strip() == "```bash"
             continue
-        if block and line.strip() and not line.lstrip().startswith("#"):
-            out.append(line.split("  #")[0].strip())
+        if not block or not line.strip() or line.lstrip().startswith("#"):
+            continue
+        text = pending + line.split("  #")[0].strip()
+        pending = text[:-1] + " " if text.endswith("\\") else ""
+        if not pending:
+            out.append(text)
     return out
 
 
@@ -53,15 +60,15 @@ def _overrides(cmd: str) -> list[str]:
     return args[3:] if args[:3] == ["python", "-m", "xpar"] else args[1:]
 
 
-def test_every_readme_command_runs_or_is_validated_or_is_run_elsewhere(tmp_path):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_runs_or_is_validated_or_is_run_elsewhere(page, tmp_path):
     """``xpar --help`` and ``xpar plan`` run here; a single run's overrides pass the checks the
     command line runs before any worker starts (override refusals, composition, validation, the
-    memory fit); the rest are named with the test that runs them."""
+    memory fit); the rest are named with the test that runs them; a command with a placeholder
+    (``<date>``) is validated without its placeholder's override."""
     from xpar.config.overrides import refuse_bad_overrides
     from xpar.estimate.fit import check_run
-    cmds = readme_commands()
-    assert len(cmds) >= 15
-    for cmd in cmds:
+    for cmd in commands(page):
         if any(cmd.startswith(prefix) for prefix in COVERED_ELSEWHERE):
             continue
         if cmd.startswith(("xpar --help", "xpar plan")):
@@ -70,9 +77,10 @@ def test_every_readme_command_runs_or_is_validated_or_is_run_elsewhere(tmp_path)
                                timeout=300)
             assert r.returncode == 0, (cmd, r.stderr[-2000:])
             continue
-        assert cmd.startswith(("python -m xpar", "xpar ")), f"a README command no test covers: {cmd}"
-        refuse_bad_overrides(_overrides(cmd))
-        check_run(compose(*_overrides(cmd)))
+        assert cmd.startswith(("python -m xpar", "xpar ")), f"a command no test covers in {page.name}: {cmd}"
+        overrides = [o for o in _overrides(cmd) if "<" not in o]
+        refuse_bad_overrides(overrides)
+        check_run(compose(*overrides))
 
 
 @pytest.fixture(scope="module")
