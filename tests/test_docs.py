@@ -20,7 +20,7 @@ COVERED_ELSEWHERE = {
     "python3 -m venv": "CI's .ci/run (the set-up line itself)",
     "python -m pytest": "CI's .ci/run",
     "torchrun": "tests/test_launchers.py (torchrun ranks, and two agents as two nodes, as one run)",
-    "mlflow ui": "tests/test_ui.py (the UI in headless Chromium from this link)",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1": "tests/test_ui.py (this server, its UI in headless Chromium)",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server": "tests/test_mlflow_server.py (a sweep against it)",
     "xpar compare": "tests/test_sweep.py (the README's sweep, then compare)",
     "xpar calibrate": "tests/test_calibrate.py (xpar calibrate --quick)",

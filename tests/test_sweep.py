@@ -90,6 +90,9 @@ def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     parent, kids = _parent_and_children(_runs(tmp_path))
     assert parent["status"] == "FINISHED" and len(kids) == 4 and set(kids["status"]) == {"FINISHED"}
+    sweep_id = parent["tags.xpar.sweep_id"]  # the multirun ends with its summary: a row per job, best job, compare line
+    assert f"sweep {sweep_id}: 4 job(s), parent run FINISHED" in r.stderr and f"xpar compare --sweep {sweep_id}" in r.stderr
+    assert "best by throughput/tokens_per_s (max): job " in r.stderr and parent["tags.xpar.best_run_id"] in r.stderr
     theory = dict(zip(kids["params.parallel.micro_batches"].astype(int), kids["metrics.pipeline/bubble_ratio_theory"]))
     assert theory == {m: pytest.approx(1 / (m + 1)) for m in (1, 2, 4, 8)}  # (p-1)/(m+p-1), p=2
     assert (kids["metrics.pipeline/bubble_ratio"] > 0).all()

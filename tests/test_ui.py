@@ -87,3 +87,16 @@ def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
     assert set(kids["params.parallel.dp"]) == {"4"}  # the job's world: its 4 tasks, one rank each
     assert set(kids["tags.xpar.launcher"]) == {"submitit-local"} and set(kids["tags.xpar.nodes"]) == {"1"}
     assert set(kids["tags.xpar.devices_per_node"]) == {"4"}  # 4 tasks on the one node
+
+
+def test_the_printed_run_link_opens_the_run_with_its_metrics(ui):
+    """The link each run prints (xpar.track.naming.ui_hint) lands on the run's page, its metrics
+    listed, not on the GenAI view of the experiment."""
+    from xpar.track.naming import ui_hint
+    url, exp, _ = ui
+    runs = mlflow.search_runs(experiment_ids=[exp])
+    kid = runs[runs["tags.xpar.role"] != "sweep"].iloc[0]
+    link = ui_hint("sqlite:///mlflow.db", exp, kid["run_id"]).split("then ")[-1]
+    opened = page_text(link.replace("http://127.0.0.1:5000", url))
+    assert kid["tags.mlflow.runName"] in opened and "throughput/tokens_per_s" in opened, opened[:3000]
+    assert "Detect Issues" not in opened and "Token Usage" not in opened

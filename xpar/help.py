@@ -59,7 +59,7 @@ Where runs are recorded:
   run folders    outputs/<date>/<time>/ (one run), multirun/<date>/<time>/<job>/ (sweeps):
                  config.yaml, ranks.json, timelines, worker tracebacks
   comparisons    ./xpar_compare/<sweep id>/ (xpar compare)
-  MLflow UI      mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000
+  MLflow UI      MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1 --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$PWD/mlflow.db
                  then http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning
 
 Hydra's own help: python -m xpar --hydra-help.  More: README.md."""

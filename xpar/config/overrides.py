@@ -86,6 +86,29 @@ def _values(override) -> Optional[list]:
     return None
 
 
+COMMANDS = ("compare", "plan", "calibrate", "sync", "help")
+"""The subcommands of ``xpar`` (xpar.__main__); anything else is a run's overrides."""
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
+               "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
+"""Hydra's flags that take the next word as their value."""
+
+
+def word_problems(argv: list[str]) -> list[str]:
+    """A bare word where an override (key=value) or a command belongs, e.g. ``xpar compre``: Hydra
+    said only "mismatched input ... expecting EQUAL". Names the closest command or key."""
+    out = []
+    for i, arg in enumerate(argv):
+        if "=" in arg or arg.startswith("-") or (i > 0 and argv[i - 1] in VALUE_FLAGS):
+            continue
+        near = _closest(arg, list(COMMANDS)) if i == 0 else None
+        key = None if near else _closest(arg, all_keys() + groups())
+        hint = (f"did you mean `xpar {near}`?" if near else f"did you mean {key}=<value>?" if key else
+                "`xpar --help` lists the commands, groups and keys.")
+        out.append(f"{arg!r} is neither a command ({', '.join(COMMANDS)}) nor an override (key=value): {hint} "
+                   f"A run takes overrides such as parallel=zero3 train.steps=5.")
+    return out
+
+
 def override_problems(argv: list[str]) -> list[str]:
     """Problems of the overrides in ``argv`` (flags and ``hydra.*`` left to Hydra): unknown
     groups, presets, sections and keys (with the closest valid one), ``+`` on a key that
@@ -107,7 +130,7 @@ def override_problems(argv: list[str]) -> list[str]:
         if override.is_delete() or "/" in override.key_or_group:
             continue
         out += _override_problem(arg, override)
-    return out + output_dir_problems(argv) + launcher_problems(argv)
+    return word_problems(argv) + out + output_dir_problems(argv) + launcher_problems(argv)
 
 
 def launcher_problems(argv: list[str]) -> list[str]:

@@ -58,7 +58,7 @@ def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list)
             "goal": OmegaConf.select(config, "sweep.goal", default="max")}
 
 
-def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> None:
+def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> Optional[dict]:
     """Log the sweep table (CSV), plots and best job (among FINISHED children) on the parent
     run and end it: FINISHED, FAILED if a child failed or an expected job left no run, KILLED
     if ``interrupted`` (Ctrl-C), with the jobs that never started as tag ``xpar.jobs_not_started``.
@@ -68,20 +68,21 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
     client = mlflow.tracking.MlflowClient(info["uri"])
     pid = info["parent_run_id"]
     if client.get_run(pid).info.status != "RUNNING":
-        return
-    status = "KILLED" if interrupted else "FAILED"
+        return None
+    status, summary = "KILLED" if interrupted else "FAILED", None
     try:
         runs = mlflow.search_runs(experiment_ids=[info["experiment_id"]],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{pid}'")
         table = headline_table(runs)
         client.log_text(pid, table.to_csv(index=False), "sweep_table.csv")
         metric = f"metrics.{info['metric']}"
-        done = runs[runs["status"] == "FINISHED"] if len(runs) else runs
+        done, best = (runs[runs["status"] == "FINISHED"] if len(runs) else runs), None
         if len(done) and metric in done and done[metric].notna().any():
             best = done.loc[done[metric].idxmax() if info["goal"] == "max" else done[metric].idxmin()]
             client.set_tag(pid, "xpar.best_job", f"{best.get('tags.xpar.job_num')} {best.get('tags.xpar.overrides')}")
             client.set_tag(pid, "xpar.best_run_id", best["run_id"])
             client.log_metric(pid, f"best/{info['metric']}", float(best[metric]))
+        summary = {"table": table, "best": best}
         for path in write_plots(runs, sweep_dir / "plots"):
             client.log_artifact(pid, str(path), "plots")
         expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
@@ -93,3 +94,33 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
                 client.set_tag(pid, "xpar.jobs_not_started", str(max(0, expected - len(runs))))
     finally:
         client.set_terminated(pid, status)
+    return None if summary is None else {**summary, "status": status}
+
+
+def print_sweep_summary(info: dict, summary: dict) -> None:
+    """The end of a multirun on the console: a row per job (layout, tokens/s, peak memory, bubble,
+    status), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"sweep {info['sweep_id']}: {len(summary['table'])} job(s), parent run {summary['status']}")
+    for col in ("job", "layout", "tokens/s", "peak GiB/device", "bubble", "status"):
+        table.add_column(col, justify="right" if col not in ("layout", "status") else "left")
+    for _, row in summary["table"].iterrows():
+        table.add_row(str(row.get("job")), str(row.get("layout")), _num(row.get("tokens_per_s"), "{:,.0f}"),
+                      _num(row.get("peak_gib_per_device"), "{:.3g}"), _num(row.get("bubble"), "{:.3f}"),
+                      str(row.get("status")))
+    console = Console(stderr=True)
+    console.print(table)
+    best = summary.get("best")
+    if best is not None:
+        console.print(f"best by {info['metric']} ({info['goal']}): job {best.get('tags.xpar.job_num')} "
+                      f"({best.get('tags.xpar.overrides')}), run {best['run_id']}")
+    console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})")
+
+
+def _num(value, fmt: str) -> str:
+    try:
+        return "-" if value is None or value != value else fmt.format(float(value))
+    except (TypeError, ValueError):
+        return "-"

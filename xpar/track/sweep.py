@@ -166,8 +166,11 @@ def mark_interrupted() -> None:
 def finish_sweep(sweep_file: Path) -> None:
     """Summarise the sweep on its parent run and end it (FINISHED; FAILED when a child failed
     or a job is missing; KILLED after Ctrl-C). Safe to call twice."""
-    from xpar.track.parent_run import close_parent_run
+    from xpar.track.parent_run import close_parent_run, print_sweep_summary
 
     sweep_file = Path(sweep_file)
     if sweep_file.is_file():
-        close_parent_run(json.loads(sweep_file.read_text()), sweep_file.parent, interrupted=bool(_INTERRUPTED))
+        info = json.loads(sweep_file.read_text())
+        summary = close_parent_run(info, sweep_file.parent, interrupted=bool(_INTERRUPTED))
+        if summary is not None:
+            print_sweep_summary(info, summary)
