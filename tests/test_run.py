@@ -187,3 +187,31 @@ def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
     assert parent["status"] == "KILLED" and parent["tags.xpar.jobs_not_started"] == "2", parent
     jobs = runs[runs["tags.mlflow.parentRunId"] == parent["run_id"]]
     assert list(jobs["status"]) == ["KILLED"]
+
+
+def test_a_run_beside_busy_processes_is_tagged_measured_under_contention(tmp_path):
+    """Three spinning processes beside a 2-worker run take most of the cores: the workers' CPU
+    share (schedstat over the timed steps) is logged, the run tagged xpar.contention and noted."""
+    cores = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]
+    try:
+        r = _xpar(tmp_path, "train.steps=12", "train.warmup_steps=2", "run.progress=false")
+    finally:
+        for p in spinners:
+            p.kill()
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = _runs(tmp_path).iloc[0]
+    assert run["metrics.system/workers_cpu_share"] < 0.8 * min(1.0, cores / 2)
+    assert run["tags.xpar.contention"] == "true" and "measured under contention" in r.stdout
+
+
+def test_contention_is_judged_against_what_the_workers_own_number_allows():
+    """8 workers on 2 cores get a quarter of a core each without anyone else: no contention."""
+    from types import SimpleNamespace
+
+    from xpar.estimate.fidelity import contention
+    spec = SimpleNamespace(train=SimpleNamespace(threads_per_worker=1))
+    assert contention(spec, [{"cpu_share": 0.24}] * 8, cores=2) == (pytest.approx(0.24), None)
+    share, note = contention(spec, [{"cpu_share": 0.1}] * 8, cores=2)
+    assert note.startswith("measured under contention") and "8 worker(s) on 2 core(s) allow 25%" in note
+    assert contention(spec, [{"memory": {}}], cores=2) == (None, None)  # a GPU run: no share measured

@@ -209,7 +209,9 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
                          _fmt_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
         elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
-            rows.append((f"{k} (own estimate vs measured)", f"{v:.3f}"))
+            label = "UNCALIBRATED hardware=local: xpar calibrate" if spec.hardware.name == "local" else \
+                "own estimate vs measured"
+            rows.append((f"{k} ({label})", f"{v:.3f}"))
     for r in rows:
         t.add_row(*r)
     console = Console()

@@ -104,7 +104,21 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     report.extra.update(fidelity_metrics(spec, report, est))
     report.notes.extend(fidelity_notes(spec, est))
     report.notes.extend(nonfinite_notes(spec, stats, report))
+    report.notes.extend(contention_notes(spec, stats, report))
     return report
+
+
+def contention_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
+    """The workers' CPU share over the timed steps as ``system/workers_cpu_share`` in
+    ``report.extra``, and the note of a run measured under contention (xpar.estimate.fidelity)."""
+    import os
+
+    from xpar.estimate.fidelity import contention
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share, note = contention(spec, stats, cores) if spec.launcher == "local" else (None, None)
+    if share is not None:
+        report.extra["system/workers_cpu_share"] = share
+    return [note] if note else []
 
 
 def nonfinite_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
@@ -128,9 +142,10 @@ def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
     measure them."""
     from xpar.estimate.cost import estimate
     notes = [f"fidelity estimate: {n}" for n in (est if est is not None else estimate(spec)).notes]
-    if notes and spec.hardware.name == "local":
-        notes.append("hardware=local has no measured links, HBM or host figures: `xpar calibrate hardware=local "
-                     "--name here`, then hardware=calibrated_here, for an estimate that counts them")
+    if spec.hardware.name == "local":
+        notes.append("fidelity/* compare the run with an estimate on UNCALIBRATED hardware=local (no measured links, "
+                     "HBM or host figures; ratios far from 1 are expected): `xpar calibrate hardware=local --name here`, "
+                     "then hardware=calibrated_here, for an estimate that counts them")
     return notes
 
 
@@ -138,6 +153,7 @@ def _record(job: Job, body) -> Report:
     """Run ``body`` inside an MLflow run (when tracking is enabled); log and print."""
     spec = job.spec
     tags = {"xpar.mode": spec.mode, "xpar.layout": layout_name(spec), "xpar.model": spec.model.name,
+            "xpar.calibrated": str(spec.hardware.name != "local").lower(),
             "xpar.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
     if spec.notes:
         tags["xpar.notes"] = " | ".join(spec.notes)
@@ -167,6 +183,8 @@ def _record(job: Job, body) -> Report:
             mlflow.set_tag("xpar.peak_rank", str(report.peak_rank))  # an identifier: a tag, not a metric
             if report.extra.get("train/nonfinite_steps"):
                 mlflow.set_tag("xpar.diverged", "true")
+            if any(n.startswith("measured under contention") for n in report.notes):
+                mlflow.set_tag("xpar.contention", "true")
             if report.notes:  # what the figures rest on (an estimate's cost-model notes), after the spec's
                 mlflow.set_tag("xpar.notes", " | ".join(list(spec.notes) + list(report.notes)))
             for path in report.artifacts:  # estimate figures, dry-run detail

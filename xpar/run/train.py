@@ -1,6 +1,7 @@
 """The step loop on one rank: data, timing, memory accounting, progress."""
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable, Optional
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from xpar.estimate.fidelity import cpu_share, task_cpu_ns
 from xpar.estimate.timing import step_time_stats
 from xpar.parallel.factory import Engine
 from xpar.parallel.memory_accounting import ActivationTracker, model_state_bytes
@@ -41,7 +43,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
     (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
-    ``pipeline`` and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
+    ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed steps) and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
     :class:`xpar.parallel.tensor.TPCommCounter`), ``first_step`` (this process's first step).
     """
     spec = engine.spec
@@ -54,8 +56,11 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     comm: Optional[dict] = None
     progress = _progress(spec.train.steps, first) if show_progress else None
     _before_loop(spec)
+    cpu_at_timed: Optional[dict] = None
     try:
         for step in range(first, spec.train.steps):
+            if step == max(first, spec.train.warmup_steps) and spec.device == "cpu":
+                cpu_at_timed = task_cpu_ns([os.getpid()], main_only=True)
             loss, seconds, counter = _step(engine, data, step, tracker, accounting=(step == first))
             times.append(seconds)
             if counter is not None:
@@ -73,6 +78,8 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
             progress[0].stop()
     stats = _rank_stats(engine, tracker, losses, times, lrs)
     stats["first_step"] = first
+    if cpu_at_timed is not None:  # the share of the timed steps this rank's thread had a core when it wanted one
+        stats["cpu_share"] = cpu_share(cpu_at_timed, task_cpu_ns([os.getpid()], main_only=True))
     if comm is not None:
         stats["comm"] = comm
     return stats

@@ -82,7 +82,8 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
             client.set_tag(pid, "xpar.best_job", f"{best.get('tags.xpar.job_num')} {best.get('tags.xpar.overrides')}")
             client.set_tag(pid, "xpar.best_run_id", best["run_id"])
             client.log_metric(pid, f"best/{info['metric']}", float(best[metric]))
-        summary = {"table": table, "best": best}
+        busy = runs["tags.xpar.contention"] == "true" if "tags.xpar.contention" in runs else []
+        summary = {"table": table, "best": best, "contention": set(runs.loc[busy, "tags.xpar.job_num"]) if len(busy) else set()}
         for path in write_plots(runs, sweep_dir / "plots"):
             client.log_artifact(pid, str(path), "plots")
         expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
@@ -109,13 +110,16 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
     for _, row in summary["table"].iterrows():
         table.add_row(str(row.get("job")), str(row.get("layout")), _num(row.get("tokens_per_s"), "{:,.0f}"),
                       _num(row.get("peak_gib_per_device"), "{:.3g}"), _num(row.get("bubble"), "{:.3f}"),
-                      str(row.get("status")))
+                      str(row.get("status")) + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
     console = Console(stderr=True)
     console.print(table)
     best = summary.get("best")
     if best is not None:
         console.print(f"best by {info['metric']} ({info['goal']}): job {best.get('tags.xpar.job_num')} "
                       f"({best.get('tags.xpar.overrides')}), run {best['run_id']}")
+    if summary["contention"]:
+        console.print(f"{len(summary['contention'])} job(s) measured under contention (tag xpar.contention): "
+                      f"other processes took the cores; their times read worse than this machine gives")
     console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})")
 
 
