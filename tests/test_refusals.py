@@ -232,6 +232,7 @@ CATALOGUE = [
     ("train.on_nonfinite=warn", "train.on_nonfinite must be one of ['stop', 'skip', 'ignore']", None),
     ("train.seq_len=0", "train.seq_len must be >= 1, got 0", "train.seq_len=64"),
     ("-m hydra/launcher=slurm", "hydra/launcher=slurm needs SLURM on this host", None),
+    ("train.log_every=0", "train.log_every must be >= 1", "train.log_every=10"),
     ("compre", "'compre' is neither a command (compare, plan, calibrate, sync, help) nor an override (key=value): "
                "did you mean `xpar compare`?", None),
     ("parallel=zero3 trainsteps", "did you mean train.steps=<value>?", None),

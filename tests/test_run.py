@@ -144,9 +144,10 @@ def test_kill_9_of_xpar_ends_its_workers_and_the_next_command_ends_the_run(tmp_p
 
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "xpar", "train.steps=2000", "train.warmup_steps=1",
-                          "run.progress=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          "train.log_every=2", "run.progress=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_steps(run_dir, 3, p)
+    _wait_for_steps(run_dir, 10, p)
+    time.sleep(1.5)  # the recorder delivers every 0.5 s
     workers = [pid for pid in _processes_in(tmp_path) if pid != p.pid]
     assert len(workers) >= 2, workers
     os.kill(p.pid, signal.SIGKILL)
@@ -161,6 +162,8 @@ def test_kill_9_of_xpar_ends_its_workers_and_the_next_command_ends_the_run(tmp_p
     runs = _runs(tmp_path).sort_values("start_time")
     assert list(runs["status"]) == ["KILLED", "FINISHED"]
     assert "was gone" in runs.iloc[0]["tags.xpar.ended_by"]
+    live = mlflow.tracking.MlflowClient().get_metric_history(runs.iloc[0]["run_id"], "step/tokens_per_s")
+    assert len(live) >= 3  # the live points logged before the kill are kept
 
 
 def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
@@ -215,3 +218,15 @@ def test_contention_is_judged_against_what_the_workers_own_number_allows():
     share, note = contention(spec, [{"cpu_share": 0.1}] * 8, cores=2)
     assert note.startswith("measured under contention") and "8 worker(s) on 2 core(s) allow 25%" in note
     assert contention(spec, [{"memory": {}}], cores=2) == (None, None)  # a GPU run: no share measured
+
+
+def test_live_throughput_and_memory_every_log_every_steps(tmp_path):
+    """50 steps at train.log_every=5: 10 points each of tokens/s, TFLOP/s, MFU and memory (RSS on a
+    CPU) while the run goes (a killed run keeps those delivered: the kill -9 test)."""
+    r = _xpar(tmp_path, "train.steps=50", "train.warmup_steps=1", "train.log_every=5", "run.progress=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    run_id = _runs(tmp_path).iloc[0]["run_id"]
+    client = mlflow.tracking.MlflowClient()
+    for key in ("step/tokens_per_s", "step/tflops_per_device", "step/mfu", "step/memory_rss_bytes"):
+        points = client.get_metric_history(run_id, key)
+        assert [p.step for p in points] == list(range(4, 50, 5)) and all(p.value > 0 for p in points), key

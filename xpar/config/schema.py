@@ -331,6 +331,9 @@ class TrainConfig:
     """Optimizer steps to run (must be > 0)."""
     warmup_steps: int = 2
     """Steps excluded from timing (must be < steps)."""
+    log_every: int = 5
+    """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s,
+    TFLOP/s, MFU, memory); the last step always logs. Loss, step time, gradient norm and lr log every step."""
     global_batch_size: Any = "auto"
     """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
     micro_batch_size: int = 4

@@ -96,6 +96,7 @@ def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
     on CUDA the device is synchronized first, as the loop does right after. Steps are
     numbered from ``first`` (a resumed run's first step)."""
     inner, device, count = engine.step, engine.spec.device, [first]
+    every, last = max(1, engine.spec.train.log_every), engine.spec.train.steps - 1
 
     def step(inputs, targets):
         lr = engine.optimizer.param_groups[0]["lr"]  # the step's lr (its scheduler steps inside)
@@ -104,10 +105,34 @@ def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        writer(count[0], loss, seconds, engine.grad_norms[-1] if engine.grad_norms else None, lr)
+        live = live_metrics(engine.spec, seconds) if (count[0] + 1) % every == 0 or count[0] == last else None
+        writer(count[0], loss, seconds, engine.grad_norms[-1] if engine.grad_norms else None, lr, live)
         count[0] += 1
         return loss
     engine.step = step
+
+
+def live_metrics(spec, seconds: float) -> dict[str, float]:
+    """This rank's live ``step/*`` metrics of a step that took ``seconds``: tokens/s (global), model
+    TFLOP/s per device, MFU (fraction) as :func:`xpar.estimate.report.summarize_measured` defines them,
+    and memory: CUDA allocated, reserved and peak allocated bytes, or on a CPU the process's
+    resident set (RSS) bytes. torchtitan's names: throughput(tps) is tokens/s per device there."""
+    from xpar.estimate.cost import compute_peak
+    from xpar.estimate.report import flops_per_step
+
+    model_f, _ = flops_per_step(spec)
+    tflops = model_f / seconds / spec.world_size / 1e12
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
+    out = {"step/tokens_per_s": spec.tokens_per_step / seconds, "step/tflops_per_device": tflops,
+           "step/mfu": tflops / peak if peak else 0.0}
+    if spec.device == "cuda":
+        out.update({"step/memory_allocated_bytes": float(torch.cuda.memory_allocated()),
+                    "step/memory_reserved_bytes": float(torch.cuda.memory_reserved()),
+                    "step/memory_max_allocated_bytes": float(torch.cuda.max_memory_allocated())})
+    else:
+        import psutil
+        out["step/memory_rss_bytes"] = float(psutil.Process().memory_info().rss)
+    return out
 
 
 HEARTBEAT_DIR = "heartbeat"

@@ -58,11 +58,12 @@ class StepWriter:
             self._f = None
 
     def __call__(self, step: int, loss: Optional[float], seconds: float, grad_norm: Optional[float] = None,
-                 lr: Optional[float] = None) -> None:
+                 lr: Optional[float] = None, live: Optional[dict] = None) -> None:
         """Record that ``step`` ended now, taking ``seconds`` (wall), with this rank's ``loss``,
-        the pre-clip global gradient norm and the learning rate the step used (if known)."""
+        the pre-clip global gradient norm and the learning rate the step used (if known), and on
+        every ``train.log_every``-th step its live ``step/*`` metrics (xpar.run.worker.live_metrics)."""
         rec = {"step": step, "loss": loss, "time_s": seconds, "ts_ms": int(time.time() * 1000)}
-        rec.update({k: v for k, v in (("grad_norm", grad_norm), ("lr", lr)) if v is not None})
+        rec.update({k: v for k, v in (("grad_norm", grad_norm), ("lr", lr), ("live", live)) if v is not None})
         if self._f is None:
             return
         try:
@@ -115,7 +116,7 @@ class StepMerger:
 
     def new_steps(self, start: int) -> list[tuple]:
         """(step, mean loss or None, max step time in s, end time in ms, gradient norm or None, lr
-        or None) for each step >= ``start`` that every rank recorded, in order, stopping at the
+        or None, live ``step/*`` metrics or None: :func:`merge_live`) for each step >= ``start`` that every rank recorded, in order, stopping at the
         first incomplete one. The norm (pre-clip, global: equal on every rank) and the lr are
         the first rank's that recorded them."""
         for k in range(len(self.files)):
@@ -126,9 +127,19 @@ class StepMerger:
             losses = [x["loss"] for x in recs if x["loss"] is not None]
             first = lambda key: next((x[key] for x in recs if x.get(key) is not None), None)  # noqa: E731
             out.append((step, sum(losses) / len(losses) if losses else None, max(x["time_s"] for x in recs),
-                        max(x["ts_ms"] for x in recs), first("grad_norm"), first("lr")))
+                        max(x["ts_ms"] for x in recs), first("grad_norm"), first("lr"), merge_live(recs)))
             step += 1
         return out
+
+
+def merge_live(recs: list[dict]) -> Optional[dict]:
+    """The live ``step/*`` metrics of one step over the ranks that logged them: memory the most
+    loaded rank's, throughput the slowest rank's (the step ends with it). None if none logged."""
+    lives = [x["live"] for x in recs if x.get("live")]
+    if not lives:
+        return None
+    keys = {k for live in lives for k in live}
+    return {k: (max if "memory" in k else min)(live[k] for live in lives if k in live) for k in sorted(keys)}
 
 
 def merged_steps(out_dir: Path, world: int, start: int = 0) -> list[tuple]:
@@ -142,7 +153,8 @@ def step_points(steps: list[tuple]) -> list[list]:
     points = []
     for step, loss, seconds, ts, *rest in steps:
         values = {"train/loss": loss, "train/step_time_s": seconds}
-        values.update(zip(("train/grad_norm", "train/lr"), rest))
+        values.update(zip(("train/grad_norm", "train/lr"), rest[:2]))
+        values.update(rest[2] if len(rest) > 2 and rest[2] else {})
         points += [[k, v, ts, step] for k, v in values.items() if v is not None]
     return points
 

@@ -98,6 +98,8 @@ def check_train(c: XparConfig) -> list[str]:
     if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:
         out.append(f"train.warmup_steps must satisfy 0 <= warmup_steps < steps, got warmup_steps="
                    f"{tr.warmup_steps}, steps={tr.steps}; e.g. train.warmup_steps={min(2, tr.steps - 1)}.")
+    if tr.log_every < 1:
+        out.append(f"train.log_every must be >= 1 (steps between live points), got {tr.log_every}; e.g. train.log_every=10.")
     return out
 
 
