@@ -392,7 +392,7 @@ def test_side_process_runs_one_call_in_the_forked_helper_then_here():
 def test_the_helper_ends_when_its_parent_dies_without_calling_it():
     """A fresh-user breaker killed xpar plan's main process: the helper lived on, holding the
     stdout pipe open (a `| cat` never ended). It now sees the parent's end close and exits."""
-    code = ("import os, sys\nfrom xpar import side_process\nside_process.start(modules=())\n"
+    code = ("import os, sys\nfrom xpar.track import side_process\nside_process.start(modules=())\n"
             "print(side_process._helper[0].pid, flush=True)\nos._exit(0)\n")  # dies as if killed: no atexit
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pid = int(p.stdout.split()[0])

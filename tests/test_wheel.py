@@ -16,6 +16,8 @@ def test_installed_wheel_composes_from_another_directory(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                     str(wheel)], check=True, capture_output=True, timeout=300)
     assert (target / "xpar" / "conf" / "model" / "70b.yaml").is_file()
+    for init in (ROOT / "xpar").rglob("__init__.py"):  # every package of the tree ships (pyproject lists them)
+        assert (target / init.relative_to(ROOT)).is_file(), init.relative_to(ROOT)
     assert (target / "xpar" / "conf" / "experiment" / "setup" / "small_local.yaml").is_file()  # +experiment=zero_memory
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
