@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import spec_for
 from xpar.calibrate.published import make_spec, preset, read_table
 from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
@@ -425,3 +426,19 @@ def test_a_fused_loss_keeps_the_logits_only():
     per_token_v = spec.seq_len * spec.train.micro_batch_size * spec.model.vocab_size
     assert fp32["logits"] - fused["logits"] == 2 * per_token_v
     assert fp32["loss_transient"] == 8 * per_token_v and fused["loss_transient"] == 0
+
+
+def test_an_embedding_only_first_stage_holds_the_embedding_and_its_output():
+    """Megatron's --decoder-first-pipeline-num-layers 0: pipeline rank 0 keeps the vocabulary
+    embedding (V h / t parameters) and no block's activations; the time of the step is set by
+    the fullest stage, so the uneven layout is slower than the even one."""
+    from xpar.estimate.cost import estimate
+    base = ("parallel=3d", "model=70b", "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train=cluster")
+    even, uneven = spec_for(*base), spec_for(*base, "parallel.first_stage_layers=0")
+    assert uneven.layout.layer_split == (0, 27, 27, 26)
+    shapes = model_states.param_shapes(uneven, 0)
+    assert [name for name, _ in shapes] == ["0:tok_embeddings.weight"]  # stage 0's only parameter
+    assert math.prod(shapes[0][1]) == uneven.model.vocab_size * uneven.model.hidden // uneven.tp
+    first, second = mem.memory(uneven, 0), mem.memory(uneven, 1)
+    assert first.activations < second.activations / 10 and first.params < second.params / 10
+    assert estimate(uneven).time_per_step_s > estimate(even).time_per_step_s

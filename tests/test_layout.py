@@ -200,3 +200,21 @@ def test_every_experiment_composes_and_its_jobs_validate(name):
     assert jobs
     assert not bad or cfg.sweep.skip_invalid, bad
     assert len(bad) < len(jobs)
+
+
+def test_uneven_edge_stages_as_megatron_sets_them():
+    """--decoder-first/last-pipeline-num-layers: the named edge stages, the rest even (earlier
+    stages take the extra); 0 leaves a stage with the embedding or the head alone."""
+    from xpar.config.layout import edge_split
+    assert edge_split(96, 8, 0, None) == [0, 14, 14, 14, 14, 14, 13, 13]
+    assert edge_split(96, 8, 11, 11) == [11, 13, 13, 12, 12, 12, 12, 11]
+    assert edge_split(4, 2, 0, None) == [0, 4] and edge_split(4, 2, None, 0) == [4, 0]
+    assert edge_split(4, 2, 1, 3) == [1, 3] and edge_split(4, 2, 1, 2) is None  # no middle left for the 1 block
+    assert edge_split(4, 3, 0, 4) is None and edge_split(8, 4, None, None) is None
+    spec = spec_for_split("parallel.first_stage_layers=0")
+    assert spec.layout.layer_split == (0, 4) and spec.layout.stage_layers(0) == []
+
+
+def spec_for_split(*overrides):
+    from tests.conftest import spec_for
+    return spec_for("parallel=pp", *overrides, local_devices=2)

@@ -10,7 +10,9 @@ are
 - every schedule x ZeRO stage at dp = 2 (fp32, tp = 1, no recompute): the dp wrappers under
   each schedule, the zero-bubble x DDP case of pytorch#144530 among them;
 - a pairwise covering array over all six axes: every pair of values of any two axes appears
-  in at least one executed row (greedy, smallest world first, so few rows need 8 workers).
+  in at least one executed row (greedy, smallest world first, so few rows need 8 workers);
+- :data:`UNEVEN`: pipelines whose first or last stage holds fewer or no blocks (the embedding
+  or the head alone), under several schedules, ZeRO stages, tp and recompute.
 
 Each executed row trains 3 steps and its loss (mean over the ranks holding the last stage)
 and pre-clip global gradient norm (every rank) are compared with the single-process reference
@@ -53,10 +55,21 @@ def settings(row: dict) -> dict:
            "parallel.micro_batches": 4 if pp > 1 else 2}
     if pp > 1:
         out.update({"parallel.schedule": row["schedule"], "parallel.virtual_stages": "auto"})
+    if "split" in row:  # an uneven pipeline (UNEVEN)
+        out["parallel.layer_split"] = row["split"]
     return out
 
 
 BASE = ["model=tiny", f"train.steps={STEPS}", "train.warmup_steps=1"]
+
+UNEVEN = [  # stages with fewer or no blocks (Megatron's --decoder-first/last-pipeline-num-layers), executed too
+    {"schedule": "1f1b", "zero": 0, "dp": 1, "tp": "1", "recompute": "none", "dtype": "fp32", "split": [0, 4]},
+    {"schedule": "gpipe", "zero": 1, "dp": 2, "tp": "1", "recompute": "none", "dtype": "fp32", "split": [3, 1]},
+    {"schedule": "interleaved_1f1b", "zero": 2, "dp": 2, "tp": "1", "recompute": "none", "dtype": "fp32",
+     "split": [0, 2, 2, 0]},
+    {"schedule": "zbv", "zero": 0, "dp": 2, "tp": "1", "recompute": "full", "dtype": "fp32", "split": [0, 2, 2, 0]},
+    {"schedule": "1f1b", "zero": 3, "dp": 1, "tp": "2sp", "recompute": "full", "dtype": "bf16", "split": [4, 0]},
+]
 
 
 def key(row: dict) -> str:
@@ -120,8 +133,10 @@ def matrix():
     base = to_schema(compose("tracking=off", "run.progress=false", *BASE))
     classified = [(r, *classify(base, r)) for r in all_rows()]
     runnable = [r for r, spec, _ in classified if spec is not None]
-    picked = executed_rows(runnable)
-    specs = {key(r): spec for r, spec, _ in classified if spec is not None}
+    uneven = [(r, *classify(base, r)) for r in UNEVEN]
+    assert all(spec is not None for _, spec, _ in uneven), [refusal for _, _, refusal in uneven]
+    picked = executed_rows(runnable) + UNEVEN
+    specs = {key(r): spec for r, spec, _ in classified + uneven if spec is not None}
     results = {}
     for n in sorted({world(r) for r in picked}):
         batch = [r for r in picked if world(r) == n]

@@ -144,6 +144,22 @@ def even_split(n_layers: int, n_stages: int) -> Optional[list[int]]:
     return [n_layers // n_stages] * n_stages if n_layers % n_stages == 0 else None
 
 
+def edge_split(n_layers: int, n_stages: int, first: Optional[int], last: Optional[int]) -> Optional[list[int]]:
+    """Megatron-LM's uneven pipeline (``--decoder-first/last-pipeline-num-layers``): ``first`` blocks
+    on the first stage and ``last`` on the last (either may be None), the rest split evenly over
+    the stages between, the earlier ones taking any extra. None when neither is given or the rest
+    cannot give each middle stage a block (:func:`xpar.config.checks.layout.check_edge_stages` says why)."""
+    if (first is None and last is None) or n_stages < 2:
+        return None
+    ends = [x for x in (first, last) if x is not None]
+    middle = n_stages - len(ends)
+    rest = n_layers - sum(ends)
+    if any(x < 0 for x in ends) or rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest < middle):
+        return None
+    mid = balanced_split(rest, middle) if middle else []
+    return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
+
+
 def balanced_split(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage differing by at most one, the first stages taking the extra."""
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]

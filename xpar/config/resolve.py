@@ -14,6 +14,7 @@ from xpar.config.layout import (
     SCHEDULES,
     Layout,
     balanced_split,
+    edge_split,
     even_split,
     zero_stage_run,
 )
@@ -150,7 +151,8 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     b = max(1, tr.micro_batch_size)
     m, B, batch_problems = resolve_batch(b, par.micro_batches, tr.global_batch_size, max(dp, 1))
     v = resolve_virtual_stages(par.schedule, par.pp, par.virtual_stages)
-    split = resolve_layer_split(model.n_layers, par.layer_split, par.pp * v)
+    split = resolve_layer_split(model.n_layers, par.layer_split or edge_split(
+        model.n_layers, par.pp * v, par.first_stage_layers, par.last_stage_layers), par.pp * v)
     seq = tr.seq_len if tr.seq_len is not None else model.seq_len
     layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,

@@ -81,7 +81,14 @@ class ParallelConfig:
     """Stages per pipeline rank (v) for interleaved and V-shaped schedules, or 'auto': 1 for
     gpipe and 1f1b, 2 for the others."""
     layer_split: Optional[list] = None
-    """Explicit layers per pipeline stage, e.g. [3, 5]; None splits evenly."""
+    """Explicit layers per pipeline stage, e.g. [3, 5]; None splits evenly. The first and the last
+    stage may hold 0 (the embedding alone, the output head alone), the others >= 1."""
+    first_stage_layers: Optional[int] = None
+    """Blocks on the first pipeline stage, the rest split evenly over the others (Megatron-LM's
+    --decoder-first-pipeline-num-layers); 0: the embedding alone. None: no rule. Not with layer_split."""
+    last_stage_layers: Optional[int] = None
+    """Blocks on the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers); 0: the
+    final norm, output projection and loss alone. None: no rule. Not with layer_split."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
     recompute: str = "none"

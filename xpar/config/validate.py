@@ -20,7 +20,7 @@ from xpar.config.checks.environment import check_environment
 from xpar.config.checks.framework import check_framework, check_framework_layout
 from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.runtime import check_runtime, check_threads
-from xpar.config.layout import Layout
+from xpar.config.layout import Layout, edge_split
 from xpar.config.resolve import (  # noqa: F401
     Target,
     build_layout,
@@ -52,7 +52,14 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
             + layout_checks.check_recompute(layout)
-            + layout_checks.check_layer_split(c.model.n_layers, par.layer_split, par.pp, v))
+            + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
+            + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
+
+
+def given_split(n_layers: int, par, n_stages: int):
+    """The layer split the user asked for: ``parallel.layer_split``, or the one of
+    ``first_stage_layers`` / ``last_stage_layers`` (:func:`xpar.config.layout.edge_split`), or None."""
+    return par.layer_split or edge_split(n_layers, n_stages, par.first_stage_layers, par.last_stage_layers)
 
 
 def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None) -> RunSpec:

@@ -6,6 +6,7 @@ from xpar.config.layout import (
     SCHEDULES,
     Layout,
     balanced_split,
+    edge_split,
     even_split,
     microbatch_problem,
 )
@@ -105,9 +106,10 @@ def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     if pp == 1:
         return ([f"parallel.layer_split={list(given)} given but pp=1; remove it."]
                 if given not in (None, [], [n_layers]) else [])
-    if n_layers < n_stages:  # a stage without layers crashes its worker
+    if n_layers < n_stages and not given:
         return [f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages (pp={pp} x virtual_stages={v}); "
-                f"every stage needs >= 1 layer: e.g. model.n_layers={n_stages}, or fewer stages."]
+                f"every stage but the first and last needs >= 1 layer: e.g. model.n_layers={n_stages}, fewer stages, "
+                f"or an explicit parallel.layer_split."]
     if not given:
         return [] if even_split(n_layers, n_stages) else [
             f"model.n_layers={n_layers} does not split evenly over {n_stages} stages "
@@ -115,8 +117,33 @@ def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     split = list(given)
     if any(not isinstance(x, int) or isinstance(x, bool) for x in split):
         return [f"parallel.layer_split must list whole numbers of layers per stage, got {split}; e.g. {example}."]
-    if len(split) != n_stages or any(x < 1 for x in split) or sum(split) != n_layers:
+    if len(split) != n_stages or any(x < 1 for x in split[1:-1]) or min(split) < 0 or sum(split) != n_layers:
         return [f"parallel.layer_split must assign each of the {n_layers} layers exactly once, in order, to "
-                f"{n_stages} stages, each >= 1 (pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, "
-                f"sum {sum(split)}); e.g. {example}."]
+                f"{n_stages} stages, each >= 1 but the first and last (>= 0: embedding or head alone) "
+                f"(pp={pp} x virtual_stages={v}): got {split} (len {len(split)}, sum {sum(split)}); e.g. {example}."]
+    return []
+
+
+def check_edge_stages(n_layers: int, par, n_stages: int) -> list[str]:
+    """``parallel.first_stage_layers`` / ``last_stage_layers`` (Megatron-LM's uneven pipeline):
+    not with an explicit layer_split, >= 0, and leaving each middle stage a block."""
+    first, last = par.first_stage_layers, par.last_stage_layers
+    if first is None and last is None:
+        return []
+    given = " ".join(f"parallel.{k}={x}" for k, x in (("first_stage_layers", first), ("last_stage_layers", last))
+                     if x is not None)
+    if par.layer_split:
+        return [f"{given} and parallel.layer_split={list(par.layer_split)} both set the stages' layers; give one "
+                f"(e.g. drop parallel.layer_split)."]
+    if n_stages < 2:
+        return [f"{given} needs pipeline stages (parallel.pp >= 2), got {n_stages} stage; drop it or set parallel.pp=2."]
+    if edge_split(n_layers, n_stages, first, last) is None:
+        middle = n_stages - sum(x is not None for x in (first, last))
+        most = n_layers - middle
+        both = " together" if first is not None and last is not None else ""
+        fix = " ".join(f"parallel.{k}={min(max(0, x), max(0, most)) if not both else 0}"
+                       for k, x in (("first_stage_layers", first), ("last_stage_layers", last)) if x is not None)
+        return [f"{given} must be >= 0 and leave each of the {middle} other stages >= 1 of model.n_layers={n_layers} "
+                f"blocks (pp x virtual_stages = {n_stages} stages); values that work{both}: 0 .. {max(0, most)}, "
+                f"e.g. {fix}."]
     return []
