@@ -77,3 +77,24 @@ def test_slurm_launcher_preset_composes():
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.partition) == (2, 8, 8, "gpu")
     assert launcher.submitit_folder.endswith(".submitit/%j")
+
+
+def test_slurm_gpus_the_partition_lacks_are_refused_before_submission(tmp_path, monkeypatch):
+    """The preset's gpus_per_node=8 on a CPU partition made sbatch fail after the sweep had started;
+    now sinfo's GRES is read first and the command line is refused in one line that works when followed."""
+    from xpar.config.overrides import override_problems
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for cmd, body in (("srun", "exit 0"), ("sbatch", "exit 0"), ("sinfo", "printf 'cpu* (null)\\ngpu gpu:a100:4\\n'")):
+        (bin_dir / cmd).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / cmd).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    problems = override_problems(["-m", "hydra/launcher=slurm"])
+    assert len(problems) == 1 and "gpus_per_node=8 but the default partition has no GPU(s)" in problems[0]
+    assert "hydra.launcher.gpus_per_node=0" in problems[0]
+    assert override_problems(["-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0"]) == []  # the fix
+    gpu = override_problems(["-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu"])
+    assert "has 4 GPU(s) per node" in gpu[0] and "hydra.launcher.gpus_per_node=4" in gpu[0]
+    assert override_problems(["-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+                              "hydra.launcher.gpus_per_node=4"]) == []

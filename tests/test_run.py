@@ -47,6 +47,8 @@ def test_main_job_records_one_finished_run(tmp_path):
     local = client.download_artifacts(run["run_id"], "config.yaml", str(tmp_path))
     assert "zero_stage: 0" in open(local).read()
     assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in a temp dir
+    logs = {p.name: p.stat().st_size for p in tmp_path.glob("outputs/*/*/*.log")}  # the job's and each worker's
+    assert set(logs) == {"xpar.log", "worker_0.log", "worker_1.log"} and all(logs.values()), logs
 
 
 def test_failing_worker_stops_the_others_and_run_is_failed(tmp_path):

@@ -142,9 +142,48 @@ def launcher_problems(argv: list[str]) -> list[str]:
         return []
     missing = [cmd for cmd in ("srun", "sbatch") if shutil.which(cmd) is None]
     if not missing:
-        return []
+        return partition_gpu_problems(argv)
     return [f"hydra/launcher=slurm needs SLURM on this host ({' and '.join(missing)} not on PATH): run it from a "
             f"cluster's login node, or drop hydra/launcher=slurm to run the jobs here."]
+
+
+def _launcher_value(argv: list[str], key: str):
+    """``hydra.launcher.<key>`` from the command line, else conf/hydra/launcher/slurm.yaml's."""
+    from omegaconf import OmegaConf
+
+    from xpar.config.presets import conf_dir
+    given = [a.split("=", 1)[1] for a in argv if a.startswith(f"hydra.launcher.{key}=")]
+    if given:
+        return given[-1]
+    return OmegaConf.load(conf_dir() / "hydra" / "launcher" / "slurm.yaml").get(key)
+
+
+def partition_gpu_problems(argv: list[str]) -> list[str]:
+    """GPUs asked per node (``hydra.launcher.gpus_per_node``, 8 in the preset) that the partition
+    does not have, read from ``sinfo`` (its GRES): sbatch failed after the sweep had started (a
+    30-line traceback and an empty FAILED sweep run on a CPU partition)."""
+    import re
+    import subprocess
+
+    want, part = int(_launcher_value(argv, "gpus_per_node") or 0), _launcher_value(argv, "partition")
+    if want <= 0:
+        return []
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P %G"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []  # sinfo unavailable: sbatch will say
+    rows = [line.split(None, 1) for line in out.splitlines() if line.strip()]
+    rows = [(p.rstrip("*"), p.endswith("*"), g if len(r) > 1 else "(null)") for r in rows for p, g in [(r[0], r[-1])]]
+    mine = [g for p, default, g in rows if (p == part if part not in (None, "None", "null") else default)]
+    if not mine:
+        return []
+    have = max((int(n) for g in mine for n in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", g)), default=0)
+    if have >= want:
+        return []
+    name = part if part not in (None, "None", "null") else "the default partition"
+    return [f"hydra.launcher.gpus_per_node={want} but {name} has {have or 'no'} GPU(s) per node (sinfo GRES: "
+            f"{', '.join(sorted(set(mine)))}): pass hydra.launcher.gpus_per_node={have} (CPU workers when 0) or a GPU "
+            f"partition with hydra.launcher.partition=<name>."]
 
 
 def _override_problem(arg: str, override) -> list[str]:

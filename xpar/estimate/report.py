@@ -214,7 +214,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((f"{k} ({label})", f"{v:.3f}"))
     for r in rows:
         t.add_row(*r)
-    console = Console()
+    console = Console(record=True)
     console.print(t)
     from rich.markup import escape
     for n in list(spec.notes) + list(report.notes):
@@ -225,3 +225,20 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         console.print(f"[red]{escape(where)}[/]", highlight=False)
     elif where:
         console.print(f"Recorded in MLflow: {where}")
+    to_log_files(console.export_text())
+
+
+def to_log_files(text: str) -> None:
+    """Append ``text`` to the log files the root logger writes (Hydra's job log, ``xpar.log`` in the
+    run folder), not to the console again: the job log held nothing, xpar prints its results."""
+    import logging
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            try:
+                handler.acquire()
+                handler.stream.write(text if text.endswith("\n") else text + "\n")
+                handler.flush()
+            except (OSError, ValueError, AttributeError):
+                pass  # a full disk or a closed file: the console has it
+            finally:
+                handler.release()

@@ -182,6 +182,9 @@ def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> No
     if spec.device == "cuda":
         torch.cuda.set_device(local_rank)
     backend = "nccl" if spec.device == "cuda" else "gloo"
+    logging.getLogger("xpar.worker").info(
+        "rank %d of %d (pid %d, %s, %s, coordinates pp/dp/tp %s): %d steps", local_rank, spec.world_size, os.getpid(),
+        spec.device, backend, spec.layout.coords(local_rank), spec.train.steps)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
     try:

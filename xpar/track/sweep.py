@@ -112,6 +112,9 @@ class SweepCallback(Callback):
         # Jobs re-resolve ${now:...} in hydra.sweep.dir; the environment (inherited by
         # launcher subprocesses such as submitit's) carries the one true location.
         os.environ[SWEEP_ENV] = str(self._file)
+        logs = OmegaConf.select(config, "hydra.launcher.submitit_folder", default=None)
+        if logs:  # submitit: every task's stdout/stderr lands there, not on this console
+            print(f"xpar: sweep {sweep_id}: each job's task logs go to {logs} (%j = the job id)", file=sys.stderr)
         atexit.register(finish_sweep, self._file)
         _sigterm_interrupts()
 
