@@ -142,3 +142,24 @@ def test_compare_table_says_where_each_run_ran_and_how_close_its_estimate_was():
     assert (row["hardware"], row["framework"], row["devices"], row["global_batch"]) == ("h100_80gb_64gpu", "megatron",
                                                                                         64, 256)
     assert row["step_time_s"] == 1.5 and row["fidelity_step_ratio"] == 0.9
+
+
+def test_memory_chart_stacks_the_terms_in_the_unit_of_its_sizes():
+    """A ZeRO sweep of the tiny model: bars stacked by term (params, grads, optimizer,
+    activations), labelled in MiB, not 0.009 GiB."""
+    import pandas as pd
+
+    from xpar.track.compare import headline_table, memory_figure, memory_unit
+    assert memory_unit(9.5e6) == ("MiB", 2 ** 20) and memory_unit(3e10)[0] == "GiB" and memory_unit(10) == ("bytes", 1)
+    runs = pd.DataFrame([{"run_id": f"r{z}", "tags.mlflow.runName": f"tiny zero{z}", "tags.xpar.mode": "execute",
+                          "tags.xpar.model": "tiny", "metrics.memory/peak_bytes_per_device": 9.5e6 - z * 1e6,
+                          **{f"metrics.memory/{k}_bytes": v for k, v in
+                             (("params", 1e6), ("grads", 1e6), ("optimizer", 2e6 / (1 + z)), ("activations", 5e6))}}
+                         for z in (0, 1, 2, 3)])
+    fig = memory_figure(runs, headline_table(runs))
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "peak memory per device (MiB)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["params", "grads", "optimizer", "activations"]
+    tops = [max(p.get_y() + p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - i) < 0.1)
+            for i in range(4)]
+    assert tops[0] == pytest.approx(9e6 / 2 ** 20)  # the four terms of zero0, stacked, in MiB

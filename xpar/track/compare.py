@@ -101,12 +101,50 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     piped = t[t["bubble"].notna()] if len(t) else t
     if len(piped):
         paths.append(_save(bubble_figure(piped), out_dir / "bubble_vs_microbatches.png"))
-    for col, label, name in (("tokens_per_s", "tokens/s (global)", "throughput_by_layout.png"),
-                             ("peak_gib_per_device", "peak memory per device (GiB)", "memory_by_layout.png")):
-        d = t[t[col].notna()] if len(t) else t
-        if len(d):
-            paths.append(_save(bar_figure(d, col, label), out_dir / name))
+    d = t[t["tokens_per_s"].notna()] if len(t) else t
+    if len(d):
+        paths.append(_save(bar_figure(d, "tokens_per_s", "tokens/s (global)"), out_dir / "throughput_by_layout.png"))
+    d = t[t["peak_gib_per_device"].notna()] if len(t) else t
+    if len(d):
+        paths.append(_save(memory_figure(runs, d), out_dir / "memory_by_layout.png"))
     return paths
+
+
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """The unit that shows ``nbytes`` with a leading digit: (name, bytes per unit), binary prefixes."""
+    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return name, size
+    return "bytes", 1
+
+
+def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
+    """Peak memory per device by run, stacked by term (params, grads, optimizer, activations, and
+    for estimates buffers and framework overhead), measured and estimated runs in separate panels,
+    each in the unit of its largest bar (a ZeRO sweep of the tiny model reads in MiB, not 0.009 GiB)."""
+    from xpar.estimate.model_states import MEMORY_TERMS
+    plt = _plt()
+    cols = [f"metrics.memory/{k}_bytes" for k in MEMORY_TERMS]
+    terms = runs.set_index("run_id").reindex(columns=cols).apply(pd.to_numeric, errors="coerce").fillna(0.0)
+    groups = [(mode, g.sort_values("name", key=_natural, na_position="last")) for mode, g in
+              (("measured", d[d["mode"] != "estimate"]), ("estimated (cost model)", d[d["mode"] == "estimate"]))
+              if len(g)]
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.8 * len(d) + 3.5 * len(groups)), 4.8), squeeze=False)
+    for ax, (mode, g) in zip(axes[0], groups):
+        unit, size = memory_unit(float(g["peak_gib_per_device"].max()) * 2 ** 30)
+        bottom = [0.0] * len(g)
+        for term, col in zip(MEMORY_TERMS, cols):
+            vals = [float(terms.loc[r, col]) / size if r in terms.index else 0.0 for r in g["run_id"]]
+            if any(vals):
+                ax.bar(range(len(g)), vals, bottom=bottom, label=term, hatch="//" if mode != "measured" else None)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        names = [n if len(n) <= 40 else n[:39] + "…" for n in g["name"].fillna(g["layout"].fillna("?")).astype(str)]
+        ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel(f"peak memory per device ({unit})")
+        ax.set_title(mode, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"peak memory per device by term: model {_values(d, 'model')}", fontsize=10)
+    return fig
 
 
 def _plt():
