@@ -28,6 +28,11 @@ def field_docs(cls) -> dict[str, str]:
     return out
 
 
+def _plain(text: str) -> str:
+    """Sphinx roles (:class:`x`) as code (`x`), double backticks as single."""
+    return re.sub(r":(?:mod|func|class|data|meth|attr):`~?([^`]+)`", r"`\1`", text).replace("``", "`")
+
+
 def _type(f) -> str:
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return t.replace("Optional[", "").replace("]", " or None") if t.startswith("Optional[") else t
@@ -54,7 +59,7 @@ def config_reference() -> str:
     choices, out = _choices(), []
     for group in dataclasses.fields(schema.XparConfig):
         cls = group.default_factory  # type: ignore[misc]
-        out.append(f"## `{group.name}`\n\n{' '.join((cls.__doc__ or '').split())}\n")
+        out.append(f"## `{group.name}`\n\n{_plain(' '.join((cls.__doc__ or '').split()))}\n")
         names = presets(group.name) if (ROOT / "conf" / group.name).is_dir() else []
         if names:
             out.append("Presets: " + ", ".join(f"`{group.name}={n}`" for n in names) + "\n")
@@ -63,7 +68,7 @@ def config_reference() -> str:
         for f in dataclasses.fields(cls):
             key = f"{group.name}.{f.name}"
             valid = ", ".join(f"`{v}`" for v in choices.get(key, ()))
-            meaning = docs.get(f.name, "").replace("|", "\\|")
+            meaning = _plain(docs.get(f.name, "")).replace("|", "\\|")
             out.append(f"| `{key}` | {_type(f)} | `{_default(f)}` | {meaning} | {valid} |")
         out.append("")
     return "\n".join(out)
@@ -78,7 +83,7 @@ def layers() -> str:
     for i, pkg in enumerate(LAYERS, 1):
         doc = ast.get_docstring(ast.parse((ROOT / "xpar" / pkg / "__init__.py").read_text())) or ""
         mods = sorted(p.stem for p in (ROOT / "xpar" / pkg).glob("*.py") if p.stem != "__init__")
-        doc = re.sub(r":(?:mod|func|class|data|meth):`~?([^`]+)`", r"`\1`", doc)
+        doc = _plain(doc)
         rows.append(f"### {i}. `xpar/{pkg}/`\n\n{doc}\n\nModules: " + ", ".join(f"`{m}`" for m in mods) + "\n")
     return "\n".join(rows)
 

@@ -206,7 +206,8 @@ class HardwareConfig:
 @dataclass
 class FrameworkConfig:
     """Which training framework the estimate is for: how it computes and communicates.
-    Presets in conf/framework/ (xpar, megatron, torchtitan, deepspeed), each with its source.
+    Presets in conf/framework/ (xpar, megatron, megatron_core, torchtitan, llmfoundry, deepspeed,
+    deepspeed_2021), each with its sources.
     Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
 
     name: str = "xpar"

@@ -76,7 +76,9 @@ def select_runs(uri: str, experiment: str, sweep: Optional[str], filter_string: 
         parents = mlflow.search_runs(experiment_names=[experiment], filter_string="tags.`xpar.role` = 'sweep'",
                                      order_by=["start_time DESC"], max_results=1)
         if parents.empty:
-            raise SystemExit(f"xpar compare: no sweep found in experiment {experiment!r} at {uri}")
+            raise SystemExit(f"xpar compare: no sweep found in experiment {experiment!r} at {uri}; run one "
+                             f"(python -m xpar -m parallel.micro_batches=1,2) or compare single runs: "
+                             f"xpar compare --filter \"attributes.status = 'FINISHED'\"")
         sweep = parents.iloc[0]["tags.xpar.sweep_id"]
     clauses = [f"tags.`xpar.sweep_id` = '{sweep}'"] if sweep else []
     if filter_string:
@@ -281,7 +283,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--uri", default=None, help="tracking URI (default: sqlite ./mlflow.db)")
     ap.add_argument("--experiment", default="xpar")
     ap.add_argument("--sweep", default=None, help="sweep id, or 'latest' (default when no --filter)")
-    ap.add_argument("--filter", default=None, help="an MLflow search filter, e.g. \"tags.`xpar.mode` = 'estimate'\"")
+    ap.add_argument("--filter", default=None, help="an MLflow search filter, e.g. \"tags.\\`xpar.mode\\` = 'estimate'\" "
+                                                          "(backticks escaped in a shell)")
     ap.add_argument("--out", default=None, help="directory for plots (default ./xpar_compare/<sweep>)")
     args = ap.parse_args(argv)
     uri = args.uri or default_uri(Path.cwd())
