@@ -23,7 +23,7 @@ COVERED_ELSEWHERE = {
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1": "tests/test_ui.py (this server, its UI in headless Chromium)",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server": "tests/test_mlflow_server.py (a sweep against it)",
     "xpar compare": "tests/test_sweep.py (the README's sweep, then compare)",
-    "xpar calibrate": "tests/test_calibrate.py (xpar calibrate --quick)",
+    "xpar calibrate": "tests/test_calibrate.py (xpar calibrate --quick; --device cuda on a GPU node: benchmarks/gpu_node.sh)",
     "python -m xpar -m": "tests/test_sweep.py, test_launchers.py, test_mlflow_server.py (sweeps, launchers, servers)",
     "python -m xpar hardware=calibrated_here": "tests/test_calibrate.py (a run on the preset calibrate wrote)",
     "xpar plan model=tiny hardware=local plan.execute_top=3": "tests/test_plan.py (execute_top runs the top layouts)",
