@@ -40,11 +40,15 @@ def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_p
     w0(1, 1.0, 0.1)
     with open(tmp_path / "steps" / "rank1.jsonl", "a") as f:
         f.write('{"step": 1, "loss": 3.0, "ti')  # a line being written
-    (step, loss, seconds, ts, grad_norm, lr), = merger.new_steps(0)
-    assert (step, loss, seconds, grad_norm, lr) == (0, 3.0, 0.3, None, None) and ts > 0
+    (step, loss, seconds, ts, grad_norm, lr, live), = merger.new_steps(0)
+    assert (step, loss, seconds, grad_norm, lr, live) == (0, 3.0, 0.3, None, None, None) and ts > 0
     with open(tmp_path / "steps" / "rank1.jsonl", "a") as f:
         f.write('me_s": 0.2, "ts_ms": 5}\n')
     assert [s[:3] for s in merger.new_steps(1)] == [(1, 2.0, 0.2)]
+    w0(2, 1.0, 0.1, live={"step/tokens_per_s": 100.0, "step/memory_rss_bytes": 5.0})
+    w1(2, 1.0, 0.2, live={"step/tokens_per_s": 50.0, "step/memory_rss_bytes": 9.0})
+    (*_, live), = merger.new_steps(2)
+    assert live == {"step/memory_rss_bytes": 9.0, "step/tokens_per_s": 50.0}  # the most loaded rank's, the slowest's
     j = Journal(tmp_path)
     a, b = j.append("metrics", points=[["train/step_time_s", 0.3, 1, 0]]), j.append("end", status="FINISHED", end_ms=1)
     j.ack(a)
