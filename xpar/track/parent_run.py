@@ -105,11 +105,12 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"sweep {info['sweep_id']}: {len(summary['table'])} job(s), parent run {summary['status']}")
-    for col in ("job", "layout", "tokens/s", "peak GiB/device", "bubble", "status"):
-        table.add_column(col, justify="right" if col not in ("layout", "status") else "left")
+    for col in ("job", "layout", "tokens/s", "peak memory/device", "bubble", "status"):
+        table.add_column(col, justify="right" if col not in ("layout", "status") else "left",
+                         overflow="fold" if col == "layout" else "ellipsis")
     for _, row in summary["table"].iterrows():
         table.add_row(str(row.get("job")), str(row.get("layout")), _num(row.get("tokens_per_s"), "{:,.0f}"),
-                      _num(row.get("peak_gib_per_device"), "{:.3g}"), _num(row.get("bubble"), "{:.3f}"),
+                      _memory(row.get("peak_gib_per_device")), _num(row.get("bubble"), "{:.3f}"),
                       str(row.get("status")) + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
     console = Console(stderr=True)
     console.print(table)
@@ -121,6 +122,19 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
         console.print(f"{len(summary['contention'])} job(s) measured under contention (tag xpar.contention): "
                       f"other processes took the cores; their times read worse than this machine gives")
     console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})")
+
+
+def _memory(gib) -> str:
+    """Peak memory in the unit that suits it (9.08 MiB, not 0.00886 GiB)."""
+    from xpar.track.compare import memory_unit
+    try:
+        nbytes = float(gib) * 2 ** 30
+    except (TypeError, ValueError):
+        return "-"
+    if nbytes != nbytes:
+        return "-"
+    unit, size = memory_unit(nbytes)
+    return f"{nbytes / size:.3g} {unit}"
 
 
 def _num(value, fmt: str) -> str:
