@@ -172,15 +172,18 @@ def partition_gpu_problems(argv: list[str]) -> list[str]:
         out = subprocess.run(["sinfo", "-h", "-o", "%P %G"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return []  # sinfo unavailable: sbatch will say
-    rows = [line.split(None, 1) for line in out.splitlines() if line.strip()]
-    rows = [(p.rstrip("*"), p.endswith("*"), g if len(r) > 1 else "(null)") for r in rows for p, g in [(r[0], r[-1])]]
-    mine = [g for p, default, g in rows if (p == part if part not in (None, "None", "null") else default)]
+    named = part not in (None, "None", "null")
+    mine = []  # the GRES of the partition asked for (the default one, marked *, when none is)
+    for line in out.splitlines():
+        name, _, gres = line.strip().partition(" ")
+        if name and (name.rstrip("*") == part if named else name.endswith("*")):
+            mine.append(gres.strip() or "(null)")
     if not mine:
         return []
     have = max((int(n) for g in mine for n in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", g)), default=0)
     if have >= want:
         return []
-    name = part if part not in (None, "None", "null") else "the default partition"
+    name = part if named else "the default partition"
     return [f"hydra.launcher.gpus_per_node={want} but {name} has {have or 'no'} GPU(s) per node (sinfo GRES: "
             f"{', '.join(sorted(set(mine)))}): pass hydra.launcher.gpus_per_node={have} (CPU workers when 0) or a GPU "
             f"partition with hydra.launcher.partition=<name>."]

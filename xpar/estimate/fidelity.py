@@ -164,6 +164,12 @@ def cores_got(share: float, workers: int, threads: int, cores: int, steal: float
     return max(1e-3, min(float(cores), share * workers * threads) * (1 - steal))
 
 
+def usable_cores() -> int:
+    """The cores this process (and the workers it starts) may run on: its CPU affinity."""
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 CONTENTION_SHARE = 0.8
 """A run is measured under contention when its workers' threads had a core for less than this share
 of what their own number allows (min(1, cores / (workers x threads))): other processes held the

@@ -114,6 +114,18 @@ def zero_paper_bytes(spec: RunSpec) -> float:
     return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)
 
 
+def step_rates(spec: RunSpec, seconds: float) -> dict[str, float]:
+    """Throughput of a step of ``seconds``: ``tokens_per_s`` (global), ``tflops_per_device`` (model
+    FLOPs, :func:`flops_per_step`), ``mfu`` and ``hfu`` (fractions of the training dtype's dense
+    peak, 0 where no peak is known)."""
+    model_f, hw_f = flops_per_step(spec)
+    tflops = model_f / seconds / spec.world_size / 1e12
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
+    return {"tokens_per_s": spec.tokens_per_step / seconds, "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else 0.0,
+            "hfu": (hw_f / seconds / spec.world_size / 1e12) / peak if peak else 0.0}
+
+
 def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     """Fold per-rank stats into a Report.
 
@@ -131,9 +143,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     timed = per_step[w:]
     spread = step_time_stats(timed)
     step_time = spread["median"]
-    model_f, hw_f = flops_per_step(spec)
-    tflops = model_f / step_time / spec.world_size / 1e12
-    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12  # the training dtype's dense peak
+    rate = step_rates(spec, step_time)
     totals = []
     for s in stats:
         mem = s["memory"]
@@ -145,9 +155,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         losses.append(statistics.fmean(vals))
     report = Report(
         mode="measured", layout=layout_name(spec), world_size=spec.world_size,
-        step_time_s=step_time, tokens_per_s=spec.tokens_per_step / step_time,
-        tflops_per_device=tflops, mfu=tflops / peak if peak else 0.0,
-        hfu=(hw_f / step_time / spec.world_size / 1e12) / peak if peak else 0.0,
+        step_time_s=step_time, **rate,
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEASURED_TERMS},
         losses=losses, step_times_s=per_step)
@@ -164,11 +172,18 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     return report
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """The binary unit that shows ``nbytes`` with a leading digit: (name, bytes per unit)."""
+    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(nbytes) >= size:
+            return name, size
+    return "B", 1
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the unit that suits it: '9.07 MiB', '52.30 GiB'."""
+    unit, size = memory_unit(n)
+    return f"{n / size:.2f} {unit}" if size > 1 else f"{n:.0f} B"
 
 
 NOT_ALL_RECORDED = "NOT all recorded in MLflow"
@@ -195,19 +210,19 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
         ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
         ("MFU", f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
-        (f"peak memory per device (rank {report.peak_rank})", _fmt_bytes(report.peak_bytes_per_device)),
+        (f"peak memory per device (rank {report.peak_rank})", format_bytes(report.peak_bytes_per_device)),
     ]
-    rows += [(f"  {k}", _fmt_bytes(v)) for k, v in report.memory.items()]
+    rows += [(f"  {k}", format_bytes(v)) for k, v in report.memory.items()]
     if report.final_loss is not None:
         rows.append(("loss first -> last", f"{report.losses[0]:.4f} -> {report.final_loss:.4f}"))
     for k, v in report.extra.items():
         if k.startswith("pipeline/"):
             rows.append((k, f"{v:.3f}"))
         elif k.startswith("comm/") and k.endswith("_bytes"):
-            rows.append((f"{k} (per step per device)", _fmt_bytes(v)))
+            rows.append((f"{k} (per step per device)", format_bytes(v)))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
-                         _fmt_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
+                         format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
         elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
             label = "UNCALIBRATED hardware=local: xpar calibrate" if spec.hardware.name == "local" else \
                 "own estimate vs measured"

@@ -111,11 +111,8 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
 def contention_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
     """The workers' CPU share over the timed steps as ``system/workers_cpu_share`` in
     ``report.extra``, and the note of a run measured under contention (xpar.estimate.fidelity)."""
-    import os
-
-    from xpar.estimate.fidelity import contention
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share, note = contention(spec, stats, cores) if spec.launcher == "local" else (None, None)
+    from xpar.estimate.fidelity import contention, usable_cores
+    share, note = contention(spec, stats, usable_cores()) if spec.launcher == "local" else (None, None)
     if share is not None:
         report.extra["system/workers_cpu_share"] = share
     return [note] if note else []

@@ -140,10 +140,10 @@ def _first_step(record: dict, total: int) -> dict:
 def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
     """One stderr line when ``workers`` x ``threads`` torch threads exceed this host's cores
     (step times then measure the OS scheduler); returns the line, or None."""
-    import os
     import sys
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from xpar.estimate.fidelity import usable_cores
+    cores = usable_cores()
     if workers * threads <= cores:
         return None
     line = (f"xpar: warning: {workers} workers x {threads} threads = {workers * threads} threads on "

@@ -117,14 +117,10 @@ def live_metrics(spec, seconds: float) -> dict[str, float]:
     TFLOP/s per device, MFU (fraction) as :func:`xpar.estimate.report.summarize_measured` defines them,
     and memory: CUDA allocated, reserved and peak allocated bytes, or on a CPU the process's
     resident set (RSS) bytes. torchtitan's names: throughput(tps) is tokens/s per device there."""
-    from xpar.estimate.cost import compute_peak
-    from xpar.estimate.report import flops_per_step
+    from xpar.estimate.report import step_rates
 
-    model_f, _ = flops_per_step(spec)
-    tflops = model_f / seconds / spec.world_size / 1e12
-    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
-    out = {"step/tokens_per_s": spec.tokens_per_step / seconds, "step/tflops_per_device": tflops,
-           "step/mfu": tflops / peak if peak else 0.0}
+    rate = step_rates(spec, seconds)
+    out = {f"step/{k}": rate[k] for k in ("tokens_per_s", "tflops_per_device", "mfu")}
     if spec.device == "cuda":
         out.update({"step/memory_allocated_bytes": float(torch.cuda.memory_allocated()),
                     "step/memory_reserved_bytes": float(torch.cuda.memory_reserved()),

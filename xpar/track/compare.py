@@ -112,25 +112,16 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     return paths
 
 
-def memory_unit(nbytes: float) -> tuple[str, float]:
-    """The unit that shows ``nbytes`` with a leading digit: (name, bytes per unit), binary prefixes."""
-    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if nbytes >= size:
-            return name, size
-    return "bytes", 1
-
-
 def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
     """Peak memory per device by run, stacked by term (params, grads, optimizer, activations, and
     for estimates buffers and framework overhead), measured and estimated runs in separate panels,
     each in the unit of its largest bar (a ZeRO sweep of the tiny model reads in MiB, not 0.009 GiB)."""
     from xpar.estimate.model_states import MEMORY_TERMS
+    from xpar.estimate.report import memory_unit
     plt = _plt()
     cols = [f"metrics.memory/{k}_bytes" for k in MEMORY_TERMS]
     terms = runs.set_index("run_id").reindex(columns=cols).apply(pd.to_numeric, errors="coerce").fillna(0.0)
-    groups = [(mode, g.sort_values("name", key=_natural, na_position="last")) for mode, g in
-              (("measured", d[d["mode"] != "estimate"]), ("estimated (cost model)", d[d["mode"] == "estimate"]))
-              if len(g)]
+    groups = _by_mode(d)
     fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.8 * len(d) + 3.5 * len(groups)), 4.8), squeeze=False)
     for ax, (mode, g) in zip(axes[0], groups):
         unit, size = memory_unit(float(g["peak_gib_per_device"].max()) * 2 ** 30)
@@ -140,7 +131,7 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
             if any(vals):
                 ax.bar(range(len(g)), vals, bottom=bottom, label=term, hatch="//" if mode != "measured" else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-        names = [n if len(n) <= 40 else n[:39] + "…" for n in g["name"].fillna(g["layout"].fillna("?")).astype(str)]
+        names = _bar_names(g)
         ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel(f"peak memory per device ({unit})")
         ax.set_title(mode, fontsize=9)
@@ -203,9 +194,7 @@ def bar_figure(d: pd.DataFrame, col: str, label: str):
     and estimates (orange, hatched) in separate panels, each on its own scale (a CPU
     measurement and a cluster estimate differ by orders of magnitude)."""
     plt = _plt()
-    groups = [(mode, g.sort_values("name", key=_natural, na_position="last")) for mode, g in
-              (("measured", d[d["mode"] != "estimate"]), ("estimated (cost model)", d[d["mode"] == "estimate"]))
-              if len(g)]
+    groups = _by_mode(d)
     widths = [max(len(g), 1.5) for _, g in groups]
     fig, axes = plt.subplots(1, len(groups), figsize=(max(6.0, 0.75 * sum(widths) + 2.5 * len(groups)), 4.8),
                              squeeze=False, gridspec_kw={"width_ratios": widths})
@@ -215,6 +204,18 @@ def bar_figure(d: pd.DataFrame, col: str, label: str):
     axes[0][0].set_ylabel(label)
     fig.suptitle(f"{label} by run: model {_values(d, 'model')}", fontsize=10)
     return fig
+
+
+def _by_mode(d: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(panel title, its runs sorted by name) for measured runs and for estimates, where there are any."""
+    return [(mode, g.sort_values("name", key=_natural, na_position="last")) for mode, g in
+            (("measured", d[d["mode"] != "estimate"]), ("estimated (cost model)", d[d["mode"] == "estimate"]))
+            if len(g)]
+
+
+def _bar_names(g: pd.DataFrame) -> list[str]:
+    """A label per bar: the run name (else its layout), cut at 40 characters."""
+    return [n if len(n) <= 40 else n[:39] + "…" for n in g["name"].fillna(g["layout"].fillna("?")).astype(str)]
 
 
 def _natural(names: pd.Series) -> pd.Series:
@@ -229,7 +230,7 @@ def _bars(ax, g: pd.DataFrame, col: str, estimate: bool) -> None:
     bars = ax.bar(range(len(g)), g[col], color="tab:orange" if estimate else "tab:blue",
                   hatch="//" if estimate else None)
     ax.bar_label(bars, labels=[_short(v) for v in g[col]], fontsize=7, padding=2)
-    names = [n if len(n) <= 40 else n[:39] + "…" for n in g["name"].fillna(g["layout"].fillna("?")).astype(str)]
+    names = _bar_names(g)
     ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
     ax.set_xlim(-0.6, max(len(g), 1.5) - 0.4)
     ax.set_ylim(0, float(g[col].max()) * 1.15 or 1)

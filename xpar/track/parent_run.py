@@ -125,16 +125,13 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
 
 
 def _memory(gib) -> str:
-    """Peak memory in the unit that suits it (9.08 MiB, not 0.00886 GiB)."""
-    from xpar.track.compare import memory_unit
+    """Peak memory in the unit that suits it (9.07 MiB, not 0.00886 GiB)."""
+    from xpar.estimate.report import format_bytes
     try:
         nbytes = float(gib) * 2 ** 30
     except (TypeError, ValueError):
         return "-"
-    if nbytes != nbytes:
-        return "-"
-    unit, size = memory_unit(nbytes)
-    return f"{nbytes / size:.3g} {unit}"
+    return "-" if nbytes != nbytes else format_bytes(nbytes)
 
 
 def _num(value, fmt: str) -> str:
