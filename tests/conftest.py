@@ -83,7 +83,8 @@ def spawn(fn: Callable, world: int, payload) -> object:
 
 def run_specs(spec_dicts: list[dict]) -> list[list]:
     """Worker side: build and train each spec through xpar's real path; on rank 0 return
-    [(losses, memory of every rank)] per spec."""
+    [(losses, memory, timing of every rank)] per spec (timing: ``comm`` metrics, ``thread_cpu_s``
+    and ``step_times_s``, xpar.run.train.train)."""
     import tempfile as tf
 
     from xpar.run.worker import run_rank
@@ -93,7 +94,8 @@ def run_specs(spec_dicts: list[dict]) -> list[list]:
         with tf.TemporaryDirectory() as out:
             stats = run_rank(RunSpec.from_dict(d), Path(out))
         if stats is not None:
-            results.append([[s["losses"] for s in stats], [s["memory"] for s in stats]])
+            timing = [{k: s.get(k) for k in ("comm", "thread_cpu_s", "step_times_s")} for s in stats]
+            results.append([[s["losses"] for s in stats], [s["memory"] for s in stats], timing])
     return results
 
 

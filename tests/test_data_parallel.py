@@ -91,3 +91,42 @@ def test_zero3_holds_whole_gradients_only_when_the_reduction_is_deferred(results
     assert held["shard"] * 2 == held["whole"]
     assert held["sync"] == held["shard"]
     assert held["deferred"] == held["whole"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_measured_collectives_are_the_estimates_counts(results, layout):
+    """Every rank's logged dp collectives (xpar.parallel.comm_log: FSDP2's all-gathers and
+    reduce-scatters, ZeroRedundancyOptimizer's broadcasts, DDP's bucket all-reduce from its logger)
+    carry exactly the payload bytes per step that the estimate counts (xpar.estimate.comm), and at
+    least one call of each kind the estimate names."""
+    from xpar.estimate.cost import estimate
+    from xpar.estimate.fidelity import estimated_comm
+
+    specs, out = results
+    spec = specs[LAYOUTS.index(layout)]
+    expected = {k[len("fidelity/estimate_"):]: v for k, v in estimated_comm(spec, estimate(spec)).items()
+                if k.endswith("_bytes") and v}
+    assert expected, layout
+    for timing in out[layout][2]:
+        comm = timing["comm"]
+        measured = {k[len("comm/"):].replace("dp_", "comm_dp_", 1): v for k, v in comm.items()
+                    if k.startswith("comm/dp_") and k.endswith("_bytes") and "scalar" not in k}
+        assert measured == pytest.approx(expected, rel=1e-9), (layout, measured, expected)
+        for key in expected:
+            assert comm[f"comm/{key[len('comm_'):-len('_bytes')]}_calls"] >= 1
+
+
+@pytest.mark.parametrize("layout", ["zero2", "zero3"])
+def test_compute_and_exposed_collectives_make_up_the_step(results, layout):
+    """On each rank, the thread's CPU time (its compute on a CPU) plus the time blocked in the
+    logged collectives is within 10 % of the measured step, timed steps' means: the split names
+    where the step of an executed ZeRO-2/3 run went (issue 31)."""
+    from statistics import fmean
+
+    specs, out = results
+    w = specs[LAYOUTS.index(layout)].train.warmup_steps
+    for timing in out[layout][2]:
+        exposed = sum(v for k, v in timing["comm"].items() if k.endswith("_exposed_s"))
+        explained = fmean(timing["thread_cpu_s"][w:]) + exposed
+        step = fmean(timing["step_times_s"][w:])
+        assert explained == pytest.approx(step, rel=0.10), (layout, explained, step, timing["comm"])

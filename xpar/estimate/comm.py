@@ -14,7 +14,7 @@ a buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)
   DeepSpeed and torchtitan do: xpar.parallel.factory.accumulate_step), except under pp,
   where torch's PipelineStage defers FSDP2's reduction to the stage's last backward (once).
   FSDP2 reshards after each backward by default, so ZeRO-2 all-gathers m times and ZeRO-3
-  2 m times; torch pipelining keeps params unsharded across backwards (resharded only in the
+  2 m times, less the root's backward gathers (it is kept from its forward to its backward); torch pipelining keeps params unsharded across backwards (resharded only in the
   stage's final gradient reduction), so ZeRO-2 under pp gathers once and ZeRO-3 m + 1 times
   (counted in a real run: tests/test_pipeline.py; xpar.estimate.dp).
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per layer and micro-batch,
@@ -32,7 +32,7 @@ import math
 from typing import Optional
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import BYTES, param_shapes
+from xpar.estimate.model_states import BYTES, param_shapes, root_elements
 from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
@@ -105,8 +105,10 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
             out["dp_allgather"] = allgather_bytes(psi, dp)
     else:
         out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp) * dp_reductions(spec)
-        gathers = (2 * m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
+        gathers = (m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
+        if z == 3 and spec.pp == 1:  # backward gathers every block again, not the root (xpar.estimate.dp)
+            out["dp_allgather"] += allgather_bytes(psi - root_elements(spec, pp_rank) * e, dp) * m
     # tp
     stages, split = spec.layout.stages_of(pp_rank), spec.layer_split
     n_layers = spec.layout.layers_of(pp_rank)

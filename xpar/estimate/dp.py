@@ -5,8 +5,11 @@ message sizes as issued, units as FSDP wraps them (each transformer block; the r
 final norm, output):
 
 - ZeRO-3 (FSDP ``reshard_after_forward=True``): without pp, one all-gather per unit before its
-  forward and one before its backward, every micro-batch, and one reduce-scatter per unit after
-  its backward, every micro-batch. Under pp torch's stage turns FSDP2's reshard after backward
+  forward and one per block before its backward, every micro-batch, and one reduce-scatter per
+  unit after its backward, every micro-batch. The root (embedding, final norm, output) is not
+  resharded after its forward, so it is not gathered again for its backward (FSDP2's and FSDP1's
+  root; measured: a tiny-model ZeRO-3 step gathers 1.81 x its parameters, not 2 x,
+  xpar.parallel.comm_log and tests/test_comm_log.py). Under pp torch's stage turns FSDP2's reshard after backward
   off for every backward and reshards only in its final gradient reduction
   (``PipelineStage.perform_reduce_grad``, where the reduce-scatters run, once), while each
   forward still reshards after itself (torch 2.13): a unit is gathered before any action that
@@ -51,7 +54,7 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES, param_shapes, tensor_counts
+from xpar.estimate.model_states import BYTES, tensor_counts, unit_elements  # noqa: F401 (unit_elements re-exported)
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -69,21 +72,6 @@ class DpTiming:
     ``per_microbatch``) ..."""
     copy_once: float = 0.0
     """... and once per step (under pp, the stage's single gather and reduction; in ``end``)."""
-
-
-def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
-    """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
-    final norm, output of the stages held; 0 on middle stages) first, then each block."""
-    root, blocks = 0, {}
-    for name, shape in param_shapes(spec, pp_rank):
-        stage, rest = name.split(":", 1)
-        parts = rest.split(".")
-        if parts[0] == "layers":
-            key = (stage, parts[1])
-            blocks[key] = blocks.get(key, 0) + math.prod(shape)
-        else:
-            root += math.prod(shape)
-    return [root] + list(blocks.values())
 
 
 def grad_bytes(spec: RunSpec, assume) -> int:
@@ -184,6 +172,13 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
                     x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])
 
 
+def root_kept(backward_order: list) -> list:
+    """Per-unit values in backward order (root last) with the root's set to 0: without pp,
+    ZeRO-3's backward gathers every block but not the root, which stays unsharded from its
+    forward to its backward (module docstring)."""
+    return list(backward_order[:-1]) + [0.0 * backward_order[-1]] if backward_order else []
+
+
 def _masked(cond: Any, times: list) -> list:
     """``times`` where ``cond``, zeros elsewhere (cond a bool, or a bool array over layouts)."""
     if not isinstance(cond, np.ndarray):
@@ -216,9 +211,11 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     every = (z >= 2) & (pp == 1)
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
-    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, cg[::-1]), _masked(every, cr[::-1]))]
+    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
+                                              _masked(every, cr[::-1]))]
     out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce)
-    copy_mb = vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(cg), 0.0) + vwhere(every, sum(cr), 0.0)
+    copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
+               + vwhere(every, sum(cr), 0.0))
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
     copy_first = vwhere((z == 3) & (pp > 1), sum(cg), 0.0)
     out["first_backward"] = out["first_backward"] + copy_first
@@ -234,7 +231,7 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     every = (z >= 2) & (pp == 1)
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     gathered_once, bwd_once = (z == 1) | ((z == 2) & (pp > 1)), (z == 3) & (pp > 1)
-    bwd_g = _masked(bwd_gathers, gb_)
+    bwd_g = _masked(bwd_gathers, root_kept(gb_))
     first_bwd = _lazy(bwd_once, lambda: simulate_pass(compute_b, gb_, None, pre, slow).exposed, lambda: 0.0)
     with_gf = _lazy(fwd_gathers | gathered_once, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed,
                     lambda: 0.0)
@@ -247,7 +244,7 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
         end = vwhere(every, 0.0, sum_red)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
-    issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(gb_), 0.0) + vwhere(every, sum_red, 0.0)
+    issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(root_kept(gb_)), 0.0) + vwhere(every, sum_red, 0.0)
     once = vwhere(every, 0.0, sum_red) + vwhere(gathered_once, sum_gf, 0.0) + vwhere(bwd_once, sum(gb_), 0.0)
     return {"per_microbatch": per_mb, "end": end, "issued_per_microbatch": issued_mb, "issued_once": once,
             "first_backward": first_bwd}

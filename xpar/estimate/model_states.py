@@ -211,6 +211,27 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
 
 
+def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
+    """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
+    final norm, output of the stages held; 0 on middle stages) first, then each block."""
+    root, blocks = 0, {}
+    for name, shape in param_shapes(spec, pp_rank):
+        stage, rest = name.split(":", 1)
+        parts = rest.split(".")
+        if parts[0] == "layers":
+            key = (stage, parts[1])
+            blocks[key] = blocks.get(key, 0) + math.prod(shape)
+        else:
+            root += math.prod(shape)
+    return [root] + list(blocks.values())
+
+
+def root_elements(spec: RunSpec, pp_rank: int) -> int:
+    """Parameter elements of ``pp_rank``'s FSDP root unit (embeddings, final norm, output; 0 on
+    middle stages): :func:`unit_elements`'s first."""
+    return unit_elements(spec, pp_rank)[0]
+
+
 def tensor_counts(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """(parameter tensors of one block, of the model's ends: embeddings, final norm, output)."""
     return _tensor_counts(_model_key(cfg), tp)

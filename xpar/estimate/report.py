@@ -166,10 +166,38 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         from xpar.estimate.bubble import summarize
         pipeline, report.timeline = summarize(spec, stats)
         report.extra.update(pipeline)
-    comm = [s["comm"] for s in stats if s.get("comm")]  # tp > 1: comm/tp_*_bytes per step per device
+    comm = [s["comm"] for s in stats if s.get("comm")]  # comm/<axis>_<kind>_*, time/comm_* per step per device
     if comm:
-        report.extra.update({k: float(max(c[k] for c in comm)) for k in comm[0]})
+        report.extra.update({k: float(max(c.get(k, 0.0) for c in comm)) for k in sorted({k for c in comm for k in c})})
+    report.extra.update(step_split(stats, w))
     return report
+
+
+def step_split(stats: list[dict], warmup: int) -> dict[str, float]:
+    """Where a rank's step went, as the mean over ranks of per-rank medians over the timed steps:
+    ``time/compute_cpu_s`` (the rank's thread on a core: its compute on a CPU) and
+    ``time/comm_exposed_s`` (blocked in the logged collectives, xpar.parallel.comm_log); their sum
+    against the step time says how much of the step the two explain. Empty without CPU times."""
+    cpu = [statistics.median(s["thread_cpu_s"][warmup:]) for s in stats if s.get("thread_cpu_s", [])[warmup:]]
+    if not cpu:
+        return {}
+    exposed = [sum(v for k, v in (s.get("comm") or {}).items() if k.endswith("_exposed_s")) for s in stats]
+    return {"time/compute_cpu_s": statistics.fmean(cpu), "time/comm_exposed_s": statistics.fmean(exposed)}
+
+
+def comm_cell(extra: dict, key: str) -> str:
+    """The table cell of one ``comm/<axis>_<kind>_bytes`` metric: its bytes, and what a measured
+    run logged beside them (calls, the estimate's bytes, exposed and issued seconds)."""
+    stem = key[len("comm/"):-len("_bytes")]
+    cell = format_bytes(extra[key])
+    if f"comm/{stem}_calls" in extra:
+        cell += f" in {extra[f'comm/{stem}_calls']:.0f} calls"
+    if f"fidelity/estimate_comm_{stem}_bytes" in extra:
+        cell += f" (estimate {format_bytes(extra[f'fidelity/estimate_comm_{stem}_bytes'])})"
+    if f"time/comm_{stem}_exposed_s" in extra:
+        cell += (f"; {extra[f'time/comm_{stem}_exposed_s'] * 1e3:.1f} ms exposed,"
+                 f" {extra[f'time/comm_{stem}_issued_s'] * 1e3:.1f} ms issued")
+    return cell
 
 
 def memory_unit(nbytes: float) -> tuple[str, float]:
@@ -219,7 +247,9 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         if k.startswith("pipeline/"):
             rows.append((k, f"{v:.3f}"))
         elif k.startswith("comm/") and k.endswith("_bytes"):
-            rows.append((f"{k} (per step per device)", format_bytes(v)))
+            rows.append((f"{k} (per step per device)", comm_cell(report.extra, k)))
+        elif k in ("time/compute_cpu_s", "time/comm_exposed_s"):
+            rows.append((f"{k} (per step)", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
                          format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))

@@ -13,7 +13,7 @@ from xpar.config.recorded import resolved_config
 from xpar.config.spec import RunSpec
 from xpar.estimate.fit import check_run
 from xpar.estimate.report import Report, layout_name, print_report
-from xpar.track.plots import record_timeline
+from xpar.track.plots import record_step_split, record_timeline
 
 
 def fail(lines: str, code: int = 2) -> None:
@@ -168,6 +168,7 @@ def _record(job: Job, body) -> Report:
     if not spec.tracking.enabled:
         report, stats = body()
         record_timeline(report.timeline, job.out_dir)
+        record_step_split(report.extra, report.step_time_s, job.out_dir)
         print_report(spec, report)
         return report
     from xpar.track.runs import log_report, mlflow_run, recording
@@ -187,6 +188,7 @@ def _record(job: Job, body) -> Report:
             for path in report.artifacts:  # estimate figures, dry-run detail
                 mlflow.log_artifact(path)
             record_timeline(report.timeline, job.out_dir)
+            record_step_split(report.extra, report.step_time_s, job.out_dir)
         from xpar.track.naming import ui_hint
         where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
                  f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from xpar.estimate.fidelity import cpu_share, task_cpu_ns
 from xpar.estimate.timing import step_time_stats
 from xpar.parallel.factory import Engine
+from xpar.parallel.comm_log import CollectiveLog, ddp_comm
 from xpar.parallel.memory_accounting import ActivationTracker, model_state_bytes
 from xpar.parallel.tensor import count_tp_comm
 from xpar.run.data import TokenSource
@@ -57,11 +58,15 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     progress = _progress(spec.train.steps, first) if show_progress else None
     _before_loop(spec)
     cpu_at_timed: Optional[dict] = None
+    log, thread_cpu = CollectiveLog(comm_groups(engine)), []
     try:
         for step in range(first, spec.train.steps):
             if step == max(first, spec.train.warmup_steps) and spec.device == "cpu":
                 cpu_at_timed = task_cpu_ns([os.getpid()], main_only=True)
-            loss, seconds, counter = _step(engine, data, step, tracker, accounting=(step == first))
+            with log:
+                loss, seconds, counter, cpu_s = _step(engine, data, step, tracker, accounting=(step == first))
+            thread_cpu.append(cpu_s)
+            log.end_step()
             times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
@@ -80,9 +85,21 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     stats["first_step"] = first
     if cpu_at_timed is not None:  # the share of the timed steps this rank's thread had a core when it wanted one
         stats["cpu_share"] = cpu_share(cpu_at_timed, task_cpu_ns([os.getpid()], main_only=True))
-    if comm is not None:
-        stats["comm"] = comm
-    return stats
+    return dict(stats, **_comm_stats(engine, first, comm, log), thread_cpu_s=thread_cpu)
+
+
+def _comm_stats(engine: Engine, first: int, tp_comm: Optional[dict], log: CollectiveLog) -> dict:
+    """``{'comm': ...}``: the tp counter's bytes, the logged collectives' means over this process's
+    timed steps, DDP's logger figures; empty when there are none."""
+    timed = max(0, engine.spec.train.warmup_steps - first)
+    comm = {**(tp_comm or {}), **log.per_step(timed), **ddp_comm(engine.chunks)}
+    return {"comm": comm} if comm else {}
+
+
+def comm_groups(engine: Engine) -> dict:
+    """The process groups whose Python-issued collectives are logged (:class:`CollectiveLog`):
+    the dp axis's, when it has more than one rank."""
+    return {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
 
 
 def _before_loop(spec) -> None:
@@ -94,7 +111,8 @@ def _before_loop(spec) -> None:
 
 
 def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTracker, accounting: bool):
-    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None).
+    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None, CPU
+    seconds of this thread in the step: its compute on a CPU, as a collective's wait sleeps).
 
     Memory (saved activations, held gradients) and TP collectives are accounted on the
     first step of the process only (``accounting``) -- a warm-up step unless warmup_steps=0
@@ -104,12 +122,12 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
     engine.optimizer.zero_grad(set_to_none=True)
     _sync(spec.device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     engine.accounting, engine.current_step = accounting, step
     with (tracker if accounting else nullcontext()), count_tp_comm(mesh["tp"] if accounting else None) as counter:
         loss = engine.step(xs, ys)
     _sync(spec.device)
-    return loss, time.perf_counter() - t0, counter
+    return loss, time.perf_counter() - t0, counter, time.thread_time() - cpu0
 
 
 def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:

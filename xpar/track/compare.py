@@ -109,7 +109,29 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     d = t[t["peak_gib_per_device"].notna()] if len(t) else t
     if len(d):
         paths.append(_save(memory_figure(runs, d), out_dir / "memory_by_layout.png"))
+    bars = step_split_bars(runs)
+    if bars:
+        from xpar.track.plots import step_split_figure
+        paths.append(_save(step_split_figure(bars, "where one step went, per run (measured)"),
+                           out_dir / "step_split_by_run.png"))
     return paths
+
+
+def step_split_bars(runs: pd.DataFrame) -> list[tuple[str, dict]]:
+    """(run name, measured step split) of each run that logged one
+    (:func:`xpar.track.plots.step_split_terms`), in the table's order."""
+    from xpar.track.plots import step_split_terms
+    if "metrics.time/compute_cpu_s" not in runs:
+        return []
+    bars = []
+    for _, r in runs.iterrows():
+        extra = {k[len("metrics."):]: float(v) for k, v in r.items()
+                 if k.startswith("metrics.time/") and pd.notna(v)}
+        step = pd.to_numeric(r.get("metrics.throughput/step_time_s"), errors="coerce")
+        split = step_split_terms(extra, float(step)) if pd.notna(step) else {}
+        if split:
+            bars.append((str(r.get("tags.mlflow.runName", r.get("run_id"))), split))
+    return bars
 
 
 def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):

@@ -89,3 +89,65 @@ def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
     finally:
         plt.close(fig)
     return path
+
+
+STEP_SPLIT_FILE = "step_split.png"
+
+
+def step_split_terms(extra: dict, step_time_s: float) -> dict[str, float]:
+    """A measured step by where it went, seconds (from a run's metrics): ``compute`` (the ranks'
+    thread CPU time, ``time/compute_cpu_s``), each logged collective's exposed time
+    (``time/comm_<axis>_<kind>_exposed_s``) and ``other`` (the rest of the step: pipeline waits,
+    collectives not logged, the thread off its core); empty when the run has no split."""
+    if "time/compute_cpu_s" not in extra:
+        return {}
+    out = {"compute": extra["time/compute_cpu_s"]}
+    out.update({k[len("time/comm_"):-len("_exposed_s")]: v for k, v in sorted(extra.items())
+                if k.startswith("time/comm_") and k.endswith("_exposed_s") and k != "time/comm_exposed_s"})
+    out["other"] = max(0.0, step_time_s - sum(out.values()))
+    return out
+
+
+def step_split_figure(bars: list[tuple[str, dict[str, float]]], title: str):
+    """Horizontal stacked bars, one per (name, {term: seconds}), in ms; terms in a shared legend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    terms = list(dict.fromkeys(t for _, split in bars for t in split))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.45 * len(bars)))
+    left = [0.0] * len(bars)
+    for term in terms:
+        vals = [split.get(term, 0.0) * 1e3 for _, split in bars]
+        ax.barh(range(len(bars)), vals, left=left, label=term)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def record_step_split(extra: dict, step_time_s: float, out_dir: Path) -> Optional[Path]:
+    """Save ``step_split.png`` (the measured step by :func:`step_split_terms`, the estimate's terms
+    ``fidelity/estimate_time_*`` beside it) in ``out_dir`` and log it to the active MLflow run."""
+    measured = step_split_terms(extra, step_time_s)
+    if not measured:
+        return None
+    import matplotlib.pyplot as plt
+
+    estimated = {k[len("fidelity/estimate_time_"):-2]: v for k, v in extra.items()
+                 if k.startswith("fidelity/estimate_time_") and v}
+    bars = [("measured", measured)] + ([("estimated", estimated)] if estimated else [])
+    fig = step_split_figure(bars, "where one step went (measured: thread CPU and blocked collectives)")
+    path = Path(out_dir) / STEP_SPLIT_FILE
+    fig.savefig(path, dpi=100)
+    try:
+        import mlflow
+        if mlflow.active_run() is not None:
+            mlflow.log_figure(fig, STEP_SPLIT_FILE)
+    finally:
+        plt.close(fig)
+    return path

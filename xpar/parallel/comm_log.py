@@ -1,0 +1,174 @@
+"""Measured collectives of an executed run: per kind and mesh axis, calls, payload bytes and seconds.
+
+The dp axis's wrappers issue their collectives from Python through ``torch.distributed``:
+FSDP2 (ZeRO-2/3) calls ``all_gather_single`` and ``reduce_scatter_single``
+(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.13), ZeroRedundancyOptimizer
+(ZeRO-1) ``broadcast`` of each updated parameter, xpar's zero-bubble reduction and FSDP2's
+replicated-gradient path ``all_reduce``. :class:`CollectiveLog` replaces those functions for the
+time of the training loop with wrappers that record each call; the call itself is unchanged
+(same arguments, same result), so the run's numbers are unchanged. Not seen here: DDP's gradient
+all-reduce (its C++ reducer calls the process group directly; its bytes come from the reducer's
+buckets, :func:`ddp_bucket_bytes`), DTensor's tp collectives (functional collectives, counted by
+:class:`xpar.parallel.tensor.TPCommCounter`) and pipeline sends (timed by the schedule's records).
+
+Per call: payload bytes as :class:`~xpar.parallel.tensor.TPCommCounter` counts them (the gathered
+output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast);
+``exposed`` seconds, the wall time this rank's thread was blocked in the call and in ``wait()`` on
+its handle; ``issued`` seconds, the union over the step of the intervals from issue to completion
+(a queue of async broadcasts counts once). Units: bytes, seconds.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+KINDS = {"all_gather_single": "allgather", "all_gather_into_tensor": "allgather",
+         "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "allreduce", "broadcast": "broadcast"}
+"""torch.distributed functions wrapped, and the collective kind each issues."""
+SCALAR = "scalar"
+"""The kind under which one-element collectives are recorded (the global gradient norm's square
+sums, the non-finite check): control, not the wrappers' traffic that the estimate counts."""
+_PAYLOAD_ARG = {"allgather": ("output_tensor", 0), "reduce_scatter": ("input", 1), "allreduce": ("tensor", 0),
+                "broadcast": ("tensor", 0)}
+_GROUP_ARG = {"all_gather_single": 2, "all_gather_into_tensor": 2, "reduce_scatter_single": 3,
+              "reduce_scatter_tensor": 3, "all_reduce": 2, "broadcast": 2}
+
+
+def _payload(fn: str, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(payload bytes, elements) of one call of ``torch.distributed.<fn>``."""
+    name, pos = _PAYLOAD_ARG[KINDS[fn]]
+    t = kwargs.get(name, args[pos] if len(args) > pos else None)
+    return (t.numel() * t.element_size(), t.numel()) if isinstance(t, torch.Tensor) else (0, 0)
+
+
+class _TimedWork:
+    """A ``Work`` handle whose ``wait()`` is timed as exposed; the rest is the handle's."""
+
+    def __init__(self, work: Any, on_wait):
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._on_wait(t0, time.perf_counter())
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CollectiveLog:
+    """``with CollectiveLog({'dp': group}) as log:`` ... ``log.end_step()`` after each step; then
+    :meth:`per_step` (means over the steps from ``first``). Records only collectives on the
+    groups given (by mesh axis name); other groups' calls pass through unrecorded."""
+
+    def __init__(self, groups: dict[str, Any]):
+        self.axes = {id(g): a for a, g in groups.items() if g is not None}
+        self.steps: list[dict[tuple[str, str], list[float]]] = []
+        self._current: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+        self._intervals: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "CollectiveLog":
+        for fn in KINDS:
+            if hasattr(dist, fn):
+                self._saved[fn] = getattr(dist, fn)
+                setattr(dist, fn, self._wrap(fn, self._saved[fn]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fn, original in self._saved.items():
+            setattr(dist, fn, original)
+        self._saved.clear()
+
+    def _axis(self, fn: str, args: tuple, kwargs: dict) -> Optional[str]:
+        group = kwargs.get("group", args[_GROUP_ARG[fn]] if len(args) > _GROUP_ARG[fn] else None)
+        return self.axes.get(id(group))
+
+    def _wrap(self, fn: str, original):
+        kind = KINDS[fn]
+
+        def wrapped(*args, **kwargs):
+            axis = self._axis(fn, args, kwargs)
+            if axis is None:
+                return original(*args, **kwargs)
+            nbytes, numel = _payload(fn, args, kwargs)
+            key = (kind if numel > 1 else SCALAR, axis)
+            rec = self._current[key]
+            rec[0] += 1
+            rec[1] += nbytes
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            t1 = time.perf_counter()
+            rec[2] += t1 - t0
+            if out is None or not kwargs.get("async_op", False):
+                self._intervals[key].append((t0, t1))
+                return out
+
+            def on_wait(w0: float, w1: float) -> None:
+                rec[2] += w1 - w0
+                self._intervals[key].append((t0, w1))
+            return _TimedWork(out, on_wait)
+        return wrapped
+
+    def end_step(self) -> None:
+        """Close the step: its records, with the issued seconds of each kind (union of intervals)."""
+        for key, rec in self._current.items():
+            rec[3] = _union(self._intervals.get(key, []))
+        self.steps.append(dict(self._current))
+        self._current.clear()
+        self._intervals.clear()
+
+    def per_step(self, first: int = 0) -> dict[str, float]:
+        """Means over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per
+        step per device) and ``time/comm_<axis>_<kind>_exposed_s`` / ``_issued_s``."""
+        steps = self.steps[first:] or self.steps[-1:]
+        keys = sorted({k for s in steps for k in s})
+        out: dict[str, float] = {}
+        for kind, axis in keys:
+            recs = [s.get((kind, axis), [0, 0, 0.0, 0.0]) for s in steps]
+            for i, name in enumerate(("comm/{a}_{k}_calls", "comm/{a}_{k}_bytes", "time/comm_{a}_{k}_exposed_s",
+                                      "time/comm_{a}_{k}_issued_s")):
+                out[name.format(a=axis, k=kind)] = sum(r[i] for r in recs) / len(recs)
+        return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``intervals`` ((start, end) pairs)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def ddp_comm(chunks: list) -> dict[str, float]:
+    """The gradient all-reduce of DDP-wrapped ``chunks`` (ZeRO-0/1), which :class:`CollectiveLog`
+    cannot see, from torch's DDP logger (``DistributedDataParallel._get_ddp_logging_data``:
+    ``bucket_sizes`` in bytes, ``avg_backward_comm_time`` and
+    ``avg_backward_compute_comm_overlap_time`` in ns, averaged over the iterations it samples):
+    one all-reduce per bucket per step (xpar syncs the last micro-batch only), under the same
+    names as :meth:`CollectiveLog.per_step` (axis ``dp``); exposed = issued - overlapped. Empty
+    without a DDP chunk."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    out = {"comm/dp_allreduce_calls": 0.0, "comm/dp_allreduce_bytes": 0.0,
+           "time/comm_dp_allreduce_exposed_s": 0.0, "time/comm_dp_allreduce_issued_s": 0.0}
+    found = False
+    for chunk in chunks:
+        if not isinstance(chunk, DDP):
+            continue
+        found, data = True, chunk._get_ddp_logging_data()
+        sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
+        issued = data.get("avg_backward_comm_time", 0) / 1e9
+        out["comm/dp_allreduce_calls"] += len(sizes)
+        out["comm/dp_allreduce_bytes"] += sum(sizes)
+        out["time/comm_dp_allreduce_issued_s"] += issued
+        out["time/comm_dp_allreduce_exposed_s"] += max(0.0, issued - data.get("avg_backward_compute_comm_overlap_time", 0) / 1e9)
+    return out if found else {}
