@@ -144,3 +144,13 @@ def test_found_by_a_new_user_refused_before_any_worker():
     assert "parallel.virtual_stages=auto" in _problems("parallel=pp", "model=tiny", "parallel.virtual_stages=2")
     msg = _problems("parallel.recompute=bogus", "train.max_grad_norm=-1")  # every violated constraint at once
     assert "parallel.recompute must be one of" in msg and "train.max_grad_norm must be > 0" in msg
+
+
+def test_an_estimate_only_schedule_is_refused_in_execute_mode_with_what_runs():
+    """zb_h1 / zb_h2 have no torch class: execute mode refuses them in one line naming the
+    estimate and the zero-bubble schedules torch runs; the estimate takes them."""
+    msg = _problems("framework=megatron_zb", "parallel=pp", "parallel.schedule=zb_h2", "parallel.zero_stage=0")
+    assert "estimate-only" in msg and "run.mode=estimate" in msg and "parallel.schedule=zbv" in msg
+    spec = spec_for("framework=megatron_zb", "parallel=pp", "parallel.schedule=zb_h2", "parallel.zero_stage=0",
+                    "run.mode=estimate")
+    assert spec.layout.schedule == "zb_h2" and spec.pp == 2

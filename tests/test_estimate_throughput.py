@@ -646,3 +646,30 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
         h100 = [c for c in cases[name] if c[0] == "H100"]
         at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (0.678, 0.62, fitted)}
         assert at[0.62] < at[0.678] - 0.04 and at[fitted] < at[0.678] - 0.04, (name, at)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 8), (8, 24), (16, 64)])
+def test_published_zero_bubble_schedules_as_qi_et_al_state_them(p, m):
+    """ZB-H1 and ZB-H2 (Qi et al. 2024 Sec. 3.1, Table 2) at equal F, B and W: ZB-H1's idle per
+    rank is a third of 1F1B's, (p - 1) of 3 m + p - 1, at 1F1B's activations (p micro-batches on
+    the first rank); ZB-H2 idles 0 with twice the activations less one (2 p - 1)."""
+    from xpar.estimate.activations import microbatches_in_flight
+    one_f_one_b, h1, h2 = (sch.bubble_theory(s, p, m) for s in ("1f1b", "zb_h1", "zb_h2"))
+    work = 3 * m  # F + I + W per micro-batch
+    assert h1 * (work + p - 1) == pytest.approx(p - 1)
+    assert one_f_one_b * (work + 3 * (p - 1)) == pytest.approx(3 * (p - 1))  # 1F1B idles 3 (p - 1)
+    assert h2 == 0.0
+    for r in range(p):
+        assert microbatches_in_flight("zb_h1", p, m, rank=r) == microbatches_in_flight("1f1b", p, m, rank=r)
+        assert microbatches_in_flight("zb_h2", p, m, rank=r) == min(m, 2 * (p - r) - 1)
+
+
+def test_published_zero_bubble_schedules_are_estimated_under_their_framework():
+    """framework=megatron_zb (Qi et al.'s Megatron-LM fork) estimates ZB-H1 faster than 1F1B and
+    ZB-H2 faster still; memory: ZB-H1 = 1F1B, ZB-H2 more."""
+    base = ("framework=megatron_zb", "parallel=3d", "model=70b", "parallel.zero_stage=1", "parallel.recompute=full",
+            "parallel.virtual_stages=1", "train=cluster", "run.mode=estimate")
+    from tests.conftest import spec_for
+    est = {s: estimate(spec_for(*base, f"parallel.schedule={s}")) for s in ("1f1b", "zb_h1", "zb_h2")}
+    assert est["1f1b"].time_per_step_s > est["zb_h1"].time_per_step_s > est["zb_h2"].time_per_step_s
+    assert est["zb_h1"].memory.activations == est["1f1b"].memory.activations < est["zb_h2"].memory.activations

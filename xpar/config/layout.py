@@ -35,6 +35,20 @@ def _interleaved_bubble(pp: int, m: int, v: int) -> Optional[float]:
     return (pp - 1) / (v * m + pp - 1) if m >= pp else None
 
 
+def _zb_h1_bubble(pp: int, m: int, v: int) -> Optional[float]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3.1 and Table 2): idle
+    (p - 1)(T_F + T_B - T_W) per rank, with T_F = T_B = T_W (xpar's uniform F = 1, B = 2 split
+    into I = W = 1): (p - 1) of a step of 3 m + (p - 1), a third of 1F1B's idle."""
+    return (pp - 1) / (3 * m + pp - 1)
+
+
+def _zb_h2_bubble(pp: int, m: int, v: int) -> Optional[float]:
+    """ZB-H2 (Qi et al. 2024 Sec. 3.1, Table 2): idle (p - 1)(T_F + T_B - 2 T_W) per rank, zero
+    with T_F = T_B = T_W, as published: the paper's optimizer post-validation (Sec. 4) removes
+    the step's synchronisation; a framework without it pays ZB-H1's (p - 1) more."""
+    return 0.0
+
+
 def _any_m(pp: int, m: int) -> bool:
     return m >= 1
 
@@ -86,6 +100,9 @@ class Schedule:
     """(pp, m, v) -> bubble ratio as a fraction of the step, or None where no closed form holds."""
     zero_bubble: bool = False
     """Separate input- and weight-gradient actions (I, W; Qi et al. 2024)."""
+    executable: bool = True
+    """Whether xpar runs it (a torch schedule class); False: estimated and planned only, refused
+    in execute mode (:func:`xpar.config.checks.layout.check_pipeline`)."""
 
     @property
     def torch_class(self) -> str:
@@ -109,7 +126,17 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("zero_bubble", "InterleavedZeroBubble", "v", _whole_rounds, _whole_rounds_text, zero_bubble=True),
     Schedule("zbv", "ZBVZeroBubble", "2", _any_m, _any_m_text, zero_bubble=True),
     Schedule("dualpipev", "DualPipeV", "2", _at_least_2pp, _at_least_2pp_text, zero_bubble=True),
+    # Qi et al. 2024's handcrafted schedules, one stage per rank: torch 2.13 has no class for them
+    # (InterleavedZeroBubble refuses one stage per rank, measured in tests/test_pipeline.py)
+    Schedule("zb_h1", "ZBH1", "1", _at_least_pp, _at_least_pp_text, _zb_h1_bubble, zero_bubble=True,
+             executable=False),
+    Schedule("zb_h2", "ZBH2", "1", _at_least_pp, _at_least_pp_text, _zb_h2_bubble, zero_bubble=True,
+             executable=False),
 )}
+
+
+EXECUTABLE = tuple(name for name, rec in SCHEDULES.items() if rec.executable)
+"""The schedules xpar runs (a torch class each); the others are estimated and planned only."""
 
 
 def microbatch_problem(schedule: str, pp: int, m: int) -> Optional[str]:
@@ -134,7 +161,7 @@ def zero_stage_run(schedule: str, pp: int, zero_stage: int) -> int:
     are correct with ``reshard_after_forward=False``, xpar's ZeRO-2, which is run instead
     and said in the run's notes.
     """
-    if pp > 1 and SCHEDULES[schedule].zero_bubble and zero_stage == 3:
+    if pp > 1 and SCHEDULES[schedule].zero_bubble and SCHEDULES[schedule].executable and zero_stage == 3:
         return 2
     return zero_stage
 

@@ -76,7 +76,8 @@ class ParallelConfig:
     """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zero_bubble, zbv, dualpipev; and
+    zb_h1, zb_h2 (Qi et al. 2024, one stage per rank): estimate-only, refused in execute mode."""
     virtual_stages: Any = 1
     """Stages per pipeline rank (v) for interleaved and V-shaped schedules, or 'auto': 1 for
     gpipe and 1f1b, 2 for the others."""

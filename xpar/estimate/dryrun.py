@@ -101,7 +101,7 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
 
     if dist.is_initialized():
         raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")
-    build_spec = replace(spec, device="cpu")  # the mesh must be "cpu"; parameters stay on meta
+    build_spec = buildable(replace(spec, device="cpu"))  # the mesh must be "cpu"; parameters stay on meta
     bp, bg, _ = STATE_BYTES[spec.train.dtype]
     out = DryRun()
     t_all = time.perf_counter()
@@ -139,6 +139,15 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
                                    build_s=time.perf_counter() - t0))
     out.seconds = time.perf_counter() - t_all
     return out
+
+
+def buildable(spec: RunSpec) -> RunSpec:
+    """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
+    torch class) as 1F1B, whose stages, wrappers and parameters are the same."""
+    from xpar.config.layout import SCHEDULES
+    if SCHEDULES[spec.parallel.schedule].executable:
+        return spec
+    return replace(spec, parallel=replace(spec.parallel, schedule="1f1b"), layout=replace(spec.layout, schedule="1f1b"))
 
 
 def _param_numel(chunks, zero_stage: int) -> tuple[int, int, int]:

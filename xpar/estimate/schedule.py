@@ -126,6 +126,36 @@ def one_f_one_b_actions(pp: int, m: int) -> list[list[Action]]:
     return out
 
 
+def split_backward_actions(pp: int, m: int, warm_up: list[int]) -> list[list[Action]]:
+    """1F1B's order with each backward split into I then W, rank r starting with ``warm_up[r]``
+    forwards: its activations peak at warm_up[r] + 1 micro-batches (freed at W)."""
+    out = []
+    for r in range(pp):
+        warm = min(m, warm_up[r])
+        acts = [Action("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [Action("F", r, warm + i), Action("I", r, i), Action("W", r, i)]
+        for i in range(m - warm, m):
+            acts += [Action("I", r, i), Action("W", r, i)]
+        out.append(acts)
+    return out
+
+
+def zb_h1_actions(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1's memory order (Qi et al. 2024 Sec. 3.1: "the peak memory the same as 1F1B"): rank r
+    holds 1F1B's pp - r micro-batches. Its bubble is the paper's closed form
+    (:data:`xpar.config.layout.SCHEDULES`), not this order's replay: the paper places the W passes
+    in the drain, which this order, used for memory, does not."""
+    return split_backward_actions(pp, m, [pp - r - 1 for r in range(pp)])
+
+
+def zb_h2_actions(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H2's memory order (Qi et al. 2024 Sec. 3.1: extra forwards in the warm-up, peak memory
+    (2p - 1) M_B on the first rank): rank r holds 2 (pp - r) - 1 micro-batches. Bubble: the
+    paper's closed form, as for :func:`zb_h1_actions`."""
+    return split_backward_actions(pp, m, [2 * (pp - r) - 2 for r in range(pp)])
+
+
 def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> list[list[Action]]:
     """Per-rank compute order of a torch schedule, built offline (no process group) with the
     private ``get_schedule_ops`` (:func:`xpar.parallel.torch_internals.schedule_ops`).
@@ -268,6 +298,8 @@ def _schedule_actions(schedule: str, pp: int, m: int, v: int) -> tuple:
         acts = one_f_one_b_actions(pp, m)
     elif schedule == "interleaved_1f1b":
         acts = interleaved_actions(pp, m, v)
+    elif schedule in ("zb_h1", "zb_h2"):
+        acts = zb_h1_actions(pp, m) if schedule == "zb_h1" else zb_h2_actions(pp, m)
     else:
         acts = torch_actions(schedule, pp, m, v)
     return tuple(tuple(a) for a in acts)
@@ -275,7 +307,8 @@ def _schedule_actions(schedule: str, pp: int, m: int, v: int) -> tuple:
 
 def schedule_actions(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
     """Action lists of an xpar schedule (memoised): analytic for gpipe, 1f1b and interleaved
-    1F1B (checked against torch's), torch's order for the others."""
+    1F1B (checked against torch's) and for the estimate-only zb_h1 / zb_h2 (their memory order),
+    torch's order for the others."""
     return [list(a) for a in _schedule_actions(schedule, pp, m, v)]
 
 

@@ -26,6 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+WORK = dist.distributed_c10d.Work
+"""torch's collective handle class, whose ``wait`` :class:`CollectiveLog` times."""
 KINDS = {"all_gather_single": "allgather", "all_gather_into_tensor": "allgather",
          "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
          "all_reduce": "allreduce", "broadcast": "broadcast"}
@@ -46,23 +48,6 @@ def _payload(fn: str, args: tuple, kwargs: dict) -> tuple[int, int]:
     return (t.numel() * t.element_size(), t.numel()) if isinstance(t, torch.Tensor) else (0, 0)
 
 
-class _TimedWork:
-    """A ``Work`` handle whose ``wait()`` is timed as exposed; the rest is the handle's."""
-
-    def __init__(self, work: Any, on_wait):
-        self._work, self._on_wait = work, on_wait
-
-    def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._on_wait(t0, time.perf_counter())
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 class CollectiveLog:
     """``with CollectiveLog({'dp': group}) as log:`` ... ``log.end_step()`` after each step; then
     :meth:`per_step` (means over the steps from ``first``). Records only collectives on the
@@ -74,18 +59,37 @@ class CollectiveLog:
         self._current: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self._intervals: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
         self._saved: dict[str, Any] = {}
+        self._pending: dict[int, tuple[Any, list, tuple[str, str], float]] = {}
+        """id(work) -> (work, its record, its key, issue time) of async calls not yet waited."""
 
     def __enter__(self) -> "CollectiveLog":
         for fn in KINDS:
             if hasattr(dist, fn):
                 self._saved[fn] = getattr(dist, fn)
                 setattr(dist, fn, self._wrap(fn, self._saved[fn]))
+        self._saved["Work.wait"] = WORK.wait
+        WORK.wait = self._timed_wait(WORK.wait)  # FSDP2 checks isinstance(work, Work): time the class's wait
         return self
 
     def __exit__(self, *exc) -> None:
+        WORK.wait = self._saved.pop("Work.wait", WORK.wait)
         for fn, original in self._saved.items():
             setattr(dist, fn, original)
         self._saved.clear()
+
+    def _timed_wait(self, original):
+        def wait(work, *args, **kwargs):
+            entry = self._pending.pop(id(work), None)
+            if entry is None:
+                return original(work, *args, **kwargs)
+            w0 = time.perf_counter()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                w1 = time.perf_counter()
+                entry[1][2] += w1 - w0
+                self._intervals[entry[2]].append((entry[3], w1))
+        return wait
 
     def _axis(self, fn: str, args: tuple, kwargs: dict) -> Optional[str]:
         group = kwargs.get("group", args[_GROUP_ARG[fn]] if len(args) > _GROUP_ARG[fn] else None)
@@ -109,12 +113,9 @@ class CollectiveLog:
             rec[2] += t1 - t0
             if out is None or not kwargs.get("async_op", False):
                 self._intervals[key].append((t0, t1))
-                return out
-
-            def on_wait(w0: float, w1: float) -> None:
-                rec[2] += w1 - w0
-                self._intervals[key].append((t0, w1))
-            return _TimedWork(out, on_wait)
+            else:  # timed when waited (:meth:`_timed_wait`)
+                self._pending[id(out)] = (out, rec, key, t0)
+            return out
         return wrapped
 
     def end_step(self) -> None:
@@ -122,8 +123,9 @@ class CollectiveLog:
         for key, rec in self._current.items():
             rec[3] = _union(self._intervals.get(key, []))
         self.steps.append(dict(self._current))
-        self._current.clear()
+        self._current = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self._intervals.clear()
+        self._pending.clear()
 
     def per_step(self, first: int = 0) -> dict[str, float]:
         """Means over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per

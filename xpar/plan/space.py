@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -74,7 +74,7 @@ class Constraints:
     global_batch: tuple[int, int]
     max_tp: Optional[int] = None
     pp: Optional[int] = None
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    schedules: tuple[str, ...] = EXECUTABLE
     zero_stages: tuple[int, ...] = ZERO_STAGES
     pp_zero_stages: tuple[int, ...] = ZERO_STAGES
     """ZeRO stages allowed with pp > 1 (the framework's, framework.pp_zero_stages)."""

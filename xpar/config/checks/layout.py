@@ -92,6 +92,11 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
                     f"or a smaller train.micro_batch_size)")
     if problem:
         out.append(problem)
+    if mode == "execute" and not SCHEDULES[layout.schedule].executable:
+        out.append(f"parallel.schedule={layout.schedule} is estimate-only: torch 2.13 has no schedule class for "
+                   f"it (Qi et al. 2024's one-stage-per-rank zero-bubble schedules); run.mode=estimate estimates "
+                   f"it, or execute a zero-bubble schedule torch runs: parallel.schedule=zbv (V-shaped, 2 stages "
+                   f"per rank) or zero_bubble with parallel.virtual_stages=2.")
     if mode == "execute" and model.tied_embeddings:
         out.append(f"model={model.name} ties its output to the embedding, which pp>1 would split across "
                    f"stages; set model.tied_embeddings=false or pp=1.")
