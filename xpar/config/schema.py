@@ -265,6 +265,11 @@ class FrameworkConfig:
     loss_kernel: str = "fp32"
     """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
+    gqa_kv_expanded: bool = True
+    """Attention keeps GQA's K and V expanded to every query head (h wide) for backward: models
+    that repeat K/V before SDPA (xpar, torchtitan's repeat_kv; measured here). False: the kernel
+    takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
+    DeepSpeed, llm-foundry)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
     (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays

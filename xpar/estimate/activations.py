@@ -143,7 +143,8 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
 def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
     cfg, rec = spec.model, precision(spec, o)
-    return dict(kv=cfg.hidden, kv_matmul=cfg.kv_heads * cfg.head_dim, ffn=cfg.ffn_hidden,
+    kv_width = cfg.kv_heads * cfg.head_dim
+    return dict(kv=cfg.hidden if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=cfg.ffn_hidden,
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
@@ -154,7 +155,8 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions) -> dict[str, float]:
     """One block, one micro-batch: ``kept`` (under the recompute policy, mixed over
     ``recompute_layer_fraction`` of the blocks), ``none`` (no recompute) and ``workspace``
     (rebuilt during the block's backward: none - policy, 0 without recompute). xpar's model
-    expands GQA K/V to all heads before SDPA, so K and V are kept at width h. Bytes."""
+    expands GQA K/V to all heads before SDPA, so K and V are kept at width h; a framework whose
+    kernel takes them un-expanded (``gqa_kv_expanded`` False) keeps kv_heads x head_dim. Bytes."""
     cfg, par = spec.model, spec.parallel
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
     kw = _layer_kwargs(spec, o)

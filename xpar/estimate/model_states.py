@@ -72,6 +72,10 @@ class MemoryOptions:
     log-probs, 4 V/t bytes per token, and its backward holds two more dense fp32 gradients) or
     'fused' (an in-place fused kernel: flash-attn's CrossEntropyLoss, llm-foundry's default
     ``loss_fn='fused_crossentropy'``: keeps only the logits, the gradient written over them)."""
+    gqa_kv_expanded: bool = True
+    """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
+    them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:
+    Transformer Engine, flash-attn)."""
     replicated_embedding_grad: bool = True
     """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
     every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
@@ -95,9 +99,9 @@ MEMORY_PROFILES = {
     "xpar": {},
     "torchtitan": dict(selective_recompute="torchtitan_op", fsdp_reshard_under_pp=False),
     "megatron": dict(selective_recompute="attention", param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False,
-                     zero1="distributed_optimizer", replicated_embedding_grad=False),
+                     zero1="distributed_optimizer", replicated_embedding_grad=False, gqa_kv_expanded=False),
     "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer",
-                      replicated_embedding_grad=False),
+                      replicated_embedding_grad=False, gqa_kv_expanded=False),
 }
 MEMORY_PROFILES["megatron_core"] = MEMORY_PROFILES["megatron"]  # the same memory rules (conf/framework/megatron_core.yaml)
 """Memory fields of :class:`xpar.estimate.cost.Assumptions` per framework (the rest as xpar):

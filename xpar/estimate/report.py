@@ -176,13 +176,18 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
 def step_split(stats: list[dict], warmup: int) -> dict[str, float]:
     """Where a rank's step went, as the mean over ranks of per-rank medians over the timed steps:
     ``time/compute_cpu_s`` (the rank's thread on a core: its compute on a CPU) and
-    ``time/comm_exposed_s`` (blocked in the logged collectives, xpar.parallel.comm_log); their sum
-    against the step time says how much of the step the two explain. Empty without CPU times."""
-    cpu = [statistics.median(s["thread_cpu_s"][warmup:]) for s in stats if s.get("thread_cpu_s", [])[warmup:]]
-    if not cpu:
+    ``time/comm_exposed_s`` (blocked in the logged collectives, xpar.parallel.comm_log) and
+    ``time/core_wait_s`` (runnable, waiting for a core: other processes on the machine's cores);
+    their sum against the step time says how much of the step the three explain. Empty without
+    CPU times."""
+    timed = [s for s in stats if s.get("thread_cpu_s", [])[warmup:]]
+    if not timed:
         return {}
-    exposed = [sum(v for k, v in (s.get("comm") or {}).items() if k.endswith("_exposed_s")) for s in stats]
-    return {"time/compute_cpu_s": statistics.fmean(cpu), "time/comm_exposed_s": statistics.fmean(exposed)}
+    cpu = [statistics.median(s["thread_cpu_s"][warmup:]) for s in timed]
+    wait = [statistics.median((s.get("core_wait_s") or [0.0])[warmup:] or [0.0]) for s in timed]
+    exposed = [sum(v for k, v in (s.get("comm") or {}).items() if k.endswith("_exposed_s")) for s in timed]
+    return {"time/compute_cpu_s": statistics.fmean(cpu), "time/comm_exposed_s": statistics.fmean(exposed),
+            "time/core_wait_s": statistics.fmean(wait)}
 
 
 def comm_cell(extra: dict, key: str) -> str:
@@ -248,7 +253,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((k, f"{v:.3f}"))
         elif k.startswith("comm/") and k.endswith("_bytes"):
             rows.append((f"{k} (per step per device)", comm_cell(report.extra, k)))
-        elif k in ("time/compute_cpu_s", "time/comm_exposed_s"):
+        elif k in ("time/compute_cpu_s", "time/comm_exposed_s", "time/core_wait_s"):
             rows.append((f"{k} (per step)", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else

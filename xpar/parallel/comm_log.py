@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,13 @@ class CollectiveLog:
     :meth:`per_step` (means over the steps from ``first``). Records only collectives on the
     groups given (by mesh axis name); other groups' calls pass through unrecorded."""
 
-    def __init__(self, groups: dict[str, Any]):
+    def __init__(self, groups: dict[str, Any], core_clock: Optional[Callable[[], tuple[float, float]]] = None):
         self.axes = {id(g): a for a, g in groups.items() if g is not None}
+        self.core_clock = core_clock
+        """() -> (seconds this thread ran on a core, seconds it waited for one): read around each
+        logged call, so that the step's own split does not count them twice (:attr:`inside`)."""
+        self.inside = [0.0, 0.0]
+        """Of this step so far, core and core-wait seconds spent inside logged calls and waits."""
         self.steps: list[dict[tuple[str, str], list[float]]] = []
         self._current: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self._intervals: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
@@ -82,11 +87,13 @@ class CollectiveLog:
             entry = self._pending.pop(id(work), None)
             if entry is None:
                 return original(work, *args, **kwargs)
+            c0 = self.core_clock() if self.core_clock else None
             w0 = time.perf_counter()
             try:
                 return original(work, *args, **kwargs)
             finally:
                 w1 = time.perf_counter()
+                self._add_inside(c0)
                 entry[1][2] += w1 - w0
                 self._intervals[entry[2]].append((entry[3], w1))
         return wait
@@ -107,9 +114,11 @@ class CollectiveLog:
             rec = self._current[key]
             rec[0] += 1
             rec[1] += nbytes
+            c0 = self.core_clock() if self.core_clock else None
             t0 = time.perf_counter()
             out = original(*args, **kwargs)
             t1 = time.perf_counter()
+            self._add_inside(c0)
             rec[2] += t1 - t0
             if out is None or not kwargs.get("async_op", False):
                 self._intervals[key].append((t0, t1))
@@ -118,14 +127,23 @@ class CollectiveLog:
             return out
         return wrapped
 
-    def end_step(self) -> None:
-        """Close the step: its records, with the issued seconds of each kind (union of intervals)."""
+    def _add_inside(self, before: Optional[tuple[float, float]]) -> None:
+        if before is not None:
+            after = self.core_clock()
+            self.inside[0] += after[0] - before[0]
+            self.inside[1] += after[1] - before[1]
+
+    def end_step(self) -> tuple[float, float]:
+        """Close the step: its records, with the issued seconds of each kind (union of intervals).
+        Returns the step's :attr:`inside` (core seconds, core-wait seconds) and resets it."""
         for key, rec in self._current.items():
             rec[3] = _union(self._intervals.get(key, []))
         self.steps.append(dict(self._current))
         self._current = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self._intervals.clear()
         self._pending.clear()
+        inside, self.inside = tuple(self.inside), [0.0, 0.0]
+        return inside
 
     def per_step(self, first: int = 0) -> dict[str, float]:
         """Means over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per

@@ -58,15 +58,15 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     progress = _progress(spec.train.steps, first) if show_progress else None
     _before_loop(spec)
     cpu_at_timed: Optional[dict] = None
-    log, thread_cpu = CollectiveLog(comm_groups(engine)), []
+    log, thread_cpu = CollectiveLog(comm_groups(engine), thread_core_s), []
     try:
         for step in range(first, spec.train.steps):
             if step == max(first, spec.train.warmup_steps) and spec.device == "cpu":
                 cpu_at_timed = task_cpu_ns([os.getpid()], main_only=True)
             with log:
                 loss, seconds, counter, cpu_s = _step(engine, data, step, tracker, accounting=(step == first))
-            thread_cpu.append(cpu_s)
-            log.end_step()
+            inside = log.end_step()  # on a core / waiting for one inside collectives: their exposed time
+            thread_cpu.append((cpu_s[0] - inside[0], cpu_s[1] - inside[1]))
             times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
@@ -85,7 +85,8 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     stats["first_step"] = first
     if cpu_at_timed is not None:  # the share of the timed steps this rank's thread had a core when it wanted one
         stats["cpu_share"] = cpu_share(cpu_at_timed, task_cpu_ns([os.getpid()], main_only=True))
-    return dict(stats, **_comm_stats(engine, first, comm, log), thread_cpu_s=thread_cpu)
+    return dict(stats, **_comm_stats(engine, first, comm, log), thread_cpu_s=[c for c, _ in thread_cpu],
+                core_wait_s=[w for _, w in thread_cpu])
 
 
 def _comm_stats(engine: Engine, first: int, tp_comm: Optional[dict], log: CollectiveLog) -> dict:
@@ -111,8 +112,9 @@ def _before_loop(spec) -> None:
 
 
 def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTracker, accounting: bool):
-    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None, CPU
-    seconds of this thread in the step: its compute on a CPU, as a collective's wait sleeps).
+    """One optimizer step: (this rank's loss or None, wall seconds, the TP counter or None, (seconds
+    this thread ran on a core: its compute on a CPU, as a collective's wait sleeps; seconds it
+    waited for a core)).
 
     Memory (saved activations, held gradients) and TP collectives are accounted on the
     first step of the process only (``accounting``) -- a warm-up step unless warmup_steps=0
@@ -122,12 +124,23 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
     engine.optimizer.zero_grad(set_to_none=True)
     _sync(spec.device)
-    t0, cpu0 = time.perf_counter(), time.thread_time()
+    t0, core0 = time.perf_counter(), thread_core_s()
     engine.accounting, engine.current_step = accounting, step
     with (tracker if accounting else nullcontext()), count_tp_comm(mesh["tp"] if accounting else None) as counter:
         loss = engine.step(xs, ys)
     _sync(spec.device)
-    return loss, time.perf_counter() - t0, counter, time.thread_time() - cpu0
+    seconds, core1 = time.perf_counter() - t0, thread_core_s()
+    return loss, seconds, counter, (core1[0] - core0[0], core1[1] - core0[1])
+
+
+def thread_core_s() -> tuple[float, float]:
+    """(seconds this thread ran on a core, seconds it was runnable but waited for one) so far:
+    Linux schedstat (:func:`xpar.estimate.fidelity.task_cpu_ns`), else (thread CPU time, 0)."""
+    got = task_cpu_ns([os.getpid()], main_only=True)
+    if not got:
+        return time.thread_time(), 0.0
+    run, wait = next(iter(got.values()))
+    return run / 1e9, wait / 1e9
 
 
 def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:

@@ -97,13 +97,15 @@ STEP_SPLIT_FILE = "step_split.png"
 def step_split_terms(extra: dict, step_time_s: float) -> dict[str, float]:
     """A measured step by where it went, seconds (from a run's metrics): ``compute`` (the ranks'
     thread CPU time, ``time/compute_cpu_s``), each logged collective's exposed time
-    (``time/comm_<axis>_<kind>_exposed_s``) and ``other`` (the rest of the step: pipeline waits,
-    collectives not logged, the thread off its core); empty when the run has no split."""
+    (``time/comm_<axis>_<kind>_exposed_s``), ``waiting for a core`` (``time/core_wait_s``) and
+    ``other`` (the rest of the step: pipeline waits, collectives not logged); empty when the run has
+    no split."""
     if "time/compute_cpu_s" not in extra:
         return {}
     out = {"compute": extra["time/compute_cpu_s"]}
     out.update({k[len("time/comm_"):-len("_exposed_s")]: v for k, v in sorted(extra.items())
                 if k.startswith("time/comm_") and k.endswith("_exposed_s") and k != "time/comm_exposed_s"})
+    out["waiting for a core"] = extra.get("time/core_wait_s", 0.0)
     out["other"] = max(0.0, step_time_s - sum(out.values()))
     return out
 
