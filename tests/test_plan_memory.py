@@ -233,3 +233,21 @@ def test_memory_columns_imports_no_torch():
             "ctx = context('70b', 'a100_80gb_64gpu', 'xpar'); cols = candidates(np.random.default_rng(0), ctx, 30);"
             "memory_columns(spec_of(ctx, cols, 0), cols); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_megatrons_interleaved_warm_up_at_m_equal_pp():
+    """Megatron-LM's interleaved 1F1B at m == pp runs every forward first on every rank
+    (get_num_warmup_microbatches), where torch's warms rank k up with (v - 1) pp + 2 (pp - 1 - k):
+    a middle rank holds all m micro-batches under framework=megatron, fewer under xpar; the planner
+    equals the scalar estimate for both."""
+    from xpar.estimate.activations import microbatches_in_flight, memory_schedule
+    pp, v = 4, 2
+    assert memory_schedule("interleaved_1f1b", pp, pp, True) == "looped_bfs"
+    assert memory_schedule("interleaved_1f1b", pp, 2 * pp, True) == "interleaved_1f1b"
+    assert microbatches_in_flight(memory_schedule("interleaved_1f1b", pp, pp, True), pp, pp, v, rank=2) == pp
+    assert microbatches_in_flight("interleaved_1f1b", pp, pp, v, rank=2) < pp
+    rows = [dict(tp=2, pp=pp, dp=8, b=1, m=m, v=v, schedule="interleaved_1f1b", zero=1, sp=False, recompute=rc)
+            for m in (pp, 2 * pp) for rc in ("none", "full")]
+    cols = {k: np.array([r[k] for r in rows]) for k in COLUMNS}
+    for framework in ("megatron", "xpar"):
+        assert_equal(context("70b", "a100_80gb_64gpu", framework), cols, range(len(rows)))

@@ -328,8 +328,9 @@ class FrameworkConfig:
     interleaved_min_pp: int = 2
     """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
     interleaved_m_per_pp: bool = False
-    """Whether its interleaved 1F1B needs the micro-batch count m divisible by pp (Megatron-LM);
-    torch's Interleaved1F1B has its own rule (xpar.config.layout.SCHEDULES)."""
+    """Whether its interleaved 1F1B is Megatron-LM's: m divisible by pp, and at m == pp every
+    forward before any backward (its warm-up, xpar.estimate.activations.memory_schedule); torch's
+    Interleaved1F1B has its own rule and warm-up (xpar.config.layout.SCHEDULES)."""
     sequence_parallel: list = field(default_factory=lambda: [False, True])
     """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
     terms: list = field(default_factory=list)

@@ -216,6 +216,18 @@ def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict) -> float:
     return 0.0
 
 
+def memory_schedule(schedule: str, pp: int, m: int, megatron_interleaved: bool) -> str:
+    """The schedule whose action order holds the activation peak of ``schedule``: itself, except
+    Megatron-LM's interleaved 1F1B at m == pp (``megatron_interleaved``, the profile's
+    ``interleaved_m_per_pp``), which runs every forward first on every rank
+    (megatron/core/pipeline_parallel/schedules.py ``get_num_warmup_microbatches``:
+    ``all_warmup_microbatches`` when num_microbatches == pipeline_parallel_size): looped BFS's
+    order, which keeps every chunk too."""
+    if megatron_interleaved and schedule == "interleaved_1f1b" and m == pp:
+        return "looped_bfs"
+    return schedule
+
+
 @lru_cache(maxsize=512)
 def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, transient: tuple) -> tuple:
     """Peak of one rank over its action list: (peak kept bytes, peak kept + transient bytes,
@@ -261,7 +273,8 @@ def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, fl
         k, c = kept[0][1], copies[0][1]
         out = {"kept": k, "total": k + max(trans[0][1], trans[0][2]), "weight_copies": c, "chunks": 1}
     else:
-        args = (par.schedule, spec.pp, spec.micro_batches, lay.virtual_stages, pp_rank)
+        args = (memory_schedule(par.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp), spec.pp,
+                spec.micro_batches, lay.virtual_stages, pp_rank)
         k, total, chunks = _walk(*args, kept, trans)
         out = {"kept": k, "total": total, "weight_copies": _walk(*args, copies, zero)[0], "chunks": chunks}
     out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages

@@ -72,6 +72,12 @@ class MemoryOptions:
     log-probs, 4 V/t bytes per token, and its backward holds two more dense fp32 gradients) or
     'fused' (an in-place fused kernel: flash-attn's CrossEntropyLoss, llm-foundry's default
     ``loss_fn='fused_crossentropy'``: keeps only the logits, the gradient written over them)."""
+    interleaved_m_per_pp: bool = False
+    """Megatron-LM's interleaved 1F1B (it needs m divisible by pp): at m == pp it runs every forward
+    before any backward on every rank (megatron/core/pipeline_parallel/schedules.py,
+    ``get_num_warmup_microbatches``: all warm-up when num_microbatches == pipeline size), where
+    torch's Interleaved1F1B warms rank k up with (v - 1) pp + 2 (pp - 1 - k) chunks
+    (:func:`xpar.estimate.activations.memory_schedule`)."""
     gqa_kv_expanded: bool = True
     """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
     them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:

@@ -569,6 +569,9 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
 
     o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
+    if o.interleaved_m_per_pp:  # Megatron's interleaved 1F1B at m == pp: every forward first (memory_schedule)
+        megatron_bfs = (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])
+        c["sched"] = np.where(megatron_bfs, _SCHED.index("looped_bfs"), c["sched"])
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
