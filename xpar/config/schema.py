@@ -47,10 +47,39 @@ class ModelConfig:
     """RoPE base frequency (Su et al. 2021; Llama 3 uses 500000)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
+    n_experts: int = 0
+    """Routed experts per mixture-of-experts layer (E); 0: a dense model (Shazeer et al. 2017,
+    Fedus et al. 2022)."""
+    moe_top_k: int = 2
+    """Routed experts each token goes to (k): Mixtral 2, DeepSeek-V3 8."""
+    n_shared_experts: int = 0
+    """Experts every token goes to beside the routed ones (DeepSeek-V3: 1)."""
+    expert_ffn_hidden: Optional[int] = None
+    """Inner width of one expert's MLP (same activation as the dense MLP); None: ffn_hidden."""
+    first_dense_layers: int = 0
+    """Leading blocks with the dense MLP (ffn_hidden) instead of experts (DeepSeek-V3: 3)."""
+    capacity_factor: Optional[float] = None
+    """Tokens an expert takes per step as a multiple of its even share (k x tokens / E); the
+    rest are dropped (Fedus et al. 2022). None: dropless (every routed token computed; MegaBlocks,
+    Megatron-Core's and DeepSeek-V3's default). Estimated; execution is dropless."""
 
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with experts: n_layers - first_dense_layers (0 for a dense model)."""
+        return max(0, self.n_layers - self.first_dense_layers) if self.n_experts else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global block ``layer`` holds experts."""
+        return self.n_experts > 0 and layer >= self.first_dense_layers
+
+    @property
+    def expert_ffn(self) -> int:
+        """One expert's MLP inner width."""
+        return self.ffn_hidden if self.expert_ffn_hidden is None else self.expert_ffn_hidden
 
     @property
     def head_dim(self) -> int:

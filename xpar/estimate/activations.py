@@ -144,11 +144,22 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
     cfg, rec = spec.model, precision(spec, o)
     kv_width = cfg.kv_heads * cfg.head_dim
-    return dict(kv=cfg.hidden if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=cfg.ffn_hidden,
+    return dict(kv=cfg.hidden if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
                 selective=o.selective_recompute)
+
+
+def token_ffn(cfg) -> float:
+    """The MLP inner width one token goes through, the mean over the blocks: ffn_hidden in a
+    dense block; in a block with experts, its top k and shared experts' (k + shared) x expert
+    width (what a token's MLP activations scale with). Not counted: the router's E logits and
+    each routed copy of the token's input (k h per token), small beside the experts' inner width."""
+    if not cfg.n_experts:
+        return cfg.ffn_hidden
+    moe = (cfg.moe_top_k + cfg.n_shared_experts) * cfg.expert_ffn
+    return ((cfg.n_layers - cfg.moe_layers) * cfg.ffn_hidden + cfg.moe_layers * moe) / cfg.n_layers
 
 
 def layer_bytes(spec: RunSpec, o: MemoryOptions) -> dict[str, float]:

@@ -5,6 +5,8 @@ Convention (Narayanan et al. 2021, Sec. 5.1 / Appendix; Korthikanti et al. 2022,
 attention q/k/v/o projections with GQA-aware K/V widths, attention scores Q.K^T and
 context P.V over the full (non-causal) s x s square, MLP with 3 matrices (SwiGLU) or 2
 (GELU), and the output logits. Norms, softmax, activations and the optimizer are ignored.
+A block with experts counts what a token goes through: the router and its top k and shared
+experts (the active parameters; DeepSeek-AI 2024, "DeepSeek-V3", counts 37B of 671B so).
 For GPT shapes this reduces to the papers' closed forms:
 
     model FLOPs per iteration    = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
@@ -24,9 +26,14 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False
     h, f = cfg.hidden, cfg.ffn_hidden
     kv = cfg.kv_heads * cfg.head_dim
     n_mlp = 3 if cfg.activation == "swiglu" else 2
-    matmul = 2 * (2 * h * h + 2 * h * kv + n_mlp * h * f)
+    projections = 2 * h * h + 2 * h * kv
+    matmul = 2 * (projections + n_mlp * h * f)
+    # a block with experts: the router, the top k routed experts and the shared ones (active parameters)
+    moe = 2 * (projections + h * cfg.n_experts
+               + n_mlp * h * cfg.expert_ffn * (cfg.moe_top_k + cfg.n_shared_experts))
     attention = 2 * 2 * seq_len * h * (0.5 if causal else 1.0)
-    return {"matmul": cfg.n_layers * matmul, "attention": cfg.n_layers * attention,
+    dense_layers = cfg.n_layers - cfg.moe_layers
+    return {"matmul": dense_layers * matmul + cfg.moe_layers * moe, "attention": cfg.n_layers * attention,
             "logits": 2 * h * cfg.vocab_size}
 
 

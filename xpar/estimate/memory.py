@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
+from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.activations import activation_terms, recompute_notes, schedule_peak
 from xpar.estimate.model_states import (
@@ -144,10 +145,12 @@ def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int
     """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output) and
     of the largest block unit on a pipeline rank, as xpar and torchtitan wrap them."""
     roots, blocks = [0], [0]
+    moe = sum(math.prod(sh) for _, sh in _stage_parts(cfg_key, False, False, tp, True)[1])
     for s in layout.stages_of(pp_rank):
         head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
         roots.append(sum(math.prod(sh) for _, sh in head + tail))
-        blocks.append(sum(math.prod(sh) for _, sh in block) if layout.layer_split[s] else 0)
+        dense = sum(math.prod(sh) for _, sh in block)
+        blocks += [moe if ModelConfig(*cfg_key).is_moe_layer(i) else dense for i in layout.stage_layers(s)]
     return max(roots), max(blocks)
 
 

@@ -167,13 +167,15 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=64)
-def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool) -> tuple:
+def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bool = False) -> tuple:
     """``named_parameters()`` (name, shape) of ``Transformer(cfg, range(n_blocks), first, last)``
     (xpar.models.transformer) written out without torch, in registration order: embeddings,
     blocks (norm, wq, wk, wv, wo, norm, w1, w2[, w3]; Linear weight then bias), final norm,
     output (omitted when tied to the embedding on one stage: named_parameters yields a shared
-    tensor once). Equal to the model built on the meta device for every preset
-    (tests/test_plan_memory.py); the dry run checks the counts against torch's."""
+    tensor once). ``moe``: the blocks hold experts (router, each expert's MLP, the shared experts'
+    MLP: :class:`xpar.models.transformer.MoE`). Equal to the model built on the meta device for
+    every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
+    against torch's."""
     cfg = ModelConfig(*cfg_key)
     h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
 
@@ -183,14 +185,22 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool) -> tupl
     def linear(name: str, n_out: int, n_in: int) -> list:
         return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if cfg.bias else [])
 
+    def mlp_shapes(name: str, width: int) -> list:
+        return (linear(f"{name}.w1", width, h) + linear(f"{name}.w2", h, width)
+                + (linear(f"{name}.w3", width, h) if cfg.activation == "swiglu" else []))
+
     out = [("tok_embeddings.weight", (vocab, h))] if first else []
     out += [("pos_embeddings.weight", (cfg.seq_len, h))] if first and cfg.position == "learned" else []
     for i in range(n_blocks):
         a, mlp = f"layers.{i}.attention", f"layers.{i}.feed_forward"
         out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", h, h) + linear(f"{a}.wk", kv, h)
         out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, h) + norm(f"layers.{i}.ffn_norm")
-        out += linear(f"{mlp}.w1", f, h) + linear(f"{mlp}.w2", h, f)
-        out += linear(f"{mlp}.w3", f, h) if cfg.activation == "swiglu" else []
+        if not moe:
+            out += mlp_shapes(mlp, f)
+            continue
+        out += [(f"{mlp}.router.weight", (cfg.n_experts, h))]
+        out += [x for e in range(cfg.n_experts) for x in mlp_shapes(f"{mlp}.experts.{e}", cfg.expert_ffn)]
+        out += mlp_shapes(f"{mlp}.shared", cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else []
     if last:
         out += norm("norm") + ([] if first and cfg.tied_embeddings else [("output.weight", (vocab, h))])
     return tuple(out)
@@ -204,11 +214,13 @@ def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bo
 
 
 @lru_cache(maxsize=256)
-def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1) -> tuple[list, list, list]:
+def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1, moe: bool = False) -> tuple[list, list, list]:
     """A stage's parameters in three parts: before the blocks (embeddings), one block (names
-    after ``layers.<i>.``), after them (final norm, output); shapes tp-local (:func:`_tp_local`)."""
+    after ``layers.<i>.``; a block with experts when ``moe``), after them (final norm, output);
+    shapes tp-local (:func:`_tp_local`: experts split over tp as the dense MLP, Megatron-Core's
+    expert tensor parallelism at etp = tp)."""
     outer = _meta_shapes(cfg_key, 0, first, last)
-    block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False)]
+    block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False, moe)]
     head = [x for x in outer if x[0].split(".")[0] in ("tok_embeddings", "pos_embeddings")]
     tail = [x for x in outer if x not in head]
     return tuple([(n, _tp_local(n, sh, tp)) for n, sh in part] for part in (head, block, tail))
@@ -269,11 +281,13 @@ def _shapes_layout(layout):
 
 @lru_cache(maxsize=4096)
 def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
-    out = []
+    out, cfg = [], ModelConfig(*cfg_key)
     for s in layout.stages_of(pp_rank):
         head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        moe = _stage_parts(cfg_key, False, False, tp, True)[1] if cfg.n_experts else block
         out += [(f"{s}:{name}", shape) for name, shape in head]
-        out += [(f"{s}:layers.{i}.{name}", shape) for i in layout.stage_layers(s) for name, shape in block]
+        out += [(f"{s}:layers.{i}.{name}", shape) for i in layout.stage_layers(s)
+                for name, shape in (moe if cfg.is_moe_layer(i) else block)]
         out += [(f"{s}:{name}", shape) for name, shape in tail]
     return tuple(out)
 

@@ -25,9 +25,24 @@ class ParamCount:
     """Output projection; 0 when tied to the token embedding."""
     n_layers: int
 
+    moe_per_layer: int = 0
+    """One block with experts: attention, two norms, the router and every expert (routed and shared)."""
+    moe_active_per_layer: int = 0
+    """Of those, what one token uses: attention, norms, router, its top k and the shared experts."""
+    moe_layers: int = 0
+    """Blocks with experts (the rest hold ``per_layer``)."""
+
     @property
     def total(self) -> int:
-        return self.embedding + self.n_layers * self.per_layer + self.final_norm + self.output
+        dense = self.n_layers - self.moe_layers
+        return (self.embedding + dense * self.per_layer + self.moe_layers * self.moe_per_layer
+                + self.final_norm + self.output)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token goes through (the total for a dense model; MoE: top k and shared
+        experts only): the count behind a MoE model's FLOPs per token."""
+        return self.total - self.moe_layers * (self.moe_per_layer - self.moe_active_per_layer)
 
     def stage(self, n_layers: int, first: bool, last: bool) -> int:
         """Parameters of one pipeline stage holding ``n_layers`` blocks. An untied last
@@ -47,16 +62,27 @@ def param_count(cfg: ModelConfig) -> ParamCount:
     """Count parameters of the shape ``cfg``.
 
     Per block: attention h*h (q) + 2*h*kv_dim (k, v) + h*h (o); MLP 3*h*f (SwiGLU) or 2*h*f
-    (GELU); two norms (h each, 2h with LayerNorm biases); linear biases when cfg.bias.
+    (GELU); two norms (h each, 2h with LayerNorm biases); linear biases when cfg.bias. A block with
+    experts: the router (h x E), E expert MLPs of width cfg.expert_ffn and the shared experts (one
+    MLP of n_shared x expert_ffn, as :class:`xpar.models.transformer.MoE` holds them) in place of the MLP.
     """
-    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
-    n_mlp = 3 if cfg.activation == "swiglu" else 2
+    h, kv = cfg.hidden, cfg.kv_heads * cfg.head_dim
     norm = h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     attn = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if cfg.bias else 0)
-    mlp = n_mlp * h * f + (((n_mlp - 1) * f + h) if cfg.bias else 0)
-    per_layer = attn + mlp + 2 * norm
+    per_layer = attn + mlp_params(cfg, cfg.ffn_hidden) + 2 * norm
+    expert, router = mlp_params(cfg, cfg.expert_ffn), h * cfg.n_experts
+    shared = mlp_params(cfg, cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else 0
+    moe_base = attn + 2 * norm + router + shared
     tok = cfg.vocab_size * h
     emb = tok + (cfg.seq_len * h if cfg.position == "learned" else 0)
     output = 0 if cfg.tied_embeddings else cfg.vocab_size * h
     return ParamCount(embedding=emb, per_layer=per_layer, final_norm=norm, output=output,
-                      n_layers=cfg.n_layers, embedding_tokens=tok)
+                      n_layers=cfg.n_layers, embedding_tokens=tok, moe_layers=cfg.moe_layers,
+                      moe_per_layer=moe_base + cfg.n_experts * expert if cfg.n_experts else 0,
+                      moe_active_per_layer=moe_base + cfg.moe_top_k * expert if cfg.n_experts else 0)
+
+
+def mlp_params(cfg: ModelConfig, ffn: int) -> int:
+    """Elements of one MLP of inner width ``ffn``: 3 h f (SwiGLU) or 2 h f (GELU), biases if any."""
+    n_mlp = 3 if cfg.activation == "swiglu" else 2
+    return n_mlp * cfg.hidden * ffn + (((n_mlp - 1) * ffn + cfg.hidden) if cfg.bias else 0)

@@ -74,14 +74,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x), 3 matrices) or GELU (w2(gelu(w1 x)), 2 matrices)."""
+    """SwiGLU (w2(silu(w1 x) * w3 x), 3 matrices) or GELU (w2(gelu(w1 x)), 2 matrices), of
+    inner width ``ffn`` (default cfg.ffn_hidden; an expert's: cfg.expert_ffn)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: Optional[int] = None):
         super().__init__()
+        f = cfg.ffn_hidden if ffn is None else ffn
         self.swiglu = cfg.activation == "swiglu"
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias) if self.swiglu else None
+        self.w1 = nn.Linear(cfg.hidden, f, bias=cfg.bias)
+        self.w2 = nn.Linear(f, cfg.hidden, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.hidden, f, bias=cfg.bias) if self.swiglu else None
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -89,15 +91,43 @@ class MLP(nn.Module):
         return self.w2(F.gelu(self.w1(x_BSH), approximate="tanh"))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class MoE(nn.Module):
+    """Mixture of experts (Shazeer et al. 2017; Mixtral's routing, Jiang et al. 2024): a router
+    scores the E experts per token, each token goes to its top k, weighted by the softmax over
+    those k scores, plus every shared expert (DeepSeek-V3's), summed. Dropless: every routed
+    token is computed (capacity_factor is the estimate's). Shapes: x [B, S, H] -> [B, S, H]."""
 
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn) for _ in range(cfg.n_experts))
+        self.shared = (MLP(cfg, cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else None)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        scores_TK, experts_TK = self.router(x_TH).topk(self.top_k, dim=-1)
+        gates_TK = scores_TK.softmax(dim=-1, dtype=torch.float32).to(x_TH.dtype)
+        out_TH = torch.zeros_like(x_TH)
+        for e, expert in enumerate(self.experts):
+            token, slot = (experts_TK == e).nonzero(as_tuple=True)
+            if token.numel():
+                out_TH = out_TH.index_add(0, token, expert(x_TH[token]) * gates_TK[token, slot, None])
+        if self.shared is not None:
+            out_TH = out_TH + self.shared(x_TH)
+        return out_TH.view_as(x_BSH)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+    :class:`MoE` where the model puts experts (``cfg.is_moe_layer(layer)``)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = _norm(cfg)
         self.attention = Attention(cfg)
         self.ffn_norm = _norm(cfg)
-        self.feed_forward = MLP(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         h = x_BSH + self.attention(self.attention_norm(x_BSH))
@@ -122,7 +152,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden) if first else None
         self.pos_embeddings = (nn.Embedding(cfg.seq_len, cfg.hidden)
                                if first and cfg.position == "learned" else None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
         self.norm = _norm(cfg) if last else None
         self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False) if last else None
         if first and last and cfg.tied_embeddings:

@@ -51,6 +51,28 @@ def check_model(c: XparConfig) -> list[str]:
                    f"{divisors(max(model.n_heads, 1))}.")
     elif model.position == "rope" and model.n_heads >= 1 and model.hidden % model.n_heads == 0 and model.head_dim % 2:
         out.append(f"rope needs an even head dim: hidden/n_heads = {model.head_dim}.")
+    return out + check_experts(model)
+
+
+def check_experts(model) -> list[str]:
+    """A mixture of experts: E >= 0; with experts, 1 <= top k <= E, shared experts >= 0, an expert
+    width >= 1, 0 <= first dense blocks <= n_layers, a capacity factor > 0 or null (dropless)."""
+    if model.n_experts < 0:
+        return [f"model.n_experts must be >= 0 (0: a dense model), got {model.n_experts}."]
+    if not model.n_experts:
+        return []
+    out = []
+    if not 1 <= model.moe_top_k <= model.n_experts:
+        out.append(f"model.moe_top_k must be between 1 and model.n_experts={model.n_experts}, got {model.moe_top_k}; "
+                   f"e.g. model.moe_top_k={min(2, model.n_experts)}.")
+    if model.n_shared_experts < 0 or model.expert_ffn < 1:
+        out.append(f"model.n_shared_experts must be >= 0 and the expert width >= 1, got {model.n_shared_experts} "
+                   f"and {model.expert_ffn} (model.expert_ffn_hidden, null: ffn_hidden).")
+    if not 0 <= model.first_dense_layers <= model.n_layers:
+        out.append(f"model.first_dense_layers must be between 0 and model.n_layers={model.n_layers}, "
+                   f"got {model.first_dense_layers}.")
+    if model.capacity_factor is not None and not model.capacity_factor > 0:
+        out.append(f"model.capacity_factor must be > 0, or null for dropless routing, got {model.capacity_factor}.")
     return out
 
 

@@ -103,6 +103,19 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     return out
 
 
+def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
+    """Experts are executed with dp / ZeRO and pp (each rank holds every expert of its blocks);
+    splitting them over tp is estimated only (as Megatron-Core's expert tensor parallelism)."""
+    if mode == "execute" and model.n_experts and layout.tp > 1:
+        return [f"model={model.name} has experts, which xpar does not split over tp when it runs them "
+                f"(parallel.tp={layout.tp}); run with parallel.tp=1 (dp, ZeRO and pp run experts), or estimate "
+                f"it with run.mode=estimate (experts split over tp as expert tensor parallelism)."]
+    if mode == "execute" and model.n_experts and model.capacity_factor is not None:
+        return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
+                f"model.capacity_factor=null to run it, or run.mode=estimate."]
+    return []
+
+
 def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     """An explicit split assigns each layer once, in order, to the pp x v stages; without
     one, the stages must split the layers evenly."""
