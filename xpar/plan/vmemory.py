@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.layout import SCHEDULES, Layout
+from xpar.config.remat import RECOMPUTE as _RECOMPUTE
 from xpar.config.resolve import resolve_layer_split
 from xpar.config.spec import RunSpec
 from xpar.estimate import activations, model_states
@@ -51,7 +52,6 @@ the usable bytes of a device and whether the total fits in them; the optimizer's
 device (offloaded or not), the host bytes per node an offloaded optimizer needs (0 without
 offload) and whether they fit ``hardware.host_memory_gb`` (xpar.estimate.offload)."""
 _SCHED = tuple(SCHEDULES)
-_RECOMPUTE = ("none", "selective", "full")
 
 
 def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
