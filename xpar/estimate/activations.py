@@ -89,7 +89,8 @@ def _kept_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool,
     reduce-scatters; the MaxText policies none). Units: bytes per token."""
     width = {"wq": h / t, "wk": kv / t, "wv": kv / t, "wo": h, "w1": f / t, "w3": f / t if swiglu else 0,
              "w2": h, "context": h / t}
-    kept = e * sum(width[k] for k in kept_terms(policy, swiglu)) + (4 * a / t if "context" in POLICIES[policy].keeps else 0)
+    lse = 4 * a / t if "context" in POLICIES[policy].keeps else 0  # SDPA's fp32 log-sum-exp
+    kept = e * sum(width[k] for k in kept_terms(policy, swiglu)) + lse
     block_in = er * h / (t if sp else 1)
     coll = 0.0
     if t > 1 and sp and policy in ("op", "torchtitan_op"):
@@ -215,7 +216,8 @@ def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict, share: fl
     (``count_buffers`` False): torch's PipelineStage hands each stage its input as a leaf
     that requires grad, which the saved-tensor tracker skips like a parameter
     (xpar.parallel.memory_accounting.ActivationTracker). It is saved as itself by the first block's
-    checkpoint (recompute: ``share`` of the stage's blocks > 0, the first block among them) or by a composite norm that needs no upcast (fp32 residual)."""
+    checkpoint (recompute: ``share`` of the stage's blocks > 0, the first block among them) or by
+    a composite norm that needs no upcast (fp32 residual)."""
     sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.parallel.sequence_parallel else 1)
     if share > 0 or (rec["er"] == 4 and not o.fused_rmsnorm):
         return rec["er"] * sh

@@ -34,7 +34,8 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
     bad = [p for p in fw.recompute if p not in RECOMPUTE]
     if bad or not list(fw.recompute):
         return [f"framework.recompute={hydra_text(list(fw.recompute))}: {hydra_text(bad) if bad else 'empty'} not a "
-                f"recompute policy; values that work: {hydra_text(list(RECOMPUTE))}, e.g. framework.recompute=[none, full]."]
+                f"recompute policy; values that work: {hydra_text(list(RECOMPUTE))}, "
+                f"e.g. framework.recompute=[none, full]."]
     return []
 
 
