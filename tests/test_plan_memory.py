@@ -14,6 +14,7 @@ import yaml
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.presets import conf_dir
+from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import estimate, peak_memory
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.vmemory import KEYS, memory_columns
@@ -65,7 +66,7 @@ def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
         v = int(rng.choice(vs))
     m = int(rng.choice([k for k in range(1, 3 * pp + 3) if microbatch_ok(sched, pp, k)]))
     zb = pp > 1 and SCHEDULES[sched].zero_bubble
-    rec = str(rng.choice(["none", "full"] if zb else ["none", "selective", "full"]))
+    rec = str(rng.choice(["none", "full"] if zb else list(RECOMPUTE)))
     seq = ctx.train.get("seq_len") or mdl["seq_len"]
     return dict(tp=tp, pp=pp, dp=n // (tp * pp), b=int(rng.integers(1, 5)), m=m, v=v, schedule=sched,
                 zero=zero_stage_run(sched, pp, int(rng.choice(fw.get("pp_zero_stages" if pp > 1 else "zero_stages",
@@ -122,6 +123,25 @@ def test_vector_memory_equals_scalar(model, hardware, framework, dtype):
     rng = np.random.default_rng(zlib.crc32(f"{model}{hardware}{dtype}{framework}".encode()))
     cols = candidates(rng, ctx, 40)
     assert_equal(ctx, cols, rng.choice(40, 16, replace=False))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_vector_memory_equals_scalar_with_recompute_layers(k):
+    """parallel.recompute_layers = k blocks per stage (the rest keep everything): each stage's
+    share differs by its blocks; the vectorised memory still equals the scalar, layout by layout."""
+    from dataclasses import replace
+
+    ctx = context("70b", "a100_80gb_64gpu", "xpar")
+    cols = candidates(np.random.default_rng(17 + k), ctx, 20)
+    cols["recompute"] = np.where(cols["recompute"] == "none", "full", cols["recompute"])
+
+    def staged(spec):
+        return replace(spec, parallel=replace(spec.parallel, recompute_layers=k))
+    got = memory_columns(staged(spec_of(ctx, cols, 0)), cols)
+    for i in range(20):
+        mem = peak_memory(staged(spec_of(ctx, cols, i)))
+        for key, f in FIELDS.items():
+            assert got[key][i] == pytest.approx(getattr(mem, f), rel=1e-9, abs=1e-6), (key, i)
 
 
 def test_estimate_memory_is_peak_memory():

@@ -1,7 +1,7 @@
 """The planner's vectorised step time (xpar.plan.vtime) equals the scalar estimate, layout by layout.
 
 Random valid candidates (seeded) over models tiny/7b/70b/175b, the A100 and H100 presets, the four
-framework profiles, every schedule, ZeRO 0-3, the three recompute policies and optimizer offload
+framework profiles, every schedule, ZeRO 0-3, every recompute policy (xpar.config.remat) and optimizer offload
 on or off; each figure of ``time_columns`` is compared with ``estimate(spec_of(...))`` at
 relative 1e-9.
 """
@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
+from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import TIME_TERMS, estimate
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.vtime import TIME_KEYS, time_columns
@@ -57,7 +58,7 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
             fw.get("interleaved_m_per_pp") and m % pp)):
         return None  # Megatron-LM's interleaving rules (framework.interleaved_*)
     zero = zero_stage_run(schedule, pp, int(rng.choice(fw["pp_zero_stages" if pp > 1 else "zero_stages"])))
-    recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else ["none", "selective", "full"]))  # SAC
+    recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else list(RECOMPUTE)))  # SAC
     return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,
             bool(tp > 1 and rng.random() < 0.5), recompute, bool(rng.random() < 0.5))
 
@@ -145,6 +146,24 @@ def test_time_columns_many_layouts_one_context():
     ests = [estimate(sp) for sp in specs]
     got = time_columns(specs[0], cols, *memory_args(ests))
     assert len(set(cols["pp"].tolist())) >= 4
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_time_columns_equal_scalar_estimate_with_recompute_layers(k):
+    """parallel.recompute_layers = k (of n_layers / (pp v) blocks per stage, clipped): the share
+    recomputed depends on the stages, so the vectorised keys carry pp x v; still equal."""
+    from dataclasses import replace
+
+    ctx = context("7b", "a100_80gb_64gpu", "xpar")
+    cols = random_candidates(ctx, np.random.default_rng(5 + k), 12)
+    cols["recompute"] = np.where(cols["recompute"] == "none", "full", cols["recompute"])
+    specs = [spec_of(ctx, cols, i) for i in range(12)]
+    specs = [replace(sp, parallel=replace(sp.parallel, recompute_layers=k)) for sp in specs]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols, *memory_args(ests))
+    assert len(set((cols["pp"] * cols["v"]).tolist())) >= 3
     bad = _mismatches(ctx, cols, got, ests)
     assert not bad, "\n".join(bad[:20])
 

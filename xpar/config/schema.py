@@ -122,8 +122,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
     recompute: str = "none"
-    """Activation recomputation per transformer block (xpar.parallel.recompute): none |
-    selective (keep matmul outputs, recompute the rest) | full (keep the block input)."""
+    """Rematerialisation policy per transformer block (xpar.config.remat, executed by
+    xpar.parallel.recompute): none | full (keep the block input) | selective (the framework's:
+    framework.selective_recompute) | attention (Megatron's selective: the attention core) | op
+    (xpar: keep matmul and tp-collective outputs) | torchtitan_op | save_dot_except_mlp | save_qkv_proj
+    (MaxText's remat policies). attention and torchtitan_op are estimated, not executed."""
+    recompute_layers: Optional[int] = None
+    """Blocks per pipeline stage (per model chunk) the policy applies to, the first ones; the
+    rest keep everything (Megatron-LM's --recompute-num-layers with --recompute-method block).
+    0..the blocks of the largest stage; a stage with fewer recomputes all of its. null: every
+    block (times framework.recompute_layer_fraction)."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 
@@ -330,7 +338,11 @@ class FrameworkConfig:
     selective_recompute: str = "op"
     """What recompute=selective keeps: 'op' (xpar), 'torchtitan_op', 'attention' (Megatron)."""
     recompute_layer_fraction: float = 1.0
-    """Fraction of blocks the recompute policy applies to."""
+    """Fraction of blocks the recompute policy applies to where parallel.recompute_layers is null
+    (torchtitan's selective_ac_option=2: 0.5)."""
+    recompute: Optional[list] = None
+    """Recompute policies the framework runs (xpar plan searches these; xpar.config.remat.RECOMPUTE);
+    null: xpar.config.remat.PLAN_RECOMPUTE."""
     param_storage: str = "fp32"
     """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
     parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
@@ -513,7 +525,8 @@ class PlanConfig:
     zero_stages: Optional[list] = None
     """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
     recompute: Optional[list] = None
-    """Recompute policies allowed (none, selective, full); null: all."""
+    """Recompute policies allowed (xpar.config.remat.RECOMPUTE); null: the framework's
+    (framework.recompute), else none, selective, full, save_dot_except_mlp, save_qkv_proj."""
     sequence_parallel: Optional[list] = None
     """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
     offload: Optional[list] = None

@@ -9,6 +9,7 @@ from typing import Optional
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import MemoryOptions, precision
+from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -41,13 +42,11 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (with ``sp``): the projections' inputs are kept all-gathered at full sequence length
     (torch DTensor; Megatron keeps the shard and gathers again in backward).
 
-    ``recompute``: ``full`` keeps the layer input, er h (/t with sp). ``selective`` by
-    ``selective``: 'attention' (Megatron) drops the score terms; 'op' (xpar) keeps the input
-    and every matmul output -- q (h), k, v (``kv_matmul`` each, the un-expanded GQA width),
-    w1 and w3 (f), all /t, and the wo and w2 outputs (h, partial sums under tp) -- plus the tp
-    collectives' outputs (2 all-reduced h; with sp 2 gathered h and 2 reduce-scattered h/t);
-    'torchtitan_op' keeps the input, SDPA's output and log-sum-exp, and every other matmul
-    output (wq, wv, w1, w2). Not counted: RoPE's and norms' small side tensors (rstd,
+    ``recompute``: a policy of :mod:`xpar.config.remat` (``selective`` is ``selective``:
+    the framework's). ``full`` keeps the layer input, er h (/t with sp); 'attention'
+    (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
+    'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
+    (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
     cos/sin). Units: bytes.
     """
     kv = h if kv is None else kv
@@ -55,33 +54,46 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     f = 4 * h if ffn is None else ffn
     er = elem if resid_elem is None else resid_elem
     mask = 1 if dropout else 0
-    if recompute == "full":
+    policy = policy_name(recompute, selective)
+    if policy == "full":
         return s * b * er * h / (t if sp else 1)
-    if recompute == "selective" and selective != "attention":
-        return s * b * _selective_op_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, selective)
+    if policy not in ("none", "attention"):
+        return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy)
     n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
     norm_in = 4 if norm_saves_output else er
     rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
     split = 2 * elem * h + 2 * elem * kv + (4 if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
-    if recompute == "selective":
+    if policy == "attention":
         scores = 0
     gathered = n_in * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
     per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
     return s * b * per_token
 
 
-def _selective_op_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
-                        policy: str) -> float:
-    """Per-token bytes kept by op-level selective recompute (see :func:`layer_activation_bytes`)."""
-    n_f = 2 if swiglu else 1
+def kept_terms(policy: str, swiglu: bool) -> tuple:
+    """The projections whose outputs a block keeps under an op-level ``policy``
+    (:data:`xpar.config.remat.POLICIES`); torchtitan keeps every other matmul output, so w2
+    (the 7th matmul with SwiGLU, the 6th with GELU) only with SwiGLU."""
+    keeps = POLICIES[policy].keeps
+    return tuple(k for k in keeps if k != "w2" or swiglu or policy != "torchtitan_op")
+
+
+def _kept_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
+                policy: str) -> float:
+    """Per-token bytes kept by an op-level policy (see :func:`layer_activation_bytes`): the block
+    input, then each kept output -- q e h/t, k and v e kv/t (the un-expanded GQA width), w1 and w3
+    e f/t, wo and w2 e h (partial sums under tp), SDPA's output e h/t with its fp32 log-sum-exp
+    4 a/t ('context') -- and the tp collectives' outputs the policy keeps ('op': all of them, 2
+    all-reduced e h, with sp 2 gathered e h and 2 reduce-scattered e h/t; torchtitan: its
+    reduce-scatters; the MaxText policies none). Units: bytes per token."""
+    width = {"wq": h / t, "wk": kv / t, "wv": kv / t, "wo": h, "w1": f / t, "w3": f / t if swiglu else 0,
+             "w2": h, "context": h / t}
+    lse = 4 * a / t if "context" in POLICIES[policy].keeps else 0  # SDPA's fp32 log-sum-exp
+    kept = e * sum(width[k] for k in kept_terms(policy, swiglu)) + lse
     block_in = er * h / (t if sp else 1)
-    if policy == "op":
-        kept = e * (h + 2 * kv + n_f * f) / t + 2 * e * h
-    else:  # torchtitan_op: SDPA output + lse, every other matmul (wq, wv, w1, and w2 with SwiGLU)
-        kept = e * (h + h + kv + f) / t + 4 * a / t + (e * h if swiglu else 0)
-    coll = 0.0  # tp collectives' outputs: 'op' keeps all; torchtitan only its reduce-scatters
-    if t > 1 and sp:
+    coll = 0.0
+    if t > 1 and sp and policy in ("op", "torchtitan_op"):
         coll = 2 * e * h / t + (2 * e * h if policy == "op" else 0)
     elif t > 1 and policy == "op":
         coll = 2 * e * h
@@ -101,25 +113,12 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fa
 
 def recompute_extra_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, policy: str = "op",
                                     fraction: float = 1.0) -> float:
-    """Forward FLOPs per token run again in backward (Narayanan et al. 2021 convention,
-    :mod:`xpar.estimate.flops`): full -- every block's forward; selective 'attention' and
-    'op' -- the attention core (scores and context; xpar's 'op' also reruns the element-wise
-    ops, which this convention does not count); 'torchtitan_op' -- the matmuls it does not
-    keep (wk, wo, and w3 with SwiGLU; the attention core is kept). Times ``fraction`` of
-    the blocks. Units: FLOP per token (the whole model's layers)."""
-    from xpar.estimate.flops import forward_flops_per_token
-
-    fwd = forward_flops_per_token(cfg, seq_len)
-    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
-    if recompute == "none":
-        return 0.0
-    if recompute == "full":
-        extra = fwd["matmul"] + fwd["attention"]
-    elif policy == "torchtitan_op":
-        extra = cfg.n_layers * 2 * (h * kv + h * h + (h * f if cfg.activation == "swiglu" else 0))
-    else:
-        extra = fwd["attention"]
-    return fraction * extra
+    """Forward FLOPs per token run again in backward, the whole model's blocks times
+    ``fraction`` of them (:func:`xpar.config.remat.extra_forward_flops_per_layer`: full --
+    every block's forward; 'attention' and 'op' -- the attention core; 'torchtitan_op' -- wk,
+    wo, and w3 with SwiGLU; save_dot_except_mlp -- the attention core, w1 and w3; ``policy``:
+    what ``selective`` means). Units: FLOP per token."""
+    return fraction * cfg.n_layers * extra_forward_flops_per_layer(cfg, seq_len, recompute, policy)
 
 
 def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
@@ -127,14 +126,15 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     under flash attention saves ~nothing; an op-level policy that keeps more than no
     recompute (with sequence parallelism at large t, the wo/w2 outputs before their
     reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
-    if spec.parallel.recompute != "selective":
+    name = policy_name(spec.parallel.recompute, o.selective_recompute)
+    if name in ("none", "full"):
         return []
-    if o.selective_recompute == "attention" and o.flash_attention:
+    if name == "attention" and o.flash_attention:
         return ["selective recompute of the attention core (Megatron) saves almost nothing under flash "
                 "attention: the s x s scores are never kept (only a 4 a bytes/token log-sum-exp)"]
-    lb = layer_bytes(spec, o)
+    lb = layer_bytes(spec, o, 1.0)
     if lb["kept"] > lb["none"]:
-        return [f"selective recompute ({o.selective_recompute}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
+        return [f"recompute={spec.parallel.recompute} ({name}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
                 f"of no recompute per block here (it keeps matmul and collective outputs that plain autograd "
                 f"does not need); recompute=none or full is better for memory"]
     return []
@@ -162,19 +162,27 @@ def token_ffn(cfg) -> float:
     return ((cfg.n_layers - cfg.moe_layers) * cfg.ffn_hidden + cfg.moe_layers * moe) / cfg.n_layers
 
 
-def layer_bytes(spec: RunSpec, o: MemoryOptions) -> dict[str, float]:
-    """One block, one micro-batch: ``kept`` (under the recompute policy, mixed over
-    ``recompute_layer_fraction`` of the blocks), ``none`` (no recompute) and ``workspace``
-    (rebuilt during the block's backward: none - policy, 0 without recompute). xpar's model
-    expands GQA K/V to all heads before SDPA, so K and V are kept at width h; a framework whose
-    kernel takes them un-expanded (``gqa_kv_expanded`` False) keeps kv_heads x head_dim. Bytes."""
+def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, float]:
+    """One block, one micro-batch: ``kept`` (under the recompute policy on ``share`` of the
+    blocks, the rest none: :func:`xpar.config.remat.stage_share`), ``none`` (no recompute)
+    and ``workspace`` (rebuilt during a recomputed block's backward: none - policy; 0 when no
+    block is recomputed). xpar's model expands GQA K/V to all heads before SDPA, so K and V are
+    kept at width h; a framework whose kernel takes them un-expanded (``gqa_kv_expanded`` False)
+    keeps kv_heads x head_dim. Bytes."""
     cfg, par = spec.model, spec.parallel
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
     kw = _layer_kwargs(spec, o)
     none = layer_activation_bytes(*args, "none", **kw)
     policy = layer_activation_bytes(*args, par.recompute, **kw)
-    phi = o.recompute_layer_fraction if par.recompute != "none" else 0.0
-    return {"kept": phi * policy + (1 - phi) * none, "none": none, "workspace": none - policy if phi else 0.0}
+    return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
+
+
+def stage_recompute_share(spec: RunSpec, stage: int, o: MemoryOptions) -> float:
+    """Share of ``stage``'s blocks recomputed (:func:`xpar.config.remat.stage_share`:
+    ``parallel.recompute_layers`` of them, else ``recompute_layer_fraction``)."""
+    par = spec.parallel
+    return stage_share(par.recompute, spec.layout.layer_split[stage], getattr(par, "recompute_layers", None),
+                       o.recompute_layer_fraction)
 
 
 def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]:
@@ -191,19 +199,20 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     cfg, lay, par = spec.model, spec.layout, spec.parallel
     rec = precision(spec, o)
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
-    lb = layer_bytes(spec, o)
+    share = stage_recompute_share(spec, stage, o)
+    lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
     out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
         kv = cfg.kv_heads * cfg.head_dim
         block = (2 * h * h + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
-        kept_blocks = n * (1 - (o.recompute_layer_fraction if par.recompute != "none" else 0.0))
+        kept_blocks = n * (1 - share)
         out["weight_copies"] = rec["e"] * (kept_blocks * block + (cfg.vocab_size * h / t if stage == lay.n_stages - 1 else 0))
     if stage == 0 and o.dropout:
         out["embedding_mask"] = s * b * h / (t if sp else 1)
     if stage > 0 and n and not o.count_buffers:
-        out["layers"] -= _uncounted_stage_input(spec, o, rec)
+        out["layers"] -= _uncounted_stage_input(spec, o, rec, share)
     if stage == lay.n_stages - 1:
         sh = s * b * h / (t if sp else 1)
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
@@ -215,14 +224,15 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     return out
 
 
-def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict) -> float:
+def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict, share: float) -> float:
     """Bytes of a received stage input that xpar's CPU accounting does not see
     (``count_buffers`` False): torch's PipelineStage hands each stage its input as a leaf
     that requires grad, which the saved-tensor tracker skips like a parameter
     (xpar.parallel.memory_accounting.ActivationTracker). It is saved as itself by the first block's
-    checkpoint (recompute) or by a composite norm that needs no upcast (fp32 residual)."""
+    checkpoint (recompute: ``share`` of the stage's blocks > 0, the first block among them) or by
+    a composite norm that needs no upcast (fp32 residual)."""
     sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.parallel.sequence_parallel else 1)
-    if spec.parallel.recompute != "none" or (rec["er"] == 4 and not o.fused_rmsnorm):
+    if share > 0 or (rec["er"] == 4 and not o.fused_rmsnorm):
         return rec["er"] * sh
     return 0.0
 

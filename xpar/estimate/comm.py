@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import BYTES, param_shapes, root_elements
 from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
@@ -60,11 +61,12 @@ def dp_reductions(spec: RunSpec) -> int:
 
 
 def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = False,
-                   recompute: str = "none") -> dict[str, float]:
+                   recompute: str = "none", rerun: Optional[float] = None) -> dict[str, float]:
     """TP bytes per device of one transformer layer, one micro-batch, forward + backward:
-    2 all-reduces of b s h elements forward, 2 backward (+2 forward with full recompute);
-    with sequence parallelism the same number of all-gathers and reduce-scatters."""
-    n = 2 * (2 + (1 if recompute == "full" else 0))  # all-reduces (or AG+RS pairs) per layer
+    2 all-reduces of b s h elements forward, 2 backward, plus the forward's that the backward
+    reruns (``rerun``, xpar.estimate.cost.tp_rerun; default 2 with full recompute); with
+    sequence parallelism the same number of all-gathers and reduce-scatters."""
+    n = 4 + ((2 if recompute == "full" else 0) if rerun is None else rerun)  # all-reduces (or AG+RS pairs)
     size = b * s * h * elem
     if sp:
         return {"tp_allreduce": 0.0, "tp_allgather": n * allgather_bytes(size, t),
@@ -111,10 +113,11 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
             out["dp_allgather"] += allgather_bytes(psi - root_elements(spec, pp_rank) * e, dp) * m
     # tp
     stages, split = spec.layout.stages_of(pp_rank), spec.layer_split
+    policy, share = spec_recompute(spec)
     n_layers = spec.layout.layers_of(pp_rank)
     b, s, h = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden
     if t > 1:
-        layer = tp_layer_bytes(b, s, h, t, e, sp, par.recompute)
+        layer = tp_layer_bytes(b, s, h, t, e, sp, par.recompute, POLICIES[policy].tp_rerun * share)
         ends = (0 in stages) + (len(split) - 1 in stages)  # embedding fwd / output bwd
         size = b * s * h * e
         for k, v in layer.items():

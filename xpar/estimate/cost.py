@@ -60,6 +60,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
@@ -226,14 +227,14 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     rate = peak * matmul_efficiency(hw, h / t)
     fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
-    extra = {"none": 0.0, "selective": fwd["attention"] / cfg.n_layers, "full": layer}[par.recompute]
-    extra *= assume.recompute_layer_fraction  # e.g. full recompute on every other block
+    policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
+    extra = share * extra_forward_flops_per_layer(cfg, s, policy)  # xpar.config.remat, per block on average
     act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
     pf = assume.passes_forward
-    pb = assume.passes_backward + (pf if par.recompute == "full" else 0)
+    pb = assume.passes_backward + (pf * share if policy == "full" else 0)  # element-wise reruns: full only
     tok = s * b / t
     mm = (lambda flops: tok * flops / rate) if rate else (lambda flops: 0.0)
     mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
@@ -257,8 +258,14 @@ def tp_times(spec: RunSpec) -> dict[str, float]:
         one = collective_time(hw, "allgather", size, g) + collective_time(hw, "reduce_scatter", size, g)
     else:
         one = collective_time(hw, "allreduce", size, g)
-    recompute = 2 if spec.parallel.recompute == "full" else 0
-    return {"f": 2 * one, "b": (2 + recompute) * one, "end": one}
+    return {"f": 2 * one, "b": (2 + tp_rerun(spec)) * one, "end": one}
+
+
+def tp_rerun(spec: RunSpec) -> float:
+    """tp collectives of one block's forward that its backward reruns, on average over the
+    blocks (xpar.config.remat.Policy.tp_rerun times the share recomputed): 2 with full recompute."""
+    policy, share = spec_recompute(spec)
+    return POLICIES[policy].tp_rerun * share
 
 
 def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
@@ -487,7 +494,7 @@ def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, be
     """The Estimate of a step of ``time`` seconds: throughput, model/hardware FLOP/s, MFU/HFU."""
     cfg, s, tokens = spec.model, spec.seq_len, spec.tokens_per_step
     model_flops = fl.model_flops_per_token(cfg, s) * tokens
-    hw_flops = fl.hardware_flops_per_token(cfg, s, spec.parallel.recompute) * tokens
+    hw_flops = fl.spec_hardware_flops_per_token(spec) * tokens
     r = rates(time, tokens, spec.world_size, model_flops, hw_flops, compute_peak(spec.hardware, spec.train.dtype) / 1e12)
     return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
                     time_per_step_s=time, time_breakdown=breakdown, bubble_ratio=beta, comm_bytes=dict(comm),

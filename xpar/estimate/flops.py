@@ -14,6 +14,7 @@ For GPT shapes this reduces to the papers' closed forms:
 """
 from __future__ import annotations
 
+from xpar.config.remat import extra_forward_flops_per_token, policy_name, spec_recompute
 from xpar.config.schema import ModelConfig
 
 
@@ -43,14 +44,20 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) 
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none",
-                             causal: bool = False) -> float:
-    """FLOPs actually executed per token, recompute included (for HFU).
-
-    full: the whole layer forward runs twice (4 x forward for the layers; the logits are
-    not recomputed); selective: only the attention scores/context are recomputed
-    (Korthikanti et al. 2022, Sec. 4.2); none: equals model FLOPs.
+                             causal: bool = False, selective: str = "op", share: float = 1.0) -> float:
+    """FLOPs actually executed per token, recompute included (for HFU): model FLOPs plus the
+    forward work the policy reruns on ``share`` of the blocks
+    (:func:`xpar.config.remat.extra_forward_flops_per_layer`). full: the whole layer forward runs
+    twice (4 x forward for the layers; the logits are not recomputed); Megatron's selective:
+    the attention scores/context (Korthikanti et al. 2022, Sec. 4.2); ``selective``: what
+    recompute=selective means; none: equals model FLOPs.
     """
-    t = forward_flops_per_token(cfg, seq_len, causal)
-    extra = {"none": 0.0, "selective": t["attention"],
-             "full": t["matmul"] + t["attention"]}[recompute]
+    extra = extra_forward_flops_per_token(cfg, seq_len, policy_name(recompute, selective), share, causal)
     return model_flops_per_token(cfg, seq_len, causal) + extra
+
+
+def spec_hardware_flops_per_token(spec) -> float:
+    """:func:`hardware_flops_per_token` of a RunSpec: its policy and share of blocks recomputed
+    (:func:`xpar.config.remat.spec_recompute`, the framework profile's meaning of selective)."""
+    policy, share = spec_recompute(spec)
+    return hardware_flops_per_token(spec.model, spec.seq_len, policy, share=share)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from xpar.config.remat import spec_recompute
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
@@ -92,7 +93,8 @@ def host_costs(spec: RunSpec) -> dict[str, float]:
     tp_f, tp_b = tp_split((getattr(hw, "tp_block_overhead_us", 0.0) or 0.0) * 1e-6
                           or (6 + (cfg.activation == "swiglu")) * sum(LINEAR_OPS) * dt) if spec.tp > 1 else (0.0, 0.0)
     block_f = f * op + tp_f
-    block_b = b * op + tp_b + (block_f if spec.parallel.recompute == "full" else 0.0)
+    policy, share = spec_recompute(spec)
+    block_b = b * op + tp_b + (block_f * share if policy == "full" else 0.0)
     ends = {k: v * op for k, v in end_ops(cfg).items()}
     if spec.tp > 1:
         for end in ("first", "last"):

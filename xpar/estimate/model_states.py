@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
+from xpar.config.remat import SELECTIVE_POLICIES  # the meanings of recompute=selective
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 
@@ -20,7 +21,6 @@ the dry run's element counts; what a framework keeps is :func:`state_widths`."""
 STATE_TERMS = ("params", "grads", "optimizer")
 MEMORY_TERMS = STATE_TERMS + ("activations", "comm_buffers", "framework_overhead")
 """The terms of a device's peak memory, named the same in estimates, reports and metrics."""
-SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Optional
 from xpar.config.schema import SUMMARY_METRICS  # noqa: F401  (re-exported)
 from xpar.config.spec import RunSpec
 from xpar.estimate.cost import compute_peak
-from xpar.estimate.flops import hardware_flops_per_token, model_flops_per_token
+from xpar.estimate.flops import model_flops_per_token, spec_hardware_flops_per_token
 
 MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
 """The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
@@ -97,7 +97,7 @@ def flops_per_step(spec: RunSpec) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one optimizer step over the global batch."""
     tokens = spec.tokens_per_step
     return (model_flops_per_token(spec.model, spec.seq_len) * tokens,
-            hardware_flops_per_token(spec.model, spec.seq_len, spec.parallel.recompute) * tokens)
+            spec_hardware_flops_per_token(spec) * tokens)
 
 
 def zero_paper_bytes(spec: RunSpec) -> float:

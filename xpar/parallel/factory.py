@@ -167,7 +167,7 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     if spec.tp > 1:
         from xpar.parallel.tensor import apply_tp
         chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
-    chunk = apply_recompute(chunk, par.recompute)                                       # 3b
+    chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
     return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4

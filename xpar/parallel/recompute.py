@@ -16,7 +16,19 @@ names do not change and FSDP2 / DDP hooks stay around the checkpointed region):
   attention core) extended to the cheap element-wise ops, via
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with a policy (as
   torchtitan's op-level SAC).
+- ``save_dot_except_mlp`` / ``save_qkv_proj`` (MaxText's remat policies of these names,
+  src/MaxText/layers/decoders.py): each block keeps the outputs of its first four matmuls
+  (q, k, v and the attention output projection; xpar's block runs wq, wk, wv, wo, then the
+  MLP's) or first three (q, k, v), counted per block invocation in forward and in recompute
+  separately (as torchtitan counts its matmuls, _get_custom_policy); everything else,
+  the tp collectives included, is recomputed. The MLP's down projection is not rerun:
+  checkpoint stops recomputing once the last saved tensor is rebuilt (early stop).
 - ``none``: nothing recomputed.
+
+``parallel.recompute_layers`` = k: only the first k blocks of each stage are checkpointed
+(Megatron-LM's --recompute-method block --recompute-num-layers k). The policies
+'attention' and 'torchtitan_op' are estimated only (xpar.config.checks.layout.check_recompute
+refuses them in execute mode); ``selective`` runs xpar's 'op' whatever the framework profile.
 
 Accounting: checkpoint's saved block inputs go through saved-tensor hooks and are counted
 by :class:`xpar.parallel.memory_accounting.ActivationTracker`; the tensors that selective
@@ -26,6 +38,7 @@ to the active tracker (:meth:`ActivationTracker.hold`).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -47,12 +60,32 @@ SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
             _funcol.reduce_scatter_tensor.default, _funcol.wait_tensor.default}
 """Ops whose outputs selective recompute keeps; everything else is recomputed."""
 
-MODES = ("none", "selective", "full")
+MATMULS = {_aten.mm.default, _aten.addmm.default}
+"""The ops a block's projections run (nn.Linear without and with bias)."""
+KEPT_MATMULS = {"save_dot_except_mlp": 4, "save_qkv_proj": 3}
+"""Matmuls per block whose outputs the MaxText policies keep, in forward order (wq wk wv wo)."""
+MODES = ("none", "selective", "full", "op") + tuple(KEPT_MATMULS)
+"""The policies xpar executes (xpar.config.remat.Policy.executes)."""
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Keep matmul and collective outputs, recompute the rest (see module docstring)."""
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def first_matmuls_policy(n_kept: int):
+    """A policy for one block invocation that keeps the outputs of its first ``n_kept`` matmuls
+    and recomputes everything else; forward and recompute count their matmuls apart, so the
+    recompute keeps (reads back) the same ones."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] <= n_kept:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
 class _TrackedEntries(dict):
@@ -77,12 +110,13 @@ class _TrackedStorage(dict):
         return self[key]
 
 
-def _tracked_contexts():
-    """``create_selective_checkpoint_contexts(selective_policy)`` whose cache (op key ->
+def _tracked_contexts(mode: str = "selective"):
+    """``create_selective_checkpoint_contexts`` with ``mode``'s policy, whose cache (op key ->
     {invocation index: kept outputs}, shared by the forward and recompute modes; torch
     2.13's private layout) reports kept tensors. The recompute mode reads it with ``get``,
     which a missing key does not create."""
-    fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+    policy = first_matmuls_policy(KEPT_MATMULS[mode]) if mode in KEPT_MATMULS else selective_policy
+    fwd, rec = create_selective_checkpoint_contexts(policy)
     storage = _TrackedStorage()
     share_sac_storage(fwd, rec, storage)
     return fwd, rec
@@ -93,7 +127,7 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return block
     forward = block.forward
-    kw = {"context_fn": _tracked_contexts} if mode == "selective" else {}
+    kw = {"context_fn": functools.partial(_tracked_contexts, mode)} if mode != "full" else {}
 
     @functools.wraps(forward)
     def recomputed(*args):
@@ -102,10 +136,12 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     return block
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint every transformer block of ``model`` (whole model or pipeline stage)."""
+def apply_recompute(model: nn.Module, mode: str, layers: Optional[int] = None) -> nn.Module:
+    """Checkpoint the transformer blocks of ``model`` (whole model or pipeline stage): every
+    one, or the first ``layers`` (parallel.recompute_layers)."""
     if mode not in MODES:
-        raise ValueError(f"parallel.recompute={mode!r}; expected one of {MODES}")
-    for block in model.layers.values():
-        checkpoint_block(block, mode)
+        raise ValueError(f"parallel.recompute={mode!r}; xpar executes {MODES}")
+    for i, block in enumerate(model.layers.values()):
+        if layers is None or i < layers:
+            checkpoint_block(block, mode)
     return model

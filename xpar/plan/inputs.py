@@ -11,7 +11,7 @@ from xpar.config.checks.framework import hydra_text, not_booleans
 from xpar.config.layout import SCHEDULES
 from xpar.estimate.offload import offload_figures_known
 from xpar.plan.context import PlanContext
-from xpar.plan.space import RECOMPUTE, ZERO_STAGES, Constraints, batch_values
+from xpar.plan.space import PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, Constraints, batch_values
 
 TOKENS_PER_BATCH = 2 ** 22
 """Default global batch in tokens (4M: Llama 2 and Llama 3 pre-training; GPT-3 175B used 3.2M,
@@ -89,8 +89,9 @@ def _choice_problems(p, framework: dict) -> list[str]:
     runs = list(framework.get("zero_stages", ZERO_STAGES))
     scheds = list(framework.get("schedules", SCHEDULES))
     offload = [bool(x) for x in framework.get("offload", [False])]
+    policies = list(framework.get("recompute") or RECOMPUTE)
     for key, given, valid in (("schedules", p.schedules, scheds), ("zero_stages", p.zero_stages, runs),
-                              ("recompute", p.recompute, list(RECOMPUTE)),
+                              ("recompute", p.recompute, policies),
                               ("sequence_parallel", p.sequence_parallel,
                                [bool(x) for x in framework.get("sequence_parallel", [False, True])]),
                               ("offload", p.offload, offload)):
@@ -101,7 +102,9 @@ def _choice_problems(p, framework: dict) -> list[str]:
                    "schedules": f" (framework={framework.get('name')} runs schedules {scheds})",
                    "sequence_parallel": f" (framework={framework.get('name')} runs sequence parallelism "
                                         f"{_hydra([bool(x) for x in framework.get('sequence_parallel', [False, True])])})",
-                   "offload": f" (framework={framework.get('name')} runs optimizer offload {_hydra(offload)})"}.get(key, "")
+                   "offload": f" (framework={framework.get('name')} runs optimizer offload {_hydra(offload)})",
+                   "recompute": f" (framework={framework.get('name')} runs recompute {_hydra(policies)})"
+                   if framework.get("recompute") else ""}.get(key, "")
             out.append(f"plan.{key}={_hydra(list(given))}: {_hydra(bad) if bad else 'empty'} not allowed{why}; "
                        f"values that work: {_hydra(valid)}, e.g. plan.{key}=[{_hydra(valid[0])}].")
     return out
@@ -203,7 +206,8 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     schedules=tuple(p.schedules or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),
-                    recompute=tuple(p.recompute or RECOMPUTE), max_micro_batch_size=p.max_micro_batch_size,
+                    recompute=tuple(p.recompute or framework.get("recompute") or PLAN_RECOMPUTE),
+                    max_micro_batch_size=p.max_micro_batch_size,
                     sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or framework.get("sequence_parallel",
                                                                                                    (False, True)))),
                     interleaved_min_pp=int(framework.get("interleaved_min_pp", 2)),

@@ -9,7 +9,8 @@ The raw space is the product of these axes (numpy, no torch):
 - micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
 - (schedule, v): every schedule of :data:`xpar.config.layout.SCHEDULES` with its stages per rank
   (1; 2 for V-shaped ones; every divisor >= 2 of n_layers for looped ones);
-- ZeRO stage 0-3, sequence parallelism off/on, recompute none/selective/full, optimizer offload
+- ZeRO stage 0-3, sequence parallelism off/on, the recompute policies of ``Constraints.recompute``
+  (xpar.config.remat.PLAN_RECOMPUTE by default), optimizer offload
   off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
 
 m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are applied) are those
@@ -29,7 +30,8 @@ import numpy as np
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 
-RECOMPUTE = ("none", "selective", "full")
+from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
+
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
 SINGLE_SCHEDULE = ("1f1b", 1)
@@ -56,7 +58,7 @@ RULES = {
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
     "recompute": "recompute policy not in plan.recompute",
     "sequence_parallel": "sequence parallelism not in plan.sequence_parallel",
-    "selective_zb": "selective recompute with a zero-bubble schedule (torch refuses its split backward)",
+    "selective_zb": "selective (op-level) recompute with a zero-bubble schedule (torch refuses its split backward)",
     "offload": "optimizer offload the framework does not run (framework.offload), or not in plan.offload",
     "offload_hw": "optimizer offload on hardware without PCIe and host-memory figures (hardware.pcie_gb_per_s, "
                   "host_mem_gb_per_s, host_memory_gb)",
@@ -82,7 +84,8 @@ class Constraints:
     """Smallest pp of an interleaved 1F1B (framework.interleaved_min_pp; Megatron-LM: 3)."""
     interleaved_m_per_pp: bool = False
     """Interleaved 1F1B needs m divisible by pp (framework.interleaved_m_per_pp; Megatron-LM)."""
-    recompute: tuple[str, ...] = RECOMPUTE
+    recompute: tuple[str, ...] = PLAN_RECOMPUTE
+    """Recompute policies searched (xpar.config.remat: plan.recompute, framework.recompute)."""
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int = 8
     offload: tuple[bool, ...] = (False,)
@@ -202,7 +205,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     """Each structural row times ZeRO stage, sequence parallelism, recompute and optimizer
     offload, less the rules on them."""
     n = len(t["tp"])
-    x = _product(row=np.arange(n), zero=ZERO_STAGES, sp=(False, True), recompute=RECOMPUTE, offload=OFFLOAD)
+    x = _product(row=np.arange(n), zero=ZERO_STAGES, sp=(False, True), recompute=c.recompute, offload=OFFLOAD)
     t = {k: v[x["row"]] for k, v in t.items()}
     t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"], offload=x["offload"])
     drops.weight = 1
@@ -216,7 +219,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
     t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
     t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel))
-    t = drops.apply(t, "selective_zb", ~(t["zb"] & (t["recompute"] == "selective")))
+    t = drops.apply(t, "selective_zb", ~(t["zb"] & np.isin(t["recompute"], ("selective",) + SAC_POLICIES)))
     t = drops.apply(t, "offload", ~t["offload"] | bool(True in c.offload))
     t = drops.apply(t, "offload", t["offload"] | bool(False in c.offload))
     t = drops.apply(t, "offload_hw", ~t["offload"] | c.offload_hardware)
@@ -229,7 +232,7 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     vocab_size) on ``devices`` devices, ``devices_per_node`` per node, at ``seq_len`` tokens per
     sequence, that passes :data:`RULES` under ``c``. Returns the candidate columns
     (:mod:`xpar.plan.context`) and the count of layouts each rule dropped."""
-    weight = len(ZERO_STAGES) * 2 * len(RECOMPUTE) * len(OFFLOAD)
+    weight = len(ZERO_STAGES) * 2 * len(c.recompute) * len(OFFLOAD)
     drops = _Drops(weight)
     t = _structure(model, devices, devices_per_node, c, drops)
     raw = _raw_size(model, devices, c) * weight

@@ -14,11 +14,9 @@ each group), and is combined with array arithmetic:
 - the schedule's peak (the rule of :func:`~xpar.estimate.memory._walk`): per (schedule, pp, m,
   v) and rank, the live micro-batch chunks (all, of the first stage, of the last stage) at each
   forward and backward where the walk takes a maximum, reduced to the rows that can be one
-  (dominated rows and ranks dropped: every byte count is >= 0), then a product with each
-  candidate's bytes per chunk, all (candidate, rank) pairs in one batch. The rows come in closed
-  form per schedule (:func:`_closed_entries`: gpipe, 1F1B, looped BFS, zbv, dualpipev from their
-  order; interleaved 1F1B and zero bubble counted as arrays), equal to the walk over the action
-  lists (tests/test_plan_memory.py), so no action list is built;
+  (dominated rows and ranks dropped: every byte count is >= 0), times each candidate's bytes per
+  chunk, all (candidate, rank) pairs in one batch; rows in closed form per schedule
+  (:func:`_closed_entries`), equal to the walk over the action lists (tests/test_plan_memory.py);
 - pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
   :func:`~xpar.estimate.memory.token_id_bytes`) as array formulas.
 
@@ -36,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.layout import SCHEDULES, Layout
+from xpar.config.remat import RECOMPUTE as _RECOMPUTE
 from xpar.config.resolve import resolve_layer_split
 from xpar.config.spec import RunSpec
 from xpar.estimate import activations, model_states
@@ -51,7 +50,6 @@ the usable bytes of a device and whether the total fits in them; the optimizer's
 device (offloaded or not), the host bytes per node an offloaded optimizer needs (0 without
 offload) and whether they fit ``hardware.host_memory_gb`` (xpar.estimate.offload)."""
 _SCHED = tuple(SCHEDULES)
-_RECOMPUTE = ("none", "selective", "full")
 
 
 def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
@@ -569,9 +567,8 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
 
     o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
-    if o.interleaved_m_per_pp:  # Megatron's interleaved 1F1B at m == pp: every forward first (memory_schedule)
-        megatron_bfs = (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])
-        c["sched"] = np.where(megatron_bfs, _SCHED.index("looped_bfs"), c["sched"])
+    bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])
+    c["sched"] = np.where(bfs, _SCHED.index("looped_bfs"), c["sched"])  # Megatron's warm-up (memory_schedule)
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from xpar.config.layout import SCHEDULES, Layout, even_split
+from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
@@ -83,7 +84,7 @@ TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = REMAT_NAMES
 
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
@@ -208,7 +209,8 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
-    row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")] + [one_stage])
+    row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
+                        + [one_stage, _stages(base, r)])
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
@@ -384,11 +386,11 @@ def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.
 def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0), the terms of :func:`xpar.estimate.cost._rank_times` (seconds per
     micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
-    def layer(tp, b, sp, rec):
-        spec = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
+    def layer(tp, b, sp, rec, stages):
+        spec = spec_at(base, tp, stages, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
         return dict(layer_costs(spec, a), **{f"tp_{k}": v for k, v in tp_times(spec).items()})
 
-    c = by_key([r["tp"], r["b"], r["sp"], r["recompute"]], layer, (
+    c = by_key([r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)], layer, (
         "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",
         "tp_end"))
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
@@ -398,8 +400,10 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send, 0.0)
     x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
-    h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"]], lambda t, d, p, z, rec: host_costs(
-        spec_at(base, t, p, d, 1, 1, 1, "gpipe", z, False, RECOMPUTE[rec])), HOST_KEYS)
+    v = r["v"] if _staged(base) else np.ones_like(r["v"])  # v matters through recompute_layers only
+    h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
+        spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec])),
+        HOST_KEYS)
     x.update(host=rank_host(h, s["n"], s["first"], s["last"]), host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     return x
@@ -409,6 +413,19 @@ def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
     """Throughput fields of :func:`xpar.estimate.cost.rates` for steps of ``time`` seconds."""
     cfg, s = base.model, base.seq_len
     tokens = r["b"] * r["m"] * r["dp"] * s
-    hw = by_key([r["recompute"]], lambda rec: {"f": fl.hardware_flops_per_token(cfg, s, RECOMPUTE[rec])}, ("f",))["f"]
+    hw = by_key([r["recompute"], _stages(base, r)], lambda rec, stages: {"f": fl.spec_hardware_flops_per_token(
+        spec_at(base, 1, stages, 1, 1, 1, 1, "gpipe", 0, False, RECOMPUTE[rec]))}, ("f",))["f"]
     return rates(time, tokens, r["tp"] * r["pp"] * r["dp"], fl.model_flops_per_token(cfg, s) * tokens, hw * tokens,
                  compute_peak(base.hardware, base.train.dtype) / 1e12)
+
+
+def _staged(base: RunSpec) -> bool:
+    """Whether the share of blocks recomputed depends on the stages (``parallel.recompute_layers``
+    set: of n_layers / (pp v) blocks per stage); else it is ``framework.recompute_layer_fraction``."""
+    return getattr(base.parallel, "recompute_layers", None) is not None
+
+
+def _stages(base: RunSpec, r: dict) -> np.ndarray:
+    """Pipeline stages (pp x v) of each candidate where :func:`_staged`, else 1 for all (fewer keys)."""
+    return r["pp"] * r["v"] if _staged(base) else np.ones(len(r["pp"]), dtype=np.int64)
+

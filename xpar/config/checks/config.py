@@ -6,6 +6,7 @@ from pathlib import Path
 
 from xpar.config.checks import divisors
 from xpar.config.layout import SCHEDULES
+from xpar.config.remat import RECOMPUTE
 from xpar.config.schema import XparConfig
 
 CHOICES = {
@@ -14,7 +15,7 @@ CHOICES = {
     "model.position": ("rope", "learned"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.schedule": tuple(SCHEDULES),
-    "parallel.recompute": ("none", "selective", "full"),
+    "parallel.recompute": RECOMPUTE,  # xpar.config.remat
     "train.dtype": ("fp32", "bf16"),
     "train.on_nonfinite": ("stop", "skip", "ignore"),
     "sweep.goal": ("max", "min"),

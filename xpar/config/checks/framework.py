@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from xpar.config.layout import SCHEDULES
 from xpar.config.schema import FrameworkConfig
+from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
 CHOICES = {
     "zero1": ("zero_redundancy", "distributed_optimizer"),
     "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.collectives.ALGORITHMS
     "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.dp.FSDP_COPIES
-    "selective_recompute": ("op", "torchtitan_op", "attention"),  # xpar.estimate.memory.SELECTIVE_POLICIES
+    "selective_recompute": SELECTIVE_POLICIES,  # xpar.config.remat
     "param_storage": ("fp32", "bf16"),
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
 }
@@ -23,7 +24,19 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
             if not 0.0 <= getattr(fw, k) <= 1.0]
     out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."
             for k in ("grad_reduce_bytes", "grad_bytes") if getattr(fw, k) not in (2, 4)]
-    return out + offload_problems(fw)
+    return out + offload_problems(fw) + recompute_list_problems(fw)
+
+
+def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.recompute null or a non-empty list of policies (xpar.config.remat.RECOMPUTE)."""
+    if fw.recompute is None:
+        return []
+    bad = [p for p in fw.recompute if p not in RECOMPUTE]
+    if bad or not list(fw.recompute):
+        return [f"framework.recompute={hydra_text(list(fw.recompute))}: {hydra_text(bad) if bad else 'empty'} not a "
+                f"recompute policy; values that work: {hydra_text(list(RECOMPUTE))}, "
+                f"e.g. framework.recompute=[none, full]."]
+    return []
 
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,

@@ -2,6 +2,8 @@
 Each returns violations and changes nothing."""
 from __future__ import annotations
 
+from typing import Optional
+
 from xpar.config.layout import (
     SCHEDULES,
     Layout,
@@ -10,6 +12,7 @@ from xpar.config.layout import (
     even_split,
     microbatch_problem,
 )
+from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
 
 
@@ -66,15 +69,36 @@ def check_virtual_stages(schedule: str, pp: int, v: int) -> list[str]:
     return []
 
 
-def check_recompute(layout: Layout) -> list[str]:
-    """Selective recompute (torch's selective activation checkpointing) allows one backward
+def check_recompute(layout: Layout, recompute_layers: Optional[int] = None, mode: str = "estimate") -> list[str]:
+    """Selective (op-level) recompute (torch's selective activation checkpointing) allows one backward
     through each checkpointed region; the zero-bubble schedules split a block's backward into
     an input-gradient (I) and a weight-gradient (W) pass, which torch 2.13 refuses at run time
-    ("Trying to backward an extra time ... selective activation checkpoint", measured here)."""
-    if layout.recompute == "selective" and layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble:
-        return [f"parallel.recompute=selective cannot run with schedule {layout.schedule}: its split "
-                f"backward (I then W) goes through each checkpointed block twice, which torch's selective "
-                f"checkpointing refuses; use parallel.recompute=full or none, or schedule interleaved_1f1b."]
+    ("Trying to backward an extra time ... selective activation checkpoint", measured here).
+    ``recompute_layers`` (parallel.recompute_layers) 0..the blocks of the largest stage, with a
+    policy; in execute mode the policy one xpar runs (xpar.config.remat.Policy.executes)."""
+    out, rec = [], layout.recompute
+    if rec in ("selective",) + SAC_POLICIES and layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble:
+        out.append(f"parallel.recompute={rec} cannot run with schedule {layout.schedule}: its split "
+                   f"backward (I then W) goes through each checkpointed block twice, which torch's selective "
+                   f"checkpointing refuses; use parallel.recompute=full or none, or schedule interleaved_1f1b.")
+    if mode == "execute" and rec in POLICIES and not POLICIES[rec].executes:
+        runs = [p for p in RECOMPUTE if p == "selective" or POLICIES[p].executes]
+        out.append(f"parallel.recompute={rec} ({POLICIES[rec].source}) is estimated, not executed: xpar runs "
+                   f"{', '.join(runs)}; e.g. parallel.recompute=selective, or run.mode=estimate.")
+    return out + _recompute_layers_problems(layout, recompute_layers)
+
+
+def _recompute_layers_problems(layout: Layout, k: Optional[int]) -> list[str]:
+    """parallel.recompute_layers null or 0..the blocks of the largest stage, with a policy."""
+    if k is None:
+        return []
+    most = max(layout.layer_split)
+    if layout.recompute == "none":
+        return [f"parallel.recompute_layers={k} needs a recompute policy, got parallel.recompute=none; e.g. "
+                f"parallel.recompute=full parallel.recompute_layers={k}, or parallel.recompute_layers=null."]
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
+        return [f"parallel.recompute_layers must be 0..{most} (blocks per stage, the largest stage holds {most}) "
+                f"or null (every block), got {k!r}; e.g. parallel.recompute_layers={most // 2}."]
     return []
 
 

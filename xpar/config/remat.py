@@ -1,0 +1,170 @@
+"""Rematerialisation (activation recompute) policies as the frameworks define them: what one
+transformer block keeps for backward besides its input, and which forward work its backward
+runs again. Pure (no torch), in the config layer so that validation, execution
+(xpar.parallel.recompute), the memory model (:mod:`xpar.estimate.activations`), the time model
+(:func:`xpar.estimate.cost.layer_costs`, :func:`xpar.estimate.cost.tp_times`) and the planner
+(xpar.plan) read the same table.
+
+``parallel.recompute`` names a policy; ``selective`` is the framework's own selective
+recompute (``framework.selective_recompute``: xpar's 'op', torchtitan's 'torchtitan_op',
+Megatron's 'attention'), so configs written before the named policies mean what they meant.
+
+========================  =====================================================  ======================
+policy                    a block keeps (besides its input)                      its backward reruns
+========================  =====================================================  ======================
+none                      everything autograd saves                              nothing
+full                      nothing (block input only; MaxText ``full``)            the whole forward
+attention                 all but the attention core (Megatron selective)        softmax, dropout, attention over values
+op                        every matmul and tp-collective output (xpar; MaxText   the attention core and the
+                          ``minimal`` with xpar's collectives)                   element-wise ops
+torchtitan_op             SDPA output, every other matmul output, reduce-scatter wk, wo (w3 with SwiGLU)
+save_dot_except_mlp       q, k, v and attention-output projections' outputs      attention core, w1 (and w3)
+save_qkv_proj             q, k, v projections' outputs                           attention core, wo, w1 (and w3)
+========================  =====================================================  ======================
+
+Sources: Megatron-LM ``--recompute-granularity selective`` (Korthikanti et al. 2022, Sec. 4.2:
+"checkpoint and recompute" the attention core: QK^T, softmax, softmax dropout, attention over
+V) and ``--recompute-granularity full --recompute-method block --recompute-num-layers N``
+(megatron/core/transformer/transformer_block.py ``_checkpointed_forward``: the first N layers of
+each model chunk recomputed, the rest not: ``parallel.recompute_layers``); torchtitan
+``activation_checkpoint.mode=selective, selective_ac_option=op``
+(torchtitan/models/llama3/infra/parallelize.py ``_save_list`` and ``_get_custom_policy``: mm,
+SDPA, reduce-scatter outputs saved, but every second mm recomputed), ``selective_ac_option=2``
+(every second block fully recomputed: ``framework.recompute_layer_fraction`` 0.5); MaxText
+``remat_policy`` (src/MaxText/layers/decoders.py ``get_remat_policy``: ``save_dot_except_mlp``
+= save_only_these_names(query_proj, key_proj, value_proj, qkv_proj, out_proj);
+``save_qkv_proj`` = (query_proj, key_proj, value_proj, qkv_proj); ``minimal`` = every
+projection; ``full`` = nothing). A rerun matmul is one whose output a backward needs and the
+policy does not keep: the MLP's down projection (w2) output is needed by no backward, so it is
+not rerun (JAX's remat prunes it; torch's checkpoint stops recomputing at the last saved
+tensor, ``torch.utils.checkpoint.set_checkpoint_early_stop``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
+"""The meanings of ``parallel.recompute=selective`` (``framework.selective_recompute``)."""
+RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj")
+"""Every value of ``parallel.recompute``."""
+PLAN_RECOMPUTE = ("none", "selective", "full", "save_dot_except_mlp", "save_qkv_proj")
+"""What ``xpar plan`` searches by default: the framework's own selective, and the MaxText
+policies xpar executes (the other selective meanings by name through ``plan.recompute``)."""
+SAC_POLICIES = ("op", "torchtitan_op", "attention", "save_dot_except_mlp", "save_qkv_proj")
+"""Policies run by selective activation checkpointing (one backward per block: not with the
+split backward of zero-bubble schedules, xpar.config.checks.layout.check_recompute)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One policy: the projections whose outputs its blocks keep (``keeps``: wq wk wv wo w1 w3
+    w2, 'context' for SDPA's output and log-sum-exp), the forward matmuls its backward reruns
+    (``reruns``), whether it reruns the attention core (``attention``), the tp collectives of
+    the forward its backward reruns (``tp_rerun``: in units of one all-reduce, or with sequence
+    parallelism one all-gather + reduce-scatter pair), and whether xpar executes it."""
+
+    keeps: tuple
+    reruns: tuple
+    attention: bool
+    tp_rerun: float
+    executes: bool
+    source: str
+
+
+ALL = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+POLICIES = {
+    "none": Policy(ALL, (), False, 0.0, True, "no recompute"),
+    "full": Policy((), ALL, True, 2.0, True, "Chen et al. 2016; Megatron --recompute-granularity full; MaxText full"),
+    "attention": Policy(ALL + ("context",), (), True, 0.0, False, "Megatron --recompute-granularity selective"),
+    "op": Policy(ALL, (), True, 0.0, True, "xpar SAC (xpar.parallel.recompute); MaxText minimal"),
+    "torchtitan_op": Policy(("wq", "wv", "w1", "w2", "context"), ("wk", "wo", "w3"), False, 0.0, False,
+                            "torchtitan selective_ac_option=op"),
+    "save_dot_except_mlp": Policy(("wq", "wk", "wv", "wo"), ("w1", "w3"), True, 1.0, True,
+                                  "MaxText remat_policy=save_dot_except_mlp"),
+    "save_qkv_proj": Policy(("wq", "wk", "wv"), ("wo", "w1", "w3"), True, 1.0, True,
+                            "MaxText remat_policy=save_qkv_proj"),
+}
+"""The policies (module docstring). ``tp_rerun``: full reruns both collectives of the forward;
+the MaxText policies rerun the attention output's (to rebuild the MLP's input), not the MLP's."""
+
+
+def policy_name(recompute: str, selective: str = "op") -> str:
+    """The policy ``parallel.recompute`` names: ``selective`` is the framework's
+    (``framework.selective_recompute``); the others are themselves.
+
+    Raises:
+        KeyError: a name that is no policy."""
+    name = selective if recompute == "selective" else recompute
+    if name not in POLICIES:
+        raise KeyError(f"parallel.recompute={recompute!r}; expected one of {RECOMPUTE}")
+    return name
+
+
+def policy_of(recompute: str, selective: str = "op") -> Policy:
+    """:class:`Policy` of ``parallel.recompute`` (:func:`policy_name`)."""
+    return POLICIES[policy_name(recompute, selective)]
+
+
+def projection_flops(cfg) -> dict[str, float]:
+    """Forward FLOPs per token of each projection of one block (2 per multiply-add; wq and wo h
+    x h, wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
+    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
+    return {"wq": 2 * h * h, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * h, "w1": 2 * h * f,
+            "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f}
+
+
+def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
+                                  causal: bool = False) -> float:
+    """Forward FLOPs per token one block's backward runs again under the policy (Narayanan et
+    al. 2021 convention, :func:`xpar.estimate.flops.forward_flops_per_token`: matmuls and the
+    attention core's scores and context, 4 s h; element-wise ops not counted). full: the whole
+    block's forward; save_dot_except_mlp: attention core + w1 (+ w3); Megatron's selective:
+    the attention core. Units: FLOP per token."""
+    p = policy_of(recompute, selective)
+    proj = projection_flops(cfg)
+    attention = 2 * 2 * seq_len * cfg.hidden * (0.5 if causal else 1.0)
+    return sum(proj[k] for k in p.reruns) + (attention if p.attention else 0.0)
+
+
+def stage_share(recompute: str, layers_in_stage: int, recompute_layers: Optional[int], fraction: float) -> float:
+    """Fraction of a stage's blocks the policy applies to: ``recompute_layers`` of them when
+    set (the first ones, Megatron's --recompute-num-layers with --recompute-method block; a
+    stage with fewer blocks recomputes all of its), else ``framework.recompute_layer_fraction``;
+    0 without recompute or blocks."""
+    if recompute == "none" or layers_in_stage <= 0:
+        return 0.0
+    if recompute_layers is None:
+        return fraction
+    return min(recompute_layers, layers_in_stage) / layers_in_stage
+
+
+def model_share(recompute: str, layer_split, recompute_layers: Optional[int], fraction: float) -> float:
+    """Fraction of the model's blocks recomputed: :func:`stage_share` weighted by each stage's
+    blocks (``layer_split``); equal to every stage's share when the split is balanced."""
+    total = sum(layer_split)
+    if not total:
+        return 0.0
+    return sum(n * stage_share(recompute, n, recompute_layers, fraction) for n in layer_split) / total
+
+
+def spec_share(spec, fraction: float) -> float:
+    """:func:`model_share` of a RunSpec (``parallel.recompute``, ``parallel.recompute_layers``,
+    its layout's split), with the framework's ``recompute_layer_fraction`` ``fraction``."""
+    par = spec.parallel
+    return model_share(par.recompute, spec.layout.layer_split, getattr(par, "recompute_layers", None), fraction)
+
+
+def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[float] = None) -> tuple[str, float]:
+    """(The policy a RunSpec runs, the share of its blocks recomputed): ``selective`` and
+    ``fraction`` default to the spec's framework profile (framework.selective_recompute,
+    framework.recompute_layer_fraction); the estimate passes its assumptions' values."""
+    fw = spec.framework
+    name = policy_name(spec.parallel.recompute, fw.selective_recompute if selective is None else selective)
+    return name, spec_share(spec, fw.recompute_layer_fraction if fraction is None else fraction)
+
+
+def extra_forward_flops_per_token(cfg, seq_len: int, policy: str, share: float, causal: bool = False) -> float:
+    """Forward FLOPs per token the whole model's backward reruns: ``share`` of the blocks times
+    :func:`extra_forward_flops_per_layer` (``policy`` a resolved name). Units: FLOP per token."""
+    return share * cfg.n_layers * extra_forward_flops_per_layer(cfg, seq_len, policy, causal=causal)
