@@ -390,11 +390,11 @@ def test_interleaved_order_is_torchs(pp, v):
 
 
 STILL_REFUSED = {
-    ("dgxc_nemo_h100_bf16", 5): "Nemotron-4 340B on 128 H100 (tp8 pp8 vp12 dp2): 92.5 GiB estimated against 79.2; "
-                                "the distributed optimizer's 12/dp bytes per parameter at dp 2 and fp32 main grads "
-                                "leave 26 GiB for Megatron's 103 in-flight layer activations (its interleaved warm-up); "
-                                "what NeMo 24.11 keeps smaller is not found yet (dp 4, row 6, fits since GQA's K/V are "
-                                "kept un-expanded under megatron_core)",
+    ("dgxc_nemo_h100_bf16", 5): "Nemotron-4 340B on 128 H100 (tp8 pp8 vp12 dp2): 81.7 GiB estimated against 79.2 "
+                                "(+3 %): bf16 params and main grads, the distributed optimizer's 12/dp bytes at dp 2, "
+                                "Megatron's 103 in-flight layers (its interleaved warm-up) at 267 MB each; a lead: apex's "
+                                "distributed_fused_adam (NeMo 24.11) may keep only 16-bit remainders of the fp32 master "
+                                "parameters (store_param_remainders), 2 bytes less per parameter, not confirmed",
     ("llama3_2024_table4", 0): "Llama 3 405B, 8K sequences without recompute (Llama 3 paper Sec. 3.3.2): Meta's own "
                                "schedule and early deallocation of stage inputs/outputs are not modelled (128 GiB estimated)",
     ("llama3_2024_table4", 1): "the same at dp 128 (97 GiB)",

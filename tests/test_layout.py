@@ -23,6 +23,10 @@ def test_schedule_registry_matches_torch():
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     for rec in SCHEDULES.values():
+        if not rec.executable:  # estimate-only (zb_h1, zb_h2): torch has no class for it
+            with pytest.raises(ValueError):
+                get_schedule_class(rec.torch_name)
+            continue
         assert get_schedule_class(rec.torch_name).__name__ == rec.torch_class, rec.name
     assert len({rec.torch_name for rec in SCHEDULES.values()}) == len(SCHEDULES)
 

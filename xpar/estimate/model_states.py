@@ -105,7 +105,8 @@ MEMORY_PROFILES = {
     "xpar": {},
     "torchtitan": dict(selective_recompute="torchtitan_op", fsdp_reshard_under_pp=False),
     "megatron": dict(selective_recompute="attention", param_storage="bf16", grad_bytes=4, ddp_bucket_copy=False,
-                     zero1="distributed_optimizer", replicated_embedding_grad=False, gqa_kv_expanded=False),
+                     zero1="distributed_optimizer", replicated_embedding_grad=False, gqa_kv_expanded=False,
+                     interleaved_m_per_pp=True),
     "deepspeed": dict(param_storage="bf16", grad_bytes=2, zero1="distributed_optimizer",
                       replicated_embedding_grad=False, gqa_kv_expanded=False),
 }

@@ -44,8 +44,10 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
     (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
-    ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed steps) and, with tp > 1, ``comm`` (``comm/tp_*_bytes``: payload bytes per step on this device, see
-    :class:`xpar.parallel.tensor.TPCommCounter`), ``first_step`` (this process's first step).
+    ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed
+    steps), ``comm`` (tp: ``comm/tp_*_bytes``, :class:`xpar.parallel.tensor.TPCommCounter`; dp: the
+    logged collectives, :class:`xpar.parallel.comm_log.CollectiveLog`), ``thread_cpu_s`` and
+    ``core_wait_s`` per step outside the logged collectives, ``first_step`` (this process's first).
     """
     spec = engine.spec
     first = start.step if start is not None else 0
@@ -65,8 +67,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
                 cpu_at_timed = task_cpu_ns([os.getpid()], main_only=True)
             with log:
                 loss, seconds, counter, cpu_s = _step(engine, data, step, tracker, accounting=(step == first))
-            inside = log.end_step()  # on a core / waiting for one inside collectives: their exposed time
-            thread_cpu.append((cpu_s[0] - inside[0], cpu_s[1] - inside[1]))
+            thread_cpu.append(tuple(a - b for a, b in zip(cpu_s, log.end_step())))  # less the collectives' own
             times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
@@ -75,9 +76,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
             if after_step is not None:
                 after_step(step, losses, times, lrs)
             if progress is not None:
-                progress[0].update(progress[1], advance=1,
-                                   description=f"step {step + 1}/{spec.train.steps}"
-                                               + ("" if loss is None else f" rank 0 loss {loss:.4f}"))
+                _advance(progress, step, spec.train.steps, loss)
     finally:
         if progress is not None:
             progress[0].stop()
@@ -101,6 +100,11 @@ def comm_groups(engine: Engine) -> dict:
     """The process groups whose Python-issued collectives are logged (:class:`CollectiveLog`):
     the dp axis's, when it has more than one rank."""
     return {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
+
+
+def _advance(progress, step: int, total: int, loss: Optional[float]) -> None:
+    progress[0].update(progress[1], advance=1, description=f"step {step + 1}/{total}"
+                       + ("" if loss is None else f" rank 0 loss {loss:.4f}"))
 
 
 def _before_loop(spec) -> None:
