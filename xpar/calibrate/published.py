@@ -13,11 +13,17 @@ from xpar.estimate.cost import Assumptions, estimate
 
 
 def preset(group: str, name: str) -> dict:
-    """A config-group preset from conf/ as a plain dict."""
+    """A config-group preset from conf/ as a plain dict, over the presets of its group that its
+    ``defaults`` list names (conf/framework/megatron_zb.yaml: megatron's, then its own)."""
     from omegaconf import OmegaConf
 
     from xpar.config.presets import conf_dir
-    return OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+    own = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+    out: dict = {}
+    for base in own.pop("defaults", None) or []:
+        if base != "_self_":
+            out.update(preset(group, base))
+    return {**out, **own}
 
 
 def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
@@ -71,7 +77,7 @@ def megatron_errors(rows: list[dict]) -> list[tuple[dict, float, float]]:
 
 # --- calibration across public sources, leave-one-source-out --------------------------------
 
-def _fw(name: str, **changes):
+def framework_assumptions(name: str, **changes):
     """A framework profile (conf/framework/<name>.yaml) as Assumptions, with ``changes``."""
     from dataclasses import replace
 
@@ -101,7 +107,7 @@ def torchtitan_row(row: dict):
     parallel = dict(name="fsdp2", dp=int(row["dp"]), tp=1, pp=1, zero_stage=3, micro_batches=1, recompute=recompute)
     hw = preset("hardware", "a100_80gb_64gpu")
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = _fw("torchtitan", recompute_layer_fraction=frac)
+    a = framework_assumptions("torchtitan", recompute_layer_fraction=frac)
     return make_spec(model, parallel, hw, train), a, float(row["wps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -115,7 +121,7 @@ def llama3_row(row: dict):
                     virtual_stages=2, micro_batches=int(row["batch_per_dp"]), layer_split=split,
                     sequence_parallel=True, recompute="none")
     train = dict(micro_batch_size=1, global_batch_size="auto", dtype="bf16", seq_len=int(row["seq"]))
-    a = _fw("megatron", flash_attention=True, dropout=False, dp_overlap=True, param_gather_overlap=True)
+    a = framework_assumptions("megatron", flash_attention=True, dropout=False, dp_overlap=True, param_gather_overlap=True)
     return make_spec(preset("model", "405b"), parallel, hw, train), a, float(row["tflops_per_gpu"]), "tflops"
 
 
@@ -130,7 +136,7 @@ def torchtitan_h100_row(row: dict):
     parallel = dict(name="fsdp2", dp=gpus, tp=1, pp=1, zero_stage=3, micro_batches=1, recompute=recompute)
     hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=max(1, gpus // 8), hbm_tb_per_s=2.4, device_memory_gb=96)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = _fw("torchtitan", recompute_layer_fraction=frac)
+    a = framework_assumptions("torchtitan", recompute_layer_fraction=frac)
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -160,7 +166,7 @@ def table2_zero3_row(row: dict):
     hw["nodes"] = gpus // int(hw["devices_per_node"])
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
                  dtype="bf16", seq_len=2048)
-    a = _fw("deepspeed_2021", flash_attention=False, dropout=True, fused_rmsnorm=False)
+    a = framework_assumptions("deepspeed_2021", flash_attention=False, dropout=True, fused_rmsnorm=False)
     return make_spec(gpt_2021_model(row), parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 
@@ -196,7 +202,7 @@ def mpt_row(row: dict):
         hw.update(device_memory_gb=42.3, hbm_tb_per_s=1.555)  # 42.3e9 bytes as the 40 GB device reports
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=2048)
-    a = _fw("llmfoundry", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")])
+    a = framework_assumptions("llmfoundry", grad_reduce_bytes=MPT_REDUCE_BYTES[row.get("mp_mode", "PURE")])
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -217,7 +223,7 @@ def ibm_fsdp_row(row: dict):
     hw = dict(preset("hardware", GPU_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
               inter_node_gb_per_s=float(row["fabric_gbps_per_node"]) / 8 / nics)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = _fw("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1")
+    a = framework_assumptions("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1")
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -293,7 +299,7 @@ def dgxc_row(row: dict, tp_overlap: float = DGXC_TP_OVERLAP):
     hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=gpus // 8)
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=int(row["seq"]))
-    a = _fw("megatron_core", dropout=row["dropout"] == "true", bucket_mb=float(row["bucket_mb"]), tp_overlap=tp_overlap,
+    a = framework_assumptions("megatron_core", dropout=row["dropout"] == "true", bucket_mb=float(row["bucket_mb"]), tp_overlap=tp_overlap,
             pp_overlap=1.0 if v > 1 else 0.0)
     ref = float(row["tokens_per_s"]) / gpus
     return make_spec(dgxc_model(row), parallel, hw, train), a, ref, "tokens_per_s_per_device"

@@ -347,7 +347,8 @@ class FrameworkConfig:
     """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
     parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
     grad_bytes: int = 4
-    """Bytes per held gradient element under mixed precision."""
+    """Bytes per held gradient element under mixed precision: 2 (bf16), 4 (fp32 main gradients),
+    6 (bf16 gradients beside an unsharded fp32 accumulation buffer: DeepSpeed's BF16_Optimizer)."""
     fsdp_reshard_under_pp: bool = True
     """ZeRO-3 under pp reshards parameters after each forward."""
     ddp_bucket_copy: bool = True

@@ -17,13 +17,15 @@ FRACTIONS = ("tp_overlap", "pp_overlap", "overlap_slowdown", "recompute_layer_fr
 
 
 def check_framework(fw: FrameworkConfig) -> list[str]:
-    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4."""
+    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4 (held: also 6)."""
     out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
            for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
             if not 0.0 <= getattr(fw, k) <= 1.0]
-    out += [f"framework.{k}={getattr(fw, k)} must be 2 or 4 (bytes per gradient element)."
-            for k in ("grad_reduce_bytes", "grad_bytes") if getattr(fw, k) not in (2, 4)]
+    out += [f"framework.grad_reduce_bytes={fw.grad_reduce_bytes} must be 2 or 4 (bytes per gradient element)."
+            for _ in [0] if fw.grad_reduce_bytes not in (2, 4)]
+    out += [f"framework.grad_bytes={fw.grad_bytes} must be 2, 4 or 6 (bytes per held gradient element; 6: bf16 "
+            f"gradients and an unsharded fp32 accumulation buffer)." for _ in [0] if fw.grad_bytes not in (2, 4, 6)]
     return out + offload_problems(fw) + recompute_list_problems(fw)
 
 
