@@ -673,3 +673,22 @@ def test_published_zero_bubble_schedules_are_estimated_under_their_framework():
     est = {s: estimate(spec_for(*base, f"parallel.schedule={s}")) for s in ("1f1b", "zb_h1", "zb_h2")}
     assert est["1f1b"].time_per_step_s > est["zb_h1"].time_per_step_s > est["zb_h2"].time_per_step_s
     assert est["zb_h1"].memory.activations == est["1f1b"].memory.activations < est["zb_h2"].memory.activations
+
+
+def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
+    """train.dtype=fp8 (issue 30): matmuls at hardware.peak_tflops_fp8 (H100: 1979 TFLOP/s, twice the
+    bf16 peak) over bf16 storage, so the matmul time halves and the memory stays bf16's; MFU is
+    against the FP8 peak. Refused on hardware without FP8 and in execute mode, in one line each."""
+    from tests.conftest import spec_for
+    from xpar.config.checks import ConfigError
+    base = ("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.recompute=full",
+            "run.mode=estimate")
+    bf16, fp8 = (estimate(spec_for(*base, f"train.dtype={d}")) for d in ("bf16", "fp8"))
+    assert fp8.time_breakdown["matmul"] == pytest.approx(bf16.time_breakdown["matmul"] / 2, rel=0.005)  # overlap shifts
+    assert fp8.memory.total == bf16.memory.total and fp8.time_per_step_s < bf16.time_per_step_s
+    assert fp8.mfu == pytest.approx(fp8.tflops_per_device / 1979, rel=1e-9)
+    for overrides, words in ((("hardware=a100_80gb_64gpu",), "has none"), (("run.mode=execute", "model=tiny",
+                             "hardware=local", "parallel=dp", "train=default"), "estimated, not executed")):
+        with pytest.raises(ConfigError) as e:
+            spec_for(*base, "train.dtype=fp8", *overrides)
+        assert words in str(e.value)

@@ -157,6 +157,9 @@ class HardwareConfig:
     """Dense peak per device for bf16/fp16 (tensor cores on GPUs) in TFLOP/s (1e12 FLOP/s); None
     measures, on hardware=local with a CPU only: refused on other hardware and for an estimate of a
     local GPU (xpar.config.checks.hardware). MFU is measured against it."""
+    peak_tflops_fp8: Optional[float] = None
+    """Dense FP8 peak per device in TFLOP/s, what train.dtype=fp8 matmuls run at (H100/H200 SXM:
+    1979, NVIDIA datasheet); None: the device has no FP8 matmuls (A100, a CPU): fp8 is refused."""
     peak_tflops_fp32: Optional[float] = None
     """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
     fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""

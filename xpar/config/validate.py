@@ -88,12 +88,28 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
                                        layout.micro_batches, bool(c.parallel.sequence_parallel))
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
+    problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):
         problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
                         f"CUDA devices; reduce the degrees or use run.mode=estimate.")
     _raise_if(problems)
     return build_spec(c, target, layout)
+
+
+def fp8_problems(dtype: str, hw, mode: str) -> list[str]:
+    """train.dtype=fp8 needs FP8 matmuls (hardware.peak_tflops_fp8) and is estimated only: xpar
+    executes bf16 and fp32 (FP8 runs need torchao float8 on an H100-class GPU)."""
+    if dtype != "fp8":
+        return []
+    if mode == "execute":
+        return [f"train.dtype=fp8 is estimated, not executed, by xpar (FP8 matmuls need an H100-class GPU and "
+                f"torchao float8; this run's device is {hw.device}); estimate it with run.mode=estimate "
+                f"hardware=h100_80gb_64gpu, or run train.dtype=bf16."]
+    if not hw.peak_tflops_fp8:
+        return [f"train.dtype=fp8 needs FP8 matmuls; hardware={hw.name} has none (hardware.peak_tflops_fp8 unset); "
+                f"use an H100/H200 preset (hardware=h100_80gb_64gpu) or train.dtype=bf16."]
+    return []
 
 
 def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:

@@ -212,8 +212,11 @@ def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
 def compute_peak(hw: HardwareConfig, dtype: str) -> float:
     """FLOP/s the matmuls of ``dtype`` run at: ``peak_tflops_fp32`` for fp32 where the preset
     gives it (A100: 19.5, H100 SXM: 67 TFLOP/s, NVIDIA datasheets: torch's fp32 matmuls use no
-    TF32 by default), else ``peak_tflops``; 0 when unknown."""
+    TF32 by default), ``peak_tflops_fp8`` for fp8 (H100 SXM: 1979), else ``peak_tflops``; 0 when
+    unknown."""
     tflops = hw.peak_tflops_fp32 if dtype == "fp32" and hw.peak_tflops_fp32 else hw.peak_tflops
+    if dtype == "fp8":
+        tflops = hw.peak_tflops_fp8
     return (tflops or 0) * 1e12
 
 

@@ -77,7 +77,7 @@ class DpTiming:
 def grad_bytes(spec: RunSpec, assume) -> int:
     """Bytes per gradient element that the dp reduction moves: the framework's
     ``grad_reduce_bytes`` under bf16 (4: fp32 reduce, xpar's and torchtitan's recipe), 4 for fp32."""
-    return assume.grad_reduce_bytes if spec.train.dtype == "bf16" else 4
+    return assume.grad_reduce_bytes if spec.train.dtype != "fp32" else 4
 
 
 def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:

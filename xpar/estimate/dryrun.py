@@ -143,8 +143,10 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
 
 def buildable(spec: RunSpec) -> RunSpec:
     """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
-    torch class) as 1F1B, whose stages, wrappers and parameters are the same."""
+    torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters)."""
     from xpar.config.layout import SCHEDULES
+    if spec.train.dtype == "fp8":
+        spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if SCHEDULES[spec.parallel.schedule].executable:
         return spec
     return replace(spec, parallel=replace(spec.parallel, schedule="1f1b"), layout=replace(spec.layout, schedule="1f1b"))

@@ -13,8 +13,11 @@ from xpar.config.remat import SELECTIVE_POLICIES  # the meanings of recompute=se
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 
-BYTES = {"fp32": 4, "bf16": 2}
-STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+"""Bytes per element of the activations and compute copies by train.dtype: fp8 trains with bf16
+storage and FP8 matmuls (torchtitan's float8 converter, Transformer Engine's fp8 recipes: the
+activations and weights outside the matmuls stay bf16; FP8 casts are transient)."""
+STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8), "fp8": (2, 2, 12)}
 """Bytes per parameter (params, grads, optimizer states) in the ZeRO paper's accounting: 2 + 2
 + K, K = 12, for bf16 mixed precision; fp32 AdamW 4 + 4 + 8. Used for the paper's formula and
 the dry run's element counts; what a framework keeps is :func:`state_widths`."""

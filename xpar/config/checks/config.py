@@ -16,7 +16,7 @@ CHOICES = {
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": RECOMPUTE,  # xpar.config.remat
-    "train.dtype": ("fp32", "bf16"),
+    "train.dtype": ("fp32", "bf16", "fp8"),
     "train.on_nonfinite": ("stop", "skip", "ignore"),
     "sweep.goal": ("max", "min"),
     "data.kind": ("synthetic", "text"),
