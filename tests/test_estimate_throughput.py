@@ -692,3 +692,35 @@ def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
         with pytest.raises(ConfigError) as e:
             spec_for(*base, "train.dtype=fp8", *overrides)
         assert words in str(e.value)
+
+
+def test_context_parallelism_is_priced_as_dp_ranks_on_a_sequence_share_plus_the_kv_gathers():
+    """parallel.cp (issue 30): cp ranks per sequence hold s / cp tokens (activations / cp), shard
+    ZeRO over dp x cp, and add per layer an all-gather of K and V and its gradients' reduce-scatter,
+    exposed (xpar.estimate.context_parallel); the world is dp x cp x tp x pp."""
+    from tests.conftest import spec_for
+    from xpar.estimate.context_parallel import cp_layer_times, fold_cp
+    base = ("model=70b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.zero_stage=3", "parallel.recompute=full",
+            "parallel.micro_batches=auto", "train=cluster", "train.seq_len=32768", "train.global_batch_size=16",
+            "train.micro_batch_size=1", "run.mode=estimate")
+    one, two = (spec_for(*base, f"parallel.cp={cp}") for cp in (1, 2))
+    assert two.world_size == 64 and two.dp * two.layout.cp == one.dp and two.global_batch == 16
+    e1, e2 = estimate(one), estimate(two)
+    assert e2.memory.activations == pytest.approx(e1.memory.activations / 2, rel=0.01)
+    assert e2.memory.params == e1.memory.params  # ZeRO-3 shards over dp x cp: the same 8 ranks as dp 8
+    t = cp_layer_times(two)
+    assert e2.time_breakdown["cp_comm"] == pytest.approx(two.micro_batches * 80 * (t["f"] + t["b"]))
+    folded = estimate(fold_cp(two))
+    assert e2.time_per_step_s == pytest.approx(folded.time_per_step_s + e2.time_breakdown["cp_comm"])
+    assert e2.tokens_per_s == pytest.approx(two.tokens_per_step / e2.time_per_step_s)
+
+
+def test_context_parallel_checks():
+    from tests.conftest import spec_for
+    from xpar.config.checks import ConfigError
+    for overrides, words in ((("parallel.cp=3", "run.mode=estimate", "model=70b", "hardware=h100_80gb_64gpu",
+                               "train=cluster", "parallel.tp=8"), "cp values that work"),
+                             (("parallel.cp=2", "parallel.dp=1"), "estimated, not executed yet")):
+        with pytest.raises(ConfigError) as e:
+            spec_for(*overrides)
+        assert words in str(e.value), str(e.value)

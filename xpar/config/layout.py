@@ -210,6 +210,10 @@ class Layout:
     """The ZeRO stage that runs (:func:`zero_stage_run`)."""
     sequence_parallel: bool = False
     recompute: str = "none"
+    cp: int = 1
+    """Context-parallel degree: cp ranks share each sequence, s / cp tokens each (Llama 3 paper Sec.
+    3.3.2; torchtitan, Megatron-Core); inside dp in the rank order (pp, dp, cp, tp, as both order
+    theirs); estimated, not executed yet (xpar.config.checks.layout.check_cp)."""
     _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -219,7 +223,7 @@ class Layout:
     # --- sizes ---------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def global_batch(self) -> int:

@@ -87,10 +87,12 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
     return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes)), problems
 
 
-def resolve_dp(dp, tp: int, pp: int, target: Target) -> tuple[int, list[str]]:
-    """dp from 'auto' (world / (tp pp); a local run fills this machine's devices), checked
-    against the world size."""
-    world, source, tp_pp = target.world, target.source, tp * pp
+def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1) -> tuple[int, list[str]]:
+    """dp from 'auto' (world / (tp pp cp); a local run fills this machine's devices), checked
+    against the world size (cp: context-parallel ranks share each sequence; tp x cp in messages)."""
+    world, source, tp_pp = target.world, target.source, tp * pp * cp
+    if cp > 1:
+        tp = f"{tp}, cp={cp}"
     if dp == "auto":
         if world is None:
             return max(1, int(target.hardware.devices_per_node) // tp_pp), []
@@ -147,7 +149,7 @@ def resolve_layer_split(n_layers: int, given, n_stages: int) -> list[int]:
 def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     """The resolved layout of ``c`` on ``target``, and the violations met resolving it."""
     par, tr, model = c.parallel, c.train, c.model
-    dp, problems = resolve_dp(par.dp, par.tp, par.pp, target)
+    dp, problems = resolve_dp(par.dp, par.tp, par.pp, target, par.cp)
     b = max(1, tr.micro_batch_size)
     m, B, batch_problems = resolve_batch(b, par.micro_batches, tr.global_batch_size, max(dp, 1))
     v = resolve_virtual_stages(par.schedule, par.pp, par.virtual_stages)
@@ -157,7 +159,7 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,
                     zero_stage=_zero_stage(c, target),
-                    sequence_parallel=par.sequence_parallel, recompute=par.recompute)
+                    sequence_parallel=par.sequence_parallel, recompute=par.recompute, cp=par.cp)
     return layout, problems + batch_problems
 
 

@@ -98,6 +98,10 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron column/row splits within a layer)."""
     pp: int = 1
     """Pipeline-parallel degree (stages across layers)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (s / cp tokens each, causal load
+    balancing: 2 cp chunks); K and V all-gathered per layer (Llama 3 paper Sec. 3.3.2). World size
+    = dp x cp x tp x pp. Estimated; execute mode refuses cp > 1 (not executed yet)."""
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""

@@ -78,6 +78,7 @@ from xpar.estimate.model_states import (
 )
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
+from xpar.estimate.context_parallel import cp_layer_times, fold_cp
 from xpar.estimate.schedule import bubble_theory
 
 GEMM_HALF_DIM = 32.0
@@ -434,6 +435,8 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     for the formulas and the calibration.
     """
     assume = assumptions_for(spec) if assume is None else assume
+    if spec.layout.cp > 1:
+        return _with_cp_comm(spec, estimate(fold_cp(spec), assume))
     spec = waits_unstretched(spec, spec.world_size)
     par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
     notes: list[str] = []
@@ -453,6 +456,21 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
     est.comm_time, est.framework, est.offload = comm_time, assume.name, off
     return est
+
+
+def _with_cp_comm(spec: RunSpec, est: Estimate) -> Estimate:
+    """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
+    K/V all-gathers and gradient reduce-scatters of the fullest rank's layers, m per step, exposed
+    (``cp_comm`` in the breakdown, ``cp`` in comm_time)."""
+    t = cp_layer_times(spec)
+    layers = max(spec.layout.layers_of(r) for r in range(spec.pp))
+    issued = spec.micro_batches * layers * (t["f"] + t["b"])
+    breakdown = dict(est.time_breakdown, cp_comm=issued)
+    out = _result(fold_cp(spec), est.memory, est.time_per_step_s + issued, breakdown, est.bubble_ratio,
+                  est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "
+                                                     f"s / cp tokens each, K/V all-gathers exposed"])
+    out.comm_time, out.framework, out.offload = dict(est.comm_time, cp=issued), est.framework, est.offload
+    return out
 
 
 def _offload(spec: RunSpec, assume: Assumptions, pp_rank: int, x: dict, notes: list[str]) -> dict:

@@ -145,6 +145,8 @@ def buildable(spec: RunSpec) -> RunSpec:
     """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters)."""
     from xpar.config.layout import SCHEDULES
+    from xpar.estimate.context_parallel import fold_cp
+    spec = fold_cp(spec)  # cp ranks build as dp ranks: the same parameters, sharded over dp x cp
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if SCHEDULES[spec.parallel.schedule].executable:

@@ -70,6 +70,7 @@ from typing import Optional
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.activations import activation_terms, recompute_notes, schedule_peak
+from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.model_states import (
     MemoryOptions,
     _model_key,
@@ -230,6 +231,7 @@ def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options)
     :class:`MemoryOptions` (also the legacy ``flash``, ``dropout``, ``fused_rmsnorm``,
     ``sp_saves_gathered``). See the module docstring for the terms."""
     o = MemoryOptions.of(assume, **options)
+    spec = fold_cp(spec)  # cp ranks hold s / cp tokens and shard over dp x cp (xpar.estimate.context_parallel)
     best = None
     for r in (range(spec.pp) if pp_rank is None else [pp_rank]):
         est = rank_memory(spec, r, o)

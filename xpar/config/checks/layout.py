@@ -127,6 +127,20 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     return out
 
 
+def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
+    """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
+    chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated only."""
+    cp, s = layout.cp, layout.seq_len
+    if cp > 1 and s % (2 * cp):
+        ok = [c for c in range(1, 17) if s % (2 * c) == 0]
+        return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
+                f"seq_len={s} is not divisible; cp values that work: {ok}."]
+    if cp > 1 and mode == "execute":
+        return [f"parallel.cp={cp} is estimated, not executed yet, by xpar; estimate it with run.mode=estimate, "
+                f"or run parallel.cp=1."]
+    return []
+
+
 def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """Experts are executed with dp / ZeRO and pp (each rank holds every expert of its blocks);
     splitting them over tp is estimated only (as Megatron-Core's expert tensor parallelism)."""
