@@ -423,3 +423,31 @@ def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
                      "calibration": [errors([c], everything[c[0]])[0] for c in cases],
                      "held_out": [errors([c], without[c[0]])[0] for c in cases]}
     return out
+
+
+def cp_fp8_case(row: dict):
+    """(spec, assumptions, metric, published value) of a dense H100 row of tests/data/cp_fp8_h100.csv
+    (context parallelism and/or FP8; Llama shapes), or None for a MoE row, another GPU or a row
+    without its layout. Framework: torchtitan for torchtitan's rows, megatron_core (NeMo,
+    Megatron-LM, dgxc) for the others; an uneven pp x vp split as Megatron balances it."""
+    needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
+    if row["moe"] != "false" or not row["gpu"].startswith("H100") or not all(row[k] for k in needed):
+        return None
+    L, pp, vp = int(row["layers"]), int(row["pp"] or 1), int(row["vp"] or 1)
+    n = pp * vp
+    model = dict(name=row["id"], n_layers=L, hidden=int(row["hidden"]), n_heads=int(row["heads"]),
+                 n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"] or 128256),
+                 seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
+                 tied_embeddings=False, bias=False)
+    titan = row["id"].startswith("torchtitan")
+    recompute = (row["recompute"] or "none").split()[0]
+    par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
+               zero_stage=3 if titan else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full") else "none",
+               sequence_parallel=int(row["tp"] or 1) > 1,
+               layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
+    hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=max(1, int(row["gpus"]) // 8))
+    train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
+                 dtype=row["dtype"], seq_len=int(row["seq"]))
+    return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core"),
+            row["metric"], float(row["value"]))

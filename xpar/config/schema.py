@@ -164,6 +164,10 @@ class HardwareConfig:
     peak_tflops_fp8: Optional[float] = None
     """Dense FP8 peak per device in TFLOP/s, what train.dtype=fp8 matmuls run at (H100/H200 SXM:
     1979, NVIDIA datasheet); None: the device has no FP8 matmuls (A100, a CPU): fp8 is refused."""
+    fp8_matmul_efficiency: float = 1.0
+    """Of FP8 matmuls, the fraction of the bf16 matmul efficiency (xpar.estimate.cost.matmul_efficiency)
+    they reach at their own peak, casts included; 1.0 where unknown (the H100 presets: 0.78, fitted on
+    published FP8 runs, tests/data/cp_fp8_h100.csv)."""
     peak_tflops_fp32: Optional[float] = None
     """Dense fp32 peak per device in TFLOP/s, what train.dtype=fp32 matmuls run at (torch's default
     fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""

@@ -228,7 +228,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
     peak, hbm = compute_peak(hw, spec.train.dtype), (hw.hbm_tb_per_s or 0) * 1e12
-    rate = peak * matmul_efficiency(hw, h / t)
+    rate = peak * matmul_efficiency(hw, h / t) * (hw.fp8_matmul_efficiency if spec.train.dtype == "fp8" else 1.0)
     fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
