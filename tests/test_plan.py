@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from xpar.calibrate.published import preset, read_table
-from xpar.plan.command import PlanRefused, search
+from xpar.plan.command import search
 from xpar.plan.context import PlanContext, row, spec_of
 from xpar.plan.inputs import PlanInputs, plan_inputs
 from xpar.plan.space import RULES, Constraints, enumerate_layouts

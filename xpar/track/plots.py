@@ -77,15 +77,19 @@ def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
     """Save the timeline PNG in ``out_dir`` and log it to the active MLflow run, if any."""
     if not timeline:
         return None
+    return save_and_log(timeline_figure(timeline), out_dir, TIMELINE_FILE)
+
+
+def save_and_log(fig, out_dir: Path, name: str) -> Path:
+    """Save ``fig`` as ``out_dir/name`` (100 dpi), log it to the active MLflow run if any, close it."""
     import matplotlib.pyplot as plt
 
-    fig = timeline_figure(timeline)
-    path = Path(out_dir) / TIMELINE_FILE
+    path = Path(out_dir) / name
     fig.savefig(path, dpi=100)
     try:
         import mlflow
         if mlflow.active_run() is not None:
-            mlflow.log_figure(fig, TIMELINE_FILE)
+            mlflow.log_figure(fig, name)
     finally:
         plt.close(fig)
     return path
@@ -138,18 +142,8 @@ def record_step_split(extra: dict, step_time_s: float, out_dir: Path) -> Optiona
     measured = step_split_terms(extra, step_time_s)
     if not measured:
         return None
-    import matplotlib.pyplot as plt
-
     estimated = {k[len("fidelity/estimate_time_"):-2]: v for k, v in extra.items()
                  if k.startswith("fidelity/estimate_time_") and v}
     bars = [("measured", measured)] + ([("estimated", estimated)] if estimated else [])
     fig = step_split_figure(bars, "where one step went (measured: thread CPU and blocked collectives)")
-    path = Path(out_dir) / STEP_SPLIT_FILE
-    fig.savefig(path, dpi=100)
-    try:
-        import mlflow
-        if mlflow.active_run() is not None:
-            mlflow.log_figure(fig, STEP_SPLIT_FILE)
-    finally:
-        plt.close(fig)
-    return path
+    return save_and_log(fig, out_dir, STEP_SPLIT_FILE)
