@@ -342,7 +342,7 @@ def test_the_corpus_of_known_runs_spans_the_frameworks():
     """At least 25 published layouts from at least 5 framework profiles, each with its source."""
     assert len(KNOWN) >= 25 and all(r["source"] for r in KNOWN)
     frameworks = {r["framework"] for r in KNOWN}
-    assert len(frameworks) >= 5 and {"deepspeed", "torchtitan", "llmfoundry", "megatron_core"} <= frameworks, frameworks
+    assert len(frameworks) >= 5 and {"deepspeed", "torchtitan", "llmfoundry", "megatron_core", "megatron", "maxtext"} <= frameworks
 
 
 @pytest.mark.parametrize("row", KNOWN, ids=lambda r: r["id"])

@@ -61,7 +61,8 @@ def test_framework_config_mirrors_assumptions():
     assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
 
 
-@pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry"])
+@pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry",
+                                  "megatron_zb", "deepspeed_bloom", "maxtext"])
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.config.recorded import resolved_config
     runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)
@@ -236,10 +237,11 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap."""
     from dataclasses import replace
 
-    from xpar.calibrate.published import DGXC_TP_OVERLAP, _fw
+    from xpar.calibrate.published import DGXC_TP_OVERLAP
+    from xpar.calibrate.published import framework_assumptions as _fw
 
     core = _fw("megatron_core")
     assert (core.flash_attention, core.dp_overlap, core.param_gather_overlap, core.zero1, core.tp_overlap) == \
         (True, True, True, "distributed_optimizer", DGXC_TP_OVERLAP)
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
-                   param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP) == core
+                   param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2) == core

@@ -622,7 +622,8 @@ def test_a_plan_over_nodes_without_an_inter_node_figure_is_one_line_and_its_comm
 
 # --- issue 27: the plan finds the published layouts of the corpus, one per framework -----------
 
-CORPUS_ROWS = ["llama31_8b_fsdp8_h100", "gpt_neox_20b", "mpt_7b_h100_8gpu_s2048", "nemotron4_15b_tp2_h100_64"]
+CORPUS_ROWS = ["llama31_8b_fsdp8_h100", "gpt_neox_20b", "mpt_7b_h100_8gpu_s2048", "nemotron4_15b_tp2_h100_64",
+               "llama2_70b_maxtext_fsdp64_h100"]
 """One known run per framework profile but megatron (Narayanan et al. Table 1 is planned above) and
 deepspeed_bloom: BLOOM's 70 blocks over 12 stages (5 on each end, 6 between) are an uneven split,
 which the plan's space does not search yet (it keeps pp x v dividing the layers)."""
