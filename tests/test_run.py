@@ -43,7 +43,10 @@ def test_main_job_records_one_finished_run(tmp_path):
     lrs = client.get_metric_history(run["run_id"], "train/lr")  # the lr each step used
     assert [h.step for h in lrs] == [0, 1, 2, 3] and lrs[0].value == pytest.approx(float(run["params.train.lr"]))
     artifacts = {a.path for a in client.list_artifacts(run["run_id"])}
-    assert {"config.yaml", "ranks.json"} <= artifacts
+    assert {"config.yaml", "ranks.json", "step_split.png"} <= artifacts
+    # measured communication (DDP's bucket all-reduce, from its logger) beside the estimate's bytes (issue 31)
+    assert run["metrics.comm/dp_allreduce_bytes"] == run["metrics.fidelity/estimate_comm_dp_allreduce_bytes"] > 0
+    assert run["metrics.time/compute_cpu_s"] > 0 and run["metrics.comm/dp_allreduce_calls"] >= 1
     local = client.download_artifacts(run["run_id"], "config.yaml", str(tmp_path))
     assert "zero_stage: 0" in open(local).read()
     assert (tmp_path / "mlartifacts").is_dir()  # artifacts beside the store, not in a temp dir

@@ -50,11 +50,11 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
 
 def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     """``fidelity/estimate_comm_<axis>_<kind>_bytes``: the estimate's payload bytes per step per
-    device of each collective the run measured (``comm/<axis>_<kind>_bytes``, the same
+    device of each collective it counts (none where it counts 0), beside what the run measured (``comm/<axis>_<kind>_bytes``, the same
     convention: xpar.estimate.run.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     from xpar.estimate.run import comm_metrics
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
-           if k.endswith("_bytes") and not k.endswith("_ring_bytes")}
+           if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
     if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
         # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
         out["fidelity/estimate_comm_dp_broadcast_bytes"] = out.pop("fidelity/estimate_comm_dp_allgather_bytes")
