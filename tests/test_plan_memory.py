@@ -243,7 +243,11 @@ def test_parameter_shapes_are_the_models():
             with torch.device("meta"):
                 model = Transformer(cfg, layers=list(range(n_blocks)), first=first, last=last)
             want = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
-            assert _meta_shapes(_model_key(cfg), n_blocks, first, last) == want, (name, n_blocks, first, last)
+            moe = [cfg.is_moe_layer(i) for i in range(n_blocks)]
+            if len(set(moe)) > 1:  # blocks of both kinds: tests/test_moe.py checks the stage list
+                continue
+            got = _meta_shapes(_model_key(cfg), n_blocks, first, last, bool(moe and moe[0]))
+            assert got == want, (name, n_blocks, first, last)
 
 
 def test_memory_columns_imports_no_torch():

@@ -159,7 +159,7 @@ def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[flo
     """(The policy a RunSpec runs, the share of its blocks recomputed): ``selective`` and
     ``fraction`` default to the spec's framework profile (framework.selective_recompute,
     framework.recompute_layer_fraction); the estimate passes its assumptions' values."""
-    fw = spec.framework
+    fw = spec.framework if selective is None or fraction is None else None  # a bare spec (calibrate) passes both
     name = policy_name(spec.parallel.recompute, fw.selective_recompute if selective is None else selective)
     return name, spec_share(spec, fw.recompute_layer_fraction if fraction is None else fraction)
 

@@ -145,6 +145,10 @@ class CollectiveLog:
         inside, self.inside = tuple(self.inside), [0.0, 0.0]
         return inside
 
+    def exposed_per_step(self) -> list[float]:
+        """Exposed seconds of every logged collective, per closed step."""
+        return [sum(rec[2] for rec in step.values()) for step in self.steps]
+
     def per_step(self, first: int = 0) -> dict[str, float]:
         """Means over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per
         step per device) and ``time/comm_<axis>_<kind>_exposed_s`` / ``_issued_s``."""
