@@ -94,8 +94,8 @@ def run_specs(spec_dicts: list[dict]) -> list[list]:
         with tf.TemporaryDirectory() as out:
             stats = run_rank(RunSpec.from_dict(d), Path(out))
         if stats is not None:
-            timing = [{k: s.get(k) for k in ("comm", "thread_cpu_s", "core_wait_s", "comm_exposed_s", "step_times_s")}
-                      for s in stats]
+            timing = [{k: s.get(k) for k in ("comm", "thread_cpu_s", "core_wait_s", "comm_exposed_s", "step_times_s",
+                                              "cpu_share")} for s in stats]
             results.append([[s["losses"] for s in stats], [s["memory"] for s in stats], timing])
     return results
 

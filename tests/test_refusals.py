@@ -126,7 +126,7 @@ CATALOGUE = [
     ("train.lr=-1", "train.lr must be > 0", "train.lr=3e-4"),
     ("train.weight_decay=-1", "train.weight_decay must be >= 0", None),
     ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1", None),
-    ("train.dtype=fp16", "train.dtype must be one of ['fp32', 'bf16']", None),
+    ("train.dtype=fp16", "train.dtype must be one of ['fp32', 'bf16', 'fp8']", None),
     ("train.max_grad_norm=0", "train.max_grad_norm must be > 0 or null", None),
     ("train.lr_schedule=linear", "train.lr_schedule='linear' is unknown", None),
     ("train.lr_warmup_steps=100", "train.lr_warmup_steps must satisfy", None),
