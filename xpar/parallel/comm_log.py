@@ -5,10 +5,10 @@ FSDP2 (ZeRO-2/3) calls ``all_gather_single`` and ``reduce_scatter_single``
 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.13), ZeroRedundancyOptimizer
 (ZeRO-1) ``broadcast`` of each updated parameter, xpar's zero-bubble reduction and FSDP2's
 replicated-gradient path ``all_reduce``. :class:`CollectiveLog` replaces those functions for the
-time of the training loop with wrappers that record each call; the call itself is unchanged
+time of each step with wrappers that record each call; the call itself is unchanged
 (same arguments, same result), so the run's numbers are unchanged. Not seen here: DDP's gradient
-all-reduce (its C++ reducer calls the process group directly; its bytes come from the reducer's
-buckets, :func:`ddp_bucket_bytes`), DTensor's tp collectives (functional collectives, counted by
+all-reduce (its C++ reducer calls the process group directly; its bytes and times come from torch's
+DDP logger, :func:`ddp_comm`), DTensor's tp collectives (functional collectives, counted by
 :class:`xpar.parallel.tensor.TPCommCounter`) and pipeline sends (timed by the schedule's records).
 
 Per call: payload bytes as :class:`~xpar.parallel.tensor.TPCommCounter` counts them (the gathered
