@@ -214,6 +214,10 @@ class Layout:
     """Context-parallel degree: cp ranks share each sequence, s / cp tokens each (Llama 3 paper Sec.
     3.3.2; torchtitan, Megatron-Core); inside dp in the rank order (pp, dp, cp, tp, as both order
     theirs); estimated, not executed yet (xpar.config.checks.layout.check_cp)."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of each MoE layer split over ep ranks taken inside dp x cp
+    (consecutive dp x cp ranks, as Megatron-Core's and torchtitan's); adds no ranks. Expert
+    states are replicated over the dp x cp / ep ranks left (their gradients reduced there)."""
     _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +228,11 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks sharing one expert's states: dp x cp / ep (the expert-data-parallel degree)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:

@@ -159,7 +159,8 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,
                     zero_stage=_zero_stage(c, target),
-                    sequence_parallel=par.sequence_parallel, recompute=par.recompute, cp=par.cp)
+                    sequence_parallel=par.sequence_parallel, recompute=par.recompute, cp=par.cp,
+                    ep=par.ep)
     return layout, problems + batch_problems
 
 

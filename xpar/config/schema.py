@@ -102,6 +102,10 @@ class ParallelConfig:
     """Context-parallel degree: each sequence split over cp ranks (s / cp tokens each, causal load
     balancing: 2 cp chunks); K and V all-gathered per layer (Llama 3 paper Sec. 3.3.2). World size
     = dp x cp x tp x pp. Estimated; execute mode refuses cp > 1 (not executed yet)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep ranks (E / ep each), tokens
+    sent to their experts' ranks and back by all-to-all. The ep ranks are taken inside dp x cp
+    (Megatron-Core and torchtitan do so): it adds no ranks, ep must divide dp x cp and E."""
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""

@@ -52,6 +52,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
+            + layout_checks.check_ep(c.model, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))

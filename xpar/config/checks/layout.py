@@ -141,6 +141,25 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     return []
 
 
+def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
+    """ep > 1 needs experts; ep divides the experts E and the dp x cp ranks it is taken from;
+    estimated only until xpar runs it."""
+    ep, ranks, n = layout.ep, layout.dp * layout.cp, model.n_experts
+    if ep == 1:
+        return []
+    if not n:
+        return [f"parallel.ep={ep} splits experts, but model={model.name} has none; use a MoE model "
+                f"(e.g. model=moe_tiny) or parallel.ep=1."]
+    ok = [k for k in range(1, ranks + 1) if ranks % k == 0 and n % k == 0]
+    if ranks % ep or n % ep:
+        return [f"parallel.ep={ep} must divide the experts (model.n_experts={n}) and the dp x cp ranks it is "
+                f"taken from (dp={layout.dp} x cp={layout.cp} = {ranks}); ep values that work: {ok}."]
+    if mode == "execute":
+        return [f"parallel.ep={ep} is estimated, not executed yet, by xpar; estimate it with run.mode=estimate, "
+                f"or run parallel.ep=1."]
+    return []
+
+
 def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """Experts are executed with dp / ZeRO and pp (each rank holds every expert of its blocks);
     splitting them over tp is estimated only (as Megatron-Core's expert tensor parallelism)."""
