@@ -729,8 +729,6 @@ def test_context_parallel_checks():
 
 
 CP_FP8_STILL_REFUSED = {
-    "mlm_llama3_70b_fp8_64": "no recompute at pp 8 x vp 5: 84 GiB; Transformer Engine's FP8 linears keep their inputs "
-                             "in FP8 (1 byte, not bf16's 2) for the weight gradient, not modelled yet",
     "llama3_paper_405b_8192_cp1": "Llama 3 405B without recompute (as llama3_2024_table4 in test_estimate_memory)",
     "llama3_paper_405b_16384_cp1": "the same",
     "llama3_paper_405b_16384_cp16": "the same at 131072 tokens over cp 16: 8192 per rank, the same activations",
@@ -738,13 +736,16 @@ CP_FP8_STILL_REFUSED = {
 """Rows of tests/data/cp_fp8_h100.csv the memory check still refuses, and why."""
 
 
-def test_published_context_parallel_and_fp8_runs():
-    """Dense runs with cp and/or FP8 (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM, NeMo, Megatron-Bridge,
-    Llama 3 paper): none refused by the memory check but :data:`CP_FP8_STILL_REFUSED`, median |error| of the published figure within
-    15 % (issue 30); FP8's efficiency (hardware.fp8_matmul_efficiency) is fitted on the dgxc rows and
-    the other FP8 rows hold it out: their median |error| is within 15 % too."""
+def test_published_context_parallel_moe_and_fp8_runs():
+    """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
+    NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers; 36 on H100/H800): none
+    refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
+    figure within 15 % over all of them (issue 30; measured 12.2 %), within 20 % over the 19 MoE
+    rows alone (measured 18.7 %: Grok-1's FP8 rows +18-29 %, Qwen3-30B-A3B's small experts +214 %);
+    FP8's efficiency (hardware.fp8_matmul_efficiency) is fitted on the dgxc rows and the other
+    dense FP8 rows hold it out: their median |error| is within 15 % too."""
     from xpar.calibrate.published import cp_fp8_case, read_table
-    errors, refused, held_out = {}, [], []
+    errors, refused, held_out, moe = {}, [], [], []
     for row in read_table(DATA / "cp_fp8_h100.csv"):
         case = cp_fp8_case(row)
         if case is None:
@@ -756,8 +757,11 @@ def test_published_context_parallel_and_fp8_runs():
         got = {"step_s": e.time_per_step_s, "tokens_per_s_per_gpu": e.tokens_per_s_per_device,
                "tflops_per_gpu": e.tflops_per_device}[metric]
         errors[row["id"]] = (published / got - 1) if metric == "step_s" else (got / published - 1)
-        if row["dtype"] == "fp8" and not row["id"].startswith("dgxc"):
+        if row["dtype"] == "fp8" and row["moe"] != "true" and not row["id"].startswith("dgxc"):
             held_out.append(abs(errors[row["id"]]))
-    assert len(errors) >= 15 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
+        if row["moe"] == "true":
+            moe.append(abs(errors[row["id"]]))
+    assert len(errors) >= 36 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
     assert statistics.median(abs(x) for x in errors.values()) <= 0.15, errors
+    assert len(moe) >= 18 and statistics.median(moe) <= 0.20, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.15, held_out

@@ -244,4 +244,5 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     assert (core.flash_attention, core.dp_overlap, core.param_gather_overlap, core.zero1, core.tp_overlap) == \
         (True, True, True, "distributed_optimizer", DGXC_TP_OVERLAP)
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
-                   param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2) == core
+                   param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
+                   fp8_saves_inputs=True) == core

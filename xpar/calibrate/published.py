@@ -426,28 +426,44 @@ def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
 
 
 def cp_fp8_case(row: dict):
-    """(spec, assumptions, metric, published value) of a dense H100 row of tests/data/cp_fp8_h100.csv
-    (context parallelism and/or FP8; Llama shapes), or None for a MoE row, another GPU or a row
-    without its layout. Framework: torchtitan for torchtitan's rows, megatron_core (NeMo,
-    Megatron-LM, dgxc) for the others; an uneven pp x vp split as Megatron balances it."""
+    """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
+    (context parallelism, FP8, MoE with expert parallelism; Llama shapes, MLA approximated as MHA and
+    GeGLU as SwiGLU: the same matmuls; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
+    expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
+    Framework: torchtitan for torchtitan's rows, megatron_core (NeMo, Megatron-LM, dgxc) for the others;
+    an uneven pp x vp split as Megatron balances it."""
     needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
-    if row["moe"] != "false" or not row["gpu"].startswith("H100") or not all(row[k] for k in needed):
+    if not row["gpu"].startswith(("H100", "H800")) or not all(row[k] for k in needed):
         return None
     L, pp, vp = int(row["layers"]), int(row["pp"] or 1), int(row["vp"] or 1)
     n = pp * vp
     model = dict(name=row["id"], n_layers=L, hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"] or 128256),
                  seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
-                 tied_embeddings=False, bias=False)
+                 tied_embeddings=False, bias=False, **_moe_fields(row))
     titan = row["id"].startswith("torchtitan")
     recompute = (row["recompute"] or "none").split()[0]
+    recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
     par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
+               ep=int(row["ep"] or 1), etp=int(row["etp"]) if row["etp"] else (1 if row["moe"] == "true" else None),
                zero_stage=3 if titan else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
-               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full") else "none",
+               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
                sequence_parallel=int(row["tp"] or 1) > 1,
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
-    hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=max(1, int(row["gpus"]) // 8))
+    hw_name = "h800_80gb_2048gpu" if row["gpu"].startswith("H800") else "h100_80gb_64gpu"
+    hw = dict(preset("hardware", hw_name), nodes=max(1, int(row["gpus"]) // 8))
     train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
                  dtype=row["dtype"], seq_len=int(row["seq"]))
-    return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core"),
+    a2a = dict(ep_dispatcher="deepep" if "DeepEP" in row["note"] or "DualPipe" in row["note"] else "alltoall",
+               ep_a2a_overlap=1.0 if "DualPipe" in row["note"] else 0.0)
+    return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core", **a2a),
             row["metric"], float(row["value"]))
+
+
+def _moe_fields(row: dict) -> dict:
+    """The model group's MoE fields of a tests/data/cp_fp8_h100.csv row ({} for a dense one)."""
+    if row["moe"] != "true":
+        return {}
+    dense = row["moe_layers"].split("first ")[1].split()[0] if "first" in row["moe_layers"] else "0"
+    return dict(n_experts=int(row["experts"]), moe_top_k=int(row["top_k"]), n_shared_experts=int(row["shared_experts"] or 0),
+                expert_ffn_hidden=int(row["expert_ffn"]), first_dense_layers=int(dense))

@@ -218,6 +218,10 @@ class Layout:
     """Expert-parallel degree: the experts of each MoE layer split over ep ranks taken inside dp x cp
     (consecutive dp x cp ranks, as Megatron-Core's and torchtitan's); adds no ranks. Expert
     states are replicated over the dp x cp / ep ranks left (their gradients reduced there)."""
+    etp: int = 0
+    """Expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size); 0: tp. With etp < tp the
+    expert layers fold the tp ranks into ep ("MoE parallel folding", Liu et al. 2025, Megatron-Core):
+    ep x etp must divide tp x cp x dp, the ranks of a pipeline stage."""
     _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -230,9 +234,15 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def expert_tp(self) -> int:
+        """Ranks splitting one expert's matrices: etp, or tp when etp is 0."""
+        return self.etp or self.tp
+
+    @property
     def expert_dp(self) -> int:
-        """Ranks sharing one expert's states: dp x cp / ep (the expert-data-parallel degree)."""
-        return self.dp * self.cp // self.ep
+        """Ranks sharing one expert's states: tp x cp x dp / (ep x etp), the expert-data-parallel
+        degree (dp x cp / ep when etp = tp)."""
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.expert_tp))
 
     @property
     def global_batch(self) -> int:

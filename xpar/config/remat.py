@@ -20,6 +20,7 @@ op                        every matmul and tp-collective output (xpar; MaxText  
 torchtitan_op             SDPA output, every other matmul output, reduce-scatter wk, wo (w3 with SwiGLU)
 save_dot_except_mlp       q, k, v and attention-output projections' outputs      attention core, w1 (and w3)
 save_qkv_proj             q, k, v projections' outputs                           attention core, wo, w1 (and w3)
+moe                       the attention block's, not the MLP / experts' inside   the MLP's (experts') w1 (and w3)
 ========================  =====================================================  ======================
 
 Sources: Megatron-LM ``--recompute-granularity selective`` (Korthikanti et al. 2022, Sec. 4.2:
@@ -46,7 +47,8 @@ from typing import Optional
 
 SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 """The meanings of ``parallel.recompute=selective`` (``framework.selective_recompute``)."""
-RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj")
+RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj",
+             "moe")
 """Every value of ``parallel.recompute``."""
 PLAN_RECOMPUTE = ("none", "selective", "full")
 """What ``xpar plan`` searches by default: none, the framework's own selective, full. The MaxText
@@ -87,6 +89,8 @@ POLICIES = {
                                   "MaxText remat_policy=save_dot_except_mlp"),
     "save_qkv_proj": Policy(("wq", "wk", "wv"), ("wo", "w1", "w3"), True, 1.0, True,
                             "MaxText remat_policy=save_qkv_proj"),
+    "moe": Policy(("wq", "wk", "wv", "wo", "context"), ("w1", "w3"), False, 0.0, False,
+                  "Megatron-Core --recompute-modules moe (megatron/core/transformer/moe/moe_layer.py)"),
 }
 """The policies (module docstring). ``tp_rerun``: full reruns both collectives of the forward;
 the MaxText policies rerun the attention output's (to rebuild the MLP's input), not the MLP's."""

@@ -160,7 +160,7 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,
                     zero_stage=_zero_stage(c, target),
                     sequence_parallel=par.sequence_parallel, recompute=par.recompute, cp=par.cp,
-                    ep=par.ep)
+                    ep=par.ep, etp=par.etp or 0)
     return layout, problems + batch_problems
 
 

@@ -59,9 +59,11 @@ class ModelConfig:
     first_dense_layers: int = 0
     """Leading blocks with the dense MLP (ffn_hidden) instead of experts (DeepSeek-V3: 3)."""
     capacity_factor: Optional[float] = None
-    """Tokens an expert takes per step as a multiple of its even share (k x tokens / E); the
-    rest are dropped (Fedus et al. 2022). None: dropless (every routed token computed; MegaBlocks,
-    Megatron-Core's and DeepSeek-V3's default). Estimated; execution is dropless."""
+    """Tokens an expert takes as a multiple of its even share k T / E, the rest dropped (Fedus et al. 2022);
+    None: dropless (MegaBlocks, Megatron-Core's and DeepSeek-V3's default). Executed dropless only."""
+    moe_imbalance: float = 1.0
+    """Router load imbalance: tokens the busiest ep rank receives over the mean (1: balanced, as NeMo's MoE
+    benchmarks force it); stretches experts' compute and all-to-alls (xpar.estimate.expert_parallel)."""
 
     @property
     def kv_heads(self) -> int:
@@ -99,13 +101,14 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (stages across layers)."""
     cp: int = 1
-    """Context-parallel degree: each sequence split over cp ranks (s / cp tokens each, causal load
-    balancing: 2 cp chunks); K and V all-gathered per layer (Llama 3 paper Sec. 3.3.2). World size
-    = dp x cp x tp x pp. Estimated; execute mode refuses cp > 1 (not executed yet)."""
+    """Context-parallel degree: each sequence split over cp ranks in 2 cp load-balanced chunks, K and V
+    all-gathered per layer (Llama 3 paper Sec. 3.3.2); world = dp x cp x tp x pp. Estimated only yet."""
     ep: int = 1
-    """Expert-parallel degree: each MoE layer's experts split over ep ranks (E / ep each), tokens
-    sent to their experts' ranks and back by all-to-all. The ep ranks are taken inside dp x cp
-    (Megatron-Core and torchtitan do so): it adds no ranks, ep must divide dp x cp and E."""
+    """Expert-parallel degree: each MoE layer's E experts split over ep ranks taken inside dp x cp (adds
+    no ranks; Megatron-Core, torchtitan), tokens sent to them and back by all-to-all."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size; None: tp); etp < tp
+    folds tp ranks into ep (MoE parallel folding): ep x etp divides tp x cp x dp. Estimated only."""
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""
@@ -130,16 +133,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence on the tp axis (Korthikanti et al. 2022)."""
     recompute: str = "none"
-    """Rematerialisation policy per transformer block (xpar.config.remat, executed by
-    xpar.parallel.recompute): none | full (keep the block input) | selective (the framework's:
-    framework.selective_recompute) | attention (Megatron's selective: the attention core) | op
-    (xpar: keep matmul and tp-collective outputs) | torchtitan_op | save_dot_except_mlp | save_qkv_proj
-    (MaxText's remat policies). attention and torchtitan_op are estimated, not executed."""
+    """Rematerialisation policy per block (xpar.config.remat, run by xpar.parallel.recompute): none | full
+    | selective (framework.selective_recompute) | attention (Megatron's) | op (xpar's) | torchtitan_op |
+    save_dot_except_mlp | save_qkv_proj (MaxText's) | moe (Megatron-Core's MoE recompute); attention,
+    torchtitan_op and moe are estimated, not executed."""
     recompute_layers: Optional[int] = None
-    """Blocks per pipeline stage (per model chunk) the policy applies to, the first ones; the
-    rest keep everything (Megatron-LM's --recompute-num-layers with --recompute-method block).
-    0..the blocks of the largest stage; a stage with fewer recomputes all of its. null: every
-    block (times framework.recompute_layer_fraction)."""
+    """Blocks per stage (model chunk) the policy applies to, the first ones (Megatron-LM's
+    --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
+    every block (times framework.recompute_layer_fraction)."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 
@@ -304,6 +305,12 @@ class FrameworkConfig:
     async TP / Megatron-Core tp-comm-overlap hide most of it)."""
     pp_overlap: float = 0.0
     """Share of pipeline send/recv time hidden behind compute (0: blocking)."""
+    ep_a2a_overlap: float = 0.0
+    """Share of expert-parallel all-to-all time hidden behind compute (0: Megatron-Core's default;
+    1: DeepSeek-V3's DualPipe)."""
+    ep_dispatcher: str = "alltoall"
+    """MoE token transport: alltoall (each routed copy sent; Megatron-Core's) or deepep (DeepSeek's DeepEP:
+    a token crosses to each other node once, then NVLink)."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
@@ -317,6 +324,9 @@ class FrameworkConfig:
     loss_kernel: str = "fp32"
     """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
+    fp8_saves_inputs: bool = False
+    """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
+    (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
     gqa_kv_expanded: bool = True
     """Attention keeps GQA's K and V expanded to every query head (h wide) for backward: models
     that repeat K/V before SDPA (xpar, torchtitan's repeat_kv; measured here). False: the kernel

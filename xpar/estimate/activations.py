@@ -172,9 +172,23 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, floa
     cfg, par = spec.model, spec.parallel
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
     kw = _layer_kwargs(spec, o)
-    none = layer_activation_bytes(*args, "none", **kw)
-    policy = layer_activation_bytes(*args, par.recompute, **kw)
+    none = layer_activation_bytes(*args, "none", **kw) - fp8_input_saving(spec, o, "none")
+    policy = layer_activation_bytes(*args, par.recompute, **kw) - fp8_input_saving(spec, o, par.recompute)
     return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
+
+
+def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
+    """Bytes one block and micro-batch keeps less when its linear layers save FP8 inputs
+    (``fp8_saves_inputs`` under train.dtype=fp8): 1 byte per element of the inputs of the q/k/v and
+    MLP-in projections (h each, / t with sequence parallelism), of wo (h / t) and of w2 (ffn / t),
+    under the policies that keep them (none, Megatron's attention); 0 otherwise."""
+    if spec.train.dtype != "fp8" or not o.fp8_saves_inputs:
+        return 0.0
+    if policy_name(recompute, o.selective_recompute) not in ("none", "attention"):
+        return 0.0
+    cfg, t, sp = spec.model, spec.tp, spec.parallel.sequence_parallel
+    per_token = 2 * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
+    return spec.seq_len * spec.train.micro_batch_size * per_token
 
 
 def stage_recompute_share(spec: RunSpec, stage: int, o: MemoryOptions) -> float:

@@ -79,12 +79,15 @@ from xpar.estimate.model_states import (
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.context_parallel import cp_layer_times, fold_cp
+from xpar.estimate.expert_parallel import ep_terms
 from xpar.estimate.schedule import bubble_theory
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
 TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer",
               "host_overhead")
+"""Plus ``cp_comm`` (context parallelism), ``ep_comm`` and ``ep_imbalance`` (expert parallelism) in
+the layouts that have them."""
 """The step time by term (``Estimate.time_breakdown``, ``estimate/time_<term>_s``)."""
 
 
@@ -109,6 +112,8 @@ class Assumptions(MemoryOptions):
     bucket_mb: float = 25.0
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
+    ep_a2a_overlap: float = 0.0
+    ep_dispatcher: str = "alltoall"
     overlap_slowdown: float = 0.15
     zero3_host_ops_per_rank: float = 0.0
     host_op_us: float = 4.0
@@ -446,6 +451,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
     x = per_rank[slow]
     mem = _memory(spec, assume)
+    notes += [n for n in mem.detail.get("notes", []) if n.startswith("expert states")]
     t_opt = optimizer_term(spec, assume, mem.optimizer, mem.grads, spec.dp, p, spec.layout.zero_stage, m)
     off = _offload(spec, assume, mem.pp_rank, x, notes)
     time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, fill_time(sum(mb_time), mb_time[slow], p),
@@ -455,7 +461,17 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
     est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
     est.comm_time, est.framework, est.offload = comm_time, assume.name, off
-    return est
+    return _with_ep_comm(spec, est, assume) if spec.layout.ep > 1 else est
+
+
+def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
+    """The estimate of an ep layout: plus its all-to-alls and router imbalance
+    (xpar.estimate.expert_parallel; ``ep`` in comm_time)."""
+    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher)
+    out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
+                  est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
+    out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=issued), est.framework, est.offload
+    return out
 
 
 def _with_cp_comm(spec: RunSpec, est: Estimate) -> Estimate:

@@ -75,6 +75,7 @@ from xpar.estimate.model_states import (
     MemoryOptions,
     _model_key,
     _shapes_layout,
+    expert_state_bytes,
     _stage_numels,
     _stage_parts,
     held_state_terms,
@@ -146,7 +147,7 @@ def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int
     """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output) and
     of the largest block unit on a pipeline rank, as xpar and torchtitan wrap them."""
     roots, blocks = [0], [0]
-    moe = sum(math.prod(sh) for _, sh in _stage_parts(cfg_key, False, False, tp, True)[1])
+    moe = sum(math.prod(sh) for _, sh in _stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1])
     for s in layout.stages_of(pp_rank):
         head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
         roots.append(sum(math.prod(sh) for _, sh in head + tail))
@@ -209,7 +210,8 @@ def p2p_buffer_bytes(seq_len, b, hidden, stages_held, resid_elem, tp, sp):
 
 def rank_memory(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> MemoryEstimate:
     """:class:`MemoryEstimate` of pipeline rank ``pp_rank`` on its most loaded dp rank."""
-    st = state_terms(spec, pp_rank, most_loaded_dp_rank(spec, pp_rank, o.zero1), o)
+    dp_rank = most_loaded_dp_rank(spec, pp_rank, o.zero1)
+    st = state_terms(spec, pp_rank, dp_rank, o)
     act = activation_terms(spec, pp_rank, o)
     comm = comm_buffer_terms(spec, pp_rank, o)
     acts = act["saved"] + act["transient"]
@@ -222,7 +224,19 @@ def rank_memory(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> MemoryEstimate
                           comm_buffers=sum(comm.values()), framework_overhead=overhead, total=total,
                           device_memory=dev, fits=total <= usable, pp_rank=pp_rank,
                           detail={"activations": act, "comm_buffers": comm, "states": st, "usable": usable,
-                                  "notes": recompute_notes(spec, o)})
+                                  "notes": recompute_notes(spec, o) + expert_notes(spec, pp_rank, dp_rank, o)})
+
+
+def expert_notes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> list[str]:
+    """The expert states of a MoE model's rank in words (xpar.estimate.model_states.expert_state_bytes)."""
+    ex = expert_state_bytes(spec, pp_rank, dp_rank, o)
+    if not ex:
+        return []
+    cfg, lay = spec.model, spec.layout
+    return [f"expert states: {cfg.n_experts // lay.ep} of {cfg.n_experts} routed experts per MoE layer on this rank "
+            f"(ep={lay.ep}, etp={lay.expert_tp}): params {ex['params'] / 1e9:.1f} GB, grads {ex['grads'] / 1e9:.1f} GB, "
+            f"optimizer {ex['optimizer'] / 1e9:.1f} GB (sharded over {ex['expert_dp']} expert-dp ranks), "
+            f"included in the model states"]
 
 
 def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options) -> MemoryEstimate:

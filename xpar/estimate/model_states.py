@@ -81,6 +81,10 @@ class MemoryOptions:
     ``get_num_warmup_microbatches``: all warm-up when num_microbatches == pipeline size), where
     torch's Interleaved1F1B warms rank k up with (v - 1) pp + 2 (pp - 1 - k) chunks
     (:func:`xpar.estimate.activations.memory_schedule`)."""
+    fp8_saves_inputs: bool = False
+    """Under train.dtype=fp8 the linear layers keep their inputs for the weight gradient in FP8, 1
+    byte per element, not the compute width's 2 (Transformer Engine's fp8 Linear saves the cast
+    input: Megatron-Core, NeMo). False: kept at the compute width (xpar)."""
     gqa_kv_expanded: bool = True
     """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
     them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:
@@ -171,13 +175,14 @@ def _tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=64)
-def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bool = False) -> tuple:
+def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bool = False, ep: int = 1) -> tuple:
     """``named_parameters()`` (name, shape) of ``Transformer(cfg, range(n_blocks), first, last)``
     (xpar.models.transformer) written out without torch, in registration order: embeddings,
     blocks (norm, wq, wk, wv, wo, norm, w1, w2[, w3]; Linear weight then bias), final norm,
     output (omitted when tied to the embedding on one stage: named_parameters yields a shared
     tensor once). ``moe``: the blocks hold experts (router, each expert's MLP, the shared experts'
-    MLP: :class:`xpar.models.transformer.MoE`). Equal to the model built on the meta device for
+    MLP: :class:`xpar.models.transformer.MoE`); under expert parallelism ``ep`` a rank holds E / ep of
+    the experts. Equal to the model built on the meta device for
     every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
     against torch's."""
     cfg = ModelConfig(*cfg_key)
@@ -203,7 +208,7 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
             out += mlp_shapes(mlp, f)
             continue
         out += [(f"{mlp}.router.weight", (cfg.n_experts, h))]
-        out += [x for e in range(cfg.n_experts) for x in mlp_shapes(f"{mlp}.experts.{e}", cfg.expert_ffn)]
+        out += [x for e in range(cfg.n_experts // ep) for x in mlp_shapes(f"{mlp}.experts.{e}", cfg.expert_ffn)]
         out += mlp_shapes(f"{mlp}.shared", cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else []
     if last:
         out += norm("norm") + ([] if first and cfg.tied_embeddings else [("output.weight", (vocab, h))])
@@ -218,16 +223,18 @@ def _stage_shapes(cfg_key: tuple, layers: tuple[int, ...], first: bool, last: bo
 
 
 @lru_cache(maxsize=256)
-def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1, moe: bool = False) -> tuple[list, list, list]:
+def _stage_parts(cfg_key: tuple, first: bool, last: bool, tp: int = 1, moe: bool = False,
+                 ep: int = 1, etp: int = 0) -> tuple[list, list, list]:
     """A stage's parameters in three parts: before the blocks (embeddings), one block (names
     after ``layers.<i>.``; a block with experts when ``moe``), after them (final norm, output);
     shapes tp-local (:func:`_tp_local`: experts split over tp as the dense MLP, Megatron-Core's
-    expert tensor parallelism at etp = tp)."""
+    expert tensor parallelism, at ``etp`` (0: tp)); E / ep experts under expert parallelism."""
     outer = _meta_shapes(cfg_key, 0, first, last)
-    block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False, moe)]
+    block = [(n.split(".", 2)[2], sh) for n, sh in _meta_shapes(cfg_key, 1, False, False, moe, ep)]
     head = [x for x in outer if x[0].split(".")[0] in ("tok_embeddings", "pos_embeddings")]
     tail = [x for x in outer if x not in head]
-    return tuple([(n, _tp_local(n, sh, tp)) for n, sh in part] for part in (head, block, tail))
+    return tuple([(n, _tp_local(n, sh, (etp or tp) if ".experts." in f".{n}" else tp)) for n, sh in part]
+                 for part in (head, block, tail))
 
 
 def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -288,7 +295,7 @@ def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     out, cfg = [], ModelConfig(*cfg_key)
     for s in layout.stages_of(pp_rank):
         head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        moe = _stage_parts(cfg_key, False, False, tp, True)[1] if cfg.n_experts else block
+        moe = _stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1] if cfg.n_experts else block
         out += [(f"{s}:{name}", shape) for name, shape in head]
         out += [(f"{s}:layers.{i}.{name}", shape) for i in layout.stage_layers(s)
                 for name, shape in (moe if cfg.is_moe_layer(i) else block)]
@@ -375,12 +382,31 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     parameter storage: the FSDP shard under ZeRO-2/3), ``whole`` (the dp-unsharded stage),
     ``grads`` (most held at once) and ``optimizer`` (elements with AdamW states). O(number
     of parameter tensors), memoised: no loop over the dp ranks. ``zero1``,
-    ``replicated_embedding_grad``: see :class:`MemoryOptions`."""
+    ``replicated_embedding_grad``: see :class:`MemoryOptions`. Under expert parallelism the
+    rank's E / ep experts (split over etp) are sharded and reduced over the expert-dp ranks
+    (:attr:`xpar.config.layout.Layout.expert_dp`: tp dp / (ep etp) of a cp-folded layout), the rest over dp."""
     whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    z, dp = spec.parallel.zero_stage, spec.dp
+    extra = replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0
+    if spec.layout.ep == 1 and spec.layout.expert_tp == spec.tp:
+        return _held(spec, whole, shapes, spec.dp, dp_rank, zero1, extra)
+    experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    n_experts = sum(math.prod(sh) for sh in experts)
+    rest = list(shapes)
+    for sh in experts:
+        rest.remove(sh)
+    dense = _held(spec, whole - n_experts, tuple(rest), spec.dp, dp_rank, zero1, extra)
+    expert_dp = spec.layout.expert_dp
+    expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
+    return {k: dense[k] + expert[k] for k in dense}
+
+
+def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:
+    """:func:`held_numel` of the parameters ``shapes`` (``whole`` elements) sharded over ``dp``
+    ranks; ``extra``: replicated embedding gradient elements held while a reduction is deferred."""
+    z = spec.parallel.zero_stage
     shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
-        grads = whole + (replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0)
+        grads = whole + extra
     else:
         grads = shard if z >= 2 else whole
     if z == 1 and zero1 == "distributed_optimizer":
@@ -390,6 +416,27 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     else:
         opt = shard
     return {"storage": shard, "whole": whole, "grads": grads, "optimizer": opt}
+
+
+def expert_state_bytes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> dict[str, float]:
+    """The routed experts' share of :func:`held_state_terms` on a rank (``params``, ``grads``,
+    ``optimizer`` bytes; their E / ep experts per MoE layer, optimizer states over the expert-dp
+    ranks), or {} for a dense model. Bytes."""
+    if not spec.model.n_experts:
+        return {}
+    experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    expert_dp = spec.layout.expert_dp if spec.layout.ep > 1 or spec.layout.expert_tp != spec.tp else spec.dp
+    n = _held(spec, sum(math.prod(sh) for sh in experts), experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
+    wp, wg, wo = state_widths(spec, o)
+    stored = n["whole"] if spec.parallel.zero_stage == 2 or o.param_storage == "bf16" else n["storage"]
+    return {"params": stored * wp, "grads": n["grads"] * wg,
+            "optimizer": 0 if o.cpu_offload_optimizer else n["optimizer"] * wo, "expert_dp": expert_dp}
+
+
+@lru_cache(maxsize=4096)
+def _expert_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """Shapes of the routed experts' parameters a rank of pipeline rank ``pp_rank`` holds."""
+    return tuple(sh for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank) if ".experts." in name)
 
 
 def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundancy") -> int:

@@ -74,6 +74,9 @@ def check_experts(model) -> list[str]:
                    f"got {model.first_dense_layers}.")
     if model.capacity_factor is not None and not model.capacity_factor > 0:
         out.append(f"model.capacity_factor must be > 0, or null for dropless routing, got {model.capacity_factor}.")
+    if not model.moe_imbalance >= 1:
+        out.append(f"model.moe_imbalance must be >= 1 (busiest ep rank's tokens over the mean; 1: balanced), "
+                   f"got {model.moe_imbalance}.")
     return out
 
 

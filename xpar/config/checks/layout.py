@@ -142,18 +142,23 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
 
 
 def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
-    """ep > 1 needs experts; ep divides the experts E and the dp x cp ranks it is taken from;
-    estimated only until xpar runs it."""
-    ep, ranks, n = layout.ep, layout.dp * layout.cp, model.n_experts
-    if ep == 1:
+    """ep > 1 needs experts; ep divides the experts E, and ep x etp the tp x cp x dp ranks of a
+    stage (ep inside dp x cp when etp = tp); etp divides tp; executed only with etp = tp."""
+    ep, etp, n = layout.ep, layout.expert_tp, model.n_experts
+    ranks = layout.tp * layout.cp * layout.dp
+    if ep == 1 and etp == layout.tp:
         return []
     if not n:
-        return [f"parallel.ep={ep} splits experts, but model={model.name} has none; use a MoE model "
-                f"(e.g. model=moe_tiny) or parallel.ep=1."]
-    ok = [k for k in range(1, ranks + 1) if ranks % k == 0 and n % k == 0]
-    if ranks % ep or n % ep:
-        return [f"parallel.ep={ep} must divide the experts (model.n_experts={n}) and the dp x cp ranks it is "
-                f"taken from (dp={layout.dp} x cp={layout.cp} = {ranks}); ep values that work: {ok}."]
+        return [f"parallel.ep={ep} (etp={etp}) splits experts, but model={model.name} has none; use a MoE model "
+                f"(e.g. model=moe_tiny) or parallel.ep=1 and parallel.etp=null."]
+    if layout.tp % etp:
+        return [f"parallel.etp={etp} must divide parallel.tp={layout.tp}; etp values that work: "
+                f"{[k for k in range(1, layout.tp + 1) if layout.tp % k == 0]}."]
+    ok = [k for k in range(1, ranks // etp + 1) if (ranks // etp) % k == 0 and n % k == 0]
+    if n % ep or ranks % (ep * etp):
+        return [f"parallel.ep={ep} must divide the experts (model.n_experts={n}), and ep x etp ({ep} x {etp}) the "
+                f"ranks of a pipeline stage (tp={layout.tp} x cp={layout.cp} x dp={layout.dp} = {ranks}); "
+                f"ep values that work: {ok}."]
     if mode == "execute":
         return [f"parallel.ep={ep} is estimated, not executed yet, by xpar; estimate it with run.mode=estimate, "
                 f"or run parallel.ep=1."]

@@ -1,0 +1,106 @@
+"""Expert parallelism in the cost model: the experts of each MoE layer split over ep ranks, tokens
+sent to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2021; Megatron-Core's
+alltoall token dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
+
+Per rank and micro-batch, a rank of an ep layout routes its own ``T = b s / cp`` tokens (``/ t``
+with sequence parallelism: Megatron-Core dispatches the tp rank's sequence shard), each to its top
+k experts: per MoE layer two all-to-alls in forward (dispatch of the T k token copies, h wide,
+and the combine of their outputs) and two in backward (their gradients), each a payload of
+``T k h`` elements at the compute width, (ep - 1) / ep of which leaves the rank
+(:func:`alltoall_time`). With balanced routing (the NeMo benchmarks force-balance their
+tokens; DeepSeek-V3's auxiliary-loss-free balancing) each rank computes k T expert-token
+products, the FLOPs of the unsplit layer; a router whose busiest rank receives
+``model.moe_imbalance`` times the mean stretches the routed experts' compute and the all-to-alls
+by that factor (:func:`with_ep_comm`). The all-to-alls are counted exposed (Megatron-Core's
+default; DeepSeek-V3's DualPipe hides them behind another micro-batch's compute: the framework's
+``ep_a2a_overlap`` fraction). Expert states are counted in xpar.estimate.model_states (E / ep
+experts per rank, reduced and ZeRO-sharded over the dp x cp / ep expert-dp ranks). Units: seconds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from xpar.config.schema import HardwareConfig
+from xpar.config.spec import RunSpec
+from xpar.estimate.collectives import Group, group_of, nic_share
+from xpar.estimate.model_states import BYTES
+
+
+def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None) -> float:
+    """Seconds of an all-to-all in which each of the ``group.size`` ranks sends ``nbytes`` split
+    evenly over all ranks (itself included): (k - 1)/n of it to the node's other ranks over the
+    intra-node link, ``inter_share`` of it (default (n - k)/n) across nodes over its share of the
+    node's NICs (:func:`nic_share`), both at once; one latency per link class crossed (NCCL issues
+    the sends concurrently). 0 for one rank or unknown bandwidths."""
+    n, k = group.size, min(group.per_node, group.size)
+    if n <= 1 or nbytes <= 0 or hw.intra_node_gb_per_s is None:
+        return 0.0
+    intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
+    t = (k - 1) / n * nbytes / intra
+    lat = hw.collective_latency_us + hw.intra_node_latency_us
+    if n > k and hw.inter_node_gb_per_s is not None:
+        inter = nic_share(hw) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency
+        share = (n - k) / n if inter_share is None else inter_share
+        t, lat = max(t, share * nbytes / inter), lat + hw.inter_node_latency_us
+    return lat * 1e-6 + t
+
+
+def deepep_inter_share(top_k: int, nodes: int) -> float:
+    """Share of the T k token copies a rank sends that cross nodes when each token crosses to each
+    other node holding one of its k experts once (DeepEP's dispatch, DeepSeek-AI 2024 Sec. 3.2.2:
+    IB to the node, NVLink to its GPUs): (N - 1)(1 - (1 - 1/N)^k) / k for experts spread evenly
+    over N nodes (the expected number of other nodes among k uniform draws), against (N - 1)/N
+    for a plain all-to-all."""
+    if nodes <= 1:
+        return 0.0
+    return (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k) / top_k
+
+
+def ep_payload_bytes(spec: RunSpec) -> float:
+    """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
+    compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
+    cfg = spec.model
+    tokens = spec.train.micro_batch_size * spec.seq_len / (spec.tp if spec.parallel.sequence_parallel else 1)
+    return tokens * cfg.moe_top_k * cfg.hidden * BYTES[spec.train.dtype]
+
+
+def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, float]:
+    """Seconds of one MoE layer's all-to-alls per micro-batch: ``f`` (dispatch and combine) and
+    ``b`` (their gradients); 0 at ep = 1. The ep group is etp-strided (expert ranks etp innermost,
+    then ep, as Megatron-Core orders them)."""
+    ep = spec.layout.ep
+    if ep == 1:
+        return {"f": 0.0, "b": 0.0}
+    group = group_of(spec.hardware, ep, spec.layout.expert_tp)
+    share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if dispatcher == "deepep" else None
+    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * spec.model.moe_imbalance, group, share)
+    return {"f": 2 * one, "b": 2 * one}
+
+
+def routed_share(spec: RunSpec) -> float:
+    """Fraction of a MoE model's matmul FLOPs per token in its routed experts (0 when dense)."""
+    cfg = spec.model
+    if not cfg.n_experts:
+        return 0.0
+    from xpar.estimate.flops import model_flops_per_token
+    n_mlp = 3 if cfg.activation == "swiglu" else 2
+    routed = 6 * cfg.moe_layers * n_mlp * cfg.hidden * cfg.expert_ffn * cfg.moe_top_k
+    return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))
+
+
+def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0,
+             dispatcher: str = "alltoall") -> tuple[dict[str, float], float, str]:
+    """What ep adds to a step of ``spec`` (cp folded) whose matmuls take ``matmul_s`` on the
+    slowest rank: (breakdown terms ``ep_comm``: the fullest rank's all-to-alls, m per step,
+    (1 - ``overlap``) exposed; ``ep_imbalance``: its routed experts' matmuls stretched by
+    ``model.moe_imbalance``), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
+    :func:`ep_layer_times`."""
+    t = ep_layer_times(spec, dispatcher)
+    layout = spec.layout
+    layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
+                 for r in range(spec.pp))
+    issued = spec.micro_batches * layers * (t["f"] + t["b"])
+    skew = matmul_s * routed_share(spec) * (spec.model.moe_imbalance - 1.0)
+    note = (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
+            f"many in backward ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
+    return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": skew}, issued, note
