@@ -740,11 +740,12 @@ def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
     NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers; 36 on H100/H800): none
     refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
-    figure within 15 % over all of them (issue 30; measured 12.2 %), within 20 % over the 19 MoE
-    rows alone (measured 18.7 %: Grok-1's FP8 rows +18-29 %, Qwen3-30B-A3B's small experts +214 %);
+    figure (in its source's FLOPs convention: xpar.calibrate.published.published_figure) within 15 % over
+    all of them (issue 30; measured 11.8 %) and over the 19 MoE rows alone (measured 14.3 %: Grok-1's FP8
+    rows +14-25 %, Qwen3-30B-A3B's small experts +214 %, DeepSeek-V3's whole-run average +64 %);
     FP8's efficiency (hardware.fp8_matmul_efficiency) is fitted on the dgxc rows and the other
     dense FP8 rows hold it out: their median |error| is within 15 % too."""
-    from xpar.calibrate.published import cp_fp8_case, read_table
+    from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
     errors, refused, held_out, moe = {}, [], [], []
     for row in read_table(DATA / "cp_fp8_h100.csv"):
         case = cp_fp8_case(row)
@@ -754,8 +755,7 @@ def test_published_context_parallel_moe_and_fp8_runs():
         e = estimate(spec, assume)
         if not e.memory.fits:
             refused.append(row["id"])
-        got = {"step_s": e.time_per_step_s, "tokens_per_s_per_gpu": e.tokens_per_s_per_device,
-               "tflops_per_gpu": e.tflops_per_device}[metric]
+        got = published_figure(e, spec, metric)
         errors[row["id"]] = (published / got - 1) if metric == "step_s" else (got / published - 1)
         if row["dtype"] == "fp8" and row["moe"] != "true" and not row["id"].startswith("dgxc"):
             held_out.append(abs(errors[row["id"]]))
@@ -763,5 +763,5 @@ def test_published_context_parallel_moe_and_fp8_runs():
             moe.append(abs(errors[row["id"]]))
     assert len(errors) >= 36 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
     assert statistics.median(abs(x) for x in errors.values()) <= 0.15, errors
-    assert len(moe) >= 18 and statistics.median(moe) <= 0.20, moe
+    assert len(moe) >= 18 and statistics.median(moe) <= 0.15, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.15, held_out

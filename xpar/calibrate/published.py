@@ -456,8 +456,32 @@ def cp_fp8_case(row: dict):
                  dtype=row["dtype"], seq_len=int(row["seq"]))
     a2a = dict(ep_dispatcher="deepep" if "DeepEP" in row["note"] or "DualPipe" in row["note"] else "alltoall",
                ep_a2a_overlap=1.0 if "DualPipe" in row["note"] else 0.0)
+    metric = row["metric"]
+    if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
+        metric = "tflops_per_gpu_causal"
     return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core", **a2a),
-            row["metric"], float(row["value"]))
+            metric, float(row["value"]))
+
+
+CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
+"""Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the
+s x s square (Megatron-LM's ``num_floating_point_operations`` since 2025: ``seq_length / 2  # causal
+mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square."""
+
+
+def published_figure(est, spec, metric: str) -> float:
+    """The estimate ``est`` of ``spec`` as a cp_fp8_h100.csv row states its figure: ``step_s``,
+    ``tokens_per_s_per_gpu``, ``tflops_per_gpu`` (xpar's FLOPs) or ``tflops_per_gpu_causal`` (the same
+    seconds over the causal count of :data:`CAUSAL_FLOPS_SOURCES`)."""
+    if metric == "step_s":
+        return est.time_per_step_s
+    if metric == "tokens_per_s_per_gpu":
+        return est.tokens_per_s_per_device
+    if metric == "tflops_per_gpu":
+        return est.tflops_per_device
+    from xpar.estimate.flops import model_flops_per_token
+    return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
+        model_flops_per_token(spec.model, spec.seq_len)
 
 
 def _moe_fields(row: dict) -> dict:

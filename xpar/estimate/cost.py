@@ -64,7 +64,7 @@ from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_reco
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
-from xpar.estimate.activations import layer_activation_bytes
+from xpar.estimate.activations import layer_activation_bytes, token_ffn
 from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing, grad_bytes
@@ -228,7 +228,12 @@ def compute_peak(hw: HardwareConfig, dtype: str) -> float:
 
 def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     """Seconds per micro-batch of one layer and of the logits, forward and backward (the
-    backward includes the recomputed forward): matmul (``mm_*``) and memory-bound (``mem_*``)."""
+    backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
+    s x s square at the matmul rate; counting flash attention's causal half instead (its kernels skip
+    the masked blocks) moved the A100 fit from 0.668 to 0.659 and worsened 7 of the 12 dense sources,
+    measured 2026-12-03) and memory-bound (``mem_*``: passes
+    over the layer's activations, its MLP at the width a token goes through, experts included:
+    :func:`xpar.estimate.activations.token_ffn`)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
@@ -238,7 +243,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
     extra = share * extra_forward_flops_per_layer(cfg, s, policy)  # xpar.config.remat, per block on average
-    act = dict(kv=h, ffn=cfg.ffn_hidden, swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
+    act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
