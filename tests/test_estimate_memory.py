@@ -409,7 +409,6 @@ STILL_REFUSED = {
     ("llama3_2024_table4", 0): "Llama 3 405B, 8K sequences without recompute (Llama 3 paper Sec. 3.3.2): Meta's own "
                                "schedule and early deallocation of stage inputs/outputs are not modelled (128 GiB estimated)",
     ("llama3_2024_table4", 1): "the same at dp 128 (97 GiB)",
-    ("narayanan_2021_table2_zero3", 3): "530B ZeRO-3 over 640 A100 (DeepSpeed 2021): 30 GiB of comm buffers",
 }
 """Published runs the memory check still refuses under their own profile, and why (issue 27)."""
 

@@ -369,13 +369,13 @@ class FrameworkConfig:
     """Recompute policies the framework runs (xpar plan searches these; xpar.config.remat.RECOMPUTE);
     null: xpar.config.remat.PLAN_RECOMPUTE."""
     param_storage: str = "fp32"
-    """Mixed precision: 'fp32' parameters are the master weights (xpar, torchtitan) or 'bf16'
-    parameters with the fp32 master in the optimizer (Megatron, DeepSpeed)."""
+    """'fp32': parameters are the master weights (xpar, torchtitan); 'bf16': fp32 master in the optimizer."""
     grad_bytes: int = 4
-    """Bytes per held gradient element under mixed precision: 2 (bf16), 4 (fp32 main gradients),
-    6 (bf16 gradients beside an unsharded fp32 accumulation buffer: DeepSpeed's BF16_Optimizer)."""
+    """Bytes per held gradient element: 2 (bf16), 4 (fp32 main grads), 6 (bf16 + fp32 buffer: DeepSpeed BF16_Optimizer)."""
     fsdp_reshard_under_pp: bool = True
     """ZeRO-3 under pp reshards parameters after each forward."""
+    zero3_gather: str = "unit"
+    """ZeRO-3's gather size: unit (a block, FSDP2) or tensor (one parameter tensor, DeepSpeed v0.3)."""
     ddp_bucket_copy: bool = True
     """DDP copies gradients into communication buckets (torch default)."""
     cpu_offload_optimizer: bool = False

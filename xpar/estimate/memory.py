@@ -78,6 +78,7 @@ from xpar.estimate.model_states import (
     expert_state_bytes,
     _stage_numels,
     _stage_parts,
+    _numels,
     held_state_terms,
     most_loaded_dp_rank,
     precision,
@@ -168,8 +169,10 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> di
     block's (FSDP2's implicit prefetch): root + 2 blocks. fsdp_reduce (ZeRO-2/3 without
     pp): one unit of unsharded gradients in the compute dtype, plus its fp32 copy when the
     reduction runs in fp32 (MixedPrecisionPolicy reduce_dtype); under pp the deferred whole
-    gradients are the ``grads`` term. pp_p2p: one send and one receive buffer of b s h
-    elements per stage held (/t with sp).
+    gradients are the ``grads`` term. With ``zero3_gather='tensor'`` (DeepSpeed v0.3) the unit is the
+    largest parameter tensor, gathered alone and not prefetched (``fsdp_allgather`` 2 of them: the
+    one in use and the next). pp_p2p: one send and one receive buffer of b s h elements per stage
+    held (/t with sp).
     """
     o = MemoryOptions.of(assume, **options)
     out = state_buffer_terms(spec, pp_rank, o)
@@ -192,6 +195,10 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     unit = max(root, block)
+    if o.zero3_gather == "tensor":  # DeepSpeed v0.3: one parameter tensor gathered / reduced at a time
+        root = block = unit = max(_numels(_stage_numels(_model_key(spec.model), _shapes_layout(spec.layout),
+                                                        spec.tp, pp_rank)[1]), default=0)
+        root = 0
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
     if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):

@@ -61,6 +61,10 @@ class MemoryOptions:
     fsdp_reshard_under_pp: bool = True
     """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
     between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
+    zero3_gather: str = "unit"
+    """What ZeRO-3 gathers at once: 'unit' (an FSDP unit, a block, with the next prefetched: FSDP2,
+    torchtitan, xpar) or 'tensor' (one parameter tensor at a time, its gradient reduce-scattered
+    alone: DeepSpeed v0.3's ZeRO-3, partition_parameters._allgather_param)."""
     ddp_bucket_copy: bool = True
     """DDP copies gradients into communication buckets (torch default); False: gradients live in
     the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""

@@ -12,7 +12,8 @@ CHOICES = {
     "selective_recompute": SELECTIVE_POLICIES,  # xpar.config.remat
     "param_storage": ("fp32", "bf16"),
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
-    "ep_dispatcher": ("alltoall", "deepep"),  # xpar.estimate.expert_parallel.ep_layer_times
+    "ep_dispatcher": ("alltoall", "deepep"),
+    "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction")
 
