@@ -55,7 +55,7 @@ def test_routing_is_each_tokens_top_k_weighted_by_their_softmax_plus_the_shared_
             t = x[b, s]
             scores, idx = moe.router(t).topk(cfg.moe_top_k)
             gates = scores.softmax(-1)
-            want = sum(g * moe.experts[int(e)](t) for g, e in zip(gates, idx)) + moe.shared(t)
+            want = sum(g * moe.experts[str(int(e))](t) for g, e in zip(gates, idx)) + moe.shared(t)
             torch.testing.assert_close(got[b, s], want, rtol=1e-5, atol=1e-6)
 
 

@@ -1,0 +1,100 @@
+"""Expert parallelism (parallel.ep, xpar.parallel.expert) against the single-process reference.
+
+One spawn per world size: at 2 workers dp2 ep2 (ZeRO-0 and ZeRO-1) and dp2 without ep, at 4
+workers dp4 ep2 (ZeRO-1: experts' optimizer over an expert-dp group of 2) and pp2 dp2 ep2 1f1b.
+Each trains 3 steps of model=moe_tiny with clipping on; its losses (mean over the ranks that
+see one) and every rank's pre-clip global gradient norm equal the reference's (rel 1e-4, fp32).
+The dispatch arithmetic is checked in one process.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import reference_losses, spawn, spec_for
+from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs)
+
+BASE = ("model=moe_tiny", "train.steps=3", "train.warmup_steps=1", "train.max_grad_norm=0.5")
+TWO = {
+    "dp2_ep2": ("parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2"),
+    "dp2_ep2_zero1": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"),
+    "dp2": ("parallel.dp=2", "parallel.micro_batches=2"),
+}
+FOUR = {
+    "dp4_ep2_zero1": ("parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=1"),
+    "pp2_dp2_ep2_1f1b": ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=1f1b",
+                         "parallel.micro_batches=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    specs = {k: spec_for(*BASE, *v, local_devices=2) for k, v in TWO.items()}
+    specs |= {k: spec_for(*BASE, *v, local_devices=4) for k, v in FOUR.items()}
+    out = dict(zip(TWO, spawn(_train, 2, [specs[k].to_dict() for k in TWO])))
+    out |= dict(zip(FOUR, spawn(_train, 4, [specs[k].to_dict() for k in FOUR])))
+    return specs, out
+
+
+@pytest.mark.parametrize("name", [*TWO, *FOUR])
+def test_losses_and_norms_equal_the_reference(results, name):
+    specs, out = results
+    spec, ranks = specs[name], out[name]
+    ref = reference_losses(spec)
+    from xpar.run.reference import reference_run
+    norms = reference_run(spec, precision="fp32")["grad_norms"]
+    seen = [losses for losses, _, _ in ranks if losses[0] is not None]
+    assert len(seen) == spec.dp  # the ranks holding the (last stage's) loss
+    for step in range(3):
+        got = sum(r[step] for r in seen) / len(seen)
+        assert got == pytest.approx(ref[step], rel=1e-4), (name, step, got, ref[step])
+    for rank, (_, got, _) in enumerate(ranks):
+        assert got == pytest.approx(norms, rel=1e-4), (name, rank, got, norms)
+    assert max(norms) > 0.5  # clipping acts, so later losses check the clipped update too
+
+
+def test_zero2_and_zero3_with_ep_are_refused_with_what_runs():
+    from xpar.config.checks import ConfigError
+    for stage in (2, 3):
+        with pytest.raises(ConfigError) as e:
+            spec_for(*BASE, "parallel.dp=2", "parallel.ep=2", f"parallel.zero_stage={stage}")
+        assert f"parallel.zero_stage={stage}" in str(e.value) and "parallel.zero_stage=1" in str(e.value)
+
+
+def test_dispatch_arithmetic_round_trips():
+    """Two ep ranks simulated in one process: each pair's row reaches its expert's owner, grouped
+    by local expert, and the inverse permutations bring every result back to its pair."""
+    from xpar.parallel.expert import group_received, inverse, route_plan
+
+    E, ep, k, T = 4, 2, 2, 7
+    gen = torch.Generator().manual_seed(0)
+    experts = [torch.rand(T, E, generator=gen).topk(k, dim=-1).indices.reshape(-1) for _ in range(ep)]
+    plans = [route_plan(e, E, ep) for e in experts]
+    for e, (order, counts) in zip(experts, plans):
+        assert counts.sum() == T * k and torch.equal(counts.reshape(-1), torch.bincount(e, minlength=E))
+        assert torch.all(e[order][1:] >= e[order][:-1])
+    # rows sent: (source rank, pair index); an all-to-all by slicing
+    sent = [torch.stack([torch.full((T * k,), r), order]).T for r, (order, _) in enumerate(plans)]
+    for dst in range(ep):
+        recv_counts = torch.stack([c[dst] for _, c in plans])  # [ep sources, E/ep]
+        chunks = [s.split(c.sum(1).tolist())[dst] for s, (_, c) in zip(sent, plans)]
+        got = torch.cat(chunks)
+        order_m, per_expert = group_received(recv_counts)
+        grouped = got[order_m]
+        owner = torch.cat([experts[int(src)][pair:pair + 1] for src, pair in grouped])
+        want = torch.arange(E // ep).repeat_interleave(torch.tensor(per_expert)) + dst * (E // ep)
+        assert torch.equal(owner, want)
+        assert torch.equal(grouped[inverse(order_m)], got)
+
+
+def test_group_ranks_put_ep_on_consecutive_dp_ranks():
+    from xpar.config.layout import Layout
+    from xpar.parallel.expert import group_ranks
+
+    lay = Layout(dp=4, tp=1, pp=2, micro_batch_size=1, micro_batches=2, seq_len=8, layer_split=(2, 2), ep=2)
+    eps, edps = group_ranks(lay)
+    assert eps == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert edps == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    lay = Layout(dp=2, tp=2, pp=1, micro_batch_size=1, micro_batches=1, seq_len=8, layer_split=(4,), ep=2)
+    assert group_ranks(lay) == ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
+    assert all(lay.rank(0, d, t) == r for t in range(2) for d, r in enumerate(group_ranks(lay)[0][t]))
