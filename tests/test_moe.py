@@ -77,6 +77,11 @@ def test_moe_checks_name_what_works():
     with pytest.raises(ConfigError) as e:
         spec_for("model=moe_tiny", "parallel=tp")
     assert "parallel.tp=1" in str(e.value) and "run.mode=estimate" in str(e.value)
+    ran = spec_for("model=moe_tiny", "parallel.dp=2", "parallel.ep=2")  # executed (tests/test_expert_parallel.py)
+    assert ran.layout.ep == 2 and ran.layout.expert_dp == 1
+    with pytest.raises(ConfigError) as e:
+        spec_for("model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3")
+    assert "parallel.zero_stage=1" in str(e.value)
     est = spec_for("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.dp=8",
                    "parallel.zero_stage=3", "train=cluster", "train.seq_len=4096", "run.mode=estimate")
     assert est.model.n_experts == 8 and est.tp == 8
