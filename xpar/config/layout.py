@@ -218,8 +218,8 @@ class Layout:
     """Expert-parallel degree: the experts of each MoE layer split over ep ranks taken inside dp x cp
     (consecutive dp x cp ranks, as Megatron-Core's and torchtitan's); adds no ranks. Expert
     states are replicated over the dp x cp / ep ranks left (their gradients reduced there).
-    Executed with ZeRO-0/1 and pp (xpar.parallel.expert, groups built from the flattened dp x cp
-    index d cp + c); ZeRO-2/3 with ep are estimated only (xpar.config.checks.layout.check_ep)."""
+    Executed with ZeRO 0-3 and pp (xpar.parallel.expert, groups built from the flattened dp x cp
+    index d cp + c; ZeRO-2/3 shard each expert over expert-dp)."""
     _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -106,8 +106,7 @@ class ParallelConfig:
     """Expert-parallel degree: each MoE layer's experts split over ep ranks (E / ep each), tokens
     sent to their experts' ranks and back by all-to-all. The ep ranks are taken inside dp x cp
     (Megatron-Core and torchtitan do so): it adds no ranks, ep must divide dp x cp and E. Executed
-    on local workers or torchrun (xpar.parallel.expert) with ZeRO-0/1 and pp; with ZeRO-2/3 or tp > 1
-    it is estimated only."""
+    (xpar.parallel.expert) with ZeRO 0-3 and pp; with tp > 1 it is estimated only."""
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""

@@ -31,9 +31,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated")
+"""torch 2.13 deprecates the autograd all-to-all of torch.distributed.nn for the functional
+collectives' ``all_to_all_single_autograd``; it is kept here because it issues
+``torch.distributed.all_to_all_single``, which xpar.parallel.comm_log records (axis ep)."""
 
 
 @dataclass
@@ -196,14 +203,43 @@ def expert_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
     return [p for c in chunks for n, p in c.named_parameters() if ".experts." in n]
 
 
+def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward: bool, dtype: str = "fp32") -> None:
+    """ZeRO-2/3 under ep: FSDP2 ``fully_shard`` each local expert over the expert-dp group (its
+    replicas; torchtitan shards experts over ``dp_shard_mod_ep`` the same way), before the blocks
+    are sharded over dp (which then leave the experts' parameters to these units). FSDP2 averages an
+    expert's gradient over expert-dp; :func:`reduce_expert_grads` divides it by ep after the step's
+    last backward: sum / (dp * cp), the global loss's gradient, as under DDP. (FSDP2's
+    ``set_gradient_divide_factor(dp * cp)`` would do it in the reduce-scatter, but issues
+    ``ReduceOp.PREMUL_SUM``, which gloo refuses, measured with torch 2.13.) Every local expert runs
+    every micro-batch (:meth:`AllToAllDispatch._compute`), so every expert-dp rank issues the same
+    all-gathers and reduce-scatters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from xpar.models.transformer import MoE
+    from xpar.parallel.precision import fsdp_policy
+
+    mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if not torch.cuda.is_available() else "cuda")
+    for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
+        for expert in moe.experts.values():
+            fully_shard(expert, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fsdp_policy(dtype))
+
+
 @torch.no_grad()
 def reduce_expert_grads(chunks: list[nn.Module], groups: ExpertGroups) -> None:
     """Sum the expert gradients over the expert-dp group (one flat buffer) and divide by dp * cp:
-    the gradient of the global loss, the mean of the dp x cp ranks' (module docstring). Marks
+    the gradient of the global loss, the mean of the dp x cp ranks' (module docstring); under
+    ZeRO-2/3 (FSDP2 averaged them over expert-dp: :func:`shard_experts`) divide by ep. Marks
     each expert parameter so the global norm sums its square over the ep group."""
     params = expert_params(chunks)
     for p in params:
         p._xpar_norm_groups = (groups.ep,)
+    if any(hasattr(p, "placements") for p in params):  # FSDP2 averaged them over expert-dp (shard_experts)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(groups.ep_size)
+        return
+    for p in params:
         if p.grad is None:  # the same flat layout on every expert-dp rank
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]

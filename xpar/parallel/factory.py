@@ -163,7 +163,7 @@ def materialize(chunk: nn.Module, device: str, seed: int) -> nn.Module:
     return chunk
 
 
-def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -> nn.Module:
+def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, experts=None) -> nn.Module:
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
@@ -177,6 +177,9 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
+    if experts is not None and par.zero_stage >= 2:  # ep: experts sharded over expert-dp first
+        from xpar.parallel.expert import shard_experts
+        shard_experts(chunk, experts, par.zero_stage == 3, dtype)
     return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
@@ -198,7 +201,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
         chunks = [apply_ep(c, experts) for c in chunks]
     if materialize_model:
         chunks = [materialize(c, device, spec.train.seed) for c in chunks]         # 2
-    chunks = [wrap_chunk(c, spec, mesh, device) for c in chunks]                   # 3, 4
+    chunks = [wrap_chunk(c, spec, mesh, device, experts) for c in chunks]          # 3, 4
     params = [p for c in chunks for p in c.parameters()]
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
                     expert_groups=experts)

@@ -143,7 +143,8 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
 
 def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """ep > 1 needs experts; ep divides the experts E and the dp x cp ranks it is taken from.
-    Executed (xpar.parallel.expert) with ZeRO-0/1 and pp; ZeRO-2/3 with ep are estimated only."""
+    Executed (xpar.parallel.expert) with ZeRO 0-3 and pp; tp with experts is refused by
+    :func:`check_moe`."""
     ep, ranks, n = layout.ep, layout.dp * layout.cp, model.n_experts
     if ep == 1:
         return []
@@ -154,10 +155,6 @@ def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     if ranks % ep or n % ep:
         return [f"parallel.ep={ep} must divide the experts (model.n_experts={n}) and the dp x cp ranks it is "
                 f"taken from (dp={layout.dp} x cp={layout.cp} = {ranks}); ep values that work: {ok}."]
-    if mode == "execute" and layout.zero_stage >= 2:
-        return [f"parallel.ep={ep} runs with ZeRO-0/1 (DDP, the experts reduced over expert-dp), not with "
-                f"parallel.zero_stage={layout.zero_stage} (FSDP2 over the experts is not built yet); run "
-                f"parallel.zero_stage=1 (or 0), or estimate it with run.mode=estimate."]
     return []
 
 
