@@ -3,7 +3,9 @@
 One spawn per world size: at 2 workers dp2 ep2 under ZeRO-0 (2 micro-batches), ZeRO-1 and
 ZeRO-2, and dp2 without ep; at 4 workers dp4 ep2 (expert-dp groups of 2) under ZeRO-1 (the
 experts' own ZeroRedundancyOptimizer) and ZeRO-3 (experts FSDP2-sharded over expert-dp), and
-pp2 dp2 ep2 with 1F1B. Each trains 3 steps of model=moe_tiny with clipping acting; its losses
+pp2 dp2 ep2 with 1F1B; tp2 (2 workers) and tp2 dp2 ep2 (4): the MoE left out of the tp plan,
+replicated over the tp ranks (xpar.parallel.tensor.block_plan), its experts replicated over
+expert-dp by torch's composable replicate. Each trains 2 steps of model=moe_tiny with clipping acting (the second loss checks the clipped update); its losses
 (mean over the ranks that see one) and every rank's pre-clip global gradient norm equal the
 reference's (rel 1e-4, fp32; a bf16 row (ZeRO-2, FSDP2's mixed precision) against the
 reference's bf16 recipe at tests/test_parity.py's 2e-4 loss and 1e-2 norm). The dispatch arithmetic and the groups are checked in one process.
@@ -17,19 +19,23 @@ from tests.conftest import spawn, spec_for
 from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs)
 from xpar.run.reference import reference_run
 
-BASE = ("model=moe_tiny", "train.steps=3", "train.warmup_steps=1", "train.max_grad_norm=0.5")
+STEPS = 2
+BASE = ("model=moe_tiny", f"train.steps={STEPS}", "train.warmup_steps=1", "train.max_grad_norm=0.5")
 TWO = {
     "dp2_ep2": ("parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2"),
-    "dp2_ep2_zero1": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"),
+    "dp2_ep2_zero1": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1", "parallel.micro_batches=2"),
     "dp2_ep2_zero2": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", "parallel.micro_batches=2"),
     "dp2": ("parallel.dp=2", "parallel.micro_batches=2"),
-    "dp2_ep2_zero2_bf16": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", "train.dtype=bf16"),
+    "dp2_ep2_zero2_bf16": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", "train.dtype=bf16",
+                           "parallel.micro_batches=2"),
+    "tp2": ("parallel.tp=2", "parallel.micro_batches=4"),
 }
 FOUR = {
     "dp4_ep2_zero1": ("parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=1"),
     "dp4_ep2_zero3": ("parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=3"),
     "pp2_dp2_ep2_1f1b": ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=1f1b",
                          "parallel.micro_batches=2"),
+    "tp2_dp2_ep2": ("parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2"),
 }
 
 
@@ -42,17 +48,32 @@ def results():
     return specs, out
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(spec) -> tuple[list, list]:
+    """(losses, pre-clip norms) of the single-process reference in the run's precision recipe (fp32,
+    or bf16 as FSDP2 runs it); every row has the global batch 16, so the rows of one recipe share it."""
+    from xpar.parallel.precision import mixed_precision_kind
+
+    key = (spec.global_batch, mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage))
+    if key not in _REFERENCES:
+        torch.manual_seed(0)
+        out = reference_run(spec)
+        _REFERENCES[key] = out["losses"], out["grad_norms"]
+    return _REFERENCES[key]
+
+
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_losses_and_norms_equal_the_reference(results, name):
     specs, out = results
     spec, ranks = specs[name], out[name]
-    torch.manual_seed(0)
-    out_ref = reference_run(spec)  # the run's precision recipe (fp32, or bf16 as FSDP2 runs it)
-    ref, norms = out_ref["losses"], out_ref["grad_norms"]
+    assert spec.global_batch == 16
+    ref, norms = _reference(spec)
     loss_rel, norm_rel = (2e-4, 1e-2) if spec.train.dtype == "bf16" else (1e-4, 1e-4)  # tests/test_parity.py
     seen = [losses for losses, _, _ in ranks if losses[0] is not None]
-    assert len(seen) == spec.dp  # the ranks holding the (last stage's) loss
-    for step in range(3):
+    assert len(seen) == spec.dp * spec.tp  # the ranks holding the (last stage's) loss; tp ranks: copies
+    for step in range(STEPS):
         got = sum(r[step] for r in seen) / len(seen)
         assert got == pytest.approx(ref[step], rel=loss_rel), (name, step, got, ref[step])
     for rank, (_, got, _) in enumerate(ranks):

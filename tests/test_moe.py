@@ -75,8 +75,9 @@ def test_moe_checks_name_what_works():
         spec_for("model=moe_tiny", "model.moe_top_k=5")
     assert "model.moe_top_k must be between 1 and model.n_experts=4" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        spec_for("model=moe_tiny", "parallel=tp")
-    assert "parallel.tp=1" in str(e.value) and "run.mode=estimate" in str(e.value)
+        spec_for("model=moe_tiny", "parallel=tp", "parallel.sequence_parallel=true")
+    assert "parallel.sequence_parallel=false" in str(e.value) and "run.mode=estimate" in str(e.value)
+    assert spec_for("model=moe_tiny", "parallel=tp").tp == 2  # experts replicated over tp: executed
     ran = spec_for("model=moe_tiny", "parallel.dp=2", "parallel.ep=2")  # executed (tests/test_expert_parallel.py)
     assert ran.layout.ep == 2 and ran.layout.expert_dp == 1
     with pytest.raises(ConfigError) as e:

@@ -203,14 +203,18 @@ def expert_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
     return [p for c in chunks for n, p in c.named_parameters() if ".experts." in n]
 
 
-def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward: bool, dtype: str = "fp32") -> None:
+def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward: Optional[bool],
+                  dtype: str = "fp32") -> None:
     """ZeRO-2/3 under ep: FSDP2 ``fully_shard`` each local expert over the expert-dp group (its
     replicas; torchtitan shards experts over ``dp_shard_mod_ep`` the same way), before the blocks
     are sharded over dp (which then leave the experts' parameters to these units). FSDP2 averages an
     expert's gradient over expert-dp; :func:`reduce_expert_grads` divides it by ep after the step's
     last backward: sum / (dp * cp), the global loss's gradient, as under DDP. (FSDP2's
     ``set_gradient_divide_factor(dp * cp)`` would do it in the reduce-scatter, but issues
-    ``ReduceOp.PREMUL_SUM``, which gloo refuses, measured with torch 2.13.) Every local expert runs
+    ``ReduceOp.PREMUL_SUM``, which gloo refuses, measured with torch 2.13.) ``reshard_after_forward``
+    None: ZeRO-0/1 of a tp model, whose dp wrapper is torch's composable ``replicate``
+    (xpar.parallel.data_parallel.apply_replicate): each expert replicated over expert-dp the same
+    way, gradients averaged there. Every local expert runs
     every micro-batch (:meth:`AllToAllDispatch._compute`), so every expert-dp rank issues the same
     all-gathers and reduce-scatters."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -222,7 +226,12 @@ def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward:
     mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if not torch.cuda.is_available() else "cuda")
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         for expert in moe.experts.values():
-            fully_shard(expert, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fsdp_policy(dtype))
+            if reshard_after_forward is None:  # ZeRO-0/1 under tp: torch's composable replicate (DDP for DTensor models)
+                from xpar.parallel.torch_internals import composable_replicate
+                composable_replicate()(expert, mesh=mesh)
+            else:
+                fully_shard(expert, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=fsdp_policy(dtype))
 
 
 @torch.no_grad()

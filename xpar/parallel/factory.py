@@ -177,9 +177,9 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
-    if experts is not None and par.zero_stage >= 2:  # ep: experts sharded over expert-dp first
+    if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
         from xpar.parallel.expert import shard_experts
-        shard_experts(chunk, experts, par.zero_stage == 3, dtype)
+        shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
     return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 

@@ -159,12 +159,14 @@ def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
 
 
 def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
-    """Experts are executed with dp / ZeRO and pp (each rank holds every expert of its blocks);
-    splitting them over tp is estimated only (as Megatron-Core's expert tensor parallelism)."""
-    if mode == "execute" and model.n_experts and layout.tp > 1:
-        return [f"model={model.name} has experts, which xpar does not split over tp when it runs them "
-                f"(parallel.tp={layout.tp}); run with parallel.tp=1 (dp, ZeRO and pp run experts), or estimate "
-                f"it with run.mode=estimate (experts split over tp as expert tensor parallelism)."]
+    """Experts are executed with dp / ZeRO, pp, ep and tp without sequence parallelism (the MoE
+    left out of the tp plan, replicated over the tp ranks: xpar.parallel.tensor.block_plan);
+    splitting them over tp, or sequence parallelism with experts, is estimated only (as
+    Megatron-Core's expert tensor parallelism)."""
+    if mode == "execute" and model.n_experts and layout.tp > 1 and layout.sequence_parallel:
+        return [f"model={model.name} has experts, which xpar runs under tp only without sequence parallelism "
+                f"(parallel.tp={layout.tp}, parallel.sequence_parallel=true); run parallel.sequence_parallel=false "
+                f"(experts replicated over tp) or parallel.tp=1, or estimate it with run.mode=estimate."]
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
