@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tests.conftest import spawn, spec_for
-from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs)
 from xpar.run.reference import reference_run
 
 STEPS = 2
@@ -37,6 +36,24 @@ FOUR = {
                          "parallel.micro_batches=2"),
     "tp2_dp2_ep2": ("parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2"),
 }
+
+
+def _train(spec_dicts: list[dict]) -> list:
+    """Worker: train each spec through xpar's real path; every rank's (losses, grad_norms, comm
+    metrics, memory) per spec."""
+    import tempfile
+    from pathlib import Path
+
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
+
+    out = []
+    for d in spec_dicts:
+        with tempfile.TemporaryDirectory() as tmp:
+            stats = run_rank(RunSpec.from_dict(d), Path(tmp))
+        if stats is not None:
+            out.append([[s["losses"], s["grad_norms"], s.get("comm", {}), s["memory"]] for s in stats])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +88,28 @@ def test_losses_and_norms_equal_the_reference(results, name):
     assert spec.global_batch == 16
     ref, norms = _reference(spec)
     loss_rel, norm_rel = (2e-4, 1e-2) if spec.train.dtype == "bf16" else (1e-4, 1e-4)  # tests/test_parity.py
-    seen = [losses for losses, _, _ in ranks if losses[0] is not None]
+    seen = [r[0] for r in ranks if r[0][0] is not None]
     assert len(seen) == spec.dp * spec.tp  # the ranks holding the (last stage's) loss; tp ranks: copies
     for step in range(STEPS):
         got = sum(r[step] for r in seen) / len(seen)
         assert got == pytest.approx(ref[step], rel=loss_rel), (name, step, got, ref[step])
-    for rank, (_, got, _) in enumerate(ranks):
+    for rank, (_, got, _, _) in enumerate(ranks):
         assert got == pytest.approx(norms, rel=norm_rel), (name, rank, got, norms)
     assert max(norms) > 0.5  # clipping acts, so later losses check the clipped update too
+
+
+def test_each_rank_holds_its_experts_and_logs_the_all_to_all(results):
+    """dp2 ep2 rank 0 holds 2 of the 4 experts of each of moe_tiny's 3 MoE blocks: its parameters are
+    dp2's less half the experts' (3 blocks x 2 experts x 3 matrices 64 x 64, fp32), and its optimizer
+    states likewise; the token all-to-all is logged on axis ep: per MoE block and micro-batch one
+    count exchange and two row exchanges forward, two backward (3 blocks x 5 x m = 2)."""
+    _, out = results
+    dense, ep = out["dp2"][0], out["dp2_ep2"][0]
+    half_experts = 3 * 2 * 3 * 64 * 64 * 4
+    assert dense[3]["params"] - ep[3]["params"] == half_experts
+    assert dense[3]["optimizer"] - ep[3]["optimizer"] == 2 * half_experts  # AdamW: 2 states
+    assert ep[2]["comm/ep_all_to_all_calls"] == 3 * 5 * 2 and ep[2]["comm/ep_all_to_all_bytes"] > 0
+    assert not any(k.startswith("comm/ep_") for k in dense[2])
 
 
 def test_dispatch_arithmetic_round_trips():
