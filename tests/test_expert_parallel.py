@@ -3,7 +3,7 @@
 One spawn per world size: at 2 workers dp2 ep2 under ZeRO-0 (2 micro-batches), ZeRO-1 and
 ZeRO-2, and dp2 without ep; at 4 workers dp4 ep2 (expert-dp groups of 2) under ZeRO-1 (the
 experts' own ZeroRedundancyOptimizer) and ZeRO-3 (experts FSDP2-sharded over expert-dp), and
-pp2 dp2 ep2 with 1F1B; tp2 (2 workers) and tp2 dp2 ep2 (4): the MoE left out of the tp plan,
+pp2 dp2 ep2 with 1F1B and with ZBV (split backward); tp2 (2 workers) and tp2 dp2 ep2 (4): the MoE left out of the tp plan,
 replicated over the tp ranks (xpar.parallel.tensor.block_plan), its experts replicated over
 expert-dp by torch's composable replicate. Each trains 2 steps of model=moe_tiny with clipping acting (the second loss checks the clipped update); its losses
 (mean over the ranks that see one) and every rank's pre-clip global gradient norm equal the
@@ -35,6 +35,9 @@ FOUR = {
     "pp2_dp2_ep2_1f1b": ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=1f1b",
                          "parallel.micro_batches=2"),
     "tp2_dp2_ep2": ("parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2"),
+    # zero-bubble under DDP: xpar averages the stage's gradients itself (pytorch#144530), experts left out
+    "pp2_dp2_ep2_zbv": ("parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.schedule=zbv",
+                        "parallel.virtual_stages=auto", "parallel.micro_batches=2"),
 }
 
 
