@@ -28,10 +28,9 @@ each expert once: its square sum is summed over the ep group (``_xpar_norm_group
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
-
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -223,7 +222,8 @@ def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward:
     from xpar.models.transformer import MoE
     from xpar.parallel.precision import fsdp_policy
 
-    mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if not torch.cuda.is_available() else "cuda")
+    # an unnamed 1-D mesh: memory accounting (dp_full_param_bytes) counts an expert whole under ZeRO-2
+    mesh = DeviceMesh.from_group(groups.expert_dp, next(chunk.parameters()).device.type)
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         for expert in moe.experts.values():
             if reshard_after_forward is None:  # ZeRO-0/1 under tp: torch's composable replicate (DDP for DTensor models)
