@@ -55,7 +55,7 @@ def test_routing_is_each_tokens_top_k_weighted_by_their_softmax_plus_the_shared_
             t = x[b, s]
             scores, idx = moe.router(t).topk(cfg.moe_top_k)
             gates = scores.softmax(-1)
-            want = sum(g * moe.experts[int(e)](t) for g, e in zip(gates, idx)) + moe.shared(t)
+            want = sum(g * moe.experts[str(int(e))](t) for g, e in zip(gates, idx)) + moe.shared(t)
             torch.testing.assert_close(got[b, s], want, rtol=1e-5, atol=1e-6)
 
 
@@ -75,8 +75,14 @@ def test_moe_checks_name_what_works():
         spec_for("model=moe_tiny", "model.moe_top_k=5")
     assert "model.moe_top_k must be between 1 and model.n_experts=4" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        spec_for("model=moe_tiny", "parallel=tp")
-    assert "parallel.tp=1" in str(e.value) and "run.mode=estimate" in str(e.value)
+        spec_for("model=moe_tiny", "parallel=tp", "parallel.sequence_parallel=true")
+    assert "parallel.sequence_parallel=false" in str(e.value) and "run.mode=estimate" in str(e.value)
+    assert spec_for("model=moe_tiny", "parallel=tp").tp == 2  # experts replicated over tp: executed
+    ran = spec_for("model=moe_tiny", "parallel.dp=2", "parallel.ep=2")  # executed (tests/test_expert_parallel.py)
+    assert ran.layout.ep == 2 and ran.layout.expert_dp == 1
+    with pytest.raises(ConfigError) as e:
+        spec_for("model=moe_tiny", "parallel.dp=2", "parallel.ep=3")
+    assert "ep values that work: [1, 2]" in str(e.value)
     est = spec_for("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.dp=8",
                    "parallel.zero_stage=3", "train=cluster", "train.seq_len=4096", "run.mode=estimate")
     assert est.model.n_experts == 8 and est.tp == 8

@@ -217,11 +217,13 @@ class Layout:
     ep: int = 1
     """Expert-parallel degree: the experts of each MoE layer split over ep ranks taken inside dp x cp
     (consecutive dp x cp ranks, as Megatron-Core's and torchtitan's); adds no ranks. Expert
-    states are replicated over the dp x cp / ep ranks left (their gradients reduced there)."""
+    states are replicated over the dp x cp / ep ranks left (their gradients reduced there).
+    Executed with ZeRO 0-3 and pp (xpar.parallel.expert, groups built from the flattened dp x cp
+    index d cp + c; ZeRO-2/3 shard each expert over expert-dp)."""
     etp: int = 0
     """Expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size); 0: tp. With etp < tp the
     expert layers fold the tp ranks into ep ("MoE parallel folding", Liu et al. 2025, Megatron-Core):
-    ep x etp must divide tp x cp x dp, the ranks of a pipeline stage."""
+    ep x etp must divide tp x cp x dp, the ranks of a pipeline stage. Estimated only."""
     _owners: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -104,8 +104,8 @@ class ParallelConfig:
     """Context-parallel degree: each sequence split over cp ranks in 2 cp load-balanced chunks, K and V
     all-gathered per layer (Llama 3 paper Sec. 3.3.2); world = dp x cp x tp x pp. Estimated only yet."""
     ep: int = 1
-    """Expert-parallel degree: each MoE layer's E experts split over ep ranks taken inside dp x cp (adds
-    no ranks; Megatron-Core, torchtitan), tokens sent to them and back by all-to-all."""
+    """Expert-parallel degree: E experts split over ep ranks inside dp x cp (adds no ranks; Megatron-Core,
+    torchtitan), tokens sent by all-to-all; executed with ZeRO 0-3, pp and tp (xpar.parallel.expert)."""
     etp: Optional[int] = None
     """Expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size; None: tp); etp < tp
     folds tp ranks into ep (MoE parallel folding): ep x etp divides tp x cp x dp. Estimated only."""

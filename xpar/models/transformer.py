@@ -95,27 +95,43 @@ class MoE(nn.Module):
     """Mixture of experts (Shazeer et al. 2017; Mixtral's routing, Jiang et al. 2024): a router
     scores the E experts per token, each token goes to its top k, weighted by the softmax over
     those k scores, plus every shared expert (DeepSeek-V3's), summed. Dropless: every routed
-    token is computed (capacity_factor is the estimate's). Shapes: x [B, S, H] -> [B, S, H]."""
+    token is computed (capacity_factor is the estimate's). Shapes: x [B, S, H] -> [B, S, H].
+
+    The routed experts live in a ``ModuleDict`` keyed by their global index (``experts.<e>.w1``,
+    the names a ``ModuleList`` gives), so a module holding a subset of them keeps the same
+    parameter names, as a pipeline stage keeps its blocks'. ``dispatch`` is the one seam a
+    parallel strategy uses: ``dispatch(experts, x [T, H], gates [T, k], experts [T, k]) -> [T, H]``
+    computes the routed part (default :func:`run_experts`, every expert here;
+    xpar.parallel.expert installs an all-to-all one)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.moe_top_k
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn) for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleDict({str(e): MLP(cfg, cfg.expert_ffn) for e in range(cfg.n_experts)})
         self.shared = (MLP(cfg, cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else None)
+        self.dispatch = run_experts
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         scores_TK, experts_TK = self.router(x_TH).topk(self.top_k, dim=-1)
         gates_TK = scores_TK.softmax(dim=-1, dtype=torch.float32).to(x_TH.dtype)
-        out_TH = torch.zeros_like(x_TH)
-        for e, expert in enumerate(self.experts):
-            token, slot = (experts_TK == e).nonzero(as_tuple=True)
-            if token.numel():
-                out_TH = out_TH.index_add(0, token, expert(x_TH[token]) * gates_TK[token, slot, None])
+        out_TH = self.dispatch(self.experts, x_TH, gates_TK, experts_TK)
         if self.shared is not None:
             out_TH = out_TH + self.shared(x_TH)
         return out_TH.view_as(x_BSH)
+
+
+def run_experts(experts: nn.ModuleDict, x_TH: torch.Tensor, gates_TK: torch.Tensor,
+                experts_TK: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum per token, every expert held here: for each expert e
+    (global index = its key), its tokens' rows through it, times their gates, added into [T, H]."""
+    out_TH = torch.zeros_like(x_TH)
+    for key, expert in experts.items():
+        token, slot = (experts_TK == int(key)).nonzero(as_tuple=True)
+        if token.numel():
+            out_TH = out_TH.index_add(0, token, expert(x_TH[token]) * gates_TK[token, slot, None])
+    return out_TH
 
 
 class Block(nn.Module):

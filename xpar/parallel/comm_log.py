@@ -4,7 +4,8 @@ The dp axis's wrappers issue their collectives from Python through ``torch.distr
 FSDP2 (ZeRO-2/3) calls ``all_gather_single`` and ``reduce_scatter_single``
 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.13), ZeroRedundancyOptimizer
 (ZeRO-1) ``broadcast`` of each updated parameter, xpar's zero-bubble reduction and FSDP2's
-replicated-gradient path ``all_reduce``. :class:`CollectiveLog` replaces those functions for the
+replicated-gradient path ``all_reduce``, expert parallelism's token dispatch ``all_to_all_single``
+(axis ``ep``, payload: the rows this rank sends; xpar.parallel.expert). :class:`CollectiveLog` replaces those functions for the
 time of each step with wrappers that record each call; the call itself is unchanged
 (same arguments, same result), so the run's numbers are unchanged. Not seen here: DDP's gradient
 all-reduce (its C++ reducer calls the process group directly; its bytes and times come from torch's
@@ -30,15 +31,15 @@ WORK = dist.distributed_c10d.Work
 """torch's collective handle class, whose ``wait`` :class:`CollectiveLog` times."""
 KINDS = {"all_gather_single": "allgather", "all_gather_into_tensor": "allgather",
          "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-         "all_reduce": "allreduce", "broadcast": "broadcast"}
+         "all_reduce": "allreduce", "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
 """torch.distributed functions wrapped, and the collective kind each issues."""
 SCALAR = "scalar"
 """The kind under which one-element collectives are recorded (the global gradient norm's square
 sums, the non-finite check): control, not the wrappers' traffic that the estimate counts."""
 _PAYLOAD_ARG = {"allgather": ("output_tensor", 0), "reduce_scatter": ("input", 1), "allreduce": ("tensor", 0),
-                "broadcast": ("tensor", 0)}
+                "broadcast": ("tensor", 0), "all_to_all": ("input", 1)}
 _GROUP_ARG = {"all_gather_single": 2, "all_gather_into_tensor": 2, "reduce_scatter_single": 3,
-              "reduce_scatter_tensor": 3, "all_reduce": 2, "broadcast": 2}
+              "reduce_scatter_tensor": 3, "all_reduce": 2, "broadcast": 2, "all_to_all_single": 4}
 
 
 def _payload(fn: str, args: tuple, kwargs: dict) -> tuple[int, int]:

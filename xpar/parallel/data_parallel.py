@@ -98,10 +98,14 @@ def wrap_dp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, device: str,
 
 
 def build_optimizer(params: list[nn.Parameter], zero_stage: int, dp_mesh: DeviceMesh,
-                    lr: float, weight_decay: float) -> torch.optim.Optimizer:
+                    lr: float, weight_decay: float, chunks=None, expert_groups=None) -> torch.optim.Optimizer:
     """AdamW; for ZeRO-1 wrapped in ZeroRedundancyOptimizer, which keeps the states of about
     1/dp of the parameters per rank (whole parameters, assigned greedily by size) and
-    broadcasts updated parameters after each step."""
+    broadcasts updated parameters after each step. Under expert parallelism (``expert_groups``)
+    the experts' states are kept apart (xpar.parallel.expert.build_ep_optimizer)."""
+    if expert_groups is not None:
+        from xpar.parallel.expert import build_ep_optimizer
+        return build_ep_optimizer(chunks, expert_groups, zero_stage, dp_mesh.get_group(), lr, weight_decay)
     if zero_stage == 1:
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
                                        process_group=dp_mesh.get_group(), lr=lr, weight_decay=weight_decay)

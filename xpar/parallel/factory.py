@@ -7,6 +7,8 @@
        recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
        around the chunk's forward (xpar.parallel.precision)
     4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy)
+    1b. expert parallelism (parallel.ep > 1, real runs): this rank's experts kept, the rest
+       dropped before the init, all-to-all dispatch installed (xpar.parallel.expert)
     5. pipeline stages on the pp axis with their schedule
     6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
        step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
@@ -69,6 +71,8 @@ class Engine:
     """Steps whose loss or global gradient norm was NaN or inf (``train.on_nonfinite``)."""
     skipped_steps: list = field(default_factory=list)
     """Of those, the steps whose optimizer step was skipped (``on_nonfinite=skip``)."""
+    expert_groups: Any = None
+    """Expert parallelism's process groups (xpar.parallel.expert.ExpertGroups), None without ep."""
     _fsdp_params: Optional[list] = field(default=None, init=False, repr=False)
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Optional[float]:
@@ -90,6 +94,9 @@ class Engine:
             nonfinite_message,
         )
 
+        if self.expert_groups is not None:  # experts: summed over expert-dp, / dp x cp
+            from xpar.parallel.expert import reduce_expert_grads
+            reduce_expert_grads(self.chunks, self.expert_groups)
         params = [p for c in self.chunks for p in c.parameters()]
         pp_group = self.mesh["pp"].get_group() if self.spec.pp > 1 else None
         norm = clip_grads_(params, self.spec.train.max_grad_norm, pp_group)
@@ -156,7 +163,7 @@ def materialize(chunk: nn.Module, device: str, seed: int) -> nn.Module:
     return chunk
 
 
-def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -> nn.Module:
+def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, experts=None) -> nn.Module:
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
@@ -170,6 +177,9 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
+    if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
+        from xpar.parallel.expert import shard_experts
+        shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
     return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
@@ -184,15 +194,21 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     if spec.pp > 1:
         stage_ids = spec.layout.stages_of(mesh["pp"].get_local_rank())
     chunks = build_model(spec, stage_ids)                                          # 1
+    experts = None
+    if spec.layout.ep > 1 and materialize_model:                                   # 1b: this rank's experts
+        from xpar.parallel.expert import apply_ep, build_expert_groups
+        experts = build_expert_groups(spec.layout)
+        chunks = [apply_ep(c, experts) for c in chunks]
     if materialize_model:
         chunks = [materialize(c, device, spec.train.seed) for c in chunks]         # 2
-    chunks = [wrap_chunk(c, spec, mesh, device) for c in chunks]                   # 3, 4
+    chunks = [wrap_chunk(c, spec, mesh, device, experts) for c in chunks]          # 3, 4
     params = [p for c in chunks for p in c.parameters()]
-    engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step)
+    engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
+                    expert_groups=experts)
     if materialize_model:                                                          # 6
         from xpar.parallel.optim import build_lr_scheduler
         engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
-                                           spec.train.weight_decay)
+                                           spec.train.weight_decay, chunks, experts)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:
         from xpar.parallel.pipeline import attach_schedule

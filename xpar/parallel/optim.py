@@ -11,7 +11,9 @@ over a layout, :func:`global_grad_norm` assembles the norm from this rank's loca
 - a DTensor gradient (FSDP2 shards on dp, tp shards, both) contributes its local shard's
   square sum, summed over the mesh dimensions it is *sharded* on (Replicate dims: copies,
   not summed; a Partial gradient is first reduced to Replicate);
-- pipeline stages hold disjoint parameters: the sum is all-reduced over the pp group.
+- pipeline stages hold disjoint parameters: the sum is all-reduced over the pp group;
+- a parameter marked ``_xpar_norm_groups`` (ep's routed experts, disjoint over the ep group:
+  xpar.parallel.expert.reduce_expert_grads) is also summed over those groups.
 
 Torch's own ``clip_grad_norm_`` cannot do this here: it refuses a mix of DTensors on
 different meshes with plain tensors, and knows nothing of pipeline stages (torchtitan adds
@@ -66,6 +68,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group=None) -> float:
         if p.grad is None:
             continue
         local, groups = _local_part(p.grad)
+        groups += getattr(p, "_xpar_norm_groups", ())  # expert parallelism: xpar.parallel.expert
         parts.setdefault(tuple(g.group_name for g in groups), [groups, []])[1].append(local)
     total = torch.zeros((), dtype=torch.float64)
     for groups, locals_ in parts.values():

@@ -182,12 +182,15 @@ def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
 def _average_grads_after_reduce(stage: PipelineStage, dp_group, dp: int) -> None:
     """After ``stage``'s REDUCE_GRAD action (its last backward of the step, gradients already
     scaled by 1/m), all-reduce its gradients over dp in one flat fp32 buffer and divide by dp.
-    Averaging is idempotent, so a gradient DDP did reduce is left as it was."""
+    Averaging is idempotent, so a gradient DDP did reduce is left as it was. Parameters DDP was told
+    to ignore (ep's experts, reduced over expert-dp by xpar.parallel.expert) are left alone."""
     reduce = stage.perform_reduce_grad
+    ignored = set(getattr(stage.submod, "parameters_to_ignore", ()))
+    params = [p for n, p in stage.submod.module.named_parameters() if n not in ignored]
 
     def averaged(*args, **kwargs):
         out = reduce(*args, **kwargs)
-        grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=dp_group)

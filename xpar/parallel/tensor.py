@@ -58,7 +58,12 @@ from xpar.parallel.torch_internals import (
 
 
 def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
-    """The Megatron plan of one transformer block (keys are submodule names)."""
+    """The Megatron plan of one transformer block (keys are submodule names).
+
+    A mixture of experts (``feed_forward`` without ``w1``) is left out of the plan: without
+    sequence parallelism its input is the replicated residual stream, so every tp rank runs the
+    router and its experts whole on the same tokens (identical gradients, like the norms'); the
+    experts are not split over tp (Megatron-Core's expert tensor parallelism is estimated only)."""
     act = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan = {
         "attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),),
@@ -67,11 +72,12 @@ def block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
-        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),),
-                                           use_local_output=False),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=act),
     }
+    if getattr(block.feed_forward, "w1", None) is not None:
+        plan.update({"feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),),
+                                                        use_local_output=False),
+                     "feed_forward.w1": ColwiseParallel(),
+                     "feed_forward.w2": RowwiseParallel(output_layouts=act)})
     if getattr(block.feed_forward, "w3", None) is not None:
         plan["feed_forward.w3"] = ColwiseParallel()
     if sequence_parallel:

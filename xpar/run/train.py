@@ -98,8 +98,11 @@ def _comm_stats(engine: Engine, first: int, tp_comm: Optional[dict], log: Collec
 
 def comm_groups(engine: Engine) -> dict:
     """The process groups whose Python-issued collectives are logged (:class:`CollectiveLog`):
-    the dp axis's, when it has more than one rank."""
-    return {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
+    the dp axis's, when it has more than one rank; the ep group's (token all-to-all) under ep."""
+    groups = {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
+    if getattr(engine, "expert_groups", None) is not None:
+        groups["ep"] = engine.expert_groups.ep
+    return groups
 
 
 def _advance(progress, step: int, total: int, loss: Optional[float]) -> None:

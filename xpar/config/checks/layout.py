@@ -143,7 +143,8 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
 
 def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """ep > 1 needs experts; ep divides the experts E, and ep x etp the tp x cp x dp ranks of a
-    stage (ep inside dp x cp when etp = tp); etp divides tp; executed only with etp = tp."""
+    stage (ep inside dp x cp when etp = tp); etp divides tp. Executed (xpar.parallel.expert) with
+    ZeRO 0-3, pp and tp, ep inside dp x cp; an explicit etp is estimated only."""
     ep, etp, n = layout.ep, layout.expert_tp, model.n_experts
     ranks = layout.tp * layout.cp * layout.dp
     if ep == 1 and etp == layout.tp:
@@ -159,19 +160,21 @@ def check_ep(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
         return [f"parallel.ep={ep} must divide the experts (model.n_experts={n}), and ep x etp ({ep} x {etp}) the "
                 f"ranks of a pipeline stage (tp={layout.tp} x cp={layout.cp} x dp={layout.dp} = {ranks}); "
                 f"ep values that work: {ok}."]
-    if mode == "execute":
-        return [f"parallel.ep={ep} is estimated, not executed yet, by xpar; estimate it with run.mode=estimate, "
-                f"or run parallel.ep=1."]
+    if mode == "execute" and layout.etp:
+        return [f"parallel.etp={layout.etp} is estimated, not executed, by xpar (a run replicates each expert over "
+                f"the tp ranks); run without it (parallel.etp=null) or estimate it with run.mode=estimate."]
     return []
 
 
 def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
-    """Experts are executed with dp / ZeRO and pp (each rank holds every expert of its blocks);
-    splitting them over tp is estimated only (as Megatron-Core's expert tensor parallelism)."""
-    if mode == "execute" and model.n_experts and layout.tp > 1:
-        return [f"model={model.name} has experts, which xpar does not split over tp when it runs them "
-                f"(parallel.tp={layout.tp}); run with parallel.tp=1 (dp, ZeRO and pp run experts), or estimate "
-                f"it with run.mode=estimate (experts split over tp as expert tensor parallelism)."]
+    """Experts are executed with dp / ZeRO, pp, ep and tp without sequence parallelism (the MoE
+    left out of the tp plan, replicated over the tp ranks: xpar.parallel.tensor.block_plan);
+    splitting them over tp, or sequence parallelism with experts, is estimated only (as
+    Megatron-Core's expert tensor parallelism)."""
+    if mode == "execute" and model.n_experts and layout.tp > 1 and layout.sequence_parallel:
+        return [f"model={model.name} has experts, which xpar runs under tp only without sequence parallelism "
+                f"(parallel.tp={layout.tp}, parallel.sequence_parallel=true); run parallel.sequence_parallel=false "
+                f"(experts replicated over tp) or parallel.tp=1, or estimate it with run.mode=estimate."]
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
