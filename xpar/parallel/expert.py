@@ -223,7 +223,8 @@ def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward:
     from xpar.parallel.precision import fsdp_policy
 
     # an unnamed 1-D mesh: memory accounting (dp_full_param_bytes) counts an expert whole under ZeRO-2
-    mesh = DeviceMesh.from_group(groups.expert_dp, next(chunk.parameters()).device.type)
+    device = next(chunk.parameters()).device.type
+    mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if device == "meta" else device)  # meta: the dry run
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         for expert in moe.experts.values():
             if reshard_after_forward is None:  # ZeRO-0/1 under tp: torch's composable replicate (DDP for DTensor models)

@@ -195,7 +195,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
         stage_ids = spec.layout.stages_of(mesh["pp"].get_local_rank())
     chunks = build_model(spec, stage_ids)                                          # 1
     experts = None
-    if spec.layout.ep > 1 and materialize_model:                                   # 1b: this rank's experts
+    if spec.layout.ep > 1:                                                         # 1b: this rank's experts
         from xpar.parallel.expert import apply_ep, build_expert_groups
         experts = build_expert_groups(spec.layout)
         chunks = [apply_ep(c, experts) for c in chunks]
