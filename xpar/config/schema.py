@@ -101,7 +101,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (s / cp tokens each, causal load
     balancing: 2 cp chunks); K and V all-gathered per layer (Llama 3 paper Sec. 3.3.2). World size
-    = dp x cp x tp x pp. Estimated; execute mode refuses cp > 1 (not executed yet)."""
+    = dp x cp x tp x pp. Estimated and executed (xpar.parallel.context); seq_len must divide into
+    2 cp chunks."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts split over ep ranks (E / ep each), tokens
     sent to their experts' ranks and back by all-to-all. The ep ranks are taken inside dp x cp

@@ -3,10 +3,12 @@
     1. model on the meta device (no memory), the whole model or this rank's pipeline stages
     2. materialise on the device with the seeded, name-keyed init (values are those of the
        single-process model, whatever the layout)          -- skipped for a dry run
-    3. tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
+    3. context parallel on the cp axis (xpar.parallel.context: global positions, all-gather
+       attention), then tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
        recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
        around the chunk's forward (xpar.parallel.precision)
-    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy)
+    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy),
+       over dp x cp under context parallelism (xpar.parallel.mesh.replica_mesh)
     5. pipeline stages on the pp axis with their schedule
     6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
        step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
@@ -163,18 +165,23 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     from xpar.parallel.precision import apply_autocast, mixed_precision_kind
     from xpar.parallel.recompute import apply_recompute
 
+    from xpar.parallel.mesh import replica_mesh
+
     par, dtype = spec.parallel, spec.train.dtype
+    if spec.cp > 1:
+        from xpar.parallel.context import apply_cp
+        chunk = apply_cp(chunk, mesh["cp"])                                             # 3a
     if spec.tp > 1:
         from xpar.parallel.tensor import apply_tp
         chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
     chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
-    return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
+    return wrap_dp(chunk, replica_mesh(mesh), par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
-    """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, tp) for this rank.
+    """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, cp, tp) for this rank.
 
     Raises:
         RuntimeError: from torch if the plan is impossible (validation should prevent it).
@@ -191,7 +198,8 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step)
     if materialize_model:                                                          # 6
         from xpar.parallel.optim import build_lr_scheduler
-        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
+        from xpar.parallel.mesh import replica_mesh
+        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, replica_mesh(mesh), spec.train.lr,
                                            spec.train.weight_decay)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:

@@ -38,7 +38,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     times, lrs)`` is called after each step (checkpoints, :class:`xpar.run.checkpoint.Saver`),
     outside the timed region.
 
-    Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
+    Returns a dict: ``rank``, ``coords`` (pp, dp, tp; and cp when cp > 1), ``losses`` (mean over this rank's
     micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
     seconds per step, warm-up included), ``step_time_stats`` (of the timed steps),
     ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
@@ -125,7 +125,7 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     -- since every step has the same shapes and issues the same collectives; timed steps
     run bare."""
     spec, mesh = engine.spec, engine.mesh
-    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
+    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device, mesh["cp"].get_local_rank())
     engine.optimizer.zero_grad(set_to_none=True)
     _sync(spec.device)
     t0, core0 = time.perf_counter(), thread_core_s()
@@ -134,7 +134,20 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
         loss = engine.step(xs, ys)
     _sync(spec.device)
     seconds, core1 = time.perf_counter() - t0, thread_core_s()
+    loss = cp_mean(loss, mesh, spec.cp, spec.device)  # outside the timed step: for the record only
     return loss, seconds, counter, (core1[0] - core0[0], core1[1] - core0[1])
+
+
+def cp_mean(loss: Optional[float], mesh, cp: int, device: str = "cpu") -> Optional[float]:
+    """The loss a run reports: under context parallelism the mean of the cp ranks' losses (each
+    the mean over its S / cp tokens of every sequence, as many on every rank: the mean over the
+    whole sequences, the single-process loss); ``loss`` itself when cp = 1 or None (a pipeline
+    rank without the last stage: its whole cp group sees none)."""
+    if cp == 1 or loss is None:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=mesh["cp"].get_group())
+    return float(t[0]) / cp
 
 
 def thread_core_s() -> tuple[float, float]:
@@ -155,8 +168,9 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
     memory["activations"] = tracker.peak
     if spec.device == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    coords = [mesh[a].get_local_rank() for a in ("pp", "dp", "tp")]
-    stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
+    axes = ("pp", "dp", "cp", "tp") if spec.cp > 1 else ("pp", "dp", "tp")
+    coords = [mesh[a].get_local_rank() for a in axes]
+    stats = {"rank": dist.get_rank(), "coords": dict(zip(axes, coords)),
              "losses": losses, "step_times_s": times, "memory": memory,
              "grad_norms": list(engine.grad_norms), "lrs": lrs,
              "nonfinite_steps": list(engine.nonfinite_steps), "skipped_steps": list(engine.skipped_steps),
