@@ -10,8 +10,8 @@ Per layer, each rank computes q, k, v of its own S / cp tokens, all-gathers k an
 heads, before grouped-query heads are repeated) over the cp group, puts the gathered chunks back
 into sequence order and computes the attention of its queries, at their global positions,
 against all S keys with the causal mask ``key position <= query position``. The all-gather is
-autograd-aware (``torch.distributed.nn.functional.all_gather``; its backward sums the K/V
-gradients of every rank's queries back onto the owner). RoPE and learned position embeddings
+autograd-aware (:class:`_AllGather`: its backward sums the K/V gradients of every rank's
+queries back onto the owner, a reduce-scatter). RoPE and learned position embeddings
 use the global positions (:func:`cp_positions`).
 
 Everything else is per token: each rank's loss is the mean over its S / cp tokens of each
@@ -25,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,12 +52,9 @@ def cp_positions(S_local: int, device: torch.device, cp: int, rank: int) -> torc
     return shard_sequence(torch.arange(S_local * cp, device=device)[None], cp, rank)[0]
 
 
-def gather_sequence(t_BKsD: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """All-gather ``t`` ``[B, K, S / cp, D]`` over the cp ``group`` (autograd-aware) and put the
-    chunks in sequence order: ``[B, K, S, D]``."""
-    from torch.distributed.nn.functional import all_gather
-
-    parts = all_gather(t_BKsD.contiguous(), group=group)  # cp tensors, rank order
+def order_chunks(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
+    """The cp ranks' ``[B, K, S / cp, D]`` shards (rank order, as all-gathered) put back in
+    sequence order: ``[B, K, S, D]`` (rank r's halves are chunks :func:`chunk_ids` (r))."""
     ordered: list = [None] * (2 * cp)
     for r, part in enumerate(parts):
         a, b = chunk_ids(cp, r)
@@ -64,19 +62,63 @@ def gather_sequence(t_BKsD: torch.Tensor, group, cp: int) -> torch.Tensor:
     return torch.cat(ordered, dim=2)
 
 
-def cp_attention(q_BNsD: torch.Tensor, k_BKsD: torch.Tensor, v_BKsD: torch.Tensor, group, cp: int,
-                 rank: int) -> torch.Tensor:
-    """Causal attention of this rank's queries ``[B, N, S / cp, D]`` over the K/V of the whole
-    sequence (gathered from the cp group, n_kv heads, then repeated for grouped-query attention);
-    returns ``[B, N, S / cp, D]``. Query at global position p sees keys at positions <= p."""
-    k, v = gather_sequence(k_BKsD, group, cp), gather_sequence(v_BKsD, group, cp)
-    n_q, n_kv, S = q_BNsD.shape[1], k.shape[1], k.shape[2]
+class _AllGather(torch.autograd.Function):
+    """All-gather over a process group, stacked: ``[*shape]`` -> ``[cp, *shape]`` in group-rank
+    order. Backward: the sum over the cp ranks of each rank's gradient of the gathered tensor,
+    its own slice kept -- a reduce-scatter (NCCL's ``reduce_scatter_tensor``); gloo has no
+    reduce-scatter, so there it is an all-reduce of the whole ``[cp, *shape]`` gradient in fp32,
+    then the slice (cp times the payload; a CPU run's). Written here because torch 2.13's
+    ``torch.distributed.nn.functional.all_gather`` backward on gloo scatters from group ranks as
+    if they were global ranks and fails on any group that does not start at rank 0 (measured:
+    "Global rank 0 is not part of group" at dp 2 x cp 2); its functional-collectives
+    counterpart needs a reduce-scatter, which gloo lacks."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty((dist.get_world_size(group), *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
+            return out, None
+        summed = grad.float().contiguous()
+        dist.all_reduce(summed, group=group)
+        return summed[dist.get_rank(group)].to(grad.dtype), None
+
+
+def gather_sequence(t_BKsD: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """All-gather ``t`` ``[B, K, S / cp, D]`` over the cp ``group`` (autograd-aware, :class:`_AllGather`)
+    and put the chunks in sequence order: ``[B, K, S, D]``."""
+    return order_chunks(list(_AllGather.apply(t_BKsD, group).unbind(0)), cp)
+
+
+def attend_local_queries(q_BNsD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, cp: int,
+                         rank: int) -> torch.Tensor:
+    """Causal attention of cp rank ``rank``'s queries ``[B, N, S / cp, D]`` over the whole
+    sequence's K/V ``[B, K, S, D]`` (n_kv heads, repeated here for grouped-query attention);
+    returns ``[B, N, S / cp, D]``. The query at global position p sees the keys at positions
+    <= p (:func:`cp_positions`): the rows of full causal attention this rank holds."""
+    n_q, n_kv, S = q_BNsD.shape[1], k_BKSD.shape[1], k_BKSD.shape[2]
     if n_kv != n_q:
-        k = k.repeat_interleave(n_q // n_kv, dim=1)
-        v = v.repeat_interleave(n_q // n_kv, dim=1)
+        k_BKSD = k_BKSD.repeat_interleave(n_q // n_kv, dim=1)
+        v_BKSD = v_BKSD.repeat_interleave(n_q // n_kv, dim=1)
     pos_q = cp_positions(q_BNsD.shape[2], q_BNsD.device, cp, rank)
     mask_sS = torch.arange(S, device=q_BNsD.device)[None, :] <= pos_q[:, None]
-    return F.scaled_dot_product_attention(q_BNsD, k, v, attn_mask=mask_sS)
+    return F.scaled_dot_product_attention(q_BNsD, k_BKSD, v_BKSD, attn_mask=mask_sS)
+
+
+def cp_attention(q_BNsD: torch.Tensor, k_BKsD: torch.Tensor, v_BKsD: torch.Tensor, group, cp: int,
+                 rank: int) -> torch.Tensor:
+    """``Attention.core`` under context parallelism: all-gather this layer's K and V (n_kv heads,
+    ``[B, K, S / cp, D]`` each) over the cp ``group``, then :func:`attend_local_queries`."""
+    k, v = gather_sequence(k_BKsD, group, cp), gather_sequence(v_BKsD, group, cp)
+    return attend_local_queries(q_BNsD, k, v, cp, rank)
 
 
 def apply_cp(chunk: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
