@@ -76,16 +76,17 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        out = torch.empty((dist.get_world_size(group), *t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
-        return out
+        cp = dist.get_world_size(group)
+        out = torch.empty((cp * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_single(out, t.contiguous(), group=group)  # logged as comm/cp_allgather (train.comm_groups)
+        return out.view(cp, *t.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         group = ctx.group
         if dist.get_backend(group) == dist.Backend.NCCL:
             out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
+            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=group)
             return out, None
         summed = grad.float().contiguous()
         dist.all_reduce(summed, group=group)
@@ -116,8 +117,10 @@ def attend_local_queries(q_BNsD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: tor
 def cp_attention(q_BNsD: torch.Tensor, k_BKsD: torch.Tensor, v_BKsD: torch.Tensor, group, cp: int,
                  rank: int) -> torch.Tensor:
     """``Attention.core`` under context parallelism: all-gather this layer's K and V (n_kv heads,
-    ``[B, K, S / cp, D]`` each) over the cp ``group``, then :func:`attend_local_queries`."""
-    k, v = gather_sequence(k_BKsD, group, cp), gather_sequence(v_BKsD, group, cp)
+    ``[B, K, S / cp, D]`` each, concatenated on the heads: one collective per layer) over the cp
+    ``group``, then :func:`attend_local_queries`."""
+    kv_B2KSD = gather_sequence(torch.cat([k_BKsD, v_BKsD], dim=1), group, cp)
+    k, v = kv_B2KSD.chunk(2, dim=1)
     return attend_local_queries(q_BNsD, k, v, cp, rank)
 
 

@@ -98,8 +98,18 @@ def _comm_stats(engine: Engine, first: int, tp_comm: Optional[dict], log: Collec
 
 def comm_groups(engine: Engine) -> dict:
     """The process groups whose Python-issued collectives are logged (:class:`CollectiveLog`):
-    the dp axis's, when it has more than one rank."""
-    return {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
+    the dp wrappers' (dp, or the flattened dp x cp under context parallelism, logged as ``dp``:
+    the estimate prices cp as dp x cp ranks, xpar.estimate.context_parallel.fold_cp), when it has
+    more than one rank; the cp axis's (K/V all-gathers and their gradients' reduction,
+    xpar.parallel.context), when cp > 1."""
+    from xpar.parallel.mesh import replica_mesh
+
+    spec, out = engine.spec, {}
+    if spec.dp * spec.cp > 1:
+        out["dp"] = replica_mesh(engine.mesh).get_group()
+    if spec.cp > 1:
+        out["cp"] = engine.mesh["cp"].get_group()
+    return out
 
 
 def _advance(progress, step: int, total: int, loss: Optional[float]) -> None:
