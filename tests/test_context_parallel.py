@@ -28,7 +28,10 @@ TWO = {  # 2 workers: dp must be 1
 FOUR = {  # 4 workers, one launch
     "dp2cp2_zero1": ["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=1"],
     "cp2tp2_sp": ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "cp2tp2_zero2": ["parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=2"],
     "pp2cp2_1f1b": ["parallel=pp", "model=tiny", "parallel.dp=1", "parallel.cp=2", "parallel.schedule=1f1b"],
+    # split backward under DDP: xpar averages the stage's gradients over dp x cp itself (pytorch#144530)
+    "pp2cp2_zbv": ["parallel=pp", "model=tiny", "parallel.dp=1", "parallel.cp=2", "parallel.schedule=zbv"],
 }
 
 
@@ -86,6 +89,13 @@ def test_cp_with_sequence_parallel_needs_seq_len_over_cp_tp():
              "parallel.tp=4", "parallel.sequence_parallel=true", local_devices=8)
 
 
+def test_run_name_and_description_say_cp():
+    from xpar.track.naming import description, run_name
+
+    spec = spec_for(*BASE, *TWO["cp2"])
+    assert run_name(spec) == "tiny·cp2·dp1" and "cp=2" in description(spec)
+
+
 @pytest.fixture(scope="module")
 def results():
     specs = {k: spec_for(*BASE, *v) for k, v in TWO.items()}
@@ -102,6 +112,7 @@ def test_losses_and_grad_norms_equal_the_reference(results, name):
     specs, out = results
     spec = specs[name]
     assert spec.cp == 2, name
+    assert (name == "pp2cp2_zbv") == any("pytorch#144530" in n for n in spec.notes), spec.notes
     ref = reference_run(spec)
     loss_rel, norm_rel = (1e-4, 1e-4) if spec.train.dtype == "fp32" else (2e-4, 1e-2)
     for step in range(3):
