@@ -12,8 +12,8 @@ def build_mesh(device: str, pp: int, dp: int, tp: int, cp: int = 1) -> DeviceMes
     for ``mesh["dp"]``. With cp > 1 the dp and cp axes are also flattened into ``"dp_cp"``
     (torchtitan's ``dp_shard_cp``): the group over which the replicas' gradients are reduced."""
     mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=AXES)
-    if cp > 1:
-        mesh["dp", "cp"]._flatten("dp_cp")
+    if cp > 1:  # kept on the mesh: slicing a flattened dim from the root mesh is deprecated (torch 2.13 warns)
+        mesh.xpar_dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
 
 
@@ -21,4 +21,6 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D sub-mesh of the ranks that hold the same parameters and average their gradients
     (DDP, ZeRO's sharding group): dp, or dp x cp (``"dp_cp"``) under context parallelism, whose
     ranks hold the same parameters and see different tokens of the same sequences."""
-    return mesh["dp_cp"] if mesh["cp"].size() > 1 else mesh["dp"]
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return getattr(mesh, "xpar_dp_cp", None) or mesh["dp_cp"]
