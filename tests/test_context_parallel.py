@@ -96,6 +96,23 @@ def test_run_name_and_description_say_cp():
     assert run_name(spec) == "tiny·cp2·dp1" and "cp=2" in description(spec)
 
 
+@pytest.mark.parametrize("overrides,devices", [
+    (("parallel=pp", "parallel.dp=1", "parallel.cp=2"), 4),                          # fractional folded b: crashed
+    (("parallel.dp=2", "parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=2"), 8),  # held whole over dp x cp
+    (("parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3", "model.n_layers=3"), 4),
+], ids=["pp2-cp2", "dp2-cp2-tp2-z2", "dp2-cp2-z3"])
+def test_estimate_dry_run_builds_cp_as_it_runs(overrides, devices):
+    """The estimate's fake-process-group dry run builds the cp engine (mesh (pp, dp, cp, tp), dp
+    wrappers over dp x cp) for every replica rank; its parameter bytes equal the folded cost model's."""
+    from xpar.estimate.dryrun import dry_run
+
+    spec = spec_for("model=tiny", "run.mode=estimate", *overrides, local_devices=devices)
+    d = dry_run(spec, [(0, r, 0) for r in range(spec.dp * spec.cp)])
+    assert len(d.ranks) == spec.dp * spec.cp and d.max_diff == 0, d.to_dict()
+    assert sorted(r.rank for r in d.ranks) == sorted(spec.layout.rank(0, dp, 0, cp=c) for dp in range(spec.dp)
+                                                     for c in range(spec.cp))
+
+
 @pytest.fixture(scope="module")
 def results():
     specs = {k: spec_for(*BASE, *v) for k, v in TWO.items()}
