@@ -96,6 +96,18 @@ def test_run_name_and_description_say_cp():
     assert run_name(spec) == "tiny·cp2·dp1" and "cp=2" in description(spec)
 
 
+def test_compare_counts_cp_in_the_devices():
+    """`xpar compare`'s devices are dp x tp x pp x cp (cp = 1 for runs logged before cp was)."""
+    import pandas as pd
+
+    from xpar.track.compare import headline_table
+
+    runs = pd.DataFrame([{"run_id": "a", "params.parallel.dp": "1", "params.parallel.tp": "2",
+                          "params.parallel.pp": "1", "params.parallel.cp": "2"},
+                         {"run_id": "b", "params.parallel.dp": "2", "params.parallel.tp": "1", "params.parallel.pp": "1"}])
+    assert list(headline_table(runs)["devices"]) == [4, 2]
+
+
 @pytest.mark.parametrize("overrides,devices", [
     (("parallel=pp", "parallel.dp=1", "parallel.cp=2"), 4),                          # fractional folded b: crashed
     (("parallel.dp=2", "parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=2"), 8),  # held whole over dp x cp
