@@ -94,22 +94,14 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     """
     import torch.distributed as dist
 
-    from xpar.estimate.model_states import (
-        STATE_BYTES,
-        grads_deferred,
-        model_state_bytes_per_rank,
-        replicated_embedding_grad_numel,
-    )
+    from xpar.estimate.context_parallel import fold_cp
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.parallel.torch_internals import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")
-    from xpar.estimate.context_parallel import fold_cp
-
     build_spec = buildable(replace(spec, device="cpu"))  # the mesh must be "cpu"; parameters stay on meta
-    bp, bg, _ = STATE_BYTES[spec.train.dtype]
     out, folded, cp = DryRun(), fold_cp(spec), spec.layout.cp
     t_all = time.perf_counter()
     for pp, dp, tp in coords or representative_ranks(folded):
@@ -122,7 +114,7 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
                 warnings.simplefilter("ignore")
                 mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp, cp)
                 engine = build_engine(build_spec, mesh, materialize_model=False)
-            local, held, dp_full = _param_numel(engine.chunks, spec.parallel.zero_stage)
+            numel = _param_numel(engine.chunks, spec.parallel.zero_stage)
         except Exception as e:  # torch's own refusal of the plan
             raise PlanError(
                 f"the dry run could not build rank {rank} (pp={pp}, dp={dp}, tp={tp}) of {spec.world_size} through "
@@ -131,21 +123,36 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook
-        # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
-        # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
-        # embedding's Replicate gradient included (a meta build runs no backward: that part
-        # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
-        if grads_deferred(folded):
-            grads = dp_full + replicated_embedding_grad_numel(folded, pp)
-        else:
-            grads = local if spec.parallel.zero_stage >= 2 else dp_full
-        analytic = model_state_bytes_per_rank(folded, pp)[dp]
-        out.ranks.append(RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
-                                   dryrun={"params": held * bp, "grads": grads * bg},
-                                   analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])},
-                                   build_s=time.perf_counter() - t0))
+        out.ranks.append(_rank_check(folded, rank, (pp, dp, tp), numel, time.perf_counter() - t0))
     out.seconds = time.perf_counter() - t_all
     return out
+
+
+def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel: tuple[int, int, int],
+                build_s: float) -> RankCheck:
+    """One rank's :class:`RankCheck` from its built ``numel`` (local, held, dp-unsharded elements,
+    :func:`_param_numel`) against the cost model on the cp-folded spec ``folded``."""
+    from xpar.estimate.model_states import (
+        STATE_BYTES,
+        grads_deferred,
+        model_state_bytes_per_rank,
+        replicated_embedding_grad_numel,
+    )
+
+    (pp, dp, tp), (local, held, dp_full) = coords, numel
+    bp, bg, _ = STATE_BYTES[folded.train.dtype]
+    # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
+    # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
+    # embedding's Replicate gradient included (a meta build runs no backward: that part
+    # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
+    if grads_deferred(folded):
+        grads = dp_full + replicated_embedding_grad_numel(folded, pp)
+    else:
+        grads = local if folded.parallel.zero_stage >= 2 else dp_full
+    analytic = model_state_bytes_per_rank(folded, pp)[dp]
+    return RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
+                     dryrun={"params": held * bp, "grads": grads * bg},
+                     analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])}, build_s=build_s)
 
 
 def buildable(spec: RunSpec) -> RunSpec:

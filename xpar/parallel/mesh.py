@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xpar.config.layout import AXES
+from xpar.parallel.torch_internals import flatten_mesh
 
 
 def build_mesh(device: str, pp: int, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
@@ -13,7 +14,7 @@ def build_mesh(device: str, pp: int, dp: int, tp: int, cp: int = 1) -> DeviceMes
     (torchtitan's ``dp_shard_cp``): the group over which the replicas' gradients are reduced."""
     mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=AXES)
     if cp > 1:  # kept on the mesh: slicing a flattened dim from the root mesh is deprecated (torch 2.13 warns)
-        mesh.xpar_dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+        mesh.xpar_dp_cp = flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
     return mesh
 
 
@@ -23,4 +24,5 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     ranks hold the same parameters and see different tokens of the same sequences."""
     if mesh["cp"].size() == 1:
         return mesh["dp"]
-    return getattr(mesh, "xpar_dp_cp", None) or mesh["dp_cp"]
+    flat = getattr(mesh, "xpar_dp_cp", None)
+    return flat if flat is not None else mesh["dp_cp"]
