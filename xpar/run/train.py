@@ -152,7 +152,9 @@ def cp_mean(loss: Optional[float], mesh, cp: int, device: str = "cpu") -> Option
     """The loss a run reports: under context parallelism the mean of the cp ranks' losses (each
     the mean over its S / cp tokens of every sequence, as many on every rank: the mean over the
     whole sequences, the single-process loss); ``loss`` itself when cp = 1 or None (a pipeline
-    rank without the last stage: its whole cp group sees none)."""
+    rank without the last stage: its whole cp group sees none). The live step files
+    (xpar.run.worker.record_steps) keep each rank's own loss, outside this all-reduce's cost;
+    the journal logs their mean over the ranks that see one, the same value."""
     if cp == 1 or loss is None:
         return loss
     t = torch.tensor([loss], dtype=torch.float64, device=device)
