@@ -22,8 +22,7 @@ GPT = ["model.position=learned", "model.norm=layernorm", "model.activation=gelu"
 TWO = {  # 2 workers: dp must be 1
     "cp2": ["parallel.dp=1", "parallel.cp=2"],
     "cp2_bf16": ["parallel.dp=1", "parallel.cp=2", "train.dtype=bf16"],
-    "cp2_zero3": ["parallel.dp=1", "parallel.cp=2", "parallel.zero_stage=3"],
-    "cp2_gpt": ["parallel.dp=1", "parallel.cp=2", *GPT],
+    "cp2_zero3_gpt": ["parallel.dp=1", "parallel.cp=2", "parallel.zero_stage=3", *GPT],  # learned positions
 }
 FOUR = {  # 4 workers, one launch
     "dp2cp2_zero1": ["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=1"],
