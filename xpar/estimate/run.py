@@ -117,9 +117,10 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
     if spec.dry_run:
+        from xpar.estimate.context_parallel import fold_cp
         from xpar.estimate.dryrun import dry_run, representative_ranks
 
-        coords = representative_ranks(spec)
+        coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
         peak = next(r for r in d.ranks if (r.coords["pp"], r.coords["dp"], r.coords["tp"]) == peak_coords)
