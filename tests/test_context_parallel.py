@@ -89,10 +89,12 @@ def test_cp_with_sequence_parallel_needs_seq_len_over_cp_tp():
 
 
 def test_run_name_and_description_say_cp():
+    from xpar.estimate.report import layout_name
     from xpar.track.naming import description, run_name
 
     spec = spec_for(*BASE, *TWO["cp2"])
     assert run_name(spec) == "tiny·cp2·dp1" and "cp=2" in description(spec)
+    assert layout_name(spec) == "dp1-tp1-cp2-pp1-zero0-m2-b4"
 
 
 def test_compare_counts_cp_in_the_devices():
