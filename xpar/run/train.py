@@ -28,8 +28,7 @@ def _sync(device: str) -> None:
 
 def train(engine: Engine, show_progress: bool = False, start: Optional["History"] = None,
           after_step: Optional[Callable[[int, list, list, list], object]] = None) -> dict:
-    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1`` on
-    this rank; return its stats.
+    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1``; return stats.
 
     Memory and TP communication are accounted on this process's first step (see
     :func:`_step`); the step times of the timed steps (after ``warmup_steps``) carry no
@@ -38,11 +37,11 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     times, lrs)`` is called after each step (checkpoints, :class:`xpar.run.checkpoint.Saver`),
     outside the timed region.
 
-    Returns a dict: ``rank``, ``coords`` (pp, dp, tp; and cp when cp > 1), ``losses`` (mean over this rank's
-    micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
-    seconds per step, warm-up included), ``step_time_stats`` (of the timed steps),
-    ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
-    (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
+    Returns a dict: ``rank``, ``coords`` (pp, dp, tp; cp when cp > 1), ``losses`` (mean over this
+    rank's micro-batches per step, and over its cp group, :func:`cp_mean`; None where the rank sees
+    no loss), ``step_times_s`` (wall seconds per step, warm-up included), ``step_time_stats`` (of the
+    timed steps), ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank),
+    ``lrs`` (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
     ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed
     steps), ``comm`` (tp: ``comm/tp_*_bytes``, :class:`xpar.parallel.tensor.TPCommCounter`; dp: the
@@ -68,6 +67,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
             with log:
                 loss, seconds, counter, cpu_s = _step(engine, data, step, tracker, accounting=(step == first))
             thread_cpu.append(tuple(a - b for a, b in zip(cpu_s, log.end_step())))  # less the collectives' own
+            loss = cp_mean(loss, engine.mesh, spec.cp, spec.device)  # outside the step and its log
             times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
@@ -144,7 +144,6 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
         loss = engine.step(xs, ys)
     _sync(spec.device)
     seconds, core1 = time.perf_counter() - t0, thread_core_s()
-    loss = cp_mean(loss, mesh, spec.cp, spec.device)  # outside the timed step: for the record only
     return loss, seconds, counter, (core1[0] - core0[0], core1[1] - core0[1])
 
 
