@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import spawn, spec_for
-from tests.test_clipping import _norms as _train  # worker: every rank's (losses, grad_norms, lrs) per spec
+from tests.test_clipping import (
+    _norms as _train,  # worker: every rank's (losses, grad_norms, lrs) per spec
+)
 
 BASE = ["model=tiny", "train.steps=3", "train.warmup_steps=1", "parallel.micro_batches=2"]
 GPT = ["model.position=learned", "model.norm=layernorm", "model.activation=gelu", "model.bias=true"]
@@ -40,13 +42,18 @@ def test_load_balanced_chunks_and_gathered_attention_equal_full_causal_attention
     over the all-gathered (re-ordered) K/V of every rank give its rows of full causal attention,
     grouped-query heads included; RoPE at the global positions equals RoPE of the whole sequence."""
     from xpar.models.transformer import causal_attention, rope
-    from xpar.parallel.context import attend_local_queries, cp_positions, order_chunks, shard_sequence
+    from xpar.parallel.context import (
+        attend_local_queries,
+        cp_positions,
+        order_chunks,
+        shard_sequence,
+    )
 
     g = torch.Generator().manual_seed(cp)
     B, N, K, S, D = 2, 4, 2, 12 * cp, 8
     q, k, v = (torch.randn(B, n, S, D, generator=g) for n in (N, K, K))
     full = causal_attention(q, k, v)
-    shard = lambda t: [shard_sequence(t.transpose(1, 2), cp, r).transpose(1, 2) for r in range(cp)]  # noqa: E731
+    shard = lambda t: [shard_sequence(t.transpose(1, 2), cp, r).transpose(1, 2) for r in range(cp)]
     qs, ks, vs = shard(q), shard(k), shard(v)
     k_all, v_all = order_chunks(ks, cp), order_chunks(vs, cp)
     assert torch.equal(k_all, k) and torch.equal(v_all, v)

@@ -162,10 +162,9 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str) -
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
+    from xpar.parallel.mesh import replica_mesh
     from xpar.parallel.precision import apply_autocast, mixed_precision_kind
     from xpar.parallel.recompute import apply_recompute
-
-    from xpar.parallel.mesh import replica_mesh
 
     par, dtype = spec.parallel, spec.train.dtype
     if spec.cp > 1:
@@ -197,8 +196,8 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     params = [p for c in chunks for p in c.parameters()]
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step)
     if materialize_model:                                                          # 6
-        from xpar.parallel.optim import build_lr_scheduler
         from xpar.parallel.mesh import replica_mesh
+        from xpar.parallel.optim import build_lr_scheduler
         engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, replica_mesh(mesh), spec.train.lr,
                                            spec.train.weight_decay)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
