@@ -135,8 +135,9 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     cp, s = layout.cp, layout.seq_len
     if cp > 1 and s % (2 * cp):
         ok = [c for c in range(1, 17) if s % (2 * c) == 0]
+        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0]
         return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
-                f"seq_len={s} is not divisible; cp values that work: {ok}."]
+                f"seq_len={s} is not divisible; cp values that work: {ok}, or train.seq_len in {near}."]
     t = layout.tp
     if cp > 1 and layout.sequence_parallel and (s // cp) % t:
         step = math.lcm(2 * cp, cp * t)
