@@ -75,7 +75,8 @@ class _AllGather(torch.autograd.Function):
     order. Backward: the sum over the cp ranks of each rank's gradient of the gathered tensor,
     its own slice kept -- a reduce-scatter (NCCL's ``reduce_scatter_tensor``); gloo has no
     reduce-scatter, so there it is an all-reduce of the whole ``[cp, *shape]`` gradient in fp32,
-    then the slice (cp times the payload; a CPU run's). Written here because torch 2.13's
+    then the slice (cp times the payload; a CPU run's; the NCCL branch is not run on this
+    machine's tests, CPU only). Written here because torch 2.13's
     ``torch.distributed.nn.functional.all_gather`` backward on gloo scatters from group ranks as
     if they were global ranks and fails on any group that does not start at rank 0 (measured:
     "Global rank 0 is not part of group" at dp 2 x cp 2); its functional-collectives
@@ -94,9 +95,9 @@ class _AllGather(torch.autograd.Function):
         group = ctx.group
         if dist.get_backend(group) == dist.Backend.NCCL:
             out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=group)
+            dist.reduce_scatter_tensor(out, grad.flatten(0, 1).contiguous(), group=group)
             return out, None
-        summed = grad.float().contiguous()
+        summed = grad.float().clone(memory_format=torch.contiguous_format)  # autograd's buffer is left as it is
         dist.all_reduce(summed, group=group)
         return summed[dist.get_rank(group)].to(grad.dtype), None
 
