@@ -718,14 +718,16 @@ def test_context_parallelism_is_priced_as_dp_ranks_on_a_sequence_share_plus_the_
 
 
 def test_context_parallel_checks():
+    """A seq_len that does not split into 2 cp chunks is refused; cp=2 now validates in execute
+    mode (executed by xpar.parallel.context, tests/test_context_parallel.py)."""
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
-    for overrides, words in ((("parallel.cp=3", "run.mode=estimate", "model=70b", "hardware=h100_80gb_64gpu",
-                               "train=cluster", "parallel.tp=8"), "cp values that work"),
-                             (("parallel.cp=2", "parallel.dp=1"), "estimated, not executed yet")):
-        with pytest.raises(ConfigError) as e:
-            spec_for(*overrides)
-        assert words in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        spec_for("parallel.cp=3", "run.mode=estimate", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster",
+                 "parallel.tp=8")
+    assert "cp values that work" in str(e.value), str(e.value)
+    spec = spec_for("parallel.cp=2", "parallel.dp=1")
+    assert spec.cp == 2 and spec.world_size == 2 and spec.mode == "execute"
 
 
 CP_FP8_STILL_REFUSED = {

@@ -44,6 +44,20 @@ def test_rank_order_is_the_device_mesh_order(pp, dp, tp):
         assert layout.rank(p, d, t) == r and layout.coords(r) == (p, d, t)
 
 
+@pytest.mark.parametrize("pp,dp,cp,tp", [(1, 1, 2, 1), (2, 2, 2, 2), (1, 3, 4, 2)])
+def test_rank_order_with_cp_is_the_device_mesh_order(pp, dp, cp, tp):
+    """With cp the mesh is (pp, dp, cp, tp) row-major (xpar.parallel.mesh.build_mesh): coords
+    (pp, dp, tp) and cp_rank read a rank's place, rank(pp, dp, tp, cp) inverts them."""
+    import torch
+
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=1, micro_batches=pp, seq_len=16,
+                    layer_split=[1] * pp)
+    mesh = torch.arange(layout.world_size).reshape(pp, dp, cp, tp)
+    for p, d, c, t in itertools.product(range(pp), range(dp), range(cp), range(tp)):
+        r = int(mesh[p, d, c, t])
+        assert layout.rank(p, d, t, cp=c) == r and layout.coords(r) == (p, d, t) and layout.cp_rank(r) == c
+
+
 def test_stage_placement_loop_and_v():
     loop = Layout(dp=1, tp=1, pp=2, micro_batch_size=1, micro_batches=4, seq_len=8, layer_split=[1, 2, 3, 4],
                   schedule="interleaved_1f1b")

@@ -36,6 +36,11 @@ def test_fsdp_private_fields_are_where_xpar_reads_them():
     assert "_fsdp_param_groups" in inspect.getsource(FSDPState)
 
 
+def test_device_mesh_flatten_exists():
+    from torch.distributed.device_mesh import DeviceMesh
+    assert callable(getattr(DeviceMesh, "_flatten", None))
+
+
 def test_schedule_loss_hook_and_sac_storage_exist():
     from torch.distributed.pipelining import schedules
     from torch.utils.checkpoint import create_selective_checkpoint_contexts

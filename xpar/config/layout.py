@@ -5,9 +5,14 @@ stages and their layers, the ZeRO stage that runs. Validation builds it once
 (:mod:`xpar.config.validate`); the engine factory, the mesh, the cost model, the dry run, the
 reports and the planner read it.
 
-Rank order. The mesh has axes ``AXES = (pp, dp, tp)``, tp innermost: rank r sits at
-``(r // (dp tp), (r // tp) % dp, r % tp)``, so a tensor-parallel group is consecutive
-ranks inside a node, as in Megatron-LM (Narayanan et al. 2021, Sec. 3) and torchtitan.
+Rank order. The mesh has axes ``AXES = (pp, dp, cp, tp)``, tp innermost: rank r sits at
+``(r // (dp cp tp), (r // (cp tp)) % dp, (r // tp) % cp, r % tp)``, so a tensor-parallel group
+is consecutive ranks inside a node, as in Megatron-LM (Narayanan et al. 2021, Sec. 3), and a
+context-parallel group is tp-strided next. Megatron-Core orders tp-cp-ep-dp-pp (tp fastest; its
+ep is taken inside dp x cp and adds no ranks, as xpar's), torchtitan (pp, dp_replicate,
+dp_shard, cp, tp) (tp fastest): both put cp between dp and tp, as xpar does. The cp ranks hold
+the same parameters, so data parallelism (DDP, ZeRO) runs over the flattened dp x cp group
+(:func:`xpar.parallel.mesh.replica_mesh`).
 
 Pipeline schedules. :data:`SCHEDULES` holds one :class:`Schedule` record per schedule
 xpar runs, by xpar name; ``torch_name`` is the name torch's
@@ -19,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 """Mesh axes, outermost first."""
 
 
@@ -213,7 +218,8 @@ class Layout:
     cp: int = 1
     """Context-parallel degree: cp ranks share each sequence, s / cp tokens each (Llama 3 paper Sec.
     3.3.2; torchtitan, Megatron-Core); inside dp in the rank order (pp, dp, cp, tp, as both order
-    theirs); estimated, not executed yet (xpar.config.checks.layout.check_cp)."""
+    theirs). Executed by all-gathering K and V per layer (:mod:`xpar.parallel.context`); the
+    seq_len must split into 2 cp chunks (xpar.config.checks.layout.check_cp)."""
     ep: int = 1
     """Expert-parallel degree: the experts of each MoE layer split over ep ranks taken inside dp x cp
     (consecutive dp x cp ranks, as Megatron-Core's and torchtitan's); adds no ranks. Expert
@@ -270,12 +276,18 @@ class Layout:
 
     # --- ranks ---------------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp, dp, tp) coordinates of a global rank (tp fastest, then dp, then pp)."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+        """(pp, dp, tp) coordinates of a global rank (tp fastest, then cp, dp, pp); the cp
+        coordinate is :meth:`cp_rank` (callers that predate cp keep their 3-tuple)."""
+        return rank // (self.dp * self.cp * self.tp), (rank // (self.cp * self.tp)) % self.dp, rank % self.tp
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        """Global rank at mesh coordinates (pp, dp, tp); inverse of :meth:`coords`."""
-        return (pp * self.dp + dp) * self.tp + tp
+    def cp_rank(self, rank: int) -> int:
+        """The cp coordinate of a global rank: (rank // tp) % cp."""
+        return (rank // self.tp) % self.cp
+
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """Global rank at mesh coordinates (pp, dp, cp, tp); inverse of :meth:`coords` and
+        :meth:`cp_rank` (``cp`` last as a keyword so callers that predate cp keep working)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     # --- pipeline stages -----------------------------------------------------------------
     def _owner(self, stage: int) -> int:

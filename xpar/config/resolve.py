@@ -185,9 +185,10 @@ def layout_notes(requested_zero_stage: int, layout: Layout) -> list[str]:
         return [f"parallel.zero_stage={requested_zero_stage} ran as zero_stage={layout.zero_stage} "
                 f"(FSDP2 reshard_after_forward=False): schedule {layout.schedule} with "
                 f"reshard_after_forward=True gives wrong gradients silently in torch 2.13."]
-    if layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble and layout.zero_stage == 0 and layout.dp > 1 \
-            and layout.tp == 1:
-        return [f"schedule {layout.schedule} under DDP: xpar all-reduces each stage's gradients over dp after its "
+    if layout.pp > 1 and SCHEDULES[layout.schedule].zero_bubble and layout.zero_stage == 0 \
+            and layout.dp * layout.cp > 1 and layout.tp == 1:
+        over = "dp" if layout.cp == 1 else "dp x cp"
+        return [f"schedule {layout.schedule} under DDP: xpar all-reduces each stage's gradients over {over} after its "
                 f"last weight-gradient pass (torch's split backward calls autograd.grad, so DDP's hooks never fire: "
                 f"pytorch#144530)."]
     return []

@@ -102,7 +102,7 @@ class ParallelConfig:
     """Pipeline-parallel degree (stages across layers)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks in 2 cp load-balanced chunks, K and V
-    all-gathered per layer (Llama 3 paper Sec. 3.3.2); world = dp x cp x tp x pp. Estimated only yet."""
+    all-gathered per layer (Llama 3 paper Sec. 3.3.2); world = dp x cp x tp x pp. Executed (xpar.parallel.context)."""
     ep: int = 1
     """Expert-parallel degree: E experts split over ep ranks inside dp x cp (adds no ranks; Megatron-Core,
     torchtitan), tokens sent by all-to-all; executed with ZeRO 0-3, pp and tp (xpar.parallel.expert)."""

@@ -69,6 +69,10 @@ class RunSpec:
         return self.layout.pp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def world_size(self) -> int:
         return self.layout.world_size
 

@@ -27,12 +27,13 @@ from xpar.estimate.schedule import Action, bubble_theory, simulate
 
 
 def pipelines(stats: list[dict], pp: int) -> list[list[dict]]:
-    """The ranks' pipeline records grouped by (dp, tp), each group ordered by pp rank."""
-    groups: dict[tuple[int, int], dict[int, dict]] = {}
+    """The ranks' pipeline records grouped by (dp, cp, tp) (cp: 0 where the run has none), each
+    group ordered by pp rank."""
+    groups: dict[tuple[int, int, int], dict[int, dict]] = {}
     for s in stats:
         if "pipeline" in s:
             c = s["coords"]
-            groups.setdefault((c["dp"], c["tp"]), {})[c["pp"]] = s["pipeline"]
+            groups.setdefault((c["dp"], c.get("cp", 0), c["tp"]), {})[c["pp"]] = s["pipeline"]
     return [[g[r] for r in range(pp)] for _, g in sorted(groups.items())]
 
 

@@ -7,7 +7,7 @@ must divide every split dimension) -- is built in this process by
 :func:`xpar.parallel.factory.build_engine` with ``materialize_model=False``:
 
     fake process group (rank r of N, ``torch.testing._internal.distributed.fake_pg``)
-    -> DeviceMesh "cpu" (pp, dp, tp)  (a "meta" mesh makes fully_shard fail)
+    -> DeviceMesh "cpu" (pp, dp, cp, tp)  (a "meta" mesh makes fully_shard fail)
     -> the model or this rank's pipeline stages on the meta device -> TP -> DDP / FSDP2
     -> PipelineStage + schedule
 
@@ -40,7 +40,7 @@ class RankCheck:
 
     rank: int
     coords: dict[str, int]
-    """pp, dp, tp coordinates."""
+    """pp, dp, tp coordinates (dp: the index in the dp x cp replica group under cp, :func:`dry_run`)."""
     local_numel: int
     """Elements of this rank's parameter storage (DTensor local shards)."""
     dryrun: dict[str, int]
@@ -83,18 +83,18 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     """Build ``coords`` (default :func:`representative_ranks`) through the engine factory on a
     fake process group of ``spec.world_size`` ranks; compare parameter bytes with the cost model.
 
+    Under context parallelism the engine is built as it runs (mesh (pp, dp, cp, tp), the dp
+    wrappers over dp x cp) and the cost model's side is priced folded
+    (:func:`xpar.estimate.context_parallel.fold_cp`): ``coords``' dp is then the index in the
+    dp x cp replica group, dp' = dp cp + c, the rank at (pp, dp' // cp, c = dp' % cp, tp).
+
     Raises:
         PlanError: torch refused to build a rank's engine.
         RuntimeError: a process group is already initialised in this process.
     """
     import torch.distributed as dist
 
-    from xpar.estimate.model_states import (
-        STATE_BYTES,
-        grads_deferred,
-        model_state_bytes_per_rank,
-        replicated_embedding_grad_numel,
-    )
+    from xpar.estimate.context_parallel import fold_cp
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.parallel.torch_internals import fake_store
@@ -102,20 +102,19 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     if dist.is_initialized():
         raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")
     build_spec = buildable(replace(spec, device="cpu"))  # the mesh must be "cpu"; parameters stay on meta
-    bp, bg, _ = STATE_BYTES[spec.train.dtype]
-    out = DryRun()
+    out, folded, cp = DryRun(), fold_cp(spec), spec.layout.cp
     t_all = time.perf_counter()
-    for pp, dp, tp in coords or representative_ranks(spec):
-        rank = spec.layout.rank(pp, dp, tp)
+    for pp, dp, tp in coords or representative_ranks(folded):
+        rank = spec.layout.rank(pp, dp // cp, tp, cp=dp % cp)
         t0 = time.perf_counter()
         hook = sys.excepthook  # init_process_group chains a "[rank r]:" prefix onto it
         dist.init_process_group("fake", rank=rank, world_size=spec.world_size, store=fake_store())
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp)
+                mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp, cp)
                 engine = build_engine(build_spec, mesh, materialize_model=False)
-            local, held, dp_full = _param_numel(engine.chunks, spec.parallel.zero_stage)
+            numel = _param_numel(engine.chunks, spec.parallel.zero_stage)
         except Exception as e:  # torch's own refusal of the plan
             raise PlanError(
                 f"the dry run could not build rank {rank} (pp={pp}, dp={dp}, tp={tp}) of {spec.world_size} through "
@@ -124,29 +123,44 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook
-        # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
-        # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
-        # embedding's Replicate gradient included (a meta build runs no backward: that part
-        # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
-        if grads_deferred(spec):
-            grads = dp_full + replicated_embedding_grad_numel(spec, pp)
-        else:
-            grads = local if spec.parallel.zero_stage >= 2 else dp_full
-        analytic = model_state_bytes_per_rank(spec, pp)[dp]
-        out.ranks.append(RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
-                                   dryrun={"params": held * bp, "grads": grads * bg},
-                                   analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])},
-                                   build_s=time.perf_counter() - t0))
+        out.ranks.append(_rank_check(folded, rank, (pp, dp, tp), numel, time.perf_counter() - t0))
     out.seconds = time.perf_counter() - t_all
     return out
 
 
+def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel: tuple[int, int, int],
+                build_s: float) -> RankCheck:
+    """One rank's :class:`RankCheck` from its built ``numel`` (local, held, dp-unsharded elements,
+    :func:`_param_numel`) against the cost model on the cp-folded spec ``folded``."""
+    from xpar.estimate.model_states import (
+        STATE_BYTES,
+        grads_deferred,
+        model_state_bytes_per_rank,
+        replicated_embedding_grad_numel,
+    )
+
+    (pp, dp, tp), (local, held, dp_full) = coords, numel
+    bp, bg, _ = STATE_BYTES[folded.train.dtype]
+    # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
+    # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
+    # embedding's Replicate gradient included (a meta build runs no backward: that part
+    # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
+    if grads_deferred(folded):
+        grads = dp_full + replicated_embedding_grad_numel(folded, pp)
+    else:
+        grads = local if folded.parallel.zero_stage >= 2 else dp_full
+    analytic = model_state_bytes_per_rank(folded, pp)[dp]
+    return RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
+                     dryrun={"params": held * bp, "grads": grads * bg},
+                     analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])}, build_s=build_s)
+
+
 def buildable(spec: RunSpec) -> RunSpec:
     """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
-    torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters)."""
+    torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
+    Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
+    (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take)."""
     from xpar.config.layout import SCHEDULES
-    from xpar.estimate.context_parallel import fold_cp
-    spec = fold_cp(spec)  # cp ranks build as dp ranks: the same parameters, sharded over dp x cp
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if SCHEDULES[spec.parallel.schedule].executable:

@@ -25,6 +25,7 @@ from xpar.config.checks import ConfigError
 from xpar.config.checks.hardware import load_hardware_preset
 from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
+from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.duration import duration_problems
 from xpar.estimate.memory import MemoryEstimate
@@ -52,7 +53,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     if mem.fits or not mem.device_memory:
         return None
     over = [r for r in range(spec.pp) if not peak_memory(spec, r).fits]
-    dp_rank, ranks = peak_ranks(spec, mem.pp_rank)
+    dp_rank, ranks = peak_ranks(fold_cp(spec), mem.pp_rank)  # dp: the dp x cp replica index under cp
     hw = spec.hardware
     where = (f"pipeline rank {mem.pp_rank} (stage{'s' if spec.pp * spec.parallel.virtual_stages > 1 else ''} "
              f"{_stages(spec, mem.pp_rank)}), on its most loaded dp rank {dp_rank} (global "

@@ -467,7 +467,9 @@ def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict
 
 
 def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
-    """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``."""
+    """(most loaded dp rank, its global ranks -- one per tp rank) on pipeline rank ``pp_rank``.
+    Callers pass the cp-folded spec (xpar.estimate.context_parallel.fold_cp, whose rank order is the
+    real one): the dp rank is then the index dp' = dp cp + c in the dp x cp replica group."""
     dp_rank = most_loaded_dp_rank(spec, pp_rank)
     first = spec.layout.rank(pp_rank, dp_rank, 0)
     return dp_rank, list(range(first, first + spec.tp))

@@ -86,8 +86,11 @@ class Report:
 
 
 def layout_name(spec: RunSpec) -> str:
-    p = spec.parallel
-    s = f"dp{spec.dp}-tp{spec.tp}-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}"
+    """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
+    context parallelism."""
+    p, cp = spec.parallel, spec.layout.cp
+    s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "")
+         + f"-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
         s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
     return s

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
+from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
@@ -103,7 +104,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """
     est = estimate(spec, assumptions_for(spec))
     mem = est.memory
-    peak_dp, ranks = peak_ranks(spec, mem.pp_rank)
+    peak_dp, ranks = peak_ranks(fold_cp(spec), mem.pp_rank)  # dp: the dp x cp replica index under cp
     extra: dict[str, float] = {f"estimate/time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
     extra.update({
         "estimate/hw_tflops_per_device": est.hw_tflops_per_device,
@@ -119,7 +120,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     if spec.dry_run:
         from xpar.estimate.dryrun import dry_run, representative_ranks
 
-        coords = representative_ranks(spec)
+        coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
         peak = next(r for r in d.ranks if (r.coords["pp"], r.coords["dp"], r.coords["tp"]) == peak_coords)

@@ -6,7 +6,11 @@ blocks keeps the same parameter names; the token embedding, position embedding, 
 norm and output projection are optional, so one class serves every stage.
 
 Attention derives the number of heads from the width of its q/k/v outputs, so the same
-code runs with the local head count after a column-parallel split.
+code runs with the local head count after a column-parallel split. Two seams let a strategy
+change what a module sees of the sequence without the model knowing it (context parallelism,
+xpar.parallel.context): ``positions(S, device)`` gives the token positions of the S tokens a
+module holds (default 0..S-1; RoPE and the learned position embedding use them), and
+``Attention.core(q, k, v)`` is the core attention (default :func:`causal_attention`).
 
 Shapes: tokens ``[B, S]`` (int64) -> logits ``[B, S, V]``; between stages ``[B, S, H]``.
 """
@@ -28,11 +32,29 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope(x_BSND: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021), half-split convention, positions 0..S-1."""
+def sequence_positions(S: int, device: torch.device) -> torch.Tensor:
+    """Positions ``[S]`` (int64) of a module's S tokens: 0..S-1, the whole sequence."""
+    return torch.arange(S, device=device)
+
+
+def causal_attention(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q ``[B, N, S, D]`` over k, v ``[B, K, S, D]`` (K = n_kv heads, N a
+    multiple of K: grouped-query K/V repeated here); returns ``[B, N, S, D]``."""
+    n_q, n_kv = q_BNSD.shape[1], k_BKSD.shape[1]
+    if n_kv != n_q:
+        k_BKSD = k_BKSD.repeat_interleave(n_q // n_kv, dim=1)
+        v_BKSD = v_BKSD.repeat_interleave(n_q // n_kv, dim=1)
+    return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True)
+
+
+def rope(x_BSND: torch.Tensor, theta: float, positions_S: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split convention, at ``positions_S``
+    (default 0..S-1)."""
     S, D = x_BSND.shape[1], x_BSND.shape[-1]
+    if positions_S is None:
+        positions_S = torch.arange(S, device=x_BSND.device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x_BSND.device, dtype=torch.float32) / D))
-    ang_SD = torch.outer(torch.arange(S, device=x_BSND.device, dtype=torch.float32), inv_freq)
+    ang_SD = torch.outer(positions_S.to(torch.float32), inv_freq)
     cos, sin = ang_SD.cos()[None, :, None, :], ang_SD.sin()[None, :, None, :]
     x1, x2 = x_BSND.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -40,7 +62,9 @@ def rope(x_BSND: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query K/V (n_kv_heads <= n_heads)."""
+    """Causal self-attention with grouped-query K/V (n_kv_heads <= n_heads). Seams (module
+    docstring): ``positions`` for RoPE, ``core`` for the attention of q over k, v (given before
+    the grouped K/V heads are repeated)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -52,6 +76,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.positions = sequence_positions
+        self.core = causal_attention
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSH.shape
@@ -64,12 +90,10 @@ class Attention(nn.Module):
         k = k.view(B, S, n_kv, self.head_dim)
         v = v.view(B, S, n_kv, self.head_dim)
         if self.position == "rope":
-            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
+            pos = self.positions(S, x_BSH.device)
+            q, k = rope(q, self.rope_theta, pos), rope(k, self.rope_theta, pos)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, S, D]
-        if n_kv != n_q:
-            k = k.repeat_interleave(n_q // n_kv, dim=1)
-            v = v.repeat_interleave(n_q // n_kv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = self.core(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(B, S, n_q * self.head_dim))
 
 
@@ -173,12 +197,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False) if last else None
         if first and last and cfg.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.positions = sequence_positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
+                h = h + self.pos_embeddings(self.positions(x.shape[1], x.device))
         else:
             h = x
         for block in self.layers.values():

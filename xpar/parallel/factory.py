@@ -3,12 +3,14 @@
     1. model on the meta device (no memory), the whole model or this rank's pipeline stages
     2. materialise on the device with the seeded, name-keyed init (values are those of the
        single-process model, whatever the layout)          -- skipped for a dry run
-    3. tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
+    3. context parallel on the cp axis (xpar.parallel.context: global positions, all-gather
+       attention), then tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
        recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
        around the chunk's forward (xpar.parallel.precision)
-    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy)
-    1b. expert parallelism (parallel.ep > 1, real runs): this rank's experts kept, the rest
-       dropped before the init, all-to-all dispatch installed (xpar.parallel.expert)
+    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy),
+       over dp x cp under context parallelism (xpar.parallel.mesh.replica_mesh)
+    1b. expert parallelism (parallel.ep > 1): this rank's experts kept, the rest dropped before the
+       init, all-to-all dispatch installed (xpar.parallel.expert)
     5. pipeline stages on the pp axis with their schedule
     6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
        step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
@@ -167,10 +169,14 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
+    from xpar.parallel.mesh import replica_mesh
     from xpar.parallel.precision import apply_autocast, mixed_precision_kind
     from xpar.parallel.recompute import apply_recompute
 
     par, dtype = spec.parallel, spec.train.dtype
+    if spec.cp > 1:
+        from xpar.parallel.context import apply_cp
+        chunk = apply_cp(chunk, mesh["cp"])                                             # 3a
     if spec.tp > 1:
         from xpar.parallel.tensor import apply_tp
         chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
@@ -180,11 +186,11 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
         from xpar.parallel.expert import shard_experts
         shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
-    return wrap_dp(chunk, mesh["dp"], par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
+    return wrap_dp(chunk, replica_mesh(mesh), par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
-    """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, tp) for this rank.
+    """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, cp, tp) for this rank.
 
     Raises:
         RuntimeError: from torch if the plan is impossible (validation should prevent it).
@@ -206,8 +212,9 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
                     expert_groups=experts)
     if materialize_model:                                                          # 6
+        from xpar.parallel.mesh import replica_mesh
         from xpar.parallel.optim import build_lr_scheduler
-        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, mesh["dp"], spec.train.lr,
+        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, replica_mesh(mesh), spec.train.lr,
                                            spec.train.weight_decay, chunks, experts)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:

@@ -4,10 +4,25 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xpar.config.layout import AXES
+from xpar.parallel.torch_internals import flatten_mesh
 
 
-def build_mesh(device: str, pp: int, dp: int, tp: int) -> DeviceMesh:
-    """A 3-D mesh of shape (pp, dp, tp) over the default process group, ranks placed as
-    :meth:`xpar.config.layout.Layout.coords` says. Axes of size 1 are kept so code can always ask
-    for ``mesh["dp"]``."""
-    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=AXES)
+def build_mesh(device: str, pp: int, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+    """A 4-D mesh of shape (pp, dp, cp, tp) over the default process group, ranks placed as
+    :meth:`xpar.config.layout.Layout.rank` says. Axes of size 1 are kept so code can always ask
+    for ``mesh["dp"]``. With cp > 1 the dp and cp axes are also flattened into ``"dp_cp"``
+    (torchtitan's ``dp_shard_cp``): the group over which the replicas' gradients are reduced."""
+    mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=AXES)
+    if cp > 1:  # kept on the mesh: slicing a flattened dim from the root mesh is deprecated (torch 2.13 warns)
+        mesh.xpar_dp_cp = flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
+    return mesh
+
+
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D sub-mesh of the ranks that hold the same parameters and average their gradients
+    (DDP, ZeRO's sharding group): dp, or dp x cp (``"dp_cp"``) under context parallelism, whose
+    ranks hold the same parameters and see different tokens of the same sequences."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    flat = getattr(mesh, "xpar_dp_cp", None)
+    return flat if flat is not None else mesh["dp_cp"]

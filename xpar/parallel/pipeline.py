@@ -92,14 +92,15 @@ class ActionRecorder:
 def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Meta tensors of one micro-batch's input and output of ``stage``: tokens ``[b, S]``
     into the first stage, hidden states ``[b, S, H]`` between stages, logits ``[b, S, V]``
-    out of the last.
+    out of the last, with S the tokens a rank holds of each sequence: seq_len / cp under
+    context parallelism (xpar.parallel.context).
 
     Given to PipelineStage, they spare torch's runtime shape inference, which runs an extra
     forward and backward through the wrapped chunk on the first step; through DDP that extra
     pass breaks the reducer's bucket rebuild under ScheduleGPipe (torch 2.13: "rebuilt
     parameter indices size is not same as original model parameters size" on step 2).
     """
-    b, S, H, V = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden, spec.model.vocab_size
+    b, S, H, V = spec.train.micro_batch_size, spec.seq_len // spec.cp, spec.model.hidden, spec.model.vocab_size
     # Between tensor-parallel stages the activation is a plain tensor: the whole sequence,
     # or this tp rank's sequence shard under sequence parallelism (xpar.parallel.tensor).
     # The last stage's logits (a vocabulary-sharded DTensor under tp) go only to the loss,
@@ -138,7 +139,8 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         recorder.instrument(stage)
         _probe_before_reduce(stage, engine)
         if split_backward_needs_reduce(spec, chunk):
-            _average_grads_after_reduce(stage, engine.mesh["dp"].get_group(), spec.dp)
+            from xpar.parallel.mesh import replica_mesh
+            _average_grads_after_reduce(stage, replica_mesh(engine.mesh).get_group(), spec.dp * spec.cp)
         stages.append(stage)
     cls = schedule_class(spec.parallel.schedule)
     target = stages[0] if issubclass(cls, schedules.PipelineScheduleSingle) else stages
@@ -168,7 +170,7 @@ def _probe_before_reduce(stage: PipelineStage, engine) -> None:
 
 
 def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
-    """Whether xpar must average ``chunk``'s gradients over dp itself: a zero-bubble schedule
+    """Whether xpar must average ``chunk``'s gradients over dp (x cp) itself: a zero-bubble schedule
     (zero_bubble, zbv, dualpipev) with a DDP-wrapped stage. Their split backward
     (``stage_backward_input`` / ``stage_backward_weight``) calls ``torch.autograd.grad``, so
     DDP's reducer hooks never fire and each dp replica steps on its own gradients
@@ -176,12 +178,13 @@ def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
     0.9296 vs 0.9407 at step 0). FSDP2 and composable ``replicate`` are reduced by torch's
     REDUCE_GRAD action and need nothing."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return spec.dp > 1 and SCHEDULES[spec.parallel.schedule].zero_bubble and isinstance(chunk, DDP)
+    return spec.dp * spec.cp > 1 and SCHEDULES[spec.parallel.schedule].zero_bubble and isinstance(chunk, DDP)
 
 
 def _average_grads_after_reduce(stage: PipelineStage, dp_group, dp: int) -> None:
     """After ``stage``'s REDUCE_GRAD action (its last backward of the step, gradients already
-    scaled by 1/m), all-reduce its gradients over dp in one flat fp32 buffer and divide by dp.
+    scaled by 1/m), all-reduce its gradients over the replica group (dp, or dp x cp) in one flat
+    fp32 buffer and divide by its size ``dp``.
     Averaging is idempotent, so a gradient DDP did reduce is left as it was. Parameters DDP was told
     to ignore (ep's experts, reduced over expert-dp by xpar.parallel.expert) are left alone."""
     reduce = stage.perform_reduce_grad

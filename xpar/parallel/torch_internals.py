@@ -110,3 +110,10 @@ def dcp_metadata_globals() -> dict:
              filesystem: ("_StorageInfo",), torch.serialization: ("_get_layout",),
              torch: ("Size",), pathlib: ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
     return {(m.__name__, n): getattr(m, n) for m, group in names.items() for n in group}
+
+
+def flatten_mesh(mesh, dims: tuple, name: str):
+    """The 1-D mesh over the ranks of ``mesh``'s ``dims`` together, named ``name``
+    (``DeviceMesh._flatten``, torchtitan's way to build its ``dp_shard_cp`` mesh; no public API
+    in torch 2.13): context parallelism's dp x cp replica group (xpar.parallel.mesh)."""
+    return mesh[dims]._flatten(name)

@@ -2,7 +2,9 @@
 
 Every layout sees the same global batch at every step: the batch is a pure function of
 (seed, step), and each dp rank takes its contiguous slice of b*m rows, split into m
-micro-batches of b rows. Shapes: global ``[B, S+1]`` int64; inputs/targets ``[b, S]``.
+micro-batches of b rows. Under context parallelism each cp rank then keeps its S / cp tokens of
+every row, inputs and targets alike (causal load balancing, xpar.parallel.context.shard_sequence).
+Shapes: global ``[B, S+1]`` int64; inputs/targets ``[b, S / cp]``.
 """
 from __future__ import annotations
 
@@ -37,10 +39,14 @@ class TokenSource:
         stride = torch.randint(1, 8, (B, 1), generator=g)
         return (start + stride * torch.arange(S + 1)) % V
 
-    def micro_batches(self, step: int, dp_rank: int, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This dp rank's m micro-batches of step ``step``: (inputs, targets), each ``[b, S]``."""
-        b, m = self.spec.train.micro_batch_size, self.spec.micro_batches
+    def micro_batches(self, step: int, dp_rank: int, device: str,
+                      cp_rank: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This (dp, cp) rank's m micro-batches of step ``step``: (inputs, targets), each
+        ``[b, S / cp]`` (the cp rank's load-balanced chunks of each row)."""
+        from xpar.parallel.context import shard_sequence
+
+        b, m, cp = self.spec.train.micro_batch_size, self.spec.micro_batches, self.spec.cp
         rows = self.global_batch(step)[dp_rank * b * m:(dp_rank + 1) * b * m].to(device)
-        xs = [rows[i * b:(i + 1) * b, :-1] for i in range(m)]
-        ys = [rows[i * b:(i + 1) * b, 1:] for i in range(m)]
+        xs = [shard_sequence(rows[i * b:(i + 1) * b, :-1], cp, cp_rank) for i in range(m)]
+        ys = [shard_sequence(rows[i * b:(i + 1) * b, 1:], cp, cp_rank) for i in range(m)]
         return xs, ys

@@ -28,8 +28,7 @@ def _sync(device: str) -> None:
 
 def train(engine: Engine, show_progress: bool = False, start: Optional["History"] = None,
           after_step: Optional[Callable[[int, list, list, list], object]] = None) -> dict:
-    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1`` on
-    this rank; return its stats.
+    """Run optimizer steps ``start.step`` (0 unless resuming) .. ``spec.train.steps - 1``; return stats.
 
     Memory and TP communication are accounted on this process's first step (see
     :func:`_step`); the step times of the timed steps (after ``warmup_steps``) carry no
@@ -38,11 +37,11 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     times, lrs)`` is called after each step (checkpoints, :class:`xpar.run.checkpoint.Saver`),
     outside the timed region.
 
-    Returns a dict: ``rank``, ``coords`` (pp, dp, tp), ``losses`` (mean over this rank's
-    micro-batches per step, None where the rank sees no loss), ``step_times_s`` (wall
-    seconds per step, warm-up included), ``step_time_stats`` (of the timed steps),
-    ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank), ``lrs``
-    (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
+    Returns a dict: ``rank``, ``coords`` (pp, dp, tp; cp when cp > 1), ``losses`` (mean over this
+    rank's micro-batches per step, and over its cp group, :func:`cp_mean`; None where the rank sees
+    no loss), ``step_times_s`` (wall seconds per step, warm-up included), ``step_time_stats`` (of the
+    timed steps), ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank),
+    ``lrs`` (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
     ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed
     steps), ``comm`` (tp: ``comm/tp_*_bytes``, :class:`xpar.parallel.tensor.TPCommCounter`; dp: the
@@ -68,6 +67,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
             with log:
                 loss, seconds, counter, cpu_s = _step(engine, data, step, tracker, accounting=(step == first))
             thread_cpu.append(tuple(a - b for a, b in zip(cpu_s, log.end_step())))  # less the collectives' own
+            loss = cp_mean(loss, engine.mesh, spec.cp, spec.device)  # outside the step and its log
             times.append(seconds)
             if counter is not None:
                 comm = counter.metrics()
@@ -98,11 +98,20 @@ def _comm_stats(engine: Engine, first: int, tp_comm: Optional[dict], log: Collec
 
 def comm_groups(engine: Engine) -> dict:
     """The process groups whose Python-issued collectives are logged (:class:`CollectiveLog`):
-    the dp axis's, when it has more than one rank; the ep group's (token all-to-all) under ep."""
-    groups = {"dp": engine.mesh["dp"].get_group()} if engine.spec.dp > 1 else {}
+    the dp wrappers' (dp, or the flattened dp x cp under context parallelism, logged as ``dp``:
+    the estimate prices cp as dp x cp ranks, xpar.estimate.context_parallel.fold_cp), when it has
+    more than one rank; the cp axis's (K/V all-gathers and their gradients' reduction,
+    xpar.parallel.context), when cp > 1; the ep group's (token all-to-all) under ep."""
+    from xpar.parallel.mesh import replica_mesh
+
+    spec, out = engine.spec, {}
+    if spec.dp * spec.cp > 1:
+        out["dp"] = replica_mesh(engine.mesh).get_group()
+    if spec.cp > 1:
+        out["cp"] = engine.mesh["cp"].get_group()
     if getattr(engine, "expert_groups", None) is not None:
-        groups["ep"] = engine.expert_groups.ep
-    return groups
+        out["ep"] = engine.expert_groups.ep
+    return out
 
 
 def _advance(progress, step: int, total: int, loss: Optional[float]) -> None:
@@ -128,7 +137,7 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     -- since every step has the same shapes and issues the same collectives; timed steps
     run bare."""
     spec, mesh = engine.spec, engine.mesh
-    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device)
+    xs, ys = data.micro_batches(step, mesh["dp"].get_local_rank(), spec.device, mesh["cp"].get_local_rank())
     engine.optimizer.zero_grad(set_to_none=True)
     _sync(spec.device)
     t0, core0 = time.perf_counter(), thread_core_s()
@@ -138,6 +147,20 @@ def _step(engine: Engine, data: TokenSource, step: int, tracker: ActivationTrack
     _sync(spec.device)
     seconds, core1 = time.perf_counter() - t0, thread_core_s()
     return loss, seconds, counter, (core1[0] - core0[0], core1[1] - core0[1])
+
+
+def cp_mean(loss: Optional[float], mesh, cp: int, device: str = "cpu") -> Optional[float]:
+    """The loss a run reports: under context parallelism the mean of the cp ranks' losses (each
+    the mean over its S / cp tokens of every sequence, as many on every rank: the mean over the
+    whole sequences, the single-process loss); ``loss`` itself when cp = 1 or None (a pipeline
+    rank without the last stage: its whole cp group sees none). The live step files
+    (xpar.run.worker.record_steps) keep each rank's own loss, outside this all-reduce's cost;
+    the journal logs their mean over the ranks that see one, the same value."""
+    if cp == 1 or loss is None:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=mesh["cp"].get_group())
+    return float(t[0]) / cp
 
 
 def thread_core_s() -> tuple[float, float]:
@@ -158,8 +181,9 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
     memory["activations"] = tracker.peak
     if spec.device == "cuda":
         memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    coords = [mesh[a].get_local_rank() for a in ("pp", "dp", "tp")]
-    stats = {"rank": dist.get_rank(), "coords": dict(zip(("pp", "dp", "tp"), coords)),
+    axes = ("pp", "dp", "cp", "tp") if spec.cp > 1 else ("pp", "dp", "tp")
+    coords = [mesh[a].get_local_rank() for a in axes]
+    stats = {"rank": dist.get_rank(), "coords": dict(zip(axes, coords)),
              "losses": losses, "step_times_s": times, "memory": memory,
              "grad_norms": list(engine.grad_norms), "lrs": lrs,
              "nonfinite_steps": list(engine.nonfinite_steps), "skipped_steps": list(engine.skipped_steps),

@@ -39,7 +39,7 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     if spec.device == "cpu":
         torch.set_num_threads(spec.train.threads_per_worker)
         keep_large_tensors_on_the_heap()
-    mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp)
+    mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp, spec.cp)
     engine = build_engine(spec, mesh)
     if spec.fail_rank == dist.get_rank():
         raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
@@ -179,8 +179,9 @@ def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> No
         torch.cuda.set_device(local_rank)
     backend = "nccl" if spec.device == "cuda" else "gloo"
     logging.getLogger("xpar.worker").info(
-        "rank %d of %d (pid %d, %s, %s, coordinates pp/dp/tp %s): %d steps", local_rank, spec.world_size, os.getpid(),
-        spec.device, backend, spec.layout.coords(local_rank), spec.train.steps)
+        "rank %d of %d (pid %d, %s, %s, coordinates pp/dp/tp %s, cp %d): %d steps", local_rank, spec.world_size,
+        os.getpid(), spec.device, backend, spec.layout.coords(local_rank), spec.layout.cp_rank(local_rank),
+        spec.train.steps)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
     try:

@@ -32,6 +32,7 @@ COLUMNS = {  # table column -> MLflow column
     "micro_batches": "params.parallel.micro_batches",
     "dp": "params.parallel.dp",
     "tp": "params.parallel.tp",
+    "cp": "params.parallel.cp",
     "global_batch": "params.train.global_batch_size",
     "step_time_s": "metrics.throughput/step_time_s",
     "tokens_per_s": "metrics.throughput/tokens_per_s",
@@ -45,7 +46,7 @@ COLUMNS = {  # table column -> MLflow column
     "bubble_sim": "metrics.pipeline/bubble_ratio_sim",
     "bubble_theory": "metrics.pipeline/bubble_ratio_theory",
 }
-NUMERIC = ("pp", "micro_batches", "dp", "tp", "global_batch", "step_time_s", "fidelity_step_ratio", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
+NUMERIC = ("pp", "micro_batches", "dp", "tp", "cp", "global_batch", "step_time_s", "fidelity_step_ratio", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
            "model_states_gib", "zero_paper_gib",
            "bubble", "bubble_sim", "bubble_theory")
 
@@ -60,7 +61,8 @@ def headline_table(runs: pd.DataFrame) -> pd.DataFrame:
         out[name] = pd.to_numeric(out[name], errors="coerce")
     for col in ("peak_gib_per_device", "model_states_gib", "zero_paper_gib"):
         out[col] = out[col] / 2 ** 30
-    out["devices"] = out["dp"] * out["tp"] * out["pp"]  # the world size (NaN where a degree was not logged)
+    # the world size (NaN where a degree was not logged; cp = 1 for runs from before it was)
+    out["devices"] = out["dp"] * out["tp"] * out["pp"] * out["cp"].fillna(1)
     if out["job"].notna().any():
         out = out.assign(_j=pd.to_numeric(out["job"], errors="coerce")).sort_values("_j").drop(columns="_j")
     return out.reset_index(drop=True)

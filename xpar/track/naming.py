@@ -1,7 +1,7 @@
 """Short, readable names for runs (the MLflow run name) and their one-paragraph description.
 
 A run name lists the model, then the degrees above 1 and the ZeRO stage, then (pipelines) the
-schedule and the micro-batch count m: ``tiny·zero3·dp2``, ``mini·pp2·gpipe·m8``,
+schedule and the micro-batch count m: ``tiny·zero3·dp2``, ``tiny·cp2·dp1``, ``mini·pp2·gpipe·m8``,
 ``70b·tp8·pp4·dp2·1f1b·m8 (estimate)``. Torch-free.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ def run_name(spec: RunSpec) -> str:
     """The run's name from its layout (see the module docstring)."""
     p = spec.parallel
     parts = [spec.model.name]
-    parts += [f"tp{spec.tp}"] * (spec.tp > 1) + [f"pp{spec.pp}"] * (spec.pp > 1)
+    parts += [f"tp{spec.tp}"] * (spec.tp > 1) + [f"cp{spec.cp}"] * (spec.cp > 1) + [f"pp{spec.pp}"] * (spec.pp > 1)
     parts += [f"zero{p.zero_stage}"] * (p.zero_stage > 0)
     if spec.dp > 1 or spec.tp * spec.pp == 1:
         parts.append(f"dp{spec.dp}")
@@ -34,7 +34,8 @@ def description(spec: RunSpec, overrides: str = "") -> str:
     how = ("estimated by the analytic cost model (xpar/estimate), not run" if spec.mode == "estimate"
            else f"measured on {spec.world_size} {spec.hardware.device} worker(s), {where['nodes']} node(s), "
                 f"launched by {where['launcher']}")
-    lines = [f"**{run_name(spec)}**: model `{spec.model.name}`, dp={spec.dp} tp={spec.tp} pp={spec.pp}, "
+    lines = [f"**{run_name(spec)}**: model `{spec.model.name}`, dp={spec.dp} tp={spec.tp} pp={spec.pp}"
+             f"{f' cp={spec.cp}' if spec.cp > 1 else ''}, "
              f"ZeRO stage {spec.parallel.zero_stage}, micro-batch size b={spec.train.micro_batch_size}, "
              f"m={spec.micro_batches} micro-batches per step, {spec.train.dtype}; {how} "
              f"(hardware preset `{spec.hardware.name}`)."]

@@ -2,6 +2,7 @@
 Each returns violations and changes nothing."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from xpar.config.layout import (
@@ -129,15 +130,20 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
 
 def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
-    chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated only."""
+    chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated and executed
+    (xpar.parallel.context)."""
     cp, s = layout.cp, layout.seq_len
     if cp > 1 and s % (2 * cp):
         ok = [c for c in range(1, 17) if s % (2 * c) == 0]
+        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0]
         return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
-                f"seq_len={s} is not divisible; cp values that work: {ok}."]
-    if cp > 1 and mode == "execute":
-        return [f"parallel.cp={cp} is estimated, not executed yet, by xpar; estimate it with run.mode=estimate, "
-                f"or run parallel.cp=1."]
+                f"seq_len={s} is not divisible; cp values that work: {ok}, or train.seq_len in {near}."]
+    t = layout.tp
+    if cp > 1 and layout.sequence_parallel and (s // cp) % t:
+        step = math.lcm(2 * cp, cp * t)
+        return [f"parallel.cp={cp} with sequence_parallel=true shards each cp rank's seq_len / cp = {s // cp} "
+                f"tokens over tp={t}: seq_len must be divisible by lcm(2 cp, cp tp) = {step}, got seq_len={s}; "
+                f"e.g. train.seq_len in {[step * k for k in range(1, 4)]}, or sequence_parallel=false."]
     return []
 
 
