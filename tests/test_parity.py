@@ -12,7 +12,9 @@ are
 - a pairwise covering array over all six axes: every pair of values of any two axes appears
   in at least one executed row (greedy, smallest world first, so few rows need 8 workers);
 - :data:`UNEVEN`: pipelines whose first or last stage holds fewer or no blocks (the embedding
-  or the head alone), under several schedules, ZeRO stages, tp and recompute.
+  or the head alone), under several schedules, ZeRO stages, tp and recompute;
+- :data:`FIVE_D`: context and expert parallelism composed with pp, dp, tp, ZeRO and bf16 on the
+  mixture-of-experts model (pp x tp x cp x ep on 8 workers).
 
 Each executed row trains 3 steps and its loss (mean over the ranks holding the last stage)
 and pre-clip global gradient norm (every rank) are compared with the single-process reference
@@ -57,6 +59,7 @@ def settings(row: dict) -> dict:
         out.update({"parallel.schedule": row["schedule"], "parallel.virtual_stages": "auto"})
     if "split" in row:  # an uneven pipeline (UNEVEN)
         out["parallel.layer_split"] = row["split"]
+    out.update({f"parallel.{k}": row[k] for k in ("cp", "ep") if k in row})  # FIVE_D
     return out
 
 
@@ -72,14 +75,27 @@ UNEVEN = [  # stages with fewer or no blocks (Megatron's --decoder-first/last-pi
 ]
 
 
+FIVE_D = [  # context and expert parallelism composed with the others (issue 30), model=moe_tiny
+    {"schedule": "1f1b", "zero": 0, "dp": 1, "tp": "2", "recompute": "none", "dtype": "fp32", "cp": 2, "ep": 2,
+     "model": "moe_tiny"},
+    {"schedule": "none", "zero": 2, "dp": 2, "tp": "1", "recompute": "full", "dtype": "bf16", "cp": 2, "ep": 2,
+     "model": "moe_tiny"},
+    {"schedule": "zbv", "zero": 1, "dp": 1, "tp": "1", "recompute": "none", "dtype": "fp32", "cp": 2, "ep": 2,
+     "model": "moe_tiny"},
+]
+"""pp x dp x tp x cp x ep on 8 workers (pp2 tp2 cp2, ep2 inside dp x cp), dp2 x cp2 with ep2 under
+ZeRO-2 in bf16 with full recompute, and a zero-bubble pipeline with cp and ep."""
+
+
 def key(row: dict) -> str:
     """The row as the command line that runs it (a failing row can be pasted)."""
-    return "python -m xpar " + " ".join(BASE + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                                for k, v in settings(row).items()])
+    model = [f"model={row['model']}"] if "model" in row else []
+    return "python -m xpar " + " ".join(BASE + model + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                                        for k, v in settings(row).items()])
 
 
 def world(row: dict) -> int:
-    return (1 if row["schedule"] == "none" else 2) * row["dp"] * int(row["tp"][0])
+    return (1 if row["schedule"] == "none" else 2) * row["dp"] * int(row["tp"][0]) * row.get("cp", 1)
 
 
 def classify(base, row: dict):
@@ -96,6 +112,10 @@ def classify(base, row: dict):
         groups[group][field] = v
     cfg = replace(base, parallel=replace(base.parallel, **groups["parallel"]),
                   train=replace(base.train, **groups["train"]))
+    if "model" in row:
+        from xpar.calibrate.published import preset
+        from xpar.config.schema import ModelConfig
+        cfg = replace(cfg, model=ModelConfig(**preset("model", row["model"])))
     try:
         return check_run(cfg, local_devices=world(row)), None
     except ConfigError as e:
@@ -133,9 +153,9 @@ def matrix():
     base = to_schema(compose("tracking=off", "run.progress=false", *BASE))
     classified = [(r, *classify(base, r)) for r in all_rows()]
     runnable = [r for r, spec, _ in classified if spec is not None]
-    uneven = [(r, *classify(base, r)) for r in UNEVEN]
+    uneven = [(r, *classify(base, r)) for r in UNEVEN + FIVE_D]
     assert all(spec is not None for _, spec, _ in uneven), [refusal for _, _, refusal in uneven]
-    picked = executed_rows(runnable) + UNEVEN
+    picked = executed_rows(runnable) + UNEVEN + FIVE_D
     specs = {key(r): spec for r, spec, _ in classified + uneven if spec is not None}
     results = {}
     for n in sorted({world(r) for r in picked}):

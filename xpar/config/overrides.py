@@ -227,7 +227,8 @@ def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] 
     candidates = ([f"{section}.{f}" for f in fields_of(section)] if section
                   else groups() + all_keys())
     leaf = key.split(".")[-1]
-    near = _closest(key, candidates) or next((k for k in candidates if k.split(".")[-1] == leaf), None) \
+    prefixed = sorted((k for k in candidates if k.startswith(key)), key=len)  # parallel.zero -> parallel.zero_stage
+    near = (prefixed[0] if prefixed else None) or _closest(key, candidates) or next((k for k in candidates if k.split(".")[-1] == leaf), None) \
         or _closest(leaf, candidates)
     what = f"key {key!r} is not in the schema" if section or "." in key else f"{key!r} is neither a config group nor a key"
     if near is None:
