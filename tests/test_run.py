@@ -235,3 +235,26 @@ def test_live_throughput_and_memory_every_log_every_steps(tmp_path):
     for key in ("step/tokens_per_s", "step/tflops_per_device", "step/mfu", "step/memory_rss_bytes"):
         points = client.get_metric_history(run_id, key)
         assert [p.step for p in points] == list(range(4, 50, 5)) and all(p.value > 0 for p in points), key
+
+
+@pytest.mark.parametrize("overrides, comm", [
+    (("parallel.dp=1", "parallel.cp=2"), "comm/cp_allgather_bytes"),
+    (("model=moe_tiny", "parallel.dp=2", "parallel.ep=2"), "comm/ep_all_to_all_bytes"),
+])
+def test_context_and_expert_parallel_main_jobs_are_recorded_and_equal_the_reference(tmp_path, overrides, comm):
+    """Issue 30's two commands run as a user runs them: FINISHED in MLflow, their fidelity ratios and
+    their axis's measured collective logged, and the logged loss of every step the single-process
+    reference's (rel 1e-4)."""
+    from tests.conftest import spec_for
+    from xpar.run.reference import reference_run
+
+    steps = ("train.steps=3", "train.warmup_steps=1")
+    r = _xpar(tmp_path, *overrides, *steps)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = _runs(tmp_path).iloc[0]
+    assert run["status"] == "FINISHED"
+    for m in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", comm):
+        assert run[f"metrics.{m}"] > 0, m
+    history = mlflow.tracking.MlflowClient().get_metric_history(run["run_id"], "train/loss")
+    ref = reference_run(spec_for(*overrides, *steps))["losses"]
+    assert [h.value for h in sorted(history, key=lambda h: h.step)] == pytest.approx(ref, rel=1e-4)
