@@ -730,11 +730,7 @@ def test_context_parallel_checks():
     assert spec.cp == 2 and spec.world_size == 2 and spec.mode == "execute"
 
 
-CP_FP8_STILL_REFUSED = {
-    "llama3_paper_405b_8192_cp1": "Llama 3 405B without recompute (as llama3_2024_table4 in test_estimate_memory)",
-    "llama3_paper_405b_16384_cp1": "the same",
-    "llama3_paper_405b_16384_cp16": "the same at 131072 tokens over cp 16: 8192 per rank, the same activations",
-}
+CP_FP8_STILL_REFUSED: dict[str, str] = {}
 """Rows of tests/data/cp_fp8_h100.csv the memory check still refuses, and why."""
 
 

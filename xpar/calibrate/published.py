@@ -428,7 +428,8 @@ def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
 def cp_fp8_case(row: dict):
     """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
     (context parallelism, FP8, MoE with expert parallelism; Llama shapes, MLA approximated as MHA and
-    GeGLU as SwiGLU: the same matmuls; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
+    GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
+    and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
     Framework: torchtitan for torchtitan's rows, megatron_core (NeMo, Megatron-LM, dgxc) for the others;
     an uneven pp x vp split as Megatron balances it."""
@@ -450,6 +451,8 @@ def cp_fp8_case(row: dict):
                virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
                sequence_parallel=int(row["tp"] or 1) > 1,
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
+    if row["source"].startswith("The Llama 3 Herd") and n > 2 and (L + 2) % n == 0:
+        par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
     hw_name = "h800_80gb_2048gpu" if row["gpu"].startswith("H800") else "h100_80gb_64gpu"
     hw = dict(preset("hardware", hw_name), nodes=max(1, int(row["gpus"]) // 8))
     train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),

@@ -324,6 +324,8 @@ class FrameworkConfig:
     loss_kernel: str = "fp32"
     """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
+    fused_swiglu: bool = False
+    """SwiGLU as one kernel keeping its input (Megatron-Core): 3 e f per token kept, not eager torch's 4 e f."""
     fp8_saves_inputs: bool = False
     """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
     (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
@@ -338,12 +340,10 @@ class FrameworkConfig:
     vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
     fsdp_copies: str = "fsdp2"
     """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
-    _fsdp_collectives.py): each all-gather's flat output copied into the unit's parameters
-    (``split_with_sizes_copy`` in ``wait_for_unshard``: read + write in the parameter dtype) and the
-    unit's gradients into the reduce-scatter input, cast to the reduce dtype
-    (``foreach_reduce_scatter_copy_in``); 'fsdp1' (FlatParameter: parameters and gradients are views
-    of the gathered and reduced flat buffers): only the cast of the flat gradient where the reduce
-    dtype differs; 'none': DeepSpeed (ZeRO-3 gathers into a buffer its parameters view)."""
+    _fsdp_collectives.py): all-gather output copied into the parameters (``split_with_sizes_copy``),
+    gradients into the reduce-scatter input in the reduce dtype (``foreach_reduce_scatter_copy_in``);
+    'fsdp1' (FlatParameter views): only the flat gradient's cast where the reduce dtype differs;
+    'none': DeepSpeed (ZeRO-3 gathers into a buffer its parameters view)."""
     adamw_bytes_per_element: Optional[float] = 84.0
     """Memory traffic of the optimizer step per element it updates, bytes. 84: torch's AdamW with
     foreach=False (xpar.parallel.data_parallel.build_optimizer) runs 8 element-wise kernels over

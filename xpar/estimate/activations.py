@@ -18,7 +18,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
                            sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
                            autocast_casts: bool = False, kv_matmul: Optional[int] = None,
-                           selective: str = "attention") -> float:
+                           selective: str = "attention", fused_swiglu: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
@@ -40,7 +40,9 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     ``autocast_casts``: under torch.autocast each projection casts its fp32 input to bf16
     separately, so q, k, v (and w1, w3) each keep their own e h copy; ``sp_saves_gathered``
     (with ``sp``): the projections' inputs are kept all-gathered at full sequence length
-    (torch DTensor; Megatron keeps the shard and gathers again in backward).
+    (torch DTensor; Megatron keeps the shard and gathers again in backward); ``fused_swiglu``: one
+    SwiGLU kernel keeps its input (w1 and w3 outputs) and recomputes silu in backward, so the MLP
+    keeps 3 e f, not 4 e f (Megatron-Core's bias_swiglu_impl, megatron/core/fusions/fused_bias_swiglu.py).
 
     ``recompute``: a policy of :mod:`xpar.config.remat` (``selective`` is ``selective``:
     the framework's). ``full`` keeps the layer input, er h (/t with sp); 'attention'
@@ -62,7 +64,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
     norm_in = 4 if norm_saves_output else er
     rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
-    split = 2 * elem * h + 2 * elem * kv + (4 if swiglu else 2) * elem * f
+    split = 2 * elem * h + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if policy == "attention":
         scores = 0
@@ -148,7 +150,7 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-                selective=o.selective_recompute)
+                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu)
 
 
 def token_ffn(cfg) -> float:

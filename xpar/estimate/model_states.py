@@ -85,6 +85,9 @@ class MemoryOptions:
     ``get_num_warmup_microbatches``: all warm-up when num_microbatches == pipeline size), where
     torch's Interleaved1F1B warms rank k up with (v - 1) pp + 2 (pp - 1 - k) chunks
     (:func:`xpar.estimate.activations.memory_schedule`)."""
+    fused_swiglu: bool = False
+    """SwiGLU as one kernel that keeps its input and recomputes silu (Megatron-Core's bias_swiglu_impl,
+    with bias_activation_fusion, NeMo's default): 3 e f per token kept, not eager torch's 4 e f."""
     fp8_saves_inputs: bool = False
     """Under train.dtype=fp8 the linear layers keep their inputs for the weight gradient in FP8, 1
     byte per element, not the compute width's 2 (Transformer Engine's fp8 Linear saves the cast
