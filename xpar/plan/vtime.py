@@ -93,7 +93,7 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
     functions read it: the layout, the parallel group's fields and the micro-batch size."""
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
                     layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
-                    sequence_parallel=sp, recompute=recompute)
+                    sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
     par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
                   virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split))
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
@@ -122,7 +122,8 @@ def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.nd
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
-    r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
+    r = {k: x.astype(bool if k == "sp" else x.dtype if k == "b" and x.dtype.kind == "f" else np.int64)
+         for k, x in r.items()}  # b: a float on a cp-folded layout (xpar.plan.vfive)
     r["offload"] = np.asarray(cols["offload"], dtype=bool) if "offload" in cols else np.full(len(r["tp"]), offload)
     for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
         given, r[k] = np.asarray(cols[k]), np.full(len(r["tp"]), -1, dtype=np.int64)
@@ -169,7 +170,8 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     rank's root depends on the stage ends it holds, a block on tp, neither on the blocks held."""
     pp, v, v_shaped, rank = RANK_CLASSES[rank_class]
     layout = Layout(dp=1, tp=tp, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
-                    layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe")
+                    layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe", ep=base.layout.ep,
+                    etp=base.layout.etp)
     u = unit_elements(replace(base, layout=layout), rank)
     return {"root": u[0], "block": u[1]}
 

@@ -1,0 +1,113 @@
+"""The planner's search over context parallelism (cp), expert parallelism (ep) and the training
+dtype (xpar.plan.space's axes, xpar.plan.vfive's evaluation): every figure equal to the scalar
+estimate on sampled candidates (relative 1e-9), the rules on the new axes, and DeepSeek-V3's
+published layout among the valid ones. Fast: no workers, small samples.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import yaml
+
+from xpar.estimate.cost import estimate
+from xpar.plan.context import PlanContext, spec_of
+from xpar.plan.evaluate import evaluate
+from xpar.plan.space import Constraints, enumerate_layouts
+
+CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
+
+
+def _group(group: str, name: str) -> dict:
+    d = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+    d.pop("defaults", None)
+    return d
+
+
+def context(model: str, hardware: str, seq_len: int, framework: str = "xpar", dtype: str = "bf16") -> PlanContext:
+    return PlanContext(model=_group("model", model), hardware=_group("hardware", hardware),
+                       train={"dtype": dtype, "seq_len": seq_len}, framework=_group("framework", framework))
+
+
+def _devices(ctx: PlanContext) -> int:
+    return int(ctx.hardware["devices_per_node"]) * int(ctx.hardware.get("nodes", 1))
+
+
+def space_of(ctx: PlanContext, c: Constraints):
+    return enumerate_layouts(ctx.model, _devices(ctx), int(ctx.hardware["devices_per_node"]),
+                             int(ctx.train["seq_len"]), c)
+
+
+def _sample(cols: dict, pick: np.ndarray, n: int, seed: int) -> dict:
+    """Up to ``n`` candidates among those where ``pick``, seeded."""
+    idx = np.flatnonzero(pick)
+    idx = np.random.default_rng(seed).choice(idx, size=min(n, len(idx)), replace=False)
+    return {k: v[np.sort(idx)] for k, v in cols.items()}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-30)
+
+
+def assert_equal_to_scalar(ctx: PlanContext, sub: dict) -> dict:
+    """Every candidate of ``sub``: time, rates, terms and memory as estimate() gives them."""
+    res = evaluate(ctx, sub)
+    for i in range(len(sub["tp"])):
+        est = estimate(spec_of(ctx, sub, i))
+        got = {"time_per_step_s": est.time_per_step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
+               "memory_total": est.memory.total, "memory_optimizer": est.memory.optimizer,
+               "memory_params": est.memory.params, **{f"time_{k}": v for k, v in est.time_breakdown.items()}}
+        for k, v in got.items():
+            assert _close(float(res[k][i]), float(v)), (k, i, float(res[k][i]), v, {c: sub[c][i] for c in sub})
+        assert bool(res["fits"][i]) == (est.memory.total <= float(res["memory_usable"][i]))
+    return res
+
+
+def test_cp_candidates_equal_the_scalar_estimate():
+    """70B at 32k tokens on 64 H100: cp 1, 2, 4, 8 (the default at seq_len >= 16384)."""
+    ctx = context("70b", "h100_80gb_64gpu", 32768)
+    space = space_of(ctx, Constraints(global_batch=(128, 128), cp=(1, 2, 4, 8)))
+    assert set(np.unique(space.cols["cp"]).tolist()) == {1, 2, 4, 8}
+    res = assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["cp"] > 1, 24, 0))
+    assert (res["time_cp_comm"] > 0).all()
+
+
+def test_cp_rule_and_devices():
+    """cp must split the sequence into 2 cp chunks; dp = N / (tp pp cp)."""
+    ctx = context("70b", "h100_80gb_64gpu", 4104)  # 4104 = 8 x 513: not 16 chunks, cp 8 dropped
+    space = space_of(ctx, Constraints(global_batch=(128, 128), cp=(1, 2, 4, 8)))
+    assert space.dropped["cp_seq"] > 0 and set(np.unique(space.cols["cp"]).tolist()) == {1, 2, 4}
+    c = space.cols
+    assert (c["tp"] * c["pp"] * c["cp"] * c["dp"] == 64).all()
+
+
+def test_ep_candidates_equal_the_scalar_estimate():
+    """Mixtral 8x7B at 32k on 64 H100 with cp and ep; DeepSeek-V3 on 2048 H800 with ep."""
+    ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 32768)
+    space = space_of(ctx, Constraints(global_batch=(64, 64), cp=(1, 2), ep=(1, 2, 4, 8)))
+    c = space.cols
+    assert ((c["dp"] * c["cp"]) % c["ep"] == 0).all()
+    res = assert_equal_to_scalar(ctx, _sample(c, c["ep"] > 1, 24, 1))
+    assert (res["time_ep_comm"] > 0).all()
+    ctx = context("deepseek_v3", "h800_80gb_2048gpu", 4096, "hai_llm")
+    space = space_of(ctx, Constraints(global_batch=(15360, 15360), ep=(1, 8, 64, 256), zero_stages=(1,)))
+    assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["ep"] > 1, 12, 2))
+
+
+def test_fp8_candidates_equal_the_scalar_estimate_and_need_an_fp8_peak():
+    ctx = context("70b", "h100_80gb_64gpu", 8192)
+    space = space_of(ctx, Constraints(global_batch=(128, 128), dtypes=("bf16", "fp8")))
+    assert set(np.unique(space.cols["dtype"]).tolist()) == {"bf16", "fp8"}
+    assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["dtype"] == "fp8", 12, 3))
+    space = space_of(ctx, Constraints(global_batch=(128, 128), dtypes=("bf16", "fp8"), fp8_hardware=False))
+    assert space.dropped["fp8_hw"] > 0 and set(np.unique(space.cols["dtype"]).tolist()) == {"bf16"}
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_ep_rule(dense):
+    """ep > 1 needs experts dividing by ep and dp x cp ranks holding them."""
+    ctx = context("70b" if dense else "mixtral_8x7b", "h100_80gb_64gpu", 4096)
+    space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(1, 2, 16)))
+    assert space.dropped["ep"] > 0
+    assert set(np.unique(space.cols["ep"]).tolist()) == ({1} if dense else {1, 2})
