@@ -372,7 +372,13 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1
     if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
-    return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
+    return (spec.tp - 1) * _embedding_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _embedding_numel(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
+    """tp-local token-embedding elements of a pipeline rank (memoised: a MoE stage has many tensors)."""
+    return sum(math.prod(sh) for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank)
                if name.split(":", 1)[1] == "tok_embeddings.weight")
 
 
@@ -390,14 +396,23 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     if spec.layout.ep == 1 and spec.layout.expert_tp == spec.tp:
         return _held(spec, whole, shapes, spec.dp, dp_rank, zero1, extra)
     experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    n_experts = sum(math.prod(sh) for sh in experts)
-    rest = list(shapes)
-    for sh in experts:
-        rest.remove(sh)
-    dense = _held(spec, whole - n_experts, tuple(rest), spec.dp, dp_rank, zero1, extra)
+    n_experts = sum(_numels(experts))
+    dense = _held(spec, whole - n_experts, _without(shapes, experts), spec.dp, dp_rank, zero1, extra)
     expert_dp = spec.layout.expert_dp
     expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
     return {k: dense[k] + expert[k] for k in dense}
+
+
+@lru_cache(maxsize=64)
+def _without(shapes: tuple, removed: tuple) -> tuple:
+    """``shapes`` less the first occurrence of each of ``removed`` (a multiset difference, order kept)."""
+    left, out = Counter(removed), []
+    for sh in shapes:
+        if left[sh] > 0:
+            left[sh] -= 1
+        else:
+            out.append(sh)
+    return tuple(out)
 
 
 def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:

@@ -59,34 +59,44 @@ def folded(cols: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
     return out
 
 
-def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray], time_keys: tuple,
+                    memory_keys: tuple) -> dict[str, np.ndarray]:
     """:func:`xpar.plan.evaluate.evaluate` of candidates with cp, ep or dtype columns: the
-    candidate columns, its TIME_KEYS and MEMORY_KEYS, and ``time_<term>`` of :data:`FIVE_TERMS`."""
-    from xpar.plan.evaluate import MEMORY_KEYS, TIME_KEYS
-
+    candidate columns, ``time_keys`` and ``memory_keys`` (its TIME_KEYS and MEMORY_KEYS), and
+    ``time_<term>`` of :data:`FIVE_TERMS`."""
     keys, inverse = group_keys(cols)
     n = len(cols["tp"])
     out = dict(cols)
-    parts = {k: np.zeros(n) for k in TIME_KEYS + tuple(f"time_{t}" for t in FIVE_TERMS)}
-    parts.update({k: np.zeros(n, dtype=bool if k in ("fits", "host_fits") else np.float64) for k in MEMORY_KEYS})
-    for g, (cp, ep, _) in enumerate(keys):
+    parts = {k: np.zeros(n) for k in tuple(time_keys) + tuple(f"time_{t}" for t in FIVE_TERMS)}
+    parts.update({k: np.zeros(n, dtype=bool if k in ("fits", "host_fits") else np.float64) for k in memory_keys})
+    bases: dict[str, object] = {}
+    for g, (cp, ep, dtype) in enumerate(keys):
         idx = np.flatnonzero(inverse == g)
         sub = {k: np.asarray(v)[idx] for k, v in cols.items()}
-        res = _group(spec_of(ctx, cols, int(idx[0])), sub, cp, ep)
+        if dtype not in bases:  # validated once per dtype (milliseconds each), cp and ep set below
+            bases[dtype] = spec_of(ctx, cols, int(idx[0]))
+        res = _group(with_degrees(bases[dtype], cp, ep), sub, cp, ep)
         for k in parts:
             parts[k][idx] = res.get(k, 0.0)
     out.update(parts)
     return out
 
 
+def with_degrees(spec, cp: int, ep: int):
+    """``spec`` (a validated candidate's) at context- and expert-parallel degrees ``cp`` and ``ep``
+    (layout and parallel group; its dp, tp, pp and batch are replaced per candidate downstream)."""
+    return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep), parallel=replace(spec.parallel, cp=cp, ep=ep))
+
+
 def _group(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.ndarray]:
     """The figures of one (cp, ep, dtype) group: its folded layouts' time and memory, plus the ep
     and cp terms; ``base``: the validated spec of one of its candidates."""
-    from xpar.plan.evaluate import _memory, _time
+    from xpar.plan.vmemory import memory_columns
+    from xpar.plan.vtime import time_columns
 
     fbase, fcols = fold_cp(base), folded(sub, cp)
-    res = _memory(fbase, fcols)
-    res.update(_time(fbase, fcols, res["memory_optimizer"], res["optimizer_elements"], res["memory_grads"]))
+    res = dict(memory_columns(fbase, fcols))
+    res.update(time_columns(fbase, fcols, res["memory_optimizer"], res["optimizer_elements"], res["memory_grads"]))
     extra = {}
     if ep > 1:
         extra.update(ep_columns(fbase, fcols, res["time_matmul"]))

@@ -73,6 +73,7 @@ from xpar.estimate.offload import (
     offload_time,
 )
 from xpar.estimate.schedule import bubble_theory
+from xpar.plan.vblocks import UnitTimes, blocks_vary, unit_columns
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
     "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
@@ -211,8 +212,9 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
+    het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.plan.vblocks
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
-                        + [one_stage, _stages(base, r)])
+                        + [one_stage, _stages(base, r)] + ([r["v"]] if het else []))
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
@@ -222,7 +224,9 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
         sel = np.flatnonzero(rep_live & (pp[rep] == p))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         n = base.model.n_layers // p
-        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES}
+        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
+            het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "pp", "v", "v_shaped")}
+            | {"slot": rep[sel] // shape[1]}, n)
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
                           units["g"], units["r"], units["cg"], units["cr"])
         for k in res:
