@@ -111,3 +111,24 @@ def test_ep_rule(dense):
     space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(1, 2, 16)))
     assert space.dropped["ep"] > 0
     assert set(np.unique(space.cols["ep"]).tolist()) == ({1} if dense else {1, 2})
+
+
+def test_deepseek_v3_published_layout_and_its_searchable_cousin():
+    """DeepSeek-V3 on 2048 H800 (conf/parallel/deepseek_v3_2048gpu.yaml: pp 16 dualpipev with 1 layer on
+    the first stage and none on the last, ep 64, dp 128, ZeRO-1, tp 1). Its 61 layers split evenly over
+    no pp x v but 1 x 1 and 61 x 1, so the plan, which searches balanced stages only, cannot hold pp 16:
+    the rule ``balanced`` drops it. What it holds: the published tp 1, ep 64, ZeRO-1 at pp 1 (dp 2048),
+    a valid layout, equal to the scalar estimate; the published layout itself is estimated (scalar)."""
+    from tests.conftest import compose
+    from xpar.config.validate import validate
+
+    ctx = context("deepseek_v3", "h800_80gb_2048gpu", 4096, "hai_llm")
+    c = Constraints(global_batch=(15360, 15360), ep=(1, 8, 64), zero_stages=(1,), max_micro_batch_size=1)
+    space = space_of(ctx, c)
+    cols = space.cols
+    assert space.dropped["balanced"] > 0 and set(np.unique(cols["pp"]).tolist()) <= {1, 61}
+    cousin = (cols["tp"] == 1) & (cols["ep"] == 64) & (cols["zero"] == 1) & (cols["pp"] == 1) & (cols["dp"] == 2048)
+    assert cousin.any()
+    assert_equal_to_scalar(ctx, _sample(cols, cousin, 2, 4))
+    est = estimate(validate(compose("parallel=deepseek_v3_2048gpu", "run.mode=estimate")))
+    assert est.tokens_per_s > 0 and est.memory.total > 0
