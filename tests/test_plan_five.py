@@ -134,3 +134,37 @@ def test_deepseek_v3_published_layout_and_its_searchable_cousin():
     assert_equal_to_scalar(ctx, _sample(cols, cousin, 2, 4))
     est = estimate(validate(compose("parallel=deepseek_v3_2048gpu", "run.mode=estimate")))
     assert est.tokens_per_s > 0 and est.memory.total > 0
+
+
+def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
+    """A plan forced onto cp 2, ep 2 and FP8 prints a line with parallel.cp, parallel.ep and
+    train.dtype that composes, validates and resolves to the winner (xpar.plan.verify), and a table
+    with a dtype column (two dtypes searched) but no cp or ep column (one value each)."""
+    from tests.test_plan import plan_of
+    from xpar.plan.command import reproduce
+    from xpar.plan.show import searched
+
+    plan = plan_of("model=moe_tiny", "hardware=h100_80gb_8gpu", "train.seq_len=16384", "plan.cp=[2]", "plan.ep=[2]",
+                   "plan.dtype=[bf16,fp8]")
+    r, i = plan.res, plan.best
+    assert (r["cp"][i], r["ep"][i], r["dtype"][i]) == (2, 2, "fp8") and searched(plan) == ("dtype",)
+    line, spec = reproduce(plan)
+    assert "parallel.cp=2" in line and "parallel.ep=2" in line and "train.dtype=fp8" in line, line
+    assert (spec.layout.cp, spec.layout.ep, spec.train.dtype) == (2, 2, "fp8")
+    assert abs(estimate(spec).tokens_per_s / r["tokens_per_s"][i] - 1) < 1e-9
+
+
+def test_plan_axes_defaults_and_refusals():
+    """plan.cp: [1] below 16k tokens, 1-8 from there; plan.ep: a MoE model's divisors of its experts;
+    bad values are one line each."""
+    from types import SimpleNamespace
+
+    from xpar.plan.axes import resolve_axes
+    p = SimpleNamespace(cp=None, ep=None, dtype=None)
+    moe = {"n_experts": 8}
+    assert resolve_axes(p, moe, 4096, "bf16") == ({"cp": (1,), "ep": (1, 2, 4, 8), "dtypes": ()}, [])
+    assert resolve_axes(p, {}, 32768, "bf16")[0]["cp"] == (1, 2, 4, 8)
+    assert resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=["bf16", "fp8"]), {}, 64, "bf16")[0]["dtypes"] == (
+        "bf16", "fp8")
+    _, bad = resolve_axes(SimpleNamespace(cp=[0], ep=None, dtype=["fp4"]), moe, 64, "bf16")
+    assert len(bad) == 2 and "plan.cp=[0]" in bad[0] and "plan.dtype" in bad[1]
