@@ -247,16 +247,25 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
 def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
     final norm, output of the stages held; 0 on middle stages) first, then each block."""
-    root, blocks = 0, {}
-    for name, shape in param_shapes(spec, pp_rank):
-        stage, rest = name.split(":", 1)
-        parts = rest.split(".")
-        if parts[0] == "layers":
-            key = (stage, parts[1])
-            blocks[key] = blocks.get(key, 0) + math.prod(shape)
-        else:
-            root += math.prod(shape)
-    return [root] + list(blocks.values())
+    return list(_unit_elements(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """:func:`unit_elements`, memoised and summed by part (:func:`_stage_parts`: the stage ends, a
+    dense block, a MoE block) rather than tensor by tensor: a MoE stage holds tens of thousands."""
+    cfg = ModelConfig(*cfg_key)
+
+    def total(part) -> int:
+        return sum(math.prod(sh) for _, sh in part)
+    dense = total(_stage_parts(cfg_key, False, False, tp)[1])
+    moe = total(_stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1]) if cfg.n_experts else dense
+    root, blocks = 0, []
+    for s in layout.stages_of(pp_rank):
+        head, _, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        root += total(head) + total(tail)
+        blocks += [moe if cfg.is_moe_layer(i) else dense for i in layout.stage_layers(s)]
+    return (root,) + tuple(blocks)
 
 
 def root_elements(spec: RunSpec, pp_rank: int) -> int:
@@ -286,8 +295,10 @@ def _model_key(cfg: ModelConfig) -> tuple:
 def _shapes_layout(layout):
     """The layout as parameter shapes see it (stages and their layers only): the key of the
     shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
+    from xpar.config.layout import SCHEDULES
+    placement = "zbv" if layout.schedule in SCHEDULES and SCHEDULES[layout.schedule].v_shaped else "gpipe"
     return replace(layout, dp=1, micro_batch_size=1, micro_batches=1, seq_len=1, zero_stage=0,
-                   sequence_parallel=False, recompute="none")
+                   sequence_parallel=False, recompute="none", schedule=placement)  # stages placed alike
 
 
 @lru_cache(maxsize=4096)
