@@ -21,7 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 COMMAND = ["plan", "model=175b", "hardware=a100_80gb_1024gpu"]
 MOE_COMMAND = ["plan", "model=deepseek_v3", "hardware=h800_80gb_2048gpu", "framework=hai_llm"]
 """The second command timed: DeepSeek-V3 (256 experts, 61 layers) over plan.ep's default (every divisor of
-the experts dividing dp x cp) on the 2048 H800 of conf/parallel/deepseek_v3_2048gpu.yaml."""
+the experts dividing dp x cp) on the 2048 H800 of conf/parallel/deepseek_v3_2048gpu.yaml. Its 61 layers
+split evenly only over pp 1 (61 does not divide 2048): a small space."""
+MOE64_COMMAND = MOE_COMMAND + ["model.n_layers=64", "train.dtype=fp8", "plan.global_batch_size=15360"]
+"""The same at 64 layers (pp 1-64, the published pp 16 DualPipeV among them) in FP8 at the published batch:
+the DeepSeek-V3-sized search (75,760 layouts)."""
 
 
 def command_seconds(extra: list[str], cwd: str, command: list[str] = COMMAND) -> tuple[float, str]:
@@ -37,7 +41,7 @@ def command_seconds(extra: list[str], cwd: str, command: list[str] = COMMAND) ->
 
 def speed(repeat: int) -> None:
     with tempfile.TemporaryDirectory() as d:
-        for command in (COMMAND, MOE_COMMAND):
+        for command in (COMMAND, MOE_COMMAND, MOE64_COMMAND):
             for label, extra in (("tracking off", ["tracking=off"]),
                                  ("MLflow run (SQLite)", [f"tracking.uri=sqlite:///{d}/mlflow.db"])):
                 runs = [command_seconds(extra, d, command) for _ in range(repeat)]
