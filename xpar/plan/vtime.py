@@ -11,6 +11,11 @@ distinct key (:func:`by_key`); the rest is the same array-polymorphic arithmetic
 :func:`xpar.estimate.cost.rates`) on arrays: a loop over FSDP units (not over layouts) for
 the dp timeline, layouts grouped by units per rank.
 
+Context and expert parallelism (xpar.plan.vfive): ``base`` carries the layout's ep and etp (every
+layout built here keeps them: E / ep experts per rank in the FSDP units), and a cp-folded candidate's
+micro-batch b / cp is a float column. Blocks of different sizes (a MoE model's dense leading blocks)
+are timed rank by rank (xpar.plan.vblocks).
+
 Pipeline ranks in classes. With balanced splits (n_layers % (pp v) == 0) every rank holds
 n_layers / pp blocks; ranks differ only by holding the first stage's and the last stage's
 ends. Loop placement: rank 0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement
