@@ -551,8 +551,8 @@ def test_every_step_time_term_has_words_and_a_colour():
     the breakdown: a calibrated CPU preset's host_overhead crashed `xpar plan` with a KeyError."""
     from xpar.estimate.cost import TIME_TERMS
     from xpar.estimate.figures import COLORS
-    from xpar.plan.rank import TERM_WORDS
-    assert set(TERM_WORDS) == set(TIME_TERMS) and len(COLORS) >= len(TIME_TERMS)
+    from xpar.plan.rank import FIVE_TERMS, TERM_WORDS
+    assert set(TERM_WORDS) == set(TIME_TERMS) | set(FIVE_TERMS) and len(COLORS) >= len(TIME_TERMS)
     plan = plan_of("model=tiny", "hardware=local", "hardware.op_overhead_us=2.1", "hardware.cpu_cores=2")
     assert plan.res["time_host_overhead"][plan.best] > 0
 

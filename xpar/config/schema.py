@@ -529,30 +529,31 @@ class SweepConfig:
 
 @dataclass
 class PlanConfig:
-    """``xpar plan`` (run.mode=plan): the user's constraints on the layouts searched
-    (xpar.plan.space) and what the plan shows and runs (xpar.plan.command)."""
+    """``xpar plan`` (run.mode=plan): the constraints on the layouts searched (xpar.plan.space), what it shows."""
 
     global_batch_size: Any = "auto"
-    """Sequences per step: a number, a range [lo, hi] (tried at lo, hi and the powers of two
-    between), or 'auto': train.global_batch_size if a number, else 2^22 tokens / seq_len rounded
-    to a power of two (Llama 2/3's 4M-token batch) and at least the device count; on
-    hardware=local, devices x train.micro_batch_size."""
+    """Sequences per step: a number, a range [lo, hi] (lo, hi, powers of two between), or 'auto': train.global_batch_size,
+    else 2^22 tokens / seq_len as a power of two >= the devices (Llama 2/3); local: devices x micro_batch_size."""
     devices: Any = None
-    """Devices: null (the hardware preset's), a number, or a range [lo, hi] (whole nodes: lo, hi
-    and the powers of two between) with ``min_tokens_per_s``: the smallest cluster reaching it."""
+    """Devices: null (the preset's), a number, or a whole-node range [lo, hi] with ``min_tokens_per_s``."""
     min_tokens_per_s: Optional[float] = None
     """Throughput the smallest cluster of a ``devices`` range must reach (tokens/s)."""
     max_tp: Optional[int] = None
     """Largest tensor-parallel degree; null: any tp dividing the heads (inside or across nodes)."""
     pp: Optional[int] = None
     """Fixed pipeline degree; null: any."""
+    cp: Optional[list] = None
+    """Context-parallel degrees; null: [1], or 1, 2, 4, 8 at seq_len >= 16384 (xpar.plan.axes)."""
+    ep: Optional[list] = None
+    """Expert-parallel degrees; null: a MoE model's divisors of n_experts, [1] when dense (xpar.plan.axes)."""
+    dtype: Optional[list] = None
+    """Training dtypes searched (e.g. [bf16, fp8]); null: [train.dtype]."""
     schedules: Optional[list] = None
     """Pipeline schedules allowed (xpar.config.layout.SCHEDULES); null: those the framework runs (framework.schedules)."""
     zero_stages: Optional[list] = None
     """ZeRO stages allowed; null: those the framework runs (framework.zero_stages)."""
     recompute: Optional[list] = None
-    """Recompute policies allowed (xpar.config.remat.RECOMPUTE); null: the framework's
-    (framework.recompute), else none, selective, full, save_dot_except_mlp, save_qkv_proj."""
+    """Recompute policies allowed (xpar.config.remat.RECOMPUTE); null: framework.recompute, else none, selective, full."""
     sequence_parallel: Optional[list] = None
     """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
     offload: Optional[list] = None
@@ -564,8 +565,7 @@ class PlanConfig:
     top_k: int = 10
     """Layouts shown in the ranked table."""
     execute_top: int = 0
-    """hardware=local: run this many of the top layouts for real (an MLflow sweep) and compare
-    estimated with measured tokens/s."""
+    """hardware=local: run this many top layouts for real (an MLflow sweep), compare estimated with measured."""
 
 
 @dataclass

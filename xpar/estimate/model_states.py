@@ -254,16 +254,25 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
 def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
     final norm, output of the stages held; 0 on middle stages) first, then each block."""
-    root, blocks = 0, {}
-    for name, shape in param_shapes(spec, pp_rank):
-        stage, rest = name.split(":", 1)
-        parts = rest.split(".")
-        if parts[0] == "layers":
-            key = (stage, parts[1])
-            blocks[key] = blocks.get(key, 0) + math.prod(shape)
-        else:
-            root += math.prod(shape)
-    return [root] + list(blocks.values())
+    return list(_unit_elements(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """:func:`unit_elements`, memoised and summed by part (:func:`_stage_parts`: the stage ends, a
+    dense block, a MoE block) rather than tensor by tensor: a MoE stage holds tens of thousands."""
+    cfg = ModelConfig(*cfg_key)
+
+    def total(part) -> int:
+        return sum(math.prod(sh) for _, sh in part)
+    dense = total(_stage_parts(cfg_key, False, False, tp)[1])
+    moe = total(_stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1]) if cfg.n_experts else dense
+    root, blocks = 0, []
+    for s in layout.stages_of(pp_rank):
+        head, _, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        root += total(head) + total(tail)
+        blocks += [moe if cfg.is_moe_layer(i) else dense for i in layout.stage_layers(s)]
+    return (root,) + tuple(blocks)
 
 
 def root_elements(spec: RunSpec, pp_rank: int) -> int:
@@ -293,8 +302,10 @@ def _model_key(cfg: ModelConfig) -> tuple:
 def _shapes_layout(layout):
     """The layout as parameter shapes see it (stages and their layers only): the key of the
     shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
+    from xpar.config.layout import SCHEDULES
+    placement = "zbv" if layout.schedule in SCHEDULES and SCHEDULES[layout.schedule].v_shaped else "gpipe"
     return replace(layout, dp=1, micro_batch_size=1, micro_batches=1, seq_len=1, zero_stage=0,
-                   sequence_parallel=False, recompute="none")
+                   sequence_parallel=False, recompute="none", schedule=placement)  # stages placed alike
 
 
 @lru_cache(maxsize=4096)
@@ -379,7 +390,13 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1
     if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
-    return sum(math.prod(sh) * (spec.tp - 1) for name, sh in param_shapes(spec, pp_rank)
+    return (spec.tp - 1) * _embedding_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _embedding_numel(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
+    """tp-local token-embedding elements of a pipeline rank (memoised: a MoE stage has many tensors)."""
+    return sum(math.prod(sh) for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank)
                if name.split(":", 1)[1] == "tok_embeddings.weight")
 
 
@@ -397,14 +414,23 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     if spec.layout.ep == 1 and spec.layout.expert_tp == spec.tp:
         return _held(spec, whole, shapes, spec.dp, dp_rank, zero1, extra)
     experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    n_experts = sum(math.prod(sh) for sh in experts)
-    rest = list(shapes)
-    for sh in experts:
-        rest.remove(sh)
-    dense = _held(spec, whole - n_experts, tuple(rest), spec.dp, dp_rank, zero1, extra)
+    n_experts = sum(_numels(experts))
+    dense = _held(spec, whole - n_experts, _without(shapes, experts), spec.dp, dp_rank, zero1, extra)
     expert_dp = spec.layout.expert_dp
     expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
     return {k: dense[k] + expert[k] for k in dense}
+
+
+@lru_cache(maxsize=64)
+def _without(shapes: tuple, removed: tuple) -> tuple:
+    """``shapes`` less the first occurrence of each of ``removed`` (a multiset difference, order kept)."""
+    left, out = Counter(removed), []
+    for sh in shapes:
+        if left[sh] > 0:
+            left[sh] -= 1
+        else:
+            out.append(sh)
+    return tuple(out)
 
 
 def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:

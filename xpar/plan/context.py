@@ -14,6 +14,9 @@ Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
 - ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
 - ``offload`` (optional, :data:`OPTIONAL_COLUMNS`): the optimizer offloaded to host memory
   (bool; ``framework.cpu_offload_optimizer``, xpar.estimate.offload). Absent: the framework's.
+- ``cp``, ``ep`` (optional, int64; absent: 1): context- and expert-parallel degrees; dp * tp * pp * cp
+  = the device count, B = b * m * dp; ep inside dp x cp (xpar.plan.vfive evaluates them).
+- ``dtype`` (optional, str; absent: ``train.dtype``): the training dtype (bf16, fp8, fp32).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import numpy as np
 
 COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
 """The candidate columns, in display order."""
-OPTIONAL_COLUMNS = ("offload",)
+OPTIONAL_COLUMNS = ("offload", "cp", "ep", "dtype")
 """Columns a candidate set may leave out (then the framework's setting holds for every candidate)."""
 
 
@@ -48,7 +51,7 @@ def parallel_group(r: dict[str, Any]) -> dict:
     """The ``parallel`` group of one candidate row (:func:`row`), numbers resolved."""
     return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
                 schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
-                recompute=r["recompute"])
+                recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1))
 
 
 def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
@@ -59,6 +62,8 @@ def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
 
     r = row(cols, i)
     train = dict(ctx.train, micro_batch_size=r["b"], global_batch_size=r["b"] * r["m"] * r["dp"])
+    if r.get("dtype"):
+        train["dtype"] = r["dtype"]
     cfg = {"model": dict(ctx.model), "parallel": parallel_group(r), "hardware": dict(ctx.hardware),
            "train": train, "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
     if ctx.framework:

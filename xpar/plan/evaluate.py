@@ -24,6 +24,9 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
     (arrays of length L >= 1). ``fits`` compares with the usable memory (device memory less
     ``ctx.hardware['memory_headroom']``); ``host_fits`` whether an offloaded optimizer's states fit the
     node's host memory (True without offload)."""
+    from xpar.plan.vfive import evaluate_groups, grouped
+    if grouped(cols):  # cp, ep or dtype columns: grouped by them (xpar.plan.vfive)
+        return evaluate_groups(ctx, cols, TIME_KEYS, MEMORY_KEYS)
     base = spec_of(ctx, cols, 0)
     out = dict(cols)
     out.update(_memory(base, cols))

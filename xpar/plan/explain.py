@@ -7,13 +7,12 @@ from typing import Optional
 
 import numpy as np
 
-from xpar.estimate.cost import TIME_TERMS
-from xpar.plan.rank import TERM_WORDS, describe_gap, feasible, separating_terms
+from xpar.plan.rank import TERM_WORDS, describe_gap, feasible, separating_terms, terms
 
 GB = 1e9
 ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute", "recompute"),
                 ("schedule", "schedule"), ("b", "micro-batch size"), ("sp", "sequence parallelism"),
-                ("offload", "optimizer offload"))
+                ("offload", "optimizer offload"), ("cp", "cp"), ("ep", "ep"), ("dtype", "dtype"))
 """Columns along which the best different layout is reported, and their names in words."""
 
 
@@ -27,14 +26,16 @@ def label(res: dict[str, np.ndarray], i: int) -> str:
     pipe = f" {res['schedule'][i]}" + (f" v{res['v'][i]}" if res["v"][i] > 1 else "") if res["pp"][i] > 1 else ""
     sp = " sp" if res["sp"][i] else ""
     off = " offload" if "offload" in res and res["offload"][i] else ""
-    return (f"tp{res['tp'][i]} pp{res['pp'][i]} dp{res['dp'][i]}{pipe} b{res['b'][i]} m{res['m'][i]} "
-            f"ZeRO-{res['zero'][i]}{sp}{off} recompute={res['recompute'][i]}")
+    five = "".join(f" {k}{res[k][i]}" for k in ("cp", "ep") if k in res and res[k][i] > 1)
+    dtype = f" {res['dtype'][i]}" if "dtype" in res else ""
+    return (f"tp{res['tp'][i]} pp{res['pp'][i]} dp{res['dp'][i]}{five}{pipe} b{res['b'][i]} m{res['m'][i]} "
+            f"ZeRO-{res['zero'][i]}{sp}{off} recompute={res['recompute'][i]}{dtype}")
 
 
 def step_shares(res: dict[str, np.ndarray], i: int) -> dict[str, float]:
     """Fraction of the step time of layout ``i`` in each term (they sum to 1)."""
     total = float(res["time_per_step_s"][i])
-    return {k: float(res[f"time_{k}"][i]) / total for k in TIME_TERMS}
+    return {k: float(res[f"time_{k}"][i]) / total for k in terms(res)}
 
 
 def memory_line(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> str:
@@ -58,11 +59,12 @@ def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
     shares = step_shares(res, i)
     parts = ", ".join(f"{TERM_WORDS[k]} {100 * v:.0f} %" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
                       if v >= 0.005)
-    over = max((k for k in TIME_TERMS if k != "matmul"), key=lambda k: shares[k])
+    over = max((k for k in shares if k != "matmul"), key=lambda k: shares[k])
     if shares[over] < 0.005:
         return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. No overhead is estimated (this hardware "
                 f"has no figures for memory bandwidth or links).")
-    kind = {"bubble": "the pipeline bubble", "memory_bound": "memory-bound work", "optimizer": "the optimizer step"}
+    kind = {"bubble": "the pipeline bubble", "memory_bound": "memory-bound work", "optimizer": "the optimizer step",
+            "ep_imbalance": "the router imbalance (model.moe_imbalance)"}
     binds = kind.get(over, "communication (" + TERM_WORDS[over] + ")")
     return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. The largest overhead is {binds}, "
             f"{100 * shares[over]:.0f} % of the step.")

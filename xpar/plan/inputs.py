@@ -10,6 +10,7 @@ from typing import Any, Optional
 from xpar.config.checks.framework import hydra_text, not_booleans
 from xpar.config.layout import SCHEDULES
 from xpar.estimate.offload import offload_figures_known
+from xpar.plan.axes import resolve_axes
 from xpar.plan.context import PlanContext
 from xpar.plan.space import PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, Constraints, batch_values
 
@@ -200,8 +201,9 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     problems += _choice_problems(p, framework) + _number_problems(p, local) + _request_problems(cfg)
     seq = cfg.train.seq_len or model["seq_len"]
     batch, bad = global_batch(cfg, counts[0] if counts else 1, seq, local)
-    if problems or bad:
-        return None, problems + bad
+    axes, bad_axes = resolve_axes(p, model, int(seq), str(cfg.train.dtype))
+    if problems or bad or bad_axes:
+        return None, problems + bad + bad_axes
     c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,
                     schedules=tuple(p.schedules or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
@@ -213,7 +215,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     interleaved_min_pp=int(framework.get("interleaved_min_pp", 2)),
                     interleaved_m_per_pp=bool(framework.get("interleaved_m_per_pp", False)),
                     offload=tuple(bool(x) for x in (p.offload or framework.get("offload", [False]))),
-                    offload_hardware=offload_figures_known(hw))
+                    offload_hardware=offload_figures_known(hw), fp8_hardware=bool(hw.get("peak_tflops_fp8")), **axes)
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
     ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
     inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top,

@@ -8,8 +8,16 @@ from xpar.estimate.cost import TIME_TERMS
 
 TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm": "tp communication",
               "pp_comm": "pp send/recv", "bubble": "pipeline bubble", "dp_comm_exposed": "exposed dp communication",
-              "optimizer": "optimizer step", "host_overhead": "host overhead (operator dispatch)"}
-"""The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`) in words."""
+              "optimizer": "optimizer step", "host_overhead": "host overhead (operator dispatch)",
+              "cp_comm": "cp K/V all-gathers", "ep_comm": "expert all-to-alls", "ep_imbalance": "router imbalance"}
+"""The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`, and cp's and ep's: xpar.plan.vfive) in words."""
+FIVE_TERMS = ("cp_comm", "ep_comm", "ep_imbalance")
+"""The terms of cp and ep layouts (xpar.plan.vfive.FIVE_TERMS), as columns ``time_<term>`` where searched."""
+
+
+def terms(res: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """The step-time terms the candidate figures hold: TIME_TERMS, then cp's and ep's where present."""
+    return TIME_TERMS + tuple(k for k in FIVE_TERMS if f"time_{k}" in res)
 
 
 def feasible(res: dict[str, np.ndarray]) -> np.ndarray:
@@ -35,7 +43,7 @@ def term_seconds_per_token(res: dict[str, np.ndarray], rows) -> dict[str, np.nda
     """Seconds per token of each step-time term at ``rows`` (term seconds / tokens per step;
     tokens per step = tokens/s x step time)."""
     tokens = res["tokens_per_s"][rows] * res["time_per_step_s"][rows]
-    return {k: res[f"time_{k}"][rows] / tokens for k in TIME_TERMS}
+    return {k: res[f"time_{k}"][rows] / tokens for k in terms(res)}
 
 
 def separating_terms(res: dict[str, np.ndarray], rows: np.ndarray, best: int) -> list[tuple[str, float]]:
@@ -43,12 +51,13 @@ def separating_terms(res: dict[str, np.ndarray], rows: np.ndarray, best: int) ->
     how much as a fraction of the best's step time per token ((term_i - term_best) / T_best, per
     token, so layouts at another global batch compare fairly); ('', 0.0) for the best itself."""
     mine, ref = term_seconds_per_token(res, rows), term_seconds_per_token(res, np.array([best]))
-    total = sum(ref[k][0] for k in TIME_TERMS)
-    diff = np.stack([(mine[k] - ref[k][0]) / total for k in TIME_TERMS])
+    names = terms(res)
+    total = sum(ref[k][0] for k in names)
+    diff = np.stack([(mine[k] - ref[k][0]) / total for k in names])
     out = []
     for j, r in enumerate(rows):
         k = int(np.argmax(diff[:, j]))
-        out.append(("", 0.0) if r == best or diff[k, j] <= 0 else (TIME_TERMS[k], float(diff[k, j])))
+        out.append(("", 0.0) if r == best or diff[k, j] <= 0 else (names[k], float(diff[k, j])))
     return out
 
 

@@ -17,7 +17,14 @@ GB = 1e9
 CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload", "tokens_per_s",
                "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
                "memory_usable", "host_bytes") + tuple(f"time_{k}" for k in TIME_TERMS)
-"""Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``."""
+"""Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``; then
+cp, ep, dtype and the cp/ep terms where the plan searched them (:func:`csv_columns`)."""
+
+
+def csv_columns(res: dict) -> tuple[str, ...]:
+    """:data:`CSV_COLUMNS` plus the cp/ep/dtype columns and time terms ``res`` holds."""
+    extra = ("cp", "ep", "dtype", "time_cp_comm", "time_ep_comm", "time_ep_imbalance")
+    return CSV_COLUMNS + tuple(k for k in extra if k in res)
 
 
 def write_ranked_csv(plan, path: Path) -> Path:
@@ -25,10 +32,11 @@ def write_ranked_csv(plan, path: Path) -> Path:
     from xpar.plan.rank import describe_gap, separating_terms
     r, rows = plan.res, plan.ranked
     gaps = separating_terms(r, rows, plan.best)
-    cols = [r[k][rows].tolist() for k in CSV_COLUMNS]
+    names = csv_columns(r)
+    cols = [r[k][rows].tolist() for k in names]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("rank",) + CSV_COLUMNS + ("separates",))
+        w.writerow(("rank",) + names + ("separates",))
         w.writerows([n + 1, *vals, describe_gap(*gap)] for n, (vals, gap) in enumerate(zip(zip(*cols), gaps)))
     return path
 

@@ -9,7 +9,7 @@ from xpar.plan.space import RULES
 GB = 1e9
 SKIP = ("plan.", "plan=", "run.mode=", "parallel.", "train.global_batch_size=", "train.micro_batch_size=",
         "hardware.memory_headroom=", "hardware.nodes=", "hardware.devices_per_node=",
-        "framework.cpu_offload_optimizer=")
+        "framework.cpu_offload_optimizer=", "train.dtype=")
 """Overrides the reproducing line replaces with the winner's values."""
 
 
@@ -25,6 +25,10 @@ def override_line(plan) -> str:
            f"train.micro_batch_size={r['b'][i]}", f"train.global_batch_size={r['b'][i] * r['m'][i] * r['dp'][i]}"]
     if "offload" in r and (r["offload"][i] or ctx.framework.get("cpu_offload_optimizer")):
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
+    preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp or ep
+    par += [f"parallel.{k}={r[k][i]}" for k in ("cp", "ep") if k in r and (r[k][i] != 1 or preset)]
+    if "dtype" in r or any(o.lstrip("+").startswith("train.dtype=") for o in plan.inputs.overrides):
+        par.append(f"train.dtype={r['dtype'][i] if 'dtype' in r else ctx.train['dtype']}")
     hw = ctx.hardware
     if hw["name"] != "local" or int(hw.get("nodes") or 1) > 1:  # a local plan over nodes names them too
         par.append(f"hardware.nodes={hw['nodes']}")
@@ -50,14 +54,15 @@ def ranked_table(plan):
     t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
                     f"(model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
                     f"global batch {int(batch[plan.best]) if lo == hi else f'{lo}-{hi} (column B)'}) -- ESTIMATE")
-    for col in ("#", "tp", "pp", "dp", "schedule", "b", "m") + (("B",) if lo != hi else ()) + (
+    five = searched(plan)
+    for col in ("#", "tp", "pp", "dp") + five + ("schedule", "b", "m") + (("B",) if lo != hi else ()) + (
             "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device",
             "separates it from the best"):
         t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right")
     for n, (i, gap) in enumerate(zip(top, gaps), 1):
         sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
         rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
-        t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp")), sched, str(r["b"][i]), str(r["m"][i]),
+        t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp") + five), sched, str(r["b"][i]), str(r["m"][i]),
                   *((str(int(batch[i])),) if lo != hi else ()),
                   str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
                   "yes" if "offload" in r and r["offload"][i] else "",
@@ -65,6 +70,11 @@ def ranked_table(plan):
                   f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %",
                   f"{r['memory_total'][i] / GB:.1f}", describe_gap(*gap))
     return t
+
+
+def searched(plan) -> tuple[str, ...]:
+    """The cp, ep and dtype columns the plan searched over more than one value (shown then)."""
+    return tuple(k for k in ("cp", "ep", "dtype") if k in plan.res and len(np.unique(plan.res[k])) > 1)
 
 
 def _signed(rel: float) -> str:

@@ -3,7 +3,9 @@ break a rule, each dropped layout counted under the first rule it breaks.
 
 The raw space is the product of these axes (numpy, no torch):
 
-- tp and pp: the divisors of the device count N (dp = N / (tp pp));
+- tp, pp and cp: the divisors of the device count N and the cp degrees of ``Constraints.cp``
+  (dp = N / (tp pp cp)); ep (``Constraints.ep``: expert parallelism inside dp x cp, adds no
+  ranks) and the training dtype (``Constraints.dtypes``; xpar.plan.axes gives the defaults);
 - global batch B (sequences): fixed, or a range [lo, hi] tried at lo, hi and the powers of two
   between;
 - micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
@@ -38,7 +40,12 @@ SINGLE_SCHEDULE = ("1f1b", 1)
 """The (schedule, v) kept for pp = 1 (no pipeline: the schedule does not matter)."""
 
 RULES = {
-    "devices": "tp x pp does not divide the device count",
+    "devices": "tp x pp x cp does not divide the device count",
+    "cp_seq": "cp does not split each sequence into 2 x cp equal chunks (seq_len % (2 cp); causal load balancing, "
+              "xpar.config.checks.layout.check_cp)",
+    "ep": "ep does not divide the experts (model.n_experts; none: dense) or the dp x cp ranks that hold them "
+          "(expert tensor parallelism at tp; xpar.config.checks.layout.check_ep)",
+    "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
     "max_tp": "tp above plan.max_tp",
     "tp_nodes": "tp group neither inside one node nor whole nodes",
@@ -93,6 +100,14 @@ class Constraints:
     offload_hardware: bool = True
     """Whether the hardware gives the figures an offloaded step is timed with
     (:func:`xpar.estimate.offload.offload_figures_known`)."""
+    cp: tuple[int, ...] = (1,)
+    """Context-parallel degrees searched (plan.cp)."""
+    ep: tuple[int, ...] = (1,)
+    """Expert-parallel degrees searched (plan.ep)."""
+    dtypes: tuple[str, ...] = ()
+    """Training dtypes searched (plan.dtype); (): the context's train.dtype (no ``dtype`` column)."""
+    fp8_hardware: bool = True
+    """Whether the hardware has an FP8 peak (hardware.peak_tflops_fp8)."""
 
 
 @dataclass
@@ -154,16 +169,18 @@ def _product(**axes: Sequence) -> dict[str, np.ndarray]:
     return {k: np.asarray(v)[g.ravel()] for (k, v), g in zip(axes.items(), grids)}
 
 
-def _structure(model: dict, devices: int, devices_per_node: int, c: Constraints, drops: _Drops) -> dict:
-    """(tp, pp, dp, B, b, m, schedule index, v) rows that pass the rules on degrees and batches."""
+def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c: Constraints, drops: _Drops) -> dict:
+    """(tp, pp, cp, ep, dtype, dp, B, b, m, schedule index, v) rows that pass the rules on degrees and batches."""
     pairs = schedule_pairs(model["n_layers"])
     batches = batch_values(*c.global_batch)
     bs = micro_batch_sizes(batches, c.max_micro_batch_size)
-    t = _product(tp=divisors(devices), pp=divisors(devices), B=batches, b=bs, s=range(len(pairs)))
+    t = _product(tp=divisors(devices), pp=divisors(devices), cp=c.cp, ep=c.ep, dtype=c.dtypes or ("",), B=batches,
+                 b=bs, s=range(len(pairs)))
     names = np.array([p[0] for p in pairs])
     t["v"] = np.array([p[1] for p in pairs])[t["s"]]
-    t = drops.apply(t, "devices", devices % (t["tp"] * t["pp"]) == 0)
-    t["dp"] = devices // (t["tp"] * t["pp"])
+    t = drops.apply(t, "devices", devices % (t["tp"] * t["pp"] * t["cp"]) == 0)
+    t["dp"] = devices // (t["tp"] * t["pp"] * t["cp"])
+    t = _five_rules(t, model, seq_len, c, drops)
     kv = model.get("n_kv_heads") or model["n_heads"]
     dims = np.array([model["n_heads"], kv, model["ffn_hidden"], model["vocab_size"]])
     t = drops.apply(t, "tp_split", (dims[None, :] % t["tp"][:, None] == 0).all(axis=1))
@@ -182,6 +199,16 @@ def _structure(model: dict, devices: int, devices_per_node: int, c: Constraints,
     t = drops.apply(t, "interleaved", ~(inter & bad))
     t["schedule"] = names[t["s"]]
     return t
+
+
+def _five_rules(t: dict, model: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
+    """The rules on cp (2 cp chunks per sequence), ep (divides the experts and dp x cp) and the dtype
+    (fp8 needs an FP8 peak)."""
+    t = drops.apply(t, "cp_seq", (t["cp"] == 1) | (seq_len % (2 * t["cp"]) == 0))
+    experts = int(model.get("n_experts") or 0)
+    ok = (t["ep"] == 1) | ((experts % t["ep"] == 0) & (t["dp"] * t["cp"] % t["ep"] == 0) & (experts > 0))
+    t = drops.apply(t, "ep", ok)
+    return drops.apply(t, "fp8_hw", (t["dtype"] != "fp8") | c.fp8_hardware)
 
 
 def _microbatches_ok(names: np.ndarray, t: dict) -> np.ndarray:
@@ -234,17 +261,19 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     (:mod:`xpar.plan.context`) and the count of layouts each rule dropped."""
     weight = len(ZERO_STAGES) * 2 * len(c.recompute) * len(OFFLOAD)
     drops = _Drops(weight)
-    t = _structure(model, devices, devices_per_node, c, drops)
+    t = _structure(model, devices, devices_per_node, seq_len, c, drops)
     raw = _raw_size(model, devices, c) * weight
     t = _choices(t, seq_len, c, drops)
-    cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero")}
+    cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
-                offload=t["offload"].astype(bool))
+                offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
     from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
-    return Space({k: cols[k] for k in COLUMNS + OPTIONAL_COLUMNS}, drops.dropped, raw, drops.emptied_by)
+    keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if k != "dtype" or c.dtypes]
+    return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by)
 
 
 def _raw_size(model: dict, devices: int, c: Constraints) -> int:
     batches = batch_values(*c.global_batch)
     bs = micro_batch_sizes(batches, c.max_micro_batch_size)
-    return len(divisors(devices)) ** 2 * len(batches) * len(bs) * len(schedule_pairs(model["n_layers"]))
+    return (len(divisors(devices)) ** 2 * len(batches) * len(bs) * len(schedule_pairs(model["n_layers"]))
+            * len(c.cp) * len(c.ep) * len(c.dtypes or ("",)))

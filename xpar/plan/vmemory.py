@@ -67,7 +67,7 @@ def _int_columns(cols: dict, offload: bool = False) -> dict[str, np.ndarray]:
     (1 without pipelining, :func:`xpar.config.resolve.resolve_virtual_stages`); ``offload`` where the
     optional column is absent (the framework's ``cpu_offload_optimizer``)."""
     c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
-    c["b"] = np.maximum(c["b"], 1)
+    c["b"] = np.maximum(c["b"], 1) if np.asarray(cols["b"]).dtype.kind != "f" else np.asarray(cols["b"], float)
     c["v"] = np.where(c["pp"] == 1, 1, np.asarray(cols["v"], dtype=np.int64))
     c["sched"] = _codes(np.asarray(cols["schedule"]), _SCHED)
     c["rec"] = _codes(np.asarray(cols["recompute"]), _RECOMPUTE)
@@ -97,11 +97,11 @@ def _group(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _spec_at(base: RunSpec, c: dict, i: int) -> RunSpec:
     """The RunSpec of candidate ``i`` as the memory model reads it (layout, parallel and train
     groups; the rest from ``base``), built without validation."""
-    tp, pp, dp, b, m, v, z = (int(c[k][i]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))
+    tp, pp, dp, b, m, v, z = (c[k][i].item() for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))
     sched, rec, sp = _SCHED[c["sched"][i]], _RECOMPUTE[c["rec"][i]], bool(c["sp"][i])
     split = resolve_layer_split(base.model.n_layers, None, pp * v)
-    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
-                    layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec)
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len, ep=base.layout.ep,
+                    layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec, etp=base.layout.etp)
     par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=z, micro_batches=m, schedule=sched,
                   virtual_stages=v, layer_split=None, sequence_parallel=sp, recompute=rec)
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
@@ -178,7 +178,7 @@ def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast
                                             sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
                                             sb["weight_copies"])
         unit[g, :, :3] /= c["b"][i]
-    rep, inv = _group(inv0, c["b"])
+    rep, inv = _group(inv0, np.unique(c["b"], return_inverse=True)[1].ravel())  # b: float when cp-folded
     scale = np.ones((len(rep), 1, 4))
     scale[:, 0, :3] = c["b"][rep][:, None]
     return unit[inv0[rep]] * scale, inv

@@ -11,6 +11,11 @@ distinct key (:func:`by_key`); the rest is the same array-polymorphic arithmetic
 :func:`xpar.estimate.cost.rates`) on arrays: a loop over FSDP units (not over layouts) for
 the dp timeline, layouts grouped by units per rank.
 
+Context and expert parallelism (xpar.plan.vfive): ``base`` carries the layout's ep and etp (every
+layout built here keeps them: E / ep experts per rank in the FSDP units), and a cp-folded candidate's
+micro-batch b / cp is a float column. Blocks of different sizes (a MoE model's dense leading blocks)
+are timed rank by rank (xpar.plan.vblocks).
+
 Pipeline ranks in classes. With balanced splits (n_layers % (pp v) == 0) every rank holds
 n_layers / pp blocks; ranks differ only by holding the first stage's and the last stage's
 ends. Loop placement: rank 0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement
@@ -73,6 +78,7 @@ from xpar.estimate.offload import (
     offload_time,
 )
 from xpar.estimate.schedule import bubble_theory
+from xpar.plan.vblocks import UnitTimes, blocks_vary, unit_columns
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
     "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
@@ -93,7 +99,7 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
     functions read it: the layout, the parallel group's fields and the micro-batch size."""
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
                     layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
-                    sequence_parallel=sp, recompute=recompute)
+                    sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
     par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
                   virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split))
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
@@ -122,7 +128,8 @@ def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.nd
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
-    r = {k: x.astype(bool if k == "sp" else np.int64) for k, x in r.items()}
+    r = {k: x.astype(bool if k == "sp" else x.dtype if k == "b" and x.dtype.kind == "f" else np.int64)
+         for k, x in r.items()}  # b: a float on a cp-folded layout (xpar.plan.vfive)
     r["offload"] = np.asarray(cols["offload"], dtype=bool) if "offload" in cols else np.full(len(r["tp"]), offload)
     for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
         given, r[k] = np.asarray(cols[k]), np.full(len(r["tp"]), -1, dtype=np.int64)
@@ -169,7 +176,8 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     rank's root depends on the stage ends it holds, a block on tp, neither on the blocks held."""
     pp, v, v_shaped, rank = RANK_CLASSES[rank_class]
     layout = Layout(dp=1, tp=tp, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
-                    layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe")
+                    layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe", ep=base.layout.ep,
+                    etp=base.layout.etp)
     u = unit_elements(replace(base, layout=layout), rank)
     return {"root": u[0], "block": u[1]}
 
@@ -209,8 +217,9 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
+    het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.plan.vblocks
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
-                        + [one_stage, _stages(base, r)])
+                        + [one_stage, _stages(base, r)] + ([r["v"]] if het else []))
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
@@ -220,7 +229,9 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
         sel = np.flatnonzero(rep_live & (pp[rep] == p))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         n = base.model.n_layers // p
-        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES}
+        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
+            het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "pp", "v", "v_shaped")}
+            | {"slot": rep[sel] // shape[1]}, n)
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
                           units["g"], units["r"], units["cg"], units["cr"])
         for k in res:

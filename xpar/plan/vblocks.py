@@ -1,0 +1,75 @@
+"""FSDP unit times of models whose blocks differ in size: a MoE model with dense leading blocks
+(model.first_dense_layers: DeepSeek-V3's 3 of 61), whose dp collectives per unit then depend on
+which blocks a pipeline rank holds.
+
+:mod:`xpar.plan.vtime` times one root and one block per rank class, every block alike; here,
+where :func:`blocks_vary`, each representative rank's own units (:func:`xpar.estimate.dp.unit_elements`
+of the candidate's placement) are timed by :func:`xpar.estimate.dp.unit_times` -- the scalar
+estimate's own call -- once per distinct (dp, tp, ZeRO stage, pp, v, placement, slot). The middle
+slot stands for the middle rank holding the most parameter elements (the slowest of them in dp
+time); the pipeline fill then counts every middle rank at that rank's dp time, an upper bound
+where middle ranks hold dense blocks (pp above n_layers / first_dense_layers). Units: seconds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from xpar.estimate.dp import unit_elements, unit_times
+
+UNIT_TIMES = {"g": "gather", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
+"""Keys of the unit-time lists -> xpar.estimate.dp.unit_times keys (as xpar.plan.vtime's)."""
+
+
+def blocks_vary(base) -> bool:
+    """Whether the model's blocks differ in parameter elements (dense and MoE blocks)."""
+    cfg = base.model
+    return bool(cfg.n_experts) and 0 < cfg.first_dense_layers < cfg.n_layers
+
+
+class UnitTimes:
+    """Memoised unit times of representative ranks (:func:`slot_rank_moe`) for one base spec."""
+
+    def __init__(self, base, assume, spec_at):
+        """``spec_at``: :func:`xpar.plan.vtime.spec_at` (passed in: vtime imports this module)."""
+        self.base, self.assume, self.spec_at, self.memo = base, assume, spec_at, {}
+
+    def of(self, dp: int, tp: int, zero: int, pp: int, v: int, v_shaped: bool, slot: int) -> dict[str, list]:
+        key = (dp, tp, zero, pp, v, v_shaped, slot)
+        if key not in self.memo:
+            spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, "none")
+            rank = slot_rank_moe(spec.layout, slot, self.base.model)
+            t = unit_times(spec, self.assume, unit_elements(spec, rank))
+            self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
+        return self.memo[key]
+
+
+def slot_rank_moe(layout, slot: int, cfg) -> int:
+    """The pipeline rank a slot (xpar.plan.vtime.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
+    0, the middle rank holding the most MoE blocks (``cfg.is_moe_layer``; first on ties), the last rank."""
+    pp = layout.pp
+    if slot == 0 or pp == 1:
+        return 0
+    if slot == 2:
+        return pp - 1
+    v_shaped = layout.has_last_stage(0) and layout.n_stages > 1
+    middle = list(range(1, pp if v_shaped else pp - 1)) or [min(1, pp - 1)]
+
+    def moe(r: int) -> int:
+        return sum(cfg.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
+    return max(middle, key=lambda r: (moe(r), -r))
+
+
+def unit_columns(times: UnitTimes, rows: dict[str, np.ndarray], n: int) -> dict[str, list]:
+    """Per unit kind (:data:`UNIT_TIMES`), n + 1 arrays over ``rows`` (root first, then the rank's
+    n blocks in forward order): seconds. ``rows``: dp, tp, zero, pp, v, v_shaped, slot, each an
+    array over the same representative rows."""
+    keys = np.stack([np.asarray(rows[k], dtype=np.int64) for k in ("dp", "tp", "zero", "pp", "v", "v_shaped",
+                                                                     "slot")], axis=1)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    tables = {k: np.zeros((len(uniq), n + 1)) for k in UNIT_TIMES}
+    for u, key in enumerate(uniq.tolist()):
+        got = times.of(*key[:5], bool(key[5]), key[6])
+        for k in UNIT_TIMES:
+            tables[k][u, :len(got[k])] = got[k]
+    inverse = inverse.ravel()
+    return {k: [tables[k][inverse, j] for j in range(n + 1)] for k in UNIT_TIMES}
