@@ -63,7 +63,7 @@ def block_ops(cfg: ModelConfig) -> tuple[int, int]:
     rms, rope = cfg.norm == "rmsnorm", cfg.position == "rope"
     swiglu, gqa = cfg.activation == "swiglu", cfg.kv_heads < cfg.n_heads
     linears = 6 + swiglu
-    f = 39 + 12 * rms + 44 * rope + 5 * swiglu + 8 * gqa
+    f = 39 + 12 * rms + 45 * rope + 5 * swiglu + 8 * gqa  # rope: positions from Attention.positions (cp seam), one op more
     b = 75 + 32 * rms + 20 * rope + 12 * swiglu + 7 * gqa + (gqa and not rope)
     b += cfg.bias * (3 * linears + 2 * (not rms))
     return f, b
