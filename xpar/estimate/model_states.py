@@ -416,9 +416,16 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     n_experts = sum(_numels(experts))
     dense = _held(spec, whole - n_experts, _without(shapes, experts), spec.dp, dp_rank, zero1, extra)
-    expert_dp = spec.layout.expert_dp
+    expert_dp = _expert_dp(spec)
     expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
     return {k: dense[k] + expert[k] for k in dense}
+
+
+def _expert_dp(spec: RunSpec) -> int:
+    """Ranks the routed experts' states are reduced and sharded over: the layout's expert-dp under
+    ep or an etp of its own, else dp like every parameter."""
+    lay = spec.layout
+    return lay.expert_dp if lay.ep > 1 or lay.expert_tp != spec.tp else spec.dp
 
 
 @lru_cache(maxsize=64)
@@ -458,11 +465,10 @@ def expert_state_bytes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptio
     if not spec.model.n_experts:
         return {}
     experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    expert_dp = spec.layout.expert_dp if spec.layout.ep > 1 or spec.layout.expert_tp != spec.tp else spec.dp
-    n = _held(spec, sum(math.prod(sh) for sh in experts), experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
+    expert_dp = _expert_dp(spec)
+    n = _held(spec, sum(_numels(experts)), experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
     wp, wg, wo = state_widths(spec, o)
-    stored = n["whole"] if spec.parallel.zero_stage == 2 or o.param_storage == "bf16" else n["storage"]
-    return {"params": stored * wp, "grads": n["grads"] * wg,
+    return {"params": _master_numel(spec, n, o) * wp, "grads": n["grads"] * wg,
             "optimizer": 0 if o.cpu_offload_optimizer else n["optimizer"] * wo, "expert_dp": expert_dp}
 
 
@@ -506,6 +512,17 @@ def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
 
 
 
+def _master_numel(spec: RunSpec, n: dict, o: MemoryOptions) -> int:
+    """Parameter elements stored on a rank of :func:`held_numel` counts ``n``: whole under ZeRO-2 (and
+    ZeRO-0/1), the shard under ZeRO-3; bf16 storage (Megatron, DeepSpeed) whole through ZeRO-2."""
+    z = spec.parallel.zero_stage
+    if spec.train.dtype == "fp32":
+        return n["whole"] if z == 2 else n["storage"]  # ZeRO-2 holds the whole params
+    if o.param_storage == "bf16":  # Megatron/DeepSpeed: bf16 params, fp32 master in the optimizer
+        return n["whole"] if z <= 2 else n["storage"]
+    return n["storage"]
+
+
 def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> dict[str, int]:
     """:func:`state_terms` less autocast's weight copies (``params_compute`` 0 under autocast;
     those depend on the schedule, the rest on the rank's parameters, dp and the ZeRO stage only).
@@ -514,13 +531,9 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     wp, wg, wo = state_widths(spec, o)
     z, rec = spec.parallel.zero_stage, precision(spec, o)
     compute = 0
-    if spec.train.dtype == "fp32":
-        master = (n["whole"] if z == 2 else n["storage"]) * wp  # ZeRO-2 holds the whole params
-    elif o.param_storage == "bf16":  # Megatron/DeepSpeed: bf16 params, fp32 master in the optimizer
-        master = (n["whole"] if z <= 2 else n["storage"]) * wp
-    else:
-        master = n["storage"] * wp
-        if not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
-            compute = n["whole"] * rec["e"]
+    master = _master_numel(spec, n, o) * wp
+    fp32_master = spec.train.dtype != "fp32" and o.param_storage != "bf16"
+    if fp32_master and not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
+        compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
