@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def field_docs(cls) -> dict[str, str]:
     """The attribute docstrings of a dataclass (the string right under each field), by field."""
-    tree = ast.parse((ROOT / "xpar" / "config" / "schema.py").read_text())
+    tree = ast.parse(Path(inspect.getsourcefile(cls)).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     out, body = {}, node.body
     for i, stmt in enumerate(body[:-1]):

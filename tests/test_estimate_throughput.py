@@ -394,6 +394,22 @@ def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
     assert over.comm_time["tp"] == pytest.approx(base.comm_time["tp"]) and over.time_per_step_s < base.time_per_step_s
 
 
+@pytest.mark.parametrize("sp, recompute, hidden_share", [(False, "full", 2 / 6), (True, "none", 2 / 8)])
+def test_async_tp_backward_hides_the_column_linears_input_gradient_collectives(sp, recompute, hidden_share):
+    """framework.tp_async_backward (Megatron-LM 2022 on): the input-gradient all-reduce of QKV and the MLP's
+    first linear (reduce-scatter with sequence parallelism) runs behind their weight-gradient GEMMs. Per layer:
+    without sp, 2 of the 6 all-reduces of a fully recomputed layer (2 forward, 2 rerun, 2 backward); with sp, 2
+    reduce-scatters of the 8 collectives (2 all-gathers + 2 reduce-scatters each way), a reduce-scatter being
+    half of an all-gather + reduce-scatter pair's time within a node (same bytes on the ring)."""
+    s = spec(tp=8, sequence_parallel=sp, recompute=recompute)
+    base, hidden = estimate(s), estimate(s, replace(Assumptions(), tp_async_backward=True))
+    tp = cost.tp_times(s)
+    assert tp["b_async"] == pytest.approx(hidden_share * (tp["f"] + tp["b"]), rel=0.02)
+    assert hidden.comm_time["tp"] == pytest.approx(base.comm_time["tp"])
+    assert base.time_breakdown["tp_comm"] - hidden.time_breakdown["tp_comm"] == pytest.approx(
+        s.model.n_layers * tp["b_async"], rel=1e-6)
+
+
 def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
     global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
@@ -522,21 +538,22 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
 def test_megatron_2022_selective_recompute_on_a100_held_out(loso):
     """Korthikanti et al. 2022 Table 5 (GPT 22B-1T on 8-2240 A100s, tp 8, dp 1 but one row):
     iteration times with full recompute and with sequence parallelism + selective recompute,
-    never fitted on. Median |error| 5.2 %, every row within 12 %, all under-predicted but 22B
-    with selective recompute (+5 %): the matmul efficiency that fits the source alone is 0.74
-    against 0.673 fitted (as the MPT full-recompute rows: 2022's Megatron runs faster GEMMs than
-    the 2021 Table 1 it is fitted on). Worst: 1T (-11 %, -12 %), whose 1F1B bubble over pp 64 is
-    10 % of the estimated step (v = 1 assumed: 2 layers per rank, interleaving not stated; v = 2
-    gives -7 %). The gain of the paper's method over full recompute is overstated: estimated
-    1.34-1.40x against 1.29-1.32x published (asserted: above the published and within 0.12 of
-    it). Data parallelism: 530B at dp 8 (2240 GPUs) costs 3.5 % published (37.83 -> 39.15 s, the
-    all-reduce after the flush, not overlapped), 0.9 % estimated: asserted below half."""
+    never fitted on, with the Megatron-LM of 2022's asynchronous tp backward (the column-parallel
+    linears' input-gradient collectives behind their weight-gradient GEMMs: median |error| 5.7 ->
+    5.3 %, max 12.5 -> 10.9 %). 530B and 1T under-predicted (-3 % to -11 %): the matmul efficiency that
+    fits the source alone is above the 0.668 fitted (2022's Megatron runs faster GEMMs than the
+    2021 Table 1 it is fitted on). Worst: 1T (-11 %, -10 %), whose 1F1B bubble over pp 64 is 10 %
+    of the estimated step (v = 1 assumed: 2 layers per rank, interleaving not stated). The gain of
+    the paper's method over full recompute is overstated: estimated 1.32-1.39x against 1.29-1.32x
+    published (asserted: above the published and within 0.12 of it). Data parallelism: 530B at dp 8
+    (2240 GPUs) costs 3.5 % published (37.83 -> 39.15 s, the all-reduce after the flush, not
+    overlapped), 0.9 % estimated: asserted below half."""
     cases, res = loso
     r, rows = res["korthikanti_2022_table5"], _published_rows("korthikanti_2022_table5")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 9
     errs = r["held_out"]
     assert statistics.median(abs(e) for e in errs) <= 0.06 and max(abs(e) for e in errs) <= 0.13, errs
-    assert all(e < 0 for row, e in zip(rows, errs) if row["params_b"] != "22"), errs
+    assert all(e < 0 for row, e in zip(rows, errs) if row["params_b"] in ("530", "1000")), errs
     by = {(row["params_b"], row["mode"], row["dp"]): (c[3], c[3] * (1 + e))
           for row, c, e in zip(rows, cases["korthikanti_2022_table5"], errs)}
     for size in ("22", "175", "530", "1000"):
@@ -591,8 +608,9 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     err = {}
     for tpo in [i / 10 for i in range(11)]:
         for row in rows:
+            spec, a, *rest = calibration.dgxc_row(row, tp_overlap=tpo)  # blocking below the share: no async backward
             err.setdefault(tpo, {}).setdefault(row["model"], []).append(
-                calibration.errors([("H100",) + calibration.dgxc_row(row, tp_overlap=tpo)], eff)[0])
+                calibration.errors([("H100", spec, replace(a, tp_async_backward=False), *rest)], eff)[0])
     assert all(abs(e) < 0.05 for m in ("gpt3_175b", "nemotron4_340b") for e in err[0.0][m]), err[0.0]
     assert all(-0.11 < e < -0.05 for e in err[0.0]["nemotron4_15b"]), err[0.0]["nemotron4_15b"]
     for model in err[0.0]:

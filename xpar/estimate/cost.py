@@ -111,6 +111,7 @@ class Assumptions(MemoryOptions):
     dp_collective: str = "nccl"
     bucket_mb: float = 25.0
     tp_overlap: float = 0.0
+    tp_async_backward: bool = False
     pp_overlap: float = 0.0
     ep_a2a_overlap: float = 0.0
     ep_dispatcher: str = "alltoall"
@@ -261,18 +262,22 @@ def tp_times(spec: RunSpec) -> dict[str, float]:
     """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
     with the recomputed forward (``b``), and of one embedding/output end (``end``): 2 all-reduces
     of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
-    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes)."""
+    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes). ``b_async``: the part
+    of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
+    gradients' all-reduce (reduce-scatter with sequence parallelism), which Megatron-LM runs
+    behind their weight-gradient GEMMs (``framework.tp_async_backward``)."""
     t = spec.tp
     if t == 1:
-        return {"f": 0.0, "b": 0.0, "end": 0.0}
+        return {"f": 0.0, "b": 0.0, "end": 0.0, "b_async": 0.0}
     hw, e = spec.hardware, BYTES[spec.train.dtype]
     size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
     g = group_of(hw, t, 1)
     if spec.parallel.sequence_parallel:
-        one = collective_time(hw, "allgather", size, g) + collective_time(hw, "reduce_scatter", size, g)
+        dgrad = collective_time(hw, "reduce_scatter", size, g)
+        one = collective_time(hw, "allgather", size, g) + dgrad
     else:
-        one = collective_time(hw, "allreduce", size, g)
-    return {"f": 2 * one, "b": (2 + tp_rerun(spec)) * one, "end": one}
+        one = dgrad = collective_time(hw, "allreduce", size, g)
+    return {"f": 2 * one, "b": (2 + tp_rerun(spec)) * one, "end": one, "b_async": 2 * dgrad}
 
 
 def tp_rerun(spec: RunSpec) -> float:
@@ -309,7 +314,8 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
     mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
     tp_f = n * tp["f"] + tp["end"] * first
     tp_b = n * tp["b"] + tp["end"] * last
-    tp_exposed = tp_f + tp_b - vmin(assume.tp_overlap * (tp_f + tp_b), mm_f + mm_b)
+    hidden = vmax(assume.tp_overlap * (tp_f + tp_b), n * tp.get("b_async", 0.0) * assume.tp_async_backward)
+    tp_exposed = tp_f + tp_b - vmin(hidden, mm_f + mm_b)
     lmm_f, lmm_b, lmem_f, lmem_b = (c[k] * last for k in ("logits_mm_f", "logits_mm_b", "logits_mem_f",
                                                           "logits_mem_b"))
     tp_all = vmax(tp["f"] + tp["b"], 1e-30)

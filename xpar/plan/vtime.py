@@ -403,10 +403,10 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
 
     c = by_key([r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)], layer, (
         "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",
-        "tp_end"))
+        "tp_end", "tp_b_async"))
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
         "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
-    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end")}, s["n"], s["first"], s["last"], a)
+    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async")}, s["n"], s["first"], s["last"], a)
     sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send, 0.0)

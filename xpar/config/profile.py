@@ -1,0 +1,162 @@
+"""The ``framework`` config group's schema: how a training framework behaves (xpar, torchtitan,
+Megatron-LM, Megatron-Core, DeepSpeed, llm-foundry, MaxText profiles in conf/framework/*.yaml).
+
+Every field is a behaviour the cost model prices (:class:`xpar.estimate.cost.Assumptions`) or a rule
+of what the framework runs (xpar plan, validation); :mod:`xpar.config.schema` registers it in Hydra's
+ConfigStore with the other groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class FrameworkConfig:
+    """Which training framework the estimate is for: how it computes and communicates.
+    Presets in conf/framework/ (xpar, megatron, megatron_core, torchtitan, llmfoundry, deepspeed,
+    deepspeed_2021), each with its sources.
+    Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
+
+    name: str = "xpar"
+    """The framework profile (framework=<name>): whose memory and time behaviour an estimate assumes."""
+    flash_attention: bool = True
+    """Fused (flash) attention: no s x s scores kept or moved through HBM."""
+    dropout: bool = False
+    """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
+    fused_rmsnorm: bool = True
+    """RMSNorm as one kernel keeping only its input (False: composite, keeps x * rstd too)."""
+    sp_saves_gathered: bool = True
+    """Sequence parallelism keeps the all-gathered inputs of column-parallel GEMMs (torch
+    DTensor); False: keeps the shard and gathers again in backward (Megatron)."""
+    passes_forward: float = 2.0
+    """HBM passes per activation byte in forward (written, read back)."""
+    passes_backward: float = 4.0
+    """HBM passes per activation byte in backward."""
+    scatter_gather: bool = False
+    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
+    dp_overlap: bool = True
+    """Gradient reductions (DDP buckets, FSDP reduce-scatters) overlap the backward of the
+    units before them; False: all after the backward (after the pipeline flush)."""
+    fsdp_prefetch: bool = True
+    """ZeRO-3/FSDP all-gathers unit k+1 while unit k computes (forward and backward)."""
+    param_gather_overlap: bool = False
+    """ZeRO-1/2 parameter all-gather after the optimizer step overlaps the next forward,
+    unit by unit (Megatron-Core --overlap-param-gather); False: blocking after the step."""
+    zero1: str = "zero_redundancy"
+    """ZeRO-1 semantics: 'zero_redundancy' (torch ZeroRedundancyOptimizer: gradients
+    all-reduced, updated shards broadcast; 1.5x DDP's bytes) or 'distributed_optimizer'
+    (Megatron: gradients reduce-scattered, params all-gathered; 1x DDP's bytes)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the dp reduction (4: fp32 reduce, 2: bf16/fp16)."""
+    dp_collective: str = "nccl"
+    """Algorithm of dp collectives: 'nccl' (ring, or tree for all-reduce where faster),
+    'ring' (flat ring), 'hierarchical' (intra-node, then inter-node, then intra-node)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued."""
+    tp_overlap: float = 0.0
+    """Share of tensor-parallel communication hidden behind the layer's GEMMs (0: blocking;
+    async TP / Megatron-Core tp-comm-overlap hide most of it)."""
+    tp_async_backward: bool = False
+    """The input-gradient collective of each column-parallel linear runs behind its weight-gradient GEMM
+    (Megatron-LM's async tensor-parallel all-reduce / reduce-scatter, 2022 on; xpar.estimate.cost.tp_times)."""
+    pp_overlap: float = 0.0
+    """Share of pipeline send/recv time hidden behind compute (0: blocking)."""
+    ep_a2a_overlap: float = 0.0
+    """Share of expert-parallel all-to-all time hidden behind compute (0: Megatron-Core's default;
+    1: DeepSeek-V3's DualPipe)."""
+    ep_dispatcher: str = "alltoall"
+    """MoE token transport: alltoall (each routed copy sent; Megatron-Core's) or deepep (DeepSeek's DeepEP:
+    a token crosses to each other node once, then NVLink)."""
+    overlap_slowdown: float = 0.15
+    """Fraction by which compute slows while a collective runs beside it, the slowed time
+    counted as exposed communication: NCCL runs one thread block per channel, 16 channels
+    (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
+    zero3_host_ops_per_rank: float = 0.0
+    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 collective: 0 for flat
+    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered and reduce-scattered each
+    parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
+    host_op_us: float = 4.0
+    """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    loss_kernel: str = "fp32"
+    """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
+    in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
+    fused_swiglu: bool = False
+    """SwiGLU as one kernel keeping its input (Megatron-Core): 3 e f per token kept, not eager torch's 4 e f."""
+    fp8_saves_inputs: bool = False
+    """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
+    (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
+    gqa_kv_expanded: bool = True
+    """Attention keeps GQA's K and V expanded to every query head (h wide) for backward: models
+    that repeat K/V before SDPA (xpar, torchtitan's repeat_kv; measured here). False: the kernel
+    takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
+    DeepSpeed, llm-foundry)."""
+    replicated_embedding_grad: bool = True
+    """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
+    (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays
+    vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
+    fsdp_copies: str = "fsdp2"
+    """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
+    _fsdp_collectives.py): all-gather output copied into the parameters (``split_with_sizes_copy``),
+    gradients into the reduce-scatter input in the reduce dtype (``foreach_reduce_scatter_copy_in``);
+    'fsdp1' (FlatParameter views): only the flat gradient's cast where the reduce dtype differs;
+    'none': DeepSpeed (ZeRO-3 gathers into a buffer its parameters view)."""
+    adamw_bytes_per_element: Optional[float] = 84.0
+    """Memory traffic of the optimizer step per element it updates, bytes. 84: torch's AdamW with
+    foreach=False (xpar.parallel.data_parallel.build_optimizer) runs 8 element-wise kernels over
+    fp32 tensors per parameter (weight decay mul_ 8, exp_avg lerp_ 12, exp_avg_sq mul_ 8 and
+    addcmul_ 16, sqrt 8, div 8, add_ 8, param addcdiv_ 16: torch/optim/adamw.py); null: a fused
+    AdamW, one read and one write of the states (2 passes at the ZeRO paper's widths)."""
+    grad_accumulation_passes: float = 3.0
+    """Passes over the held gradient bytes per micro-batch after the first (autograd's
+    AccumulateGrad: 2 reads, 1 write); counted with ``gradient_passes``."""
+    gradient_passes: bool = False
+    """Count the passes over the gradients outside the GEMMs (accumulation, torch's pipeline
+    scaling, the norm clip: xpar.estimate.cost.gradient_time). Set on a CPU whatever the profile;
+    off on GPUs, where they are <= 1.5 % of the public runs' steps."""
+    # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
+    count_buffers: bool = True
+    """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""
+    selective_recompute: str = "op"
+    """What recompute=selective keeps: 'op' (xpar), 'torchtitan_op', 'attention' (Megatron)."""
+    recompute_layer_fraction: float = 1.0
+    """Fraction of blocks the recompute policy applies to where parallel.recompute_layers is null
+    (torchtitan's selective_ac_option=2: 0.5)."""
+    recompute: Optional[list] = None
+    """Recompute policies the framework runs (xpar plan searches these; xpar.config.remat.RECOMPUTE);
+    null: xpar.config.remat.PLAN_RECOMPUTE."""
+    param_storage: str = "fp32"
+    """'fp32': parameters are the master weights (xpar, torchtitan); 'bf16': fp32 master in the optimizer."""
+    grad_bytes: int = 4
+    """Bytes per held gradient element: 2 (bf16), 4 (fp32 main grads), 6 (bf16 + fp32 buffer: DeepSpeed BF16_Optimizer)."""
+    fsdp_reshard_under_pp: bool = True
+    """ZeRO-3 under pp reshards parameters after each forward."""
+    zero3_gather: str = "unit"
+    """ZeRO-3's gather size: unit (a block, FSDP2) or tensor (one parameter tensor, DeepSpeed v0.3)."""
+    ddp_bucket_copy: bool = True
+    """DDP copies gradients into communication buckets (torch default)."""
+    cpu_offload_optimizer: bool = False
+    """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
+    (DeepSpeed offload_optimizer; timed by xpar.estimate.offload). Estimate only: xpar does not
+    execute it (execute mode refuses it)."""
+    offload: list = field(default_factory=lambda: [False, True])
+    """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
+    [false, true]."""
+    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages the framework runs (xpar plan searches these): xpar all four."""
+    pp_zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    """ZeRO stages it runs together with pipeline parallelism (pp > 1)."""
+    schedules: list = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                                     "zero_bubble", "zbv", "dualpipev"])
+    """Pipeline schedules it runs (xpar.config.layout.SCHEDULES names; xpar plan searches these)."""
+    interleaved_min_pp: int = 2
+    """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
+    interleaved_m_per_pp: bool = False
+    """Whether its interleaved 1F1B is Megatron-LM's: m divisible by pp, and at m == pp every
+    forward before any backward (its warm-up, xpar.estimate.activations.memory_schedule); torch's
+    Interleaved1F1B has its own rule and warm-up (xpar.config.layout.SCHEDULES)."""
+    sequence_parallel: list = field(default_factory=lambda: [False, True])
+    """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
+    terms: list = field(default_factory=list)
+    """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
+    and memory terms); tests/test_framework.py checks that nothing else changes."""
