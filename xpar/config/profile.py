@@ -129,6 +129,9 @@ class FrameworkConfig:
     """'fp32': parameters are the master weights (xpar, torchtitan); 'bf16': fp32 master in the optimizer."""
     grad_bytes: int = 4
     """Bytes per held gradient element: 2 (bf16), 4 (fp32 main grads), 6 (bf16 + fp32 buffer: DeepSpeed BF16_Optimizer)."""
+    optimizer_bytes: int = 0
+    """Bytes per optimizer-state element, master copy included (0: 8 with fp32 storage, 12 with bf16);
+    apex DistributedFusedAdam in NeMo: 10 (store_param_remainders) or 4 (optimizer dtype bf16)."""
     fsdp_reshard_under_pp: bool = True
     """ZeRO-3 under pp reshards parameters after each forward."""
     zero3_gather: str = "unit"

@@ -75,6 +75,7 @@ from xpar.estimate.model_states import (
     MEMORY_PROFILES,
     STATE_BYTES,
     MemoryOptions,
+    state_widths,
 )
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
@@ -357,16 +358,18 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
 
 
 def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
-                   bytes_per_element: Optional[float] = None, ns_per_element: Optional[float] = None) -> Any:
+                   bytes_per_element: Optional[float] = None, ns_per_element: Optional[float] = None,
+                   state_width: Optional[int] = None) -> Any:
     """Seconds of the optimizer step for the elements the device's optimizer holds
-    (``optimizer_bytes`` / the optimizer-state width of :data:`STATE_BYTES`). An unfused AdamW
+    (``optimizer_bytes`` / ``state_width``, the bytes per element the framework keeps:
+    :func:`xpar.estimate.model_states.state_widths`; default the width of :data:`STATE_BYTES`). An unfused AdamW
     (``bytes_per_element`` given, Assumptions.adamw_bytes_per_element: what xpar executes) takes
     ``ns_per_element`` each where the hardware has that measured figure
     (HardwareConfig.optimizer_ns_per_element, ``xpar calibrate``), else moves ``bytes_per_element``
     over HBM; a fused AdamW (``bytes_per_element`` None) makes 2 passes over the params, grads and
     optimizer states at the ZeRO paper's widths. 0 without an HBM figure or a measured rate."""
     bp, bg, bo = STATE_BYTES[dtype]
-    elements = optimizer_bytes / bo
+    elements = optimizer_bytes / (state_width or bo)
     if bytes_per_element is not None and ns_per_element:
         return elements * ns_per_element * 1e-9
     hbm = (hbm_tb_per_s or 0) * 1e12
@@ -412,7 +415,7 @@ def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, gra
     both price it here."""
     hw = spec.hardware
     return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
-                           hw.optimizer_ns_per_element)
+                           hw.optimizer_ns_per_element, state_widths(spec, assume)[2])
             + gradient_time(grad_bytes, reduced_grad_bytes(grad_bytes, dp, pp, zero_stage), m, pp,
                             spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes,
                             assume.gradient_passes))

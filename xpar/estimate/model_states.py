@@ -58,6 +58,11 @@ class MemoryOptions:
     grad_bytes: int = 4
     """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
     reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
+    optimizer_bytes: int = 0
+    """Bytes per element of the optimizer's states under mixed precision, its master copy included;
+    0: the recipe's (8 with fp32 storage: two fp32 moments; 12 with bf16 storage: fp32 master and
+    moments). NeMo's apex DistributedFusedAdam: 10 (fp32 moments, the master's low 16 bits beside the
+    bf16 parameter: store_param_remainders) or 4 (optimizer dtype bf16: bf16 moments, no master)."""
     fsdp_reshard_under_pp: bool = True
     """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
     between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
@@ -158,10 +163,11 @@ def precision(spec: RunSpec, o: MemoryOptions) -> dict:
 def state_widths(spec: RunSpec, o: MemoryOptions) -> tuple[int, int, int]:
     """Bytes per element of (stored params, grads, optimizer states) as the framework keeps
     them (module docstring): fp32 4/4/8; bf16 with fp32 storage 4/grad_bytes/8; bf16
-    with bf16 storage 2/grad_bytes/12."""
+    with bf16 storage 2/grad_bytes/12; ``optimizer_bytes`` replaces the last under mixed precision."""
     if spec.train.dtype == "fp32":
         return 4, 4, 8
-    return (4, o.grad_bytes, 8) if o.param_storage == "fp32" else (2, o.grad_bytes, 12)
+    p, k = (4, 8) if o.param_storage == "fp32" else (2, 12)
+    return p, o.grad_bytes, o.optimizer_bytes or k
 
 
 # --- parameters per pipeline rank -------------------------------------------------------
