@@ -1,6 +1,7 @@
 """The cost model against this machine: a fixed set of layouts run for real and estimated.
 
-For each layout (dp, zero1, zero2, zero3, tp, pp with gpipe and 1f1b, 3D pp2 x dp2 x tp2;
+For each layout (dp, zero1, zero2, zero3, tp, pp with gpipe, 1f1b, torch's zero-bubble schedules (zbv,
+InterleavedZeroBubble) and 1f1b over uneven stages (first stage 1 block of mini's 4), 3D pp2 x dp2 x tp2;
 models mini and small by default), run xpar's real path on local gloo workers (launcher, engine
 factory, train loop) and print the estimated and measured step time, peak memory per
 device and bubble ratio (xpar.estimate.fidelity: the run's own estimate on its hardware), then the
@@ -53,6 +54,8 @@ LAYOUTS = {
     "dp": ["parallel=dp"], "zero1": ["parallel=zero1"], "zero2": ["parallel=zero2"], "zero3": ["parallel=zero3"],
     "tp": ["parallel=tp"], "pp-gpipe": ["parallel=pp", "parallel.schedule=gpipe"],
     "pp-1f1b": ["parallel=pp", "parallel.schedule=1f1b"], "3d": ["parallel=3d_local"],
+    "pp-zbv": ["parallel=pp", "parallel.schedule=zbv"], "pp-zb": ["parallel=pp", "parallel.schedule=zero_bubble"],
+    "pp-uneven": ["parallel=pp", "parallel.schedule=1f1b", "parallel.first_stage_layers=1"],
 }
 
 STEPS = {"tiny": 40, "mini": 20, "small": 11}
