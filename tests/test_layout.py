@@ -233,6 +233,18 @@ def test_uneven_edge_stages_as_megatron_sets_them():
     assert spec.layout.layer_split == (0, 4) and spec.layout.stage_layers(0) == []
 
 
+def test_lighter_ends_as_bloom_and_deepseek_v3_split_their_blocks():
+    """The split xpar plan gives pp x v stages that do not divide the blocks: ceil(L / n) blocks on every
+    stage between, the first and last the rest, the first the odd one -- BLOOM 176B's 70 over 12 (5, 10 x
+    6, 5), DeepSeek-V3's 61 over 32 (1, 30 x 2, 0); even where n divides L; None where the stages between
+    would take more than L blocks."""
+    from xpar.config.layout import edge_split, lighter_ends
+    assert lighter_ends(70, 12) == (5, 5) and edge_split(70, 12, 5, 5) == [5] + [6] * 10 + [5]
+    assert lighter_ends(61, 32) == (1, 0) and edge_split(61, 32, 1, 0) == [1] + [2] * 30 + [0]
+    assert lighter_ends(96, 8) == (12, 12) and lighter_ends(7, 2) == (4, 3) and lighter_ends(32, 34) == (0, 0)
+    assert lighter_ends(96, 64) is None and lighter_ends(96, 1) is None
+
+
 def spec_for_split(*overrides):
     from tests.conftest import spec_for
     return spec_for("parallel=pp", *overrides, local_devices=2)

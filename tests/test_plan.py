@@ -39,15 +39,33 @@ def plan_of(*overrides: str):
     return search(inputs)
 
 
-def find(cols: dict, **want) -> np.ndarray:
-    """Rows of ``cols`` equal to ``want`` in every given column."""
+def find(cols: dict, split: tuple = (0, None), **want) -> np.ndarray:
+    """Rows of ``cols`` equal to ``want`` in every given column; with ``split`` (n_layers, blocks per
+    stage), only those whose pp x v stages split the n_layers blocks so (xpar.plan.vsplit.plan_split;
+    None: any split)."""
+    from xpar.plan.vsplit import plan_split
     mask = np.ones(len(cols["tp"]), dtype=bool)
     for k, v in want.items():
         mask &= cols[k] == v
+    n_layers, stages = split
+    if stages is not None:
+        mask &= [tuple(plan_split(n_layers, int(p * v))) == tuple(stages) for p, v in zip(cols["pp"], cols["v"])]
     return np.flatnonzero(mask)
 
 
 # --- the space -----------------------------------------------------------------------------
+
+def test_space_keeps_stages_with_lighter_ends_and_drops_impossible_splits():
+    """pp x v stages that do not divide the blocks are kept where lighter ends exist (xpar.plan.vsplit):
+    70 blocks on 384 devices keep pp 12 (5, 10 x 6, 5: BLOOM 176B), 16 (0, 14 x 5, 0) and 24 (2, 22 x 3,
+    2); from pp 32 the stages between would take more than the 70 blocks: dropped under ``balanced``."""
+    from xpar.plan.vsplit import splittable
+    model = dict(preset("model", "175b"), n_layers=70)
+    space = enumerate_layouts(model, 384, 8, 2048, Constraints(global_batch=(3072, 3072), schedules=("1f1b",)))
+    c, pp = space.cols, set(np.unique(space.cols["pp"]).tolist())
+    assert {12, 16, 24} <= pp and max(pp) == 24 and space.dropped["balanced"] > 0
+    assert splittable(70, c["pp"] * c["v"]).all() and (70 % (c["pp"] * c["v"]) != 0).any()
+
 
 def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     model = preset("model", "70b")
@@ -56,7 +74,7 @@ def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     assert set(space.dropped) == set(RULES)
     c = space.cols
     assert (c["dp"] * c["tp"] * c["pp"] == 64).all() and (c["b"] * c["m"] * c["dp"] == 512).all()
-    assert (model["n_layers"] % (c["pp"] * c["v"]) == 0).all()
+    assert (model["n_layers"] % (c["pp"] * c["v"]) == 0).all()  # 80 blocks: no pp x v here splits them unevenly
     assert (model["n_kv_heads"] % c["tp"] == 0).all() and not (c["sp"] & (c["tp"] == 1)).any()
     assert not ((c["pp"] == 1) & (c["schedule"] != "1f1b")).any()
     # every kept layout validates as `python -m xpar run.mode=estimate` would build it (a sample)
@@ -284,15 +302,18 @@ def test_bad_constraints_one_line_exit_2(capsys):
     assert "compares the runs it records in MLflow, and tracking is off" in err
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.min_tokens_per_s=1e9")
     assert "picks the smallest cluster of a range of plan.devices" in err
-    # 24 A100s at global batch 1024: dp would be 3 x 2^k; the line gives a batch and a device count that pass
-    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.devices=24")
+    # 296 A100s at global batch 1024: dp would be 37 x 2^k (pp 37's 35 stages between would need more than
+    # the 32 blocks; 24 A100s pass since pp 3 splits them 11, 11, 10 -- lighter ends); the line gives a
+    # batch and a device count that pass
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.devices=296")
     assert "the last are dropped because b x dp does not divide the global batch, most because tp x pp" in err
-    assert "e.g. plan.global_batch_size=1023 or plan.devices=16" in err
-    for fix in (["plan.devices=24", "plan.global_batch_size=1023"], ["plan.devices=16"]):
+    assert "e.g. plan.global_batch_size=1036 or plan.devices=288" in err
+    for fix in (["plan.devices=296", "plan.global_batch_size=1036"], ["plan.devices=288"]):
         assert plan_of("model=7b", "hardware=a100_80gb_8gpu", *fix).best is not None
     # the device count it names also fits (a fresh-user breaker: 405B on 40 was sent to 32, where nothing fits)
+    # (405B's 126 blocks over pp 5 as 24, 3 x 26, 24 pass on 40 since lighter ends; none fits there)
     err = refusal(capsys, "model=405b", "hardware=a100_80gb_8gpu", "plan.devices=40")
-    assert "or plan.devices=48." in err
+    assert "the smallest cluster that fits the model is 48 devices" in err
     assert plan_of("model=405b", "hardware=a100_80gb_8gpu", "plan.devices=48").best is not None
 
 
@@ -623,10 +644,13 @@ def test_a_plan_over_nodes_without_an_inter_node_figure_is_one_line_and_its_comm
 # --- issue 27: the plan finds the published layouts of the corpus, one per framework -----------
 
 CORPUS_ROWS = ["llama31_8b_fsdp8_h100", "gpt_neox_20b", "mpt_7b_h100_8gpu_s2048", "nemotron4_15b_tp2_h100_64",
-               "llama2_70b_maxtext_fsdp64_h100"]
-"""One known run per framework profile but megatron (Narayanan et al. Table 1 is planned above) and
-deepspeed_bloom: BLOOM's 70 blocks over 12 stages (5 on each end, 6 between) are an uneven split,
-which the plan's space does not search yet (it keeps pp x v dividing the layers)."""
+               "llama2_70b_maxtext_fsdp64_h100", "bloom_176b_tr11"]
+"""One known run per framework profile but megatron (Narayanan et al. Table 1 is planned above). BLOOM
+176B (deepspeed_bloom) trained 70 blocks over 12 stages, 5 on each end and 6 between: the split with
+lighter ends that the plan searches where pp x v does not divide the blocks (xpar.plan.vsplit)."""
+PUBLISHED_SPLITS = {"bloom_176b_tr11": (5,) + (6,) * 10 + (5,)}
+"""Blocks per stage of the rows whose stages do not divide the blocks (tr11-176B-ml.slurm,
+--pp-partition-method 'type:transformer|embedding': embed + 5 blocks, 10 x 6, 5 blocks + embed)."""
 
 
 def corpus_inputs(r: dict) -> PlanInputs:
@@ -663,6 +687,29 @@ def test_the_plan_finds_each_frameworks_published_layout(name):
     r = next(row for row in KNOWN if row["id"] == name)
     plan = search(corpus_inputs(r))
     hit = find(plan.res, tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), b=int(r["micro_batch"]),
-               zero=int(r["zero"]), recompute=r["recompute"], sp=r["sequence_parallel"] == "true")
+               zero=int(r["zero"]), recompute=r["recompute"], sp=r["sequence_parallel"] == "true",
+               split=(int(r["layers"]), PUBLISHED_SPLITS.get(name)))
     assert len(hit) >= 1, f"{name}: the published layout is not among the plan's layouts"
     assert plan.res["fits"][hit].any(), (name, plan.res["memory_total"][hit] / 1e9)
+
+
+def test_an_uneven_winner_is_reproduced_with_its_split():
+    """7B at 30 blocks over plan.pp=4 (framework=deepspeed_bloom: 1F1B): 4 stages do not divide 30
+    blocks, the plan splits them 7, 8, 8, 7 (lighter ends); the reproducing line says so
+    (parallel.first_stage_layers=7 parallel.last_stage_layers=7), composes to that split and
+    re-estimates to the plan's figures; the layouts run for real (xpar.plan.execute) carry the same."""
+    from xpar.estimate.cost import estimate
+    from xpar.plan.command import reproduce
+    from xpar.plan.execute import layout_overrides
+
+    plan = plan_of("model=7b", "model.n_layers=30", "hardware=a100_80gb_64gpu", "framework=deepspeed_bloom",
+                   "plan.pp=4")
+    r, i = plan.res, plan.best
+    line, spec = reproduce(plan)
+    assert "parallel.first_stage_layers=7 parallel.last_stage_layers=7" in line, line
+    assert spec.layout.layer_split == (7, 8, 8, 7)
+    est = estimate(spec)
+    assert est.tokens_per_s == pytest.approx(r["tokens_per_s"][i], rel=1e-9)
+    assert est.memory.total == pytest.approx(r["memory_total"][i], rel=1e-9)
+    par = layout_overrides(plan, i)["parallel"]
+    assert (par["layer_split"], par["first_stage_layers"], par["last_stage_layers"]) == (None, 7, 7)

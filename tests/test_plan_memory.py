@@ -17,6 +17,7 @@ from xpar.config.presets import conf_dir
 from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import estimate, peak_memory
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
+from xpar.plan.space import Constraints, enumerate_layouts
 from xpar.plan.vmemory import KEYS, memory_columns
 
 FIELDS = {"memory_params": "params", "memory_grads": "grads", "memory_optimizer": "optimizer",
@@ -142,6 +143,126 @@ def test_vector_memory_equals_scalar_with_recompute_layers(k):
         mem = peak_memory(staged(spec_of(ctx, cols, i)))
         for key, f in FIELDS.items():
             assert got[key][i] == pytest.approx(getattr(mem, f), rel=1e-9, abs=1e-6), (key, i)
+
+
+UNEVEN = [("7b", 30, "a100_80gb_64gpu", "xpar"), ("7b", 30, "a100_80gb_64gpu", "megatron"),
+          ("70b", 78, "h100_80gb_64gpu", "torchtitan"), ("tiny", 7, "a100_80gb_8gpu", FRAMEWORK_VARIANT),
+          ("7b", 27, "h100_80gb_8gpu", "deepspeed_bloom")]
+"""Contexts whose blocks (model.n_layers changed) many pp x v stages do not divide: 30 over 4 stages
+is 7, 8, 8, 7; over 12, 0, 10 x 3, 0 (xpar.plan.vsplit)."""
+
+
+def framework_constraints(fw: dict, batch: int) -> Constraints:
+    """The plan's constraints at global batch ``batch`` under framework profile ``fw``: what it
+    runs (the schema's defaults where the profile is silent), micro-batches of 1 or 2."""
+    from dataclasses import fields
+
+    from xpar.config.schema import FrameworkConfig
+    fw = {**{f.name: getattr(FrameworkConfig(), f.name) for f in fields(FrameworkConfig)}, **fw}
+    return Constraints(global_batch=(batch, batch), zero_stages=tuple(fw["zero_stages"]),
+                       pp_zero_stages=tuple(fw["pp_zero_stages"]), schedules=tuple(fw["schedules"]),
+                       interleaved_min_pp=fw["interleaved_min_pp"], interleaved_m_per_pp=fw["interleaved_m_per_pp"],
+                       recompute=tuple(fw["recompute"] or ("none", "selective", "full")),
+                       sequence_parallel=tuple(fw["sequence_parallel"]), max_micro_batch_size=2)
+
+
+def uneven_candidates(ctx: PlanContext, per_schedule: int, seed: int, batch: int = 64) -> dict[str, np.ndarray]:
+    """Up to ``per_schedule`` layouts of each schedule among the plan's space whose pp x v stages
+    do not divide the blocks (split with lighter ends), seeded; every candidate column."""
+    hw = ctx.hardware
+    seq = ctx.train.get("seq_len") or ctx.model["seq_len"]
+    cols = enumerate_layouts(ctx.model, hw["nodes"] * hw["devices_per_node"], hw["devices_per_node"], seq,
+                             framework_constraints(ctx.framework, batch)).cols
+    uneven = ctx.model["n_layers"] % (cols["pp"] * cols["v"]) != 0
+    rng, pick = np.random.default_rng(seed), []
+    for sched in np.unique(cols["schedule"][uneven]):
+        idx = np.flatnonzero(uneven & (cols["schedule"] == sched))
+        pick += rng.choice(idx, min(per_schedule, len(idx)), replace=False).tolist()
+    return {k: v[np.sort(pick)] for k, v in cols.items()}
+
+
+def uneven_context(model: str, n_layers: int, hardware: str, framework, dtype: str = "bf16") -> PlanContext:
+    from dataclasses import replace
+    ctx = context(model, hardware, framework, dtype)
+    return replace(ctx, model=dict(ctx.model, n_layers=n_layers))
+
+
+@pytest.mark.parametrize("model,n_layers,hardware,framework", UNEVEN,
+                         ids=[f"{c[0]}-{c[1]}-{c[3] if isinstance(c[3], str) else 'variant'}" for c in UNEVEN])
+def test_vector_memory_equals_scalar_on_lighter_ends(model, n_layers, hardware, framework):
+    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.plan.vsplit):
+    every schedule the framework runs (interleaved and looped ones pruned on middle chunks,
+    xpar.plan.vsplit.prune_modes), every field equal to the scalar's (rel 1e-9)."""
+    ctx = uneven_context(model, n_layers, hardware, framework)
+    cols = uneven_candidates(ctx, 4, n_layers)
+    assert len(cols["tp"]) >= 4 and (n_layers % (cols["pp"] * cols["v"]) != 0).all()
+    assert_equal(ctx, cols, range(len(cols["tp"])))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_vector_memory_equals_scalar_on_lighter_ends_with_recompute_layers(k):
+    """parallel.recompute_layers = k blocks per stage under lighter ends: the end stages' shares
+    differ from the middle ones' (7 blocks against 8); still equal, layout by layout."""
+    from dataclasses import replace
+
+    ctx = uneven_context("7b", 30, "a100_80gb_64gpu", "xpar")
+    cols = uneven_candidates(ctx, 2, k)
+    cols["recompute"] = np.where(cols["recompute"] == "none", "full", cols["recompute"])
+
+    def staged(spec):
+        return replace(spec, parallel=replace(spec.parallel, recompute_layers=k))
+    got = memory_columns(staged(spec_of(ctx, cols, 0)), cols)
+    for i in range(len(cols["tp"])):
+        mem = peak_memory(staged(spec_of(ctx, cols, i)))
+        for key, f in FIELDS.items():
+            assert got[key][i] == pytest.approx(getattr(mem, f), rel=1e-9, abs=1e-6), (key, i)
+
+
+def test_lighter_ends_put_the_peak_on_the_second_stage():
+    """BLOOM 176B as tr11 ran it (tp 4, pp 12 as 5, 10 x 6, 5 blocks, dp 8, b 2, ZeRO-1, the
+    deepspeed_bloom profile) without recompute: the second stage holds a block more than the first
+    and 11 micro-batches in flight against its 12 (1F1B), and is the most loaded rank (pp rank 1);
+    with full recompute (as trained) the first is. Both equal to the scalar estimate."""
+    from tests.test_estimate_memory import KNOWN
+    from tests.test_plan import corpus_inputs
+
+    ctx = corpus_inputs(next(r for r in KNOWN if r["id"] == "bloom_176b_tr11")).ctx
+    rows = [{"tp": 4, "pp": 12, "dp": 8, "b": 2, "m": 128, "v": 1, "schedule": "1f1b", "zero": 1, "sp": False,
+             "recompute": rc} for rc in ("none", "full")]
+    cols = {k: np.array([r[k] for r in rows]) for k in COLUMNS}
+    assert spec_of(ctx, cols, 0).layout.layer_split == (5,) + (6,) * 10 + (5,)
+    assert memory_columns(spec_of(ctx, cols, 0), cols)["memory_pp_rank"].tolist() == [1, 0]
+    assert_equal(ctx, cols, range(2))
+
+
+def test_middle_basis_keeps_every_maximum_of_the_walk():
+    """The interleaved closed forms pruned on (all - first - last, first, last) chunks
+    (_closed_entries(by_middle=True)) give each rank class the walk's largest peak, at the same first
+    rank, for any bytes >= 0 per middle, first and last chunk and per transient, also with the
+    first stage lighter than a middle one (a negative first - middle coefficient)."""
+    from xpar.plan.vmemory import _closed_entries, _walk_entries
+
+    rng, checked = np.random.default_rng(5), 0
+    for sched, pp, m, v in (("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 3), ("interleaved_1f1b", 4, 12, 2),
+                            ("zero_bubble", 4, 8, 2), ("zero_bubble", 3, 6, 3), ("looped_bfs", 4, 5, 2)):
+        closed, walk = _closed_entries(sched, pp, m, v, by_middle=True), _walk_entries(sched, pp, m, v, False)
+        for _ in range(40):
+            mid, first, last = rng.random(3) * rng.choice([0.1, 1, 10], 3)
+            w, add = np.array([mid, first - mid, last - mid]), rng.random(6)
+            assert _class_peaks(closed, w, add) == _class_peaks(walk, w, add), (sched, pp, m, v, w)
+            checked += 1
+    assert checked == 240
+
+
+def _class_peaks(entries: list, w: np.ndarray, add: np.ndarray) -> dict:
+    """{rank class: (largest peak, the first rank with it)} of rank entries for coefficients ``w`` of
+    (all, first, last) live chunks and transients ``add`` per event type."""
+    peaks: dict = {}
+    for r, rc, f, a, types in entries:
+        top = max(float((f @ w).max()), float((a @ w + add[types]).max()))
+        if top > peaks.get(rc, (-1.0, 0))[0] + 1e-12:
+            peaks[rc] = (top, r)
+    return {rc: (round(p, 9), r) for rc, (p, r) in peaks.items()}
 
 
 def test_estimate_memory_is_peak_memory():

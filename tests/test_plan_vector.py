@@ -168,6 +168,33 @@ def test_time_columns_equal_scalar_estimate_with_recompute_layers(k):
     assert not bad, "\n".join(bad[:20])
 
 
+@pytest.mark.parametrize("staged", [None, 2])
+def test_time_columns_equal_scalar_estimate_on_lighter_ends(staged):
+    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.plan.vsplit): the
+    middle ranks hold more blocks than the end ones, every schedule
+    the framework runs, also with parallel.recompute_layers (``staged``: the end stages' shares differ);
+    every figure equal to the scalar estimate."""
+    from dataclasses import replace
+
+    from tests.test_plan_memory import UNEVEN, uneven_candidates
+
+    bad, checked = [], 0
+    for model, n_layers, hardware, framework in UNEVEN:
+        if not isinstance(framework, str):
+            continue
+        ctx = context(model, hardware, framework)
+        ctx = replace(ctx, model=dict(ctx.model, n_layers=n_layers))
+        cols = uneven_candidates(ctx, 2, n_layers + (staged or 0))
+        if staged:
+            cols["recompute"] = np.where(cols["recompute"] == "none", "full", cols["recompute"])
+        specs = [spec_of(ctx, cols, i) for i in range(len(cols["tp"]))]
+        specs = [replace(sp, parallel=replace(sp.parallel, recompute_layers=staged)) for sp in specs]
+        ests = [estimate(sp) for sp in specs]
+        bad += _mismatches(ctx, cols, time_columns(specs[0], cols, *memory_args(ests)), ests)
+        checked += len(ests)
+    assert checked >= 20 and not bad, "\n".join(bad[:20])
+
+
 def test_time_columns_optimizer_term_without_memory_given():
     """Without memory_optimizer, the optimizer term comes from the memory model (vectorised
     where xpar.plan.vmemory is present): still equal to the estimate."""

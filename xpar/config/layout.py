@@ -192,6 +192,20 @@ def edge_split(n_layers: int, n_stages: int, first: Optional[int], last: Optiona
     return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
 
 
+def lighter_ends(n_layers: int, n_stages: int) -> tuple[int, int] | None:
+    """(first, last): blocks on the first and the last of ``n_stages`` pipeline stages in the split
+    with lighter ends that Megatron-LM (``--decoder-first/last-pipeline-num-layers``) and BLOOM
+    (BigScience tr11-176B: 70 blocks over 12 stages as 5, 10 x 6, 5) train with: ceil(n_layers /
+    n_stages) blocks on every stage between, the first and the last sharing the rest, the first
+    taking the odd block (the last also computes the logits). (n_layers / n_stages,) x 2 where
+    the stages divide the blocks; None for one stage, or where the stages between would take
+    more than every block (e.g. 96 blocks over 64 stages)."""
+    if n_stages < 2:
+        return None
+    rest = n_layers - (n_stages - 2) * -(-n_layers // n_stages)
+    return ((rest + 1) // 2, rest // 2) if rest >= 0 else None
+
+
 def balanced_split(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage differing by at most one, the first stages taking the extra."""
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]

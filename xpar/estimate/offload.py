@@ -89,6 +89,16 @@ def host_state_bytes(elements: Any, devices_per_node: int) -> Any:
     return devices_per_node * elements * HOST_STATE_BYTES
 
 
+def host_columns(hw, offload: Any, elements: Any) -> dict[str, Any]:
+    """``optimizer_elements`` (``elements``: the optimizer's on the most loaded device), ``host_bytes``
+    (per node: :func:`host_state_bytes` where ``offload`` is 1, else 0) and ``host_fits`` (host bytes
+    <= hardware.host_memory_gb; True without offload) of layouts: numbers or numpy arrays
+    (xpar.plan.vmemory's candidate columns)."""
+    host = offload * host_state_bytes(elements, devices_per_node(hw))
+    return {"optimizer_elements": elements, "host_bytes": host,
+            "host_fits": host <= (hw.host_memory_gb or 0) * 1e9}
+
+
 def gradient_copies(zero_stage: Any, dp: Any, micro_batches: Any) -> Any:
     """Gradient copies to the host per step: m where gradients are reduced every micro-batch
     (ZeRO-2/3 at dp > 1), else 1 (floats or arrays)."""

@@ -337,7 +337,8 @@ def _smallest_cluster(plan: Plan) -> str:
     if n is None:
         sizes = ", ".join(str(plan.devices * 2 ** k) for k in range(1, 7))
         return (f"no cluster of {sizes} devices (doubling) fits the model; sizes between were not searched (tp x pp must "
-                f"divide the devices and pp x v the {plan.ctx.model['n_layers']} layers): plan.devices=<N> searches "
+                f"divide the devices, pp x v stages split the {plan.ctx.model['n_layers']} layers evenly or with "
+                f"lighter ends): plan.devices=<N> searches "
                 f"one, or a smaller model or sequence")
     between = whole_nodes_between(n // 2, n, dpn)  # past the last doubling that failed
     claim, unsearched = "the smallest cluster that fits the model is", ""

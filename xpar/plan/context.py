@@ -7,7 +7,9 @@ Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
 - ``b``: micro-batch size in sequences; ``m``: micro-batches per step (int64); global batch
   B = b * m * dp sequences.
 - ``v``: stages per pipeline rank (int64; 1 for single-stage schedules, 2 for V-shaped ones,
-  the virtual stages of looped ones). Layer splits are balanced: n_layers % (pp * v) == 0.
+  the virtual stages of looped ones). The pp * v stages split the layers evenly where they divide
+  them, else with lighter ends (xpar.plan.vsplit: ``parallel.first_stage_layers`` /
+  ``last_stage_layers``, every stage between ceil(n_layers / (pp v)) blocks).
 - ``schedule``: names in :data:`xpar.config.layout.SCHEDULES` (numpy str array).
 - ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.config.layout.zero_stage_run` applied).
 - ``sp``: sequence parallelism (bool; only with tp > 1).
@@ -47,11 +49,15 @@ def row(cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
     return {k: cols[k][i].item() for k in COLUMNS + OPTIONAL_COLUMNS if k in cols}
 
 
-def parallel_group(r: dict[str, Any]) -> dict:
-    """The ``parallel`` group of one candidate row (:func:`row`), numbers resolved."""
+def parallel_group(r: dict[str, Any], n_layers: int) -> dict:
+    """The ``parallel`` group of one candidate row (:func:`row`) of a model of ``n_layers`` blocks,
+    numbers resolved, the split's keys where pp x v does not divide the blocks
+    (:func:`xpar.plan.vsplit.split_fields`)."""
+    from xpar.plan.vsplit import split_fields
     return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
                 schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
-                recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1))
+                recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1),
+                **split_fields(n_layers, r["pp"], r["v"]))
 
 
 def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
@@ -64,7 +70,8 @@ def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
     train = dict(ctx.train, micro_batch_size=r["b"], global_batch_size=r["b"] * r["m"] * r["dp"])
     if r.get("dtype"):
         train["dtype"] = r["dtype"]
-    cfg = {"model": dict(ctx.model), "parallel": parallel_group(r), "hardware": dict(ctx.hardware),
+    cfg = {"model": dict(ctx.model), "parallel": parallel_group(r, int(ctx.model["n_layers"])),
+           "hardware": dict(ctx.hardware),
            "train": train, "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
     if ctx.framework:
         cfg["framework"] = dict(ctx.framework)

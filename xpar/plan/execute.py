@@ -24,11 +24,16 @@ SKIP = ("plan.", "plan=", "run.mode=", "hydra.", "parallel.", "train.global_batc
 
 
 def layout_overrides(plan, i: int) -> dict[str, object]:
-    """parallel.* and train batch values of candidate ``i`` (as a nested config dict)."""
+    """parallel.* and train batch values of candidate ``i`` (as a nested config dict); its split
+    as ``first_stage_layers`` / ``last_stage_layers`` where pp x v does not divide the blocks
+    (xpar.plan.vsplit.split_fields), null otherwise, as ``layer_split``."""
+    from xpar.plan.vsplit import split_fields
     r = plan.res
     par = dict(dp=int(r["dp"][i]), tp=int(r["tp"][i]), pp=int(r["pp"][i]), zero_stage=int(r["zero"][i]),
                micro_batches=int(r["m"][i]), schedule=str(r["schedule"][i]), virtual_stages=int(r["v"][i]),
-               sequence_parallel=bool(r["sp"][i]), recompute=str(r["recompute"][i]), layer_split=None)
+               sequence_parallel=bool(r["sp"][i]), recompute=str(r["recompute"][i]), layer_split=None,
+               first_stage_layers=None, last_stage_layers=None)
+    par.update(split_fields(int(plan.ctx.model["n_layers"]), par["pp"], par["virtual_stages"]))
     b = int(r["b"][i])
     return {"parallel": par, "train": {"micro_batch_size": b, "global_batch_size": b * par["micro_batches"] * par["dp"]}}
 

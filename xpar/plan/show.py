@@ -15,7 +15,8 @@ SKIP = ("plan.", "plan=", "run.mode=", "parallel.", "train.global_batch_size=", 
 
 def override_line(plan) -> str:
     """``python -m xpar <user's overrides> <the winner's parallel.* and train batch>``: the run
-    of the winning layout (hardware nodes and memory headroom as planned)."""
+    of the winning layout (hardware nodes and memory headroom as planned; a split with lighter
+    ends as ``parallel.first_stage_layers`` / ``last_stage_layers``, :func:`split_overrides`)."""
     r, i, ctx = plan.res, plan.best, plan.ctx
     keep = [o for o in plan.inputs.overrides if not o.lstrip("+~").startswith(SKIP)]
     par = [f"parallel.dp={r['dp'][i]}", f"parallel.tp={r['tp'][i]}", f"parallel.pp={r['pp'][i]}",
@@ -25,8 +26,9 @@ def override_line(plan) -> str:
            f"train.micro_batch_size={r['b'][i]}", f"train.global_batch_size={r['b'][i] * r['m'][i] * r['dp'][i]}"]
     if "offload" in r and (r["offload"][i] or ctx.framework.get("cpu_offload_optimizer")):
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
-    preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp or ep
+    preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp, ep, a split
     par += [f"parallel.{k}={r[k][i]}" for k in ("cp", "ep") if k in r and (r[k][i] != 1 or preset)]
+    par += split_overrides(int(ctx.model["n_layers"]), int(r["pp"][i]), int(r["v"][i]), preset)
     if "dtype" in r or any(o.lstrip("+").startswith("train.dtype=") for o in plan.inputs.overrides):
         par.append(f"train.dtype={r['dtype'][i] if 'dtype' in r else ctx.train['dtype']}")
     hw = ctx.hardware
@@ -38,6 +40,17 @@ def override_line(plan) -> str:
     if hw.get("memory_headroom"):
         par.append(f"hardware.memory_headroom={hw['memory_headroom']}")
     return "python -m xpar " + " ".join(keep + par)
+
+
+def split_overrides(n_layers: int, pp: int, v: int, preset: bool) -> list[str]:
+    """``parallel.first_stage_layers=F parallel.last_stage_layers=L`` where pp x v does not divide
+    the blocks (:func:`xpar.plan.vsplit.split_fields`); both ``null`` where the split is even but a
+    ``parallel=`` preset may set them (conf/parallel/deepseek_v3_2048gpu.yaml does); else none."""
+    from xpar.plan.vsplit import split_fields
+    fields = split_fields(n_layers, pp, v)
+    if not fields and not preset:
+        return []
+    return [f"parallel.{k}={fields.get(k, 'null')}" for k in ("first_stage_layers", "last_stage_layers")]
 
 
 def ranked_table(plan):

@@ -15,9 +15,12 @@ The raw space is the product of these axes (numpy, no torch):
   (xpar.config.remat.PLAN_RECOMPUTE by default), optimizer offload
   off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
 
-m = B / (b dp) is derived. The rules (:data:`RULES`, in the order they are applied) are those
-:mod:`xpar.config.validate` enforces for a layout (xpar.config.checks.layout: tp splits, balanced pipeline
-stages, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
+m = B / (b dp) is derived. The pp x v stages split the blocks evenly where they divide them, else
+with lighter ends (xpar.plan.vsplit: ceil(n_layers / (pp v)) blocks on every stage between, the
+first and last sharing the rest, as BLOOM 176B's 5, 10 x 6, 5 and Megatron-LM's
+--decoder-first/last-pipeline-num-layers). The rules (:data:`RULES`, in the order they are applied) are those
+:mod:`xpar.config.validate` enforces for a layout (xpar.config.checks.layout: tp splits, a pipeline
+split that exists, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
 parallelism's sequence split), the user's constraints, and duplicates (layouts that run the same
 as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing (stage 0 kept, stage 1 for an
 offloaded optimizer, which DeepSpeed runs at stages 1-3 only), ZeRO-3 under zero-bubble
@@ -33,6 +36,7 @@ import numpy as np
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 
 from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
+from xpar.plan.vsplit import splittable
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
@@ -52,7 +56,8 @@ RULES = {
     "pp_fixed": "pp other than plan.pp",
     "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
     "schedule": "schedule not in plan.schedules",
-    "balanced": "pp x v does not divide n_layers (unbalanced stages)",
+    "balanced": "pp x v stages split n_layers neither evenly nor with lighter ends (ceil(n_layers / (pp v)) "
+                "blocks on each stage between leave fewer than 0 for the first and last; xpar.plan.vsplit)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
@@ -190,7 +195,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     single = pairs.index(SINGLE_SCHEDULE)
     t = drops.apply(t, "pp1_schedule", (t["pp"] > 1) | (t["s"] == single))
     t = drops.apply(t, "schedule", (t["pp"] == 1) | np.isin(names[t["s"]], c.schedules))
-    t = drops.apply(t, "balanced", model["n_layers"] % (t["pp"] * t["v"]) == 0)
+    t = drops.apply(t, "balanced", splittable(model["n_layers"], t["pp"] * t["v"]))
     t = drops.apply(t, "batch", t["B"] % (t["b"] * t["dp"]) == 0)
     t["m"] = t["B"] // (t["b"] * t["dp"])
     t = drops.apply(t, "microbatches", _microbatches_ok(names, t))

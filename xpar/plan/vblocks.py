@@ -6,8 +6,12 @@ which blocks a pipeline rank holds.
 where :func:`blocks_vary`, each representative rank's own units (:func:`xpar.estimate.dp.unit_elements`
 of the candidate's placement) are timed by :func:`xpar.estimate.dp.unit_times` -- the scalar
 estimate's own call -- once per distinct (dp, tp, ZeRO stage, pp, v, placement, slot). The middle
-slot stands for the middle rank holding the most parameter elements (the slowest of them in dp
-time); the pipeline fill then counts every middle rank at that rank's dp time, an upper bound
+slot stands for the middle rank the scalar estimate takes as the slowest where a middle rank is:
+below ZeRO-3 under pp no dp time is exposed per micro-batch (xpar.estimate.dp.dp_exposure), the
+middle ranks (their blocks as many, lighter ends or not) tie and the first, rank 1, is taken,
+whatever dense blocks it holds (DeepSeek-V3's 61 layers over pp 16: rank 1 holds layers 1-2 dense,
+57-58 MoE). Under ZeRO-3 it is the middle rank holding the most MoE blocks, taken as the slowest
+in dp time; the pipeline fill then counts every middle rank at that rank's dp time, an upper bound
 where middle ranks hold dense blocks (pp above n_layers / first_dense_layers). Units: seconds.
 """
 from __future__ import annotations
@@ -37,20 +41,23 @@ class UnitTimes:
         key = (dp, tp, zero, pp, v, v_shaped, slot)
         if key not in self.memo:
             spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, "none")
-            rank = slot_rank_moe(spec.layout, slot, self.base.model)
+            rank = slot_rank_moe(spec.layout, slot, self.base.model, zero)
             t = unit_times(spec, self.assume, unit_elements(spec, rank))
             self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
         return self.memo[key]
 
 
-def slot_rank_moe(layout, slot: int, cfg) -> int:
+def slot_rank_moe(layout, slot: int, cfg, zero: int = 3) -> int:
     """The pipeline rank a slot (xpar.plan.vtime.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
-    0, the middle rank holding the most MoE blocks (``cfg.is_moe_layer``; first on ties), the last rank."""
+    0; the first middle rank at ZeRO ``zero`` below 3 (module docstring), else the middle rank holding
+    the most MoE blocks (``cfg.is_moe_layer``; first on ties); the last rank."""
     pp = layout.pp
     if slot == 0 or pp == 1:
         return 0
     if slot == 2:
         return pp - 1
+    if zero < 3:
+        return 1
     v_shaped = layout.has_last_stage(0) and layout.n_stages > 1
     middle = list(range(1, pp if v_shaped else pp - 1)) or [min(1, pp - 1)]
 

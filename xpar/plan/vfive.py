@@ -112,8 +112,9 @@ def _group(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.n
 
 
 def moe_layers_per_rank(base, pp: int, v: int, schedule: str) -> int:
-    """MoE layers on the fullest pipeline rank of a balanced pp x v split placed as ``schedule``
-    places its stages (the max in :func:`xpar.estimate.expert_parallel.ep_terms`)."""
+    """MoE layers on the fullest pipeline rank of the pp x v split (xpar.plan.vsplit.plan_split: even,
+    else lighter ends) placed as ``schedule`` places its stages (the max in
+    :func:`xpar.estimate.expert_parallel.ep_terms`)."""
     from xpar.plan.vtime import spec_at
 
     layout = spec_at(base, 1, pp, 1, 1, 1, v, schedule, 0, False, "none").layout
@@ -143,8 +144,10 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
 
 def cp_columns(base, sub: dict[str, np.ndarray], cp: int) -> np.ndarray:
     """Seconds per step of the K/V all-gathers and gradient reduce-scatters of unfolded candidates
-    (``_with_cp_comm``: m micro-batches x n_layers / pp layers on the fullest rank x
-    :func:`cp_layer_times` per distinct (b, tp))."""
+    (``_with_cp_comm``: m micro-batches x the blocks on the fullest rank,
+    :func:`xpar.plan.vsplit.most_blocks`, x :func:`cp_layer_times` per distinct (b, tp))."""
+    from xpar.config.layout import SCHEDULES
+    from xpar.plan.vsplit import most_blocks
     from xpar.plan.vtime import by_key, spec_at
 
     def layer(b, tp):
@@ -152,5 +155,7 @@ def cp_columns(base, sub: dict[str, np.ndarray], cp: int) -> np.ndarray:
         return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)))
 
     t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer, ("f", "b"))
-    layers = base.model.n_layers // np.asarray(sub["pp"], np.int64)
+    pp = np.asarray(sub["pp"], np.int64)
+    v_shaped = np.array([SCHEDULES[str(x)].v_shaped for x in sub["schedule"]], dtype=bool)
+    layers = most_blocks(base.model.n_layers, pp, np.where(pp > 1, np.asarray(sub["v"], np.int64), 1), v_shaped)
     return np.asarray(sub["m"]) * layers * (t["f"] + t["b"])

@@ -7,14 +7,16 @@ each group), and is combined with array arithmetic:
 
 - model states and the buffers they size (:func:`~xpar.estimate.memory.held_state_terms`,
   :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, stage placement, dp, ZeRO
-  stage, deferred reduction) and rank class (holds the first stage, the last, both, neither:
-  with balanced splits, the parameters of a rank depend on nothing else);
+  stage, deferred reduction, v where pp x v does not divide the blocks) and rank class (holds the
+  first stage, the last, both, neither: with even or lighter-ends splits, xpar.plan.vsplit, the
+  parameters of a rank depend on nothing else; for blocks of different sizes the middle rank with
+  the most state bytes, an upper bound: :func:`_state_table`);
 - one stage's activations for one micro-batch (:func:`~xpar.estimate.memory.stage_bytes`): per
   (tp, sp, recompute, autocast, stages), scaled by b, and stage class (first, middle, last, only);
 - the schedule's peak (the rule of :func:`~xpar.estimate.memory._walk`): per (schedule, pp, m,
   v) and rank, the live micro-batch chunks (all, of the first stage, of the last stage) at each
-  forward and backward where the walk takes a maximum, reduced to the rows that can be one
-  (dominated rows and ranks dropped: every byte count is >= 0), times each candidate's bytes per
+  forward and backward where the walk takes a maximum, reduced to the rows that can be one (rows
+  and ranks dominated dropped, xpar.plan.vsplit.prune_modes), times each candidate's bytes per
   chunk, all (candidate, rank) pairs in one batch; rows in closed form per schedule
   (:func:`_closed_entries`), equal to the walk over the action lists (tests/test_plan_memory.py);
 - pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
@@ -35,11 +37,12 @@ import numpy as np
 
 from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as _RECOMPUTE
-from xpar.config.resolve import resolve_layer_split
 from xpar.config.spec import RunSpec
 from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
-from xpar.estimate.offload import devices_per_node, host_state_bytes
+from xpar.estimate.offload import host_columns
+from xpar.plan.vblocks import blocks_vary
+from xpar.plan.vsplit import memory_spec, prune_modes, split_key
 
 KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
         "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits",
@@ -94,20 +97,6 @@ def _group(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rep[present], remap[key]
 
 
-def _spec_at(base: RunSpec, c: dict, i: int) -> RunSpec:
-    """The RunSpec of candidate ``i`` as the memory model reads it (layout, parallel and train
-    groups; the rest from ``base``), built without validation."""
-    tp, pp, dp, b, m, v, z = (c[k][i].item() for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))
-    sched, rec, sp = _SCHED[c["sched"][i]], _RECOMPUTE[c["rec"][i]], bool(c["sp"][i])
-    split = resolve_layer_split(base.model.n_layers, None, pp * v)
-    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len, ep=base.layout.ep,
-                    layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec, etp=base.layout.etp)
-    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=z, micro_batches=m, schedule=sched,
-                  virtual_stages=v, layer_split=None, sequence_parallel=sp, recompute=rec)
-    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, parallel=par, train=train, layout=layout)
-
-
 def _rank_class(layout: Layout, r: int) -> int:
     """2 x (holds the first stage) + (holds the last stage)."""
     return 2 * layout.has_first_stage(r) + layout.has_last_stage(r)
@@ -122,39 +111,52 @@ def _by_zero(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple[np.
     """(autocast, residual-stream bytes er) of each candidate, from
     :func:`xpar.estimate.memory.precision` once per ZeRO stage."""
     rep, inv = _group(c["zero"])
-    rec = [model_states.precision(_spec_at(base, c, i), o) for i in rep]
+    rec = [model_states.precision(memory_spec(base, c, i), o) for i in rep]
     return (np.array([r["autocast"] for r in rec], dtype=np.int64)[inv],
             np.array([r["er"] for r in rec], dtype=np.int64)[inv])
 
 
-def _class_ranks(layout: Layout) -> dict[int, int]:
-    """The first pipeline rank of each rank class (:func:`_rank_class`) present in ``layout``:
-    the owners of the first and last stages, and a rank holding neither (among ranks 0-2)."""
-    ranks = sorted({layout.stage_owner(0), layout.stage_owner(layout.n_stages - 1), *range(min(layout.pp, 3))})
-    out: dict[int, int] = {}
-    for r in ranks:
-        out.setdefault(_rank_class(layout, r), r)
+def _class_ranks(layout: Layout, cfg=None) -> dict[int, list[int]]:
+    """The pipeline ranks whose states are priced, by rank class (:func:`_rank_class`): the first of
+    each class present (the owners of the first and last stages, a rank holding neither among ranks
+    0-2); with ``cfg`` (a model whose blocks differ) the first rank holding neither of each count of
+    MoE blocks (``cfg.is_moe_layer``; such ranks hold as many blocks)."""
+    ends, first, out = {layout.stage_owner(0), layout.stage_owner(layout.n_stages - 1)}, {}, {}
+    for r in range(layout.pp) if cfg else sorted(ends | set(range(min(layout.pp, 3)))):
+        k = _rank_class(layout, r)
+        moe = sum(cfg.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s)) if cfg and k == 0 else 0
+        first.setdefault((k, moe), r)
+    for (k, _), r in first.items():
+        out.setdefault(k, []).append(r)
     return out
+
+
+def _rank_states(spec: RunSpec, r: int, o: model_states.MemoryOptions, og: model_states.MemoryOptions) -> tuple:
+    """Pipeline rank ``r``'s row of :func:`_state_table` (bytes; the optimizer's elements)."""
+    dp_rank = model_states.most_loaded_dp_rank(spec, r, o.zero1)
+    st, buf = model_states.held_state_terms(spec, r, dp_rank, og), mem.state_buffer_terms(spec, r, og)
+    return (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"], sum(buf.values()),
+            model_states.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
 
 
 def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
     """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1, offload) and rank class: bytes of
     (params less autocast's copies, grads, optimizer, model-state buffers) and the optimizer's
     elements on the rank's most loaded dp rank -- the scalar functions on a representative
-    candidate. Not v: with balanced stages a rank holds n_layers / pp blocks whatever v, and the
-    embedding or the output by its class. Returns (table [groups, 4 classes, 5], group of each
-    candidate); NaN where a class is absent."""
+    candidate. v only where pp x v does not divide the blocks (:func:`xpar.plan.vsplit.split_key`):
+    with even stages a rank holds n_layers / pp blocks whatever v, and the embedding or the output
+    by its class. Where a MoE model's dense blocks sit on some middle ranks (xpar.plan.vblocks.blocks_vary),
+    the middle rank with the most state bytes stands for all: an upper bound, exact where the middle
+    ranks peak on as many live chunks (DualPipeV; ZBV at m >= 2 pp - 2) or the heaviest on the most.
+    Returns (table [groups, 4 classes, 5], group of each candidate); NaN where a class is absent."""
     vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=np.int64)[c["sched"]]
-    rep, inv = _group(c["tp"], c["pp"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64), c["offload"])
-    table = np.full((len(rep), 4, 5), np.nan)
+    rep, inv = _group(c["tp"], c["pp"], vsh, c["dp"], c["zero"], (c["m"] > 1).astype(np.int64), c["offload"],
+                      split_key(base.model.n_layers, c["pp"], c["v"]))
+    table, cfg = np.full((len(rep), 4, 5), np.nan), base.model if blocks_vary(base) else None
     for g, i in enumerate(rep):
-        spec, og = _spec_at(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
-        for k, r in _class_ranks(spec.layout).items():
-            dp_rank = model_states.most_loaded_dp_rank(spec, r, o.zero1)
-            st = model_states.held_state_terms(spec, r, dp_rank, og)
-            buf = mem.state_buffer_terms(spec, r, og)
-            table[g, k] = (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"],
-                           sum(buf.values()), model_states.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
+        spec, og = memory_spec(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
+        for k, ranks in _class_ranks(spec.layout, cfg).items():
+            table[g, k] = max((_rank_states(spec, r, o, og) for r in ranks), key=lambda x: sum(x[:4]))
     return table, inv
 
 
@@ -170,7 +172,7 @@ def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast
     unit = np.full((len(rep0), 4, 4), np.nan)
     cb = o.count_buffers
     for g, i in enumerate(rep0):
-        spec = _spec_at(base, c, i)
+        spec = memory_spec(base, c, i)
         n = spec.layout.n_stages
         for st in sorted({0, 1 if n > 2 else 0, n - 1}):
             sb = activations.stage_bytes(spec, st, o)
@@ -260,15 +262,17 @@ def _entry(r: int, rc: int, typed: dict) -> tuple:
     return r, rc, _maximal(rows[types < 3], True), rows, types
 
 
-def _closed_entries(schedule: str, pp: int, m: int, v: int, ends: Optional[list] = None) -> Optional[list[tuple]]:
+def _closed_entries(schedule: str, pp: int, m: int, v: int, ends: Optional[list] = None,
+                    by_middle: bool = False) -> Optional[list[tuple]]:
     """:func:`_walk_entries` (pruned; of the middle ranks only those :func:`_middle` keeps)
     without the action list, where the peaks have a closed form: gpipe (m chunks), 1F1B
     (min(m, pp - r), Narayanan et al. 2021), looped BFS (every forward before any backward),
     the V-shaped zbv (rank 0: min(m + 1, 2 pp); rank k > 0: min(2 m, m + k + 1, 2 pp)) and
     dualpipev (2 pp + 1; m >= 2 pp), read off torch's action lists; interleaved 1F1B counted as
     arrays from their order (:func:`_interleaved_entries`; ``ends``: its entries of ranks 0 and
-    pp - 1 when already computed), as is zero bubble (torch's InterleavedZeroBubble). Equal to
-    the walk on a grid of pp, m, v (tests/test_plan_memory.py). None for an unknown schedule."""
+    pp - 1 when already computed; ``by_middle``: pruned on middle chunks), as is zero bubble
+    (torch's InterleavedZeroBubble). Equal to the walk on a grid of pp, m, v
+    (tests/test_plan_memory.py). None for an unknown schedule."""
     given, ends = ends, sorted({0, pp - 1})
     if schedule in ("gpipe", "1f1b"):
         top = [m if schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -282,7 +286,7 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int, ends: Optional[list]
     if schedule in ("interleaved_1f1b", "zero_bubble"):
         zb = schedule == "zero_bubble"
         mid = {k: min(m * v, _interleaved_warmup(k, pp, m, v, zb) + 1 + k * zb) for k in range(1, pp - 1)}
-        given = _interleaved_entries([(r, pp, m, v, zb) for r in ends]) if given is None else given
+        given = _interleaved_entries([(r, pp, m, v, zb) for r in ends], by_middle) if given is None else given
         return sorted(list(given) + _middle(mid))
     if schedule in ("zbv", "dualpipev") and v == 2:
         if schedule == "dualpipev":
@@ -321,7 +325,7 @@ def _ragged(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return seg, np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(starts, n)
 
 
-def _interleaved_entries(items: list[tuple]) -> list[tuple]:
+def _interleaved_entries(items: list[tuple], by_middle: bool = False) -> list[tuple]:
     """Rank entries of :func:`_walk_entries` for (rank k, pp > 1, m, v, zero_bubble) items, the
     end ranks 0 and pp - 1, all at once: interleaved 1F1B in the order of
     :func:`xpar.estimate.schedule.interleaved_actions`, or torch's InterleavedZeroBubble. Both:
@@ -332,7 +336,9 @@ def _interleaved_entries(items: list[tuple]) -> list[tuple]:
     backward, which zero bubble runs k backwards late: released before backward j, max(0, j -
     lag), lag 0 or k. Past the lag the live chunks repeat every q v steps (each local stage
     gains q forwards and q releases): the events are the warm-up, lag + q v steady steps and
-    the drain. A rank holds the first or the last stage, not both: rows reduce in 2-d."""
+    the drain. A rank holds the first or the last stage, not both: rows reduce in 2-d, on (all,
+    held) chunks, or with ``by_middle`` on (all - held, held), which keeps every maximum of non-negative
+    bytes per middle and per end chunk (lighter ends: xpar.plan.vsplit.prune_modes)."""
     k, pp, m, v, zb = (np.array([it[i] for it in items], dtype=np.int64) for i in range(5))
     q, total, w, lag = m // np.maximum(1, m // pp), v * m, _interleaved_warmup(k, pp, m, v, zb), k * zb
     seg_f, n_fwd = _ragged(np.ones_like(m), np.minimum(total, w + lag + q * v) + 1)
@@ -351,8 +357,9 @@ def _interleaved_entries(items: list[tuple]) -> list[tuple]:
     first, last = (k == 0)[seg], (k == pp - 1)[seg]
     held = np.where(first, done(0, n_f) - done(vs - 1, n_b), np.where(last, done(vs - 1, n_f) - done(0, n_b), 0))
     types = 3 * kind + 2 * (first & (local == 0)) + (last & (local == vs - 1))
-    g, tot, held = _pareto_2d(seg * 6 + types, n_f - n_b, held)
+    g, tot, held = _pareto_2d(seg * 6 + types, n_f - n_b - held * by_middle, held)
     gf, tot_f, held_f = _pareto_2d(g[g % 6 < 3] // 6, tot[g % 6 < 3], held[g % 6 < 3])
+    tot, tot_f = tot + held * by_middle, tot_f + held_f * by_middle
     cut = np.searchsorted(g // 6, np.arange(len(items) + 1))
     cut_f = np.searchsorted(gf, np.arange(len(items) + 1))
     out = []
@@ -397,28 +404,30 @@ _ROWS: dict[tuple, dict] = {}
 """Memo of :func:`_walk_rows`."""
 
 
-def _rows_of(keys: list[tuple], prune: bool) -> list[dict]:
+def _rows_of(keys: list[tuple], prune: int) -> list[dict]:
     """:func:`_walk_rows` of many (schedule, pp, m, v) keys, the end ranks of the interleaved
     ones computed in one batch (:func:`_interleaved_entries`)."""
     todo = [key for key in dict.fromkeys(keys) if prune and key[0] in ("interleaved_1f1b", "zero_bubble")
             and key + (prune,) not in _ROWS]
     items = [(r, pp, m, v, sched == "zero_bubble") for sched, pp, m, v in todo for r in sorted({0, pp - 1})]
-    done = _interleaved_entries(items) if items else []
+    done = _interleaved_entries(items, prune == 2) if items else []
     for key in todo:
         ends, done = done[:len({0, key[1] - 1})], done[len({0, key[1] - 1}):]
         _ROWS[key + (prune,)] = _padded(_prune_ranks(_closed_entries(*key, ends=ends)))
     return [_walk_rows(*key, prune) for key in keys]
 
 
-def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: bool) -> dict[str, np.ndarray]:
+def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: int) -> dict[str, np.ndarray]:
     """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
-    one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). With
-    ``prune`` (every coefficient >= 0), a rank is dropped when an earlier rank of the same class
-    dominates all its rows (it can never be the first maximum)."""
+    one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). ``prune``
+    (xpar.plan.vsplit.prune_modes): 0 none; 1 (every coefficient >= 0) rows and ranks dominated
+    dropped (a rank when an earlier one of the same class dominates all its rows: never the
+    first maximum); 2 the same in the middle-chunk basis where a closed form holds, else none."""
     key = (schedule, pp, m, v, prune)
     if key not in _ROWS:
-        entries = (_closed_entries(schedule, pp, m, v) if prune else None) or _walk_entries(*key)
-        _ROWS[key] = _padded(_prune_ranks(entries) if prune else entries)
+        closed = _closed_entries(schedule, pp, m, v, by_middle=prune == 2) if prune else None
+        entries = closed or _walk_entries(schedule, pp, m, v, prune == 1)
+        _ROWS[key] = _padded(_prune_ranks(entries) if closed or prune == 1 else entries)
     return _ROWS[key]
 
 
@@ -500,21 +509,20 @@ def _concat(parts: list[dict]) -> dict[str, np.ndarray]:
 def _pipelined(ctx: dict, c: dict, out: dict) -> None:
     """Candidates with pp > 1: every rank of :func:`_walk_rows` of each candidate's (schedule,
     pp, m, v), as (candidate, rank) pairs: peaks as products of the rank's rows with the
-    candidate's bytes per chunk, then the first rank with the largest total (the scalar loop)."""
+    candidate's bytes per chunk, then the first rank with the largest total (the scalar loop).
+    Rows pruned as :func:`xpar.plan.vsplit.prune_modes` allows (:func:`_walk_rows`)."""
     pipe = np.flatnonzero(c["pp"] > 1)
-    if not len(pipe):
-        return
-    stab, sinv = ctx["stab"], ctx["sinv"]
-    kept_c, copy_c = _coefficients(stab, 0), _coefficients(stab, 3)
-    used = np.unique(sinv[pipe])
-    prune = bool(np.all(kept_c[used] >= 0) and np.all(copy_c[used] >= 0))
-    rep, inv = _group(c["sched"][pipe], c["pp"][pipe], c["m"][pipe], c["v"][pipe])
-    per_key = _rows_of([(_SCHED[c["sched"][i]], int(c["pp"][i]), int(c["m"][i]), int(c["v"][i])) for i in pipe[rep]],
-                       prune)
-    ent = _concat(per_key)
-    sizes = np.array([len(x["rank"]) for x in per_key])
-    for part in np.array_split(np.arange(len(pipe)), -(-len(pipe) // _CHUNK)):  # bounded memory
-        _pairs(ctx, ent, pipe[part], sizes[inv[part]], (np.cumsum(sizes) - sizes)[inv[part]], (kept_c, copy_c), out)
+    coef = (_coefficients(ctx["stab"], 0), _coefficients(ctx["stab"], 3))
+    vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=bool)[c["sched"][pipe]]
+    modes = prune_modes(coef, ctx["stab"], ctx["sinv"][pipe], vsh | (c["v"][pipe] == 1))
+    for p in np.unique(modes).tolist():
+        part = pipe[modes == p]
+        rep, inv = _group(c["sched"][part], c["pp"][part], c["m"][part], c["v"][part])
+        per_key = _rows_of([(_SCHED[c["sched"][i]], int(c["pp"][i]), int(c["m"][i]), int(c["v"][i]))
+                            for i in part[rep]], p)
+        ent, sizes = _concat(per_key), np.array([len(x["rank"]) for x in per_key])
+        for chunk in np.array_split(np.arange(len(part)), -(-len(part) // _CHUNK)):  # bounded memory
+            _pairs(ctx, ent, part[chunk], sizes[inv[chunk]], (np.cumsum(sizes) - sizes)[inv[chunk]], coef, out)
 
 
 _CHUNK = 200_000
@@ -556,7 +564,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
     (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
     hardware.memory_headroom)), ``fits`` (bool: total <= usable), ``optimizer_elements``,
-    ``host_bytes`` and ``host_fits`` (:func:`_host_columns`). The optional candidate column
+    ``host_bytes`` and ``host_fits`` (:func:`xpar.estimate.offload.host_columns`). The optional candidate column
     ``offload`` (bool) sets ``cpu_offload_optimizer`` per candidate (default: the framework's). Each equals the scalar field
     to rounding (relative 1e-12 or better; tests/test_plan_memory.py checks 1e-9).
 
@@ -587,14 +595,6 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
                memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
     out["fits"] = out["memory_total"] <= usable
-    out.update(_host_columns(hw, c["offload"], res["optimizer_elements"]))
+    out.update(host_columns(hw, c["offload"], res["optimizer_elements"]))
     return out
 
-
-def _host_columns(hw, offload: np.ndarray, elements: np.ndarray) -> dict[str, np.ndarray]:
-    """``optimizer_elements``, ``host_bytes`` (per node, offloaded candidates; 0 otherwise) and
-    ``host_fits`` (host bytes <= hardware.host_memory_gb; True without offload), from
-    :func:`xpar.estimate.offload.host_state_bytes`."""
-    host = np.where(offload > 0, host_state_bytes(elements, devices_per_node(hw)), 0.0)
-    return {"optimizer_elements": elements, "host_bytes": host,
-            "host_fits": host <= (hw.host_memory_gb or 0) * 1e9}

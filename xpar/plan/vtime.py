@@ -16,11 +16,13 @@ layout built here keeps them: E / ep experts per rank in the FSDP units), and a 
 micro-batch b / cp is a float column. Blocks of different sizes (a MoE model's dense leading blocks)
 are timed rank by rank (xpar.plan.vblocks).
 
-Pipeline ranks in classes. With balanced splits (n_layers % (pp v) == 0) every rank holds
-n_layers / pp blocks; ranks differ only by holding the first stage's and the last stage's
-ends. Loop placement: rank 0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement
-(zbv, dualpipev): rank 0 holds both ends, ranks 1..pp-1 are middle ranks. Three slots per
-layout (rank 0, a middle rank, the last rank), each with its count of ranks; the slowest slot
+Pipeline ranks in classes. With even splits (n_layers % (pp v) == 0) every rank holds
+n_layers / pp blocks; with the lighter ends of xpar.plan.vsplit every middle stage holds
+ceil(n_layers / (pp v)) and the end stages the rest. Either way the ranks differ only by holding
+the first stage's and the last stage's ends (and their blocks with them). Loop placement: rank
+0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement (zbv, dualpipev): rank 0 holds
+both ends, ranks 1..pp-1 are middle ranks. Three slots per layout (rank 0, a middle rank, the
+last rank), each with its count of ranks and blocks (xpar.plan.vsplit.rank_blocks); the slowest slot
 (the first on ties, as the scalar max over ranks) gives the breakdown, the count-weighted mean
 of the other ranks the bubble's share (xpar.estimate.cost.fill_time).
 
@@ -38,7 +40,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from xpar.config.layout import SCHEDULES, Layout, even_split
+from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.config.spec import RunSpec
@@ -79,6 +81,7 @@ from xpar.estimate.offload import (
 )
 from xpar.estimate.schedule import bubble_theory
 from xpar.plan.vblocks import UnitTimes, blocks_vary, unit_columns
+from xpar.plan.vsplit import plan_split, rank_blocks, split_key, splittable
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
     "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
@@ -95,13 +98,15 @@ RECOMPUTE = REMAT_NAMES
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
             sp: bool, recompute: str) -> RunSpec:
-    """``base`` with another layout (balanced split of pp x v stages), as the scalar
-    functions read it: the layout, the parallel group's fields and the micro-batch size."""
+    """``base`` with another layout (pp x v stages split as :func:`xpar.plan.vsplit.plan_split`:
+    even, else lighter ends), as the scalar functions read it: the layout, the parallel group's
+    fields and the micro-batch size."""
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
-                    layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
+                    layer_split=tuple(plan_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
                     sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
     par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
-                  virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split))
+                  virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split),
+                  first_stage_layers=None, last_stage_layers=None)
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
     return replace(base, parallel=par, train=train, layout=layout)
 
@@ -146,7 +151,8 @@ def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.nd
 
 def _slots(r: dict, n_layers: int) -> dict[str, np.ndarray]:
     """Per slot (axis 0, :data:`SLOTS`) and layout: a representative pipeline rank, whether it
-    holds the first / last stage, and how many ranks it stands for (0: no such rank)."""
+    holds the first / last stage, how many ranks it stands for (0: no such rank) and the blocks
+    it holds (``n``: :func:`xpar.plan.vsplit.rank_blocks`)."""
     pp, vs = r["pp"], r["v_shaped"]
     one = pp == 1
     return {"rank": np.stack([np.zeros_like(pp), np.minimum(1, pp - 1), pp - 1]),
@@ -154,13 +160,13 @@ def _slots(r: dict, n_layers: int) -> dict[str, np.ndarray]:
             "last": np.stack([one | vs, np.zeros_like(vs), ~one & ~vs]),
             "count": np.stack([np.ones_like(pp), np.where(one, 0, np.where(vs, pp - 1, pp - 2)),
                                (~one & ~vs).astype(np.int64)]),
-            "n": n_layers // pp}
+            "n": rank_blocks(n_layers, pp, r["v"], vs)}
 
 
 def _placement(base: RunSpec, pp: int, v: int, v_shaped: bool) -> Layout:
-    """A layout of pp x v balanced stages placed as the candidates' (loop or V placement)."""
+    """A layout of pp x v stages placed as the candidates' (loop or V placement)."""
     return Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
-                  layer_split=tuple(even_split(base.model.n_layers, pp * v)), schedule="zbv" if v_shaped else "gpipe")
+                  layer_split=tuple(plan_split(base.model.n_layers, pp * v)), schedule="zbv" if v_shaped else "gpipe")
 
 
 RANK_CLASSES = {0: (1, 1, False, 0), 1: (3, 1, False, 0), 2: (3, 1, False, 1), 3: (3, 1, False, 2),
@@ -188,7 +194,7 @@ UNIT_TIMES = {"g": "gather", "r": "reduce", "cg": "copy_gather", "cr": "copy_red
 
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
-    (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then n_layers / pp blocks)."""
+    (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks)."""
     specs: dict[tuple, RunSpec] = {}
 
     def times(dp, tp, zero, root, block, n):
@@ -200,7 +206,7 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
     first, last = s["first"], s["last"]
     cls = np.where(r["pp"] == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
     el = per_slot([r["tp"], cls], lambda tp, c: _unit_sizes(base, tp, c), ("root", "block"))
-    n = np.broadcast_to(base.model.n_layers // r["pp"], cls.shape)
+    n = np.broadcast_to(s["n"], cls.shape)
     root, block = el["root"].astype(np.int64), el["block"].astype(np.int64)  # element counts
     return per_slot([r["dp"], r["tp"], r["zero"], root, block, n], times,
                     tuple(f"{k}_{u}" for k in UNIT_TIMES for u in ("root", "block")))
@@ -210,25 +216,27 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
     the step (``dp_end``) and issued per step (``dp_issued``), seconds (:class:`DpTiming`'s
     fields). The unit timeline (:func:`dp_exposure`) runs once per distinct input (rank class,
-    tp, dp, b, ZeRO stage, sp, recompute, one stage or more; not m or the schedule), grouped by pp."""
+    tp, dp, b, ZeRO stage, sp, recompute, one stage or more, the split; not m or the schedule),
+    grouped by pp and the slot's blocks."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
     flat.update({k: v.ravel() for k, v in _dp_unit_times(base, a, r, s).items()})
     z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
+    blocks = np.broadcast_to(s["n"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.plan.vblocks
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
-                        + [one_stage, _stages(base, r)] + ([r["v"]] if het else []))
+                        + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
+                        + ([r["v"]] if het else []))
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
                                            "first_backward")}
     rep_live = live[rep]
-    for p in np.unique(pp[rep][rep_live]).tolist():
-        sel = np.flatnonzero(rep_live & (pp[rep] == p))
+    for p, n in np.unique(np.stack([pp[rep], blocks[rep]])[:, rep_live], axis=1).T.tolist():
+        sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n))
         f = {k: v[rep[sel]] for k, v in flat.items()}
-        n = base.model.n_layers // p
         units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
             het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "pp", "v", "v_shaped")}
             | {"slot": rep[sel] // shape[1]}, n)
@@ -330,7 +338,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     term. Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
 
     Raises:
-        ValueError: a candidate whose pp x v does not divide the layers (splits must be balanced).
+        ValueError: a candidate whose pp x v stages split the layers neither evenly nor with lighter
+            ends (xpar.plan.vsplit; the space's rule ``balanced`` drops them).
         KeyError: a schedule not in :data:`xpar.config.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
     world = cols["tp"] * cols["pp"] * cols["dp"]
@@ -340,11 +349,11 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
         base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
     r = _rows(cols, a.cpu_offload_optimizer)
-    uneven = np.flatnonzero(base.model.n_layers % (r["pp"] * r["v"]))
-    if len(uneven):
-        i = int(uneven[0])
-        raise ValueError(f"time_columns needs balanced layer splits: n_layers={base.model.n_layers} is not a "
-                         f"multiple of pp*v={r['pp'][i]}*{r['v'][i]} (candidate {i}; {len(uneven)} such candidates)")
+    bad = np.flatnonzero(~splittable(base.model.n_layers, r["pp"] * r["v"]))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"time_columns: n_layers={base.model.n_layers} split over pp*v={r['pp'][i]}*{r['v'][i]} "
+                         f"stages neither evenly nor with lighter ends (candidate {i}; {len(bad)} such candidates)")
     s = _slots(r, base.model.n_layers)
     x = _rank_columns(base, a, r, s)
     mb = microbatch_time(x)
