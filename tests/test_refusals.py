@@ -190,6 +190,7 @@ CATALOGUE = [
      "hardware.host_memory_gb=2000"),
     ("hardware.pcie_gb_per_s=0", "hardware.pcie_gb_per_s must be > 0 or null", "hardware.pcie_gb_per_s=null"),
     ("framework.offload=[maybe]", "framework.offload=[maybe]: [maybe] not allowed", "framework.offload=[false,true]"),
+    ("framework.optimizer_bytes=-1", "framework.optimizer_bytes=-1 must be 0", "framework.optimizer_bytes=12"),
     ("hardware=h100_80gb_8gpu hardware.nodes=0", "hardware.nodes must be >= 1", "hardware.nodes=1"),
     ("hardware.devices_per_node=0", "hardware.devices_per_node must be an integer >= 1 or 'auto'",
      "hardware.devices_per_node=auto"),

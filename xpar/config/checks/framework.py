@@ -19,7 +19,7 @@ FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "
 
 
 def check_framework(fw: FrameworkConfig) -> list[str]:
-    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4 (held: also 6)."""
+    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4 (held: also 6), optimizer bytes 0 or 2-16."""
     out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
            for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
@@ -28,6 +28,9 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
             for _ in [0] if fw.grad_reduce_bytes not in (2, 4)]
     out += [f"framework.grad_bytes={fw.grad_bytes} must be 2, 4 or 6 (bytes per held gradient element; 6: bf16 "
             f"gradients and an unsharded fp32 accumulation buffer)." for _ in [0] if fw.grad_bytes not in (2, 4, 6)]
+    out += [f"framework.optimizer_bytes={fw.optimizer_bytes} must be 0 (the precision recipe's) or bytes per optimizer-state "
+            f"element, master copy included, 2 to 16; e.g. framework.optimizer_bytes=12 (fp32 master and Adam moments)."
+            for _ in [0] if fw.optimizer_bytes != 0 and not 2 <= fw.optimizer_bytes <= 16]
     return out + offload_problems(fw) + recompute_list_problems(fw)
 
 
