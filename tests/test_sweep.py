@@ -84,9 +84,9 @@ def test_optuna_sweeper_groups_trials_and_preflights_discrete_choices(tmp_path):
 
 
 def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
-    """The README's sweep (over m = 1, 2, 4 here; the README adds 8): one parent, 3 FINISHED children,
+    """The README's sweep (over m = 1, 2, 4 and the tiny model here; the README adds 8, on mini): one parent, 3 FINISHED children,
     compare shows measured and theoretical bubble per m and writes the bubble plot."""
-    r = _xpar(tmp_path, "-m", "parallel=pp", "parallel.micro_batches=1,2,4", *FAST)
+    r = _xpar(tmp_path, "-m", "parallel=pp", "model=tiny", "parallel.micro_batches=1,2,4", *FAST)
     assert r.returncode == 0, r.stderr[-2000:]
     parent, kids = _parent_and_children(_runs(tmp_path))
     assert parent["status"] == "FINISHED" and len(kids) == 3 and set(kids["status"]) == {"FINISHED"}
