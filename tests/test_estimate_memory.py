@@ -314,7 +314,7 @@ def known_spec(row: dict):
     pp, v = int(row["pp"]), int(row.get("virtual_stages") or 1)
     n_stages, layers = pp * v, int(row["layers"])
     split = balanced_split(layers, n_stages)
-    if row["framework"] == "deepspeed_bloom" and (ends := lighter_ends(layers, n_stages)):
+    if row.get("framework") == "deepspeed_bloom" and (ends := lighter_ends(layers, n_stages)):
         # Megatron-DeepSpeed's --pp-partition-method 'type:transformer|embedding' (tr11-176B-ml.slurm): each
         # embedding counted as a layer, so the first and last stages hold one block fewer (70 = 5 + 10 x 6 + 5)
         split = [ends[0]] + [-(-layers // n_stages)] * (n_stages - 2) + [ends[1]]
