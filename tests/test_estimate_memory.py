@@ -304,7 +304,8 @@ is full checkpointing of every other block (ac_freq 2), selective_op its op-leve
 def known_spec(row: dict):
     """Estimate-mode RunSpec of a known_runs.csv row (Llama shapes for SwiGLU rows, GPT
     shapes otherwise), its hardware sized to the row's GPUs and device memory."""
-    from xpar.config.layout import balanced_split, lighter_ends
+    from xpar.config.layout import balanced_split
+    from xpar.plan.vsplit import plan_split
     llama = row["activation"] == "swiglu"
     model = dict(name=row["id"], n_layers=int(row["layers"]), hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"]),
@@ -313,11 +314,10 @@ def known_spec(row: dict):
                  tied_embeddings=False, bias=not llama)
     pp, v = int(row["pp"]), int(row.get("virtual_stages") or 1)
     n_stages, layers = pp * v, int(row["layers"])
-    split = balanced_split(layers, n_stages)
-    if row.get("framework") == "deepspeed_bloom" and (ends := lighter_ends(layers, n_stages)):
-        # Megatron-DeepSpeed's --pp-partition-method 'type:transformer|embedding' (tr11-176B-ml.slurm): each
-        # embedding counted as a layer, so the first and last stages hold one block fewer (70 = 5 + 10 x 6 + 5)
-        split = [ends[0]] + [-(-layers // n_stages)] * (n_stages - 2) + [ends[1]]
+    # BLOOM: Megatron-DeepSpeed's --pp-partition-method 'type:transformer|embedding' (tr11-176B-ml.slurm) counts
+    # each embedding as a layer, so the first and last stages hold one block fewer (70 = 5 + 10 x 6 + 5)
+    bloom = row.get("framework") == "deepspeed_bloom"
+    split = (plan_split if bloom else balanced_split)(layers, n_stages)
     par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"]), pp=pp, zero_stage=int(row["zero"]),
                micro_batches="auto", schedule=row.get("schedule") or "1f1b", virtual_stages=v,
                layer_split=split if pp > 1 else None, recompute=row["recompute"],
