@@ -370,11 +370,6 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
-        if name in ("llama3_2024_table4", "dgxc_nemo_h100_bf16"):  # the two H100 sources, each held out, predict
-            # each other within 15 % (median) / 20 % (max): Llama 3 alone says 0.678, NeMo alone 0.596 (see
-            # test_h100_efficiency_is_fitted_where_the_step_is_matmul)
-            assert statistics.median(held) <= 0.15 and max(held) <= 0.20, (name, r["held_out"])
-            continue
         if name == "narayanan_2021_table2_zero3":  # DeepSpeed 2021's ZeRO-3: its own bound (see below)
             assert statistics.median(held) <= 0.15 and max(held) <= 0.20, (name, r["held_out"])
             continue
@@ -570,20 +565,21 @@ def _dgxc(cases, rows, model):
 def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
     Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
-    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Held out
-    (the H100 efficiency from Llama 3 alone, 0.678) every row is over-predicted: +2 to +5 % for 15B
-    (no pipeline), +10 to +14 % for 175B and 340B (MFU 53-55 % published). The matmul efficiency
-    that fits the source alone is 0.60 (asserted: below 0.64), as the H100 FSDP checks want (MPT
-    0.57, IBM 0.53): so the source joined the H100 fit (0.598 with Llama 3), where every row is
-    within 9 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 % (175B),
+    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Held out,
+    the H100 efficiency from Llama 3 alone (0.575, at the V = 8 its paper implies) predicts every row
+    within 12 %: 3-5 % under for 175B and 340B (MFU 53-55 % published), 9-11 % under for 15B (no
+    pipeline). (At the V = 2 assumed before, Llama 3 alone said 0.678 and over-predicted the pipelined
+    rows by 10-14 %.) The matmul efficiency that fits the source alone is 0.60 (asserted: below 0.64),
+    as the H100 FSDP checks want (MPT 0.57, IBM 0.53); with Llama 3 in the H100 fit (0.601) every row
+    is within 9 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 % (175B),
     4.7 % (340B), 2.6 % (15B) published; estimated within 0.03 of each."""
     cases, res = loso
     r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
     assert len(rows) == len(r["held_out"]) == 18 and "dgxc_nemo_h100_bf16" not in calibration.CHECK_ONLY
-    assert r["fit_without"]["H100"] == pytest.approx(0.678, abs=0.005) and r["fit_all"]["H100"] < 0.62
+    assert r["fit_without"]["H100"] == pytest.approx(0.575, abs=0.005) and r["fit_all"]["H100"] < 0.62
     assert max(abs(e) for e in r["calibration"]) < 0.09, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
-        lo, hi = (0.01, 0.06) if row["pp"] == "1" else (0.09, 0.15)
+        lo, hi = (-0.12, -0.08) if row["pp"] == "1" else (-0.06, -0.02)
         assert lo < e < hi, (row["model"], row["gpus"], e)
     assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) < 0.64
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
@@ -597,12 +593,12 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
 
 def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     """The NeMo H100 rows hinge on an unpublished knob, the share of tp communication that the
-    userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8): blocking TP (0) brings 175B and
-    340B within 5 % but puts 15B (4 micro-batches of 4 x 4096 tokens: tp comm 17 % of its step
-    unhidden) 8-10 % below; hiding more raises every row. At the H100 matmul efficiency of Llama 3
-    alone (0.678) no share from 0 to 1 puts all 18 rows within 5 % (the best, 0.2-0.3, leaves 15B
-    at -4..-7 % and the pipelined rows at +4..+8 %): the tp knob alone cannot make these rows agree
-    with that constant -- the efficiency has to move (test_h100_efficiency_is_fitted_where_the_step_is_matmul)."""
+    userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8); hiding more raises every row. At the
+    H100 matmul efficiency of Llama 3 alone (0.575) no share from 0 to 1 puts all 18 rows within 5 %:
+    even with every tp collective hidden, 15B (4 micro-batches of 4 x 4096 tokens, tp comm 17 % of its
+    step when blocking) stays 7-9 % under, so the tp knob cannot stand in for the efficiency
+    (test_h100_efficiency_is_fitted_where_the_step_is_matmul). (At the 0.678 Llama 3 gave alone at the
+    V = 2 assumed before, blocking tp put 175B and 340B within 5 % and 15B 5-11 % under.)"""
     eff = loso[1]["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     rows = _published_rows("dgxc_nemo_h100_bf16")
     err = {}
@@ -611,10 +607,9 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
             spec, a, *rest = calibration.dgxc_row(row, tp_overlap=tpo)  # blocking below the share: no async backward
             err.setdefault(tpo, {}).setdefault(row["model"], []).append(
                 calibration.errors([("H100", spec, replace(a, tp_async_backward=False), *rest)], eff)[0])
-    assert all(abs(e) < 0.05 for m in ("gpt3_175b", "nemotron4_340b") for e in err[0.0][m]), err[0.0]
-    assert all(-0.11 < e < -0.05 for e in err[0.0]["nemotron4_15b"]), err[0.0]["nemotron4_15b"]
     for model in err[0.0]:
         assert all(a < b for a, b in zip(err[0.0][model], err[1.0][model]))
+    assert all(-0.10 < e < -0.05 for e in err[1.0]["nemotron4_15b"]), err[1.0]["nemotron4_15b"]
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
 
 
@@ -645,19 +640,21 @@ def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
 
 
 def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
-    """Why the H100 constant is 0.598 and not 0.678 (issue 9). Fitted on the two Llama 3 rows
-    alone it was 0.678: their estimated steps are 34 % and 45 % other terms (bubble 19 % / 31 % at
-    an unstated v, blocking tp 11 % / 9 %) and they disagree by 10 points (published 430 -> 400
-    TFLOP/s from 8k to 16k GPUs, estimated -16 %), so their median |error| is flat (5.0-5.5 %) from
-    0.678 up to 0.76. The NeMo rows, whose steps are 82-91 % matmul, measure it almost directly: at
-    0.62 with the recipes' TP overlap every row is within 6 %, and the never-fitted FSDP H100 checks
-    (MPT, IBM), over-predicted at 0.678, come closer by more than 4 points. With NeMo in the fit the
-    constant is the preset's, and the FSDP checks gain at it as at 0.62."""
+    """The two H100 sources, each alone, give the same constant (issue 9, then issue 27). The NeMo rows,
+    whose steps are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every
+    row is within 6 %. The two Llama 3 rows, at the V = 8 their paper's stage split implies (one layer per
+    virtual stage: tests/data/llama3_2024_table4.csv), agree with each other within 2 % and alone fit a
+    constant within 0.03 of NeMo's (at the V = 2 assumed before, 31 % of their step was bubble, they
+    disagreed by 9 points and alone said 0.678). The never-fitted FSDP H100 checks (MPT, IBM),
+    over-predicted at 0.678, come closer at the fitted constant by more than 4 points."""
     cases, res = loso
     llama = cases["llama3_2024_table4"]
-    cost = {e: statistics.median(abs(x) for x in calibration.errors(llama, e)) for e in (0.678, 0.72, 0.76)}
-    assert max(cost.values()) - min(cost.values()) < 0.01, cost
+    at_fit = calibration.errors(llama, res["llama3_2024_table4"]["fit_all"]["H100"])
+    assert abs(at_fit[0] - at_fit[1]) < 0.02, at_fit
     assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], 0.62))
+    llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
+    nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
+    assert abs(llama_alone - nemo_alone) < 0.03, (llama_alone, nemo_alone)
     fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
     assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["matmul_efficiency"], abs=0.005) and fitted < 0.62
     for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
