@@ -120,10 +120,12 @@ def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
 def test_three_concurrent_first_runs_in_a_new_directory_are_all_recorded(tmp_path):
     """Three first runs started at once on a new SQLite store ran MLflow's migrations together:
     one succeeded, the others exited 2 ("duplicate column name") and the store was broken for
-    every later run. Creation is serialised (xpar.track.runs.store_lock): all three finish."""
+    every later run. Creation is serialised (xpar.track.runs.store_lock): all three finish. A fresh
+    cache folder: the three also race to build the migrated empty store they copy (xpar.track.store_seed)."""
     args = [sys.executable, "-m", "xpar", "train.steps=2", "train.warmup_steps=1", "hardware.devices_per_node=1",
             "run.progress=false"]
-    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(3)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from xpar.config.checks.environment import sqlite_path
 from xpar.config.spec import RunSpec
+from xpar.track.store_seed import seed_sqlite_store
 
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit (3.x); longer values are truncated with a marker
@@ -99,6 +101,9 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
     uri = uri or default_uri(start_dir)
     try:
         with store_lock(uri):
+            db = sqlite_path(uri)
+            if db is not None:
+                seed_sqlite_store(db)  # a new store: a copy of one migrated once (xpar.track.store_seed)
             return _experiment_id(uri, experiment, artifact_location, start_dir)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "

@@ -1,0 +1,49 @@
+"""A new SQLite store copied from an empty one migrated once (xpar.track.store_seed) is the store
+MLflow would have built, and seeding never stands between a run and its store."""
+import sqlite3
+
+import mlflow
+
+from xpar.track import runs, store_seed
+
+
+def _store(db):
+    con = sqlite3.connect(db)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        version = con.execute("SELECT version_num FROM alembic_version").fetchall()
+        experiments = con.execute("SELECT experiment_id, name, artifact_location, lifecycle_stage FROM experiments "
+                                  "ORDER BY experiment_id").fetchall()
+    finally:
+        con.close()
+    return tables, version, experiments
+
+
+def test_a_seeded_store_is_the_store_mlflow_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    seeded, built = tmp_path / "seeded", tmp_path / "built"
+    seeded.mkdir(), built.mkdir()
+    monkeypatch.chdir(seeded)
+    runs.setup_experiment(None, "xpar", None, seeded)
+    assert store_seed.template_path().exists() and _store(store_seed.template_path())[2] == []  # no experiment
+    monkeypatch.chdir(built)
+    monkeypatch.setattr(runs, "seed_sqlite_store", lambda db: False)  # MLflow migrates this one itself
+    runs.setup_experiment(None, "xpar", None, built)
+    (t1, v1, e1), (t2, v2, e2) = _store(seeded / "mlflow.db"), _store(built / "mlflow.db")
+    assert t1 == t2 and v1 == v2 and len(t1) > 10
+    assert [x[:2] + x[3:] for x in e1] == [x[:2] + x[3:] for x in e2] == [(0, "Default", "active"), (1, "xpar", "active")]
+    assert e1[0][2] == str(seeded / "mlruns" / "0") and e2[0][2] == str(built / "mlruns" / "0")  # MLflow's own default
+    mlflow.set_tracking_uri(f"sqlite:///{seeded / 'mlflow.db'}")
+    with mlflow.start_run(experiment_id="1") as run:
+        mlflow.log_metric("loss", 1.5)
+    assert mlflow.get_run(run.info.run_id).data.metrics == {"loss": 1.5}
+
+
+def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is False
+    assert not (tmp_path / "mlflow.db").exists() and list(tmp_path.iterdir()) == [tmp_path / "cache"]
+    assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"  # MLflow built it
+    assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is False  # an existing store is never replaced
