@@ -81,15 +81,17 @@ def record_timeline(timeline: Optional[dict], out_dir: Path) -> Optional[Path]:
 
 
 def save_and_log(fig, out_dir: Path, name: str) -> Path:
-    """Save ``fig`` as ``out_dir/name`` (100 dpi), log it to the active MLflow run if any, close it."""
+    """Save ``fig`` as ``out_dir/name`` (100 dpi), log that file to the active MLflow run if any
+    (the same artifact ``mlflow.log_figure`` writes, without drawing the figure a second time),
+    close it."""
     import matplotlib.pyplot as plt
 
     path = Path(out_dir) / name
-    fig.savefig(path, dpi=100)
     try:
+        fig.savefig(path, dpi=100)
         import mlflow
         if mlflow.active_run() is not None:
-            mlflow.log_figure(fig, name)
+            mlflow.log_artifact(str(path))
     finally:
         plt.close(fig)
     return path
