@@ -138,16 +138,20 @@ def _sweep_runs(cwd: Path):
 
 def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
     """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), later
-    trials run, and the parent's best job is one that finished. Random sampler with a fixed
-    seed (the grid sampler may repeat a point whose trial failed: the test was random)."""
+    trials run, grouped under one parent, and the parent's best job is one that finished. Random
+    sampler with a fixed seed (the grid sampler may repeat a point whose trial failed: the test was
+    random); a continuous parameter beside the discrete one, maximising (the sweeper's own direction).
+    Its pre-flight of discrete choices: tests/test_sweep.py."""
     r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random",
                         "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1",
+                        "hydra.sweeper.direction=maximize", "train.lr=interval(0.0001,0.01)",
                         "train.warmup_steps=choice(9,1)", "sweep.skip_invalid=true", "train.steps=3",
                         "run.progress=false", ONE_WORKER], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "skipping job" in r.stderr and "Traceback" not in r.stderr
     parent, kids = _sweep_runs(tmp_path)
     assert len(kids) >= 1 and set(kids["status"]) == {"FINISHED"} and set(kids["params.train.warmup_steps"]) == {"1"}
+    assert kids["params.train.lr"].astype(float).between(0.0001, 0.01).all()
     assert parent["status"] == "FINISHED" and parent["tags.xpar.best_run_id"] in set(kids["run_id"])
 
 
