@@ -47,3 +47,15 @@ def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     assert not (tmp_path / "mlflow.db").exists() and list(tmp_path.iterdir()) == [tmp_path / "cache"]
     assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"  # MLflow built it
     assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is False  # an existing store is never replaced
+
+
+def test_a_damaged_template_is_rebuilt_not_copied(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    template = store_seed.template_path()
+    template.parent.mkdir(parents=True)
+    template.write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)  # a truncated file
+    assert not store_seed.usable_template(template)
+    assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is True
+    assert store_seed.usable_template(template)  # rebuilt
+    assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"

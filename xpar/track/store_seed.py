@@ -45,16 +45,35 @@ def build_template(path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def usable_template(path: Path) -> bool:
+    """``path`` is an SQLite file that passes SQLite's quick check, with one Alembic revision and
+    no experiment (a truncated or foreign file is rebuilt, never copied)."""
+    if not path.is_file():
+        return False
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            ok = con.execute("PRAGMA quick_check").fetchone() == ("ok",)
+            revisions = con.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
+            experiments = con.execute("SELECT count(*) FROM experiments").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
+    return ok and revisions == 1 and experiments == 0
+
+
 def seed_sqlite_store(db: Path) -> bool:
     """Create the missing SQLite store ``db`` as a copy of :func:`template_path` (built first if
-    missing); True when it did. Call it under :func:`xpar.track.runs.store_lock`. Never raises:
-    on any error the store is left missing and MLflow creates it as usual."""
+    missing or not :func:`usable_template`); True when it did. Call it under
+    :func:`xpar.track.runs.store_lock`. Never raises: on any error the store is left missing and
+    MLflow creates it as usual."""
     if db.exists():
         return False
     tmp = db.with_name(f"{db.name}.{os.getpid()}.seed")
     try:
         template = template_path()
-        if not template.exists():
+        if not usable_template(template):
             build_template(template)
         shutil.copyfile(template, tmp)
         tmp.replace(db)
