@@ -64,3 +64,11 @@ def test_private_modules_import_their_libraries_lazily(module):
     import importlib
     mod = importlib.import_module(module)
     assert "import torch\n" not in inspect.getsource(mod).split("def ", 1)[0]
+
+
+def test_mlflow_schema_head_is_where_the_store_seed_reads_it():
+    """xpar.track.store_seed compares its template's Alembic revision with MLflow's head (without it,
+    seeding is skipped and MLflow builds each store itself: slower, never wrong)."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+    head = _get_latest_schema_revision()
+    assert isinstance(head, str) and len(head) >= 8

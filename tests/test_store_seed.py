@@ -59,3 +59,15 @@ def test_a_damaged_template_is_rebuilt_not_copied(tmp_path, monkeypatch):
     assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is True
     assert store_seed.usable_template(template)  # rebuilt
     assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"
+
+
+def test_a_template_at_another_revision_is_rebuilt_not_copied(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    template = store_seed.template_path()
+    store_seed.build_template(template)
+    con = sqlite3.connect(template)
+    con.execute("UPDATE alembic_version SET version_num = 'a_stale_revision'")  # a dev build's older template
+    con.commit(), con.close()
+    assert not store_seed.usable_template(template)
+    assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"

@@ -46,21 +46,24 @@ def build_template(path: Path) -> None:
 
 
 def usable_template(path: Path) -> bool:
-    """``path`` is an SQLite file that passes SQLite's quick check, with one Alembic revision and
-    no experiment (a truncated or foreign file is rebuilt, never copied)."""
+    """``path`` is an SQLite file that passes SQLite's quick check, at this MLflow's Alembic head
+    revision and with no experiment (a truncated or foreign file is rebuilt, never copied)."""
+    from mlflow.store.db.utils import _get_latest_schema_revision  # what MLflow checks on open (~30 ms)
+
     if not path.is_file():
         return False
+    head = _get_latest_schema_revision()  # raises if MLflow's layout moved: the caller does not seed
     try:
         con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
         try:
             ok = con.execute("PRAGMA quick_check").fetchone() == ("ok",)
-            revisions = con.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
+            revisions = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")]
             experiments = con.execute("SELECT count(*) FROM experiments").fetchone()[0]
         finally:
             con.close()
     except sqlite3.Error:
         return False
-    return ok and revisions == 1 and experiments == 0
+    return ok and revisions == [head] and experiments == 0
 
 
 def seed_sqlite_store(db: Path) -> bool:
@@ -68,7 +71,7 @@ def seed_sqlite_store(db: Path) -> bool:
     missing or not :func:`usable_template`); True when it did. Call it under
     :func:`xpar.track.runs.store_lock`. Never raises: on any error the store is left missing and
     MLflow creates it as usual."""
-    if db.exists():
+    if db.exists() or "?" in db.name or db.name == ":memory:":  # sqlite:///x.db?opt=..., in-memory: no file to seed
         return False
     tmp = db.with_name(f"{db.name}.{os.getpid()}.seed")
     try:
