@@ -41,10 +41,15 @@ def measure_cpu_peak_flops(n: int = 384, seconds: float = 0.3, threads: int = 1)
         torch.set_num_threads(old)
 
 
-def peak_cache_path() -> Path:
-    """``$XDG_CACHE_HOME/xpar/peak.json`` (default ``~/.cache/xpar/peak.json``)."""
+def cache_dir() -> Path:
+    """xpar's cache folder: ``$XDG_CACHE_HOME/xpar`` (default ``~/.cache/xpar``)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "xpar" / "peak.json"
+    return Path(root) / "xpar"
+
+
+def peak_cache_path() -> Path:
+    """``cache_dir() / 'peak.json'`` (default ``~/.cache/xpar/peak.json``)."""
+    return cache_dir() / "peak.json"
 
 
 @functools.lru_cache(maxsize=None)
