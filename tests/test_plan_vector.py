@@ -319,3 +319,20 @@ def test_time_columns_with_host_overhead_and_shared_cores():
         _, ests, got = _cpu_columns(hw, model, 3, 8)
         assert (got["time_host_overhead"] > 0).all()
         assert all(e.time_breakdown["host_overhead"] > 0 for e in ests)
+
+
+def test_time_columns_equal_scalar_estimate_for_deepspeed_2021_zero3():
+    """DeepSpeed 2021's ZeRO-3 (framework=deepspeed_2021) gathers some tensors a second time in the
+    backward under full recompute (xpar.estimate.zero3_tensors): the vectorised dp time follows the
+    layout's recompute as the scalar estimate does, on layouts with and without it."""
+    ctx = context("175b", "a100_80gb_64gpu", "deepspeed_2021")
+    rows = [(1, 1, 64, b, 1, 1, "1f1b", 3, False, rec, False) for b in (1, 2) for rec in ("full", "none", "selective")]
+    rows.append((8, 1, 8, 1, 2, 1, "1f1b", 3, False, "full", False))
+    cols = {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS + ("offload",))}
+    specs = [spec_of(ctx, cols, i) for i in range(len(rows))]
+    ests = [estimate(sp) for sp in specs]
+    got = time_columns(specs[0], cols, *memory_args(ests))
+    bad = _mismatches(ctx, cols, got, ests)
+    assert not bad, "\n".join(bad[:20])
+    dp = got["time_dp_comm_exposed"]
+    assert dp[0] > dp[1] * 1.1  # full recompute: the backward's second gathers

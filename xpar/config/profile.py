@@ -73,9 +73,22 @@ class FrameworkConfig:
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
     (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
     zero3_host_ops_per_rank: float = 0.0
-    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 collective: 0 for flat
-    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered and reduce-scattered each
-    parameter through torch's list API, one view and one copy per rank (xpar.estimate.dp)."""
+    """Eager host ops per dp rank and parameter tensor in each ZeRO-3 all-gather: 0 for flat
+    collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered each parameter through torch's
+    list API: its narrow per rank, torch's select and copy per rank, 3 (xpar.estimate.dp)."""
+    zero3_reduce_host_ops_per_rank: float = 0.0
+    """The same per gradient tensor reduce-scattered: DeepSpeed 2021's view and narrow per rank,
+    torch's select and copy per rank, 4 (0: flat reduce-scatters)."""
+    zero3_persist_numel: int = 0
+    """ZeRO-3 keeps tensors below this many elements whole on every rank, never gathered
+    (DeepSpeed's stage3_param_persistence_threshold, 1e5 by default; 0: none, FSDP's units)."""
+    zero3_reuse_distance: Optional[float] = None
+    """DeepSpeed's stage3_max_reuse_distance (elements, 1e9 by default): under full recompute the
+    submodules used again beyond it are gathered a second time in the backward
+    (xpar.estimate.zero3_tensors); null: the block is one unit gathered once (FSDP)."""
+    fused_qkv: bool = False
+    """The framework's attention projects query, key and value in one linear (Megatron's
+    query_key_value): one tensor per kind where xpar's model has three (counts of ZeRO-3 tensors)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
     loss_kernel: str = "fp32"

@@ -54,7 +54,8 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES, tensor_counts, unit_elements  # noqa: F401 (unit_elements re-exported)
+from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts, unit_elements  # noqa: F401 (unit_elements re-exported)
+from xpar.estimate.zero3_tensors import BlockTraffic, block_traffic
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -107,10 +108,15 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     gather = [timed("allgather", n * e) for n in units]
     if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
         gather = [timed("broadcast", n * e) for n in units]
+    gather_b = gather
     if z == 3 and assume.zero3_host_ops_per_rank:
-        gather = [g + x for g, x in zip(gather, list_api_times(spec, assume, units, e))]
-        red = [r + x for r, x in zip(red, list_api_times(spec, assume, units, gb))]
-    return {"gather": gather, "reduce": red, **copy_times(spec, assume, units)}
+        gather = [g + x for g, x in zip(gather, list_api_times(spec, assume, units, e, "gather"))]
+        red = [r + x for r, x in zip(red, list_api_times(spec, assume, units, gb, "reduce"))]
+        again = list_api_times(spec, assume, units, e, "regather")
+        share = traffic(spec, assume).regathered_share
+        regather = [x + timed("allgather", share * n * e) if x else 0.0 for x, n in zip(again, units)]
+        gather_b = [g + r for g, r in zip(gather, regather)]
+    return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
 
 
 FSDP_COPIES = ("fsdp2", "fsdp1", "none")
@@ -139,22 +145,35 @@ def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
             "copy_reduce": [copy_in * n / hbm if copy_in else 0.0 for n in units]}
 
 
-def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int) -> list[float]:
-    """Seconds per unit that one ZeRO-3 collective issued per parameter tensor through torch's
-    list API adds (DeepSpeed v0.3.x, 2021: ``partition_parameters._allgather_param`` and
-    ``_reduce_scatter_gradient`` pass a list of one view per rank): ``zero3_host_ops_per_rank``
-    host ops of ``host_op_us`` per rank and tensor (DeepSpeed's view per rank; torch's copy
-    between the list and its flat buffer per rank), and one device copy of the unit's bytes, read
-    and written over HBM (pytorch/pytorch PR 33924 measured these copies: 4.6x the in-place
-    all-gather on a DGX-1). Tensors per unit: a block's, and the whole model's embeddings, final
-    norm and output for a root with elements (a stage's root holds at most those: the error is
-    two tensors' host ops). ``elem_bytes``: bytes per element moved."""
+def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int, kind: str) -> list[float]:
+    """Seconds per unit that ZeRO-3 collectives issued per parameter tensor through torch's list
+    API add (DeepSpeed v0.3.x, 2021: ``partition_parameters._allgather_param`` and
+    ``_reduce_scatter_gradient`` pass a list of one view per rank): per rank and tensor,
+    ``zero3_host_ops_per_rank`` host ops of ``host_op_us`` for a gather (DeepSpeed's narrow,
+    torch's select and copy between the list and its flat buffer), ``zero3_reduce_host_ops_per_rank``
+    for a reduce-scatter (DeepSpeed's view and narrow, torch's select and copy), and one device copy
+    of the bytes moved, read and written over HBM (pytorch/pytorch PR 33924 measured these copies:
+    4.6x the in-place all-gather on a DGX-1). ``kind``: 'gather' (the tensors a pass gathers),
+    'reduce' (every gradient tensor), 'regather' (the backward's second gathers of a block; 0 for the
+    root): counts from :func:`traffic`. A root with elements holds the whole model's embeddings,
+    final norm and output (a stage's root holds at most those: the error is two tensors' host ops),
+    its tensors all gathered. ``elem_bytes``: bytes per element moved."""
     block, root = tensor_counts(spec.model, spec.tp)
-    per_tensor = assume.zero3_host_ops_per_rank * assume.host_op_us * 1e-6 * spec.dp
+    t = traffic(spec, assume)
+    ops = assume.zero3_reduce_host_ops_per_rank if kind == "reduce" else assume.zero3_host_ops_per_rank
+    per_tensor = ops * assume.host_op_us * 1e-6 * spec.dp
     hbm = (spec.hardware.hbm_tb_per_s or 0) * 1e12
-    copy = [2 * n * elem_bytes / hbm if hbm else 0.0 for n in units]
-    tensors = [root if units[0] else 0] + [block] * (len(units) - 1)
-    return [k * per_tensor + c for k, c in zip(tensors, copy)]
+    tensors = {"gather": (root, t.gathered), "reduce": (root, t.reduced), "regather": (0, t.regathered)}[kind]
+    share = [1.0 if kind != "regather" else 0.0] + [t.regathered_share if kind == "regather" else 1.0] * len(units)
+    copy = [2 * n * s * elem_bytes / hbm if hbm else 0.0 for n, s in zip(units, share)]
+    counts = [tensors[0] if units[0] else 0] + [tensors[1]] * (len(units) - 1)
+    return [k * per_tensor + c for k, c in zip(counts, copy)]
+
+
+def traffic(spec: RunSpec, assume) -> BlockTraffic:
+    """What ZeRO-3 moves per block of ``spec``'s model under ``assume`` (xpar.estimate.zero3_tensors)."""
+    return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
+                         spec.layout.recompute, assume.fused_qkv)
 
 
 def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compute_b: list[float]) -> DpTiming:
@@ -165,7 +184,7 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
         return DpTiming(0.0, 0.0, 0.0)
     t = unit_times(spec, assume, unit_elements(spec, pp_rank))
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
-                    t["copy_gather"], t["copy_reduce"])
+                    t["copy_gather"], t["copy_reduce"], t["gather_backward"])
     m = spec.micro_batches
     return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"],
                     m * x["issued_per_microbatch"] + x["issued_once"],
@@ -194,7 +213,8 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
-                copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None) -> dict:
+                copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
+                gather_b: Optional[list] = None) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -205,7 +225,8 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     copies in), ``issued_per_microbatch`` and ``issued_once`` (issued per step = m x the first +
     the second), ``first_backward``: exposed once per step in the stage's first backward (ZeRO-3's
     backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and
-    ``copy_first_backward`` (the copies alone)."""
+    ``copy_first_backward`` (the copies alone). ``gather_b``: each unit's gathers in the backward,
+    forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
@@ -213,7 +234,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
     compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
                                               _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce)
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b)
     copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
                + vwhere(every, sum(cr), 0.0))
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
@@ -224,9 +245,10 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     return dict(out, copy_per_microbatch=copy_mb, copy_once=copy_once, copy_first_backward=copy_first)
 
 
-def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list) -> dict:
+def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
+              gather_b: list) -> dict:
     """:func:`dp_exposure` on compute that already holds the copies."""
-    gf, gb_, red = gather, gather[::-1], reduce[::-1]
+    gf, gb_, red = gather, gather_b[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
     every = (z >= 2) & (pp == 1)
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)

@@ -298,6 +298,11 @@ def _tensor_counts(cfg_key: tuple, tp: int) -> tuple[int, int]:
     return len(block), len(head) + len(tail)
 
 
+def block_shapes(cfg: ModelConfig, tp: int) -> tuple:
+    """(name, tp-local shape) of one dense block's parameters, forward order (names after ``layers.<i>.``)."""
+    return tuple(_stage_parts(_model_key(cfg), False, False, tp)[1])
+
+
 def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""

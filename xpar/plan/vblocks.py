@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from xpar.config.remat import RECOMPUTE
 from xpar.estimate.dp import unit_elements, unit_times
 
-UNIT_TIMES = {"g": "gather", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
-"""Keys of the unit-time lists -> xpar.estimate.dp.unit_times keys (as xpar.plan.vtime's)."""
+UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
+"""Keys of the unit-time lists (and of xpar.plan.vtime's columns) -> xpar.estimate.dp.unit_times keys."""
 
 
 def blocks_vary(base) -> bool:
@@ -37,10 +38,11 @@ class UnitTimes:
         """``spec_at``: :func:`xpar.plan.vtime.spec_at` (passed in: vtime imports this module)."""
         self.base, self.assume, self.spec_at, self.memo = base, assume, spec_at, {}
 
-    def of(self, dp: int, tp: int, zero: int, pp: int, v: int, v_shaped: bool, slot: int) -> dict[str, list]:
-        key = (dp, tp, zero, pp, v, v_shaped, slot)
+    def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
+           slot: int) -> dict[str, list]:
+        key = (dp, tp, zero, recompute, pp, v, v_shaped, slot)
         if key not in self.memo:
-            spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, "none")
+            spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, recompute)
             rank = slot_rank_moe(spec.layout, slot, self.base.model, zero)
             t = unit_times(spec, self.assume, unit_elements(spec, rank))
             self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
@@ -68,14 +70,15 @@ def slot_rank_moe(layout, slot: int, cfg, zero: int = 3) -> int:
 
 def unit_columns(times: UnitTimes, rows: dict[str, np.ndarray], n: int) -> dict[str, list]:
     """Per unit kind (:data:`UNIT_TIMES`), n + 1 arrays over ``rows`` (root first, then the rank's
-    n blocks in forward order): seconds. ``rows``: dp, tp, zero, pp, v, v_shaped, slot, each an
-    array over the same representative rows."""
-    keys = np.stack([np.asarray(rows[k], dtype=np.int64) for k in ("dp", "tp", "zero", "pp", "v", "v_shaped",
-                                                                     "slot")], axis=1)
+    n blocks in forward order): seconds. ``rows``: dp, tp, zero, recompute (a code:
+    xpar.config.remat.RECOMPUTE's index), pp, v, v_shaped, slot, each an array over the same
+    representative rows."""
+    keys = np.stack([np.asarray(rows[k], dtype=np.int64) for k in ("dp", "tp", "zero", "recompute", "pp", "v",
+                                                                     "v_shaped", "slot")], axis=1)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     tables = {k: np.zeros((len(uniq), n + 1)) for k in UNIT_TIMES}
     for u, key in enumerate(uniq.tolist()):
-        got = times.of(*key[:5], bool(key[5]), key[6])
+        got = times.of(*key[:3], RECOMPUTE[key[3]], *key[4:6], bool(key[6]), key[7])
         for k in UNIT_TIMES:
             tables[k][u, :len(got[k])] = got[k]
     inverse = inverse.ravel()

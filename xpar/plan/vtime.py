@@ -80,7 +80,7 @@ from xpar.estimate.offload import (
     offload_time,
 )
 from xpar.estimate.schedule import bubble_theory
-from xpar.plan.vblocks import UnitTimes, blocks_vary, unit_columns
+from xpar.plan.vblocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.plan.vsplit import plan_split, rank_blocks, split_key, splittable
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
@@ -188,19 +188,16 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     return {"root": u[0], "block": u[1]}
 
 
-UNIT_TIMES = {"g": "gather", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
-"""Columns of :func:`_dp_unit_times` (``<key>_root``, ``<key>_block``) -> xpar.estimate.dp.unit_times keys."""
-
-
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
-    (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks)."""
+    (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks;
+    columns ``<key>_root``, ``<key>_block`` per key of :data:`xpar.plan.vblocks.UNIT_TIMES`)."""
     specs: dict[tuple, RunSpec] = {}
 
-    def times(dp, tp, zero, root, block, n):
-        if (dp, tp, zero) not in specs:
-            specs[dp, tp, zero] = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, "none")
-        t = unit_times(specs[dp, tp, zero], a, [int(root)] + [int(block)] * int(n))
+    def times(dp, tp, zero, rec, root, block, n):
+        if (dp, tp, zero, rec) not in specs:
+            specs[dp, tp, zero, rec] = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, RECOMPUTE[rec])
+        t = unit_times(specs[dp, tp, zero, rec], a, [int(root)] + [int(block)] * int(n))
         return {f"{k}_{u}": t[name][i] for k, name in UNIT_TIMES.items() for u, i in (("root", 0), ("block", -1))}
 
     first, last = s["first"], s["last"]
@@ -208,7 +205,8 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
     el = per_slot([r["tp"], cls], lambda tp, c: _unit_sizes(base, tp, c), ("root", "block"))
     n = np.broadcast_to(s["n"], cls.shape)
     root, block = el["root"].astype(np.int64), el["block"].astype(np.int64)  # element counts
-    return per_slot([r["dp"], r["tp"], r["zero"], root, block, n], times,
+    rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
+    return per_slot([r["dp"], r["tp"], r["zero"], rec, root, block, n], times,
                     tuple(f"{k}_{u}" for k in UNIT_TIMES for u in ("root", "block")))
 
 
@@ -238,10 +236,11 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
         sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
-            het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "pp", "v", "v_shaped")}
+            het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "recompute", "pp", "v",
+                                                                               "v_shaped")}
             | {"slot": rep[sel] // shape[1]}, n)
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
-                          units["g"], units["r"], units["cg"], units["cr"])
+                          units["g"], units["r"], units["cg"], units["cr"], units["gb"])
         for k in res:
             res[k][sel] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
