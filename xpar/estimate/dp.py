@@ -158,16 +158,16 @@ def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int, kin
     root): counts from :func:`traffic`. A root with elements holds the whole model's embeddings,
     final norm and output (a stage's root holds at most those: the error is two tensors' host ops),
     its tensors all gathered. ``elem_bytes``: bytes per element moved."""
-    block, root = tensor_counts(spec.model, spec.tp)
-    t = traffic(spec, assume)
+    t, root = traffic(spec, assume), tensor_counts(spec.model, spec.tp)[1]
     ops = assume.zero3_reduce_host_ops_per_rank if kind == "reduce" else assume.zero3_host_ops_per_rank
     per_tensor = ops * assume.host_op_us * 1e-6 * spec.dp
     hbm = (spec.hardware.hbm_tb_per_s or 0) * 1e12
-    tensors = {"gather": (root, t.gathered), "reduce": (root, t.reduced), "regather": (0, t.regathered)}[kind]
-    share = [1.0 if kind != "regather" else 0.0] + [t.regathered_share if kind == "regather" else 1.0] * len(units)
-    copy = [2 * n * s * elem_bytes / hbm if hbm else 0.0 for n, s in zip(units, share)]
-    counts = [tensors[0] if units[0] else 0] + [tensors[1]] * (len(units) - 1)
-    return [k * per_tensor + c for k, c in zip(counts, copy)]
+    k_root, k_block, share = {"gather": (root, t.gathered, 1.0), "reduce": (root, t.reduced, 1.0),
+                              "regather": (0, t.regathered, t.regathered_share)}[kind]
+
+    def one(n: int, tensors: int, moved: float) -> float:
+        return tensors * per_tensor + (2 * n * moved * elem_bytes / hbm if hbm else 0.0)
+    return [one(units[0], k_root if units[0] else 0, 1.0 if k_root else 0.0)] + [one(n, k_block, share) for n in units[1:]]
 
 
 def traffic(spec: RunSpec, assume) -> BlockTraffic:
