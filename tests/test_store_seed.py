@@ -71,3 +71,16 @@ def test_a_template_at_another_revision_is_rebuilt_not_copied(tmp_path, monkeypa
     con.commit(), con.close()
     assert not store_seed.usable_template(template)
     assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"
+
+
+def test_plans_side_process_opens_a_new_store_from_the_template(tmp_path, monkeypatch):
+    """xpar plan warms its store in a side process (xpar.track.runs.open_store): a new SQLite store there
+    is a copy of the template too, and MLflow then reads it (its Default experiment added)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    copied = []
+    real = runs.seed_sqlite_store
+    monkeypatch.setattr(runs, "seed_sqlite_store", lambda db: copied.append(db) or real(db))
+    runs.open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert copied == [tmp_path / "mlflow.db"] and store_seed.template_path().exists()
+    assert [x[1] for x in _store(tmp_path / "mlflow.db")[2]] == ["Default"]

@@ -34,7 +34,16 @@ def open_store(uri: str) -> None:
     raises for an unusable store."""
     import mlflow
     with store_lock(uri):
+        seed_new_store(uri)
         mlflow.tracking.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+def seed_new_store(uri: str) -> None:
+    """A new SQLite store at ``uri`` starts as a copy of one MLflow migrated once
+    (xpar.track.store_seed); other URIs and existing stores as they are. Call under :func:`store_lock`."""
+    db = sqlite_path(uri)
+    if db is not None:
+        seed_sqlite_store(db)
 
 
 @contextmanager
@@ -101,9 +110,7 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
     uri = uri or default_uri(start_dir)
     try:
         with store_lock(uri):
-            db = sqlite_path(uri)
-            if db is not None:
-                seed_sqlite_store(db)  # a new store: a copy of one migrated once (xpar.track.store_seed)
+            seed_new_store(uri)
             return _experiment_id(uri, experiment, artifact_location, start_dir)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
