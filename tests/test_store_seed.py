@@ -84,3 +84,15 @@ def test_plans_side_process_opens_a_new_store_from_the_template(tmp_path, monkey
     runs.open_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert copied == [tmp_path / "mlflow.db"] and store_seed.template_path().exists()
     assert [x[1] for x in _store(tmp_path / "mlflow.db")[2]] == ["Default"]
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    """The XDG Base Directory spec: a relative $XDG_CACHE_HOME is invalid and ignored (~/.cache), so that
+    runs started in different folders share one cache and never write a cache folder into the run's."""
+    from xpar.config.hardware import cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for value in ("cache", "./c", ""):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "xpar"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "abs"))
+    assert cache_dir() == tmp_path / "abs" / "xpar"

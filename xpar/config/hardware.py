@@ -42,9 +42,10 @@ def measure_cpu_peak_flops(n: int = 384, seconds: float = 0.3, threads: int = 1)
 
 
 def cache_dir() -> Path:
-    """xpar's cache folder: ``$XDG_CACHE_HOME/xpar`` (default ``~/.cache/xpar``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "xpar"
+    """xpar's cache folder: ``$XDG_CACHE_HOME/xpar``, or ``~/.cache/xpar`` where it is unset, empty or
+    relative (the XDG Base Directory spec: a relative path there is invalid and ignored)."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(root if os.path.isabs(root) else os.path.join(os.path.expanduser("~"), ".cache")) / "xpar"
 
 
 def peak_cache_path() -> Path:
