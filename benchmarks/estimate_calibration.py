@@ -49,9 +49,32 @@ def main(data_dir: Path = DEFAULT) -> dict:
     for name, r in res.items():
         console.print(f"{name}: calibration errors {[f'{100 * e:+.1f}%' for e in r['calibration']]}; "
                       f"held out {[f'{100 * e:+.1f}%' for e in r['held_out']]}")
+    for line in layer_overhead_lines(cases, res):
+        console.print(line)
     for name in BREAKDOWN_SOURCES:
         console.print(_breakdown_table(name, cases[name], res[name]["fit_all"], data_dir))
     return res
+
+
+OVERHEAD_SOURCES = ("bigscience_bloom_2022", "smith_2022_mtnlg")
+"""Megatron-DeepSpeed's runs: the cost per layer and micro-batch (framework.layer_overhead_ms) fitted on each, checked on the other."""
+
+
+def layer_overhead_lines(cases: dict, res: dict) -> list[str]:
+    """Megatron-DeepSpeed's ``layer_overhead_ms`` fitted on one of :data:`OVERHEAD_SOURCES` (at the
+    all-source A100 efficiency), each source's median |error| with it, and without any."""
+    from dataclasses import replace
+    eff = res[OVERHEAD_SOURCES[0]]["fit_all"]["A100"]
+
+    def median_error(name: str, ms: float) -> float:
+        moved = [(g, sp, replace(a, layer_overhead_ms=ms), r, m) for g, sp, a, r, m in cases[name]]
+        return 100 * statistics.median(abs(e) for e in cal.errors(moved, eff))
+    out = []
+    for fitted_on in OVERHEAD_SOURCES:
+        ms = cal.fit_layer_overhead(cases[fitted_on], eff)
+        got = ", ".join(f"{n} {median_error(n, 0.0):.1f}% -> {median_error(n, ms):.1f}%" for n in OVERHEAD_SOURCES)
+        out.append(f"Megatron-DeepSpeed layer_overhead_ms fitted on {fitted_on}: {ms} ms; median |error| without -> with: {got}")
+    return out
 
 
 BREAKDOWN_SOURCES = ("korthikanti_2022_table5", "smith_2022_mtnlg", "dgxc_nemo_h100_bf16")
@@ -94,6 +117,9 @@ def markdown(res: dict, cases: dict) -> str:
         fit_without = " ".join(f"{r['fit_without'][g]:.3f}" for g in gpus)
         lines.append(f"| {name} | {len(cases[name])} | {' '.join(gpus)} | {fit_all} | {100 * cm:.1f}% | {100 * cx:.1f}% "
                      f"| {fit_without} | {100 * hm:.1f}% | {100 * hx:.1f}% |")
+    lines += ["", "The one other fitted constant, Megatron-DeepSpeed's cost per layer and micro-batch "
+              "(`framework.layer_overhead_ms`, conf/framework/deepspeed_bloom.yaml), fitted on each of its two sources "
+              "and checked on the other:", ""] + [f"- {x}" for x in layer_overhead_lines(cases, res)]
     return "\n".join(lines) + "\n"
 
 

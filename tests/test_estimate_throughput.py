@@ -362,7 +362,7 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
                         "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5", "dgxc_nemo_h100_bf16",
-                        "smith_2022_mtnlg"}
+                        "smith_2022_mtnlg", "bigscience_bloom_2022"}
     for name, r in res.items():
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
@@ -616,30 +616,53 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
 
 
-def test_mtnlg_530b_production_layout_held_out_over_predicted(loso):
+def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
     """MT-NLG 530B (Smith et al. 2022, Sec. 2.4): tp 8, pp 35, dp 8/10/12 on 2240-3360 A100s,
-    global batch 1920, 126/121/113 TFLOP/s per GPU published; never fitted on. Over-predicted by
-    19-24 %: the profile is Megatron-LM's and MT-NLG ran DeepSpeed's 2021 pipeline engine (1F1B,
-    ZeRO-1, full recompute assumed). The same model and tp/pp on the same cluster in Korthikanti
-    et al. 2022 (dp 1, v = 3, full recompute) ran 43 % faster per GPU (41.8 against 29.2
-    tokens/s); the estimate explains 8 points of that gap (the 1F1B bubble over 240 micro-batches,
-    12 % of its step, and the dp reduction), not 30: what is missing is framework-side, not a
-    term of the layout. Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published,
-    6 % estimated (the bubble as m falls from 240 to 160): asserted in that order."""
+    global batch 1920, 126/121/113 TFLOP/s per GPU published; never fitted on. It ran Megatron-DeepSpeed
+    (DeepSpeed's pipeline engine, 1F1B, ZeRO-1, full recompute assumed). Without a framework cost it
+    is over-predicted by 19-24 %: the same model and tp/pp on the same cluster in Korthikanti et al.
+    2022 (Megatron-LM, dp 1, v = 3) ran 43 % faster per GPU, of which the layout explains 8 points.
+    With the cost per layer and micro-batch fitted on BLOOM's Megatron-DeepSpeed runs
+    (deepspeed_bloom's layer_overhead_ms, tests/data/bigscience_bloom_2022.csv) it is within 10 %
+    (+5 to +9 %). Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published, less
+    estimated (the bubble as m falls from 240 to 160): asserted in that order."""
     cases, res = loso
     r, rows = res["smith_2022_mtnlg"], _published_rows("smith_2022_mtnlg")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 3
-    assert all(0.15 < e < 0.28 for e in r["held_out"]), r["held_out"]
+    assert all(0.0 < e < 0.10 for e in r["held_out"]), r["held_out"]
     mt, k = cases["smith_2022_mtnlg"], cases["korthikanti_2022_table5"]
+    eff = r["fit_all"]["A100"]
+    without = calibration.errors([(g, sp, replace(a, layer_overhead_ms=0.0), p, m) for g, sp, a, p, m in mt], eff)
+    assert all(0.15 < e < 0.28 for e in without), without
     k_full = next(c for c, row in zip(k, _published_rows("korthikanti_2022_table5"))
                   if row["params_b"] == "530" and row["mode"] == "full")
-    eff = r["fit_all"]["A100"]
     published = mt[0][3] / k_full[3]
     estimated = calibration.predicted(mt[0], eff) / calibration.predicted(k_full, eff)
-    assert published < 0.72 and 0.88 < estimated < 0.96, (published, estimated)
+    assert published < 0.72 and 0.75 < estimated < 0.85, (published, estimated)
     drop_published = 1 - mt[2][3] / mt[0][3]
     drop_estimated = 1 - calibration.predicted(mt[2], eff) / calibration.predicted(mt[0], eff)
     assert 0.03 < drop_estimated < drop_published, (drop_published, drop_estimated)
+
+
+def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mtnlg(loso):
+    """deepspeed_bloom's layer_overhead_ms is the fit on BLOOM's 8 runs (within 0.5 ms), which puts every
+    BLOOM row within 8 % (4 of them over 5 % without it: +6, +8, +9, +13 %); MT-NLG never enters the
+    fit (previous test). The overhead is host time per layer and micro-batch: on every pipeline slot,
+    so the bubble grows with it."""
+    from xpar.calibrate.published import fit_layer_overhead, preset
+    cases, res = loso
+    bloom = cases["bigscience_bloom_2022"]
+    eff = res["bigscience_bloom_2022"]["fit_all"]["A100"]
+    ms = preset("framework", "deepspeed_bloom")["layer_overhead_ms"]
+    assert fit_layer_overhead(bloom, eff) == pytest.approx(ms, abs=0.5)
+    assert all(abs(e) < 0.08 for e in res["bigscience_bloom_2022"]["calibration"])
+    without = calibration.errors([(g, sp, replace(a, layer_overhead_ms=0.0), p, m) for g, sp, a, p, m in bloom], eff)
+    assert sum(e > 0.05 for e in without) >= 4, without
+    _, spec, a, _, _ = bloom[0]
+    on, off = estimate(spec, a), estimate(spec, replace(a, layer_overhead_ms=0.0))
+    assert on.time_breakdown["host_overhead"] == pytest.approx(
+        spec.micro_batches * max(spec.layout.layer_split) * ms * 1e-3, rel=0.01)
+    assert on.time_breakdown["bubble"] > off.time_breakdown["bubble"]
 
 
 def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):

@@ -321,18 +321,32 @@ def test_time_columns_with_host_overhead_and_shared_cores():
         assert all(e.time_breakdown["host_overhead"] > 0 for e in ests)
 
 
-def test_time_columns_equal_scalar_estimate_for_deepspeed_2021_zero3():
-    """DeepSpeed 2021's ZeRO-3 (framework=deepspeed_2021) gathers some tensors a second time in the
-    backward under full recompute (xpar.estimate.zero3_tensors): the vectorised dp time follows the
-    layout's recompute as the scalar estimate does, on layouts with and without it."""
-    ctx = context("175b", "a100_80gb_64gpu", "deepspeed_2021")
-    rows = [(1, 1, 64, b, 1, 1, "1f1b", 3, False, rec, False) for b in (1, 2) for rec in ("full", "none", "selective")]
-    rows.append((8, 1, 8, 1, 2, 1, "1f1b", 3, False, "full", False))
+def _equal_on(framework: str, rows: list) -> dict:
+    """time_columns of ``rows`` (COLUMNS + offload tuples) of 175B on 64 A100 under ``framework``,
+    asserted equal to the scalar estimate of each; returns the columns."""
+    ctx = context("175b", "a100_80gb_64gpu", framework)
     cols = {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS + ("offload",))}
     specs = [spec_of(ctx, cols, i) for i in range(len(rows))]
     ests = [estimate(sp) for sp in specs]
     got = time_columns(specs[0], cols, *memory_args(ests))
     bad = _mismatches(ctx, cols, got, ests)
     assert not bad, "\n".join(bad[:20])
-    dp = got["time_dp_comm_exposed"]
+    return got
+
+
+def test_time_columns_equal_scalar_estimate_for_deepspeed_2021_zero3():
+    """DeepSpeed 2021's ZeRO-3 (framework=deepspeed_2021) gathers some tensors a second time in the
+    backward under full recompute (xpar.estimate.zero3_tensors): the vectorised dp time follows the
+    layout's recompute as the scalar estimate does, on layouts with and without it."""
+    rows = [(1, 1, 64, b, 1, 1, "1f1b", 3, False, rec, False) for b in (1, 2) for rec in ("full", "none", "selective")]
+    dp = _equal_on("deepspeed_2021", rows + [(8, 1, 8, 1, 2, 1, "1f1b", 3, False, "full", False)])["time_dp_comm_exposed"]
     assert dp[0] > dp[1] * 1.1  # full recompute: the backward's second gathers
+
+
+def test_time_columns_equal_scalar_estimate_with_a_layer_overhead():
+    """Megatron-DeepSpeed's cost per layer and micro-batch (framework=deepspeed_bloom, layer_overhead_ms) is
+    in the planner's host term as in the scalar estimate, pipelines and recompute policies alike."""
+    rows = [(4, 4, 4, 1, 8, 1, "1f1b", 1, False, "full", False), (8, 2, 4, 2, 4, 1, "1f1b", 0, False, "none", False),
+            (2, 8, 4, 1, 16, 1, "1f1b", 1, False, "selective", False)]
+    got = _equal_on("deepspeed_bloom", rows)
+    assert (got["time_host_overhead"] > 0).all()

@@ -267,9 +267,35 @@ def korthikanti_row(row: dict):
 
 def mtnlg_row(row: dict):
     """(spec, assumptions, published tokens/s per GPU) of an MT-NLG 530B row (smith_2022_mtnlg.csv;
-    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, the 2021 Megatron profile."""
+    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, the 2021 Megatron profile's
+    kernels in Megatron-DeepSpeed's engine, whose cost per layer and micro-batch is the one fitted on
+    BLOOM's runs (deepspeed_bloom's ``layer_overhead_ms``; this source checks it, never fits it)."""
     spec = gpt_3d_spec(row, zero_stage=1)
-    return spec, Assumptions.megatron_2021(), _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
+    a = replace(Assumptions.megatron_2021(), layer_overhead_ms=preset("framework", "deepspeed_bloom")["layer_overhead_ms"])
+    return spec, a, _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
+
+
+def bloom_row(row: dict):
+    """(spec, assumptions, published hardware TFLOP/s per GPU) of a BLOOM run (bigscience_bloom_2022.csv):
+    the GPT shapes of the row (ffn 4 h, V 250880, s 2048, biases, LayerNorm, tied embeddings; ALiBi as
+    learned positions: the same matmuls), ZeRO-1 over dp, 1F1B, full recompute, the end stages one block
+    fewer (Megatron-DeepSpeed's 'type:transformer|embedding' split: :func:`xpar.plan.vsplit.plan_split`);
+    Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml) with 2022 Megatron kernels
+    (fused softmax, not flash attention) and no dropout; Jean Zay's nodes: 8 A100 80GB, four Omni-Path
+    100 Gb/s links (BLOOM paper, arXiv 2211.05100, Sec. 3.4.1)."""
+    from xpar.plan.vsplit import plan_split
+    h, pp, layers = int(row["hidden"]), int(row["pp"]), int(row["layers"])
+    model = dict(name=row["id"], n_layers=layers, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None, ffn_hidden=4 * h,
+                 vocab_size=250880, seq_len=2048, activation="gelu", norm="layernorm", position="learned",
+                 tied_embeddings=True, bias=True)
+    dp, tp = int(row["dp"]), int(row["tp"])
+    parallel = dict(name="megatron_deepspeed", dp=dp, tp=tp, pp=pp, zero_stage=1, micro_batches="auto", schedule="1f1b",
+                    virtual_stages=1, layer_split=plan_split(layers, pp), recompute="full", sequence_parallel=False)
+    hw = dict(preset("hardware", "a100_80gb_1024gpu"), nodes=dp * tp * pp // 8, nics_per_node=4, inter_node_gb_per_s=12.5)
+    train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
+                 seq_len=2048)
+    a = framework_assumptions("deepspeed_bloom", flash_attention=False, dropout=False)
+    return make_spec(model, parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 
 DGXC_TP_OVERLAP = 0.8
@@ -326,6 +352,7 @@ SOURCES = {
     "korthikanti_2022_table5": ("korthikanti_2022_table5.csv", "A100", korthikanti_row),
     "dgxc_nemo_h100_bf16": ("dgxc_nemo_h100_bf16.csv", "H100", dgxc_row),
     "smith_2022_mtnlg": ("smith_2022_mtnlg.csv", "A100", mtnlg_row),
+    "bigscience_bloom_2022": ("bigscience_bloom_2022.csv", "A100", bloom_row),
 }
 """Public sources: file in tests/data, GPU family (one matmul efficiency each; None: the row's
 ``gpu`` column), row builder. The
@@ -378,7 +405,7 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
 
 
 CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5",
-                        "smith_2022_mtnlg"})
+                        "smith_2022_mtnlg", "bigscience_bloom_2022"})
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale and Megatron-style tp x pp x dp runs
 (Korthikanti et al. 2022 and MT-NLG on A100) added as checks after the constants were fitted
 (issue 9), held out from every fit so that they cannot move the constants; their
@@ -398,6 +425,23 @@ def breakdown(case, efficiency: float) -> dict[str, float]:
     out = {k: v / e.time_per_step_s for k, v in e.time_breakdown.items() if v > 0}
     out["error"] = predicted(case, efficiency) / ref - 1
     return out
+
+
+def fit_layer_overhead(cases: list, efficiency: float, lo: float = 0.0, hi: float = 50.0) -> float:
+    """The ``layer_overhead_ms`` (Assumptions) minimising the median |error| of ``cases`` at the matmul
+    ``efficiency`` (golden-section search over [lo, hi] ms, to 0.1 ms): Megatron-DeepSpeed's cost per
+    layer and micro-batch, fitted on BLOOM's runs (benchmarks/estimate_calibration.py)."""
+    import statistics
+
+    def cost(x: float) -> float:
+        moved = [(g, spec, replace(a, layer_overhead_ms=x), ref, metric) for g, spec, a, ref, metric in cases]
+        return statistics.median(abs(e) for e in errors(moved, efficiency))
+    g = (5 ** 0.5 - 1) / 2
+    a, b = lo, hi
+    while b - a > 0.05:
+        c, d = b - g * (b - a), a + g * (b - a)
+        a, b = (a, d) if cost(c) <= cost(d) else (c, b)
+    return round((a + b) / 2, 1)
 
 
 def fit(cases_by_source: dict, exclude: str = "", fitted: Optional[dict] = None) -> dict[str, float]:

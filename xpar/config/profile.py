@@ -91,6 +91,11 @@ class FrameworkConfig:
     query_key_value): one tensor per kind where xpar's model has three (counts of ZeRO-3 tensors)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    layer_overhead_ms: float = 0.0
+    """Milliseconds per transformer layer and micro-batch (forward, recomputed forward and backward
+    together) that the framework's runs take beyond their kernels and communication, counted in the
+    host_overhead term: 0 where no public run shows one; Megatron-DeepSpeed's is fitted on BLOOM's
+    runs and checked on MT-NLG's (conf/framework/deepspeed_bloom.yaml, benchmarks/estimate_calibration.py)."""
     loss_kernel: str = "fp32"
     """The cross entropy's memory: 'fp32' (logits.float(): fp32 log-probs kept, two fp32 gradients
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""

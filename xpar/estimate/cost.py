@@ -123,6 +123,7 @@ class Assumptions(MemoryOptions):
     zero3_reuse_distance: Optional[float] = None
     fused_qkv: bool = False
     host_op_us: float = 4.0
+    layer_overhead_ms: float = 0.0
     fsdp_copies: str = "fsdp2"
     adamw_bytes_per_element: Optional[float] = 84.0
     grad_accumulation_passes: float = 3.0
@@ -342,7 +343,7 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
     pp_comm exposed, dp_comm exposed per micro-batch, host) and its data-parallel timing (``dp``),
     and the host's seconds per step outside the micro-batches (``host_step``, xpar.estimate.host)."""
     hw = spec.hardware
-    c, tp, h = layer_costs(spec, assume), tp_times(spec), host_costs(spec)
+    c, tp, h = layer_costs(spec, assume), tp_times(spec), host_costs(spec, assume.layer_overhead_ms * 1e-3)
     if not hw.hbm_tb_per_s:
         notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
     if hw.intra_node_gb_per_s is None:

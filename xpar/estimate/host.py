@@ -77,9 +77,11 @@ def end_ops(cfg: ModelConfig) -> dict[str, int]:
             "last_f": 16 if rms else 10, "last_b": 31 if rms else 15 + cfg.bias}
 
 
-def host_costs(spec: RunSpec) -> dict[str, float]:
+def host_costs(spec: RunSpec, layer_overhead_s: float = 0.0) -> dict[str, float]:
     """Host seconds of ``spec`` on its hardware (module docstring): per micro-batch one block
-    forward ``f`` and backward ``b`` (the recomputed forward in, with full recompute), the first
+    forward ``f`` and backward ``b`` (the recomputed forward in, with full recompute; each with its
+    share of the framework's ``layer_overhead_s`` per block and micro-batch, split as the block's
+    matmuls: forward 1, backward 2, + 1 recomputed forward: Assumptions.layer_overhead_ms), the first
     stage's ends ``first_f``/``first_b``, the last stage's ``last_f``/``last_b``, FSDP2's hooks
     per unit ``unit`` (forward and backward, ZeRO-2/3); per step one parameter tensor's update
     and clip ``tensor`` and the clip's scalar all-reduces ``clip`` (:func:`clip_allreduce_time`);
@@ -95,6 +97,8 @@ def host_costs(spec: RunSpec) -> dict[str, float]:
     block_f = f * op + tp_f
     policy, share = spec_recompute(spec)
     block_b = b * op + tp_b + (block_f * share if policy == "full" else 0.0)
+    rerun = share if policy == "full" else 0.0
+    block_f, block_b = block_f + layer_overhead_s / (3 + rerun), block_b + layer_overhead_s * (2 + rerun) / (3 + rerun)
     ends = {k: v * op for k, v in end_ops(cfg).items()}
     if spec.tp > 1:
         for end in ("first", "last"):

@@ -421,8 +421,8 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
     v = r["v"] if _staged(base) else np.ones_like(r["v"])  # v matters through recompute_layers only
     h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
-        spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec])),
-        HOST_KEYS)
+        spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec]),
+        a.layer_overhead_ms * 1e-3), HOST_KEYS)
     x.update(host=rank_host(h, s["n"], s["first"], s["last"]), host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     return x

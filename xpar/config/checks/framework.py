@@ -16,14 +16,18 @@ CHOICES = {
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction")
+NON_NEGATIVE = ("layer_overhead_ms", "host_op_us", "zero3_host_ops_per_rank", "zero3_reduce_host_ops_per_rank",
+                "zero3_persist_numel", "zero3_reuse_distance")
 
 
 def check_framework(fw: FrameworkConfig) -> list[str]:
-    """Each choice among its values, each share in [0, 1], gradient bytes 2 or 4 (held: also 6), optimizer bytes 0 or 2-16."""
+    """Each choice among its values, each share in [0, 1], counts and times not negative, gradient bytes 2 or 4 (held: also 6), optimizer bytes 0 or 2-16."""
     out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
            for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
             if not 0.0 <= getattr(fw, k) <= 1.0]
+    out += [f"framework.{k}={getattr(fw, k)} must be 0 or more; e.g. framework.{k}=0." for k in NON_NEGATIVE
+            if getattr(fw, k) is not None and getattr(fw, k) < 0]
     out += [f"framework.grad_reduce_bytes={fw.grad_reduce_bytes} must be 2 or 4 (bytes per gradient element)."
             for _ in [0] if fw.grad_reduce_bytes not in (2, 4)]
     out += [f"framework.grad_bytes={fw.grad_bytes} must be 2, 4 or 6 (bytes per held gradient element; 6: bf16 "
