@@ -370,9 +370,6 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
-        if name == "narayanan_2021_table2_zero3":  # DeepSpeed 2021's ZeRO-3: its own bound (see below)
-            assert statistics.median(held) <= 0.13 and max(held) <= 0.21, (name, r["held_out"])
-            continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.20, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
     assert fitted["A100"] == pytest.approx(preset("hardware", "a100_80gb_64gpu")["matmul_efficiency"], abs=0.01)
@@ -408,18 +405,20 @@ def test_async_tp_backward_hides_the_column_linears_input_gradient_collectives(s
 def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
     global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
-    138 -> 98 -> 48 (530B on 640/1120/2240). DeepSpeed of 2021 (conf/framework/deepspeed_2021.yaml)
-    gathered and reduce-scattered each parameter tensor through torch's list API, after a device
-    synchronize: host ops per rank and tensor, not overlapped; the biases and norms persist and
-    under full recompute 8/12 of a block is gathered again for its backward (xpar.estimate.zero3_tensors).
-    Estimated within 21 % on every row (before the list API's host ops: +32 % to +304 %; with the
-    tensor counts of DeepSpeed v0.3.16's code, 2026-12-06, the median |error| went 13.7 -> 11.7 % and
-    the 530B row at 2240 GPUs +14.5 -> +20.4 %), in the published order, and at the largest scale
-    the exposed dp communication is most of the step."""
+    138 -> 98 -> 48 (530B on 640/1120/2240); never fitted. DeepSpeed of 2021
+    (conf/framework/deepspeed_2021.yaml, xpar.estimate.deepspeed_zero3, read in its v0.3.16 code)
+    gathers each parameter tensor through torch's list API after a device synchronize (host ops per
+    rank and tensor, not overlapped), keeps biases and norms whole but gathers them back after each
+    step, gathers 8/12 of a block again for its backward under full recompute, and all-reduces the
+    gradients (reduce_scatter at its default). Median |error| <= 10 % (13.4 % at the issue's start,
+    11.7 % with per-tensor reduce-scatters and no persistent regather), every 175B row within 10 %,
+    the 530B rows optimistic by 12-28 % (the largest at 2240 GPUs: what 530B adds is not found in the
+    code), in the published order; at the largest scale the exposed dp communication is most of the step."""
     cases, res = loso
     rows = cases["narayanan_2021_table2_zero3"]
-    errs = res["narayanan_2021_table2_zero3"]["calibration"]
-    assert max(abs(e) for e in errs) <= 0.21, errs
+    errs = res["narayanan_2021_table2_zero3"]["held_out"]
+    assert statistics.median(abs(e) for e in errs) <= 0.10, errs
+    assert all(abs(e) <= 0.10 for e in errs[:3]) and all(0.05 < e < 0.30 for e in errs[3:]), errs
     for lo, hi in ((0, 3), (3, 6)):  # 175B, 530B
         published = [c[3] for c in rows[lo:hi]]
         predicted = [c[3] * (1 + e) for c, e in zip(rows[lo:hi], errs[lo:hi])]

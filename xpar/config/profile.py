@@ -85,7 +85,14 @@ class FrameworkConfig:
     zero3_reuse_distance: Optional[float] = None
     """DeepSpeed's stage3_max_reuse_distance (elements, 1e9 by default): under full recompute the
     submodules used again beyond it are gathered a second time in the backward
-    (xpar.estimate.zero3_tensors); null: the block is one unit gathered once (FSDP)."""
+    (xpar.estimate.deepspeed_zero3); null: the block is one unit gathered once (FSDP)."""
+    zero3_persist_host_ops_per_rank: float = 0.0
+    """Host ops per dp rank and persistent tensor when ZeRO-3 gathers its persistent tensors back
+    after each step (DeepSpeed 2021's unpack loop of _allgather_params: narrow, view, narrow, copy: 4;
+    xpar.estimate.deepspeed_zero3.persist_time); 0: none."""
+    grad_reduce_scatter: bool = True
+    """ZeRO-2/3 reduce-scatter the gradients (FSDP; DeepSpeed's reduce_scatter true); false: each
+    bucket is all-reduced and each rank keeps its part (DeepSpeed's default, reduce_scatter false)."""
     fused_qkv: bool = False
     """The framework's attention projects query, key and value in one linear (Megatron's
     query_key_value): one tensor per kind where xpar's model has three (counts of ZeRO-3 tensors)."""

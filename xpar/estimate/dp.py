@@ -37,9 +37,10 @@ final norm, output):
 
 Parameters travel in the training dtype, gradients in ``grad_reduce_bytes`` per element (fp32
 reduce in xpar's and torchtitan's bf16 recipe). A framework that issues ZeRO-3's collectives per
-parameter tensor through torch's list API (``zero3_host_ops_per_rank`` > 0: DeepSpeed 2021) also
-pays, per collective, host ops per rank and tensor and one more device copy of its bytes
-(:func:`list_api_times`). FSDP2 also copies on the compute stream: each gather's flat output into
+parameter tensor through torch's list API (DeepSpeed 2021: ``zero3_reuse_distance`` set) also
+pays, per collective, host ops per rank and tensor and one more device copy of its bytes, gathers
+some tensors again in the backward and its persistent ones after each step
+(xpar.estimate.deepspeed_zero3). FSDP2 also copies on the compute stream: each gather's flat output into
 the unit's parameters, the unit's gradients into the reduce-scatter input (``fsdp_copies``,
 :func:`copy_times`), in the unit's compute and in the exposed dp time. The overlap itself is
 :func:`xpar.estimate.overlap.simulate_pass`. Units: seconds.
@@ -54,8 +55,8 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts, unit_elements  # noqa: F401 (unit_elements re-exported)
-from xpar.estimate.zero3_tensors import BlockTraffic, block_traffic
+from xpar.estimate.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
+from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -88,6 +89,7 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
     e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
+    coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
     bucket = assume.bucket_mb * 1e6
     memo: dict[tuple[str, float], float] = {}
 
@@ -109,13 +111,8 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
         gather = [timed("broadcast", n * e) for n in units]
     gather_b = gather
-    if z == 3 and assume.zero3_host_ops_per_rank:
-        gather = [g + x for g, x in zip(gather, list_api_times(spec, assume, units, e, "gather"))]
-        red = [r + x for r, x in zip(red, list_api_times(spec, assume, units, gb, "reduce"))]
-        again = list_api_times(spec, assume, units, e, "regather")
-        share = traffic(spec, assume).regathered_share
-        regather = [x + timed("allgather", share * n * e) if x else 0.0 for x, n in zip(again, units)]
-        gather_b = [g + r for g, r in zip(gather, regather)]
+    if z == 3 and assume.zero3_reuse_distance is not None:  # DeepSpeed 2021's coordinator, tensor by tensor
+        gather, red, gather_b = tensor_times(spec, assume, units, gather, red, lambda b: timed("allgather", b), e, gb)
     return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
 
 
@@ -145,49 +142,24 @@ def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
             "copy_reduce": [copy_in * n / hbm if copy_in else 0.0 for n in units]}
 
 
-def list_api_times(spec: RunSpec, assume, units: list[int], elem_bytes: int, kind: str) -> list[float]:
-    """Seconds per unit that ZeRO-3 collectives issued per parameter tensor through torch's list
-    API add (DeepSpeed v0.3.x, 2021: ``partition_parameters._allgather_param`` and
-    ``_reduce_scatter_gradient`` pass a list of one view per rank): per rank and tensor,
-    ``zero3_host_ops_per_rank`` host ops of ``host_op_us`` for a gather (DeepSpeed's narrow,
-    torch's select and copy between the list and its flat buffer), ``zero3_reduce_host_ops_per_rank``
-    for a reduce-scatter (DeepSpeed's view and narrow, torch's select and copy), and one device copy
-    of the bytes moved, read and written over HBM (pytorch/pytorch PR 33924 measured these copies:
-    4.6x the in-place all-gather on a DGX-1). ``kind``: 'gather' (the tensors a pass gathers),
-    'reduce' (every gradient tensor), 'regather' (the backward's second gathers of a block; 0 for the
-    root): counts from :func:`traffic`. A root with elements holds the whole model's embeddings,
-    final norm and output (a stage's root holds at most those: the error is two tensors' host ops),
-    its tensors all gathered. ``elem_bytes``: bytes per element moved."""
-    t, root = traffic(spec, assume), tensor_counts(spec.model, spec.tp)[1]
-    ops = assume.zero3_reduce_host_ops_per_rank if kind == "reduce" else assume.zero3_host_ops_per_rank
-    per_tensor = ops * assume.host_op_us * 1e-6 * spec.dp
-    hbm = (spec.hardware.hbm_tb_per_s or 0) * 1e12
-    k_root, k_block, share = {"gather": (root, t.gathered, 1.0), "reduce": (root, t.reduced, 1.0),
-                              "regather": (0, t.regathered, t.regathered_share)}[kind]
-
-    def one(n: int, tensors: int, moved: float) -> float:
-        return tensors * per_tensor + (2 * n * moved * elem_bytes / hbm if hbm else 0.0)
-    return [one(units[0], k_root if units[0] else 0, 1.0 if k_root else 0.0)] + [one(n, k_block, share) for n in units[1:]]
-
-
-def traffic(spec: RunSpec, assume) -> BlockTraffic:
-    """What ZeRO-3 moves per block of ``spec``'s model under ``assume`` (xpar.estimate.zero3_tensors)."""
-    return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
-                         spec.layout.recompute, assume.fused_qkv)
-
-
 def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compute_b: list[float]) -> DpTiming:
     """Exposed dp communication of ``pp_rank`` (module docstring). ``compute_f``: seconds of
     each unit's forward in forward order (root first); ``compute_b``: each unit's backward
     (recompute included) in backward order (root last)."""
     if spec.dp == 1:
         return DpTiming(0.0, 0.0, 0.0)
-    t = unit_times(spec, assume, unit_elements(spec, pp_rank))
+    units = unit_elements(spec, pp_rank)
+    t = unit_times(spec, assume, units)
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
                     t["copy_gather"], t["copy_reduce"], t["gather_backward"])
     m = spec.micro_batches
-    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"],
-                    m * x["issued_per_microbatch"] + x["issued_once"],
+    persist = 0.0
+    if spec.parallel.zero_stage == 3 and assume.zero3_persist_numel:  # DeepSpeed 2021 (xpar.estimate.deepspeed_zero3)
+        g = group_of(spec.hardware, spec.dp, spec.tp)
+        persist = persist_time(spec, assume, len(units) - 1,
+                               lambda b: collective_time(spec.hardware, "allgather", b, g, assume.dp_collective))
+    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"] + persist,
+                    m * x["issued_per_microbatch"] + x["issued_once"] + persist,
                     x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])
 
 

@@ -62,6 +62,8 @@ from xpar.estimate.cost import (
     tp_times,
     waits_unstretched,
 )
+from xpar.estimate.collectives import collective_time, group_of
+from xpar.estimate.deepspeed_zero3 import persist_time
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import (
     HOST_KEYS,
@@ -244,8 +246,24 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
         for k in res:
             res[k][sel] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
-    return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"],
-            "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"]}
+    persist = _persist_column(base, a, r, s) * live.reshape(shape)
+    return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"] + persist,
+            "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"] + persist}
+
+
+def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:
+    """Per slot (axis 0): seconds per step of ZeRO-3's persistent tensors (DeepSpeed 2021:
+    xpar.estimate.deepspeed_zero3.persist_time, as xpar.estimate.dp.dp_timing adds it); zeros elsewhere."""
+    if not a.zero3_persist_numel:
+        return np.zeros(s["count"].shape)
+
+    def one(dp, tp, zero, m, n):
+        if zero != 3:
+            return {"p": 0.0}
+        spec = spec_at(base, tp, 1, dp, 1, m, 1, "gpipe", zero, False, "none")
+        g = group_of(spec.hardware, dp, tp)
+        return {"p": persist_time(spec, a, n, lambda b: collective_time(spec.hardware, "allgather", b, g, a.dp_collective))}
+    return per_slot([r["dp"], r["tp"], r["zero"], r["m"], s["n"]], one, ("p",))["p"]
 
 
 def unique_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
