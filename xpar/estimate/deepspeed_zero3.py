@@ -95,7 +95,8 @@ def block_traffic(tensors: tuple, persist_numel: int, reuse_distance: float | No
 
 def traffic(spec, assume) -> BlockTraffic:
     """What ZeRO-3 moves per (dense) block of ``spec``'s model under ``assume`` (Assumptions):
-    :func:`block_traffic` of :func:`xpar.estimate.model_states.block_shapes`."""
+    :func:`block_traffic` of :func:`xpar.estimate.model_states.block_shapes`. A MoE model's expert
+    blocks are priced as its dense block (DeepSpeed v0.3 ran no MoE; this is a what-if)."""
     from xpar.estimate.model_states import block_shapes
     return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
                          spec.layout.recompute, assume.fused_qkv)
