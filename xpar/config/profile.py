@@ -75,7 +75,8 @@ class FrameworkConfig:
     zero3_host_ops_per_rank: float = 0.0
     """Eager host ops per dp rank and parameter tensor in each ZeRO-3 all-gather: 0 for flat
     collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered each parameter through torch's
-    list API: its narrow per rank, torch's select and copy per rank, 3 (xpar.estimate.dp)."""
+    list API: its narrow per rank, torch's select and copy per rank, 3. Read where ZeRO-3 runs tensor by
+    tensor (zero3_reuse_distance set: xpar.estimate.deepspeed_zero3)."""
     zero3_reduce_host_ops_per_rank: float = 0.0
     """The same per gradient tensor reduce-scattered: DeepSpeed 2021's view and narrow per rank,
     torch's select and copy per rank, 4 (0: flat reduce-scatters)."""
