@@ -481,11 +481,11 @@ def test_mpt_fsdp_on_16_to_128_a100s_held_out(loso):
 def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     """The IBM/Meta FSDP blog (2024): Llama 2 34B/70B, FULL_SHARD, b = 2, s = 4096, full
     recompute, on 128 A100s with 400 Gb/s per node and 96 H100s with 800 Gb/s per node; never
-    fitted on. A100 rows under-predicted by 9 % / 14 %, and not for the network: the estimate
-    without its exposed dp communication is still slower than published (the same compute-side
-    shortfall as every full-recompute FSDP row, MPT's and torchtitan's). H100 rows over-predicted
-    by 6-10 % (18-22 % at the Llama-3-only H100 efficiency 0.678, before NeMo's rows joined the
-    fit): the estimate exposes about 10 % of the step to dp communication, what the blog reads in
+    fitted on. Its full recompute is torch's non-reentrant checkpoint, which does not rerun the MLP's
+    w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
+    NO_REENTRANT): A100 rows under-predicted by 4 % / 10 % (9 % / 14 % when w2 was counted as
+    rerun). H100 rows over-predicted by 12-17 %, as every torch-FSDP H100 row is (MPT's, next
+    test): the estimate exposes about 10 % of the step to dp communication, what the blog reads in
     its traces ("a 10% gap due to network peeking out"); the blog suspects HBM bandwidth for the
     rest (HFU 0.44-0.45 published)."""
     cases, res = loso
@@ -494,21 +494,20 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     for row, (gpu, spec, assume, ref, _), e in zip(rows, cases["ibm_fms_fsdp_2024"], r["held_out"]):
         est = estimate(with_hardware(spec, matmul_efficiency=r["fit_all"][gpu]), assume)
         exposed = est.time_breakdown["dp_comm_exposed"] / est.time_per_step_s
-        published_step = spec.tokens_per_step / int(row["gpus"]) / ref
         if gpu == "A100":
-            assert -0.15 <= e < 0, (row["model"], e)
-            assert est.time_per_step_s - est.time_breakdown["dp_comm_exposed"] > published_step
+            assert -0.12 <= e < 0, (row["model"], e)
             assert 0.03 < exposed < 0.10, exposed
         else:
-            assert 0.03 < e <= 0.12, (row["model"], e)
+            assert 0.08 < e <= 0.20, (row["model"], e)
             assert 0.07 < exposed < 0.15, exposed
 
 
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
-    Gb/s per node assumed), never fitted on. With full recompute (13B-70B) within 4 %; without
-    (1B-7B) over-predicted by 12-26 % (at the Llama-3-only H100 efficiency 0.678, before NeMo's
+    Gb/s per node assumed), never fitted on. With full recompute (13B-70B; llm-foundry's
+    non-reentrant checkpoint, w2 not rerun: framework.checkpoint_early_stop) over-predicted by 3-10 %;
+    without (1B-7B) by 12-26 % (at the Llama-3-only H100 efficiency 0.678, before NeMo's
     rows joined the fit: +8 to +15 % and +25 to +39 %): what the rows without recompute lose is
     not in the matmul term (small models: memory-bound and host time). Scale: the published throughput per
     GPU falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
@@ -523,7 +522,7 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
     by: dict = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
-        lo, hi = (-0.05, 0.05) if row["ac"] == "true" else (0.10, 0.28)
+        lo, hi = (0.02, 0.11) if row["ac"] == "true" else (0.10, 0.28)
         assert lo < e < hi, (row["model"], row["gpus"], e)
         by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
     assert len(by) == 6
@@ -622,13 +621,13 @@ def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
     is over-predicted by 19-24 %: the same model and tp/pp on the same cluster in Korthikanti et al.
     2022 (Megatron-LM, dp 1, v = 3) ran 43 % faster per GPU, of which the layout explains 8 points.
     With the cost per layer and micro-batch fitted on BLOOM's Megatron-DeepSpeed runs
-    (deepspeed_bloom's layer_overhead_ms, tests/data/bigscience_bloom_2022.csv) it is within 10 %
-    (+5 to +9 %). Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published, less
+    (deepspeed_bloom's layer_overhead_ms, tests/data/bigscience_bloom_2022.csv) it is within 15 %
+    (+8 to +13 %). Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published, less
     estimated (the bubble as m falls from 240 to 160): asserted in that order."""
     cases, res = loso
     r, rows = res["smith_2022_mtnlg"], _published_rows("smith_2022_mtnlg")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 3
-    assert all(0.0 < e < 0.10 for e in r["held_out"]), r["held_out"]
+    assert all(0.0 < e < 0.15 for e in r["held_out"]), r["held_out"]
     mt, k = cases["smith_2022_mtnlg"], cases["korthikanti_2022_table5"]
     eff = r["fit_all"]["A100"]
     without = calibration.errors([(g, sp, replace(a, layer_overhead_ms=0.0), p, m) for g, sp, a, p, m in mt], eff)
@@ -645,7 +644,7 @@ def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
 
 def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mtnlg(loso):
     """deepspeed_bloom's layer_overhead_ms is the fit on BLOOM's 8 runs (within 0.5 ms), which puts every
-    BLOOM row within 8 % (4 of them over 5 % without it: +6, +8, +9, +13 %); MT-NLG never enters the
+    BLOOM row within 8 % and lowers their median |error| (4.3 -> 3.2 %); MT-NLG never enters the
     fit (previous test). The overhead is host time per layer and micro-batch: on every pipeline slot,
     so the bubble grows with it."""
     from xpar.calibrate.published import fit_layer_overhead, preset
@@ -656,7 +655,8 @@ def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mt
     assert fit_layer_overhead(bloom, eff) == pytest.approx(ms, abs=0.5)
     assert all(abs(e) < 0.08 for e in res["bigscience_bloom_2022"]["calibration"])
     without = calibration.errors([(g, sp, replace(a, layer_overhead_ms=0.0), p, m) for g, sp, a, p, m in bloom], eff)
-    assert sum(e > 0.05 for e in without) >= 4, without
+    with_ = res["bigscience_bloom_2022"]["calibration"]
+    assert statistics.median(abs(e) for e in with_) < statistics.median(abs(e) for e in without) - 0.005, without
     _, spec, a, _, _ = bloom[0]
     on, off = estimate(spec, a), estimate(spec, replace(a, layer_overhead_ms=0.0))
     assert on.time_breakdown["host_overhead"] == pytest.approx(

@@ -169,7 +169,7 @@ def table2_zero3_row(row: dict):
     hw["nodes"] = gpus // int(hw["devices_per_node"])
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
                  dtype="bf16", seq_len=2048)
-    a = framework_assumptions("deepspeed_2021", flash_attention=False, dropout=True, fused_rmsnorm=False)
+    a = framework_assumptions("deepspeed_2021")
     return make_spec(gpt_2021_model(row), parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 
@@ -280,8 +280,8 @@ def bloom_row(row: dict):
     the GPT shapes of the row (ffn 4 h, V 250880, s 2048, biases, LayerNorm, tied embeddings; ALiBi as
     learned positions: the same matmuls), ZeRO-1 over dp, 1F1B, full recompute, the end stages one block
     fewer (Megatron-DeepSpeed's 'type:transformer|embedding' split: :func:`xpar.plan.vsplit.plan_split`);
-    Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml) with 2022 Megatron kernels
-    (fused softmax, not flash attention) and no dropout; Jean Zay's nodes: 8 A100 80GB, four Omni-Path
+    Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml: Megatron's fused softmax,
+    not flash attention; dropout 0.1 as Megatron's defaults, the tr11 README); Jean Zay's nodes: 8 A100 80GB, four Omni-Path
     100 Gb/s links (BLOOM paper, arXiv 2211.05100, Sec. 3.4.1)."""
     from xpar.plan.vsplit import plan_split
     h, pp, layers = int(row["hidden"]), int(row["pp"]), int(row["layers"])
@@ -294,7 +294,7 @@ def bloom_row(row: dict):
     hw = dict(preset("hardware", "a100_80gb_1024gpu"), nodes=dp * tp * pp // 8, nics_per_node=4, inter_node_gb_per_s=12.5)
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=2048)
-    a = framework_assumptions("deepspeed_bloom", flash_attention=False, dropout=False)
+    a = framework_assumptions("deepspeed_bloom")
     return make_spec(model, parallel, hw, train), a, float(row["tflops_per_gpu"]), "hw_tflops"
 
 

@@ -99,6 +99,12 @@ class FrameworkConfig:
     query_key_value): one tensor per kind where xpar's model has three (counts of ZeRO-3 tensors)."""
     host_op_us: float = 4.0
     """Host microseconds per eager op (PyTorch dispatch + CUDA kernel launch)."""
+    checkpoint_early_stop: bool = False
+    """Full recompute stops at the last tensor the backward needs, so the MLP's down projection (w2)
+    and its tp collective are not rerun: torch's non-reentrant checkpoint (set_checkpoint_early_stop,
+    torch >= 2.1: xpar's engine, measured in tests/test_remat.py; torchtitan's and FSDP's
+    checkpoint_wrapper NO_REENTRANT), JAX's remat (MaxText). False: the whole forward is rerun
+    (Megatron's and DeepSpeed's checkpoint functions, torch's reentrant checkpoint)."""
     layer_overhead_ms: float = 0.0
     """Milliseconds per transformer layer and micro-batch (forward, recomputed forward and backward
     together) that the framework's runs take beyond their kernels and communication, counted in the

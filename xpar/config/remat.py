@@ -122,16 +122,33 @@ def projection_flops(cfg) -> dict[str, float]:
 
 
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
-                                  causal: bool = False) -> float:
+                                  causal: bool = False, early_stop: bool = False) -> float:
     """Forward FLOPs per token one block's backward runs again under the policy (Narayanan et
     al. 2021 convention, :func:`xpar.estimate.flops.forward_flops_per_token`: matmuls and the
     attention core's scores and context, 4 s h; element-wise ops not counted). full: the whole
-    block's forward; save_dot_except_mlp: attention core + w1 (+ w3); Megatron's selective:
-    the attention core. Units: FLOP per token."""
+    block's forward (Megatron's and DeepSpeed's checkpoint functions), without the MLP's down
+    projection w2 with ``early_stop`` (torch's non-reentrant checkpoint stops at the last saved
+    tensor, w2's input; JAX's remat prunes it: :func:`reruns`); save_dot_except_mlp: attention core
+    + w1 (+ w3); Megatron's selective: the attention core. Units: FLOP per token."""
     p = policy_of(recompute, selective)
     proj = projection_flops(cfg)
     attention = 2 * 2 * seq_len * cfg.hidden * (0.5 if causal else 1.0)
-    return sum(proj[k] for k in p.reruns) + (attention if p.attention else 0.0)
+    return sum(proj[k] for k in reruns(p, early_stop)) + (attention if p.attention else 0.0)
+
+
+def reruns(p: "Policy", early_stop: bool) -> tuple:
+    """The projections policy ``p`` reruns; with ``early_stop`` never w2, whose output no backward
+    needs (measured on xpar's engine, torch's checkpoint(use_reentrant=False): tests/test_remat.py)."""
+    return tuple(k for k in p.reruns if not (early_stop and k == "w2"))
+
+
+def tp_reruns(p: "Policy", early_stop: bool, sequence_parallel: bool) -> float:
+    """tp collectives of a block's forward that policy ``p`` reruns (Policy.tp_rerun); under full
+    recompute with ``early_stop`` not the one after w2: 1 all-reduce without sequence parallelism,
+    with it 1.5 all-gather + reduce-scatter pairs (the MLP's all-gather before w1 is rerun)."""
+    if early_stop and "w2" in p.reruns and p.tp_rerun:
+        return p.tp_rerun - (0.5 if sequence_parallel else 1.0)
+    return p.tp_rerun
 
 
 def stage_share(recompute: str, layers_in_stage: int, recompute_layers: Optional[int], fraction: float) -> float:

@@ -47,10 +47,10 @@ A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/1638
 rows, Table 4) with NVIDIA's NeMo BF16 recipes on 16-2048 H100s (18 rows), torchtitan Llama 3.1
 8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows, its own family: peak unknown), and
 never-fitted checks (xpar.calibrate.published.CHECK_ONLY). Presets: A100 0.672, H100 0.598 (fitted
-today 0.669 and 0.601, within the 0.01 the calibration test allows; Llama 3 alone: 0.575; 500 W part: 0.408).
+today 0.667 and 0.601, within the 0.01 the calibration test allows; Llama 3 alone: 0.575; 500 W part: 0.408).
 Leave-one-source-out and all-source figures per source: ``python benchmarks/estimate_calibration.py``,
-generated into docs/accuracy/published.md (e.g. Megatron Table 1 held out median 1.5 % / max 7.0 %,
-with all sources 1.3 % / 7.3 %; torchtitan A100 held out 3.7 % / 9.2 %). GEMM_HALF_DIM = 32 and
+generated into docs/accuracy/published.md (e.g. Megatron Table 1 held out median 3.0 % / max 5.9 %,
+with all sources 1.3 % / 7.5 %; torchtitan A100 held out 2.1 % / 4.0 %). GEMM_HALF_DIM = 32 and
 link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every row).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute
+from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute, tp_reruns
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate import deepspeed_zero3
@@ -127,6 +127,7 @@ class Assumptions(MemoryOptions):
     fused_qkv: bool = False
     host_op_us: float = 4.0
     layer_overhead_ms: float = 0.0
+    checkpoint_early_stop: bool = False
     fsdp_copies: str = "fsdp2"
     adamw_bytes_per_element: Optional[float] = 84.0
     grad_accumulation_passes: float = 3.0
@@ -252,7 +253,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
-    extra = share * extra_forward_flops_per_layer(cfg, s, policy)  # xpar.config.remat, per block on average
+    extra = share * extra_forward_flops_per_layer(cfg, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
     act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
@@ -267,9 +268,9 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
             "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act)}
 
 
-def tp_times(spec: RunSpec) -> dict[str, float]:
+def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
     """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
-    with the recomputed forward (``b``), and of one embedding/output end (``end``): 2 all-reduces
+    with the recomputed forward (``b``; ``early_stop``: :func:`tp_rerun`), and of one embedding/output end (``end``): 2 all-reduces
     of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
     Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes). ``b_async``: the part
     of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
@@ -286,14 +287,15 @@ def tp_times(spec: RunSpec) -> dict[str, float]:
         one = collective_time(hw, "allgather", size, g) + dgrad
     else:
         one = dgrad = collective_time(hw, "allreduce", size, g)
-    return {"f": 2 * one, "b": (2 + tp_rerun(spec)) * one, "end": one, "b_async": 2 * dgrad}
+    return {"f": 2 * one, "b": (2 + tp_rerun(spec, early_stop)) * one, "end": one, "b_async": 2 * dgrad}
 
 
-def tp_rerun(spec: RunSpec) -> float:
+def tp_rerun(spec: RunSpec, early_stop: bool = False) -> float:
     """tp collectives of one block's forward that its backward reruns, on average over the
-    blocks (xpar.config.remat.Policy.tp_rerun times the share recomputed): 2 with full recompute."""
+    blocks (xpar.config.remat.tp_reruns times the share recomputed): 2 with full recompute, 1 (1.5
+    with sequence parallelism) where the checkpoint stops early (Assumptions.checkpoint_early_stop)."""
     policy, share = spec_recompute(spec)
-    return POLICIES[policy].tp_rerun * share
+    return tp_reruns(POLICIES[policy], early_stop, spec.parallel.sequence_parallel) * share
 
 
 def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
@@ -346,7 +348,7 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
     pp_comm exposed, dp_comm exposed per micro-batch, host) and its data-parallel timing (``dp``),
     and the host's seconds per step outside the micro-batches (``host_step``, xpar.estimate.host)."""
     hw = spec.hardware
-    c, tp, h = layer_costs(spec, assume), tp_times(spec), host_costs(spec, assume.layer_overhead_ms * 1e-3)
+    c, tp, h = layer_costs(spec, assume), tp_times(spec, assume.checkpoint_early_stop), host_costs(spec, assume.layer_overhead_ms * 1e-3)
     if not hw.hbm_tb_per_s:
         notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
     if hw.intra_node_gb_per_s is None:

@@ -155,9 +155,17 @@ def persist_time(spec, assume, blocks: int, allgather: Callable[[float], float])
         return 0.0
     k = t.persistent * blocks + 2
     host = assume.host_op_us * 1e-6 * spec.dp
-    numel = sum(math.prod(s) for _, s in _small(spec, assume.zero3_persist_numel)) * blocks
-    after_step = allgather(numel * 2) + k * assume.zero3_persist_host_ops_per_rank * host
+    after_step = allgather(persist_bytes(spec, assume, blocks))
+    after_step += k * assume.zero3_persist_host_ops_per_rank * host
     return after_step + (spec.micro_batches - 1) * k * assume.zero3_host_ops_per_rank * host
+
+
+def persist_bytes(spec, assume, blocks: int) -> float:
+    """Bytes of the persistent tensors of ``blocks`` blocks in the training dtype (0 without persistence)."""
+    from xpar.estimate.model_states import BYTES
+    if not assume.zero3_persist_numel:
+        return 0.0
+    return sum(math.prod(s) for _, s in _small(spec, assume.zero3_persist_numel)) * blocks * BYTES[spec.train.dtype]
 
 
 def _small(spec, persist_numel: int) -> list:
@@ -168,19 +176,20 @@ def _small(spec, persist_numel: int) -> list:
 
 def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     """``base`` (xpar.estimate.comm.comm_bytes_rank: bytes each device sends per step, by
-    collective) with what DeepSpeed 2021's ZeRO-3 moves besides (ZeRO-3 without pp; ``base`` as is
-    otherwise): the backward's second gathers of each block, the persistent tensors gathered back
-    after the step (and in each micro-batch after the first), and the gradients all-reduced rather
-    than reduce-scattered where ``grad_reduce_scatter`` is false (twice the bytes)."""
+    collective) with what DeepSpeed 2021's ZeRO-3 moves besides (ZeRO-3 without pp, dp > 1; ``base``
+    as is otherwise), each with the setting that prices its time: the backward's second gathers
+    (``zero3_reuse_distance``), the persistent tensors gathered back after the step and in each
+    micro-batch after the first (``zero3_persist_numel``), the gradients all-reduced rather than
+    reduce-scattered (``grad_reduce_scatter`` false: twice the bytes)."""
     from xpar.estimate.comm import allgather_bytes, allreduce_bytes
     from xpar.estimate.model_states import BYTES
-    if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1 and assume.zero3_reuse_distance is not None):
+    if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches
     blocks = spec.layout.layers_of(pp_rank)
     block = sum(math.prod(s) for _, s in _all(spec)) * e
-    small = sum(math.prod(s) for _, s in _small(spec, assume.zero3_persist_numel)) * e * blocks if t.persistent else 0.0
-    out["dp_allgather"] += allgather_bytes(t.regathered_share * block * blocks, dp) * m + allgather_bytes(small, dp) * m
+    out["dp_allgather"] += allgather_bytes(t.regathered_share * block * blocks, dp) * m
+    out["dp_allgather"] += allgather_bytes(persist_bytes(spec, assume, blocks), dp) * m if t.persistent else 0.0
     if not assume.grad_reduce_scatter:
         out["dp_allreduce"] += out["dp_reduce_scatter"] * allreduce_bytes(1.0, dp) / allgather_bytes(1.0, dp)  # 2x
         out["dp_reduce_scatter"] = 0.0

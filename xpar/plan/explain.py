@@ -64,7 +64,8 @@ def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
         return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. No overhead is estimated (this hardware "
                 f"has no figures for memory bandwidth or links).")
     kind = {"bubble": "the pipeline bubble", "memory_bound": "memory-bound work", "optimizer": "the optimizer step",
-            "ep_imbalance": "the router imbalance (model.moe_imbalance)"}
+            "ep_imbalance": "the router imbalance (model.moe_imbalance)",
+            "host_overhead": "host and framework overhead (operator dispatch, framework.layer_overhead_ms)"}
     binds = kind.get(over, "communication (" + TERM_WORDS[over] + ")")
     return (f"Its step ({res['time_per_step_s'][i]:.3g} s): {parts}. The largest overhead is {binds}, "
             f"{100 * shares[over]:.0f} % of the step.")

@@ -8,7 +8,7 @@ from xpar.estimate.cost import TIME_TERMS
 
 TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm": "tp communication",
               "pp_comm": "pp send/recv", "bubble": "pipeline bubble", "dp_comm_exposed": "exposed dp communication",
-              "optimizer": "optimizer step", "host_overhead": "host overhead (operator dispatch)",
+              "optimizer": "optimizer step", "host_overhead": "host and framework overhead (operator dispatch; framework.layer_overhead_ms)",
               "cp_comm": "cp K/V all-gathers", "ep_comm": "expert all-to-alls", "ep_imbalance": "router imbalance"}
 """The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`, and cp's and ep's: xpar.plan.vfive) in words."""
 FIVE_TERMS = ("cp_comm", "ep_comm", "ep_imbalance")

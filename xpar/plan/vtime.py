@@ -425,7 +425,7 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
     def layer(tp, b, sp, rec, stages):
         spec = spec_at(base, tp, stages, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
-        return dict(layer_costs(spec, a), **{f"tp_{k}": v for k, v in tp_times(spec).items()})
+        return dict(layer_costs(spec, a), **{f"tp_{k}": v for k, v in tp_times(spec, a.checkpoint_early_stop).items()})
 
     c = by_key([r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)], layer, (
         "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",

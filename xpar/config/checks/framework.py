@@ -1,6 +1,8 @@
 """Checks of the framework profile (conf/framework/): choices and ranges. Returns violations."""
 from __future__ import annotations
 
+import math
+
 from xpar.config.layout import SCHEDULES
 from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
@@ -26,8 +28,8 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
            for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
             if not 0.0 <= getattr(fw, k) <= 1.0]
-    out += [f"framework.{k}={getattr(fw, k)} must be 0 or more; e.g. framework.{k}=0." for k in NON_NEGATIVE
-            if getattr(fw, k) is not None and getattr(fw, k) < 0]
+    out += [f"framework.{k}={getattr(fw, k)} must be a finite number, 0 or more; e.g. framework.{k}=0." for k in NON_NEGATIVE
+            if getattr(fw, k) is not None and not (math.isfinite(getattr(fw, k)) and getattr(fw, k) >= 0)]
     out += [f"framework.grad_reduce_bytes={fw.grad_reduce_bytes} must be 2 or 4 (bytes per gradient element)."
             for _ in [0] if fw.grad_reduce_bytes not in (2, 4)]
     out += [f"framework.grad_bytes={fw.grad_bytes} must be 2, 4 or 6 (bytes per held gradient element; 6: bf16 "
