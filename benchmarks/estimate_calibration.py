@@ -119,7 +119,8 @@ def markdown(res: dict, cases: dict) -> str:
                      f"| {fit_without} | {100 * hm:.1f}% | {100 * hx:.1f}% |")
     lines += ["", "The one other fitted constant, Megatron-DeepSpeed's cost per layer and micro-batch "
               "(`framework.layer_overhead_ms`, conf/framework/deepspeed_bloom.yaml), fitted on each of its two sources "
-              "and checked on the other:", ""] + [f"- {x}" for x in layer_overhead_lines(cases, res)]
+              "and checked on the other (bigscience_bloom_2022's row above uses the value fitted on it; held out, "
+              "the second line's):", ""] + [f"- {x}" for x in layer_overhead_lines(cases, res)]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -324,7 +325,8 @@ def test_time_columns_with_host_overhead_and_shared_cores():
 def _equal_on(framework: str, rows: list) -> dict:
     """time_columns of ``rows`` (COLUMNS + offload tuples) of 175B on 64 A100 under ``framework``,
     asserted equal to the scalar estimate of each; returns the columns."""
-    ctx = context("175b", "a100_80gb_64gpu", framework)
+    from xpar.calibrate.published import preset
+    ctx = replace(context("175b", "a100_80gb_64gpu", "xpar"), framework=preset("framework", framework))  # with its defaults
     cols = {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS + ("offload",))}
     specs = [spec_of(ctx, cols, i) for i in range(len(rows))]
     ests = [estimate(sp) for sp in specs]
