@@ -384,15 +384,22 @@ def errors(cases: list, efficiency: float) -> list[float]:
 
 
 def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
-    """The matmul efficiency minimising the median |error| of ``cases`` (golden-section search;
-    the median |error| is unimodal in the efficiency for these sources)."""
+    """The matmul efficiency minimising the median |error| of ``cases`` (:func:`golden_min`, 14
+    steps, to 0.001; the median |error| is flat near its minimum and not always unimodal: H100's has
+    a second, lower minimum near 0.623)."""
     import statistics
-    cost = lambda x: statistics.median(abs(e) for e in errors(cases, x))  # noqa: E731
+    return round(golden_min(lambda x: statistics.median(abs(e) for e in errors(cases, x)), lo, hi, 14), 3)
+
+
+def golden_min(cost, lo: float, hi: float, steps: int) -> float:
+    """The middle of the bracket that a golden-section search for the minimum of ``cost`` over
+    [lo, hi] keeps after ``steps`` steps (one new point per step: the kept inner point is the next
+    step's other)."""
     g = (5 ** 0.5 - 1) / 2
     a, b = lo, hi
     c, d = b - g * (b - a), a + g * (b - a)
     fc, fd = cost(c), cost(d)
-    for _ in range(14):  # one new point per step: the kept inner point is the next step's other
+    for _ in range(steps):
         if fc <= fd:
             b, d, fd = d, c, fc
             c = b - g * (b - a)
@@ -401,7 +408,7 @@ def fit_efficiency(cases: list, lo: float = 0.4, hi: float = 0.95) -> float:
             a, c, fc = c, d, fd
             d = a + g * (b - a)
             fd = cost(d)
-    return round((a + b) / 2, 3)
+    return (a + b) / 2
 
 
 CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_fsdp_2024", "korthikanti_2022_table5",
@@ -433,19 +440,14 @@ def breakdown(case, efficiency: float) -> dict[str, float]:
 
 def fit_layer_overhead(cases: list, efficiency: float, lo: float = 0.0, hi: float = 50.0) -> float:
     """The ``layer_overhead_ms`` (Assumptions) minimising the median |error| of ``cases`` at the matmul
-    ``efficiency`` (golden-section search over [lo, hi] ms, to 0.1 ms): Megatron-DeepSpeed's cost per
-    layer and micro-batch, fitted on BLOOM's runs (benchmarks/estimate_calibration.py)."""
+    ``efficiency`` (:func:`golden_min` over [lo, hi] ms, 16 steps, to 0.1 ms): Megatron-DeepSpeed's cost
+    per layer and micro-batch, fitted on BLOOM's runs (benchmarks/estimate_calibration.py)."""
     import statistics
 
     def cost(x: float) -> float:
         moved = [(g, spec, replace(a, layer_overhead_ms=x), ref, metric) for g, spec, a, ref, metric in cases]
         return statistics.median(abs(e) for e in errors(moved, efficiency))
-    g = (5 ** 0.5 - 1) / 2
-    a, b = lo, hi
-    while b - a > 0.05:
-        c, d = b - g * (b - a), a + g * (b - a)
-        a, b = (a, d) if cost(c) <= cost(d) else (c, b)
-    return round((a + b) / 2, 1)
+    return round(golden_min(cost, lo, hi, 16), 1)
 
 
 def fit(cases_by_source: dict, exclude: str = "", fitted: Optional[dict] = None) -> dict[str, float]:

@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from xpar.estimate.collectives import collective_time, group_of
+from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts
+
 QKV = ("attention.wq", "attention.wk", "attention.wv")
 """xpar's separate query, key and value projections (xpar.models.transformer)."""
 
@@ -97,7 +100,6 @@ def traffic(spec, assume) -> BlockTraffic:
     """What ZeRO-3 moves per (dense) block of ``spec``'s model under ``assume`` (Assumptions):
     :func:`block_traffic` of :func:`xpar.estimate.model_states.block_shapes`. A MoE model's expert
     blocks are priced as its dense block (DeepSpeed v0.3 ran no MoE; this is a what-if)."""
-    from xpar.estimate.model_states import block_shapes
     return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
                          spec.layout.recompute, assume.fused_qkv)
 
@@ -114,7 +116,6 @@ def list_api_times(spec, assume, units: list[int], elem_bytes: int, kind: str) -
     counts from :func:`traffic`. A root with elements holds the whole model's embeddings, final norm
     and output (a stage's root holds at most those: the error is two tensors' host ops), its tensors
     all gathered. ``units``: elements per unit, root first; ``elem_bytes``: bytes per element moved."""
-    from xpar.estimate.model_states import tensor_counts
     t, root = traffic(spec, assume), tensor_counts(spec.model, spec.tp)[1]
     ops = assume.zero3_reduce_host_ops_per_rank if kind == "reduce" else assume.zero3_host_ops_per_rank
     per_tensor = ops * assume.host_op_us * 1e-6 * spec.dp
@@ -143,11 +144,11 @@ def tensor_times(spec, assume, units: list[int], gather: list, reduce: list, all
     return gather, reduce, [g + r for g, r in zip(gather, regather)]
 
 
-def persist_time(spec, assume, blocks: int, allgather: Callable[[float], float]) -> float:
+def persist_time(spec, assume, blocks: int) -> float:
     """Seconds per step that ZeRO-3's persistent tensors of a rank with ``blocks`` blocks cost
-    (module docstring): after the step, one flat all-gather of them (``allgather``: bytes ->
-    seconds) and ``zero3_persist_host_ops_per_rank`` host ops per tensor and rank (the unpack loop
-    of ``_allgather_params``); in each micro-batch after the first, one gather per tensor
+    (module docstring): after the step, one flat all-gather of them over dp and
+    ``zero3_persist_host_ops_per_rank`` host ops per tensor and rank (the unpack loop of
+    ``_allgather_params``); in each micro-batch after the first, one gather per tensor
     (``zero3_host_ops_per_rank`` per rank). 0 without persistence. The root's final norm (2
     tensors) is counted with the blocks'."""
     t = traffic(spec, assume)
@@ -155,14 +156,15 @@ def persist_time(spec, assume, blocks: int, allgather: Callable[[float], float])
         return 0.0
     k = t.persistent * blocks + 2
     host = assume.host_op_us * 1e-6 * spec.dp
-    after_step = allgather(persist_bytes(spec, assume, blocks))
+    group = group_of(spec.hardware, spec.dp, spec.tp)
+    after_step = collective_time(spec.hardware, "allgather", persist_bytes(spec, assume, blocks), group,
+                                 assume.dp_collective)
     after_step += k * assume.zero3_persist_host_ops_per_rank * host
     return after_step + (spec.micro_batches - 1) * k * assume.zero3_host_ops_per_rank * host
 
 
 def persist_bytes(spec, assume, blocks: int) -> float:
     """Bytes of the persistent tensors of ``blocks`` blocks in the training dtype (0 without persistence)."""
-    from xpar.estimate.model_states import BYTES
     if not assume.zero3_persist_numel:
         return 0.0
     return sum(math.prod(s) for _, s in _small(spec, assume.zero3_persist_numel)) * blocks * BYTES[spec.train.dtype]
@@ -170,7 +172,6 @@ def persist_bytes(spec, assume, blocks: int) -> float:
 
 def _small(spec, persist_numel: int) -> list:
     """The (name, shape) of one block's tensors under ``persist_numel`` elements."""
-    from xpar.estimate.model_states import block_shapes
     return [(n, s) for n, s in block_shapes(spec.model, spec.tp) if math.prod(s) < persist_numel]
 
 
@@ -182,12 +183,11 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     micro-batch after the first (``zero3_persist_numel``), the gradients all-reduced rather than
     reduce-scattered (``grad_reduce_scatter`` false: twice the bytes)."""
     from xpar.estimate.comm import allgather_bytes, allreduce_bytes
-    from xpar.estimate.model_states import BYTES
     if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches
     blocks = spec.layout.layers_of(pp_rank)
-    block = sum(math.prod(s) for _, s in _all(spec)) * e
+    block = sum(math.prod(s) for _, s in block_shapes(spec.model, spec.tp)) * e
     out["dp_allgather"] += allgather_bytes(t.regathered_share * block * blocks, dp) * m
     out["dp_allgather"] += allgather_bytes(persist_bytes(spec, assume, blocks), dp) * m if t.persistent else 0.0
     if not assume.grad_reduce_scatter:
@@ -196,7 +196,3 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     return out
 
 
-def _all(spec) -> tuple:
-    """(name, shape) of one block's tensors."""
-    from xpar.estimate.model_states import block_shapes
-    return block_shapes(spec.model, spec.tp)

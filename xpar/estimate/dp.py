@@ -153,11 +153,7 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
                     t["copy_gather"], t["copy_reduce"], t["gather_backward"])
     m = spec.micro_batches
-    persist = 0.0
-    if spec.parallel.zero_stage == 3 and assume.zero3_persist_numel:  # DeepSpeed 2021 (xpar.estimate.deepspeed_zero3)
-        g = group_of(spec.hardware, spec.dp, spec.tp)
-        persist = persist_time(spec, assume, len(units) - 1,
-                               lambda b: collective_time(spec.hardware, "allgather", b, g, assume.dp_collective))
+    persist = persist_time(spec, assume, len(units) - 1) if spec.parallel.zero_stage == 3 else 0.0  # DeepSpeed 2021
     return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"] + persist,
                     m * x["issued_per_microbatch"] + x["issued_once"] + persist,
                     x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])

@@ -62,7 +62,6 @@ from xpar.estimate.cost import (
     tp_times,
     waits_unstretched,
 )
-from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.deepspeed_zero3 import persist_time
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import (
@@ -260,9 +259,7 @@ def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarr
     def one(dp, tp, zero, m, n):
         if zero != 3:
             return {"p": 0.0}
-        spec = spec_at(base, tp, 1, dp, 1, m, 1, "gpipe", zero, False, "none")
-        g = group_of(spec.hardware, dp, tp)
-        return {"p": persist_time(spec, a, n, lambda b: collective_time(spec.hardware, "allgather", b, g, a.dp_collective))}
+        return {"p": persist_time(spec_at(base, tp, 1, dp, 1, m, 1, "gpipe", zero, False, "none"), a, n)}
     return per_slot([r["dp"], r["tp"], r["zero"], r["m"], s["n"]], one, ("p",))["p"]
 
 
