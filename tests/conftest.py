@@ -2,7 +2,9 @@
 gloo workers that runs several checks in a row (process start-up costs seconds here)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -177,3 +179,32 @@ def every_executed_run_has_fidelity(tmp_path_factory):
     yield
     missing = runs_missing_fidelity(tmp_path_factory.getbasetemp())
     assert not missing, "executed runs without fidelity metrics:\n" + "\n".join(missing)
+
+
+@contextlib.contextmanager
+def _no_spawn(item):
+    """Inside a test not marked ``slow``: starting a subprocess or a worker process fails the
+    test, so that ``pytest -m "not slow"`` is the fast loop and the marker cannot be forgotten."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(f"{item.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_spawn(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_spawn(item):
+        yield

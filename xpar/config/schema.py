@@ -417,7 +417,10 @@ class PlanConfig:
     memory_headroom: Optional[float] = None
     """Fraction of device memory kept free; null: hardware.memory_headroom."""
     top_k: int = 10
-    """Layouts shown in the ranked table."""
+    """Degree groups shown in the ranked table (the best layout of each; xpar.plan.groups)."""
+    tie_within: float = 0.05
+    """Layouts within this fraction of the winner's tokens/s are marked as ties (the estimator's stated
+    median error on published runs is 5-10 %: docs/accuracy/published.md)."""
     execute_top: int = 0
     """hardware=local: run this many top layouts for real (an MLflow sweep), compare estimated with measured."""
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.plan.groups import DEGREES, degree_columns
 from xpar.plan.rank import TERM_WORDS, describe_gap, feasible, separating_terms, terms
 
 GB = 1e9
@@ -87,15 +88,19 @@ def offload_line(res: dict[str, np.ndarray], i: int, hardware: dict) -> str:
 
 def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[str]:
     """For each choice in :data:`ALTERNATIVES`, the best feasible layout that differs from the
-    winner in it: its tokens/s against the winner's and the term that separates them."""
-    best, out = ranked[0], []
+    winner in it, not already printed (for a degree axis: not of a degree group already printed,
+    :mod:`xpar.plan.groups`): its tokens/s against the winner's and the term that separates them."""
+    best, out, shown = ranked[0], [], set()
     for col, words in ALTERNATIVES:
         if col not in res:
             continue
-        other = ranked[res[col][ranked] != res[col][best]]
-        if not len(other):
+        degree = col in DEGREES
+        key = (lambda i: tuple(res[k][i] for k in degree_columns(res))) if degree else (lambda i: i)
+        other = (j for j in ranked[res[col][ranked] != res[col][best]] if key(j) not in shown)
+        j = next(other, None)
+        if j is None:
             continue
-        j = other[0]
+        shown.add(key(j))
         loss = 1 - res["tokens_per_s"][j] / res["tokens_per_s"][best]
         term, frac = separating_terms(res, np.array([j]), best)[0]
         gap = f": {describe_gap(term, frac)}" if term else ""

@@ -32,6 +32,7 @@ class PlanInputs:
     top_k: int
     execute_top: int
     overrides: tuple[str, ...] = ()
+    tie_within: float = 0.05
 
     @property
     def devices_per_node(self) -> int:
@@ -120,6 +121,8 @@ def _number_problems(p, local: bool) -> list[str]:
     out += [f"plan.{k}={getattr(p, k)} must be >= {lo}; e.g. plan.{k}={eg}."
             for k, lo, eg in (("max_micro_batch_size", 1, 8), ("top_k", 1, 10), ("execute_top", 0, 3))
             if getattr(p, k) < lo]
+    if not 0 <= p.tie_within < 1:
+        out.append(f"plan.tie_within={p.tie_within} must be a fraction in [0, 1); e.g. plan.tie_within=0.05.")
     if p.memory_headroom is not None and not 0 <= p.memory_headroom < 1:
         out.append(f"plan.memory_headroom={p.memory_headroom} must be in [0, 1); e.g. plan.memory_headroom=0.05.")
     if p.min_tokens_per_s is not None and not 0 < p.min_tokens_per_s < math.inf:
@@ -219,7 +222,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}
     ctx = PlanContext(model=model, hardware=hw, train=dict(train, seq_len=seq), framework=framework)
     inputs = PlanInputs(ctx, c, counts, p.min_tokens_per_s, p.top_k, p.execute_top,
-                        tuple(_task_overrides() if overrides is None else overrides))
+                        tuple(_task_overrides() if overrides is None else overrides), tie_within=float(p.tie_within))
     return replace(inputs, ctx=inputs.at(counts[0])), []
 
 

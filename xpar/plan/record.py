@@ -12,13 +12,15 @@ from typing import Optional
 import numpy as np
 
 from xpar.estimate.cost import TIME_TERMS
+from xpar.plan.groups import group_ranks
 
 GB = 1e9
 CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload", "tokens_per_s",
                "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
                "memory_usable", "host_bytes") + tuple(f"time_{k}" for k in TIME_TERMS)
-"""Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``; then
-cp, ep, dtype and the cp/ep terms where the plan searched them (:func:`csv_columns`)."""
+"""Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank``; then cp, ep, dtype and the cp/ep
+terms where the plan searched them (:func:`csv_columns`), ``group`` (the rank of its degree group,
+:mod:`xpar.plan.groups`) and ``separates``."""
 
 
 def csv_columns(res: dict) -> tuple[str, ...]:
@@ -33,10 +35,10 @@ def write_ranked_csv(plan, path: Path) -> Path:
     r, rows = plan.res, plan.ranked
     gaps = separating_terms(r, rows, plan.best)
     names = csv_columns(r)
-    cols = [r[k][rows].tolist() for k in names]
+    cols = [r[k][rows].tolist() for k in names] + [group_ranks(r, rows).tolist()]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("rank",) + names + ("separates",))
+        w.writerow(("rank",) + names + ("group", "separates"))
         w.writerows([n + 1, *vals, describe_gap(*gap)] for n, (vals, gap) in enumerate(zip(zip(*cols), gaps)))
     return path
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xpar.plan.groups import differing_axes, group_heads, ties
+from xpar.plan.rank import describe_gap, separating_terms
 from xpar.plan.space import RULES
 
 GB = 1e9
@@ -54,35 +56,53 @@ def split_overrides(n_layers: int, pp: int, v: int, preset: bool) -> list[str]:
 
 
 def ranked_table(plan):
-    """The top ``top_k`` layouts as a rich Table (memory per device in GB, MFU, bubble ratio,
-    tokens/s against the best and the term that separates each from it)."""
+    """The best layout of each of the top ``top_k`` degree groups (:mod:`xpar.plan.groups`) as a rich
+    Table: memory per device in GB, MFU, bubble ratio, tokens/s against the best (ties within
+    ``plan.tie_within`` marked), the layouts in the group, and what separates it from the best."""
     from rich.table import Table
 
     from xpar.plan.explain import device_name
-    from xpar.plan.rank import describe_gap, separating_terms
-    r, top = plan.res, plan.ranked[:plan.inputs.top_k]
-    gaps = separating_terms(r, top, plan.best)
+    r = plan.res
+    heads, sizes = group_heads(r, plan.ranked)
+    top, sizes = heads[:plan.inputs.top_k], sizes[:plan.inputs.top_k]
+    tied = ties(r, top, plan.best, plan.inputs.tie_within)
     lo, hi = plan.inputs.constraints.global_batch
     batch = r["b"] * r["m"] * r["dp"]  # a range of global batches: each row's own, in a column
-    t = Table(title=f"xpar plan: top {len(top)} of {len(plan.ranked):,} layouts that fit "
-                    f"(model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
-                    f"global batch {int(batch[plan.best]) if lo == hi else f'{lo}-{hi} (column B)'}) -- ESTIMATE")
+    t = Table(title=f"xpar plan: the best of the top {len(top)} of {len(heads):,} degree groups ({len(plan.ranked):,} "
+                    f"layouts fit; model={plan.ctx.model['name']}, {plan.devices} x {device_name(plan.ctx.hardware)}, "
+                    f"global batch {int(batch[plan.best]) if lo == hi else f'{lo}-{hi} (column B)'}) -- ESTIMATE; "
+                    f"'tie': within {100 * plan.inputs.tie_within:.0f} % of the best, closer than the estimate's error")
     five = searched(plan)
     for col in ("#", "tp", "pp", "dp") + five + ("schedule", "b", "m") + (("B",) if lo != hi else ()) + (
-            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device",
+            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device", "layouts",
             "separates it from the best"):
-        t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right")
-    for n, (i, gap) in enumerate(zip(top, gaps), 1):
-        sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
-        rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
-        t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp") + five), sched, str(r["b"][i]), str(r["m"][i]),
-                  *((str(int(batch[i])),) if lo != hi else ()),
-                  str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
-                  "yes" if "offload" in r and r["offload"][i] else "",
-                  f"{r['tokens_per_s'][i]:,.0f}", _signed(rel) if n > 1 else "best",
-                  f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %",
-                  f"{r['memory_total'][i] / GB:.1f}", describe_gap(*gap))
+        t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right",
+                     no_wrap=col != "separates it from the best", min_width=36 if col.startswith("separates") else None)
+    for n, (i, size, tie) in enumerate(zip(top, sizes, tied), 1):
+        t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp") + five), *_row_tail(plan, i, n, tie, batch),
+                  str(int(size)), separation(r, i, plan.best))
     return t
+
+
+def _row_tail(plan, i: int, n: int, tie: bool, batch) -> list[str]:
+    """A table row from the schedule to the memory per device."""
+    r, (lo, hi) = plan.res, plan.inputs.constraints.global_batch
+    sched = (f"{r['schedule'][i]}" + (f" v{r['v'][i]}" if r["v"][i] > 1 else "")) if r["pp"][i] > 1 else "-"
+    rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
+    vs = "best" if n == 1 else _signed(rel) + (" tie" if tie else "")
+    return [sched, str(r["b"][i]), str(r["m"][i]), *((str(int(batch[i])),) if lo != hi else ()),
+            str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
+            "yes" if "offload" in r and r["offload"][i] else "", f"{r['tokens_per_s'][i]:,.0f}", vs,
+            f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %", f"{r['memory_total'][i] / GB:.1f}"]
+
+
+def separation(res, i: int, best: int) -> str:
+    """'tp 8->4; +3.1 % pipeline bubble': the degrees in which layout ``i`` differs from the best and
+    the step-time term that separates them most ('' for the best itself)."""
+    if i == best:
+        return ""
+    gap = describe_gap(*separating_terms(res, np.array([i]), best)[0])
+    return "; ".join(x for x in (differing_axes(res, i, best), gap) if x)
 
 
 def searched(plan) -> tuple[str, ...]:
@@ -127,7 +147,7 @@ def print_plan(plan, line: str) -> None:
     from rich.console import Console
 
     from xpar.plan.explain import explain
-    console = Console(width=max(160, Console().width))
+    console = Console(width=max(200, Console().width))
     console.print(ranked_table(plan))
     for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware):
         console.print(text, highlight=False, markup=False)

@@ -1,0 +1,43 @@
+"""The plan's top list of distinct choices (xpar.plan.groups): one row per degree group, ties with the
+winner marked, the axes that separate a group named, alternatives that differ in their axis."""
+import numpy as np
+
+from xpar.estimate.cost import TIME_TERMS
+from xpar.plan.explain import alternative_lines
+from xpar.plan.groups import differing_axes, group_heads, group_ranks, ties
+
+
+def _res():
+    """Six layouts: three of one degree group (tp 8 pp 4 dp 2, differing in m), two of another."""
+    cols = dict(tp=[8, 8, 8, 4, 4, 2], pp=[4, 4, 4, 8, 8, 16], dp=[2, 2, 2, 2, 2, 2], zero=[1, 1, 1, 1, 1, 0],
+                m=[8, 16, 32, 8, 16, 8], tokens_per_s=[100.0, 99.9, 99.5, 97.0, 96.0, 80.0])
+    return {k: np.array(v) for k, v in cols.items()}
+
+
+def test_group_heads_keep_the_best_of_each_degree_set_in_rank_order():
+    res = _res()
+    ranked = np.argsort(-res["tokens_per_s"])
+    heads, sizes = group_heads(res, ranked)
+    assert heads.tolist() == [0, 3, 5]
+    assert sizes.tolist() == [3, 2, 1]
+    assert group_ranks(res, ranked).tolist() == [1, 1, 1, 2, 2, 3]
+
+
+def test_ties_are_within_the_stated_error_and_axes_name_the_difference():
+    res = _res()
+    assert ties(res, np.array([0, 3, 5]), 0, 0.05).tolist() == [True, True, False]
+    assert ties(res, np.array([3]), 0, 0.01).tolist() == [False]
+    assert differing_axes(res, 3, 0) == "tp 8->4, pp 4->8"
+    assert differing_axes(res, 5, 0) == "tp 8->2, pp 4->16, ZeRO 1->0"
+    assert differing_axes(res, 1, 0) == ""
+
+
+def test_each_alternative_differs_in_its_axis_and_none_is_printed_twice():
+    res = _res()
+    for k in ("b", "v", "sp", "mfu", "memory_total", "time_per_step_s") + tuple(f"time_{t}" for t in TIME_TERMS):
+        res[k] = np.ones(6)
+    res["recompute"], res["schedule"] = np.array(["none"] * 6), np.array(["1f1b"] * 6)
+    lines = [ln for ln in alternative_lines(res, np.argsort(-res["tokens_per_s"])) if "best with another" in ln]
+    tp, pp = lines[0], lines[1]
+    assert "another tp (tp4 pp8" in tp  # row 3 differs in tp (and pp)
+    assert "another pp (tp2 pp16" in pp  # row 3 is already shown: the next that differs in pp
