@@ -41,3 +41,11 @@ def test_each_alternative_differs_in_its_axis_and_none_is_printed_twice():
     tp, pp = lines[0], lines[1]
     assert "another tp (tp4 pp8" in tp  # row 3 differs in tp (and pp)
     assert "another pp (tp2 pp16" in pp  # row 3 is already shown: the next that differs in pp
+
+
+def test_looped_schedules_try_small_v_that_do_not_divide_the_layers():
+    """Llama 3 405B ran v 8 on 126 layers; DeepSeek-V3-style 61 layers at v 4: both in the space now."""
+    from xpar.plan.space import schedule_pairs
+    pairs = set(schedule_pairs(126))
+    assert ("interleaved_1f1b", 8) in pairs and ("interleaved_1f1b", 4) in pairs and ("interleaved_1f1b", 63) in pairs
+    assert ("interleaved_1f1b", 4) in set(schedule_pairs(61)) and ("interleaved_1f1b", 9) not in set(schedule_pairs(8))

@@ -146,11 +146,19 @@ def micro_batch_sizes(batches: Sequence[int], max_b: int) -> list[int]:
     return [b for b in range(1, max_b + 1) if any(B % b == 0 for B in batches)]
 
 
+SMALL_V = range(2, 9)
+"""Virtual stages per rank tried whether or not they divide n_layers (the split then gives the first and
+last stages fewer blocks, rule ``split``): the v that published looped runs use, e.g. v 8 on Llama 3's 126
+layers, v 4 on 61 or 94 layers."""
+
+
 def schedule_pairs(n_layers: int) -> list[tuple[str, int]]:
-    """(schedule, v) of every schedule: v = 1, 2 (V-shaped) or each divisor >= 2 of n_layers."""
+    """(schedule, v) of every schedule: v = 1, 2 (V-shaped), or for looped schedules each of
+    :data:`SMALL_V` and each divisor >= 2 of n_layers (v <= n_layers)."""
+    looped = sorted({d for d in divisors(n_layers) if d >= 2} | {v for v in SMALL_V if v <= n_layers})
     out = []
     for name, rec in SCHEDULES.items():
-        vs = {"1": [1], "2": [2], "v": [d for d in divisors(n_layers) if d >= 2]}[rec.stages_per_rank]
+        vs = {"1": [1], "2": [2], "v": looped}[rec.stages_per_rank]
         out += [(name, v) for v in vs]
     return out
 
