@@ -198,22 +198,23 @@ def _alive(pid: int) -> bool:
 
 def sync(run_dir: Path) -> int:
     """``xpar sync <run dir>``: send what the journal holds and the store has not taken (and
-    the steps the workers recorded after it); a run whose recording process died without a
-    status ends FAILED. Returns the exit status: 0 all sent, 1 the store still failed,
-    2 no journal there."""
-    from xpar.track.journal import JOURNAL_FILE
-
+    the steps the workers recorded after it). Only adds what is missing: a status the journal
+    holds was observed and is sent; a run whose recording process died without journaling one
+    keeps the terminal status the store has (FINISHED, FAILED, KILLED), and ends KILLED only
+    where the store still says RUNNING (:func:`unobserved_end`). Returns the exit status: 0 all
+    sent, 1 the store still failed, 2 no journal of a run there (missing, empty or damaged)."""
     run_dir = Path(run_dir)
-    if not (run_dir / JOURNAL_FILE).is_file():
-        print(f"xpar: invalid configuration:\n  - no tracking journal in {run_dir} ({JOURNAL_FILE}); "
-              f"give the output directory of a run, e.g. outputs/<date>/<time>.", file=sys.stderr)
+    start = _journal_start(run_dir)
+    if isinstance(start, str):
+        print(f"xpar: invalid configuration:\n  - {start}", file=sys.stderr)
         return 2
     bound_http()
-    start = Journal(run_dir).records("start")[0]
-    rec = Recorder(start["uri"], start["run_id"], run_dir, start.get("world", 0))
+    rec = Recorder(start["uri"], start["run_id"], run_dir, start.get("world") if isinstance(start.get("world"), int) else 0)
     rec.collect_steps()
     if not rec.journal.records("end") and not _alive(start.get("pid")):
-        rec.record("end", status="FAILED", end_ms=int(time.time() * 1000))
+        status = unobserved_end(rec.client, start["run_id"])
+        if status is not None:
+            rec.record("end", status=status, end_ms=int(time.time() * 1000))
     n = len(rec.journal.pending())
     if rec.flush():
         print(f"xpar: synced {n} record(s) of run {start['run_id']} to {start['uri']}.")
@@ -221,3 +222,30 @@ def sync(run_dir: Path) -> int:
     print(f"xpar: the tracking store at {start['uri']} still fails ({rec.error}); "
           f"{len(rec.journal.pending())} record(s) kept in {rec.journal.path}.", file=sys.stderr)
     return 1
+
+
+def _journal_start(run_dir: Path):
+    """The journal's ``start`` record (a dict), or the line that refuses the folder (a str)."""
+    from xpar.track.journal import JOURNAL_FILE
+
+    if not (run_dir / JOURNAL_FILE).is_file():
+        return (f"no tracking journal in {run_dir} ({JOURNAL_FILE}); give the output directory of a run, "
+                f"e.g. outputs/<date>/<time>.")
+    starts = Journal(run_dir).records("start")
+    start = starts[0] if starts else {}
+    if not (isinstance(start.get("uri"), str) and isinstance(start.get("run_id"), str)):
+        return (f"{run_dir / JOURNAL_FILE} names no run (no start record with a store and a run id): it is empty, "
+                f"damaged or not one xpar wrote; give the output directory of a run xpar recorded.")
+    return start
+
+
+def unobserved_end(client, run_id: str) -> Optional[str]:
+    """The status to journal for a run whose recording process is gone without one: None where the
+    store already holds a terminal status (kept: xpar did not observe another) or cannot be asked
+    now (the next sync decides); KILLED where it still says RUNNING (as
+    :func:`xpar.track.runs.end_orphaned_runs` ends such a run)."""
+    try:
+        status = client.get_run(run_id).info.status
+    except Exception:  # unreachable store: flush fails and says so
+        return None
+    return "KILLED" if status in ("RUNNING", "SCHEDULED") else None
