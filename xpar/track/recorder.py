@@ -30,7 +30,15 @@ SHIP_INTERVAL_S = 1.0
 RETRY_AFTER_S = 2.0
 """Seconds before a failed store is tried again by the background thread."""
 END_BUDGET_S = 4.0
-"""Seconds the end of a run may wait for the store in total (last records and final status)."""
+"""Seconds the end of a run may wait for a tracking server in total (last records and final status)."""
+SQLITE_END_BUDGET_S = 30.0
+"""The same for a local SQLite store: no answer there means another process holds its write lock
+(two runs ending at once on a loaded machine took over 4 s), not a store that is gone."""
+
+
+def end_budget_s(uri: str) -> float:
+    """:data:`SQLITE_END_BUDGET_S` for a SQLite store, else :data:`END_BUDGET_S`."""
+    return SQLITE_END_BUDGET_S if uri.startswith("sqlite:") else END_BUDGET_S
 
 
 def bound_http(timeout_s: int = HTTP_TIMEOUT_S, retries: int = HTTP_RETRIES) -> None:
@@ -134,12 +142,12 @@ class Recorder:
     def stop_live(self) -> None:
         """Stop the background delivery; from now on the end budget runs."""
         if self._deadline is None:
-            self._deadline = time.monotonic() + END_BUDGET_S
+            self._deadline = time.monotonic() + end_budget_s(self.uri)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(max(0.0, self._deadline - time.monotonic()))
             if self._thread.is_alive():  # blocked on a store that does not answer
-                self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+                self.mark_failed(TimeoutError(f"no answer within the {end_budget_s(self.uri):g} s end budget"))
         self.collect_steps()
 
     def flush_bounded(self) -> bool:
@@ -149,9 +157,9 @@ class Recorder:
         done: list[bool] = []
         t = threading.Thread(target=lambda: done.append(self.flush()), daemon=True)
         t.start()
-        t.join(max(0.0, (self._deadline or time.monotonic() + END_BUDGET_S) - time.monotonic()))
+        t.join(max(0.0, (self._deadline or time.monotonic() + end_budget_s(self.uri)) - time.monotonic()))
         if t.is_alive():
-            self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+            self.mark_failed(TimeoutError(f"no answer within the {end_budget_s(self.uri):g} s end budget"))
         return bool(done and done[0])
 
     # -- records ---------------------------------------------------------------------------
