@@ -60,6 +60,11 @@ def test_failing_job_is_failed_others_finish_parent_ended(tmp_path):
     kids = runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]].set_index("tags.xpar.job_num")
     assert kids.loc["0", "status"] == "FAILED" and kids.loc["1", "status"] == "FINISHED"
     assert kids.loc["1", "tags.xpar.overrides"].startswith("run.fail_rank=null")
+    why = "worker rank 1 failed"  # the failed job's reason: on its run, in its xpar.log, on the console
+    assert why in kids.loc["0", "tags.xpar.error"]
+    sweep_dir, = {p.parent.parent for p in tmp_path.glob("multirun/*/*/0/xpar.log")}
+    assert f"job 0 failed: WorkerFailed: {why}" in (sweep_dir / "0" / "xpar.log").read_text()
+    assert f"job 0 failed: WorkerFailed: {why}" in r.stdout + r.stderr
 
 
 def _parent_and_children(runs):

@@ -1,6 +1,7 @@
 """Entry point: ``python -m xpar [overrides]`` and the ``xpar`` console script."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from functools import partial
@@ -14,7 +15,8 @@ from omegaconf import DictConfig
 import xpar.config.schema  # noqa: F401  (registers the schema)
 from xpar.config.overrides import refuse_bad_overrides
 from xpar.config.presets import conf_dir
-from xpar.track.runs import open_store
+from xpar.track.run_dir import claim_before_hydra
+from xpar.track.runs import ignore_inherited_run, open_store
 
 START_DIR = Path.cwd()
 
@@ -26,11 +28,16 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     from xpar.track.sweep import current_sweep
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    sweep = current_sweep()
     try:
-        report = run_job(cfg, out_dir, START_DIR, current_sweep())
+        report = run_job(cfg, out_dir, START_DIR, sweep)
     except BrokenPipeError:  # whoever read stdout is gone (`xpar plan ... | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(141) from None
+    except Exception as e:
+        if sweep is not None:  # Hydra shows only the first failed job's error, at the end: say each one now
+            logging.getLogger("xpar").error(f"job {sweep['job_num']} failed: {type(e).__name__}: {e}")
+        raise
     if report is None:  # a skipped invalid sweep job: None makes Optuna mark the trial FAIL (NaN crashed it)
         return None
     return report.metrics().get(cfg.sweep.metric)
@@ -134,7 +141,11 @@ def _before_hydra() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     if "TORCHELASTIC_RUN_ID" in os.environ and "XPAR_RUN_DIR" not in os.environ:
         os.environ["XPAR_RUN_DIR"] = f"outputs/torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
-    sys.argv += optuna_failure_rate(sys.argv[1:])
+    extra, refused = claim_before_hydra(sys.argv[1:], START_DIR)  # a run owns its folder (xpar.track.run_dir)
+    if refused:
+        print(f"xpar: invalid configuration:\n  - {refused}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.argv += extra + optuna_failure_rate(sys.argv[1:])
 
 
 def main() -> None:
@@ -142,6 +153,7 @@ def main() -> None:
     journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
     preset names (exit 2 with the valid ones), then hand over to Hydra. Ctrl-C ends with one line
     and exit 130."""
+    ignore_inherited_run()  # xpar owns its MLflow runs: an inherited MLFLOW_RUN_ID is dropped, said in one line
     try:
         _before_hydra()
     except KeyboardInterrupt:

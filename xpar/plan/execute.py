@@ -116,7 +116,8 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
 def _measured(sweep_dir: Path) -> tuple[dict[int, float], str]:
     """Measured tokens/s by job number (0-based) of the sweep's child runs, and the sweep's id."""
     from mlflow.tracking import MlflowClient
-    info = json.loads((sweep_dir / "xpar_sweep.json").read_text())
+    from xpar.track.sweep import SWEEP_FILE
+    info = json.loads(next(sweep_dir.glob(SWEEP_FILE.format("*"))).read_text())  # the one sweep of this folder
     client = MlflowClient(info["uri"])
     runs = client.search_runs([info["experiment_id"]], f"tags.`xpar.sweep_id` = '{info['sweep_id']}'")
     return {int(r.data.tags["xpar.job_num"]): r.data.metrics.get("throughput/tokens_per_s", float("nan"))

@@ -28,9 +28,11 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     worker exits 1 naming its rank. Inside a sweep (``sweep`` given) errors are raised so
     that Hydra marks the job failed and goes on, and an invalid job is skipped when
     ``sweep.skip_invalid`` is set. Returns the Report on the process that records (None on
-    non-zero torchrun ranks and skipped jobs).
+    non-zero torchrun ranks and skipped jobs). A folder of another run is refused first
+    (:func:`own_folder`).
     """
     if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
+        own_folder(out_dir, sweep)
         from xpar.plan.command import run_plan
         from xpar.track.runs import TrackingUnavailable
         try:
@@ -46,6 +48,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     from xpar.track.runs import TrackingUnavailable
 
     adopt_submitit_tasks()  # the tasks of a multi-task submitit job become this one job's ranks
+    own_folder(out_dir, sweep)
     from xpar.run.resume import checkpointing
     try:
         spec = check_run(cfg)
@@ -81,6 +84,26 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             raise
         print(f"xpar: {e}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
+    """Claim ``out_dir`` for this run (xpar.track.run_dir): a single run's folder was claimed before
+    Hydra started (xpar.__main__), a sweep job's is claimed here. A folder of another run exits 2
+    (raises ConfigError in a sweep) before any worker starts. The ranks other than 0 of a torchrun
+    or multi-task submitit job share their rank 0's."""
+    import os
+
+    from xpar.track.run_dir import claim
+    if os.environ.get("RANK", "0") != "0":
+        return
+    why = claim(out_dir)
+    if why is None:
+        return
+    line = (f"the output folder {out_dir} is another run's ({why}): a run never writes into another run's "
+            f"records or checkpoints; give a new folder, e.g. hydra.run.dir={out_dir}-new.")
+    if sweep is None:
+        fail(f"  - {line}")
+    raise ConfigError([line])
 
 
 @dataclass
@@ -193,7 +216,10 @@ def _record(job: Job, body) -> Report:
         where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
                  f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
     from xpar.track.recorder import recording_gap
-    print_report(spec, report, recording_gap(run.recorder) or where)
+    gap = recording_gap(run.recorder)
+    print_report(spec, report, gap or where)
+    if gap and job.sweep is None:  # trained, but not all of it is in MLflow: the `xpar sync` line above says how
+        raise SystemExit(1)
     return report
 
 

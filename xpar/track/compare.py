@@ -76,12 +76,13 @@ def select_runs(uri: str, experiment: str, sweep: Optional[str], filter_string: 
     mlflow.set_tracking_uri(uri)
     if sweep == "latest":
         parents = mlflow.search_runs(experiment_names=[experiment], filter_string="tags.`xpar.role` = 'sweep'",
-                                     order_by=["start_time DESC"], max_results=1)
-        if parents.empty:
+                                     order_by=["start_time DESC"], max_results=50)
+        ids = parents["tags.xpar.sweep_id"].dropna() if "tags.xpar.sweep_id" in parents else []
+        if not len(ids):  # none, or sweep-role runs without a sweep id (not xpar's, or damaged)
             raise SystemExit(f"xpar compare: no sweep found in experiment {experiment!r} at {uri}; run one "
                              f"(python -m xpar -m parallel.micro_batches=1,2) or compare single runs: "
                              f"xpar compare --filter \"attributes.status = 'FINISHED'\"")
-        sweep = parents.iloc[0]["tags.xpar.sweep_id"]
+        sweep = ids.iloc[0]
     clauses = [f"tags.`xpar.sweep_id` = '{sweep}'"] if sweep else []
     if filter_string:
         clauses.append(filter_string)

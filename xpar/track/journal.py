@@ -82,10 +82,20 @@ def _read_lines(path: Path) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
-            pass
+            continue
+        if isinstance(rec, dict):  # a line `5` or `[1]` is no record (a damaged or foreign file)
+            out.append(rec)
     return out
+
+
+def _is_record(r: dict) -> bool:
+    return isinstance(r.get("seq"), int) and isinstance(r.get("kind"), str)
+
+
+def _is_ack(r: dict) -> bool:
+    return isinstance(r.get("ack"), int) and not isinstance(r.get("ack"), bool)
 
 
 class StepMerger:
@@ -169,15 +179,16 @@ class Journal:
         self.disk_error: Optional[str] = None
         """Why the journal file stopped being written (a full disk), or None."""
         lines = _read_lines(self.path)
-        self._records = [r for r in lines if "seq" in r and "kind" in r]
-        self._acked = {r["ack"] for r in lines if "ack" in r}
+        self._records = [r for r in lines if _is_record(r)]
+        self._acked = {r["ack"] for r in lines if _is_ack(r)}
         self._steps = 0
         for r in self._records:
             self._count_steps(r)
 
     def _count_steps(self, rec: dict) -> None:
-        if rec["kind"] == "metrics":
-            steps = [p[3] + 1 for p in rec["points"] if p[0] == "train/step_time_s"]
+        if rec["kind"] == "metrics" and isinstance(rec.get("points"), list):
+            steps = [p[3] + 1 for p in rec["points"] if isinstance(p, list) and len(p) == 4
+                     and p[0] == "train/step_time_s" and isinstance(p[3], int)]
             self._steps = max([self._steps] + steps)
 
     def _write(self, obj: dict) -> None:
@@ -219,3 +230,16 @@ class Journal:
     def steps_journaled(self) -> int:
         """One past the last step whose metrics are journaled (0 if none)."""
         return self._steps
+
+
+def unacknowledged(out_dir: Path) -> int:
+    """How many records of the run in ``out_dir`` its store has not acknowledged: pending journal
+    records and steps every worker finished that are not journaled yet (0 without a journal)."""
+    out_dir = Path(out_dir)
+    if not (out_dir / JOURNAL_FILE).is_file():
+        return 0
+    journal = Journal(out_dir)
+    start = journal.records("start")
+    world = start[0].get("world", 0) if start and isinstance(start[0].get("world"), int) else 0
+    steps = merged_steps(out_dir, world, journal.steps_journaled()) if world else []
+    return len(journal.pending()) + len(steps)

@@ -30,7 +30,15 @@ SHIP_INTERVAL_S = 1.0
 RETRY_AFTER_S = 2.0
 """Seconds before a failed store is tried again by the background thread."""
 END_BUDGET_S = 4.0
-"""Seconds the end of a run may wait for the store in total (last records and final status)."""
+"""Seconds the end of a run may wait for a tracking server in total (last records and final status)."""
+SQLITE_END_BUDGET_S = 30.0
+"""The same for a local SQLite store: no answer there means another process holds its write lock
+(two runs ending at once on a loaded machine took over 4 s), not a store that is gone."""
+
+
+def end_budget_s(uri: str) -> float:
+    """:data:`SQLITE_END_BUDGET_S` for a SQLite store, else :data:`END_BUDGET_S`."""
+    return SQLITE_END_BUDGET_S if uri.startswith("sqlite:") else END_BUDGET_S
 
 
 def bound_http(timeout_s: int = HTTP_TIMEOUT_S, retries: int = HTTP_RETRIES) -> None:
@@ -134,12 +142,12 @@ class Recorder:
     def stop_live(self) -> None:
         """Stop the background delivery; from now on the end budget runs."""
         if self._deadline is None:
-            self._deadline = time.monotonic() + END_BUDGET_S
+            self._deadline = time.monotonic() + end_budget_s(self.uri)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(max(0.0, self._deadline - time.monotonic()))
             if self._thread.is_alive():  # blocked on a store that does not answer
-                self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+                self.mark_failed(TimeoutError(f"no answer within the {end_budget_s(self.uri):g} s end budget"))
         self.collect_steps()
 
     def flush_bounded(self) -> bool:
@@ -149,9 +157,9 @@ class Recorder:
         done: list[bool] = []
         t = threading.Thread(target=lambda: done.append(self.flush()), daemon=True)
         t.start()
-        t.join(max(0.0, (self._deadline or time.monotonic() + END_BUDGET_S) - time.monotonic()))
+        t.join(max(0.0, (self._deadline or time.monotonic() + end_budget_s(self.uri)) - time.monotonic()))
         if t.is_alive():
-            self.mark_failed(TimeoutError(f"no answer within the {END_BUDGET_S:g} s end budget"))
+            self.mark_failed(TimeoutError(f"no answer within the {end_budget_s(self.uri):g} s end budget"))
         return bool(done and done[0])
 
     # -- records ---------------------------------------------------------------------------
@@ -198,22 +206,23 @@ def _alive(pid: int) -> bool:
 
 def sync(run_dir: Path) -> int:
     """``xpar sync <run dir>``: send what the journal holds and the store has not taken (and
-    the steps the workers recorded after it); a run whose recording process died without a
-    status ends FAILED. Returns the exit status: 0 all sent, 1 the store still failed,
-    2 no journal there."""
-    from xpar.track.journal import JOURNAL_FILE
-
+    the steps the workers recorded after it). Only adds what is missing: a status the journal
+    holds was observed and is sent; a run whose recording process died without journaling one
+    keeps the terminal status the store has (FINISHED, FAILED, KILLED), and ends KILLED only
+    where the store still says RUNNING (:func:`unobserved_end`). Returns the exit status: 0 all
+    sent, 1 the store still failed, 2 no journal of a run there (missing, empty or damaged)."""
     run_dir = Path(run_dir)
-    if not (run_dir / JOURNAL_FILE).is_file():
-        print(f"xpar: invalid configuration:\n  - no tracking journal in {run_dir} ({JOURNAL_FILE}); "
-              f"give the output directory of a run, e.g. outputs/<date>/<time>.", file=sys.stderr)
+    start = _journal_start(run_dir)
+    if isinstance(start, str):
+        print(f"xpar: invalid configuration:\n  - {start}", file=sys.stderr)
         return 2
     bound_http()
-    start = Journal(run_dir).records("start")[0]
-    rec = Recorder(start["uri"], start["run_id"], run_dir, start.get("world", 0))
+    rec = Recorder(start["uri"], start["run_id"], run_dir, start.get("world") if isinstance(start.get("world"), int) else 0)
     rec.collect_steps()
     if not rec.journal.records("end") and not _alive(start.get("pid")):
-        rec.record("end", status="FAILED", end_ms=int(time.time() * 1000))
+        status = unobserved_end(rec.client, start["run_id"])
+        if status is not None:
+            rec.record("end", status=status, end_ms=int(time.time() * 1000))
     n = len(rec.journal.pending())
     if rec.flush():
         print(f"xpar: synced {n} record(s) of run {start['run_id']} to {start['uri']}.")
@@ -221,3 +230,30 @@ def sync(run_dir: Path) -> int:
     print(f"xpar: the tracking store at {start['uri']} still fails ({rec.error}); "
           f"{len(rec.journal.pending())} record(s) kept in {rec.journal.path}.", file=sys.stderr)
     return 1
+
+
+def _journal_start(run_dir: Path):
+    """The journal's ``start`` record (a dict), or the line that refuses the folder (a str)."""
+    from xpar.track.journal import JOURNAL_FILE
+
+    if not (run_dir / JOURNAL_FILE).is_file():
+        return (f"no tracking journal in {run_dir} ({JOURNAL_FILE}); give the output directory of a run, "
+                f"e.g. outputs/<date>/<time>.")
+    starts = Journal(run_dir).records("start")
+    start = starts[0] if starts else {}
+    if not (isinstance(start.get("uri"), str) and isinstance(start.get("run_id"), str)):
+        return (f"{run_dir / JOURNAL_FILE} names no run (no start record with a store and a run id): it is empty, "
+                f"damaged or not one xpar wrote; give the output directory of a run xpar recorded.")
+    return start
+
+
+def unobserved_end(client, run_id: str) -> Optional[str]:
+    """The status to journal for a run whose recording process is gone without one: None where the
+    store already holds a terminal status (kept: xpar did not observe another) or cannot be asked
+    now (the next sync decides); KILLED where it still says RUNNING (as
+    :func:`xpar.track.runs.end_orphaned_runs` ends such a run)."""
+    try:
+        status = client.get_run(run_id).info.status
+    except Exception:  # unreachable store: flush fails and says so
+        return None
+    return "KILLED" if status in ("RUNNING", "SCHEDULED") else None

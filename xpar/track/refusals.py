@@ -23,6 +23,8 @@ def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:
     if db is not None and not db.is_file():
         return (f"no tracking store at {uri} (no file {db}); run xpar from this directory first, "
                 f"or pass --uri <the store's URI>.")
+    if db is not None and (why := not_an_mlflow_store(db)):
+        return f"--uri {uri} is no MLflow tracking store ({why}); pass --uri <the store's URI>, e.g. sqlite:///mlflow.db."
     if uri.startswith(("http://", "https://")):
         import urllib.request
         try:
@@ -35,6 +37,36 @@ def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:
         if why:
             return f"--out {out} cannot be written ({why}); give a writable folder, e.g. --out ./xpar_compare."
     return None
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}
+
+
+def not_an_mlflow_store(db: Path) -> Optional[str]:
+    """None if the SQLite file ``db`` holds MLflow's tables, else why not (empty, not SQLite,
+    damaged, no MLflow tables). Opened read-only: MLflow would otherwise build its tables into
+    any file it is given (an empty file became a store), and a command never writes a file it
+    was only asked to read."""
+    import sqlite3
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        return f"{db} cannot be read: {e.strerror or e}"
+    if not head:
+        return f"{db} is empty"
+    if head != SQLITE_HEADER:
+        return f"{db} is not an SQLite file"
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return f"{db} is a damaged SQLite file: {e}"
+    return None if MLFLOW_TABLES <= tables else f"{db} is an SQLite file without MLflow's tables"
 
 
 def selected(select_runs: Callable, uri: str, experiment: str, sweep: Optional[str], filter_string: Optional[str]):
@@ -63,4 +95,4 @@ def _sweep_ids(experiment: str) -> list[str]:
 
     parents = mlflow.search_runs(experiment_names=[experiment], filter_string="tags.`xpar.role` = 'sweep'",
                                  order_by=["start_time DESC"], max_results=10)
-    return [] if parents.empty else list(parents["tags.xpar.sweep_id"])
+    return list(parents["tags.xpar.sweep_id"].dropna()) if "tags.xpar.sweep_id" in parents else []

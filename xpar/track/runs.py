@@ -91,6 +91,22 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 without it new experiments open in the GenAI view, with the runs one click away)."""
 
 
+INHERITED_RUN_ENV = ("MLFLOW_RUN_ID",)
+"""MLflow's run-selecting environment: ``mlflow.start_run`` would log into the run it names, in its
+experiment, and rename it (mlflow#15713). xpar creates every run itself (``experiment_id`` is
+always passed, so MLFLOW_EXPERIMENT_ID/NAME select nothing)."""
+
+
+def ignore_inherited_run() -> None:
+    """Drop an inherited ``MLFLOW_RUN_ID`` from this process (and the workers it starts), saying so
+    in one line; a resumed run sets its own (xpar.run.job._continue_run)."""
+    for key in INHERITED_RUN_ENV:
+        value = os.environ.pop(key, None)
+        if value is not None and os.environ.get("RANK", "0") == "0":
+            print(f"xpar: ignoring {key}={value} from the environment: xpar records each run in a new MLflow run "
+                  f"of its own (to continue a checkpointed run: train.resume=<its folder>).", file=sys.stderr)
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking store cannot be reached or used; raised before any worker starts."""
 
@@ -115,11 +131,16 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
                                   f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
-                                  f"{_store_advice(uri)}") from None
+                                  f"{_store_advice(uri, e)}") from None
 
 
-def _store_advice(uri: str) -> str:
-    """What to do about a store that failed: a server to start, or a SQLite file to move aside."""
+def _store_advice(uri: str, e: Optional[Exception] = None) -> str:
+    """What to do about a store that failed: a value MLflow refused (the store answered), a server
+    to start, or a SQLite file to move aside."""
+    from mlflow.exceptions import MlflowException
+    if isinstance(e, MlflowException) and e.error_code == "INVALID_PARAMETER_VALUE":
+        return ("The store is healthy and refused a value: fix it (e.g. a shorter tracking.experiment, "
+                "tracking.experiment=xpar), or tracking=off.")
     if uri.startswith(("http://", "https://")):
         return "Start the server, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
     from xpar.config.checks.environment import sqlite_path
@@ -194,7 +215,19 @@ def end_orphaned_runs(client, experiment_id: str) -> list[str]:
     if ended:
         print(f"xpar: {len(ended)} run(s) left RUNNING by a process that is gone now ended KILLED "
               f"({', '.join(r[:8] for r in ended)}).", file=sys.stderr)
+    for run_id in ended:
+        _sync_hint(client.get_run(run_id).data.tags.get("xpar.out_dir"))
     return ended
+
+
+def _sync_hint(out_dir: Optional[str]) -> None:
+    """The ``xpar sync`` line for a killed run whose journal holds records (or whose workers' step
+    files hold steps) the store has not acknowledged."""
+    from xpar.track.journal import unacknowledged
+    n = unacknowledged(Path(out_dir)) if out_dir else 0
+    if n:
+        print(f"xpar: its folder {out_dir} holds {n} record(s) or step(s) the store has not taken; "
+              f"send them with: xpar sync {out_dir}", file=sys.stderr)
 
 
 def param_key(key: str) -> str:
@@ -228,9 +261,15 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     bound_http()
     exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
                               spec.tracking.artifact_location, start_dir)
-    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name,
-                           tags={**(tags or {}), **owner_tags()})
-    recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, Path(out_dir or tempfile.mkdtemp(prefix="xpar-")),
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="xpar-")).resolve()
+    try:
+        run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name,
+                               tags={**(tags or {}), **owner_tags(), "xpar.out_dir": str(out_dir)})
+    except Exception as e:  # a store that reads but takes no write (a full disk, a read-only file)
+        raise TrackingUnavailable(f"the MLflow store tracking.uri={mlflow.get_tracking_uri()} did not take a new run "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                                  f"free space there or make it writable, or pass tracking=off.") from None
+    recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, out_dir,
                         spec.world_size if spec.mode == "execute" else 0)
     run.recorder = recorder
     with _sigterm_raises():
@@ -242,7 +281,9 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
         except (KeyboardInterrupt, _Terminated):
             _end(recorder, "KILLED")
             raise KeyboardInterrupt from None
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception):  # why, on the run (a SystemExit's line is already on the console)
+                recorder.record("tags", tags={"xpar.error": f"{type(e).__name__}: {e}"[:5000]})
             _end(recorder, "FAILED")
             raise
         else:

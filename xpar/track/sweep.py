@@ -4,8 +4,9 @@
 
 - ``on_multirun_start``: composes and validates every job of the sweep (the same
   composition the launcher will do) before the first job starts, then opens one parent
-  MLflow run and writes its id to ``<sweep dir>/xpar_sweep.json``, where each job (in this
-  process or another, e.g. submitit) finds it and starts a nested child run.
+  MLflow run and writes its id to ``<sweep dir>/xpar_sweep_<sweep id>.json`` (one file per
+  sweep, in a sweep folder it owns: xpar.track.run_dir), named to each job (in this process or
+  another, e.g. submitit) by ``XPAR_SWEEP_FILE``; each job starts a nested child run.
 - ``on_multirun_end`` and an ``atexit`` hook (Hydra skips the callback when a job failed):
   log the sweep's table (CSV), plots and best job to the parent, and end it FINISHED, or
   FAILED if any child failed. Idempotent.
@@ -24,7 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-SWEEP_FILE = "xpar_sweep.json"
+SWEEP_FILE = "xpar_sweep_{}.json"
+"""The sweep's state, keyed by its id (two sweeps never share one)."""
 SWEEP_ENV = "XPAR_SWEEP_FILE"
 
 
@@ -107,8 +109,8 @@ class SweepCallback(Callback):
             print(f"xpar: could not open the sweep's MLflow parent run ({type(e).__name__}: {e}); "
                   f"each job is still recorded as its own run.", file=sys.stderr)
             return
-        (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))
-        self._file = sweep_dir / SWEEP_FILE
+        self._file = sweep_dir / SWEEP_FILE.format(sweep_id)
+        self._file.write_text(json.dumps(info))
         # Jobs re-resolve ${now:...} in hydra.sweep.dir; the environment (inherited by
         # launcher subprocesses such as submitit's) carries the one true location.
         os.environ[SWEEP_ENV] = str(self._file)
@@ -152,8 +154,9 @@ def current_sweep() -> Optional[dict]:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return None
-    f = Path(os.environ.get(SWEEP_ENV, Path(hc.runtime.output_dir).parent / SWEEP_FILE))
-    info = json.loads(f.read_text()) if f.is_file() else {}
+    f = os.environ.get(SWEEP_ENV)
+    found = [Path(f)] if f else sorted(Path(hc.runtime.output_dir).parent.glob(SWEEP_FILE.format("*")))
+    info = json.loads(found[0].read_text()) if len(found) == 1 and found[0].is_file() else {}
     info.update(job_num=int(hc.job.num), overrides=list(hc.overrides.task))
     return info
 
