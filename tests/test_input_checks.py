@@ -1,0 +1,92 @@
+"""Bad input refused before any worker starts (issue 40): every numeric key of the schema has a
+range (xpar.config.checks.ranges), out-of-range values are refused with one line naming the key, the
+value, the range and a value that works; estimates whose figures are not finite or negative are
+refused; advice that works when followed; no traceback on the cases of the issue (subprocesses,
+marked slow)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+from tests.conftest import compose, spec_for
+from xpar.config.checks import ConfigError
+from xpar.config.checks.ranges import RANGES, range_problems
+from xpar.config.presets import conf_dir
+from xpar.config.schema import XparConfig
+from xpar.config.validate import to_schema
+
+NUMERIC = (int, float, typing.Optional[int], typing.Optional[float], typing.Any)
+
+
+def schema_numeric_keys() -> list[str]:
+    """Every field of every group whose type is a number, an optional number or Any (numbers or 'auto')."""
+    out = []
+    for group in dataclasses.fields(XparConfig):
+        cls = type(group.default_factory())
+        hints = typing.get_type_hints(cls)
+        out += [f"{group.name}.{f.name}" for f in dataclasses.fields(cls) if hints[f.name] in NUMERIC]
+    return out
+
+
+def test_every_numeric_field_of_the_schema_has_a_range():
+    keys = schema_numeric_keys()
+    assert len(keys) > 100
+    missing = [k for k in keys if k not in RANGES]
+    assert not missing, f"numeric keys without a range in xpar.config.checks.ranges.RANGES: {missing}"
+    assert not [k for k in RANGES if k not in keys]  # no range for a key that is gone
+
+
+def test_every_default_and_every_preset_is_in_range():
+    """A range that refused a shipped preset would refuse the user's working command."""
+    assert range_problems(XparConfig()) == {}
+    for group in ("model", "parallel", "hardware", "framework", "train", "plan"):
+        for path in sorted((conf_dir() / group).glob("*.yaml")):
+            c = to_schema(compose(f"{'+' if group == 'plan' else ''}{group}={path.stem}"))
+            assert range_problems(c) == {}, (group, path.stem, range_problems(c))
+
+
+@pytest.mark.parametrize("key, bad", [
+    ("parallel.etp", -1), ("model.moe_imbalance", math.inf), ("model.moe_imbalance", math.nan),
+    ("model.norm_eps", 0), ("train.seed", -3), ("hardware.memory_headroom", 1.0),
+    ("framework.bucket_mb", -1.0), ("framework.bucket_mb", math.inf), ("run.collective_timeout_s", math.inf), ("plan.top_k", 0),
+    ("train.checkpoint_keep", 0), ("model.rope_theta", -1.0)])
+def test_an_out_of_range_value_is_refused_naming_key_value_range_and_a_fix(key, bad):
+    c = XparConfig()
+    group, name = key.split(".")
+    setattr(getattr(c, group), name, bad)
+    line = range_problems(c)[key]
+    assert line.startswith(f"{key} must be ") and f"got {bad}" in line and f"e.g. {key}=" in line
+    fix = line.rsplit(f"e.g. {key}=", 1)[1].rstrip(".")
+    given = None if fix == "null" else fix if fix == "auto" else int(fix) if RANGES[key].integer else float(fix)
+    setattr(getattr(c, group), name, given)
+    assert key not in range_problems(c), line  # the suggestion works
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("model=mixtral_8x7b", "parallel.etp=-1"), "parallel.etp"),
+    (("model=mixtral_8x7b", "model.moe_imbalance=inf"), "model.moe_imbalance"),
+])
+def test_etp_and_imbalance_refused_in_an_estimate(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        spec_for("run.mode=estimate", "hardware=h100_80gb_64gpu", *overrides)
+    assert [p for p in e.value.problems if p.startswith(key)], e.value.problems
+
+
+def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_path):
+    """The guard behind the range checks: a spec that slipped past them (imbalance inf, etp -1 set on
+    the resolved spec) gives no Report; the run ends FAILED (xpar.track.runs.mlflow_run), exit 2."""
+    from dataclasses import replace
+
+    from xpar.estimate.run import EstimateError, estimate_report
+
+    spec = spec_for("run.mode=estimate", "hardware=h100_80gb_64gpu", "model=mixtral_8x7b", "parallel.ep=8",
+                    "parallel.zero_stage=3", "parallel.recompute=full", "train.micro_batch_size=1", "run.dry_run=false")
+    assert estimate_report(spec, tmp_path).step_time_s > 0
+    for bad in (replace(spec, model=replace(spec.model, moe_imbalance=math.inf)),
+                replace(spec, layout=replace(spec.layout, etp=-1), parallel=replace(spec.parallel, etp=-1))):
+        with pytest.raises(EstimateError) as e:
+            estimate_report(bad, tmp_path)
+        assert "not finite or negative" in str(e.value) and "\n" not in str(e.value)
