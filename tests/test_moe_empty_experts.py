@@ -85,3 +85,47 @@ def test_one_sequence_per_micro_batch_trains_like_the_reference(results, name):
         assert got == pytest.approx(ref["losses"][step], rel=1e-4), (name, step, got, ref["losses"][step])
     for rank, (_, norms, _) in enumerate(out[name]):
         assert norms == pytest.approx(ref["grad_norms"], rel=1e-4), (name, rank)
+
+
+def test_hung_run_is_named_when_every_rank_beats_but_none_progresses(tmp_path):
+    """Fast: heartbeats fresh, progress older than the timeout on every rank -> the rank furthest
+    behind is named; one rank progressing, or a rank not yet started, -> None."""
+    import json
+    import os
+    import time
+
+    from xpar.run.launch import hung_run
+
+    d = tmp_path / "heartbeat"
+    d.mkdir()
+    now = time.time()
+
+    def beat(rank, step, progress_age):
+        (d / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "t": now, "step": step,
+                                                        "progress_t": now - progress_age}))
+    beat(0, 3, 50)
+    assert hung_run(tmp_path, 2, 30, now) is None  # rank 1 has not started
+    beat(1, 2, 40)
+    rank, why = hung_run(tmp_path, 2, 30, now)
+    assert rank == 1 and "no rank finished a step for 40 s (run.collective_timeout_s=30)" in why
+    assert "rank 0: 4, rank 1: 3" in why
+    beat(0, 4, 1)
+    assert hung_run(tmp_path, 2, 30, now) is None
+
+
+@pytest.mark.slow
+def test_a_stuck_pipeline_is_named_within_the_collective_timeout(tmp_path):
+    """A real pp 2 run whose rank 1 is stuck (run.hang_rank) while rank 0 waits in the pipeline's
+    send/recv (gloo does not time it out; heartbeats keep beating): ended within the timeout plus start-up,
+    exit 1, one line naming the hang."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "xpar", "parallel=pp", "parallel.dp=1", "run.hang_rank=1",
+                        "run.collective_timeout_s=8", "tracking=off", "train.steps=3", "train.warmup_steps=1",
+                        "run.progress=false"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "hung: no rank finished a step for" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 200

@@ -124,18 +124,19 @@ def fp8_problems(dtype: str, hw, mode: str) -> list[str]:
 
 
 def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
-    """``run.fail_rank`` (fault injection) names a rank of this executed run; a rank outside it
-    or an estimate would inject nothing, silently."""
-    rank, world = c.run.fail_rank, layout.world_size
-    if rank is None:
-        return []
-    if mode != "execute":
-        return [f"run.fail_rank={rank} injects a worker failure, but run.mode={mode} starts no worker; "
-                f"drop it (run.fail_rank=null)."]
-    if not 0 <= rank < world:
-        return [f"run.fail_rank must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
-                f"e.g. run.fail_rank={world - 1}."]
-    return []
+    """``run.fail_rank`` and ``run.hang_rank`` (fault injection) name a rank of this executed run; a
+    rank outside it or an estimate would inject nothing, silently."""
+    out, world = [], layout.world_size
+    for key, rank in (("run.fail_rank", c.run.fail_rank), ("run.hang_rank", c.run.hang_rank)):
+        if rank is None:
+            continue
+        if mode != "execute":
+            out.append(f"{key}={rank} injects a worker fault, but run.mode={mode} starts no worker; "
+                       f"drop it ({key}=null).")
+        elif not 0 <= rank < world:
+            out.append(f"{key} must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
+                       f"e.g. {key}={world - 1}.")
+    return out
 
 
 def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
@@ -152,6 +153,6 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
-                   launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
+                   launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
                    dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))

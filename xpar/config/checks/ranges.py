@@ -107,7 +107,7 @@ RANGES: dict[str, Range] = {
     "train.lr_warmup_steps": COUNT, "train.min_lr_ratio": FRACTION,
     "train.checkpoint_every": _i(0, null=True), "train.checkpoint_keep": _i(1, null=True),
     # run, sweep
-    "run.fail_rank": _i(0, null=True), "run.collective_timeout_s": POSITIVE, "run.heartbeat_timeout_s": POSITIVE,
+    "run.fail_rank": _i(0, null=True), "run.hang_rank": _i(0, null=True), "run.collective_timeout_s": POSITIVE, "run.heartbeat_timeout_s": POSITIVE,
     "sweep.max_failure_rate": FRACTION,
     # framework (choices and byte widths also in xpar.config.checks.framework)
     **{f"framework.{k}": NON_NEGATIVE for k in ("passes_forward", "passes_backward", "zero3_host_ops_per_rank",
