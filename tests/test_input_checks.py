@@ -90,3 +90,92 @@ def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_p
         with pytest.raises(EstimateError) as e:
             estimate_report(bad, tmp_path)
         assert "not finite or negative" in str(e.value) and "\n" not in str(e.value)
+
+
+# --- no traceback, one line (subprocesses) ---------------------------------------------------------
+
+def _xpar(*args: str, cwd, env=None, timeout: int = 240):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _refusal_lines(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [ln for ln in stderr.splitlines() if ln.startswith("  - ")]
+
+
+def test_an_unset_environment_variable_in_an_override_is_one_line():
+    from xpar.config.overrides import env_problems
+
+    [line] = env_problems(["hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR}"])
+    assert "XPAR_TEST_UNSET_VAR is not set" in line and "hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR,outputs/mine}" in line
+    assert env_problems(["hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR,outputs/x}"]) == []  # a default works
+
+
+@pytest.mark.slow
+def test_unset_env_in_the_run_dir_exit_2_no_traceback(tmp_path):
+    r = _xpar("hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR}", "tracking=off", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    [line] = _refusal_lines(r.stderr)
+    assert "XPAR_TEST_UNSET_VAR is not set" in line
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
+    """SIGTERM to calibrate's process group while its workers measure: one line, exit 130, no
+    KeyboardInterrupt traceback, no preset, no worker left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    name = f"pytest_term_{os.getpid()}"
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "calibrate", "--quick", "--no-track", "--name", name,
+                          "--out", str(tmp_path / "cal")], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(12)  # the workers are measuring (a --quick calibration takes ~30 s or more here)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert err.strip() == "xpar: calibrate interrupted; workers ended, no preset written.", err[-3000:]
+    assert not (conf_dir() / "hardware" / f"calibrated_{name}.yaml").exists()
+    assert _workers_of_group(p.pid) == []  # no calibration worker left (the parent joined them)
+
+
+def _workers_of_group(pgid: int) -> list[int]:
+    """Live spawned workers (multiprocessing's spawn_main) in process group ``pgid``."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid and stat[0] != "Z" and b"spawn_main" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_a_failed_calibration_writes_no_preset(tmp_path):
+    """The store is broken (a file that is not SQLite where the default store goes): the calibration
+    measures, then fails recording: one line "calibrate failed", exit 1, and no preset in conf/."""
+    import os
+
+    name = f"pytest_fail_{os.getpid()}"
+    (tmp_path / "mlflow.db").write_text("not a database\n" * 100)
+    r = _xpar("calibrate", "--quick", "--name", name, "--out", str(tmp_path / "cal"), cwd=tmp_path, timeout=300)
+    preset = conf_dir() / "hardware" / f"calibrated_{name}.yaml"
+    try:
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and "xpar: calibrate failed, no preset written:" in r.stderr, r.stderr[-3000:]
+        assert not preset.exists()
+    finally:
+        preset.unlink(missing_ok=True)
