@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 import time
@@ -66,6 +67,7 @@ from xpar.calibrate.preset import (
     ring_step_curves,
     write_preset,
 )
+from xpar.config.presets import conf_dir
 
 
 def _log(result: dict, preset: Path, out_dir: Path) -> str:
@@ -114,15 +116,22 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
               f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
               f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
               f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
-    preset = write_preset(name, values, header)
-    result = {"preset_file": str(preset), "preset": values, "matmul": matmul, "memory_bandwidth": bandwidth,
-              "collectives": coll, "collective_shares": measured["collective_shares"], "alpha_s": alpha,
-              "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s")}
     out_dir.mkdir(parents=True, exist_ok=True)
+    staged = write_preset(name, values, header, conf=_staging(out_dir))  # logged; conf/ gets it only at the end
+    result = {"preset_file": str(conf_dir() / "hardware" / staged.name), "preset": values, "matmul": matmul,
+              "memory_bandwidth": bandwidth, "collectives": coll, "collective_shares": measured["collective_shares"],
+              "alpha_s": alpha, "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s")}
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:
-        result["run_id"] = _log(result, preset, out_dir)
+        result["run_id"] = _log(result, staged, out_dir)
+    write_preset(name, values, header)  # last: a calibration that failed writes no preset
     return result
+
+
+def _staging(out_dir: Path) -> Path:
+    """A config-tree-shaped folder in ``out_dir`` (``<out_dir>/hardware/``) for the preset before it is final."""
+    (out_dir / "hardware").mkdir(parents=True, exist_ok=True)
+    return out_dir
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -151,6 +160,11 @@ def _device_problems(device: str, workers: int) -> list[str]:
     return []
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: the workers are ended and one line says so (:func:`main`)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``xpar calibrate [hardware=local] [--name N] [--workers W] [--threads T] [--quick]``."""
     import re
@@ -168,12 +182,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     quick = dict(sizes=QUICK_BYTES, reps=5) if args.quick else {}
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         r = calibrate(args.name, args.workers, args.threads, track=not args.no_track, out_dir=args.out,
                       device=args.device, **quick)
-    except (OSError, ValueError) as e:
-        print(f"xpar: calibrate failed: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("xpar: calibrate interrupted; workers ended, no preset written.", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 (a measurement, the store or the disk: one line, no preset)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"xpar: calibrate failed, no preset written: {first}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     p = r["preset"]
     print(f"wrote {r['preset_file']}: peak {p['peak_tflops'] * 1e3:.1f} GFLOP/s per worker, memory "
           f"{p['hbm_tb_per_s'] * 1e3:.1f} GB/s, collectives alpha {r['alpha_s'] * 1e6:.1f} us/step, "

@@ -341,6 +341,15 @@ def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
 
 
 def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
+    """A calibration worker; Ctrl-C or SIGTERM (to the process group) ends it quietly: the parent says what happened."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _measure_rank(rank, world, port, payload, out)
+
+
+def _measure_rank(rank: int, world: int, port: int, payload: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -402,13 +411,44 @@ def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str 
     payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device}
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "collectives.json")
-        mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world, join=True,
-                           start_method="spawn")
+        _run_workers(mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world,
+                                        join=False, start_method="spawn"))
         raw = json.loads(Path(out).read_text())
     compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
     return {"compute": compute, "collective_shares": raw["shares"], "sync_wait_s": raw["sync_wait_s"],
             "collectives": {k: ({int(s): t for s, t in v.items()} if "unsupported" not in v else v)
                             for k, v in raw["times"].items()}}
+
+
+class CalibrationFailed(RuntimeError):
+    """A calibration worker raised or died; the message names its rank and why."""
+
+
+def _run_workers(ctx) -> None:
+    """Wait for the workers of ``ctx`` (torch.multiprocessing's context); end them all whatever
+    happens here (an error, Ctrl-C, SIGTERM raised in the parent).
+
+    Raises:
+        CalibrationFailed: a worker raised (its last error line) or exited non-zero."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    except mp.ProcessRaisedException as e:
+        lines = [ln for ln in e.msg.strip().splitlines() if ln.strip()]
+        raise CalibrationFailed(f"worker rank {e.error_index}: {lines[-1] if lines else 'unknown error'}") from None
+    except mp.ProcessExitedException as e:
+        code = e.exit_code
+        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise CalibrationFailed(f"worker rank {e.error_index} {why}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
 
 
 def _count_ops(fn: Callable[[], object]) -> int:

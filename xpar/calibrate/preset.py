@@ -160,5 +160,10 @@ def write_preset(name: str, values: dict, header: list[str], conf: Optional[Path
 
     path = (conf or conf_dir()) / "hardware" / f"calibrated_{name}.yaml"
     body = OmegaConf.to_yaml(OmegaConf.create(values))
-    path.write_text("".join(f"# {line}\n" for line in header) + body)
+    staged = path.with_name(f".{path.name}.tmp")
+    try:  # whole or not at all: a full disk leaves no half-written preset
+        staged.write_text("".join(f"# {line}\n" for line in header) + body)
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
     return path

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -130,7 +131,31 @@ def override_problems(argv: list[str]) -> list[str]:
         if override.is_delete() or "/" in override.key_or_group:
             continue
         out += _override_problem(arg, override)
-    return word_problems(argv) + out + output_dir_problems(argv) + launcher_problems(argv)
+    return word_problems(argv) + out + env_problems(argv) + output_dir_problems(argv) + launcher_problems(argv)
+
+
+ENV_INTERPOLATION = re.compile(r"\$\{oc\.env:\s*([^,}\s]+)\s*(,[^}]*)?\}")
+"""``${oc.env:NAME}`` or ``${oc.env:NAME,default}`` in an override's value."""
+
+
+def env_problems(argv: list[str]) -> list[str]:
+    """``key=${oc.env:NAME}`` (no default) with NAME unset fails in OmegaConf's resolution (a
+    traceback, after Hydra set up the run); a directory key (``hydra.run.dir``, ``hydra.sweep.dir``)
+    with NAME set but empty would be the start directory (omegaconf#1179). One line each."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        for m in ENV_INTERPOLATION.finditer(value if not arg.startswith("-") else ""):
+            name, default = m.group(1), m.group(2)
+            example = "outputs/mine" if key.endswith(".dir") else "<value>"
+            fix = f"export {name}={example}"
+            if name not in os.environ and default is None:
+                out.append(f"{key}={value}: the environment variable {name} is not set; set it ({fix}) or give a "
+                           f"default, e.g. {key}=${{oc.env:{name},{example}}}.")
+            elif key.startswith("hydra.") and key.endswith(".dir") and os.environ.get(name) == "":
+                out.append(f"{key}={value}: the environment variable {name} is set but empty, so the run would write "
+                           f"into the start directory (omegaconf#1179); {fix}, or unset {name} and give a default.")
+    return out
 
 
 def launcher_problems(argv: list[str]) -> list[str]:

@@ -354,10 +354,15 @@ class RunConfig:
     """Show a rich progress bar of the steps on the console."""
     fail_rank: Optional[int] = None
     """Fault injection for testing failure handling: this rank raises after building its engine."""
+    hang_rank: Optional[int] = None
+    """Fault injection: this rank's main thread sleeps after building its engine while its heartbeat
+    beats and the other ranks wait in a collective (a hang the watchdog must name, xpar.run.launch)."""
     allow_long: bool = False
     """Run a local job whose estimated training time exceeds an hour (xpar.estimate.duration)."""
     collective_timeout_s: float = 300.0
-    """Timeout of every collective (gloo/NCCL), seconds: a rank waiting longer raises."""
+    """Timeout of every collective (gloo/NCCL), seconds: a rank waiting longer raises. Local workers: a run
+    in which no rank finished a step for this long (all waiting on each other, e.g. in a pipeline's
+    send/recv, which gloo does not time out) is named as hung and ended (xpar.run.launch.hung_run)."""
     heartbeat_timeout_s: float = 30.0
     """Local workers beat every second; one silent this long (stopped, hung outside Python's
     reach) is named and the job ended (xpar.run.launch)."""

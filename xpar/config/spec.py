@@ -45,6 +45,8 @@ class RunSpec:
     """Show a progress bar on rank 0."""
     fail_rank: Optional[int] = None
     """Fault injection (run.fail_rank): this rank raises after building its engine."""
+    hang_rank: Optional[int] = None
+    """Fault injection (run.hang_rank): this rank's main thread sleeps after building its engine."""
     notes: list[str] = field(default_factory=list)
     """Decisions taken for the user (e.g. a setting changed for correctness), logged as a tag."""
     dry_run: bool = True

@@ -8,6 +8,7 @@ checked after validation by :mod:`xpar.estimate.fit`, which calls the cost model
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Optional
 
@@ -19,6 +20,7 @@ from xpar.config.checks import layout as layout_checks
 from xpar.config.checks.environment import check_environment
 from xpar.config.checks.framework import check_framework, check_framework_layout
 from xpar.config.checks.hardware import estimate_peak_problem
+from xpar.config.checks.ranges import range_problems
 from xpar.config.checks.runtime import check_runtime, check_threads
 from xpar.config.layout import Layout, edge_split
 from xpar.config.resolve import (  # noqa: F401
@@ -58,6 +60,13 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
 
 
+def unnamed_range_problems(c: XparConfig, others: list[str]) -> list[str]:
+    """The range refusals (:func:`xpar.config.checks.ranges.range_problems`) of keys no line of
+    ``others`` names already (their own checks say more: the preset's figure, the divisors)."""
+    return [line for key, line in range_problems(c).items()
+            if not any(re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", o) for o in others)]
+
+
 def given_split(n_layers: int, par, n_stages: int):
     """The layer split the user asked for: ``parallel.layer_split``, or the one of
     ``first_stage_layers`` / ``last_stage_layers`` (:func:`xpar.config.layout.edge_split`), or None."""
@@ -82,6 +91,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
              + check_threads(c))
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
                 + config_checks.check_data(c) + check_framework(c.framework) + config_checks.check_sweep(c))
+    early = unnamed_range_problems(c, early + problems) + early
     _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
@@ -114,18 +124,19 @@ def fp8_problems(dtype: str, hw, mode: str) -> list[str]:
 
 
 def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
-    """``run.fail_rank`` (fault injection) names a rank of this executed run; a rank outside it
-    or an estimate would inject nothing, silently."""
-    rank, world = c.run.fail_rank, layout.world_size
-    if rank is None:
-        return []
-    if mode != "execute":
-        return [f"run.fail_rank={rank} injects a worker failure, but run.mode={mode} starts no worker; "
-                f"drop it (run.fail_rank=null)."]
-    if not 0 <= rank < world:
-        return [f"run.fail_rank must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
-                f"e.g. run.fail_rank={world - 1}."]
-    return []
+    """``run.fail_rank`` and ``run.hang_rank`` (fault injection) name a rank of this executed run; a
+    rank outside it or an estimate would inject nothing, silently."""
+    out, world = [], layout.world_size
+    for key, rank in (("run.fail_rank", c.run.fail_rank), ("run.hang_rank", c.run.hang_rank)):
+        if rank is None:
+            continue
+        if mode != "execute":
+            out.append(f"{key}={rank} injects a worker fault, but run.mode={mode} starts no worker; "
+                       f"drop it ({key}=null).")
+        elif not 0 <= rank < world:
+            out.append(f"{key} must be a rank of this run, 0..{world - 1}, or null, got {rank}; "
+                       f"e.g. {key}={world - 1}.")
+    return out
 
 
 def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
@@ -142,6 +153,6 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
-                   launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
+                   launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
                    dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))

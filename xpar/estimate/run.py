@@ -42,11 +42,13 @@ Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.dryrun import PlanError
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
@@ -54,6 +56,34 @@ from xpar.estimate.report import Report, layout_name, zero_paper_bytes
 from xpar.estimate.schedule import bubble_theory
 
 DRYRUN_FILE = "dryrun.json"
+
+
+class EstimateError(PlanError):
+    """The cost model gave a figure that is not finite, or negative: no usable estimate."""
+
+
+def unusable_figures(report: Report) -> list[str]:
+    """The figures of ``report`` that are not finite numbers >= 0, as ``name=value``: its
+    throughput and memory headline, memory terms and step-time terms (``estimate/time_*_s``)."""
+    figures = {f"throughput/{k}": getattr(report, k) for k in ("step_time_s", "tokens_per_s", "tflops_per_device",
+                                                               "mfu", "hfu")}
+    figures["memory/peak_bytes_per_device"] = report.peak_bytes_per_device
+    figures |= {f"memory/{k}_bytes": v for k, v in report.memory.items()}
+    figures |= {k: v for k, v in report.extra.items() if k.startswith("estimate/time_")}
+    return [f"{k}={v:.4g}" for k, v in figures.items() if not (math.isfinite(v) and v >= 0)]
+
+
+def check_figures(report: Report) -> Report:
+    """``report`` when every figure is usable (:func:`unusable_figures`).
+
+    Raises:
+        EstimateError: one line naming the figures and where to look."""
+    bad = unusable_figures(report)
+    if bad:
+        raise EstimateError(f"the estimate is unusable, not recorded as finished: {', '.join(bad[:4])}"
+                            f"{' ...' if len(bad) > 4 else ''} (not finite or negative); a figure of the model, "
+                            f"layout or hardware is outside what the cost model prices: check the values given (xpar --help).")
+    return report
 
 
 def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
@@ -144,6 +174,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     report.notes = list(est.notes)
+    check_figures(report)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
 

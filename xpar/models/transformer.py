@@ -149,12 +149,14 @@ class MoE(nn.Module):
 def run_experts(experts: nn.ModuleDict, x_TH: torch.Tensor, gates_TK: torch.Tensor,
                 experts_TK: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted sum per token, every expert held here: for each expert e
-    (global index = its key), its tokens' rows through it, times their gates, added into [T, H]."""
+    (global index = its key), its tokens' rows through it, times their gates, added into [T, H].
+    An expert that received no tokens runs on its empty slice (0 rows), so its parameters get
+    zero gradients rather than none: every replica's backward covers the same parameters
+    whatever the router picked (pytorch#158719, torchtitan#2747)."""
     out_TH = torch.zeros_like(x_TH)
     for key, expert in experts.items():
         token, slot = (experts_TK == int(key)).nonzero(as_tuple=True)
-        if token.numel():
-            out_TH = out_TH.index_add(0, token, expert(x_TH[token]) * gates_TK[token, slot, None])
+        out_TH = out_TH.index_add(0, token, expert(x_TH[token]) * gates_TK[token, slot, None])
     return out_TH
 
 

@@ -78,6 +78,30 @@ def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -
                   f"{timeout_s:g}); pid {pid} state {state}")
 
 
+def hung_run(out_dir: Path, world: int, timeout_s: float, now: Optional[float] = None) -> Optional[tuple[int, str]]:
+    """(rank, why) when every one of the ``world`` workers beats (xpar.run.worker.start_heartbeat) but none
+    finished a step (or built its engine) for more than ``timeout_s``: they wait on each other, in a
+    collective or a pipeline send/recv, which gloo does not time out. The rank named is the one
+    furthest behind (fewest steps finished). None while any rank progresses or has not started."""
+    from xpar.run.worker import HEARTBEAT_DIR
+
+    now = time.time() if now is None else now
+    beats = []
+    for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):
+        try:
+            beat = json.loads(f.read_text())
+            beats.append((int(beat["step"]), float(beat["progress_t"]), int(f.stem[4:])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if len(beats) < world or now - max(t for _, t, _ in beats) <= timeout_s:
+        return None
+    step, _, rank = min(beats)
+    done = ", ".join(f"rank {r}: {s + 1}" for s, _, r in sorted(beats, key=lambda b: b[2]))
+    return rank, (f"hung: no rank finished a step for {now - max(t for _, t, _ in beats):.0f} s "
+                  f"(run.collective_timeout_s={timeout_s:g}); the ranks wait on each other in a collective or "
+                  f"pipeline send/recv (steps done: {done}); for steps slower than that raise run.collective_timeout_s")
+
+
 def _kill(p) -> None:
     if p.is_alive():
         p.kill()  # SIGKILL: a stopped process does not act on SIGTERM until continued
@@ -94,7 +118,8 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
                              nprocs=spec.world_size, join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=1.0):
-            stopped = stalled_rank(out_dir, spec.heartbeat_timeout_s)
+            stopped = (stalled_rank(out_dir, spec.heartbeat_timeout_s)
+                       or hung_run(out_dir, spec.world_size, spec.collective_timeout_s))
             if stopped is not None:
                 _kill(ctx.processes[stopped[0]])
                 raise WorkerFailed(*stopped)

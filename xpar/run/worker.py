@@ -41,11 +41,15 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         keep_large_tensors_on_the_heap()
     mesh = build_mesh(spec.device, spec.pp, spec.dp, spec.tp, spec.cp)
     engine = build_engine(spec, mesh)
+    mark_progress(-1)
     if spec.fail_rank == dist.get_rank():
         raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
+    if spec.hang_rank == dist.get_rank():  # its main thread stuck, its heartbeat beating, the others waiting
+        time.sleep(spec.collective_timeout_s * 10)
     start, saver = _checkpoints(engine, out_dir)
     record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
-    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=saver)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start,
+                  after_step=_progressing(saver))
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
     if dist.get_rank() == 0:
@@ -60,6 +64,15 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
                 pass  # the parent says that neither could be written (xpar.run.launch.read_stats)
         return gathered
     return None
+
+
+def _progressing(saver):
+    """The ``after_step`` hook of :func:`xpar.run.train.train`: :func:`mark_progress`, then ``saver`` (checkpoints)."""
+    def after_step(step, *args):
+        mark_progress(step)
+        if saver is not None:
+            saver(step, *args)
+    return after_step
 
 
 def stats_fallback(out_dir: Path) -> Path:
@@ -136,6 +149,14 @@ ORPHAN_EXIT = 75
 """Exit status of a worker that ended itself because xpar, its parent, was gone."""
 HEARTBEAT_S = 1.0
 """Seconds between a local worker's heartbeats (xpar.run.launch watches them)."""
+PROGRESS = {"t": time.time(), "step": -1}
+"""When this worker last made progress (engine built, a step finished) and its last finished step;
+the heartbeat carries both, so a run whose ranks all wait on each other is named (xpar.run.launch.hung_run)."""
+
+
+def mark_progress(step: int) -> None:
+    """Record that this worker finished ``step`` (-1: its engine is built) now."""
+    PROGRESS.update(t=time.time(), step=step)
 
 
 def start_heartbeat(out_dir: Path, rank: int) -> None:
@@ -156,7 +177,8 @@ def start_heartbeat(out_dir: Path, rank: int) -> None:
             if os.getppid() != parent:  # xpar died (kill -9): nothing records this run any more
                 os._exit(ORPHAN_EXIT)
             try:
-                tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+                tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time(), "progress_t": PROGRESS["t"],
+                                           "step": PROGRESS["step"]}))
                 tmp.replace(path)
             except OSError:  # a full disk: the file's mtime still beats (xpar.run.launch.stalled_rank reads both)
                 os.utime(path) if path.exists() else None
