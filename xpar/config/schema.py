@@ -269,7 +269,9 @@ class TrainConfig:
     """Steps excluded from timing (must be < steps)."""
     log_every: int = 5
     """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s,
-    TFLOP/s, MFU, memory); the last step always logs. Loss, step time, gradient norm and lr log every step."""
+    TFLOP/s, MFU, memory) and the console step line (xpar.run.console: loss, gradient norm, memory,
+    tokens/s, TFLOP/s, MFU; also in the run's xpar.log); the last step always logs. Loss, step time,
+    gradient norm and lr log to MLflow every step."""
     global_batch_size: Any = "auto"
     """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
     micro_batch_size: int = 4

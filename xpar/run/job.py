@@ -163,7 +163,9 @@ def _record(job: Job, body) -> Report:
         overrides = " ".join(job.sweep["overrides"])
         from xpar.track.sweep import sweep_tags
         tags.update(sweep_tags(job.sweep))
-        run_name = f"{run_name} #{job.sweep['job_num']}"
+        from xpar.track.naming import sweep_child_name
+        run_name = sweep_child_name(run_name, job.sweep["overrides"], job.sweep.get("varying", []),
+                                    job.sweep["job_num"])
     tags["mlflow.note.content"] = description(spec, overrides)
     if not spec.tracking.enabled:
         report, stats = body()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xpar.config.spec import RunSpec
+from xpar.run.console import StepLines
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
 from xpar.track.journal import StepWriter
 
@@ -45,7 +46,8 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         raise RuntimeError(f"injected failure on rank {dist.get_rank()} (run.fail_rank)")
     start, saver = _checkpoints(engine, out_dir)
     record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
-    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=saver)
+    lines = StepLines(engine, out_dir, dist.get_rank(), then=saver)  # the console step line (xpar.run.console)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=lines)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
     if dist.get_rank() == 0:

@@ -107,6 +107,8 @@ class SweepCallback(Callback):
             print(f"xpar: could not open the sweep's MLflow parent run ({type(e).__name__}: {e}); "
                   f"each job is still recorded as its own run.", file=sys.stderr)
             return
+        from xpar.track.naming import varying_keys
+        info["varying"] = varying_keys(jobs)  # named first in each child's run name
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info))
         self._file = sweep_dir / SWEEP_FILE
         # Jobs re-resolve ${now:...} in hydra.sweep.dir; the environment (inherited by
