@@ -276,12 +276,12 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
     console = Console(record=True)
     console.print(t)
     from rich.markup import escape
-    for n in list(spec.notes) + list(report.notes):
-        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
+    for n in list(spec.notes) + list(report.notes):  # soft_wrap: a command in a note stays on one line
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if report.artifacts:
-        console.print(f"Files: {', '.join(report.artifacts)}")
+        console.print(f"Files: {', '.join(report.artifacts)}", soft_wrap=True)
     if where and where.startswith(NOT_ALL_RECORDED):
-        console.print(f"[red]{escape(where)}[/]", highlight=False)
+        console.print(f"[red]{escape(where)}[/]", highlight=False, soft_wrap=True)
     elif where:  # one line per command, whatever the width (a log file: rich wraps at 80 columns)
         console.print(f"Recorded in MLflow: {escape(where)}", soft_wrap=True, highlight=False)
     to_log_files(console.export_text())
