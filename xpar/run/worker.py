@@ -47,6 +47,9 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     start, saver = _checkpoints(engine, out_dir)
     record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
     lines = StepLines(engine, out_dir, dist.get_rank(), then=saver)  # the console step line (xpar.run.console)
+    if spec.train.profile:  # a torch.profiler trace of the last steps (xpar.run.profile)
+        from xpar.run.profile import StepProfiler
+        lines = StepProfiler(spec, out_dir, dist.get_rank(), first=start.step if start else 0, then=lines)
     stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=lines)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
