@@ -79,7 +79,9 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
             f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
     hw = resolve_hardware(hardware, local_devices if not trun else None, threads=c.train.threads_per_worker or 1)
     if trun:
-        world, source = trun["world_size"], f"torchrun WORLD_SIZE={trun['world_size']}"
+        world, source = trun["world_size"], (
+            f"the SLURM job's {os.environ['XPAR_SUBMITIT_TASKS']} tasks (hydra.launcher.nodes x tasks_per_node)"
+            if os.environ.get("XPAR_SUBMITIT_TASKS") else f"torchrun WORLD_SIZE={trun['world_size']}")
     elif mode == "estimate":
         world = int(hw.devices_per_node) * hw.nodes
         source = f"hardware={hw.name} ({hw.devices_per_node} devices x {hw.nodes} nodes = {world})"

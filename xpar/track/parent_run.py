@@ -114,6 +114,9 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
                       _memory(row.get("peak_gib_per_device")), _num(row.get("bubble"), "{:.3f}"),
                       str(row.get("status")) + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
     console = Console(stderr=True)
+    if not len(summary["table"]):  # nothing ran (sbatch refused, every job skipped): nothing to compare
+        console.print(f"sweep {info['sweep_id']}: no job ran; parent run {summary['status']}", soft_wrap=True)
+        return
     console.print(table)
     best = summary.get("best")
     if best is not None:

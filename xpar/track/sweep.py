@@ -52,10 +52,12 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
 
 def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
     """Compose and validate every job; return (job number, overrides, problems) of the
-    invalid ones."""
+    invalid ones. Under a submitit launcher, each job's ranks are held against its tasks
+    (xpar.config.cluster.submitit_task_problems)."""
     from hydra.core.global_hydra import GlobalHydra
 
     from xpar.config.checks import ConfigError
+    from xpar.config.cluster import submitit_task_problems
     from xpar.estimate.fit import check_run
 
     jobs, _ = job_overrides(config)
@@ -65,10 +67,15 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
         cfg = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
         with_hydra = OmegaConf.to_container(cfg, resolve=False)
         with_hydra.pop("hydra", None)
+        job = OmegaConf.create(with_hydra)
+        tasks = submitit_task_problems(config.hydra.launcher, job)
         try:
-            check_run(OmegaConf.create(with_hydra))
+            check_run(job)
         except ConfigError as e:
-            bad.append((num, overrides, e.problems))
+            bad.append((num, overrides, tasks + e.problems))
+            continue
+        if tasks:
+            bad.append((num, overrides, tasks))
     return bad
 
 
@@ -115,8 +122,9 @@ class SweepCallback(Callback):
         # launcher subprocesses such as submitit's) carries the one true location.
         os.environ[SWEEP_ENV] = str(self._file)
         logs = OmegaConf.select(config, "hydra.launcher.submitit_folder", default=None)
-        if logs:  # submitit: every task's stdout/stderr lands there, not on this console
-            print(f"xpar: sweep {sweep_id}: each job's task logs go to {logs} (%j = the job id)", file=sys.stderr)
+        if logs:  # submitit: every task's stdout/stderr lands there; the SLURM launcher prints each job's
+            where = str(logs).replace("/%j", "").rstrip("/")  # file once sbatch gave its id (xpar.run.slurm)
+            print(f"xpar: sweep {sweep_id}: each job's task logs go under {where}", file=sys.stderr)
         atexit.register(finish_sweep, self._file)
         _sigterm_interrupts()
 
