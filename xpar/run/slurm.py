@@ -1,14 +1,13 @@
 """``hydra/launcher=slurm``: hydra-submitit-launcher's SLURM launcher, saying what it did. After
 sbatch took the sweep's job array, one line per job: its SLURM job id, its overrides and its log
 files with the id filled in (submitit's folder pattern ``%j``); when sbatch refuses, one line with
-its reason and exit status 2, not submitit's traceback. Selected by conf/hydra/launcher/slurm.yaml."""
+its reason and exit status 2, not submitit's traceback (:func:`announce_submissions`, installed by
+the sweep's callback, xpar.track.sweep, before the launcher submits)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from typing import Any, Sequence
-
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
 SUBMISSION_REFUSED = 2
 """Exit status when sbatch refuses the job array."""
@@ -31,26 +30,27 @@ def refusal_line(e: BaseException) -> str:
             f"account, qos and the resources asked (sinfo shows the partitions).")
 
 
-class XparSlurmLauncher(SlurmLauncher):
-    """SlurmLauncher that prints each job's SLURM id and log file, and sbatch's refusal in one line."""
+def announce_submissions() -> None:
+    """From now on in this process, each submitit job array is announced on stderr once sbatch took
+    it (:func:`job_lines`) and sbatch's refusal is one line and exit 2: a wrapper around
+    ``submitit.AutoExecutor.map_array``, which hydra-submitit-launcher calls with the jobs'
+    override lists and numbers as its first and third iterables. Idempotent."""
+    import submitit
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-        import submitit
-        from submitit.core.utils import FailedSubmissionError
+    original = submitit.AutoExecutor.map_array
+    if getattr(original, "xpar_announces", False):
+        return
 
-        original = submitit.AutoExecutor.map_array
-
-        def map_array(executor, fn, *iterables):
-            try:
-                jobs = original(executor, fn, *iterables)
-            except (subprocess.CalledProcessError, FailedSubmissionError, OSError) as e:
-                print(refusal_line(e), file=sys.stderr, flush=True)
-                raise SystemExit(SUBMISSION_REFUSED) from None
-            print("\n".join(job_lines(jobs, job_overrides, initial_job_idx)), file=sys.stderr, flush=True)
-            return jobs
-
-        submitit.AutoExecutor.map_array = map_array  # the one place where the jobs exist before their results
+    def map_array(executor, fn, *iterables):
         try:
-            return super().launch(job_overrides, initial_job_idx)
-        finally:
-            submitit.AutoExecutor.map_array = original
+            jobs = original(executor, fn, *iterables)
+        except (subprocess.CalledProcessError, FailedSubmissionError, FailedJobError, OSError) as e:
+            print(refusal_line(e), file=sys.stderr, flush=True)
+            raise SystemExit(SUBMISSION_REFUSED) from None
+        overrides, numbers = list(iterables[0]), list(iterables[2])
+        print("\n".join(job_lines(jobs, overrides, numbers[0] if numbers else 0)), file=sys.stderr, flush=True)
+        return jobs
+
+    map_array.xpar_announces = True
+    submitit.AutoExecutor.map_array = map_array

@@ -88,6 +88,9 @@ class SweepCallback(Callback):
     """Pre-flight validation and MLflow parent/child grouping for ``-m`` sweeps."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
+            from xpar.run.slurm import announce_submissions
+            announce_submissions()  # each job's SLURM id and log file, sbatch's refusal in one line
         bad = preflight(config)
         skip = bool(OmegaConf.select(config, "sweep.skip_invalid", default=False))
         if bad:
