@@ -162,7 +162,10 @@ def test_large_collectives_are_timed_in_calls_that_take_no_page_faults():
     assert t < 0.005 and len(calls) == 6  # a warm-up call, then two faulting and three settled
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
+    """The preset is named for itself, calibrate says what it measures as it goes, and a run on the
+    preset is labelled and tagged calibrated (issue 45)."""
     name = f"pytest_{os.getpid()}"
     r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=local", "--quick", "--name", name,
                         "--out", str(tmp_path / "cal")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -171,6 +174,8 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
     try:
         assert r.returncode == 0, r.stderr[-2000:]
         assert f"hardware=calibrated_{name}" in r.stdout
+        assert f"name: calibrated_{name}" in preset.read_text()  # its own name, not local
+        assert r.stderr.count("xpar calibrate: [") >= 6, r.stderr  # a progress line per stage
         raw = json.loads((tmp_path / "cal" / "calibration.json").read_text())
         assert set(raw["collectives"]) == {"allreduce", "allgather", "reduce_scatter", "broadcast", "send_recv"}
         assert raw["alpha_s"] >= 0 and raw["beta_bytes_per_s"] > 0
@@ -211,10 +216,31 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
         runs = mlflow.search_runs(experiment_names=["xpar"])
         assert list(runs["tags.xpar.mode"]) == ["calibrate"]
+        assert runs["tags.xpar.contention"].iloc[0] in ("true", "false")
+        run = subprocess.run([sys.executable, "-m", "xpar", f"hardware=calibrated_{name}", "train.steps=2",
+                              "train.warmup_steps=1", "run.progress=false", "parallel.dp=2"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "UNCALIBRATED" not in run.stdout and "own estimate vs measured" in run.stdout, run.stdout
+        runs = mlflow.search_runs(experiment_names=["xpar"], filter_string="tags.`xpar.mode` = 'execute'")
+        assert list(runs["tags.xpar.calibrated"]) == ["true"]
+        assert list(runs["tags.xpar.hardware"]) == [f"calibrated_{name}"]
     finally:
         preset.unlink(missing_ok=True)
 
 
+def test_a_calibration_under_contention_says_so():
+    """Collectives measured with a core half the time they wanted one, on cores enough for every
+    worker: the load of other processes is calibrated in, and calibrate warns."""
+    from xpar.calibrate.command import contention_warning
+
+    busy = {"allreduce": {1024: 0.5, 4096: 0.4}, "allgather": {1024: 0.45}}
+    assert "contention" in contention_warning(busy, workers=2, threads=1, cores=2)
+    assert contention_warning({"allreduce": {1024: 0.97}}, workers=2, threads=1, cores=2) is None
+    assert contention_warning({"allreduce": {1024: 0.5}}, workers=4, threads=1, cores=2) is None  # 2 cores, 4 workers
+
+
+@pytest.mark.slow
 def test_calibrate_refuses_another_machine(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xpar", "calibrate", "hardware=a100_80gb_8gpu"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

@@ -109,7 +109,7 @@ def test_run_name_and_description_say_cp():
     from xpar.track.naming import description, run_name
 
     spec = spec_for(*BASE, *TWO["cp2"])
-    assert run_name(spec) == "tiny·cp2·dp1" and "cp=2" in description(spec)
+    assert run_name(spec) == "tiny·cp2" and "cp=2" in description(spec)
     assert layout_name(spec) == "dp1-tp1-cp2-pp1-zero0-m2-b4"
 
 

@@ -13,10 +13,12 @@ import subprocess
 import sys
 
 import mlflow
+import pytest
 
 from xpar.run.launch import free_port
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes_make_one_run_of_world_size_4(tmp_path):
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
@@ -98,3 +100,85 @@ def test_slurm_gpus_the_partition_lacks_are_refused_before_submission(tmp_path, 
     assert "has 4 GPU(s) per node" in gpu[0] and "hydra.launcher.gpus_per_node=4" in gpu[0]
     assert override_problems(["-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
                               "hydra.launcher.gpus_per_node=4"]) == []
+
+
+def test_a_config_error_survives_pickling_as_its_list_of_problems():
+    """submitit pickles a job's exception back to the submitting process: rebuilt from its string,
+    a ConfigError printed one character per line (134 lines)."""
+    import pickle
+
+    from xpar.config.checks import ConfigError
+    from xpar.plan.command import PlanRefused
+
+    e = pickle.loads(pickle.dumps(ConfigError(["parallel.tp=3 must divide model.n_heads=4", "train.steps must be > 0"])))
+    assert e.problems == ["parallel.tp=3 must divide model.n_heads=4", "train.steps must be > 0"]
+    assert str(e).count("\n") == 1 and str(e).startswith("  - parallel.tp=3")
+    assert pickle.loads(pickle.dumps(PlanRefused(["no layout fits"]))).problems == ["no layout fits"]
+
+
+def _sweep_config(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import xpar.config.schema  # noqa: F401
+    from xpar.config.presets import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose("config", return_hydra_config=True, overrides=list(overrides))
+
+
+def test_ranks_are_held_against_the_slurm_jobs_tasks_before_submission():
+    """A layout of 8 ranks on a 2-task allocation is refused before sbatch, with a value that works."""
+    from xpar.config.cluster import submitit_task_problems
+
+    cfg = _sweep_config("hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "parallel.tp=4", "parallel.pp=2",
+                        "parallel.dp=1", "model=mini", "run.mode=execute")
+    problems = submitit_task_problems(cfg.hydra.launcher, cfg)
+    assert len(problems) == 1 and "8 ranks" in problems[0] and "2 tasks" in problems[0], problems
+    assert "hydra.launcher.tasks_per_node=8" in problems[0]
+    fixed = _sweep_config("hydra/launcher=slurm", "hydra.launcher.tasks_per_node=8", "parallel.tp=4", "parallel.pp=2",
+                          "parallel.dp=1", "model=mini", "run.mode=execute")
+    assert submitit_task_problems(fixed.hydra.launcher, fixed) == []  # the fix it names
+    auto = _sweep_config("hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "parallel.tp=2")
+    assert submitit_task_problems(auto.hydra.launcher, auto) == []  # dp=auto fills the 2 tasks
+    estimate = _sweep_config("hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", "parallel.tp=8",
+                             "run.mode=estimate")
+    assert submitit_task_problems(estimate.hydra.launcher, estimate) == []  # an estimate runs no ranks
+
+
+def test_slurm_jobs_are_named_and_announced_with_their_real_ids():
+    from types import SimpleNamespace as NS
+
+    from xpar.run.slurm import job_lines, refusal_line
+
+    cfg = _sweep_config("hydra/launcher=slurm", "model=mini", "parallel=zero3")
+    assert cfg.hydra.launcher.name == "xpar-mini-zero3"
+    jobs = [NS(job_id="4242_0", paths=NS(stdout="/sw/.submitit/4242_0/4242_0_0_log.out")),
+            NS(job_id="4242_1", paths=NS(stdout="/sw/.submitit/4242_1/4242_1_0_log.out"))]
+    lines = job_lines(jobs, [["parallel.micro_batches=2"], ["parallel.micro_batches=4"]], 0)
+    assert lines[1] == ("xpar: job 1 submitted as SLURM job 4242_1 (parallel.micro_batches=4); "
+                        "log: /sw/.submitit/4242_1/4242_1_0_log.out")
+    assert not any("%j" in line for line in lines)
+    err = subprocess.CalledProcessError(1, ["sbatch"], output=b"sbatch: error: invalid partition specified: gpux\n")
+    line = refusal_line(err)
+    assert "invalid partition specified: gpux" in line and "\n" not in line
+
+
+@pytest.mark.slow
+def test_an_sbatch_refusal_is_one_line_and_exit_2(tmp_path):
+    """The pre-submission path with stub SLURM commands: sbatch refuses; xpar says so in one line,
+    exits 2, and prints no traceback and no compare hint for the sweep that never ran."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for cmd, body in (("srun", "exit 0"), ("sinfo", "printf 'cpu* (null)\\n'"),
+                      ("sbatch", "echo 'sbatch: error: invalid partition specified: gpux' >&2; exit 1")):
+        (bin_dir / cmd).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / cmd).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+                        "hydra.launcher.tasks_per_node=2", "parallel.micro_batches=1,2", "train.steps=3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "xpar: sbatch refused the sweep (sbatch: error: invalid partition" in r.stderr
+    assert "compare:" not in r.stderr and "no job ran" in r.stderr, r.stderr[-3000:]

@@ -27,9 +27,12 @@ from xpar.run.launch import free_port
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
-    """(UI base URL, experiment id, store dir) after a 2-job sweep."""
+    """(UI base URL, experiment id, store dir, the sweep's console output) after a 2-job sweep."""
     cwd = tmp_path_factory.mktemp("ui")
     r = subprocess.run([sys.executable, "-m", "xpar", "-m", "hydra/launcher=submitit_local",
                         "hydra.launcher.tasks_per_node=4", "parallel.micro_batches=1,2", "train.steps=2",
@@ -41,7 +44,7 @@ def ui(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
-        yield url, mlflow.get_experiment_by_name("xpar").experiment_id, cwd
+        yield url, mlflow.get_experiment_by_name("xpar").experiment_id, cwd, r.stdout + r.stderr
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
@@ -59,7 +62,7 @@ def page_text(url: str) -> str:
 
 
 def test_the_readme_link_opens_the_runs_table_with_the_childrens_names(ui):
-    url, exp, _ = ui
+    url, exp, _, _ = ui
     runs = mlflow.search_runs(experiment_ids=[exp])
     parent = runs[runs["tags.xpar.role"] == "sweep"].iloc[0]
     assert mlflow.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
@@ -68,14 +71,14 @@ def test_the_readme_link_opens_the_runs_table_with_the_childrens_names(ui):
     assert "Detect Issues" not in opened and "Token Usage" not in opened  # not the GenAI overview
     flat = page_text(f"{url}/#/experiments/{exp}/runs?workflowType=machine_learning"
                      "&orderByKey=attributes.run_name&orderByAsc=true")
-    assert "tiny·dp4 #0" in flat and "tiny·dp4 #1" in flat, flat[:2000]
+    assert "micro_batches=1·tiny·dp4 #0" in flat and "micro_batches=2·tiny·dp4 #1" in flat, flat[:2000]
 
 
 def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
-    _, exp, _ = ui
+    _, exp, _, _ = ui
     runs = mlflow.search_runs(experiment_ids=[exp])
     kids = runs[runs["tags.xpar.role"] != "sweep"].sort_values("tags.xpar.job_num")
-    assert list(kids["tags.mlflow.runName"]) == ["tiny·dp4 #0", "tiny·dp4 #1"]
+    assert list(kids["tags.mlflow.runName"]) == ["micro_batches=1·tiny·dp4 #0", "micro_batches=2·tiny·dp4 #1"]
     assert kids["tags.mlflow.note.content"].str.contains("measured on 4 cpu worker").all()
     assert (kids["tags.xpar.peak_rank"].str.fullmatch(r"\d+")).all()
     assert "metrics.memory/peak_rank" not in runs  # an identifier is not charted as a metric
@@ -91,12 +94,34 @@ def test_runs_carry_names_descriptions_and_identifiers_as_tags(ui):
 
 def test_the_printed_run_link_opens_the_run_with_its_metrics(ui):
     """The link each run prints (xpar.track.naming.ui_hint) lands on the run's page, its metrics
-    listed, not on the GenAI view of the experiment."""
+    listed, in the model-training frame: the breadcrumb reads "Runs" and the sidebar has the model
+    registry, where the GenAI frame shows an "Evaluations" breadcrumb and its Judges and Sessions."""
     from xpar.track.naming import ui_hint
-    url, exp, _ = ui
+    url, exp, _, _ = ui
     runs = mlflow.search_runs(experiment_ids=[exp])
     kid = runs[runs["tags.xpar.role"] != "sweep"].iloc[0]
     link = ui_hint("sqlite:///mlflow.db", exp, kid["run_id"]).split("then ")[-1]
+    assert link.endswith("?workflowType=machine_learning")
     opened = page_text(link.replace("http://127.0.0.1:5000", url))
     assert kid["tags.mlflow.runName"] in opened and "throughput/tokens_per_s" in opened, opened[:3000]
     assert "Detect Issues" not in opened and "Token Usage" not in opened
+    assert "Evaluations" not in opened and "Judges" not in opened, opened[:1500]  # not the GenAI frame
+    assert f"xpar Runs {kid['tags.mlflow.runName']}" in opened and "Model registry" in opened, opened[:1500]
+
+
+def test_the_sweep_prints_a_compare_url_that_opens_its_children(ui):
+    """The sweep's summary prints MLflow's compare page of its children
+    (``#/compare-runs?runs=[...]&experiments=[...]``); loaded, it compares exactly those runs."""
+    import json
+    from urllib.parse import parse_qs, urlsplit
+    url, exp, _, out = ui
+    line = next(ln for ln in out.splitlines() if ln.startswith("compare in MLflow:"))
+    link = line.split("then ")[-1]
+    query = parse_qs(urlsplit(urlsplit(link).fragment).query)
+    assert urlsplit(urlsplit(link).fragment).path == "/compare-runs" and json.loads(query["experiments"][0]) == [exp]
+    runs = mlflow.search_runs(experiment_ids=[exp])
+    kids = runs[runs["tags.xpar.role"] != "sweep"]
+    assert sorted(json.loads(query["runs"][0])) == sorted(kids["run_id"])
+    opened = page_text(link.replace("http://127.0.0.1:5000", url))
+    assert "Comparing 2 Runs from 1 Experiment" in opened, opened[:2000]
+    assert all(name in opened for name in kids["tags.mlflow.runName"]), opened[:3000]

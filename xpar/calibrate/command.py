@@ -68,6 +68,26 @@ from xpar.calibrate.preset import (
     write_preset,
 )
 from xpar.config.presets import conf_dir
+from xpar.config.hardware import CALIBRATED_PREFIX
+
+
+def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> Optional[str]:
+    """The warning of a calibration measured under contention, or None: the mean CPU share the
+    workers' threads had during the collectives (``shares``: by collective and size, fractions of 1,
+    xpar.calibrate.measure.timed_share) below :data:`xpar.estimate.fidelity.CONTENTION_SHARE` of what
+    ``workers`` x ``threads`` threads on ``cores`` cores allow: other load was calibrated in, and every
+    estimate on the preset reads slower than this machine is."""
+    from xpar.estimate.fidelity import CONTENTION_SHARE
+
+    values = [s for by_size in shares.values() for s in by_size.values() if isinstance(s, (int, float))]
+    if not values:
+        return None
+    share, expected = sum(values) / len(values), min(1.0, cores / (workers * threads))
+    if share >= CONTENTION_SHARE * expected:
+        return None
+    return (f"measured under contention: the workers had a core {share:.0%} of the time they wanted one, where "
+            f"{workers} worker(s) x {threads} thread(s) on {cores} core(s) allow {expected:.0%}; other processes' "
+            f"load is calibrated in (estimates on this preset read slower): calibrate again on a quieter machine")
 
 
 def _log(result: dict, preset: Path, out_dir: Path) -> str:
@@ -79,7 +99,8 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
 
     exp = setup_experiment(None, "xpar", None, Path.cwd())
     with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
-                          tags={"xpar.mode": "calibrate", "xpar.preset": preset.stem}) as run:
+                          tags={"xpar.mode": "calibrate", "xpar.preset": preset.stem,
+                                "xpar.contention": str(bool(result.get("contention"))).lower()}) as run:
         mlflow.log_params({f"hardware.{k}": v for k, v in result["preset"].items()})
         mlflow.log_metrics({f"calibrate/matmul_tflops_n{n}": r / 1e12 for n, r in result["matmul"].items()})
         mlflow.log_metric("calibrate/memory_bandwidth_tb_per_s", result["memory_bandwidth"] / 1e12)
@@ -96,31 +117,34 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
               track: bool = True, out_dir: Path = Path("."), progress: bool = True, device: str = "cpu") -> dict:
     """Measure, fit, write the preset (and log it); returns what was measured and written."""
     import torch
-    from rich.progress import Progress
 
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"calibrate: matmul, memory, host time and collectives on {workers} workers", total=1)
-        measured = measure_workers(workers, sizes, reps, threads, device)
-        bar.update(task, advance=1)
+    measured = measure_workers(workers, sizes, reps, threads, device, progress=progress)
     coll, compute = measured["collectives"], measured["compute"]
     matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
     alpha, beta = fit_alpha_beta(coll, workers)
-    values = preset_values(matmul, bandwidth, alpha, beta, device, host, compute.get("block_s"))
+    values = preset_values(matmul, bandwidth, alpha, beta, device, host, compute.get("block_s"),
+                           name=f"{CALIBRATED_PREFIX}{name}")
     values["optimizer_ns_per_element"] = compute["optimizer_ns_per_element"]
     values["sync_wait_us"] = measured["sync_wait_s"] * 1e6
     p2p = fit_p2p_latency(coll, beta)
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6
     values["ring_step_us_by_bytes"] = ring_step_curves(coll, workers)
+    from xpar.estimate.fidelity import usable_cores
+    busy = contention_warning(measured["collective_shares"], workers, threads, usable_cores())
+    if busy:
+        print(f"xpar calibrate: warning: {busy}", file=sys.stderr, flush=True)
     header = [f"Measured by `xpar calibrate` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},",
               f"torch {torch.__version__}, {threads} thread(s) per worker, collectives on {workers} "
               f"{'nccl GPUs' if device == 'cuda' else 'gloo workers'}.",
               f"Select it with hardware=calibrated_{name}; raw curves in calibration.json / the MLflow run."]
+    header += [f"WARNING: {busy}"] if busy else []
     out_dir.mkdir(parents=True, exist_ok=True)
     staged = write_preset(name, values, header, conf=_staging(out_dir))  # logged; conf/ gets it only at the end
     result = {"preset_file": str(conf_dir() / "hardware" / staged.name), "preset": values, "matmul": matmul,
               "memory_bandwidth": bandwidth, "collectives": coll, "collective_shares": measured["collective_shares"],
-              "alpha_s": alpha, "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s")}
+              "alpha_s": alpha, "beta_bytes_per_s": beta, "host": host, "block_s": compute.get("block_s"),
+              "contention": busy}
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:
         result["run_id"] = _log(result, staged, out_dir)

@@ -362,14 +362,32 @@ def _measure_rank(rank: int, world: int, port: int, payload: dict, out: str) -> 
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = {"compute": compute_worker(payload), **collective_worker(payload),
-                  "sync_wait_s": measure_sync_wait(device=payload["device"])}
+        result = {"compute": compute_worker(payload)}
+        stage(payload, "collectives")
+        result.update(collective_worker(payload))
+        stage(payload, "wait at a blocking collective")
+        result["sync_wait_s"] = measure_sync_wait(device=payload["device"])
         if rank == 0:
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
     from xpar.run.worker import exit_worker
     exit_worker()
+
+
+STAGES = ("matmul", "memory bandwidth", "optimizer step", "host time per operator", "reference block",
+          "collectives", "wait at a blocking collective")
+"""What ``xpar calibrate`` measures, in order: one progress line each on stderr (:func:`stage`)."""
+
+
+def stage(payload: dict, what: str) -> None:
+    """Rank 0 says on stderr which of :data:`STAGES` starts (``payload['progress']``): a calibration
+    takes about a minute, under SLURM or in a log file as well."""
+    import sys
+
+    import torch.distributed as dist
+    if payload.get("progress") and dist.get_rank() == 0:
+        print(f"xpar calibrate: [{STAGES.index(what) + 1}/{len(STAGES)}] {what} ...", file=sys.stderr, flush=True)
 
 
 def compute_worker(payload: dict) -> dict:
@@ -381,34 +399,43 @@ def compute_worker(payload: dict) -> dict:
 
     device, reps = payload["device"], payload["reps"]
     dist.barrier()
+    stage(payload, "matmul")
     matmul = measure_matmul(threads=payload["threads"], reps=reps, device=device)
     dist.barrier()
+    stage(payload, "memory bandwidth")
     bandwidth = measure_memory_bandwidth(reps=reps, device=device)
     dist.barrier()
+    stage(payload, "optimizer step")
     optimizer = measure_optimizer(reps=reps, device=device)
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
     dist.barrier()
     host = {}
     if device == "cpu":
+        stage(payload, "host time per operator")
         host = host_worker(max(reps, HOST_REPS), DeviceMesh.from_group(groups[dist.get_rank()], "cpu"))
     dist.barrier()
+    if device == "cpu":
+        stage(payload, "reference block")
     block = measure_block(reps, device) if device == "cpu" else None  # only a CPU's efficiency is fitted to it
     return {"matmul": matmul, "memory_bandwidth": bandwidth, "optimizer_ns_per_element": optimizer, "host": host,
             "block_s": block}
 
 
-def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu") -> dict:
+def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str = "cpu",
+                    progress: bool = False) -> dict:
     """:func:`compute_worker` then :func:`collective_worker` on ``world`` local processes (gloo
     on CPU, nccl with one GPU each on CUDA); rank 0's figures: ``compute`` (``matmul``: FLOP/s
     per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds), ``collectives`` (seconds
-    per collective and size) and ``collective_shares`` (the CPU shares they were measured at)."""
+    per collective and size) and ``collective_shares`` (the CPU shares they were measured at);
+    ``progress``: a line per stage on stderr (:func:`stage`)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
     from xpar.run.launch import free_port
 
-    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device}
+    payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device,
+               "progress": progress}
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "collectives.json")
         _run_workers(mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world,

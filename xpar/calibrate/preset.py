@@ -119,20 +119,21 @@ def monotone(ys: list[float]) -> list[float]:
 
 
 def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, device: str = "cpu",
-                  host: Optional[dict] = None, block_s: Optional[float] = None) -> dict:
+                  host: Optional[dict] = None, block_s: Optional[float] = None, name: str = "local") -> dict:
     """Hardware fields of the measured machine (units of :class:`xpar.config.schema.HardwareConfig`:
     TFLOP/s, TB/s, GB/s, microseconds); ``host``: :func:`host_worker`'s figures (a CPU's host
     time adds to its step; a GPU's hides behind its queue: left at 0). ``matmul_efficiency``:
     on a CPU with ``block_s`` (:func:`measure_block`, seconds) fitted to the reference block
     (:func:`fit_block_efficiency`), else to the square GEMMs' curve. Only fields the schema has
-    are returned."""
+    are returned. ``name``: the preset's own name (``calibrated_<--name>``: the runs on it are tagged
+    with it and labelled calibrated, xpar.config.hardware.is_this_machine)."""
     from dataclasses import fields
 
     from xpar.config.schema import HardwareConfig
     from xpar.estimate.cost import GEMM_HALF_DIM
 
     peak = max(matmul.values())
-    values = {"name": "local", "device": device, "devices_per_node": "auto", "nodes": 1,
+    values = {"name": name, "device": device, "devices_per_node": "auto", "nodes": 1,
               "peak_tflops": peak / 1e12,
               "matmul_efficiency": min(1.0, fit_matmul_efficiency(matmul, peak, GEMM_HALF_DIM)),
               "hbm_tb_per_s": bandwidth / 1e12, "intra_node_gb_per_s": beta / 1e9, "link_efficiency": 1.0,

@@ -58,3 +58,29 @@ def placement(spec: RunSpec) -> dict[str, object]:
 def placement_tags(spec: RunSpec) -> dict[str, str]:
     """The placement as MLflow tags ``xpar.launcher``, ``xpar.nodes``, ``xpar.devices_per_node``."""
     return {f"xpar.{k}": str(v) for k, v in placement(spec).items()}
+
+
+def submitit_task_problems(launcher, job) -> list[str]:
+    """Before a submitit sweep is submitted: each job of ``nodes`` x ``tasks_per_node`` > 1 tasks
+    runs one rank per task (:func:`adopt_submitit_tasks`), so an executed layout (``job``: a composed
+    job config) must have as many ranks (dp 'auto' fills them: tp x pp x cp must divide them).
+    ``launcher``: ``hydra.launcher``. [] for other launchers, one-task jobs and estimates."""
+    from xpar.config.hardware import is_this_machine
+
+    if launcher.get("submitit_folder") is None:  # not a submitit launcher (xpar.run.slurm's included)
+        return []
+    nodes, per_node = int(launcher.get("nodes") or 1), int(launcher.get("tasks_per_node") or 1)
+    tasks, p, mode = nodes * per_node, job.parallel, job.run.mode
+    if tasks <= 1 or mode in ("estimate", "plan") or (mode == "auto" and not is_this_machine(job.hardware)):
+        return []
+    fixed = int(p.tp) * int(p.pp) * int(p.get("cp", 1) or 1)
+    ranks = int(p.dp) * fixed if str(p.dp).isdigit() else None
+    if ranks == tasks or (ranks is None and tasks % fixed == 0):
+        return []
+    what = f"{ranks} ranks (dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.get('cp', 1)})" if ranks else \
+        f"tp x pp x cp = {fixed} ranks per replica"
+    fit = ranks if ranks else fixed
+    return [f"the layout needs {what} but each job has {nodes} node(s) x {per_node} task(s) = {tasks} tasks, one rank "
+            f"per task: pass hydra.launcher.tasks_per_node={fit // nodes if fit % nodes == 0 else fit} "
+            f"{'' if fit % nodes == 0 else 'hydra.launcher.nodes=1 '}or parallel.dp=auto with a layout whose "
+            f"tp x pp x cp divides {tasks}."]

@@ -11,6 +11,18 @@ from typing import Optional
 from xpar.config.schema import HardwareConfig
 
 
+CALIBRATED_PREFIX = "calibrated_"
+"""Presets ``xpar calibrate --name N`` writes: conf/hardware/calibrated_N.yaml, ``name: calibrated_N``."""
+
+
+def is_this_machine(hw) -> bool:
+    """True for the presets of the machine xpar runs on: ``local`` (detected) and the presets
+    ``xpar calibrate`` measured here (``calibrated_*``): executed, not estimated, by default.
+    ``hw``: a HardwareConfig or its dict."""
+    name = hw["name"] if isinstance(hw, dict) else hw.name
+    return name == "local" or name.startswith(CALIBRATED_PREFIX)
+
+
 def host_memory_bytes() -> int:
     """Physical memory of this host in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -95,9 +107,9 @@ def resolve_hardware(hw: HardwareConfig, local_devices: Optional[int] = None,
     peak is the fp32 matmul rate of one worker with ``threads`` torch threads
     (``train.threads_per_worker``), measured once per machine (:func:`cached_cpu_peak_flops`). On CUDA, the device count and memory
     come from torch.cuda; a missing peak is an error-free None (MFU then reported as 0).
-    Presets other than 'local' are returned unchanged.
+    Presets other than this machine's (:func:`is_this_machine`) are returned unchanged.
     """
-    if hw.name != "local":
+    if not is_this_machine(hw):
         return replace(hw)
     import torch
 

@@ -18,6 +18,7 @@ from xpar.config.layout import (
     even_split,
     zero_stage_run,
 )
+from xpar.config.hardware import is_this_machine
 from xpar.config.schema import HardwareConfig, XparConfig
 
 
@@ -52,7 +53,7 @@ def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[s
     from xpar.config.presets import conf_dir, presets
 
     name, hw = c.parallel.reference_hardware, c.hardware
-    if not (hw.name == "local" and name and c.run.mode != "execute" and not torchrun_world()):
+    if not (is_this_machine(hw) and name and c.run.mode != "execute" and not torchrun_world()):
         return hw, [], []
     if name not in presets("hardware"):
         return hw, [], [f"parallel.reference_hardware={name!r} is not a hardware preset; available: "
@@ -69,7 +70,7 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
 
     hardware, notes, problems = reference_hardware(c)
     trun = torchrun_world()
-    local = hardware.name == "local"
+    local = is_this_machine(hardware)
     mode = c.run.mode if c.run.mode != "auto" else ("execute" if (local or trun) else "estimate")
     if mode == "execute" and not local and not trun:
         problems.append(
@@ -78,7 +79,9 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
             f"Use run.mode=estimate (or auto), hardware=local, or start under torchrun on that cluster.")
     hw = resolve_hardware(hardware, local_devices if not trun else None, threads=c.train.threads_per_worker or 1)
     if trun:
-        world, source = trun["world_size"], f"torchrun WORLD_SIZE={trun['world_size']}"
+        world, source = trun["world_size"], (
+            f"the SLURM job's {os.environ['XPAR_SUBMITIT_TASKS']} tasks (hydra.launcher.nodes x tasks_per_node)"
+            if os.environ.get("XPAR_SUBMITIT_TASKS") else f"torchrun WORLD_SIZE={trun['world_size']}")
     elif mode == "estimate":
         world = int(hw.devices_per_node) * hw.nodes
         source = f"hardware={hw.name} ({hw.devices_per_node} devices x {hw.nodes} nodes = {world})"

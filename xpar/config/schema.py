@@ -269,7 +269,14 @@ class TrainConfig:
     """Steps excluded from timing (must be < steps)."""
     log_every: int = 5
     """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s,
-    TFLOP/s, MFU, memory); the last step always logs. Loss, step time, gradient norm and lr log every step."""
+    TFLOP/s, MFU, memory) and the console step line (xpar.run.console: loss, gradient norm, memory,
+    tokens/s, TFLOP/s, MFU; also in the run's xpar.log); the last step always logs. Loss, step time,
+    gradient norm and lr log to MLflow every step."""
+    profile: bool = False
+    """Trace the last 2 steps (the run's last, with fewer) of every rank with torch.profiler
+    (xpar.run.profile): Chrome trace files ``profile/rank<r>_trace.json`` in the run folder,
+    logged as MLflow artifacts (open them in chrome://tracing or ui.perfetto.dev). Those steps
+    are timed with the profiler's overhead."""
     global_batch_size: Any = "auto"
     """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
     micro_batch_size: int = 4

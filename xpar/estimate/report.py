@@ -87,9 +87,9 @@ class Report:
 
 def layout_name(spec: RunSpec) -> str:
     """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
-    context parallelism."""
-    p, cp = spec.parallel, spec.layout.cp
-    s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "")
+    context parallelism, ``-ep2`` after it under expert parallelism (every axis above 1)."""
+    p, cp, ep = spec.parallel, spec.layout.cp, spec.layout.ep
+    s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
          + f"-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
         s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
@@ -173,6 +173,10 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     if comm:
         report.extra.update({k: float(max(c.get(k, 0.0) for c in comm)) for k in sorted({k for c in comm for k in c})})
     report.extra.update(step_split(stats, w))
+    exposed = [v for k, v in report.extra.items() if k.startswith("time/comm_") and k.endswith("_exposed_s")
+               and k != "time/comm_exposed_s"]
+    if exposed and "time/comm_exposed_s" in report.extra:  # the total of the collectives the table and figure list
+        report.extra["time/comm_exposed_s"] = float(sum(exposed))
     return report
 
 
@@ -182,7 +186,9 @@ def step_split(stats: list[dict], warmup: int) -> dict[str, float]:
     ``time/comm_exposed_s`` (blocked in the logged collectives, xpar.parallel.comm_log) and
     ``time/core_wait_s`` (runnable, waiting for a core: other processes on the machine's cores);
     their sum against the step time says how much of the step the three explain. Empty without
-    CPU times."""
+    CPU times. :func:`summarize_measured` then sets ``time/comm_exposed_s`` to the sum of the
+    per-collective figures it reports (each the max over ranks of the rank's median), so that the
+    total is never below one of its collectives."""
     timed = [s for s in stats if s.get("thread_cpu_s", [])[warmup:]]
     if not timed:
         return {}
@@ -270,14 +276,14 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
     console = Console(record=True)
     console.print(t)
     from rich.markup import escape
-    for n in list(spec.notes) + list(report.notes):
-        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False)
+    for n in list(spec.notes) + list(report.notes):  # soft_wrap: a command in a note stays on one line
+        console.print(f"[yellow]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if report.artifacts:
-        console.print(f"Files: {', '.join(report.artifacts)}")
+        console.print(f"Files: {', '.join(report.artifacts)}", soft_wrap=True)
     if where and where.startswith(NOT_ALL_RECORDED):
-        console.print(f"[red]{escape(where)}[/]", highlight=False)
-    elif where:
-        console.print(f"Recorded in MLflow: {where}")
+        console.print(f"[red]{escape(where)}[/]", highlight=False, soft_wrap=True)
+    elif where:  # one line per command, whatever the width (a log file: rich wraps at 80 columns)
+        console.print(f"Recorded in MLflow: {escape(where)}", soft_wrap=True, highlight=False)
     to_log_files(console.export_text())
 
 

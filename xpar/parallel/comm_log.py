@@ -20,6 +20,7 @@ its handle; ``issued`` seconds, the union over the step of the intervals from is
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from typing import Any, Callable, Optional
@@ -151,8 +152,9 @@ class CollectiveLog:
         return [sum(rec[2] for rec in step.values()) for step in self.steps]
 
     def per_step(self, first: int = 0) -> dict[str, float]:
-        """Means over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per
-        step per device) and ``time/comm_<axis>_<kind>_exposed_s`` / ``_issued_s``."""
+        """Medians over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per
+        step per device) and ``time/comm_<axis>_<kind>_exposed_s`` / ``_issued_s``: the statistic of
+        the reported step time (xpar.estimate.report.summarize_measured), robust to an odd slow step."""
         steps = self.steps[first:] or self.steps[-1:]
         keys = sorted({k for s in steps for k in s})
         out: dict[str, float] = {}
@@ -160,7 +162,7 @@ class CollectiveLog:
             recs = [s.get((kind, axis), [0, 0, 0.0, 0.0]) for s in steps]
             for i, name in enumerate(("comm/{a}_{k}_calls", "comm/{a}_{k}_bytes", "time/comm_{a}_{k}_exposed_s",
                                       "time/comm_{a}_{k}_issued_s")):
-                out[name.format(a=axis, k=kind)] = sum(r[i] for r in recs) / len(recs)
+                out[name.format(a=axis, k=kind)] = float(statistics.median(r[i] for r in recs))
         return out
 
 

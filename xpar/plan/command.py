@@ -38,6 +38,10 @@ class PlanRefused(Exception):
         self.problems = problems
         super().__init__("\n".join(problems))
 
+    def __reduce__(self):
+        """Pickled as its problem list (see xpar.config.checks.ConfigError.__reduce__)."""
+        return type(self), (list(self.problems),)
+
 
 @dataclass
 class Plan:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from xpar.config.checks.framework import hydra_text, not_booleans
+from xpar.config.hardware import is_this_machine
 from xpar.config.layout import SCHEDULES
 from xpar.estimate.offload import offload_figures_known
 from xpar.plan.axes import resolve_axes
@@ -56,7 +57,7 @@ def _hardware(cfg) -> dict:
     """The hardware group; 'local' resolved (device count, memory, measured peak: imports torch)."""
     from xpar.config.schema import HardwareConfig
     hw = _plain(cfg.hardware)
-    if hw["name"] != "local":
+    if not is_this_machine(hw):
         return hw
     from xpar.config.hardware import resolve_hardware
     return asdict(resolve_hardware(HardwareConfig(**hw), threads=cfg.train.threads_per_worker or 1))
@@ -199,7 +200,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     hw = _hardware(cfg)
     if p.memory_headroom is not None:
         hw["memory_headroom"] = p.memory_headroom
-    local = hw["name"] == "local"
+    local = is_this_machine(hw)
     counts, problems = _devices(p, hw)
     problems += _choice_problems(p, framework) + _number_problems(p, local) + _request_problems(cfg)
     seq = cfg.train.seq_len or model["seq_len"]

@@ -128,6 +128,10 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     report.notes.extend(fidelity_notes(spec, est))
     report.notes.extend(nonfinite_notes(spec, stats, report))
     report.notes.extend(contention_notes(spec, stats, report))
+    if spec.train.profile:
+        from xpar.run.profile import PROFILE_STEPS
+        report.notes.append(f"train.profile=true: the last {PROFILE_STEPS} step(s) ran under torch.profiler (their "
+                            f"times include its overhead); traces in profile/ of the run folder and the MLflow run")
     return report
 
 
@@ -186,7 +190,9 @@ def _record(job: Job, body) -> Report:
         overrides = " ".join(job.sweep["overrides"])
         from xpar.track.sweep import sweep_tags
         tags.update(sweep_tags(job.sweep))
-        run_name = f"{run_name} #{job.sweep['job_num']}"
+        from xpar.track.naming import sweep_child_name
+        run_name = sweep_child_name(run_name, job.sweep["overrides"], job.sweep.get("varying", []),
+                                    job.sweep["job_num"])
     tags["mlflow.note.content"] = description(spec, overrides)
     if not spec.tracking.enabled:
         report, stats = body()
@@ -210,6 +216,8 @@ def _record(job: Job, body) -> Report:
                 mlflow.set_tag("xpar.notes", " | ".join(list(spec.notes) + list(report.notes)))
             for path in report.artifacts:  # estimate figures, dry-run detail
                 mlflow.log_artifact(path)
+            for path in sorted((job.out_dir / "profile").glob("*.json")):  # train.profile=true (xpar.run.profile)
+                mlflow.log_artifact(str(path), "profile")
             record_timeline(report.timeline, job.out_dir)
             record_step_split(report.extra, report.step_time_s, job.out_dir)
         from xpar.track.naming import ui_hint

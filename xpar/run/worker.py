@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xpar.config.spec import RunSpec
+from xpar.run.console import StepLines
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
 from xpar.track.journal import StepWriter
 
@@ -48,8 +49,11 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         time.sleep(spec.collective_timeout_s * 10)
     start, saver = _checkpoints(engine, out_dir)
     record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
-    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start,
-                  after_step=_progressing(saver))
+    lines = StepLines(engine, out_dir, dist.get_rank(), then=_progressing(saver))  # the console step line (xpar.run.console)
+    if spec.train.profile:  # a torch.profiler trace of the last steps (xpar.run.profile)
+        from xpar.run.profile import StepProfiler
+        lines = StepProfiler(spec, out_dir, dist.get_rank(), first=start.step if start else 0, then=lines)
+    stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=lines)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(stats, gathered, dst=0)
     if dist.get_rank() == 0:

@@ -83,7 +83,8 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
             client.set_tag(pid, "xpar.best_run_id", best["run_id"])
             client.log_metric(pid, f"best/{info['metric']}", float(best[metric]))
         busy = runs["tags.xpar.contention"] == "true" if "tags.xpar.contention" in runs else []
-        summary = {"table": table, "best": best, "contention": set(runs.loc[busy, "tags.xpar.job_num"]) if len(busy) else set()}
+        summary = {"table": table, "best": best, "run_ids": list(runs["run_id"]) if len(runs) else [],
+                   "contention": set(runs.loc[busy, "tags.xpar.job_num"]) if len(busy) else set()}
         for path in write_plots(runs, sweep_dir / "plots"):
             client.log_artifact(pid, str(path), "plots")
         expected = (info.get("n_jobs") or len(runs)) - len(info.get("skipped") or [])
@@ -113,6 +114,9 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
                       _memory(row.get("peak_gib_per_device")), _num(row.get("bubble"), "{:.3f}"),
                       str(row.get("status")) + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
     console = Console(stderr=True)
+    if not len(summary["table"]):  # nothing ran (sbatch refused, every job skipped): nothing to compare
+        console.print(f"sweep {info['sweep_id']}: no job ran; parent run {summary['status']}", soft_wrap=True)
+        return
     console.print(table)
     best = summary.get("best")
     if best is not None:
@@ -121,7 +125,13 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
     if summary["contention"]:
         console.print(f"{len(summary['contention'])} job(s) measured under contention (tag xpar.contention): "
                       f"other processes took the cores; their times read worse than this machine gives")
-    console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})")
+    if summary.get("run_ids"):  # MLflow's compare page of the children (xpar.track.naming.compare_page)
+        from xpar.track.naming import compare_page, ui_hint
+        page = compare_page(info["experiment_id"], summary["run_ids"])
+        console.print(f"compare in MLflow: {ui_hint(info['uri'], info['experiment_id'], '', page)}",
+                      soft_wrap=True, highlight=False)
+    console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})",
+                  soft_wrap=True, highlight=False)
 
 
 def _memory(gib) -> str:

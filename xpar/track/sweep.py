@@ -54,10 +54,12 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
 
 def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
     """Compose and validate every job; return (job number, overrides, problems) of the
-    invalid ones."""
+    invalid ones. Under a submitit launcher, each job's ranks are held against its tasks
+    (xpar.config.cluster.submitit_task_problems)."""
     from hydra.core.global_hydra import GlobalHydra
 
     from xpar.config.checks import ConfigError
+    from xpar.config.cluster import submitit_task_problems
     from xpar.estimate.fit import check_run
 
     jobs, _ = job_overrides(config)
@@ -67,10 +69,15 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
         cfg = loader.load_sweep_config(master_config=config, sweep_overrides=overrides)
         with_hydra = OmegaConf.to_container(cfg, resolve=False)
         with_hydra.pop("hydra", None)
+        job = OmegaConf.create(with_hydra)
+        tasks = submitit_task_problems(config.hydra.launcher, job)
         try:
-            check_run(OmegaConf.create(with_hydra))
+            check_run(job)
         except ConfigError as e:
-            bad.append((num, overrides, e.problems))
+            bad.append((num, overrides, tasks + e.problems))
+            continue
+        if tasks:
+            bad.append((num, overrides, tasks))
     return bad
 
 
@@ -83,6 +90,9 @@ class SweepCallback(Callback):
     """Pre-flight validation and MLflow parent/child grouping for ``-m`` sweeps."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
+            from xpar.run.slurm import announce_submissions
+            announce_submissions()  # each job's SLURM id and log file, sbatch's refusal in one line
         bad = preflight(config)
         skip = bool(OmegaConf.select(config, "sweep.skip_invalid", default=False))
         if bad:
@@ -109,14 +119,17 @@ class SweepCallback(Callback):
             print(f"xpar: could not open the sweep's MLflow parent run ({type(e).__name__}: {e}); "
                   f"each job is still recorded as its own run.", file=sys.stderr)
             return
+        from xpar.track.naming import varying_keys
+        info["varying"] = varying_keys(jobs)  # named first in each child's run name
         self._file = sweep_dir / SWEEP_FILE.format(sweep_id)
         self._file.write_text(json.dumps(info))
         # Jobs re-resolve ${now:...} in hydra.sweep.dir; the environment (inherited by
         # launcher subprocesses such as submitit's) carries the one true location.
         os.environ[SWEEP_ENV] = str(self._file)
         logs = OmegaConf.select(config, "hydra.launcher.submitit_folder", default=None)
-        if logs:  # submitit: every task's stdout/stderr lands there, not on this console
-            print(f"xpar: sweep {sweep_id}: each job's task logs go to {logs} (%j = the job id)", file=sys.stderr)
+        if logs:  # submitit: every task's stdout/stderr lands there; the SLURM launcher prints each job's
+            where = str(logs).replace("/%j", "").rstrip("/")  # file once sbatch gave its id (xpar.run.slurm)
+            print(f"xpar: sweep {sweep_id}: each job's task logs go under {where}", file=sys.stderr)
         atexit.register(finish_sweep, self._file)
         _sigterm_interrupts()
 

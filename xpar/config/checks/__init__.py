@@ -16,6 +16,11 @@ class ConfigError(ValueError):
         self.problems = problems
         super().__init__("\n".join(f"  - {p}" for p in problems))
 
+    def __reduce__(self):
+        """Pickled (submitit, multiprocessing) as its problem list: rebuilt as ``cls(*e.args)`` from
+        the joined string it would print one character per line."""
+        return type(self), (list(self.problems),)
+
 
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n``, increasing."""

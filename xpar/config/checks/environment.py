@@ -21,6 +21,7 @@ from xpar.config.checks.hardware import (  # noqa: F401  (re-exported)
     hardware_value_problems,
     load_hardware_preset,
 )
+from xpar.config.hardware import is_this_machine
 
 
 def check_environment(c) -> list[str]:
@@ -62,9 +63,9 @@ def check_hardware_overrides(c) -> list[str]:
     from xpar.config.resolve import torchrun_world
 
     ref = c.parallel.reference_hardware
-    if not (c.hardware.name == "local" and ref and c.run.mode != "execute" and not torchrun_world()):
+    if not (is_this_machine(c.hardware) and ref and c.run.mode != "execute" and not torchrun_world()):
         return []
-    base, refused = load_hardware_preset("local"), hardware_value_problems(c.hardware)  # said on their own lines
+    base, refused = load_hardware_preset(c.hardware.name), hardware_value_problems(c.hardware)  # said on their own lines
     changed = [f"hardware.{f.name}={_text(getattr(c.hardware, f.name))}" for f in fields(base)
                if getattr(c.hardware, f.name) != getattr(base, f.name) and f.name not in refused]
     if not changed:
@@ -79,7 +80,7 @@ def _text(v) -> str:
 
 def check_device(c) -> list[str]:
     """hardware.device=cuda on hardware=local needs a CUDA device visible to this torch build."""
-    if c.hardware.name != "local" or c.hardware.device != "cuda":
+    if not is_this_machine(c.hardware) or c.hardware.device != "cuda":
         return []
     import torch
 

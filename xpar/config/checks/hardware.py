@@ -20,6 +20,8 @@ import os
 from dataclasses import fields
 from typing import Optional
 
+from xpar.config.hardware import is_this_machine
+
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
                     "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
 """Hardware fields that divide or bound (FLOP/s, bytes/s, bytes): 0 and negatives are refused; null
@@ -84,7 +86,7 @@ def _needs_figure(hw, name: str) -> bool:
     """Null is refused for ``name`` on this hardware: peak and device memory off hardware=local
     (nothing measures them), the inter-node bandwidth on several nodes with an intra-node one."""
     if name in ("peak_tflops", "device_memory_gb"):
-        return hw.name != "local"
+        return not is_this_machine(hw)
     if name == "inter_node_gb_per_s":
         return hw.nodes > 1 and hw.intra_node_gb_per_s is not None
     return False
