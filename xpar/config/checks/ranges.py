@@ -125,6 +125,7 @@ RANGES: dict[str, Range] = {
     "plan.min_tokens_per_s": Range(0, lo_open=True, null=True), "plan.max_tp": _i(1, null=True),
     "plan.pp": _i(1, null=True), "plan.max_micro_batch_size": DEGREE,
     "plan.memory_headroom": Range(0, 1, hi_open=True, null=True), "plan.top_k": DEGREE, "plan.execute_top": COUNT,
+    "plan.tie_within": Range(0, 1, hi_open=True),
 }
 
 
