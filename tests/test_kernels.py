@@ -6,8 +6,8 @@ import pytest
 
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
 from xpar.estimate.kernel_block import BlockShape, block_step_times, block_times, expert_tokens, shape_of
-from xpar.estimate.kernels import (attention_flops, attention_time, device_of, gemm_fraction_of_peak, gemm_terms,
-                                   gemm_time, kernel_overhead)
+from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, attention_time, device_of, gemm_fraction_of_peak,
+                                   gemm_terms, gemm_time, kernel_overhead)
 
 H100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
 A100 = device_of(load_hardware_preset("a100_80gb_8gpu"))
@@ -36,13 +36,15 @@ def test_tile_quantisation_at_m_just_above_a_tile():
     """M = 129 needs two 128-row tiles: the compute term doubles (split-K filled the SMs at M = 128), but a
     GEMM this skinny on an H100 is HBM-bound (arithmetic intensity ~ M = 129 FLOP/byte, under the ridge
     794e12 / 3.0e12 ~ 260), so its time does not; where compute bounds (M = 1024 -> 1025 over 8192 x 8192),
-    one row past a tile adds a whole wave: +50 % time for +0.1 % FLOPs."""
+    one row past a tile adds waves: +39 % time for +0.1 % FLOPs."""
     compute, memory = gemm_terms([128, 129], 8192, 8192, H100)
     assert compute[1] == pytest.approx(2 * compute[0]) and (memory > compute).all()
     t128, t129 = gemm_time([128, 129], 8192, 8192, H100)
     assert t129 == pytest.approx(t128, rel=0.01)
     t1024, t1025 = gemm_time([1024, 1025], 8192, 8192, H100)
-    assert t1025 == pytest.approx(1.5 * t1024, rel=1e-9)  # 256 tiles = 2 waves of 132 SMs; 288 tiles = 3
+    # 128 x 256 tiles: 256 = 2 waves of 132 SMs at M = 1024, 288 = 3 at 1025; the half-width tile (at 0.9 of the
+    # rate) takes 1025 in 576 tiles = 5 waves of half the work: the library's better choice, +39 % time
+    assert t1025 / t1024 == pytest.approx(min(3, 5 * 0.5 / HALF_TILE_RATE) / 2, rel=1e-9)
     f128, f129 = gemm_fraction_of_peak([128, 129], 8192, 8192, A100)  # A100: ridge ~147, compute shows at 129
     t_a = gemm_time([128, 129], 8192, 8192, A100)
     assert t_a[1] > 1.3 * t_a[0] and f129 < f128
@@ -148,6 +150,7 @@ def test_kernel_model_fields_are_range_checked():
     bad = replace(hw, sm_count=0, gemm_tile_m=100, gemm_efficiency=1.2, attention_bwd_efficiency=0.0,
                   kernel_launch_us=-1.0)
     problems = hardware_value_problems(bad)
-    assert {"sm_count", "gemm_tile_m", "gemm_efficiency", "attention_bwd_efficiency", "kernel_launch_us"} <= set(problems)
+    named = {"sm_count", "gemm_tile_m", "gemm_efficiency", "attention_bwd_efficiency", "kernel_launch_us"}
+    assert named <= set(problems)
     assert "e.g. hardware.sm_count=132" in problems["sm_count"]
     assert hardware_value_problems(hw) == {}

@@ -24,6 +24,9 @@ FLASH_BLOCK = 128
 """FlashAttention's query/key block (Br = Bc = 128 for head_dim <= 128: FlashAttention-2/3 kernels)."""
 FLASH_BWD_FLOPS = 2.5
 """Backward FLOPs over forward of the attention core: 5 matmuls (S, dP, dV, dQ, dK) against 2 (Dao 2023)."""
+HALF_TILE_RATE = 0.9
+"""Assumed (not fitted): a tile_m x tile_n/2 tile's mainloop rate over the full tile's (less operand reuse:
+1.33x the shared-memory traffic per FLOP). Libraries pick the half tile where it quantises better."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 
 
@@ -82,23 +85,32 @@ def memory_time(nbytes, device: Device):
     return np.asarray(nbytes, dtype=float) / (device.hbm_bytes_per_s * HBM_FRACTION)
 
 
+def _tiled_compute(m, n, k, g, tile, device: Device, rate: float):
+    """Seconds of the tiles of ``tile`` (m, n, k) over the SMs: waves of one tile or split-K slice per SM."""
+    tm, tn, tk = tile
+    tiles = g * np.ceil(m / tm) * np.ceil(n / tn)
+    splits = np.clip(np.floor(device.sms / np.maximum(tiles, 1)), 1, np.maximum(np.ceil(k / tk), 1))
+    waves = np.ceil(tiles * splits / device.sms)
+    k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
+    return waves * 2 * tm * tn * k_slice / (rate / device.sms)
+
+
 def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes: int = 2):
     """(compute, memory) seconds of one GEMM kernel computing ``groups`` products (m x k) @ (k x n).
 
     Compute: ``groups * ceil(m/tile_m) * ceil(n/tile_n)`` tiles; a grid under one wave splits K
-    (split-K/stream-K) to fill the SMs, at most into k/tile_k slices; each wave runs one tile (or
-    slice, K rounded up to tile_k) per SM at the large-GEMM rate / SMs. Memory: A and B read, C
-    written once (split-K's fp32 partials reduce in L2, not counted).
+    (split-K) to fill the SMs, at most into k/tile_k slices; each wave runs one tile (or slice, K
+    rounded up to tile_k) per SM at the large-GEMM rate / SMs; the better of the device's tile and a
+    half-width one (:data:`HALF_TILE_RATE`). Memory: A and B read, C written once (split-K's fp32
+    partials reduce in L2, not counted). No stream-K: a partial last wave of a multi-wave grid idles.
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device (fp8 on an A100)."""
     m, n, k, g = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(m, n, k, groups))
     tm, tn, tk = device.tile
-    tiles = g * np.ceil(m / tm) * np.ceil(n / tn)
-    splits = np.clip(np.floor(device.sms / np.maximum(tiles, 1)), 1, np.maximum(np.ceil(k / tk), 1))
-    waves = np.ceil(tiles * splits / device.sms)
-    k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
-    compute = waves * 2 * tm * tn * k_slice / (_rate(device, dtype) / device.sms)
+    full = _tiled_compute(m, n, k, g, (tm, tn, tk), device, _rate(device, dtype))
+    half = _tiled_compute(m, n, k, g, (tm, tn // 2, tk), device, _rate(device, dtype) * HALF_TILE_RATE)
+    compute = np.minimum(full, half)  # the library's heuristic: the tile that quantises better
     traffic = g * ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out_bytes)  # A, B in, C out
     return compute, memory_time(traffic, device)
 
