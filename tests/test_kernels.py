@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
-from xpar.estimate.kernel_block import BlockShape, block_step_times, block_times, expert_tokens, shape_of
+from xpar.estimate.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
+                                        shape_of)
 from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, attention_time, device_of, gemm_fraction_of_peak,
                                    gemm_terms, gemm_time, kernel_overhead)
 
@@ -154,3 +155,11 @@ def test_kernel_model_fields_are_range_checked():
     assert named <= set(problems)
     assert "e.g. hardware.sm_count=132" in problems["sm_count"]
     assert hardware_value_problems(hw) == {}
+
+
+def test_context_parallel_ranks_share_the_causal_work_and_the_logits_are_priced():
+    whole = attention_flops(1, 8192, 8192, 32, 128, 128)
+    assert attention_flops(1, 8192 / 4, 8192, 32, 128, 128) == pytest.approx(whole / 4)  # cp 4: a quarter each
+    assert whole == pytest.approx(2 * 32 * 8192 ** 2 * 256 * (64 + 1) / 128)  # 64 blocks a side: 65/128 computed
+    gemm, memory = logits_times(8192, 4096, 128256, H100, tp=np.array([1, 8]))
+    assert gemm[0] == gemm_time(8192, 128256, 4096, H100) and gemm[1] < gemm[0] / 7 and (memory > 0).all()

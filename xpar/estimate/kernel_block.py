@@ -196,9 +196,10 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     attn = attention_time(micro_batch, np.asarray(seq_len, dtype=float) / cp, seq_len, heads, sh.qk_dim, sh.v_dim,
                           device, kv_heads=kv_heads, backward=backward)
     kernels += 3 if backward else 1  # FlashAttention backward: preprocess, main, dq conversion
+    rope_k = 1 if sh.mla else kv_heads  # MLA: one rope key shared by the heads
     moved = moved + (2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
                      + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
-                     + 2 * t * (heads + kv_heads) * (sh.qk_rope_dim or sh.head_dim) * BF16)  # RoPE on q, k
+                     + 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16)  # RoPE on q, k
     kernels += 6  # two norms, two adds, RoPE on q and k
     experts = np.zeros_like(t)
     if sh.experts:
@@ -218,3 +219,12 @@ def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw)
     """Forward + backward :class:`BlockTerms` of one block (keywords as :func:`block_times`)."""
     return block_times(sh, micro_batch, seq_len, device, **kw) + block_times(sh, micro_batch, seq_len, device,
                                                                           backward=True, **kw)
+
+
+def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False):
+    """(GEMM seconds, memory seconds) of the output projection over ``tokens`` tokens on one rank (vocabulary
+    split by tp) and its fp32 softmax cross-entropy (logits read, probabilities or gradients written)."""
+    shard = vocab / np.asarray(tp, dtype=float)
+    gemm, _, _ = _linear(np.asarray(tokens, dtype=float), shard, hidden, device, dtype, backward)
+    return gemm, memory_time(2 * 4 * np.asarray(tokens, dtype=float) * shard, device)
+

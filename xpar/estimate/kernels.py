@@ -134,19 +134,19 @@ def gemm_fraction_of_peak(m, n, k, device: Device, dtype: str = "bf16", groups=1
     return np.divide(2.0 * g * m * n * k, t * device.peak_flops[dtype], out=np.zeros(m.shape), where=t > 0)
 
 
-def causal_block_fraction(s_q, s_kv):
-    """Fraction of FlashAttention's (query, key) blocks a causal mask computes: with n = s/128 blocks a
-    side, the n (n + 1) / 2 on or below the diagonal (1 for non-causal callers: pass s_kv = 0 there)."""
-    nq = np.ceil(np.asarray(s_q, dtype=float) / FLASH_BLOCK)
-    nk = np.ceil(np.asarray(s_kv, dtype=float) / FLASH_BLOCK)
-    return np.where(nk > 0, np.minimum(1.0, (nq + 1) / (2 * np.maximum(nk, 1))), 1.0)
+def causal_block_fraction(seq):
+    """Fraction of FlashAttention's (query, key) blocks a causal mask computes over a sequence of ``seq``
+    tokens: with n = ceil(seq / 128) blocks a side, the n (n + 1) / 2 on or below the diagonal."""
+    n = np.maximum(np.ceil(np.asarray(seq, dtype=float) / FLASH_BLOCK), 1)
+    return (n + 1) / (2 * n)
 
 
 def attention_flops(batch, s_q, s_kv, heads, qk_dim, v_dim, causal: bool = True):
-    """Forward FLOPs of the attention core as FlashAttention executes it: 2 b h s_q s_kv (d_qk + d_v)
-    over the blocks computed (all, or the causal ones). A matmul FLOP count, not a model's MFU count."""
+    """Forward FLOPs of the attention core as FlashAttention executes it: 2 b h s_q s_kv (d_qk + d_v), times
+    the causal blocks' share of the whole ``s_kv`` sequence (under context parallelism a rank's s_q = s_kv / cp
+    queries in load-balanced chunks do 1/cp of the causal work). A matmul count, not a model's MFU count."""
     full = 2.0 * np.asarray(batch, dtype=float) * heads * s_q * s_kv * (np.asarray(qk_dim) + v_dim)
-    return full * (causal_block_fraction(s_q, s_kv) if causal else 1.0)
+    return full * (causal_block_fraction(s_kv) if causal else 1.0)
 
 
 def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causal: bool = True,
