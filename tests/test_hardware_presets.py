@@ -8,7 +8,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from benchmarks.hardware_presets import SNAPSHOT, differences, snapshot
+from tests.conftest import spec_for
+from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
 from xpar.config.presets import conf_dir, load_preset
+from xpar.estimate.cost import estimate
+from xpar.estimate.kernels import device_of
 
 KERNEL_FIELDS = {"sm_count", "gemm_tile_m", "gemm_tile_n", "gemm_efficiency", "gemm_efficiency_fp8",
                  "attention_efficiency", "attention_bwd_efficiency", "kernel_launch_us"}
@@ -46,9 +50,6 @@ NEW = ["h200_141gb_64gpu", "b200_180gb_64gpu", "gb200_nvl72_576gpu"]
 @pytest.mark.parametrize("train", ["cluster", "cluster_fp8"])
 def test_the_existing_estimate_prices_a_70b_layout_on_the_new_presets(train):
     """Llama 2 70B, tp 8 + ZeRO-3 over dp (parallel=70b_64gpu) on H200, B200 and GB200 clusters, bf16 and FP8."""
-    from tests.conftest import spec_for
-    from xpar.estimate.cost import estimate
-
     rate = {}
     for hw in ["h100_80gb_64gpu"] + NEW:  # check_run refuses a layout that does not fit: these fit
         e = estimate(spec_for("parallel=70b_64gpu", f"hardware={hw}", f"train={train}", "run.mode=estimate"))
@@ -59,9 +60,6 @@ def test_the_existing_estimate_prices_a_70b_layout_on_the_new_presets(train):
 
 
 def test_new_presets_carry_their_own_fp8_efficiency_and_the_kernel_models_fields():
-    from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
-    from xpar.estimate.kernels import device_of
-
     fp8 = {}
     for name in NEW + ["h100_80gb_64gpu"]:
         hw = load_hardware_preset(name)

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
+from xpar.config.presets import presets
+from xpar.config.schema import ModelConfig
 from xpar.estimate.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
                                         shape_of)
 from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, attention_time, device_of, gemm_fraction_of_peak,
@@ -131,9 +133,6 @@ def test_vectorised_calls_equal_scalar_calls():
 
 
 def test_a_block_of_an_xpar_model_preset_and_the_devices_of_every_gpu_preset():
-    from xpar.config.presets import presets
-    from xpar.config.schema import ModelConfig
-
     shape = shape_of(ModelConfig(hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336))
     assert (shape.head_dim, shape.kv_heads, shape.gated, shape.experts) == (128, 8, True, 0)
     for name in presets("hardware"):
