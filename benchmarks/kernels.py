@@ -20,6 +20,12 @@ from xpar.estimate.kernels import device_of, gemm_fraction_of_peak
 NODES = ["a100_80gb_node", "h100_80gb_node", "h200_141gb_node", "b200_180gb_node", "gb200_nvl72_node"]
 SQUARE = [256, 512, 1024, 2048, 4096, 8192, 16384]
 TOKENS = [128, 512, 2048, 8192]
+BEST = {("a100_80gb_node", "bf16"): (1024, 10240, 5120), ("h100_80gb_node", "bf16"): (2048, 2048, 13312),
+        ("b200_180gb_node", "bf16"): (1792, 16128, 3072), ("gb200_nvl72_node", "bf16"): (4096, 9728, 2048),
+        ("h100_80gb_node", "fp8"): (1024, 9216, 14336), ("h200_141gb_node", "fp8"): (1280, 4096, 12032),
+        ("b200_180gb_node", "fp8"): (15360, 4096, 3072), ("gb200_nvl72_node", "fp8"): (19456, 5120, 1536)}
+"""The shape (M, N, K) at which each device reached its maximum achievable matmul FLOPS in the public MAMF
+tables (stas00/ml-engineering, compute/accelerator/README.md): there the device measured gemm_efficiency."""
 SHAPES = {"expert 768 (N=1536,K=2048)": (1536, 2048), "70B fc1 tp8 (N=7168,K=8192)": (7168, 8192),
           "proj 8192 (N=8192,K=8192)": (8192, 8192)}
 
@@ -42,12 +48,24 @@ def table(dtype: str, launch: bool) -> list[str]:
     return lines + [""] + shaped
 
 
+def best_shapes() -> list[str]:
+    """The model at each device's MAMF best shape against the measured fraction (its gemm_efficiency)."""
+    lines = ["the model at the MAMF tables' best shapes (measured there: the preset's gemm_efficiency)"]
+    for (name, dtype), (m, n, k) in BEST.items():
+        hw = load_hardware_preset(name)
+        measured = hw.gemm_efficiency if dtype == "bf16" else hw.gemm_efficiency_fp8
+        model = float(gemm_fraction_of_peak(m, n, k, device_of(hw), dtype))
+        lines.append(f"{hw.gpu:18s} {dtype:5s} {m:>6d} x {n:>6d} x {k:>6d}  model {model:.3f}  measured "
+                     f"{measured:.3f}  model / measured {model / measured:.3f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     parser.add_argument("--launch", action="store_true", help="add the device's per-kernel launch gap")
     args = parser.parse_args()
-    print("\n".join(table(args.dtype, args.launch)))
+    print("\n".join(table(args.dtype, args.launch) + [""] + best_shapes()))
 
 
 if __name__ == "__main__":
