@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from xpar.config.schema import GROUPS
 
 
@@ -17,6 +19,19 @@ def conf_dir() -> Path:
 
 def presets(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def load_preset(group: str, name: str) -> DictConfig:
+    """conf/<group>/<name>.yaml merged over the presets of its group that its ``defaults`` list names, in
+    the list's order, the file itself where ``_self_`` stands (last where it is absent: Hydra's rule);
+    what ``group=name`` composes, without Hydra (conf/hardware/h100_80gb_64gpu.yaml over h100_80gb_node).
+
+    Raises:
+        FileNotFoundError: ``name`` (or a preset it names) is not a preset of ``group``."""
+    own = OmegaConf.load(conf_dir() / group / f"{name}.yaml")
+    order = list(own.pop("defaults", None) or [])
+    parts = [own if entry == "_self_" else load_preset(group, entry) for entry in order]
+    return OmegaConf.merge(*parts, *([] if "_self_" in order else [own])) if parts else own
 
 
 def check_presets(argv: list[str]) -> None:

@@ -50,7 +50,7 @@ def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[s
     """(hardware, notes, problems): hardware=local with a parallel preset written for a
     cluster (``reference_hardware``) assumes that preset's cluster (conf/hardware/<name>.yaml,
     through the same schema), so that mode auto estimates it, and says so in a note."""
-    from xpar.config.presets import conf_dir, presets
+    from xpar.config.presets import load_preset, presets
 
     name, hw = c.parallel.reference_hardware, c.hardware
     if not (is_this_machine(hw) and name and c.run.mode != "execute" and not torchrun_world()):
@@ -58,7 +58,7 @@ def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[s
     if name not in presets("hardware"):
         return hw, [], [f"parallel.reference_hardware={name!r} is not a hardware preset; available: "
                         f"{', '.join(presets('hardware'))}."]
-    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml"))
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), load_preset("hardware", name))
     note = (f"hardware={name} assumed: the preset's reference cluster (parallel={c.parallel.name} names "
             f"reference_hardware={name}); pass hardware=<preset> for another cluster.")
     return OmegaConf.to_object(node), [note], []

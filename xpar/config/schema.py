@@ -180,6 +180,27 @@ class HardwareConfig:
     fp32 matmul precision 'highest': no TF32 tensor cores); None: peak_tflops (a CPU measures fp32)."""
     hbm_tb_per_s: Optional[float] = None
     """Device memory bandwidth in TB/s (1e12 bytes/s); None measures on hardware=local."""
+    sm_count: Optional[int] = None
+    """Streaming multiprocessors per device (A100 108, H100/H200 SXM 132, B200 148): the waves GEMM tiles
+    run in (xpar.estimate.kernels); None: no kernel-level pricing (a CPU)."""
+    gemm_tile_m: int = 128
+    """Rows of a GEMM's CTA tile in the library's large-GEMM kernels (CUTLASS/cuBLAS: 128), a multiple of 16."""
+    gemm_tile_n: int = 256
+    """Columns of that tile (CUTLASS 3 Hopper/Blackwell: 256 per SM), a multiple of 16."""
+    gemm_efficiency: Optional[float] = None
+    """A large BF16 GEMM's fraction of peak_tflops, in (0, 1]: the maximum achievable matmul FLOPS of a
+    shape sweep (public mamf-finder tables), the kernel model's rate before tile and wave losses. Not
+    matmul_efficiency (a whole step's fitted matmul fraction); None: no kernel-level pricing."""
+    gemm_efficiency_fp8: Optional[float] = None
+    """The same for FP8 GEMMs, of peak_tflops_fp8, in (0, 1] (per device: H100 0.71, B200 0.76)."""
+    attention_efficiency: Optional[float] = None
+    """FlashAttention's forward fraction of the BF16 peak at long sequences, head_dim 128, in (0, 1]
+    (FlashAttention-2 on A100, -3 on H100); the core runs in BF16 under FP8 recipes."""
+    attention_bwd_efficiency: Optional[float] = None
+    """The same for its backward pass, in (0, 1]."""
+    kernel_launch_us: float = 0.0
+    """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
+    microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.kernels.kernel_overhead)."""
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None

@@ -52,17 +52,17 @@ EXAMPLE = {"peak_tflops": 312.0, "device_memory_gb": 85.0, "inter_node_gb_per_s"
 
 
 def load_hardware_preset(name: str):
-    """conf/hardware/<name>.yaml through the HardwareConfig schema (defaults filled in).
+    """conf/hardware/<name>.yaml over the node preset it inherits (xpar.config.presets.load_preset),
+    through the HardwareConfig schema (defaults filled in).
 
     Raises:
         FileNotFoundError: ``name`` is not a hardware preset."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir
+    from xpar.config.presets import load_preset
     from xpar.config.schema import HardwareConfig
 
-    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig),
-                           OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml"))
+    node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), load_preset("hardware", name))
     return OmegaConf.to_object(node)
 
 
@@ -174,6 +174,27 @@ def _other_problems(hw, preset) -> dict[str, str]:
     return out
 
 
+def _kernel_model_problems(hw) -> dict[str, str]:
+    """The kernel model's figures: SM count an integer >= 1 or null, tiles multiples of 16 in
+    [16, 512], fractions of peak in (0, 1] or null (xpar.estimate.kernels)."""
+    out = {}
+    n = hw.sm_count
+    if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        out["sm_count"] = (f"hardware.sm_count must be an integer >= 1 or null (no kernel-level pricing), got {n!r}; "
+                           f"e.g. hardware.sm_count=132 (H100 SXM).")
+    for name in ("gemm_tile_m", "gemm_tile_n"):
+        v = getattr(hw, name)
+        if not (isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 512 and v % 16 == 0):
+            out[name] = (f"hardware.{name} must be a multiple of 16 in [16, 512] (a tensor-core GEMM tile), got {v!r}; "
+                         f"e.g. hardware.{name}={128 if name.endswith('m') else 256}.")
+    for name in ("gemm_efficiency", "gemm_efficiency_fp8", "attention_efficiency", "attention_bwd_efficiency"):
+        v = getattr(hw, name)
+        if v is not None and not 0 < v <= 1:
+            out[name] = (f"hardware.{name} must be in (0, 1] (a fraction of peak) or null, got {v}; "
+                         f"e.g. hardware.{name}=0.7.")
+    return out
+
+
 def hardware_value_problems(hw) -> dict[str, str]:
     """Every refused figure of the HardwareConfig ``hw``: field name -> one refusal line (the
     constraint, the value given, a value that works: the preset's own figure where it has one).
@@ -185,7 +206,7 @@ def hardware_value_problems(hw) -> dict[str, str]:
         line = _positive_problem(hw, name, preset)
         if line:
             out[name] = line
-    return {**out, **_other_problems(hw, preset)}
+    return {**out, **_other_problems(hw, preset), **_kernel_model_problems(hw)}
 
 
 def check_hardware_values(c) -> list[str]:

@@ -1,0 +1,230 @@
+"""One transformer block's forward or backward on one rank, kernel by kernel (issue 42).
+
+Prices every kernel of a block (Megatron-Core / torchtitan order: norm, qkv or MLA projections,
+RoPE, attention core, output projection, residual add, norm, MLP or router + experts + combine)
+with xpar.estimate.kernels, for a micro-batch b of s tokens under tp (with sequence parallelism),
+cp (load-balanced causal chunks) and ep (experts not split by tp: Megatron's ETP = 1). Backward:
+each GEMM's dgrad and wgrad, the attention backward, elementwise passes at twice their traffic.
+Every argument broadcasts (numpy columns); the result is a :class:`BlockTerms` of arrays, seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import numpy as np
+
+from xpar.estimate.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
+
+BF16 = DTYPE_BYTES["bf16"]
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """A block's shape. MLA (DeepSeek-V2/V3) where ``kv_lora_rank`` > 0: queries through a
+    ``q_lora_rank`` bottleneck (0: a direct projection), keys/values through ``kv_lora_rank``, heads
+    of ``qk_nope_dim + qk_rope_dim`` (q, k) and ``v_head_dim`` (v). Otherwise ``head_dim`` (which
+    may differ from hidden / heads) for q, k and v."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    gated: bool = True
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    capacity_factor: Optional[float] = None
+    imbalance: float = 1.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
+
+
+def shape_of(model, moe: bool = True) -> BlockShape:
+    """The :class:`BlockShape` of an xpar ModelConfig (a MoE layer where ``moe`` and the model has experts)."""
+    experts = model.n_experts if moe else 0
+    return BlockShape(hidden=model.hidden, heads=model.n_heads, kv_heads=model.kv_heads,
+                      head_dim=getattr(model, "head_dim", None) or model.hidden // model.n_heads,
+                      ffn=model.ffn_hidden, gated=model.activation == "swiglu", experts=experts,
+                      top_k=model.moe_top_k, expert_ffn=model.expert_ffn_hidden or model.ffn_hidden,
+                      shared_experts=model.n_shared_experts, capacity_factor=model.capacity_factor,
+                      imbalance=model.moe_imbalance)
+
+
+@dataclass(frozen=True)
+class BlockTerms:
+    """Seconds of one block's pass on one rank, by kind of kernel (arrays of one shape)."""
+
+    gemm: np.ndarray
+    """Dense GEMMs: qkv or MLA projections, attention output, MLP or shared experts, router."""
+    experts: np.ndarray
+    """Routed experts' GEMMs (grouped, or one per local expert)."""
+    attention: np.ndarray
+    """The attention core (FlashAttention, BF16)."""
+    memory: np.ndarray
+    """Memory-bound kernels: norms, residual adds, RoPE, activation, FP8 casts, MoE routing traffic."""
+    overhead: np.ndarray
+    """Launch gaps, or host issue time beyond the kernels' own (xpar.estimate.kernels.kernel_overhead)."""
+    kernels: np.ndarray
+    """Kernels launched."""
+
+    @property
+    def busy(self) -> np.ndarray:
+        return self.gemm + self.experts + self.attention + self.memory
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.busy + self.overhead
+
+    def __add__(self, other: "BlockTerms") -> "BlockTerms":
+        return BlockTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def _linear(m, n, k, device, dtype, backward, groups=1):
+    """(seconds, kernels, cast bytes) of a linear layer y = x W (x: m x k, W: k x n): forward, or dgrad +
+    wgrad. Under FP8 one cast kernel quantises the GEMM's activation input (read BF16, write FP8);
+    its forward bytes are returned either way (the caller doubles a backward's memory traffic)."""
+    cast = dtype == "fp8"
+    if not backward:
+        return gemm_time(m, n, k, device, dtype, groups), 1 + cast, cast * 3.0 * groups * m * k
+    dgrad = gemm_time(m, k, n, device, dtype, groups)  # dx = dy W^T: (m x n) @ (n x k)
+    wgrad = gemm_time(k, n, m, device, dtype, groups)  # dW = x^T dy: (k x m) @ (m x n), reduced over tokens
+    return dgrad + wgrad, 2 + cast, cast * 3.0 * groups * m * k
+
+
+def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward):
+    """(seconds, kernels, cast bytes) of the attention's projections on t tokens per rank."""
+    parts = []
+    if sh.mla:
+        q_in = sh.hidden
+        if sh.q_lora_rank:
+            parts.append((sh.q_lora_rank, sh.hidden, None))  # q down-projection (replicated over tp)
+            q_in = sh.q_lora_rank
+        parts.append((sh.heads * sh.qk_dim, q_in, "n"))  # q (up-)projection, column-parallel
+        parts.append((sh.kv_lora_rank + sh.qk_rope_dim, sh.hidden, None))  # kv down-projection + shared rope key
+        parts.append((sh.heads * (sh.qk_nope_dim + sh.v_dim), sh.kv_lora_rank, "n"))  # kv up-projection
+    else:
+        parts.append(((sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.hidden, "n"))  # fused qkv, column-parallel
+    parts.append((sh.hidden, sh.heads * sh.v_dim, "k"))  # output projection, row-parallel (K split)
+    out = (0.0, 0, 0.0)
+    tp = np.asarray(tp, dtype=float)
+    for n, k, split in parts:  # split: the dimension tp divides (None: replicated on every tp rank)
+        n_r, k_r = (n / tp if split == "n" else n), (k / tp if split == "k" else k)
+        out = _sum(out, _linear(t, n_r, k_r, device, dtype, backward))
+    return out
+
+
+def _sum(a, b):
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _mlp(t, width, hidden, gated, tp, device, dtype, backward):
+    """(seconds of GEMMs, kernels, bytes of activation and casts) of a dense MLP of ``width`` on t tokens."""
+    up = _linear(t, width * (2 if gated else 1) / tp, hidden, device, dtype, backward)
+    down = _linear(t, hidden, width / tp, device, dtype, backward)
+    act = t * width / tp * BF16 * (3 if gated else 2)  # SwiGLU reads gate and up, writes one; GeLU one in, one out
+    return _sum(_sum(up, down), (0.0, 1, act))
+
+
+def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
+    """Tokens each local expert computes on the busiest rank: the even share ``k T ep / E`` (T tokens
+    per rank entering the MoE) times the router imbalance, dropless; with a capacity factor c every
+    expert's buffer is c times the even share (overflow dropped, the rest padded: Fedus et al. 2022)."""
+    even = np.asarray(tokens_per_rank, dtype=float) * sh.top_k * ep / max(sh.experts, 1)
+    if sh.capacity_factor is not None:
+        return np.ceil(sh.capacity_factor * even)
+    return np.ceil(even * sh.imbalance)
+
+
+def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped):
+    """(dense gemm s, expert gemm s, kernels, bytes) of router + routed and shared experts, t tokens per rank."""
+    t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
+    router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
+    m = expert_tokens(sh, t_sp, ep)
+    local = sh.experts // np.asarray(ep)
+    groups, launches = (local, 1) if grouped else (1, local)
+    up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups)
+    down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups)
+    experts = tuple(x * launches for x in _sum(up, down))
+    moved = (2 * t_sp * sh.top_k * sh.hidden * BF16  # permute: gather the token copies into expert order
+             + t_sp * (sh.top_k + 1) * sh.hidden * BF16  # unpermute + weighted combine
+             + 2 * t_sp * sh.experts * 4  # router softmax and top-k over fp32 logits
+             + m * local * sh.expert_ffn * BF16 * (3 if sh.gated else 2))  # experts' activation
+    kernels = router[1] + experts[1] + 8  # softmax, top-k, permute x2, unpermute x2, aux loss, activation
+    gemm, moved = router[0], moved + router[2] + experts[2]
+    if sh.shared_experts:
+        s_gemm, s_k, s_bytes = _mlp(t, sh.shared_experts * sh.expert_ffn, sh.hidden, sh.gated, tp, device, dtype,
+                                    backward)
+        gemm, kernels, moved = gemm + s_gemm, kernels + s_k, moved + s_bytes
+    return gemm, experts[0], kernels, moved
+
+
+def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
+                backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0) -> BlockTerms:
+    """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
+
+    ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
+    the whole sequence, the causal half); tp splits heads and MLP widths (sequence parallel: norms and
+    routing on 1/tp of the tokens); ep ranks hold ``experts / ep`` experts each. ``dtype`` is the GEMMs'
+    (fp8: Transformer Engine's recipe, the attention core stays BF16; each GEMM input is cast).
+    ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
+
+    Raises:
+        ValueError: ``dtype`` has no tensor-core peak on the device."""
+    t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
+    t_sp = t / tp
+    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward)
+    heads = sh.heads / np.asarray(tp, dtype=float)
+    kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: MHA
+    attn = attention_time(micro_batch, np.asarray(seq_len, dtype=float) / cp, seq_len, heads, sh.qk_dim, sh.v_dim,
+                          device, kv_heads=kv_heads, backward=backward)
+    kernels += 3 if backward else 1  # FlashAttention backward: preprocess, main, dq conversion
+    rope_k = 1 if sh.mla else kv_heads  # MLA: one rope key shared by the heads
+    moved = moved + (2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
+                     + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
+                     + 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16)  # RoPE on q, k
+    kernels += 6  # two norms, two adds, RoPE on q and k
+    experts = np.zeros_like(t)
+    if sh.experts:
+        g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm)
+    else:
+        g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward)
+    gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
+    memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
+    busy = gemm + experts + attn + memory
+    over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
+    shape = np.broadcast(t, busy).shape
+    return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
+                        for x in (gemm, experts, attn, memory, over, kernels)))
+
+
+def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw) -> BlockTerms:
+    """Forward + backward :class:`BlockTerms` of one block (keywords as :func:`block_times`)."""
+    return block_times(sh, micro_batch, seq_len, device, **kw) + block_times(sh, micro_batch, seq_len, device,
+                                                                          backward=True, **kw)
+
+
+def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False):
+    """(GEMM seconds, memory seconds) of the output projection over ``tokens`` tokens on one rank (vocabulary
+    split by tp) and its fp32 softmax cross-entropy (logits read, probabilities or gradients written)."""
+    shard = vocab / np.asarray(tp, dtype=float)
+    gemm, _, _ = _linear(np.asarray(tokens, dtype=float), shard, hidden, device, dtype, backward)
+    return gemm, memory_time(2 * 4 * np.asarray(tokens, dtype=float) * shard, device)
+

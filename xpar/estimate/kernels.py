@@ -1,0 +1,175 @@
+"""Kernel-level compute time on one GPU: each kernel priced from its shape and dtype (issue 42).
+
+Pure numpy: every shape argument may be an array (a scalar is a one-row column); arguments
+broadcast together and each function returns seconds of the same shape.
+
+- GEMM (M x K) @ (K x N): CTA tiles of ``tile_m x tile_n`` over the device's SMs in waves, split-K
+  when the grid is under one wave, an HBM roofline, at the large-GEMM fraction of peak (MAMF).
+- Attention core: FlashAttention's FLOPs (causal blocks only) at the device's flash-attention fraction
+  of the BF16 peak, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
+- Elementwise, normalisation, casts, MoE permutation: bytes over achievable HBM bandwidth.
+- Per-kernel overhead: the device's launch gap, or the host's issue time where that is longer.
+Constants and their sources: docs/concepts/kernels.md. A whole block: xpar.estimate.kernel_block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+HBM_FRACTION = 0.9
+"""Achievable fraction of datasheet HBM bandwidth for a streaming kernel (public STREAM/D2D copy
+microbenchmarks: H100 SXM 3.0-3.1 of 3.35 TB/s; ~0.9 on other HBM parts)."""
+FLASH_BLOCK = 128
+"""FlashAttention's query/key block (Br = Bc = 128 for head_dim <= 128: FlashAttention-2/3 kernels)."""
+FLASH_BWD_FLOPS = 2.5
+"""Backward FLOPs over forward of the attention core: 5 matmuls (S, dP, dV, dQ, dK) against 2 (Dao 2023)."""
+HALF_TILE_RATE = 0.9
+"""Assumed (not fitted): a tile_m x tile_n/2 tile's mainloop rate over the full tile's (less operand reuse:
+1.33x the shared-memory traffic per FLOP). Libraries pick the half tile where it quantises better."""
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Device:
+    """The figures of one GPU the kernel model reads (from a hardware preset: :func:`device_of`)."""
+
+    sms: int
+    """Streaming multiprocessors (each runs one GEMM tile at a time)."""
+    peak_flops: dict
+    """Dense tensor-core peak per dtype, FLOP/s: {'bf16': ..., 'fp8': ...}."""
+    gemm_fraction: dict
+    """A large GEMM's fraction of peak per dtype (maximum achievable matmul FLOPS over peak)."""
+    attention_fraction: tuple
+    """FlashAttention forward, backward fraction of the BF16 peak at long sequences, head_dim 128."""
+    hbm_bytes_per_s: float
+    """Datasheet HBM bandwidth, bytes/s."""
+    tile: tuple = (128, 256, 64)
+    """GEMM CTA tile (m, n, k) of the library's large-GEMM kernels (CUTLASS/cuBLAS)."""
+    launch_s: float = 0.0
+    """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
+
+
+def device_of(hw) -> Device:
+    """The :class:`Device` of a HardwareConfig (a GPU preset).
+
+    Raises:
+        ValueError: a field the kernel model needs is missing (hardware=local, a CPU), naming it."""
+    need = {"sm_count": hw.sm_count, "peak_tflops": hw.peak_tflops, "hbm_tb_per_s": hw.hbm_tb_per_s,
+            "gemm_efficiency": hw.gemm_efficiency, "attention_efficiency": hw.attention_efficiency,
+            "attention_bwd_efficiency": hw.attention_bwd_efficiency}
+    missing = [k for k, v in need.items() if v is None]
+    if missing:
+        raise ValueError(f"hardware={hw.name} has no {', '.join(missing)}: the kernel model prices GPUs "
+                         f"with these figures (conf/hardware/h100_80gb_node.yaml has them)")
+    peak = {"bf16": hw.peak_tflops * 1e12, "fp16": hw.peak_tflops * 1e12}
+    frac = {"bf16": hw.gemm_efficiency, "fp16": hw.gemm_efficiency}
+    if hw.peak_tflops_fp8 is not None and hw.gemm_efficiency_fp8 is not None:
+        peak["fp8"], frac["fp8"] = hw.peak_tflops_fp8 * 1e12, hw.gemm_efficiency_fp8
+    return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
+                  attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
+                  hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
+                  launch_s=hw.kernel_launch_us * 1e-6)
+
+
+def _rate(device: Device, dtype: str) -> float:
+    """Sustained FLOP/s of a large GEMM in ``dtype``; ValueError where the device has no such matmuls."""
+    if dtype not in device.peak_flops:
+        raise ValueError(f"dtype {dtype!r} has no tensor-core peak on this device; "
+                         f"dtypes priced: {', '.join(sorted(device.peak_flops))}")
+    return device.peak_flops[dtype] * device.gemm_fraction[dtype]
+
+
+def memory_time(nbytes, device: Device):
+    """Seconds to stream ``nbytes`` (array) through HBM at :data:`HBM_FRACTION` of the datasheet figure."""
+    return np.asarray(nbytes, dtype=float) / (device.hbm_bytes_per_s * HBM_FRACTION)
+
+
+def _tiled_compute(m, n, k, g, tile, device: Device, rate: float):
+    """Seconds of the tiles of ``tile`` (m, n, k) over the SMs: waves of one tile or split-K slice per SM."""
+    tm, tn, tk = tile
+    tiles = g * np.ceil(m / tm) * np.ceil(n / tn)
+    splits = np.clip(np.floor(device.sms / np.maximum(tiles, 1)), 1, np.maximum(np.ceil(k / tk), 1))
+    waves = np.ceil(tiles * splits / device.sms)
+    k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
+    return waves * 2 * tm * tn * k_slice / (rate / device.sms)
+
+
+def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes: int = 2):
+    """(compute, memory) seconds of one GEMM kernel computing ``groups`` products (m x k) @ (k x n).
+
+    Compute: ``groups * ceil(m/tile_m) * ceil(n/tile_n)`` tiles; a grid under one wave splits K
+    (split-K) to fill the SMs, at most into k/tile_k slices; each wave runs one tile (or slice, K
+    rounded up to tile_k) per SM at the large-GEMM rate / SMs; the better of the device's tile and a
+    half-width one (:data:`HALF_TILE_RATE`). Memory: A and B read, C written once (split-K's fp32
+    partials reduce in L2, not counted). No stream-K: a partial last wave of a multi-wave grid idles.
+
+    Raises:
+        ValueError: ``dtype`` has no tensor-core peak on the device (fp8 on an A100)."""
+    m, n, k, g = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(m, n, k, groups))
+    tm, tn, tk = device.tile
+    full = _tiled_compute(m, n, k, g, (tm, tn, tk), device, _rate(device, dtype))
+    half = _tiled_compute(m, n, k, g, (tm, tn // 2, tk), device, _rate(device, dtype) * HALF_TILE_RATE)
+    compute = np.minimum(full, half)  # the library's heuristic: the tile that quantises better
+    traffic = g * ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out_bytes)  # A, B in, C out
+    return compute, memory_time(traffic, device)
+
+
+def gemm_time(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes: int = 2):
+    """Seconds of one GEMM kernel (a grouped GEMM: ``groups`` experts of ``m`` tokens each; m = 0 costs
+    nothing): the larger of :func:`gemm_terms` (a roofline: compute-bound or HBM-bound). Arrays broadcast.
+
+    Raises:
+        ValueError: ``dtype`` has no tensor-core peak on the device (fp8 on an A100)."""
+    compute, memory = gemm_terms(m, n, k, device, dtype, groups, out_bytes)
+    return np.where(np.asarray(m) * np.asarray(groups) > 0, np.maximum(compute, memory), 0.0)
+
+
+def gemm_fraction_of_peak(m, n, k, device: Device, dtype: str = "bf16", groups=1, launch: bool = False):
+    """Achieved FLOP/s of :func:`gemm_time` (plus the launch gap with ``launch``: what a timing loop of
+    back-to-back calls measures) over the dtype's peak, 0..1."""
+    t = gemm_time(m, n, k, device, dtype, groups) + (device.launch_s if launch else 0.0)
+    m, n, k, g = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(m, n, k, groups))
+    t = np.broadcast_to(t, m.shape)
+    return np.divide(2.0 * g * m * n * k, t * device.peak_flops[dtype], out=np.zeros(m.shape), where=t > 0)
+
+
+def causal_block_fraction(seq):
+    """Fraction of FlashAttention's (query, key) blocks a causal mask computes over a sequence of ``seq``
+    tokens: with n = ceil(seq / 128) blocks a side, the n (n + 1) / 2 on or below the diagonal."""
+    n = np.maximum(np.ceil(np.asarray(seq, dtype=float) / FLASH_BLOCK), 1)
+    return (n + 1) / (2 * n)
+
+
+def attention_flops(batch, s_q, s_kv, heads, qk_dim, v_dim, causal: bool = True):
+    """Forward FLOPs of the attention core as FlashAttention executes it: 2 b h s_q s_kv (d_qk + d_v), times
+    the causal blocks' share of the whole ``s_kv`` sequence (under context parallelism a rank's s_q = s_kv / cp
+    queries in load-balanced chunks do 1/cp of the causal work). A matmul count, not a model's MFU count."""
+    full = 2.0 * np.asarray(batch, dtype=float) * heads * s_q * s_kv * (np.asarray(qk_dim) + v_dim)
+    return full * (causal_block_fraction(s_kv) if causal else 1.0)
+
+
+def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causal: bool = True,
+                   kv_heads=None, backward: bool = False):
+    """Seconds of the attention core (FlashAttention forward, or backward at 2.5x its FLOPs) on one rank.
+
+    Runs in BF16 at the device's flash-attention fraction whatever the GEMM dtype (FP8 recipes keep
+    the core in BF16). The grid is b x heads x ceil(s_q/128) query blocks in waves over the SMs;
+    memory: Q, K, V read and O written once (x2 backward, with dO, dQ, dK, dV). Larger of the two."""
+    b, sq, skv, h = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(batch, s_q, s_kv, heads))
+    hk = h if kv_heads is None else np.asarray(kv_heads, dtype=float)
+    flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal) * (FLASH_BWD_FLOPS if backward else 1.0)
+    rate = device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0]
+    units = b * h * np.ceil(sq / FLASH_BLOCK)
+    waves = np.ceil(units / device.sms)
+    compute = flops / rate * np.divide(waves * device.sms, units, out=np.ones_like(units), where=units > 0)
+    traffic = 2 * b * (sq * h * (np.asarray(qk_dim) + v_dim) + skv * hk * (np.asarray(qk_dim) + v_dim))
+    return np.maximum(compute, memory_time(traffic * (2 if backward else 1), device))
+
+
+def kernel_overhead(n_kernels, busy_s, device: Device, host_s_per_kernel: float = 0.0):
+    """Seconds ``n_kernels`` kernels that keep the GPU busy ``busy_s`` in all add beyond ``busy_s``: the
+    device's launch gap per kernel, or, where the host issues kernels slower than they run (eager
+    PyTorch: tens of microseconds an operator), the host's time. Arrays broadcast."""
+    n, busy = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(n_kernels, busy_s))
+    return np.maximum(n * device.launch_s, n * host_s_per_kernel - busy)
