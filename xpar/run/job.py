@@ -32,17 +32,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     (:func:`own_folder`).
     """
     if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
-        own_folder(out_dir, sweep)
-        from xpar.plan.command import run_plan
-        from xpar.track.runs import TrackingUnavailable
-        try:
-            run_plan(cfg, out_dir, start_dir, sweep=sweep)
-        except TrackingUnavailable as e:
-            if sweep is not None:
-                raise
-            print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        return None
+        return _plan_job(cfg, out_dir, start_dir, sweep)
     from xpar.config.cluster import adopt_submitit_tasks
     from xpar.run.launch import WorkerFailed
     from xpar.track.runs import TrackingUnavailable
@@ -83,6 +73,20 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
         if sweep is not None:
             raise
         print(f"xpar: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _plan_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict]) -> None:
+    """``xpar plan`` (run.mode=plan) as one job; a plan that could not be recorded exits 2."""
+    from xpar.plan.command import run_plan
+    from xpar.track.runs import TrackingUnavailable
+    own_folder(out_dir, sweep)
+    try:
+        run_plan(cfg, out_dir, start_dir, sweep=sweep)
+    except TrackingUnavailable as e:
+        if sweep is not None:
+            raise
+        print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
         raise SystemExit(2)
 
 
