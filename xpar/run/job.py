@@ -97,14 +97,14 @@ def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
     or multi-task submitit job share their rank 0's."""
     import os
 
-    from xpar.track.run_dir import claim
+    from xpar.track.run_dir import claim, free_sibling
     if os.environ.get("RANK", "0") != "0":
         return
     why = claim(out_dir)
     if why is None:
         return
     line = (f"the output folder {out_dir} is another run's ({why}): a run never writes into another run's "
-            f"records or checkpoints; give a new folder, e.g. hydra.run.dir={out_dir}-new.")
+            f"records or checkpoints; give a new folder, e.g. hydra.run.dir={free_sibling(out_dir)}.")
     if sweep is None:
         fail(f"  - {line}")
     raise ConfigError([line])

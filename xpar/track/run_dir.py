@@ -63,8 +63,7 @@ def held_by_another(folder: Path) -> Optional[str]:
     if claim is not None:
         if is_mine(claim):
             return None
-        return (f"the run of pid {claim.get('pid', '?')} on {claim.get('host', '?')} claimed it "
-                f"({MARKER})")
+        return f"claimed by pid {claim.get('pid', '?')} on {claim.get('host', '?')} in its {MARKER}"
     held = [n for n in RUN_FILES if (folder / n).exists()] + [p.name for p in folder.glob(SWEEP_GLOB)]
     held += [str(p.parent.relative_to(folder)) for g in ("step_*/xpar.json", "*/step_*/xpar.json")
              for p in folder.glob(g)][:1]
