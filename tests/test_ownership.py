@@ -322,3 +322,25 @@ def test_a_full_store_is_one_line_and_a_non_zero_exit(tmp_path, method, code):
         assert _xpar(tmp_path, "sync", str(run_dir), timeout=120).returncode == 0
         run = _client(tmp_path).get_run(_journal_run_id(run_dir))
         assert run.info.status == "FINISHED" and "fidelity/step_time_ratio" in run.data.metrics
+
+
+def test_a_claim_on_a_full_disk_is_a_warning_and_an_uncreatable_folder_one_line(tmp_path, monkeypatch, capsys):
+    """The claim's own file cannot be written (a full disk): one warning line, the run goes on
+    unclaimed; the folder itself cannot be created: the refusal line names why."""
+    import xpar.track.run_dir as run_dir
+    from xpar.track import journal
+
+    real = os.fdopen
+
+    def full(fd, *a, **k):
+        f = real(fd, *a, **k)
+        f.write = lambda text: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return f
+    monkeypatch.setattr(journal, "_WARNED", set())
+    monkeypatch.setattr(run_dir.os, "fdopen", full)
+    assert claim(tmp_path / "run") is None and not (tmp_path / "run" / MARKER).exists()
+    assert "cannot write" in capsys.readouterr().err
+    monkeypatch.setattr(run_dir.os, "fdopen", real)
+    (tmp_path / "file").write_text("")
+    extra, line = run_dir.claim_before_hydra([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], tmp_path)
+    assert extra == [] and "cannot be created" in line and "hydra.run.dir=<a folder with space>" in line
