@@ -288,3 +288,59 @@ def test_after_a_kill_9_the_next_command_says_sync_and_sync_keeps_killed(tmp_pat
     assert client.get_run(run_id).info.status == "KILLED"  # not FAILED
     losses = client.get_metric_history(run_id, "train/loss")
     assert max(m.step for m in losses) == last["step"] + 1  # every step the workers recorded
+
+
+FULL_STORE = """
+import runpy, sys
+from mlflow.exceptions import MlflowException
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+def full(*args, **kwargs):
+    raise MlflowException("(raised as a result of Query-invoked autoflush)\\n(sqlite3.OperationalError) database or disk is full")
+
+setattr(SqlAlchemyStore, sys.argv.pop(1), full)
+sys.argv[0] = "xpar"
+runpy.run_module("xpar", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,code", [("create_run", 2), ("log_batch", 1)])
+def test_a_full_store_is_one_line_and_a_non_zero_exit(tmp_path, method, code):
+    """The store's disk full (its writes raise as SQLite's do): at the run's start, one line and
+    exit 2 before any worker; during the run, the run trains, exits 1 and says which `xpar sync`
+    delivers the rest (24 MLflow/SQLAlchemy tracebacks and exit 0 before)."""
+    r = subprocess.run([sys.executable, "-c", FULL_STORE, method, "train.steps=3", *ONE], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == code and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "database or disk is full" in r.stderr
+    if method == "create_run":
+        assert "did not take a new run" in r.stderr and not list(tmp_path.glob("outputs/*/*/steps"))
+    else:  # the store had the run's start and end, not its metrics: the advised sync adds them, status kept
+        assert "xpar sync " in r.stderr and "NOT all recorded in MLflow" in r.stdout
+        run_dir = Path(r.stderr.split("xpar sync ")[-1].split()[0])
+        assert _xpar(tmp_path, "sync", str(run_dir), timeout=120).returncode == 0
+        run = _client(tmp_path).get_run(_journal_run_id(run_dir))
+        assert run.info.status == "FINISHED" and "fidelity/step_time_ratio" in run.data.metrics
+
+
+def test_a_claim_on_a_full_disk_is_a_warning_and_an_uncreatable_folder_one_line(tmp_path, monkeypatch, capsys):
+    """The claim's own file cannot be written (a full disk): one warning line, the run goes on
+    unclaimed; the folder itself cannot be created: the refusal line names why."""
+    import xpar.track.run_dir as run_dir
+    from xpar.track import journal
+
+    real = os.fdopen
+
+    def full(fd, *a, **k):
+        f = real(fd, *a, **k)
+        f.write = lambda text: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return f
+    monkeypatch.setattr(journal, "_WARNED", set())
+    monkeypatch.setattr(run_dir.os, "fdopen", full)
+    assert claim(tmp_path / "run") is None and not (tmp_path / "run" / MARKER).exists()
+    assert "cannot write" in capsys.readouterr().err
+    monkeypatch.setattr(run_dir.os, "fdopen", real)
+    (tmp_path / "file").write_text("")
+    extra, line = run_dir.claim_before_hydra([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], tmp_path)
+    assert extra == [] and "cannot be created" in line and "hydra.run.dir=<a folder with space>" in line

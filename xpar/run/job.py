@@ -32,17 +32,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     (:func:`own_folder`).
     """
     if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
-        own_folder(out_dir, sweep)
-        from xpar.plan.command import run_plan
-        from xpar.track.runs import TrackingUnavailable
-        try:
-            run_plan(cfg, out_dir, start_dir, sweep=sweep)
-        except TrackingUnavailable as e:
-            if sweep is not None:
-                raise
-            print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        return None
+        return _plan_job(cfg, out_dir, start_dir, sweep)
     from xpar.config.cluster import adopt_submitit_tasks
     from xpar.run.launch import WorkerFailed
     from xpar.track.runs import TrackingUnavailable
@@ -86,6 +76,20 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
         raise SystemExit(2)
 
 
+def _plan_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict]) -> None:
+    """``xpar plan`` (run.mode=plan) as one job; a plan that could not be recorded exits 2."""
+    from xpar.plan.command import run_plan
+    from xpar.track.runs import TrackingUnavailable
+    own_folder(out_dir, sweep)
+    try:
+        run_plan(cfg, out_dir, start_dir, sweep=sweep)
+    except TrackingUnavailable as e:
+        if sweep is not None:
+            raise
+        print(f"xpar: the plan above was not recorded: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
     """Claim ``out_dir`` for this run (xpar.track.run_dir): a single run's folder was claimed before
     Hydra started (xpar.__main__), a sweep job's is claimed here. A folder of another run exits 2
@@ -93,14 +97,14 @@ def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
     or multi-task submitit job share their rank 0's."""
     import os
 
-    from xpar.track.run_dir import claim
+    from xpar.track.run_dir import claim, free_sibling
     if os.environ.get("RANK", "0") != "0":
         return
     why = claim(out_dir)
     if why is None:
         return
     line = (f"the output folder {out_dir} is another run's ({why}): a run never writes into another run's "
-            f"records or checkpoints; give a new folder, e.g. hydra.run.dir={out_dir}-new.")
+            f"records or checkpoints; give a new folder, e.g. hydra.run.dir={free_sibling(out_dir)}.")
     if sweep is None:
         fail(f"  - {line}")
     raise ConfigError([line])

@@ -73,6 +73,14 @@ def deliver(client, run_id: str, rec: dict) -> None:
         client.set_terminated(run_id, rec["status"], end_time=rec["end_ms"])
 
 
+def store_reason(e: Exception) -> str:
+    """The line of a store error that says what happened: SQLAlchemy's ``(sqlite3.OperationalError)
+    database or disk is full`` rather than its first line (an autoflush note), at most 200 characters."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    driver = [ln for ln in lines if ln.startswith("(") and "Error)" in ln]
+    return (driver or lines or [""])[0][:200]
+
+
 class Recorder:
     """One run's journal and its delivery to the store (see the module docstring)."""
 
@@ -121,7 +129,7 @@ class Recorder:
 
     def mark_failed(self, e: Exception) -> None:
         first = self.error is None
-        self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        self.error = f"{type(e).__name__}: {store_reason(e)}"
         self._failed_at = time.monotonic()
         bound_http(timeout_s=1, retries=0)  # a store that failed once gets short calls from now on
         if first:

@@ -63,8 +63,7 @@ def held_by_another(folder: Path) -> Optional[str]:
     if claim is not None:
         if is_mine(claim):
             return None
-        return (f"the run of pid {claim.get('pid', '?')} on {claim.get('host', '?')} claimed it "
-                f"({MARKER})")
+        return f"claimed by pid {claim.get('pid', '?')} on {claim.get('host', '?')} in its {MARKER}"
     held = [n for n in RUN_FILES if (folder / n).exists()] + [p.name for p in folder.glob(SWEEP_GLOB)]
     held += [str(p.parent.relative_to(folder)) for g in ("step_*/xpar.json", "*/step_*/xpar.json")
              for p in folder.glob(g)][:1]
@@ -73,7 +72,10 @@ def held_by_another(folder: Path) -> Optional[str]:
 
 def claim(folder: Path) -> Optional[str]:
     """Create ``folder`` (and parents) and claim it for this process; None on success, else why
-    it belongs to another run (nothing is written then)."""
+    it belongs to another run (nothing is written then).
+
+    Raises:
+        OSError: ``folder`` cannot be created."""
     folder = Path(folder)
     why = held_by_another(folder)
     if why is not None:
@@ -85,8 +87,13 @@ def claim(folder: Path) -> Optional[str]:
         fd = os.open(folder / MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:  # another process claimed it between the check and here
         return held_by_another(folder) or "another run claimed it at the same moment"
-    with os.fdopen(fd, "w") as f:
-        json.dump(owner(), f)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(owner(), f)
+    except OSError as e:  # a full disk: the run goes on unclaimed, said once
+        from xpar.track.journal import disk_warning
+        (folder / MARKER).unlink(missing_ok=True)
+        disk_warning(folder / MARKER, e, "this run's folder is not claimed")
     return None
 
 
@@ -167,12 +174,16 @@ def claim_before_hydra(argv: list[str], start_dir: Path) -> tuple[list[str], Opt
     given = _given(argv, key)
     if given is None and not multirun and os.environ.get("XPAR_RUN_DIR"):
         key, given = "XPAR_RUN_DIR", os.environ["XPAR_RUN_DIR"]
-    if given is None:
-        folder = claim_new(start_dir / ("multirun" if multirun else "outputs"))
-        return [f"{key}={folder.relative_to(start_dir)}"], None
-    resolved = _resolve(given)
-    if resolved is None or not resolved.strip():
-        return [], None
-    folder = Path(resolved).expanduser()
-    why = claim(folder if folder.is_absolute() else start_dir / folder)
+    try:
+        if given is None:
+            folder = claim_new(start_dir / ("multirun" if multirun else "outputs"))
+            return [f"{key}={folder.relative_to(start_dir)}"], None
+        resolved = _resolve(given)
+        if resolved is None or not resolved.strip():
+            return [], None
+        folder = Path(resolved).expanduser()
+        why = claim(folder if folder.is_absolute() else start_dir / folder)
+    except OSError as e:  # a full disk, a folder removed under us
+        return [], (f"the output folder cannot be created ({e.strerror or e}: {e.filename}); free space there, "
+                    f"or pass {key}=<a folder with space>.")
     return [], None if why is None else refusal(key, given, folder, why)

@@ -123,6 +123,8 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
         os.environ.setdefault(key, value)
     import logging
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines on the console
+    for name in ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # a failing store's tracebacks and SQL: xpar's line says it
     uri = uri or default_uri(start_dir)
     try:
         with store_lock(uri):
@@ -256,7 +258,7 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
 
     import mlflow
 
-    from xpar.track.recorder import Recorder, bound_http
+    from xpar.track.recorder import Recorder, bound_http, store_reason
 
     bound_http()
     exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
@@ -267,7 +269,7 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
                                tags={**(tags or {}), **owner_tags(), "xpar.out_dir": str(out_dir)})
     except Exception as e:  # a store that reads but takes no write (a full disk, a read-only file)
         raise TrackingUnavailable(f"the MLflow store tracking.uri={mlflow.get_tracking_uri()} did not take a new run "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                                  f"({type(e).__name__}: {store_reason(e)}); "
                                   f"free space there or make it writable, or pass tracking=off.") from None
     recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, out_dir,
                         spec.world_size if spec.mode == "execute" else 0)
