@@ -179,3 +179,30 @@ def test_a_failed_calibration_writes_no_preset(tmp_path):
         assert not preset.exists()
     finally:
         preset.unlink(missing_ok=True)
+
+
+# --- advice that works when followed ---------------------------------------------------------------
+
+def _refused(*overrides: str, local_devices: int = 2) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        spec_for(*overrides, local_devices=local_devices)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("first, last", [(0, 0), (3, 3), (-1, 2)])
+def test_the_fix_for_both_edge_stages_is_another_input_that_runs(first, last):
+    given = ("parallel=pp", f"parallel.first_stage_layers={first}", f"parallel.last_stage_layers={last}")
+    [line] = [p for p in _refused(*given) if "first_stage_layers" in p]
+    fix = line.rsplit("e.g. ", 1)[1].rstrip(".").split()
+    assert fix != list(given[1:]), line  # not the same input
+    spec = spec_for("parallel=pp", *fix)
+    assert sum(spec.layout.layer_split) == spec.model.n_layers
+
+
+def test_zb_h1_advice_names_the_framework_that_estimates_it():
+    problems = _refused("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1")
+    assert any("run.mode=estimate framework=megatron_zb estimates it" in p for p in problems), problems
+    assert not any(p.endswith("or framework=xpar.") for p in problems), problems  # the framework in use
+    spec = spec_for("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1", "run.mode=estimate",
+                    "framework=megatron_zb")
+    assert spec.mode == "estimate" and spec.parallel.schedule == "zb_h1"
