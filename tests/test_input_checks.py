@@ -206,3 +206,22 @@ def test_zb_h1_advice_names_the_framework_that_estimates_it():
     spec = spec_for("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1", "run.mode=estimate",
                     "framework=megatron_zb")
     assert spec.mode == "estimate" and spec.parallel.schedule == "zb_h1"
+
+
+@pytest.mark.slow
+def test_torchrun_layout_mismatch_is_said_once(tmp_path):
+    """torchrun --nproc-per-node 3 with dp=2: xpar's refusal once (rank 0), the root cause exit code 2.
+    torchrun itself then exits 1 and prints its ChildFailedError summary for any child's non-zero exit
+    (torch.distributed.run: not xpar's to silence)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    r = subprocess.run([torchrun, "--nproc-per-node", "3", "-m", "xpar", "tracking=off", "parallel.dp=2"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert out.count("xpar: invalid configuration:") == 1, out[-3000:]
+    assert out.count("dp*tp*pp must equal the world size") == 1 and "exitcode  : 2" in out, out[-3000:]
