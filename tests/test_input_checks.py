@@ -225,3 +225,14 @@ def test_torchrun_layout_mismatch_is_said_once(tmp_path):
     assert r.returncode != 0
     assert out.count("xpar: invalid configuration:") == 1, out[-3000:]
     assert out.count("dp*tp*pp must equal the world size") == 1 and "exitcode  : 2" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_etp_and_imbalance_exit_2_on_the_command_line(tmp_path):
+    r = _xpar("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "run.mode=estimate", "parallel.ep=8",
+              "parallel.etp=-1", "model.moe_imbalance=inf", cwd=tmp_path, timeout=200)
+    assert r.returncode == 2
+    lines = _refusal_lines(r.stderr)
+    assert "  - parallel.etp must be an integer >= 1, or null, got -1; e.g. parallel.etp=null." in lines, lines
+    assert "  - model.moe_imbalance must be a finite number >= 1, got inf; e.g. model.moe_imbalance=1.0." in lines, lines
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything is recorded
