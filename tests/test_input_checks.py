@@ -139,7 +139,11 @@ def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "xpar", "calibrate", "--quick", "--no-track", "--name", name,
                           "--out", str(tmp_path / "cal")], cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(12)  # the workers are measuring (a --quick calibration takes ~30 s or more here)
+    deadline = time.time() + 120
+    while not _workers_of_group(p.pid) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    time.sleep(3)  # the workers are measuring (a --quick calibration takes ~30 s or more here)
+    assert p.poll() is None, "calibrate ended before it could be interrupted"
     os.killpg(p.pid, signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, (p.returncode, err[-2000:])
