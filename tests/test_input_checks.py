@@ -139,7 +139,11 @@ def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "xpar", "calibrate", "--quick", "--no-track", "--name", name,
                           "--out", str(tmp_path / "cal")], cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(12)  # the workers are measuring (a --quick calibration takes ~30 s or more here)
+    deadline = time.time() + 120
+    while not _workers_of_group(p.pid) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    time.sleep(3)  # the workers are measuring (a --quick calibration takes ~30 s or more here)
+    assert p.poll() is None, "calibrate ended before it could be interrupted"
     os.killpg(p.pid, signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, (p.returncode, err[-2000:])
@@ -179,3 +183,60 @@ def test_a_failed_calibration_writes_no_preset(tmp_path):
         assert not preset.exists()
     finally:
         preset.unlink(missing_ok=True)
+
+
+# --- advice that works when followed ---------------------------------------------------------------
+
+def _refused(*overrides: str, local_devices: int = 2) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        spec_for(*overrides, local_devices=local_devices)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("first, last", [(0, 0), (3, 3), (-1, 2)])
+def test_the_fix_for_both_edge_stages_is_another_input_that_runs(first, last):
+    given = ("parallel=pp", f"parallel.first_stage_layers={first}", f"parallel.last_stage_layers={last}")
+    [line] = [p for p in _refused(*given) if "first_stage_layers" in p]
+    fix = line.rsplit("e.g. ", 1)[1].rstrip(".").split()
+    assert fix != list(given[1:]), line  # not the same input
+    spec = spec_for("parallel=pp", *fix)
+    assert sum(spec.layout.layer_split) == spec.model.n_layers
+
+
+def test_zb_h1_advice_names_the_framework_that_estimates_it():
+    problems = _refused("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1")
+    assert any("run.mode=estimate framework=megatron_zb estimates it" in p for p in problems), problems
+    assert not any(p.endswith("or framework=xpar.") for p in problems), problems  # the framework in use
+    spec = spec_for("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1", "run.mode=estimate",
+                    "framework=megatron_zb")
+    assert spec.mode == "estimate" and spec.parallel.schedule == "zb_h1"
+
+
+@pytest.mark.slow
+def test_torchrun_layout_mismatch_is_said_once(tmp_path):
+    """torchrun --nproc-per-node 3 with dp=2: xpar's refusal once (rank 0), the root cause exit code 2.
+    torchrun itself then exits 1 and prints its ChildFailedError summary for any child's non-zero exit
+    (torch.distributed.run: not xpar's to silence)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    r = subprocess.run([torchrun, "--nproc-per-node", "3", "-m", "xpar", "tracking=off", "parallel.dp=2"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert out.count("xpar: invalid configuration:") == 1, out[-3000:]
+    assert out.count("dp*tp*pp must equal the world size") == 1 and "exitcode  : 2" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_etp_and_imbalance_exit_2_on_the_command_line(tmp_path):
+    r = _xpar("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "run.mode=estimate", "parallel.ep=8",
+              "parallel.etp=-1", "model.moe_imbalance=inf", cwd=tmp_path, timeout=200)
+    assert r.returncode == 2
+    lines = _refusal_lines(r.stderr)
+    assert "  - parallel.etp must be an integer >= 1, or null, got -1; e.g. parallel.etp=null." in lines, lines
+    assert "  - model.moe_imbalance must be a finite number >= 1, got inf; e.g. model.moe_imbalance=1.0." in lines, lines
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything is recorded

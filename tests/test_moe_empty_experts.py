@@ -105,6 +105,8 @@ def test_hung_run_is_named_when_every_rank_beats_but_none_progresses(tmp_path):
                                                         "progress_t": now - progress_age}))
     beat(0, 3, 50)
     assert hung_run(tmp_path, 2, 30, now) is None  # rank 1 has not started
+    beat(1, -2, 40)
+    assert hung_run(tmp_path, 2, 30, now) is None  # rank 1 still builds its engine
     beat(1, 2, 40)
     rank, why = hung_run(tmp_path, 2, 30, now)
     assert rank == 1 and "no rank finished a step for 40 s (run.collective_timeout_s=30)" in why

@@ -52,5 +52,9 @@ def check_presets(argv: list[str]) -> None:
                 bad.append(f"  - unknown {key} preset {name!r}; available: {', '.join(known)}.")
     if bad:
         import sys
+
+        from xpar.config.resolve import quiet_exit, torchrun_follower
+        if torchrun_follower():  # rank 0 says it once
+            quiet_exit(2)
         print("xpar: invalid configuration:\n" + "\n".join(bad), file=sys.stderr)
         raise SystemExit(2)

@@ -60,10 +60,14 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
 
 
-def unnamed_range_problems(c: XparConfig, others: list[str]) -> list[str]:
-    """The range refusals (:func:`xpar.config.checks.ranges.range_problems`) of keys no line of
-    ``others`` names already (their own checks say more: the preset's figure, the divisors)."""
-    return [line for key, line in range_problems(c).items()
+LATE_RANGES = ("run.fail_rank", "run.hang_rank")
+"""Keys whose range refusal waits for the layout: :func:`fail_rank_problems` names the ranks that work."""
+
+
+def unnamed(ranged: dict[str, str], others: list[str]) -> list[str]:
+    """The range refusals ``ranged`` (key -> line, :func:`xpar.config.checks.ranges.range_problems`) of keys
+    no line of ``others`` names already (their own checks say more: the preset's figure, the divisors)."""
+    return [line for key, line in ranged.items()
             if not any(re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", o) for o in others)]
 
 
@@ -91,7 +95,9 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
              + check_threads(c))
     problems = (config_checks.check_model(c) + config_checks.check_train(c) + check_runtime(c)
                 + config_checks.check_data(c) + check_framework(c.framework) + config_checks.check_sweep(c))
-    early = unnamed_range_problems(c, early + problems) + early
+    ranged = range_problems(c)
+    late = {k: ranged.pop(k) for k in LATE_RANGES if k in ranged}  # their own check, after the layout, says more
+    early = unnamed(ranged, early + problems) + early
     _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
@@ -100,6 +106,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
                                        layout.micro_batches, bool(c.parallel.sequence_parallel))
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
+    problems += unnamed(late, problems)
     if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
             and layout.world_size > int(target.hardware.devices_per_node):
         problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "

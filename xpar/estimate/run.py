@@ -48,8 +48,8 @@ from pathlib import Path
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.context_parallel import fold_cp
-from xpar.estimate.dryrun import PlanError
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
+from xpar.estimate.dryrun import PlanError
 from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
 from xpar.estimate.report import Report, layout_name, zero_paper_bytes
@@ -58,19 +58,25 @@ from xpar.estimate.schedule import bubble_theory
 DRYRUN_FILE = "dryrun.json"
 
 
+TIME_ROUNDING_S = 1e-9
+"""A step-time term this far below 0 is a difference's rounding (seconds), not a negative time."""
+
+
 class EstimateError(PlanError):
     """The cost model gave a figure that is not finite, or negative: no usable estimate."""
 
 
 def unusable_figures(report: Report) -> list[str]:
     """The figures of ``report`` that are not finite numbers >= 0, as ``name=value``: its
-    throughput and memory headline, memory terms and step-time terms (``estimate/time_*_s``)."""
+    throughput and memory headline, memory terms and step-time terms (``estimate/time_*_s``, to
+    :data:`TIME_ROUNDING_S`)."""
     figures = {f"throughput/{k}": getattr(report, k) for k in ("step_time_s", "tokens_per_s", "tflops_per_device",
                                                                "mfu", "hfu")}
     figures["memory/peak_bytes_per_device"] = report.peak_bytes_per_device
     figures |= {f"memory/{k}_bytes": v for k, v in report.memory.items()}
-    figures |= {k: v for k, v in report.extra.items() if k.startswith("estimate/time_")}
-    return [f"{k}={v:.4g}" for k, v in figures.items() if not (math.isfinite(v) and v >= 0)]
+    terms = {k: v for k, v in report.extra.items() if k.startswith("estimate/time_")}
+    bad = [f"{k}={v:.4g}" for k, v in figures.items() if not (math.isfinite(v) and v >= 0)]
+    return bad + [f"{k}={v:.4g}" for k, v in terms.items() if not (math.isfinite(v) and v >= -TIME_ROUNDING_S)]
 
 
 def check_figures(report: Report) -> Report:
@@ -82,7 +88,8 @@ def check_figures(report: Report) -> Report:
     if bad:
         raise EstimateError(f"the estimate is unusable, not recorded as finished: {', '.join(bad[:4])}"
                             f"{' ...' if len(bad) > 4 else ''} (not finite or negative); a figure of the model, "
-                            f"layout or hardware is outside what the cost model prices: check the values given (xpar --help).")
+                            f"layout or hardware is outside what the cost model prices: check the values given "
+                            f"(xpar --help).")
     return report
 
 

@@ -82,7 +82,7 @@ def hung_run(out_dir: Path, world: int, timeout_s: float, now: Optional[float] =
     """(rank, why) when every one of the ``world`` workers beats (xpar.run.worker.start_heartbeat) but none
     finished a step (or built its engine) for more than ``timeout_s``: they wait on each other, in a
     collective or a pipeline send/recv, which gloo does not time out. The rank named is the one
-    furthest behind (fewest steps finished). None while any rank progresses or has not started."""
+    furthest behind (fewest steps finished). None while any rank progresses, has not started or builds its engine."""
     from xpar.run.worker import HEARTBEAT_DIR
 
     now = time.time() if now is None else now
@@ -93,8 +93,8 @@ def hung_run(out_dir: Path, world: int, timeout_s: float, now: Optional[float] =
             beats.append((int(beat["step"]), float(beat["progress_t"]), int(f.stem[4:])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    if len(beats) < world or now - max(t for _, t, _ in beats) <= timeout_s:
-        return None
+    if len(beats) < world or min(beats)[0] < -1 or now - max(t for _, t, _ in beats) <= timeout_s:
+        return None  # a rank not started or still building its engine (its collectives time out themselves)
     step, _, rank = min(beats)
     done = ", ".join(f"rank {r}: {s + 1}" for s, _, r in sorted(beats, key=lambda b: b[2]))
     return rank, (f"hung: no rank finished a step for {now - max(t for _, t, _ in beats):.0f} s "

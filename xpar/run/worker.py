@@ -153,8 +153,8 @@ ORPHAN_EXIT = 75
 """Exit status of a worker that ended itself because xpar, its parent, was gone."""
 HEARTBEAT_S = 1.0
 """Seconds between a local worker's heartbeats (xpar.run.launch watches them)."""
-PROGRESS = {"t": time.time(), "step": -1}
-"""When this worker last made progress (engine built, a step finished) and its last finished step;
+PROGRESS = {"t": time.time(), "step": -2}
+"""When this worker last made progress and its last finished step (-2: building its engine, -1: built);
 the heartbeat carries both, so a run whose ranks all wait on each other is named (xpar.run.launch.hung_run)."""
 
 

@@ -70,8 +70,10 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
     if pp > 1 and fw.schedules and schedule not in fw.schedules:
         first = fw.schedules[0]
         fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
+        others = [n for n in frameworks_running(schedule) if n != fw.name]
+        alt = f", or framework={others[0]} (it runs {schedule})" if others else ""
         out.append(f"framework={fw.name} does not run parallel.schedule={schedule} (framework.schedules="
-                   f"{hydra_text(list(fw.schedules))}); e.g. {fix}, or framework=xpar.")
+                   f"{hydra_text(list(fw.schedules))}); e.g. {fix}{alt}.")
     if pp > 1 and schedule == "interleaved_1f1b":
         out += _interleaved_problems(fw, pp, m)
     if sp not in list(fw.sequence_parallel):
@@ -79,6 +81,20 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out
+
+
+def frameworks_running(schedule: str) -> list[str]:
+    """The framework profiles (conf/framework/*.yaml) whose ``schedules`` list ``schedule``, xpar first."""
+    from omegaconf import OmegaConf
+
+    from xpar.config.presets import conf_dir
+
+    names = []
+    for path in sorted((conf_dir() / "framework").glob("*.yaml")):
+        listed = OmegaConf.load(path).get("schedules")
+        if schedule in (FrameworkConfig().schedules if listed is None else list(listed)):
+            names.append(path.stem)
+    return sorted(names, key=lambda n: n != "xpar")
 
 
 def _interleaved_problems(fw: FrameworkConfig, pp: int, m: int) -> list[str]:

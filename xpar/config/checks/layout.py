@@ -13,6 +13,7 @@ from xpar.config.layout import (
     even_split,
     microbatch_problem,
 )
+from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
 
@@ -118,10 +119,13 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     if problem:
         out.append(problem)
     if mode == "execute" and not SCHEDULES[layout.schedule].executable:
+        profiles = frameworks_running(layout.schedule)
+        with_fw = f" framework={profiles[0]}" if profiles and "xpar" not in profiles else ""
         out.append(f"parallel.schedule={layout.schedule} is estimate-only: torch 2.13 has no schedule class for "
-                   f"it (Qi et al. 2024's one-stage-per-rank zero-bubble schedules); run.mode=estimate estimates "
-                   f"it, or execute a zero-bubble schedule torch runs: parallel.schedule=zbv (V-shaped, 2 stages "
-                   f"per rank) or zero_bubble with parallel.virtual_stages=2.")
+                   f"it (Qi et al. 2024's one-stage-per-rank zero-bubble schedules); run.mode=estimate{with_fw} "
+                   f"estimates it{' (the profile that runs it)' if with_fw else ''}, or execute a zero-bubble "
+                   f"schedule torch runs: parallel.schedule=zbv (V-shaped, 2 stages per rank) or zero_bubble with "
+                   f"parallel.virtual_stages=2.")
     if mode == "execute" and model.tied_embeddings:
         out.append(f"model={model.name} ties its output to the embedding, which pp>1 would split across "
                    f"stages; set model.tied_embeddings=false or pp=1.")
@@ -228,11 +232,23 @@ def check_edge_stages(n_layers: int, par, n_stages: int) -> list[str]:
         return [f"{given} needs pipeline stages (parallel.pp >= 2), got {n_stages} stage; drop it or set parallel.pp=2."]
     if edge_split(n_layers, n_stages, first, last) is None:
         middle = n_stages - sum(x is not None for x in (first, last))
-        most = n_layers - middle
-        both = " together" if first is not None and last is not None else ""
-        fix = " ".join(f"parallel.{k}={min(max(0, x), max(0, most)) if not both else 0}"
+        most = max(0, n_layers - middle)
+        if first is not None and last is not None:
+            return [_edge_pair_problem(given, n_layers, n_stages, middle, first)]
+        fix = " ".join(f"parallel.{k}={min(max(0, x), most)}"
                        for k, x in (("first_stage_layers", first), ("last_stage_layers", last)) if x is not None)
         return [f"{given} must be >= 0 and leave each of the {middle} other stages >= 1 of model.n_layers={n_layers} "
-                f"blocks (pp x virtual_stages = {n_stages} stages); values that work{both}: 0 .. {max(0, most)}, "
-                f"e.g. {fix}."]
+                f"blocks (pp x virtual_stages = {n_stages} stages); values that work: 0 .. {most}, e.g. {fix}."]
     return []
+
+
+def _edge_pair_problem(given: str, n_layers: int, n_stages: int, middle: int, first: int) -> str:
+    """Both ends given: first, last >= 0 with first + last = n_layers when no stage lies between (pp x v = 2),
+    else first + last <= n_layers - the stages between; the fix keeps ``first`` where it can."""
+    most = max(0, n_layers - middle)
+    keep = min(max(0, first), most)
+    last = n_layers - keep if middle == 0 else most - keep
+    rule = (f"first + last = model.n_layers={n_layers} (no stage between them)" if middle == 0 else
+            f"first + last <= {most}, leaving each of the {middle} stages between >= 1 of model.n_layers={n_layers} blocks")
+    return (f"{given} must be >= 0 with {rule} (pp x virtual_stages = {n_stages} stages); e.g. "
+            f"parallel.first_stage_layers={keep} parallel.last_stage_layers={last}.")
