@@ -283,22 +283,37 @@ def print_table(t: pd.DataFrame, title: str) -> None:
             "bubble", "bubble_sim", "bubble_theory"]  # table.csv also holds the model-state terms
     cols = [c for c in cols if t[c].notna().any()]  # leave out what no run has (e.g. bubble without pp)
     for c in cols:
-        table.add_column(c, justify="right")
+        table.add_column(HEADERS.get(c, c), justify="right")
     for r in t.itertuples():
-        cells = []
-        for c in cols:
-            v = getattr(r, c)
-            if isinstance(v, float) and c in ("devices", "global_batch") and not pd.isna(v):
-                cells.append(f"{int(v):,}")
-            elif isinstance(v, float):
-                cells.append("" if pd.isna(v) else (f"{v:.3f}" if abs(v) < 10 else f"{v:,.0f}"))
-            else:
-                cells.append("" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v))
-        table.add_row(*cells)
+        table.add_row(*[cell(c, getattr(r, c)) for c in cols])
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=260)
+    if not console.is_terminal:  # a log file: wide enough for the table, not wrapped at 80 columns
+        console = Console(width=200)
     console.print(table)
+
+
+HEADERS = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s/device",
+           "mfu": "MFU", "peak_gib_per_device": "peak memory/device", "fidelity_step_ratio": "est/measured step"}
+"""The console table's column titles (table.csv keeps the raw column names and units)."""
+
+
+def cell(column: str, v) -> str:
+    """A console cell in the unit that reads: memory as 9.07 MiB (not 0.009 GiB), MFU in %, step
+    time in ms, counts with thousands separators; '' where absent."""
+    from xpar.estimate.report import format_bytes
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return ""
+    if not isinstance(v, float):
+        return str(v)
+    if column in ("devices", "global_batch"):
+        return f"{int(v):,}"
+    if column == "peak_gib_per_device":
+        return format_bytes(v * 2 ** 30)
+    if column == "mfu":
+        return f"{100 * v:.1f}%"
+    if column == "step_time_s":
+        return f"{v * 1e3:,.1f} ms"
+    return f"{v:.3g}" if abs(v) < 10 else f"{v:,.0f}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

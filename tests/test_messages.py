@@ -1,0 +1,26 @@
+"""What xpar prints for a reader (issue 45): `xpar compare`'s cells in their units (not 0.009 GiB or MFU as
+a fraction) and near-miss overrides answered with a suggestion that works."""
+from xpar.track.compare import HEADERS, cell
+
+
+def test_cells_read_in_their_units():
+    assert cell("peak_gib_per_device", 9.07 / 1024) == "9.07 MiB"
+    assert cell("mfu", 0.316) == "31.6%"
+    assert cell("step_time_s", 0.0858) == "85.8 ms"
+    assert cell("tokens_per_s", 6543.2) == "6,543" and cell("devices", 8.0) == "8"
+    assert cell("bubble_theory", 0.1111) == "0.111" and cell("mfu", float("nan")) == ""
+    assert HEADERS["mfu"] == "MFU" and "bubble_theory" not in HEADERS
+
+
+def test_near_misses_get_a_suggestion_that_works():
+    """`xpar run ...`, parallel=zer3 and parallel.schedule=1F1B were refused without one."""
+    from tests.conftest import compose
+    from xpar.config.checks.config import check_choices
+    from xpar.config.overrides import override_problems
+
+    assert "a run needs no command word: `xpar parallel=zero3`" in override_problems(["run", "parallel=zero3"])[0]
+    assert "did you mean parallel=zero3?" in override_problems(["parallel=zer3"])[0]
+    from omegaconf import OmegaConf
+    from xpar.config.schema import XparConfig
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(XparConfig), compose("parallel.schedule=1F1B")))
+    assert any("did you mean parallel.schedule=1f1b?" in p for p in check_choices(cfg))
