@@ -24,3 +24,28 @@ def test_near_misses_get_a_suggestion_that_works():
     from xpar.config.schema import XparConfig
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(XparConfig), compose("parallel.schedule=1F1B")))
     assert any("did you mean parallel.schedule=1f1b?" in p for p in check_choices(cfg))
+
+
+def test_both_memory_charts_colour_each_term_alike():
+    """The estimate's memory figure and xpar compare's draw the same term in the same colour, even
+    where compare leaves out a term that is zero for every run."""
+    import pandas as pd
+    from matplotlib.colors import to_hex
+
+    from tests.conftest import spec_for
+    from xpar.estimate.figures import memory_figure as estimate_figure
+    from xpar.estimate.memory import memory
+    from xpar.track.compare import headline_table, memory_figure
+
+    runs = pd.DataFrame([{"run_id": "r0", "tags.mlflow.runName": "tiny", "tags.xpar.mode": "execute",
+                          "tags.xpar.model": "tiny", "metrics.memory/peak_bytes_per_device": 8e6,
+                          "metrics.memory/params_bytes": 1e6, "metrics.memory/activations_bytes": 7e6}])
+
+    def colours(fig):
+        ax = fig.axes[0]
+        pairs = zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)
+        return {t.get_text(): to_hex(h.get_facecolor()) for t, h in pairs if hasattr(h, "get_facecolor")}
+    compared = colours(memory_figure(runs, headline_table(runs)))
+    estimated = colours(estimate_figure([memory(spec_for("model=tiny"))], "t"))
+    assert set(compared) == {"params", "activations"}
+    assert all(compared[k] == estimated[k] for k in compared), (compared, estimated)

@@ -140,6 +140,7 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
     """Peak memory per device by run, stacked by term (params, grads, optimizer, activations, and
     for estimates buffers and framework overhead), measured and estimated runs in separate panels,
     each in the unit of its largest bar (a ZeRO sweep of the tiny model reads in MiB, not 0.009 GiB)."""
+    from xpar.estimate.figures import TERM_COLORS
     from xpar.estimate.model_states import MEMORY_TERMS
     from xpar.estimate.report import memory_unit
     plt = _plt()
@@ -152,8 +153,9 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
         bottom = [0.0] * len(g)
         for term, col in zip(MEMORY_TERMS, cols):
             vals = [float(terms.loc[r, col]) / size if r in terms.index else 0.0 for r in g["run_id"]]
-            if any(vals):
-                ax.bar(range(len(g)), vals, bottom=bottom, label=term, hatch="//" if mode != "measured" else None)
+            if any(vals):  # each term in the estimate figure's colour (xpar.estimate.figures), whichever are drawn
+                ax.bar(range(len(g)), vals, bottom=bottom, label=term, color=TERM_COLORS[term],
+                       hatch="//" if mode != "measured" else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
         names = _bar_names(g)
         ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
