@@ -221,7 +221,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
                               "train.warmup_steps=1", "run.progress=false", "parallel.dp=2"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
-        assert "UNCALIBRATED" not in run.stdout and "own estimate vs measured" in run.stdout, run.stdout
+        assert "UNCALIBRATED" not in run.stdout and "fidelity/step_time_ratio (own" in run.stdout, run.stdout
         runs = mlflow.search_runs(experiment_names=["xpar"], filter_string="tags.`xpar.mode` = 'execute'")
         assert list(runs["tags.xpar.calibrated"]) == ["true"]
         assert list(runs["tags.xpar.hardware"]) == [f"calibrated_{name}"]

@@ -166,3 +166,21 @@ def test_losses_and_grad_norms_equal_the_reference(results, name):
         assert seen and sum(seen) / len(seen) == pytest.approx(ref["losses"][step], rel=loss_rel), (name, step)
     for rank, (_, norms, _) in enumerate(out[name]):
         assert norms == pytest.approx(ref["grad_norms"], rel=norm_rel), (name, rank, norms, ref["grad_norms"])
+
+
+@pytest.mark.slow
+def test_the_cp_all_gathers_estimate_stands_beside_the_measured(tmp_path):
+    """A cp2 run logs the estimate's K/V all-gather bytes beside the measured ones (issue 45): equal,
+    since each layer gathers 2 b s kv_heads head_dim elements per micro-batch whatever the data."""
+    import subprocess
+    import sys
+
+    import mlflow
+    r = subprocess.run([sys.executable, "-m", "xpar", *BASE, *TWO["cp2"], "run.progress=false"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.search_runs(experiment_names=["xpar"]).iloc[0]
+    measured, est = run["metrics.comm/cp_allgather_bytes"], run["metrics.fidelity/estimate_comm_cp_allgather_bytes"]
+    assert measured > 0 and est == pytest.approx(measured, rel=1e-9), (measured, est)
+    assert "(estimate" in r.stdout.split("comm/cp_allgather_bytes")[1].split("\n")[0]  # beside it in the table

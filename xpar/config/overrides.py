@@ -106,7 +106,9 @@ def word_problems(argv: list[str]) -> list[str]:
             continue
         near = _closest(arg, list(COMMANDS)) if i == 0 else None
         key = None if near else _closest(arg, all_keys() + groups())
+        rest = " ".join(a for a in argv[i + 1:] if "=" in a)
         hint = (f"did you mean `xpar {near}`?" if near else f"did you mean {key}=<value>?" if key else
+                f"a run needs no command word: `xpar {rest}`." if arg in ("run", "train", "execute") and rest else
                 "`xpar --help` lists the commands, groups and keys.")
         out.append(f"{arg!r} is neither a command ({', '.join(COMMANDS)}) nor an override (key=value): {hint} "
                    f"A run takes overrides such as parallel=zero3 train.steps=5.")
@@ -242,7 +244,9 @@ def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
     if key in groups():
         known = presets(key)
         bad = [v for v in (values or []) if str(v) not in known]
-        return [f"unknown {key} preset {str(v)!r} in {arg}; available: {', '.join(known)}." for v in bad]
+        return [f"unknown {key} preset {str(v)!r} in {arg}; "
+                + (f"did you mean {key}={_closest(str(v), known)}? " if _closest(str(v), known) else "")
+                + f"available: {', '.join(known)}." for v in bad]
     if key in SECTIONS:
         return [f"{arg}: {key} is not a config group but a section of fields ({', '.join(fields_of(key))}); "
                 f"set one of them, e.g. {key}.{fields_of(key)[0]}=..."]

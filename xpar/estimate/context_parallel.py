@@ -34,6 +34,24 @@ def fold_cp(spec: RunSpec) -> RunSpec:
                    train=replace(spec.train, micro_batch_size=b))
 
 
+def cp_payload_bytes(spec: RunSpec) -> float:
+    """Bytes of one layer's K and V all-gather per micro-batch on the unfolded ``spec`` (the
+    gathered output, 2 b s kv_heads head_dim / t elements; their gradients' reduction in backward
+    carries as many); 0 without cp."""
+    if spec.layout.cp == 1:
+        return 0.0
+    cfg = spec.model
+    return 2 * spec.train.micro_batch_size * spec.seq_len * cfg.kv_heads * cfg.head_dim / spec.tp * BYTES[spec.train.dtype]
+
+
+def cp_bytes_per_step(spec: RunSpec) -> float:
+    """Bytes of the K and V all-gathers of one step on the fullest pipeline rank: its layers x m x
+    :func:`cp_payload_bytes` (forward only: a recompute gathers again)."""
+    layout = spec.layout
+    layers = max(sum(len(layout.stage_layers(s)) for s in layout.stages_of(r)) for r in range(spec.pp))
+    return layers * spec.micro_batches * cp_payload_bytes(spec)
+
+
 def cp_layer_times(spec: RunSpec) -> dict[str, float]:
     """Seconds of one layer's cp collectives per micro-batch on the unfolded ``spec``: ``f`` (the
     all-gather of K and V, 2 b s kv_heads head_dim / t elements) and ``b`` (the reduce-scatter of
@@ -42,9 +60,7 @@ def cp_layer_times(spec: RunSpec) -> dict[str, float]:
     cp = spec.layout.cp
     if cp == 1:
         return {"f": 0.0, "b": 0.0}
-    cfg = spec.model
-    payload = 2 * spec.train.micro_batch_size * spec.seq_len * cfg.kv_heads * cfg.head_dim / spec.tp
-    payload *= BYTES[spec.train.dtype]
+    payload = cp_payload_bytes(spec)
     g = group_of(spec.hardware, cp, spec.tp)
     return {"f": collective_time(spec.hardware, "allgather", payload, g),
             "b": collective_time(spec.hardware, "reduce_scatter", payload, g)}

@@ -64,6 +64,18 @@ def ep_payload_bytes(spec: RunSpec) -> float:
     return tokens * cfg.moe_top_k * cfg.hidden * BYTES[spec.train.dtype]
 
 
+def ep_bytes_per_step(spec: RunSpec) -> float:
+    """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
+    micro-batch, dispatch and combine in forward and their gradients in backward (4 x
+    :func:`ep_payload_bytes`), as :func:`ep_terms` counts them; 0 at ep = 1."""
+    if spec.layout.ep == 1:
+        return 0.0
+    layout = spec.layout
+    layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
+                 for r in range(spec.pp))
+    return 4.0 * layers * spec.micro_batches * ep_payload_bytes(spec)
+
+
 def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, float]:
     """Seconds of one MoE layer's all-to-alls per micro-batch: ``f`` (dispatch and combine) and
     ``b`` (their gradients); 0 at ep = 1. The ep group is etp-strided (expert ranks etp innermost,

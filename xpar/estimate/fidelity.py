@@ -58,6 +58,12 @@ def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
         # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
         out["fidelity/estimate_comm_dp_broadcast_bytes"] = out.pop("fidelity/estimate_comm_dp_allgather_bytes")
+    if spec.layout.ep > 1 and spec.layout.cp == 1:  # the token all-to-alls (xpar.parallel.expert), beside comm/ep_*
+        from xpar.estimate.expert_parallel import ep_bytes_per_step
+        out["fidelity/estimate_comm_ep_all_to_all_bytes"] = ep_bytes_per_step(spec)
+    if spec.layout.cp > 1 and spec.parallel.recompute == "none":  # the K/V all-gathers (xpar.parallel.context)
+        from xpar.estimate.context_parallel import cp_bytes_per_step
+        out["fidelity/estimate_comm_cp_allgather_bytes"] = cp_bytes_per_step(spec)
     if spec.dp * spec.layout.cp > 1 and "dp" in est.comm_time:  # cp: dp x cp ranks (fold_cp)
         out["fidelity/estimate_comm_dp_issued_s"] = float(est.comm_time["dp"])
     return out

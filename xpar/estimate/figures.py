@@ -14,6 +14,8 @@ GIB = 2 ** 30
 """Memory is shown in GiB everywhere (console, compare, figures); metrics stay in bytes."""
 COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#CCB974", "#64B5CD", "#937860", "#DA8BC3")
 """One per term of :data:`xpar.estimate.cost.TIME_TERMS`, in order."""
+TERM_COLORS = dict(zip(MEMORY_TERMS, COLORS))
+"""The colour of each memory term, in the estimate's figure and in ``xpar compare``'s."""
 
 
 def _plt():
@@ -30,7 +32,7 @@ def memory_figure(per_rank: list[MemoryEstimate], title: str):
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(per_rank) + 3), 4.2))
     x = list(range(len(per_rank)))
     bottom = [0.0] * len(per_rank)
-    for term, color in zip(MEMORY_TERMS, COLORS):
+    for term, color in TERM_COLORS.items():
         vals = [getattr(mem, term) / GIB for mem in per_rank]
         ax.bar(x, vals, bottom=bottom, color=color, label=term, width=0.7)
         bottom = [b + v for b, v in zip(bottom, vals)]

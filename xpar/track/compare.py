@@ -141,6 +141,7 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
     """Peak memory per device by run, stacked by term (params, grads, optimizer, activations, and
     for estimates buffers and framework overhead), measured and estimated runs in separate panels,
     each in the unit of its largest bar (a ZeRO sweep of the tiny model reads in MiB, not 0.009 GiB)."""
+    from xpar.estimate.figures import TERM_COLORS
     from xpar.estimate.model_states import MEMORY_TERMS
     from xpar.estimate.report import memory_unit
     plt = _plt()
@@ -153,8 +154,9 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
         bottom = [0.0] * len(g)
         for term, col in zip(MEMORY_TERMS, cols):
             vals = [float(terms.loc[r, col]) / size if r in terms.index else 0.0 for r in g["run_id"]]
-            if any(vals):
-                ax.bar(range(len(g)), vals, bottom=bottom, label=term, hatch="//" if mode != "measured" else None)
+            if any(vals):  # each term in the estimate figure's colour (xpar.estimate.figures), whichever are drawn
+                ax.bar(range(len(g)), vals, bottom=bottom, label=term, color=TERM_COLORS[term],
+                       hatch="//" if mode != "measured" else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
         names = _bar_names(g)
         ax.set_xticks(range(len(g)), names, rotation=35, ha="right", fontsize=7)
@@ -284,22 +286,37 @@ def print_table(t: pd.DataFrame, title: str) -> None:
             "bubble", "bubble_sim", "bubble_theory"]  # table.csv also holds the model-state terms
     cols = [c for c in cols if t[c].notna().any()]  # leave out what no run has (e.g. bubble without pp)
     for c in cols:
-        table.add_column(c, justify="right")
+        table.add_column(HEADERS.get(c, c), justify="right")
     for r in t.itertuples():
-        cells = []
-        for c in cols:
-            v = getattr(r, c)
-            if isinstance(v, float) and c in ("devices", "global_batch") and not pd.isna(v):
-                cells.append(f"{int(v):,}")
-            elif isinstance(v, float):
-                cells.append("" if pd.isna(v) else (f"{v:.3f}" if abs(v) < 10 else f"{v:,.0f}"))
-            else:
-                cells.append("" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v))
-        table.add_row(*cells)
+        table.add_row(*[cell(c, getattr(r, c)) for c in cols])
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=260)
+    if not console.is_terminal:  # a log file: wide enough for the table, not wrapped at 80 columns
+        console = Console(width=200)
     console.print(table)
+
+
+HEADERS = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s/device",
+           "mfu": "MFU", "peak_gib_per_device": "peak memory/device", "fidelity_step_ratio": "est/measured step"}
+"""The console table's column titles (table.csv keeps the raw column names and units)."""
+
+
+def cell(column: str, v) -> str:
+    """A console cell in the unit that reads: memory as 9.07 MiB (not 0.009 GiB), MFU in %, step
+    time in ms, counts with thousands separators; '' where absent."""
+    from xpar.estimate.report import format_bytes
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return ""
+    if not isinstance(v, float):
+        return str(v)
+    if column in ("devices", "global_batch"):
+        return f"{int(v):,}"
+    if column == "peak_gib_per_device":
+        return format_bytes(v * 2 ** 30)
+    if column == "mfu":
+        return f"{100 * v:.1f}%"
+    if column == "step_time_s":
+        return f"{v * 1e3:,.1f} ms"
+    return f"{v:.3g}" if abs(v) < 10 else f"{v:,.0f}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -32,7 +32,9 @@ def check_choices(c: XparConfig) -> list[str]:
         group, name = key.split(".")
         value = getattr(getattr(c, group), name)
         if value not in allowed:
-            out.append(f"{key} must be one of {list(allowed)}, got {value!r}.")
+            near = next((a for a in allowed if isinstance(value, str) and str(a).lower() == value.lower()), None)
+            out.append(f"{key} must be one of {list(allowed)}, got {value!r}"
+                       + (f"; did you mean {key}={near}?" if near is not None else "."))
     return out
 
 

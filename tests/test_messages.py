@@ -1,0 +1,51 @@
+"""What xpar prints for a reader (issue 45): `xpar compare`'s cells in their units (not 0.009 GiB or MFU as
+a fraction) and near-miss overrides answered with a suggestion that works."""
+from xpar.track.compare import HEADERS, cell
+
+
+def test_cells_read_in_their_units():
+    assert cell("peak_gib_per_device", 9.07 / 1024) == "9.07 MiB"
+    assert cell("mfu", 0.316) == "31.6%"
+    assert cell("step_time_s", 0.0858) == "85.8 ms"
+    assert cell("tokens_per_s", 6543.2) == "6,543" and cell("devices", 8.0) == "8"
+    assert cell("bubble_theory", 0.1111) == "0.111" and cell("mfu", float("nan")) == ""
+    assert HEADERS["mfu"] == "MFU" and "bubble_theory" not in HEADERS
+
+
+def test_near_misses_get_a_suggestion_that_works():
+    """`xpar run ...`, parallel=zer3 and parallel.schedule=1F1B were refused without one."""
+    from tests.conftest import compose
+    from xpar.config.checks.config import check_choices
+    from xpar.config.overrides import override_problems
+
+    assert "a run needs no command word: `xpar parallel=zero3`" in override_problems(["run", "parallel=zero3"])[0]
+    assert "did you mean parallel=zero3?" in override_problems(["parallel=zer3"])[0]
+    from omegaconf import OmegaConf
+    from xpar.config.schema import XparConfig
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(XparConfig), compose("parallel.schedule=1F1B")))
+    assert any("did you mean parallel.schedule=1f1b?" in p for p in check_choices(cfg))
+
+
+def test_both_memory_charts_colour_each_term_alike():
+    """The estimate's memory figure and xpar compare's draw the same term in the same colour, even
+    where compare leaves out a term that is zero for every run."""
+    import pandas as pd
+    from matplotlib.colors import to_hex
+
+    from tests.conftest import spec_for
+    from xpar.estimate.figures import memory_figure as estimate_figure
+    from xpar.estimate.memory import memory
+    from xpar.track.compare import headline_table, memory_figure
+
+    runs = pd.DataFrame([{"run_id": "r0", "tags.mlflow.runName": "tiny", "tags.xpar.mode": "execute",
+                          "tags.xpar.model": "tiny", "metrics.memory/peak_bytes_per_device": 8e6,
+                          "metrics.memory/params_bytes": 1e6, "metrics.memory/activations_bytes": 7e6}])
+
+    def colours(fig):
+        ax = fig.axes[0]
+        pairs = zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)
+        return {t.get_text(): to_hex(h.get_facecolor()) for t, h in pairs if hasattr(h, "get_facecolor")}
+    compared = colours(memory_figure(runs, headline_table(runs)))
+    estimated = colours(estimate_figure([memory(spec_for("model=tiny"))], "t"))
+    assert set(compared) == {"params", "activations"}
+    assert all(compared[k] == estimated[k] for k in compared), (compared, estimated)
