@@ -87,6 +87,7 @@ def test_ddp_resume_is_bitwise_and_continues_the_mlflow_run(reference):
     assert all(len(v) == 1 for v in by_step.values())  # steps redone after the resume log the same loss
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_through_zero3_tp_and_pp(reference):
     """dp2 step 3 -> zero3 (saves 6) -> tp2 (saves 9) -> pp2: each loads the previous layout's
     checkpoint (DCP reshards) and continues the reference's losses within 1e-6."""
@@ -109,6 +110,7 @@ def test_checkpoints_reshard_through_zero3_tp_and_pp(reference):
             assert new["params.parallel.zero_stage"] == "3"
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_latest_checkpoint(tmp_path):
     """SIGKILL a rank after a checkpoint; train.resume=latest resumes from the newest complete
     checkpoint, losing at most the steps since it (checkpoint_every=2; one more where the kill
@@ -145,6 +147,7 @@ def test_a_killed_run_resumes_from_its_latest_checkpoint(tmp_path):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_0000038", "step_0000040"]
 
 
+@pytest.mark.slow
 def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     cwd, ref = reference
     runs_before = len(_runs(cwd))

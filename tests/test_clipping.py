@@ -44,6 +44,7 @@ def results():
     return specs, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS) + ["3d"])
 def test_clipped_global_norm_equals_single_process(results, layout):
     from xpar.run.reference import reference_run
@@ -59,6 +60,7 @@ def test_clipped_global_norm_equals_single_process(results, layout):
         assert got == pytest.approx(ref["losses"][step], rel=1e-5), (layout, step)
 
 
+@pytest.mark.slow
 def test_bf16_3d_matches_the_mixed_precision_reference(results):
     """3D (pp2 x dp2 x tp2, ZeRO-3) in bf16 mixed precision against the single-process run of
     the same recipe (FSDP2 policy: bf16 compute, fp32 master and reduction); tolerance as in
@@ -87,6 +89,7 @@ def test_lr_schedule_warms_up_then_decays():
     assert [lr_factor(k, "constant", 10, 0, 0.1) for k in range(2)] == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_runs_follow_the_schedule(results):
     from xpar.parallel.optim import lr_factor
 

@@ -103,6 +103,7 @@ def test_unknown_preset_names_the_valid_ones(capsys):
     assert "unknown parallel preset 'zero4'" in err and "zero3" in err
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xpar", "train.steps=0", "model.n_kv_heads=3"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -151,6 +151,7 @@ def results():
     return specs, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_losses_and_grad_norms_equal_the_reference(results, name):
     from xpar.run.reference import reference_run

@@ -47,6 +47,7 @@ def results():
     return specs, dict(zip(LAYOUTS, out["runs"])) | {"held": out["held"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_match_single_process(results, layout):
     specs, out = results
@@ -60,6 +61,7 @@ def test_losses_match_single_process(results, layout):
     assert ref[-1] < ref[0]  # it trains
 
 
+@pytest.mark.slow
 def test_zero_shards_what_each_stage_promises(results):
     _, out = results
     mem = {k: out[k][1][0] for k in LAYOUTS}  # rank 0
@@ -93,6 +95,7 @@ def test_zero3_holds_whole_gradients_only_when_the_reduction_is_deferred(results
     assert held["deferred"] == held["whole"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_measured_collectives_are_the_estimates_counts(results, layout):
     """Every rank's logged dp collectives (xpar.parallel.comm_log: FSDP2's all-gathers and

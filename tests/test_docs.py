@@ -60,6 +60,7 @@ def _overrides(cmd: str) -> list[str]:
     return args[3:] if args[:3] == ["python", "-m", "xpar"] else args[1:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_command_runs_or_is_validated_or_is_run_elsewhere(page, tmp_path):
     """``xpar --help`` and the README's ``xpar plan`` run here (the docs' plans are composed and

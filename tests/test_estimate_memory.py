@@ -350,6 +350,7 @@ def test_the_corpus_of_known_runs_spans_the_frameworks():
     assert len(frameworks) >= 5 and {"deepspeed", "torchtitan", "llmfoundry", "megatron_core", "megatron", "maxtext"} <= frameworks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", KNOWN, ids=lambda r: r["id"])
 def test_known_run_fits_and_published_peak_within_10_percent(row):
     """Each known run fits under its own framework profile (conf/framework/<name>.yaml); a published

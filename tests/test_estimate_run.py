@@ -31,6 +31,7 @@ def _only_run(cwd):
 
 # --- (a) the two headline commands ------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,hardware,world", [
     (("parallel=3d", "model=70b"), "a100_80gb_64gpu", 64),
     (("parallel=175b_1024gpu",), "a100_80gb_1024gpu", 1024),
@@ -59,6 +60,7 @@ def test_headline_commands_estimate_on_the_reference_cluster(tmp_path, args, har
     assert world == int(m["throughput/tokens_per_s"] / m["throughput/tokens_per_s_per_device"] + 0.5)
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_exits_2_before_anything_runs(tmp_path):
     r = _xpar(tmp_path, "parallel=70b_8gpu")
     assert r.returncode == 2
@@ -270,6 +272,7 @@ def measured():
     return specs, spawn(measure, 2, {n: s.to_dict() for n, s in specs.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_estimated_memory_equals_measured(measured, layout):
     """Model states per device exactly (bf16: fp32 master + bf16 copies + fp32 grads + AdamW);
@@ -293,6 +296,7 @@ def test_estimated_memory_equals_measured(measured, layout):
         assert est.total == pytest.approx(measured_peak, rel=0.05), (layout, rank["coords"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
 def test_estimated_tp_comm_equals_measured(measured, layout):
     from xpar.estimate.cost import assumptions_for, estimate

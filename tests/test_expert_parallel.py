@@ -84,6 +84,7 @@ def _reference(spec) -> tuple[list, list]:
     return _REFERENCES[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_losses_and_norms_equal_the_reference(results, name):
     specs, out = results

@@ -1,6 +1,7 @@
 """Faults with real processes: the tracking server dies during a run (nothing logged is lost,
 the run ends with its summary and exit 1, ``xpar sync`` delivers the rest with the final
 status), and the step metrics carry their own timestamps."""
+import pytest
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ def test_journal_merges_steps_incrementally_and_replays_what_was_not_acked(tmp_p
     assert sync(tmp_path / "elsewhere") == 2
 
 
+@pytest.mark.slow
 def test_watchdog_names_the_oldest_live_heartbeat(tmp_path):
     """Fast: the rank whose heartbeat is oldest beyond the timeout is named with its process
     state; a rank whose process has exited is left to its exit code."""
@@ -75,6 +77,7 @@ def test_watchdog_names_the_oldest_live_heartbeat(tmp_path):
     assert rank == 1 and "no heartbeat for 40 s" in why and f"pid {os.getpid()} state R" in why
 
 
+@pytest.mark.slow
 def test_server_down_at_the_end_exit_1_then_sync(tmp_path):
     port, root = free_port(), tmp_path / "server"
     root.mkdir()
@@ -136,6 +139,7 @@ def _sweep_runs(cwd: Path):
     return parent.iloc[0], runs[runs["tags.mlflow.parentRunId"] == parent.iloc[0]["run_id"]]
 
 
+@pytest.mark.slow
 def test_optuna_skipped_trial_is_failed_and_the_sweep_goes_on(tmp_path):
     """A skipped (invalid) trial is told to Optuna as FAIL (NaN crashed the sweeper), later
     trials run, grouped under one parent, and the parent's best job is one that finished. Random
@@ -163,6 +167,7 @@ def _ctrl_c_reaches_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
     sweep_dir = tmp_path / "mr"
     p = subprocess.Popen([sys.executable, "-m", "xpar", "-m", "train.steps=400,3", "train.warmup_steps=1", ONE_WORKER,
@@ -214,6 +219,7 @@ def _last_run(cwd: Path):
     return run, history
 
 
+@pytest.mark.slow
 def test_sigkilled_rank_stops_the_job_failed_with_metrics_kept(tmp_path):
     run_dir = tmp_path / "run"
     p = _start_and_wait(tmp_path, run_dir)
@@ -230,6 +236,7 @@ def test_sigkilled_rank_stops_the_job_failed_with_metrics_kept(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_sigstopped_rank_is_named_within_60_s(tmp_path):
     run_dir = tmp_path / "run"
     p = _start_and_wait(tmp_path, run_dir, "run.heartbeat_timeout_s=5")
@@ -244,6 +251,7 @@ def test_sigstopped_rank_is_named_within_60_s(tmp_path):
     assert not any(_alive(pid) for pid in pids.values())
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_a_warning_and_the_run_keeps_every_step(tmp_path):
     """A full disk under the run folder printed 9 tracebacks and recorded the run FINISHED with
     100 of 116 steps. The workers' step files here are folders, so they cannot be written (as on a

@@ -1,9 +1,11 @@
 """`xpar --help` lists the config groups with their presets, the headline commands and where
 runs are recorded (xpar.help), instead of Hydra's stock page."""
+import pytest
 import subprocess
 import sys
 
 
+@pytest.mark.slow
 def test_help_lists_groups_presets_commands_and_the_store(tmp_path):
     r = subprocess.run([sys.executable, "-m", "xpar", "--help"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
@@ -18,6 +20,7 @@ def test_help_lists_groups_presets_commands_and_the_store(tmp_path):
     assert "Hydra" not in out.splitlines()[0] and not (tmp_path / "outputs").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_plan_help_lists_every_plan_key_and_runs_nothing(tmp_path):
     """`xpar plan --help` (was Hydra's page): usage, examples, every plan.* key with its default
     and meaning from xpar.config.schema.PlanConfig."""
@@ -36,6 +39,7 @@ def test_plan_help_lists_every_plan_key_and_runs_nothing(tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_help_pages_end_quietly_when_the_reader_stops_early(tmp_path):
     """`xpar help | head -1` and `xpar plan help | head -1`: no BrokenPipeError traceback when the
     reader is gone before the page is written (the pipe's read end closed at once)."""

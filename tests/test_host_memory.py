@@ -1,6 +1,7 @@
 """CPU workers keep large tensors on glibc's heap (xpar.run.host_memory): a large temporary no
 longer pays a fresh mmap and its page faults (AdamW on a 154 MB embedding: 7.3 -> 2.3 ns per
 element here; benchmarks/host_memory.py prints the ratio)."""
+import pytest
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ print(before, keep_large_tensors_on_the_heap(), region(torch.empty(2 ** 24)), se
 """
 
 
+@pytest.mark.slow
 def test_a_large_tensor_lies_on_the_heap_once_the_worker_asks():
     r = subprocess.run([sys.executable, "-c", WHERE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -37,6 +39,7 @@ print(asked, out[0], sep='|')
 """
 
 
+@pytest.mark.slow
 def test_a_large_tensor_of_another_thread_lies_on_the_heap_too():
     """A thread other than the first allocates from an arena of its own, where glibc maps a
     large request afresh whatever M_MMAP_MAX says; asked before the thread allocates (as

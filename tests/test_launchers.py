@@ -81,6 +81,7 @@ def test_slurm_launcher_preset_composes():
     assert launcher.submitit_folder.endswith(".submitit/%j")
 
 
+@pytest.mark.slow
 def test_slurm_gpus_the_partition_lacks_are_refused_before_submission(tmp_path, monkeypatch):
     """The preset's gpus_per_node=8 on a CPU partition made sbatch fail after the sweep had started;
     now sinfo's GRES is read first and the command line is refused in one line that works when followed."""

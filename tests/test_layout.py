@@ -144,6 +144,7 @@ def test_no_function_over_60_lines():
     assert not long, long
 
 
+@pytest.mark.slow
 def test_layout_validation_and_cost_model_do_not_import_torch():
     code = ("import sys, xpar.config.layout, xpar.config.checks.config, xpar.config.checks.layout, xpar.config.resolve, xpar.config.validate, "
             "xpar.estimate.cost, xpar.estimate.comm, xpar.estimate.schedule; "

@@ -31,6 +31,7 @@ def _search(url, experiment_id, filter_string):
     return json.loads(urllib.request.urlopen(req, timeout=30).read()).get("runs", [])
 
 
+@pytest.mark.slow
 def test_sweep_against_a_real_server(server, tmp_path):
     r = subprocess.run([sys.executable, "-m", "xpar", "-m", "parallel=dp,zero2", f"tracking.uri={server}",
                         "train.steps=3", "train.warmup_steps=1", "run.progress=false"],

@@ -191,6 +191,7 @@ def test_model_states_alone_count_the_framework_widths():
     assert "alone (8 bytes/param in bf16 with AdamW under framework=xpar offloaded to host memory" in str(e.value)
 
 
+@pytest.mark.slow
 def test_execute_mode_refuses_offload_in_one_line_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "xpar", "framework.cpu_offload_optimizer=true", "tracking=off",
                         f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,

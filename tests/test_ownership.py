@@ -115,6 +115,7 @@ def _store_with_run(tmp_path: Path, status: str):
     return client, run.info.run_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status,after", [("KILLED", "KILLED"), ("FINISHED", "FINISHED"), ("FAILED", "FAILED"),
                                           ("RUNNING", "KILLED")])
 def test_sync_only_adds_what_is_missing(tmp_path, capsys, status, after):

@@ -173,6 +173,7 @@ def test_every_combination_runs_or_is_refused_with_a_reason(matrix):
             assert len(refusal) > 40 and "parallel." in refusal, (key(row), refusal)
 
 
+@pytest.mark.slow
 def test_refusals_are_the_known_ones(matrix):
     """Only selective recompute under a zero-bubble schedule is refused: everything else runs."""
     classified, _, _, _ = matrix
@@ -181,6 +182,7 @@ def test_refusals_are_the_known_ones(matrix):
                            and SCHEDULES[r["schedule"]].zero_bubble for r in refused), [key(r) for r in refused]
 
 
+@pytest.mark.slow
 def test_executed_rows_cover_every_pair_and_the_core(matrix):
     classified, picked, _, results = matrix
     runnable = [r for r, spec, _ in classified if spec is not None]
@@ -199,6 +201,7 @@ def _recipe(spec) -> tuple:
             mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage))
 
 
+@pytest.mark.slow
 def test_every_executed_row_equals_the_reference(matrix):
     from xpar.run.reference import reference_run
 

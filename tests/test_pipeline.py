@@ -168,6 +168,7 @@ def _check_losses(spec, per_rank: list[list], name: str) -> None:
 
 # --- multi-process ------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_matches_single_process(pp2, schedule):
     specs, out = pp2
@@ -175,6 +176,7 @@ def test_every_schedule_matches_single_process(pp2, schedule):
     _check_losses(specs[schedule], out[schedule]["losses"], schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_bubble_metrics_of_every_run(pp2, schedule):
     """Measured, simulated and theory are fractions; replaying the same actions with free
@@ -187,6 +189,7 @@ def test_bubble_metrics_of_every_run(pp2, schedule):
     assert pp2[1][schedule]["timeline_ranks"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_activation_peak_at_most_gpipes(pp2, schedule):
     """GPipe keeps every micro-batch of the rank's layers in flight, the most any schedule
@@ -207,6 +210,7 @@ def test_zero_bubble_gradients_under_zero_match_reference(pp2_dp2, schedule):
     assert r["n_missing"] == 0 and r["n_bad"] == 0 and r["max_rel_error"] <= 1e-4, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
 def test_reshard_after_forward_trap_is_real(pp2_dp2, schedule):
     """Why the guard exists: the same run with FSDP2 reshard_after_forward=True gives wrong
@@ -215,12 +219,14 @@ def test_reshard_after_forward_trap_is_real(pp2_dp2, schedule):
     assert r["n_bad"] > 0 and r["max_rel_error"] > 1e-2, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zbv_zero3", "1f1b_zero3"])
 def test_pp_dp_training_matches_single_process(pp2_dp2, name):
     specs, out = pp2_dp2
     _check_losses(specs[name], out["runs"][name]["losses"], name)
 
 
+@pytest.mark.slow
 def test_zero3_under_pp_gathers_the_backward_once_per_step(pp2_dp2):
     """torch's PipelineStage turns FSDP2's reshard after backward off until the stage's final
     gradient reduction, while each forward reshards after itself: a ZeRO-3 stage gathers a
@@ -257,18 +263,21 @@ def _check_model_states(spec, out: dict, name: str) -> None:
         assert mem["grads"] == whole * STATE_BYTES[spec.train.dtype][1], (name, c, mem["grads"], whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zbv_zero3", "1f1b_zero3"])
 def test_pp_dp_model_states_equal_the_estimate(pp2_dp2, name):
     specs, out = pp2_dp2
     _check_model_states(specs[name], out["runs"][name], name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["3d_local", "3d_zbv_sp"])
 def test_3d_model_states_equal_the_estimate(three_d, name):
     specs, out = three_d
     _check_model_states(specs[name], out[name], name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["3d_local", "3d_zbv_sp"])
 def test_3d_matches_single_process(three_d, name):
     """pp2 x dp2 x tp2 on 8 workers: TP -> FSDP on dp -> PipelineStage on pp."""

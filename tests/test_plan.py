@@ -400,6 +400,7 @@ def _raise_value_error():
     raise ValueError("from the helper")
 
 
+@pytest.mark.slow
 def test_side_process_runs_one_call_in_the_forked_helper_then_here():
     from xpar.track import side_process
     assert side_process.start(modules=())
@@ -410,6 +411,7 @@ def test_side_process_runs_one_call_in_the_forked_helper_then_here():
         side_process.call(_raise_value_error)
 
 
+@pytest.mark.slow
 def test_the_helper_ends_when_its_parent_dies_without_calling_it():
     """A fresh-user breaker killed xpar plan's main process: the helper lived on, holding the
     stdout pipe open (a `| cat` never ended). It now sees the parent's end close and exits."""
@@ -425,6 +427,7 @@ def test_the_helper_ends_when_its_parent_dies_without_calling_it():
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.slow
 def test_the_helper_opens_the_sqlite_store_before_the_call(tmp_path):
     """xpar plan's helper creates or opens the SQLite store while the plan is searched (a new
     store's tables take ~2 s here); only a SQLite URI is opened early."""
@@ -449,6 +452,7 @@ def test_the_helper_is_started_only_when_tracking_is_on(args, on):
     assert tracking_on(args) is on
 
 
+@pytest.mark.slow
 def test_planner_path_does_not_import_torch(tmp_path):
     code = ("import sys, runpy\n"
             "sys.argv = ['xpar', 'plan', 'model=7b', 'hardware=a100_80gb_8gpu', 'tracking=off', 'plan.top_k=3']\n"
@@ -459,6 +463,7 @@ def test_planner_path_does_not_import_torch(tmp_path):
     assert "Winner:" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_plan_multirun_records_each_plan_under_the_sweeps_parent_run(tmp_path):
     """A fresh-user breaker: `xpar plan -m ...` left its sweep's parent run FAILED with an empty
     table, the plans beside it rather than under it."""

@@ -307,6 +307,7 @@ def test_empty_and_unknown():
         memory_columns(base, dict(cols, schedule=np.array(["bogus", "1f1b"])))
 
 
+@pytest.mark.slow
 def test_vmemory_imports_no_torch():
     code = "import sys, xpar.plan.vmemory; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -371,6 +372,7 @@ def test_parameter_shapes_are_the_models():
             assert got == want, (name, n_blocks, first, last)
 
 
+@pytest.mark.slow
 def test_memory_columns_imports_no_torch():
     """The whole evaluation (shapes, every schedule's peaks) runs without importing torch."""
     code = ("import sys; sys.path.insert(0, '.'); import numpy as np; from tests.test_plan_memory import context, candidates;"

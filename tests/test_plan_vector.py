@@ -209,12 +209,14 @@ def test_time_columns_optimizer_term_without_memory_given():
     assert not bad, "\n".join(bad[:20])
 
 
+@pytest.mark.slow
 def test_vtime_imports_no_torch():
     code = "import xpar.plan.vtime, sys; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_time_columns_runs_without_torch():
     """Every schedule, 70B on 64 H100: time_columns imports no torch (bubbles in closed form,
     parameter shapes written out)."""

@@ -69,6 +69,7 @@ def test_bf16_losses_match_the_mixed_precision_reference(results, layout):
         assert got == pytest.approx(ref[step], rel=REL), (layout, step, got, ref[step])
 
 
+@pytest.mark.slow
 def test_fp32_master_weights_and_states(results):
     """12 bytes/param on the optimizer side: fp32 master (4) + AdamW m, v (8)."""
     _, runs, _ = results
@@ -85,6 +86,7 @@ def test_fp32_master_weights_and_states(results):
     assert mem["zero1"]["optimizer"] == pytest.approx(8 * n / 2, rel=0.1)
 
 
+@pytest.mark.slow
 def test_update_below_bf16_resolution_is_kept(results):
     for moved in results[2]:  # dp (autocast), zero3 (FSDP2 policy)
         assert TINY_LR / 2 < moved < 2 * TINY_LR

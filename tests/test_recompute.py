@@ -22,6 +22,7 @@ def results():
     return dict(zip(cases, out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_recompute_keeps_losses_and_saves_activations(results, layout):
     none_losses, none_mem = results[(layout, "none")][:2]  # (losses, memory, timing)

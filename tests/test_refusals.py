@@ -319,6 +319,7 @@ def _run(args, cwd, **kw):
                           timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])), **kw)
 
 
+@pytest.mark.slow
 def test_unknown_key_and_group_exit_2_from_the_command_line(tmp_path):
     """Issue 12 item 4: a key not in the schema names the closest valid key; no run, no folder."""
     r = _run(["+train.stepz=5", "+paralel=zero3"], tmp_path)
@@ -432,6 +433,7 @@ def test_plan_refuses_null_device_memory_instead_of_a_traceback(capsys):
     assert "e.g. hardware.peak_tflops=312 (the preset's figure)" in err
 
 
+@pytest.mark.slow
 def test_empty_run_dir_variable_is_refused_and_nothing_is_written(tmp_path):
     """XPAR_RUN_DIR= (set but empty) resolved hydra.run.dir to '' (omegaconf#1179): every file of
     the run went into the start directory. Refused before Hydra starts; the directory stays empty."""

@@ -20,6 +20,7 @@ def _runs(cwd):
     return mlflow.search_runs(experiment_names=["xpar"])
 
 
+@pytest.mark.slow
 def test_main_job_records_one_finished_run(tmp_path):
     r = _xpar(tmp_path, "train.steps=4", "train.warmup_steps=1")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -54,6 +55,7 @@ def test_main_job_records_one_finished_run(tmp_path):
     assert set(logs) == {"xpar.log", "worker_0.log", "worker_1.log"} and all(logs.values()), logs
 
 
+@pytest.mark.slow
 def test_failing_worker_stops_the_others_and_run_is_failed(tmp_path):
     r = _xpar(tmp_path, "train.steps=3", "train.warmup_steps=1", "run.fail_rank=1", timeout=120)
     assert r.returncode == 1
@@ -98,6 +100,7 @@ def test_long_params_are_kept_within_mlflow_limits():
     assert flat["x.l"] == "[1, 2]"
 
 
+@pytest.mark.slow
 def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
     """train.lr=1e30: step 0 is finite and its update makes every later loss NaN. Default
     (on_nonfinite=stop): exit 1, FAILED, one line naming step 1, its rank and the value. With
@@ -117,6 +120,7 @@ def test_diverged_run_stops_failed_naming_the_step_and_skip_counts(tmp_path):
     assert run["metrics.train/skipped_steps"] == 3 and run["metrics.train/nonfinite_steps"] == 3
 
 
+@pytest.mark.slow
 def test_three_concurrent_first_runs_in_a_new_directory_are_all_recorded(tmp_path):
     """Three first runs started at once on a new SQLite store ran MLflow's migrations together:
     one succeeded, the others exited 2 ("duplicate column name") and the store was broken for
@@ -142,6 +146,7 @@ def _wait_for_steps(run_dir, n, proc, timeout=120):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_kill_9_of_xpar_ends_its_workers_and_the_next_command_ends_the_run(tmp_path):
     """kill -9 of the parent left its run RUNNING and its workers training on as orphans. Now
     each worker ends itself within a heartbeat (1 s) of losing its parent, and the next xpar
@@ -173,6 +178,7 @@ def test_kill_9_of_xpar_ends_its_workers_and_the_next_command_ends_the_run(tmp_p
     assert len(live) >= 3  # the live points logged before the kill are kept
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
     """kill -9 of a sweep left its parent run RUNNING forever and the jobs that never started
     recorded nowhere. The next xpar command in that directory ends the parent and its running
@@ -199,6 +205,7 @@ def test_a_killed_sweep_ends_its_parent_killed(tmp_path):
     assert list(jobs["status"]) == ["KILLED"]
 
 
+@pytest.mark.slow
 def test_a_run_beside_busy_processes_is_tagged_measured_under_contention(tmp_path):
     """Three spinning processes beside a 2-worker run take most of the cores: the workers' CPU
     share (schedstat over the timed steps) is logged, the run tagged xpar.contention and noted."""
@@ -227,6 +234,7 @@ def test_contention_is_judged_against_what_the_workers_own_number_allows():
     assert contention(spec, [{"memory": {}}], cores=2) == (None, None)  # a GPU run: no share measured
 
 
+@pytest.mark.slow
 def test_live_throughput_and_memory_every_log_every_steps(tmp_path):
     """50 steps at train.log_every=5: 10 points each of tokens/s, TFLOP/s, MFU and memory (RSS on a
     CPU) while the run goes (a killed run keeps those delivered: the kill -9 test)."""

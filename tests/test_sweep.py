@@ -22,6 +22,7 @@ def _runs(cwd):
 FAST = ["train.steps=3", "train.warmup_steps=1", "run.progress=false"]
 
 
+@pytest.mark.slow
 def test_invalid_combination_stops_sweep_before_any_job(tmp_path):
     r = _xpar(tmp_path, "-m", "train.steps=0,3", "parallel=dp,zero2", "run.progress=false")
     assert r.returncode == 2, r.stderr[-2000:]
@@ -32,6 +33,7 @@ def test_invalid_combination_stops_sweep_before_any_job(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     r = _xpar(tmp_path, "-m", "train.steps=0,3", "sweep.skip_invalid=true", "train.warmup_steps=1",
               "run.progress=false", "hardware.devices_per_node=1")  # one worker: the sweep is what is tested
@@ -51,6 +53,7 @@ def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     assert (tmp_path / "cmp" / "throughput_by_layout.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_failing_job_is_failed_others_finish_parent_ended(tmp_path):
     r = _xpar(tmp_path, "-m", "run.fail_rank=1,null", *FAST)
     assert r.returncode != 0  # Hydra reports the failed job at the end of the sweep
@@ -77,6 +80,7 @@ def _parent_and_children(runs):
 # submitit's local launcher grouping its jobs under one parent: tests/test_ui.py (one sweep for both).
 
 
+@pytest.mark.slow
 def test_optuna_sweeper_preflights_discrete_choices(tmp_path):
     """Every discrete choice of an Optuna sweep is validated before any trial: one invalid value
     stops it with exit 2. (Trials grouped under one parent, a skipped trial, a continuous parameter:
@@ -87,6 +91,7 @@ def test_optuna_sweeper_preflights_discrete_choices(tmp_path):
     assert "Launching" not in bad.stdout + bad.stderr and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_microbatch_sweep_of_a_pipeline_and_its_bubble_comparison(tmp_path):
     """The README's sweep (over m = 1, 2, 4 and the tiny model here; the README adds 8, on mini): one parent, 3 FINISHED children,
     compare shows measured and theoretical bubble per m and writes the bubble plot."""

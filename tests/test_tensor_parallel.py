@@ -156,6 +156,7 @@ def results():
     return specs, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama/sp=False", "llama/sp=True", "gpt/sp=False", "gpt/sp=True"])
 def test_tp_forward_matches_unsharded(results, case):
     """Logits of the whole tp=2 model (gpt: learned positions, biases, LayerNorm, GELU,
@@ -168,12 +169,14 @@ def test_tp_forward_matches_unsharded(results, case):
         assert r["tied"] is True  # the output still shares the (vocab-sharded) embedding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_on_pipeline_stage_chunks(results, sp):
     """apply_tp on two stage chunks (no output / no embedding) composes to the whole model."""
     assert results[1]["stages"][f"sp={sp}"] <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_tp_losses_match_single_process(results, name):
     specs, out = results
@@ -187,6 +190,7 @@ def test_tp_losses_match_single_process(results, name):
     assert ref[-1] < ref[0]
 
 
+@pytest.mark.slow
 def test_one_layer_comm_bytes_equal_formula(results):
     """One Block, no sequence parallelism: 2 all-reduces of b*s*h in forward, 2 in backward
     (payload bytes, fp32); with it, 2 all-gathers + 2 reduce-scatters each way (the norm
@@ -213,6 +217,7 @@ def test_one_layer_comm_bytes_equal_formula(results):
         {k: formula[k] for k in ("allgather", "reduce_scatter")}
 
 
+@pytest.mark.slow
 def test_run_comm_metrics(results):
     """The per-step comm/* of a real run: 2+2 all-reduces of b*s*h per block, plus the
     embedding (forward) and the output's input (backward), plus 3 [b, s] all-reduces of
@@ -233,6 +238,7 @@ def test_run_comm_metrics(results):
     assert sp["comm/tp_allreduce_bytes"] == 3 * b * s * 4 + (2 * L + 1) * h * 4
 
 
+@pytest.mark.slow
 def test_tp_memory_accounting_is_local_shards(results):
     """Parameter bytes are the local shards: everything split in half but the norms
     (replicated without sequence parallelism, still whole with it)."""

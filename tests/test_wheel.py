@@ -1,4 +1,5 @@
 """The built wheel carries conf/ and composes from another directory."""
+import pytest
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_installed_wheel_composes_from_another_directory(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
