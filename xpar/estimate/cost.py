@@ -83,14 +83,10 @@ from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.context_parallel import cp_layer_times, fold_cp
 from xpar.estimate.expert_parallel import ep_terms
 from xpar.estimate.schedule import bubble_theory
+from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
-TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer",
-              "host_overhead")
-"""Plus ``cp_comm`` (context parallelism), ``ep_comm`` and ``ep_imbalance`` (expert parallelism) in
-the layouts that have them."""
-"""The step time by term (``Estimate.time_breakdown``, ``estimate/time_<term>_s``)."""
 
 
 @dataclass(frozen=True)
@@ -321,7 +317,7 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
     (exposed), ``tp_issued``, and per FSDP unit ``unit_f``/``unit_b`` (a block forward /
     backward with its share of exposed tp time) and ``root_f``/``root_b`` (the logits).
     ``c``: :func:`layer_costs`; ``tp``: :func:`tp_times`. Every value a float, or a numpy
-    array over layouts (xpar.plan.vtime): the same arithmetic."""
+    array over layouts (xpar.estimate.columns.step_time): the same arithmetic."""
     mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
     tp_f = n * tp["f"] + tp["end"] * first
     tp_b = n * tp["b"] + tp["end"] * last
@@ -422,7 +418,7 @@ def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, gra
     """Seconds of the optimizer term before any offload: :func:`optimizer_time` of the device's
     optimizer states and :func:`gradient_time` of its gradients (``grad_bytes``: the memory model's
     ``grads``), for ``spec``'s hardware, dtype and clip under ``assume``. The scalar estimate and
-    the planner (xpar.plan.vtime, numpy arrays over layouts for every argument but the first two)
+    the planner (xpar.estimate.columns.step_time, numpy arrays over layouts for every argument but the first two)
     both price it here."""
     hw = spec.hardware
     return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,

@@ -35,7 +35,7 @@ tests/test_calibrate.py checks the formulas against the count):
   global gradient-norm clip 3 (xpar.parallel.optim.clip_grads_).
 
 Units: seconds. Every function takes floats, or numpy arrays over layouts for ``n``, ``first``
-and ``last`` (the planner, xpar.plan.vtime: the same arithmetic).
+and ``last`` (the planner, xpar.estimate.columns.step_time: the same arithmetic).
 """
 from __future__ import annotations
 

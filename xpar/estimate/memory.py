@@ -211,7 +211,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
 def p2p_buffer_bytes(seq_len, b, hidden, stages_held, resid_elem, tp, sp):
     """Pipeline send and receive buffers of one pipeline rank: 2 per stage held, b s h
     elements of ``resid_elem`` bytes each (/tp with sequence parallelism ``sp``). Bytes.
-    Works on numbers or numpy arrays alike (the planner, :mod:`xpar.plan.vmemory`)."""
+    Works on numbers or numpy arrays alike (the planner, :mod:`xpar.estimate.columns.peak_memory`)."""
     return 2 * stages_held * (seq_len * b * hidden) * resid_elem / (tp * sp + 1 - sp)
 
 

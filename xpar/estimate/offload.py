@@ -93,7 +93,7 @@ def host_columns(hw, offload: Any, elements: Any) -> dict[str, Any]:
     """``optimizer_elements`` (``elements``: the optimizer's on the most loaded device), ``host_bytes``
     (per node: :func:`host_state_bytes` where ``offload`` is 1, else 0) and ``host_fits`` (host bytes
     <= hardware.host_memory_gb; True without offload) of layouts: numbers or numpy arrays
-    (xpar.plan.vmemory's candidate columns)."""
+    (xpar.estimate.columns.peak_memory's candidate columns)."""
     host = offload * host_state_bytes(elements, devices_per_node(hw))
     return {"optimizer_elements": elements, "host_bytes": host,
             "host_fits": host <= (hw.host_memory_gb or 0) * 1e9}

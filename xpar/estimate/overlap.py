@@ -18,7 +18,7 @@ slows by ``slowdown`` (NCCL kernels use SMs and HBM bandwidth); that loss is cou
 exposed communication too. Units: seconds.
 
 Array-polymorphic: every time may be a float or a numpy array over layouts (the planner,
-xpar.plan.vtime, runs one timeline for many layouts at once; the same code, the same
+xpar.estimate.columns.step_time, runs one timeline for many layouts at once; the same code, the same
 results). :func:`vmax`, :func:`vmin` and :func:`vwhere` are max, min and a conditional that
 take either.
 """

@@ -26,8 +26,8 @@ SKIP = ("plan.", "plan=", "run.mode=", "hydra.", "parallel.", "train.global_batc
 def layout_overrides(plan, i: int) -> dict[str, object]:
     """parallel.* and train batch values of candidate ``i`` (as a nested config dict); its split
     as ``first_stage_layers`` / ``last_stage_layers`` where pp x v does not divide the blocks
-    (xpar.plan.vsplit.split_fields), null otherwise, as ``layer_split``."""
-    from xpar.plan.vsplit import split_fields
+    (xpar.estimate.columns.stage_split.split_fields), null otherwise, as ``layer_split``."""
+    from xpar.estimate.columns.stage_split import split_fields
     r = plan.res
     par = dict(dp=int(r["dp"][i]), tp=int(r["tp"][i]), pp=int(r["pp"][i]), zero_stage=int(r["zero"][i]),
                micro_batches=int(r["m"][i]), schedule=str(r["schedule"][i]), virtual_stages=int(r["v"][i]),

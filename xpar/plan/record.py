@@ -11,19 +11,19 @@ from typing import Optional
 
 import numpy as np
 
-from xpar.estimate.cost import TIME_TERMS
+from xpar.estimate.terms import AXIS_TIME_TERMS, TIME_TERMS, time_key
 
 GB = 1e9
 CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload", "tokens_per_s",
                "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
-               "memory_usable", "host_bytes") + tuple(f"time_{k}" for k in TIME_TERMS)
+               "memory_usable", "host_bytes") + tuple(map(time_key, TIME_TERMS))
 """Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank`` and before ``separates``; then
 cp, ep, dtype and the cp/ep terms where the plan searched them (:func:`csv_columns`)."""
 
 
 def csv_columns(res: dict) -> tuple[str, ...]:
     """:data:`CSV_COLUMNS` plus the cp/ep/dtype columns and time terms ``res`` holds."""
-    extra = ("cp", "ep", "dtype", "time_cp_comm", "time_ep_comm", "time_ep_imbalance")
+    extra = ("cp", "ep", "dtype") + tuple(map(time_key, AXIS_TIME_TERMS))
     return CSV_COLUMNS + tuple(k for k in extra if k in res)
 
 

@@ -44,9 +44,9 @@ def override_line(plan) -> str:
 
 def split_overrides(n_layers: int, pp: int, v: int, preset: bool) -> list[str]:
     """``parallel.first_stage_layers=F parallel.last_stage_layers=L`` where pp x v does not divide
-    the blocks (:func:`xpar.plan.vsplit.split_fields`); both ``null`` where the split is even but a
+    the blocks (:func:`xpar.estimate.columns.stage_split.split_fields`); both ``null`` where the split is even but a
     ``parallel=`` preset may set them (conf/parallel/deepseek_v3_2048gpu.yaml does); else none."""
-    from xpar.plan.vsplit import split_fields
+    from xpar.estimate.columns.stage_split import split_fields
     fields = split_fields(n_layers, pp, v)
     if not fields and not preset:
         return []

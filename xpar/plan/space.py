@@ -16,7 +16,7 @@ The raw space is the product of these axes (numpy, no torch):
   off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
 
 m = B / (b dp) is derived. The pp x v stages split the blocks evenly where they divide them, else
-with lighter ends (xpar.plan.vsplit: ceil(n_layers / (pp v)) blocks on every stage between, the
+with lighter ends (xpar.estimate.columns.stage_split: ceil(n_layers / (pp v)) blocks on every stage between, the
 first and last sharing the rest, as BLOOM 176B's 5, 10 x 6, 5 and Megatron-LM's
 --decoder-first/last-pipeline-num-layers). The rules (:data:`RULES`, in the order they are applied) are those
 :mod:`xpar.config.validate` enforces for a layout (xpar.config.checks.layout: tp splits, a pipeline
@@ -36,7 +36,7 @@ import numpy as np
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 
 from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
-from xpar.plan.vsplit import splittable
+from xpar.estimate.columns.stage_split import splittable
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
@@ -57,7 +57,7 @@ RULES = {
     "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
     "schedule": "schedule not in plan.schedules",
     "balanced": "pp x v stages split n_layers neither evenly nor with lighter ends (ceil(n_layers / (pp v)) "
-                "blocks on each stage between leave fewer than 0 for the first and last; xpar.plan.vsplit)",
+                "blocks on each stage between leave fewer than 0 for the first and last; xpar.estimate.columns.stage_split)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "

@@ -2,7 +2,7 @@
 (model.first_dense_layers: DeepSeek-V3's 3 of 61), whose dp collectives per unit then depend on
 which blocks a pipeline rank holds.
 
-:mod:`xpar.plan.vtime` times one root and one block per rank class, every block alike; here,
+:mod:`xpar.estimate.columns.step_time` times one root and one block per rank class, every block alike; here,
 where :func:`blocks_vary`, each representative rank's own units (:func:`xpar.estimate.dp.unit_elements`
 of the candidate's placement) are timed by :func:`xpar.estimate.dp.unit_times` -- the scalar
 estimate's own call -- once per distinct (dp, tp, ZeRO stage, pp, v, placement, slot). The middle
@@ -22,7 +22,7 @@ from xpar.config.remat import RECOMPUTE
 from xpar.estimate.dp import unit_elements, unit_times
 
 UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
-"""Keys of the unit-time lists (and of xpar.plan.vtime's columns) -> xpar.estimate.dp.unit_times keys."""
+"""Keys of the unit-time lists (and of xpar.estimate.columns.step_time's columns) -> xpar.estimate.dp.unit_times keys."""
 
 
 def blocks_vary(base) -> bool:
@@ -35,7 +35,7 @@ class UnitTimes:
     """Memoised unit times of representative ranks (:func:`slot_rank_moe`) for one base spec."""
 
     def __init__(self, base, assume, spec_at):
-        """``spec_at``: :func:`xpar.plan.vtime.spec_at` (passed in: vtime imports this module)."""
+        """``spec_at``: :func:`xpar.estimate.columns.step_time.spec_at` (passed in: step_time imports this module)."""
         self.base, self.assume, self.spec_at, self.memo = base, assume, spec_at, {}
 
     def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
@@ -50,7 +50,7 @@ class UnitTimes:
 
 
 def slot_rank_moe(layout, slot: int, cfg, zero: int = 3) -> int:
-    """The pipeline rank a slot (xpar.plan.vtime.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
+    """The pipeline rank a slot (xpar.estimate.columns.step_time.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
     0; the first middle rank at ZeRO ``zero`` below 3 (module docstring), else the middle rank holding
     the most MoE blocks (``cfg.is_moe_layer``; first on ties); the last rank."""
     pp = layout.pp
