@@ -1,23 +1,14 @@
 """Dry run: the real engine factory at the layout's full world size, on a fake process group.
 
-For a layout beyond this machine (70B on 64 GPUs, 175B on 1024) the estimator's parameter
-bytes are checked against what torch actually builds: each representative rank -- first,
-middle and last pipeline rank x first and last dp rank (tp ranks hold equal shards: tp
-must divide every split dimension) -- is built in this process by
-:func:`xpar.parallel.factory.build_engine` with ``materialize_model=False``:
+Each representative rank (first, middle and last pipeline rank x first and last dp rank) is built
+in this process by :func:`xpar.parallel.factory.build_engine` with ``materialize_model=False``:
+fake process group -> DeviceMesh "cpu" -> the model or this rank's stages on the meta device ->
+TP -> DDP / FSDP2 -> PipelineStage + schedule. No memory is allocated, no collective moves data;
+local shard sizes are read with ``DTensor.to_local()`` and times the dtype's bytes per element
+(xpar.estimate.model_states.STATE_BYTES) checked against the cost model's parameter bytes.
 
-    fake process group (rank r of N, ``torch.testing._internal.distributed.fake_pg``)
-    -> DeviceMesh "cpu" (pp, dp, cp, tp)  (a "meta" mesh makes fully_shard fail)
-    -> the model or this rank's pipeline stages on the meta device -> TP -> DDP / FSDP2
-    -> PipelineStage + schedule
-
-No memory is allocated and no collective moves data. Local shard sizes are read with
-``DTensor.to_local()``; bytes per device are the element counts times the bytes per
-element of the dtype's model states (xpar.estimate.memory.STATE_BYTES). The process group is
-destroyed and re-created between ranks (measured: 0.5-1.5 s per rank for a 70B stage).
-
-Exceptions from torch while building become a :class:`PlanError` naming the rank and its
-coordinates: the layout cannot be built as configured.
+Units: bytes, seconds. Errors: torch's exceptions while building become a :class:`PlanError`
+naming the rank and its coordinates.
 """
 from __future__ import annotations
 

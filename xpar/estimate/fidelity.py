@@ -1,19 +1,13 @@
 """How far an executed run's own estimate was from what happened (the closed loop).
 
 Every measured run is also estimated on the hardware it ran on (:func:`xpar.estimate.cost.estimate`
-with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset from
-``xpar calibrate`` gives the estimate measured link and memory figures) and logs:
+with the spec's framework) and logs ``fidelity/step_time_ratio`` (estimated / measured median
+step time), ``fidelity/peak_memory_ratio`` (estimated / measured peak bytes per device),
+``fidelity/bubble_diff`` (estimated - measured idle fraction of the pipeline ranks, on the
+measured definition: :func:`estimated_idle`, 0 - 0 without a pipeline) and
+``fidelity/estimate_time_<term>_s`` (the estimate's step time by term).
 
-- ``fidelity/step_time_ratio``: estimated / measured step time (median of timed steps);
-- ``fidelity/peak_memory_ratio``: estimated / measured peak bytes per device;
-- ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
-  logged for every run, so every executed run carries the three). Both on the measured
-  definition (xpar.estimate.bubble): the idle fraction of the pipeline ranks within the schedule's time,
-  where a rank waiting for a send or for a slower stage is idle too; the estimate's is
-  :func:`estimated_idle` (its schedule bubble, its exposed pipeline sends and its stages'
-  imbalance), which is the schedule's bubble when sends are free and stages equal;
-- ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
-  run's figures.
+Units: ratios, fractions, seconds.
 """
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
-"""Does a layout fit memory? The checks run after validation (:mod:`xpar.config.validate`) and
-before any worker starts: device memory in estimate mode, host memory for local CPU runs;
-and the layouts on the same devices that would fit.
+"""Does a layout fit memory? The checks after validation (:mod:`xpar.config.validate`) and before
+any worker starts: device memory in estimate mode, host memory for local CPU runs, and the layouts
+on the same devices that would fit.
 
-The peak is the cost model's (:func:`xpar.estimate.memory.memory`, every term named: params,
-grads, optimizer, activations, comm_buffers, framework_overhead) on the most loaded pipeline
-rank, under the :class:`~xpar.estimate.cost.Assumptions` of the hardware
-(:func:`assumptions_for`). A layout that does not fit is refused before anything runs, with
-the stage and ranks over the limit, by how much, and the alternatives that fit -- found by
-changing the ZeRO stage, recomputation, sequence parallelism, the micro-batch size (global
-batch kept) and the tp/pp degrees (world size kept), one change at a time and then
-combined, each candidate checked by :func:`xpar.config.validate.validate` itself.
+The peak is the cost model's (:func:`xpar.estimate.memory.memory`) on the most loaded pipeline
+rank. A layout that does not fit is refused with the stage and ranks over the limit, by how much,
+and the alternatives that fit (ZeRO stage, recompute, sequence parallelism, micro-batch size, tp/pp
+degrees; one change at a time, then combined, each validated).
 
-:func:`check_run` is what the entry point, the sweep pre-flight and the tests call:
-validation, then these checks, every refusal a :class:`~xpar.config.checks.ConfigError`.
+:func:`check_run` is what the entry point, the sweep pre-flight and the tests call. Errors: every
+refusal a :class:`~xpar.config.checks.ConfigError`. Units: bytes.
 """
 from __future__ import annotations
 

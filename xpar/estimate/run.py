@@ -2,42 +2,14 @@
 fake-process-group dry run of the real engine factory.
 
 The Report has the fields and metric names of a measured run (xpar.estimate.report), with
-``mode='estimate'``:
+``mode='estimate'``: throughput and MFU from :func:`xpar.estimate.cost.estimate`; memory by term
+(``memory/<term>_bytes``) on the most loaded device; ``estimate/time_<term>_s``; the fit
+(``estimate/memory_fits``, headroom, peak pipeline rank); the dry run's parameter bytes against
+the cost model's (``estimate/dryrun_*``); an offloaded optimizer's parts (``estimate/offload_*``);
+the bubble (``pipeline/bubble_ratio``, ``_theory``); ``comm/<group>_<collective>_bytes``.
+Notes: the cost model's notes. Artifacts: memory per pipeline rank and the step-time breakdown.
 
-- throughput: ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` (model FLOPs), ``mfu``,
-  ``hfu`` from :func:`xpar.estimate.cost.estimate` (the slowest pipeline rank);
-- memory: ``peak_bytes_per_device`` = the total of the most loaded device (pipeline rank and
-  dp rank, ``peak_rank`` its first global rank), broken down into params, grads, optimizer,
-  activations, comm_buffers and framework_overhead (each logged as ``memory/<term>_bytes``);
-- ``estimate/time_<term>_s``: the step time by term (matmul, memory_bound, tp_comm, pp_comm,
-  bubble, dp_comm_exposed, optimizer; they sum to the step time);
-  ``estimate/hw_tflops_per_device``; ``estimate/memory_fits`` (1/0),
-  ``estimate/device_memory_bytes``, ``estimate/memory_headroom_bytes`` (device memory - peak),
-  ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank),
-  the memory sub-terms of :func:`memory_detail_metrics`;
-- ``estimate/dryrun_param_bytes`` and ``estimate/analytic_param_bytes``: parameter bytes held
-  per device (as ``memory/params_bytes``) on the estimate's most loaded device, built by torch
-  and counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
-  params or grads bytes over the ranks built; ``estimate/dryrun_ranks``, ``estimate/dryrun_s``
-  (per-rank detail in the artifact ``dryrun.json``);
-- an offloaded optimizer (``framework.cpu_offload_optimizer``, xpar.estimate.offload):
-  ``estimate/offload_<part>_s`` for each of :data:`xpar.estimate.offload.OFFLOAD_TERMS`
-  (grad_to_host, grad_to_host_exposed, host_step, param_to_device, exposed; seconds per step)
-  and ``estimate/offload_host_bytes`` (host memory per node);
-- pipelined layouts: ``pipeline/bubble_ratio`` (the cost model's) and
-  ``pipeline/bubble_ratio_theory`` (closed form, or torch's action list replayed with uniform
-  stage times where the schedule has none);
-- ``comm/<group>_<collective>_bytes``: PAYLOAD bytes per step per device, as measured runs
-  count them (the all-reduced buffer; the gathered output; the reduce-scattered input), and
-  ``comm/<group>_ring_bytes``: the bytes a ring implementation sends per device for them
-  (2(n-1)/n and (n-1)/n of the payload); ``comm/pp_send_recv_bytes``: bytes sent to the
-  neighbouring stages.
-
-Notes: the cost model's notes (:attr:`xpar.estimate.cost.Estimate.notes`, e.g. the offloaded
-step's parts) are the Report's ``notes``: printed under the table and, in a tracked run,
-appended to the run's ``xpar.notes`` tag after the spec's own notes (xpar.run.job).
-
-Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
+Metric list: docs/reference/metrics.md. Units: seconds, bytes, fractions.
 """
 from __future__ import annotations
 

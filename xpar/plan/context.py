@@ -1,24 +1,14 @@
 """What a plan is evaluated on: the fixed context (model, hardware, sequence, dtype, framework)
-and the candidate columns, one entry per layout.
+and the candidate columns, one entry per layout (``dict[str, numpy.ndarray]``, length L):
 
-Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
-
-- ``tp``, ``pp``, ``dp``: degrees (int64); dp * tp * pp = the cluster's device count.
-- ``b``: micro-batch size in sequences; ``m``: micro-batches per step (int64); global batch
-  B = b * m * dp sequences.
-- ``v``: stages per pipeline rank (int64; 1 for single-stage schedules, 2 for V-shaped ones,
-  the virtual stages of looped ones). The pp * v stages split the layers evenly where they divide
-  them, else with lighter ends (xpar.estimate.columns.stage_split: ``parallel.first_stage_layers`` /
-  ``last_stage_layers``, every stage between ceil(n_layers / (pp v)) blocks).
-- ``schedule``: names in :data:`xpar.config.layout.SCHEDULES` (numpy str array).
-- ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.config.layout.zero_stage_run` applied).
-- ``sp``: sequence parallelism (bool; only with tp > 1).
-- ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
-- ``offload`` (optional, :data:`OPTIONAL_COLUMNS`): the optimizer offloaded to host memory
-  (bool; ``framework.cpu_offload_optimizer``, xpar.estimate.offload). Absent: the framework's.
-- ``cp``, ``ep`` (optional, int64; absent: 1): context- and expert-parallel degrees; dp * tp * pp * cp
-  = the device count, B = b * m * dp; ep inside dp x cp (xpar.estimate.columns.cp_ep evaluates them).
-- ``dtype`` (optional, str; absent: ``train.dtype``): the training dtype (bf16, fp8, fp32).
+- ``tp``, ``pp``, ``dp`` (int64; dp tp pp cp = the device count); ``b`` micro-batch size and
+  ``m`` micro-batches per step (global batch B = b m dp sequences);
+- ``v``: stages per pipeline rank (1; 2 for V-shaped schedules; virtual stages of looped ones),
+  the pp v stages split evenly or with lighter ends (xpar.estimate.columns.stage_split);
+- ``schedule`` (names of :data:`xpar.config.layout.SCHEDULES`), ``zero`` (the stage that runs,
+  0..3), ``sp`` (bool, tp > 1 only), ``recompute`` ('none' | 'selective' | 'full');
+- optional (:data:`OPTIONAL_COLUMNS`): ``offload`` (bool; absent: the framework's), ``cp`` and
+  ``ep`` (int64; absent: 1; ep inside dp x cp), ``dtype`` (str; absent: ``train.dtype``).
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""FSDP unit times of models whose blocks differ in size: a MoE model with dense leading blocks
-(model.first_dense_layers: DeepSeek-V3's 3 of 61), whose dp collectives per unit then depend on
-which blocks a pipeline rank holds.
+"""FSDP unit times of models whose blocks differ in size (a MoE model with dense leading blocks,
+``model.first_dense_layers``), whose dp collectives per unit depend on the blocks a rank holds.
 
-:mod:`xpar.estimate.columns.step_time` times one root and one block per rank class, every block alike; here,
-where :func:`blocks_vary`, each representative rank's own units (:func:`xpar.estimate.dp.unit_elements`
-of the candidate's placement) are timed by :func:`xpar.estimate.dp.unit_times` -- the scalar
-estimate's own call -- once per distinct (dp, tp, ZeRO stage, pp, v, placement, slot). The middle
-slot stands for the middle rank the scalar estimate takes as the slowest where a middle rank is:
-below ZeRO-3 under pp no dp time is exposed per micro-batch (xpar.estimate.dp.dp_exposure), the
-middle ranks (their blocks as many, lighter ends or not) tie and the first, rank 1, is taken,
-whatever dense blocks it holds (DeepSeek-V3's 61 layers over pp 16: rank 1 holds layers 1-2 dense,
-57-58 MoE). Under ZeRO-3 it is the middle rank holding the most MoE blocks, taken as the slowest
-in dp time; the pipeline fill then counts every middle rank at that rank's dp time, an upper bound
-where middle ranks hold dense blocks (pp above n_layers / first_dense_layers). Units: seconds.
+Where :func:`blocks_vary`, each representative rank's own units
+(:func:`xpar.estimate.dp.unit_elements` of the candidate's placement) are timed by
+:func:`xpar.estimate.dp.unit_times` -- the scalar estimate's own call -- once per distinct (dp, tp,
+ZeRO stage, pp, v, placement, slot). The middle slot is the middle rank the scalar estimate takes
+as the slowest (below ZeRO-3 under pp: rank 1; under ZeRO-3 the middle rank with the most MoE
+blocks). Units: seconds.
 """
 from __future__ import annotations
 

@@ -1,32 +1,15 @@
 """Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.memory` over
-candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
+candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate (relative 1e-9).
 
-No memory formula is written twice. Each sub-result comes from the scalar function itself, once
-per distinct key of the few columns it depends on (grouping on a representative candidate of
-each group), and is combined with array arithmetic:
+Each sub-result comes from the scalar function, once per distinct key of the columns it depends
+on, combined with array arithmetic: model states and their buffers per (tp, pp, placement, dp,
+ZeRO stage, deferred reduction) and rank class (:func:`_state_table`); one stage's activations per
+(tp, sp, recompute, autocast, stages), scaled by b (:func:`_stage_table`); the schedule's peak as
+live micro-batch chunks per (schedule, pp, m, v) and rank, in closed form per schedule
+(:func:`_closed_entries`) or from the action list; pipeline buffers and token ids as formulas.
 
-- model states and the buffers they size (:func:`~xpar.estimate.memory.held_state_terms`,
-  :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, stage placement, dp, ZeRO
-  stage, deferred reduction, v where pp x v does not divide the blocks) and rank class (holds the
-  first stage, the last, both, neither: with even or lighter-ends splits, xpar.estimate.columns.stage_split, the
-  parameters of a rank depend on nothing else; for blocks of different sizes the middle rank with
-  the most state bytes, an upper bound: :func:`_state_table`);
-- one stage's activations for one micro-batch (:func:`~xpar.estimate.memory.stage_bytes`): per
-  (tp, sp, recompute, autocast, stages), scaled by b, and stage class (first, middle, last, only);
-- the schedule's peak (the rule of :func:`~xpar.estimate.memory._walk`): per (schedule, pp, m,
-  v) and rank, the live micro-batch chunks (all, of the first stage, of the last stage) at each
-  forward and backward where the walk takes a maximum, reduced to the rows that can be one (rows
-  and ranks dominated dropped, xpar.estimate.columns.stage_split.prune_modes), times each candidate's bytes per
-  chunk, all (candidate, rank) pairs in one batch; rows in closed form per schedule
-  (:func:`_closed_entries`), equal to the walk over the action lists (tests/test_plan_memory.py);
-- pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
-  :func:`~xpar.estimate.memory.token_id_bytes`) as array formulas.
-
-Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline rank with the
-largest total (the first on ties), on its most loaded dp rank. No torch import (parameter
-shapes: :func:`xpar.estimate.memory.param_shapes`). Speed, GPT-3 175B on 1024 A100 (55,344
-layouts of xpar.plan.space at global batch 1536, every framework profile, 2 cores shared at load
-2-4): first call in a process 0.29-0.47 s (117k-194k layouts/s), repeated 0.08-0.14 s (400k-680k/s).
+Returns the pipeline rank with the largest total (the first on ties) on its most loaded dp rank,
+keys :data:`xpar.estimate.terms.COLUMN_MEMORY_KEYS`. Units: bytes. No torch import.
 """
 from __future__ import annotations
 

@@ -1,37 +1,16 @@
-"""The cost model's step time over many layouts at once: :func:`xpar.estimate.cost.estimate`'s
-time figures, vectorised over candidate columns (:mod:`xpar.plan.context`).
+"""Step time, its terms and the rates of many layouts at once: :func:`xpar.estimate.cost.estimate`'s
+time figures over candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
 
-One source of truth: every formula is the estimate's own. Sub-results that depend on a few
-columns (layer costs per (tp, b, sp, recompute), FSDP unit sizes per (tp, rank class), unit
-collective times per (dp, tp, ZeRO stage, unit sizes), pipeline sends per (pp, v, placement,
-rank), bubble per (schedule, pp, m, v), ...) come from the scalar functions, called once per
-distinct key (:func:`by_key`); the rest is the same array-polymorphic arithmetic the scalar path runs
-(:func:`xpar.estimate.cost.rank_compute`, :func:`xpar.estimate.dp.dp_exposure`,
-:func:`xpar.estimate.overlap.simulate_pass`, :func:`xpar.estimate.cost.step_time`,
-:func:`xpar.estimate.cost.rates`) on arrays: a loop over FSDP units (not over layouts) for
-the dp timeline, layouts grouped by units per rank.
+Sub-results that depend on a few columns (layer costs, FSDP unit sizes and times, pipeline sends,
+bubble, ...) come from the scalar functions once per distinct key (:func:`by_key`); the rest is the
+scalar path's own array-polymorphic arithmetic (:func:`xpar.estimate.cost.rank_compute`,
+:func:`xpar.estimate.dp.dp_exposure`, :func:`xpar.estimate.cost.step_time`,
+:func:`xpar.estimate.cost.rates`). Pipeline ranks in three slots per layout (rank 0, a middle rank,
+the last rank; :class:`RankClass`), each with its count of ranks and blocks; the slowest slot gives
+the breakdown, the others the bubble's fill (:func:`xpar.estimate.cost.fill_time`).
 
-Context and expert parallelism (xpar.estimate.columns.cp_ep): ``base`` carries the layout's ep and etp (every
-layout built here keeps them: E / ep experts per rank in the FSDP units), and a cp-folded candidate's
-micro-batch b / cp is a float column. Blocks of different sizes (a MoE model's dense leading blocks)
-are timed rank by rank (xpar.estimate.columns.mixed_blocks).
-
-Pipeline ranks in classes. With even splits (n_layers % (pp v) == 0) every rank holds
-n_layers / pp blocks; with the lighter ends of xpar.estimate.columns.stage_split every middle stage holds
-ceil(n_layers / (pp v)) and the end stages the rest. Either way the ranks differ only by holding
-the first stage's and the last stage's ends (and their blocks with them). Loop placement: rank
-0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement (zbv, dualpipev): rank 0 holds
-both ends, ranks 1..pp-1 are middle ranks. Three slots per layout (rank 0, a middle rank, the
-last rank), each with its count of ranks and blocks (xpar.estimate.columns.stage_split.rank_blocks); the slowest slot
-(the first on ties, as the scalar max over ranks) gives the breakdown, the count-weighted mean
-of the other ranks the bubble's share (xpar.estimate.cost.fill_time).
-
-tests/test_plan_vector.py checks every figure against the scalar estimate (relative 1e-9) and
-that no torch is imported, at import or at run time (parameter shapes written out in
-xpar.estimate.memory; bubbles of the split-backward and looped schedules in closed form,
-xpar.estimate.schedule.replay_closed_form). Speed (benchmarks/plan_speed.py, this 2-core
-machine under load): the 55,344 layouts of the 175B / 1024 A100 plan space in 0.3-0.4 s on the
-first call, 0.06-0.25 s on repeated calls.
+Keys: :data:`xpar.estimate.terms.COLUMN_TIME_KEYS`. Units: seconds, tokens/s, 1e12 FLOP/s,
+fractions of peak. No torch import. Speed: benchmarks/plan_speed.py, benchmarks/README.md.
 """
 from __future__ import annotations
 
