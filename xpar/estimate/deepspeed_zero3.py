@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Callable
 
 from xpar.estimate.collectives import collective_time, group_of
+from xpar.estimate.comm import allgather_bytes, allreduce_bytes
 from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts
 
 QKV = ("attention.wq", "attention.wk", "attention.wv")
@@ -164,7 +165,6 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     (``zero3_reuse_distance``), the persistent tensors gathered back after the step and in each
     micro-batch after the first (``zero3_persist_numel``), the gradients all-reduced rather than
     reduce-scattered (``grad_reduce_scatter`` false: twice the bytes)."""
-    from xpar.estimate.comm import allgather_bytes, allreduce_bytes
     if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches

@@ -18,7 +18,15 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+from xpar.config.layout import SCHEDULES
 from xpar.config.spec import RunSpec
+from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.model_states import (
+    STATE_BYTES,
+    grads_deferred,
+    model_state_bytes_per_rank,
+    replicated_embedding_grad_numel,
+)
 
 
 class PlanError(RuntimeError):
@@ -85,7 +93,6 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     """
     import torch.distributed as dist
 
-    from xpar.estimate.context_parallel import fold_cp
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.parallel.torch_internals import fake_store
@@ -123,13 +130,6 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
                 build_s: float) -> RankCheck:
     """One rank's :class:`RankCheck` from its built ``numel`` (local, held, dp-unsharded elements,
     :func:`_param_numel`) against the cost model on the cp-folded spec ``folded``."""
-    from xpar.estimate.model_states import (
-        STATE_BYTES,
-        grads_deferred,
-        model_state_bytes_per_rank,
-        replicated_embedding_grad_numel,
-    )
-
     (pp, dp, tp), (local, held, dp_full) = coords, numel
     bp, bg, _ = STATE_BYTES[folded.train.dtype]
     # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
@@ -151,7 +151,6 @@ def buildable(spec: RunSpec) -> RunSpec:
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
     Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
     (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take)."""
-    from xpar.config.layout import SCHEDULES
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if SCHEDULES[spec.parallel.schedule].executable:

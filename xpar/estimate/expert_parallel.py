@@ -16,6 +16,7 @@ from typing import Optional
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import Group, group_of, nic_share
+from xpar.estimate.flops import model_flops_per_token
 from xpar.estimate.model_states import BYTES
 
 
@@ -75,7 +76,6 @@ def routed_share(spec: RunSpec) -> float:
     cfg = spec.model
     if not cfg.n_experts:
         return 0.0
-    from xpar.estimate.flops import model_flops_per_token
     n_mlp = 3 if cfg.activation == "swiglu" else 2
     routed = 6 * cfg.moe_layers * n_mlp * cfg.hidden * cfg.expert_ffn * cfg.moe_top_k
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))

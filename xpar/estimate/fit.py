@@ -19,18 +19,15 @@ from typing import Optional
 
 from xpar.config.checks import ConfigError
 from xpar.config.checks.hardware import load_hardware_preset
+from xpar.config.presets import conf_dir, presets
+from xpar.config.schema import RunConfig, XparConfig
 from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.duration import duration_problems
 from xpar.estimate.memory import MemoryEstimate
-from xpar.estimate.model_states import (
-    MEMORY_TERMS,
-    STATE_BYTES,
-    peak_ranks,
-    state_widths,
-)
+from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
 from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
 
 GB = 1e9
@@ -150,8 +147,6 @@ def _bigger_hardware(spec: RunSpec, states: float) -> list[str]:
     """Up to three hardware presets with more devices than ``spec`` whose devices hold the model
     states (``states`` bytes, ZeRO-3 over every device) in under half their memory, smallest
     first, each with a parallel preset written for it where there is one."""
-    from xpar.config.presets import presets
-
     bigger = []
     for name in presets("hardware"):
         if name == "local" or name.startswith("calibrated_"):
@@ -173,7 +168,6 @@ def _presets_for(hardware: str, model: str) -> list[str]:
     """Parallel presets whose reference_hardware is ``hardware``, those named for ``model`` first."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir, presets
     out = []
     for name in presets("parallel"):
         node = OmegaConf.load(conf_dir() / "parallel" / f"{name}.yaml")
@@ -234,8 +228,6 @@ def _label(pchg: dict, tchg: dict, global_batch: int) -> str:
 def variant(spec: RunSpec, pchg: dict, tchg: dict, hwchg: Optional[dict] = None):
     """The estimate-mode XparConfig of ``spec`` with parallel (``pchg``), train (``tchg``) and
     hardware (``hwchg``) fields changed; dp and micro-batches auto, the global batch kept."""
-    from xpar.config.schema import RunConfig, XparConfig
-
     par = replace(spec.parallel, dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
     if "tp" in pchg or "pp" in pchg:
         par.layer_split = None
@@ -328,8 +320,6 @@ def _smaller(spec: RunSpec) -> str:
 def _cluster_for(spec: RunSpec) -> str:
     """A hardware preset to estimate ``spec`` on: its parallel preset's reference cluster, else
     the smallest preset whose device count tp x pp divides (so that dp=auto resolves)."""
-    from xpar.config.presets import presets
-
     if spec.parallel.reference_hardware:
         return spec.parallel.reference_hardware
     sized = []

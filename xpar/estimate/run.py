@@ -20,6 +20,8 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
+from xpar.estimate.dryrun import dry_run, representative_ranks
+from xpar.estimate.figures import write_figures
 from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
 from xpar.estimate.report import Report, layout_name, zero_paper_bytes
@@ -90,8 +92,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
     if spec.dry_run:
-        from xpar.estimate.dryrun import dry_run, representative_ranks
-
         coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
@@ -121,8 +121,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
 
 
 def _figures(spec: RunSpec, est, out_dir: Path) -> list[Path]:
-    from xpar.estimate.figures import write_figures
-
     per_rank = [peak_memory(spec, r) for r in range(spec.pp)]
     label = f"model={spec.model.name} {layout_name(spec)} on {spec.hardware.name} ({spec.world_size} devices)"
     return write_figures(per_rank, est.time_breakdown, label, out_dir)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from xpar.estimate.columns.stage_split import split_fields
+from xpar.plan.explain import device_name, explain
+from xpar.plan.rank import describe_gap, separating_terms
 from xpar.plan.space import RULES
 
 GB = 1e9
@@ -46,7 +49,6 @@ def split_overrides(n_layers: int, pp: int, v: int, preset: bool) -> list[str]:
     """``parallel.first_stage_layers=F parallel.last_stage_layers=L`` where pp x v does not divide
     the blocks (:func:`xpar.estimate.columns.stage_split.split_fields`); both ``null`` where the split is even but a
     ``parallel=`` preset may set them (conf/parallel/deepseek_v3_2048gpu.yaml does); else none."""
-    from xpar.estimate.columns.stage_split import split_fields
     fields = split_fields(n_layers, pp, v)
     if not fields and not preset:
         return []
@@ -58,8 +60,6 @@ def ranked_table(plan):
     tokens/s against the best and the term that separates each from it)."""
     from rich.table import Table
 
-    from xpar.plan.explain import device_name
-    from xpar.plan.rank import describe_gap, separating_terms
     r, top = plan.res, plan.ranked[:plan.inputs.top_k]
     gaps = separating_terms(r, top, plan.best)
     lo, hi = plan.inputs.constraints.global_batch
@@ -126,7 +126,6 @@ def print_plan(plan, line: str) -> None:
     """Everything above, on the console."""
     from rich.console import Console
 
-    from xpar.plan.explain import explain
     console = Console(width=max(160, Console().width))
     console.print(ranked_table(plan))
     for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware):

@@ -19,9 +19,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
-
 from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
 from xpar.estimate.columns.stage_split import splittable
+from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
+
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
@@ -257,7 +258,6 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
-    from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
     keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if k != "dtype" or c.dtypes]
     return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by)
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import shlex
 
+from xpar.config.checks import ConfigError
+from xpar.config.presets import conf_dir
+from xpar.config.validate import validate
+from xpar.estimate.columns.stage_split import plan_split
+
 
 def compose_line(line: str):
     """The config Hydra composes for ``python -m xpar <overrides>`` (inside a running Hydra app
@@ -11,7 +16,6 @@ def compose_line(line: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from xpar.config.presets import conf_dir
     overrides = shlex.split(line)[3:]  # after 'python -m xpar'
     if GlobalHydra.instance().is_initialized():
         return compose(config_name="config", overrides=overrides)
@@ -25,10 +29,6 @@ def composed_spec(line: str, want: dict):
     :func:`xpar.plan.context.row`; its pipeline split :func:`xpar.estimate.columns.stage_split.plan_split`'s); else
     (None, the problem in words). Whether it fits and its figures are the vectorised cost model's, equal to the scalar one's (tests/test_plan_vector.py,
     tests/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
-    from xpar.config.checks import ConfigError
-    from xpar.config.validate import validate
-    from xpar.estimate.columns.stage_split import plan_split
-
     try:
         spec = validate(compose_line(line))
     except ConfigError as e:
