@@ -367,7 +367,7 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
     spec, problem = composed_spec(line, row(plan.res, plan.best))
     assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
-    from xpar.estimate.fit import (
+    from xpar.estimate.preflight import (
         check_run,  # the run it reproduces passes the fit check (scalar memory model)
     )
     assert check_run(compose_line(line)).layout == spec.layout

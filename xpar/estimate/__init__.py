@@ -7,7 +7,7 @@
   timeline); schedule: ``schedule`` (bubble, action lists); host: ``host`` (CPU dispatch);
 - parallel axes: ``context_parallel``, ``expert_parallel``; framework-specific: ``deepspeed_zero3``;
 - beside the model: ``report``, ``bubble``, ``timing`` (measured runs' figures), ``fidelity``,
-  ``figures``, ``fit`` (the memory check before a run), ``duration``, ``dryrun``, ``run`` (the
+  ``figures``, ``preflight`` (the memory check before a run), ``duration``, ``dryrun``, ``estimate_mode`` (the
   estimate-mode driver).
 
 May import :mod:`xpar.config`, :mod:`xpar.models` and :mod:`xpar.parallel` (the dry run builds

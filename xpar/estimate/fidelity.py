@@ -17,7 +17,7 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.cost import _rank_times, assumptions_for, estimate, microbatch_time, waits_unstretched
 from xpar.estimate.host import host_costs, host_step, oversubscription
 from xpar.estimate.report import Report
-from xpar.estimate.run import comm_metrics
+from xpar.estimate.estimate_mode import comm_metrics
 
 
 def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
@@ -46,7 +46,7 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
 def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     """``fidelity/estimate_comm_<axis>_<kind>_bytes``: the estimate's payload bytes per step per
     device of each collective it counts (none where it counts 0), beside what the run measured (``comm/<axis>_<kind>_bytes``, the same
-    convention: xpar.estimate.run.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
+    convention: xpar.estimate.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
            if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
     if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
