@@ -307,7 +307,7 @@ def test_empty_and_unknown():
         memory_columns(base, dict(cols, schedule=np.array(["bogus", "1f1b"])))
 
 
-def test_vmemory_imports_no_torch():
+def test_peak_memory_columns_import_no_torch():
     code = "import sys, xpar.estimate.columns.peak_memory; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 

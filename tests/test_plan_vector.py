@@ -209,7 +209,7 @@ def test_time_columns_optimizer_term_without_memory_given():
     assert not bad, "\n".join(bad[:20])
 
 
-def test_vtime_imports_no_torch():
+def test_step_time_columns_import_no_torch():
     code = "import xpar.estimate.columns.step_time, sys; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
