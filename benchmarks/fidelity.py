@@ -80,7 +80,7 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
 
     import xpar.config.schema  # noqa: F401
     from xpar.config.presets import conf_dir
-    from xpar.estimate.fit import check_run
+    from xpar.estimate.preflight import check_run
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

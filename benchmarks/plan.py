@@ -22,7 +22,7 @@ COMMAND = ["plan", "model=175b", "hardware=a100_80gb_1024gpu"]
 MOE_COMMAND = ["plan", "model=deepseek_v3", "hardware=h800_80gb_2048gpu", "framework=hai_llm"]
 """The second command timed: DeepSeek-V3 (256 experts, 61 layers) over plan.ep's default (every divisor of
 the experts dividing dp x cp) on the 2048 H800 of conf/parallel/deepseek_v3_2048gpu.yaml. Its 61 layers
-split evenly only over pp 1 (61 does not divide 2048), with lighter ends over pp 2-32 (xpar.plan.vsplit; the
+split evenly only over pp 1 (61 does not divide 2048), with lighter ends over pp 2-32 (xpar.estimate.columns.stage_split; the
 published pp 16 DualPipeV among them): 12,874 valid layouts."""
 MOE64_COMMAND = MOE_COMMAND + ["model.n_layers=64", "train.dtype=fp8", "plan.global_batch_size=15360"]
 """The same at 64 layers (pp 1-64, the published pp 16 DualPipeV among them) in FP8 at the published batch:

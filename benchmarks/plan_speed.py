@@ -1,4 +1,4 @@
-"""Speed of the planner's vectorised step time (xpar.plan.vtime.time_columns): layouts per second.
+"""Speed of the planner's vectorised step time (xpar.estimate.columns.step_time.time_columns): layouts per second.
 
     python benchmarks/plan_speed.py [--repeats 5] [--model 175b] [--hardware a100_80gb_1024gpu]
                                     [--global-batch 1536] [--generator space|own] [--with-memory]
@@ -13,7 +13,7 @@ validation refuses); micro-batch b in 1, 2, 4, 8 at the global batch, m = B / (b
 schedule accepts it. Prints the layout count, the wall time of the imports and of the first call
 (cold: bubble simulations and shapes memoised on the way), then layouts/s of repeated calls
 (median of ``--repeats``, with min and max): the planner's steady state. The optimizer term needs
-each layout's optimizer bytes: zeros, or with ``--with-memory`` from xpar.plan.vmemory (timed apart).
+each layout's optimizer bytes: zeros, or with ``--with-memory`` from xpar.estimate.columns.peak_memory (timed apart).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import yaml  # noqa: E402
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run  # noqa: E402
 from xpar.plan.context import COLUMNS, PlanContext, spec_of  # noqa: E402
-from xpar.plan.vtime import time_columns  # noqa: E402
+from xpar.estimate.columns.step_time import time_columns  # noqa: E402
 
 IMPORTS_S = time.perf_counter() - T0
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--generator", choices=("space", "own"), default="space")
     ap.add_argument("--with-memory", action="store_true",
-                    help="optimizer bytes from xpar.plan.vmemory (timed apart); default zeros")
+                    help="optimizer bytes from xpar.estimate.columns.peak_memory (timed apart); default zeros")
     args = ap.parse_args()
     ctx = PlanContext(model=_group("model", args.model), hardware=_group("hardware", args.hardware),
                       train={"dtype": "bf16"}, framework=_group("framework", args.framework))
@@ -123,12 +123,12 @@ def main() -> None:
 
 def _state_bytes(base, cols) -> tuple[tuple[np.ndarray, np.ndarray], str]:
     try:
-        from xpar.plan.vmemory import memory_columns
+        from xpar.estimate.columns.peak_memory import memory_columns
     except ImportError:
-        return (np.zeros(len(cols["tp"])), np.zeros(len(cols["tp"]))), "zeros (no xpar.plan.vmemory)"
+        return (np.zeros(len(cols["tp"])), np.zeros(len(cols["tp"]))), "zeros (no xpar.estimate.columns.peak_memory)"
     t = time.perf_counter()
     mem = memory_columns(base, cols)
-    return (mem["memory_optimizer"], mem["memory_grads"]), f"from xpar.plan.vmemory in {time.perf_counter() - t:.2f} s"
+    return (mem["memory_optimizer"], mem["memory_grads"]), f"from xpar.estimate.columns.peak_memory in {time.perf_counter() - t:.2f} s"
 
 
 if __name__ == "__main__":

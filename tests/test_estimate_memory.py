@@ -305,7 +305,7 @@ def known_spec(row: dict):
     """Estimate-mode RunSpec of a known_runs.csv row (Llama shapes for SwiGLU rows, GPT
     shapes otherwise), its hardware sized to the row's GPUs and device memory."""
     from xpar.config.layout import balanced_split
-    from xpar.plan.vsplit import plan_split
+    from xpar.estimate.columns.stage_split import plan_split
     llama = row["activation"] == "swiglu"
     model = dict(name=row["id"], n_layers=int(row["layers"]), hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"]),

@@ -160,7 +160,7 @@ def test_memory_headroom_refuses_what_leaves_too_little_free():
 
 def test_estimate_on_pipeline_names_the_loaded_stage():
     s = spec_for("parallel=3d", "model=70b")
-    from xpar.estimate.fit import fit_problem
+    from xpar.estimate.preflight import fit_problem
     tight = replace(s, hardware=replace(s.hardware, device_memory_gb=50))
     msg = fit_problem(tight)
     assert "pipeline rank 0 (stages 0,4)" in msg and "of 4 pipeline ranks are over" in msg
@@ -200,7 +200,7 @@ def test_dry_run_turns_torch_refusals_into_plan_errors():
 
 
 def test_estimate_report_fields(tmp_path):
-    from xpar.estimate.run import estimate_report
+    from xpar.estimate.estimate_mode import estimate_report
 
     spec = spec_for("parallel=3d", "model=70b", "run.dry_run=false")
     r = estimate_report(spec, tmp_path)
@@ -300,7 +300,7 @@ def test_estimated_memory_equals_measured(measured, layout):
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
 def test_estimated_tp_comm_equals_measured(measured, layout):
     from xpar.estimate.cost import assumptions_for, estimate
-    from xpar.estimate.run import comm_metrics
+    from xpar.estimate.estimate_mode import comm_metrics
 
     specs, out = measured
     est = comm_metrics(specs[layout], estimate(specs[layout], assumptions_for(specs[layout])).comm_bytes)
@@ -312,7 +312,7 @@ def test_estimated_tp_comm_equals_measured(measured, layout):
 def test_estimate_mode_on_this_machine_reports_the_measured_layout(measured, tmp_path):
     """run.mode=estimate hardware=local gives the Report the cost model gives the executed
     layout: the same per-device bytes as measured on the most loaded rank."""
-    from xpar.estimate.run import estimate_report
+    from xpar.estimate.estimate_mode import estimate_report
 
     specs, out = measured
     est_spec = spec_for(*LAYOUTS["zero3"], *RUN, "run.mode=estimate")

@@ -97,7 +97,7 @@ def test_breakdown_sums_to_the_step_time(name):
 def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
     """The issue's command, with the micro-batches pp=2 needs and full recompute (Megatron's
     unfused attention at s=4096 keeps ~90 GB of scores otherwise): validated, fits, estimated."""
-    from xpar.estimate.fit import check_run
+    from xpar.estimate.preflight import check_run
     cfg = compose("model=70b", "parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
                   "parallel.recompute=full", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron",
                   "tracking=off")

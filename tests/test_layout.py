@@ -187,7 +187,7 @@ def test_every_preset_composes_and_validates(group):
     except the presets that exist to show a refusal (named in their file)."""
     from xpar.config.checks import ConfigError
     from xpar.config.presets import conf_dir
-    from xpar.estimate.fit import check_run
+    from xpar.estimate.preflight import check_run
 
     for name in _presets(group):
         text = (conf_dir() / group / f"{name}.yaml").read_text()

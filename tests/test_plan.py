@@ -41,9 +41,9 @@ def plan_of(*overrides: str):
 
 def find(cols: dict, split: tuple = (0, None), **want) -> np.ndarray:
     """Rows of ``cols`` equal to ``want`` in every given column; with ``split`` (n_layers, blocks per
-    stage), only those whose pp x v stages split the n_layers blocks so (xpar.plan.vsplit.plan_split;
+    stage), only those whose pp x v stages split the n_layers blocks so (xpar.estimate.columns.stage_split.plan_split;
     None: any split)."""
-    from xpar.plan.vsplit import plan_split
+    from xpar.estimate.columns.stage_split import plan_split
     mask = np.ones(len(cols["tp"]), dtype=bool)
     for k, v in want.items():
         mask &= cols[k] == v
@@ -56,10 +56,10 @@ def find(cols: dict, split: tuple = (0, None), **want) -> np.ndarray:
 # --- the space -----------------------------------------------------------------------------
 
 def test_space_keeps_stages_with_lighter_ends_and_drops_impossible_splits():
-    """pp x v stages that do not divide the blocks are kept where lighter ends exist (xpar.plan.vsplit):
+    """pp x v stages that do not divide the blocks are kept where lighter ends exist (xpar.estimate.columns.stage_split):
     70 blocks on 384 devices keep pp 12 (5, 10 x 6, 5: BLOOM 176B), 16 (0, 14 x 5, 0) and 24 (2, 22 x 3,
     2); from pp 32 the stages between would take more than the 70 blocks: dropped under ``balanced``."""
-    from xpar.plan.vsplit import splittable
+    from xpar.estimate.columns.stage_split import splittable
     model = dict(preset("model", "175b"), n_layers=70)
     space = enumerate_layouts(model, 384, 8, 2048, Constraints(global_batch=(3072, 3072), schedules=("1f1b",)))
     c, pp = space.cols, set(np.unique(space.cols["pp"]).tolist())
@@ -367,7 +367,7 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
     spec, problem = composed_spec(line, row(plan.res, plan.best))
     assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
-    from xpar.estimate.fit import (
+    from xpar.estimate.preflight import (
         check_run,  # the run it reproduces passes the fit check (scalar memory model)
     )
     assert check_run(compose_line(line)).layout == spec.layout
@@ -577,7 +577,8 @@ def test_every_step_time_term_has_words_and_a_colour():
     the breakdown: a calibrated CPU preset's host_overhead crashed `xpar plan` with a KeyError."""
     from xpar.estimate.cost import TIME_TERMS
     from xpar.estimate.figures import COLORS
-    from xpar.plan.rank import FIVE_TERMS, TERM_WORDS
+    from xpar.estimate.terms import AXIS_TIME_TERMS as FIVE_TERMS
+    from xpar.estimate.terms import TERM_WORDS
     assert set(TERM_WORDS) == set(TIME_TERMS) | set(FIVE_TERMS) and len(COLORS) >= len(TIME_TERMS)
     plan = plan_of("model=tiny", "hardware=local", "hardware.op_overhead_us=2.1", "hardware.cpu_cores=2")
     assert plan.res["time_host_overhead"][plan.best] > 0
@@ -652,7 +653,7 @@ CORPUS_ROWS = ["llama31_8b_fsdp8_h100", "gpt_neox_20b", "mpt_7b_h100_8gpu_s2048"
                "llama2_70b_maxtext_fsdp64_h100", "bloom_176b_tr11"]
 """One known run per framework profile but megatron (Narayanan et al. Table 1 is planned above). BLOOM
 176B (deepspeed_bloom) trained 70 blocks over 12 stages, 5 on each end and 6 between: the split with
-lighter ends that the plan searches where pp x v does not divide the blocks (xpar.plan.vsplit)."""
+lighter ends that the plan searches where pp x v does not divide the blocks (xpar.estimate.columns.stage_split)."""
 PUBLISHED_SPLITS = {"bloom_176b_tr11": (5,) + (6,) * 10 + (5,)}
 """Blocks per stage of the rows whose stages do not divide the blocks (tr11-176B-ml.slurm,
 --pp-partition-method 'type:transformer|embedding': embed + 5 blocks, 10 x 6, 5 blocks + embed)."""

@@ -1,5 +1,5 @@
 """The planner's search over context parallelism (cp), expert parallelism (ep) and the training
-dtype (xpar.plan.space's axes, xpar.plan.vfive's evaluation): every figure equal to the scalar
+dtype (xpar.plan.space's axes, xpar.estimate.columns.cp_ep's evaluation): every figure equal to the scalar
 estimate on sampled candidates (relative 1e-9), the rules on the new axes, and DeepSeek-V3's
 published layout among the valid ones. Fast: no workers, small samples.
 """
@@ -116,7 +116,7 @@ def test_ep_rule(dense):
 
 def test_deepseek_v3_published_layout_and_its_searchable_cousin():
     """DeepSeek-V3 on 2048 H800: its 61 layers split evenly over no pp dividing 2048 but pp 1; with
-    lighter ends (xpar.plan.vsplit) over pp 2-32 (1 x 16 and 2 x 16 stages: from pp 64 the stages
+    lighter ends (xpar.estimate.columns.stage_split) over pp 2-32 (1 x 16 and 2 x 16 stages: from pp 64 the stages
     between would take more than 61 layers, the rule ``balanced``). What it holds at global batch
     16384 (15360 does not split over dp 2048): the published tp 1, ep 64, ZeRO-1 at pp 1 (dp 2048),
     equal to the scalar estimate; the published layout itself is estimated (scalar)."""
@@ -138,9 +138,9 @@ def test_deepseek_v3_published_layout_and_its_searchable_cousin():
 def test_deepseek_v3_published_layout_is_in_the_plan_space():
     """conf/parallel/deepseek_v3_2048gpu.yaml: 61 layers over pp 16 DualPipeV (32 stages) as 1 on the
     first stage, none on the last and 2 on each between -- the lighter ends the plan gives 32 stages
-    (xpar.plan.vsplit), the split the preset sets -- with ep 64, dp 128, ZeRO-1, tp 1, b 1, m 120 at
+    (xpar.estimate.columns.stage_split), the split the preset sets -- with ep 64, dp 128, ZeRO-1, tp 1, b 1, m 120 at
     the published batch 15360 in FP8: among the plan's layouts, equal to the scalar estimate (MoE
-    blocks after 3 dense ones: rank 1 holds dense layers 1-2, the others none, xpar.plan.vblocks)."""
+    blocks after 3 dense ones: rank 1 holds dense layers 1-2, the others none, xpar.estimate.columns.mixed_blocks)."""
     from tests.conftest import compose
     from xpar.config.validate import validate
 
@@ -160,7 +160,7 @@ def test_deepseek_v3_published_layout_is_in_the_plan_space():
 def test_deepseek_v3_over_32_stages_memory_is_an_upper_bound():
     """DeepSeek-V3's 61 layers over pp 32 (1F1B): 1 layer on the first stage, none on the last, 2 on
     each between; rank 1 holds dense layers 1-2, every other middle rank MoE ones, whose 32 experts
-    (ep 8) weigh more. xpar.plan.vmemory prices the middle ranks as one class: the states of the
+    (ep 8) weigh more. xpar.estimate.columns.peak_memory prices the middle ranks as one class: the states of the
     heaviest with the live chunks of rank 1 (1F1B's most): above the scalar peak, within 5 %
     (the time, whose rank 1 the scalar takes on the middle ranks' tie, stays equal)."""
     ctx = context("deepseek_v3", "h800_80gb_2048gpu", 4096, "hai_llm")
@@ -176,7 +176,7 @@ def test_deepseek_v3_over_32_stages_memory_is_an_upper_bound():
 
 def test_cp_and_ep_candidates_on_lighter_ends_equal_the_scalar_estimate():
     """cp and ep over pp x v stages that do not divide the blocks (70B at 78 layers, Mixtral at 30):
-    the K/V gathers of the fullest rank's blocks (a middle rank's, xpar.plan.vsplit.most_blocks) and
+    the K/V gathers of the fullest rank's blocks (a middle rank's, xpar.estimate.columns.stage_split.most_blocks) and
     the MoE layers there, equal to the scalar estimate."""
     from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""The planner's vectorised peak memory (xpar.plan.vmemory) equals the scalar estimate's on
+"""The planner's vectorised peak memory (xpar.estimate.columns.peak_memory) equals the scalar estimate's on
 random valid layouts: every model size, cluster, framework profile, schedule, ZeRO stage,
 sequence parallelism and recompute policy."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import estimate, peak_memory
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.space import Constraints, enumerate_layouts
-from xpar.plan.vmemory import KEYS, memory_columns
+from xpar.estimate.columns.peak_memory import KEYS, memory_columns
 
 FIELDS = {"memory_params": "params", "memory_grads": "grads", "memory_optimizer": "optimizer",
           "memory_activations": "activations", "memory_comm_buffers": "comm_buffers",
@@ -149,7 +149,7 @@ UNEVEN = [("7b", 30, "a100_80gb_64gpu", "xpar"), ("7b", 30, "a100_80gb_64gpu", "
           ("70b", 78, "h100_80gb_64gpu", "torchtitan"), ("tiny", 7, "a100_80gb_8gpu", FRAMEWORK_VARIANT),
           ("7b", 27, "h100_80gb_8gpu", "deepspeed_bloom")]
 """Contexts whose blocks (model.n_layers changed) many pp x v stages do not divide: 30 over 4 stages
-is 7, 8, 8, 7; over 12, 0, 10 x 3, 0 (xpar.plan.vsplit)."""
+is 7, 8, 8, 7; over 12, 0, 10 x 3, 0 (xpar.estimate.columns.stage_split)."""
 
 
 def framework_constraints(fw: dict, batch: int) -> Constraints:
@@ -190,9 +190,9 @@ def uneven_context(model: str, n_layers: int, hardware: str, framework, dtype: s
 @pytest.mark.parametrize("model,n_layers,hardware,framework", UNEVEN,
                          ids=[f"{c[0]}-{c[1]}-{c[3] if isinstance(c[3], str) else 'variant'}" for c in UNEVEN])
 def test_vector_memory_equals_scalar_on_lighter_ends(model, n_layers, hardware, framework):
-    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.plan.vsplit):
+    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.estimate.columns.stage_split):
     every schedule the framework runs (interleaved and looped ones pruned on middle chunks,
-    xpar.plan.vsplit.prune_modes), every field equal to the scalar's (rel 1e-9)."""
+    xpar.estimate.columns.stage_split.prune_modes), every field equal to the scalar's (rel 1e-9)."""
     ctx = uneven_context(model, n_layers, hardware, framework)
     cols = uneven_candidates(ctx, 4, n_layers)
     assert len(cols["tp"]) >= 4 and (n_layers % (cols["pp"] * cols["v"]) != 0).all()
@@ -240,7 +240,7 @@ def test_middle_basis_keeps_every_maximum_of_the_walk():
     (_closed_entries(by_middle=True)) give each rank class the walk's largest peak, at the same first
     rank, for any bytes >= 0 per middle, first and last chunk and per transient, also with the
     first stage lighter than a middle one (a negative first - middle coefficient)."""
-    from xpar.plan.vmemory import _closed_entries, _walk_entries
+    from xpar.estimate.columns.peak_memory import _closed_entries, _walk_entries
 
     rng, checked = np.random.default_rng(5), 0
     for sched, pp, m, v in (("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 3), ("interleaved_1f1b", 4, 12, 2),
@@ -308,8 +308,8 @@ def test_empty_and_unknown():
 
 
 @pytest.mark.slow
-def test_vmemory_imports_no_torch():
-    code = "import sys, xpar.plan.vmemory; assert 'torch' not in sys.modules, 'torch imported'"
+def test_peak_memory_columns_import_no_torch():
+    code = "import sys, xpar.estimate.columns.peak_memory; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -319,11 +319,11 @@ def _as_sets(entries) -> list:
 
 
 def test_closed_form_peaks_equal_the_walk():
-    """The schedules whose peaks vmemory takes without walking give, rank by rank (ranks that can
+    """The schedules whose peaks the column memory model takes without walking give, rank by rank (ranks that can
     be the first maximum), the maximal
     live-chunk rows of the walk over their action lists (torch's for looped BFS, zero bubble,
     zbv, dualpipev; xpar's own for interleaved 1F1B)."""
-    from xpar.plan.vmemory import _closed_entries, _prune_ranks, _walk_entries
+    from xpar.estimate.columns.peak_memory import _closed_entries, _prune_ranks, _walk_entries
 
     checked = 0
     for sched, vs in (("gpipe", [1]), ("1f1b", [1]), ("looped_bfs", [2, 3]), ("zbv", [2]), ("dualpipev", [2]),
@@ -376,7 +376,7 @@ def test_parameter_shapes_are_the_models():
 def test_memory_columns_imports_no_torch():
     """The whole evaluation (shapes, every schedule's peaks) runs without importing torch."""
     code = ("import sys; sys.path.insert(0, '.'); import numpy as np; from tests.test_plan_memory import context, candidates;"
-            "from xpar.plan.context import spec_of; from xpar.plan.vmemory import memory_columns;"
+            "from xpar.plan.context import spec_of; from xpar.estimate.columns.peak_memory import memory_columns;"
             "ctx = context('70b', 'a100_80gb_64gpu', 'xpar'); cols = candidates(np.random.default_rng(0), ctx, 30);"
             "memory_columns(spec_of(ctx, cols, 0), cols); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

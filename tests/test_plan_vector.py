@@ -1,4 +1,4 @@
-"""The planner's vectorised step time (xpar.plan.vtime) equals the scalar estimate, layout by layout.
+"""The planner's vectorised step time (xpar.estimate.columns.step_time) equals the scalar estimate, layout by layout.
 
 Random valid candidates (seeded) over models tiny/7b/70b/175b, the A100 and H100 presets, the four
 framework profiles, every schedule, ZeRO 0-3, every recompute policy (xpar.config.remat) and optimizer offload
@@ -20,7 +20,7 @@ from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import TIME_TERMS, estimate
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
-from xpar.plan.vtime import TIME_KEYS, time_columns
+from xpar.estimate.columns.step_time import TIME_KEYS, time_columns
 
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 MODELS = ("tiny", "7b", "70b", "175b")
@@ -171,7 +171,7 @@ def test_time_columns_equal_scalar_estimate_with_recompute_layers(k):
 
 @pytest.mark.parametrize("staged", [None, 2])
 def test_time_columns_equal_scalar_estimate_on_lighter_ends(staged):
-    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.plan.vsplit): the
+    """pp x v stages that do not divide the blocks, split with lighter ends (xpar.estimate.columns.stage_split): the
     middle ranks hold more blocks than the end ones, every schedule
     the framework runs, also with parallel.recompute_layers (``staged``: the end stages' shares differ);
     every figure equal to the scalar estimate."""
@@ -198,7 +198,7 @@ def test_time_columns_equal_scalar_estimate_on_lighter_ends(staged):
 
 def test_time_columns_optimizer_term_without_memory_given():
     """Without memory_optimizer, the optimizer term comes from the memory model (vectorised
-    where xpar.plan.vmemory is present): still equal to the estimate."""
+    where xpar.estimate.columns.peak_memory is present): still equal to the estimate."""
     ctx = context("7b", "h100_80gb_64gpu", "megatron")
     cols = random_candidates(ctx, np.random.default_rng(11), 6)
     specs = [spec_of(ctx, cols, i) for i in range(6)]
@@ -210,8 +210,8 @@ def test_time_columns_optimizer_term_without_memory_given():
 
 
 @pytest.mark.slow
-def test_vtime_imports_no_torch():
-    code = "import xpar.plan.vtime, sys; assert 'torch' not in sys.modules, 'torch imported'"
+def test_step_time_columns_import_no_torch():
+    code = "import xpar.estimate.columns.step_time, sys; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -224,7 +224,7 @@ def test_time_columns_runs_without_torch():
 import sys, numpy as np
 from tests.test_plan_vector import context, random_candidates
 from xpar.plan.context import spec_of
-from xpar.plan.vtime import time_columns
+from xpar.estimate.columns.step_time import time_columns
 ctx = context("70b", "h100_80gb_64gpu", "torchtitan")
 cols = random_candidates(ctx, np.random.default_rng(3), 60)
 assert len(set(cols["schedule"].tolist())) == 7

@@ -282,7 +282,7 @@ def refusal(argv: list[str], start: Path, monkeypatch, capsys) -> tuple[int, str
 
 def _accepted(argv: list[str]) -> bool:
     from xpar.config.overrides import override_problems
-    from xpar.estimate.fit import check_run
+    from xpar.estimate.preflight import check_run
 
     if override_problems(argv):
         return False

@@ -279,11 +279,11 @@ def bloom_row(row: dict):
     """(spec, assumptions, published hardware TFLOP/s per GPU) of a BLOOM run (bigscience_bloom_2022.csv):
     the GPT shapes of the row (ffn 4 h, V 250880, s 2048, biases, LayerNorm, tied embeddings; ALiBi as
     learned positions: the same matmuls), ZeRO-1 over dp, 1F1B, full recompute, the end stages one block
-    fewer (Megatron-DeepSpeed's 'type:transformer|embedding' split: :func:`xpar.plan.vsplit.plan_split`);
+    fewer (Megatron-DeepSpeed's 'type:transformer|embedding' split: :func:`xpar.estimate.columns.stage_split.plan_split`);
     Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml: Megatron's fused softmax,
     not flash attention; dropout 0.1 as Megatron's defaults, the tr11 README); Jean Zay's nodes: 8 A100 80GB, four Omni-Path
     100 Gb/s links (BLOOM paper, arXiv 2211.05100, Sec. 3.4.1)."""
-    from xpar.plan.vsplit import plan_split
+    from xpar.estimate.columns.stage_split import plan_split
     h, pp, layers = int(row["hidden"]), int(row["pp"]), int(row["layers"])
     model = dict(name=row["id"], n_layers=layers, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None, ffn_hidden=4 * h,
                  vocab_size=250880, seq_len=2048, activation="gelu", norm="layernorm", position="learned",

@@ -1,7 +1,14 @@
-"""The analytic cost model (memory, FLOPs, communication, schedule) for layouts beyond this
-machine, the fake-process-group dry run that checks it, the fit check that refuses layouts
-that do not fit, and the :class:`~xpar.estimate.report.Report` both estimated and measured runs
-fill (with its bubble and step-time statistics, and the fidelity of an estimate to a run).
+"""The analytic cost model (step time, memory, MFU) for layouts beyond this machine. Map:
+
+- ``terms``: the one registry of keys; ``cost`` one layout, ``columns/`` many (``xpar plan``);
+- compute: ``flops`` (FLOPs per token), ``cost.layer_costs`` (matmul and memory-bound seconds);
+- memory: ``memory`` (peak per device), ``model_states``, ``activations``, ``offload`` (host);
+- communication: ``collectives`` (alpha-beta), ``comm`` (bytes), ``dp`` and ``overlap`` (the ZeRO
+  timeline); schedule: ``schedule`` (bubble, action lists); host: ``host`` (CPU dispatch);
+- parallel axes: ``context_parallel``, ``expert_parallel``; framework-specific: ``deepspeed_zero3``;
+- beside the model: ``report``, ``bubble``, ``timing`` (measured runs' figures), ``fidelity``,
+  ``figures``, ``preflight`` (the memory check before a run), ``duration``, ``dryrun``, ``estimate_mode`` (the
+  estimate-mode driver).
 
 May import :mod:`xpar.config`, :mod:`xpar.models` and :mod:`xpar.parallel` (the dry run builds
 the real engine on meta tensors); nothing above (tests/test_layout.py).

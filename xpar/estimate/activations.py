@@ -6,10 +6,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import MemoryOptions, precision
-from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
+from xpar.estimate.schedule import peak_in_flight, schedule_actions
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -271,8 +272,6 @@ def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, t
     peak micro-batch chunks in flight). ``per_stage``: (stage, kept bytes per micro-batch);
     ``transient``: (stage, bytes during that stage's forward of the last stage's loss,
     bytes during its backward) -- both tuples so the walk is memoised."""
-    from xpar.estimate.schedule import schedule_actions
-
     acts = schedule_actions(schedule, pp, m, v)[rank]
     kept = dict(per_stage)
     during = {st: (f, bw) for st, f, bw in transient}
@@ -341,7 +340,6 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int
     Sec. 4.2.3: GPipe m, 1F1B min(m, p - r), interleaved p (1 + (p - 1)/(p v)) on rank 0."""
     if pp == 1:
         return 1.0  # gradient accumulation: one micro-batch at a time
-    from xpar.estimate.schedule import peak_in_flight, schedule_actions
     return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
 
 

@@ -1,21 +1,14 @@
 """Pipeline bubble ratio of a measured run, three ways, and the timeline of one step.
 
-Definitions (p = pp ranks, timed steps only, warm-up excluded):
+- ``pipeline/bubble_ratio`` (measured): 1 - sum_ranks busy / (p x step time) per step and
+  pipeline, busy = wall time inside the stages' forward/backward chunks; mean over timed steps.
+- ``pipeline/bubble_ratio_sim``: the executed action order replayed with the measured durations
+  and free communication (:func:`xpar.estimate.schedule.simulate`).
+- ``pipeline/bubble_ratio_theory``: the schedule's closed form, else torch's action list
+  replayed with uniform durations (:func:`xpar.estimate.schedule.bubble_theory`).
+- ``pipeline/bubble_overhead`` = measured - simulated (communication, synchronisation, jitter).
 
-- ``pipeline/bubble_ratio`` (measured): per step and per pipeline (one (dp, tp) coordinate),
-  1 - sum_ranks busy / (p * step time), where busy is the wall time inside the stages'
-  forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (the last stage's
-  loss counted with its forward) and the step time is the longest ``schedule.step`` of
-  the p ranks, all started together after a barrier on the pp group. Mean over timed
-  steps and pipelines.
-- ``pipeline/bubble_ratio_sim``: the same ranks' executed action order replayed with the
-  measured duration of every action and free communication
-  (:func:`xpar.estimate.schedule.simulate`); mean over the same steps.
-- ``pipeline/bubble_ratio_theory``: the schedule's closed form where it has one, else
-  torch's action list replayed with uniform durations, in closed form where that replay has one
-  (:func:`xpar.estimate.schedule.bubble_theory`).
-- ``pipeline/bubble_overhead`` = measured - simulated: what the schedule's dependencies
-  with these action times do not explain (communication, synchronisation, host jitter).
+Units: fractions of the step time. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 

@@ -1,47 +1,16 @@
 """Time of one collective on a group of devices: an alpha-beta model with the group's topology.
 
-A collective on ``n`` ranks laid out ``k`` per node over ``N = n / k`` nodes takes
+    time = alpha_base + (steps - inter_steps) alpha_intra + inter_steps alpha_inter + bus_bytes / bus_bw
 
-    time = alpha_base + (steps - inter_steps) * alpha_intra + inter_steps * alpha_inter
-           + bus_bytes / bus_bandwidth
+Source: NCCL's cost model (src/graph/tuning.cc ``ncclTopoTuneModel``): ring, double binary tree
+(all-reduce), 'nccl' (the faster of the two), hierarchical (intra, inter, intra node). Bus
+bandwidth: the intra-node link inside a node; across nodes the NICs a node's devices share
+(:func:`nic_share`), times ``link_efficiency``. A calibrated CPU preset replaces the model inside
+a node by its measured ring-step curves (``hardware.ring_step_us_by_bytes``, :func:`measured_time`);
+every collective also waits ``hardware.sync_wait_us`` (0 on GPU presets).
 
-(NCCL's own cost model, src/graph/tuning.cc ``ncclTopoTuneModel``: ``latencies`` and
-``bandwidths`` per algorithm; constants in the hardware preset, seconds from microseconds):
-
-- ring: steps n - 1 for all-gather and reduce-scatter, 2 (n - 1) for all-reduce, of which
-  N - 1 (resp. 2 (N - 1)) cross nodes; bus bytes (n - 1)/n S and 2 (n - 1)/n S for a
-  payload of S bytes (:func:`xpar.estimate.comm.ring_factor`);
-- tree (all-reduce only, NCCL's double binary tree): latency 2 ((k - 1) alpha_intra +
-  log2(N) alpha_inter), bus bytes 2 S at NCCL's tree bus bandwidth (0.9 x the ring's,
-  at most 80 GB/s beyond two nodes on A100: ``maxTreeBw``);
-- 'nccl': the faster of ring and tree for an all-reduce (NCCL picks by size), ring otherwise;
-- hierarchical (intra-node, then inter-node, then intra-node; as HSDP or DeepSpeed's
-  hierarchical all-reduce): all-reduce = reduce-scatter over k on the intra-node link +
-  all-reduce of S / k over the N nodes (k rings in parallel, one per NIC) + all-gather over k;
-  all-gather and reduce-scatter likewise with one intra-node and one inter-node phase.
-
-Bus bandwidth of a group: inside a node, the per-device intra-node link (NVLink, one
-direction) x ``link_efficiency``; across nodes, a ring crosses every node boundary with
-its whole bus traffic, which the node sends over the NICs its k members get: every device of
-a node is in one group of each kind and the groups of a kind communicate at once (the dp
-groups of all tp ranks, the pipeline sends of all of them), so each device gets
-min(1, NICs per node / devices per node) of a NIC (:func:`nic_share`) and the group
-min(intra, k x share x NIC bandwidth) x ``link_efficiency``. A node with fewer NICs than
-devices (4 x 100 Gb/s for 8 GPUs) halves what each of its 8 concurrent rings gets. Checked
-against public nccl-tests all-reduce figures on A100 nodes with 4 x 200 Gb/s for 8 GPUs
-(tests/data/nccl_tests_busbw.csv: 86-96 GB/s bus bandwidth across 2-3 nodes, the node's NICs,
-not one per GPU; 233 GB/s in one node): within 25 %, below them across nodes.
-
-A measured machine (``xpar calibrate``: gloo on a CPU) replaces the alpha-beta model inside a
-node by its own curves, ``hardware.ring_step_us_by_bytes``: per collective, seconds of one ring
-step by the chunk it carries (:func:`measured_time`). gloo's all-gather and reduce-scatter cost
-more per byte than its all-reduce, and every collective's cost per byte grows past a few MiB
-(measured here, 2 workers: a 64 MiB all-gather ~5x a 16 MiB one); one alpha and one beta over
-all of them and a 4 MiB largest size put GPT-2 small's 309 MB FSDP root at a tenth of its time.
-Every collective and send also waits ``hardware.sync_wait_us`` for its peers: the mean excess of a
-collective issued after compute over the same collective issued alone (measured by ``xpar
-calibrate``: 1-2 ms per small all-reduce after 1-3 ms of compute on 2 gloo workers here, where the
-collective alone takes 0.3 ms; the later peer and a woken thread on a busy core). 0 on GPU presets.
+Units: seconds, bytes. Checked against tests/data/nccl_tests_busbw.csv; derivation and checks:
+docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 

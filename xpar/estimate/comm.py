@@ -1,30 +1,17 @@
 """Communication volume per device per step, by collective. Units: bytes sent per device.
 
-Ring collectives over n ranks (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention), for
-a buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)/n S each.
+Ring collectives over n ranks (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention), buffer
+of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)/n S each.
 
-- dp (Rajbhandari et al. 2020, Sec. 7): DDP all-reduces the gradients (2 Psi per step);
-  ZeRO-2 reduce-scatters them and all-gathers the updated params (also 2 Psi); ZeRO-3
-  all-gathers the params before each forward and each backward, 3 Psi = 1.5 x DP for one
-  micro-batch. torch's ZeRO-1 (ZeroRedundancyOptimizer) all-reduces like DDP and then
-  broadcasts each rank's updated partition (an all-gather, Psi): 1.5 x DP, not the paper's
-  1 x. With m micro-batches of gradient accumulation, DDP and ZeRO-1 all-reduce once per
-  step (no_sync until the last micro-batch: their gradients are whole anyway); ZeRO-2/3
-  reduce-scatter once per micro-batch, m times (xpar keeps the gradients sharded, as
-  DeepSpeed and torchtitan do: xpar.parallel.factory.accumulate_step), except under pp,
-  where torch's PipelineStage defers FSDP2's reduction to the stage's last backward (once).
-  FSDP2 reshards after each backward by default, so ZeRO-2 all-gathers m times and ZeRO-3
-  2 m times, less the root's backward gathers (it is kept from its forward to its backward); torch pipelining keeps params unsharded across backwards (resharded only in the
-  stage's final gradient reduction), so ZeRO-2 under pp gathers once and ZeRO-3 m + 1 times
-  (counted in a real run: tests/test_pipeline.py; xpar.estimate.dp).
-- tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): per layer and micro-batch,
-  2 all-reduces of b s h elements in forward and 2 in backward (with sequence parallelism
-  each becomes an all-gather + a reduce-scatter, same bytes); full recompute repeats the
-  forward's 2. The vocabulary-parallel embedding adds one all-reduce in forward (first
-  stage), the output projection one in backward (last stage).
-- pp (Narayanan et al. 2021, Sec. 4.1): b s h elements per micro-batch per stage boundary
-  forward, and their gradient backward; divided by t with sequence parallelism (the
-  tensor crossing stages is sequence-sharded) or Megatron's scatter/gather.
+- dp (Rajbhandari et al. 2020, Sec. 7): what each ZeRO stage issues per step and micro-batch,
+  with torch's FSDP2 and pipelining behaviour (gathers m, 2 m or m + 1 times; counted in real
+  runs, tests/test_pipeline.py).
+- tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): 2 all-reduces of b s h per layer
+  each way (all-gather + reduce-scatter with sequence parallelism); full recompute repeats 2.
+- pp (Narayanan et al. 2021, Sec. 4.1): b s h per micro-batch and stage boundary each way,
+  / t with sequence parallelism or scatter/gather.
+
+Keys: :data:`KEYS`. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 

@@ -1,57 +1,17 @@
-"""Step time, throughput, MFU and memory of a layout: the analytic cost model.
+"""Step time, throughput, MFU and memory of one layout: the cost model's orchestration.
 
-Time of one step on the slowest pipeline rank (units: seconds; FLOP/s; bytes/s), for the
-framework profile of the run (:class:`Assumptions`, conf/framework/*.yaml):
+    T_mb(r) = matmul (F_r / (peak eta(h/t))) + memory-bound (passes A_r / HBM)
+            + exposed tp, pp and dp communication + host time         per micro-batch, rank r
+    step    = m max_r T_mb(r) + beta/(1 - beta) m mean_{r != slowest} T_mb(r)   pipeline and bubble
+            + dp communication left at the end + optimizer and gradient passes + host step time
 
-    T_mb(r)  = F_r / (peak * eta(h/t))                      matmuls (hardware FLOPs, recompute in)
-             + passes * A_r / HBM                           memory-bound element-wise work
-             + exposed TP collectives + exposed PP sends    per micro-batch
-             + exposed dp gathers per micro-batch            (ZeRO-2/3, unit by unit)
-    step     = m * max_r T_mb(r) + beta/(1 - beta) * m * mean_{r != slowest} T_mb(r)   pipeline with bubble
-             + dp communication left at the end (last backward's reductions, ZeRO-1 gathers)
-             + optimizer (2 passes over the local model states / HBM, or AdamW's measured rate)
-               and the passes over the gradients: accumulation, norm clip (gradient_time)
-             + host time outside the micro-batches (xpar.estimate.host: optimizer and clip ops)
-    T_mb(r) also holds the host time of the rank's operators (xpar.estimate.host; 0 on GPU
-    presets), and a CPU whose workers outnumber its cores stretches the step by workers / cores.
-
-- F_r: FLOPs of rank r's layers (and logits on the last stage) per micro-batch / t, from
-  xpar.estimate.flops (Narayanan et al. 2021 convention); recompute adds its forward share.
-- eta(x) = hardware.matmul_efficiency * x / (x + GEMM_HALF_DIM), x = h / t.
-- A_r: bytes of activations the layers produce (Korthikanti et al. 2022 Table 2 tally), each
-  moved ``passes`` times (2 forward, 4 backward, +2 for a recomputed forward).
-- Collectives: alpha-beta with the group's topology (members per node, NICs per node, NIC and
-  intra-node bandwidth, NCCL's latencies; xpar.estimate.collectives). TP: 2 collectives per
-  layer each way, blocking, or ``tp_overlap`` of them hidden behind the GEMMs. PP: one p2p per
-  stage boundary and micro-batch, ``pp_overlap`` hidden.
-- dp (xpar.estimate.dp, xpar.estimate.overlap): the collectives each ZeRO stage issues, at the
-  sizes issued (per FSDP unit, per DDP bucket, one buffer), on a timeline against each unit's
-  compute: prefetched gathers of unit k+1 behind unit k, reductions behind the backward of the
-  units after them, the rest exposed; compute slowed by ``overlap_slowdown`` while they overlap.
-- beta: schedule bubble (xpar.estimate.schedule), closed form or simulated from torch's order.
-  The fill and drain pass through every stage but the slowest, which sets the pace: hence the
-  mean over the other ranks, makespan (m - 1) max_r T + sum_r T for GPipe and 1F1B: the
-  simulator's replay (tests/test_estimate_throughput.py) equals it for GPipe whatever the order
-  of the stages, and for 1F1B and interleaved 1F1B (m >= p) when the slowest stage is the last
-  (the LM head's), and stays under it otherwise (an upper bound: 1F1B with per-stage times
-  2.5, 1, 1, 1 at m 4 replays in 10.5, estimated 13.0); balanced stages give m T / (1 - beta).
-  Before (the mean over all ranks) the bubble of GPT-2 small on pp 2, its last stage twice the
-  first's, was estimated 0.36-0.37 where 0.32 was measured here.
-
-CALIBRATION (benchmarks/estimate_calibration.py, tests/test_estimate_throughput.py): one
-constant per GPU family, hardware.matmul_efficiency, fitted by median |error| on public
-runs; every other constant has its source (datasheets, NCCL's tuning model, framework docs).
-Sources (tests/data): Narayanan et al. 2021 Table 1 (10 rows, A100, framework=megatron;
-b = 1, v = smallest divisor > 1 of the layers per rank, as before), torchtitan FSDP2 on 64
-A100 (8 rows, tokens/s per GPU, framework=torchtitan), Llama 3 405B on 8192/16384 H100 (2
-rows, Table 4) with NVIDIA's NeMo BF16 recipes on 16-2048 H100s (18 rows), torchtitan Llama 3.1
-8B FSDP on 8/128 power-capped (500 W) H100-96GB (2 rows, its own family: peak unknown), and
-never-fitted checks (xpar.calibrate.published.CHECK_ONLY). Presets: A100 0.672, H100 0.598 (fitted
-today 0.667 and 0.601, within the 0.01 the calibration test allows; Llama 3 alone: 0.575; 500 W part: 0.408).
-Leave-one-source-out and all-source figures per source: ``python benchmarks/estimate_calibration.py``,
-generated into docs/accuracy/published.md (e.g. Megatron Table 1 held out median 3.0 % / max 5.9 %,
-with all sources 1.3 % / 7.5 %; torchtitan A100 held out 2.1 % / 4.0 %). GEMM_HALF_DIM = 32 and
-link_efficiency = 0.8 are kept from the earlier Table 1 fit (h/t >= 768 in every row).
+eta(x) = hardware.matmul_efficiency x / (x + GEMM_HALF_DIM). Parts: FLOPs (xpar.estimate.flops,
+Narayanan et al. 2021), activations (Korthikanti et al. 2022), collectives (NCCL's alpha-beta),
+dp timeline (xpar.estimate.dp, overlap), bubble (xpar.estimate.schedule), host, offload, cp and
+ep (xpar.estimate.context_parallel, expert_parallel). Framework behaviour: :class:`Assumptions`
+(conf/framework/*.yaml). Terms: :mod:`xpar.estimate.terms`. Units: seconds, FLOP/s, bytes.
+One fitted constant per GPU family (hardware.matmul_efficiency): docs/accuracy/published.md;
+fit history: docs/accuracy/fit_history.md. Pure: no devices, no torch.
 """
 from __future__ import annotations
 
@@ -83,14 +43,10 @@ from xpar.estimate.overlap import vmax, vmin
 from xpar.estimate.context_parallel import cp_layer_times, fold_cp
 from xpar.estimate.expert_parallel import ep_terms
 from xpar.estimate.schedule import bubble_theory
+from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
-TIME_TERMS = ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed", "optimizer",
-              "host_overhead")
-"""Plus ``cp_comm`` (context parallelism), ``ep_comm`` and ``ep_imbalance`` (expert parallelism) in
-the layouts that have them."""
-"""The step time by term (``Estimate.time_breakdown``, ``estimate/time_<term>_s``)."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +90,8 @@ class Assumptions(MemoryOptions):
     """Passes over the device's gradient bytes per micro-batch after the first: autograd's
     AccumulateGrad adds each micro-batch's gradient into ``.grad`` (2 reads, 1 write)."""
     gradient_passes: bool = False
-    """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`).
-    On GPUs they are at most 1.5 % of the public runs' estimated steps (Korthikanti et al. 2022
-    Table 5; <= 0.8 % elsewhere, measured with this code) and are left out, so that the fitted
-    matmul efficiencies keep their sources: with them the median-|error| fit of H100 moved from
-    0.598 to 0.626."""
+    """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
+    left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -240,9 +193,7 @@ def compute_peak(hw: HardwareConfig, dtype: str) -> float:
 def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     """Seconds per micro-batch of one layer and of the logits, forward and backward (the
     backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
-    s x s square at the matmul rate; counting flash attention's causal half instead (its kernels skip
-    the masked blocks) moved the A100 fit from 0.668 to 0.659 and worsened 7 of the 12 dense sources,
-    measured 2026-12-03) and memory-bound (``mem_*``: passes
+    s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
     over the layer's activations, its MLP at the width a token goes through, experts included:
     :func:`xpar.estimate.activations.token_ffn`)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
@@ -321,7 +272,7 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
     (exposed), ``tp_issued``, and per FSDP unit ``unit_f``/``unit_b`` (a block forward /
     backward with its share of exposed tp time) and ``root_f``/``root_b`` (the logits).
     ``c``: :func:`layer_costs`; ``tp``: :func:`tp_times`. Every value a float, or a numpy
-    array over layouts (xpar.plan.vtime): the same arithmetic."""
+    array over layouts (xpar.estimate.columns.step_time): the same arithmetic."""
     mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
     tp_f = n * tp["f"] + tp["end"] * first
     tp_b = n * tp["b"] + tp["end"] * last
@@ -399,9 +350,8 @@ def gradient_time(held_bytes: Any, reduced_bytes: Any, m: Any, pp: Any, clip: bo
     the norm reads them (1 pass, always: the norm is logged), the scaling reads and writes them
     when ``clip`` (train.max_grad_norm set; counted as if the norm exceeded it, as it does early in
     training). Counted in the optimizer term, though accumulation runs in the backward. 0
-    without an HBM figure, or unless ``counted`` (Assumptions.gradient_passes: on the CPU). GPT-2
-    small over dp 2 here: 3 x 0.5 GB at 17.7 GB/s, ~85 ms of a 2.5 s step; the profiled norm and
-    scaling took 60-70 ms. Floats or numpy arrays over layouts."""
+    without an HBM figure, or unless ``counted`` (Assumptions.gradient_passes: on the CPU).
+    Floats or numpy arrays over layouts."""
     hbm = (hbm_tb_per_s or 0) * 1e12
     if not (hbm and counted):
         return 0.0 * held_bytes
@@ -422,7 +372,7 @@ def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, gra
     """Seconds of the optimizer term before any offload: :func:`optimizer_time` of the device's
     optimizer states and :func:`gradient_time` of its gradients (``grad_bytes``: the memory model's
     ``grads``), for ``spec``'s hardware, dtype and clip under ``assume``. The scalar estimate and
-    the planner (xpar.plan.vtime, numpy arrays over layouts for every argument but the first two)
+    the planner (xpar.estimate.columns.step_time, numpy arrays over layouts for every argument but the first two)
     both price it here."""
     hw = spec.hardware
     return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
@@ -566,8 +516,7 @@ def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, be
 def waits_unstretched(spec: RunSpec, world: int) -> RunSpec:
     """``spec`` with ``hardware.sync_wait_us`` divided by the stretch of ``world`` workers on the
     CPU's cores (xpar.estimate.host.oversubscription), so that the stretched step pays each wait
-    once: a worker waiting for its peers holds no core (8 workers on 2 cores: a 3D tiny step
-    estimated at 1.65x its measured time when its waits were stretched 4x, 0.98x when not)."""
+    once: a worker waiting for its peers holds no core (docs/accuracy/fit_history.md)."""
     hw = spec.hardware
     stretch = oversubscription(hw.cpu_cores, world, spec.train.threads_per_worker or 1)
     return spec if not hw.sync_wait_us or stretch == 1 else with_hardware(spec, sync_wait_us=hw.sync_wait_us / stretch)

@@ -1,34 +1,16 @@
-"""DeepSpeed's 2021 ZeRO-3 tensor by tensor: what it gathers and reduces, and the host time (v0.3.16, read at its tag).
+"""DeepSpeed's 2021 ZeRO-3 tensor by tensor: what it gathers and reduces, and the host time
+(DeepSpeed v0.3.16, read at its tag; the ZeRO-3 of Narayanan et al. 2021, Table 2).
 
-DeepSpeed v0.3.x (the ZeRO-3 of Narayanan et al. 2021, Table 2) fetches the parameters of one
-submodule at a time (``stage3.PartitionedParameterCoordinator.fetch_sub_module``), each tensor by
-its own all-gather through torch's list API (``partition_parameters._allgather_param``: a list of
-one view per rank, a ``torch.cuda.synchronize()`` first). What moves:
+- Each submodule's tensors are all-gathered one by one through torch's list API; tensors under
+  ``stage3_param_persistence_threshold`` stay whole, but are gathered back after each step
+  (:func:`persist_time`: host ops growing with dp).
+- ``stage3_max_reuse_distance``: a submodule's parameters stay gathered only if the elements run
+  before its next use are fewer (under full recompute most are gathered again for the backward).
+- Gradients: all-reduced flat per bucket (``reduce_scatter`` false, the default), or
+  reduce-scattered per tensor (``zero3_reduce_host_ops_per_rank``).
 
-- ``stage3_param_persistence_threshold`` (default 1e5 elements, ``persistent_parameters``): a
-  tensor with fewer elements stays whole between its uses (``ds_persist``): a GPT block's biases
-  and norms at h >= 1e5 / 4, leaving its four weight matrices to gather. But every backward ends
-  by partitioning all parameters (``_partition_all_parameters``), and the step gathers the
-  persistent ones back (``_post_step`` -> ``_allgather_params``: one flat all-gather, then a
-  Python loop per tensor and rank: narrow, view, narrow, copy): host ops per step that grow with
-  dp (:func:`persist_time`); from the second micro-batch of a step on, each forward gathers them
-  one by one like the others.
-- ``stage3_max_reuse_distance`` (default 1e9 elements, ``_keep_for_later``): after a submodule
-  runs, its parameters stay gathered only if the elements of the submodules run before its next
-  use (``PrefetchCoordinator._distance_in_numel``: each step of the recorded trace counted) are
-  fewer. Under full recompute the trace of a block's backward is its recomputed forward, then its
-  backward in reverse order: submodule k is next used after the recompute of every later submodule
-  and their backward, a distance of twice their elements. The last submodule (the MLP's second
-  linear) is kept; the others, at GPT-3 sizes (8 h^2 >= 1e9 from h = 11,180), are gathered again
-  for their backward. Without recompute every submodule is gathered once in each pass.
-- gradients: ``reduce_scatter`` defaults to false (``runtime/zero/constants.py``): each bucket of
-  ``reduce_bucket_size`` elements is all-reduced flat, no list (``gradient_reduction_w_predivide``;
-  Assumptions.grad_reduce_scatter false). With it true, each tensor is reduce-scattered through
-  the list API (``_reduce_scatter_gradient``): ``zero3_reduce_host_ops_per_rank``.
-
-Submodules: a block's tensors grouped by module (name without its last part); with
-``fused_qkv`` the query, key and value projections are one module with one tensor per kind
-(Megatron's ``query_key_value``, which the GPT of these runs used). Units: seconds, elements.
+Submodules: a block's tensors grouped by module (``fused_qkv``: Megatron's ``query_key_value``).
+Units: seconds, elements. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 
@@ -38,6 +20,7 @@ from functools import lru_cache
 from typing import Callable
 
 from xpar.estimate.collectives import collective_time, group_of
+from xpar.estimate.comm import allgather_bytes, allreduce_bytes
 from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts
 
 QKV = ("attention.wq", "attention.wk", "attention.wv")
@@ -182,7 +165,6 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     (``zero3_reuse_distance``), the persistent tensors gathered back after the step and in each
     micro-batch after the first (``zero3_persist_numel``), the gradients all-reduced rather than
     reduce-scattered (``grad_reduce_scatter`` false: twice the bytes)."""
-    from xpar.estimate.comm import allgather_bytes, allreduce_bytes
     if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches

@@ -1,49 +1,16 @@
 """Data-parallel communication of one pipeline rank, unit by unit, and how much of it is exposed.
 
-What each ZeRO stage issues (Rajbhandari et al. 2020; xpar.estimate.comm has the bytes), with
-message sizes as issued, units as FSDP wraps them (each transformer block; the root: embedding,
-final norm, output):
+What each ZeRO stage issues (Rajbhandari et al. 2020; bytes in xpar.estimate.comm), at the sizes
+issued, units as FSDP wraps them (each block; the root: embedding, final norm, output):
+ZeRO-3 gathers per unit before forward and backward and reduce-scatters after backward (m + 1
+gathers per step under pp, as torch's PipelineStage does); ZeRO-2 gathers before forward only;
+DDP all-reduces buckets of ``bucket_mb`` in the last backward (one buffer when <= 0); ZeRO-1
+all-reduces then broadcasts (torch) or reduce-scatters then all-gathers (Megatron's distributed
+optimizer). Parameters travel in the training dtype, gradients in ``grad_reduce_bytes``; FSDP2's
+copies (``fsdp_copies``, :func:`copy_times`) and DeepSpeed 2021's per-tensor host ops
+(xpar.estimate.deepspeed_zero3) are added. The overlap: :func:`xpar.estimate.overlap.simulate_pass`.
 
-- ZeRO-3 (FSDP ``reshard_after_forward=True``): without pp, one all-gather per unit before its
-  forward and one per block before its backward, every micro-batch, and one reduce-scatter per
-  unit after its backward, every micro-batch. The root (embedding, final norm, output) is not
-  resharded after its forward, so it is not gathered again for its backward (FSDP2's and FSDP1's
-  root; measured: a tiny-model ZeRO-3 step gathers 1.81 x its parameters, not 2 x,
-  xpar.parallel.comm_log and tests/test_comm_log.py). Under pp torch's stage turns FSDP2's reshard after backward
-  off for every backward and reshards only in its final gradient reduction
-  (``PipelineStage.perform_reduce_grad``, where the reduce-scatters run, once), while each
-  forward still reshards after itself (torch 2.13): a unit is gathered before any action that
-  finds it sharded, m + 1 times per step (counted in a real run, tests/test_pipeline.py; 3D tiny:
-  15 all-gathers per rank and step at m = 4, 9 at m = 2, 3 units; GPipe, 1F1B and interleaved
-  alike). Which actions those are depends on the schedule: GPipe's m forwards and first
-  backward; 1F1B's warm-up forwards, then the backwards that follow a forward. Priced as
-  GPipe's: m gathers before forwards (the least compute to hide behind: an upper bound on the
-  exposure where backwards take the place of forwards) and one before the stage's first
-  backward (``first_backward``), spread over the m micro-batches, so the pipeline's fill and
-  drain also pay its share (each stage's first backward is on the drain's path).
-- ZeRO-2 (FSDP, no reshard after forward): the all-gathers before forward only (once per step
-  under pp), reduce-scatters as ZeRO-3.
-- DDP (stage 0): gradient all-reduce in buckets of ``bucket_mb`` (torch DDP: 25 MB) during the
-  last micro-batch's backward (no_sync before); ``bucket_mb <= 0``: one buffer after the backward
-  (Megatron-LM 2021's contiguous buffer).
-- ZeRO-1: 'zero_redundancy' (torch): DDP's all-reduce, then each updated parameter tensor
-  broadcast from its owner after the step (ZeroRedundancyOptimizer._sync_params: one
-  ``broadcast`` per tensor, 39 per step on the tiny model as profiled here, issued async and
-  waited together): per unit, one broadcast of its bytes -- the broadcast's volume, its latency
-  once per unit as the queued calls pipeline (summing a latency per tensor put the tiny model's
-  estimate at 2.3x its measured step); 'distributed_optimizer' (Megatron): bucketed
-  reduce-scatter, then a parameter all-gather after the step, overlapped with the next forward
-  unit by unit when ``param_gather_overlap``.
-
-Parameters travel in the training dtype, gradients in ``grad_reduce_bytes`` per element (fp32
-reduce in xpar's and torchtitan's bf16 recipe). A framework that issues ZeRO-3's collectives per
-parameter tensor through torch's list API (DeepSpeed 2021: ``zero3_reuse_distance`` set) also
-pays, per collective, host ops per rank and tensor and one more device copy of its bytes, gathers
-some tensors again in the backward and its persistent ones after each step
-(xpar.estimate.deepspeed_zero3). FSDP2 also copies on the compute stream: each gather's flat output into
-the unit's parameters, the unit's gradients into the reduce-scatter input (``fsdp_copies``,
-:func:`copy_times`), in the unit's compute and in the exposed dp time. The overlap itself is
-:func:`xpar.estimate.overlap.simulate_pass`. Units: seconds.
+Units: seconds. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 

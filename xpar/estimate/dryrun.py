@@ -1,23 +1,14 @@
 """Dry run: the real engine factory at the layout's full world size, on a fake process group.
 
-For a layout beyond this machine (70B on 64 GPUs, 175B on 1024) the estimator's parameter
-bytes are checked against what torch actually builds: each representative rank -- first,
-middle and last pipeline rank x first and last dp rank (tp ranks hold equal shards: tp
-must divide every split dimension) -- is built in this process by
-:func:`xpar.parallel.factory.build_engine` with ``materialize_model=False``:
+Each representative rank (first, middle and last pipeline rank x first and last dp rank) is built
+in this process by :func:`xpar.parallel.factory.build_engine` with ``materialize_model=False``:
+fake process group -> DeviceMesh "cpu" -> the model or this rank's stages on the meta device ->
+TP -> DDP / FSDP2 -> PipelineStage + schedule. No memory is allocated, no collective moves data;
+local shard sizes are read with ``DTensor.to_local()`` and times the dtype's bytes per element
+(xpar.estimate.model_states.STATE_BYTES) checked against the cost model's parameter bytes.
 
-    fake process group (rank r of N, ``torch.testing._internal.distributed.fake_pg``)
-    -> DeviceMesh "cpu" (pp, dp, cp, tp)  (a "meta" mesh makes fully_shard fail)
-    -> the model or this rank's pipeline stages on the meta device -> TP -> DDP / FSDP2
-    -> PipelineStage + schedule
-
-No memory is allocated and no collective moves data. Local shard sizes are read with
-``DTensor.to_local()``; bytes per device are the element counts times the bytes per
-element of the dtype's model states (xpar.estimate.memory.STATE_BYTES). The process group is
-destroyed and re-created between ranks (measured: 0.5-1.5 s per rank for a 70B stage).
-
-Exceptions from torch while building become a :class:`PlanError` naming the rank and its
-coordinates: the layout cannot be built as configured.
+Units: bytes, seconds. Errors: torch's exceptions while building become a :class:`PlanError`
+naming the rank and its coordinates.
 """
 from __future__ import annotations
 
@@ -27,7 +18,15 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
+from xpar.config.layout import SCHEDULES
 from xpar.config.spec import RunSpec
+from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.model_states import (
+    STATE_BYTES,
+    grads_deferred,
+    model_state_bytes_per_rank,
+    replicated_embedding_grad_numel,
+)
 
 
 class PlanError(RuntimeError):
@@ -94,7 +93,6 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     """
     import torch.distributed as dist
 
-    from xpar.estimate.context_parallel import fold_cp
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
     from xpar.parallel.torch_internals import fake_store
@@ -132,13 +130,6 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
                 build_s: float) -> RankCheck:
     """One rank's :class:`RankCheck` from its built ``numel`` (local, held, dp-unsharded elements,
     :func:`_param_numel`) against the cost model on the cp-folded spec ``folded``."""
-    from xpar.estimate.model_states import (
-        STATE_BYTES,
-        grads_deferred,
-        model_state_bytes_per_rank,
-        replicated_embedding_grad_numel,
-    )
-
     (pp, dp, tp), (local, held, dp_full) = coords, numel
     bp, bg, _ = STATE_BYTES[folded.train.dtype]
     # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
@@ -160,7 +151,6 @@ def buildable(spec: RunSpec) -> RunSpec:
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
     Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
     (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take)."""
-    from xpar.config.layout import SCHEDULES
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if SCHEDULES[spec.parallel.schedule].executable:

@@ -1,9 +1,9 @@
 """How long a local run will take, from the cost model, checked before any worker starts.
 
-:func:`duration_problems` (called by :func:`xpar.estimate.fit.check_run`) prints a warning when one
+:func:`duration_problems` (called by :func:`xpar.estimate.preflight.check_run`) prints a warning when one
 step is estimated above :data:`WARN_STEP_S` and refuses a run whose steps are estimated above
-:data:`LONG_RUN_S` in total unless ``run.allow_long=true`` (``train.seq_len=100000`` on the tiny
-model is ~25 min per step on this 2-core CPU: an hours-long run started without a word).
+:data:`LONG_RUN_S` in total unless ``run.allow_long=true`` (a local run of hours must not
+start without a word).
 The estimate is :func:`xpar.estimate.cost.estimate` with this machine's measured peak
 (median error 1.6 % on the calibration runs, tests/test_estimate_run.py).
 """

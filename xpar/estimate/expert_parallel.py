@@ -1,20 +1,13 @@
-"""Expert parallelism in the cost model: the experts of each MoE layer split over ep ranks, tokens
-sent to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2021; Megatron-Core's
-alltoall token dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
+"""Expert parallelism in the cost model: each MoE layer's experts split over ep ranks, tokens sent
+to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2021; Megatron-Core's
+alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 
-Per rank and micro-batch, a rank of an ep layout routes its own ``T = b s / cp`` tokens (``/ t``
-with sequence parallelism: Megatron-Core dispatches the tp rank's sequence shard), each to its top
-k experts: per MoE layer two all-to-alls in forward (dispatch of the T k token copies, h wide,
-and the combine of their outputs) and two in backward (their gradients), each a payload of
-``T k h`` elements at the compute width, (ep - 1) / ep of which leaves the rank
-(:func:`alltoall_time`). With balanced routing (the NeMo benchmarks force-balance their
-tokens; DeepSeek-V3's auxiliary-loss-free balancing) each rank computes k T expert-token
-products, the FLOPs of the unsplit layer; a router whose busiest rank receives
-``model.moe_imbalance`` times the mean stretches the routed experts' compute and the all-to-alls
-by that factor (:func:`with_ep_comm`). The all-to-alls are counted exposed (Megatron-Core's
-default; DeepSeek-V3's DualPipe hides them behind another micro-batch's compute: the framework's
-``ep_a2a_overlap`` fraction). Expert states are counted in xpar.estimate.model_states (E / ep
-experts per rank, reduced and ZeRO-sharded over the dp x cp / ep expert-dp ranks). Units: seconds.
+Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
+each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
+leaving the rank (:func:`alltoall_time`). A router whose busiest rank receives
+``model.moe_imbalance`` x the mean stretches the routed compute and the all-to-alls; the
+framework's ``ep_a2a_overlap`` share is hidden. Expert states: xpar.estimate.model_states.
+Units: seconds.
 """
 from __future__ import annotations
 
@@ -23,6 +16,7 @@ from typing import Optional
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import Group, group_of, nic_share
+from xpar.estimate.flops import model_flops_per_token
 from xpar.estimate.model_states import BYTES
 
 
@@ -94,7 +88,6 @@ def routed_share(spec: RunSpec) -> float:
     cfg = spec.model
     if not cfg.n_experts:
         return 0.0
-    from xpar.estimate.flops import model_flops_per_token
     n_mlp = 3 if cfg.activation == "swiglu" else 2
     routed = 6 * cfg.moe_layers * n_mlp * cfg.hidden * cfg.expert_ffn * cfg.moe_top_k
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))

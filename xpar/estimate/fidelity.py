@@ -1,34 +1,29 @@
 """How far an executed run's own estimate was from what happened (the closed loop).
 
 Every measured run is also estimated on the hardware it ran on (:func:`xpar.estimate.cost.estimate`
-with the spec's framework assumptions; a ``hardware=calibrated_<name>`` preset from
-``xpar calibrate`` gives the estimate measured link and memory figures) and logs:
+with the spec's framework) and logs ``fidelity/step_time_ratio`` (estimated / measured median
+step time), ``fidelity/peak_memory_ratio`` (estimated / measured peak bytes per device),
+``fidelity/bubble_diff`` (estimated - measured idle fraction of the pipeline ranks, on the
+measured definition: :func:`estimated_idle`, 0 - 0 without a pipeline) and
+``fidelity/estimate_time_<term>_s`` (the estimate's step time by term).
 
-- ``fidelity/step_time_ratio``: estimated / measured step time (median of timed steps);
-- ``fidelity/peak_memory_ratio``: estimated / measured peak bytes per device;
-- ``fidelity/bubble_diff``: estimated - measured bubble ratio (0 - 0 without a pipeline:
-  logged for every run, so every executed run carries the three). Both on the measured
-  definition (xpar.estimate.bubble): the idle fraction of the pipeline ranks within the schedule's time,
-  where a rank waiting for a send or for a slower stage is idle too; the estimate's is
-  :func:`estimated_idle` (its schedule bubble, its exposed pipeline sends and its stages'
-  imbalance), which is the schedule's bubble when sends are free and stages equal;
-- ``fidelity/estimate_time_<term>_s``: the estimate's step time by term, beside the measured
-  run's figures.
+Units: ratios, fractions, seconds.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from xpar.config.spec import RunSpec
+from xpar.estimate.cost import _rank_times, assumptions_for, estimate, microbatch_time, waits_unstretched
+from xpar.estimate.host import host_costs, host_step, oversubscription
 from xpar.estimate.report import Report
+from xpar.estimate.estimate_mode import comm_metrics
 
 
 def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
     """The ``fidelity/*`` metrics of a measured ``report`` of ``spec`` (see module docstring);
     ``est``: the run's estimate (:func:`xpar.estimate.cost.estimate` of ``spec``) when the caller
     has it. Ratios are omitted where the measured figure is zero (nothing to compare)."""
-    from xpar.estimate.cost import estimate, waits_unstretched
-
     est = est if est is not None else estimate(spec)
     unstretched = waits_unstretched(spec, spec.world_size)  # as the estimate prices the waits
     out = {f"fidelity/estimate_time_{k}_s": float(v) for k, v in est.time_breakdown.items()}
@@ -51,8 +46,7 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
 def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     """``fidelity/estimate_comm_<axis>_<kind>_bytes``: the estimate's payload bytes per step per
     device of each collective it counts (none where it counts 0), beside what the run measured (``comm/<axis>_<kind>_bytes``, the same
-    convention: xpar.estimate.run.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
-    from xpar.estimate.run import comm_metrics
+    convention: xpar.estimate.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
            if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
     if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
@@ -73,8 +67,6 @@ def _host_outside(spec: RunSpec) -> float:
     """Seconds of the estimate's host_overhead term spent after the schedule (optimizer, clip and
     its all-reduces: xpar.estimate.host.host_step), most on any pipeline rank, stretched as the
     estimate's terms are when workers outnumber cores."""
-    from xpar.estimate.host import host_costs, host_step, oversubscription
-
     h, lay = host_costs(spec), spec.layout
     outside = max(host_step(h, lay.layers_of(r), lay.has_first_stage(r), lay.has_last_stage(r)) for r in range(spec.pp))
     return outside * oversubscription(spec.hardware.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
@@ -89,9 +81,6 @@ def _dp_end(spec: RunSpec) -> float:
     (``PipelineStage.perform_reduce_grad``, torch 2.13): inside the measured schedule time, and
     idle by the measured definition; otherwise it is outside the schedule (DDP's in the last
     backward counted there too)."""
-    from xpar.estimate.cost import _rank_times, assumptions_for, microbatch_time
-    from xpar.estimate.host import oversubscription
-
     slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
     return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
                                              spec.train.threads_per_worker or 1)

@@ -1,41 +1,16 @@
 """Host time of a step: what the CPU spends issuing work, beside the work itself.
 
-On a GPU the host runs ahead of the device and this time hides behind the kernel queue (the
-GPU presets leave the figures at 0, so nothing changes there). On a CPU the same thread issues
-and computes, so every operator's dispatch and autograd bookkeeping adds to the step. Three
-figures per machine, measured by ``xpar calibrate`` (:mod:`xpar.calibrate.command`) into the preset:
+On a GPU the host runs ahead of the device (the GPU presets leave these figures at 0). On a CPU
+the same thread issues and computes, so every operator's dispatch adds to the step. Figures per
+machine, measured by ``xpar calibrate`` into the preset: ``hardware.op_overhead_us`` (per aten
+operator, autograd included), ``dtensor_op_overhead_us`` (the extra of a DTensor operator),
+``fsdp_unit_overhead_us`` (FSDP2's hooks per unit and micro-batch), ``tp_block_overhead_us``,
+``tp_first_overhead_us``, ``tp_last_overhead_us`` (the extra under tensor parallelism).
 
-- ``hardware.op_overhead_us``: host microseconds per aten operator issued, autograd included
-  (a transformer block at hidden 8 and one token, forward and backward, timed and divided by
-  the aten operators it dispatches);
-- ``hardware.dtensor_op_overhead_us``: the extra microseconds of an operator on DTensors (a
-  1-rank mesh, no communication): FSDP2's sharded parameters and the tp-split linears;
-- ``hardware.fsdp_unit_overhead_us``: FSDP2's hooks per unit and micro-batch, forward and
-  backward (copy-in/out, the unshard/reshard state machine), on a 1-rank mesh.
-- ``hardware.tp_block_overhead_us``, ``tp_first_overhead_us``, ``tp_last_overhead_us``: the extra
-  of a block, of the first stage's embedding and of the last stage's output and loss under tensor
-  parallelism (DTensor dispatch and sharding propagation of every operator, not only the
-  linears'), forward and backward, on a 1-rank mesh; split forward : backward as a linear's
-  operators (4 : 9). Without them (older presets): ``dtensor_op_overhead_us`` per linear operator.
-
-Operator counts (counted with ``TorchDispatchMode`` on :mod:`xpar.models.transformer`,
-torch 2.13, every combination of norm, position, activation, bias and grouped K/V:
-tests/test_calibrate.py checks the formulas against the count):
-
-- a block, forward: 39 (LayerNorm, learned positions, GELU, no bias, K/V heads = heads) + 12
-  for RMSNorm (composite) + 44 for RoPE + 5 for SwiGLU + 8 for grouped K/V (repeat); backward:
-  75 + 32 RMSNorm + 20 RoPE + 12 SwiGLU + 7 grouped K/V (+1 without RoPE) + 3 per linear with a
-  bias and 2 per LayerNorm with a bias;
-- the first stage's embeddings: 1 forward / 1 backward (4 / 5 with learned positions); the last
-  stage's norm, logits and cross entropy: 16 / 31 with RMSNorm, 10 / 15 (+1 with a bias)
-  with LayerNorm;
-- a linear on DTensors (tp > 1): 4 operators forward (transpose, matmul, views), 9 backward;
-- per parameter tensor and step: AdamW's single-tensor path issues 9 operators
-  (``torch.optim.AdamW(foreach=False)``, xpar.parallel.data_parallel.build_optimizer), the
-  global gradient-norm clip 3 (xpar.parallel.optim.clip_grads_).
-
-Units: seconds. Every function takes floats, or numpy arrays over layouts for ``n``, ``first``
-and ``last`` (the planner, xpar.plan.vtime: the same arithmetic).
+Operator counts per block, stage end, DTensor linear, AdamW and clip step: counted with
+``TorchDispatchMode`` on :mod:`xpar.models.transformer` (tests/test_calibrate.py checks them; the
+counts: docs/concepts/cost-model-derivations.md). Units: seconds. Floats, or numpy arrays over
+layouts for ``n``, ``first`` and ``last``.
 """
 from __future__ import annotations
 

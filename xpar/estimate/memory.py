@@ -1,64 +1,17 @@
 """Per-device memory of a layout: model states, activations, buffers. Units: bytes.
 
-Every term is named (:data:`MEMORY_TERMS`), each counted as the framework keeps it; what a
-framework does differently is a :class:`MemoryOptions` field (the memory fields of
-:class:`xpar.estimate.cost.Assumptions`, same names; framework profiles set them).
+Every term is named (:data:`xpar.estimate.terms.MEMORY_TERMS`), each counted as the framework keeps
+it; what a framework does differently is a :class:`MemoryOptions` field (framework profiles set them).
 
-**Model states.** The ZeRO paper (Rajbhandari et al. 2020, Sec. 3.1, 5, Fig. 1) counts
-mixed-precision Adam as 2 (bf16 params) + 2 (bf16 grads) + K = 12 (fp32 master, exp_avg,
-exp_avg_sq) bytes per parameter (:data:`STATE_BYTES`, :func:`zero_model_state_bytes`).
-Frameworks keep other splits (:func:`state_widths`):
-
-- xpar and torchtitan (``param_storage='fp32'``): the stored parameters *are* the fp32
-  master weights (4), AdamW keeps 8, gradients are fp32 (``grad_bytes`` = 4: FSDP2
-  ``MixedPrecisionPolicy(reduce_dtype=fp32)`` reduces and accumulates in fp32; under
-  autocast the gradients flow back into fp32 parameters). The bf16 compute copies: FSDP2
-  ZeRO-2 holds the whole bf16 parameters from forward to backward (2 per element, counted
-  in params); ZeRO-3 all-gathers them per unit (a buffer, :func:`comm_buffer_terms`), or
-  keeps them whole under pp when ``fsdp_reshard_under_pp`` is False (torchtitan sets
-  ``reshard_after_forward=False`` with pp); torch.autocast (ZeRO-0/1) caches one bf16 copy
-  of each matmul weight per forward, saved for backward: per micro-batch in flight, from the
-  schedule (measured here, tests/test_estimate_run.py).
-- Megatron-LM and DeepSpeed (``param_storage='bf16'``): bf16 params (2), fp32 master +
-  moments in the optimizer (12); Megatron's gradients live in an fp32 contiguous buffer
-  (``grad_bytes`` = 4, no DDP bucket copy: ``ddp_bucket_copy`` False), so its distributed
-  optimizer (ZeRO-1) keeps 6 + 12/d bytes per parameter (Megatron-Core docs, "Distributed
-  Optimizer", table of bytes per parameter).
-- ``cpu_offload_optimizer``: optimizer states (and, for bf16 params, the master copy inside
-  them) live in host memory: 0 device bytes.
-
-What each rank holds is exact for xpar's wrappers: DDP the whole local (tp-sharded) stage;
-ZeRO-1 (torch ``ZeroRedundancyOptimizer``) the optimizer states of the whole parameters
-assigned greedily, largest first, to the least-loaded rank; ZeRO-2/3 (FSDP2) dim-0 chunks
-of ceil(d0/dp) rows (rank 0 holds the most). Gradients are shards under ZeRO-2/3, whole
-where the reduction is deferred (:func:`grads_deferred`: torch's ``PipelineStage`` defers
-it to the stage's last backward, whatever m). Tensor parallelism (Megatron, Shoeybi et al.
-2019): q/k/v/w1/w3 and the vocabulary split on dim 0, wo/w2 on dim 1; shapes come from the
-model's parameters (xpar.models.transformer, written out without torch: :func:`_meta_shapes`).
-
-**Activations** (Korthikanti et al. 2022, Table 2, generalised term by term in
-:func:`layer_activation_bytes`: GQA, SwiGLU, no dropout, flash attention, composite norms,
-autocast's input casts). A pipeline rank's peak comes from the schedule's own action list
-(torch's order, :func:`xpar.estimate.schedule.schedule_actions`): walking it, each forward
-of stage s adds that stage's bytes for one micro-batch, its (weight) backward frees them, so
-interleaved, zero-bubble and V-shaped schedules are right by construction, with stages of
-unequal size (first: token ids; last: final norm, output input, fp32 log-probs).
-
-**Recompute** (:func:`layer_activation_bytes`, :func:`recompute_extra_flops_per_token`):
-``none``; ``full`` keeps each block's input (Chen et al. 2016); ``selective`` is, by
-``selective_recompute``: 'op' (xpar, executed: keep every matmul and tp-collective output,
-recompute attention core and element-wise ops), 'torchtitan_op' (torchtitan's op-level
-SAC: keep SDPA outputs and every other matmul output), 'attention' (Megatron, Korthikanti
-Sec. 4.2: recompute the attention core only -- worthless under flash attention, which keeps
-no s x s scores; the estimate says so). ``recompute_layer_fraction`` applies the policy to
-that fraction of blocks (torchtitan's selective_layer: full on every other block = 0.5).
-
-**Besides** (``count_buffers``; xpar's CPU accounting counts none of them, so the CPU
-profile turns them off): DDP gradient buckets, FSDP all-gather of the largest unit plus the
-prefetched next and its reduce-scatter buffers, pipeline send/receive buffers, the
-recompute workspace of one block during its backward, the fp32 logits/loss temporaries on
-the last stage; and ``hardware.framework_overhead_gb`` (CUDA context, NCCL, allocator
-fragmentation: a preset constant with its source).
+- Model states: the ZeRO paper's 2 + 2 + 12 bytes per parameter (Rajbhandari et al. 2020), or the
+  framework's widths (:func:`state_widths`: xpar/torchtitan fp32 storage, Megatron/DeepSpeed bf16),
+  held exactly as xpar's wrappers shard them (DDP, ZeroRedundancyOptimizer, FSDP2 dim-0 chunks).
+- Activations: Korthikanti et al. 2022 Table 2 generalised term by term
+  (:func:`layer_activation_bytes`); a rank's peak walks the schedule's own action list.
+- Recompute: none, full (Chen et al. 2016), selective by ``selective_recompute``.
+- Besides (``count_buffers``): DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute
+  workspace, loss temporaries, ``hardware.framework_overhead_gb``.
+Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 
@@ -211,7 +164,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
 def p2p_buffer_bytes(seq_len, b, hidden, stages_held, resid_elem, tp, sp):
     """Pipeline send and receive buffers of one pipeline rank: 2 per stage held, b s h
     elements of ``resid_elem`` bytes each (/tp with sequence parallelism ``sp``). Bytes.
-    Works on numbers or numpy arrays alike (the planner, :mod:`xpar.plan.vmemory`)."""
+    Works on numbers or numpy arrays alike (the planner, :mod:`xpar.estimate.columns.peak_memory`)."""
     return 2 * stages_held * (seq_len * b * hidden) * resid_elem / (tp * sp + 1 - sp)
 
 

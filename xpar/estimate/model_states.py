@@ -9,9 +9,11 @@ from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
-from xpar.config.remat import SELECTIVE_POLICIES  # the meanings of recompute=selective
+from xpar.config.layout import SCHEDULES
+from xpar.config.remat import SELECTIVE_POLICIES
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
+from xpar.estimate.terms import MEMORY_TERMS, STATE_TERMS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
 """Bytes per element of the activations and compute copies by train.dtype: fp8 trains with bf16
@@ -21,9 +23,6 @@ STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8), "fp8": (2, 2, 12)}
 """Bytes per parameter (params, grads, optimizer states) in the ZeRO paper's accounting: 2 + 2
 + K, K = 12, for bf16 mixed precision; fp32 AdamW 4 + 4 + 8. Used for the paper's formula and
 the dry run's element counts; what a framework keeps is :func:`state_widths`."""
-STATE_TERMS = ("params", "grads", "optimizer")
-MEMORY_TERMS = STATE_TERMS + ("activations", "comm_buffers", "framework_overhead")
-"""The terms of a device's peak memory, named the same in estimates, reports and metrics."""
 
 
 @dataclass(frozen=True)
@@ -313,7 +312,6 @@ def _model_key(cfg: ModelConfig) -> tuple:
 def _shapes_layout(layout):
     """The layout as parameter shapes see it (stages and their layers only): the key of the
     shape caches, shared by every layout with the same stages whatever its dp, batch, ZeRO stage."""
-    from xpar.config.layout import SCHEDULES
     placement = "zbv" if layout.schedule in SCHEDULES and SCHEDULES[layout.schedule].v_shaped else "gpipe"
     return replace(layout, dp=1, micro_batch_size=1, micro_batches=1, seq_len=1, zero_stage=0,
                    sequence_parallel=False, recompute="none", schedule=placement)  # stages placed alike

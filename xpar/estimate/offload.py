@@ -1,45 +1,17 @@
-"""Time and host memory of an offloaded optimizer step (``framework.cpu_offload_optimizer``).
+"""Time and host memory of an offloaded optimizer step (``framework.cpu_offload_optimizer``),
+ZeRO-Offload's schedule (Ren et al. 2021, Sec. 4; DeepSpeed ``offload_optimizer: cpu``):
 
-The schedule is ZeRO-Offload's (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale
-Model Training", Sec. 4; DeepSpeed ``zero_optimization.offload_optimizer: {device: cpu}``
-with DeepSpeedCPUAdam): the device keeps its compute-dtype parameters; the fp32 master
-weights, the AdamW moments and an fp32 gradient buffer of the device's optimizer partition
-(its ``elements``, the same elements its optimizer would hold on the device) live in host
-memory. Per step, on every device at once:
+    grad_to_host = copies x elements x grad_bytes / pcie              device -> host
+    host_step    = devices_per_node x elements x (28 + param_bytes) / host_mem_bw
+    param_to_dev = elements x param_bytes / pcie                     host -> device
+    exposed      = copies x max(0, one copy - BACKWARD_SHARE x micro-batch compute)
+                   + host_step + param_to_dev
 
-    grad_to_host  = copies x elements x grad_bytes / pcie         device -> host, PCIe
-    host_step     = devices_per_node x elements x (28 + param_bytes) / host_mem_bw
-    param_to_dev  = elements x param_bytes / pcie                  host -> device, PCIe
-    exposed       = copies x max(0, one copy - BACKWARD_SHARE x micro-batch compute)
-                    + host_step + param_to_dev
-
-- ``copies``: gradient copies per step: one per micro-batch where the gradients are reduced
-  every micro-batch (ZeRO-2/3: the reduced shard is copied and accumulated in fp32 on the
-  host, DeepSpeed stage_1_and_2 / stage3 with offload), one per step otherwise (ZeRO-1, dp = 1).
-- Overlap: each copy runs beside the backward of its micro-batch (DeepSpeed overlap_comm issues
-  it on a side stream as buckets are reduced); the part longer than that backward is exposed.
-  The backward is BACKWARD_SHARE of the micro-batch's compute (matmul + memory-bound work).
-- The host step reads master, gradient and both moments (16 bytes per element), writes master
-  and moments (12) and the updated parameters for the copy back in the width the device stores
-  them (``param_bytes``, :func:`xpar.estimate.memory.state_widths`: 2 for bf16 storage as
-  DeepSpeed keeps them, 4 where the device's parameters are the fp32 master, as xpar's are; the
-  gradient copy likewise in the width the device holds gradients): memory-bandwidth bound (CPU Adam's SIMD loop moves far fewer FLOPs than
-  bytes), and a node's devices share its CPUs and DRAM. Neither the host step nor the copy
-  back overlaps compute (DeepSpeed's delayed parameter update, which would hide them, is off
-  by default): both are exposed.
-- Host memory per node: devices_per_node x elements x HOST_STATE_BYTES must fit
-  ``hardware.host_memory_gb`` (:func:`host_state_bytes`).
-
-Every device is taken as the most loaded one (its ``elements``): an upper bound within a few
-per cent with balanced stages. Hardware figures: ``hardware.pcie_gb_per_s`` (per device, every
-device copying), ``host_mem_gb_per_s`` and ``host_memory_gb`` (per node), datasheet values in
-conf/hardware/*.yaml; None where unknown (:func:`offload_figures_known`), then an estimate
-refuses offload (:func:`offload_problem`: the step would cost 0 s) and the planner searches no
-offload layouts (a direct :func:`xpar.estimate.cost.estimate` call notes it and times nothing).
-
-Not modelled: FSDP2's CPUOffloadPolicy, which also keeps the parameter shards on the host and
-copies each unit's shard to the device at every all-gather (torchtitan's profile therefore
-offers no offload); NVMe offload (ZeRO-Infinity).
+``copies``: one per micro-batch under ZeRO-2/3 (reduced every micro-batch), else one per step.
+Host memory per node: devices_per_node x elements x HOST_STATE_BYTES <= ``hardware.host_memory_gb``.
+Hardware figures (``pcie_gb_per_s``, ``host_mem_gb_per_s``, ``host_memory_gb``) None where unknown:
+then :func:`offload_problem` refuses offload. Not modelled: FSDP2's CPUOffloadPolicy, NVMe offload.
+Units: seconds, bytes. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 
@@ -93,7 +65,7 @@ def host_columns(hw, offload: Any, elements: Any) -> dict[str, Any]:
     """``optimizer_elements`` (``elements``: the optimizer's on the most loaded device), ``host_bytes``
     (per node: :func:`host_state_bytes` where ``offload`` is 1, else 0) and ``host_fits`` (host bytes
     <= hardware.host_memory_gb; True without offload) of layouts: numbers or numpy arrays
-    (xpar.plan.vmemory's candidate columns)."""
+    (xpar.estimate.columns.peak_memory's candidate columns)."""
     host = offload * host_state_bytes(elements, devices_per_node(hw))
     return {"optimizer_elements": elements, "host_bytes": host,
             "host_fits": host <= (hw.host_memory_gb or 0) * 1e9}

@@ -1,26 +1,14 @@
 """Overlap of data-parallel communication with compute, unit by unit.
 
-A pass (one micro-batch's forward, or its backward) runs its units (FSDP units: the
-transformer blocks and the root, xpar.parallel.factory) in order on the compute stream;
-communication runs on one link, in the order it is issued (a FIFO: all-gathers and
-reduce-scatters share the NICs):
+A pass (one micro-batch's forward or backward) runs its units in order on the compute stream;
+communication runs on one link in issue order (a FIFO). ``gather[i]`` must finish before unit i
+computes (issued when unit i - 1 starts with ``prefetch``, else when it ends); ``reduce[i]`` is
+issued when unit i ends and must finish before the pass ends. Exposed time = makespan -
+sum(compute); compute slows by ``slowdown`` while communication runs beside it (NCCL kernels use
+SMs and HBM), counted as exposed communication too.
 
-- ``gather[i]`` (ZeRO-3/FSDP parameter all-gather) must finish before unit i computes. With
-  ``prefetch`` the gather of unit i+1 is issued when unit i starts (FSDP2's implicit
-  prefetch, one unit ahead, forward and backward; DeepSpeed's prefetch bucket); without,
-  when unit i ends. Unit 0's gather has nothing before it to hide behind.
-- ``reduce[i]`` (gradient reduce-scatter, or a DDP bucket all-reduce) is issued when unit i
-  ends and must finish before the pass ends: it hides behind the backward of the units
-  after it in the pass (the earlier layers), the last one is exposed.
-
-Exposed time = makespan - sum(compute). While communication runs beside compute, compute
-slows by ``slowdown`` (NCCL kernels use SMs and HBM bandwidth); that loss is counted as
-exposed communication too. Units: seconds.
-
-Array-polymorphic: every time may be a float or a numpy array over layouts (the planner,
-xpar.plan.vtime, runs one timeline for many layouts at once; the same code, the same
-results). :func:`vmax`, :func:`vmin` and :func:`vwhere` are max, min and a conditional that
-take either.
+Units: seconds. Array-polymorphic: every time a float or a numpy array over layouts (:func:`vmax`,
+:func:`vmin`, :func:`vwhere` take either).
 """
 from __future__ import annotations
 

@@ -19,10 +19,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from xpar.config.schema import SUMMARY_METRICS  # noqa: F401  (re-exported)
+from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
+from xpar.estimate.bubble import summarize
 from xpar.estimate.cost import compute_peak
 from xpar.estimate.flops import model_flops_per_token, spec_hardware_flops_per_token
+from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
+from xpar.estimate.timing import step_time_stats
 
 MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
 """The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
@@ -109,7 +112,6 @@ def zero_paper_bytes(spec: RunSpec) -> float:
     (:data:`xpar.estimate.memory.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
     Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
-    from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
     from xpar.models.shapes import param_count
 
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
@@ -139,8 +141,6 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     the mean over ranks that see a loss (tp ranks hold equal copies, so this is the mean
     over dp replicas).
     """
-    from xpar.estimate.timing import step_time_stats
-
     w = spec.train.warmup_steps
     per_step = [max(s["step_times_s"][i] for s in stats) for i in range(spec.train.steps)]
     timed = per_step[w:]
@@ -166,7 +166,6 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     report.extra.update({f"throughput/step_time_{k}_s" if k != "cv" else "throughput/step_time_cv": v
                          for k, v in spread.items()})
     if spec.pp > 1:
-        from xpar.estimate.bubble import summarize
         pipeline, report.timeline = summarize(spec, stats)
         report.extra.update(pipeline)
     comm = [s["comm"] for s in stats if s.get("comm")]  # comm/<axis>_<kind>_*, time/comm_* per step per device

@@ -24,9 +24,18 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.checks import ConfigError
-from xpar.plan.context import PlanContext
+from xpar.config.checks.environment import check_tracking_paths
+from xpar.config.overrides import refuse
+from xpar.plan.context import PlanContext, row
+from xpar.plan.evaluate import evaluate
+from xpar.plan.execute import execute_top
+from xpar.plan.explain import device_name, label
 from xpar.plan.inputs import PlanInputs, _hydra, plan_inputs
-from xpar.plan.space import RULES, Constraints, Space, enumerate_layouts
+from xpar.plan.rank import feasible, order
+from xpar.plan.record import record_plan
+from xpar.plan.show import override_line, print_plan
+from xpar.plan.space import Constraints, RULES, Space, enumerate_layouts
+from xpar.plan.verify import composed_spec
 
 GB = 1e9
 
@@ -88,9 +97,6 @@ def search(inputs: PlanInputs, devices: Optional[int] = None, explain: bool = Tr
         PlanRefused: no layout passes the rules (the constraint that empties the space and
             values that work), or none fits (the smallest cluster or largest headroom that would).
     """
-    from xpar.plan.evaluate import evaluate
-    from xpar.plan.rank import feasible, order
-
     devices = devices or inputs.device_counts[0]
     ctx, t0 = inputs.at(devices), time.perf_counter()
     space = enumerate_layouts(ctx.model, devices, int(ctx.hardware["devices_per_node"]),
@@ -273,7 +279,6 @@ def nothing_fits_line(plan: Plan) -> str:
     the device only with the optimizer offloaded, the node's host memory -- and what would fit
     one: the largest memory headroom, a larger host, or the smallest cluster (whole nodes,
     doubling, up to 64x)."""
-    from xpar.plan.explain import device_name
     res, ctx = plan.res, plan.ctx
     fits = res["fits"].astype(bool)
     where = (f"no layout of model={ctx.model['name']} fits on {plan.devices} x {device_name(ctx.hardware)} "
@@ -285,7 +290,6 @@ def nothing_fits_line(plan: Plan) -> str:
     lean = int(pool[np.argmin(res["memory_total"][pool])])
     dev_mem = float(ctx.hardware.get("device_memory_gb") or 0) * GB  # refused as null before (xpar.config.checks.hardware)
     need = float(res["memory_total"][lean])
-    from xpar.plan.explain import label
     head = (f"{where}: the leanest, {label(res, lean)}, needs {need / GB:.1f} GB per device, "
             f"{float(res['memory_usable'][lean]) / GB:.1f} GB usable")
     if need <= dev_mem and host_ok[lean]:
@@ -297,7 +301,6 @@ def _host_memory_line(plan: Plan, where: str, fits: np.ndarray) -> str:
     """Layouts fit device memory only with the optimizer offloaded, and their states exceed the
     node's host memory: the leanest host need against hardware.host_memory_gb, a host that holds
     it (that layout then fits both), and the smallest cluster."""
-    from xpar.plan.explain import label
     res, hw = plan.res, plan.ctx.hardware
     rows = np.flatnonzero(fits)
     lean = int(rows[np.argmin(res["host_bytes"][rows])])
@@ -335,7 +338,6 @@ def _smallest_cluster(plan: Plan) -> str:
     the whole-node sizes between the last miss and the first fit where there are at most
     :data:`BETWEEN_MAX` (else the line says that those were not searched); B the layout's global
     batch, which an 'auto' batch would not keep at N devices."""
-    from xpar.plan.explain import label
     dpn = plan.inputs.devices_per_node
     n, other = _first_fit(plan, [plan.devices * 2 ** k for k in range(1, 7)])
     if n is None:
@@ -367,10 +369,6 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
     ``overrides``: the command line (default: the running Hydra app's); ``sweep``: the multirun
     job's sweep (xpar.track.sweep.current_sweep), whose parent run the plan's run joins. Bad requests
     exit 2 with one line per problem."""
-    from xpar.config.checks.environment import check_tracking_paths
-    from xpar.config.overrides import refuse
-    from xpar.plan.show import print_plan
-
     t0 = time.perf_counter()
     inputs, problems = plan_inputs(cfg, overrides)
     problems += check_tracking_paths(cfg, start_dir)  # before the search, not after it
@@ -385,10 +383,8 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
     print_plan(plan, line)
     executed = []
     if inputs.execute_top:
-        from xpar.plan.execute import execute_top
         executed = execute_top(plan, out_dir, start_dir)
     if cfg.tracking.enabled:
-        from xpar.plan.record import record_plan
         record_plan(plan, spec, cfg, line, out_dir, start_dir, executed, sweep)
     return plan
 
@@ -400,11 +396,7 @@ def reproduce(plan: Plan):
     Raises:
         PlanRefused: the line does not compose, validate or fit (a planner bug, said as such).
     """
-    from xpar.plan.show import override_line
-    from xpar.plan.verify import composed_spec
-
     line = override_line(plan)
-    from xpar.plan.context import row
     spec, problem = composed_spec(line, row(plan.res, plan.best))
     if problem:
         raise PlanRefused([f"planner error: the top layout's command line does not reproduce it: {problem} "

@@ -1,24 +1,14 @@
 """What a plan is evaluated on: the fixed context (model, hardware, sequence, dtype, framework)
-and the candidate columns, one entry per layout.
+and the candidate columns, one entry per layout (``dict[str, numpy.ndarray]``, length L):
 
-Candidate columns (``dict[str, numpy.ndarray]``, all the same length L):
-
-- ``tp``, ``pp``, ``dp``: degrees (int64); dp * tp * pp = the cluster's device count.
-- ``b``: micro-batch size in sequences; ``m``: micro-batches per step (int64); global batch
-  B = b * m * dp sequences.
-- ``v``: stages per pipeline rank (int64; 1 for single-stage schedules, 2 for V-shaped ones,
-  the virtual stages of looped ones). The pp * v stages split the layers evenly where they divide
-  them, else with lighter ends (xpar.plan.vsplit: ``parallel.first_stage_layers`` /
-  ``last_stage_layers``, every stage between ceil(n_layers / (pp v)) blocks).
-- ``schedule``: names in :data:`xpar.config.layout.SCHEDULES` (numpy str array).
-- ``zero``: the ZeRO stage that runs, 0..3 (int64; :func:`xpar.config.layout.zero_stage_run` applied).
-- ``sp``: sequence parallelism (bool; only with tp > 1).
-- ``recompute``: 'none' | 'selective' | 'full' (numpy str array).
-- ``offload`` (optional, :data:`OPTIONAL_COLUMNS`): the optimizer offloaded to host memory
-  (bool; ``framework.cpu_offload_optimizer``, xpar.estimate.offload). Absent: the framework's.
-- ``cp``, ``ep`` (optional, int64; absent: 1): context- and expert-parallel degrees; dp * tp * pp * cp
-  = the device count, B = b * m * dp; ep inside dp x cp (xpar.plan.vfive evaluates them).
-- ``dtype`` (optional, str; absent: ``train.dtype``): the training dtype (bf16, fp8, fp32).
+- ``tp``, ``pp``, ``dp`` (int64; dp tp pp cp = the device count); ``b`` micro-batch size and
+  ``m`` micro-batches per step (global batch B = b m dp sequences);
+- ``v``: stages per pipeline rank (1; 2 for V-shaped schedules; virtual stages of looped ones),
+  the pp v stages split evenly or with lighter ends (xpar.estimate.columns.stage_split);
+- ``schedule`` (names of :data:`xpar.config.layout.SCHEDULES`), ``zero`` (the stage that runs,
+  0..3), ``sp`` (bool, tp > 1 only), ``recompute`` ('none' | 'selective' | 'full');
+- optional (:data:`OPTIONAL_COLUMNS`): ``offload`` (bool; absent: the framework's), ``cp`` and
+  ``ep`` (int64; absent: 1; ep inside dp x cp), ``dtype`` (str; absent: ``train.dtype``).
 """
 from __future__ import annotations
 
@@ -26,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from xpar.config.validate import validate
+from xpar.estimate.columns.stage_split import split_fields
 
 COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
 """The candidate columns, in display order."""
@@ -52,8 +45,7 @@ def row(cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
 def parallel_group(r: dict[str, Any], n_layers: int) -> dict:
     """The ``parallel`` group of one candidate row (:func:`row`) of a model of ``n_layers`` blocks,
     numbers resolved, the split's keys where pp x v does not divide the blocks
-    (:func:`xpar.plan.vsplit.split_fields`)."""
-    from xpar.plan.vsplit import split_fields
+    (:func:`xpar.estimate.columns.stage_split.split_fields`)."""
     return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
                 schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
                 recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1),
@@ -64,8 +56,6 @@ def spec_of(ctx: PlanContext, cols: dict[str, np.ndarray], i: int):
     """The validated estimate-mode RunSpec of candidate ``i`` (through :mod:`xpar.config.validate`, as
     ``python -m xpar run.mode=estimate`` would build it). Slow (milliseconds): for tests, the top
     layouts and the override line, never for the search itself."""
-    from xpar.config.validate import validate
-
     r = row(cols, i)
     train = dict(ctx.train, micro_batch_size=r["b"], global_batch_size=r["b"] * r["m"] * r["dp"])
     if r.get("dtype"):

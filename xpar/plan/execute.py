@@ -16,6 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xpar.config.checks import ConfigError
+from xpar.config.overrides import refuse
+from xpar.estimate.columns.stage_split import split_fields
+from xpar.estimate.preflight import check_run
+from xpar.plan.explain import label
+from xpar.plan.verify import compose_line
+
 TIE = 0.005
 """Estimates closer than this (relative) are a tie: their order says nothing."""
 MAX_TRIES = 200
@@ -26,8 +33,7 @@ SKIP = ("plan.", "plan=", "run.mode=", "hydra.", "parallel.", "train.global_batc
 def layout_overrides(plan, i: int) -> dict[str, object]:
     """parallel.* and train batch values of candidate ``i`` (as a nested config dict); its split
     as ``first_stage_layers`` / ``last_stage_layers`` where pp x v does not divide the blocks
-    (xpar.plan.vsplit.split_fields), null otherwise, as ``layer_split``."""
-    from xpar.plan.vsplit import split_fields
+    (xpar.estimate.columns.stage_split.split_fields), null otherwise, as ``layer_split``."""
     r = plan.res
     par = dict(dp=int(r["dp"][i]), tp=int(r["tp"][i]), pp=int(r["pp"][i]), zero_stage=int(r["zero"][i]),
                micro_batches=int(r["m"][i]), schedule=str(r["schedule"][i]), virtual_stages=int(r["v"][i]),
@@ -42,9 +48,6 @@ def _runs(plan, i: int) -> bool:
     """Whether candidate ``i`` validates and fits in execute mode on this machine."""
     from omegaconf import OmegaConf
 
-    from xpar.config.checks import ConfigError
-    from xpar.estimate.fit import check_run
-    from xpar.plan.verify import compose_line
     line = "python -m xpar " + " ".join(_base_overrides(plan) + ["run.mode=execute"])
     cfg = OmegaConf.merge(compose_line(line), layout_overrides(plan, i))
     try:
@@ -91,7 +94,6 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
     its plan rank, estimated and measured tokens/s, measured rank and the sweep's id (printed)."""
     rows = pick(plan, plan.inputs.execute_top)
     if not rows:
-        from xpar.config.overrides import refuse
         top = plan.ranked[:MAX_TRIES]
         off = sum(offloads(plan, int(i)) for i in top)
         rest = "" if off == len(top) else "; the others do not validate in execute mode"
@@ -126,7 +128,6 @@ def _measured(sweep_dir: Path) -> tuple[dict[int, float], str]:
 
 def comparison(plan, rows: list[int], measured: dict[int, float]) -> list[dict]:
     """Estimated against measured tokens/s, with both rank orders (1 = fastest)."""
-    from xpar.plan.explain import label
     rank_of = {int(i): n for n, i in enumerate(plan.ranked, 1)}
     out = [{"layout": label(plan.res, i), "plan_rank": rank_of[i], "estimated_tokens_per_s": float(plan.res["tokens_per_s"][i]),
             "measured_tokens_per_s": measured.get(k, float("nan"))} for k, i in enumerate(rows)]

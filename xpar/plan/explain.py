@@ -7,8 +7,9 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.estimate.terms import TERM_WORDS, time_key
 from xpar.plan.groups import DEGREES, degree_columns
-from xpar.plan.rank import TERM_WORDS, describe_gap, feasible, separating_terms, terms
+from xpar.plan.rank import describe_gap, feasible, separating_terms, terms
 
 GB = 1e9
 ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute", "recompute"),
@@ -36,7 +37,7 @@ def label(res: dict[str, np.ndarray], i: int) -> str:
 def step_shares(res: dict[str, np.ndarray], i: int) -> dict[str, float]:
     """Fraction of the step time of layout ``i`` in each term (they sum to 1)."""
     total = float(res["time_per_step_s"][i])
-    return {k: float(res[f"time_{k}"][i]) / total for k in terms(res)}
+    return {k: float(res[time_key(k)][i]) / total for k in terms(res)}
 
 
 def memory_line(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray) -> str:

@@ -7,13 +7,19 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
-from xpar.config.checks.framework import hydra_text, not_booleans
-from xpar.config.hardware import is_this_machine
+from xpar.config.checks import config as checks
+from xpar.config.checks.environment import check_hardware_values
+from xpar.config.checks.framework import check_framework, hydra_text, not_booleans
+from xpar.config.hardware import is_this_machine, resolve_hardware
 from xpar.config.layout import SCHEDULES
+from xpar.config.overrides import refuse
+from xpar.config.presets import conf_dir
+from xpar.config.schema import HardwareConfig
+from xpar.config.validate import to_schema
 from xpar.estimate.offload import offload_figures_known
 from xpar.plan.axes import resolve_axes
 from xpar.plan.context import PlanContext
-from xpar.plan.space import PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, Constraints, batch_values
+from xpar.plan.space import Constraints, PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, batch_values
 
 TOKENS_PER_BATCH = 2 ** 22
 """Default global batch in tokens (4M: Llama 2 and Llama 3 pre-training; GPT-3 175B used 3.2M,
@@ -55,11 +61,9 @@ def _plain(node) -> Any:
 
 def _hardware(cfg) -> dict:
     """The hardware group; 'local' resolved (device count, memory, measured peak: imports torch)."""
-    from xpar.config.schema import HardwareConfig
     hw = _plain(cfg.hardware)
     if not is_this_machine(hw):
         return hw
-    from xpar.config.hardware import resolve_hardware
     return asdict(resolve_hardware(HardwareConfig(**hw), threads=cfg.train.threads_per_worker or 1))
 
 
@@ -181,11 +185,6 @@ def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
 def config_problems(cfg) -> list[str]:
     """The run's own checks that a plan rests on (as ``python -m xpar`` refuses them): choices,
     model sizes, hardware values, the framework profile, the sequence length."""
-    from xpar.config.checks import config as checks
-    from xpar.config.checks.environment import check_hardware_values
-    from xpar.config.checks.framework import check_framework
-    from xpar.config.validate import to_schema
-
     c = to_schema(cfg)
     out = checks.check_choices(c) + checks.check_model(c) + check_hardware_values(c) + check_framework(c.framework)
     return out or [p for p in checks.check_train(c) if p.startswith("train.seq_len")]
@@ -243,7 +242,6 @@ def plan_argv(args: list[str]) -> list[str]:
     preset is given; local (device auto) and a CPU ``calibrated_*`` preset keep the default train (fp32)."""
     modes = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("run.mode=")]
     if modes and modes[-1] != "plan":
-        from xpar.config.overrides import refuse
         refuse([f"xpar plan searches layouts (run.mode=plan); run.mode={modes[-1]} is not taken with it: drop it, "
                 f"or run the best layouts it finds with plan.execute_top=1."])
     train_given = any(a.lstrip("+").startswith("train=") for a in args)
@@ -256,7 +254,6 @@ def _preset_device(name: str) -> str:
     """The ``device`` of hardware preset ``name`` (cuda when the preset or its field is missing)."""
     import yaml
 
-    from xpar.config.presets import conf_dir
     path = conf_dir() / "hardware" / f"{name}.yaml"
     data = yaml.safe_load(path.read_text()) if path.is_file() else None
     return str((data or {}).get("device", "cuda"))

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from xpar.estimate.cost import TIME_TERMS
-
-TERM_WORDS = {"matmul": "matmul", "memory_bound": "memory-bound work", "tp_comm": "tp communication",
-              "pp_comm": "pp send/recv", "bubble": "pipeline bubble", "dp_comm_exposed": "exposed dp communication",
-              "optimizer": "optimizer step", "host_overhead": "host and framework overhead (operator dispatch; framework.layer_overhead_ms)",
-              "cp_comm": "cp K/V all-gathers", "ep_comm": "expert all-to-alls", "ep_imbalance": "router imbalance"}
-"""The step-time terms (:data:`xpar.estimate.cost.TIME_TERMS`, and cp's and ep's: xpar.plan.vfive) in words."""
-FIVE_TERMS = ("cp_comm", "ep_comm", "ep_imbalance")
-"""The terms of cp and ep layouts (xpar.plan.vfive.FIVE_TERMS), as columns ``time_<term>`` where searched."""
+from xpar.estimate.terms import AXIS_TIME_TERMS, TERM_WORDS, TIME_TERMS, time_key
 
 
 def terms(res: dict[str, np.ndarray]) -> tuple[str, ...]:
     """The step-time terms the candidate figures hold: TIME_TERMS, then cp's and ep's where present."""
-    return TIME_TERMS + tuple(k for k in FIVE_TERMS if f"time_{k}" in res)
+    return TIME_TERMS + tuple(k for k in AXIS_TIME_TERMS if time_key(k) in res)
 
 
 def feasible(res: dict[str, np.ndarray]) -> np.ndarray:
@@ -43,7 +35,7 @@ def term_seconds_per_token(res: dict[str, np.ndarray], rows) -> dict[str, np.nda
     """Seconds per token of each step-time term at ``rows`` (term seconds / tokens per step;
     tokens per step = tokens/s x step time)."""
     tokens = res["tokens_per_s"][rows] * res["time_per_step_s"][rows]
-    return {k: res[f"time_{k}"][rows] / tokens for k in terms(res)}
+    return {k: res[time_key(k)][rows] / tokens for k in terms(res)}
 
 
 def separating_terms(res: dict[str, np.ndarray], rows: np.ndarray, best: int) -> list[tuple[str, float]]:

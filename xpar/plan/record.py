@@ -11,13 +11,22 @@ from typing import Optional
 
 import numpy as np
 
-from xpar.estimate.cost import TIME_TERMS
+from xpar.config.recorded import resolved_config
+from xpar.estimate.report import layout_name
+from xpar.estimate.terms import AXIS_TIME_TERMS, TIME_TERMS, time_key
+from xpar.plan.explain import device_name, explain, label
 from xpar.plan.groups import group_ranks
+from xpar.plan.rank import describe_gap, pareto_front, separating_terms
+from xpar.plan.show import cluster_lines, dropped_lines
+from xpar.track import side_process
+from xpar.track.naming import ui_hint
+from xpar.track.runs import mlflow_run, recording
+from xpar.track.sweep import sweep_tags
 
 GB = 1e9
 CSV_COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload", "tokens_per_s",
                "tokens_per_s_per_device", "mfu", "bubble_ratio", "time_per_step_s", "memory_total",
-               "memory_usable", "host_bytes") + tuple(f"time_{k}" for k in TIME_TERMS)
+               "memory_usable", "host_bytes") + tuple(map(time_key, TIME_TERMS))
 """Columns of plan_ranked.csv (seconds, bytes, fractions), after ``rank``; then cp, ep, dtype and the cp/ep
 terms where the plan searched them (:func:`csv_columns`), ``group`` (the rank of its degree group,
 :mod:`xpar.plan.groups`) and ``separates``."""
@@ -25,13 +34,12 @@ terms where the plan searched them (:func:`csv_columns`), ``group`` (the rank of
 
 def csv_columns(res: dict) -> tuple[str, ...]:
     """:data:`CSV_COLUMNS` plus the cp/ep/dtype columns and time terms ``res`` holds."""
-    extra = ("cp", "ep", "dtype", "time_cp_comm", "time_ep_comm", "time_ep_imbalance")
+    extra = ("cp", "ep", "dtype") + tuple(map(time_key, AXIS_TIME_TERMS))
     return CSV_COLUMNS + tuple(k for k in extra if k in res)
 
 
 def write_ranked_csv(plan, path: Path) -> Path:
     """Every layout that fits, best first, with the term separating it from the best."""
-    from xpar.plan.rank import describe_gap, separating_terms
     r, rows = plan.res, plan.ranked
     gaps = separating_terms(r, rows, plan.best)
     names = csv_columns(r)
@@ -50,8 +58,6 @@ def pareto_figure(plan, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from xpar.plan.explain import device_name
-    from xpar.plan.rank import pareto_front
     r, rows = plan.res, plan.ranked
     mem, tps = r["memory_total"][rows] / GB, r["tokens_per_s"][rows]
     front = pareto_front(mem, tps)
@@ -87,8 +93,6 @@ def plan_metrics(plan) -> dict[str, float]:
 
 def write_artifacts(plan, line: str, out_dir: Path) -> list[Path]:
     """plan_ranked.csv, plan_dropped.csv, plan.txt and plan_pareto.png in ``out_dir``."""
-    from xpar.plan.explain import explain
-    from xpar.plan.show import cluster_lines, dropped_lines
     out_dir.mkdir(parents=True, exist_ok=True)
     dropped = out_dir / "plan_dropped.csv"
     with open(dropped, "w", newline="") as f:
@@ -114,18 +118,13 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
     """One MLflow run for the plan (see the module docstring), with ``executed`` (the top layouts
     run for real: plan_execute.csv, ``plan/execute_<k>_*`` metrics), a child of ``sweep``'s parent
     run in a multirun (xpar.track.sweep.sweep_tags); prints where it went."""
-    from xpar.config.recorded import resolved_config
-    from xpar.plan.explain import label
-    from xpar.track.naming import ui_hint
     config = resolved_config(cfg, spec)  # params: the winner's layout resolved, never the unused defaults
     config["run"]["mode"] = "plan"
     config.pop("hydra", None)
-    from xpar.estimate.report import layout_name
     tags = {"xpar.mode": "plan", "xpar.model": plan.ctx.model["name"], "xpar.hardware": plan.ctx.hardware["name"],
             "xpar.layout": layout_name(spec),  # the winner's (xpar compare's layout column)
             "xpar.plan_top": label(plan.res, plan.best), "xpar.plan_command": line[:5000],
             "mlflow.note.content": f"xpar plan: every valid layout ranked by the cost model (estimates).\n\n{line}"}
-    from xpar.track.sweep import sweep_tags
     tags.update(sweep_tags(sweep))
     name = f"{plan.ctx.model['name']}·plan·{plan.devices} devices" + (f" #{sweep['job_num']}" if tags.get(
         "xpar.job_num") else "")
@@ -137,7 +136,6 @@ def record_plan(plan, spec, cfg, line: str, out_dir: Path, start_dir: Path, exec
         for k, row in enumerate(executed, 1):
             points.update({f"plan/execute_{k}_estimated_tokens_per_s": row["estimated_tokens_per_s"],
                            f"plan/execute_{k}_measured_tokens_per_s": row["measured_tokens_per_s"]})
-    from xpar.track import side_process
     experiment_id, run_id, uri = side_process.call(log_plan, spec, config, start_dir, tags, name, out_dir, points,
                                                    paths)
     plan.run_id = run_id
@@ -157,7 +155,6 @@ def log_plan(spec, config: dict, start_dir: Path, tags: dict, name: str, out_dir
 
     import mlflow
 
-    from xpar.track.runs import mlflow_run, recording
     with mlflow_run(spec, config, start_dir, tags, name, out_dir) as run:
         with recording(run):
             now = int(time.time() * 1000)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xpar.estimate.columns.stage_split import split_fields
+from xpar.plan.explain import device_name, explain
 from xpar.plan.groups import differing_axes, group_heads, ties
 from xpar.plan.rank import describe_gap, separating_terms
 from xpar.plan.space import RULES
@@ -46,9 +48,8 @@ def override_line(plan) -> str:
 
 def split_overrides(n_layers: int, pp: int, v: int, preset: bool) -> list[str]:
     """``parallel.first_stage_layers=F parallel.last_stage_layers=L`` where pp x v does not divide
-    the blocks (:func:`xpar.plan.vsplit.split_fields`); both ``null`` where the split is even but a
+    the blocks (:func:`xpar.estimate.columns.stage_split.split_fields`); both ``null`` where the split is even but a
     ``parallel=`` preset may set them (conf/parallel/deepseek_v3_2048gpu.yaml does); else none."""
-    from xpar.plan.vsplit import split_fields
     fields = split_fields(n_layers, pp, v)
     if not fields and not preset:
         return []
@@ -61,7 +62,6 @@ def ranked_table(plan):
     ``plan.tie_within`` marked), the layouts in the group, and what separates it from the best."""
     from rich.table import Table
 
-    from xpar.plan.explain import device_name
     r = plan.res
     heads, sizes = group_heads(r, plan.ranked)
     top, sizes = heads[:plan.inputs.top_k], sizes[:plan.inputs.top_k]
@@ -146,7 +146,6 @@ def print_plan(plan, line: str) -> None:
     """Everything above, on the console."""
     from rich.console import Console
 
-    from xpar.plan.explain import explain
     console = Console(width=max(200, Console().width))
     console.print(ranked_table(plan))
     for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware):

@@ -1,30 +1,15 @@
 """The layouts a plan considers: every combination of the degrees and choices, minus those that
 break a rule, each dropped layout counted under the first rule it breaks.
 
-The raw space is the product of these axes (numpy, no torch):
+The raw space is the product of: tp, pp, cp (divisors of the device count N and
+``Constraints.cp``; dp = N / (tp pp cp)), ep and the dtype (``Constraints``); the global batch
+(fixed, or lo, hi and the powers of two between); micro-batch sizes dividing it; (schedule, v)
+pairs of :data:`xpar.config.layout.SCHEDULES`; ZeRO 0-3, sp, the recompute policies and offload.
+m = B / (b dp). The pp v stages split evenly or with lighter ends (xpar.estimate.columns.stage_split).
 
-- tp, pp and cp: the divisors of the device count N and the cp degrees of ``Constraints.cp``
-  (dp = N / (tp pp cp)); ep (``Constraints.ep``: expert parallelism inside dp x cp, adds no
-  ranks) and the training dtype (``Constraints.dtypes``; xpar.plan.axes gives the defaults);
-- global batch B (sequences): fixed, or a range [lo, hi] tried at lo, hi and the powers of two
-  between;
-- micro-batch size b: the divisors of B up to ``max_micro_batch_size``;
-- (schedule, v): every schedule of :data:`xpar.config.layout.SCHEDULES` with its stages per rank
-  (1; 2 for V-shaped ones; every divisor >= 2 of n_layers for looped ones);
-- ZeRO stage 0-3, sequence parallelism off/on, the recompute policies of ``Constraints.recompute``
-  (xpar.config.remat.PLAN_RECOMPUTE by default), optimizer offload
-  off/on (``framework.cpu_offload_optimizer``, xpar.estimate.offload).
-
-m = B / (b dp) is derived. The pp x v stages split the blocks evenly where they divide them, else
-with lighter ends (xpar.plan.vsplit: ceil(n_layers / (pp v)) blocks on every stage between, the
-first and last sharing the rest, as BLOOM 176B's 5, 10 x 6, 5 and Megatron-LM's
---decoder-first/last-pipeline-num-layers). The rules (:data:`RULES`, in the order they are applied) are those
-:mod:`xpar.config.validate` enforces for a layout (xpar.config.checks.layout: tp splits, a pipeline
-split that exists, the schedule's micro-batch rule, selective recompute with zero-bubble schedules, sequence
-parallelism's sequence split), the user's constraints, and duplicates (layouts that run the same
-as one kept: pp = 1 runs no schedule, ZeRO at dp = 1 shards nothing (stage 0 kept, stage 1 for an
-offloaded optimizer, which DeepSpeed runs at stages 1-3 only), ZeRO-3 under zero-bubble
-schedules runs as ZeRO-2, :func:`xpar.config.layout.zero_stage_run`).
+The rules (:data:`RULES`, in order) are those :mod:`xpar.config.validate` enforces for a layout,
+the user's constraints, and duplicates (layouts that run the same as one kept:
+:func:`xpar.config.layout.zero_stage_run`). numpy only, no torch.
 """
 from __future__ import annotations
 
@@ -34,9 +19,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
-
 from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
-from xpar.plan.vsplit import splittable
+from xpar.estimate.columns.stage_split import splittable
+from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
+
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
@@ -57,7 +43,7 @@ RULES = {
     "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
     "schedule": "schedule not in plan.schedules",
     "balanced": "pp x v stages split n_layers neither evenly nor with lighter ends (ceil(n_layers / (pp v)) "
-                "blocks on each stage between leave fewer than 0 for the first and last; xpar.plan.vsplit)",
+                "blocks on each stage between leave fewer than 0 for the first and last; xpar.estimate.columns.stage_split)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
@@ -280,7 +266,6 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
-    from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
     keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if k != "dtype" or c.dtypes]
     return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by)
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import shlex
 
+from xpar.config.checks import ConfigError
+from xpar.config.presets import conf_dir
+from xpar.config.validate import validate
+from xpar.estimate.columns.stage_split import plan_split
+
 
 def compose_line(line: str):
     """The config Hydra composes for ``python -m xpar <overrides>`` (inside a running Hydra app
@@ -11,7 +16,6 @@ def compose_line(line: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from xpar.config.presets import conf_dir
     overrides = shlex.split(line)[3:]  # after 'python -m xpar'
     if GlobalHydra.instance().is_initialized():
         return compose(config_name="config", overrides=overrides)
@@ -22,13 +26,9 @@ def compose_line(line: str):
 def composed_spec(line: str, want: dict):
     """(RunSpec, None) when ``line`` composes, validates (:func:`xpar.config.validate.validate`: every
     rule, as a run checks it) and resolves to the layout ``want`` (a candidate row,
-    :func:`xpar.plan.context.row`; its pipeline split :func:`xpar.plan.vsplit.plan_split`'s); else
+    :func:`xpar.plan.context.row`; its pipeline split :func:`xpar.estimate.columns.stage_split.plan_split`'s); else
     (None, the problem in words). Whether it fits and its figures are the vectorised cost model's, equal to the scalar one's (tests/test_plan_vector.py,
     tests/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
-    from xpar.config.checks import ConfigError
-    from xpar.config.validate import validate
-    from xpar.plan.vsplit import plan_split
-
     try:
         spec = validate(compose_line(line))
     except ConfigError as e:
@@ -41,7 +41,7 @@ def composed_spec(line: str, want: dict):
     got.update({k: v for k, v in (("cp", lay.cp), ("ep", lay.ep), ("dtype", spec.train.dtype)) if k in want})
     if lay.pp == 1:  # no pipeline: the schedule does not matter
         got.update(schedule=want["schedule"], v=want["v"])
-    got["layer_split"] = list(lay.layer_split)  # even, else lighter ends (xpar.plan.vsplit)
+    got["layer_split"] = list(lay.layer_split)  # even, else lighter ends (xpar.estimate.columns.stage_split)
     want = dict(want, layer_split=plan_split(spec.model.n_layers, lay.pp * lay.virtual_stages))
     diff = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
     return (spec, None) if not diff else (None, f"it resolves to another layout: {diff} (got, wanted)")

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from xpar.config.checks import ConfigError
 from xpar.config.recorded import resolved_config
 from xpar.config.spec import RunSpec
-from xpar.estimate.fit import check_run
+from xpar.estimate.preflight import check_run
 from xpar.estimate.report import Report, layout_name, print_report
 from xpar.track.plots import record_step_split, record_timeline
 
@@ -265,7 +265,7 @@ def _uri() -> str:
 
 def _run_estimate(job: Job) -> Report:
     try:
-        from xpar.estimate.run import estimate_report
+        from xpar.estimate.estimate_mode import estimate_report
     except ImportError:
         fail("  - run.mode=estimate is not available yet in this build; use hardware=local.")
     from xpar.estimate.dryrun import PlanError

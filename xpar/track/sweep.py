@@ -60,7 +60,7 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
 
     from xpar.config.checks import ConfigError
     from xpar.config.cluster import submitit_task_problems
-    from xpar.estimate.fit import check_run
+    from xpar.estimate.preflight import check_run
 
     jobs, _ = job_overrides(config)
     loader = GlobalHydra.instance().config_loader()

@@ -1,18 +1,14 @@
-"""Does a layout fit memory? The checks run after validation (:mod:`xpar.config.validate`) and
-before any worker starts: device memory in estimate mode, host memory for local CPU runs;
-and the layouts on the same devices that would fit.
+"""Does a layout fit memory? The checks after validation (:mod:`xpar.config.validate`) and before
+any worker starts: device memory in estimate mode, host memory for local CPU runs, and the layouts
+on the same devices that would fit.
 
-The peak is the cost model's (:func:`xpar.estimate.memory.memory`, every term named: params,
-grads, optimizer, activations, comm_buffers, framework_overhead) on the most loaded pipeline
-rank, under the :class:`~xpar.estimate.cost.Assumptions` of the hardware
-(:func:`assumptions_for`). A layout that does not fit is refused before anything runs, with
-the stage and ranks over the limit, by how much, and the alternatives that fit -- found by
-changing the ZeRO stage, recomputation, sequence parallelism, the micro-batch size (global
-batch kept) and the tp/pp degrees (world size kept), one change at a time and then
-combined, each candidate checked by :func:`xpar.config.validate.validate` itself.
+The peak is the cost model's (:func:`xpar.estimate.memory.memory`) on the most loaded pipeline
+rank. A layout that does not fit is refused with the stage and ranks over the limit, by how much,
+and the alternatives that fit (ZeRO stage, recompute, sequence parallelism, micro-batch size, tp/pp
+degrees; one change at a time, then combined, each validated).
 
-:func:`check_run` is what the entry point, the sweep pre-flight and the tests call:
-validation, then these checks, every refusal a :class:`~xpar.config.checks.ConfigError`.
+:func:`check_run` is what the entry point, the sweep pre-flight and the tests call. Errors: every
+refusal a :class:`~xpar.config.checks.ConfigError`. Units: bytes.
 """
 from __future__ import annotations
 
@@ -23,18 +19,15 @@ from typing import Optional
 
 from xpar.config.checks import ConfigError
 from xpar.config.checks.hardware import load_hardware_preset
+from xpar.config.presets import conf_dir, presets
+from xpar.config.schema import RunConfig, XparConfig
 from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.duration import duration_problems
 from xpar.estimate.memory import MemoryEstimate
-from xpar.estimate.model_states import (
-    MEMORY_TERMS,
-    STATE_BYTES,
-    peak_ranks,
-    state_widths,
-)
+from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
 from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
 
 GB = 1e9
@@ -154,8 +147,6 @@ def _bigger_hardware(spec: RunSpec, states: float) -> list[str]:
     """Up to three hardware presets with more devices than ``spec`` whose devices hold the model
     states (``states`` bytes, ZeRO-3 over every device) in under half their memory, smallest
     first, each with a parallel preset written for it where there is one."""
-    from xpar.config.presets import presets
-
     bigger = []
     for name in presets("hardware"):
         if name == "local" or name.startswith("calibrated_"):
@@ -177,7 +168,6 @@ def _presets_for(hardware: str, model: str) -> list[str]:
     """Parallel presets whose reference_hardware is ``hardware``, those named for ``model`` first."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir, presets
     out = []
     for name in presets("parallel"):
         node = OmegaConf.load(conf_dir() / "parallel" / f"{name}.yaml")
@@ -238,8 +228,6 @@ def _label(pchg: dict, tchg: dict, global_batch: int) -> str:
 def variant(spec: RunSpec, pchg: dict, tchg: dict, hwchg: Optional[dict] = None):
     """The estimate-mode XparConfig of ``spec`` with parallel (``pchg``), train (``tchg``) and
     hardware (``hwchg``) fields changed; dp and micro-batches auto, the global batch kept."""
-    from xpar.config.schema import RunConfig, XparConfig
-
     par = replace(spec.parallel, dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
     if "tp" in pchg or "pp" in pchg:
         par.layer_split = None
@@ -332,8 +320,6 @@ def _smaller(spec: RunSpec) -> str:
 def _cluster_for(spec: RunSpec) -> str:
     """A hardware preset to estimate ``spec`` on: its parallel preset's reference cluster, else
     the smallest preset whose device count tp x pp divides (so that dp=auto resolves)."""
-    from xpar.config.presets import presets
-
     if spec.parallel.reference_hardware:
         return spec.parallel.reference_hardware
     sized = []

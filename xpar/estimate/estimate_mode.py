@@ -2,42 +2,14 @@
 fake-process-group dry run of the real engine factory.
 
 The Report has the fields and metric names of a measured run (xpar.estimate.report), with
-``mode='estimate'``:
+``mode='estimate'``: throughput and MFU from :func:`xpar.estimate.cost.estimate`; memory by term
+(``memory/<term>_bytes``) on the most loaded device; ``estimate/time_<term>_s``; the fit
+(``estimate/memory_fits``, headroom, peak pipeline rank); the dry run's parameter bytes against
+the cost model's (``estimate/dryrun_*``); an offloaded optimizer's parts (``estimate/offload_*``);
+the bubble (``pipeline/bubble_ratio``, ``_theory``); ``comm/<group>_<collective>_bytes``.
+Notes: the cost model's notes. Artifacts: memory per pipeline rank and the step-time breakdown.
 
-- throughput: ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` (model FLOPs), ``mfu``,
-  ``hfu`` from :func:`xpar.estimate.cost.estimate` (the slowest pipeline rank);
-- memory: ``peak_bytes_per_device`` = the total of the most loaded device (pipeline rank and
-  dp rank, ``peak_rank`` its first global rank), broken down into params, grads, optimizer,
-  activations, comm_buffers and framework_overhead (each logged as ``memory/<term>_bytes``);
-- ``estimate/time_<term>_s``: the step time by term (matmul, memory_bound, tp_comm, pp_comm,
-  bubble, dp_comm_exposed, optimizer; they sum to the step time);
-  ``estimate/hw_tflops_per_device``; ``estimate/memory_fits`` (1/0),
-  ``estimate/device_memory_bytes``, ``estimate/memory_headroom_bytes`` (device memory - peak),
-  ``estimate/peak_pp_rank``, ``estimate/microbatches_in_flight`` (on the peak pipeline rank),
-  the memory sub-terms of :func:`memory_detail_metrics`;
-- ``estimate/dryrun_param_bytes`` and ``estimate/analytic_param_bytes``: parameter bytes held
-  per device (as ``memory/params_bytes``) on the estimate's most loaded device, built by torch
-  and counted by the cost model; ``estimate/dryrun_param_bytes_diff``: the largest difference in
-  params or grads bytes over the ranks built; ``estimate/dryrun_ranks``, ``estimate/dryrun_s``
-  (per-rank detail in the artifact ``dryrun.json``);
-- an offloaded optimizer (``framework.cpu_offload_optimizer``, xpar.estimate.offload):
-  ``estimate/offload_<part>_s`` for each of :data:`xpar.estimate.offload.OFFLOAD_TERMS`
-  (grad_to_host, grad_to_host_exposed, host_step, param_to_device, exposed; seconds per step)
-  and ``estimate/offload_host_bytes`` (host memory per node);
-- pipelined layouts: ``pipeline/bubble_ratio`` (the cost model's) and
-  ``pipeline/bubble_ratio_theory`` (closed form, or torch's action list replayed with uniform
-  stage times where the schedule has none);
-- ``comm/<group>_<collective>_bytes``: PAYLOAD bytes per step per device, as measured runs
-  count them (the all-reduced buffer; the gathered output; the reduce-scattered input), and
-  ``comm/<group>_ring_bytes``: the bytes a ring implementation sends per device for them
-  (2(n-1)/n and (n-1)/n of the payload); ``comm/pp_send_recv_bytes``: bytes sent to the
-  neighbouring stages.
-
-Notes: the cost model's notes (:attr:`xpar.estimate.cost.Estimate.notes`, e.g. the offloaded
-step's parts) are the Report's ``notes``: printed under the table and, in a tracked run,
-appended to the run's ``xpar.notes`` tag after the spec's own notes (xpar.run.job).
-
-Artifacts: two figures (memory per pipeline rank, step-time breakdown), titled as estimates.
+Metric list: docs/reference/metrics.md. Units: seconds, bytes, fractions.
 """
 from __future__ import annotations
 
@@ -49,7 +21,8 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.comm import ring_factor
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.estimate.dryrun import PlanError
+from xpar.estimate.dryrun import PlanError, dry_run, representative_ranks
+from xpar.estimate.figures import write_figures
 from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.offload import OFFLOAD_TERMS
 from xpar.estimate.report import Report, layout_name, zero_paper_bytes
@@ -155,8 +128,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
     if spec.dry_run:
-        from xpar.estimate.dryrun import dry_run, representative_ranks
-
         coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
@@ -187,8 +158,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
 
 
 def _figures(spec: RunSpec, est, out_dir: Path) -> list[Path]:
-    from xpar.estimate.figures import write_figures
-
     per_rank = [peak_memory(spec, r) for r in range(spec.pp)]
     label = f"model={spec.model.name} {layout_name(spec)} on {spec.hardware.name} ({spec.world_size} devices)"
     return write_figures(per_rank, est.time_breakdown, label, out_dir)

@@ -1,32 +1,15 @@
 """Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.memory` over
-candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
+candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate (relative 1e-9).
 
-No memory formula is written twice. Each sub-result comes from the scalar function itself, once
-per distinct key of the few columns it depends on (grouping on a representative candidate of
-each group), and is combined with array arithmetic:
+Each sub-result comes from the scalar function, once per distinct key of the columns it depends
+on, combined with array arithmetic: model states and their buffers per (tp, pp, placement, dp,
+ZeRO stage, deferred reduction) and rank class (:func:`_state_table`); one stage's activations per
+(tp, sp, recompute, autocast, stages), scaled by b (:func:`_stage_table`); the schedule's peak as
+live micro-batch chunks per (schedule, pp, m, v) and rank, in closed form per schedule
+(:func:`_closed_entries`) or from the action list; pipeline buffers and token ids as formulas.
 
-- model states and the buffers they size (:func:`~xpar.estimate.memory.held_state_terms`,
-  :func:`~xpar.estimate.memory.state_buffer_terms`): per (tp, pp, stage placement, dp, ZeRO
-  stage, deferred reduction, v where pp x v does not divide the blocks) and rank class (holds the
-  first stage, the last, both, neither: with even or lighter-ends splits, xpar.plan.vsplit, the
-  parameters of a rank depend on nothing else; for blocks of different sizes the middle rank with
-  the most state bytes, an upper bound: :func:`_state_table`);
-- one stage's activations for one micro-batch (:func:`~xpar.estimate.memory.stage_bytes`): per
-  (tp, sp, recompute, autocast, stages), scaled by b, and stage class (first, middle, last, only);
-- the schedule's peak (the rule of :func:`~xpar.estimate.memory._walk`): per (schedule, pp, m,
-  v) and rank, the live micro-batch chunks (all, of the first stage, of the last stage) at each
-  forward and backward where the walk takes a maximum, reduced to the rows that can be one (rows
-  and ranks dominated dropped, xpar.plan.vsplit.prune_modes), times each candidate's bytes per
-  chunk, all (candidate, rank) pairs in one batch; rows in closed form per schedule
-  (:func:`_closed_entries`), equal to the walk over the action lists (tests/test_plan_memory.py);
-- pipeline buffers and token ids (:func:`~xpar.estimate.memory.p2p_buffer_bytes`,
-  :func:`~xpar.estimate.memory.token_id_bytes`) as array formulas.
-
-Like the scalar :func:`~xpar.estimate.memory.memory`, the result is the pipeline rank with the
-largest total (the first on ties), on its most loaded dp rank. No torch import (parameter
-shapes: :func:`xpar.estimate.memory.param_shapes`). Speed, GPT-3 175B on 1024 A100 (55,344
-layouts of xpar.plan.space at global batch 1536, every framework profile, 2 cores shared at load
-2-4): first call in a process 0.29-0.47 s (117k-194k layouts/s), repeated 0.08-0.14 s (400k-680k/s).
+Returns the pipeline rank with the largest total (the first on ties) on its most loaded dp rank,
+keys :data:`xpar.estimate.terms.COLUMN_MEMORY_KEYS`. Units: bytes. No torch import.
 """
 from __future__ import annotations
 
@@ -40,13 +23,14 @@ from xpar.config.remat import RECOMPUTE as _RECOMPUTE
 from xpar.config.spec import RunSpec
 from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
+from xpar.estimate.columns.mixed_blocks import blocks_vary
+from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
+from xpar.estimate.cost import assumptions_for
 from xpar.estimate.offload import host_columns
-from xpar.plan.vblocks import blocks_vary
-from xpar.plan.vsplit import memory_spec, prune_modes, split_key
+from xpar.estimate.schedule import schedule_actions
+from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 
-KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
-        "memory_framework_overhead", "memory_total", "memory_pp_rank", "memory_usable", "fits",
-        "optimizer_elements", "host_bytes", "host_fits")
+KEYS = COLUMN_MEMORY_KEYS
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
 :data:`xpar.estimate.memory.MEMORY_TERMS` (bytes), the total (bytes), the pipeline rank it is on,
 the usable bytes of a device and whether the total fits in them; the optimizer's elements on that
@@ -143,9 +127,9 @@ def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple
     """Per group of (tp, pp, placement, dp, ZeRO stage, m > 1, offload) and rank class: bytes of
     (params less autocast's copies, grads, optimizer, model-state buffers) and the optimizer's
     elements on the rank's most loaded dp rank -- the scalar functions on a representative
-    candidate. v only where pp x v does not divide the blocks (:func:`xpar.plan.vsplit.split_key`):
+    candidate. v only where pp x v does not divide the blocks (:func:`xpar.estimate.columns.stage_split.split_key`):
     with even stages a rank holds n_layers / pp blocks whatever v, and the embedding or the output
-    by its class. Where a MoE model's dense blocks sit on some middle ranks (xpar.plan.vblocks.blocks_vary),
+    by its class. Where a MoE model's dense blocks sit on some middle ranks (xpar.estimate.columns.mixed_blocks.blocks_vary),
     the middle rank with the most state bytes stands for all: an upper bound, exact where the middle
     ranks peak on as many live chunks (DualPipeV; ZBV at m >= 2 pp - 2) or the heaviest on the most.
     Returns (table [groups, 4 classes, 5], group of each candidate); NaN where a class is absent."""
@@ -241,8 +225,6 @@ def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[t
     list (:func:`_rank_events`): F rows (forwards: the kept peak and autocast's copies), A rows
     with type 3 x kind + stage class (every event: the peak with transients), each reduced by
     :func:`_maximal` within its type."""
-    from xpar.estimate.schedule import schedule_actions
-
     acts = schedule_actions(schedule, pp, m, v)
     layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=m, seq_len=1,
                     layer_split=(1,) * (pp * v), schedule=schedule)
@@ -338,7 +320,7 @@ def _interleaved_entries(items: list[tuple], by_middle: bool = False) -> list[tu
     gains q forwards and q releases): the events are the warm-up, lag + q v steady steps and
     the drain. A rank holds the first or the last stage, not both: rows reduce in 2-d, on (all,
     held) chunks, or with ``by_middle`` on (all - held, held), which keeps every maximum of non-negative
-    bytes per middle and per end chunk (lighter ends: xpar.plan.vsplit.prune_modes)."""
+    bytes per middle and per end chunk (lighter ends: xpar.estimate.columns.stage_split.prune_modes)."""
     k, pp, m, v, zb = (np.array([it[i] for it in items], dtype=np.int64) for i in range(5))
     q, total, w, lag = m // np.maximum(1, m // pp), v * m, _interleaved_warmup(k, pp, m, v, zb), k * zb
     seg_f, n_fwd = _ragged(np.ones_like(m), np.minimum(total, w + lag + q * v) + 1)
@@ -420,7 +402,7 @@ def _rows_of(keys: list[tuple], prune: int) -> list[dict]:
 def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: int) -> dict[str, np.ndarray]:
     """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
     one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). ``prune``
-    (xpar.plan.vsplit.prune_modes): 0 none; 1 (every coefficient >= 0) rows and ranks dominated
+    (xpar.estimate.columns.stage_split.prune_modes): 0 none; 1 (every coefficient >= 0) rows and ranks dominated
     dropped (a rank when an earlier one of the same class dominates all its rows: never the
     first maximum); 2 the same in the middle-chunk basis where a closed form holds, else none."""
     key = (schedule, pp, m, v, prune)
@@ -510,7 +492,7 @@ def _pipelined(ctx: dict, c: dict, out: dict) -> None:
     """Candidates with pp > 1: every rank of :func:`_walk_rows` of each candidate's (schedule,
     pp, m, v), as (candidate, rank) pairs: peaks as products of the rank's rows with the
     candidate's bytes per chunk, then the first rank with the largest total (the scalar loop).
-    Rows pruned as :func:`xpar.plan.vsplit.prune_modes` allows (:func:`_walk_rows`)."""
+    Rows pruned as :func:`xpar.estimate.columns.stage_split.prune_modes` allows (:func:`_walk_rows`)."""
     pipe = np.flatnonzero(c["pp"] > 1)
     coef = (_coefficients(ctx["stab"], 0), _coefficients(ctx["stab"], 3))
     vsh = np.array([SCHEDULES[s].v_shaped for s in _SCHED], dtype=bool)[c["sched"][pipe]]
@@ -571,8 +553,6 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     Raises:
         ValueError: a schedule or recompute name that xpar does not know.
     """
-    from xpar.estimate.cost import assumptions_for
-
     o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
     bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])

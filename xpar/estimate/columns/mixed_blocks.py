@@ -1,18 +1,12 @@
-"""FSDP unit times of models whose blocks differ in size: a MoE model with dense leading blocks
-(model.first_dense_layers: DeepSeek-V3's 3 of 61), whose dp collectives per unit then depend on
-which blocks a pipeline rank holds.
+"""FSDP unit times of models whose blocks differ in size (a MoE model with dense leading blocks,
+``model.first_dense_layers``), whose dp collectives per unit depend on the blocks a rank holds.
 
-:mod:`xpar.plan.vtime` times one root and one block per rank class, every block alike; here,
-where :func:`blocks_vary`, each representative rank's own units (:func:`xpar.estimate.dp.unit_elements`
-of the candidate's placement) are timed by :func:`xpar.estimate.dp.unit_times` -- the scalar
-estimate's own call -- once per distinct (dp, tp, ZeRO stage, pp, v, placement, slot). The middle
-slot stands for the middle rank the scalar estimate takes as the slowest where a middle rank is:
-below ZeRO-3 under pp no dp time is exposed per micro-batch (xpar.estimate.dp.dp_exposure), the
-middle ranks (their blocks as many, lighter ends or not) tie and the first, rank 1, is taken,
-whatever dense blocks it holds (DeepSeek-V3's 61 layers over pp 16: rank 1 holds layers 1-2 dense,
-57-58 MoE). Under ZeRO-3 it is the middle rank holding the most MoE blocks, taken as the slowest
-in dp time; the pipeline fill then counts every middle rank at that rank's dp time, an upper bound
-where middle ranks hold dense blocks (pp above n_layers / first_dense_layers). Units: seconds.
+Where :func:`blocks_vary`, each representative rank's own units
+(:func:`xpar.estimate.dp.unit_elements` of the candidate's placement) are timed by
+:func:`xpar.estimate.dp.unit_times` -- the scalar estimate's own call -- once per distinct (dp, tp,
+ZeRO stage, pp, v, placement, slot). The middle slot is the middle rank the scalar estimate takes
+as the slowest (below ZeRO-3 under pp: rank 1; under ZeRO-3 the middle rank with the most MoE
+blocks). Units: seconds.
 """
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ from xpar.config.remat import RECOMPUTE
 from xpar.estimate.dp import unit_elements, unit_times
 
 UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
-"""Keys of the unit-time lists (and of xpar.plan.vtime's columns) -> xpar.estimate.dp.unit_times keys."""
+"""Keys of the unit-time lists (and of xpar.estimate.columns.step_time's columns) -> xpar.estimate.dp.unit_times keys."""
 
 
 def blocks_vary(base) -> bool:
@@ -35,7 +29,7 @@ class UnitTimes:
     """Memoised unit times of representative ranks (:func:`slot_rank_moe`) for one base spec."""
 
     def __init__(self, base, assume, spec_at):
-        """``spec_at``: :func:`xpar.plan.vtime.spec_at` (passed in: vtime imports this module)."""
+        """``spec_at``: :func:`xpar.estimate.columns.step_time.spec_at` (passed in: step_time imports this module)."""
         self.base, self.assume, self.spec_at, self.memo = base, assume, spec_at, {}
 
     def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
@@ -50,7 +44,7 @@ class UnitTimes:
 
 
 def slot_rank_moe(layout, slot: int, cfg, zero: int = 3) -> int:
-    """The pipeline rank a slot (xpar.plan.vtime.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
+    """The pipeline rank a slot (xpar.estimate.columns.step_time.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
     0; the first middle rank at ZeRO ``zero`` below 3 (module docstring), else the middle rank holding
     the most MoE blocks (``cfg.is_moe_layer``; first on ties); the last rank."""
     pp = layout.pp

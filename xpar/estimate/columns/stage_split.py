@@ -6,7 +6,7 @@ blocks over 12 stages), which the config states as ``parallel.first_stage_layers
 dropped by the space's rule ``balanced`` (xpar.plan.space).
 
 Here: one candidate's split and the config keys that state it (scalar), and the same as numpy
-arrays over candidates for the vectorised cost model (xpar.plan.vmemory, vtime, vfive): blocks
+arrays over candidates for the vectorised cost model (xpar.estimate.columns.peak_memory, step_time, cp_ep): blocks
 on each pipeline rank class, a grouping key, and how the memory model may prune its schedule
 rows. Units: blocks (transformer layers). No torch import.
 """
@@ -67,7 +67,7 @@ def splittable(n_layers: int, n_stages: np.ndarray) -> np.ndarray:
 
 
 def rank_blocks(n_layers: int, pp: np.ndarray, v: np.ndarray, v_shaped: np.ndarray) -> np.ndarray:
-    """Blocks held by rank 0, a middle rank and the last rank (xpar.plan.vtime's slots, axis 0)
+    """Blocks held by rank 0, a middle rank and the last rank (xpar.estimate.columns.step_time's slots, axis 0)
     of each candidate (axis 1; v resolved, 1 without pipelining): loop placement, rank 0 the first
     stage and v - 1 middle ones, the last rank the last stage and v - 1 middle ones; V placement
     (``v_shaped``: zbv, dualpipev), rank 0 both end stages; every middle rank v middle stages.
@@ -96,7 +96,7 @@ def split_key(n_layers: int, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def prune_modes(coef: tuple, stab: np.ndarray, grp: np.ndarray, simple: np.ndarray) -> np.ndarray:
-    """How xpar.plan.vmemory may prune each candidate's schedule rows (live chunks: all, of the
+    """How xpar.estimate.columns.peak_memory may prune each candidate's schedule rows (live chunks: all, of the
     first stage, of the last) to those no other row dominates (its closed forms): 1 where every
     coefficient of its bytes per chunk (``coef``: the kept and the copies' (middle, first -
     middle, last - middle) per stage group) is >= 0, or where its ranks are ``simple`` (one stage
@@ -112,7 +112,7 @@ def prune_modes(coef: tuple, stab: np.ndarray, grp: np.ndarray, simple: np.ndarr
 
 
 def memory_spec(base, c: dict, i: int):
-    """The RunSpec of candidate ``i`` of xpar.plan.vmemory's int columns ``c`` as the memory model
+    """The RunSpec of candidate ``i`` of xpar.estimate.columns.peak_memory's int columns ``c`` as the memory model
     reads it (layout, parallel and train groups, the split of :func:`plan_split`; the rest from
     ``base``), built without validation."""
     tp, pp, dp, b, m, v, z = (c[k][i].item() for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))

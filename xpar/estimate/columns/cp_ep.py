@@ -7,9 +7,9 @@ reduce-scatters (``_with_cp_comm``), and an ep layout as the layout with E / ep 
 (``Layout.ep``: the memory model's expert states, the FSDP units' sizes) plus its all-to-alls and
 router imbalance (``_with_ep_comm``, :func:`xpar.estimate.expert_parallel.ep_terms`, on the folded
 layout). Here the candidates are grouped by (cp, ep, dtype); each group's folded columns go through
-the planner's own vectorised time and memory (:mod:`xpar.plan.vtime`, :mod:`xpar.plan.vmemory`)
+the planner's own vectorised time and memory (:mod:`xpar.estimate.columns.step_time`, :mod:`xpar.estimate.columns.peak_memory`)
 with a base spec of that group (its dtype, ep and cp), then the ep and cp terms are added, each
-from the scalar functions once per distinct key (:func:`xpar.plan.vtime.by_key`), and the rates
+from the scalar functions once per distinct key (:func:`xpar.estimate.columns.step_time.by_key`), and the rates
 rescaled (every rate is a count over the step time). tests/test_plan_five.py checks the
 figures against the scalar estimate on sampled candidates. Units: seconds, bytes, tokens/s.
 """
@@ -19,15 +19,15 @@ from dataclasses import replace
 
 import numpy as np
 
+from xpar.config.layout import SCHEDULES
+from xpar.estimate.columns.peak_memory import memory_columns
+from xpar.estimate.columns.stage_split import most_blocks
+from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.estimate.context_parallel import cp_layer_times, fold_cp
 from xpar.estimate.cost import assumptions_for
 from xpar.estimate.expert_parallel import ep_layer_times, routed_share
-from xpar.plan.context import PlanContext, spec_of
+from xpar.estimate.terms import RATE_KEYS, time_key
 
-FIVE_TERMS = ("cp_comm", "ep_comm", "ep_imbalance")
-"""Step-time terms beside xpar.estimate.cost.TIME_TERMS (``time_<term>`` columns, 0 where absent)."""
-RATE_KEYS = ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu", "hfu")
-"""Figures proportional to 1 / step time (xpar.estimate.cost.rates)."""
 
 
 def grouped(cols: dict[str, np.ndarray]) -> bool:
@@ -59,41 +59,15 @@ def folded(cols: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
     return out
 
 
-def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray], time_keys: tuple,
-                    memory_keys: tuple) -> dict[str, np.ndarray]:
-    """:func:`xpar.plan.evaluate.evaluate` of candidates with cp, ep or dtype columns: the
-    candidate columns, ``time_keys`` and ``memory_keys`` (its TIME_KEYS and MEMORY_KEYS), and
-    ``time_<term>`` of :data:`FIVE_TERMS`."""
-    keys, inverse = group_keys(cols)
-    n = len(cols["tp"])
-    out = dict(cols)
-    parts = {k: np.zeros(n) for k in tuple(time_keys) + tuple(f"time_{t}" for t in FIVE_TERMS)}
-    parts.update({k: np.zeros(n, dtype=bool if k in ("fits", "host_fits") else np.float64) for k in memory_keys})
-    bases: dict[str, object] = {}
-    for g, (cp, ep, dtype) in enumerate(keys):
-        idx = np.flatnonzero(inverse == g)
-        sub = {k: np.asarray(v)[idx] for k, v in cols.items()}
-        if dtype not in bases:  # validated once per dtype (milliseconds each), cp and ep set below
-            bases[dtype] = spec_of(ctx, cols, int(idx[0]))
-        res = _group(with_degrees(bases[dtype], cp, ep), sub, cp, ep)
-        for k in parts:
-            parts[k][idx] = res.get(k, 0.0)
-    out.update(parts)
-    return out
-
-
 def with_degrees(spec, cp: int, ep: int):
     """``spec`` (a validated candidate's) at context- and expert-parallel degrees ``cp`` and ``ep``
     (layout and parallel group; its dp, tp, pp and batch are replaced per candidate downstream)."""
     return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep), parallel=replace(spec.parallel, cp=cp, ep=ep))
 
 
-def _group(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.ndarray]:
+def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.ndarray]:
     """The figures of one (cp, ep, dtype) group: its folded layouts' time and memory, plus the ep
     and cp terms; ``base``: the validated spec of one of its candidates."""
-    from xpar.plan.vmemory import memory_columns
-    from xpar.plan.vtime import time_columns
-
     fbase, fcols = fold_cp(base), folded(sub, cp)
     res = dict(memory_columns(fbase, fcols))
     res.update(time_columns(fbase, fcols, res["memory_optimizer"], res["optimizer_elements"], res["memory_grads"]))
@@ -105,18 +79,16 @@ def _group(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.n
     if extra:
         old = res["time_per_step_s"]
         new = old + sum(extra.values())
-        res.update({f"time_{k}": v for k, v in extra.items()}, time_per_step_s=new)
+        res.update({time_key(k): v for k, v in extra.items()}, time_per_step_s=new)
         scale = np.divide(old, new, out=np.zeros(len(new)), where=new != 0)
         res.update({k: res[k] * scale for k in RATE_KEYS})
     return res
 
 
 def moe_layers_per_rank(base, pp: int, v: int, schedule: str) -> int:
-    """MoE layers on the fullest pipeline rank of the pp x v split (xpar.plan.vsplit.plan_split: even,
+    """MoE layers on the fullest pipeline rank of the pp x v split (xpar.estimate.columns.stage_split.plan_split: even,
     else lighter ends) placed as ``schedule`` places its stages (the max in
     :func:`xpar.estimate.expert_parallel.ep_terms`)."""
-    from xpar.plan.vtime import spec_at
-
     layout = spec_at(base, 1, pp, 1, 1, 1, v, schedule, 0, False, "none").layout
     return max(sum(base.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                for r in range(pp))
@@ -126,8 +98,6 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
     """``ep_comm`` and ``ep_imbalance`` (seconds per step) of folded candidates whose matmul term
     is ``matmul``: :func:`xpar.estimate.expert_parallel.ep_terms`, the all-to-all of one MoE layer per
     distinct (b, tp, sp), the fullest rank's MoE layers per distinct (pp, v, schedule)."""
-    from xpar.plan.vtime import by_key, spec_at
-
     a = assumptions_for(fbase)
     b = np.asarray(fcols["b"])
     tp, sp = np.asarray(fcols["tp"], np.int64), np.asarray(fcols["sp"], bool)
@@ -145,11 +115,7 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
 def cp_columns(base, sub: dict[str, np.ndarray], cp: int) -> np.ndarray:
     """Seconds per step of the K/V all-gathers and gradient reduce-scatters of unfolded candidates
     (``_with_cp_comm``: m micro-batches x the blocks on the fullest rank,
-    :func:`xpar.plan.vsplit.most_blocks`, x :func:`cp_layer_times` per distinct (b, tp))."""
-    from xpar.config.layout import SCHEDULES
-    from xpar.plan.vsplit import most_blocks
-    from xpar.plan.vtime import by_key, spec_at
-
+    :func:`xpar.estimate.columns.stage_split.most_blocks`, x :func:`cp_layer_times` per distinct (b, tp))."""
     def layer(b, tp):
         s = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, False, "none")
         return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)))

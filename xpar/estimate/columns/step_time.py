@@ -1,41 +1,20 @@
-"""The cost model's step time over many layouts at once: :func:`xpar.estimate.cost.estimate`'s
-time figures, vectorised over candidate columns (:mod:`xpar.plan.context`).
+"""Step time, its terms and the rates of many layouts at once: :func:`xpar.estimate.cost.estimate`'s
+time figures over candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
 
-One source of truth: every formula is the estimate's own. Sub-results that depend on a few
-columns (layer costs per (tp, b, sp, recompute), FSDP unit sizes per (tp, rank class), unit
-collective times per (dp, tp, ZeRO stage, unit sizes), pipeline sends per (pp, v, placement,
-rank), bubble per (schedule, pp, m, v), ...) come from the scalar functions, called once per
-distinct key (:func:`by_key`); the rest is the same array-polymorphic arithmetic the scalar path runs
-(:func:`xpar.estimate.cost.rank_compute`, :func:`xpar.estimate.dp.dp_exposure`,
-:func:`xpar.estimate.overlap.simulate_pass`, :func:`xpar.estimate.cost.step_time`,
-:func:`xpar.estimate.cost.rates`) on arrays: a loop over FSDP units (not over layouts) for
-the dp timeline, layouts grouped by units per rank.
+Sub-results that depend on a few columns (layer costs, FSDP unit sizes and times, pipeline sends,
+bubble, ...) come from the scalar functions once per distinct key (:func:`by_key`); the rest is the
+scalar path's own array-polymorphic arithmetic (:func:`xpar.estimate.cost.rank_compute`,
+:func:`xpar.estimate.dp.dp_exposure`, :func:`xpar.estimate.cost.step_time`,
+:func:`xpar.estimate.cost.rates`). Pipeline ranks in three slots per layout (rank 0, a middle rank,
+the last rank; :class:`RankClass`), each with its count of ranks and blocks; the slowest slot gives
+the breakdown, the others the bubble's fill (:func:`xpar.estimate.cost.fill_time`).
 
-Context and expert parallelism (xpar.plan.vfive): ``base`` carries the layout's ep and etp (every
-layout built here keeps them: E / ep experts per rank in the FSDP units), and a cp-folded candidate's
-micro-batch b / cp is a float column. Blocks of different sizes (a MoE model's dense leading blocks)
-are timed rank by rank (xpar.plan.vblocks).
-
-Pipeline ranks in classes. With even splits (n_layers % (pp v) == 0) every rank holds
-n_layers / pp blocks; with the lighter ends of xpar.plan.vsplit every middle stage holds
-ceil(n_layers / (pp v)) and the end stages the rest. Either way the ranks differ only by holding
-the first stage's and the last stage's ends (and their blocks with them). Loop placement: rank
-0 (first), ranks 1..pp-2 (middle), rank pp-1 (last); V placement (zbv, dualpipev): rank 0 holds
-both ends, ranks 1..pp-1 are middle ranks. Three slots per layout (rank 0, a middle rank, the
-last rank), each with its count of ranks and blocks (xpar.plan.vsplit.rank_blocks); the slowest slot
-(the first on ties, as the scalar max over ranks) gives the breakdown, the count-weighted mean
-of the other ranks the bubble's share (xpar.estimate.cost.fill_time).
-
-tests/test_plan_vector.py checks every figure against the scalar estimate (relative 1e-9) and
-that no torch is imported, at import or at run time (parameter shapes written out in
-xpar.estimate.memory; bubbles of the split-backward and looped schedules in closed form,
-xpar.estimate.schedule.replay_closed_form). Speed (benchmarks/plan_speed.py, this 2-core
-machine under load): the 55,344 layouts of the 175B / 1024 A100 plan space in 0.3-0.4 s on the
-first call, 0.06-0.25 s on repeated calls.
+Keys: :data:`xpar.estimate.terms.COLUMN_TIME_KEYS`. Units: seconds, tokens/s, 1e12 FLOP/s,
+fractions of peak. No torch import. Speed: benchmarks/plan_speed.py, benchmarks/README.md.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -45,8 +24,10 @@ from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
+from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
+from xpar.estimate.columns.peak_memory import memory_columns
+from xpar.estimate.columns.stage_split import plan_split, rank_blocks, split_key, splittable
 from xpar.estimate.cost import (
-    TIME_TERMS,
     Assumptions,
     assumptions_for,
     compute_peak,
@@ -76,21 +57,14 @@ from xpar.estimate.offload import (
     OFFLOAD_TERMS,
     devices_per_node,
     gradient_copies,
-    offload_elements,
     offload_figures_known,
     offload_time,
 )
 from xpar.estimate.schedule import bubble_theory
-from xpar.plan.vblocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
-from xpar.plan.vsplit import plan_split, rank_blocks, split_key, splittable
+from xpar.estimate.terms import COLUMN_TIME_KEYS
 
-TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
-    "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "hw_tflops_per_device", "mfu",
-    "hfu", "dp_comm_issued_s", "tp_comm_issued_s", "pp_comm_issued_s", "offload_host_step_s", "offload_pcie_s")
-"""Keys of :func:`time_columns`: Estimate.time_per_step_s, time_breakdown[term] as
-``time_<term>``, bubble_ratio, the throughput fields, comm_time[tp|pp|dp] as
-``<axis>_comm_issued_s``, and an offloaded optimizer's host step and exposed PCIe copies
-(Estimate.offload: host_step_s, grad_to_host_exposed_s + param_to_device_s; 0 without offload)."""
+TIME_KEYS = COLUMN_TIME_KEYS
+"""Keys of :func:`time_columns` (:data:`xpar.estimate.terms.COLUMN_TIME_KEYS`)."""
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -99,7 +73,7 @@ RECOMPUTE = REMAT_NAMES
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
             sp: bool, recompute: str) -> RunSpec:
-    """``base`` with another layout (pp x v stages split as :func:`xpar.plan.vsplit.plan_split`:
+    """``base`` with another layout (pp x v stages split as :func:`xpar.estimate.columns.stage_split.plan_split`:
     even, else lighter ends), as the scalar functions read it: the layout, the parallel group's
     fields and the micro-batch size."""
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
@@ -135,7 +109,7 @@ def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.nd
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
     r = {k: np.asarray(cols[k]) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "sp")}
     r = {k: x.astype(bool if k == "sp" else x.dtype if k == "b" and x.dtype.kind == "f" else np.int64)
-         for k, x in r.items()}  # b: a float on a cp-folded layout (xpar.plan.vfive)
+         for k, x in r.items()}  # b: a float on a cp-folded layout (xpar.estimate.columns.cp_ep)
     r["offload"] = np.asarray(cols["offload"], dtype=bool) if "offload" in cols else np.full(len(r["tp"]), offload)
     for k, names in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE)):
         given, r[k] = np.asarray(cols[k]), np.full(len(r["tp"]), -1, dtype=np.int64)
@@ -153,7 +127,7 @@ def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.nd
 def _slots(r: dict, n_layers: int) -> dict[str, np.ndarray]:
     """Per slot (axis 0, :data:`SLOTS`) and layout: a representative pipeline rank, whether it
     holds the first / last stage, how many ranks it stands for (0: no such rank) and the blocks
-    it holds (``n``: :func:`xpar.plan.vsplit.rank_blocks`)."""
+    it holds (``n``: :func:`xpar.estimate.columns.stage_split.rank_blocks`)."""
     pp, vs = r["pp"], r["v_shaped"]
     one = pp == 1
     return {"rank": np.stack([np.zeros_like(pp), np.minimum(1, pp - 1), pp - 1]),
@@ -170,18 +144,29 @@ def _placement(base: RunSpec, pp: int, v: int, v_shaped: bool) -> Layout:
                   layer_split=tuple(plan_split(base.model.n_layers, pp * v)), schedule="zbv" if v_shaped else "gpipe")
 
 
-RANK_CLASSES = {0: (1, 1, False, 0), 1: (3, 1, False, 0), 2: (3, 1, False, 1), 3: (3, 1, False, 2),
-                4: (2, 2, True, 0)}
-"""Rank classes by the stage ends they hold -- 0: the one stage (pp = 1: tied embeddings held
-once), 1: the first stage's, 2: none (middle), 3: the last stage's, 4: both (V placement) --
-each as (pp, v, V placement, rank) of a layout with one block per stage that has such a rank."""
+@dataclass(frozen=True)
+class RankClass:
+    """A pipeline rank by the stage ends it holds, as rank ``rank`` of a layout of ``pp`` ranks and
+    ``v`` stages per rank with one block per stage (V placement where ``v_shaped``)."""
+
+    pp: int
+    v: int
+    v_shaped: bool
+    rank: int
+
+
+RANK_CLASSES = (RankClass(1, 1, False, 0), RankClass(3, 1, False, 0), RankClass(3, 1, False, 1),
+                RankClass(3, 1, False, 2), RankClass(2, 2, True, 0))
+"""Rank classes by index -- 0: the one stage (pp = 1: tied embeddings held once), 1: the first
+stage's, 2: none (middle), 3: the last stage's, 4: both (V placement)."""
 
 
 def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     """Elements of the root unit and of one block on a rank of ``rank_class``
     (:data:`RANK_CLASSES`), from :func:`unit_elements` on a layout of one block per stage: a
     rank's root depends on the stage ends it holds, a block on tp, neither on the blocks held."""
-    pp, v, v_shaped, rank = RANK_CLASSES[rank_class]
+    c = RANK_CLASSES[rank_class]
+    pp, v, v_shaped, rank = c.pp, c.v, c.v_shaped, c.rank
     layout = Layout(dp=1, tp=tp, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
                     layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe", ep=base.layout.ep,
                     etp=base.layout.etp)
@@ -192,7 +177,7 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
     (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks;
-    columns ``<key>_root``, ``<key>_block`` per key of :data:`xpar.plan.vblocks.UNIT_TIMES`)."""
+    columns ``<key>_root``, ``<key>_block`` per key of :data:`xpar.estimate.columns.mixed_blocks.UNIT_TIMES`)."""
     specs: dict[tuple, RunSpec] = {}
 
     def times(dp, tp, zero, rec, root, block, n):
@@ -224,7 +209,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     blocks = np.broadcast_to(s["n"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
-    het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.plan.vblocks
+    het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.estimate.columns.mixed_blocks
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
                         + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
                         + ([r["v"]] if het else []))
@@ -298,25 +283,10 @@ def _combined(columns: list[np.ndarray]) -> np.ndarray:
 def _state_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer), the
     optimizer's elements there (offloaded or not), gradient bytes there (Estimate.memory.grads)):
-    from xpar.plan.vmemory where present, else the scalar memory model row by row (slow)."""
-    try:
-        from xpar.plan.vmemory import memory_columns
-    except ImportError:
-        memory_columns = None
-    if memory_columns is not None:
-        res = memory_columns(base, cols)
-        return tuple(np.asarray(res[k], dtype=np.float64) for k in ("memory_optimizer", "optimizer_elements",
-                                                                     "memory_grads"))
-    from xpar.estimate.memory import memory
-
-    def one(tp, pp, dp, b, m, v, sch, zero, sp, rec, off):
-        spec = spec_at(base, tp, pp, dp, b, m, v, SCHEDULE_NAMES[sch], zero, sp, RECOMPUTE[rec])
-        est = memory(spec, assume=replace(a, cpu_offload_optimizer=bool(off)))
-        return {"o": est.optimizer, "n": offload_elements(spec, a, est.pp_rank), "g": est.grads}
-
-    keys = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute", "offload")
-    got = by_key([r[k] for k in keys], one, ("o", "n", "g"))
-    return got["o"], got["n"], got["g"]
+    from :func:`xpar.estimate.columns.peak_memory.memory_columns`."""
+    res = memory_columns(base, cols)
+    return tuple(np.asarray(res[k], dtype=np.float64) for k in ("memory_optimizer", "optimizer_elements",
+                                                                 "memory_grads"))
 
 
 def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, elements: np.ndarray) -> dict:
@@ -342,18 +312,18 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     candidates' length), each equal to :func:`xpar.estimate.cost.estimate` of the candidate's
     spec (:func:`xpar.plan.context.spec_of`). ``base``: the RunSpec of any candidate of the same
     context (its model, hardware, seq_len, dtype and framework are used). ``memory_optimizer``:
-    bytes of optimizer states on the most loaded device per candidate (xpar.plan.vmemory's
+    bytes of optimizer states on the most loaded device per candidate (xpar.estimate.columns.peak_memory's
     ``memory_optimizer``), for the optimizer term; computed when None (pass it when the memory
-    columns are computed anyway), with ``optimizer_elements`` (vmemory's: the optimizer's
+    columns are computed anyway), with ``optimizer_elements`` (peak_memory's: the optimizer's
     elements on that device, what an offloaded optimizer moves; needed when a candidate
-    offloads), and ``memory_grads`` (vmemory's gradient bytes there, for the passes over the
+    offloads), and ``memory_grads`` (peak_memory's gradient bytes there, for the passes over the
     gradients: xpar.estimate.cost.gradient_time). The optional column ``offload`` (bool; default the framework's
     ``cpu_offload_optimizer``) adds the offloaded step (xpar.estimate.offload) to the optimizer
     term. Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
 
     Raises:
         ValueError: a candidate whose pp x v stages split the layers neither evenly nor with lighter
-            ends (xpar.plan.vsplit; the space's rule ``balanced`` drops them).
+            ends (xpar.estimate.columns.stage_split; the space's rule ``balanced`` drops them).
         KeyError: a schedule not in :data:`xpar.config.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
     world = cols["tp"] * cols["pp"] * cols["dp"]
