@@ -37,9 +37,8 @@ CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
 def _group(group: str, name: str) -> dict:
-    d = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-    d.pop("defaults", None)
-    return d
+    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
+    return OmegaConf.to_container(load_preset(group, name), resolve=True)
 
 
 def _stages(schedule: str, pp: int, layers: int) -> list[int]:

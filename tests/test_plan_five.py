@@ -9,7 +9,9 @@ import pathlib
 
 import numpy as np
 import pytest
-import yaml
+from omegaconf import OmegaConf
+
+from xpar.config.presets import load_preset
 
 from xpar.estimate.cost import estimate
 from xpar.plan.context import PlanContext, spec_of
@@ -20,9 +22,8 @@ CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
 def _group(group: str, name: str) -> dict:
-    d = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-    d.pop("defaults", None)
-    return d
+    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
+    return OmegaConf.to_container(load_preset(group, name), resolve=True)
 
 
 def context(model: str, hardware: str, seq_len: int, framework: str = "xpar", dtype: str = "bf16") -> PlanContext:

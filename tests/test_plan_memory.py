@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from omegaconf import OmegaConf
+
+from xpar.config.presets import load_preset
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.presets import conf_dir
@@ -31,9 +33,8 @@ recompute on half the blocks, optimizer in host memory."""
 
 
 def _preset(group: str, name: str) -> dict:
-    d = yaml.safe_load((conf_dir() / group / f"{name}.yaml").read_text())
-    d.pop("defaults", None)
-    return d
+    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
+    return OmegaConf.to_container(load_preset(group, name), resolve=True)
 
 
 def context(model: str, hardware: str, framework, dtype: str = "bf16") -> PlanContext:

@@ -14,7 +14,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import yaml
+from omegaconf import OmegaConf
+
+from xpar.config.presets import load_preset
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.remat import RECOMPUTE
@@ -29,9 +31,8 @@ FRAMEWORKS = ("xpar", "megatron", "torchtitan", "deepspeed")
 
 
 def _group(group: str, name: str) -> dict:
-    d = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-    d.pop("defaults", None)
-    return d
+    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
+    return OmegaConf.to_container(load_preset(group, name), resolve=True)
 
 
 def context(model: str, hardware: str, framework: str) -> PlanContext:

@@ -53,7 +53,7 @@ def check_presets(argv: list[str]) -> None:
     if bad:
         import sys
 
-        from xpar.config.resolve import quiet_exit, torchrun_follower
+        from xpar.config.torchrun import quiet_exit, torchrun_follower
         if torchrun_follower():  # rank 0 says it once
             quiet_exit(2)
         print("xpar: invalid configuration:\n" + "\n".join(bad), file=sys.stderr)

@@ -13,7 +13,7 @@ from xpar.config.checks.framework import check_framework, hydra_text, not_boolea
 from xpar.config.hardware import is_this_machine, resolve_hardware
 from xpar.config.layout import SCHEDULES
 from xpar.config.overrides import refuse
-from xpar.config.presets import conf_dir
+from xpar.config.presets import conf_dir, load_preset
 from xpar.config.schema import HardwareConfig
 from xpar.config.validate import to_schema
 from xpar.estimate.offload import offload_figures_known
@@ -252,8 +252,5 @@ def plan_argv(args: list[str]) -> list[str]:
 
 def _preset_device(name: str) -> str:
     """The ``device`` of hardware preset ``name`` (cuda when the preset or its field is missing)."""
-    import yaml
-
     path = conf_dir() / "hardware" / f"{name}.yaml"
-    data = yaml.safe_load(path.read_text()) if path.is_file() else None
-    return str((data or {}).get("device", "cuda"))
+    return str(load_preset("hardware", name).get("device", "cuda")) if path.is_file() else "cuda"

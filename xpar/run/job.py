@@ -18,7 +18,7 @@ from xpar.track.plots import record_step_split, record_timeline
 
 def fail(lines: str, code: int = 2) -> None:
     """Print the refusal ``lines`` and exit ``code``; under torchrun only rank 0 prints (:func:`quiet_exit`)."""
-    from xpar.config.resolve import quiet_exit, torchrun_follower
+    from xpar.config.torchrun import quiet_exit, torchrun_follower
     if torchrun_follower():
         quiet_exit(code)
     print(f"xpar: invalid configuration:\n{lines}", file=sys.stderr)
