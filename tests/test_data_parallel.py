@@ -140,6 +140,7 @@ def test_compute_and_exposed_collectives_make_up_the_step(results, layout):
         assert median(ratios) == pytest.approx(1.0, abs=tolerance), (layout, ratios, timing["cpu_share"], timing["comm"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exposed_communication_in_total_is_at_least_each_collectives(results, layout):
     """The table's total exposed communication is the sum of the collectives it lists (each the

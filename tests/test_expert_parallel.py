@@ -116,6 +116,7 @@ def test_each_rank_holds_its_experts_and_logs_the_all_to_all(results):
     assert not any(k.startswith("comm/ep_") for k in dense[2])
 
 
+@pytest.mark.slow
 def test_the_all_to_alls_estimate_stands_beside_the_measured(results):
     """The fidelity metrics put the estimate's ep all-to-all bytes beside the measured ones (issue 45);
     the rows each rank sends are its tokens' top-k copies whatever the routing, so within 2 % (the

@@ -290,14 +290,15 @@ def print_table(t: pd.DataFrame, title: str) -> None:
     for r in t.itertuples():
         table.add_row(*[cell(c, getattr(r, c)) for c in cols])
     console = Console()
-    if not console.is_terminal:  # a log file: wide enough for the table, not wrapped at 80 columns
-        console = Console(width=200)
+    if not console.is_terminal:  # a log file: as wide as the table needs (rich would wrap it at 80 columns)
+        console = Console(width=max(80, Console(width=1000).measure(table).maximum))
     console.print(table)
 
 
-HEADERS = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s/device",
-           "mfu": "MFU", "peak_gib_per_device": "peak memory/device", "fidelity_step_ratio": "est/measured step"}
-"""The console table's column titles (table.csv keeps the raw column names and units)."""
+HEADERS = {"step_time_s": "step", "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s", "global_batch": "B",
+           "mfu": "MFU", "peak_gib_per_device": "peak mem", "fidelity_step_ratio": "est/meas", "framework": "fw"}
+"""The console table's column titles, short (table.csv keeps the raw column names and units): step time
+(median), TFLOP/s and peak memory per device, the run's estimate over its measured step time."""
 
 
 def cell(column: str, v) -> str:
