@@ -151,7 +151,7 @@ def test_ranks_are_held_against_the_slurm_jobs_tasks_before_submission():
 def test_slurm_jobs_are_named_and_announced_with_their_real_ids():
     from types import SimpleNamespace as NS
 
-    from xpar.run.slurm import job_lines, refusal_line
+    from xpar.track.slurm import job_lines, refusal_line
 
     cfg = _sweep_config("hydra/launcher=slurm", "model=mini", "parallel=zero3")
     assert cfg.hydra.launcher.name == "xpar-mini-zero3"

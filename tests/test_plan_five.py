@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from xpar.config.presets import load_preset
+from xpar.config.presets import conf_dir, load_preset
 
 from xpar.estimate.cost import estimate
 from xpar.plan.context import PlanContext, spec_of
@@ -22,8 +22,13 @@ CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
 def _group(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
-    return OmegaConf.to_container(load_preset(group, name), resolve=True)
+    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
+    groups' presets as written, without their defaults list."""
+    if group == "hardware":
+        return OmegaConf.to_container(load_preset(group, name), resolve=True)
+    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+    d.pop("defaults", None)
+    return d
 
 
 def context(model: str, hardware: str, seq_len: int, framework: str = "xpar", dtype: str = "bf16") -> PlanContext:

@@ -33,8 +33,13 @@ recompute on half the blocks, optimizer in host memory."""
 
 
 def _preset(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml as Hydra composes it (a hardware preset over its node preset)."""
-    return OmegaConf.to_container(load_preset(group, name), resolve=True)
+    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
+    groups' presets as written, without their defaults list."""
+    if group == "hardware":
+        return OmegaConf.to_container(load_preset(group, name), resolve=True)
+    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+    d.pop("defaults", None)
+    return d
 
 
 def context(model: str, hardware: str, framework, dtype: str = "bf16") -> PlanContext:

@@ -67,7 +67,7 @@ def submitit_task_problems(launcher, job) -> list[str]:
     ``launcher``: ``hydra.launcher``. [] for other launchers, one-task jobs and estimates."""
     from xpar.config.hardware import is_this_machine
 
-    if launcher.get("submitit_folder") is None:  # not a submitit launcher (xpar.run.slurm's included)
+    if launcher.get("submitit_folder") is None:  # not a submitit launcher (xpar.track.slurm's included)
         return []
     nodes, per_node = int(launcher.get("nodes") or 1), int(launcher.get("tasks_per_node") or 1)
     tasks, p, mode = nodes * per_node, job.parallel, job.run.mode

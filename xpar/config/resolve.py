@@ -4,7 +4,6 @@ violations it met (the config is never changed)."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 

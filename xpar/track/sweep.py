@@ -91,7 +91,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-            from xpar.run.slurm import announce_submissions
+            from xpar.track.slurm import announce_submissions
             announce_submissions()  # each job's SLURM id and log file, sbatch's refusal in one line
         bad = preflight(config)
         skip = bool(OmegaConf.select(config, "sweep.skip_invalid", default=False))
@@ -128,7 +128,7 @@ class SweepCallback(Callback):
         os.environ[SWEEP_ENV] = str(self._file)
         logs = OmegaConf.select(config, "hydra.launcher.submitit_folder", default=None)
         if logs:  # submitit: every task's stdout/stderr lands there; the SLURM launcher prints each job's
-            where = str(logs).replace("/%j", "").rstrip("/")  # file once sbatch gave its id (xpar.run.slurm)
+            where = str(logs).replace("/%j", "").rstrip("/")  # file once sbatch gave its id (xpar.track.slurm)
             print(f"xpar: sweep {sweep_id}: each job's task logs go under {where}", file=sys.stderr)
         atexit.register(finish_sweep, self._file)
         _sigterm_interrupts()
