@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from xpar.config.schema import XparConfig
+
 
 @dataclass(frozen=True)
 class Range:
@@ -141,8 +143,6 @@ def _fix(rng: Range, default):
 
 
 def _defaults() -> dict:
-    from xpar.config.schema import XparConfig
-
     root = XparConfig()
     return {f"{g.name}.{f.name}": getattr(getattr(root, g.name), f.name)
             for g in fields(XparConfig) for f in fields(getattr(root, g.name))}
