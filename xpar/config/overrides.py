@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from xpar.config.resolve import quiet_exit, torchrun_follower
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.config.schema import GROUPS, XparConfig
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(XparConfig)}

@@ -4,7 +4,6 @@ violations it met (the config is never changed)."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +19,7 @@ from xpar.config.layout import (
     zero_stage_run,
 )
 from xpar.config.schema import HardwareConfig, XparConfig
+from xpar.config.torchrun import under_torchrun
 
 
 @dataclass(frozen=True)
@@ -39,28 +39,10 @@ class Target:
 
 def torchrun_world() -> Optional[dict[str, int]]:
     """Rank/world of a torchrun (torchelastic) launch, or None when xpar launches itself."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                               and "MASTER_ADDR" in os.environ):
+    if under_torchrun():
         return {k: int(os.environ[k.upper()]) for k in ("rank", "world_size", "local_rank")
                 if k.upper() in os.environ}
     return None
-
-
-def torchrun_follower() -> bool:
-    """Whether this process is a torchrun rank other than 0: it keeps a refusal to itself, rank 0 says it once."""
-    world = torchrun_world()
-    return world is not None and world.get("rank", 0) != 0
-
-
-FOLLOWER_WAIT_S = 15.0
-"""Seconds a torchrun rank other than 0 waits before exiting on a refusal, so that rank 0 (refusing the same
-input) prints it before torchrun ends the other ranks on the first exit."""
-
-
-def quiet_exit(code: int) -> None:
-    """Exit ``code`` without a word after :data:`FOLLOWER_WAIT_S` (torchrun ends this rank sooner once rank 0 exits)."""
-    time.sleep(FOLLOWER_WAIT_S)
-    raise SystemExit(code)
 
 
 def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[str]]:

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
 from xpar.config.recorded import resolved_config
-from xpar.config.resolve import quiet_exit, torchrun_follower
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.config.spec import RunSpec
 from xpar.estimate.fit import check_run
 from xpar.estimate.report import Report, layout_name, print_report
