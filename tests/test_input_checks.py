@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 import typing
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import compose, spec_for
 from xpar.config.checks import ConfigError
 from xpar.config.checks.ranges import RANGES, range_problems
-from xpar.config.overrides import env_problems
 from xpar.config.presets import conf_dir
 from xpar.config.schema import XparConfig
 from xpar.config.validate import to_schema
-from xpar.estimate.run import EstimateError, estimate_report
 
 NUMERIC = (int, float, typing.Optional[int], typing.Optional[float], typing.Any)
 
@@ -88,6 +78,10 @@ def test_etp_and_imbalance_refused_in_an_estimate(overrides, key):
 def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_path):
     """The guard behind the range checks: a spec that slipped past them (imbalance inf, etp -1 set on
     the resolved spec) gives no Report; the run ends FAILED (xpar.track.runs.mlflow_run), exit 2."""
+    from dataclasses import replace
+
+    from xpar.estimate.run import EstimateError, estimate_report
+
     spec = spec_for("run.mode=estimate", "hardware=h100_80gb_64gpu", "model=mixtral_8x7b", "parallel.ep=8",
                     "parallel.zero_stage=3", "parallel.recompute=full", "train.micro_batch_size=1", "run.dry_run=false")
     assert estimate_report(spec, tmp_path).step_time_s > 0
@@ -101,6 +95,10 @@ def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_p
 # --- no traceback, one line (subprocesses) ---------------------------------------------------------
 
 def _xpar(*args: str, cwd, env=None, timeout: int = 240):
+    import os
+    import subprocess
+    import sys
+
     return subprocess.run([sys.executable, "-m", "xpar", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
@@ -111,6 +109,8 @@ def _refusal_lines(stderr: str) -> list[str]:
 
 
 def test_an_unset_environment_variable_in_an_override_is_one_line():
+    from xpar.config.overrides import env_problems
+
     [line] = env_problems(["hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR}"])
     assert "XPAR_TEST_UNSET_VAR is not set" in line and "hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR,outputs/mine}" in line
     assert env_problems(["hydra.run.dir=${oc.env:XPAR_TEST_UNSET_VAR,outputs/x}"]) == []  # a default works
@@ -129,6 +129,12 @@ def test_unset_env_in_the_run_dir_exit_2_no_traceback(tmp_path):
 def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
     """SIGTERM to calibrate's process group while its workers measure: one line, exit 130, no
     KeyboardInterrupt traceback, no preset, no worker left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     name = f"pytest_term_{os.getpid()}"
     p = subprocess.Popen([sys.executable, "-m", "xpar", "calibrate", "--quick", "--no-track", "--name", name,
                           "--out", str(tmp_path / "cal")], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -148,6 +154,8 @@ def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
 
 def _workers_of_group(pgid: int) -> list[int]:
     """Live spawned workers (multiprocessing's spawn_main) in process group ``pgid``."""
+    from pathlib import Path
+
     out = []
     for d in Path("/proc").glob("[0-9]*"):
         try:
@@ -163,6 +171,8 @@ def _workers_of_group(pgid: int) -> list[int]:
 def test_a_failed_calibration_writes_no_preset(tmp_path):
     """The store is broken (a file that is not SQLite where the default store goes): the calibration
     measures, then fails recording: one line "calibrate failed", exit 1, and no preset in conf/."""
+    import os
+
     name = f"pytest_fail_{os.getpid()}"
     (tmp_path / "mlflow.db").write_text("not a database\n" * 100)
     r = _xpar("calibrate", "--quick", "--name", name, "--out", str(tmp_path / "cal"), cwd=tmp_path, timeout=300)
@@ -207,6 +217,11 @@ def test_torchrun_layout_mismatch_is_said_once(tmp_path):
     """torchrun --nproc-per-node 3 with dp=2: xpar's refusal once (rank 0), the root cause exit code 2.
     torchrun itself then exits 1 and prints its ChildFailedError summary for any child's non-zero exit
     (torch.distributed.run: not xpar's to silence)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     r = subprocess.run([torchrun, "--nproc-per-node", "3", "-m", "xpar", "tracking=off", "parallel.dp=2"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=240)

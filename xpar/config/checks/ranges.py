@@ -129,7 +129,7 @@ RANGES: dict[str, Range] = {
     "plan.global_batch_size": _i(1, auto=True, lists=True), "plan.devices": _i(1, null=True, lists=True),
     "plan.min_tokens_per_s": Range(0, lo_open=True, null=True), "plan.max_tp": _i(1, null=True),
     "plan.pp": _i(1, null=True), "plan.max_micro_batch_size": DEGREE,
-    "plan.memory_headroom": Range(0, 1, hi_open=True, null=True, what=HEADROOM.what), "plan.top_k": DEGREE, "plan.execute_top": COUNT,
+    "plan.memory_headroom": Range(0, 1, hi_open=True, null=True), "plan.top_k": DEGREE, "plan.execute_top": COUNT,
 }
 
 
