@@ -8,6 +8,12 @@ tokens on one rank but not the other) under ZeRO 0-3 and under pp 2 trains 20 st
 single-process reference (loss and pre-clip gradient norm, rel 1e-4 as tests/test_parity.py)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -16,6 +22,8 @@ from tests.test_clipping import _norms as _train  # worker: every rank's (losses
 from xpar.calibrate.published import preset
 from xpar.config.schema import ModelConfig
 from xpar.models.transformer import MoE, run_experts
+from xpar.run.launch import hung_run
+from xpar.run.reference import reference_run
 
 STEPS = 20
 BASE = ("model=moe_tiny", "parallel.dp=2", "train.micro_batch_size=1", "train.seq_len=8",
@@ -72,8 +80,6 @@ def results():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*ZERO, *PIPE])
 def test_one_sequence_per_micro_batch_trains_like_the_reference(results, name):
-    from xpar.run.reference import reference_run
-
     specs, out = results
     spec = specs[name]
     torch.manual_seed(0)
@@ -90,12 +96,6 @@ def test_one_sequence_per_micro_batch_trains_like_the_reference(results, name):
 def test_hung_run_is_named_when_every_rank_beats_but_none_progresses(tmp_path):
     """Fast: heartbeats fresh, progress older than the timeout on every rank -> the rank furthest
     behind is named; one rank progressing, or a rank not yet started, -> None."""
-    import json
-    import os
-    import time
-
-    from xpar.run.launch import hung_run
-
     d = tmp_path / "heartbeat"
     d.mkdir()
     now = time.time()
@@ -120,10 +120,6 @@ def test_a_stuck_pipeline_is_named_within_the_collective_timeout(tmp_path):
     """A real pp 2 run whose rank 1 is stuck (run.hang_rank) while rank 0 waits in the pipeline's
     send/recv (gloo does not time it out; heartbeats keep beating): ended within the timeout plus start-up,
     exit 1, one line naming the hang."""
-    import subprocess
-    import sys
-    import time
-
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "xpar", "parallel=pp", "parallel.dp=1", "run.hang_rank=1",
                         "run.collective_timeout_s=8", "tracking=off", "train.steps=3", "train.warmup_steps=1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -342,8 +343,6 @@ def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
 
 def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> None:
     """A calibration worker; Ctrl-C or SIGTERM (to the process group) ends it quietly: the parent says what happened."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _measure_rank(rank, world, port, payload, out)
@@ -457,8 +456,6 @@ def _run_workers(ctx) -> None:
 
     Raises:
         CalibrationFailed: a worker raised (its last error line) or exited non-zero."""
-    import signal
-
     import torch.multiprocessing as mp
 
     try:

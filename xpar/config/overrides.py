@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.config.schema import GROUPS, XparConfig
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(XparConfig)}
@@ -30,7 +31,6 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(XparConfig)}
 
 def refuse(problems: list[str]) -> None:
     """Print ``problems`` in the refusal format and exit 2 (under torchrun: rank 0 prints, xpar.run.job.fail)."""
-    from xpar.config.torchrun import quiet_exit, torchrun_follower
     if torchrun_follower():
         quiet_exit(2)
     print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)

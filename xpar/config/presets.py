@@ -6,6 +6,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.schema import GROUPS
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 
 
 def conf_dir() -> Path:
@@ -53,7 +54,6 @@ def check_presets(argv: list[str]) -> None:
     if bad:
         import sys
 
-        from xpar.config.torchrun import quiet_exit, torchrun_follower
         if torchrun_follower():  # rank 0 says it once
             quiet_exit(2)
         print("xpar: invalid configuration:\n" + "\n".join(bad), file=sys.stderr)

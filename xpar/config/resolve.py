@@ -20,7 +20,7 @@ from xpar.config.layout import (
 )
 from xpar.config.hardware import is_this_machine
 from xpar.config.schema import HardwareConfig, XparConfig
-from xpar.config.torchrun import FOLLOWER_WAIT_S, quiet_exit, torchrun_follower, torchrun_world  # noqa: F401
+from xpar.config.torchrun import under_torchrun
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,14 @@ class Target:
     """Where the world size comes from, for messages."""
     launcher: str
     notes: tuple[str, ...] = ()
+
+
+def torchrun_world() -> Optional[dict[str, int]]:
+    """Rank/world of a torchrun (torchelastic) launch, or None when xpar launches itself."""
+    if under_torchrun():
+        return {k: int(os.environ[k.upper()]) for k in ("rank", "world_size", "local_rank")
+                if k.upper() in os.environ}
+    return None
 
 
 def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[str]]:

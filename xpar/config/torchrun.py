@@ -1,30 +1,23 @@
-"""Where a torchrun launch puts this process: its rank and world from torchelastic's environment,
-and how a rank other than 0 keeps a refusal to itself (rank 0 says it once)."""
+"""Which process of a torchrun (torchelastic) launch this is, for the console: a refusal is said once,
+by rank 0; the other ranks refusing the same input exit with its code without a word."""
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional
-
-
-def torchrun_world() -> Optional[dict[str, int]]:
-    """Rank/world of a torchrun (torchelastic) launch, or None when xpar launches itself."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                               and "MASTER_ADDR" in os.environ):
-        return {k: int(os.environ[k.upper()]) for k in ("rank", "world_size", "local_rank")
-                if k.upper() in os.environ}
-    return None
-
-
-def torchrun_follower() -> bool:
-    """Whether this process is a torchrun rank other than 0: it keeps a refusal to itself, rank 0 says it once."""
-    world = torchrun_world()
-    return world is not None and world.get("rank", 0) != 0
-
 
 FOLLOWER_WAIT_S = 15.0
 """Seconds a torchrun rank other than 0 waits before exiting on a refusal, so that rank 0 (refusing the same
 input) prints it before torchrun ends the other ranks on the first exit."""
+
+
+def under_torchrun() -> bool:
+    """Whether a torchrun (or another launcher setting RANK, WORLD_SIZE and MASTER_ADDR) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def torchrun_follower() -> bool:
+    """Whether this process is a torchrun rank other than 0: it keeps a refusal to itself, rank 0 says it once."""
+    return under_torchrun() and os.environ.get("RANK", "0") != "0"
 
 
 def quiet_exit(code: int) -> None:

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
 from xpar.config.recorded import resolved_config
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.config.spec import RunSpec
 from xpar.estimate.preflight import check_run
 from xpar.estimate.report import Report, layout_name, print_report
@@ -18,7 +19,6 @@ from xpar.track.plots import record_step_split, record_timeline
 
 def fail(lines: str, code: int = 2) -> None:
     """Print the refusal ``lines`` and exit ``code``; under torchrun only rank 0 prints (:func:`quiet_exit`)."""
-    from xpar.config.torchrun import quiet_exit, torchrun_follower
     if torchrun_follower():
         quiet_exit(code)
     print(f"xpar: invalid configuration:\n{lines}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
-from xpar.run.worker import STATS_FILE, spawn_entry
+from xpar.run.worker import HEARTBEAT_DIR, STATS_FILE, spawn_entry
 
 
 class WorkerFailed(RuntimeError):
@@ -83,8 +83,6 @@ def hung_run(out_dir: Path, world: int, timeout_s: float, now: Optional[float] =
     finished a step (or built its engine) for more than ``timeout_s``: they wait on each other, in a
     collective or a pipeline send/recv, which gloo does not time out. The rank named is the one
     furthest behind (fewest steps finished). None while any rank progresses, has not started or builds its engine."""
-    from xpar.run.worker import HEARTBEAT_DIR
-
     now = time.time() if now is None else now
     beats = []
     for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import math
 
+from omegaconf import OmegaConf
+
 from xpar.config.layout import SCHEDULES
+from xpar.config.presets import conf_dir
 from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
@@ -85,10 +88,6 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
 
 def frameworks_running(schedule: str) -> list[str]:
     """The framework profiles (conf/framework/*.yaml) whose ``schedules`` list ``schedule``, xpar first."""
-    from omegaconf import OmegaConf
-
-    from xpar.config.presets import conf_dir
-
     names = []
     for path in sorted((conf_dir() / "framework").glob("*.yaml")):
         listed = OmegaConf.load(path).get("schedules")

@@ -12,12 +12,15 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from xpar.config.schema import XparConfig
+
 
 @dataclass(frozen=True)
 class Range:
     """Valid values of one key: ``lo``/``hi`` bounds (open where ``lo_open``/``hi_open``), whole
     numbers only (``integer``), null or 'auto' allowed, or a list of such values (``lists``);
-    ``fix``: a value that works (default: the schema's default where it is in range)."""
+    ``fix``: a value that works (default: the schema's default where it is in range); ``what``: the
+    kind of value in words (default: 'an integer' or 'a finite number')."""
 
     lo: Optional[float] = None
     hi: Optional[float] = None
@@ -28,6 +31,7 @@ class Range:
     auto: bool = False
     lists: bool = False
     fix: object = None
+    what: str = ""
 
     def holds(self, value) -> bool:
         """Whether ``value`` (from the composed config) is in range."""
@@ -47,7 +51,7 @@ class Range:
 
     def text(self) -> str:
         """The range in words, e.g. 'an integer >= 1 or null', 'a finite number in (0, 1]'."""
-        kind = "an integer" if self.integer else "a finite number"
+        kind = self.what or ("an integer" if self.integer else "a finite number")
         if self.lo is not None and self.hi is not None:
             bounds = f" in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
         elif self.lo is not None:
@@ -70,6 +74,7 @@ DEGREE, COUNT = _i(1), _i(0)
 POSITIVE, NON_NEGATIVE = Range(0, lo_open=True), Range(0)
 FRACTION = Range(0, 1)
 EFFICIENCY = Range(0, 1, lo_open=True)
+HEADROOM = Range(0, 1, hi_open=True, what="a fraction of device memory")
 
 RANGES: dict[str, Range] = {
     # model (cross-field rules in xpar.config.checks.config.check_model / check_experts)
@@ -98,7 +103,7 @@ RANGES: dict[str, Range] = {
                                                "op_overhead_us", "dtensor_op_overhead_us", "fsdp_unit_overhead_us",
                                                "tp_block_overhead_us", "tp_first_overhead_us", "tp_last_overhead_us",
                                                "sync_wait_us", "framework_overhead_gb")},
-    "hardware.p2p_latency_us": Range(0, null=True), "hardware.memory_headroom": Range(0, 1, hi_open=True),
+    "hardware.p2p_latency_us": Range(0, null=True), "hardware.memory_headroom": HEADROOM,
     # train
     "train.steps": DEGREE, "train.warmup_steps": COUNT, "train.log_every": DEGREE,
     "train.global_batch_size": _i(1, auto=True), "train.micro_batch_size": DEGREE, "train.seq_len": _i(1, null=True),
@@ -146,8 +151,6 @@ def _fix(rng: Range, default):
 
 
 def _defaults() -> dict:
-    from xpar.config.schema import XparConfig
-
     root = XparConfig()
     return {f"{g.name}.{f.name}": getattr(getattr(root, g.name), f.name)
             for g in fields(XparConfig) for f in fields(getattr(root, g.name))}
