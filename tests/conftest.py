@@ -157,10 +157,11 @@ def runs_missing_fidelity(root: Path) -> list[str]:
     return out
 
 
-SLOWEST_MODULES = ("test_parity", "test_sweep", "test_faults", "test_checkpoint", "test_ui", "test_estimate_run", "test_pipeline",
+SLOWEST_MODULES = ("test_parity", "test_ownership", "test_sweep", "test_faults", "test_checkpoint", "test_ui", "test_estimate_run", "test_pipeline",
                    "test_plan", "test_clipping", "test_estimate_throughput", "test_run", "test_calibrate")
 """Modules that launch workers, longest first (seconds per module in a serial run here, 2026-12-02:
-155, 123, 84, 83, 53, 52, 38, 32, 32, 24, 22, 21). Each module goes
+155, 123, 84, 83, 53, 52, 38, 32, 32, 24, 22, 21; test_ownership 383 s on 2026-12-06 beside other
+agents' processes, its five process tests 50-85 s each). Each module goes
 whole to a free pytest worker in collection order (pyproject's addopts: ``-n 2 --dist loadfile
 --no-loadscope-reorder``; xdist would otherwise order modules by their number of tests, which left the
 long multi-process modules, with few tests each, for the end): the longest go first."""
