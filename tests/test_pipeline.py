@@ -357,6 +357,7 @@ def test_virtual_stages_auto_and_stage_placement():
     assert [zbv.layout.stages_of(r) for r in (0, 1)] == [[0, 3], [1, 2]]  # V
 
 
+@pytest.mark.slow
 def test_zero3_note_only_for_zero_bubble_schedules():
     assert spec_for("parallel=pp", "parallel.zero_stage=3", "parallel.schedule=1f1b").parallel.zero_stage == 3
     for s in ZB:

@@ -79,6 +79,7 @@ def _processes_in(cwd):
     return pids
 
 
+@pytest.mark.slow
 def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
     from tests.conftest import spec_for
     from xpar.track.runs import mlflow_run

@@ -297,6 +297,7 @@ def test_sequence_parallel_needs_divisible_sequence():
     assert "train.seq_len=63 must be divisible by parallel.tp=2" in msg
 
 
+@pytest.mark.slow
 def test_tp_preset_resolves():
     spec = spec_for("parallel=tp")
     assert (spec.tp, spec.dp, spec.pp, spec.parallel.zero_stage) == (2, 1, 1, 0)
