@@ -30,6 +30,7 @@ from xpar.config.resolve import (  # noqa: F401
 )
 from xpar.config.schema import XparConfig
 from xpar.config.spec import RunSpec
+from xpar.config.vocab import padded_model, padding_notes
 
 
 def to_schema(cfg: DictConfig | dict) -> XparConfig:
@@ -48,9 +49,10 @@ def _raise_if(problems: list[str]) -> None:
 def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     """Every check of the resolved layout."""
     par, v = c.parallel, layout.virtual_stages
-    return (layout_checks.check_tp(c.model, layout) + layout_checks.check_zero1(layout, mode)
+    return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
-            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
+            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
+                                           rule=c.framework.microbatch_rule)
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
             + layout_checks.check_ep(c.model, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
@@ -135,11 +137,11 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                   layer_split=list(layout.layer_split))
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
-    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout)
+    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
-    return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
+    return RunSpec(model=padded_model(c.model, c.framework, layout.tp), parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
