@@ -111,3 +111,71 @@ def test_the_planner_prices_the_padded_vocabulary_and_megatrons_m_below_pp_as_th
         assert got["time_per_step_s"][i] == pytest.approx(e.time_per_step_s, rel=1e-9)
         assert got["memory_total"][i] == pytest.approx(e.memory.total, rel=1e-9)
         assert got["tflops_per_device"][i] == pytest.approx(e.tflops_per_device, rel=1e-9)
+
+
+# --- model.head_dim ---------------------------------------------------------------------------------
+
+WIDE_HEADS = ("model.hidden=2880", "model.n_heads=64", "model.n_kv_heads=8", "model.head_dim=64",
+              "model.ffn_hidden=2880", "model.n_layers=24", "model.vocab_size=201088")  # gpt-oss-20b's attention
+
+
+def test_head_dim_other_than_hidden_over_heads_is_estimated_with_its_widths():
+    """64 heads of 64 in a 2880-wide model (hidden / heads = 45, odd: refused for rope without
+    model.head_dim): q and the context are 64 x 64 = 4096 wide, k and v 8 x 64 = 512."""
+    from xpar.estimate.flops import forward_flops_per_token
+    from xpar.models.shapes import param_count
+    with pytest.raises(ConfigError, match="rope needs an even head dim"):
+        _estimate_spec(*WIDE_HEADS[:3], *WIDE_HEADS[4:])
+    spec = _estimate_spec(*WIDE_HEADS, "parallel.tp=8")
+    cfg = spec.model
+    assert (cfg.head_size, cfg.q_dim) == (64, 4096)
+    h, s = 2880, spec.seq_len
+    per_block = 2 * (2 * h * 4096 + 2 * h * 512 + 3 * h * 2880)  # wq, wo h x 4096; wk, wv h x 512; SwiGLU
+    flops = forward_flops_per_token(cfg, s)
+    assert flops["matmul"] == 24 * per_block and flops["attention"] == 24 * 4 * s * 4096
+    assert param_count(cfg).per_layer == 2 * h * 4096 + 2 * h * 512 + 3 * h * 2880 + 2 * h
+    e = estimate(spec)
+    narrow = estimate(_estimate_spec(*WIDE_HEADS[:3], "model.head_dim=32", *WIDE_HEADS[4:], "parallel.tp=8"))
+    assert e.memory.params > narrow.memory.params and e.memory.activations > narrow.memory.activations
+
+
+def test_the_memory_models_parameter_list_is_the_models_with_head_dim():
+    import torch
+    from xpar.config.schema import ModelConfig
+    from xpar.estimate.model_states import _meta_shapes, _model_key
+    from xpar.models.transformer import Transformer
+    cfg = ModelConfig(hidden=36, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=64, n_layers=2, bias=True,
+                      norm="layernorm")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert _meta_shapes(_model_key(cfg), 2, True, True) == tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    assert model.layers["0"].attention.wq.weight.shape == (32, 36)
+
+
+def _losses(spec_dicts: list[dict]) -> list:
+    """Worker: every rank's losses of each spec."""
+    import tempfile
+    from pathlib import Path
+
+    from xpar.config.spec import RunSpec
+    from xpar.run.worker import run_rank
+
+    out = []
+    for d in spec_dicts:
+        with tempfile.TemporaryDirectory() as tmp:
+            stats = run_rank(RunSpec.from_dict(d), Path(tmp))
+        if stats is not None:
+            out.append([s["losses"] for s in stats])
+    return out
+
+
+@pytest.mark.slow
+def test_head_dim_model_runs_under_tp_and_equals_the_reference():
+    """The tiny analogue of 64 heads of 64 in 2880: 4 heads of 8 in a 36-wide model (36 / 4 = 9, odd),
+    executed over tp 2 (2 heads per rank) equals the single-process reference."""
+    from tests.conftest import reference_losses, spawn, spec_for
+    spec = spec_for("model.hidden=36", "model.head_dim=8", "parallel.tp=2", "parallel.dp=1", "train.steps=3",
+                    "train.warmup_steps=0", local_devices=2)
+    assert spec.mode == "execute" and spec.model.q_dim == 32
+    (per_rank,) = spawn(_losses, 2, [spec.to_dict()])
+    assert per_rank[0] == pytest.approx(reference_losses(spec), rel=1e-4)

@@ -199,7 +199,7 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
     against torch's."""
     cfg = ModelConfig(*cfg_key)
-    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.ffn_hidden, cfg.vocab_size
 
     def norm(name: str) -> list:
         return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if cfg.norm != "rmsnorm" and cfg.bias else [])
@@ -215,8 +215,8 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     out += [("pos_embeddings.weight", (cfg.seq_len, h))] if first and cfg.position == "learned" else []
     for i in range(n_blocks):
         a, mlp = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", h, h) + linear(f"{a}.wk", kv, h)
-        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, h) + norm(f"layers.{i}.ffn_norm")
+        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", cfg.q_dim, h) + linear(f"{a}.wk", kv, h)
+        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, cfg.q_dim) + norm(f"layers.{i}.ffn_norm")
         if not moe:
             out += mlp_shapes(mlp, f)
             continue
