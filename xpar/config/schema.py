@@ -124,6 +124,10 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""
+    zero_shard_size: Optional[int] = None
+    """Hierarchical ZeRO (torch FSDP2's HSDP, DeepSpeed ZeRO++ hpZ): ZeRO-2/3 shard inside groups of
+    this many consecutive dp ranks and replicate across the dp / zero_shard_size groups (gradients
+    reduce-scattered in the group, then all-reduced across the replicas); null: shard over all of dp."""
     micro_batches: Any = 1
     """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""

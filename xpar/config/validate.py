@@ -18,6 +18,7 @@ from xpar.config.checks import config as config_checks
 from xpar.config.checks import layout as layout_checks
 from xpar.config.checks.environment import check_environment
 from xpar.config.checks.framework import check_framework, check_framework_layout
+from xpar.config.checks.hsdp import check_zero_shard
 from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.runtime import check_runtime, check_threads
 from xpar.config.layout import Layout, edge_split
@@ -54,7 +55,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
                                            rule=c.framework.microbatch_rule)
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
-            + layout_checks.check_ep(c.model, layout, mode)
+            + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))

@@ -71,6 +71,7 @@ from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.activations import activation_terms, recompute_notes, schedule_peak
 from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.hsdp import shard_group_spec
 from xpar.estimate.model_states import (
     MemoryOptions,
     _model_key,
@@ -253,6 +254,7 @@ def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options)
     ``sp_saves_gathered``). See the module docstring for the terms."""
     o = MemoryOptions.of(assume, **options)
     spec = fold_cp(spec)  # cp ranks hold s / cp tokens and shard over dp x cp (xpar.estimate.context_parallel)
+    spec = shard_group_spec(spec)  # hierarchical ZeRO: states sharded over parallel.zero_shard_size (xpar.estimate.hsdp)
     best = None
     for r in (range(spec.pp) if pp_rank is None else [pp_rank]):
         est = rank_memory(spec, r, o)
