@@ -179,3 +179,34 @@ def test_head_dim_model_runs_under_tp_and_equals_the_reference():
     assert spec.mode == "execute" and spec.model.q_dim == 32
     (per_rank,) = spawn(_losses, 2, [spec.to_dict()])
     assert per_rank[0] == pytest.approx(reference_losses(spec), rel=1e-4)
+
+
+# --- DeepSpeed ZeRO-1/2's fp32 gradient partition --------------------------------------------------
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_deepspeed_zero12_breakdown_counts_the_fp32_gradient_partition(zero):
+    """DeepSpeedZeroOptimizer.step casts the rank's gradient partition to fp32: +4 bytes per element of
+    its optimizer partition (12 bytes per element: fp32 master and moments) in comm_buffers."""
+    spec = _estimate_spec("framework=deepspeed", f"parallel.zero_stage={zero}")
+    mem = estimate(spec).memory
+    part = mem.detail["comm_buffers"]["fp32_grad_partition"]
+    assert part == pytest.approx(4 / 12 * mem.optimizer) and part > 0
+    off = estimate(_estimate_spec("framework=deepspeed", f"parallel.zero_stage={zero}",
+                                  "framework.fp32_grad_partition=false")).memory
+    assert mem.total - off.total == pytest.approx(part)
+
+
+# --- megatron_core: Megatron-FSDP, interleaving at pp 2 -------------------------------------------------
+
+def test_megatron_core_runs_megatron_fsdp_and_interleaves_at_pp_2():
+    spec = _estimate_spec("framework=megatron_core", "parallel.zero_stage=3")  # --use-megatron-fsdp optim_grads_params
+    assert spec.parallel.zero_stage == 3 and estimate(spec).memory.params > 0
+    spec = _estimate_spec("framework=megatron_core", "parallel.tp=8", "parallel.pp=2", "parallel.schedule=interleaved_1f1b",
+                          "parallel.virtual_stages=4", "parallel.micro_batches=8")
+    assert spec.layout.virtual_stages == 4
+    with pytest.raises(ConfigError, match="interleaved_1f1b only at pp >= 3"):  # the 2021 Megatron-LM's rule stays
+        _estimate_spec("framework=megatron", "parallel.tp=8", "parallel.pp=2", "parallel.schedule=interleaved_1f1b",
+                       "parallel.virtual_stages=4", "parallel.micro_batches=8")
+    with pytest.raises(ConfigError, match="does not run parallel.zero_stage=3 with pp > 1"):  # Megatron-FSDP: no pp
+        _estimate_spec("framework=megatron_core", "parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=3",
+                       "parallel.micro_batches=8")

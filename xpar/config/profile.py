@@ -115,6 +115,9 @@ class FrameworkConfig:
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
     fused_swiglu: bool = False
     """SwiGLU as one kernel keeping its input (Megatron-Core): 3 e f per token kept, not eager torch's 4 e f."""
+    fp32_grad_partition: bool = False
+    """DeepSpeed's ZeRO-1/2 step casts the rank's 16-bit gradient partition to an fp32 copy (+4 bytes per
+    element of the optimizer partition, in the memory's comm_buffers: xpar.estimate.zero12_step)."""
     fp8_saves_inputs: bool = False
     """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
     (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""

@@ -101,6 +101,9 @@ class MemoryOptions:
     """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
     them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:
     Transformer Engine, flash-attn)."""
+    fp32_grad_partition: bool = False
+    """DeepSpeed's ZeRO-1/2 optimizer casts the rank's gradient partition to fp32 at each step (+4 bytes per
+    element of its optimizer partition: xpar.estimate.zero12_step); False: no such copy (xpar, Megatron)."""
     replicated_embedding_grad: bool = True
     """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
     every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
