@@ -147,4 +147,5 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
-                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))
+                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
+                   vocab_unpadded=c.model.vocab_size if c.framework.make_vocab_size_divisible_by else None)

@@ -18,8 +18,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
                            sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
                            autocast_casts: bool = False, kv_matmul: Optional[int] = None,
-                           selective: str = "attention", fused_swiglu: bool = False,
-                           q: Optional[int] = None) -> float:
+                           selective: str = "attention", fused_swiglu: bool = False, q: Optional[int] = None) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =

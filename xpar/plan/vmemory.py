@@ -42,6 +42,7 @@ from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
 from xpar.estimate.offload import host_columns
 from xpar.plan.vblocks import blocks_vary
+from xpar.plan.vocab_groups import columns_by_vocab
 from xpar.plan.vsplit import memory_spec, prune_modes, split_key
 
 KEYS = ("memory_params", "memory_grads", "memory_optimizer", "memory_activations", "memory_comm_buffers",
@@ -573,6 +574,8 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     """
     from xpar.estimate.cost import assumptions_for
 
+    if (padded := columns_by_vocab(base, cols, memory_columns)) is not None:  # vocabulary padded per tp (vocab_groups)
+        return padded
     o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
     bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])

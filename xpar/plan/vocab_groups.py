@@ -1,44 +1,66 @@
 """The planner's candidates where the framework pads the vocabulary (framework.make_vocab_size_divisible_by:
 Megatron-LM's 128 x tp, xpar.config.vocab): the padded vocabulary depends on each candidate's tp,
 while the vectorised cost model (xpar.plan.vtime, xpar.plan.vmemory) prices every candidate with one
-model. The candidates are grouped by their padded vocabulary and each group evaluated with the
-model at that size (padding a padded vocabulary changes nothing), so the figures stay equal to
-:func:`xpar.estimate.cost.estimate` on each candidate's validated RunSpec.
+base model. The candidates are grouped by their padded vocabulary and each group priced with the
+model at that size (padding a padded vocabulary again changes nothing), so the figures stay equal
+to :func:`xpar.estimate.cost.estimate` on each candidate's validated RunSpec.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from xpar.config.vocab import padded_vocab
 
 
-def vocab_columns(ctx, cols: dict[str, np.ndarray]) -> np.ndarray:
+def padded_column(vocab: int, multiple: Optional[int], tp: np.ndarray) -> np.ndarray:
     """The padded vocabulary of each candidate (rows), from its tp column."""
-    multiple = (ctx.framework or {}).get("make_vocab_size_divisible_by")
-    vocab = int(ctx.model["vocab_size"])
-    return np.array([padded_vocab(vocab, multiple, int(t)) for t in np.asarray(cols["tp"])], dtype=np.int64)
+    return np.array([padded_vocab(vocab, multiple, int(t)) for t in np.asarray(tp)], dtype=np.int64)
 
 
-def needs_groups(ctx, cols: dict[str, np.ndarray]) -> bool:
-    """Whether any candidate's padded vocabulary differs from the model's."""
-    return bool(len(cols["tp"])) and bool((vocab_columns(ctx, cols) != int(ctx.model["vocab_size"])).any())
-
-
-def evaluate_by_vocab(ctx, cols: dict[str, np.ndarray], evaluate: Callable) -> dict[str, np.ndarray]:
-    """``evaluate(ctx, cols)`` once per padded vocabulary, with ``ctx.model`` at that size, joined
-    back in the candidates' order (same keys and dtypes as ``evaluate``'s)."""
-    vocab = vocab_columns(ctx, cols)
+def _join(parts: list[tuple[np.ndarray, dict]], n: int) -> dict[str, np.ndarray]:
+    """Per-group result dicts (row indices, arrays) joined back in the candidates' order."""
     out: dict[str, np.ndarray] = {}
-    for v in np.unique(vocab):
-        idx = np.flatnonzero(vocab == v)
-        sub = {k: np.asarray(c)[idx] for k, c in cols.items()}
-        res = evaluate(replace(ctx, model=dict(ctx.model, vocab_size=int(v))), sub)
+    for idx, res in parts:
         for k, x in res.items():
             x = np.asarray(x)
             if k not in out:
-                out[k] = np.zeros(len(vocab), dtype=x.dtype) if x.dtype.kind != "U" else np.asarray(cols.get(k, x)).copy()
+                out[k] = np.empty(n, dtype=x.dtype) if x.dtype.kind != "U" else np.empty(n, dtype=object)
             out[k][idx] = x
-    return out
+    return {k: (v.astype(str) if v.dtype == object else v) for k, v in out.items()}
+
+
+def evaluate_by_vocab(ctx, cols: dict[str, np.ndarray], evaluate: Callable) -> Optional[dict[str, np.ndarray]]:
+    """``evaluate(ctx, cols)`` once per padded vocabulary with ``ctx.model`` at that size, joined; None
+    where every candidate runs the context's own vocabulary."""
+    vocab = padded_column(int(ctx.model["vocab_size"]), (ctx.framework or {}).get("make_vocab_size_divisible_by"),
+                          cols["tp"])
+    if not len(vocab) or (vocab == int(ctx.model["vocab_size"])).all():
+        return None
+    parts = []
+    for v in np.unique(vocab):
+        idx = np.flatnonzero(vocab == v)
+        parts.append((idx, evaluate(replace(ctx, model=dict(ctx.model, vocab_size=int(v))),
+                                    {k: np.asarray(c)[idx] for k, c in cols.items()})))
+    return _join(parts, len(vocab))
+
+
+def columns_by_vocab(base, cols: dict[str, np.ndarray], fn: Callable, *rows) -> Optional[dict[str, np.ndarray]]:
+    """``fn(base, cols, *rows)`` (xpar.plan.vtime.time_columns, xpar.plan.vmemory.memory_columns) once per
+    padded vocabulary, ``base.model`` at that size and ``rows`` (arrays per candidate, or None) cut to
+    the group, joined; None where every candidate runs ``base``'s vocabulary."""
+    raw = getattr(base, "vocab_unpadded", None)
+    if raw is None or not len(cols["tp"]):
+        return None
+    vocab = padded_column(raw, base.framework.make_vocab_size_divisible_by, cols["tp"])
+    if (vocab == base.model.vocab_size).all():
+        return None
+    parts = []
+    for v in np.unique(vocab):
+        idx = np.flatnonzero(vocab == v)
+        part = replace(base, model=replace(base.model, vocab_size=int(v)))
+        parts.append((idx, fn(part, {k: np.asarray(c)[idx] for k, c in cols.items()},
+                              *(None if x is None else np.asarray(x)[idx] for x in rows))))
+    return _join(parts, len(vocab))

@@ -82,6 +82,7 @@ from xpar.estimate.offload import (
 )
 from xpar.estimate.schedule import bubble_theory
 from xpar.plan.vblocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
+from xpar.plan.vocab_groups import columns_by_vocab
 from xpar.plan.vsplit import plan_split, rank_blocks, split_key, splittable
 
 TIME_KEYS = ("time_per_step_s",) + tuple(f"time_{t}" for t in TIME_TERMS) + (
@@ -356,6 +357,9 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
             ends (xpar.plan.vsplit; the space's rule ``balanced`` drops them).
         KeyError: a schedule not in :data:`xpar.config.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
+    if (padded := columns_by_vocab(base, cols, time_columns, memory_optimizer, optimizer_elements,
+                                   memory_grads)) is not None:  # the vocabulary padded per tp (xpar.plan.vocab_groups)
+        return padded
     world = cols["tp"] * cols["pp"] * cols["dp"]
     if base.hardware.sync_wait_us and len(np.unique(world)) > 1:  # the waits depend on the workers
         return _by_world(base, cols, world, memory_optimizer, optimizer_elements, memory_grads)
