@@ -91,17 +91,12 @@ def test_the_planner_prices_the_padded_vocabulary_and_megatrons_m_below_pp_as_th
     """xpar plan (vectorised) equals the scalar estimate where the vocabulary is padded per tp and 1F1B
     runs fewer micro-batches than stages (framework=megatron)."""
     import numpy as np
-    import yaml
-    from xpar.config.presets import conf_dir
+    from omegaconf import OmegaConf
     from xpar.plan.context import COLUMNS, PlanContext, spec_of
     from xpar.plan.evaluate import evaluate
 
-    def group(g, n):
-        d = yaml.safe_load((conf_dir() / g / f"{n}.yaml").read_text())
-        d.pop("defaults", None)
-        return d
-    ctx = PlanContext(model=dict(group("model", "7b"), vocab_size=50257), hardware=group("hardware", "a100_80gb_64gpu"),
-                      train={"dtype": "bf16"}, framework=group("framework", "megatron"))
+    cfg = OmegaConf.to_container(compose(*CLUSTER, "framework=megatron", "model.vocab_size=50257"), resolve=True)
+    ctx = PlanContext(model=cfg["model"], hardware=cfg["hardware"], train={"dtype": "bf16"}, framework=cfg["framework"])
     rows = [(1, 4, 16, 1, 2, 1, "1f1b", 1, False, "full"), (4, 2, 8, 1, 1, 1, "1f1b", 0, True, "selective"),
             (8, 1, 8, 2, 4, 1, "1f1b", 1, True, "none"), (2, 4, 8, 1, 8, 1, "1f1b", 1, False, "full")]
     cols = {k: np.array([r[i] for r in rows]) for i, k in enumerate(COLUMNS)}
