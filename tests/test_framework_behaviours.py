@@ -123,7 +123,7 @@ def test_head_dim_other_than_hidden_over_heads_is_estimated_with_its_widths():
         _estimate_spec(*WIDE_HEADS[:3], *WIDE_HEADS[4:])
     spec = _estimate_spec(*WIDE_HEADS, "parallel.tp=8")
     cfg = spec.model
-    assert (cfg.head_size, cfg.q_dim) == (64, 4096)
+    assert (cfg.head_dim, cfg.q_dim) == (64, 4096)
     h, s = 2880, spec.seq_len
     per_block = 2 * (2 * h * 4096 + 2 * h * 512 + 3 * h * 2880)  # wq, wo h x 4096; wk, wv h x 512; SwiGLU
     flops = forward_flops_per_token(cfg, s)

@@ -66,6 +66,6 @@ def test_full_recompute_keeps_the_block_inputs():
     # full: the l block inputs + what the final norm and output keep (norm input, rms, norm output)
     assert peaks["full"] >= c.n_layers * block_input
     assert peaks["full"] < peaks["selective"] < peaks["none"]
-    kv = c.kv_heads * c.head_size
+    kv = c.kv_heads * c.head_dim
     matmul_out = b_s * (2 * c.hidden + 2 * kv + 2 * c.ffn_hidden + c.hidden) * 4  # q k v o, w1 w3 w2 outputs
     assert peaks["selective"] - peaks["full"] == c.n_layers * matmul_out  # measured: exactly

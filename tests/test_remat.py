@@ -60,7 +60,7 @@ def test_extra_flops_per_policy():
     a backward needs; w2's is needed by none); save_qkv_proj adds wo; Megatron's selective = the
     attention core; torchtitan's op = wk, wo, w3; none = 0."""
     cfg = _spec("parallel=3d", "model=70b").model
-    s, h, f, kv = 4096, cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_size
+    s, h, f, kv = 4096, cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
     fwd = forward_flops_per_token(cfg, s)
     core = fwd["attention"] / cfg.n_layers
     x = {p: extra_forward_flops_per_layer(cfg, s, p) for p in RECOMPUTE}
@@ -176,7 +176,7 @@ def test_executed_memory_and_flops_are_the_estimates(runs):
     counts the whole forward). recompute_layers=1 reruns one block of the four."""
     _, _, none_peak, none_flops, tokens, spec = runs["none"]
     c = spec.model
-    kv, n = c.kv_heads * c.head_size, c.n_layers
+    kv, n = c.kv_heads * c.head_dim, c.n_layers
     proj = {"wq": 2 * c.hidden ** 2, "wk": 2 * c.hidden * kv, "wv": 2 * c.hidden * kv, "wo": 2 * c.hidden ** 2,
             "w1": 2 * c.hidden * c.ffn_hidden, "w3": 2 * c.hidden * c.ffn_hidden}
     full_peak = runs["full"][2]

@@ -43,7 +43,7 @@ def cp_layer_times(spec: RunSpec) -> dict[str, float]:
     if cp == 1:
         return {"f": 0.0, "b": 0.0}
     cfg = spec.model
-    payload = 2 * spec.train.micro_batch_size * spec.seq_len * cfg.kv_heads * cfg.head_size / spec.tp
+    payload = 2 * spec.train.micro_batch_size * spec.seq_len * cfg.kv_heads * cfg.head_dim / spec.tp
     payload *= BYTES[spec.train.dtype]
     g = group_of(spec.hardware, cp, spec.tp)
     return {"f": collective_time(spec.hardware, "allgather", payload, g),

@@ -554,13 +554,10 @@ def _pairs(ctx: dict, ent: dict, idx: np.ndarray, count: np.ndarray, start: np.n
 
 
 def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length
-    L), as :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under
-    :func:`xpar.estimate.cost.assumptions_for` ``base``): the most loaded pipeline rank, on its
-    most loaded dp rank.
-
-    ``base``: the RunSpec of any candidate of the same context; only its model, hardware,
-    seq_len, train dtype and framework are read.
+    """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length L), as
+    :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under :func:`xpar.estimate.cost.assumptions_for`
+    ``base``): the most loaded pipeline rank, on its most loaded dp rank. ``base``: the RunSpec of any
+    candidate of the same context; only its model, hardware, seq_len, train dtype and framework are read.
 
     Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
     (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
