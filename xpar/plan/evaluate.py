@@ -7,7 +7,6 @@ import numpy as np
 
 from xpar.estimate.cost import TIME_TERMS
 from xpar.plan.context import PlanContext, spec_of
-from xpar.plan.vocab_groups import evaluate_by_vocab
 
 TIME_KEYS = ("time_per_step_s", "bubble_ratio", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
              "hw_tflops_per_device", "mfu", "hfu", "offload_host_step_s", "offload_pcie_s") + tuple(
@@ -26,8 +25,6 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
     ``ctx.hardware['memory_headroom']``); ``host_fits`` whether an offloaded optimizer's states fit the
     node's host memory (True without offload)."""
     from xpar.plan.vfive import evaluate_groups, grouped
-    if (padded := evaluate_by_vocab(ctx, cols, evaluate)) is not None:  # vocabulary padded per tp (vocab_groups)
-        return padded
     if grouped(cols):  # cp, ep or dtype columns: grouped by them (xpar.plan.vfive)
         return evaluate_groups(ctx, cols, TIME_KEYS, MEMORY_KEYS)
     base = spec_of(ctx, cols, 0)

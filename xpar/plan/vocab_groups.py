@@ -32,21 +32,6 @@ def _join(parts: list[tuple[np.ndarray, dict]], n: int) -> dict[str, np.ndarray]
     return {k: (v.astype(str) if v.dtype == object else v) for k, v in out.items()}
 
 
-def evaluate_by_vocab(ctx, cols: dict[str, np.ndarray], evaluate: Callable) -> Optional[dict[str, np.ndarray]]:
-    """``evaluate(ctx, cols)`` once per padded vocabulary with ``ctx.model`` at that size, joined; None
-    where every candidate runs the context's own vocabulary."""
-    vocab = padded_column(int(ctx.model["vocab_size"]), (ctx.framework or {}).get("make_vocab_size_divisible_by"),
-                          cols["tp"])
-    if not len(vocab) or (vocab == int(ctx.model["vocab_size"])).all():
-        return None
-    parts = []
-    for v in np.unique(vocab):
-        idx = np.flatnonzero(vocab == v)
-        parts.append((idx, evaluate(replace(ctx, model=dict(ctx.model, vocab_size=int(v))),
-                                    {k: np.asarray(c)[idx] for k, c in cols.items()})))
-    return _join(parts, len(vocab))
-
-
 def columns_by_vocab(base, cols: dict[str, np.ndarray], fn: Callable, *rows) -> Optional[dict[str, np.ndarray]]:
     """``fn(base, cols, *rows)`` (xpar.plan.vtime.time_columns, xpar.plan.vmemory.memory_columns) once per
     padded vocabulary, ``base.model`` at that size and ``rows`` (arrays per candidate, or None) cut to
