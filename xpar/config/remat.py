@@ -116,7 +116,7 @@ def policy_of(recompute: str, selective: str = "op") -> Policy:
 def projection_flops(cfg) -> dict[str, float]:
     """Forward FLOPs per token of each projection of one block (2 per multiply-add; wq and wo h
     x q (q = n_heads x head dim, h unless model.head_dim is set), wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
-    h, f, kv, q = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim, cfg.q_dim
+    h, f, kv, q = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim
     return {"wq": 2 * h * q, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * q, "w1": 2 * h * f,
             "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f}
 

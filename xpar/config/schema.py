@@ -89,26 +89,16 @@ class ModelConfig:
         """One expert's MLP inner width."""
         return self.ffn_hidden if self.expert_ffn_hidden is None else self.expert_ffn_hidden
 
-    def __post_init__(self) -> None:
-        """``head_dim`` null resolves to hidden / n_heads here (every reader sees an int); whether it
-        was given is kept for validation (``head_dim_given``). A ``dataclasses.replace`` of hidden or
-        n_heads keeps the resolved head_dim: pass head_dim=None with them to derive it again."""
-        self.head_dim_given = self.head_dim is not None
-        if self.head_dim is None and self.n_heads:
-            self.head_dim = self.hidden // self.n_heads
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, else hidden / n_heads (a validated RunSpec's model
+        has ``head_dim`` resolved to it: xpar.config.validate.build_spec)."""
+        return self.head_dim or self.hidden // max(1, self.n_heads)
 
     @property
     def q_dim(self) -> int:
-        """Width of the attention's queries and context, n_heads x head_dim (hidden unless model.head_dim is set)."""
-        return self.n_heads * self.head_dim
-
-
-def unresolved_model() -> ModelConfig:
-    """The model group's default with ``head_dim`` left null (as the schema reads it: a preset
-    that does not set it gets hidden / n_heads of its own shape when the config is built)."""
-    m = ModelConfig()
-    m.head_dim, m.head_dim_given = None, False
-    return m
+        """Width of the attention's queries and context, n_heads x head_size (hidden unless head_dim is set)."""
+        return self.n_heads * self.head_size
 
 
 @dataclass
@@ -449,7 +439,7 @@ class PlanConfig:
 
 @dataclass
 class XparConfig:
-    model: ModelConfig = field(default_factory=lambda: unresolved_model())
+    model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -142,7 +142,8 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
-    return RunSpec(model=padded_model(c.model, c.framework, layout.tp), parallel=par, hardware=target.hardware, train=train,
+    model = replace(padded_model(c.model, c.framework, layout.tp), head_dim=c.model.head_size)  # resolved for every reader
+    return RunSpec(model=model, parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank,

@@ -25,7 +25,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False
     (scores and context, times l; halved when ``causal``) and ``logits``.
     """
     h, f = cfg.hidden, cfg.ffn_hidden
-    kv, q = cfg.kv_heads * cfg.head_dim, cfg.q_dim  # q = h unless model.head_dim is set
+    kv, q = cfg.kv_heads * cfg.head_size, cfg.q_dim  # q = h unless model.head_dim is set
     n_mlp = 3 if cfg.activation == "swiglu" else 2
     projections = 2 * h * q + 2 * h * kv
     matmul = 2 * (projections + n_mlp * h * f)

@@ -202,7 +202,7 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
     against torch's."""
     cfg = ModelConfig(*cfg_key)
-    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.ffn_hidden, cfg.vocab_size
 
     def norm(name: str) -> list:
         return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if cfg.norm != "rmsnorm" and cfg.bias else [])

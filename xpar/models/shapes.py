@@ -66,7 +66,7 @@ def param_count(cfg: ModelConfig) -> ParamCount:
     experts: the router (h x E), E expert MLPs of width cfg.expert_ffn and the shared experts (one
     MLP of n_shared x expert_ffn, as :class:`xpar.models.transformer.MoE` holds them) in place of the MLP.
     """
-    h, kv, q = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.q_dim  # q = h unless model.head_dim is set
+    h, kv, q = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim  # q = h unless model.head_dim is set
     norm = h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     attn = 2 * h * q + 2 * h * kv + ((q + h + 2 * kv) if cfg.bias else 0)
     per_layer = attn + mlp_params(cfg, cfg.ffn_hidden) + 2 * norm

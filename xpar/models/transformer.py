@@ -68,8 +68,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.head_dim = cfg.head_dim
+        kv_dim = cfg.kv_heads * cfg.head_size
+        self.head_dim = cfg.head_size
         self.position = cfg.position
         self.rope_theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.hidden, cfg.q_dim, bias=cfg.bias)  # q_dim = n_heads x head dim
