@@ -144,12 +144,29 @@ EXECUTABLE = tuple(name for name, rec in SCHEDULES.items() if rec.executable)
 """The schedules xpar runs (a torch class each); the others are estimated and planned only."""
 
 
-def microbatch_problem(schedule: str, pp: int, m: int) -> Optional[str]:
-    """The message for a micro-batch count ``m`` that ``schedule`` refuses at ``pp``, or None."""
+MICROBATCH_RULES = ("torch", "megatron")
+"""Whose micro-batch rules a framework's pipeline follows (``framework.microbatch_rule``): 'torch'
+(torch.distributed.pipelining's classes, :data:`SCHEDULES`); 'megatron': its 1F1B runs any m >= 1,
+rank r starting with min(pp - r - 1, m) warm-up forwards (Megatron-LM/Core
+``forward_backward_pipelining_without_interleaving``; DeepSpeed's PipelineEngine ``TrainSchedule``,
+2 (m + pp - 1) steps), the other schedules as torch's."""
+
+
+def microbatch_ok(schedule: str, pp: int, m: int, rule: str = "torch") -> bool:
+    """Whether ``schedule`` runs ``m`` micro-batches at ``pp`` ranks under ``rule``
+    (:data:`MICROBATCH_RULES`; 'torch': torch's schedule class accepts them)."""
+    if rule == "megatron" and schedule == "1f1b":
+        return m >= 1
+    return SCHEDULES[schedule].microbatches_ok(pp, m)
+
+
+def microbatch_problem(schedule: str, pp: int, m: int, rule: str = "torch") -> Optional[str]:
+    """The message for a micro-batch count ``m`` that ``schedule`` refuses at ``pp`` under ``rule``
+    (:data:`MICROBATCH_RULES`), or None."""
     rec = SCHEDULES[schedule]
-    if rec.microbatches_ok(pp, m):
+    if microbatch_ok(schedule, pp, m, rule):
         return None
-    near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if rec.microbatches_ok(pp, k)]
+    near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if microbatch_ok(schedule, pp, k, rule)]
     near = sorted(sorted(near, key=lambda k: (abs(k - m), k))[:3])
     return (f"schedule {schedule} ({rec.torch_class}) needs {rec.microbatch_rule(pp, m)}, got "
             f"parallel.micro_batches={m}; micro_batches that work: {near}"
@@ -335,8 +352,3 @@ class Layout:
     @property
     def schedule_info(self) -> Schedule:
         return SCHEDULES[self.schedule]
-
-
-def microbatch_ok(schedule: str, pp: int, m: int) -> bool:
-    """Whether torch's ``schedule`` accepts ``m`` micro-batches at ``pp`` ranks."""
-    return SCHEDULES[schedule].microbatches_ok(pp, m)

@@ -115,6 +115,9 @@ class FrameworkConfig:
     in backward; xpar, torchtitan) or 'fused' (an in-place fused kernel; llm-foundry)."""
     fused_swiglu: bool = False
     """SwiGLU as one kernel keeping its input (Megatron-Core): 3 e f per token kept, not eager torch's 4 e f."""
+    fp32_grad_partition: bool = False
+    """DeepSpeed's ZeRO-1/2 step casts the rank's 16-bit gradient partition to an fp32 copy (+4 bytes per
+    element of the optimizer partition, in the memory's comm_buffers: xpar.estimate.zero12_step)."""
     fp8_saves_inputs: bool = False
     """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
     (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
@@ -184,6 +187,15 @@ class FrameworkConfig:
     schedules: list = field(default_factory=lambda: ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
                                                      "zero_bubble", "zbv", "dualpipev"])
     """Pipeline schedules it runs (xpar.config.layout.SCHEDULES names; xpar plan searches these)."""
+    make_vocab_size_divisible_by: Optional[int] = None
+    """The vocabulary is padded to a multiple of this x tp (Megatron-LM's and NeMo's
+    --make-vocab-size-divisible-by, 128 by default: xpar.config.vocab); null: not padded (torch
+    trainers), tp must divide model.vocab_size."""
+    microbatch_rule: str = "torch"
+    """Whose micro-batch rules its pipeline schedules follow in estimates (xpar.config.layout.MICROBATCH_RULES):
+    'torch' (torch.distributed.pipelining: Schedule1F1B needs m >= pp) or 'megatron' (its 1F1B runs
+    any m >= 1 with min(pp - rank - 1, m) warm-up forwards: Megatron-LM/Core, DeepSpeed's PipelineEngine).
+    Execute mode runs torch's classes and keeps torch's rule."""
     interleaved_min_pp: int = 2
     """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
     interleaved_m_per_pp: bool = False

@@ -115,9 +115,9 @@ def policy_of(recompute: str, selective: str = "op") -> Policy:
 
 def projection_flops(cfg) -> dict[str, float]:
     """Forward FLOPs per token of each projection of one block (2 per multiply-add; wq and wo h
-    x h, wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
-    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
-    return {"wq": 2 * h * h, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * h, "w1": 2 * h * f,
+    x q (q = n_heads x head dim, h unless model.head_dim is set), wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
+    h, f, kv, q = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim
+    return {"wq": 2 * h * q, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * q, "w1": 2 * h * f,
             "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f}
 
 
@@ -132,7 +132,7 @@ def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: 
     + w1 (+ w3); Megatron's selective: the attention core. Units: FLOP per token."""
     p = policy_of(recompute, selective)
     proj = projection_flops(cfg)
-    attention = 2 * 2 * seq_len * cfg.hidden * (0.5 if causal else 1.0)
+    attention = 2 * 2 * seq_len * cfg.q_dim * (0.5 if causal else 1.0)
     return sum(proj[k] for k in reruns(p, early_stop)) + (attention if p.attention else 0.0)
 
 

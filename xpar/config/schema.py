@@ -26,7 +26,7 @@ class ModelConfig:
     hidden: int = 64
     """Model width (h)."""
     n_heads: int = 4
-    """Attention heads (a); head dim = hidden / n_heads."""
+    """Attention heads (a); head dim = model.head_dim, else hidden / n_heads."""
     n_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention; None means n_heads (multi-head)."""
     ffn_hidden: int = 172
@@ -66,6 +66,10 @@ class ModelConfig:
     moe_imbalance: float = 1.0
     """Router load imbalance: tokens the busiest ep rank receives over the mean (1: balanced, as NeMo's MoE
     benchmarks force it); stretches experts' compute and all-to-alls (xpar.estimate.expert_parallel)."""
+    head_dim: Optional[int] = None
+    """Width of one attention head (d); null: hidden / n_heads. Set where heads are not hidden / n_heads
+    wide (gpt-oss: 64 heads of 64 in a 2880-wide model): q, k, v project to heads x head_dim and wo
+    back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
 
     @property
     def kv_heads(self) -> int:
@@ -86,8 +90,15 @@ class ModelConfig:
         return self.ffn_hidden if self.expert_ffn_hidden is None else self.expert_ffn_hidden
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, else hidden / n_heads (a validated RunSpec's model
+        has ``head_dim`` resolved to it: xpar.config.validate.build_spec)."""
+        return self.head_dim or self.hidden // max(1, self.n_heads)
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's queries and context, n_heads x head_size (hidden unless head_dim is set)."""
+        return self.n_heads * self.head_size
 
 
 @dataclass
@@ -114,6 +125,10 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
     3: FSDP2 reshard_after_forward=True."""
+    zero_shard_size: Optional[int] = None
+    """Hierarchical ZeRO (torch FSDP2's HSDP, DeepSpeed ZeRO++ hpZ): ZeRO-2/3 shard inside groups of
+    this many consecutive dp ranks and replicate across the dp / zero_shard_size groups (gradients
+    reduce-scattered in the group, then all-reduced across the replicas); null: shard over all of dp."""
     micro_batches: Any = 1
     """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""

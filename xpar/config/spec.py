@@ -56,6 +56,9 @@ class RunSpec:
     heartbeat_timeout_s: float = 30.0
     """A local worker silent this long is named as stopped and the job ended (run.heartbeat_timeout_s)."""
     framework: FrameworkConfig = field(default_factory=FrameworkConfig)
+    vocab_unpadded: Optional[int] = None
+    """The model's vocabulary before the framework's padding (xpar.config.vocab; ``model.vocab_size`` is
+    the padded one); None where nothing is padded."""
     """The training framework the estimate assumes (conf/framework/; logged as params)."""
 
     @property

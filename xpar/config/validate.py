@@ -19,6 +19,7 @@ from xpar.config.checks import config as config_checks
 from xpar.config.checks import layout as layout_checks
 from xpar.config.checks.environment import check_environment
 from xpar.config.checks.framework import check_framework, check_framework_layout
+from xpar.config.checks.hsdp import check_zero_shard
 from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.ranges import range_problems
 from xpar.config.checks.runtime import check_runtime, check_threads
@@ -32,6 +33,7 @@ from xpar.config.resolve import (  # noqa: F401
 )
 from xpar.config.schema import XparConfig
 from xpar.config.spec import RunSpec
+from xpar.config.vocab import padded_model, padding_notes
 
 
 def to_schema(cfg: DictConfig | dict) -> XparConfig:
@@ -50,11 +52,12 @@ def _raise_if(problems: list[str]) -> None:
 def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     """Every check of the resolved layout."""
     par, v = c.parallel, layout.virtual_stages
-    return (layout_checks.check_tp(c.model, layout) + layout_checks.check_zero1(layout, mode)
+    return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
-            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto")
+            + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
+                                           rule=c.framework.microbatch_rule)
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
-            + layout_checks.check_ep(c.model, layout, mode)
+            + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
@@ -153,13 +156,15 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                   layer_split=list(layout.layer_split))
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
-    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout)
+    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
-    return RunSpec(model=replace(c.model), parallel=par, hardware=target.hardware, train=train,
+    model = replace(padded_model(c.model, c.framework, layout.tp), head_dim=c.model.head_size)  # resolved for every reader
+    return RunSpec(model=model, parallel=par, hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
-                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)))
+                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
+                   vocab_unpadded=c.model.vocab_size if c.framework.make_vocab_size_divisible_by else None)

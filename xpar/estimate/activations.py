@@ -19,7 +19,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
                            sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
                            autocast_casts: bool = False, kv_matmul: Optional[int] = None,
-                           selective: str = "attention", fused_swiglu: bool = False) -> float:
+                           selective: str = "attention", fused_swiglu: bool = False, q: Optional[int] = None) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
@@ -50,9 +50,10 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
     'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
     (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
-    cos/sin). Units: bytes.
+    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). Units: bytes.
     """
-    kv = h if kv is None else kv
+    q = h if q is None else q
+    kv = q if kv is None else kv
     kvm = kv if kv_matmul is None else kv_matmul
     f = 4 * h if ffn is None else ffn
     er = elem if resid_elem is None else resid_elem
@@ -61,11 +62,11 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     if policy == "full":
         return s * b * er * h / (t if sp else 1)
     if policy not in ("none", "attention"):
-        return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy)
+        return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy, q)
     n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
     norm_in = 4 if norm_saves_output else er
     rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
-    split = 2 * elem * h + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
+    split = 2 * elem * q + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if policy == "attention":
         scores = 0
@@ -83,15 +84,16 @@ def kept_terms(policy: str, swiglu: bool) -> tuple:
 
 
 def _kept_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
-                policy: str) -> float:
+                policy: str, q: Optional[int] = None) -> float:
     """Per-token bytes kept by an op-level policy (see :func:`layer_activation_bytes`): the block
     input, then each kept output -- q e h/t, k and v e kv/t (the un-expanded GQA width), w1 and w3
     e f/t, wo and w2 e h (partial sums under tp), SDPA's output e h/t with its fp32 log-sum-exp
     4 a/t ('context') -- and the tp collectives' outputs the policy keeps ('op': all of them, 2
     all-reduced e h, with sp 2 gathered e h and 2 reduce-scattered e h/t; torchtitan: its
-    reduce-scatters; the MaxText policies none). Units: bytes per token."""
-    width = {"wq": h / t, "wk": kv / t, "wv": kv / t, "wo": h, "w1": f / t, "w3": f / t if swiglu else 0,
-             "w2": h, "context": h / t}
+    reduce-scatters; the MaxText policies none); q: the queries' width (None: h). Units: bytes per token."""
+    q = h if q is None else q
+    width = {"wq": q / t, "wk": kv / t, "wv": kv / t, "wo": h, "w1": f / t, "w3": f / t if swiglu else 0,
+             "w2": h, "context": q / t}
     lse = 4 * a / t if "context" in POLICIES[policy].keeps else 0  # SDPA's fp32 log-sum-exp
     kept = e * sum(width[k] for k in kept_terms(policy, swiglu)) + lse
     block_in = er * h / (t if sp else 1)
@@ -146,8 +148,8 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
 def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
     cfg, rec = spec.model, precision(spec, o)
-    kv_width = cfg.kv_heads * cfg.head_dim
-    return dict(kv=cfg.hidden if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
+    kv_width = cfg.kv_heads * cfg.head_size
+    return dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
@@ -222,8 +224,8 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
-        kv = cfg.kv_heads * cfg.head_dim
-        block = (2 * h * h + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
+        kv = cfg.kv_heads * cfg.head_size
+        block = (2 * h * cfg.q_dim + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
         kept_blocks = n * (1 - share)
         out["weight_copies"] = rec["e"] * (kept_blocks * block + (cfg.vocab_size * h / t if stage == lay.n_stages - 1 else 0))
     if stage == 0 and o.dropout:

@@ -24,6 +24,7 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
 from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
+from xpar.estimate.hsdp import hsdp_unit_times
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -53,6 +54,8 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
     collective timed once: the blocks of a rank are identical units)."""
     hw, z = spec.hardware, spec.parallel.zero_stage
+    if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
+        return {**hier, **copy_times(spec, assume, units)}
     g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
     e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"

@@ -25,14 +25,14 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False
     (scores and context, times l; halved when ``causal``) and ``logits``.
     """
     h, f = cfg.hidden, cfg.ffn_hidden
-    kv = cfg.kv_heads * cfg.head_dim
+    kv, q = cfg.kv_heads * cfg.head_size, cfg.q_dim  # q = h unless model.head_dim is set
     n_mlp = 3 if cfg.activation == "swiglu" else 2
-    projections = 2 * h * h + 2 * h * kv
+    projections = 2 * h * q + 2 * h * kv
     matmul = 2 * (projections + n_mlp * h * f)
     # a block with experts: the router, the top k routed experts and the shared ones (active parameters)
     moe = 2 * (projections + h * cfg.n_experts
                + n_mlp * h * cfg.expert_ffn * (cfg.moe_top_k + cfg.n_shared_experts))
-    attention = 2 * 2 * seq_len * h * (0.5 if causal else 1.0)
+    attention = 2 * 2 * seq_len * q * (0.5 if causal else 1.0)
     dense_layers = cfg.n_layers - cfg.moe_layers
     return {"matmul": dense_layers * matmul + cfg.moe_layers * moe, "attention": cfg.n_layers * attention,
             "logits": 2 * h * cfg.vocab_size}

@@ -24,6 +24,8 @@ from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.activations import activation_terms, recompute_notes, schedule_peak
 from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.hsdp import shard_group_spec
+from xpar.estimate.zero12_step import fp32_grad_partition_bytes
 from xpar.estimate.model_states import (
     MemoryOptions,
     _model_key,
@@ -125,7 +127,8 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> di
     gradients are the ``grads`` term. With ``zero3_gather='tensor'`` (DeepSpeed v0.3) the unit is the
     largest parameter tensor, gathered alone and not prefetched (``fsdp_allgather`` 2 of them: the
     one in use and the next). pp_p2p: one send and one receive buffer of b s h elements per stage
-    held (/t with sp).
+    held (/t with sp). fp32_grad_partition: DeepSpeed ZeRO-1/2's fp32 copy of the rank's gradient
+    partition at the step (xpar.estimate.zero12_step; ``fp32_grad_partition``).
     """
     o = MemoryOptions.of(assume, **options)
     out = state_buffer_terms(spec, pp_rank, o)
@@ -141,9 +144,10 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     """The buffers of :func:`comm_buffer_terms` sized by the model states (ddp_buckets,
     fsdp_allgather, fsdp_reduce): they depend on the rank's parameters, dp, pp and the ZeRO
     stage only. Bytes."""
-    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0}
+    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "fp32_grad_partition": 0.0}
     if not o.count_buffers:
         return out
+    out["fp32_grad_partition"] = fp32_grad_partition_bytes(spec, pp_rank, o)  # DeepSpeed ZeRO-1/2's step
     z, e = spec.parallel.zero_stage, precision(spec, o)["e"]
     whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
@@ -206,6 +210,7 @@ def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options)
     ``sp_saves_gathered``). See the module docstring for the terms."""
     o = MemoryOptions.of(assume, **options)
     spec = fold_cp(spec)  # cp ranks hold s / cp tokens and shard over dp x cp (xpar.estimate.context_parallel)
+    spec = shard_group_spec(spec)  # hierarchical ZeRO: states sharded over parallel.zero_shard_size (xpar.estimate.hsdp)
     best = None
     for r in (range(spec.pp) if pp_rank is None else [pp_rank]):
         est = rank_memory(spec, r, o)

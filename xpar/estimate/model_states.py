@@ -100,6 +100,9 @@ class MemoryOptions:
     """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
     them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:
     Transformer Engine, flash-attn)."""
+    fp32_grad_partition: bool = False
+    """DeepSpeed's ZeRO-1/2 optimizer casts the rank's gradient partition to fp32 at each step (+4 bytes per
+    element of its optimizer partition: xpar.estimate.zero12_step); False: no such copy (xpar, Megatron)."""
     replicated_embedding_grad: bool = True
     """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
     every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
@@ -198,7 +201,7 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
     against torch's."""
     cfg = ModelConfig(*cfg_key)
-    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+    h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.ffn_hidden, cfg.vocab_size
 
     def norm(name: str) -> list:
         return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if cfg.norm != "rmsnorm" and cfg.bias else [])
@@ -214,8 +217,8 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     out += [("pos_embeddings.weight", (cfg.seq_len, h))] if first and cfg.position == "learned" else []
     for i in range(n_blocks):
         a, mlp = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", h, h) + linear(f"{a}.wk", kv, h)
-        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, h) + norm(f"layers.{i}.ffn_norm")
+        out += norm(f"layers.{i}.attention_norm") + linear(f"{a}.wq", cfg.q_dim, h) + linear(f"{a}.wk", kv, h)
+        out += linear(f"{a}.wv", kv, h) + linear(f"{a}.wo", h, cfg.q_dim) + norm(f"layers.{i}.ffn_norm")
         if not moe:
             out += mlp_shapes(mlp, f)
             continue

@@ -61,14 +61,14 @@ class ParamCount:
 def param_count(cfg: ModelConfig) -> ParamCount:
     """Count parameters of the shape ``cfg``.
 
-    Per block: attention h*h (q) + 2*h*kv_dim (k, v) + h*h (o); MLP 3*h*f (SwiGLU) or 2*h*f
+    Per block: attention h*q (q; q = n_heads x head dim) + 2*h*kv_dim (k, v) + q*h (o); MLP 3*h*f (SwiGLU) or 2*h*f
     (GELU); two norms (h each, 2h with LayerNorm biases); linear biases when cfg.bias. A block with
     experts: the router (h x E), E expert MLPs of width cfg.expert_ffn and the shared experts (one
     MLP of n_shared x expert_ffn, as :class:`xpar.models.transformer.MoE` holds them) in place of the MLP.
     """
-    h, kv = cfg.hidden, cfg.kv_heads * cfg.head_dim
+    h, kv, q = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim  # q = h unless model.head_dim is set
     norm = h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    attn = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if cfg.bias else 0)
+    attn = 2 * h * q + 2 * h * kv + ((q + h + 2 * kv) if cfg.bias else 0)
     per_layer = attn + mlp_params(cfg, cfg.ffn_hidden) + 2 * norm
     expert, router = mlp_params(cfg, cfg.expert_ffn), h * cfg.n_experts
     shared = mlp_params(cfg, cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else 0

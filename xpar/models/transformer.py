@@ -68,14 +68,14 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.head_dim = cfg.head_dim
+        kv_dim = cfg.kv_heads * cfg.head_size
+        self.head_dim = cfg.head_size
         self.position = cfg.position
         self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.wq = nn.Linear(cfg.hidden, cfg.q_dim, bias=cfg.bias)  # q_dim = n_heads x head dim
         self.wk = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.hidden, bias=cfg.bias)
         self.positions = sequence_positions
         self.core = causal_attention
 

@@ -186,7 +186,11 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
         from xpar.parallel.expert import shard_experts
         shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
-    return wrap_dp(chunk, replica_mesh(mesh), par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
+    dp_mesh = replica_mesh(mesh)
+    if par.zero_shard_size and par.zero_stage >= 2 and par.zero_shard_size < dp_mesh.size():  # HSDP: 2-D dp mesh
+        from xpar.parallel.mesh import hsdp_mesh
+        dp_mesh = hsdp_mesh(dp_mesh, par.zero_shard_size)
+    return wrap_dp(chunk, dp_mesh, par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:

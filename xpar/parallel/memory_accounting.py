@@ -122,12 +122,12 @@ class ActivationTracker:
 
 def dp_full_param_bytes(p: torch.Tensor) -> int:
     """Bytes of ``p`` unsharded along the dp axis (or the flattened dp x cp axis of context
-    parallelism, xpar.parallel.mesh.replica_mesh; still sharded along tp)."""
+    parallelism, xpar.parallel.mesh.replica_mesh, or HSDP's shard axis; still sharded along tp)."""
     if not hasattr(p, "placements"):
         return _nbytes(p)
     n = p.numel()
     for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
-        if placement.is_shard() and name not in ("dp", "dp_cp"):
+        if placement.is_shard() and name not in ("dp", "dp_cp", "dp_shard"):  # dp_shard: HSDP (mesh.hsdp_mesh)
             n //= p.device_mesh.size(p.device_mesh.mesh_dim_names.index(name))
     return n * p.element_size()
 

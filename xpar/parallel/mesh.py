@@ -26,3 +26,13 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh["dp"]
     flat = getattr(mesh, "xpar_dp_cp", None)
     return flat if flat is not None else mesh["dp_cp"]
+
+
+def hsdp_mesh(dp_mesh: DeviceMesh, shard_size: int) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard) mesh of hierarchical ZeRO (``parallel.zero_shard_size``):
+    ``dp_mesh``'s ranks as dp / shard_size replicas of shard_size consecutive ranks, the shape
+    FSDP2's ``fully_shard`` takes for HSDP (replicate over dim 0, shard over dim 1). Every rank
+    must call it (it creates the groups)."""
+    from xpar.parallel.torch_internals import unflatten_mesh
+
+    return unflatten_mesh(dp_mesh, (dp_mesh.size() // shard_size, shard_size), ("dp_replicate", "dp_shard"))

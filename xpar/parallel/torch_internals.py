@@ -117,3 +117,9 @@ def flatten_mesh(mesh, dims: tuple, name: str):
     (``DeviceMesh._flatten``, torchtitan's way to build its ``dp_shard_cp`` mesh; no public API
     in torch 2.13): context parallelism's dp x cp replica group (xpar.parallel.mesh)."""
     return mesh[dims]._flatten(name)
+
+
+def unflatten_mesh(mesh, sizes: tuple, names: tuple):
+    """``mesh`` (1-D) as a mesh of shape ``sizes`` with dims ``names`` (``DeviceMesh._unflatten``, no
+    public API in torch 2.13): hierarchical ZeRO's (replicate, shard) mesh (xpar.parallel.mesh.hsdp_mesh)."""
+    return mesh._unflatten(0, tuple(sizes), tuple(names))

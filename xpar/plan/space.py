@@ -82,6 +82,10 @@ class Constraints:
     """Smallest pp of an interleaved 1F1B (framework.interleaved_min_pp; Megatron-LM: 3)."""
     interleaved_m_per_pp: bool = False
     """Interleaved 1F1B needs m divisible by pp (framework.interleaved_m_per_pp; Megatron-LM)."""
+    microbatch_rule: str = "torch"
+    """The framework's micro-batch rule (framework.microbatch_rule; xpar.config.layout.MICROBATCH_RULES)."""
+    vocab_multiple: Optional[int] = None
+    """framework.make_vocab_size_divisible_by: the vocabulary padded to it x tp (any tp splits it); None: tp divides it."""
     recompute: tuple[str, ...] = PLAN_RECOMPUTE
     """Recompute policies searched (xpar.config.remat: plan.recompute, framework.recompute)."""
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -181,7 +185,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     t["dp"] = devices // (t["tp"] * t["pp"] * t["cp"])
     t = _five_rules(t, model, seq_len, c, drops)
     kv = model.get("n_kv_heads") or model["n_heads"]
-    dims = np.array([model["n_heads"], kv, model["ffn_hidden"], model["vocab_size"]])
+    dims = np.array([model["n_heads"], kv, model["ffn_hidden"], 0 if c.vocab_multiple else model["vocab_size"]])
     t = drops.apply(t, "tp_split", (dims[None, :] % t["tp"][:, None] == 0).all(axis=1))
     t = drops.apply(t, "max_tp", t["tp"] <= (c.max_tp or devices))
     t = drops.apply(t, "tp_nodes", (devices_per_node % t["tp"] == 0) | (t["tp"] % devices_per_node == 0))
@@ -192,7 +196,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     t = drops.apply(t, "balanced", splittable(model["n_layers"], t["pp"] * t["v"]))
     t = drops.apply(t, "batch", t["B"] % (t["b"] * t["dp"]) == 0)
     t["m"] = t["B"] // (t["b"] * t["dp"])
-    t = drops.apply(t, "microbatches", _microbatches_ok(names, t))
+    t = drops.apply(t, "microbatches", _microbatches_ok(names, t, c.microbatch_rule))
     inter = (t["pp"] > 1) & (names[t["s"]] == "interleaved_1f1b")
     bad = (t["pp"] < c.interleaved_min_pp) | (c.interleaved_m_per_pp & (t["m"] % t["pp"] != 0))
     t = drops.apply(t, "interleaved", ~(inter & bad))
@@ -210,11 +214,11 @@ def _five_rules(t: dict, model: dict, seq_len: int, c: Constraints, drops: _Drop
     return drops.apply(t, "fp8_hw", (t["dtype"] != "fp8") | c.fp8_hardware)
 
 
-def _microbatches_ok(names: np.ndarray, t: dict) -> np.ndarray:
-    """Whether each row's schedule accepts its m at its pp (pp = 1: always), evaluated once per
-    distinct (schedule, pp, m)."""
+def _microbatches_ok(names: np.ndarray, t: dict, rule: str = "torch") -> np.ndarray:
+    """Whether each row's schedule accepts its m at its pp (pp = 1: always) under the framework's
+    ``rule``, evaluated once per distinct (schedule, pp, m)."""
     keys, inverse = np.unique(np.stack([t["s"], t["pp"], t["m"]]), axis=1, return_inverse=True)
-    ok = np.array([pp == 1 or microbatch_ok(str(names[s]), int(pp), int(m)) for s, pp, m in keys.T], dtype=bool)
+    ok = np.array([pp == 1 or microbatch_ok(str(names[s]), int(pp), int(m), rule) for s, pp, m in keys.T], dtype=bool)
     return ok[inverse.ravel()] if len(ok) else np.zeros(0, dtype=bool)
 
 

@@ -44,16 +44,21 @@ def check_model(c: XparConfig) -> list[str]:
     out = [f"model.{name} must be >= 1, got {getattr(model, name)}."
            for name in ("n_layers", "hidden", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
            if getattr(model, name) < 1]
-    if model.n_heads >= 1 and model.hidden % model.n_heads:
+    if model.n_heads >= 1 and model.head_dim is None and model.hidden % model.n_heads:
         ok = [d for d in divisors(model.hidden) if d <= 256]
         out.append(f"model.hidden must be divisible by model.n_heads: {model.hidden} % {model.n_heads} != 0; "
-                   f"n_heads values that divide {model.hidden}: {ok}.")
+                   f"n_heads values that divide {model.hidden}: {ok}; or give the heads' width, model.head_dim.")
+    if model.head_dim is not None and (isinstance(model.head_dim, bool) or model.head_dim < 1):
+        out.append(f"model.head_dim must be >= 1 or null (hidden / n_heads), got {model.head_dim}.")
     if model.kv_heads < 1 or (model.n_heads % model.kv_heads):
         out.append(f"model.n_heads must be divisible by model.n_kv_heads (grouped-query attention): "
                    f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads}; n_kv_heads values that work: "
                    f"{divisors(max(model.n_heads, 1))}.")
-    elif model.position == "rope" and model.n_heads >= 1 and model.hidden % model.n_heads == 0 and model.head_dim % 2:
-        out.append(f"rope needs an even head dim: hidden/n_heads = {model.head_dim}.")
+    elif model.position == "rope" and model.n_heads >= 1 and model.head_size >= 1 and model.head_size % 2 and (
+            model.head_dim is not None or model.hidden % model.n_heads == 0):
+        given = f"model.head_dim = {model.head_dim}" if model.head_dim is not None else \
+            f"hidden/n_heads = {model.head_size}"
+        out.append(f"rope needs an even head dim: {given}; e.g. model.head_dim={model.head_size + 1}.")
     return out + check_experts(model)
 
 

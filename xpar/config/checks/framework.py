@@ -5,7 +5,7 @@ import math
 
 from omegaconf import OmegaConf
 
-from xpar.config.layout import SCHEDULES
+from xpar.config.layout import MICROBATCH_RULES, SCHEDULES
 from xpar.config.presets import conf_dir
 from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
@@ -18,6 +18,7 @@ CHOICES = {
     "param_storage": ("fp32", "bf16"),
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
     "ep_dispatcher": ("alltoall", "deepep"),
+    "microbatch_rule": MICROBATCH_RULES,
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction")
@@ -40,6 +41,10 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     out += [f"framework.optimizer_bytes={fw.optimizer_bytes} must be 0 (the precision recipe's) or bytes per optimizer-state "
             f"element, master copy included, 2 to 16; e.g. framework.optimizer_bytes=12 (fp32 master and Adam moments)."
             for _ in [0] if fw.optimizer_bytes != 0 and not 2 <= fw.optimizer_bytes <= 16]
+    k = fw.make_vocab_size_divisible_by
+    out += [f"framework.make_vocab_size_divisible_by={k} must be a whole number >= 1 or null (no padding); e.g. "
+            f"framework.make_vocab_size_divisible_by=128 (Megatron-LM's default)." for _ in [0]
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1)]
     return out + offload_problems(fw) + recompute_list_problems(fw)
 
 

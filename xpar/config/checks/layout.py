@@ -11,30 +11,34 @@ from xpar.config.layout import (
     balanced_split,
     edge_split,
     even_split,
+    microbatch_ok,
     microbatch_problem,
 )
 from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
+from xpar.config.vocab import tp_padding_hint
 
 
 def check_tp(model: ModelConfig, layout: Layout) -> list[str]:
     """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
-    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output); with
+    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output; ``model`` with the
+    vocabulary the framework pads, xpar.config.vocab); with
     sequence parallelism the training sequence by tp."""
     t = layout.tp
     if t == 1:
         return []
     out = []
-    dims = (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
-            ("vocab_size", model.vocab_size))
+    dims = (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden))
     bad = [f"model.{name}={n}" for name, n in dims if n % t]
     if bad:
         ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims)]
-        out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads, "
-                   f"MLP columns and vocabulary rows per tp rank); tp values that divide "
-                   f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads}, ffn_hidden={model.ffn_hidden} and "
-                   f"vocab_size={model.vocab_size}: {ok}.")
+        out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads and "
+                   f"MLP columns per tp rank); tp values that divide "
+                   f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads} and ffn_hidden={model.ffn_hidden}: {ok}.")
+    if model.vocab_size % t:
+        out.append(f"parallel.tp={t} must divide model.vocab_size={model.vocab_size} (vocabulary-parallel embedding "
+                   f"and output: whole rows per tp rank); {tp_padding_hint(model.vocab_size, t)}.")
     seq = layout.seq_len
     if layout.sequence_parallel and seq % t:
         ok = [s for s in range(t, min(seq, model.seq_len) + 1, t)][-3:]
@@ -104,13 +108,21 @@ def _recompute_layers_problems(layout: Layout, k: Optional[int]) -> list[str]:
     return []
 
 
-def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False) -> list[str]:
+def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False,
+                   rule: str = "torch") -> list[str]:
     """Micro-batch count the schedule accepts; no tied embeddings split across stages.
-    ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message."""
+    ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message.
+    ``rule``: the framework's micro-batch rule (framework.microbatch_rule) in estimate mode;
+    execute mode runs torch's schedule classes and keeps torch's rule."""
     if layout.pp == 1:
         return []
     out = []
-    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches)
+    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches,
+                                 "torch" if mode == "execute" else rule)
+    if problem and mode == "execute" and rule != "torch" and microbatch_ok(
+            layout.schedule, layout.pp, layout.micro_batches, rule):
+        problem += (f" (xpar executes with torch's schedule classes; the framework's own rule, "
+                    f"framework.microbatch_rule={rule}, accepts it in run.mode=estimate)")
     if problem and derived:
         b, dp = layout.micro_batch_size, layout.dp
         problem += (f" (parallel.micro_batches=auto gave m = train.global_batch_size / (micro_batch_size x dp) = "

@@ -29,6 +29,7 @@ from xpar.estimate.cost import assumptions_for
 from xpar.estimate.offload import host_columns
 from xpar.estimate.schedule import schedule_actions
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
+from xpar.estimate.columns.vocab_groups import columns_by_vocab
 
 KEYS = COLUMN_MEMORY_KEYS
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
@@ -535,13 +536,10 @@ def _pairs(ctx: dict, ent: dict, idx: np.ndarray, count: np.ndarray, start: np.n
 
 
 def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length
-    L), as :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under
-    :func:`xpar.estimate.cost.assumptions_for` ``base``): the most loaded pipeline rank, on its
-    most loaded dp rank.
-
-    ``base``: the RunSpec of any candidate of the same context; only its model, hardware,
-    seq_len, train dtype and framework are read.
+    """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length L), as
+    :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under :func:`xpar.estimate.cost.assumptions_for`
+    ``base``): the most loaded pipeline rank, on its most loaded dp rank. ``base``: the RunSpec of any
+    candidate of the same context; only its model, hardware, seq_len, train dtype and framework are read.
 
     Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
     (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
@@ -553,6 +551,8 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     Raises:
         ValueError: a schedule or recompute name that xpar does not know.
     """
+    if (padded := columns_by_vocab(base, cols, memory_columns)) is not None:  # vocabulary padded per tp (vocab_groups)
+        return padded
     o = model_states.MemoryOptions.of(assumptions_for(base))
     c = _int_columns(cols, o.cpu_offload_optimizer)
     bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])

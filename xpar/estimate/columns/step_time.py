@@ -62,6 +62,7 @@ from xpar.estimate.offload import (
 )
 from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import COLUMN_TIME_KEYS
+from xpar.estimate.columns.vocab_groups import columns_by_vocab
 
 TIME_KEYS = COLUMN_TIME_KEYS
 """Keys of :func:`time_columns` (:data:`xpar.estimate.terms.COLUMN_TIME_KEYS`)."""
@@ -326,6 +327,9 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
             ends (xpar.estimate.columns.stage_split; the space's rule ``balanced`` drops them).
         KeyError: a schedule not in :data:`xpar.config.layout.SCHEDULES` or a recompute policy not in
             :data:`RECOMPUTE`."""
+    if (padded := columns_by_vocab(base, cols, time_columns, memory_optimizer, optimizer_elements,
+                                   memory_grads)) is not None:  # the vocabulary padded per tp (xpar.estimate.columns.vocab_groups)
+        return padded
     world = cols["tp"] * cols["pp"] * cols["dp"]
     if base.hardware.sync_wait_us and len(np.unique(world)) > 1:  # the waits depend on the workers
         return _by_world(base, cols, world, memory_optimizer, optimizer_elements, memory_grads)
