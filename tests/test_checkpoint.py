@@ -65,6 +65,7 @@ def _step3(run: Path) -> str:
     return str(run / "checkpoints" / "step_0000003")
 
 
+@pytest.mark.slow
 def test_ddp_resume_is_bitwise_and_continues_the_mlflow_run(reference):
     cwd, ref = reference
     assert sorted(p.name for p in (ref / "checkpoints").iterdir()) == [f"step_{k:07d}" for k in (3, 6, 9, 12)]

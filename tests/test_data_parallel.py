@@ -84,6 +84,7 @@ def test_zero_shards_what_each_stage_promises(results):
         assert mem[k]["activations"] > 0
 
 
+@pytest.mark.slow
 def test_zero3_holds_whole_gradients_only_when_the_reduction_is_deferred(results):
     """The observable behind the grads term: after a backward with FSDP2's gradient sync
     off, the rank holds the whole unsharded gradients (torch keeps them on its private
@@ -119,6 +120,7 @@ def test_measured_collectives_are_the_estimates_counts(results, layout):
             assert comm[f"comm/{key[len('comm_'):-len('_bytes')]}_calls"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zero2", "zero3"])
 def test_compute_and_exposed_collectives_make_up_the_step(results, layout):
     """On each rank, the thread's time on a core (its compute on a CPU), the time blocked in the

@@ -100,6 +100,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly_and_documents_every_config_key(site):
     from xpar.config import schema
     sys.path.insert(0, str(ROOT / "docs"))

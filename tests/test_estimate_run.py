@@ -309,6 +309,7 @@ def test_estimated_tp_comm_equals_measured(measured, layout):
         assert est[k] == pytest.approx(got[k], rel=0.02, abs=1), k  # not counted: loss_parallel's [b, s] all-reduces
 
 
+@pytest.mark.slow
 def test_estimate_mode_on_this_machine_reports_the_measured_layout(measured, tmp_path):
     """run.mode=estimate hardware=local gives the Report the cost model gives the executed
     layout: the same per-device bytes as measured on the most loaded rank."""

@@ -102,6 +102,7 @@ def test_losses_and_norms_equal_the_reference(results, name):
     assert max(norms) > 0.5  # clipping acts, so later losses check the clipped update too
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_experts_and_logs_the_all_to_all(results):
     """dp2 ep2 rank 0 holds 2 of the 4 experts of each of moe_tiny's 3 MoE blocks: its parameters are
     dp2's less half the experts' (3 blocks x 2 experts x 3 matrices 64 x 64, fp32), and its optimizer

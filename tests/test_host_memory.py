@@ -59,7 +59,7 @@ def test_workers_ask_before_they_build_the_model():
     from xpar.run import job, worker
     src = inspect.getsource(worker.run_rank)
     assert src.index("keep_large_tensors_on_the_heap()") < src.index("build_engine(")
-    assert "keep_large_tensors_on_the_heap()" in inspect.getsource(calibrate._rank_entry)
+    assert "keep_large_tensors_on_the_heap()" in inspect.getsource(calibrate._measure_rank)
     for entry in (worker.spawn_entry, job._run_torchrun):  # before gloo's threads exist
         src = inspect.getsource(entry)
         assert src.index("keep_large_tensors_on_the_heap()") < src.index("init_process_group("), entry

@@ -164,6 +164,7 @@ def matrix():
     return classified, picked, specs, results
 
 
+@pytest.mark.slow
 def test_every_combination_runs_or_is_refused_with_a_reason(matrix):
     classified, _, _, _ = matrix
     assert len(classified) == math.prod(len(v) for v in AXES.values())

@@ -200,6 +200,7 @@ def test_activation_peak_at_most_gpipes(pp2, schedule):
         assert 0 < a <= 1.1 * g, (schedule, rank, a, g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
 def test_zero_bubble_gradients_under_zero_match_reference(pp2_dp2, schedule):
     """pp2 x dp2 asking for ZeRO-3: xpar runs it as ZeRO-2 (FSDP2 reshard_after_forward=False)

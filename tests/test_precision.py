@@ -57,6 +57,7 @@ def results():
     return specs, dict(zip(specs, out["runs"])), out["tiny"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_losses_match_the_mixed_precision_reference(results, layout):
     from xpar.run.reference import reference_run

@@ -329,6 +329,7 @@ def test_unknown_key_and_group_exit_2_from_the_command_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no outputs/, no mlflow.db
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,fragment", [
     (["model.n_heads=0", "run.progress=false"], "model.n_heads must be >= 1, got 0"),
     (["hardware.device=cuda", "parallel.tp=2", "parallel.dp=1"], "is a CPU build"),

@@ -248,6 +248,7 @@ def test_live_throughput_and_memory_every_log_every_steps(tmp_path):
         assert [p.step for p in points] == list(range(4, 50, 5)) and all(p.value > 0 for p in points), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, comm", [
     (("parallel.dp=1", "parallel.cp=2"), "comm/cp_allgather_bytes"),
     (("model=moe_tiny", "parallel.dp=2", "parallel.ep=2"), "comm/ep_all_to_all_bytes"),
