@@ -131,6 +131,8 @@ RANGES: dict[str, Range] = {
     "plan.pp": _i(1, null=True), "plan.max_micro_batch_size": DEGREE,
     "plan.memory_headroom": Range(0, 1, hi_open=True, null=True), "plan.top_k": DEGREE, "plan.execute_top": COUNT,
     "plan.tie_within": Range(0, 1, hi_open=True),
+    "model.head_dim": _i(1, null=True), "parallel.zero_shard_size": _i(1, null=True),
+    "framework.make_vocab_size_divisible_by": _i(1, null=True),
     "hardware.sm_count": _i(1, null=True), "hardware.gemm_tile_m": _i(16, 512), "hardware.gemm_tile_n": _i(16, 512),
     **{f"hardware.{k}": Range(0, 1, lo_open=True, null=True) for k in ("gemm_efficiency", "gemm_efficiency_fp8",
                                                                       "attention_efficiency", "attention_bwd_efficiency")},
