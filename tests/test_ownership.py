@@ -83,12 +83,14 @@ def test_a_folder_is_claimed_once_and_the_default_takes_a_suffix(tmp_path):
     assert claim(tmp_path / "steps_only") is None  # an empty or unrelated folder is taken
 
 
-@pytest.mark.parametrize("text", ["", "garbage\n", "5\n", '{"ack": [1]}\n', '[1, 2]\n{"seq": "x", "kind": 3}\n'])
+@pytest.mark.parametrize("text", ["", "garbage\n", "5\n", '{"ack": [1]}\n', '[1, 2]\n{"seq": "x", "kind": 3}\n',
+                                  b"\xff\xfe", b'{"ack": 0}\n\xff{"seq": 0}\n'])
 def test_sync_of_an_empty_or_damaged_journal_is_one_line(tmp_path, capsys, text):
     from xpar.track.journal import Journal
     from xpar.track.recorder import sync
 
-    (tmp_path / "tracking_journal.jsonl").write_text(text)
+    journal = tmp_path / "tracking_journal.jsonl"
+    journal.write_bytes(text) if isinstance(text, bytes) else journal.write_text(text)  # bytes: not UTF-8
     assert Journal(tmp_path).pending() == []  # read without TypeError/IndexError
     assert sync(tmp_path) == 2
     err = capsys.readouterr().err
