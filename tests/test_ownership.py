@@ -97,6 +97,14 @@ def test_sync_of_an_empty_or_damaged_journal_is_one_line(tmp_path, capsys, text)
     assert "names no run" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_sync_help_prints_usage_not_a_missing_journal(capsys, flag):
+    from xpar.__main__ import _sync
+    assert _sync([flag]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: xpar sync <run dir>") and "no tracking journal" not in out.err
+
+
 def _store_with_run(tmp_path: Path, status: str):
     """A SQLite store with one run ended ``status`` and a journal (of a process that is gone) that
     holds a metric point the store has not taken and no end record (a kill -9, a full disk)."""

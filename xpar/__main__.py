@@ -59,6 +59,11 @@ def optuna_failure_rate(argv: list[str]) -> list[str]:
 def _sync(args: list[str]) -> int:
     """``xpar sync <run dir>...``: send what the journal kept (xpar.track.recorder.sync)."""
     from xpar.track.recorder import sync
+    if {"--help", "-h", "help"} & set(args):
+        print("usage: xpar sync <run dir> [<run dir> ...]\n\nSend what each run's tracking journal "
+              "(<run dir>/tracking_journal.jsonl) kept and the MLflow store has not taken; only adds what is "
+              "missing.\nExit 0: all sent; 1: the store still fails; 2: no journal of a run there.")
+        return 0
     if not args:
         print("xpar: invalid configuration:\n  - xpar sync needs a run's output directory, "
               "e.g. xpar sync outputs/<date>/<time>.", file=sys.stderr)
