@@ -160,6 +160,22 @@ def test_compare_refuses_a_file_that_is_no_mlflow_store_and_leaves_it_as_it_was(
     assert _digest(tmp_path) == before  # no command writes a file it was only asked to read
 
 
+@pytest.mark.parametrize("form", ["{}", "file://{}"])
+def test_compare_of_a_path_or_file_store_says_give_sqlite(tmp_path, capsys, form):
+    """A plain path or a file:// store: one line naming the SQLite form
+    that works (before: MLflow's file-store deprecation text, cut mid-sentence); nothing created."""
+    from xpar.track.compare import main
+
+    (tmp_path / "notes.txt").write_text("not a store\n")
+    before = _digest(tmp_path)
+    for target in (tmp_path / "notes.txt", tmp_path / "mlruns"):
+        assert main(["--uri", form.format(target), "--out", str(tmp_path / "cmp")]) == 2
+        err = capsys.readouterr().err
+        assert "names no SQLite store" in err and "--uri sqlite:///mlflow.db" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+    assert _digest(tmp_path) == before
+
+
 def test_compare_with_a_sweep_run_that_has_no_sweep_id(tmp_path, capsys, monkeypatch):
     """A sweep-role run without xpar.sweep_id (KeyError in compare before): no sweep to compare."""
     import mlflow
