@@ -37,6 +37,13 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     except Exception as e:
         if sweep is not None:  # Hydra shows only the first failed job's error, at the end: say each one now
             logging.getLogger("xpar").error(f"job {sweep['job_num']} failed: {type(e).__name__}: {e}")
+            from xpar.config.checks import ConfigError
+            from xpar.run.job import SweepJobFailed
+            from xpar.run.launch import WorkerFailed
+            from xpar.track.runs import TrackingUnavailable
+            if isinstance(e, (WorkerFailed, ConfigError, TrackingUnavailable)):  # a stated reason: no traceback
+                raise SweepJobFailed(f"xpar: job {sweep['job_num']} failed: {type(e).__name__}: {e} "
+                                     f"(its folder: {out_dir})") from None
         raise
     if report is None:  # a skipped invalid sweep job: None makes Optuna mark the trial FAIL (NaN crashed it)
         return None
