@@ -82,7 +82,8 @@ def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     assert set(space.dropped) == set(RULES)
     c = space.cols
     assert (c["dp"] * c["tp"] * c["pp"] == 64).all() and (c["b"] * c["m"] * c["dp"] == 512).all()
-    assert (model["n_layers"] % (c["pp"] * c["v"]) == 0).all()  # 80 blocks: no pp x v here splits them unevenly
+    from xpar.estimate.columns.stage_split import splittable
+    assert splittable(model["n_layers"], c["pp"] * c["v"]).all()  # 80 blocks: evenly or with lighter ends
     assert (model["n_kv_heads"] % c["tp"] == 0).all() and not (c["sp"] & (c["tp"] == 1)).any()
     assert not ((c["pp"] == 1) & (c["schedule"] != "1f1b")).any()
     # every kept layout validates as `python -m xpar run.mode=estimate` would build it (a sample)
@@ -492,6 +493,7 @@ def test_a_plan_multirun_records_each_plan_under_the_sweeps_parent_run(tmp_path)
 
 # --- the closed loop on this machine ------------------------------------------------------
 
+@pytest.mark.slow
 def test_execute_top_3_runs_three_layouts_and_compares_estimated_with_measured(tmp_path):
     import mlflow
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
