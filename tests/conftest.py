@@ -6,6 +6,7 @@ import contextlib
 import json
 import multiprocessing.process
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from xpar.config.spec import RunSpec
+
+platform.uname().processor  # cached now: MLflow's first import asks it of `uname -p`, a subprocess _no_spawn refuses
 
 
 def compose(*overrides: str):

@@ -39,6 +39,8 @@ def test_a_run_into_a_file_prints_a_step_line_every_log_every_steps(tmp_path):
     assert len(steps) >= 4 and all(steps), text[-3000:]
     assert [int(m.group(1)) for m in steps] == [5, 10, 15, 20]
     assert all(float(m.group(2)) > 0 for m in steps)
+    last = re.search(r"loss first -> last\s*│\s*[\d.]+ -> ([\d.]+)", text)
+    assert last and float(steps[-1].group(2)) == pytest.approx(float(last.group(1)), abs=2e-4), text[-3000:]  # dp mean, not rank 0's
     server = [line for line in text.splitlines() if "mlflow server" in line]
     gap = [line for line in text.splitlines() if line.startswith("NOT all recorded")]
     if gap:  # a loaded machine's store missed the 4 s end budget: the sync command instead, on one line

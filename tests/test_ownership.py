@@ -83,16 +83,26 @@ def test_a_folder_is_claimed_once_and_the_default_takes_a_suffix(tmp_path):
     assert claim(tmp_path / "steps_only") is None  # an empty or unrelated folder is taken
 
 
-@pytest.mark.parametrize("text", ["", "garbage\n", "5\n", '{"ack": [1]}\n', '[1, 2]\n{"seq": "x", "kind": 3}\n'])
+@pytest.mark.parametrize("text", ["", "garbage\n", "5\n", '{"ack": [1]}\n', '[1, 2]\n{"seq": "x", "kind": 3}\n',
+                                  b"\xff\xfe", b'{"ack": 0}\n\xff{"seq": 0}\n'])
 def test_sync_of_an_empty_or_damaged_journal_is_one_line(tmp_path, capsys, text):
     from xpar.track.journal import Journal
     from xpar.track.recorder import sync
 
-    (tmp_path / "tracking_journal.jsonl").write_text(text)
+    journal = tmp_path / "tracking_journal.jsonl"
+    journal.write_bytes(text) if isinstance(text, bytes) else journal.write_text(text)  # bytes: not UTF-8
     assert Journal(tmp_path).pending() == []  # read without TypeError/IndexError
     assert sync(tmp_path) == 2
     err = capsys.readouterr().err
     assert "names no run" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_sync_help_prints_usage_not_a_missing_journal(capsys, flag):
+    from xpar.__main__ import _sync
+    assert _sync([flag]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: xpar sync <run dir>") and "no tracking journal" not in out.err
 
 
 def _store_with_run(tmp_path: Path, status: str):
@@ -148,6 +158,22 @@ def test_compare_refuses_a_file_that_is_no_mlflow_store_and_leaves_it_as_it_was(
         err = capsys.readouterr().err
         assert why in err and "is no MLflow tracking store" in err and "Traceback" not in err
     assert _digest(tmp_path) == before  # no command writes a file it was only asked to read
+
+
+@pytest.mark.parametrize("form", ["{}", "file://{}"])
+def test_compare_of_a_path_or_file_store_says_give_sqlite(tmp_path, capsys, form):
+    """A plain path or a file:// store: one line naming the SQLite form
+    that works (before: MLflow's file-store deprecation text, cut mid-sentence); nothing created."""
+    from xpar.track.compare import main
+
+    (tmp_path / "notes.txt").write_text("not a store\n")
+    before = _digest(tmp_path)
+    for target in (tmp_path / "notes.txt", tmp_path / "mlruns"):
+        assert main(["--uri", form.format(target), "--out", str(tmp_path / "cmp")]) == 2
+        err = capsys.readouterr().err
+        assert "names no SQLite store" in err and "--uri sqlite:///mlflow.db" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+    assert _digest(tmp_path) == before
 
 
 def test_compare_with_a_sweep_run_that_has_no_sweep_id(tmp_path, capsys, monkeypatch):

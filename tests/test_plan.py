@@ -68,6 +68,14 @@ def test_space_keeps_stages_with_lighter_ends_and_drops_impossible_splits():
     assert splittable(70, c["pp"] * c["v"]).all() and (70 % (c["pp"] * c["v"]) != 0).any()
 
 
+def test_drop_reason_of_impossible_splits_says_what_fails():
+    """The ``balanced`` drop reason names the failing condition (issue 45: it read "... leave fewer than 0
+    for the first and last"): the stages between take more than every block."""
+    from xpar.plan.space import RULES
+    assert "take more than the n_layers blocks" in RULES["balanced"]
+    assert not any("fewer than 0" in text for text in RULES.values())
+
+
 def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     model = preset("model", "70b")
     space = enumerate_layouts(model, 64, 8, 4096, Constraints(global_batch=(512, 512)))

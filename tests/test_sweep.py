@@ -68,6 +68,7 @@ def test_failing_job_is_failed_others_finish_parent_ended(tmp_path):
     sweep_dir, = {p.parent.parent for p in tmp_path.glob("multirun/*/*/0/xpar.log")}
     assert f"job 0 failed: WorkerFailed: {why}" in (sweep_dir / "0" / "xpar.log").read_text()
     assert f"job 0 failed: WorkerFailed: {why}" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr  # Hydra's end-of-sweep report is one line, not a traceback
 
 
 def _parent_and_children(runs):

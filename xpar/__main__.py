@@ -37,6 +37,13 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     except Exception as e:
         if sweep is not None:  # Hydra shows only the first failed job's error, at the end: say each one now
             logging.getLogger("xpar").error(f"job {sweep['job_num']} failed: {type(e).__name__}: {e}")
+            from xpar.config.checks import ConfigError
+            from xpar.run.job import SweepJobFailed
+            from xpar.run.launch import WorkerFailed
+            from xpar.track.runs import TrackingUnavailable
+            if isinstance(e, (WorkerFailed, ConfigError, TrackingUnavailable)):  # a stated reason: no traceback
+                raise SweepJobFailed(f"xpar: job {sweep['job_num']} failed: {type(e).__name__}: {e} "
+                                     f"(its folder: {out_dir})") from None
         raise
     if report is None:  # a skipped invalid sweep job: None makes Optuna mark the trial FAIL (NaN crashed it)
         return None
@@ -59,6 +66,11 @@ def optuna_failure_rate(argv: list[str]) -> list[str]:
 def _sync(args: list[str]) -> int:
     """``xpar sync <run dir>...``: send what the journal kept (xpar.track.recorder.sync)."""
     from xpar.track.recorder import sync
+    if {"--help", "-h", "help"} & set(args):
+        print("usage: xpar sync <run dir> [<run dir> ...]\n\nSend what each run's tracking journal "
+              "(<run dir>/tracking_journal.jsonl) kept and the MLflow store has not taken; only adds what is "
+              "missing.\nExit 0: all sent; 1: the store still fails; 2: no journal of a run there.")
+        return 0
     if not args:
         print("xpar: invalid configuration:\n  - xpar sync needs a run's output directory, "
               "e.g. xpar sync outputs/<date>/<time>.", file=sys.stderr)

@@ -43,7 +43,8 @@ RULES = {
     "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
     "schedule": "schedule not in plan.schedules",
     "balanced": "pp x v stages split n_layers neither evenly nor with lighter ends (ceil(n_layers / (pp v)) "
-                "blocks on each stage between leave fewer than 0 for the first and last; xpar.estimate.columns.stage_split)",
+                "blocks on each stage between the first and the last take more than the n_layers blocks; "
+                "xpar.estimate.columns.stage_split)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "

@@ -4,7 +4,8 @@ prints every ``log_freq`` and Megatron-LM every ``--log-interval``::
     step: 10 loss: 7.8100 grad_norm: 1.20 memory: 31.40GiB(33.1%) tps: 6,543 tflops: 312.00 mfu: 31.6%
 
 ``tps`` is tokens/s per device (torchtitan's), ``tflops`` model TFLOP/s per device, ``mfu`` model
-FLOPs utilisation, all of that one step (:func:`xpar.estimate.report.step_rates`); ``memory`` the
+FLOPs utilisation, all of that one step (:func:`xpar.estimate.report.step_rates`); ``loss`` the mean
+over the dp ranks (torchtitan's global average loss; the value MLflow records, :func:`dp_mean`); ``memory`` the
 CUDA memory reserved (torchtitan's) or on a CPU the process's resident set, with its share of the
 device's (host's) memory. Printed by the rank that sees the loss (the last pipeline stage's first
 rank) to stdout, so a log file, SLURM or nohup shows progress as the run goes, and appended to the
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from xpar.estimate.report import step_rates
 
@@ -51,6 +53,19 @@ def step_line(spec, step: int, loss: Optional[float], grad_norm: Optional[float]
     return " ".join(parts)
 
 
+def dp_mean(loss: Optional[float], mesh, device: str = "cpu") -> Optional[float]:
+    """The mean of ``loss`` over the dp ranks of ``mesh`` (each the loss of its own sequences; one
+    all-reduce over the dp group, after the step): the loss the journal records, the mean over the
+    ranks that see one. ``loss`` itself when dp = 1 or None (a pipeline rank without the last stage:
+    its whole dp group sees none)."""
+    dp = mesh["dp"].size()
+    if dp == 1 or loss is None:
+        return loss
+    t = torch.tensor([loss], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=mesh["dp"].get_group())
+    return float(t[0]) / dp
+
+
 class StepLines:
     """``after_step`` hook of :func:`xpar.run.train.train`: prints the step line every
     ``train.log_every`` steps and at the last step, on :func:`line_rank` only, and appends it to
@@ -64,10 +79,13 @@ class StepLines:
         if self.then is not None:
             self.then(step, losses, times, lrs)
         spec = self.engine.spec
-        if not self.on or ((step + 1) % max(1, spec.train.log_every) and step != spec.train.steps - 1):
+        if (step + 1) % max(1, spec.train.log_every) and step != spec.train.steps - 1:
+            return
+        loss = dp_mean(losses[-1], self.engine.mesh, spec.device)  # every rank of the dp group takes part
+        if not self.on:
             return
         norms = self.engine.grad_norms
-        line = step_line(spec, step, losses[-1], norms[-1] if norms else None, times[-1])
+        line = step_line(spec, step, loss, norms[-1] if norms else None, times[-1])
         print(line, flush=True)
         try:
             with open(self.log, "a") as f:

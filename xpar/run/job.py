@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
@@ -113,6 +114,12 @@ def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
     if sweep is None:
         fail(f"  - {line}")
     raise ConfigError([line])
+
+
+class SweepJobFailed(CompactHydraException):
+    """A sweep job that failed for a reason xpar states (a worker failed, an invalid configuration,
+    the tracking store unavailable): Hydra ends the sweep with this one line (a
+    CompactHydraException) instead of a traceback; the worker's traceback is in the job's folder."""
 
 
 @dataclass

@@ -74,16 +74,16 @@ class StepWriter:
 
 
 def _read_lines(path: Path) -> list[dict]:
-    """Complete JSON lines of ``path`` (a line being written is skipped)."""
+    """Complete JSON lines of ``path`` (a line being written, or one that is not UTF-8 JSON, is skipped)."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError:
         return []
     out = []
-    for line in text.splitlines():
+    for line in data.splitlines():
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = json.loads(line.decode())
+        except ValueError:  # UnicodeDecodeError too: a damaged or foreign file
             continue
         if isinstance(rec, dict):  # a line `5` or `[1]` is no record (a damaged or foreign file)
             out.append(rec)

@@ -20,6 +20,10 @@ def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:
 
     bound_http()
     db = sqlite_path(uri)
+    scheme = uri.partition("://")[0] if "://" in uri else ""
+    if db is None and scheme in ("", "file", "sqlite"):  # a path or file store: MLflow 3 reads none here
+        return (f"--uri {uri} names no SQLite store (xpar records into SQLite; a path or a file:// store is not "
+                f"read); pass --uri sqlite:///<path of the .db>, e.g. --uri sqlite:///mlflow.db.")
     if db is not None and not db.is_file():
         return (f"no tracking store at {uri} (no file {db}); run xpar from this directory first, "
                 f"or pass --uri <the store's URI>.")
