@@ -159,12 +159,12 @@ def test_resume_refusals_exit_2_before_any_worker(reference, tmp_path):
     from xpar.run.resume import checkpointing
 
     cases = [((f"train.resume={ref / 'steps'}",), "no complete checkpoint in"),
-             ((f"train.resume={_step3(ref)}", "model.hidden=128"), "holds another model (model.hidden=128 given"),
+             ((f"train.resume={_step3(ref)}", "model.hidden=128"), "holds another model (model.hidden=128"),
              ((f"train.resume={_step3(ref)}", "train.steps=3"), "train.steps=3 must exceed the checkpoint's step 3"),
              (("train.resume=latest", f"train.checkpoint_dir={tmp_path}"), "train.resume=latest: no complete checkpoint"),
              (("train.checkpoint_every=2", "parallel=zero1"), "not available with parallel.zero_stage=1"),
-             (("train.checkpoint_every=-1",), "train.checkpoint_every must be >= 1"),
-             (("train.checkpoint_keep=0",), "train.checkpoint_keep must be >= 1")]
+             (("train.checkpoint_every=-1",), "train.checkpoint_every must be an integer >= 0, or null, got -1"),
+             (("train.checkpoint_keep=0",), "train.checkpoint_keep must be an integer >= 1, or null, got 0")]
     evil = tmp_path / "evil"  # a copy of a checkpoint whose .metadata would run a command when unpickled
     import shutil
     shutil.copytree(_step3(ref), evil)
