@@ -17,7 +17,7 @@ CALIBRATED_PREFIX = "calibrated_"
 
 def is_this_machine(hw) -> bool:
     """True for the presets of the machine xpar runs on: ``local`` (detected) and the presets
-    a preset ``xpar calibrate`` wrote for the machine at hand (``calibrated_*``): executed, not estimated, by default.
+    ``xpar calibrate`` wrote for it (``calibrated_*``): executed, not estimated, by default.
     ``hw``: a HardwareConfig or its dict."""
     name = hw["name"] if isinstance(hw, dict) else hw.name
     return name == "local" or name.startswith(CALIBRATED_PREFIX)
