@@ -9,7 +9,7 @@ from xpar.config.presets import presets
 from xpar.config.schema import ModelConfig
 from xpar.estimate.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
                                         shape_of)
-from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, attention_time, device_of, gemm_fraction_of_peak,
+from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, head_dim_rate, attention_time, device_of, gemm_fraction_of_peak,
                                    gemm_terms, gemm_time, kernel_overhead)
 
 H100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
@@ -97,11 +97,14 @@ def test_fp8_prices_the_attention_core_at_the_bf16_rate():
 def test_mla_and_a_head_dim_other_than_hidden_over_heads_are_priced_with_their_own_widths():
     mla = block_times(DSV3_MLA, 1, 4096, H100, tp=8)
     as_mha = block_times(replace(DSV3_MLA, q_lora_rank=0, kv_lora_rank=0), 1, 4096, H100, tp=8)  # MHA at 7168 / 128
-    assert mla.attention / as_mha.attention == pytest.approx((192 + 128) / (56 + 56), rel=0.05)
+    flops_ratio = (192 + 128) / (56 + 56)  # per head: q.k over 192 dims and p.v over 128, against 56 + 56
+    rate_ratio = head_dim_rate(192) / head_dim_rate(56)  # a 56-wide head runs FlashAttention slower
+    assert mla.attention / as_mha.attention == pytest.approx(flops_ratio / rate_ratio, rel=0.05)
+    assert head_dim_rate(56) < head_dim_rate(64) < head_dim_rate(128) == head_dim_rate(192) == 1.0
     assert mla.kernels == as_mha.kernels + 3  # q down, kv down, kv up against one fused qkv
     qwen = block_times(MOE_30B, 1, 4096, H100)
     narrow = block_times(replace(MOE_30B, head_dim=2048 // 32), 1, 4096, H100)
-    assert qwen.attention > 1.8 * narrow.attention  # head_dim 128 against 64
+    assert qwen.attention == pytest.approx(2 * head_dim_rate(64) * narrow.attention, rel=0.02)  # 128 against 64: twice the FLOPs at a higher rate
 
 
 def test_capacity_factor_and_router_imbalance_set_the_busiest_experts_tokens():

@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Optional
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.cost import Assumptions, estimate
+from xpar.estimate.cost import Assumptions, estimate, with_hardware
+from xpar.estimate.kernel_costs import fitted_field
 
 
 def preset(group: str, name: str) -> dict:
@@ -370,12 +371,17 @@ def load_cases(data_dir) -> dict[str, list]:
 
 
 def predicted(case, efficiency: float) -> float:
-    """The estimate of a case's metric with ``efficiency`` as hardware.matmul_efficiency."""
-    from xpar.estimate.cost import with_hardware
+    """The estimate of a case's metric with ``efficiency`` as the hardware's fitted constant
+    (xpar.estimate.kernel_costs.fitted_field: sustained_efficiency or matmul_efficiency)."""
     _, spec, assume, _, metric = case
-    e = estimate(with_hardware(spec, matmul_efficiency=efficiency), assume)
+    e = estimate(with_fitted(spec, efficiency), assume)
     return {"hw_tflops": e.hw_tflops_per_device, "tflops": e.tflops_per_device,
             "tokens_per_s_per_device": e.tokens_per_s_per_device}[metric]
+
+
+def with_fitted(spec: RunSpec, efficiency: float) -> RunSpec:
+    """``spec`` with its hardware's fitted constant (:func:`xpar.estimate.kernel_costs.fitted_field`) at ``efficiency``."""
+    return with_hardware(spec, **{fitted_field(spec.hardware, spec.train.dtype): efficiency})
 
 
 def errors(cases: list, efficiency: float) -> list[float]:
@@ -430,9 +436,8 @@ fit the one constant of their own (layer_overhead_ms, :func:`fit_layer_overhead`
 def breakdown(case, efficiency: float) -> dict[str, float]:
     """Share of the estimated step time by term (:data:`xpar.estimate.cost.TIME_TERMS`, those
     above zero) of a case at ``efficiency``, with ``error`` (predicted / published - 1)."""
-    from xpar.estimate.cost import with_hardware
     _, spec, assume, ref, _ = case
-    e = estimate(with_hardware(spec, matmul_efficiency=efficiency), assume)
+    e = estimate(with_fitted(spec, efficiency), assume)
     out = {k: v / e.time_per_step_s for k, v in e.time_breakdown.items() if v > 0}
     out["error"] = predicted(case, efficiency) / ref - 1
     return out

@@ -216,6 +216,11 @@ class HardwareConfig:
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.kernels.kernel_overhead)."""
+    sustained_efficiency: float = 1.0
+    """Fraction of the kernel model's isolated-kernel compute rates (gemm_efficiency, attention_efficiency)
+    a training step sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped
+    communication. The one constant fitted per GPU family on published runs where the kernel model prices
+    compute (xpar.estimate.kernel_costs; docs/accuracy/published.md)."""
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None

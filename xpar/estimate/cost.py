@@ -30,6 +30,7 @@ from xpar.estimate.collectives import collective_time, group_of, p2p_time
 from xpar.estimate.comm import comm_bytes_rank, pp_sends
 from xpar.estimate.dp import dp_timing, grad_bytes
 from xpar.estimate.host import host_costs, host_step, oversubscription, rank_host
+from xpar.estimate.kernel_costs import kernel_layer_costs, kernel_priced
 from xpar.estimate.memory import MemoryEstimate, memory
 from xpar.estimate.model_states import (
     BYTES,
@@ -196,6 +197,8 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
     over the layer's activations, its MLP at the width a token goes through, experts included:
     :func:`xpar.estimate.activations.token_ffn`)."""
+    if kernel_priced(spec.hardware, spec.train.dtype):
+        return kernel_layer_costs(spec, assume)
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
@@ -216,7 +219,8 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
     return {"mm_f": mm(layer), "mm_b": mm(2 * layer + extra), "mem_f": mem(pf * layer_act),
             "mem_b": mem(pb * layer_act), "logits_mm_f": mm(fwd["logits"]), "logits_mm_b": mm(2 * fwd["logits"]),
-            "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act)}
+            "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act),
+            "ovh_f": 0.0, "ovh_b": 0.0}
 
 
 def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
@@ -282,9 +286,9 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
                                                           "logits_mem_b"))
     tp_all = vmax(tp["f"] + tp["b"], 1e-30)
     return {"matmul": mm_f + mm_b + lmm_f + lmm_b, "memory_bound": n * (c["mem_f"] + c["mem_b"]) + lmem_f + lmem_b,
-            "tp_comm": tp_exposed, "tp_issued": tp_f + tp_b,
-            "unit_f": c["mm_f"] + c["mem_f"] + tp_exposed * tp["f"] / tp_all,
-            "unit_b": c["mm_b"] + c["mem_b"] + tp_exposed * tp["b"] / tp_all,
+            "tp_comm": tp_exposed, "tp_issued": tp_f + tp_b, "overhead": n * (c["ovh_f"] + c["ovh_b"]),
+            "unit_f": c["mm_f"] + c["mem_f"] + c["ovh_f"] + tp_exposed * tp["f"] / tp_all,
+            "unit_b": c["mm_b"] + c["mem_b"] + c["ovh_b"] + tp_exposed * tp["b"] / tp_all,
             "root_f": lmm_f + lmem_f, "root_b": lmm_b + lmem_b}
 
 
@@ -312,7 +316,7 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
         pp = _pp_time(spec, assume, r)
         out.append({"matmul": x["matmul"], "memory_bound": x["memory_bound"], "tp_comm": x["tp_comm"],
                     "pp_comm": pp * (1 - assume.pp_overlap), "dp_comm": dp.per_microbatch, "dp": dp,
-                    "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last),
+                    "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last) + x["overhead"],
                     "host_step": host_step(h, n, first, last),
                     "comm": deepspeed_zero3.comm_bytes(spec, assume, r, comm_bytes_rank(
                         spec, r, assume.scatter_gather, assume.zero1, grad_bytes(spec, assume)))})

@@ -43,6 +43,8 @@ class BlockShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    rope: bool = True
+    """Rotary embeddings on q and k (False: learned or no positions, GPT-3)."""
 
     @property
     def mla(self) -> bool:
@@ -58,14 +60,18 @@ class BlockShape:
 
 
 def shape_of(model, moe: bool = True) -> BlockShape:
-    """The :class:`BlockShape` of an xpar ModelConfig (a MoE layer where ``moe`` and the model has experts)."""
+    """The :class:`BlockShape` of an xpar ModelConfig (a MoE layer where ``moe`` and the model has experts;
+    MLA where the model sets ``kv_lora_rank``)."""
     experts = model.n_experts if moe else 0
+    mla = {k: getattr(model, k, None) or 0 for k in ("q_lora_rank", "kv_lora_rank")}
+    if mla["kv_lora_rank"]:
+        mla.update(qk_nope_dim=model.qk_nope_head_dim, qk_rope_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim)
     return BlockShape(hidden=model.hidden, heads=model.n_heads, kv_heads=model.kv_heads,
                       head_dim=getattr(model, "head_dim", None) or model.hidden // model.n_heads,
                       ffn=model.ffn_hidden, gated=model.activation == "swiglu", experts=experts,
                       top_k=model.moe_top_k, expert_ffn=model.expert_ffn_hidden or model.ffn_hidden,
                       shared_experts=model.n_shared_experts, capacity_factor=model.capacity_factor,
-                      imbalance=model.moe_imbalance)
+                      imbalance=model.moe_imbalance, rope=model.position == "rope", **mla)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class BlockTerms:
 
     gemm: np.ndarray
     """Dense GEMMs: qkv or MLA projections, attention output, MLP or shared experts, router."""
+    projections: np.ndarray
+    """The attention's projections alone (part of ``gemm``): what a recompute policy's wq..wo rerun."""
     experts: np.ndarray
     """Routed experts' GEMMs (grouped, or one per local expert)."""
     attention: np.ndarray
@@ -176,31 +184,57 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped):
     return gemm, experts[0], kernels, moved
 
 
+def _unfused_attention(b, s_q, s_kv, heads, sh: BlockShape, device, backward):
+    """(GEMM seconds, kernels, bytes) of an attention core without FlashAttention (Megatron-LM 2021):
+    batched GEMMs Q K^T (s_q x d @ d x s_kv) and P V (s_q x s_kv @ s_kv x d) per head, the scaled,
+    masked softmax reading and writing the s_q x s_kv scores (fp16/bf16)."""
+    g = np.asarray(b, dtype=float) * heads
+    scores, kernels, _ = _linear(s_q, s_kv, sh.qk_dim, device, "bf16", backward, groups=g)
+    context, k2, _ = _linear(s_q, sh.v_dim, s_kv, device, "bf16", backward, groups=g)
+    return scores + context, kernels + k2 + 1, 2 * g * s_q * s_kv * BF16
+
+
+def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backward, flash):
+    """(seconds on tensor cores, kernels, bytes moved besides) of one rank's attention core."""
+    heads = sh.heads / np.asarray(tp, dtype=float)
+    s_q = np.asarray(seq_len, dtype=float) / cp
+    if not flash:
+        return _unfused_attention(micro_batch, s_q, np.asarray(seq_len, dtype=float), heads, sh, device, backward)
+    kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: MHA
+    attn = attention_time(micro_batch, s_q, seq_len, heads, sh.qk_dim, sh.v_dim, device, kv_heads=kv_heads,
+                          backward=backward)
+    return attn, 3 if backward else 1, 0.0  # FlashAttention backward: preprocess, main, dq conversion
+
+
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
-                backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0) -> BlockTerms:
+                backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
+                sequence_parallel: bool = True, flash: bool = True, dropout: bool = False) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
-    the whole sequence, the causal half); tp splits heads and MLP widths (sequence parallel: norms and
-    routing on 1/tp of the tokens); ep ranks hold ``experts / ep`` experts each. ``dtype`` is the GEMMs'
-    (fp8: Transformer Engine's recipe, the attention core stays BF16; each GEMM input is cast).
+    the whole sequence, the causal half); tp splits heads and MLP widths (``sequence_parallel``: norms,
+    residual adds and routing on 1/tp of the tokens); ep ranks hold ``experts / ep`` experts each.
+    ``dtype`` is the GEMMs' (fp8: Transformer Engine's recipe, the attention core stays BF16; each GEMM
+    input is cast). ``flash``: FlashAttention, else batched score GEMMs and a softmax over the scores in
+    HBM; ``dropout``: masks on the attention output and MLP output (and the scores when not ``flash``).
     ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device."""
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
-    t_sp = t / tp
+    t_sp = t / tp if sequence_parallel else t
     gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward)
+    projections = gemm
+    attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash)
     heads = sh.heads / np.asarray(tp, dtype=float)
-    kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: MHA
-    attn = attention_time(micro_batch, np.asarray(seq_len, dtype=float) / cp, seq_len, heads, sh.qk_dim, sh.v_dim,
-                          device, kv_heads=kv_heads, backward=backward)
-    kernels += 3 if backward else 1  # FlashAttention backward: preprocess, main, dq conversion
+    kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))
     rope_k = 1 if sh.mla else kv_heads  # MLA: one rope key shared by the heads
-    moved = moved + (2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
-                     + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
-                     + 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16)  # RoPE on q, k
-    kernels += 6  # two norms, two adds, RoPE on q and k
+    moved = moved + b_attn * (1 + 0.5 * dropout) + (
+        2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
+        + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
+        + sh.rope * 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16  # RoPE on q, k
+        + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16)  # two dropouts: read x, write y and a byte mask
+    kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
     experts = np.zeros_like(t)
     if sh.experts:
         g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm)
@@ -212,7 +246,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
     shape = np.broadcast(t, busy).shape
     return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
-                        for x in (gemm, experts, attn, memory, over, kernels)))
+                        for x in (gemm, projections, experts, attn, memory, over, kernels)))
 
 
 def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw) -> BlockTerms:

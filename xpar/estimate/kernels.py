@@ -28,6 +28,11 @@ HALF_TILE_RATE = 0.9
 """Assumed (not fitted): a tile_m x tile_n/2 tile's mainloop rate over the full tile's (less operand reuse:
 1.33x the shared-memory traffic per FLOP). Libraries pick the half tile where it quantises better."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+ATTENTION_HALF_DIM = 32.0
+"""Head dim at which FlashAttention's rate would be half its asymptote: rate(d) ~ d / (d + 32), taken
+relative to d = 128 (the fractions' reference) and capped there. FlashAttention-3 (Shah et al. 2024,
+H100 BF16 forward): head_dim 64 reaches ~0.77 of head_dim 128's rate; FlashAttention-2 (Dao 2023, A100)
+~0.85; this curve gives 0.83."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,12 @@ def _tiled_compute(m, n, k, g, tile, device: Device, rate: float):
     return waves * 2 * tm * tn * k_slice / (rate / device.sms)
 
 
+def tile_choices(tm: int, tn: int) -> tuple:
+    """(tile_m, tile_n, rate factor) of the tiles a GEMM library picks among: the large tile both ways
+    round, and the half-width one (:data:`HALF_TILE_RATE`) both ways round."""
+    return ((tm, tn, 1.0), (tn, tm, 1.0), (tm, tn // 2, HALF_TILE_RATE), (tn // 2, tm, HALF_TILE_RATE))
+
+
 def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes: int = 2):
     """(compute, memory) seconds of one GEMM kernel computing ``groups`` products (m x k) @ (k x n).
 
@@ -108,9 +119,9 @@ def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes
         ValueError: ``dtype`` has no tensor-core peak on the device (fp8 on an A100)."""
     m, n, k, g = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(m, n, k, groups))
     tm, tn, tk = device.tile
-    full = _tiled_compute(m, n, k, g, (tm, tn, tk), device, _rate(device, dtype))
-    half = _tiled_compute(m, n, k, g, (tm, tn // 2, tk), device, _rate(device, dtype) * HALF_TILE_RATE)
-    compute = np.minimum(full, half)  # the library's heuristic: the tile that quantises better
+    rate = _rate(device, dtype)
+    compute = np.minimum.reduce([_tiled_compute(m, n, k, g, (a, b, tk), device, rate * r)
+                                 for a, b, r in tile_choices(tm, tn)])  # the library's heuristic
     traffic = g * ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out_bytes)  # A, B in, C out
     return compute, memory_time(traffic, device)
 
@@ -149,6 +160,12 @@ def attention_flops(batch, s_q, s_kv, heads, qk_dim, v_dim, causal: bool = True)
     return full * (causal_block_fraction(s_kv) if causal else 1.0)
 
 
+def head_dim_rate(head_dim):
+    """FlashAttention's rate at ``head_dim`` over its rate at 128 (:data:`ATTENTION_HALF_DIM`), at most 1."""
+    d = np.asarray(head_dim, dtype=float)
+    return np.minimum(1.0, d / (d + ATTENTION_HALF_DIM) * (128 + ATTENTION_HALF_DIM) / 128)
+
+
 def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causal: bool = True,
                    kv_heads=None, backward: bool = False):
     """Seconds of the attention core (FlashAttention forward, or backward at 2.5x its FLOPs) on one rank.
@@ -159,7 +176,7 @@ def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causa
     b, sq, skv, h = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(batch, s_q, s_kv, heads))
     hk = h if kv_heads is None else np.asarray(kv_heads, dtype=float)
     flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal) * (FLASH_BWD_FLOPS if backward else 1.0)
-    rate = device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0]
+    rate = device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
     units = b * h * np.ceil(sq / FLASH_BLOCK)
     waves = np.ceil(units / device.sms)
     compute = flops / rate * np.divide(waves * device.sms, units, out=np.ones_like(units), where=units > 0)

@@ -137,6 +137,7 @@ RANGES: dict[str, Range] = {
     **{f"hardware.{k}": Range(0, 1, lo_open=True, null=True) for k in ("gemm_efficiency", "gemm_efficiency_fp8",
                                                                       "attention_efficiency", "attention_bwd_efficiency")},
     "hardware.kernel_launch_us": NON_NEGATIVE,
+    "hardware.sustained_efficiency": EFFICIENCY,
 }
 
 

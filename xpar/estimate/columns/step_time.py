@@ -400,7 +400,7 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
 
     c = by_key([r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)], layer, (
         "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",
-        "tp_end", "tp_b_async"))
+        "tp_end", "tp_b_async", "ovh_f", "ovh_b"))
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
         "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
     x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async")}, s["n"], s["first"], s["last"], a)
@@ -412,7 +412,7 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
         spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec]),
         a.layer_overhead_ms * 1e-3), HOST_KEYS)
-    x.update(host=rank_host(h, s["n"], s["first"], s["last"]), host_step=host_step(h, s["n"], s["first"], s["last"]))
+    x.update(host=rank_host(h, s["n"], s["first"], s["last"]) + x["overhead"], host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     return x
 

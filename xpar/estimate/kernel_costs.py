@@ -1,0 +1,110 @@
+"""A layer's compute seconds per micro-batch from its kernels (issue 42): the kernel model
+(xpar.estimate.kernel_block) in the terms the cost model's orchestration reads.
+
+On hardware with the kernel figures (:func:`kernel_priced`: a GPU preset with ``sm_count``,
+``gemm_efficiency`` and the attention fractions) :func:`xpar.estimate.cost.layer_costs` returns
+:func:`kernel_layer_costs`; elsewhere (a CPU, a preset without them) FLOPs over one efficiency.
+Each kernel runs at ``hardware.sustained_efficiency`` of its isolated rate (the one constant fitted
+per GPU family on published runs: clocks under a training step's power draw, SMs lent to overlapped
+communication kernels; docs/accuracy/fit_history.md). Units: seconds; a layer is the mean over the
+dense and MoE blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from xpar.config.remat import POLICIES, reruns, spec_recompute
+from xpar.config.spec import RunSpec
+from xpar.estimate.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
+from xpar.estimate.kernels import Device, device_of
+
+LOGITS_DTYPE = "bf16"
+"""The output layer's GEMM dtype under every recipe (Transformer Engine and torchao keep it in BF16)."""
+ATTENTION_PROJECTIONS = ("wq", "wk", "wv", "wo")
+MLP_PROJECTIONS = ("w1", "w3", "w2")
+
+
+def kernel_priced(hw, dtype: str) -> bool:
+    """Whether ``hw`` (a HardwareConfig) has the kernel model's figures for GEMMs of ``dtype``."""
+    need = (hw.sm_count, hw.gemm_efficiency, hw.attention_efficiency, hw.attention_bwd_efficiency, hw.peak_tflops)
+    if hw.device == "cpu" or any(x is None for x in need) or dtype == "fp32":
+        return False
+    return dtype != "fp8" or (hw.gemm_efficiency_fp8 is not None and hw.peak_tflops_fp8 is not None)
+
+
+def fitted_field(hw, dtype: str) -> str:
+    """The hardware field fitted per GPU family on published runs: ``sustained_efficiency`` where the
+    kernel model prices compute (:func:`kernel_priced`), else ``matmul_efficiency``."""
+    return "sustained_efficiency" if kernel_priced(hw, dtype) else "matmul_efficiency"
+
+
+def training_device(hw) -> Device:
+    """The :class:`~xpar.estimate.kernels.Device` of ``hw`` at ``hw.sustained_efficiency`` of every
+    isolated compute rate (GEMMs per dtype, attention forward and backward)."""
+    d, s = device_of(hw), hw.sustained_efficiency
+    return replace(d, gemm_fraction={k: v * s for k, v in d.gemm_fraction.items()},
+                   attention_fraction=tuple(x * s for x in d.attention_fraction))
+
+
+def rerun_shares(policy: str, early_stop: bool) -> dict[str, float]:
+    """Of a block's forward, what the backward of ``policy`` runs again: ``projections`` (of the
+    attention's wq..wo, equal weights by FLOPs not needed: the share of names rerun), ``mlp`` (of
+    w1, w3, w2 alike, experts included), ``attention`` (the core: 0 or 1), ``memory`` (element-wise
+    passes and launches: full recompute only). xpar.config.remat.POLICIES."""
+    p = POLICIES[policy]
+    again = reruns(p, early_stop)
+    return {"projections": sum(k in again for k in ATTENTION_PROJECTIONS) / len(ATTENTION_PROJECTIONS),
+            "mlp": _mlp_share(again), "attention": float(p.attention), "memory": float(policy == "full")}
+
+
+def _mlp_share(again: tuple) -> float:
+    """Share of the MLP's GEMM time rerun: w1 and w3 (the gate) as one up projection of twice w2's
+    width under SwiGLU, so w1, w3 and w2 weigh 1/3 each."""
+    return sum(k in again for k in MLP_PROJECTIONS) / len(MLP_PROJECTIONS)
+
+
+def _rerun(fwd: BlockTerms, share: dict) -> dict[str, float]:
+    """Seconds of a block's forward that its backward reruns (:func:`rerun_shares`): compute, memory, overhead."""
+    mlp = fwd.gemm - fwd.projections + fwd.experts
+    compute = share["projections"] * fwd.projections + share["mlp"] * mlp + share["attention"] * fwd.attention
+    return {"mm": compute, "mem": share["memory"] * fwd.memory, "ovh": share["memory"] * fwd.overhead}
+
+
+def _block(spec: RunSpec, assume, sh: BlockShape, device: Device, backward: bool) -> BlockTerms:
+    """One block's :class:`BlockTerms` on one rank of ``spec`` (cp folded: b / cp whole sequences)."""
+    return block_times(sh, spec.train.micro_batch_size, spec.seq_len, device, tp=spec.tp, ep=spec.layout.ep,
+                       dtype=spec.train.dtype, backward=backward, host_us_per_kernel=assume.host_op_us,
+                       sequence_parallel=spec.parallel.sequence_parallel, flash=assume.flash_attention,
+                       dropout=assume.dropout)
+
+
+def _block_costs(spec: RunSpec, assume, sh: BlockShape, device: Device) -> dict[str, float]:
+    """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh``."""
+    fwd, bwd = _block(spec, assume, sh, device, False), _block(spec, assume, sh, device, True)
+    policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
+    again = _rerun(fwd, rerun_shares(policy, assume.checkpoint_early_stop))
+    mm = lambda x: float(x.gemm + x.experts + x.attention)  # noqa: E731
+    return {"mm_f": mm(fwd), "mem_f": float(fwd.memory), "ovh_f": float(fwd.overhead),
+            "mm_b": mm(bwd) + share * float(again["mm"]), "mem_b": float(bwd.memory) + share * float(again["mem"]),
+            "ovh_b": float(bwd.overhead) + share * float(again["ovh"])}
+
+
+def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
+    """:func:`xpar.estimate.cost.layer_costs` from the kernels: seconds per micro-batch of the mean
+    layer, ``mm_*`` (GEMMs, grouped experts, attention core), ``mem_*`` (element-wise, norm, routing
+    passes), ``ovh_*`` (launch gaps or host issue time beyond the kernels), forward ``f`` and backward
+    ``b`` (recomputed forward included), and the logits' GEMM and fp32 cross-entropy passes.
+
+    Raises:
+        ValueError: the hardware lacks a kernel figure (:func:`kernel_priced` is False)."""
+    cfg, device = spec.model, training_device(spec.hardware)
+    moe_share = cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
+    dense = _block_costs(spec, assume, shape_of(cfg, moe=False), device) if moe_share < 1 else None
+    moe = _block_costs(spec, assume, shape_of(cfg), device) if moe_share > 0 else None
+    out = {k: (1 - moe_share) * (dense[k] if dense else 0.0) + moe_share * (moe[k] if moe else 0.0)
+           for k in (dense or moe)}
+    tokens = spec.train.micro_batch_size * spec.seq_len
+    for name, backward in (("f", False), ("b", True)):
+        mm, mem = logits_times(tokens, cfg.hidden, cfg.vocab_size, device, spec.tp, LOGITS_DTYPE, backward)
+        out[f"logits_mm_{name}"], out[f"logits_mem_{name}"] = float(mm), float(mem)
+    return out
