@@ -198,6 +198,12 @@ class FrameworkConfig:
     Execute mode runs torch's classes and keeps torch's rule."""
     interleaved_min_pp: int = 2
     """Smallest pp it runs an interleaved 1F1B schedule with (Megatron-LM: more than 2)."""
+    elementwise_passes: float = 1.0
+    """HBM traffic of a block's element-wise and normalisation kernels against fused ones (1: Megatron,
+    Transformer Engine, apex and XLA fuse each norm, activation and RoPE into one pass), where the
+    kernel model prices compute (xpar.estimate.kernel_costs): eager PyTorch runs each op as its own
+    kernel, RMSNorm with an fp32 upcast in 6 (torchtitan, xpar: 3, counted in
+    docs/concepts/kernels.md)."""
     interleaved_m_per_pp: bool = False
     """Whether its interleaved 1F1B is Megatron-LM's: m divisible by pp, and at m == pp every
     forward before any backward (its warm-up, xpar.estimate.activations.memory_schedule); torch's

@@ -93,6 +93,8 @@ class Assumptions(MemoryOptions):
     gradient_passes: bool = False
     """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
     left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
+    elementwise_passes: float = 1.0
+    """Element-wise kernels' HBM traffic against fused ones (xpar.config.profile.FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":

@@ -81,6 +81,8 @@ def _block(spec: RunSpec, assume, sh: BlockShape, device: Device, backward: bool
 def _block_costs(spec: RunSpec, assume, sh: BlockShape, device: Device) -> dict[str, float]:
     """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh``."""
     fwd, bwd = _block(spec, assume, sh, device, False), _block(spec, assume, sh, device, True)
+    passes = assume.elementwise_passes  # eager PyTorch: each element-wise op its own kernel
+    fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
     again = _rerun(fwd, rerun_shares(policy, assume.checkpoint_early_stop))
     mm = lambda x: float(x.gemm + x.experts + x.attention)  # noqa: E731

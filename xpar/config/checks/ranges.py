@@ -138,6 +138,7 @@ RANGES: dict[str, Range] = {
                                                                       "attention_efficiency", "attention_bwd_efficiency")},
     "hardware.kernel_launch_us": NON_NEGATIVE,
     "hardware.sustained_efficiency": EFFICIENCY,
+    "framework.elementwise_passes": Range(1, 20),
 }
 
 
