@@ -18,8 +18,8 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
 from xpar.estimate.kernels import Device, device_of
 
-LOGITS_DTYPE = "bf16"
-"""The output layer's GEMM dtype under every recipe (Transformer Engine and torchao keep it in BF16)."""
+FP8_LOGITS_DTYPE = "bf16"
+"""The output layer's GEMM dtype under FP8 recipes (Transformer Engine and torchao keep it in BF16)."""
 ATTENTION_PROJECTIONS = ("wq", "wk", "wv", "wo")
 MLP_PROJECTIONS = ("w1", "w3", "w2")
 
@@ -27,8 +27,10 @@ MLP_PROJECTIONS = ("w1", "w3", "w2")
 def kernel_priced(hw, dtype: str) -> bool:
     """Whether ``hw`` (a HardwareConfig) has the kernel model's figures for GEMMs of ``dtype``."""
     need = (hw.sm_count, hw.gemm_efficiency, hw.attention_efficiency, hw.attention_bwd_efficiency, hw.peak_tflops)
-    if hw.device == "cpu" or any(x is None for x in need) or dtype == "fp32":
+    if hw.device == "cpu" or any(x is None for x in need):
         return False
+    if dtype == "fp32":
+        return bool(hw.peak_tflops_fp32)
     return dtype != "fp8" or (hw.gemm_efficiency_fp8 is not None and hw.peak_tflops_fp8 is not None)
 
 
@@ -107,6 +109,7 @@ def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
            for k in (dense or moe)}
     tokens = spec.train.micro_batch_size * spec.seq_len
     for name, backward in (("f", False), ("b", True)):
-        mm, mem = logits_times(tokens, cfg.hidden, cfg.vocab_size, device, spec.tp, LOGITS_DTYPE, backward)
+        dtype = FP8_LOGITS_DTYPE if spec.train.dtype == "fp8" else spec.train.dtype
+        mm, mem = logits_times(tokens, cfg.hidden, cfg.vocab_size, device, spec.tp, dtype, backward)
         out[f"logits_mm_{name}"], out[f"logits_mem_{name}"] = float(mm), float(mem)
     return out

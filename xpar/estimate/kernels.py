@@ -71,6 +71,8 @@ def device_of(hw) -> Device:
     frac = {"bf16": hw.gemm_efficiency, "fp16": hw.gemm_efficiency}
     if hw.peak_tflops_fp8 is not None and hw.gemm_efficiency_fp8 is not None:
         peak["fp8"], frac["fp8"] = hw.peak_tflops_fp8 * 1e12, hw.gemm_efficiency_fp8
+    if hw.peak_tflops_fp32:  # fp32 GEMMs on CUDA cores, at the BF16 sweep's fraction (assumed)
+        peak["fp32"], frac["fp32"] = hw.peak_tflops_fp32 * 1e12, hw.gemm_efficiency
     return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
                   attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
                   hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
