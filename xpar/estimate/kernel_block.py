@@ -222,7 +222,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device."""
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
-    t_sp = t / tp if sequence_parallel else t
+    t_sp = np.where(sequence_parallel, t / tp, t)
     gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward)
     projections = gemm
     attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from xpar.config.remat import POLICIES, reruns, spec_recompute
 from xpar.config.spec import RunSpec
 from xpar.estimate.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
@@ -65,51 +67,59 @@ def _mlp_share(again: tuple) -> float:
     return sum(k in again for k in MLP_PROJECTIONS) / len(MLP_PROJECTIONS)
 
 
-def _rerun(fwd: BlockTerms, share: dict) -> dict[str, float]:
+def _rerun(fwd: BlockTerms, share: dict) -> dict:
     """Seconds of a block's forward that its backward reruns (:func:`rerun_shares`): compute, memory, overhead."""
     mlp = fwd.gemm - fwd.projections + fwd.experts
     compute = share["projections"] * fwd.projections + share["mlp"] * mlp + share["attention"] * fwd.attention
     return {"mm": compute, "mem": share["memory"] * fwd.memory, "ovh": share["memory"] * fwd.overhead}
 
 
-def _block(spec: RunSpec, assume, sh: BlockShape, device: Device, backward: bool) -> BlockTerms:
-    """One block's :class:`BlockTerms` on one rank of ``spec`` (cp folded: b / cp whole sequences)."""
-    return block_times(sh, spec.train.micro_batch_size, spec.seq_len, device, tp=spec.tp, ep=spec.layout.ep,
-                       dtype=spec.train.dtype, backward=backward, host_us_per_kernel=assume.host_op_us,
-                       sequence_parallel=spec.parallel.sequence_parallel, flash=assume.flash_attention,
-                       dropout=assume.dropout)
-
-
-def _block_costs(spec: RunSpec, assume, sh: BlockShape, device: Device) -> dict[str, float]:
-    """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh``."""
-    fwd, bwd = _block(spec, assume, sh, device, False), _block(spec, assume, sh, device, True)
+def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: dict) -> dict:
+    """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh`` per row."""
+    kw = dict(tp=rows["tp"], ep=base.layout.ep, dtype=base.train.dtype, host_us_per_kernel=assume.host_op_us,
+              sequence_parallel=rows["sp"], flash=assume.flash_attention, dropout=assume.dropout)
+    fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
     passes = assume.elementwise_passes  # eager PyTorch: each element-wise op its own kernel
     fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)
-    policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
-    again = _rerun(fwd, rerun_shares(policy, assume.checkpoint_early_stop))
-    mm = lambda x: float(x.gemm + x.experts + x.attention)  # noqa: E731
-    return {"mm_f": mm(fwd), "mem_f": float(fwd.memory), "ovh_f": float(fwd.overhead),
-            "mm_b": mm(bwd) + share * float(again["mm"]), "mem_b": float(bwd.memory) + share * float(again["mem"]),
-            "ovh_b": float(bwd.overhead) + share * float(again["ovh"])}
+    again, share = _rerun(fwd, rows["rerun"]), rows["share"]
+    return {"mm_f": fwd.gemm + fwd.experts + fwd.attention, "mem_f": fwd.memory, "ovh_f": fwd.overhead,
+            "mm_b": bwd.gemm + bwd.experts + bwd.attention + share * again["mm"],
+            "mem_b": bwd.memory + share * again["mem"], "ovh_b": bwd.overhead + share * again["ovh"]}
+
+
+def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, shares) -> dict[str, np.ndarray]:
+    """:func:`kernel_layer_costs` of many layouts of ``base``'s model, hardware and dtype at once: per
+    row its tp, micro-batch size ``b`` (a float under cp), sequence parallelism ``sp``, recompute policy
+    (a resolved name, :func:`xpar.config.remat.spec_recompute`) and the share of blocks it recomputes.
+    Arrays of one length; the result's values are float64 arrays of it."""
+    cfg, device = base.model, training_device(base.hardware)
+    per = [rerun_shares(p, assume.checkpoint_early_stop) for p in policies]
+    rows = {"tp": np.asarray(tp, dtype=float), "b": np.asarray(b, dtype=float), "sp": np.asarray(sp, dtype=bool),
+            "share": np.asarray(shares, dtype=float),
+            "rerun": {k: np.array([x[k] for x in per], dtype=float) for k in per[0]}}
+    moe_share = cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
+    parts = [(w, _block_costs(base, assume, shape_of(cfg, moe=moe), device, rows))
+             for w, moe in ((1 - moe_share, False), (moe_share, True)) if w > 0]
+    out = {k: sum(w * x[k] for w, x in parts) for k in parts[0][1]}
+    tokens = rows["b"] * base.seq_len
+    dtype = FP8_LOGITS_DTYPE if base.train.dtype == "fp8" else base.train.dtype
+    for name, backward in (("f", False), ("b", True)):
+        out[f"logits_mm_{name}"], out[f"logits_mem_{name}"] = logits_times(
+            tokens, cfg.hidden, cfg.vocab_size, device, rows["tp"], dtype, backward)
+    shape = rows["tp"].shape
+    return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in out.items()}
 
 
 def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
     """:func:`xpar.estimate.cost.layer_costs` from the kernels: seconds per micro-batch of the mean
     layer, ``mm_*`` (GEMMs, grouped experts, attention core), ``mem_*`` (element-wise, norm, routing
     passes), ``ovh_*`` (launch gaps or host issue time beyond the kernels), forward ``f`` and backward
-    ``b`` (recomputed forward included), and the logits' GEMM and fp32 cross-entropy passes.
+    ``b`` (recomputed forward included), and the logits' GEMM and fp32 cross-entropy passes: the one-row
+    case of :func:`kernel_layer_columns`.
 
     Raises:
         ValueError: the hardware lacks a kernel figure (:func:`kernel_priced` is False)."""
-    cfg, device = spec.model, training_device(spec.hardware)
-    moe_share = cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
-    dense = _block_costs(spec, assume, shape_of(cfg, moe=False), device) if moe_share < 1 else None
-    moe = _block_costs(spec, assume, shape_of(cfg), device) if moe_share > 0 else None
-    out = {k: (1 - moe_share) * (dense[k] if dense else 0.0) + moe_share * (moe[k] if moe else 0.0)
-           for k in (dense or moe)}
-    tokens = spec.train.micro_batch_size * spec.seq_len
-    for name, backward in (("f", False), ("b", True)):
-        dtype = FP8_LOGITS_DTYPE if spec.train.dtype == "fp8" else spec.train.dtype
-        mm, mem = logits_times(tokens, cfg.hidden, cfg.vocab_size, device, spec.tp, dtype, backward)
-        out[f"logits_mm_{name}"], out[f"logits_mem_{name}"] = float(mm), float(mem)
-    return out
+    policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
+    cols = kernel_layer_columns(spec, assume, [spec.tp], [spec.train.micro_batch_size],
+                                [spec.parallel.sequence_parallel], [policy], [share])
+    return {k: float(v[0]) for k, v in cols.items()}

@@ -21,6 +21,7 @@ import numpy as np
 
 from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as REMAT_NAMES
+from xpar.config.remat import spec_recompute
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.config.spec import RunSpec
 from xpar.estimate import flops as fl
@@ -44,6 +45,7 @@ from xpar.estimate.cost import (
     waits_unstretched,
 )
 from xpar.estimate.deepspeed_zero3 import persist_time
+from xpar.estimate.kernel_costs import kernel_layer_columns, kernel_priced
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
 from xpar.estimate.host import (
     HOST_KEYS,
@@ -394,13 +396,7 @@ def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.
 def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0), the terms of :func:`xpar.estimate.cost._rank_times` (seconds per
     micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
-    def layer(tp, b, sp, rec, stages):
-        spec = spec_at(base, tp, stages, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
-        return dict(layer_costs(spec, a), **{f"tp_{k}": v for k, v in tp_times(spec, a.checkpoint_early_stop).items()})
-
-    c = by_key([r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)], layer, (
-        "mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "tp_f", "tp_b",
-        "tp_end", "tp_b_async", "ovh_f", "ovh_b"))
+    c = _layer_columns(base, a, r)
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
         "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
     x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async")}, s["n"], s["first"], s["last"], a)
@@ -415,6 +411,38 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     x.update(host=rank_host(h, s["n"], s["first"], s["last"]) + x["overhead"], host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     return x
+
+
+LAYER_KEYS = ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f", "logits_mem_b", "ovh_f",
+              "ovh_b")
+"""Keys of :func:`xpar.estimate.cost.layer_costs`."""
+
+
+def _layer_columns(base: RunSpec, a: Assumptions, r: dict) -> dict[str, np.ndarray]:
+    """:func:`xpar.estimate.cost.layer_costs` and :func:`xpar.estimate.cost.tp_times` (``tp_*``) of every
+    candidate, once per distinct (tp, b, sp, recompute, stages); the kernel model's in one vectorised call
+    (xpar.estimate.kernel_costs.kernel_layer_columns) where it prices the hardware."""
+    columns = [r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)]
+
+    def layer(tp, b, sp, rec, stages):
+        spec = spec_at(base, tp, stages, 1, b, 1, 1, "gpipe", 0, sp, RECOMPUTE[rec])
+        out = {f"tp_{k}": v for k, v in tp_times(spec, a.checkpoint_early_stop).items()}
+        if kernel:
+            return dict(out, **dict(zip(("policy", "share"), spec_recompute(spec, a.selective_recompute,
+                                                                            a.recompute_layer_fraction))))
+        return dict(out, **layer_costs(spec, a))
+
+    kernel = kernel_priced(base.hardware, base.train.dtype)
+    tp_keys = ("tp_f", "tp_b", "tp_end", "tp_b_async")
+    if not kernel:
+        return by_key(columns, layer, LAYER_KEYS + tp_keys)
+    first, inverse = unique_rows(_combined(columns))
+    keys = list(zip(*(col[first].tolist() for col in columns)))
+    values = [layer(*k) for k in keys]
+    out = {k: np.array([x[k] for x in values], dtype=np.float64)[inverse] for k in tp_keys}
+    cols = kernel_layer_columns(base, a, [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                                [x["policy"] for x in values], [x["share"] for x in values])
+    return dict(out, **{k: v[inverse] for k, v in cols.items()})
 
 
 def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
