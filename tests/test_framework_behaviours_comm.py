@@ -31,3 +31,55 @@ def test_a_memory_refusal_names_the_nearest_settings_that_fit_and_each_works_whe
         assert followed.mode == "estimate"
     k = int(partial[0].split("parallel.recompute_layers=")[1].split()[0])
     assert 0 < k < max(followed.layout.layer_split)
+
+
+def _planner_equals_scalar(model: str, hardware: str, framework: str, hw_changes: dict = None,
+                           fw_changes: dict = None, n: int = 6, seed: int = 3, dtype: str = "bf16") -> int:
+    """The planner's columns (xpar.estimate.columns) equal the scalar estimate on ``n`` random layouts of a
+    context whose hardware / framework dicts are changed; returns how many were compared."""
+    import numpy as np
+
+    from tests.test_plan_vector import _mismatches, context, memory_args, random_candidates
+    from xpar.estimate.columns.step_time import time_columns
+    from xpar.estimate.cost import estimate
+    from xpar.plan.context import spec_of
+
+    ctx = context(model, hardware, framework)
+    ctx.hardware.update(hw_changes or {})
+    ctx.framework.update(fw_changes or {})
+    ctx.train.update(dtype=dtype)
+    cols = random_candidates(ctx, np.random.default_rng(seed), n)
+    specs = [spec_of(ctx, cols, i) for i in range(n)]
+    ests = [estimate(sp) for sp in specs]
+    bad = _mismatches(ctx, cols, time_columns(specs[0], cols, *memory_args(ests)), ests)
+    assert not bad, "\n".join(bad[:5])
+    return n
+
+
+def test_sharp_halves_an_all_reduces_bus_bytes_and_leaves_the_default_alone():
+    """hardware.sharp (NVLink / InfiniBand SHARP: NCCL's NVLS and CollNet): an all-reduce sends the buffer
+    once, not the ring's 2 (n - 1) / n; a reduce-scatter keeps its bytes and takes one hop each way."""
+    from dataclasses import replace
+
+    from xpar.estimate.collectives import collective_time, group_of, ring_time, sharp_time
+
+    spec = spec_for(*GPT3)
+    hw, on = spec.hardware, replace(spec.hardware, sharp=True)
+    g = group_of(hw, 128, 8)  # a dp group of 128 across 128 nodes
+    big = 4e9
+    ring = ring_time(hw, "allreduce", big, g)
+    assert collective_time(hw, "allreduce", big, g) == pytest.approx(min(ring, collective_time(hw, "allreduce", big, g, "tree")))
+    assert collective_time(on, "allreduce", big, g) == pytest.approx(sharp_time(on, "allreduce", big, g))
+    assert sharp_time(on, "allreduce", big, g) == pytest.approx(ring * 128 / (2 * 127), rel=0.02)  # bandwidth-bound: bytes halve
+    small = 1e4  # latency-bound: one hop up and down instead of 127 ring steps
+    assert collective_time(on, "reduce_scatter", small, g) < 0.2 * collective_time(hw, "reduce_scatter", small, g)
+    assert collective_time(on, "allgather", big, g) == collective_time(hw, "allgather", big, g)  # nothing to reduce
+
+
+def test_sharp_speeds_up_the_dp_all_reduce_of_a_megatron_run_and_the_planner_agrees():
+    from xpar.estimate.cost import estimate
+
+    base = estimate(spec_for(*GPT3, "parallel.recompute=full"))
+    sharp = estimate(spec_for(*GPT3, "parallel.recompute=full", "hardware.sharp=true"))
+    assert sharp.comm_time["dp"] < 0.6 * base.comm_time["dp"] and sharp.time_per_step_s < base.time_per_step_s
+    assert _planner_equals_scalar("175b", "a100_80gb_1024gpu", "megatron_core", {"sharp": True}) == 6
