@@ -83,3 +83,28 @@ def test_sharp_speeds_up_the_dp_all_reduce_of_a_megatron_run_and_the_planner_agr
     sharp = estimate(spec_for(*GPT3, "parallel.recompute=full", "hardware.sharp=true"))
     assert sharp.comm_time["dp"] < 0.6 * base.comm_time["dp"] and sharp.time_per_step_s < base.time_per_step_s
     assert _planner_equals_scalar("175b", "a100_80gb_1024gpu", "megatron_core", {"sharp": True}) == 6
+
+
+H100_FP8 = ("model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron_core", "train.dtype=fp8",
+            "parallel.tp=8", "parallel.pp=1", "parallel.dp=auto", "parallel.zero_stage=1", "parallel.recompute=full",
+            "parallel.micro_batches=auto", "train.global_batch_size=64")
+
+
+def test_fp8_param_gather_moves_one_byte_per_block_element_and_only_under_fp8():
+    """Megatron-Core --fp8-param-gather (framework.fp8_param_gather): the distributed optimizer's parameter
+    all-gather of the blocks moves FP8 (1 byte), the root (embedding, output) stays bf16; off under bf16."""
+    from xpar.estimate.cost import assumptions_for, estimate
+    from xpar.estimate.dp import unit_elements, unit_times
+
+    off, on = spec_for(*H100_FP8), spec_for(*H100_FP8, "framework.fp8_param_gather=true")
+    units = unit_elements(on, 0)
+    t_off, t_on = unit_times(off, assumptions_for(off), units), unit_times(on, assumptions_for(on), units)
+    assert t_on["gather"][0] == t_off["gather"][0]  # the root in bf16
+    assert t_on["gather"][1] < 0.6 * t_off["gather"][1]  # a block: half the bytes (latency aside)
+    assert t_on["reduce"] == t_off["reduce"]  # gradients reduce-scattered as before
+    assert estimate(on).comm_time["dp"] < estimate(off).comm_time["dp"]
+    bf16 = ("train.dtype=bf16",)
+    assert estimate(spec_for(*H100_FP8, *bf16, "framework.fp8_param_gather=true")).time_per_step_s == \
+        estimate(spec_for(*H100_FP8, *bf16)).time_per_step_s
+    assert _planner_equals_scalar("70b", "h100_80gb_64gpu", "megatron_core", fw_changes={"fp8_param_gather": True},
+                                  dtype="fp8") == 6

@@ -207,3 +207,7 @@ class FrameworkConfig:
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""
+    fp8_param_gather: bool = False
+    """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
+    moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
+    enable_fsdp_float8_all_gather: xpar.estimate.fp8_params)."""

@@ -24,6 +24,7 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
 from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
+from xpar.estimate.fp8_params import gather_widths
 from xpar.estimate.hsdp import hsdp_unit_times
 from xpar.estimate.overlap import simulate_pass, vwhere
 
@@ -77,9 +78,10 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
         red = [n * gb / total * buckets * per_bucket if total else 0.0 for n in units]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
-    gather = [timed("allgather", n * e) for n in units]
+    pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
+    gather = [timed("allgather", n * w) for n, w in zip(units, pw)]
     if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
-        gather = [timed("broadcast", n * e) for n in units]
+        gather = [timed("broadcast", n * w) for n, w in zip(units, pw)]
     gather_b = gather
     if z == 3 and assume.zero3_reuse_distance is not None:  # DeepSpeed 2021's coordinator, tensor by tensor
         gather, red, gather_b = tensor_times(spec, assume, units, gather, red, lambda b: timed("allgather", b), e, gb)
