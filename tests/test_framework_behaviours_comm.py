@@ -108,3 +108,39 @@ def test_fp8_param_gather_moves_one_byte_per_block_element_and_only_under_fp8():
         estimate(spec_for(*H100_FP8, *bf16)).time_per_step_s
     assert _planner_equals_scalar("70b", "h100_80gb_64gpu", "megatron_core", fw_changes={"fp8_param_gather": True},
                                   dtype="fp8") == 6
+
+
+MC70 = ("model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron_core", "parallel.tp=8",
+        "parallel.pp=4", "parallel.dp=auto", "parallel.zero_stage=1", "parallel.recompute=full",
+        "parallel.micro_batches=auto", "train.global_batch_size=64")
+
+
+def test_transformer_engine_fp8_weight_copies_raise_the_peak_from_bf16_to_fp8():
+    """Transformer Engine keeps each linear weight's FP8 copy and transpose (framework.fp8_weight_copies,
+    megatron_core): published peaks rise 3.5-8.2 GB from BF16 to FP8; xpar's fell (FP8-saved inputs only).
+    +2 bytes per block linear weight element on the device; none with FP8 parameters or without the flag."""
+    from xpar.estimate.cost import peak_memory
+    from xpar.estimate.fp8_weights import block_linear_numel
+    from xpar.estimate.model_states import param_shapes
+
+    bf16, fp8 = peak_memory(spec_for(*MC70, "train.dtype=bf16")), peak_memory(spec_for(*MC70, "train.dtype=fp8"))
+    assert fp8.total > bf16.total + 3e9
+    spec = spec_for(*MC70, "train.dtype=fp8")
+    linear = block_linear_numel(tuple(param_shapes(spec, fp8.pp_rank)))
+    assert 0.9 * 70e9 / 32 < linear < 70e9 / 32  # a rank's share of the blocks' linear weights (not embeddings)
+    plain = peak_memory(spec_for(*MC70, "train.dtype=fp8", "framework.fp8_weight_copies=false"))
+    assert fp8.params - plain.params == 2 * linear and plain.total < bf16.total  # what xpar said before
+    assert peak_memory(spec_for(*MC70, "train.dtype=fp8", "framework.fp8_param_gather=true")).params == plain.params
+
+
+def test_the_planners_memory_counts_the_fp8_weight_copies_as_the_estimate():
+    import zlib
+
+    import numpy as np
+
+    from tests.test_plan_memory import assert_equal, candidates, context
+
+    ctx = context("70b", "h100_80gb_64gpu", "megatron_core", "fp8")
+    rng = np.random.default_rng(zlib.crc32(b"fp8 copies"))
+    cols = candidates(rng, ctx, 12)
+    assert_equal(ctx, cols, range(12))

@@ -211,3 +211,7 @@ class FrameworkConfig:
     """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
     moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
     enable_fsdp_float8_all_gather: xpar.estimate.fp8_params)."""
+    fp8_weight_copies: bool = False
+    """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
+    bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;
+    xpar.estimate.fp8_weights). False: FP8 casts are transient (torchao float8: xpar, torchtitan)."""

@@ -92,8 +92,6 @@ class Assumptions(MemoryOptions):
     gradient_passes: bool = False
     """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
     left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
-    fp8_param_gather: bool = False
-    """FP8 blocks in the parameter all-gather under fp8 (xpar.estimate.fp8_params)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
