@@ -144,3 +144,51 @@ def test_the_planners_memory_counts_the_fp8_weight_copies_as_the_estimate():
     rng = np.random.default_rng(zlib.crc32(b"fp8 copies"))
     cols = candidates(rng, ctx, 12)
     assert_equal(ctx, cols, range(12))
+
+
+INTERLEAVED = ("model=175b", "hardware=a100_80gb_1024gpu", "train=cluster", "framework=megatron_core", "parallel.tp=8",
+               "parallel.pp=8", "parallel.dp=auto", "parallel.zero_stage=1", "parallel.recompute=full",
+               "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=4", "parallel.micro_batches=8",
+               "train.global_batch_size=128")
+
+
+def test_megatron_core_overlaps_each_chunks_dp_communication_behind_the_other_chunks():
+    """framework.dp_overlap_per_chunk (megatron_core): under interleaving (v = 4) all but the last chunk's
+    reduce-scatter hide behind the remaining backwards and the gathers behind the first forwards, so less
+    dp communication is exposed than with one micro-batch to hide behind; at v = 1 nothing changes."""
+    from xpar.estimate.cost import estimate
+
+    per_chunk = estimate(spec_for(*INTERLEAVED))
+    one_mb = estimate(spec_for(*INTERLEAVED, "framework.dp_overlap_per_chunk=false"))
+    exposed = per_chunk.time_breakdown["dp_comm_exposed"]
+    assert 0 < exposed < 0.6 * one_mb.time_breakdown["dp_comm_exposed"]
+    assert per_chunk.comm_time["dp"] == one_mb.comm_time["dp"]  # the same collectives, issued
+    assert one_mb.time_per_step_s - per_chunk.time_per_step_s == pytest.approx(
+        one_mb.time_breakdown["dp_comm_exposed"] - exposed)
+    plain = ("parallel.schedule=1f1b", "parallel.virtual_stages=1")
+    assert estimate(spec_for(*INTERLEAVED, *plain)).time_per_step_s == \
+        estimate(spec_for(*INTERLEAVED, *plain, "framework.dp_overlap_per_chunk=false")).time_per_step_s
+
+
+def test_per_chunk_overlap_hides_the_earlier_chunks_and_exposes_the_last_chunks_own():
+    """xpar.estimate.dp_chunks on a rank of v = 2 chunks of 2 blocks (and the root): with backward time to
+    spare the earlier chunk's reductions cost only the overlap slowdown; the last chunk's overlap its own units."""
+    from types import SimpleNamespace
+
+    from xpar.estimate.dp_chunks import chunk_units, gather_start, reduce_end
+    from xpar.estimate.overlap import simulate_pass
+
+    a = SimpleNamespace(fsdp_prefetch=True, overlap_slowdown=0.1)
+    compute, red = [1.0, 1.0, 1.0, 1.0, 0.5], [0.8, 0.8, 0.8, 0.8, 0.3]  # backward order, root last
+    assert chunk_units(5, 2) == 3
+    last = simulate_pass(compute[-3:], None, red[-3:], True, 0.1).exposed
+    assert reduce_end(4, 2, a, compute, red) == pytest.approx(last + 0.1 * 1.6)  # 1.6 s behind 4 x 2 s
+    assert reduce_end(1, 2, a, compute, [3.0] * 2 + red[2:]) == pytest.approx(last + (6.0 - 2.0) + 0.1 * 2.0)
+    fwd, gat = compute[::-1], red[::-1]  # forward order, root first
+    assert gather_start(4, 2, a, fwd, gat) == pytest.approx(simulate_pass(fwd[:3], gat[:3], None, True, 0.1).exposed
+                                                            + 0.1 * 1.6)
+
+
+def test_the_planner_prices_per_chunk_overlap_as_the_estimate():
+    assert _planner_equals_scalar("175b", "a100_80gb_1024gpu", "megatron_core", n=10, seed=11) == 10
+    assert _planner_equals_scalar("70b", "h100_80gb_64gpu", "megatron_core", n=10, seed=5) == 10

@@ -215,3 +215,9 @@ class FrameworkConfig:
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;
     xpar.estimate.fp8_weights). False: FP8 casts are transient (torchao float8: xpar, torchtitan)."""
+    dp_overlap_per_chunk: bool = False
+    """With v > 1 model chunks per pipeline rank (interleaved 1F1B), each chunk's gradient buckets are
+    reduced when its last backward ends, behind the other chunks' remaining backwards, and its parameters
+    gathered behind the earlier chunks' first forwards (Megatron-Core's overlap_grad_reduce and
+    overlap_param_gather: xpar.estimate.dp_chunks). False: the step's reductions overlap one micro-batch's
+    backward, its gathers one forward."""
