@@ -192,3 +192,32 @@ def test_per_chunk_overlap_hides_the_earlier_chunks_and_exposes_the_last_chunks_
 def test_the_planner_prices_per_chunk_overlap_as_the_estimate():
     assert _planner_equals_scalar("175b", "a100_80gb_1024gpu", "megatron_core", n=10, seed=11) == 10
     assert _planner_equals_scalar("70b", "h100_80gb_64gpu", "megatron_core", n=10, seed=5) == 10
+
+
+def _deepspeed_zero(dp: int, zero: int, *extra: str):
+    hw = "a100_80gb_1024gpu"
+    return spec_for("model=7b", f"hardware={hw}", f"hardware.nodes={dp // 8}", "train=cluster", "framework=deepspeed",
+                    "parallel.tp=1", "parallel.pp=1", f"parallel.dp={dp}", f"parallel.zero_stage={zero}",
+                    "parallel.recompute=full", "parallel.micro_batches=1", "train.micro_batch_size=1",
+                    f"train.global_batch_size={dp}", *extra)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_deepspeed_reduces_gradients_owner_by_owner_and_pays_each_owners_steps_at_scale(zero):
+    """DeepSpeed's ZeRO-1/2 (stage_1_and_2.py average_tensor: one dist.reduce per partition a bucket spans,
+    framework.zero_owner_reduce in conf/framework/deepspeed.yaml): at dp 512 the per-owner chains cost far
+    more than one reduce-scatter; at dp 8 about the same bytes (a few owners per message)."""
+    from xpar.estimate.cost import estimate
+    from xpar.estimate.owner_reduce import owners_spanned
+
+    assert owners_spanned(100.0, 10.0, 512) == 11 and owners_spanned(5000.0, 10.0, 64) == 64
+    owner, flat = (estimate(_deepspeed_zero(512, zero, *x)) for x in ((), ("framework.zero_owner_reduce=false",)))
+    assert owner.comm_time["dp"] > 3 * flat.comm_time["dp"] and owner.time_per_step_s > 1.2 * flat.time_per_step_s
+    small, small_flat = (estimate(_deepspeed_zero(8, zero, *x)) for x in ((), ("framework.zero_owner_reduce=false",)))
+    assert small_flat.comm_time["dp"] <= small.comm_time["dp"] < 1.3 * small_flat.comm_time["dp"]
+    zero3 = [estimate(_deepspeed_zero(512, 3, *x)).time_per_step_s for x in ((), ("framework.zero_owner_reduce=false",))]
+    assert zero3[0] == zero3[1]  # ZeRO-3 reduce-scatters
+
+
+def test_the_planner_prices_owner_by_owner_reduction_as_the_estimate():
+    assert _planner_equals_scalar("70b", "a100_80gb_1024gpu", "deepspeed", n=10, seed=2) == 10

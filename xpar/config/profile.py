@@ -221,3 +221,7 @@ class FrameworkConfig:
     gathered behind the earlier chunks' first forwards (Megatron-Core's overlap_grad_reduce and
     overlap_param_gather: xpar.estimate.dp_chunks). False: the step's reductions overlap one micro-batch's
     backward, its gathers one forward."""
+    zero_owner_reduce: bool = False
+    """ZeRO-1/2 reduce each gradient bucket to the owners of the partitions it spans, one reduce per owner
+    (DeepSpeed's stage_1_and_2.py average_tensor: xpar.estimate.owner_reduce); False: one reduce-scatter
+    (Megatron's distributed optimizer, FSDP)."""

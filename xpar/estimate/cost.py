@@ -92,6 +92,9 @@ class Assumptions(MemoryOptions):
     gradient_passes: bool = False
     """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
     left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
+    zero_owner_reduce: bool = False
+    """ZeRO-1/2 gradients reduced owner by owner, one reduce per partition a bucket spans (DeepSpeed:
+    xpar.estimate.owner_reduce)."""
     dp_overlap_per_chunk: bool = False
     """With v > 1 model chunks per pipeline rank, each chunk's reductions and gathers overlap the other
     chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""

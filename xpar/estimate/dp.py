@@ -27,6 +27,7 @@ from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.dp_chunks import gather_start, reduce_end
 from xpar.estimate.fp8_params import gather_widths
 from xpar.estimate.hsdp import hsdp_unit_times
+from xpar.estimate.owner_reduce import owner_unit_times
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -80,6 +81,8 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
+    if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
+        red = owner_unit_times(units, gb, spec.dp, bucket, z == 2, lambda b: timed("broadcast", b))
     gather = [timed("allgather", n * w) for n, w in zip(units, pw)]
     if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
         gather = [timed("broadcast", n * w) for n, w in zip(units, pw)]
