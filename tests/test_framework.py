@@ -245,4 +245,5 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
         (True, True, True, "distributed_optimizer", DGXC_TP_OVERLAP)
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
                    param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
-                   fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True) == core
+                   fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True,
+                   fp8_weight_copies=True) == core

@@ -213,3 +213,21 @@ class FrameworkConfig:
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""
+    fp8_param_gather: bool = False
+    """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
+    moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
+    enable_fsdp_float8_all_gather: xpar.estimate.fp8_params)."""
+    fp8_weight_copies: bool = False
+    """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
+    bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;
+    xpar.estimate.fp8_weights). False: FP8 casts are transient (torchao float8: xpar, torchtitan)."""
+    dp_overlap_per_chunk: bool = False
+    """With v > 1 model chunks per pipeline rank (interleaved 1F1B), each chunk's gradient buckets are
+    reduced when its last backward ends, behind the other chunks' remaining backwards, and its parameters
+    gathered behind the earlier chunks' first forwards (Megatron-Core's overlap_grad_reduce and
+    overlap_param_gather: xpar.estimate.dp_chunks). False: the step's reductions overlap one micro-batch's
+    backward, its gathers one forward."""
+    zero_owner_reduce: bool = False
+    """ZeRO-1/2 reduce each gradient bucket to the owners of the partitions it spans, one reduce per owner
+    (DeepSpeed's stage_1_and_2.py average_tensor: xpar.estimate.owner_reduce); False: one reduce-scatter
+    (Megatron's distributed optimizer, FSDP)."""

@@ -298,6 +298,11 @@ class HardwareConfig:
     host_mem_gb_per_s: Optional[float] = None
     """Host memory bandwidth per node, GB/s (all sockets): bounds the host AdamW step of an
     offloaded optimizer; None: unknown (no offload)."""
+    sharp: bool = False
+    """In-network reduction (NVLink SHARP inside a node, InfiniBand SHARP across nodes; NCCL's NVLS and
+    CollNet algorithms): an all-reduce sends each rank's data to the switch once and reads the result once
+    (bus bytes 1x the buffer, not the ring's 2 (n - 1) / n), all-reduces and reduce-scatters in one hop
+    each way (xpar.estimate.collectives.sharp_time); NCCL takes it where faster. False: rings and trees."""
 
 
 @dataclass

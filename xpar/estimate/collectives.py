@@ -169,6 +169,13 @@ def _unwaited_time(hw: HardwareConfig, collective: str, nbytes: float, group: Gr
     measured = measured_time(hw, collective, nbytes, group)
     if measured is not None:
         return measured
+    if getattr(hw, "sharp", False) and collective in SHARP_COLLECTIVES:  # in-network reduction where faster
+        return min(_switched_time(hw, collective, nbytes, group, algorithm), sharp_time(hw, collective, nbytes, group))
+    return _switched_time(hw, collective, nbytes, group, algorithm)
+
+
+def _switched_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group, algorithm: str) -> float:
+    """Seconds of ``collective`` by ``algorithm`` over the links (rings, trees, two levels)."""
     if algorithm == "hierarchical":
         return hierarchical_time(hw, collective, nbytes, group)
     ring = ring_time(hw, collective, nbytes, group)
@@ -176,6 +183,24 @@ def _unwaited_time(hw: HardwareConfig, collective: str, nbytes: float, group: Gr
         return ring
     tree = tree_allreduce_time(hw, nbytes, group)
     return tree if algorithm == "tree" else min(ring, tree)
+
+
+SHARP_COLLECTIVES = ("allreduce", "reduce_scatter")
+"""Collectives a SHARP switch reduces in the network (hardware.sharp)."""
+
+
+def sharp_time(hw: HardwareConfig, collective: str, nbytes: float, group: Group) -> float:
+    """Seconds of an all-reduce or reduce-scatter reduced in the network (``hardware.sharp``: NVLink
+    SHARP / InfiniBand SHARP, NCCL's NVLS and CollNet algorithms): each rank sends its buffer to the
+    switch once and reads its reduced part back (all-reduce: ``nbytes`` over the ring's bus bandwidth,
+    not 2 (n - 1) / n of it; reduce-scatter: (n - 1) / n as the ring, its data already crossing once),
+    one hop up and one down (the inter-node latency across nodes) instead of the ring's steps."""
+    bw = _bw(hw, group)
+    if group.size <= 1 or bw is None or nbytes <= 0:
+        return 0.0
+    hop = hw.inter_node_latency_us if group.nodes > 1 else hw.intra_node_latency_us
+    share = 1.0 if collective == "allreduce" else ring_factor(collective, group.size)
+    return (hw.collective_latency_us + 2 * hop) * 1e-6 + share * nbytes / bw
 
 
 def p2p_time(hw: HardwareConfig, nbytes: float, across_nodes: bool) -> float:

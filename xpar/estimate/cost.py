@@ -95,6 +95,12 @@ class Assumptions(MemoryOptions):
     left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
     elementwise_passes: float = 1.0
     """Element-wise kernels' HBM traffic against fused ones (xpar.config.profile.FrameworkConfig)."""
+    zero_owner_reduce: bool = False
+    """ZeRO-1/2 gradients reduced owner by owner, one reduce per partition a bucket spans (DeepSpeed:
+    xpar.estimate.owner_reduce)."""
+    dp_overlap_per_chunk: bool = False
+    """With v > 1 model chunks per pipeline rank, each chunk's reductions and gathers overlap the other
+    chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":

@@ -24,7 +24,10 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
 from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
+from xpar.estimate.dp_chunks import gather_start, reduce_end
+from xpar.estimate.fp8_params import gather_widths
 from xpar.estimate.hsdp import hsdp_unit_times
+from xpar.estimate.owner_reduce import owner_unit_times
 from xpar.estimate.overlap import simulate_pass, vwhere
 
 
@@ -77,9 +80,12 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
         red = [n * gb / total * buckets * per_bucket if total else 0.0 for n in units]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
-    gather = [timed("allgather", n * e) for n in units]
+    pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
+    if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
+        red = owner_unit_times(units, gb, spec.dp, bucket, z == 2, lambda b: timed("broadcast", b))
+    gather = [timed("allgather", n * w) for n, w in zip(units, pw)]
     if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
-        gather = [timed("broadcast", n * e) for n in units]
+        gather = [timed("broadcast", n * w) for n, w in zip(units, pw)]
     gather_b = gather
     if z == 3 and assume.zero3_reuse_distance is not None:  # DeepSpeed 2021's coordinator, tensor by tensor
         gather, red, gather_b = tensor_times(spec, assume, units, gather, red, lambda b: timed("allgather", b), e, gb)
@@ -121,7 +127,7 @@ def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compu
     units = unit_elements(spec, pp_rank)
     t = unit_times(spec, assume, units)
     x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
-                    t["copy_gather"], t["copy_reduce"], t["gather_backward"])
+                    t["copy_gather"], t["copy_reduce"], t["gather_backward"], spec.layout.virtual_stages)
     m = spec.micro_batches
     persist = persist_time(spec, assume, len(units) - 1) if spec.parallel.zero_stage == 3 else 0.0  # DeepSpeed 2021
     return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"] + persist,
@@ -152,7 +158,7 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
                 copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
-                gather_b: Optional[list] = None) -> dict:
+                gather_b: Optional[list] = None, v: int = 1) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -164,7 +170,9 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     the second), ``first_backward``: exposed once per step in the stage's first backward (ZeRO-3's
     backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and
     ``copy_first_backward`` (the copies alone). ``gather_b``: each unit's gathers in the backward,
-    forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`)."""
+    forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`).
+    ``v``: model chunks per pipeline rank (an int), read with ``assume.dp_overlap_per_chunk``
+    (xpar.estimate.dp_chunks)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
@@ -172,7 +180,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
     compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
                                               _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b)
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v)
     copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
                + vwhere(every, sum(cr), 0.0))
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
@@ -184,7 +192,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
 
 
 def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
-              gather_b: list) -> dict:
+              gather_b: list, v: int = 1) -> dict:
     """:func:`dp_exposure` on compute that already holds the copies."""
     gf, gb_, red = gather, gather_b[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
@@ -202,6 +210,10 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
         end = _lazy(every, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
     else:  # or after it
         end = vwhere(every, 0.0, sum_red)
+    chunked = (pp > 1) & (z <= 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1)
+    if overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1:  # Megatron-Core: xpar.estimate.dp_chunks
+        end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red), end)
+        with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf), with_gf)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
     issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(root_kept(gb_)), 0.0) + vwhere(every, sum_red, 0.0)

@@ -17,7 +17,7 @@ from typing import Optional
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES
+from xpar.estimate.fp8_params import gather_widths
 
 
 def shard_size(spec: RunSpec) -> Optional[int]:
@@ -43,9 +43,10 @@ def hsdp_unit_times(spec: RunSpec, assume, units: list[int], grad_bytes: int) ->
     s = shard_size(spec)
     if s is None:
         return None
-    hw, algo, e = spec.hardware, assume.dp_collective, BYTES[spec.train.dtype]
+    hw, algo = spec.hardware, assume.dp_collective
     shard, replicas = group_of(hw, s, spec.tp), group_of(hw, spec.dp // s, s * spec.tp)
-    gather = [collective_time(hw, "allgather", n * e, shard, algo) for n in units]
+    pw = gather_widths(spec, assume, len(units))  # the training dtype's, FP8 blocks with fp8_param_gather
+    gather = [collective_time(hw, "allgather", n * w, shard, algo) for n, w in zip(units, pw)]
     red = [collective_time(hw, "reduce_scatter", n * grad_bytes, shard, algo)
            + collective_time(hw, "allreduce", n * grad_bytes / s, replicas, algo) for n in units]
     return {"gather": gather, "gather_backward": gather, "reduce": red}

@@ -13,6 +13,7 @@ from xpar.config.layout import SCHEDULES
 from xpar.config.remat import SELECTIVE_POLICIES
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
+from xpar.estimate.fp8_weights import fp8_weight_copy_bytes
 from xpar.estimate.terms import MEMORY_TERMS, STATE_TERMS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
@@ -108,6 +109,12 @@ class MemoryOptions:
     every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
     torchtitan). False: the gradient stays vocabulary-sharded as its parameter (Megatron's
     VocabParallelEmbedding, DeepSpeed with Megatron's tp)."""
+    fp8_param_gather: bool = False
+    """FP8 block weights under fp8: the parameter all-gather moves 1 byte (xpar.estimate.fp8_params), and
+    no bf16 copy beside Transformer Engine's FP8 one (xpar.estimate.fp8_weights)."""
+    fp8_weight_copies: bool = False
+    """Under fp8 each block's linear weight keeps an FP8 copy and its transpose, +2 bytes per element
+    (Transformer Engine: xpar.estimate.fp8_weights); False: FP8 casts transient (torchao float8)."""
 
     @classmethod
     def of(cls, assume=None, **overrides) -> "MemoryOptions":
@@ -548,4 +555,7 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     if fp32_master and not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
         compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
+    if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.fp8_weights)
+        shapes = _param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+        compute += fp8_weight_copy_bytes(spec.train.dtype, z, shapes, o)
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}

@@ -28,6 +28,7 @@ from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.duration import duration_problems
 from xpar.estimate.memory import MemoryEstimate
 from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
+from xpar.estimate.nearest_fit import partial_recompute, recompute_choices
 from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
 
 GB = 1e9
@@ -65,6 +66,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
         lines.append("    " + offload[0])
     fits = alternatives(spec)
     if fits:
+        lines[0] += f" Nearest settings that fit: {fits[0][0]} (estimated {_gb(fits[0][1].total)} per device)."
         lines.append(f"    Layouts on the same {spec.world_size} devices that fit (estimated peak per device, "
                      f"step time; global batch {spec.global_batch} kept):")
         lines += [f"      {label}: {_gb(mem.total)}, {t:.3g} s/step" for label, mem, t in fits]
@@ -182,7 +184,7 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     every tp (<= devices per node) x pp (dividing the layers) over the same world size."""
     par, tr, model = spec.parallel, spec.train, spec.model
     zero = [z for z in range(par.zero_stage + 1, 4)]
-    recompute = [r for r in ("selective", "full") if r != par.recompute and par.recompute != "full"]
+    recompute = recompute_choices(spec)  # the policies the framework runs (xpar.estimate.nearest_fit)
     b = tr.micro_batch_size
     mbs = sorted({b // 2, 1} - {0, b}, reverse=True) if b > 1 else []
     dpn = int(spec.hardware.devices_per_node)
@@ -259,6 +261,11 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
     time), the fewest changes first, then the fastest; at most ``limit``."""
     found = []
     fewest = None
+    partial = partial_recompute(spec, lambda pchg: _passes(variant(spec, pchg, {})))  # Megatron's --recompute-num-layers
+    if partial is not None:
+        fewest = 1
+        found.append((1, estimate(partial[1]).time_per_step_s, _label(partial[0], {}, spec.global_batch),
+                      peak_memory(partial[1])))
     for k, pchg, tchg in _candidates(spec)[:max_checked]:
         if fewest is not None and k > fewest:
             break  # enough found with fewer changes

@@ -215,21 +215,22 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.estimate.columns.mixed_blocks
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
                         + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
-                        + ([r["v"]] if het else []))
+                        + ([r["v"]] if het or a.dp_overlap_per_chunk else []))
     key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
                                            "first_backward")}
     rep_live = live[rep]
-    for p, n in np.unique(np.stack([pp[rep], blocks[rep]])[:, rep_live], axis=1).T.tolist():
-        sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n))
+    chunks = np.broadcast_to(r["v"], shape).ravel() if a.dp_overlap_per_chunk else np.ones_like(pp)  # dp_chunks
+    for p, n, v in np.unique(np.stack([pp[rep], blocks[rep], chunks[rep]])[:, rep_live], axis=1).T.tolist():
+        sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n) & (chunks[rep] == v))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
             het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "recompute", "pp", "v",
                                                                                "v_shaped")}
             | {"slot": rep[sel] // shape[1]}, n)
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
-                          units["g"], units["r"], units["cg"], units["cr"], units["gb"])
+                          units["g"], units["r"], units["cg"], units["cr"], units["gb"], v)
         for k in res:
             res[k][sel] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
