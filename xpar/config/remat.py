@@ -80,7 +80,8 @@ class Policy:
 ALL = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 POLICIES = {
     "none": Policy(ALL, (), False, 0.0, True, "no recompute"),
-    "full": Policy((), ALL, True, 2.0, True, "Chen et al. 2016; Megatron --recompute-granularity full; MaxText full"),
+    "full": Policy((), ALL + ("router",), True, 2.0, True,
+                   "Chen et al. 2016; Megatron --recompute-granularity full; MaxText full"),
     "attention": Policy(ALL + ("context",), (), True, 0.0, False, "Megatron --recompute-granularity selective"),
     "op": Policy(ALL, (), True, 0.0, True, "xpar SAC (xpar.parallel.recompute); MaxText minimal"),
     "torchtitan_op": Policy(("wq", "wv", "w1", "w2", "context"), ("wk", "wo", "w3"), False, 0.0, False,
@@ -113,12 +114,26 @@ def policy_of(recompute: str, selective: str = "op") -> Policy:
     return POLICIES[policy_name(recompute, selective)]
 
 
+def token_ffn(cfg) -> float:
+    """The MLP inner width one token goes through, the mean over the blocks: ffn_hidden in a
+    dense block; in a block with experts, its top k and shared experts' (k + shared) x expert
+    width (the active parameters, as xpar.estimate.flops counts them)."""
+    if not cfg.n_experts:
+        return cfg.ffn_hidden
+    moe = (cfg.moe_top_k + cfg.n_shared_experts) * cfg.expert_ffn
+    return ((cfg.n_layers - cfg.moe_layers) * cfg.ffn_hidden + cfg.moe_layers * moe) / cfg.n_layers
+
+
 def projection_flops(cfg) -> dict[str, float]:
-    """Forward FLOPs per token of each projection of one block (2 per multiply-add; wq and wo h
-    x q (q = n_heads x head dim, h unless model.head_dim is set), wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
-    h, f, kv, q = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim
+    """Forward FLOPs per token of each projection of one block, the mean over the blocks (2 per
+    multiply-add; wq and wo h x q (q = n_heads x head dim, h unless model.head_dim is set), wk and
+    wv h x kv; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
+    (:func:`token_ffn`: its top k and shared experts in a MoE block); ``router`` the MoE router's
+    h x E). Units: FLOP per token."""
+    h, f, kv, q = cfg.hidden, token_ffn(cfg), cfg.kv_heads * cfg.head_size, cfg.q_dim
+    router = 2 * h * cfg.n_experts * cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
     return {"wq": 2 * h * q, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * q, "w1": 2 * h * f,
-            "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f}
+            "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f, "router": router}
 
 
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
