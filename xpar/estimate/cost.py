@@ -195,7 +195,8 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
     s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
     over the layer's activations, its MLP at the width a token goes through, experts included:
-    :func:`xpar.estimate.activations.token_ffn`)."""
+    :func:`xpar.estimate.activations.token_ffn`). Under FP8 the attention core at the BF16 rate
+    (:func:`attention_core_delay`)."""
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
@@ -214,9 +215,25 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     tok = s * b / t
     mm = (lambda flops: tok * flops / rate) if rate else (lambda flops: 0.0)
     mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
-    return {"mm_f": mm(layer), "mm_b": mm(2 * layer + extra), "mem_f": mem(pf * layer_act),
+    core_f, core_b = attention_core_delay(spec, fwd["attention"] / cfg.n_layers, share * POLICIES[policy].attention)
+    return {"mm_f": mm(layer) + tok * core_f, "mm_b": mm(2 * layer + extra) + tok * core_b, "mem_f": mem(pf * layer_act),
             "mem_b": mem(pb * layer_act), "logits_mm_f": mm(fwd["logits"]), "logits_mm_b": mm(2 * fwd["logits"]),
             "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act)}
+
+
+def attention_core_delay(spec: RunSpec, core: float, rerun: float) -> tuple[float, float]:
+    """Seconds per token (forward, backward with the rerun ``rerun`` x forward) that one layer's
+    attention core (QK^T and PV, ``core`` forward FLOPs per token) adds to its price at the
+    matmul rate under FP8: Transformer Engine's FP8 recipes (DotProductAttention) and torchao's
+    float8 training convert only the linear layers, so the core runs at the BF16 rate (peak_tflops
+    x :func:`matmul_efficiency`, without fp8_matmul_efficiency). (0, 0) for other dtypes, or
+    without the peaks."""
+    hw = spec.hardware
+    if spec.train.dtype != "fp8" or not hw.peak_tflops_fp8 or not hw.peak_tflops:
+        return 0.0, 0.0
+    eff = matmul_efficiency(hw, spec.model.hidden / spec.tp)
+    delay = core / (hw.peak_tflops * 1e12 * eff) - core / (hw.peak_tflops_fp8 * 1e12 * eff * hw.fp8_matmul_efficiency)
+    return delay, (2 + rerun) * delay
 
 
 def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
