@@ -45,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from xpar.config.attention import attention_core_flops, attention_projection_flops
+
 SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 """The meanings of ``parallel.recompute=selective`` (``framework.selective_recompute``)."""
 RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj",
@@ -126,14 +128,14 @@ def token_ffn(cfg) -> float:
 
 def projection_flops(cfg) -> dict[str, float]:
     """Forward FLOPs per token of each projection of one block, the mean over the blocks (2 per
-    multiply-add; wq and wo h x q (q = n_heads x head dim, h unless model.head_dim is set), wk and
-    wv h x kv; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
+    multiply-add; wq, wk, wv, wo: :func:`xpar.config.attention.attention_projection_flops`, h x q and
+    h x kv, or MLA's low-rank projections; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
     (:func:`token_ffn`: its top k and shared experts in a MoE block); ``router`` the MoE router's
     h x E). Units: FLOP per token."""
-    h, f, kv, q = cfg.hidden, token_ffn(cfg), cfg.kv_heads * cfg.head_size, cfg.q_dim
+    h, f = cfg.hidden, token_ffn(cfg)
     router = 2 * h * cfg.n_experts * cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
-    return {"wq": 2 * h * q, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * q, "w1": 2 * h * f,
-            "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f, "router": router}
+    return {**attention_projection_flops(cfg), "w1": 2 * h * f, "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0,
+            "w2": 2 * h * f, "router": router}
 
 
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
@@ -147,7 +149,7 @@ def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: 
     + w1 (+ w3); Megatron's selective: the attention core. Units: FLOP per token."""
     p = policy_of(recompute, selective)
     proj = projection_flops(cfg)
-    attention = 2 * 2 * seq_len * cfg.q_dim * (0.5 if causal else 1.0)
+    attention = attention_core_flops(cfg, seq_len, causal)
     return sum(proj[k] for k in reruns(p, early_stop)) + (attention if p.attention else 0.0)
 
 
