@@ -101,3 +101,23 @@ def test_etp_folds_tp_into_ep():
         spec_for("model=moe_tiny", "run.mode=estimate", "hardware=h100_80gb_8gpu", "hardware.devices_per_node=4",
                  "parallel.tp=2", "parallel.dp=2", "parallel.ep=4", local_devices=4)
     assert "ep x etp (4 x 2)" in str(e.value), str(e.value)
+
+
+def test_capacity_factor_prices_the_padded_expert_buffers_not_the_imbalance():
+    """model.capacity_factor c (GShard; Fedus et al. 2022; Megatron-Core's capacity factor with padding):
+    every expert's buffer holds c x its even share k T / E, the tokens beyond it dropped, so the busiest
+    ep rank computes and receives c x the even share whatever the router's imbalance: its routed
+    matmuls stretched by (c - 1) x their share of the step's matmul, its all-to-alls carrying c x the
+    even payload. null (dropless): model.moe_imbalance, as before."""
+    from xpar.estimate.expert_parallel import routed_share
+    even = estimate(mixtral("parallel.ep=8"))
+    skew = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.25"))
+    padded = mixtral("parallel.ep=8", "model.capacity_factor=1.25", "model.moe_imbalance=2.0")
+    cf = estimate(padded)
+    assert cf.time_breakdown["ep_imbalance"] == pytest.approx(
+        cf.time_breakdown["matmul"] * routed_share(padded) * 0.25, rel=1e-12)
+    assert cf.comm_time["ep"] == pytest.approx(skew.comm_time["ep"], rel=1e-12)
+    assert cf.comm_time["ep"] > even.comm_time["ep"]
+    assert cf.time_per_step_s == pytest.approx(skew.time_per_step_s, rel=1e-12)
+    tight = estimate(mixtral("parallel.ep=8", "model.capacity_factor=1.0", "model.moe_imbalance=2.0"))
+    assert tight.time_breakdown["ep_imbalance"] == 0.0 and tight.comm_time["ep"] == pytest.approx(even.comm_time["ep"])

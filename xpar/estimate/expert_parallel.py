@@ -4,9 +4,10 @@ alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 
 Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
 each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
-leaving the rank (:func:`alltoall_time`). A router whose busiest rank receives
-``model.moe_imbalance`` x the mean stretches the routed compute and the all-to-alls; the
-framework's ``ep_a2a_overlap`` share is hidden. Expert states: xpar.estimate.model_states.
+leaving the rank (:func:`alltoall_time`). The busiest rank's load (:func:`busiest_rank_load`:
+``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
+to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
+share is hidden. Expert states: xpar.estimate.model_states.
 Units: seconds.
 """
 from __future__ import annotations
@@ -50,6 +51,15 @@ def deepep_inter_share(top_k: int, nodes: int) -> float:
     return (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k) / top_k
 
 
+def busiest_rank_load(cfg) -> float:
+    """Tokens the busiest ep rank's experts receive and compute, over the even share k T / ep:
+    ``model.capacity_factor`` c where set (every expert's buffer padded to c x its even share, the
+    tokens beyond it dropped: GShard, Lepikhin et al. 2021; Fedus et al. 2022; Megatron-Core's
+    ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``), else (dropless)
+    ``model.moe_imbalance``."""
+    return cfg.moe_imbalance if cfg.capacity_factor is None else cfg.capacity_factor
+
+
 def ep_payload_bytes(spec: RunSpec) -> float:
     """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
     compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
@@ -79,7 +89,7 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
     share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if dispatcher == "deepep" else None
-    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * spec.model.moe_imbalance, group, share)
+    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, share)
     return {"f": 2 * one, "b": 2 * one}
 
 
@@ -98,14 +108,14 @@ def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0,
     """What ep adds to a step of ``spec`` (cp folded) whose matmuls take ``matmul_s`` on the
     slowest rank: (breakdown terms ``ep_comm``: the fullest rank's all-to-alls, m per step,
     (1 - ``overlap``) exposed; ``ep_imbalance``: its routed experts' matmuls stretched by
-    ``model.moe_imbalance``), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
+    :func:`busiest_rank_load`), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
     :func:`ep_layer_times`."""
     t = ep_layer_times(spec, dispatcher)
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
     issued = spec.micro_batches * layers * (t["f"] + t["b"])
-    skew = matmul_s * routed_share(spec) * (spec.model.moe_imbalance - 1.0)
+    skew = matmul_s * routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
     note = (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
             f"many in backward ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
     return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": skew}, issued, note

@@ -25,7 +25,7 @@ from xpar.estimate.columns.stage_split import most_blocks
 from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.estimate.context_parallel import cp_layer_times, fold_cp
 from xpar.estimate.cost import assumptions_for
-from xpar.estimate.expert_parallel import ep_layer_times, routed_share
+from xpar.estimate.expert_parallel import busiest_rank_load, ep_layer_times, routed_share
 from xpar.estimate.terms import RATE_KEYS, time_key
 
 
@@ -108,7 +108,7 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
     layers = by_key([pp, v, sched], lambda p, vv, s: {"n": moe_layers_per_rank(fbase, p, vv if p > 1 else 1, s)},
                     ("n",))["n"]
     issued = np.asarray(fcols["m"]) * layers * (one["f"] + one["b"])
-    share = routed_share(fbase) * (fbase.model.moe_imbalance - 1.0)
+    share = routed_share(fbase) * (busiest_rank_load(fbase.model) - 1.0)
     return {"ep_comm": issued * (1.0 - a.ep_a2a_overlap), "ep_imbalance": matmul * share}
 
 
