@@ -207,3 +207,8 @@ class FrameworkConfig:
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
     and memory terms); tests/test_framework.py checks that nothing else changes."""
+    recompute_replays_comm: bool = True
+    """A recomputed block's backward reruns its forward's MoE all-to-alls and cp K/V all-gathers
+    (torch's checkpoint replays every op whose output it does not keep; Megatron's checkpoint of a
+    layer or MoE layer too): priced by xpar.estimate.expert_parallel.ep_replay and
+    xpar.estimate.context_parallel.cp_replay, per policy. false: the framework keeps their outputs."""

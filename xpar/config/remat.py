@@ -205,6 +205,17 @@ def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[flo
     return name, spec_share(spec, fw.recompute_layer_fraction if fraction is None else fraction)
 
 
+def replayed_share(spec, fw, policies: tuple) -> float:
+    """Share of a RunSpec's blocks whose backward replays the forward's ep or cp collectives: the share
+    recomputed (:func:`spec_recompute` with ``fw``'s selective_recompute and recompute_layer_fraction)
+    where its policy is one of ``policies`` and ``fw.recompute_replays_comm``, else 0. ``fw``: a
+    FrameworkConfig or the estimate's Assumptions."""
+    if not fw.recompute_replays_comm:
+        return 0.0
+    name, share = spec_recompute(spec, fw.selective_recompute, fw.recompute_layer_fraction)
+    return share if name in policies else 0.0
+
+
 def extra_forward_flops_per_token(cfg, seq_len: int, policy: str, share: float, causal: bool = False) -> float:
     """Forward FLOPs per token the whole model's backward reruns: ``share`` of the blocks times
     :func:`extra_forward_flops_per_layer` (``policy`` a resolved name). Units: FLOP per token."""

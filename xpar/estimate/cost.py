@@ -40,8 +40,8 @@ from xpar.estimate.model_states import (
 )
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
-from xpar.estimate.context_parallel import cp_layer_times, fold_cp
-from xpar.estimate.expert_parallel import ep_terms
+from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
+from xpar.estimate.expert_parallel import ep_replay, ep_terms
 from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
 
@@ -92,6 +92,8 @@ class Assumptions(MemoryOptions):
     gradient_passes: bool = False
     """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
     left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
+    recompute_replays_comm: bool = True
+    """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -433,7 +435,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     """
     assume = assumptions_for(spec) if assume is None else assume
     if spec.layout.cp > 1:
-        return _with_cp_comm(spec, estimate(fold_cp(spec), assume))
+        return _with_cp_comm(spec, estimate(fold_cp(spec), assume), assume)
     spec = waits_unstretched(spec, spec.world_size)
     par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
     notes: list[str] = []
@@ -459,20 +461,22 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
 def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of an ep layout: plus its all-to-alls and router imbalance
     (xpar.estimate.expert_parallel; ``ep`` in comm_time)."""
-    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher)
+    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher,
+                                   ep_replay(spec, assume))
     out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
                   est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=issued), est.framework, est.offload
     return out
 
 
-def _with_cp_comm(spec: RunSpec, est: Estimate) -> Estimate:
+def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
-    K/V all-gathers and gradient reduce-scatters of the fullest rank's layers, m per step, exposed
-    (``cp_comm`` in the breakdown, ``cp`` in comm_time)."""
+    K/V all-gathers (again in the backward of the recomputed blocks: :func:`cp_replay`) and gradient
+    reduce-scatters of the fullest rank's layers, m per step, exposed (``cp_comm`` in the breakdown,
+    ``cp`` in comm_time)."""
     t = cp_layer_times(spec)
     layers = max(spec.layout.layers_of(r) for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] + t["b"])
+    issued = spec.micro_batches * layers * (t["f"] * (1 + cp_replay(spec, assume)) + t["b"])
     breakdown = dict(est.time_breakdown, cp_comm=issued)
     out = _result(fold_cp(spec), est.memory, est.time_per_step_s + issued, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "

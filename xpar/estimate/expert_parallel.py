@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from xpar.config.remat import replayed_share
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import Group, group_of, nic_share
@@ -60,6 +61,21 @@ def busiest_rank_load(cfg) -> float:
     return cfg.moe_imbalance if cfg.capacity_factor is None else cfg.capacity_factor
 
 
+EP_REPLAY_POLICIES = ("full", "moe", "op", "save_dot_except_mlp", "save_qkv_proj")
+"""Recompute policies whose backward reruns a MoE block's dispatch and combine all-to-alls: full (torch's
+checkpoint, Megatron's tensor_parallel.checkpoint of the layer), Megatron-Core's --recompute-modules moe
+(megatron/core/transformer/moe/moe_layer.py checkpoints router, dispatch, experts and combine together) and
+the policies xpar runs by selective checkpointing, which replays every op whose output it does not keep
+(xpar's engine: 15 -> 24 all-to-all calls per step, issue 42). Not: Megatron's selective (the attention
+core) and torchtitan's op policy (torchtitan PR 1672 saves the all-to-all outputs)."""
+
+
+def ep_replay(spec: RunSpec, fw) -> float:
+    """Share of the blocks whose backward reruns their forward's all-to-alls (:data:`EP_REPLAY_POLICIES`,
+    ``fw.recompute_replays_comm``: :func:`xpar.config.remat.replayed_share`); 0 without recompute."""
+    return replayed_share(spec, fw, EP_REPLAY_POLICIES)
+
+
 def ep_payload_bytes(spec: RunSpec) -> float:
     """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
     compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
@@ -71,13 +87,14 @@ def ep_payload_bytes(spec: RunSpec) -> float:
 def ep_bytes_per_step(spec: RunSpec) -> float:
     """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
     micro-batch, dispatch and combine in forward and their gradients in backward (4 x
-    :func:`ep_payload_bytes`), as :func:`ep_terms` counts them; 0 at ep = 1."""
+    :func:`ep_payload_bytes`, plus the forward's 2 again per recomputed layer: :func:`ep_replay` under
+    the spec's framework), as :func:`ep_terms` counts them; 0 at ep = 1."""
     if spec.layout.ep == 1:
         return 0.0
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
-    return 4.0 * layers * spec.micro_batches * ep_payload_bytes(spec)
+    return (4.0 + 2.0 * ep_replay(spec, spec.framework)) * layers * spec.micro_batches * ep_payload_bytes(spec)
 
 
 def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, float]:
@@ -103,19 +120,20 @@ def routed_share(spec: RunSpec) -> float:
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))
 
 
-def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0,
-             dispatcher: str = "alltoall") -> tuple[dict[str, float], float, str]:
+def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0, dispatcher: str = "alltoall",
+             replay: float = 0.0) -> tuple[dict[str, float], float, str]:
     """What ep adds to a step of ``spec`` (cp folded) whose matmuls take ``matmul_s`` on the
     slowest rank: (breakdown terms ``ep_comm``: the fullest rank's all-to-alls, m per step,
     (1 - ``overlap``) exposed; ``ep_imbalance``: its routed experts' matmuls stretched by
     :func:`busiest_rank_load`), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
-    :func:`ep_layer_times`."""
+    :func:`ep_layer_times`. ``replay``: the share of blocks whose backward reruns the forward's
+    all-to-alls (:func:`ep_replay`)."""
     t = ep_layer_times(spec, dispatcher)
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] + t["b"])
+    issued = spec.micro_batches * layers * (t["f"] * (1 + replay) + t["b"])
     skew = matmul_s * routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
     note = (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
-            f"many in backward ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
+            f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
     return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": skew}, issued, note
