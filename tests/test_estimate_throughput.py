@@ -843,3 +843,22 @@ def test_published_context_parallel_moe_and_fp8_runs():
     assert len(moe) >= 18 and statistics.median(moe) <= 0.15, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.15, held_out
 
+
+
+def test_qwen3_rows_are_estimated_and_converted_at_their_head_dim():
+    """Qwen3's heads are 128 wide (config.json head_dim; the Megatron-MoE ModelZoo's kv_channels), not
+    hidden / n_heads = 64: the rows of tests/data/cp_fp8_h100.csv are estimated at 128, and the ModelZoo's
+    TF/s compared in its own causal count at 128 (issue 42: the page converted at 64)."""
+    from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+    from xpar.estimate.flops import model_flops_per_token
+    rows = [r for r in read_table(DATA / "cp_fp8_h100.csv") if r["model_name"].startswith("Qwen3")]
+    assert len(rows) >= 8
+    for row in rows:
+        spec = cp_fp8_case(row)[0]
+        assert spec.model.head_size == 128 and spec.model.q_dim == 128 * int(row["heads"]), row["id"]
+    row = next(r for r in rows if r["id"] == "zoo_qwen3_235b_bf16_256_seq131072_cp8")
+    spec, assume, metric, published = cp_fp8_case(row)
+    e = estimate(spec, assume)
+    causal = model_flops_per_token(spec.model, spec.seq_len, causal=True) / model_flops_per_token(spec.model, spec.seq_len)
+    assert metric == "tflops_per_gpu_causal"
+    assert published_figure(e, spec, metric) == pytest.approx(e.tflops_per_device * causal, rel=1e-12)
