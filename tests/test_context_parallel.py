@@ -185,3 +185,30 @@ def test_the_cp_all_gathers_estimate_stands_beside_the_measured(tmp_path):
     measured, est = run["metrics.comm/cp_allgather_bytes"], run["metrics.fidelity/estimate_comm_cp_allgather_bytes"]
     assert measured > 0 and est == pytest.approx(measured, rel=1e-9), (measured, est)
     assert "(estimate" in r.stdout.split("comm/cp_allgather_bytes")[1].split("\n")[0]  # beside it in the table
+
+
+def test_recompute_replays_the_kv_all_gathers():
+    """A recomputed block's attention core needs the gathered K and V again, which no policy keeps: under
+    recompute=full each layer gathers them twice per micro-batch (xpar's engine: 4 -> 8 all-gathers),
+    so cp_comm = m x layers x (2 all-gathers + 1 reduce-scatter); once where the framework keeps the
+    gathered K and V (recompute_replays_comm false) or the policy keeps SDPA's output and does not rerun
+    the core (torchtitan's op policy), or without recompute."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from xpar.estimate.context_parallel import cp_layer_times, cp_replay
+    from xpar.estimate.cost import assumptions_for, estimate
+    base = ("model=70b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.zero_stage=3", "parallel.cp=2",
+            "parallel.micro_batches=auto", "train=cluster", "train.seq_len=32768", "train.global_batch_size=16",
+            "train.micro_batch_size=1", "run.mode=estimate", "parallel.recompute=full")
+    full = spec_for(*base)
+    t, m = cp_layer_times(full), full.micro_batches
+    assert estimate(full).time_breakdown["cp_comm"] == pytest.approx(m * 80 * (2 * t["f"] + t["b"]), rel=1e-12)
+    kept = estimate(full, replace(assumptions_for(full), recompute_replays_comm=False))
+    assert kept.time_breakdown["cp_comm"] == pytest.approx(m * 80 * (t["f"] + t["b"]), rel=1e-12)
+    fw = dict(recompute_replays_comm=True, recompute_layer_fraction=1.0)
+    selective = replace(full, parallel=replace(full.parallel, recompute="selective"))
+    assert cp_replay(selective, SimpleNamespace(selective_recompute="op", **fw)) == 1.0
+    assert cp_replay(selective, SimpleNamespace(selective_recompute="torchtitan_op", **fw)) == 0.0
+    assert cp_replay(replace(full, parallel=replace(full.parallel, recompute="none")),
+                     SimpleNamespace(selective_recompute="op", **fw)) == 0.0

@@ -16,6 +16,8 @@ from xpar.estimate import comm, cost
 from xpar.estimate import overlap as ov
 from xpar.estimate import schedule as sch
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
+from xpar.config.remat import extra_forward_flops_per_layer
+from xpar.estimate.flops import forward_flops_per_token
 from xpar.estimate.model_states import param_shapes
 
 DATA = Path(__file__).parent / "data"
@@ -718,15 +720,20 @@ def test_published_zero_bubble_schedules_are_estimated_under_their_framework():
 def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
     """train.dtype=fp8 (issue 30): matmuls at hardware.peak_tflops_fp8 (H100: 1979 TFLOP/s, twice the
     bf16 peak) x fp8_matmul_efficiency over bf16 storage, so the matmul time falls to 1 / (2 x 0.78)
-    and the memory stays bf16's; MFU is
-    against the FP8 peak. Refused on hardware without FP8 and in execute mode, in one line each."""
+    but for the attention core, which stays at the bf16 rate (Transformer Engine, torchao: share a of
+    the FLOPs, counted 4 times per layer under full recompute and the logits 3 times), and the memory
+    stays bf16's; MFU is against the FP8 peak. Refused on hardware without FP8 and in execute mode, in
+    one line each."""
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
     base = ("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.recompute=full",
             "run.mode=estimate")
     bf16, fp8 = (estimate(spec_for(*base, f"train.dtype={d}")) for d in ("bf16", "fp8"))
     k = spec_for(*base).hardware.fp8_matmul_efficiency  # FP8 matmuls' share of bf16's efficiency (fitted: 0.78)
-    assert fp8.time_breakdown["matmul"] == pytest.approx(bf16.time_breakdown["matmul"] / (2 * k), rel=0.005)
+    fwd = forward_flops_per_token(spec_for(*base).model, 4096)
+    a = 4 * fwd["attention"] / (4 * (fwd["matmul"] + fwd["attention"]) + 3 * fwd["logits"])
+    assert fp8.time_breakdown["matmul"] == pytest.approx(bf16.time_breakdown["matmul"] * ((1 - a) / (2 * k) + a),
+                                                         rel=0.005)
     assert fp8.memory.total == bf16.memory.total and fp8.time_per_step_s < bf16.time_per_step_s
     assert fp8.mfu == pytest.approx(fp8.tflops_per_device / 1979, rel=1e-9)
     for overrides, words in ((("hardware=a100_80gb_64gpu",), "has none"), (("run.mode=execute", "model=tiny",
@@ -736,10 +743,41 @@ def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
         assert words in str(e.value)
 
 
+def test_fp8_keeps_the_attention_core_at_the_bf16_rate():
+    """Under FP8 (Transformer Engine's recipes, torchao's float8) only the linear layers run in FP8:
+    a layer's matmul seconds are its projections and MLP at the FP8 rate (peak_tflops_fp8 x
+    efficiency x fp8_matmul_efficiency) plus its attention core (4 s h per token forward; rerun
+    under full recompute) at the bf16 rate (peak_tflops x efficiency). At s = 32768 the core is a
+    third of a 70B layer's FLOPs, so the FP8 matmul term rises by over 20 % over pricing it all at the FP8 rate;
+    bf16 is unchanged."""
+    from tests.conftest import spec_for
+    base = ("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.recompute=full",
+            "run.mode=estimate", "train.seq_len=32768")
+    for dtype in ("fp8", "bf16"):
+        s = spec_for(*base, f"train.dtype={dtype}")
+        hw, cfg, tok = s.hardware, s.model, s.seq_len * s.train.micro_batch_size / s.tp
+        fwd = forward_flops_per_token(cfg, s.seq_len)
+        layer, core = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers, fwd["attention"] / cfg.n_layers
+        bf16_rate = hw.peak_tflops * 1e12 * cost.matmul_efficiency(hw, cfg.hidden / s.tp)
+        rate = bf16_rate if dtype == "bf16" else bf16_rate * hw.peak_tflops_fp8 / hw.peak_tflops * hw.fp8_matmul_efficiency
+        a = cost.assumptions_for(s)
+        c = cost.layer_costs(s, a)
+        extra = extra_forward_flops_per_layer(cfg, s.seq_len, "full", early_stop=a.checkpoint_early_stop)
+        delay = tok * core * (1 / bf16_rate - 1 / rate)  # the core at the bf16 rather than the FP8 rate
+        assert core / layer > 0.3
+        assert c["mm_f"] == pytest.approx(tok * layer / rate + delay, rel=1e-12)
+        assert c["mm_b"] == pytest.approx(tok * (2 * layer + extra) / rate + 3 * delay, rel=1e-12)  # 2x + the rerun
+        if dtype == "fp8":
+            assert c["mm_f"] > 1.2 * tok * layer / rate  # what the whole layer at the FP8 rate gave
+        else:
+            assert c["mm_f"] == tok * layer / rate
+
+
 def test_context_parallelism_is_priced_as_dp_ranks_on_a_sequence_share_plus_the_kv_gathers():
     """parallel.cp (issue 30): cp ranks per sequence hold s / cp tokens (activations / cp), shard
-    ZeRO over dp x cp, and add per layer an all-gather of K and V and its gradients' reduce-scatter,
-    exposed (xpar.estimate.context_parallel); the world is dp x cp x tp x pp."""
+    ZeRO over dp x cp, and add per layer an all-gather of K and V (again in the backward of a recomputed
+    layer) and its gradients' reduce-scatter, exposed (xpar.estimate.context_parallel); the world is dp x
+    cp x tp x pp."""
     from tests.conftest import spec_for
     from xpar.estimate.context_parallel import cp_layer_times, fold_cp
     base = ("model=70b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.zero_stage=3", "parallel.recompute=full",
@@ -751,7 +789,8 @@ def test_context_parallelism_is_priced_as_dp_ranks_on_a_sequence_share_plus_the_
     assert e2.memory.activations == pytest.approx(e1.memory.activations / 2, rel=0.01)
     assert e2.memory.params == e1.memory.params  # ZeRO-3 shards over dp x cp: the same 8 ranks as dp 8
     t = cp_layer_times(two)
-    assert e2.time_breakdown["cp_comm"] == pytest.approx(two.micro_batches * 80 * (t["f"] + t["b"]))
+    # recompute=full: each layer's backward gathers K and V again (xpar.estimate.context_parallel.cp_replay)
+    assert e2.time_breakdown["cp_comm"] == pytest.approx(two.micro_batches * 80 * (2 * t["f"] + t["b"]))
     folded = estimate(fold_cp(two))
     assert e2.time_per_step_s == pytest.approx(folded.time_per_step_s + e2.time_breakdown["cp_comm"])
     assert e2.tokens_per_s == pytest.approx(two.tokens_per_step / e2.time_per_step_s)
@@ -803,3 +842,23 @@ def test_published_context_parallel_moe_and_fp8_runs():
     assert statistics.median(abs(x) for x in errors.values()) <= 0.15, errors
     assert len(moe) >= 18 and statistics.median(moe) <= 0.15, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.15, held_out
+
+
+
+def test_qwen3_rows_are_estimated_and_converted_at_their_head_dim():
+    """Qwen3's heads are 128 wide (config.json head_dim; the Megatron-MoE ModelZoo's kv_channels), not
+    hidden / n_heads = 64: the rows of tests/data/cp_fp8_h100.csv are estimated at 128, and the ModelZoo's
+    TF/s compared in its own causal count at 128 (issue 42: the page converted at 64)."""
+    from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+    from xpar.estimate.flops import model_flops_per_token
+    rows = [r for r in read_table(DATA / "cp_fp8_h100.csv") if r["model_name"].startswith("Qwen3")]
+    assert len(rows) >= 8
+    for row in rows:
+        spec = cp_fp8_case(row)[0]
+        assert spec.model.head_size == 128 and spec.model.q_dim == 128 * int(row["heads"]), row["id"]
+    row = next(r for r in rows if r["id"] == "zoo_qwen3_235b_bf16_256_seq131072_cp8")
+    spec, assume, metric, published = cp_fp8_case(row)
+    e = estimate(spec, assume)
+    causal = model_flops_per_token(spec.model, spec.seq_len, causal=True) / model_flops_per_token(spec.model, spec.seq_len)
+    assert metric == "tflops_per_gpu_causal"
+    assert published_figure(e, spec, metric) == pytest.approx(e.tflops_per_device * causal, rel=1e-12)

@@ -101,3 +101,47 @@ def test_etp_folds_tp_into_ep():
         spec_for("model=moe_tiny", "run.mode=estimate", "hardware=h100_80gb_8gpu", "hardware.devices_per_node=4",
                  "parallel.tp=2", "parallel.dp=2", "parallel.ep=4", local_devices=4)
     assert "ep x etp (4 x 2)" in str(e.value), str(e.value)
+
+
+def test_capacity_factor_prices_the_padded_expert_buffers_not_the_imbalance():
+    """model.capacity_factor c (GShard; Fedus et al. 2022; Megatron-Core's capacity factor with padding):
+    every expert's buffer holds c x its even share k T / E, the tokens beyond it dropped, so the busiest
+    ep rank computes and receives c x the even share whatever the router's imbalance: its routed
+    matmuls stretched by (c - 1) x their share of the step's matmul, its all-to-alls carrying c x the
+    even payload. null (dropless): model.moe_imbalance, as before."""
+    from xpar.estimate.expert_parallel import routed_share
+    even = estimate(mixtral("parallel.ep=8"))
+    skew = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.25"))
+    padded = mixtral("parallel.ep=8", "model.capacity_factor=1.25", "model.moe_imbalance=2.0")
+    cf = estimate(padded)
+    assert cf.time_breakdown["ep_imbalance"] == pytest.approx(
+        cf.time_breakdown["matmul"] * routed_share(padded) * 0.25, rel=1e-12)
+    assert cf.comm_time["ep"] == pytest.approx(skew.comm_time["ep"], rel=1e-12)
+    assert cf.comm_time["ep"] > even.comm_time["ep"]
+    assert cf.time_per_step_s == pytest.approx(skew.time_per_step_s, rel=1e-12)
+    tight = estimate(mixtral("parallel.ep=8", "model.capacity_factor=1.0", "model.moe_imbalance=2.0"))
+    assert tight.time_breakdown["ep_imbalance"] == 0.0 and tight.comm_time["ep"] == pytest.approx(even.comm_time["ep"])
+
+
+def test_recompute_replays_the_all_to_alls_where_the_framework_does():
+    """A recomputed MoE block reruns its forward's dispatch and combine in backward where the framework's
+    checkpoint replays them (xpar's engine: torch's checkpoint and selective checkpointing, 15 -> 24
+    all-to-all calls per step; Megatron-Core's full and --recompute-modules moe): per layer and
+    micro-batch 2 forward + 2 replayed + 2 backward all-to-alls instead of 4, so Mixtral's ep term
+    rises by half under recompute=full. Megatron's selective (the attention core) and torchtitan's op
+    policy (PR 1672 saves the all-to-all outputs) replay none, nor a framework with
+    recompute_replays_comm false."""
+    from dataclasses import replace as dc_replace
+    from xpar.estimate.cost import assumptions_for
+    none, full = (mixtral("parallel.ep=8", "framework=xpar", f"parallel.recompute={r}") for r in ("none", "full"))
+    e0, e1 = estimate(none), estimate(full)
+    assert e1.time_breakdown["ep_comm"] == pytest.approx(1.5 * e0.time_breakdown["ep_comm"], rel=1e-12)
+    assert e1.comm_time["ep"] == pytest.approx(1.5 * e0.comm_time["ep"], rel=1e-12)
+    off = estimate(full, dc_replace(assumptions_for(full), recompute_replays_comm=False))
+    assert off.time_breakdown["ep_comm"] == pytest.approx(e0.time_breakdown["ep_comm"], rel=1e-12)
+    meg = {r: estimate(mixtral("parallel.ep=8", f"parallel.recompute={r}")).time_breakdown["ep_comm"]
+           for r in ("none", "selective", "moe", "full")}
+    assert meg["selective"] == meg["none"] and meg["moe"] == meg["full"] == pytest.approx(1.5 * meg["none"], rel=1e-12)
+    titan = estimate(mixtral("parallel.ep=8", "framework=torchtitan", "parallel.zero_stage=2",
+                             "parallel.recompute=selective"))
+    assert titan.time_breakdown["ep_comm"] == pytest.approx(e0.time_breakdown["ep_comm"], rel=1e-12)

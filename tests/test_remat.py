@@ -75,6 +75,26 @@ def test_extra_flops_per_policy():
         model_flops_per_token(cfg, s) + 0.25 * (fwd["matmul"] + fwd["attention"]), rel=1e-15)
 
 
+def test_moe_blocks_rerun_the_width_a_token_goes_through():
+    """Mixtral 8x7B (h 4096, 32 heads of 128, 8 KV heads, 8 experts of 14336, top 2; s 4096): a
+    block's forward is q, k, v, o (2 h (2 h + 2 x 1024)), the router (2 h 8), two SwiGLU experts
+    (2 x 3 x 2 h 14336) and the attention core (4 s h): 855.7 MFLOP per token, all of which full
+    recompute reruns (503.3 when the MLP was counted once, at the dense width); recompute=moe reruns
+    the two experts' w1 and w3, 469.8 MFLOP (234.9 at the dense width)."""
+    cfg = _spec("model=mixtral_8x7b").model
+    s, h, f = 4096, 4096, 14336
+    attn, router, expert = 2 * h * (2 * h + 2 * 1024), 2 * h * 8, 3 * 2 * h * f
+    block = attn + router + 2 * expert + 4 * s * h
+    assert block / 1e6 == pytest.approx(855.7, abs=0.05)
+    assert extra_forward_flops_per_layer(cfg, s, "full") == block
+    fwd = forward_flops_per_token(cfg, s)
+    assert extra_forward_flops_per_layer(cfg, s, "full") == (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
+    assert extra_forward_flops_per_layer(cfg, s, "moe") == 2 * 2 * (2 * h * f) == pytest.approx(469.8e6, rel=1e-4)
+    est = estimate(_spec("model=mixtral_8x7b", "parallel.recompute=full", "train.seq_len=4096"))
+    tokens = est.model_flops_per_step / model_flops_per_token(cfg, 4096)
+    assert est.hardware_flops_per_step - est.model_flops_per_step == pytest.approx(32 * block * tokens, rel=1e-12)
+
+
 def test_step_time_and_hfu_follow_the_policy():
     """On the 70B layout: each policy's step is slower than none by its rerun work, and the hardware
     FLOPs per step grow by the policy's extra FLOPs (HFU counts them, MFU does not)."""

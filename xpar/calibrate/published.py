@@ -491,8 +491,9 @@ def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
 
 def cp_fp8_case(row: dict):
     """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
-    (context parallelism, FP8, MoE with expert parallelism; Llama shapes, MLA approximated as MHA and
-    GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
+    (context parallelism, FP8, MoE with expert parallelism; Llama shapes, DeepSeek-V3's MLA with the
+    paper's ranks and head dims (:data:`DEEPSEEK_V3_MLA`: its FLOPs; its memory as MHA), Qwen3's heads at
+    :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
     Framework: torchtitan for torchtitan's rows, megatron_core (NeMo, Megatron-LM, dgxc) for the others;
@@ -505,7 +506,9 @@ def cp_fp8_case(row: dict):
     model = dict(name=row["id"], n_layers=L, hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"] or 128256),
                  seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
-                 tied_embeddings=False, bias=False, **_moe_fields(row))
+                 tied_embeddings=False, bias=False, **_moe_fields(row),
+                 **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
+                 head_dim=HEAD_DIMS.get(row["model_name"]))
     titan = row["id"].startswith("torchtitan")
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
@@ -529,6 +532,15 @@ def cp_fp8_case(row: dict):
     return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core", **a2a),
             metric, float(row["value"]))
 
+
+HEAD_DIMS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128}
+"""Heads of cp_fp8_h100.csv's models that are not hidden / n_heads wide (the csv has no head_dim column):
+Qwen3's 128 (Qwen/Qwen3-235B-A22B and Qwen3-30B-A3B config.json ``head_dim``; Megatron-MoE-ModelZoo
+model_configs/benchmarking/Qwen3-*.yaml ``kv_channels: 128``), against hidden / n_heads = 64: the
+attention's projections and core and the sources' own FLOP counts are at 128."""
+
+DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+"""DeepSeek-V3's multi-head latent attention (DeepSeek-AI 2024, Sec. 4.2; conf/model/deepseek_v3.yaml)."""
 
 CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
 """Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the

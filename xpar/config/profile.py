@@ -231,3 +231,8 @@ class FrameworkConfig:
     """ZeRO-1/2 reduce each gradient bucket to the owners of the partitions it spans, one reduce per owner
     (DeepSpeed's stage_1_and_2.py average_tensor: xpar.estimate.owner_reduce); False: one reduce-scatter
     (Megatron's distributed optimizer, FSDP)."""
+    recompute_replays_comm: bool = True
+    """A recomputed block's backward reruns its forward's MoE all-to-alls and cp K/V all-gathers
+    (torch's checkpoint replays every op whose output it does not keep; Megatron's checkpoint of a
+    layer or MoE layer too): priced by xpar.estimate.expert_parallel.ep_replay and
+    xpar.estimate.context_parallel.cp_replay, per policy. false: the framework keeps their outputs."""

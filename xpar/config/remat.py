@@ -45,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from xpar.config.attention import attention_core_flops, attention_projection_flops
+
 SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 """The meanings of ``parallel.recompute=selective`` (``framework.selective_recompute``)."""
 RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj",
@@ -80,7 +82,8 @@ class Policy:
 ALL = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 POLICIES = {
     "none": Policy(ALL, (), False, 0.0, True, "no recompute"),
-    "full": Policy((), ALL, True, 2.0, True, "Chen et al. 2016; Megatron --recompute-granularity full; MaxText full"),
+    "full": Policy((), ALL + ("router",), True, 2.0, True,
+                   "Chen et al. 2016; Megatron --recompute-granularity full; MaxText full"),
     "attention": Policy(ALL + ("context",), (), True, 0.0, False, "Megatron --recompute-granularity selective"),
     "op": Policy(ALL, (), True, 0.0, True, "xpar SAC (xpar.parallel.recompute); MaxText minimal"),
     "torchtitan_op": Policy(("wq", "wv", "w1", "w2", "context"), ("wk", "wo", "w3"), False, 0.0, False,
@@ -113,12 +116,26 @@ def policy_of(recompute: str, selective: str = "op") -> Policy:
     return POLICIES[policy_name(recompute, selective)]
 
 
+def token_ffn(cfg) -> float:
+    """The MLP inner width one token goes through, the mean over the blocks: ffn_hidden in a
+    dense block; in a block with experts, its top k and shared experts' (k + shared) x expert
+    width (the active parameters, as xpar.estimate.flops counts them)."""
+    if not cfg.n_experts:
+        return cfg.ffn_hidden
+    moe = (cfg.moe_top_k + cfg.n_shared_experts) * cfg.expert_ffn
+    return ((cfg.n_layers - cfg.moe_layers) * cfg.ffn_hidden + cfg.moe_layers * moe) / cfg.n_layers
+
+
 def projection_flops(cfg) -> dict[str, float]:
-    """Forward FLOPs per token of each projection of one block (2 per multiply-add; wq and wo h
-    x q (q = n_heads x head dim, h unless model.head_dim is set), wk and wv h x kv, w1 and w2 h x f, w3 h x f with SwiGLU else 0). Units: FLOP per token."""
-    h, f, kv, q = cfg.hidden, cfg.ffn_hidden, cfg.kv_heads * cfg.head_size, cfg.q_dim
-    return {"wq": 2 * h * q, "wk": 2 * h * kv, "wv": 2 * h * kv, "wo": 2 * h * q, "w1": 2 * h * f,
-            "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0, "w2": 2 * h * f}
+    """Forward FLOPs per token of each projection of one block, the mean over the blocks (2 per
+    multiply-add; wq, wk, wv, wo: :func:`xpar.config.attention.attention_projection_flops`, h x q and
+    h x kv, or MLA's low-rank projections; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
+    (:func:`token_ffn`: its top k and shared experts in a MoE block); ``router`` the MoE router's
+    h x E). Units: FLOP per token."""
+    h, f = cfg.hidden, token_ffn(cfg)
+    router = 2 * h * cfg.n_experts * cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
+    return {**attention_projection_flops(cfg), "w1": 2 * h * f, "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0,
+            "w2": 2 * h * f, "router": router}
 
 
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
@@ -132,7 +149,7 @@ def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: 
     + w1 (+ w3); Megatron's selective: the attention core. Units: FLOP per token."""
     p = policy_of(recompute, selective)
     proj = projection_flops(cfg)
-    attention = 2 * 2 * seq_len * cfg.q_dim * (0.5 if causal else 1.0)
+    attention = attention_core_flops(cfg, seq_len, causal)
     return sum(proj[k] for k in reruns(p, early_stop)) + (attention if p.attention else 0.0)
 
 
@@ -186,6 +203,17 @@ def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[flo
     fw = spec.framework if selective is None or fraction is None else None  # a bare spec (calibrate) passes both
     name = policy_name(spec.parallel.recompute, fw.selective_recompute if selective is None else selective)
     return name, spec_share(spec, fw.recompute_layer_fraction if fraction is None else fraction)
+
+
+def replayed_share(spec, fw, policies: tuple) -> float:
+    """Share of a RunSpec's blocks whose backward replays the forward's ep or cp collectives: the share
+    recomputed (:func:`spec_recompute` with ``fw``'s selective_recompute and recompute_layer_fraction)
+    where its policy is one of ``policies`` and ``fw.recompute_replays_comm``, else 0. ``fw``: a
+    FrameworkConfig or the estimate's Assumptions."""
+    if not fw.recompute_replays_comm:
+        return 0.0
+    name, share = spec_recompute(spec, fw.selective_recompute, fw.recompute_layer_fraction)
+    return share if name in policies else 0.0
 
 
 def extra_forward_flops_per_token(cfg, seq_len: int, policy: str, share: float, causal: bool = False) -> float:

@@ -70,6 +70,18 @@ class ModelConfig:
     """Width of one attention head (d); null: hidden / n_heads. Set where heads are not hidden / n_heads
     wide (gpt-oss: 64 heads of 64 in a 2880-wide model): q, k, v project to heads x head_dim and wo
     back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
+    q_lora_rank: Optional[int] = None
+    """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
+    (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""
+    kv_lora_rank: Optional[int] = None
+    """MLA: rank of the shared key/value latent (DeepSeek-V3: 512); null: not MLA (MHA/GQA). Estimated
+    only: its FLOPs (xpar.config.attention); parameters and activations are still counted as MHA."""
+    qk_nope_head_dim: Optional[int] = None
+    """MLA: each head's query/key width without position (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: Optional[int] = None
+    """MLA: each head's rotary query/key width, the rotary key shared by the heads (DeepSeek-V3: 64)."""
+    v_head_dim: Optional[int] = None
+    """MLA: each head's value width (DeepSeek-V3: 128)."""
 
     @property
     def kv_heads(self) -> int:

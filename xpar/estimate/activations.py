@@ -7,6 +7,7 @@ from functools import lru_cache
 from typing import Optional
 
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
+from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import MemoryOptions, precision
@@ -157,14 +158,11 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
 
 
 def token_ffn(cfg) -> float:
-    """The MLP inner width one token goes through, the mean over the blocks: ffn_hidden in a
-    dense block; in a block with experts, its top k and shared experts' (k + shared) x expert
-    width (what a token's MLP activations scale with). Not counted: the router's E logits and
-    each routed copy of the token's input (k h per token), small beside the experts' inner width."""
-    if not cfg.n_experts:
-        return cfg.ffn_hidden
-    moe = (cfg.moe_top_k + cfg.n_shared_experts) * cfg.expert_ffn
-    return ((cfg.n_layers - cfg.moe_layers) * cfg.ffn_hidden + cfg.moe_layers * moe) / cfg.n_layers
+    """The MLP inner width one token goes through, the mean over the blocks
+    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with). Not counted:
+    the router's E logits and each routed copy of the token's input (k h per token), small beside
+    the experts' inner width."""
+    return remat_token_ffn(cfg)
 
 
 def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, float]:

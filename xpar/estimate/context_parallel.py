@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from xpar.config.remat import POLICIES, replayed_share
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import collective_time, group_of
 from xpar.estimate.model_states import BYTES
@@ -34,6 +35,17 @@ def fold_cp(spec: RunSpec) -> RunSpec:
                    train=replace(spec.train, micro_batch_size=b))
 
 
+CP_REPLAY_POLICIES = tuple(name for name, p in POLICIES.items() if p.attention)
+"""Recompute policies whose backward reruns the attention core, which needs the gathered K and V that no
+policy keeps: each such block gathers them again (xpar's engine: 4 -> 8 all-gathers, issue 42)."""
+
+
+def cp_replay(spec: RunSpec, fw) -> float:
+    """Share of the blocks whose backward gathers K and V again (:data:`CP_REPLAY_POLICIES`,
+    ``fw.recompute_replays_comm``: :func:`xpar.config.remat.replayed_share`); 0 without recompute."""
+    return replayed_share(spec, fw, CP_REPLAY_POLICIES)
+
+
 def cp_payload_bytes(spec: RunSpec) -> float:
     """Bytes of one layer's K and V all-gather per micro-batch on the unfolded ``spec`` (the
     gathered output, 2 b s kv_heads head_dim / t elements; their gradients' reduction in backward
@@ -46,10 +58,11 @@ def cp_payload_bytes(spec: RunSpec) -> float:
 
 def cp_bytes_per_step(spec: RunSpec) -> float:
     """Bytes of the K and V all-gathers of one step on the fullest pipeline rank: its layers x m x
-    :func:`cp_payload_bytes` (forward only: a recompute gathers again)."""
+    :func:`cp_payload_bytes`, again in the backward of the recomputed blocks (:func:`cp_replay` under
+    the spec's framework)."""
     layout = spec.layout
     layers = max(sum(len(layout.stage_layers(s)) for s in layout.stages_of(r)) for r in range(spec.pp))
-    return layers * spec.micro_batches * cp_payload_bytes(spec)
+    return layers * spec.micro_batches * cp_payload_bytes(spec) * (1 + cp_replay(spec, spec.framework))
 
 
 def cp_layer_times(spec: RunSpec) -> dict[str, float]:

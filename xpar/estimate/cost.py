@@ -41,8 +41,8 @@ from xpar.estimate.model_states import (
 )
 from xpar.estimate.offload import offload_step
 from xpar.estimate.overlap import vmax, vmin
-from xpar.estimate.context_parallel import cp_layer_times, fold_cp
-from xpar.estimate.expert_parallel import ep_terms
+from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
+from xpar.estimate.expert_parallel import ep_replay, ep_terms
 from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
 
@@ -101,6 +101,8 @@ class Assumptions(MemoryOptions):
     dp_overlap_per_chunk: bool = False
     """With v > 1 model chunks per pipeline rank, each chunk's reductions and gathers overlap the other
     chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""
+    recompute_replays_comm: bool = True
+    """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -204,7 +206,9 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
     s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
     over the layer's activations, its MLP at the width a token goes through, experts included:
-    :func:`xpar.estimate.activations.token_ffn`)."""
+    :func:`xpar.estimate.activations.token_ffn`). Under FP8 the attention core at the BF16 rate
+    (:func:`attention_core_delay`). Where the hardware has the kernel figures, the kernel model's
+    (:func:`xpar.estimate.kernel_costs.kernel_layer_costs`) instead."""
     if kernel_priced(spec.hardware, spec.train.dtype):
         return kernel_layer_costs(spec, assume)
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
@@ -225,10 +229,26 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     tok = s * b / t
     mm = (lambda flops: tok * flops / rate) if rate else (lambda flops: 0.0)
     mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
-    return {"mm_f": mm(layer), "mm_b": mm(2 * layer + extra), "mem_f": mem(pf * layer_act),
+    core_f, core_b = attention_core_delay(spec, fwd["attention"] / cfg.n_layers, share * POLICIES[policy].attention)
+    return {"mm_f": mm(layer) + tok * core_f, "mm_b": mm(2 * layer + extra) + tok * core_b, "mem_f": mem(pf * layer_act),
             "mem_b": mem(pb * layer_act), "logits_mm_f": mm(fwd["logits"]), "logits_mm_b": mm(2 * fwd["logits"]),
             "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act),
             "ovh_f": 0.0, "ovh_b": 0.0}
+
+
+def attention_core_delay(spec: RunSpec, core: float, rerun: float) -> tuple[float, float]:
+    """Seconds per token (forward, backward with the rerun ``rerun`` x forward) that one layer's
+    attention core (QK^T and PV, ``core`` forward FLOPs per token) adds to its price at the
+    matmul rate under FP8: Transformer Engine's FP8 recipes (DotProductAttention) and torchao's
+    float8 training convert only the linear layers, so the core runs at the BF16 rate (peak_tflops
+    x :func:`matmul_efficiency`, without fp8_matmul_efficiency). (0, 0) for other dtypes, or
+    without the peaks."""
+    hw = spec.hardware
+    if spec.train.dtype != "fp8" or not hw.peak_tflops_fp8 or not hw.peak_tflops:
+        return 0.0, 0.0
+    eff = matmul_efficiency(hw, spec.model.hidden / spec.tp)
+    delay = core / (hw.peak_tflops * 1e12 * eff) - core / (hw.peak_tflops_fp8 * 1e12 * eff * hw.fp8_matmul_efficiency)
+    return delay, (2 + rerun) * delay
 
 
 def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
@@ -428,7 +448,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     """
     assume = assumptions_for(spec) if assume is None else assume
     if spec.layout.cp > 1:
-        return _with_cp_comm(spec, estimate(fold_cp(spec), assume))
+        return _with_cp_comm(spec, estimate(fold_cp(spec), assume), assume)
     spec = waits_unstretched(spec, spec.world_size)
     par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
     notes: list[str] = []
@@ -454,20 +474,22 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
 def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of an ep layout: plus its all-to-alls and router imbalance
     (xpar.estimate.expert_parallel; ``ep`` in comm_time)."""
-    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher)
+    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher,
+                                   ep_replay(spec, assume))
     out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
                   est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=issued), est.framework, est.offload
     return out
 
 
-def _with_cp_comm(spec: RunSpec, est: Estimate) -> Estimate:
+def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
-    K/V all-gathers and gradient reduce-scatters of the fullest rank's layers, m per step, exposed
-    (``cp_comm`` in the breakdown, ``cp`` in comm_time)."""
+    K/V all-gathers (again in the backward of the recomputed blocks: :func:`cp_replay`) and gradient
+    reduce-scatters of the fullest rank's layers, m per step, exposed (``cp_comm`` in the breakdown,
+    ``cp`` in comm_time)."""
     t = cp_layer_times(spec)
     layers = max(spec.layout.layers_of(r) for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] + t["b"])
+    issued = spec.micro_batches * layers * (t["f"] * (1 + cp_replay(spec, assume)) + t["b"])
     breakdown = dict(est.time_breakdown, cp_comm=issued)
     out = _result(fold_cp(spec), est.memory, est.time_per_step_s + issued, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "

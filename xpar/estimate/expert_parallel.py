@@ -4,20 +4,23 @@ alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 
 Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
 each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
-leaving the rank (:func:`alltoall_time`). A router whose busiest rank receives
-``model.moe_imbalance`` x the mean stretches the routed compute and the all-to-alls; the
-framework's ``ep_a2a_overlap`` share is hidden. Expert states: xpar.estimate.model_states.
+leaving the rank (:func:`alltoall_time`). The busiest rank's load (:func:`busiest_rank_load`:
+``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
+to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
+share is hidden. Expert states: xpar.estimate.model_states.
 Units: seconds.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from xpar.config.remat import replayed_share
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.collectives import Group, group_of, nic_share
 from xpar.estimate.flops import model_flops_per_token
 from xpar.estimate.model_states import BYTES
+from xpar.estimate.kernel_costs import kernel_priced
 
 
 def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None) -> float:
@@ -50,6 +53,30 @@ def deepep_inter_share(top_k: int, nodes: int) -> float:
     return (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k) / top_k
 
 
+def busiest_rank_load(cfg) -> float:
+    """Tokens the busiest ep rank's experts receive and compute, over the even share k T / ep:
+    ``model.capacity_factor`` c where set (every expert's buffer padded to c x its even share, the
+    tokens beyond it dropped: GShard, Lepikhin et al. 2021; Fedus et al. 2022; Megatron-Core's
+    ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity``), else (dropless)
+    ``model.moe_imbalance``."""
+    return cfg.moe_imbalance if cfg.capacity_factor is None else cfg.capacity_factor
+
+
+EP_REPLAY_POLICIES = ("full", "moe", "op", "save_dot_except_mlp", "save_qkv_proj")
+"""Recompute policies whose backward reruns a MoE block's dispatch and combine all-to-alls: full (torch's
+checkpoint, Megatron's tensor_parallel.checkpoint of the layer), Megatron-Core's --recompute-modules moe
+(megatron/core/transformer/moe/moe_layer.py checkpoints router, dispatch, experts and combine together) and
+the policies xpar runs by selective checkpointing, which replays every op whose output it does not keep
+(xpar's engine: 15 -> 24 all-to-all calls per step, issue 42). Not: Megatron's selective (the attention
+core) and torchtitan's op policy (torchtitan PR 1672 saves the all-to-all outputs)."""
+
+
+def ep_replay(spec: RunSpec, fw) -> float:
+    """Share of the blocks whose backward reruns their forward's all-to-alls (:data:`EP_REPLAY_POLICIES`,
+    ``fw.recompute_replays_comm``: :func:`xpar.config.remat.replayed_share`); 0 without recompute."""
+    return replayed_share(spec, fw, EP_REPLAY_POLICIES)
+
+
 def ep_payload_bytes(spec: RunSpec) -> float:
     """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
     compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
@@ -61,13 +88,14 @@ def ep_payload_bytes(spec: RunSpec) -> float:
 def ep_bytes_per_step(spec: RunSpec) -> float:
     """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
     micro-batch, dispatch and combine in forward and their gradients in backward (4 x
-    :func:`ep_payload_bytes`), as :func:`ep_terms` counts them; 0 at ep = 1."""
+    :func:`ep_payload_bytes`, plus the forward's 2 again per recomputed layer: :func:`ep_replay` under
+    the spec's framework), as :func:`ep_terms` counts them; 0 at ep = 1."""
     if spec.layout.ep == 1:
         return 0.0
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
-    return 4.0 * layers * spec.micro_batches * ep_payload_bytes(spec)
+    return (4.0 + 2.0 * ep_replay(spec, spec.framework)) * layers * spec.micro_batches * ep_payload_bytes(spec)
 
 
 def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, float]:
@@ -79,7 +107,7 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
     share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if dispatcher == "deepep" else None
-    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * spec.model.moe_imbalance, group, share)
+    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, share)
     return {"f": 2 * one, "b": 2 * one}
 
 
@@ -93,19 +121,29 @@ def routed_share(spec: RunSpec) -> float:
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))
 
 
-def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0,
-             dispatcher: str = "alltoall") -> tuple[dict[str, float], float, str]:
+def imbalance_share(spec: RunSpec) -> float:
+    """Of a step's matmul term, what the busiest ep rank's routed experts add beyond the even share:
+    :func:`routed_share` x (:func:`busiest_rank_load` - 1); 0 where the kernel model prices compute (its
+    expert GEMMs already take the busiest rank's tokens: xpar.estimate.kernel_block.expert_tokens)."""
+    if kernel_priced(spec.hardware, spec.train.dtype):
+        return 0.0
+    return routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
+
+
+def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0, dispatcher: str = "alltoall",
+             replay: float = 0.0) -> tuple[dict[str, float], float, str]:
     """What ep adds to a step of ``spec`` (cp folded) whose matmuls take ``matmul_s`` on the
     slowest rank: (breakdown terms ``ep_comm``: the fullest rank's all-to-alls, m per step,
     (1 - ``overlap``) exposed; ``ep_imbalance``: its routed experts' matmuls stretched by
-    ``model.moe_imbalance``), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
-    :func:`ep_layer_times`."""
+    :func:`busiest_rank_load`), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
+    :func:`ep_layer_times`. ``replay``: the share of blocks whose backward reruns the forward's
+    all-to-alls (:func:`ep_replay`)."""
     t = ep_layer_times(spec, dispatcher)
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] + t["b"])
-    skew = matmul_s * routed_share(spec) * (spec.model.moe_imbalance - 1.0)
+    issued = spec.micro_batches * layers * (t["f"] * (1 + replay) + t["b"])
+    skew = matmul_s * imbalance_share(spec)
     note = (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
-            f"many in backward ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
+            f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
     return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": skew}, issued, note

@@ -7,6 +7,7 @@ context P.V over the full (non-causal) s x s square, MLP with 3 matrices (SwiGLU
 (GELU), and the output logits. Norms, softmax, activations and the optimizer are ignored.
 A block with experts counts what a token goes through: the router and its top k and shared
 experts (the active parameters; DeepSeek-AI 2024, "DeepSeek-V3", counts 37B of 671B so).
+MLA counts its low-rank projections and its core at its head dims (xpar.config.attention).
 For GPT shapes this reduces to the papers' closed forms:
 
     model FLOPs per iteration    = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
@@ -14,6 +15,7 @@ For GPT shapes this reduces to the papers' closed forms:
 """
 from __future__ import annotations
 
+from xpar.config.attention import attention_core_flops, attention_projection_flops
 from xpar.config.remat import extra_forward_flops_per_token, policy_name, spec_recompute
 from xpar.config.schema import ModelConfig
 
@@ -25,14 +27,12 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False
     (scores and context, times l; halved when ``causal``) and ``logits``.
     """
     h, f = cfg.hidden, cfg.ffn_hidden
-    kv, q = cfg.kv_heads * cfg.head_size, cfg.q_dim  # q = h unless model.head_dim is set
     n_mlp = 3 if cfg.activation == "swiglu" else 2
-    projections = 2 * h * q + 2 * h * kv
-    matmul = 2 * (projections + n_mlp * h * f)
+    projections = sum(attention_projection_flops(cfg).values())  # GQA-aware; MLA's low-rank projections
+    matmul = projections + 2 * n_mlp * h * f
     # a block with experts: the router, the top k routed experts and the shared ones (active parameters)
-    moe = 2 * (projections + h * cfg.n_experts
-               + n_mlp * h * cfg.expert_ffn * (cfg.moe_top_k + cfg.n_shared_experts))
-    attention = 2 * 2 * seq_len * q * (0.5 if causal else 1.0)
+    moe = projections + 2 * (h * cfg.n_experts + n_mlp * h * cfg.expert_ffn * (cfg.moe_top_k + cfg.n_shared_experts))
+    attention = attention_core_flops(cfg, seq_len, causal)  # 4 s q; MLA: 2 s n (d_qk + d_v)
     dense_layers = cfg.n_layers - cfg.moe_layers
     return {"matmul": dense_layers * matmul + cfg.moe_layers * moe, "attention": cfg.n_layers * attention,
             "logits": 2 * h * cfg.vocab_size}

@@ -59,7 +59,23 @@ def check_model(c: XparConfig) -> list[str]:
         given = f"model.head_dim = {model.head_dim}" if model.head_dim is not None else \
             f"hidden/n_heads = {model.head_size}"
         out.append(f"rope needs an even head dim: {given}; e.g. model.head_dim={model.head_size + 1}.")
-    return out + check_experts(model)
+    return out + check_experts(model) + check_mla(model)
+
+
+MLA_DIMS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_mla(model) -> list[str]:
+    """MLA (model.kv_lora_rank set) needs its head dims; q_lora_rank or the head dims without
+    kv_lora_rank describe no attention xpar knows."""
+    given = {k: getattr(model, k, None) for k in ("q_lora_rank",) + MLA_DIMS}
+    if getattr(model, "kv_lora_rank", None) is None:
+        set_ = [k for k, v in given.items() if v is not None]
+        return [f"model.{set_[0]}={given[set_[0]]} is an MLA field but model.kv_lora_rank is null; set "
+                f"model.kv_lora_rank (DeepSeek-V3: 512) or set {', '.join('model.' + k for k in set_)} to null."] if set_ else []
+    missing = [k for k in MLA_DIMS if given[k] is None]
+    return [f"MLA (model.kv_lora_rank={model.kv_lora_rank}) needs {', '.join('model.' + k for k in missing)}; "
+            f"DeepSeek-V3: qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128."] if missing else []
 
 
 def check_experts(model) -> list[str]:

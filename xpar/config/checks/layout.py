@@ -200,6 +200,10 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
+    if mode == "execute" and model.kv_lora_rank is not None:
+        return [f"model={model.name} has multi-head latent attention (model.kv_lora_rank={model.kv_lora_rank}), "
+                f"which xpar estimates but does not run; set model.kv_lora_rank=null (MHA) to run it, or "
+                f"run.mode=estimate."]
     return []
 
 

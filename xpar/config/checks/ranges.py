@@ -84,6 +84,8 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
     "model.n_experts": COUNT, "model.n_shared_experts": COUNT, "model.first_dense_layers": COUNT,
     "model.capacity_factor": Range(0, lo_open=True, null=True), "model.moe_imbalance": Range(1),
+    **{f"model.{k}": _i(1, null=True) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                 "v_head_dim")},
     # parallel (divisibility in xpar.config.checks.layout)
     **{f"parallel.{k}": DEGREE for k in ("tp", "pp", "cp", "ep")},
     **{f"parallel.{k}": _i(1, auto=True) for k in ("dp", "micro_batches", "virtual_stages")},

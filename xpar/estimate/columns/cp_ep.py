@@ -23,9 +23,10 @@ from xpar.config.layout import SCHEDULES
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.stage_split import most_blocks
 from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
-from xpar.estimate.context_parallel import cp_layer_times, fold_cp
+from xpar.config.resolve import resolve_virtual_stages
+from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
 from xpar.estimate.cost import assumptions_for
-from xpar.estimate.expert_parallel import ep_layer_times, routed_share
+from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share
 from xpar.estimate.terms import RATE_KEYS, time_key
 
 
@@ -107,8 +108,9 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
     sched = np.asarray(fcols["schedule"], dtype=str)
     layers = by_key([pp, v, sched], lambda p, vv, s: {"n": moe_layers_per_rank(fbase, p, vv if p > 1 else 1, s)},
                     ("n",))["n"]
-    issued = np.asarray(fcols["m"]) * layers * (one["f"] + one["b"])
-    share = routed_share(fbase) * (fbase.model.moe_imbalance - 1.0)
+    issued = np.asarray(fcols["m"]) * layers * (one["f"] * (1 + replay_column(fbase, fcols, lambda s: ep_replay(s, a)))
+                                                + one["b"])
+    share = imbalance_share(fbase)
     return {"ep_comm": issued * (1.0 - a.ep_a2a_overlap), "ep_imbalance": matmul * share}
 
 
@@ -121,7 +123,25 @@ def cp_columns(base, sub: dict[str, np.ndarray], cp: int) -> np.ndarray:
         return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)))
 
     t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer, ("f", "b"))
+    a = assumptions_for(base)
+    replay = replay_column(base, sub, lambda s: cp_replay(s, a))
     pp = np.asarray(sub["pp"], np.int64)
     v_shaped = np.array([SCHEDULES[str(x)].v_shaped for x in sub["schedule"]], dtype=bool)
     layers = most_blocks(base.model.n_layers, pp, np.where(pp > 1, np.asarray(sub["v"], np.int64), 1), v_shaped)
-    return np.asarray(sub["m"]) * layers * (t["f"] + t["b"])
+    return np.asarray(sub["m"]) * layers * (t["f"] * (1 + replay) + t["b"])
+
+
+def replay_column(base, cols: dict[str, np.ndarray], replay) -> np.ndarray:
+    """``replay(spec)`` of each candidate (a share of blocks: :func:`xpar.estimate.expert_parallel.ep_replay`,
+    :func:`xpar.estimate.context_parallel.cp_replay`), once per distinct recompute policy, and pipeline
+    stages pp x v where parallel.recompute_layers makes the share depend on them."""
+    n = len(cols["tp"])
+    names, code = np.unique(np.asarray(cols["recompute"], dtype=str), return_inverse=True)
+    stages = np.ones(n, dtype=np.int64)
+    if getattr(base.parallel, "recompute_layers", None) is not None:
+        pp, v = np.asarray(cols["pp"], np.int64), np.asarray(cols["v"], np.int64)
+        sched = np.unique(np.asarray(cols["schedule"], dtype=str), return_inverse=True)
+        stages = pp * by_key([sched[1].ravel(), pp, v], lambda s, p, vv: {
+            "v": resolve_virtual_stages(str(sched[0][s]), p, vv)}, ("v",))["v"].astype(np.int64)
+    return by_key([code.ravel(), stages], lambda c, st: {"x": replay(spec_at(
+        base, 1, st, 1, 1, 1, 1, "gpipe", 0, False, str(names[c])))}, ("x",))["x"]
