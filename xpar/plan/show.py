@@ -32,6 +32,7 @@ def override_line(plan) -> str:
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
     preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp, ep, a split
     par += [f"parallel.{k}={r[k][i]}" for k in ("cp", "ep") if k in r and (r[k][i] != 1 or preset)]
+    par += [f"parallel.etp={r['etp'][i]}"] if "etp" in r and r["etp"][i] > 0 else []
     par += split_overrides(int(ctx.model["n_layers"]), int(r["pp"][i]), int(r["v"][i]), preset)
     if "dtype" in r or any(o.lstrip("+").startswith("train.dtype=") for o in plan.inputs.overrides):
         par.append(f"train.dtype={r['dtype'][i] if 'dtype' in r else ctx.train['dtype']}")
@@ -106,8 +107,8 @@ def separation(res, i: int, best: int) -> str:
 
 
 def searched(plan) -> tuple[str, ...]:
-    """The cp, ep and dtype columns the plan searched over more than one value (shown then)."""
-    return tuple(k for k in ("cp", "ep", "dtype") if k in plan.res and len(np.unique(plan.res[k])) > 1)
+    """The cp, ep, dtype and etp columns the plan searched over more than one value (shown then)."""
+    return tuple(k for k in ("cp", "ep", "dtype", "etp") if k in plan.res and len(np.unique(plan.res[k])) > 1)
 
 
 def _signed(rel: float) -> str:
