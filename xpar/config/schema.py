@@ -464,7 +464,8 @@ class PlanConfig:
     """Largest micro-batch size b tried (sequences): every b up to 8, powers of two above (torchtitan runs b 16);
     layouts that do not fit are dropped by memory."""
     memory_headroom: Optional[float] = None
-    """Fraction of device memory kept free; null: hardware.memory_headroom."""
+    """Fraction of device memory kept free; null: hardware.memory_headroom where above 0, else 0.08 on a GPU (the CUDA
+    context, cuBLAS/NCCL workspaces and the caching allocator's fragmentation: xpar.plan.inputs.GPU_HEADROOM), 0 on a CPU."""
     top_k: int = 10
     """Degree groups shown in the ranked table (the best layout of each; xpar.plan.groups)."""
     tie_within: float = 0.05

@@ -75,14 +75,22 @@ def ranked_table(plan):
                     f"'tie': within {100 * plan.inputs.tie_within:.0f} % of the best, closer than the estimate's error")
     five = searched(plan)
     for col in ("#", "tp", "pp", "dp") + five + ("schedule", "b", "m") + (("B",) if lo != hi else ()) + (
-            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device", "layouts",
-            "separates it from the best"):
+            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", memory_header(plan),
+            "layouts", "separates it from the best"):
         t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right",
                      no_wrap=col != "separates it from the best", min_width=36 if col.startswith("separates") else None)
     for n, (i, size, tie) in enumerate(zip(top, sizes, tied), 1):
         t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp") + five), *_row_tail(plan, i, n, tie, batch),
                   str(int(size)), separation(r, i, plan.best))
     return t
+
+
+def memory_header(plan) -> str:
+    """The memory column's header: GB per device against the usable GB (device memory less the headroom)."""
+    hw = plan.ctx.hardware
+    usable = float(plan.res["memory_usable"][plan.best]) / GB if "memory_usable" in plan.res else 0.0
+    headroom = float(hw.get("memory_headroom") or 0.0)
+    return f"GB/device of {usable:.1f} usable" + (f" ({100 * headroom:.0f} % kept free)" if headroom else "")
 
 
 def _row_tail(plan, i: int, n: int, tie: bool, batch) -> list[str]:
