@@ -1,17 +1,14 @@
-"""The plan's context-parallel, expert-parallel and dtype axes: ``plan.cp``, ``plan.ep`` and
-``plan.dtype`` resolved to the values searched, with their defaults, and each bad value one line.
+"""The plan's cp, ep, etp, v and dtype axes: ``plan.cp``, ``plan.ep``, ``plan.etp``, ``plan.virtual_stages``
+and ``plan.dtype`` resolved to the values searched, with their defaults; each bad value one line.
 
-Defaults:
-
-- ``plan.cp``: the powers of two up to :data:`CP_MAX` that leave each cp rank at least
-  :data:`CP_MIN_TOKENS` tokens of the sequence, at every sequence length: NeMo's Llama 3 70B recipe
-  runs cp 2 at 8k tokens (4k per rank), its long-context recipes cp 2-8 at 16k-128k, the Llama 3
-  paper cp 16 at 128k (8k per rank). The space keeps only cp values that split seq_len into 2 cp
-  equal chunks (xpar.plan.space rule ``cp_seq``).
-- ``plan.ep``: for a MoE model every divisor of model.n_experts (the space keeps those dividing
-  dp x cp: rule ``ep``); [1] for a dense one.
-- ``plan.etp``: a MoE model's experts split over tp ranks (0: etp = tp, Megatron-Core's default) and
-  over none (1: MoE parallel folding, the Megatron-Bridge MoE recipes' etp 1); (0,) for a dense one.
+- ``plan.cp``: the powers of two up to :data:`CP_MAX` leaving each cp rank >= :data:`CP_MIN_TOKENS`
+  tokens, at every sequence length: NeMo's Llama 3 70B recipe runs cp 2 at 8k tokens, its long-context
+  recipes cp 2-8 at 16k-128k, Llama 3 cp 16 at 128k (8k per rank). The space keeps cp values that split
+  seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
+- ``plan.ep``: a MoE model's divisors of model.n_experts (kept where ep x etp divides tp x cp x dp: rule
+  ``ep``); [1] for a dense one. ``plan.etp``: a MoE model's etp = tp (0, Megatron-Core's default) and 1
+  (MoE parallel folding, the Megatron-Bridge MoE recipes'); (0,) for a dense one.
+- ``plan.virtual_stages``: the v of looped schedules; null: xpar.plan.space.schedule_pairs's.
 - ``plan.dtype``: [train.dtype]; ``plan.dtype=[bf16,fp8]`` searches both where the hardware has an
   FP8 peak (hardware.peak_tflops_fp8; else fp8 is dropped by rule ``fp8_hw``).
 """
