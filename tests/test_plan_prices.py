@@ -72,3 +72,27 @@ def test_planner_columns_equal_the_scalar_estimate_with_cross_node_tp_and_pp_fam
     pick = (c["tp"] == 16) | ((c["pp"] > 1) & (c["v"] > 1)) | ((c["pp"] > 1) & (c["schedule"] == "1f1b"))
     assert (c["tp"] == 16).any()
     assert_equal_to_scalar(ctx, _sample(c, pick, 16, 21))
+
+
+def test_cp_and_ep_groups_across_nodes_are_priced_on_the_nics():
+    """A cp group strided by tp 8 spans nodes (rank order pp, dp, cp, tp): its all-gather runs over the NICs,
+    slower than the same group inside a node (tp 4), per byte; an ep group of 16 (etp 1) spans two nodes."""
+    from dataclasses import replace
+
+    from xpar.estimate.collectives import group_of
+    from xpar.estimate.context_parallel import cp_layer_times, cp_payload_bytes
+    from xpar.estimate.expert_parallel import ep_layer_times
+
+    base = ["model=70b", "run.mode=estimate", "hardware=h100_80gb_64gpu", "train.micro_batch_size=1",
+            "parallel.micro_batches=auto", "train.seq_len=16384"]
+    per_byte = {}
+    for tp in (4, 8):
+        spec = validate(compose(*base, f"parallel.tp={tp}", "parallel.cp=2", "parallel.dp=auto"))
+        assert group_of(spec.hardware, 2, tp).nodes == (2 if tp == 8 else 1)
+        per_byte[tp] = cp_layer_times(spec)["f"] / cp_payload_bytes(spec)
+    assert per_byte[8] > 3 * per_byte[4]
+    moe = validate(compose("model=mixtral_8x7b", "run.mode=estimate", "hardware=h100_80gb_64gpu",
+                           "train.micro_batch_size=1", "parallel.micro_batches=auto", "parallel.ep=8", "parallel.dp=auto"))
+    inside = ep_layer_times(moe)["f"]
+    across = ep_layer_times(replace(moe, layout=replace(moe.layout, ep=16, etp=1, tp=1)))["f"]
+    assert group_of(moe.hardware, 16, 1).nodes == 2 and across > 2 * inside
