@@ -1,6 +1,6 @@
 """The plan's space holds what practitioners run (issue 44): cp at every sequence length that leaves
-each rank 4k tokens or more, micro-batches up to 16, an etp axis for MoE models (equal to the scalar
-estimate), each profile's own schedules, and plan.* keys that widen or narrow each axis. Fast."""
+each rank 4k tokens or more, micro-batches up to 16, an etp axis for MoE models (plan.etp=[0,1]; equal to
+the scalar estimate), each profile's own schedules, and plan.* keys that widen or narrow each axis. Fast."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,7 +32,7 @@ def test_etp_axis_of_a_moe_model_equals_the_scalar_estimate():
     """Mixtral 8x7B on 64 H100: etp 1 (experts whole on each rank, ep folding tp ranks) beside etp = tp;
     ep x etp divides tp x cp x dp; figures equal to estimate() on sampled etp-1 candidates."""
     ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 4096)
-    assert default_etp(ctx.model) == (0, 1) and default_etp(context("70b", "h100_80gb_64gpu", 4096).model) == (0,)
+    assert default_etp(ctx.model) == (0,)  # etp = tp unless plan.etp asks for more
     space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(1, 2, 8), etp=(0, 1), max_micro_batch_size=2))
     c = space.cols
     etp = np.where(c["etp"] == 0, c["tp"], c["etp"])
@@ -47,3 +47,15 @@ def test_etp_axis_of_a_moe_model_equals_the_scalar_estimate():
 def test_dense_model_has_no_etp_column():
     ctx = context("70b", "h100_80gb_64gpu", 4096)
     assert "etp" not in space_of(ctx, Constraints(global_batch=(64, 64), max_micro_batch_size=1)).cols
+
+
+def test_plan_etp_key_widens_and_refuses_bad_values():
+    from types import SimpleNamespace
+
+    from xpar.plan.axes import resolve_axes
+    moe = {"n_experts": 8}
+    p = SimpleNamespace(cp=None, ep=None, dtype=None, etp=[1, 0], virtual_stages=[4, 8])
+    axes, bad = resolve_axes(p, moe, 4096, "bf16")
+    assert not bad and axes["etp"] == (0, 1) and axes["v"] == (4, 8)
+    _, bad = resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=None, etp=[-1]), moe, 4096, "bf16")
+    assert len(bad) == 1 and "plan.etp=[-1] must be a list of whole numbers >= 0 (0: etp = tp)" in bad[0]

@@ -203,7 +203,7 @@ def test_cp_and_ep_candidates_on_lighter_ends_equal_the_scalar_estimate():
 def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
     """A plan forced onto cp 2, ep 2 and FP8 prints a line with parallel.cp, parallel.ep and
     train.dtype that composes, validates and resolves to the winner (xpar.plan.verify), and a table
-    with a dtype column (two dtypes searched) but no cp or ep column (one value each; etp is searched too)."""
+    with a dtype column (two dtypes searched) but no cp or ep column (one value each)."""
     from tests.test_plan import plan_of
     from xpar.plan.command import reproduce
     from xpar.plan.show import searched
@@ -211,7 +211,7 @@ def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
     plan = plan_of("model=moe_tiny", "hardware=h100_80gb_8gpu", "train.seq_len=16384", "plan.cp=[2]", "plan.ep=[2]",
                    "plan.dtype=[bf16,fp8]")
     r, i = plan.res, plan.best
-    assert (r["cp"][i], r["ep"][i], r["dtype"][i]) == (2, 2, "fp8") and searched(plan) == ("dtype", "etp")
+    assert (r["cp"][i], r["ep"][i], r["dtype"][i]) == (2, 2, "fp8") and searched(plan) == ("dtype",)
     line, spec = reproduce(plan)
     assert "parallel.cp=2" in line and "parallel.ep=2" in line and "train.dtype=fp8" in line, line
     assert (spec.layout.cp, spec.layout.ep, spec.train.dtype) == (2, 2, "fp8")
@@ -220,13 +220,13 @@ def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
 
 def test_plan_axes_defaults_and_refusals():
     """plan.cp: [1] below 8k tokens, then the powers of two leaving 4k tokens or more per rank; plan.ep: a MoE
-    model's divisors of its experts, plan.etp 0 (= tp) and 1; bad values are one line each."""
+    model's divisors of its experts, plan.etp [0] (etp = tp); bad values are one line each."""
     from types import SimpleNamespace
 
     from xpar.plan.axes import resolve_axes
     p = SimpleNamespace(cp=None, ep=None, dtype=None)
     moe = {"n_experts": 8}
-    assert resolve_axes(p, moe, 4096, "bf16") == ({"cp": (1,), "ep": (1, 2, 4, 8), "dtypes": (), "etp": (0, 1),
+    assert resolve_axes(p, moe, 4096, "bf16") == ({"cp": (1,), "ep": (1, 2, 4, 8), "dtypes": (), "etp": (0,),
                                                    "v": None}, [])
     assert resolve_axes(p, {}, 32768, "bf16")[0]["cp"] == (1, 2, 4, 8)
     assert resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=["bf16", "fp8"]), {}, 64, "bf16")[0]["dtypes"] == (

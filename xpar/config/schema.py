@@ -474,8 +474,8 @@ class PlanConfig:
     execute_top: int = 0
     """hardware=local: run this many top layouts for real (an MLflow sweep), compare estimated with measured."""
     etp: Optional[list] = None
-    """Expert tensor-parallel degrees (each dividing tp; etp = tp is the default); null: a MoE model's etp = tp and
-    etp = 1 (MoE parallel folding), none for a dense model (xpar.plan.axes)."""
+    """Expert tensor-parallel degrees (each dividing tp; 0: etp = tp); null: [0]. [0,1] adds MoE parallel folding
+    (etp 1, experts whole per rank, ep over tp ranks too), 2-3 x a MoE plan's layouts (xpar.plan.axes)."""
     virtual_stages: Optional[list] = None
     """Virtual stages per rank v tried by looped schedules (interleaved_1f1b, looped_bfs); null: 2-8 and the divisors
     of n_layers (xpar.plan.space.schedule_pairs)."""

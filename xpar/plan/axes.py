@@ -6,8 +6,8 @@ and ``plan.dtype`` resolved to the values searched, with their defaults; each ba
   recipes cp 2-8 at 16k-128k, Llama 3 cp 16 at 128k (8k per rank). The space keeps cp values that split
   seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
 - ``plan.ep``: a MoE model's divisors of model.n_experts (kept where ep x etp divides tp x cp x dp: rule
-  ``ep``); [1] for a dense one. ``plan.etp``: a MoE model's etp = tp (0, Megatron-Core's default) and 1
-  (MoE parallel folding, the Megatron-Bridge MoE recipes'); (0,) for a dense one.
+  ``ep``); [1] for a dense one. ``plan.etp``: [0] (etp = tp, Megatron-Core's default); ``plan.etp=[0,1]``
+  adds MoE parallel folding (etp 1, the Megatron-Bridge MoE recipes'): 2-3 x a MoE plan's layouts.
 - ``plan.virtual_stages``: the v of looped schedules; null: xpar.plan.space.schedule_pairs's.
 - ``plan.dtype``: [train.dtype]; ``plan.dtype=[bf16,fp8]`` searches both where the hardware has an
   FP8 peak (hardware.peak_tflops_fp8; else fp8 is dropped by rule ``fp8_hw``).
@@ -36,14 +36,15 @@ def default_ep(model: dict) -> tuple[int, ...]:
 
 
 def default_etp(model: dict) -> tuple[int, ...]:
-    """plan.etp's default: (0, 1) for a MoE model (0: etp = tp), (0,) for a dense one."""
-    return (0, 1) if int(model.get("n_experts") or 0) else (0,)
+    """plan.etp's default: (0,), etp = tp (the search over etp 1 is asked for: it multiplies a MoE plan)."""
+    return (0,)
 
 
 def _degrees(value: Any, key: str, eg: str) -> tuple[Optional[tuple[int, ...]], list[str]]:
     vals = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals):
-        return None, [f"plan.{key}={value} must be a list of whole numbers >= 1; e.g. plan.{key}={eg}."]
+    lo, what = (0, ">= 0 (0: etp = tp)") if key == "etp" else (1, ">= 1")
+    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= lo for v in vals):
+        return None, [f"plan.{key}={value} must be a list of whole numbers {what}; e.g. plan.{key}={eg}."]
     return tuple(sorted(set(vals))), []
 
 
@@ -55,7 +56,7 @@ def resolve_axes(p, model: dict, seq_len: int, dtype: str) -> tuple[dict, list[s
     out: dict = {"cp": default_cp(seq_len), "ep": default_ep(model), "dtypes": (), "etp": default_etp(model),
                  "v": None}
     problems: list[str] = []
-    for key, eg in (("cp", "[1,2,4]"), ("ep", "[1,8]"), ("etp", "[1,2]"), ("virtual_stages", "[2,4,8]")):
+    for key, eg in (("cp", "[1,2,4]"), ("ep", "[1,8]"), ("etp", "[0,1]"), ("virtual_stages", "[2,4,8]")):
         given = getattr(p, key, None)
         if given is not None:
             vals, bad = _degrees(_plain(given), key, eg)
