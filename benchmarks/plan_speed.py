@@ -27,6 +27,9 @@ import pathlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from xpar.config.presets import conf_dir, load_preset  # noqa: E402
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run  # noqa: E402
 from xpar.plan.context import COLUMNS, PlanContext, spec_of  # noqa: E402

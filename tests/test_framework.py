@@ -20,6 +20,9 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
     ("parallel.zero_stage=2", "parallel.micro_batches=2"),
     ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=0", "parallel.micro_batches=8",
      "parallel.recompute=selective", "parallel.sequence_parallel=true"),  # the first for profiles without ZeRO-1
+    ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=0", "parallel.micro_batches=8",
+     "parallel.recompute=selective", "parallel.sequence_parallel=true", "parallel.schedule=gpipe"),  # the same under
+    # GPipe, for profiles without 1F1B (maxtext: gpipe, looped_bfs)
 )
 
 
@@ -245,5 +248,5 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
         (True, True, True, "distributed_optimizer", DGXC_TP_OVERLAP)
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
                    param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
-                   fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True,
-                   fp8_weight_copies=True) == core
+                   fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True, pp_overlap=1.0,
+                   pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True) == core

@@ -219,14 +219,15 @@ def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
 
 
 def test_plan_axes_defaults_and_refusals():
-    """plan.cp: [1] below 16k tokens, 1-8 from there; plan.ep: a MoE model's divisors of its experts;
-    bad values are one line each."""
+    """plan.cp: [1] below 8k tokens, then the powers of two leaving 4k tokens or more per rank; plan.ep: a MoE
+    model's divisors of its experts, plan.etp [0] (etp = tp); bad values are one line each."""
     from types import SimpleNamespace
 
     from xpar.plan.axes import resolve_axes
     p = SimpleNamespace(cp=None, ep=None, dtype=None)
     moe = {"n_experts": 8}
-    assert resolve_axes(p, moe, 4096, "bf16") == ({"cp": (1,), "ep": (1, 2, 4, 8), "dtypes": ()}, [])
+    assert resolve_axes(p, moe, 4096, "bf16") == ({"cp": (1,), "ep": (1, 2, 4, 8), "dtypes": (), "etp": (0,),
+                                                   "v": None}, [])
     assert resolve_axes(p, {}, 32768, "bf16")[0]["cp"] == (1, 2, 4, 8)
     assert resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=["bf16", "fp8"]), {}, 64, "bf16")[0]["dtypes"] == (
         "bf16", "fp8")

@@ -236,3 +236,12 @@ class FrameworkConfig:
     (torch's checkpoint replays every op whose output it does not keep; Megatron's checkpoint of a
     layer or MoE layer too): priced by xpar.estimate.expert_parallel.ep_replay and
     xpar.estimate.context_parallel.cp_replay, per policy. false: the framework keeps their outputs."""
+    tp_overlap_across_nodes: float = 0.0
+    """Share of tensor-parallel communication hidden behind the GEMMs when the tp group spans nodes (its
+    collectives over the NICs): ``tp_overlap`` applies inside a node only -- Transformer Engine's userbuffer
+    overlap exchanges through NVLink peer memory (transformer_engine/pytorch/module/base.py initialize_ub),
+    torch's async TP through symmetric memory inside a node. 0 unless a source shows a framework hiding more."""
+    pp_overlap_schedules: Optional[list] = None
+    """The schedules (xpar.config.layout.SCHEDULES names) whose pipeline sends ``pp_overlap`` hides; null: every
+    schedule. Megatron-Core overlaps p2p only when interleaving (megatron/core/pipeline_parallel/schedules.py:
+    "Non-interleaved pipeline parallelism does not support overlapping p2p communication"); DeepSeek's DualPipe too."""

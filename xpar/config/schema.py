@@ -482,10 +482,12 @@ class PlanConfig:
     """Sequence parallelism allowed ([false], [true] or both); null: both (with tp > 1)."""
     offload: Optional[list] = None
     """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
-    max_micro_batch_size: int = 8
-    """Largest micro-batch size b tried (sequences)."""
+    max_micro_batch_size: int = 16
+    """Largest micro-batch size b tried (sequences): every b up to 8, powers of two above (torchtitan runs b 16);
+    layouts that do not fit are dropped by memory."""
     memory_headroom: Optional[float] = None
-    """Fraction of device memory kept free; null: hardware.memory_headroom."""
+    """Fraction of device memory kept free; null: hardware.memory_headroom where above 0, else 0.08 on a GPU (the CUDA
+    context, cuBLAS/NCCL workspaces and the caching allocator's fragmentation: xpar.plan.inputs.GPU_HEADROOM), 0 on a CPU."""
     top_k: int = 10
     """Degree groups shown in the ranked table (the best layout of each; xpar.plan.groups)."""
     tie_within: float = 0.05
@@ -493,6 +495,12 @@ class PlanConfig:
     median error on published runs is 5-10 %: docs/accuracy/published.md)."""
     execute_top: int = 0
     """hardware=local: run this many top layouts for real (an MLflow sweep), compare estimated with measured."""
+    etp: Optional[list] = None
+    """Expert tensor-parallel degrees (each dividing tp; 0: etp = tp); null: [0]. [0,1] adds MoE parallel folding
+    (etp 1, experts whole per rank, ep over tp ranks too), 2-3 x a MoE plan's layouts (xpar.plan.axes)."""
+    virtual_stages: Optional[list] = None
+    """Virtual stages per rank v tried by looped schedules (interleaved_1f1b, looped_bfs); null: 2-8 and the divisors
+    of n_layers (xpar.plan.space.schedule_pairs)."""
 
 
 @dataclass

@@ -103,6 +103,8 @@ class Assumptions(MemoryOptions):
     chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""
     recompute_replays_comm: bool = True
     """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
+    tp_overlap_across_nodes: float = 0.0
+    pp_overlap_schedules: Optional[tuple] = None
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -258,10 +260,11 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
     Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes). ``b_async``: the part
     of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
     gradients' all-reduce (reduce-scatter with sequence parallelism), which Megatron-LM runs
-    behind their weight-gradient GEMMs (``framework.tp_async_backward``)."""
+    behind their weight-gradient GEMMs (``framework.tp_async_backward``). ``cross``: 1.0 where the tp group
+    spans nodes (its overlap is then ``framework.tp_overlap_across_nodes``: :func:`tp_overlap_share`), else 0.0."""
     t = spec.tp
     if t == 1:
-        return {"f": 0.0, "b": 0.0, "end": 0.0, "b_async": 0.0}
+        return {"f": 0.0, "b": 0.0, "end": 0.0, "b_async": 0.0, "cross": 0.0}
     hw, e = spec.hardware, BYTES[spec.train.dtype]
     size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
     g = group_of(hw, t, 1)
@@ -270,7 +273,8 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
         one = collective_time(hw, "allgather", size, g) + dgrad
     else:
         one = dgrad = collective_time(hw, "allreduce", size, g)
-    return {"f": 2 * one, "b": (2 + tp_rerun(spec, early_stop)) * one, "end": one, "b_async": 2 * dgrad}
+    return {"f": 2 * one, "b": (2 + tp_rerun(spec, early_stop)) * one, "end": one, "b_async": 2 * dgrad,
+            "cross": float(g.nodes > 1)}
 
 
 def tp_rerun(spec: RunSpec, early_stop: bool = False) -> float:
@@ -288,6 +292,33 @@ def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
     nbytes = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * BYTES[spec.train.dtype]
     dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
     return p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
+
+
+def pp_send_latency(spec: RunSpec) -> float:
+    """Seconds of a pipeline send's fixed part (the time of a 1-byte send between the same stages as
+    :func:`pp_send_time`): what an overlapped send still costs, issued once per chunk boundary."""
+    dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
+    return p2p_time(spec.hardware, 1.0, spec.tp * spec.dp >= dpn)
+
+
+def tp_overlap_share(assume: Assumptions, cross: Any) -> Any:
+    """Share of tp communication hidden: ``tp_overlap`` inside a node, ``tp_overlap_across_nodes`` where the
+    tp group spans nodes (``cross`` 1.0; a float or an array over layouts)."""
+    return assume.tp_overlap + (assume.tp_overlap_across_nodes - assume.tp_overlap) * cross
+
+
+def pp_overlap_of(assume: Assumptions, schedule: str) -> float:
+    """Share of pipeline send time the framework hides under ``schedule``: ``pp_overlap`` where
+    ``pp_overlap_schedules`` is null or lists it, else 0."""
+    listed = assume.pp_overlap_schedules
+    return assume.pp_overlap if listed is None or schedule in listed else 0.0
+
+
+def pp_exposed(issued: Any, latency: Any, overlap: Any) -> Any:
+    """Exposed pipeline send seconds: ``overlap`` of the transfer hidden, never the sends' fixed part
+    (``latency``, summed over the sends: each extra model chunk per rank adds a send/recv pair per
+    micro-batch, issued and waited on however it overlaps). Floats or arrays over layouts."""
+    return issued * (1 - overlap) + latency * overlap
 
 
 def _pp_time(spec: RunSpec, assume: Assumptions, pp_rank: int) -> float:
@@ -308,7 +339,8 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
     mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
     tp_f = n * tp["f"] + tp["end"] * first
     tp_b = n * tp["b"] + tp["end"] * last
-    hidden = vmax(assume.tp_overlap * (tp_f + tp_b), n * tp.get("b_async", 0.0) * assume.tp_async_backward)
+    share = tp_overlap_share(assume, tp.get("cross", 0.0))
+    hidden = vmax(share * (tp_f + tp_b), n * tp.get("b_async", 0.0) * assume.tp_async_backward)
     tp_exposed = tp_f + tp_b - vmin(hidden, mm_f + mm_b)
     lmm_f, lmm_b, lmem_f, lmem_b = (c[k] * last for k in ("logits_mm_f", "logits_mm_b", "logits_mem_f",
                                                           "logits_mem_b"))
@@ -342,8 +374,10 @@ def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[di
         x = rank_compute(c, tp, n, first, last, assume)
         dp = dp_timing(spec, assume, r, [x["root_f"]] + [x["unit_f"]] * n, [x["unit_b"]] * n + [x["root_b"]])
         pp = _pp_time(spec, assume, r)
+        lat = pp_sends(spec.layout, r) * pp_send_latency(spec) if spec.pp > 1 else 0.0
+        exposed = pp_exposed(pp, lat, pp_overlap_of(assume, spec.layout.schedule))
         out.append({"matmul": x["matmul"], "memory_bound": x["memory_bound"], "tp_comm": x["tp_comm"],
-                    "pp_comm": pp * (1 - assume.pp_overlap), "dp_comm": dp.per_microbatch, "dp": dp,
+                    "pp_comm": exposed, "dp_comm": dp.per_microbatch, "dp": dp,
                     "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last) + x["overhead"],
                     "host_step": host_step(h, n, first, last),
                     "comm": deepspeed_zero3.comm_bytes(spec, assume, r, comm_bytes_rank(

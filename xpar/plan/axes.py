@@ -1,15 +1,14 @@
-"""The plan's context-parallel, expert-parallel and dtype axes: ``plan.cp``, ``plan.ep`` and
-``plan.dtype`` resolved to the values searched, with their defaults, and each bad value one line.
+"""The plan's cp, ep, etp, v and dtype axes: ``plan.cp``, ``plan.ep``, ``plan.etp``, ``plan.virtual_stages``
+and ``plan.dtype`` resolved to the values searched, with their defaults; each bad value one line.
 
-Defaults:
-
-- ``plan.cp``: [1] below :data:`CP_MIN_SEQ` tokens per sequence; from there 1, 2, 4 and 8
-  (:data:`CP_DEFAULT`) -- the Llama 3 paper trains its 128k-token stage at cp 16 over 8-GPU nodes,
-  NeMo's long-context recipes use cp 2-8 at 16k-128k tokens: below 16k a sequence's attention is
-  too small a share of the step to pay for the K/V all-gathers. The space keeps only cp values
-  that split seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
-- ``plan.ep``: for a MoE model every divisor of model.n_experts (the space keeps those dividing
-  dp x cp: rule ``ep``; expert tensor parallelism at tp, Megatron-Core's default); [1] for a dense one.
+- ``plan.cp``: the powers of two up to :data:`CP_MAX` leaving each cp rank >= :data:`CP_MIN_TOKENS`
+  tokens, at every sequence length: NeMo's Llama 3 70B recipe runs cp 2 at 8k tokens, its long-context
+  recipes cp 2-8 at 16k-128k, Llama 3 cp 16 at 128k (8k per rank). The space keeps cp values that split
+  seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
+- ``plan.ep``: a MoE model's divisors of model.n_experts (kept where ep x etp divides tp x cp x dp: rule
+  ``ep``); [1] for a dense one. ``plan.etp``: [0] (etp = tp, Megatron-Core's default); ``plan.etp=[0,1]``
+  adds MoE parallel folding (etp 1, the Megatron-Bridge MoE recipes'): 2-3 x a MoE plan's layouts.
+- ``plan.virtual_stages``: the v of looped schedules; null: xpar.plan.space.schedule_pairs's.
 - ``plan.dtype``: [train.dtype]; ``plan.dtype=[bf16,fp8]`` searches both where the hardware has an
   FP8 peak (hardware.peak_tflops_fp8; else fp8 is dropped by rule ``fp8_hw``).
 """
@@ -17,15 +16,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-CP_MIN_SEQ = 16384
-"""Tokens per sequence from which plan.cp searches :data:`CP_DEFAULT` by default."""
-CP_DEFAULT = (1, 2, 4, 8)
+CP_MIN_TOKENS = 4096
+"""Fewest tokens of a sequence per cp rank that plan.cp's default searches (module docstring)."""
+CP_MAX = 16
+"""Largest cp plan.cp's default searches (Llama 3's 128k stage)."""
 DTYPES = ("fp32", "bf16", "fp8")
 
 
 def default_cp(seq_len: int) -> tuple[int, ...]:
-    """plan.cp's default at ``seq_len`` tokens (module docstring)."""
-    return CP_DEFAULT if seq_len >= CP_MIN_SEQ else (1,)
+    """plan.cp's default at ``seq_len`` tokens: 1 and each power of two <= :data:`CP_MAX` with
+    seq_len / cp >= :data:`CP_MIN_TOKENS` (module docstring)."""
+    return tuple(c for c in (1, 2, 4, 8, 16) if c <= CP_MAX and (c == 1 or seq_len // c >= CP_MIN_TOKENS))
 
 
 def default_ep(model: dict) -> tuple[int, ...]:
@@ -34,25 +35,33 @@ def default_ep(model: dict) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0) if n else (1,)
 
 
+def default_etp(model: dict) -> tuple[int, ...]:
+    """plan.etp's default: (0,), etp = tp (the search over etp 1 is asked for: it multiplies a MoE plan)."""
+    return (0,)
+
+
 def _degrees(value: Any, key: str, eg: str) -> tuple[Optional[tuple[int, ...]], list[str]]:
     vals = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals):
-        return None, [f"plan.{key}={value} must be a list of whole numbers >= 1; e.g. plan.{key}={eg}."]
+    lo, what = (0, ">= 0 (0: etp = tp)") if key == "etp" else (1, ">= 1")
+    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v >= lo for v in vals):
+        return None, [f"plan.{key}={value} must be a list of whole numbers {what}; e.g. plan.{key}={eg}."]
     return tuple(sorted(set(vals))), []
 
 
 def resolve_axes(p, model: dict, seq_len: int, dtype: str) -> tuple[dict, list[str]]:
-    """(``cp``, ``ep``, ``dtypes`` for :class:`xpar.plan.space.Constraints`, problem lines) of the
-    plan config ``p`` (plan.cp, plan.ep, plan.dtype; null: the defaults). ``dtypes`` is () when
+    """(``cp``, ``ep``, ``etp``, ``v``, ``dtypes`` for :class:`xpar.plan.space.Constraints`, problem
+    lines) of the plan config ``p`` (plan.cp, plan.ep, plan.etp, plan.virtual_stages, plan.dtype; null:
+    the defaults; ``v`` None: :func:`xpar.plan.space.schedule_pairs`'s). ``dtypes`` is () when
     plan.dtype is null (the train dtype, no dtype column)."""
-    out: dict = {"cp": default_cp(seq_len), "ep": default_ep(model), "dtypes": ()}
+    out: dict = {"cp": default_cp(seq_len), "ep": default_ep(model), "dtypes": (), "etp": default_etp(model),
+                 "v": None}
     problems: list[str] = []
-    for key, eg in (("cp", "[1,2,4]"), ("ep", "[1,8]")):
+    for key, eg in (("cp", "[1,2,4]"), ("ep", "[1,8]"), ("etp", "[0,1]"), ("virtual_stages", "[2,4,8]")):
         given = getattr(p, key, None)
         if given is not None:
             vals, bad = _degrees(_plain(given), key, eg)
             problems += bad
-            out[key] = vals or out[key]
+            out[{"virtual_stages": "v"}.get(key, key)] = vals or out[{"virtual_stages": "v"}.get(key, key)]
     given = getattr(p, "dtype", None)
     if given is not None:
         vals = [str(v) for v in (_plain(given) if isinstance(_plain(given), (list, tuple)) else [given])]

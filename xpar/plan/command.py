@@ -167,7 +167,7 @@ def _smallest_between(inputs: PlanInputs, plan: Plan, below: Optional[int], trie
 USER_RULES = {"max_tp": ("max_tp", "tp"), "pp_fixed": ("pp", "pp"), "schedule": ("schedules", "schedule"),
               "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute"),
               "sequence_parallel": ("sequence_parallel", "sp"), "offload": ("offload", "offload"),
-              "cp_seq": ("cp", "cp"), "ep": ("ep", "ep")}
+              "cp_seq": ("cp", "cp"), "ep": ("ep", "ep"), "etp": ("etp", "etp")}
 """Rules that come from a plan.* constraint: rule key -> (plan field, candidate column)."""
 WHY_ASKED_DROPPED = {"offload": ("offload_hw", "offload_zero")}
 """Rules that drop what a plan.* constraint asks for (rule key -> the rules that drop the layouts it
@@ -267,7 +267,7 @@ def _given(inputs: PlanInputs, name: str):
 
 def _example(name: str, works: list):
     return f"[{_hydra(works[0])}]" if name in ("schedules", "zero_stages", "recompute", "sequence_parallel",
-                                               "offload", "cp", "ep") else works[-1]
+                                               "offload", "cp", "ep", "etp") else works[-1]
 
 
 def _batch(span: tuple[int, int]) -> str:

@@ -8,7 +8,8 @@ and the candidate columns, one entry per layout (``dict[str, numpy.ndarray]``, l
 - ``schedule`` (names of :data:`xpar.config.layout.SCHEDULES`), ``zero`` (the stage that runs,
   0..3), ``sp`` (bool, tp > 1 only), ``recompute`` ('none' | 'selective' | 'full');
 - optional (:data:`OPTIONAL_COLUMNS`): ``offload`` (bool; absent: the framework's), ``cp`` and
-  ``ep`` (int64; absent: 1; ep inside dp x cp), ``dtype`` (str; absent: ``train.dtype``).
+  ``ep`` (int64; absent: 1; ep x etp inside tp x cp x dp), ``dtype`` (str; absent: ``train.dtype``),
+  ``etp`` (int64, expert tensor-parallel degree; 0 or absent: tp).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from xpar.estimate.columns.stage_split import split_fields
 
 COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
 """The candidate columns, in display order."""
-OPTIONAL_COLUMNS = ("offload", "cp", "ep", "dtype")
+OPTIONAL_COLUMNS = ("offload", "cp", "ep", "dtype", "etp")
 """Columns a candidate set may leave out (then the framework's setting holds for every candidate)."""
 
 
@@ -48,7 +49,7 @@ def parallel_group(r: dict[str, Any], n_layers: int) -> dict:
     (:func:`xpar.estimate.columns.stage_split.split_fields`)."""
     return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
                 schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
-                recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1),
+                recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1), etp=r.get("etp") or None,
                 **split_fields(n_layers, r["pp"], r["v"]))
 
 

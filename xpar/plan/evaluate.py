@@ -43,12 +43,12 @@ def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, 
     parts = {k: np.zeros(n) for k in TIME_KEYS + tuple(map(time_key, AXIS_TIME_TERMS))}
     parts.update({k: np.zeros(n, dtype=bool if k in ("fits", "host_fits") else np.float64) for k in MEMORY_KEYS})
     bases: dict[str, object] = {}
-    for g, (cp, ep, dtype) in enumerate(keys):
+    for g, (cp, ep, dtype, etp) in enumerate(keys):
         idx = np.flatnonzero(inverse == g)
         sub = {k: np.asarray(v)[idx] for k, v in cols.items()}
         if dtype not in bases:
             bases[dtype] = spec_of(ctx, cols, int(idx[0]))
-        res = group_columns(with_degrees(bases[dtype], cp, ep), sub, cp, ep)
+        res = group_columns(with_degrees(bases[dtype], cp, ep, etp), sub, cp, ep)
         for k in parts:
             parts[k][idx] = res.get(k, 0.0)
     out.update(parts)

@@ -14,7 +14,7 @@ from xpar.plan.rank import describe_gap, feasible, separating_terms, terms
 GB = 1e9
 ALTERNATIVES = (("tp", "tp"), ("pp", "pp"), ("zero", "ZeRO stage"), ("recompute", "recompute"),
                 ("schedule", "schedule"), ("b", "micro-batch size"), ("sp", "sequence parallelism"),
-                ("offload", "optimizer offload"), ("cp", "cp"), ("ep", "ep"), ("dtype", "dtype"))
+                ("offload", "optimizer offload"), ("cp", "cp"), ("ep", "ep"), ("dtype", "dtype"), ("etp", "etp"))
 """Columns along which the best different layout is reported, and their names in words."""
 
 
@@ -29,6 +29,7 @@ def label(res: dict[str, np.ndarray], i: int) -> str:
     sp = " sp" if res["sp"][i] else ""
     off = " offload" if "offload" in res and res["offload"][i] else ""
     five = "".join(f" {k}{res[k][i]}" for k in ("cp", "ep") if k in res and res[k][i] > 1)
+    five += f" etp{res['etp'][i]}" if "etp" in res and res["etp"][i] > 0 else ""
     dtype = f" {res['dtype'][i]}" if "dtype" in res else ""
     return (f"tp{res['tp'][i]} pp{res['pp'][i]} dp{res['dp'][i]}{five}{pipe} b{res['b'][i]} m{res['m'][i]} "
             f"ZeRO-{res['zero'][i]}{sp}{off} recompute={res['recompute'][i]}{dtype}")

@@ -1,11 +1,11 @@
 """The plan's list of distinct choices: layouts grouped by their degrees (tp, pp, dp, cp, ep, ZeRO
-stage), the best of each group in rank order, ties with the winner marked (within the estimator's
+stage, etp), the best of each group in rank order, ties with the winner marked (within the estimator's
 stated error, ``plan.tie_within``), and the axes that separate a group from the winner's."""
 from __future__ import annotations
 
 import numpy as np
 
-DEGREES = ("tp", "pp", "dp", "cp", "ep", "zero")
+DEGREES = ("tp", "pp", "dp", "cp", "ep", "zero", "etp")
 """The columns that make a degree group (a choice of devices per axis and of sharding); schedule,
 v, b, m, sp, recompute, offload and dtype vary inside a group."""
 

@@ -21,6 +21,13 @@ from xpar.plan.axes import resolve_axes
 from xpar.plan.context import PlanContext
 from xpar.plan.space import Constraints, PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, batch_values
 
+GPU_HEADROOM = 0.08
+"""Fraction of a GPU's memory a plan keeps free by default (plan.memory_headroom null and no
+hardware.memory_headroom): what the cost model does not count -- the CUDA context and the cuBLAS and
+NCCL workspaces outside the caching allocator, and the allocator's fragmentation (reserved above
+allocated; PyTorch's "CUDA memory management" notes, expandable_segments). 8 % is 6.4 GB of an 80 GB
+device: docs/guides/plan.md."""
+
 TOKENS_PER_BATCH = 2 ** 22
 """Default global batch in tokens (4M: Llama 2 and Llama 3 pre-training; GPT-3 175B used 3.2M,
 Brown et al. 2020 Table 2.1)."""
@@ -52,6 +59,15 @@ class PlanInputs:
         hw = dict(self.ctx.hardware, nodes=devices // n) if devices >= n else \
             dict(self.ctx.hardware, nodes=1, devices_per_node=devices)
         return replace(self.ctx, hardware=hw)
+
+
+def memory_headroom(given: Optional[float], hw: dict) -> float:
+    """The plan's memory headroom: plan.memory_headroom where given, else hardware.memory_headroom where it
+    is above 0, else :data:`GPU_HEADROOM` on a GPU (hardware.device cuda) and 0 on a CPU."""
+    if given is not None:
+        return float(given)
+    own = float(hw.get("memory_headroom") or 0.0)
+    return own if own > 0 or hw.get("device", "cuda") != "cuda" else GPU_HEADROOM
 
 
 def _plain(node) -> Any:
@@ -197,8 +213,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
         return None, problems
     p, model, framework = cfg.plan, _plain(cfg.model), _plain(cfg.framework)
     hw = _hardware(cfg)
-    if p.memory_headroom is not None:
-        hw["memory_headroom"] = p.memory_headroom
+    hw["memory_headroom"] = memory_headroom(p.memory_headroom, hw)
     local = is_this_machine(hw)
     counts, problems = _devices(p, hw)
     problems += _choice_problems(p, framework) + _number_problems(p, local) + _request_problems(cfg)

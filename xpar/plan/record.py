@@ -34,7 +34,7 @@ terms where the plan searched them (:func:`csv_columns`), ``group`` (the rank of
 
 def csv_columns(res: dict) -> tuple[str, ...]:
     """:data:`CSV_COLUMNS` plus the cp/ep/dtype columns and time terms ``res`` holds."""
-    extra = ("cp", "ep", "dtype") + tuple(map(time_key, AXIS_TIME_TERMS))
+    extra = ("cp", "ep", "dtype", "etp") + tuple(map(time_key, AXIS_TIME_TERMS))
     return CSV_COLUMNS + tuple(k for k in extra if k in res)
 
 

@@ -32,6 +32,7 @@ def override_line(plan) -> str:
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
     preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp, ep, a split
     par += [f"parallel.{k}={r[k][i]}" for k in ("cp", "ep") if k in r and (r[k][i] != 1 or preset)]
+    par += [f"parallel.etp={r['etp'][i]}"] if "etp" in r and r["etp"][i] > 0 else []
     par += split_overrides(int(ctx.model["n_layers"]), int(r["pp"][i]), int(r["v"][i]), preset)
     if "dtype" in r or any(o.lstrip("+").startswith("train.dtype=") for o in plan.inputs.overrides):
         par.append(f"train.dtype={r['dtype'][i] if 'dtype' in r else ctx.train['dtype']}")
@@ -74,14 +75,22 @@ def ranked_table(plan):
                     f"'tie': within {100 * plan.inputs.tie_within:.0f} % of the best, closer than the estimate's error")
     five = searched(plan)
     for col in ("#", "tp", "pp", "dp") + five + ("schedule", "b", "m") + (("B",) if lo != hi else ()) + (
-            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", "GB/device", "layouts",
-            "separates it from the best"):
+            "ZeRO", "sp", "recompute", "offload", "tokens/s", "vs best", "MFU", "bubble", memory_header(plan),
+            "layouts", "separates it from the best"):
         t.add_column(col, justify="left" if col in ("schedule", "recompute", "separates it from the best") else "right",
                      no_wrap=col != "separates it from the best", min_width=36 if col.startswith("separates") else None)
     for n, (i, size, tie) in enumerate(zip(top, sizes, tied), 1):
         t.add_row(str(n), *(str(r[k][i]) for k in ("tp", "pp", "dp") + five), *_row_tail(plan, i, n, tie, batch),
                   str(int(size)), separation(r, i, plan.best))
     return t
+
+
+def memory_header(plan) -> str:
+    """The memory column's header: GB per device against the usable GB (device memory less the headroom)."""
+    hw = plan.ctx.hardware
+    usable = float(plan.res["memory_usable"][plan.best]) / GB if "memory_usable" in plan.res else 0.0
+    headroom = float(hw.get("memory_headroom") or 0.0)
+    return f"GB/device of {usable:.1f} usable" + (f" ({100 * headroom:.0f} % kept free)" if headroom else "")
 
 
 def _row_tail(plan, i: int, n: int, tie: bool, batch) -> list[str]:
@@ -106,8 +115,8 @@ def separation(res, i: int, best: int) -> str:
 
 
 def searched(plan) -> tuple[str, ...]:
-    """The cp, ep and dtype columns the plan searched over more than one value (shown then)."""
-    return tuple(k for k in ("cp", "ep", "dtype") if k in plan.res and len(np.unique(plan.res[k])) > 1)
+    """The cp, ep, dtype and etp columns the plan searched over more than one value (shown then)."""
+    return tuple(k for k in ("cp", "ep", "dtype", "etp") if k in plan.res and len(np.unique(plan.res[k])) > 1)
 
 
 def _signed(rel: float) -> str:

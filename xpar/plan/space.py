@@ -2,7 +2,7 @@
 break a rule, each dropped layout counted under the first rule it breaks.
 
 The raw space is the product of: tp, pp, cp (divisors of the device count N and
-``Constraints.cp``; dp = N / (tp pp cp)), ep and the dtype (``Constraints``); the global batch
+``Constraints.cp``; dp = N / (tp pp cp)), ep, etp and the dtype (``Constraints``); the global batch
 (fixed, or lo, hi and the powers of two between); micro-batch sizes dividing it; (schedule, v)
 pairs of :data:`xpar.config.layout.SCHEDULES`; ZeRO 0-3, sp, the recompute policies and offload.
 m = B / (b dp). The pp v stages split evenly or with lighter ends (xpar.estimate.columns.stage_split).
@@ -33,8 +33,9 @@ RULES = {
     "devices": "tp x pp x cp does not divide the device count",
     "cp_seq": "cp does not split each sequence into 2 x cp equal chunks (seq_len % (2 cp); causal load balancing, "
               "xpar.config.checks.layout.check_cp)",
-    "ep": "ep does not divide the experts (model.n_experts; none: dense) or the dp x cp ranks that hold them "
-          "(expert tensor parallelism at tp; xpar.config.checks.layout.check_ep)",
+    "ep": "ep does not divide the experts (model.n_experts; none: dense), or ep x etp the tp x cp x dp ranks "
+          "that hold them (xpar.config.checks.layout.check_ep)",
+    "etp": "etp does not divide tp, or duplicate: etp = tp is the default etp (0) kept",
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
     "max_tp": "tp above plan.max_tp",
@@ -104,6 +105,10 @@ class Constraints:
     """Training dtypes searched (plan.dtype); (): the context's train.dtype (no ``dtype`` column)."""
     fp8_hardware: bool = True
     """Whether the hardware has an FP8 peak (hardware.peak_tflops_fp8)."""
+    etp: tuple[int, ...] = (0,)
+    """Expert tensor-parallel degrees searched (plan.etp; 0: etp = tp, no ``etp`` column when it is the only one)."""
+    v: Optional[tuple[int, ...]] = None
+    """Virtual stages per rank of looped schedules (plan.virtual_stages); None: :func:`schedule_pairs`'s."""
 
 
 @dataclass
@@ -133,8 +138,9 @@ def batch_values(lo: int, hi: int) -> list[int]:
 
 
 def micro_batch_sizes(batches: Sequence[int], max_b: int) -> list[int]:
-    """Micro-batch sizes b <= ``max_b`` dividing at least one of the global ``batches``."""
-    return [b for b in range(1, max_b + 1) if any(B % b == 0 for B in batches)]
+    """Micro-batch sizes b <= ``max_b`` dividing at least one of the global ``batches``: every b up to 8,
+    the powers of two above (torchtitan's Llama 3 runs b 16; memory drops those that do not fit)."""
+    return [b for b in range(1, max_b + 1) if (b <= 8 or b & (b - 1) == 0) and any(B % b == 0 for B in batches)]
 
 
 SMALL_V = range(2, 9)
@@ -143,10 +149,11 @@ last stages fewer blocks, rule ``split``): the v that published looped runs use,
 layers, v 4 on 61 or 94 layers."""
 
 
-def schedule_pairs(n_layers: int) -> list[tuple[str, int]]:
-    """(schedule, v) of every schedule: v = 1, 2 (V-shaped), or for looped schedules each of
-    :data:`SMALL_V` and each divisor >= 2 of n_layers (v <= n_layers)."""
-    looped = sorted({d for d in divisors(n_layers) if d >= 2} | {v for v in SMALL_V if v <= n_layers})
+def schedule_pairs(n_layers: int, v: Optional[Sequence[int]] = None) -> list[tuple[str, int]]:
+    """(schedule, v) of every schedule: v = 1, 2 (V-shaped), or for looped schedules each of ``v``
+    (default: :data:`SMALL_V` and each divisor >= 2 of n_layers) that is >= 2 and <= n_layers."""
+    given = v if v is not None else {d for d in divisors(n_layers) if d >= 2} | set(SMALL_V)
+    looped = sorted({x for x in given if 2 <= x <= n_layers})
     out = []
     for name, rec in SCHEDULES.items():
         vs = {"1": [1], "2": [2], "v": looped}[rec.stages_per_rank]
@@ -175,11 +182,11 @@ def _product(**axes: Sequence) -> dict[str, np.ndarray]:
 
 def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     """(tp, pp, cp, ep, dtype, dp, B, b, m, schedule index, v) rows that pass the rules on degrees and batches."""
-    pairs = schedule_pairs(model["n_layers"])
+    pairs = schedule_pairs(model["n_layers"], c.v)
     batches = batch_values(*c.global_batch)
     bs = micro_batch_sizes(batches, c.max_micro_batch_size)
-    t = _product(tp=divisors(devices), pp=divisors(devices), cp=c.cp, ep=c.ep, dtype=c.dtypes or ("",), B=batches,
-                 b=bs, s=range(len(pairs)))
+    t = _product(tp=divisors(devices), pp=divisors(devices), cp=c.cp, ep=c.ep, etp=c.etp, dtype=c.dtypes or ("",),
+                 B=batches, b=bs, s=range(len(pairs)))
     names = np.array([p[0] for p in pairs])
     t["v"] = np.array([p[1] for p in pairs])[t["s"]]
     t = drops.apply(t, "devices", devices % (t["tp"] * t["pp"] * t["cp"]) == 0)
@@ -206,12 +213,16 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
 
 
 def _five_rules(t: dict, model: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
-    """The rules on cp (2 cp chunks per sequence), ep (divides the experts and dp x cp) and the dtype
-    (fp8 needs an FP8 peak)."""
+    """The rules on cp (2 cp chunks per sequence), etp (divides tp; etp = tp is etp 0), ep (divides the
+    experts, ep x etp the tp x cp x dp ranks) and the dtype (fp8 needs an FP8 peak)."""
     t = drops.apply(t, "cp_seq", (t["cp"] == 1) | (seq_len % (2 * t["cp"]) == 0))
-    experts = int(model.get("n_experts") or 0)
-    ok = (t["ep"] == 1) | ((experts % t["ep"] == 0) & (t["dp"] * t["cp"] % t["ep"] == 0) & (experts > 0))
-    t = drops.apply(t, "ep", ok)
+    same = (t["etp"] == t["tp"]) & (t["etp"] > 0)
+    ok = (t["etp"] == 0) | ((t["tp"] % np.maximum(t["etp"], 1) == 0) & ~(same & (0 in c.etp)))
+    t = drops.apply(t, "etp", ok)
+    t["etp"] = np.where(t["etp"] == t["tp"], 0, t["etp"])
+    experts, etp = int(model.get("n_experts") or 0), np.where(t["etp"] == 0, t["tp"], t["etp"])
+    ok = (experts % t["ep"] == 0) & (t["tp"] * t["dp"] * t["cp"] % (t["ep"] * etp) == 0) & (experts > 0)
+    t = drops.apply(t, "ep", ((t["ep"] == 1) & (t["etp"] == 0)) | ok)
     return drops.apply(t, "fp8_hw", (t["dtype"] != "fp8") | c.fp8_hardware)
 
 
@@ -268,15 +279,15 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     t = _structure(model, devices, devices_per_node, seq_len, c, drops)
     raw = _raw_size(model, devices, c) * weight
     t = _choices(t, seq_len, c, drops)
-    cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep")}
+    cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep", "etp")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
-    keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if k != "dtype" or c.dtypes]
+    keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if (k != "dtype" or c.dtypes) and (k != "etp" or c.etp != (0,))]
     return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by)
 
 
 def _raw_size(model: dict, devices: int, c: Constraints) -> int:
     batches = batch_values(*c.global_batch)
     bs = micro_batch_sizes(batches, c.max_micro_batch_size)
-    return (len(divisors(devices)) ** 2 * len(batches) * len(bs) * len(schedule_pairs(model["n_layers"]))
-            * len(c.cp) * len(c.ep) * len(c.dtypes or ("",)))
+    return (len(divisors(devices)) ** 2 * len(batches) * len(bs) * len(schedule_pairs(model["n_layers"], c.v))
+            * len(c.cp) * len(c.ep) * len(c.etp) * len(c.dtypes or ("",)))

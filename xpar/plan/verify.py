@@ -38,7 +38,8 @@ def composed_spec(line: str, want: dict):
     lay = spec.layout
     got = dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, b=lay.micro_batch_size, m=lay.micro_batches, v=lay.virtual_stages,
                schedule=lay.schedule, zero=lay.zero_stage, sp=lay.sequence_parallel, recompute=lay.recompute)
-    got.update({k: v for k, v in (("cp", lay.cp), ("ep", lay.ep), ("dtype", spec.train.dtype)) if k in want})
+    got.update({k: v for k, v in (("cp", lay.cp), ("ep", lay.ep), ("dtype", spec.train.dtype), ("etp", lay.etp))
+                if k in want})
     if lay.pp == 1:  # no pipeline: the schedule does not matter
         got.update(schedule=want["schedule"], v=want["v"])
     got["layer_split"] = list(lay.layer_split)  # even, else lighter ends (xpar.estimate.columns.stage_split)

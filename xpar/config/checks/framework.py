@@ -21,7 +21,8 @@ CHOICES = {
     "microbatch_rule": MICROBATCH_RULES,
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
-FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction")
+FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction",
+             "tp_overlap_across_nodes")
 NON_NEGATIVE = ("layer_overhead_ms", "host_op_us", "zero3_host_ops_per_rank", "zero3_reduce_host_ops_per_rank",
                 "zero3_persist_numel", "zero3_reuse_distance", "zero3_persist_host_ops_per_rank")
 
@@ -45,7 +46,18 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     out += [f"framework.make_vocab_size_divisible_by={k} must be a whole number >= 1 or null (no padding); e.g. "
             f"framework.make_vocab_size_divisible_by=128 (Megatron-LM's default)." for _ in [0]
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1)]
-    return out + offload_problems(fw) + recompute_list_problems(fw)
+    return out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw)
+
+
+def pp_overlap_schedule_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.pp_overlap_schedules null or a list of schedule names (xpar.config.layout.SCHEDULES)."""
+    listed = getattr(fw, "pp_overlap_schedules", None)
+    bad = [s for s in (listed or []) if s not in SCHEDULES]
+    if not bad:
+        return []
+    return [f"framework.pp_overlap_schedules={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values "
+            f"that work: {hydra_text(list(SCHEDULES))}, e.g. framework.pp_overlap_schedules=[interleaved_1f1b], "
+            f"or null (every schedule)."]
 
 
 def recompute_list_problems(fw: FrameworkConfig) -> list[str]:

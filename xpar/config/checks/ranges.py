@@ -132,7 +132,7 @@ RANGES: dict[str, Range] = {
     "plan.min_tokens_per_s": Range(0, lo_open=True, null=True), "plan.max_tp": _i(1, null=True),
     "plan.pp": _i(1, null=True), "plan.max_micro_batch_size": DEGREE,
     "plan.memory_headroom": Range(0, 1, hi_open=True, null=True), "plan.top_k": DEGREE, "plan.execute_top": COUNT,
-    "plan.tie_within": Range(0, 1, hi_open=True),
+    "plan.tie_within": Range(0, 1, hi_open=True), "framework.tp_overlap_across_nodes": FRACTION,
     "model.head_dim": _i(1, null=True), "parallel.zero_shard_size": _i(1, null=True),
     "framework.make_vocab_size_divisible_by": _i(1, null=True),
     "hardware.sm_count": _i(1, null=True), "hardware.gemm_tile_m": _i(16, 512), "hardware.gemm_tile_n": _i(16, 512),

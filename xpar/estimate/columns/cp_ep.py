@@ -32,38 +32,41 @@ from xpar.estimate.terms import RATE_KEYS, time_key
 
 
 def grouped(cols: dict[str, np.ndarray]) -> bool:
-    """Whether any candidate has cp > 1 or ep > 1, or the candidates carry a ``dtype`` column."""
-    return ("dtype" in cols or ("cp" in cols and bool((np.asarray(cols["cp"]) > 1).any()))
+    """Whether any candidate has cp > 1, ep > 1 or an etp, or the candidates carry a ``dtype`` column."""
+    return ("dtype" in cols or ("etp" in cols and bool((np.asarray(cols["etp"]) > 0).any())) or ("cp" in cols and bool((np.asarray(cols["cp"]) > 1).any()))
             or ("ep" in cols and bool((np.asarray(cols["ep"]) > 1).any())))
 
 
 def group_keys(cols: dict[str, np.ndarray]) -> tuple[list[tuple], np.ndarray]:
-    """(The distinct (cp, ep, dtype) of the candidates, each candidate's index into them); dtype ''
-    where the column is absent (the context's train.dtype)."""
+    """(The distinct (cp, ep, dtype, etp) of the candidates, each candidate's index into them); dtype ''
+    where the column is absent (the context's train.dtype), etp 0 (= tp) where absent."""
     n = len(cols["tp"])
     cp = np.asarray(cols.get("cp", np.ones(n, np.int64)))
     ep = np.asarray(cols.get("ep", np.ones(n, np.int64)))
+    etp = np.asarray(cols.get("etp", np.zeros(n, np.int64)), dtype=np.int64)
     dt = np.asarray(cols.get("dtype", np.full(n, "")), dtype=str)
     names, code = np.unique(dt, return_inverse=True)
     key = (cp.astype(np.int64) * (int(ep.max(initial=1)) + 1) + ep) * len(names) + code.ravel()
-    uniq, inverse = np.unique(key, return_inverse=True)
-    first = [int(np.flatnonzero(key == k)[0]) for k in uniq]
-    return [(int(cp[i]), int(ep[i]), str(dt[i])) for i in first], inverse.ravel()
+    key = key * (int(etp.max(initial=0)) + 1) + etp
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return [(int(cp[i]), int(ep[i]), str(dt[i]), int(etp[i])) for i in first], inverse.ravel()
 
 
 def folded(cols: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
     """Candidate columns as the cost model prices them (:func:`fold_cp`): dp x cp ranks at
     micro-batch b / cp (float64 when cp > 1); cp and ep columns left out (the group's base holds them)."""
-    out = {k: v for k, v in cols.items() if k not in ("cp", "ep", "dtype")}
+    out = {k: v for k, v in cols.items() if k not in ("cp", "ep", "dtype", "etp")}
     if cp > 1:
         out.update(dp=np.asarray(cols["dp"]) * cp, b=np.asarray(cols["b"], dtype=np.float64) / cp)
     return out
 
 
-def with_degrees(spec, cp: int, ep: int):
-    """``spec`` (a validated candidate's) at context- and expert-parallel degrees ``cp`` and ``ep``
-    (layout and parallel group; its dp, tp, pp and batch are replaced per candidate downstream)."""
-    return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep), parallel=replace(spec.parallel, cp=cp, ep=ep))
+def with_degrees(spec, cp: int, ep: int, etp: int = 0):
+    """``spec`` (a validated candidate's) at context-, expert- and expert-tensor-parallel degrees ``cp``,
+    ``ep`` and ``etp`` (0: tp) (layout and parallel group; its dp, tp, pp and batch are replaced per
+    candidate downstream)."""
+    return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep, etp=etp),
+                   parallel=replace(spec.parallel, cp=cp, ep=ep, etp=etp or None))
 
 
 def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.ndarray]:

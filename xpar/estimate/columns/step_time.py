@@ -36,6 +36,9 @@ from xpar.estimate.cost import (
     layer_costs,
     microbatch_time,
     optimizer_term,
+    pp_exposed,
+    pp_overlap_of,
+    pp_send_latency,
     pp_send_time,
     pp_sends,
     rank_compute,
@@ -398,13 +401,19 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     """Per slot (axis 0), the terms of :func:`xpar.estimate.cost._rank_times` (seconds per
     micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
     c = _layer_columns(base, a, r)
-    send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], lambda t, d, b, sp: {
-        "t": pp_send_time(spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none"), a)}, ("t",))["t"]
-    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async")}, s["n"], s["first"], s["last"], a)
+
+    def one_send(t, d, b, sp):
+        spec = spec_at(base, t, 1, d, b, 1, 1, "gpipe", 0, sp, "none")
+        return {"t": pp_send_time(spec, a), "lat": pp_send_latency(spec)}
+
+    send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], one_send, ("t", "lat"))
+    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async", "cross")}, s["n"], s["first"],
+                     s["last"], a)
     sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
-    pp = np.where(r["pp"] > 1, sends * send, 0.0)
-    x.update(pp_comm=pp * (1 - a.pp_overlap), pp_issued=pp)
+    pp = np.where(r["pp"] > 1, sends * send["t"], 0.0)
+    overlap = np.array([pp_overlap_of(a, name) for name in SCHEDULE_NAMES])[r["schedule"]]
+    x.update(pp_comm=pp_exposed(pp, np.where(r["pp"] > 1, sends * send["lat"], 0.0), overlap), pp_issued=pp)
     v = r["v"] if _staged(base) else np.ones_like(r["v"])  # v matters through recompute_layers only
     h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
         spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec]),
@@ -434,7 +443,7 @@ def _layer_columns(base: RunSpec, a: Assumptions, r: dict) -> dict[str, np.ndarr
         return dict(out, **layer_costs(spec, a))
 
     kernel = kernel_priced(base.hardware, base.train.dtype)
-    tp_keys = ("tp_f", "tp_b", "tp_end", "tp_b_async")
+    tp_keys = ("tp_f", "tp_b", "tp_end", "tp_b_async", "tp_cross")
     if not kernel:
         return by_key(columns, layer, LAYER_KEYS + tp_keys)
     first, inverse = unique_rows(_combined(columns))
