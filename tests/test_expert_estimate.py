@@ -58,7 +58,9 @@ def test_ep_adds_the_all_to_alls_to_the_step():
     hidden = estimate(mixtral("parallel.ep=8", "framework=hai_llm"))
     assert hidden.time_breakdown["ep_comm"] == 0.0 and hidden.comm_time["ep"] > 0
     skewed = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.5"))
-    assert skewed.time_breakdown["ep_imbalance"] > 0 and skewed.time_per_step_s > e.time_per_step_s
+    # the kernel model gives the busiest rank's experts their tokens: the skew is in the matmul term itself
+    assert skewed.time_breakdown["ep_imbalance"] == 0.0 and skewed.time_per_step_s > e.time_per_step_s
+    assert skewed.time_breakdown["matmul"] > 1.2 * e.time_breakdown["matmul"]
 
 
 def test_deepseek_v3_layout_names_the_all_to_all_and_the_expert_states():
@@ -107,15 +109,14 @@ def test_capacity_factor_prices_the_padded_expert_buffers_not_the_imbalance():
     """model.capacity_factor c (GShard; Fedus et al. 2022; Megatron-Core's capacity factor with padding):
     every expert's buffer holds c x its even share k T / E, the tokens beyond it dropped, so the busiest
     ep rank computes and receives c x the even share whatever the router's imbalance: its routed
-    matmuls stretched by (c - 1) x their share of the step's matmul, its all-to-alls carrying c x the
-    even payload. null (dropless): model.moe_imbalance, as before."""
-    from xpar.estimate.expert_parallel import routed_share
+    matmuls priced at c x the even share of tokens (the kernel model's expert GEMMs: in the matmul term,
+    xpar.estimate.kernel_block.expert_tokens), its all-to-alls carrying c x the even payload. null
+    (dropless): model.moe_imbalance, as before."""
     even = estimate(mixtral("parallel.ep=8"))
     skew = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.25"))
     padded = mixtral("parallel.ep=8", "model.capacity_factor=1.25", "model.moe_imbalance=2.0")
     cf = estimate(padded)
-    assert cf.time_breakdown["ep_imbalance"] == pytest.approx(
-        cf.time_breakdown["matmul"] * routed_share(padded) * 0.25, rel=1e-12)
+    assert cf.time_breakdown["ep_imbalance"] == 0.0 and cf.time_breakdown["matmul"] > even.time_breakdown["matmul"]
     assert cf.comm_time["ep"] == pytest.approx(skew.comm_time["ep"], rel=1e-12)
     assert cf.comm_time["ep"] > even.comm_time["ep"]
     assert cf.time_per_step_s == pytest.approx(skew.time_per_step_s, rel=1e-12)
