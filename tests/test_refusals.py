@@ -404,15 +404,15 @@ def test_an_estimate_of_a_local_gpu_without_a_peak_is_refused(monkeypatch):
     accepted once hardware.peak_tflops is given. (A GPU is simulated: this torch is a CPU build.)"""
     from dataclasses import replace
 
-    import xpar.config.hardware
+    import xpar.config.resolve
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
 
-    real = xpar.config.hardware.resolve_hardware
+    real = xpar.config.resolve.resolve_hardware
 
     def as_gpu(hw, *a, **k):
         return replace(real(hw, *a, **k), device="cuda", peak_tflops=hw.peak_tflops)
-    monkeypatch.setattr(xpar.config.hardware, "resolve_hardware", as_gpu)
+    monkeypatch.setattr(xpar.config.resolve, "resolve_hardware", as_gpu)  # where validation looks it up
     with pytest.raises(ConfigError) as e:
         spec_for("run.mode=estimate")
     msg = str(e.value)

@@ -69,6 +69,8 @@ from xpar.calibrate.preset import (
 )
 from xpar.config.presets import conf_dir
 from xpar.config.hardware import CALIBRATED_PREFIX
+from xpar.estimate.fidelity import CONTENTION_SHARE, usable_cores
+from xpar.track.runs import setup_experiment
 
 
 def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> Optional[str]:
@@ -77,8 +79,6 @@ def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> 
     xpar.calibrate.measure.timed_share) below :data:`xpar.estimate.fidelity.CONTENTION_SHARE` of what
     ``workers`` x ``threads`` threads on ``cores`` cores allow: other load was calibrated in, and every
     estimate on the preset reads slower than this machine is."""
-    from xpar.estimate.fidelity import CONTENTION_SHARE
-
     values = [s for by_size in shares.values() for s in by_size.values() if isinstance(s, (int, float))]
     if not values:
         return None
@@ -94,8 +94,6 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
     """An MLflow run (tag xpar.mode=calibrate) with the preset's values as params, the raw
     curves as metrics and artifacts; its id."""
     import mlflow
-
-    from xpar.track.runs import setup_experiment
 
     exp = setup_experiment(None, "xpar", None, Path.cwd())
     with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
@@ -130,7 +128,6 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6
     values["ring_step_us_by_bytes"] = ring_step_curves(coll, workers)
-    from xpar.estimate.fidelity import usable_cores
     busy = contention_warning(measured["collective_shares"], workers, threads, usable_cores())
     if busy:
         print(f"xpar calibrate: warning: {busy}", file=sys.stderr, flush=True)

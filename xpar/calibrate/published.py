@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from xpar.config.presets import conf_dir
+from xpar.config.schema import FrameworkConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.cost import Assumptions, estimate
+from xpar.config.validate import validate
+from xpar.estimate.columns.stage_split import plan_split
+from xpar.estimate.cost import Assumptions, estimate, with_hardware
+from xpar.estimate.flops import model_flops_per_token
 
 
 def preset(group: str, name: str) -> dict:
@@ -18,7 +23,6 @@ def preset(group: str, name: str) -> dict:
     ``defaults`` list names (conf/framework/megatron_zb.yaml: megatron's, then its own)."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir
     own = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
     out: dict = {}
     for base in own.pop("defaults", None) or []:
@@ -30,8 +34,6 @@ def preset(group: str, name: str) -> dict:
 def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
     """A validated estimate-mode RunSpec from plain group dicts (through xpar.config.validate; what-if
     studies: a layout that does not fit device memory is returned, not refused)."""
-    from xpar.config.validate import validate
-
     cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
            "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
     return validate(cfg)
@@ -82,7 +84,6 @@ def framework_assumptions(name: str, **changes):
     """A framework profile (conf/framework/<name>.yaml) as Assumptions, with ``changes``."""
     from dataclasses import replace
 
-    from xpar.config.schema import FrameworkConfig
     return replace(Assumptions.from_config(FrameworkConfig(**preset("framework", name))), **changes)
 
 
@@ -283,7 +284,6 @@ def bloom_row(row: dict):
     Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml: Megatron's fused softmax,
     not flash attention; dropout 0.1 as Megatron's defaults, the tr11 README); Jean Zay's nodes: 8 A100 80GB, four Omni-Path
     100 Gb/s links (BLOOM paper, arXiv 2211.05100, Sec. 3.4.1)."""
-    from xpar.estimate.columns.stage_split import plan_split
     h, pp, layers = int(row["hidden"]), int(row["pp"]), int(row["layers"])
     model = dict(name=row["id"], n_layers=layers, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None, ffn_hidden=4 * h,
                  vocab_size=250880, seq_len=2048, activation="gelu", norm="layernorm", position="learned",
@@ -371,7 +371,6 @@ def load_cases(data_dir) -> dict[str, list]:
 
 def predicted(case, efficiency: float) -> float:
     """The estimate of a case's metric with ``efficiency`` as hardware.matmul_efficiency."""
-    from xpar.estimate.cost import with_hardware
     _, spec, assume, _, metric = case
     e = estimate(with_hardware(spec, matmul_efficiency=efficiency), assume)
     return {"hw_tflops": e.hw_tflops_per_device, "tflops": e.tflops_per_device,
@@ -430,7 +429,6 @@ fit the one constant of their own (layer_overhead_ms, :func:`fit_layer_overhead`
 def breakdown(case, efficiency: float) -> dict[str, float]:
     """Share of the estimated step time by term (:data:`xpar.estimate.cost.TIME_TERMS`, those
     above zero) of a case at ``efficiency``, with ``error`` (predicted / published - 1)."""
-    from xpar.estimate.cost import with_hardware
     _, spec, assume, ref, _ = case
     e = estimate(with_hardware(spec, matmul_efficiency=efficiency), assume)
     out = {k: v / e.time_per_step_s for k, v in e.time_breakdown.items() if v > 0}
@@ -541,7 +539,6 @@ def published_figure(est, spec, metric: str) -> float:
         return est.tokens_per_s_per_device
     if metric == "tflops_per_gpu":
         return est.tflops_per_device
-    from xpar.estimate.flops import model_flops_per_token
     return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
         model_flops_per_token(spec.model, spec.seq_len)
 

@@ -27,6 +27,7 @@ from xpar.estimate.model_states import (
     model_state_bytes_per_rank,
     replicated_embedding_grad_numel,
 )
+from xpar.parallel.torch_internals import fake_store
 
 
 class PlanError(RuntimeError):
@@ -95,7 +96,6 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
 
     from xpar.parallel.factory import build_engine
     from xpar.parallel.mesh import build_mesh
-    from xpar.parallel.torch_internals import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")

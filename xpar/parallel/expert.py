@@ -36,6 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xpar.models.transformer import MoE
+from xpar.parallel.precision import fsdp_policy
+from xpar.parallel.torch_internals import composable_replicate
+
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated")
 """torch 2.13 deprecates the autograd all-to-all of torch.distributed.nn for the functional
 collectives' ``all_to_all_single_autograd``; it is kept here because it issues
@@ -184,8 +188,6 @@ def apply_ep(chunk: nn.Module, groups: ExpertGroups) -> nn.Module:
     (:func:`reduce_expert_grads` reduces them over expert-dp)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from xpar.models.transformer import MoE
-
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         n = len(moe.experts)
         local = n // groups.ep_size
@@ -219,16 +221,12 @@ def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from xpar.models.transformer import MoE
-    from xpar.parallel.precision import fsdp_policy
-
     # an unnamed 1-D mesh: memory accounting (dp_full_param_bytes) counts an expert whole under ZeRO-2
     device = next(chunk.parameters()).device.type
     mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if device == "meta" else device)  # meta: the dry run
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         for expert in moe.experts.values():
             if reshard_after_forward is None:  # ZeRO-0/1 under tp: torch's composable replicate (DDP for DTensor models)
-                from xpar.parallel.torch_internals import composable_replicate
                 composable_replicate()(expert, mesh=mesh)
             else:
                 fully_shard(expert, mesh=mesh, reshard_after_forward=reshard_after_forward,

@@ -31,6 +31,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from xpar.config.layout import SCHEDULES
 from xpar.config.spec import RunSpec
+from xpar.parallel.mesh import replica_mesh
+from xpar.parallel.precision import activation_dtype, logits_dtype
 from xpar.parallel.torch_internals import wrap_schedule_loss
 
 
@@ -107,7 +109,6 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     # and torch does not check them against this shape.
     S_between = S // spec.tp if spec.parallel.sequence_parallel else S
     # bf16: hidden states are bf16 under FSDP2's policy, fp32 under autocast; logits bf16.
-    from xpar.parallel.precision import activation_dtype, logits_dtype
     dtype = activation_dtype(spec.train.dtype, spec.layout.zero_stage)
     last = spec.layout.n_stages - 1
     act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
@@ -139,7 +140,6 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         recorder.instrument(stage)
         _probe_before_reduce(stage, engine)
         if split_backward_needs_reduce(spec, chunk):
-            from xpar.parallel.mesh import replica_mesh
             _average_grads_after_reduce(stage, replica_mesh(engine.mesh).get_group(), spec.dp * spec.cp)
         stages.append(stage)
     cls = schedule_class(spec.parallel.schedule)

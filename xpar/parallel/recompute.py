@@ -53,6 +53,7 @@ from xpar.parallel.torch_internals import (
     share_sac_storage,
     tree_leaves,
 )
+from xpar.parallel.memory_accounting import ActivationTracker
 
 _aten, _funcol = torch.ops.aten, functional_collectives()
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
@@ -93,8 +94,6 @@ class _TrackedEntries(dict):
     storage; reports each kept tensor to the active tracker."""
 
     def __setitem__(self, idx, entry) -> None:
-        from xpar.parallel.memory_accounting import ActivationTracker
-
         tracker = ActivationTracker.active
         if tracker is not None:
             for leaf in tree_leaves(entry):

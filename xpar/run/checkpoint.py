@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from xpar.parallel.torch_internals import dcp_metadata_globals
+from xpar.track.journal import merged_steps, STEPS_DIR, JOURNAL_FILE, Journal
+
 CHECKPOINTS = "checkpoints"
 """Default checkpoint directory under a run's output directory."""
 META_FILE = "xpar.json"
@@ -147,8 +150,6 @@ def verify_metadata(path: Path) -> None:
     import pickle
 
     import torch
-
-    from xpar.parallel.torch_internals import dcp_metadata_globals
 
     allowed = dcp_metadata_globals()
 
@@ -332,8 +333,6 @@ class Saver:
         the workers' step files (:func:`xpar.track.journal.merged_steps`, the tracking journal's own
         merge), falling back to rank 0's own where a rank's file is not readable here
         (ranks on other hosts)."""
-        from xpar.track.journal import merged_steps
-
         spec = self.engine.spec
         merged = merged_steps(self.out_dir, spec.world_size)[:done]
         if len(merged) == done:
@@ -350,8 +349,6 @@ def replay_history(out_dir: Path, rank: int, history: History) -> None:
     line format of :class:`xpar.track.journal.StepWriter` with the original end times: the tracking
     journal then merges and delivers steps 0..k-1 as the checkpointed run logged them (a store
     that has them already keeps one copy of each identical point)."""
-    from xpar.track.journal import STEPS_DIR
-
     d = Path(out_dir) / STEPS_DIR
     d.mkdir(parents=True, exist_ok=True)
     with open(d / f"rank{rank}.jsonl", "a") as f:
@@ -376,8 +373,6 @@ def tracking_link(spec, meta: dict, params: dict, uri: str) -> TrackingLink:
     as logged) and tracking store ``uri`` equal those its tracking journal recorded; otherwise
     a new run linked to it by the tag ``xpar.resumed_from_run`` (MLflow refuses a param logged
     again with another value, so a run never holds two values of one param)."""
-    from xpar.track.journal import JOURNAL_FILE, Journal
-
     tags = {"xpar.resumed_from": spec.train.resume, "xpar.resumed_step": str(meta["step"])}
     old = Path(meta["out_dir"])
     if not (old / JOURNAL_FILE).is_file():  # the checkpointed run was not tracked

@@ -17,13 +17,14 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+from xpar.config.hardware import cache_dir
+
 
 def template_path() -> Path:
     """``$XDG_CACHE_HOME/xpar/mlflow-<MLflow version>-empty.db`` (default ``~/.cache``), beside
     the CPU peak cache (:func:`xpar.config.hardware.cache_dir`)."""
     import mlflow
 
-    from xpar.config.hardware import cache_dir
     return cache_dir() / f"mlflow-{mlflow.__version__}-empty.db"
 
 
