@@ -20,6 +20,7 @@ from xpar.config.schema import SweepConfig
 from xpar.help import print_help, plan_help_text, print_page
 from xpar.plan.inputs import plan_argv
 from xpar.run.exits import WorkerFailed, exit_worker
+from xpar.run.job import SweepJobFailed, run_job
 from xpar.track import side_process
 from xpar.track.recorder import sync
 from xpar.track.run_dir import claim_before_hydra
@@ -32,8 +33,6 @@ START_DIR = Path.cwd()
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     """One job; returns the value of ``sweep.metric`` (the objective for sweepers such as Optuna)."""
-    from xpar.run.job import SweepJobFailed, run_job  # lazy: the job pulls in the whole model (LAZY_IMPORTS)
-
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep = current_sweep()
     try:
@@ -118,7 +117,7 @@ def _commands() -> None:
     become a run.mode=plan run's); anything else is left to Hydra."""
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command == "compare":
-        from xpar.track.compare import main as compare_main  # lazy: pandas (LAZY_IMPORTS)
+        from xpar.track.compare import main as compare_main  # lazy: pandas (xpar.LAZY_IMPORTS)
         raise SystemExit(compare_main(sys.argv[2:]))
     if command in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
         print_help()
@@ -126,7 +125,7 @@ def _commands() -> None:
     if command == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
     if command == "calibrate":  # measure this machine into a hardware preset
-        from xpar.calibrate.command import main as calibrate_main  # lazy: torch (LAZY_IMPORTS)
+        from xpar.calibrate.command import main as calibrate_main  # lazy: torch (xpar.LAZY_IMPORTS)
         raise SystemExit(calibrate_main(sys.argv[2:]))
     if command == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
         print_page(plan_help_text())

@@ -61,12 +61,8 @@ SETTLED_FAULTS = 0.01
 """A large call counts only when no rank took page faults over more than this fraction of the
 message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather allocates a temporary
 the size of the message in each call; on a heap that has just grown (a calibration's fresh
-buffers) it lands on fresh pages again and again, one fault per page. Measured here (2 workers,
-torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its 65,536 pages and
-0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and ZeRO-3 runs, once
-settled, the median all-gather of every size faulted no page (the 298 MiB root: 166-194 ms; its
-reduce-scatter faulted on ~11 % of its pages on one rank of ZeRO-3, none on the other): a
-calibration that kept the faulting calls priced that gather 5x. Where
+buffers) it lands on fresh pages again and again, one fault per page, and such calls take several
+times longer than settled ones, which runs see once settled (benchmarks/README.md). Where
 transparent huge pages are 'always', a fresh region faults once per 2 MiB and passes: the
 check then keeps what the calls cost as they came."""
 
@@ -188,11 +184,9 @@ REFERENCE_BATCH = 2
 
 """The transformer block whose forward and backward fit a CPU's ``matmul_efficiency``
 (:func:`fit_block_efficiency`): Llama-style, between the mini and GPT-2 small presets in width,
-at 2 x 128 tokens. Measured here (one thread per worker, both workers at once, CPU seconds),
-real blocks reach a similar share of the best square GEMM's rate whatever their shape: mini's
-(hidden 384, 4 x 64 tokens) 144 GFLOP/s of matmul FLOPs per second forward and backward, GPT-2
-small's (768, 1 x 128) 149, where square GEMMs peak at 190-210 (the rest: element-wise work,
-GEMMs on transposed operands, weights that leave the cache)."""
+at 2 x 128 tokens: on a CPU, real blocks reach a similar share of the best square GEMM's rate
+whatever their shape (element-wise work, GEMMs on transposed operands, weights that leave the
+cache: benchmarks/README.md)."""
 
 
 def measure_block(reps: int = 5, device: str = "cpu") -> float:

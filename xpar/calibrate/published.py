@@ -415,15 +415,12 @@ CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_f
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale and Megatron-style tp x pp x dp runs
 (Korthikanti et al. 2022 and MT-NLG on A100) added as checks after the constants were fitted
 (issue 9), held out from every fit so that they cannot move the constants; their
-'calibration' and 'held out' errors are both at the constants fitted without them. NeMo's H100
-recipes (dgxc_nemo_h100_bf16) were added the same way and then admitted to the H100 fit: their
-steps are 82-91 % matmul, so they measure the H100 efficiency almost directly, where the two
-Llama 3 rows, at the v = 2 then assumed (19-31 % bubble), could not tell 0.678 from 0.76; at the V = 8
-their paper implies they fit 0.575 alone. DeepSpeed 2021's ZeRO-3 rows of Narayanan et al. Table 2 left the
-fit on 2026-12-06 (issue 27): 26-78 % of their steps is dp communication and its host ops, whose pricing
-turns on a setting the paper does not publish (DeepSpeed's reduce_scatter: with it the A100 fit was 0.672,
-at its default 0.668), so they measure DeepSpeed's communication, not the GEMMs; BLOOM's runs (Megatron-DeepSpeed)
-fit the one constant of their own (layer_overhead_ms, :func:`fit_layer_overhead`), not the efficiency."""
+'calibration' and 'held out' errors are both at the constants fitted without them. DeepSpeed
+2021's ZeRO-3 rows of Narayanan et al. Table 2 are checks too: 26-78 % of their steps is dp
+communication, whose pricing turns on a setting the paper does not publish; BLOOM's runs
+(Megatron-DeepSpeed) fit the one constant of their own (layer_overhead_ms,
+:func:`fit_layer_overhead`), not the efficiency. Why each source sits where it does:
+docs/accuracy/fit_history.md."""
 
 
 def breakdown(case, efficiency: float) -> dict[str, float]:

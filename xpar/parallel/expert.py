@@ -38,7 +38,7 @@ from torch import nn
 
 from xpar.models.transformer import MoE
 from xpar.parallel.precision import fsdp_policy
-from xpar.parallel.torch_internals import composable_replicate
+from xpar.parallel.torch_internals import composable_replicate, ddp_ignore_params
 
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated")
 """torch 2.13 deprecates the autograd all-to-all of torch.distributed.nn for the functional
@@ -186,8 +186,6 @@ def apply_ep(chunk: nn.Module, groups: ExpertGroups) -> nn.Module:
     """Keep this ep rank's experts in every MoE layer of ``chunk`` (on the meta device, before the
     init), install the all-to-all dispatch, and tell DDP to leave the experts' gradients alone
     (:func:`reduce_expert_grads` reduces them over expert-dp)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         n = len(moe.experts)
         local = n // groups.ep_size
@@ -195,7 +193,7 @@ def apply_ep(chunk: nn.Module, groups: ExpertGroups) -> nn.Module:
         for key in [k for k in moe.experts if not first <= int(k) < first + local]:
             del moe.experts[key]
         moe.dispatch = AllToAllDispatch(groups, n)
-    DDP._set_params_and_buffers_to_ignore_for_model(chunk, expert_param_names(chunk))
+    ddp_ignore_params(chunk, expert_param_names(chunk))
     return chunk
 
 

@@ -174,8 +174,8 @@ def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
     (zero_bubble, zbv, dualpipev) with a DDP-wrapped stage. Their split backward
     (``stage_backward_input`` / ``stage_backward_weight``) calls ``torch.autograd.grad``, so
     DDP's reducer hooks never fire and each dp replica steps on its own gradients
-    (pytorch/pytorch#144530, open in torch 2.13; measured here: the two replicas' norms
-    0.9296 vs 0.9407 at step 0). FSDP2 and composable ``replicate`` are reduced by torch's
+    (pytorch/pytorch#144530, open in torch 2.13: the two replicas' gradient norms differ from
+    step 0 on, benchmarks/README.md). FSDP2 and composable ``replicate`` are reduced by torch's
     REDUCE_GRAD action and need nothing."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     return spec.dp * spec.cp > 1 and SCHEDULES[spec.parallel.schedule].zero_bubble and isinstance(chunk, DDP)

@@ -257,7 +257,7 @@ def load(engine, path: Path) -> dict:
                       for fqn, states in optim["state"].items()}
     set_optimizer_state_dict(_container(engine.chunks), engine.optimizer, optim)
     if engine.scheduler is not None:
-        from xpar.parallel.optim import restore_lr_scheduler
+        from xpar.parallel.optim import restore_lr_scheduler  # lazy: torch (xpar.LAZY_IMPORTS)
         restore_lr_scheduler(engine.scheduler, engine.optimizer, engine.spec.train, meta["step"])
     engine.grad_norms[:] = list(meta["history"]["grad_norms"])
     return meta

@@ -76,7 +76,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             return _run_torchrun(job)
         if spec.mode == "estimate":
             return _run_estimate(job)
-        from xpar.run.launch import launch_local
+        from xpar.run.launch import launch_local  # lazy: torch (xpar.LAZY_IMPORTS)
 
         def body() -> tuple[Report, list[dict]]:
             stats = launch_local(spec, out_dir)
@@ -280,7 +280,7 @@ def _run_torchrun(job: Job) -> Optional[Report]:
     import torch
     import torch.distributed as dist
 
-    from xpar.run.worker import run_rank
+    from xpar.run.worker import run_rank  # lazy: torch (xpar.LAZY_IMPORTS)
 
     spec, out_dir = job.spec, job.out_dir
     if spec.device == "cuda":

@@ -106,7 +106,7 @@ class SweepCallback(Callback):
                 raise SystemExit(2)
         if not OmegaConf.select(config, "tracking.enabled", default=True):
             return
-        from xpar.track.parent_run import open_parent_run  # lazy: pandas (LAZY_IMPORTS)
+        from xpar.track.parent_run import open_parent_run  # lazy: pandas (xpar.LAZY_IMPORTS)
 
         bound_http()
         sweep_dir = _sweep_dir(config)
@@ -184,7 +184,7 @@ def mark_interrupted() -> None:
 def finish_sweep(sweep_file: Path) -> None:
     """Summarise the sweep on its parent run and end it (FINISHED; FAILED when a child failed
     or a job is missing; KILLED after Ctrl-C). Safe to call twice."""
-    from xpar.track.parent_run import close_parent_run, print_sweep_summary  # lazy: pandas (LAZY_IMPORTS)
+    from xpar.track.parent_run import close_parent_run, print_sweep_summary  # lazy: pandas (xpar.LAZY_IMPORTS)
 
     sweep_file = Path(sweep_file)
     if sweep_file.is_file():
