@@ -2,29 +2,11 @@
 to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2020; Switch, Fedus et al.
 2021; DeepSpeed-MoE and Megatron-Core's ``MoEAlltoAllTokenDispatcher``).
 
-Rank order. The ep ranks are taken inside dp x cp and add no ranks. With the flattened
-dp x cp index i = d * cp + c of a rank (at fixed pp and tp coordinates), consecutive indices
-form an ep group (ep rank = i % ep) and the strided ones (i = j, j + ep, ...) form the
-expert-data-parallel group of dp * cp / ep ranks holding the same experts, over which an
-expert's gradient is reduced. Megatron-Core orders its expert ranks tp-cp-ep-dp-pp, innermost
-first (``RankGenerator(order="tp-cp-ep-dp-pp")`` in ``megatron/core/parallel_state.py``; with
-expert tp = 1 its ep ranks are consecutive after tp), and torchtitan carves ep out of the
-``dp_shard x cp`` mesh dimensions (``ParallelDims``: ``dp_shard_mod_ep`` outer, ``ep`` inner),
-so both put an ep group on neighbouring ranks, inside a node, as here.
+The ep ranks are taken inside dp x cp and add no ranks: consecutive flattened dp x cp indices
+form an ep group, strided ones the expert-data-parallel group that reduces an expert's gradient
+(neighbouring ranks, as Megatron-Core and torchtitan place them).
 
-Experts: ep rank j holds experts j E/ep .. (j + 1) E/ep - 1 (contiguous, as both do). The model
-is built on the meta device with every expert; :func:`apply_ep` drops the others before the
-seeded, name-keyed init, so each rank's experts get exactly the single-process values. The
-router and the shared experts are replicated (reduced over dp x cp like every dense parameter).
-
-Gradients: DDP is told to ignore the expert parameters (they differ per ep rank); after the
-step's last backward :func:`reduce_expert_grads` sums each expert's gradient over its
-expert-dp group and divides by dp * cp. The all-to-all's backward already brings every ep
-rank's tokens' contribution to the expert's owner, so the sum is over every dp x cp rank's
-loss, and the division gives the gradient of their mean, the global loss (checked against the
-single-process reference in tests/test_expert_parallel.py). The global gradient norm counts
-each expert once: its square sum is summed over the ep group (``_xpar_norm_groups``, read by
-:func:`xpar.parallel.optim.global_grad_norm`).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

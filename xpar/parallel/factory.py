@@ -1,24 +1,8 @@
-"""The engine factory: one short function that composes the strategies in a fixed order.
+"""The engine factory: one short function that composes the strategies in a fixed order: the model
+on the meta device, its seeded init, cp, tp, recompute, autocast, the dp wrapper (DDP or FSDP2),
+experts, pipeline stages and their schedule, the optimizer and lr schedule.
 
-    1. model on the meta device (no memory), the whole model or this rank's pipeline stages
-    2. materialise on the device with the seeded, name-keyed init (values are those of the
-       single-process model, whatever the layout)          -- skipped for a dry run
-    3. context parallel on the cp axis (xpar.parallel.context: global positions, all-gather
-       attention), then tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
-       recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
-       around the chunk's forward (xpar.parallel.precision)
-    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy),
-       over dp x cp under context parallelism (xpar.parallel.mesh.replica_mesh)
-    1b. expert parallelism (parallel.ep > 1): this rank's experts kept, the rest dropped before the
-       init, all-to-all dispatch installed (xpar.parallel.expert)
-    5. pipeline stages on the pp axis with their schedule
-    6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
-       step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
-
-TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
-placements), and both before the pipeline stage is built over the wrapped chunk (the
-order measured to work for 3D with torch 2.13 on gloo, tests/test_pipeline.py). The same function builds real runs and the
-fake-process-group dry run (``materialize=False``).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

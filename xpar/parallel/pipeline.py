@@ -10,15 +10,7 @@ backward for inputs, W: backward for weights) is timed with ``time.perf_counter`
 of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
 action records that :mod:`xpar.estimate.bubble` turns into bubble ratios and a timeline.
 
-Gradient reduction over dp is torch's: ``PipelineStage.backward_maybe_with_nosync`` turns
-FSDP2's gradient sync off for *every* backward (DDP: ``no_sync`` until the last one) and
-the schedule's REDUCE_GRAD / ``perform_reduce_grad`` reduce-scatters once, after the stage's
-last backward (torch 2.13, whatever m). Until then a ZeRO-2/3 rank holds its stages' whole
-dp-unsharded gradients. torch offers no supported switch to reduce every micro-batch
-(xpar's non-pipelined loop does, see xpar.parallel.factory.accumulate_step), so xpar keeps
-torch's behaviour and counts it: :func:`attach_schedule` probes the held gradients just
-before each stage's reduction (``Engine.probe_grads``), the measured ``grads`` term, and the
-cost model counts whole gradients under pp (xpar.estimate.memory.grads_deferred).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -6,22 +6,7 @@ incomplete (the run died while saving) and is never resumed from.
 
 What is saved, so that a resumed run continues exactly:
 
-- the model, per chunk, through ``get_model_state_dict`` under the parameters' fully
-  qualified names (``layers.3.attention.wq.weight``: the whole model's names, also for
-  pipeline stages, which keep the global block indices), as DDP tensors, FSDP2 shards or
-  tensor-parallel DTensors; DCP records each tensor's global shape, so a checkpoint taken
-  under one layout loads under another (it reshards);
-- the optimizer states (AdamW ``step``, ``exp_avg``, ``exp_avg_sq``) under the same names
-  (``get_optimizer_state_dict``);
-- in ``xpar.json`` (JSON, no pickle): the step (the lr schedule is put at it,
-  :func:`xpar.parallel.optim.restore_lr_scheduler`), and the run's history before the step (per-step loss and step time as the tracking journal merged them,
-  gradient norms, lrs), the model shape and layout, and the run's output directory (whose
-  tracking journal names the MLflow run to continue).
-
-Only tensors go through DCP, and DCP reads tensors with ``torch.load(weights_only=True)``
-(its default planner unpickles non-tensor values without it, so none are saved). The data
-need not be saved: a step's batch is a pure function of (seed, step) (xpar.run.data), and the
-model has no dropout, so no RNG state either.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
