@@ -44,6 +44,7 @@ def _target(node: ast.AST, module: str) -> list[str]:
     return [".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))]
 
 
+@cache
 def _imports(module: str) -> tuple[list[str], list[tuple[str, int]]]:
     """(modules imported at the top level, [(module, line)] imported inside a function)."""
     top, local = [], []
@@ -65,6 +66,7 @@ def function_local_xpar_imports() -> list[tuple[str, str, int]]:
             if t == "xpar" or t.startswith("xpar.")]
 
 
+@cache
 def pulls_in(module: str, library: str) -> bool:
     """Whether importing ``module`` imports ``library`` (through top-level imports, parent packages
     included)."""

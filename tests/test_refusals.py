@@ -341,6 +341,7 @@ def test_tracebacks_of_old_are_refusals_from_the_command_line(args, fragment, tm
     assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("outputs/*/worker_*"))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
     """`xpar compare`: a bad filter, an unknown sweep id, a missing store, an unreachable server
     and an unwritable output folder: exit 2, one line, in seconds (an unreachable URI took 250 s)."""
