@@ -2,12 +2,12 @@
 
 MLflow builds a new SQLite store by running each of its Alembic migrations in turn
 (``mlflow.store.db.utils._initialize_tables``: seconds of CPU, benchmarks/README.md), paid by every
-first run in a directory and by every test that runs xpar in a fresh one. xpar migrates one empty store per MLflow version into
-``$XDG_CACHE_HOME/xpar/mlflow-<version>-empty.db`` (default ``~/.cache``) and copies it where a
-new store is wanted. The copy holds MLflow's tables and no experiment: MLflow creates its
-'Default' experiment (id 0, artifacts under ./mlruns) when it first opens the store, as it does
-for a store it migrated itself. Anything that goes
-wrong falls back to MLflow's own creation.
+first run in a directory and by every test that runs xpar in a fresh one. xpar migrates one
+empty store per MLflow version into ``$XDG_CACHE_HOME/xpar/mlflow-<version>-empty.db`` (default
+``~/.cache``) and copies it where a new store is wanted. The copy holds MLflow's tables and no
+experiment: MLflow creates its 'Default' experiment (id 0, artifacts under ./mlruns) when it
+first opens the store, as it does for a store it migrated itself. Anything that goes wrong falls
+back to MLflow's own creation.
 """
 from __future__ import annotations
 
