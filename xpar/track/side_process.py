@@ -2,8 +2,8 @@
 
 ``xpar plan`` spends most of its wall time importing MLflow and opening its SQLite store
 (SQLAlchemy, alembic), as long as the search itself (benchmarks/README.md). The command forks
-this helper before Hydra composes the config (:func:`start`); the helper imports MLflow on the second core while the search runs on
-the first, and the plan's recording runs there (:func:`call`). The wall time becomes the longer
+this helper before Hydra composes the config (:func:`start`); the helper imports MLflow on the
+second core while the search runs on the first, and the plan's recording runs there (:func:`call`). The wall time becomes the longer
 of the two paths instead of their sum. Where ``fork`` is not available, or the helper was not
 started or has died, :func:`call` runs the function here, as before.
 """
