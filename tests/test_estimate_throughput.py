@@ -32,6 +32,7 @@ def test_megatron_table1_each_row_within_10_percent(megatron):
     assert not bad, f"rows off by more than 10% (params_b, % error): {bad}"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_table1_median_error_at_most_6_percent(megatron):
     assert len(megatron) == 10
     assert statistics.median(abs(e) for *_, e in megatron) <= 0.06

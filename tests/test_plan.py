@@ -221,6 +221,7 @@ def test_7b_on_8_a100_dp_alone_does_not_fit_a_zero_stage_does(capsys):
     assert not r["offload"][plan.best] and r["offload"][plan.ranked].any()
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
     plan = plan_of("model=175b", "hardware=a100_80gb_1024gpu")
     out = show(plan, capsys)
@@ -229,6 +230,7 @@ def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
     assert r["pp"][i] > 1 and r["tp"][i] * r["dp"][i] >= 8, out  # stages one node or more apart
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_70b_on_64_a100_prints_a_top_layout_and_its_reasoning(capsys):
     plan = plan_of("model=70b", "hardware=a100_80gb_64gpu")
     out = show(plan, capsys)

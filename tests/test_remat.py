@@ -170,6 +170,7 @@ def test_maxtext_policies_execute_exactly(runs):
         assert all(torch.equal(g, g0) for g, g0 in zip(runs[mode][1], grads)), mode
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_executed_memory_and_flops_are_the_estimates(runs):
     """Measured on CPU: each policy keeps, beyond full recompute's block inputs, exactly the
     outputs the estimate counts (fp32: q, k, v and wo, or q, k, v), and reruns exactly the matmul
