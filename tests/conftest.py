@@ -170,6 +170,14 @@ whole to a free pytest worker in collection order (pyproject's addopts: ``-n 2 -
 long multi-process modules, with few tests each, for the end): the longest go first."""
 
 
+INTEGRATION = "integration-sized"
+"""Besides the tests that start processes, ``slow`` marks the integration-sized ones (a comment naming
+this constant beside the marker): fits and checks over the whole published corpus
+(tests/data/), every preset composed, dry runs of full-size engines, plan searches over ranges of
+clusters; seconds each on 2 cores. The fast loop (``pytest -m "not slow"``) keeps the small
+tests of the same code; the full suite runs all."""
+
+
 def pytest_collection_modifyitems(items):
     """Collect :data:`SLOWEST_MODULES` first, longest first (a stable sort: each module's own order kept)."""
     rank = {m: i for i, m in enumerate(SLOWEST_MODULES)}

@@ -252,6 +252,7 @@ def _dispatched(fn) -> int:
     return _count_ops(fn)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("position", ["rope", "learned"])
 def test_operator_counts_are_the_models(norm, position):

@@ -34,6 +34,7 @@ OTHER_TESTS_PRESETS = "calibrated_pytest"
 worker may be listing the group (-n 2): not this test's to compose."""
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
 def test_every_preset_composes(group):
     names = [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]

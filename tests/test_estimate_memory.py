@@ -417,6 +417,7 @@ STILL_REFUSED = {
 """Published runs the memory check still refuses under their own profile, and why (issue 27)."""
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_published_runs_of_every_source_fit_under_their_profile():
     """Every row of every public source the throughput model is fitted on (120 runs, 12 sources,
     profiles megatron, megatron_core, deepspeed_2021, torchtitan, llmfoundry) passes the memory

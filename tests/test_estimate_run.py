@@ -129,6 +129,7 @@ def test_not_fit_lists_alternatives_that_do_fit():
         assert s.mode == "estimate"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_70b_plain_dp_on_8_gpus_is_refused_with_breakdown_and_alternatives():
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=dp", "model=70b", "hardware=a100_80gb_8gpu", "train=cluster")
@@ -168,6 +169,7 @@ def test_estimate_on_pipeline_names_the_loaded_stage():
 
 # --- (b) dry run vs the cost model -----------------------------------------------------------
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("overrides,coords", [
     (("parallel=70b_64gpu",), None),                                        # 70B TP8 x DP8, ZeRO-3
     (("parallel=70b_64gpu", "parallel.zero_stage=2"), [(0, 0, 0), (0, 7, 7)]),

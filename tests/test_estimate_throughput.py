@@ -28,11 +28,13 @@ def megatron():
     return calibration.megatron_errors(calibration.read_table(DATA / "megatron_2021_table1.csv"))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_table1_each_row_within_10_percent(megatron):
     bad = [(r["params_b"], round(100 * e, 1)) for r, _, e in megatron if abs(e) > 0.10]
     assert not bad, f"rows off by more than 10% (params_b, % error): {bad}"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_table1_median_error_at_most_6_percent(megatron):
     assert len(megatron) == 10
     assert statistics.median(abs(e) for *_, e in megatron) <= 0.06
@@ -356,6 +358,7 @@ def loso():
     return cases, calibration.leave_one_source_out(cases)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     """Fit the matmul efficiency per GPU family on the other sources, predict this one: median
     |error| <= 8 % and max <= 20 % for every source (benchmarks/estimate_calibration.py prints
@@ -404,6 +407,7 @@ def test_async_tp_backward_hides_the_column_linears_input_gradient_collectives(s
         s.model.n_layers * tp["b_async"], rel=1e-6)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
     global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
@@ -450,6 +454,7 @@ def _published_rows(name: str) -> list[dict]:
     return calibration.read_table(DATA / calibration.SOURCES[name][0])
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_mpt_fsdp_on_16_to_128_a100s_held_out(loso):
     """llm-foundry's MPT benchmarks (torch FSDP FULL_SHARD, 125M-70B on 16-128 A100s, 8 x 200 Gb/s
     per node), never fitted on (calibration.CHECK_ONLY: the constants are those fitted without
@@ -480,6 +485,7 @@ def test_mpt_fsdp_on_16_to_128_a100s_held_out(loso):
             assert abs(estimated - published) <= 0.06, (model, published, estimated)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     """The IBM/Meta FSDP blog (2024): Llama 2 34B/70B, FULL_SHARD, b = 2, s = 4096, full
     recompute, on 128 A100s with 400 Gb/s per node and 96 H100s with 800 Gb/s per node; never
@@ -504,6 +510,7 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
             assert 0.07 < exposed < 0.15, exposed
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
@@ -533,6 +540,7 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
         assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.07, (model, published, estimated)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_2022_selective_recompute_on_a100_held_out(loso):
     """Korthikanti et al. 2022 Table 5 (GPT 22B-1T on 8-2240 A100s, tp 8, dp 1 but one row):
     iteration times with full recompute and with sequence parallelism + selective recompute,
@@ -565,6 +573,7 @@ def _dgxc(cases, rows, model):
     return [(row, c) for row, c in zip(rows, cases["dgxc_nemo_h100_bf16"]) if row["model"] == model]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
     Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
@@ -594,6 +603,7 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
         assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.03, (model, published, estimated)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     """The NeMo H100 rows hinge on an unpublished knob, the share of tp communication that the
     userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8); hiding more raises every row. At the
@@ -616,6 +626,7 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
     """MT-NLG 530B (Smith et al. 2022, Sec. 2.4): tp 8, pp 35, dp 8/10/12 on 2240-3360 A100s,
     global batch 1920, 126/121/113 TFLOP/s per GPU published; never fitted on. It ran Megatron-DeepSpeed
@@ -644,6 +655,7 @@ def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
     assert 0.03 < drop_estimated < drop_published, (drop_published, drop_estimated)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mtnlg(loso):
     """deepspeed_bloom's layer_overhead_ms is the fit on BLOOM's 8 runs (within 0.5 ms), which puts every
     BLOOM row within 8 % and lowers their median |error| (4.3 -> 3.2 %); MT-NLG never enters the
@@ -666,6 +678,7 @@ def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mt
     assert on.time_breakdown["bubble"] > off.time_breakdown["bubble"]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     """The two H100 sources, each alone, give the same constant (issue 9, then issue 27). The NeMo rows,
     whose steps are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every
@@ -813,6 +826,7 @@ CP_FP8_STILL_REFUSED: dict[str, str] = {}
 """Rows of tests/data/cp_fp8_h100.csv the memory check still refuses, and why."""
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
     NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers; 36 on H100/H800): none

@@ -27,10 +27,28 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
 
 
 def _spec(framework: str, *overrides: str):
+    """(composed config, validated RunSpec), each composed once per module (read, never changed:
+    validation leaves the config as it is, tests/test_layout.py); a refusal is raised again."""
+    got = _SPECS.get((framework, overrides))
+    if got is None:
+        got = _SPECS[(framework, overrides)] = _compose_and_validate(framework, *overrides)
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+_SPECS: dict = {}
+
+
+def _compose_and_validate(framework: str, *overrides: str):
+    from xpar.config.checks import ConfigError
     from xpar.config.validate import validate
     cfg = compose("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off", f"framework={framework}",
                   *overrides)
-    return cfg, validate(cfg)
+    try:
+        return cfg, validate(cfg)
+    except ConfigError as e:
+        return e
 
 
 def _runs(framework: str, overrides: tuple) -> bool:

@@ -18,6 +18,7 @@ KERNEL_FIELDS = {"sm_count", "gemm_tile_m", "gemm_tile_n", "gemm_efficiency", "g
                  "attention_efficiency", "attention_bwd_efficiency", "kernel_launch_us"}
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_every_preset_reads_as_before_the_inheritance():
     before = json.loads(SNAPSHOT.read_text())
     diff, added = differences(before, snapshot(sorted(before)))

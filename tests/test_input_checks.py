@@ -39,6 +39,7 @@ def test_every_numeric_field_of_the_schema_has_a_range():
     assert not [k for k in RANGES if k not in keys]  # no range for a key that is gone
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_every_default_and_every_preset_is_in_range():
     """A range that refused a shipped preset would refuse the user's working command."""
     assert range_problems(XparConfig()) == {}

@@ -181,6 +181,7 @@ def _presets(group: str) -> list[str]:
     return [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
 def test_every_preset_composes_and_validates(group):
     """Each preset on its own (the rest default) passes validation and the memory checks,
@@ -199,6 +200,7 @@ def test_every_preset_composes_and_validates(group):
             assert "refused" in text or "does not fit" in str(e), f"{group}={name}: {e}"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("name", _presets("experiment"))
 def test_every_experiment_composes_and_its_jobs_validate(name):
     """Every experiment preset (conf/experiment/<name>.yaml, run as ``+experiment=<name>``)

@@ -44,6 +44,7 @@ def test_offloaded_step_is_timed_and_sits_in_the_optimizer_term():
     assert e.time_per_step_s > plain.time_per_step_s - plain.time_breakdown["optimizer"]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_offload_time_grows_with_the_model_and_shrinks_with_pcie_bandwidth():
     small, big = estimate(offloaded("7b")), estimate(offloaded("70b"))
     for k in ("host_step_s", "param_to_device_s", "grad_to_host_s"):
@@ -69,6 +70,7 @@ def test_offload_time_on_arrays_equals_floats_and_hides_copies_behind_the_backwa
     assert arr["grad_to_host_exposed_s"][1] == pytest.approx(16 * (one_copy - 0.01 * 2 / 3), rel=1e-12)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_planner_offload_columns_equal_the_scalar_estimate():
     """Memory (device and host) and time of offloaded and plain candidates, planner against scalar."""
     from xpar.plan.evaluate import evaluate
@@ -170,6 +172,7 @@ def test_framework_offload_must_be_booleans(bad):
         offloaded("7b", "a100_80gb_8gpu", f"framework.offload={bad}")
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fit_refusal_suggests_offload_only_where_it_would_be_accepted():
     base = ("python -m xpar model=70b hardware=a100_80gb_8gpu train=cluster parallel=zero3 parallel.recompute=full "
             "train.global_batch_size=64 parallel.micro_batches=auto run.mode=estimate tracking=off ")
@@ -222,6 +225,7 @@ def test_estimate_notes_are_printed_and_tagged_and_offload_parts_logged(tmp_path
     assert m["estimate/offload_exposed_s"] == pytest.approx(m["estimate/time_optimizer_s"], rel=1e-9)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fit_alternatives_that_change_degrees_print_a_line_that_keeps_the_global_batch():
     """issue 12: 'global batch 8 kept' was promised over a line that ran global batch 2."""
     from xpar.estimate.preflight import alternatives

@@ -176,6 +176,7 @@ def test_compare_of_a_path_or_file_store_says_give_sqlite(tmp_path, capsys, form
     assert _digest(tmp_path) == before
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_compare_with_a_sweep_run_that_has_no_sweep_id(tmp_path, capsys, monkeypatch):
     """A sweep-role run without xpar.sweep_id (KeyError in compare before): no sweep to compare."""
     import mlflow

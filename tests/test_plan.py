@@ -76,6 +76,7 @@ def test_drop_reason_of_impossible_splits_says_what_fails():
     assert not any("fewer than 0" in text for text in RULES.values())
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     model = preset("model", "70b")
     space = enumerate_layouts(model, 64, 8, 4096, Constraints(global_batch=(512, 512)))
@@ -220,6 +221,7 @@ def test_7b_on_8_a100_dp_alone_does_not_fit_a_zero_stage_does(capsys):
     assert not r["offload"][plan.best] and r["offload"][plan.ranked].any()
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
     plan = plan_of("model=175b", "hardware=a100_80gb_1024gpu")
     out = show(plan, capsys)
@@ -228,6 +230,7 @@ def test_175b_on_1024_a100_tp_inside_the_node_pp_across_nodes(capsys):
     assert r["pp"][i] > 1 and r["tp"][i] * r["dp"][i] >= 8, out  # stages one node or more apart
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_70b_on_64_a100_prints_a_top_layout_and_its_reasoning(capsys):
     plan = plan_of("model=70b", "hardware=a100_80gb_64gpu")
     out = show(plan, capsys)
@@ -255,6 +258,7 @@ def test_70b_on_8_a100_fits_with_the_optimizer_offloaded(capsys):
     assert "framework.cpu_offload_optimizer=true" in line and spec.framework.cpu_offload_optimizer
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_70b_on_8_a100_without_offload_fits_no_layout_and_names_the_smallest_cluster(capsys):
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]")
     assert "no layout of model=70b fits on 8 x A100-SXM4-80GB" in err
@@ -266,6 +270,7 @@ def test_70b_on_8_a100_without_offload_fits_no_layout_and_names_the_smallest_clu
     assert len(plan_of("model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]", *fix.group(1).split()).ranked)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_devices_range_finds_the_smallest_cluster_reaching_the_throughput():
     from xpar.plan.command import search_smallest
     inputs, problems = plan_inputs(cfg_of("model=70b", "hardware=a100_80gb_8gpu", "plan.devices=[8,512]",
@@ -296,6 +301,7 @@ def refusal(capsys, *overrides: str) -> str:
     return err
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_bad_constraints_one_line_exit_2(capsys):
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "plan.pp=3")
     assert "plan.pp=3" in err and "pp values that work: [1, 2, 4, 8]" in err
@@ -346,6 +352,7 @@ def test_model_that_fits_no_layout_names_the_smallest_cluster(capsys):
     assert "the smallest cluster that fits the model is" in err
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_smallest_cluster_is_searched_between_doublings_or_says_it_was_not(capsys):
     """Doubling 5 devices finds 10; the whole-node sizes 6-9 are searched too and 8 fits (a
     fresh-user breaker: 405B was said to need 512 GPUs where 448 fit). Where more than
@@ -531,6 +538,7 @@ def test_a_framework_plan_holds_only_what_the_framework_runs(framework, schedule
 
 # --- issue 11: what a fresh user found in offload and the planner -----------------------------
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_host_memory_is_named_when_it_is_what_does_not_fit_and_the_fixes_plan(capsys):
     import re
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "hardware.host_memory_gb=500")

@@ -70,6 +70,7 @@ def assert_equal_to_scalar(ctx: PlanContext, sub: dict) -> dict:
     return res
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_cp_candidates_equal_the_scalar_estimate():
     """70B at 32k tokens on 64 H100: cp 1, 2, 4, 8 (the default at seq_len >= 16384)."""
     ctx = context("70b", "h100_80gb_64gpu", 32768)
@@ -88,6 +89,7 @@ def test_cp_rule_and_devices():
     assert (c["tp"] * c["pp"] * c["cp"] * c["dp"] == 64).all()
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_ep_candidates_equal_the_scalar_estimate():
     """Mixtral 8x7B at 32k on 64 H100 with cp and ep; DeepSeek-V3 on 2048 H800 with ep."""
     ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 32768)
@@ -102,6 +104,7 @@ def test_ep_candidates_equal_the_scalar_estimate():
     assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["ep"] > 1, 12, 2))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fp8_candidates_equal_the_scalar_estimate_and_need_an_fp8_peak():
     ctx = context("70b", "h100_80gb_64gpu", 8192)
     space = space_of(ctx, Constraints(global_batch=(128, 128), dtypes=("bf16", "fp8")))
@@ -180,6 +183,7 @@ def test_deepseek_v3_over_32_stages_memory_is_an_upper_bound():
         assert _close(float(res["time_per_step_s"][i]), est.time_per_step_s)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_cp_and_ep_candidates_on_lighter_ends_equal_the_scalar_estimate():
     """cp and ep over pp x v stages that do not divide the blocks (70B at 78 layers, Mixtral at 30):
     the K/V gathers of the fullest rank's blocks (a middle rank's, xpar.estimate.columns.stage_split.most_blocks) and

@@ -121,6 +121,7 @@ CONTEXTS = [("tiny", "a100_80gb_8gpu", "xpar", "bf16"), ("tiny", "h100_80gb_64gp
             ("175b", "h100_80gb_64gpu", "deepspeed", "bf16"), ("tiny", "a100_80gb_64gpu", FRAMEWORK_VARIANT, "fp32")]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("model,hardware,framework,dtype", CONTEXTS,
                          ids=[f"{c[0]}-{c[1]}-{c[2] if isinstance(c[2], str) else 'variant'}-{c[3]}" for c in CONTEXTS])
 def test_vector_memory_equals_scalar(model, hardware, framework, dtype):
@@ -132,6 +133,7 @@ def test_vector_memory_equals_scalar(model, hardware, framework, dtype):
     assert_equal(ctx, cols, rng.choice(40, 16, replace=False))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("k", [0, 2])
 def test_vector_memory_equals_scalar_with_recompute_layers(k):
     """parallel.recompute_layers = k blocks per stage (the rest keep everything): each stage's
@@ -193,6 +195,7 @@ def uneven_context(model: str, n_layers: int, hardware: str, framework, dtype: s
     return replace(ctx, model=dict(ctx.model, n_layers=n_layers))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("model,n_layers,hardware,framework", UNEVEN,
                          ids=[f"{c[0]}-{c[1]}-{c[3] if isinstance(c[3], str) else 'variant'}" for c in UNEVEN])
 def test_vector_memory_equals_scalar_on_lighter_ends(model, n_layers, hardware, framework):
@@ -205,6 +208,7 @@ def test_vector_memory_equals_scalar_on_lighter_ends(model, n_layers, hardware, 
     assert_equal(ctx, cols, range(len(cols["tp"])))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("k", [1, 4])
 def test_vector_memory_equals_scalar_on_lighter_ends_with_recompute_layers(k):
     """parallel.recompute_layers = k blocks per stage under lighter ends: the end stages' shares
@@ -280,6 +284,7 @@ def test_estimate_memory_is_peak_memory():
         assert estimate(spec).memory.total == peak_memory(spec).total
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_every_schedule_and_rank_choice():
     """Every schedule at pp 2 and 4 with m around pp, where the most loaded rank differs by
     schedule (first, last or a middle one)."""
@@ -324,6 +329,7 @@ def _as_sets(entries) -> list:
             for r, rc, f, rows, types in entries]
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_closed_form_peaks_equal_the_walk():
     """The schedules whose peaks the column memory model takes without walking give, rank by rank (ranks that can
     be the first maximum), the maximal

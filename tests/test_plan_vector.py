@@ -126,6 +126,7 @@ def _mismatches(ctx: PlanContext, cols: dict, got: dict, ests: list) -> list[str
     return bad
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("model", MODELS)
 def test_time_columns_equal_scalar_estimate(model):
     rng = np.random.default_rng(MODELS.index(model))
@@ -145,6 +146,7 @@ def test_time_columns_equal_scalar_estimate(model):
     assert offloaded >= 5  # the offloaded step is exercised (where the framework runs offload: xpar, deepspeed)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_time_columns_many_layouts_one_context():
     """Twenty-four layouts of 175B on 1024 A100 in one call (shared keys, pp classes)."""
     ctx = context("175b", "a100_80gb_1024gpu", "xpar")
@@ -157,6 +159,7 @@ def test_time_columns_many_layouts_one_context():
     assert not bad, "\n".join(bad[:20])
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_time_columns_equal_scalar_estimate_with_recompute_layers(k):
     """parallel.recompute_layers = k (of n_layers / (pp v) blocks per stage, clipped): the share
@@ -175,6 +178,7 @@ def test_time_columns_equal_scalar_estimate_with_recompute_layers(k):
     assert not bad, "\n".join(bad[:20])
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("staged", [None, 2])
 def test_time_columns_equal_scalar_estimate_on_lighter_ends(staged):
     """pp x v stages that do not divide the blocks, split with lighter ends (xpar.estimate.columns.stage_split): the
@@ -262,6 +266,7 @@ def test_replay_closed_forms_equal_the_replay(schedule, vs):
     assert checked >= 4
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_time_columns_on_the_plan_space():
     """Layouts drawn from the planner's own space (xpar.plan.space: every v dividing the layers,
     b up to 8, ZeRO at dp = 1 dropped, ...) for 70B on 64 H100: equal to the scalar estimate."""
@@ -317,6 +322,7 @@ def test_time_columns_with_measured_collective_curves():
     assert (got["time_dp_comm_exposed"] > 0).any() and specs[0].world_size == 8  # 4x the 2 cores: waits unstretched
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_time_columns_with_host_overhead_and_shared_cores():
     """A calibrated CPU preset (xpar calibrate: host time per operator, per DTensor operator and
     per FSDP2 unit, links and memory measured, 2 cores shared by up to 8 workers): equal to the

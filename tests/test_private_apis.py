@@ -23,6 +23,8 @@ def test_fake_store_and_replicate_and_dispatch_mode():
     assert hasattr(tp.functional_collectives(), "all_reduce")
     assert tp.in_backward() is False and tp.is_higher_order_op(torch.add) is False
     assert tp.tree_leaves({"a": [1, (2, 3)]}) == [1, 2, 3]
+    from torch.nn.parallel import DistributedDataParallel
+    assert callable(getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None))
 
 
 def test_fsdp_private_fields_are_where_xpar_reads_them():

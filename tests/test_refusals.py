@@ -341,6 +341,7 @@ def test_tracebacks_of_old_are_refusals_from_the_command_line(args, fragment, tm
     assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("outputs/*/worker_*"))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
     """`xpar compare`: a bad filter, an unknown sweep id, a missing store, an unreachable server
     and an unwritable output folder: exit 2, one line, in seconds (an unreachable URI took 250 s)."""
@@ -404,15 +405,15 @@ def test_an_estimate_of_a_local_gpu_without_a_peak_is_refused(monkeypatch):
     accepted once hardware.peak_tflops is given. (A GPU is simulated: this torch is a CPU build.)"""
     from dataclasses import replace
 
-    import xpar.config.hardware
+    import xpar.config.resolve
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
 
-    real = xpar.config.hardware.resolve_hardware
+    real = xpar.config.resolve.resolve_hardware
 
     def as_gpu(hw, *a, **k):
         return replace(real(hw, *a, **k), device="cuda", peak_tflops=hw.peak_tflops)
-    monkeypatch.setattr(xpar.config.hardware, "resolve_hardware", as_gpu)
+    monkeypatch.setattr(xpar.config.resolve, "resolve_hardware", as_gpu)  # where validation looks it up
     with pytest.raises(ConfigError) as e:
         spec_for("run.mode=estimate")
     msg = str(e.value)

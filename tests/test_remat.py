@@ -27,6 +27,7 @@ def _70b(recompute: str, *more: str):
     return estimate(_spec("parallel=3d", "model=70b", f"parallel.recompute={recompute}", *more))
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_memory_per_policy_ordered_on_70b():
     """Activations per device of the 70B layout. xpar's profile (flash attention):
     none > save_dot_except_mlp > save_qkv_proj > full, and xpar's op-level selective keeps more
@@ -108,6 +109,7 @@ def test_step_time_and_hfu_follow_the_policy():
         assert e.hardware_flops_per_step - e.model_flops_per_step == pytest.approx(extra, rel=1e-12)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_recompute_layers_per_stage():
     """parallel.recompute_layers = k: the first k blocks of each stage recomputed (Megatron's
     --recompute-num-layers, block method), the rest keep everything; memory and FLOPs in between."""
@@ -176,6 +178,7 @@ def runs():
     return out
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_maxtext_policies_execute_exactly(runs):
     """save_dot_except_mlp and save_qkv_proj (and full on one block per stage) give the loss and
     every gradient of no recompute, bit for bit (the same ops in the same order)."""
@@ -187,6 +190,7 @@ def test_maxtext_policies_execute_exactly(runs):
         assert all(torch.equal(g, g0) for g, g0 in zip(runs[mode][1], grads)), mode
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_executed_memory_and_flops_are_the_estimates(runs):
     """Measured on CPU: each policy keeps, beyond full recompute's block inputs, exactly the
     outputs the estimate counts (fp32: q, k, v and wo, or q, k, v), and reruns exactly the matmul

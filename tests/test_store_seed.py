@@ -3,6 +3,7 @@ MLflow would have built, and seeding never stands between a run and its store.""
 import sqlite3
 
 import mlflow
+import pytest
 
 from xpar.track import runs, store_seed
 
@@ -19,6 +20,7 @@ def _store(db):
     return tables, version, experiments
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_a_seeded_store_is_the_store_mlflow_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     seeded, built = tmp_path / "seeded", tmp_path / "built"
@@ -39,6 +41,7 @@ def test_a_seeded_store_is_the_store_mlflow_builds(tmp_path, monkeypatch):
     assert mlflow.get_run(run.info.run_id).data.metrics == {"loss": 1.5}
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     (tmp_path / "cache").write_text("a file where the cache folder should be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -49,6 +52,7 @@ def test_an_unusable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     assert store_seed.seed_sqlite_store(tmp_path / "mlflow.db") is False  # an existing store is never replaced
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_a_damaged_template_is_rebuilt_not_copied(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -61,6 +65,7 @@ def test_a_damaged_template_is_rebuilt_not_copied(tmp_path, monkeypatch):
     assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_a_template_at_another_revision_is_rebuilt_not_copied(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -73,6 +78,7 @@ def test_a_template_at_another_revision_is_rebuilt_not_copied(tmp_path, monkeypa
     assert runs.setup_experiment(None, "xpar", None, tmp_path) == "1"
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_plans_side_process_opens_a_new_store_from_the_template(tmp_path, monkeypatch):
     """xpar plan warms its store in a side process (xpar.track.runs.open_store): a new SQLite store there
     is a copy of the template too, and MLflow then reads it (its Default experiment added)."""

@@ -12,11 +12,20 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import xpar.config.schema  # noqa: F401  (registers the schema)
+from xpar.config.checks import ConfigError
 from xpar.config.overrides import refuse_bad_overrides
 from xpar.config.presets import conf_dir
+import xpar.config.schema  # noqa: F401  (registers the schema)
+from xpar.config.schema import SweepConfig
+from xpar.help import print_help, plan_help_text, print_page
+from xpar.plan.inputs import plan_argv
+from xpar.run.exits import WorkerFailed, exit_worker
+from xpar.run.job import SweepJobFailed, run_job
+from xpar.track import side_process
+from xpar.track.recorder import sync
 from xpar.track.run_dir import claim_before_hydra
-from xpar.track.runs import ignore_inherited_run, open_store
+from xpar.track.runs import ignore_inherited_run, open_store, TrackingUnavailable, default_uri
+from xpar.track.sweep import current_sweep, mark_interrupted
 
 START_DIR = Path.cwd()
 
@@ -24,9 +33,6 @@ START_DIR = Path.cwd()
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     """One job; returns the value of ``sweep.metric`` (the objective for sweepers such as Optuna)."""
-    from xpar.run.job import run_job
-    from xpar.track.sweep import current_sweep
-
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     sweep = current_sweep()
     try:
@@ -37,10 +43,6 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     except Exception as e:
         if sweep is not None:  # Hydra shows only the first failed job's error, at the end: say each one now
             logging.getLogger("xpar").error(f"job {sweep['job_num']} failed: {type(e).__name__}: {e}")
-            from xpar.config.checks import ConfigError
-            from xpar.run.job import SweepJobFailed
-            from xpar.run.launch import WorkerFailed
-            from xpar.track.runs import TrackingUnavailable
             if isinstance(e, (WorkerFailed, ConfigError, TrackingUnavailable)):  # a stated reason: no traceback
                 raise SweepJobFailed(f"xpar: job {sweep['job_num']} failed: {type(e).__name__}: {e} "
                                      f"(its folder: {out_dir})") from None
@@ -57,7 +59,6 @@ def optuna_failure_rate(argv: list[str]) -> list[str]:
     if not any(a.lstrip("+").startswith("hydra/sweeper=optuna") for a in argv) or \
             any(a.startswith("hydra.sweeper.max_failure_rate=") for a in argv):
         return []
-    from xpar.config.schema import SweepConfig
     rate = next((a.split("=", 1)[1] for a in argv if a.startswith("sweep.max_failure_rate=")),
                 SweepConfig.max_failure_rate)
     return [f"hydra.sweeper.max_failure_rate={rate}"]
@@ -65,7 +66,6 @@ def optuna_failure_rate(argv: list[str]) -> list[str]:
 
 def _sync(args: list[str]) -> int:
     """``xpar sync <run dir>...``: send what the journal kept (xpar.track.recorder.sync)."""
-    from xpar.track.recorder import sync
     if {"--help", "-h", "help"} & set(args):
         print("usage: xpar sync <run dir> [<run dir> ...]\n\nSend what each run's tracking journal "
               "(<run dir>/tracking_journal.jsonl) kept and the MLflow store has not taken; only adds what is "
@@ -99,7 +99,6 @@ def sqlite_store(argv: list[str]) -> Optional[str]:
     building a new store at once break it (MLflow: "No such index ...")."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from xpar.track.runs import default_uri
     executes = any(key == "plan.execute_top" and value not in ("0", "null")
                    for key, _, value in (a.partition("=") for a in argv))
     if executes or {"-m", "--multirun"} & set(argv):
@@ -118,26 +117,22 @@ def _commands() -> None:
     become a run.mode=plan run's); anything else is left to Hydra."""
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command == "compare":
-        from xpar.track.compare import main as compare_main
+        from xpar.track.compare import main as compare_main  # lazy: pandas (xpar.LAZY_IMPORTS)
         raise SystemExit(compare_main(sys.argv[2:]))
     if command in ("--help", "-h", "help"):  # groups, presets, commands, where runs go
-        from xpar.help import print_help
         print_help()
         raise SystemExit(0)
     if command == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
     if command == "calibrate":  # measure this machine into a hardware preset
-        from xpar.calibrate.command import main as calibrate_main
+        from xpar.calibrate.command import main as calibrate_main  # lazy: torch (xpar.LAZY_IMPORTS)
         raise SystemExit(calibrate_main(sys.argv[2:]))
     if command == "plan" and {"--help", "-h", "help"} & set(sys.argv[2:]):
-        from xpar.help import plan_help_text, print_page
         print_page(plan_help_text())
         raise SystemExit(0)
     if command == "plan":  # every layout ranked (xpar.plan): run.mode=plan
-        from xpar.plan.inputs import plan_argv
         sys.argv[1:] = plan_argv(sys.argv[2:])
         if tracking_on(sys.argv[1:]):
-            from xpar.track import side_process
             uri = sqlite_store(sys.argv[1:])
             # imports MLflow (and opens or creates a SQLite store) on the other core while the plan is searched
             side_process.start(warm=None if uri is None else partial(open_store, uri))
@@ -174,14 +169,12 @@ def main() -> None:
     try:
         _hydra_main()
     except KeyboardInterrupt:
-        from xpar.track.sweep import mark_interrupted
         mark_interrupted()  # a sweep's parent run ends KILLED (xpar.track.sweep.finish_sweep, at exit)
         print("xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED.", file=sys.stderr)
         raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank that finished (results logged) skips interpreter finalization,
-        # where gloo can abort the process (see xpar.run.worker.exit_worker).
-        from xpar.run.worker import exit_worker
+        # where gloo can abort the process (see xpar.run.exits.exit_worker).
         exit_worker()
 
 

@@ -3,6 +3,9 @@ are recorded. Read from the config tree, so a new preset shows up without editin
 (Hydra's own page stays available as ``--hydra-help``.) Torch-free."""
 from __future__ import annotations
 
+from xpar.config.presets import conf_dir, presets
+from xpar.config.schema import PlanConfig
+
 HEADLINE = """\
   python -m xpar                                   tiny model, data-parallel over the local CPU workers
   python -m xpar parallel=zero3                    same model, ZeRO-3 (FSDP2)
@@ -18,8 +21,6 @@ HEADLINE = """\
 def groups_text() -> str:
     """One line per config group of conf/: its presets, the default marked with '*'."""
     from omegaconf import OmegaConf
-
-    from xpar.config.presets import conf_dir, presets
 
     defaults = {}
     for entry in OmegaConf.load(conf_dir() / "config.yaml").get("defaults", []):
@@ -107,8 +108,6 @@ def plan_help_text() -> str:
     """``xpar plan --help``: usage, examples and every ``plan.*`` key with its default and meaning."""
     import dataclasses
     import textwrap
-
-    from xpar.config.schema import PlanConfig
 
     docs = field_docs(PlanConfig)
     keys = []

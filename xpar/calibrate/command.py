@@ -8,45 +8,7 @@ core, whatever else the machine runs at the time; the estimate stretches a step 
 the cores its workers get); collectives the median over :data:`COLLECTIVE_REPS` calls, in wall
 time, as a curve per collective and size (``ring_step_us_by_bytes``).
 
-- matmul: square GEMMs of side n (2 n^3 FLOPs) with the threads a worker uses; the best
-  rate is ``peak_tflops``. ``matmul_efficiency``: on a CPU, fitted so that the cost model times
-  a reference transformer block's forward and backward as measured (:func:`fit_block_efficiency`:
-  0.81-0.86 here, where real blocks reach ~75 % of the best GEMM's rate); on a GPU, fitted to the cost
-  model's curve eta(n) = matmul_efficiency * n / (n + GEMM_HALF_DIM) over the square GEMMs
-  (:mod:`xpar.estimate.cost`), capped at 1;
-- memory bandwidth: ``dst.copy_(src)`` of large fp32 tensors, 2 x bytes moved per copy
-  (read + write) -> ``hbm_tb_per_s``;
-- optimizer: torch's single-tensor AdamW step (what xpar executes) over 16M fp32 elements, per
-  element -> ``optimizer_ns_per_element`` (2.0-2.8 ns here with large tensors kept on the heap,
-  xpar.run.host_memory; 84 bytes per element over the copy bandwidth would say ~4.3 ns);
-- the wait at a blocking collective: a 16-float all-reduce timed right after ~10 ms of compute
-  (:data:`SYNC_WORK_S`) started at a barrier, mean wall time, less the all-reduce alone
-  (:func:`measure_sync_wait`) -> ``sync_wait_us``;
-- host time (CPU; :mod:`xpar.estimate.host`): a transformer block at hidden 8 and one token,
-  forward and backward, over the aten operators it dispatches -> ``op_overhead_us``; AdamW on
-  DTensor parameters against plain ones, per operator -> ``dtensor_op_overhead_us``; the block
-  under FSDP2 against the plain block -> ``fsdp_unit_overhead_us``; the block under the tp plan,
-  the first stage's embedding and the last stage's output and loss under tp against plain ones ->
-  ``tp_block_overhead_us``, ``tp_first_overhead_us``, ``tp_last_overhead_us`` (a 1-rank mesh per
-  worker: no communication; here ~3.2 ms per block, where 13 DTensor operators per linear at
-  ``dtensor_op_overhead_us`` would say ~1 ms); the cores the workers share -> ``cpu_cores``;
-- collectives over the backend at hand (gloo on CPU): all-reduce, all-gather, reduce-scatter,
-  broadcast and send/recv over message sizes, fitted to the alpha-beta model
-  t = steps * alpha + ring_bytes / beta (ring steps 2(n-1) for all-reduce, n-1 for all-gather
-  and reduce-scatter, 1 for send/recv; ring bytes from :func:`xpar.estimate.comm.ring_factor`)
-  by least squares over every collective -> ``intra_node_latency_us`` (alpha) and
-  ``intra_node_gb_per_s`` (beta); ``link_efficiency`` = 1 (beta is already achieved bus bandwidth);
-  and per collective the seconds of one ring step by the chunk it carries, made non-decreasing
-  in size (:func:`ring_step_curves`) -> ``ring_step_us_by_bytes``, which the estimate uses inside
-  a node instead of alpha and beta (xpar.estimate.collectives.measured_time): 1 KiB .. 256 MiB,
-  as GPT-2 small's FSDP units issue (28 MB blocks, a 309 MB root); above 8 MiB only calls in
-  which no rank faulted on more than 1 % of the message's pages count, as in a settled run
-  (:func:`settled_time`).
-
-The preset is written as ``conf/hardware/calibrated_<name>.yaml`` (select it with
-``hardware=calibrated_<name>``) with the date, host and torch version in its header; the raw
-curves go to an MLflow run (tag ``xpar.mode=calibrate``) and ``calibration.json``. On a shared
-machine the figures move with its load: measure again before comparing runs with estimates.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -69,6 +31,8 @@ from xpar.calibrate.preset import (
 )
 from xpar.config.presets import conf_dir
 from xpar.config.hardware import CALIBRATED_PREFIX
+from xpar.estimate.fidelity import CONTENTION_SHARE, usable_cores
+from xpar.track.runs import setup_experiment
 
 
 def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> Optional[str]:
@@ -77,8 +41,6 @@ def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> 
     xpar.calibrate.measure.timed_share) below :data:`xpar.estimate.fidelity.CONTENTION_SHARE` of what
     ``workers`` x ``threads`` threads on ``cores`` cores allow: other load was calibrated in, and every
     estimate on the preset reads slower than this machine is."""
-    from xpar.estimate.fidelity import CONTENTION_SHARE
-
     values = [s for by_size in shares.values() for s in by_size.values() if isinstance(s, (int, float))]
     if not values:
         return None
@@ -94,8 +56,6 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
     """An MLflow run (tag xpar.mode=calibrate) with the preset's values as params, the raw
     curves as metrics and artifacts; its id."""
     import mlflow
-
-    from xpar.track.runs import setup_experiment
 
     exp = setup_experiment(None, "xpar", None, Path.cwd())
     with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
@@ -130,7 +90,6 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
     if p2p is not None:
         values["p2p_latency_us"] = p2p * 1e6
     values["ring_step_us_by_bytes"] = ring_step_curves(coll, workers)
-    from xpar.estimate.fidelity import usable_cores
     busy = contention_warning(measured["collective_shares"], workers, threads, usable_cores())
     if busy:
         print(f"xpar calibrate: warning: {busy}", file=sys.stderr, flush=True)

@@ -5,11 +5,31 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from xpar.config.schema import ModelConfig
+from xpar.estimate.fidelity import cpu_share, task_cpu_ns
+from xpar.models.transformer import Block, Transformer
+from xpar.parallel.tensor import apply_tp, block_plan, loss_context, parallel_cross_entropy
+from xpar.parallel.torch_internals import dispatch_mode_base
+from xpar.run.exits import exit_worker
+from xpar.run.host_memory import keep_large_tensors_on_the_heap
+from xpar.run.launch import free_port
 
 GEMM_SIDES = (64, 128, 256, 384, 512)
 
@@ -41,12 +61,8 @@ SETTLED_FAULTS = 0.01
 """A large call counts only when no rank took page faults over more than this fraction of the
 message's 4 KiB pages during it (:func:`settled_time`). gloo's all-gather allocates a temporary
 the size of the message in each call; on a heap that has just grown (a calibration's fresh
-buffers) it lands on fresh pages again and again, one fault per page. Measured here (2 workers,
-torch 2.13): a 256 MiB all-gather took 0.78-1.07 s in calls that faulted its 65,536 pages and
-0.14-0.18 s in calls that did not, the calls mixed; in GPT-2 small's ZeRO-2 and ZeRO-3 runs, once
-settled, the median all-gather of every size faulted no page (the 298 MiB root: 166-194 ms; its
-reduce-scatter faulted on ~11 % of its pages on one rank of ZeRO-3, none on the other): a
-calibration that kept the faulting calls priced that gather 5x. Where
+buffers) it lands on fresh pages again and again, one fault per page, and such calls take several
+times longer than settled ones, which runs see once settled (benchmarks/README.md). Where
 transparent huge pages are 'always', a fresh region faults once per 2 MiB and passes: the
 check then keeps what the calls cost as they came."""
 
@@ -118,15 +134,12 @@ def compute_clock(device: str, threads: int = 1) -> Callable[[], float]:
 
 
 def _sync(device: str) -> Callable[[], None]:
-    import torch
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
 def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: str = "cpu") -> dict[int, float]:
     """FLOP/s of an n x n matmul per side n: fp32 with ``threads`` torch threads on CPU,
     bf16 on CUDA (the dtype of the GPU presets' dense peak)."""
-    import torch
-
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -143,8 +156,6 @@ def measure_matmul(sides=GEMM_SIDES, threads: int = 1, reps: int = 5, device: st
 
 def measure_memory_bandwidth(mib: int = 64, reps: int = 5, device: str = "cpu") -> float:
     """Bytes/s of ``dst.copy_(src)`` for ``mib`` MiB fp32 tensors (read + write counted)."""
-    import torch
-
     src = torch.ones(mib * 2 ** 18, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, _sync(device), STEP_WINDOW_S,
@@ -155,8 +166,6 @@ def measure_optimizer(elements: int = 2 ** 24, tensors: int = 4, reps: int = 5, 
     """Nanoseconds per parameter element of torch's single-tensor AdamW step (``foreach=False``,
     xpar.parallel.data_parallel.build_optimizer) over ``tensors`` fp32 tensors of ``elements`` /
     ``tensors`` each (16 MiB, with their grads and states past the L3 cache as a model's are); CPU seconds on CPU."""
-    import torch
-
     params = [torch.nn.Parameter(torch.randn(elements // tensors, device=device)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -175,11 +184,9 @@ REFERENCE_BATCH = 2
 
 """The transformer block whose forward and backward fit a CPU's ``matmul_efficiency``
 (:func:`fit_block_efficiency`): Llama-style, between the mini and GPT-2 small presets in width,
-at 2 x 128 tokens. Measured here (one thread per worker, both workers at once, CPU seconds),
-real blocks reach a similar share of the best square GEMM's rate whatever their shape: mini's
-(hidden 384, 4 x 64 tokens) 144 GFLOP/s of matmul FLOPs per second forward and backward, GPT-2
-small's (768, 1 x 128) 149, where square GEMMs peak at 190-210 (the rest: element-wise work,
-GEMMs on transposed operands, weights that leave the cache)."""
+at 2 x 128 tokens: on a CPU, real blocks reach a similar share of the best square GEMM's rate
+whatever their shape (element-wise work, GEMMs on transposed operands, weights that leave the
+cache: benchmarks/README.md)."""
 
 
 def measure_block(reps: int = 5, device: str = "cpu") -> float:
@@ -187,11 +194,6 @@ def measure_block(reps: int = 5, device: str = "cpu") -> float:
     sequences (its input requiring grad, as every block's in a model; gradients set to None
     before each, as xpar's step does: accumulation is priced apart,
     xpar.estimate.cost.gradient_time), CPU seconds on a CPU (:func:`compute_clock`)."""
-    import torch
-
-    from xpar.config.schema import ModelConfig
-    from xpar.models.transformer import Block
-
     cfg = ModelConfig(**REFERENCE_BLOCK)
     block = Block(cfg).to(device)
     x = torch.randn(REFERENCE_BATCH, cfg.seq_len, cfg.hidden, device=device, requires_grad=True)
@@ -206,9 +208,6 @@ def measure_block(reps: int = 5, device: str = "cpu") -> float:
 def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], None]:
     """One call of collective ``name`` with a payload of ``nbytes`` (the all-reduced buffer,
     the gathered output, the reduce-scattered input, the broadcast or sent message)."""
-    import torch
-    import torch.distributed as dist
-
     n = max(world, nbytes // 4 // world * world)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     full, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
@@ -239,7 +238,6 @@ def timed_share(measure: Callable[[], float], device: str) -> tuple[float, float
     xpar.estimate.fidelity.cpu_share, 1.0 on a GPU or without schedstat): how loaded the machine was."""
     if device != "cpu":
         return measure(), 1.0
-    from xpar.estimate.fidelity import cpu_share, task_cpu_ns
 
     before = task_cpu_ns([os.getpid()], main_only=True)
     seconds = measure()
@@ -253,11 +251,6 @@ def settled_time(call: Callable[[], None], reps: int, nbytes: int, sync: Callabl
     run's steps reach; a call with faults is timed but left out), at most ``max_calls`` calls
     (default 3 x ``reps``; the median of all when too few qualify). Every rank calls it at once:
     the ranks' fault counts are all-reduced (max) after each call, which also lines them up."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
     faults = torch.zeros(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     pages, every, settled = max(1, nbytes // 4096), [], []
     call()
@@ -283,8 +276,6 @@ def collective_worker(payload: dict) -> dict:
     send/recv: one way, half a
     ping-pong), in wall time: ``times``, and the CPU share of the main thread they were measured
     at (:func:`timed_share`): ``shares``; collectives the backend does not offer are left out."""
-    import torch.distributed as dist
-
     world, rank, out, shares = dist.get_world_size(), dist.get_rank(), {}, {}
     for name in payload["collectives"]:
         try:
@@ -321,9 +312,6 @@ def measure_sync_wait(reps: int = 120, device: str = "cpu") -> float:
     at a barrier, as a run's ranks leave their previous collective together, and times the
     all-reduce alone after its own compute (the difference of two separately timed means moved
     by +-1 ms here)."""
-    import torch
-    import torch.distributed as dist
-
     a, g = torch.randn(128, 128, device=device), torch.ones(16, device=device)
     sync = _sync(device)
     calls = max(1, int(SYNC_WORK_S / max(median_time(lambda: a @ a, 5, sync, 0.01), 1e-7)))
@@ -349,14 +337,10 @@ def _rank_entry(rank: int, world: int, port: int, payload: dict, out: str) -> No
 
 
 def _measure_rank(rank: int, world: int, port: int, payload: dict, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(payload["threads"])
     if payload["device"] == "cuda":
         torch.cuda.set_device(rank)
     else:  # as a run's workers allocate (xpar.run.worker.run_rank)
-        from xpar.run.host_memory import keep_large_tensors_on_the_heap
         keep_large_tensors_on_the_heap()
     backend = "nccl" if payload["device"] == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -370,7 +354,6 @@ def _measure_rank(rank: int, world: int, port: int, payload: dict, out: str) -> 
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-    from xpar.run.worker import exit_worker
     exit_worker()
 
 
@@ -382,9 +365,6 @@ STAGES = ("matmul", "memory bandwidth", "optimizer step", "host time per operato
 def stage(payload: dict, what: str) -> None:
     """Rank 0 says on stderr which of :data:`STAGES` starts (``payload['progress']``): a calibration
     takes about a minute, under SLURM or in a log file as well."""
-    import sys
-
-    import torch.distributed as dist
     if payload.get("progress") and dist.get_rank() == 0:
         print(f"xpar calibrate: [{STAGES.index(what) + 1}/{len(STAGES)}] {what} ...", file=sys.stderr, flush=True)
 
@@ -393,9 +373,6 @@ def compute_worker(payload: dict) -> dict:
     """On every rank at once, as a run's workers compute side by side (sharing cores, caches and
     memory bandwidth, and the machine's other load): matmul rates per GEMM side, memory
     bandwidth and (CPU) :func:`host_worker`'s figures on a 1-rank mesh of this rank; rank 0's."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
     device, reps = payload["device"], payload["reps"]
     dist.barrier()
     stage(payload, "matmul")
@@ -427,12 +404,6 @@ def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str 
     per side, ``memory_bandwidth``: bytes/s, ``host``: microseconds), ``collectives`` (seconds
     per collective and size) and ``collective_shares`` (the CPU shares they were measured at);
     ``progress``: a line per stage on stderr (:func:`stage`)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from xpar.run.launch import free_port
-
     payload = {"collectives": COLLECTIVES, "sizes": list(sizes), "reps": reps, "threads": threads, "device": device,
                "progress": progress}
     with tempfile.TemporaryDirectory() as d:
@@ -456,8 +427,6 @@ def _run_workers(ctx) -> None:
 
     Raises:
         CalibrationFailed: a worker raised (its last error line) or exited non-zero."""
-    import torch.multiprocessing as mp
-
     try:
         while not ctx.join(timeout=1.0):
             pass
@@ -477,9 +446,7 @@ def _run_workers(ctx) -> None:
 
 def _count_ops(fn: Callable[[], object]) -> int:
     """Aten operators that ``fn()`` dispatches (``TorchDispatchMode``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
+    class Count(dispatch_mode_base()):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -494,16 +461,12 @@ def _count_ops(fn: Callable[[], object]) -> int:
 def _probe_config():
     """The tiny preset's architecture at hidden 8 and one token: compute negligible beside the host
     time of its operators."""
-    from xpar.config.schema import ModelConfig
     return ModelConfig(name="probe", n_layers=1, hidden=8, n_heads=2, n_kv_heads=1, ffn_hidden=8, vocab_size=16,
                        seq_len=1, activation="swiglu", norm="rmsnorm", position="rope", bias=False)
 
 
 def _tiny_block():
     """A transformer block of :func:`_probe_config` and its input of one token."""
-    import torch
-
-    from xpar.models.transformer import Block
     return Block(_probe_config()), torch.randn(1, 1, 8)
 
 
@@ -514,17 +477,6 @@ def tp_worker(mesh, timed: Callable[[Callable], float], plain_block_s: float) ->
     plain block (``plain_block_s``, seconds), the first stage's embedding and the last stage's
     norm, output and vocabulary-parallel loss under xpar.parallel.tensor.apply_tp against plain
     ones. ``timed(fn)``: seconds per call."""
-    import torch
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from xpar.models.transformer import Transformer
-    from xpar.parallel.tensor import (
-        apply_tp,
-        block_plan,
-        loss_context,
-        parallel_cross_entropy,
-    )
-
     block, x = _tiny_block()
     parallelize_module(block, mesh, block_plan(block, False))
     tokens, h = torch.zeros(1, 1, dtype=torch.long), torch.randn(1, 1, 8)
@@ -549,10 +501,6 @@ def host_worker(reps: int, mesh) -> dict:
     (AdamW's update of 20 DTensor parameters against plain ones, 9 operators per tensor + 2),
     FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block), and
     tensor parallelism's per block and stage end (:func:`tp_worker`): xpar.estimate.host."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     block, x = _tiny_block()
     step = (lambda m: lambda: m(x).sum().backward())
     ops = _count_ops(step(block))

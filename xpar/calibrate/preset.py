@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Optional
 
 from xpar.calibrate.measure import REFERENCE_BATCH, REFERENCE_BLOCK
+from xpar.config.presets import conf_dir
+from xpar.config.schema import HardwareConfig, ModelConfig
+from xpar.estimate.collectives import ring_steps, WHOLE_MESSAGE
+from xpar.estimate.comm import ring_factor
+from xpar.estimate.cost import Assumptions, layer_costs, GEMM_HALF_DIM
+from xpar.estimate.host import block_ops
 
 
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
@@ -24,10 +30,6 @@ def fit_block_efficiency(seconds: float, peak_tflops: float, hbm_tb_per_s: float
     backward; within [0.2, 1] (a block measured faster than its memory-bound and host terms
     alone: 1)."""
     from types import SimpleNamespace as NS
-
-    from xpar.config.schema import HardwareConfig, ModelConfig
-    from xpar.estimate.cost import Assumptions, layer_costs
-    from xpar.estimate.host import block_ops
 
     cfg = ModelConfig(**REFERENCE_BLOCK)
     hw = HardwareConfig(device="cpu", peak_tflops=peak_tflops, hbm_tb_per_s=hbm_tb_per_s, matmul_efficiency=1.0)
@@ -48,9 +50,6 @@ def fit_alpha_beta(timings: dict, world: int) -> tuple[float, float]:
         ValueError: fewer than two measurements, or a fit without positive bandwidth.
     """
     import numpy as np
-
-    from xpar.estimate.collectives import ring_steps
-    from xpar.estimate.comm import ring_factor
 
     rows, ts = [], []
     for name, by_size in timings.items():
@@ -92,8 +91,6 @@ def ring_step_curves(timings: dict, world: int) -> dict:
     message, xpar.estimate.collectives.WHOLE_MESSAGE) and
     step = time / :func:`xpar.estimate.collectives.ring_steps`; collectives the backend did not
     run are left out."""
-    from xpar.estimate.collectives import WHOLE_MESSAGE, ring_steps
-
     out = {}
     for name, by_size in timings.items():
         if "unsupported" in by_size or not by_size:
@@ -129,9 +126,6 @@ def preset_values(matmul: dict, bandwidth: float, alpha: float, beta: float, dev
     with it and labelled calibrated, xpar.config.hardware.is_this_machine)."""
     from dataclasses import fields
 
-    from xpar.config.schema import HardwareConfig
-    from xpar.estimate.cost import GEMM_HALF_DIM
-
     peak = max(matmul.values())
     values = {"name": name, "device": device, "devices_per_node": "auto", "nodes": 1,
               "peak_tflops": peak / 1e12,
@@ -156,8 +150,6 @@ def write_preset(name: str, values: dict, header: list[str], conf: Optional[Path
         OSError: the config tree is not writable.
     """
     from omegaconf import OmegaConf
-
-    from xpar.config.presets import conf_dir
 
     path = (conf or conf_dir()) / "hardware" / f"calibrated_{name}.yaml"
     body = OmegaConf.to_yaml(OmegaConf.create(values))

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from xpar.config.presets import conf_dir
+from xpar.config.schema import FrameworkConfig
 from xpar.config.spec import RunSpec
+from xpar.config.validate import validate
+from xpar.estimate.columns.stage_split import plan_split
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
+from xpar.estimate.flops import model_flops_per_token
 from xpar.estimate.kernel_costs import fitted_field
 
 
@@ -19,7 +24,6 @@ def preset(group: str, name: str) -> dict:
     ``defaults`` list names (conf/framework/megatron_zb.yaml: megatron's, then its own)."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir
     own = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
     out: dict = {}
     for base in own.pop("defaults", None) or []:
@@ -31,8 +35,6 @@ def preset(group: str, name: str) -> dict:
 def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
     """A validated estimate-mode RunSpec from plain group dicts (through xpar.config.validate; what-if
     studies: a layout that does not fit device memory is returned, not refused)."""
-    from xpar.config.validate import validate
-
     cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
            "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
     return validate(cfg)
@@ -83,7 +85,6 @@ def framework_assumptions(name: str, **changes):
     """A framework profile (conf/framework/<name>.yaml) as Assumptions, with ``changes``."""
     from dataclasses import replace
 
-    from xpar.config.schema import FrameworkConfig
     return replace(Assumptions.from_config(FrameworkConfig(**preset("framework", name))), **changes)
 
 
@@ -284,7 +285,6 @@ def bloom_row(row: dict):
     Megatron-DeepSpeed as BLOOM ran it (conf/framework/deepspeed_bloom.yaml: Megatron's fused softmax,
     not flash attention; dropout 0.1 as Megatron's defaults, the tr11 README); Jean Zay's nodes: 8 A100 80GB, four Omni-Path
     100 Gb/s links (BLOOM paper, arXiv 2211.05100, Sec. 3.4.1)."""
-    from xpar.estimate.columns.stage_split import plan_split
     h, pp, layers = int(row["hidden"]), int(row["pp"]), int(row["layers"])
     model = dict(name=row["id"], n_layers=layers, hidden=h, n_heads=int(row["heads"]), n_kv_heads=None, ffn_hidden=4 * h,
                  vocab_size=250880, seq_len=2048, activation="gelu", norm="layernorm", position="learned",
@@ -422,15 +422,12 @@ CHECK_ONLY = frozenset({"llmfoundry_mpt_a100", "llmfoundry_mpt_h100", "ibm_fms_f
 """Sources no fit uses: FSDP / ZeRO-3 runs at scale and Megatron-style tp x pp x dp runs
 (Korthikanti et al. 2022 and MT-NLG on A100) added as checks after the constants were fitted
 (issue 9), held out from every fit so that they cannot move the constants; their
-'calibration' and 'held out' errors are both at the constants fitted without them. NeMo's H100
-recipes (dgxc_nemo_h100_bf16) were added the same way and then admitted to the H100 fit: their
-steps are 82-91 % matmul, so they measure the H100 efficiency almost directly, where the two
-Llama 3 rows, at the v = 2 then assumed (19-31 % bubble), could not tell 0.678 from 0.76; at the V = 8
-their paper implies they fit 0.575 alone. DeepSpeed 2021's ZeRO-3 rows of Narayanan et al. Table 2 left the
-fit on 2026-12-06 (issue 27): 26-78 % of their steps is dp communication and its host ops, whose pricing
-turns on a setting the paper does not publish (DeepSpeed's reduce_scatter: with it the A100 fit was 0.672,
-at its default 0.668), so they measure DeepSpeed's communication, not the GEMMs; BLOOM's runs (Megatron-DeepSpeed)
-fit the one constant of their own (layer_overhead_ms, :func:`fit_layer_overhead`), not the efficiency."""
+'calibration' and 'held out' errors are both at the constants fitted without them. DeepSpeed
+2021's ZeRO-3 rows of Narayanan et al. Table 2 are checks too: 26-78 % of their steps is dp
+communication, whose pricing turns on a setting the paper does not publish; BLOOM's runs
+(Megatron-DeepSpeed) fit the one constant of their own (layer_overhead_ms,
+:func:`fit_layer_overhead`), not the efficiency. Why each source sits where it does:
+docs/accuracy/fit_history.md."""
 
 
 def breakdown(case, efficiency: float) -> dict[str, float]:
@@ -558,7 +555,6 @@ def published_figure(est, spec, metric: str) -> float:
         return est.tokens_per_s_per_device
     if metric == "tflops_per_gpu":
         return est.tflops_per_device
-    from xpar.estimate.flops import model_flops_per_token
     return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
         model_flops_per_token(spec.model, spec.seq_len)
 

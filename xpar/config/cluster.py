@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from xpar.config.hardware import is_this_machine
 from xpar.config.spec import RunSpec
 
 
@@ -65,8 +66,6 @@ def submitit_task_problems(launcher, job) -> list[str]:
     runs one rank per task (:func:`adopt_submitit_tasks`), so an executed layout (``job``: a composed
     job config) must have as many ranks (dp 'auto' fills them: tp x pp x cp must divide them).
     ``launcher``: ``hydra.launcher``. [] for other launchers, one-task jobs and estimates."""
-    from xpar.config.hardware import is_this_machine
-
     if launcher.get("submitit_folder") is None:  # not a submitit launcher (xpar.track.slurm's included)
         return []
     nodes, per_node = int(launcher.get("nodes") or 1), int(launcher.get("tasks_per_node") or 1)

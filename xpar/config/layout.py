@@ -5,19 +5,7 @@ stages and their layers, the ZeRO stage that runs. Validation builds it once
 (:mod:`xpar.config.validate`); the engine factory, the mesh, the cost model, the dry run, the
 reports and the planner read it.
 
-Rank order. The mesh has axes ``AXES = (pp, dp, cp, tp)``, tp innermost: rank r sits at
-``(r // (dp cp tp), (r // (cp tp)) % dp, (r // tp) % cp, r % tp)``, so a tensor-parallel group
-is consecutive ranks inside a node, as in Megatron-LM (Narayanan et al. 2021, Sec. 3), and a
-context-parallel group is tp-strided next. Megatron-Core orders tp-cp-ep-dp-pp (tp fastest; its
-ep is taken inside dp x cp and adds no ranks, as xpar's), torchtitan (pp, dp_replicate,
-dp_shard, cp, tp) (tp fastest): both put cp between dp and tp, as xpar does. The cp ranks hold
-the same parameters, so data parallelism (DDP, ZeRO) runs over the flattened dp x cp group
-(:func:`xpar.parallel.mesh.replica_mesh`).
-
-Pipeline schedules. :data:`SCHEDULES` holds one :class:`Schedule` record per schedule
-xpar runs, by xpar name; ``torch_name`` is the name torch's
-``torch.distributed.pipelining.schedules.get_schedule_class`` accepts (a test checks every
-record against it). Adding a schedule means adding one record here.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from xpar.config.torchrun import quiet_exit, torchrun_follower
+from xpar.config.presets import conf_dir, presets
 from xpar.config.schema import GROUPS, XparConfig
+from xpar.config.torchrun import quiet_exit, torchrun_follower
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(XparConfig)}
 """Top-level schema sections (model, parallel, ..., run, sweep) -> their dataclass."""
@@ -46,7 +47,6 @@ def refuse_bad_overrides(argv: list[str]) -> None:
 
 def groups() -> list[str]:
     """Config groups: the folders of ``conf/`` (model, parallel, ..., and any added later)."""
-    from xpar.config.presets import conf_dir
     return sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 
 
@@ -181,7 +181,6 @@ def _launcher_value(argv: list[str], key: str):
     """``hydra.launcher.<key>`` from the command line, else conf/hydra/launcher/slurm.yaml's."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import conf_dir
     given = [a.split("=", 1)[1] for a in argv if a.startswith(f"hydra.launcher.{key}=")]
     if given:
         return given[-1]
@@ -239,8 +238,6 @@ def _override_problem(arg: str, override) -> list[str]:
 
 def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
     """``group=preset``: a known group and preset; a section (run, sweep) is not a group."""
-    from xpar.config.presets import presets
-
     if key in groups():
         known = presets(key)
         bad = [v for v in (values or []) if str(v) not in known]
@@ -272,8 +269,6 @@ def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] 
 
 def _suggest(near: str, value: Optional[str]) -> str:
     """``near=value`` written so that it composes: a group outside the defaults list needs '+'."""
-    from xpar.config.presets import presets
-
     if value is None:
         return f"{near}=..."
     if "." not in near:  # a group

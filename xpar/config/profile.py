@@ -71,7 +71,7 @@ class FrameworkConfig:
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
-    (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured here)."""
+    (2 per NIC, 8 NICs) of an A100's 108 SMs = 0.15 (derived, not measured)."""
     zero3_host_ops_per_rank: float = 0.0
     """Eager host ops per dp rank and parameter tensor in each ZeRO-3 all-gather: 0 for flat
     collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered each parameter through torch's
@@ -123,12 +123,12 @@ class FrameworkConfig:
     (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
     gqa_kv_expanded: bool = True
     """Attention keeps GQA's K and V expanded to every query head (h wide) for backward: models
-    that repeat K/V before SDPA (xpar, torchtitan's repeat_kv; measured here). False: the kernel
+    that repeat K/V before SDPA (xpar, torchtitan's repeat_kv). False: the kernel
     takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
     DeepSpeed, llm-foundry)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
-    (torch DTensor: xpar, torchtitan; measured here, xpar.estimate.memory); False: it stays
+    (torch DTensor: xpar, torchtitan; xpar.estimate.memory); False: it stays
     vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
     fsdp_copies: str = "fsdp2"
     """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13

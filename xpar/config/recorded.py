@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from xpar.config.cluster import placement
+from xpar.config.schema import GROUPS
 from xpar.config.spec import RunSpec
 
 
@@ -13,15 +15,12 @@ def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
     saved as config.yaml, so no 'auto' reaches a record."""
     from dataclasses import asdict
 
-    from xpar.config.schema import GROUPS
-
     config = OmegaConf.to_container(cfg, resolve=True)
     for group in GROUPS:
         config[group] = asdict(getattr(spec, group))
     config["run"]["mode"] = spec.mode  # 'auto' resolved: execute or estimate
     config["train"].pop("resume", None)  # where a run resumed from is a tag (xpar.run.checkpoint.tracking_link)
     if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched
-        from xpar.config.cluster import placement
         where = placement(spec)
         config["hardware"].update(nodes=where["nodes"], devices_per_node=where["devices_per_node"])
     return config

@@ -9,36 +9,7 @@ runs again. Pure (no torch), in the config layer so that validation, execution
 recompute (``framework.selective_recompute``: xpar's 'op', torchtitan's 'torchtitan_op',
 Megatron's 'attention'), so configs written before the named policies mean what they meant.
 
-========================  =====================================================  ======================
-policy                    a block keeps (besides its input)                      its backward reruns
-========================  =====================================================  ======================
-none                      everything autograd saves                              nothing
-full                      nothing (block input only; MaxText ``full``)            the whole forward
-attention                 all but the attention core (Megatron selective)        softmax, dropout, attention over values
-op                        every matmul and tp-collective output (xpar; MaxText   the attention core and the
-                          ``minimal`` with xpar's collectives)                   element-wise ops
-torchtitan_op             SDPA output, every other matmul output, reduce-scatter wk, wo (w3 with SwiGLU)
-save_dot_except_mlp       q, k, v and attention-output projections' outputs      attention core, w1 (and w3)
-save_qkv_proj             q, k, v projections' outputs                           attention core, wo, w1 (and w3)
-moe                       the attention block's, not the MLP / experts' inside   the MLP's (experts') w1 (and w3)
-========================  =====================================================  ======================
-
-Sources: Megatron-LM ``--recompute-granularity selective`` (Korthikanti et al. 2022, Sec. 4.2:
-"checkpoint and recompute" the attention core: QK^T, softmax, softmax dropout, attention over
-V) and ``--recompute-granularity full --recompute-method block --recompute-num-layers N``
-(megatron/core/transformer/transformer_block.py ``_checkpointed_forward``: the first N layers of
-each model chunk recomputed, the rest not: ``parallel.recompute_layers``); torchtitan
-``activation_checkpoint.mode=selective, selective_ac_option=op``
-(torchtitan/models/llama3/infra/parallelize.py ``_save_list`` and ``_get_custom_policy``: mm,
-SDPA, reduce-scatter outputs saved, but every second mm recomputed), ``selective_ac_option=2``
-(every second block fully recomputed: ``framework.recompute_layer_fraction`` 0.5); MaxText
-``remat_policy`` (src/MaxText/layers/decoders.py ``get_remat_policy``: ``save_dot_except_mlp``
-= save_only_these_names(query_proj, key_proj, value_proj, qkv_proj, out_proj);
-``save_qkv_proj`` = (query_proj, key_proj, value_proj, qkv_proj); ``minimal`` = every
-projection; ``full`` = nothing). A rerun matmul is one whose output a backward needs and the
-policy does not keep: the MLP's down projection (w2) output is needed by no backward, so it is
-not rerun (JAX's remat prunes it; torch's checkpoint stops recomputing at the last saved
-tensor, ``torch.utils.checkpoint.set_checkpoint_early_stop``).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ from xpar.config.layout import (
     even_split,
     zero_stage_run,
 )
-from xpar.config.hardware import is_this_machine
+from xpar.config.hardware import is_this_machine, resolve_hardware
 from xpar.config.schema import HardwareConfig, XparConfig
 from xpar.config.torchrun import under_torchrun
+from xpar.config.presets import load_preset, presets
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,6 @@ def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[s
     """(hardware, notes, problems): hardware=local with a parallel preset written for a
     cluster (``reference_hardware``) assumes that preset's cluster (conf/hardware/<name>.yaml,
     through the same schema), so that mode auto estimates it, and says so in a note."""
-    from xpar.config.presets import load_preset, presets
-
     name, hw = c.parallel.reference_hardware, c.hardware
     if not (is_this_machine(hw) and name and c.run.mode != "execute" and not torchrun_world()):
         return hw, [], []
@@ -66,8 +65,6 @@ def reference_hardware(c: XparConfig) -> tuple[HardwareConfig, list[str], list[s
 
 def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[Target, list[str]]:
     """Mode, hardware and world size of the run."""
-    from xpar.config.hardware import resolve_hardware
-
     hardware, notes, problems = reference_hardware(c)
     trun = torchrun_world()
     local = is_this_machine(hardware)

@@ -27,6 +27,7 @@ from xpar.estimate.model_states import (
     model_state_bytes_per_rank,
     replicated_embedding_grad_numel,
 )
+from xpar.parallel.torch_internals import fake_store
 
 
 class PlanError(RuntimeError):
@@ -93,9 +94,8 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     """
     import torch.distributed as dist
 
-    from xpar.parallel.factory import build_engine
-    from xpar.parallel.mesh import build_mesh
-    from xpar.parallel.torch_internals import fake_store
+    from xpar.parallel.factory import build_engine  # lazy: torch (xpar.LAZY_IMPORTS)
+    from xpar.parallel.mesh import build_mesh  # lazy: torch (xpar.LAZY_IMPORTS)
 
     if dist.is_initialized():
         raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")
@@ -163,7 +163,7 @@ def _param_numel(chunks, zero_stage: int) -> tuple[int, int, int]:
     rank's parameters. Held = local, except ZeRO-2 (FSDP2 reshard_after_forward=False), which
     holds each parameter unsharded along dp from forward to backward -- as xpar.parallel.memory_accounting
     counts it. dp-unsharded: the whole parameters (still tp-sharded)."""
-    from xpar.parallel.memory_accounting import dp_full_param_bytes
+    from xpar.parallel.memory_accounting import dp_full_param_bytes  # lazy: torch (xpar.LAZY_IMPORTS)
 
     local = held = dp_full = 0
     for p in (p for c in chunks for p in c.parameters()):

@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Optional
 
 from xpar.config.spec import RunSpec
+from xpar.estimate.context_parallel import cp_bytes_per_step
 from xpar.estimate.cost import _rank_times, assumptions_for, estimate, microbatch_time, waits_unstretched
+from xpar.estimate.estimate_mode import comm_metrics
+from xpar.estimate.expert_parallel import ep_bytes_per_step
 from xpar.estimate.host import host_costs, host_step, oversubscription
 from xpar.estimate.report import Report
-from xpar.estimate.estimate_mode import comm_metrics
 
 
 def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
@@ -53,10 +55,8 @@ def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
         # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
         out["fidelity/estimate_comm_dp_broadcast_bytes"] = out.pop("fidelity/estimate_comm_dp_allgather_bytes")
     if spec.layout.ep > 1 and spec.layout.cp == 1:  # the token all-to-alls (xpar.parallel.expert), beside comm/ep_*
-        from xpar.estimate.expert_parallel import ep_bytes_per_step
         out["fidelity/estimate_comm_ep_all_to_all_bytes"] = ep_bytes_per_step(spec)
     if spec.layout.cp > 1 and spec.parallel.recompute == "none":  # the K/V all-gathers (xpar.parallel.context)
-        from xpar.estimate.context_parallel import cp_bytes_per_step
         out["fidelity/estimate_comm_cp_allgather_bytes"] = cp_bytes_per_step(spec)
     if spec.dp * spec.layout.cp > 1 and "dp" in est.comm_time:  # cp: dp x cp ranks (fold_cp)
         out["fidelity/estimate_comm_dp_issued_s"] = float(est.comm_time["dp"])

@@ -30,6 +30,7 @@ from xpar.estimate.memory import MemoryEstimate
 from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
 from xpar.estimate.nearest_fit import partial_recompute, recompute_choices
 from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
+from xpar.models.shapes import param_count
 
 GB = 1e9
 MAX_LISTED = 5
@@ -121,8 +122,6 @@ def _no_layout_fits(spec: RunSpec, offload_fits: bool = False) -> str:
     the model states at all (ZeRO-3 over every device: states / world). ``offload_fits``: the
     offload line before it fits (:func:`_offload_line`): then this says that nothing fits with
     the optimizer states on the devices, and points to that line and to ``xpar plan``."""
-    from xpar.models.shapes import param_count
-
     psi = param_count(spec.model).total
     offloaded = spec.framework.cpu_offload_optimizer  # the optimizer's states are on the host
     per_param = sum(state_widths(spec, assumptions_for(spec))[:2 if offloaded else 3])  # as the framework keeps them

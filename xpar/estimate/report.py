@@ -26,6 +26,7 @@ from xpar.estimate.cost import compute_peak
 from xpar.estimate.flops import model_flops_per_token, spec_hardware_flops_per_token
 from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
 from xpar.estimate.timing import step_time_stats
+from xpar.models.shapes import param_count
 
 MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
 """The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
@@ -112,8 +113,6 @@ def zero_paper_bytes(spec: RunSpec) -> float:
     (:data:`xpar.estimate.memory.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
     Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
-    from xpar.models.shapes import param_count
-
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
     P, G, K = STATE_BYTES[spec.train.dtype]
     return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)

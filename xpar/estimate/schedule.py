@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Callable, Mapping, Optional, Union
 
 from xpar.config.layout import SCHEDULES
+from xpar.parallel.torch_internals import schedule_ops
 
 # Uniform durations per stage: backward = 2 x forward, split evenly into I and W.
 UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -168,8 +169,6 @@ def torch_actions(schedule: str, pp: int, m: int, v: Optional[int] = None) -> li
     by order of appearance (torch runs those in increasing order). Valid labels are kept,
     so LoopedBFS keeps its reversed backward order.
     """
-    from xpar.parallel.torch_internals import schedule_ops
-
     rec = SCHEDULES[schedule]
     ops = schedule_ops(rec.torch_name, pp, m, None if rec.stages_per_rank == "1" else (v or 2))
     out = []

@@ -5,14 +5,8 @@ Pipeline friendly (as in torchtitan's composability notes): blocks live in a
 blocks keeps the same parameter names; the token embedding, position embedding, final
 norm and output projection are optional, so one class serves every stage.
 
-Attention derives the number of heads from the width of its q/k/v outputs, so the same
-code runs with the local head count after a column-parallel split. Two seams let a strategy
-change what a module sees of the sequence without the model knowing it (context parallelism,
-xpar.parallel.context): ``positions(S, device)`` gives the token positions of the S tokens a
-module holds (default 0..S-1; RoPE and the learned position embedding use them), and
-``Attention.core(q, k, v)`` is the core attention (default :func:`causal_attention`).
-
-Shapes: tokens ``[B, S]`` (int64) -> logits ``[B, S, V]``; between stages ``[B, S, H]``.
+Shapes: tokens ``[B, S]`` (int64) -> logits ``[B, S, V]``; between stages ``[B, S, H]``. Attention's
+head count and the two seams strategies set (``positions``, ``Attention.core``): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

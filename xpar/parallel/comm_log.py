@@ -1,22 +1,12 @@
 """Measured collectives of an executed run: per kind and mesh axis, calls, payload bytes and seconds.
 
-The dp axis's wrappers issue their collectives from Python through ``torch.distributed``:
-FSDP2 (ZeRO-2/3) calls ``all_gather_single`` and ``reduce_scatter_single``
-(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.13), ZeroRedundancyOptimizer
-(ZeRO-1) ``broadcast`` of each updated parameter, xpar's zero-bubble reduction and FSDP2's
-replicated-gradient path ``all_reduce``, expert parallelism's token dispatch ``all_to_all_single``
-(axis ``ep``, payload: the rows this rank sends; xpar.parallel.expert). :class:`CollectiveLog` replaces those functions for the
-time of each step with wrappers that record each call; the call itself is unchanged
-(same arguments, same result), so the run's numbers are unchanged. Not seen here: DDP's gradient
-all-reduce (its C++ reducer calls the process group directly; its bytes and times come from torch's
-DDP logger, :func:`ddp_comm`), DTensor's tp collectives (functional collectives, counted by
-:class:`xpar.parallel.tensor.TPCommCounter`) and pipeline sends (timed by the schedule's records).
+:class:`CollectiveLog` wraps, for the time of each step, the ``torch.distributed`` functions the dp
+axis's wrappers (FSDP2, ZeroRedundancyOptimizer, xpar's zero-bubble reduction) and expert
+parallelism's dispatch call from Python, and records each call unchanged (same arguments, same
+result). DDP's gradient all-reduce comes from torch's DDP logger (:func:`ddp_comm`), tp's from
+:class:`xpar.parallel.tensor.TPCommCounter`. Units: bytes, seconds.
 
-Per call: payload bytes as :class:`~xpar.parallel.tensor.TPCommCounter` counts them (the gathered
-output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast);
-``exposed`` seconds, the wall time this rank's thread was blocked in the call and in ``wait()`` on
-its handle; ``issued`` seconds, the union over the step of the intervals from issue to completion
-(a queue of async broadcasts counts once). Units: bytes, seconds.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -6,27 +6,7 @@ Llama 3): the S tokens split into 2 cp equal chunks of c = S / (2 cp) tokens, an
 holds chunks i and 2 cp - 1 - i (inputs and targets alike, :func:`shard_sequence`), so every rank
 holds S / cp tokens and the same share of the causal attention's work.
 
-Per layer, each rank computes q, k, v of its own S / cp tokens, all-gathers k and v (its n_kv
-heads, before grouped-query heads are repeated) over the cp group, puts the gathered chunks back
-into sequence order and computes the attention of its queries, at their global positions,
-against all S keys with the causal mask ``key position <= query position``. The all-gather is
-autograd-aware (:class:`_AllGather`: its backward sums the K/V gradients of every rank's
-queries back onto the owner, a reduce-scatter). RoPE and learned position embeddings
-use the global positions (:func:`cp_positions`).
-
-Everything else is per token: each rank's loss is the mean over its S / cp tokens of each
-sequence, and averaging the gradients over dp x cp (:func:`xpar.parallel.mesh.replica_mesh`)
-gives the gradient of the mean over all tokens, since every rank holds as many. The model knows
-nothing of this: :func:`apply_cp` sets its two seams (``positions`` and ``Attention.core``,
-xpar.models.transformer).
-
-Communication per layer and micro-batch: one all-gather of K and V together (2 b (S / cp) kv
-elements in, cp times that out; kv = n_kv_heads x head_dim / tp) in forward, its gradient's
-reduction in backward (logged as ``comm/cp_*``, xpar.run.train.comm_groups). Memory beyond a
-dp layout of b / cp whole sequences: the gathered K/V, repeated to the query heads, that the
-attention keeps for backward, 2 b S n_heads head_dim / tp per layer against the cost model's
-2 b S n_heads head_dim / (tp cp) (xpar.estimate.context_parallel does not count it: measured
-fidelity/peak_memory_ratio 0.94 for model=tiny cp=2, 0.99 for its dp layouts).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from xpar.parallel.expert import build_ep_optimizer
+from xpar.parallel.precision import fsdp_policy
+from xpar.parallel.torch_internals import composable_replicate
+
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: str) -> nn.Module:
     """Replicate the model on every dp rank; gradients all-reduced (averaged) in buckets
@@ -28,8 +32,6 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     for a model whose parameters are DTensors (tensor parallel), which DDP cannot wrap
     (its initial broadcast fails on DTensor): torch's composable ``replicate`` built on the
     FSDP2 machinery with a replicate-only dp mesh, per transformer block, then the root."""
-    from xpar.parallel.torch_internals import composable_replicate
-
     replicate = composable_replicate()
     for block in model.layers.values():
         replicate(block, mesh=dp_mesh)
@@ -72,8 +74,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
     ``dtype='bf16'``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
     over fp32 sharded parameters (:func:`xpar.parallel.precision.fsdp_policy`).
     """
-    from xpar.parallel.precision import fsdp_policy
-
     mp = fsdp_policy(dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -104,7 +104,6 @@ def build_optimizer(params: list[nn.Parameter], zero_stage: int, dp_mesh: Device
     broadcasts updated parameters after each step. Under expert parallelism (``expert_groups``)
     the experts' states are kept apart (xpar.parallel.expert.build_ep_optimizer)."""
     if expert_groups is not None:
-        from xpar.parallel.expert import build_ep_optimizer
         return build_ep_optimizer(chunks, expert_groups, zero_stage, dp_mesh.get_group(), lr, weight_decay)
     if zero_stage == 1:
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,

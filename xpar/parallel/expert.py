@@ -2,29 +2,11 @@
 to their experts' ranks and back by all-to-all (GShard, Lepikhin et al. 2020; Switch, Fedus et al.
 2021; DeepSpeed-MoE and Megatron-Core's ``MoEAlltoAllTokenDispatcher``).
 
-Rank order. The ep ranks are taken inside dp x cp and add no ranks. With the flattened
-dp x cp index i = d * cp + c of a rank (at fixed pp and tp coordinates), consecutive indices
-form an ep group (ep rank = i % ep) and the strided ones (i = j, j + ep, ...) form the
-expert-data-parallel group of dp * cp / ep ranks holding the same experts, over which an
-expert's gradient is reduced. Megatron-Core orders its expert ranks tp-cp-ep-dp-pp, innermost
-first (``RankGenerator(order="tp-cp-ep-dp-pp")`` in ``megatron/core/parallel_state.py``; with
-expert tp = 1 its ep ranks are consecutive after tp), and torchtitan carves ep out of the
-``dp_shard x cp`` mesh dimensions (``ParallelDims``: ``dp_shard_mod_ep`` outer, ``ep`` inner),
-so both put an ep group on neighbouring ranks, inside a node, as here.
+The ep ranks are taken inside dp x cp and add no ranks: consecutive flattened dp x cp indices
+form an ep group, strided ones the expert-data-parallel group that reduces an expert's gradient
+(neighbouring ranks, as Megatron-Core and torchtitan place them).
 
-Experts: ep rank j holds experts j E/ep .. (j + 1) E/ep - 1 (contiguous, as both do). The model
-is built on the meta device with every expert; :func:`apply_ep` drops the others before the
-seeded, name-keyed init, so each rank's experts get exactly the single-process values. The
-router and the shared experts are replicated (reduced over dp x cp like every dense parameter).
-
-Gradients: DDP is told to ignore the expert parameters (they differ per ep rank); after the
-step's last backward :func:`reduce_expert_grads` sums each expert's gradient over its
-expert-dp group and divides by dp * cp. The all-to-all's backward already brings every ep
-rank's tokens' contribution to the expert's owner, so the sum is over every dp x cp rank's
-loss, and the division gives the gradient of their mean, the global loss (checked against the
-single-process reference in tests/test_expert_parallel.py). The global gradient norm counts
-each expert once: its square sum is summed over the ep group (``_xpar_norm_groups``, read by
-:func:`xpar.parallel.optim.global_grad_norm`).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -35,6 +17,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from xpar.models.transformer import MoE
+from xpar.parallel.precision import fsdp_policy
+from xpar.parallel.torch_internals import composable_replicate, ddp_ignore_params
 
 warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated")
 """torch 2.13 deprecates the autograd all-to-all of torch.distributed.nn for the functional
@@ -182,10 +168,6 @@ def apply_ep(chunk: nn.Module, groups: ExpertGroups) -> nn.Module:
     """Keep this ep rank's experts in every MoE layer of ``chunk`` (on the meta device, before the
     init), install the all-to-all dispatch, and tell DDP to leave the experts' gradients alone
     (:func:`reduce_expert_grads` reduces them over expert-dp)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from xpar.models.transformer import MoE
-
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         n = len(moe.experts)
         local = n // groups.ep_size
@@ -193,7 +175,7 @@ def apply_ep(chunk: nn.Module, groups: ExpertGroups) -> nn.Module:
         for key in [k for k in moe.experts if not first <= int(k) < first + local]:
             del moe.experts[key]
         moe.dispatch = AllToAllDispatch(groups, n)
-    DDP._set_params_and_buffers_to_ignore_for_model(chunk, expert_param_names(chunk))
+    ddp_ignore_params(chunk, expert_param_names(chunk))
     return chunk
 
 
@@ -219,16 +201,12 @@ def shard_experts(chunk: nn.Module, groups: ExpertGroups, reshard_after_forward:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from xpar.models.transformer import MoE
-    from xpar.parallel.precision import fsdp_policy
-
     # an unnamed 1-D mesh: memory accounting (dp_full_param_bytes) counts an expert whole under ZeRO-2
     device = next(chunk.parameters()).device.type
     mesh = DeviceMesh.from_group(groups.expert_dp, "cpu" if device == "meta" else device)  # meta: the dry run
     for moe in (m for m in chunk.modules() if isinstance(m, MoE)):
         for expert in moe.experts.values():
             if reshard_after_forward is None:  # ZeRO-0/1 under tp: torch's composable replicate (DDP for DTensor models)
-                from xpar.parallel.torch_internals import composable_replicate
                 composable_replicate()(expert, mesh=mesh)
             else:
                 fully_shard(expert, mesh=mesh, reshard_after_forward=reshard_after_forward,

@@ -1,24 +1,8 @@
-"""The engine factory: one short function that composes the strategies in a fixed order.
+"""The engine factory: one short function that composes the strategies in a fixed order: the model
+on the meta device, its seeded init, cp, tp, recompute, autocast, the dp wrapper (DDP or FSDP2),
+experts, pipeline stages and their schedule, the optimizer and lr schedule.
 
-    1. model on the meta device (no memory), the whole model or this rank's pipeline stages
-    2. materialise on the device with the seeded, name-keyed init (values are those of the
-       single-process model, whatever the layout)          -- skipped for a dry run
-    3. context parallel on the cp axis (xpar.parallel.context: global positions, all-gather
-       attention), then tensor parallel on the tp axis (DTensor, Megatron column/row plan), then activation
-       recompute per block (xpar.parallel.recompute), then, for bf16 without FSDP, autocast
-       around the chunk's forward (xpar.parallel.precision)
-    4. the dp axis: DDP (ZeRO-0/1) or FSDP2 fully_shard (ZeRO-2/3; bf16: MixedPrecisionPolicy),
-       over dp x cp under context parallelism (xpar.parallel.mesh.replica_mesh)
-    1b. expert parallelism (parallel.ep > 1): this rank's experts kept, the rest dropped before the
-       init, all-to-all dispatch installed (xpar.parallel.expert)
-    5. pipeline stages on the pp axis with their schedule
-    6. the optimizer (AdamW; ZeroRedundancyOptimizer for ZeRO-1) and the lr schedule; each
-       step clips the global gradient norm before the optimizer step (xpar.parallel.optim)
-
-TP must come before FSDP (FSDP2 shards the DTensor parameters along dp on top of the tp
-placements), and both before the pipeline stage is built over the wrapped chunk (the
-order measured to work for 3D with torch 2.13 on gloo, tests/test_pipeline.py). The same function builds real runs and the
-fake-process-group dry run (``materialize=False``).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -33,7 +17,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xpar.config.spec import RunSpec
 from xpar.models.transformer import Transformer
+from xpar.parallel.context import apply_cp
 from xpar.parallel.data_parallel import build_optimizer, wrap_dp
+from xpar.parallel.expert import reduce_expert_grads, shard_experts, apply_ep, build_expert_groups
+from xpar.parallel.memory_accounting import fsdp_params, grad_bytes_held
+from xpar.parallel.mesh import replica_mesh, hsdp_mesh
+from xpar.parallel.optim import NonFiniteStep, clip_grads_, first_nonfinite_rank, nonfinite_message, build_lr_scheduler
+from xpar.parallel.pipeline import attach_schedule
+from xpar.parallel.precision import apply_autocast, mixed_precision_kind
+from xpar.parallel.recompute import apply_recompute
+from xpar.parallel.tensor import parallel_cross_entropy, loss_context, apply_tp
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -89,15 +82,7 @@ class Engine:
         Raises:
             NonFiniteStep: a non-finite step under ``on_nonfinite=stop`` (on every rank).
         """
-        from xpar.parallel.optim import (
-            NonFiniteStep,
-            clip_grads_,
-            first_nonfinite_rank,
-            nonfinite_message,
-        )
-
         if self.expert_groups is not None:  # experts: summed over expert-dp, / dp x cp
-            from xpar.parallel.expert import reduce_expert_grads
             reduce_expert_grads(self.chunks, self.expert_groups)
         params = [p for c in self.chunks for p in c.parameters()]
         pp_group = self.mesh["pp"].get_group() if self.spec.pp > 1 else None
@@ -121,8 +106,6 @@ class Engine:
         FSDP2's unsharded gradients awaiting a deferred reduction
         (:func:`xpar.parallel.memory_accounting.grad_bytes_held`). Called where the held gradients peak: after
         each micro-batch's backward, and before each pipeline stage's gradient reduction."""
-        from xpar.parallel.memory_accounting import fsdp_params, grad_bytes_held
-
         if not self.accounting:
             return
         if self._fsdp_params is None:
@@ -132,14 +115,12 @@ class Engine:
     @property
     def loss_fn(self) -> Callable:
         if self.spec.tp > 1:
-            from xpar.parallel.tensor import parallel_cross_entropy
             return parallel_cross_entropy
         return cross_entropy
 
     def loss_context(self):
         """Context for the loss and its backward: ``loss_parallel`` when tp > 1."""
         if self.spec.tp > 1:
-            from xpar.parallel.tensor import loss_context
             return loss_context(self.spec.tp)
         return nullcontext()
 
@@ -169,26 +150,18 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
-    from xpar.parallel.mesh import replica_mesh
-    from xpar.parallel.precision import apply_autocast, mixed_precision_kind
-    from xpar.parallel.recompute import apply_recompute
-
     par, dtype = spec.parallel, spec.train.dtype
     if spec.cp > 1:
-        from xpar.parallel.context import apply_cp
         chunk = apply_cp(chunk, mesh["cp"])                                             # 3a
     if spec.tp > 1:
-        from xpar.parallel.tensor import apply_tp
         chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
     chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
     if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
     if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
-        from xpar.parallel.expert import shard_experts
         shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
     dp_mesh = replica_mesh(mesh)
     if par.zero_shard_size and par.zero_stage >= 2 and par.zero_shard_size < dp_mesh.size():  # HSDP: 2-D dp mesh
-        from xpar.parallel.mesh import hsdp_mesh
         dp_mesh = hsdp_mesh(dp_mesh, par.zero_shard_size)
     return wrap_dp(chunk, dp_mesh, par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
@@ -206,7 +179,6 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     chunks = build_model(spec, stage_ids)                                          # 1
     experts = None
     if spec.layout.ep > 1:                                                         # 1b: this rank's experts
-        from xpar.parallel.expert import apply_ep, build_expert_groups
         experts = build_expert_groups(spec.layout)
         chunks = [apply_ep(c, experts) for c in chunks]
     if materialize_model:
@@ -216,13 +188,10 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
                     expert_groups=experts)
     if materialize_model:                                                          # 6
-        from xpar.parallel.mesh import replica_mesh
-        from xpar.parallel.optim import build_lr_scheduler
         engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, replica_mesh(mesh), spec.train.lr,
                                            spec.train.weight_decay, chunks, experts)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:
-        from xpar.parallel.pipeline import attach_schedule
         attach_schedule(engine, stage_ids)                                           # 5
     return engine
 

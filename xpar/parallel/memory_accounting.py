@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from xpar.parallel.precision import is_param_cast
 from xpar.parallel.torch_internals import fsdp_param_groups, fsdp_unsharded_grads
 
 
@@ -91,8 +92,6 @@ class ActivationTracker:
         weakref.finalize(t, self._release, key)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        from xpar.parallel.precision import is_param_cast
-
         base = t._base if t._base is not None else t
         if (base.is_leaf and base.requires_grad) or t.device.type == "meta":
             return t

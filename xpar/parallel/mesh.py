@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xpar.config.layout import AXES
-from xpar.parallel.torch_internals import flatten_mesh
+from xpar.parallel.torch_internals import flatten_mesh, unflatten_mesh
 
 
 def build_mesh(device: str, pp: int, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
@@ -33,6 +33,4 @@ def hsdp_mesh(dp_mesh: DeviceMesh, shard_size: int) -> DeviceMesh:
     ``dp_mesh``'s ranks as dp / shard_size replicas of shard_size consecutive ranks, the shape
     FSDP2's ``fully_shard`` takes for HSDP (replicate over dim 0, shard over dim 1). Every rank
     must call it (it creates the groups)."""
-    from xpar.parallel.torch_internals import unflatten_mesh
-
     return unflatten_mesh(dp_mesh, (dp_mesh.size() // shard_size, shard_size), ("dp_replicate", "dp_shard"))

@@ -6,25 +6,7 @@ Clipping (``train.max_grad_norm``; null disables) follows ``torch.nn.utils.clip_
 (norm + 1e-6)`` clamped to 1, every gradient multiplied by ``coef``. With the model split
 over a layout, :func:`global_grad_norm` assembles the norm from this rank's local parts:
 
-- a plain-tensor gradient (DDP, ZeRO-1, and parameters left whole by tp) is whole and
-  identical on its replicas: its square sum is counted once, no reduction;
-- a DTensor gradient (FSDP2 shards on dp, tp shards, both) contributes its local shard's
-  square sum, summed over the mesh dimensions it is *sharded* on (Replicate dims: copies,
-  not summed; a Partial gradient is first reduced to Replicate);
-- pipeline stages hold disjoint parameters: the sum is all-reduced over the pp group;
-- a parameter marked ``_xpar_norm_groups`` (ep's routed experts, disjoint over the ep group:
-  xpar.parallel.expert.reduce_expert_grads) is also summed over those groups.
-
-Torch's own ``clip_grad_norm_`` cannot do this here: it refuses a mix of DTensors on
-different meshes with plain tensors, and knows nothing of pipeline stages (torchtitan adds
-the pp all-reduce by hand the same way, ``torchtitan.distributed.utils.clip_grad_norm_``).
-Per-tensor norms are reduced in the gradient's dtype (as torch does) and their squares
-accumulated in float64.
-
-Learning rate (``train.lr_schedule``): ``constant`` (the default; today's behaviour, lr
-fixed), or ``cosine``: linear warm-up over ``train.lr_warmup_steps`` steps from lr/warmup to
-lr, then cosine decay to ``train.min_lr_ratio * lr`` at the last step (Loshchilov & Hutter
-2017; the Llama/GPT-3 recipe).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

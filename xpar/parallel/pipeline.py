@@ -10,15 +10,7 @@ backward for inputs, W: backward for weights) is timed with ``time.perf_counter`
 of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
 action records that :mod:`xpar.estimate.bubble` turns into bubble ratios and a timeline.
 
-Gradient reduction over dp is torch's: ``PipelineStage.backward_maybe_with_nosync`` turns
-FSDP2's gradient sync off for *every* backward (DDP: ``no_sync`` until the last one) and
-the schedule's REDUCE_GRAD / ``perform_reduce_grad`` reduce-scatters once, after the stage's
-last backward (torch 2.13, whatever m). Until then a ZeRO-2/3 rank holds its stages' whole
-dp-unsharded gradients. torch offers no supported switch to reduce every micro-batch
-(xpar's non-pipelined loop does, see xpar.parallel.factory.accumulate_step), so xpar keeps
-torch's behaviour and counts it: :func:`attach_schedule` probes the held gradients just
-before each stage's reduction (``Engine.probe_grads``), the measured ``grads`` term, and the
-cost model counts whole gradients under pp (xpar.estimate.memory.grads_deferred).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -31,6 +23,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from xpar.config.layout import SCHEDULES
 from xpar.config.spec import RunSpec
+from xpar.parallel.mesh import replica_mesh
+from xpar.parallel.precision import activation_dtype, logits_dtype
 from xpar.parallel.torch_internals import wrap_schedule_loss
 
 
@@ -107,7 +101,6 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     # and torch does not check them against this shape.
     S_between = S // spec.tp if spec.parallel.sequence_parallel else S
     # bf16: hidden states are bf16 under FSDP2's policy, fp32 under autocast; logits bf16.
-    from xpar.parallel.precision import activation_dtype, logits_dtype
     dtype = activation_dtype(spec.train.dtype, spec.layout.zero_stage)
     last = spec.layout.n_stages - 1
     act = dict(device="meta", dtype=dtype, requires_grad=True)  # gradients flow back through these
@@ -139,7 +132,6 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         recorder.instrument(stage)
         _probe_before_reduce(stage, engine)
         if split_backward_needs_reduce(spec, chunk):
-            from xpar.parallel.mesh import replica_mesh
             _average_grads_after_reduce(stage, replica_mesh(engine.mesh).get_group(), spec.dp * spec.cp)
         stages.append(stage)
     cls = schedule_class(spec.parallel.schedule)
@@ -174,8 +166,8 @@ def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
     (zero_bubble, zbv, dualpipev) with a DDP-wrapped stage. Their split backward
     (``stage_backward_input`` / ``stage_backward_weight``) calls ``torch.autograd.grad``, so
     DDP's reducer hooks never fire and each dp replica steps on its own gradients
-    (pytorch/pytorch#144530, open in torch 2.13; measured here: the two replicas' norms
-    0.9296 vs 0.9407 at step 0). FSDP2 and composable ``replicate`` are reduced by torch's
+    (pytorch/pytorch#144530, open in torch 2.13: the two replicas' gradient norms differ from
+    step 0 on, benchmarks/README.md). FSDP2 and composable ``replicate`` are reduced by torch's
     REDUCE_GRAD action and need nothing."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     return spec.dp * spec.cp > 1 and SCHEDULES[spec.parallel.schedule].zero_bubble and isinstance(chunk, DDP)

@@ -6,23 +6,7 @@ strategy -- they are the master weights that AdamW updates, with fp32 ``exp_avg`
 ``exp_avg_sq`` -- and only the compute runs in bf16. How the bf16 compute is obtained
 depends on the dp wrapper, as in torchtitan (``maybe_enable_amp``):
 
-- ZeRO-2/3 (FSDP2 ``fully_shard``, also under tp and pp): ``MixedPrecisionPolicy(
-  param_dtype=bf16, reduce_dtype=fp32)``. FSDP2 all-gathers the fp32 shards, casts them to
-  bf16 unsharded parameters for forward and backward (the whole residual stream then runs
-  in bf16), and reduce-scatters the gradients in fp32 into fp32 sharded ``.grad``.
-- ZeRO-0 (DDP, or ``replicate`` under tp), ZeRO-1 (ZeroRedundancyOptimizer over DDP), and
-  pipeline stages without FSDP: the chunk's forward runs under
-  ``torch.autocast("cpu"|"cuda", dtype=bf16)``. Autocast casts the inputs of matmul-like
-  ops (linear, matmul, SDPA) to bf16 -- caching one bf16 copy of each weight per forward --
-  and leaves the rest (embedding, norms, residual adds) in fp32. Gradients are fp32
-  (they flow back through the casts into the fp32 parameters), so DDP all-reduces fp32.
-
-The loss is computed in fp32 on both paths (``xpar.parallel.factory.cross_entropy`` takes
-``.float()`` of the logits, outside autocast). ``train.dtype=fp32`` is pure fp32: no
-policy, no autocast. No pure-bf16 (bf16 parameters and optimizer states) mode exists.
-
-The two paths round differently (all-bf16 residual stream vs fp32 residual stream), so each
-is compared with its own single-process reference (:mod:`xpar.run.reference`).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

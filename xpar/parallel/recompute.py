@@ -5,35 +5,7 @@ Applied by the engine factory after tensor parallelism and before the dp wrapper
 around each block's forward (the block's ``forward`` is replaced in place, so parameter
 names do not change and FSDP2 / DDP hooks stay around the checkpointed region):
 
-- ``full``: each block keeps only its input (``[b, s, h]``, saved by checkpoint through
-  autograd's saved-tensor hooks) and reruns its whole forward in backward (Chen et al.
-  2016; Korthikanti et al. 2022 "full recompute").
-- ``selective``: in xpar, each block keeps the *outputs of its matmuls* (``aten.mm``,
-  ``aten.addmm``, ``aten.bmm`` -- the q/k/v/o and MLP projections) and of the tp
-  collectives, and recomputes everything else in backward: the attention core (RoPE,
-  ``scaled_dot_product_attention``), norms, SiLU/GELU, products and residual adds. This is
-  Korthikanti et al. 2022's selective recompute (keep the linear outputs, recompute the
-  attention core) extended to the cheap element-wise ops, via
-  ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with a policy (as
-  torchtitan's op-level SAC).
-- ``save_dot_except_mlp`` / ``save_qkv_proj`` (MaxText's remat policies of these names,
-  src/MaxText/layers/decoders.py): each block keeps the outputs of its first four matmuls
-  (q, k, v and the attention output projection; xpar's block runs wq, wk, wv, wo, then the
-  MLP's) or first three (q, k, v), counted per block invocation in forward and in recompute
-  separately (as torchtitan counts its matmuls, _get_custom_policy); everything else,
-  the tp collectives included, is recomputed. The MLP's down projection is not rerun:
-  checkpoint stops recomputing once the last saved tensor is rebuilt (early stop).
-- ``none``: nothing recomputed.
-
-``parallel.recompute_layers`` = k: only the first k blocks of each stage are checkpointed
-(Megatron-LM's --recompute-method block --recompute-num-layers k). The policies
-'attention' and 'torchtitan_op' are estimated only (xpar.config.checks.layout.check_recompute
-refuses them in execute mode); ``selective`` runs xpar's 'op' whatever the framework profile.
-
-Accounting: checkpoint's saved block inputs go through saved-tensor hooks and are counted
-by :class:`xpar.parallel.memory_accounting.ActivationTracker`; the tensors that selective
-checkpointing caches in its own storage do not, so :func:`_tracked_contexts` reports them
-to the active tracker (:meth:`ActivationTracker.hold`).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -53,6 +25,7 @@ from xpar.parallel.torch_internals import (
     share_sac_storage,
     tree_leaves,
 )
+from xpar.parallel.memory_accounting import ActivationTracker
 
 _aten, _funcol = torch.ops.aten, functional_collectives()
 SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
@@ -93,8 +66,6 @@ class _TrackedEntries(dict):
     storage; reports each kept tensor to the active tracker."""
 
     def __setitem__(self, idx, entry) -> None:
-        from xpar.parallel.memory_accounting import ActivationTracker
-
         tracker = ActivationTracker.active
         if tracker is not None:
             for leaf in tree_leaves(entry):

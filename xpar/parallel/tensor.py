@@ -3,29 +3,7 @@
 Plan (Shoeybi et al. 2019, "Megatron-LM"; sequence parallelism after Korthikanti et al.
 2022), applied with ``torch.distributed.tensor.parallel.parallelize_module``:
 
-- attention: ``wq``/``wk``/``wv`` column-parallel (output features split, i.e. whole heads
-  per rank, GQA groups kept together), ``wo`` row-parallel (input features split);
-- MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel;
-- token embedding vocabulary-parallel (``RowwiseParallel`` on ``nn.Embedding`` shards the
-  vocabulary rows), output projection column-parallel with the logits kept sharded on the
-  vocabulary dim (``use_local_output=False``) for :func:`parallel_cross_entropy`;
-- the input of ``attention`` and ``feed_forward`` is made one DTensor by
-  ``PrepareModuleInput`` (``use_local_output=False``), so that the q/k/v (w1/w3) projections
-  share it and backward issues ONE all-reduce (or reduce-scatter) per sub-layer, not one per
-  projection -- the "f" operator of Megatron;
-- ``sequence_parallel=True``: activations between sub-layers are sharded along the sequence
-  (dim 1); the norms run on the sequence shard (``SequenceParallel``), ``PrepareModuleInput``
-  all-gathers the sequence before attention/MLP, row-parallel outputs are reduce-scattered
-  back to sequence shards (Korthikanti et al. 2022, the "g"/"g-bar" pair).
-
-Parameters that are not split (norms without sequence parallelism, learned position
-embedding) stay plain tensors: each tp rank holds an identical copy and computes identical
-gradients (their input gradients are all-reduced by the "f" operator).
-
-Per block without sequence parallelism this issues 2 all-reduces of ``[b, s, h]`` in
-forward (after ``wo`` and ``w2``) and 2 in backward (the inputs of attention and MLP); with
-it, the same count of all-gathers and reduce-scatters instead (Korthikanti et al. 2022, Sec. 4.2.2).
-Works on the whole model and on a pipeline stage (``tok_embeddings``/``output`` may be None).
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -123,3 +123,12 @@ def unflatten_mesh(mesh, sizes: tuple, names: tuple):
     """``mesh`` (1-D) as a mesh of shape ``sizes`` with dims ``names`` (``DeviceMesh._unflatten``, no
     public API in torch 2.13): hierarchical ZeRO's (replicate, shard) mesh (xpar.parallel.mesh.hsdp_mesh)."""
     return mesh._unflatten(0, tuple(sizes), tuple(names))
+
+
+def ddp_ignore_params(module, names: list) -> None:
+    """Make DDP leave the parameters ``names`` of ``module`` out of its gradient all-reduce
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, no public API in
+    torch 2.13): the routed experts, reduced over expert-dp instead (xpar.parallel.expert)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)

@@ -22,6 +22,7 @@ from xpar.estimate.columns.stage_split import split_fields
 from xpar.estimate.preflight import check_run
 from xpar.plan.explain import label
 from xpar.plan.verify import compose_line
+from xpar.track.sweep import SWEEP_FILE
 
 TIE = 0.005
 """Estimates closer than this (relative) are a tie: their order says nothing."""
@@ -118,7 +119,6 @@ def execute_top(plan, out_dir: Path, start_dir: Path) -> list[dict]:
 def _measured(sweep_dir: Path) -> tuple[dict[int, float], str]:
     """Measured tokens/s by job number (0-based) of the sweep's child runs, and the sweep's id."""
     from mlflow.tracking import MlflowClient
-    from xpar.track.sweep import SWEEP_FILE
     info = json.loads(next(sweep_dir.glob(SWEEP_FILE.format("*"))).read_text())  # the one sweep of this folder
     client = MlflowClient(info["uri"])
     runs = client.search_runs([info["experiment_id"]], f"tags.`xpar.sweep_id` = '{info['sweep_id']}'")

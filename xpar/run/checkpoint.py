@@ -6,22 +6,7 @@ incomplete (the run died while saving) and is never resumed from.
 
 What is saved, so that a resumed run continues exactly:
 
-- the model, per chunk, through ``get_model_state_dict`` under the parameters' fully
-  qualified names (``layers.3.attention.wq.weight``: the whole model's names, also for
-  pipeline stages, which keep the global block indices), as DDP tensors, FSDP2 shards or
-  tensor-parallel DTensors; DCP records each tensor's global shape, so a checkpoint taken
-  under one layout loads under another (it reshards);
-- the optimizer states (AdamW ``step``, ``exp_avg``, ``exp_avg_sq``) under the same names
-  (``get_optimizer_state_dict``);
-- in ``xpar.json`` (JSON, no pickle): the step (the lr schedule is put at it,
-  :func:`xpar.parallel.optim.restore_lr_scheduler`), and the run's history before the step (per-step loss and step time as the tracking journal merged them,
-  gradient norms, lrs), the model shape and layout, and the run's output directory (whose
-  tracking journal names the MLflow run to continue).
-
-Only tensors go through DCP, and DCP reads tensors with ``torch.load(weights_only=True)``
-(its default planner unpickles non-tensor values without it, so none are saved). The data
-need not be saved: a step's batch is a pure function of (seed, step) (xpar.run.data), and the
-model has no dropout, so no RNG state either.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 
@@ -31,6 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from xpar.parallel.torch_internals import dcp_metadata_globals
+from xpar.track.journal import merged_steps, STEPS_DIR, JOURNAL_FILE, Journal
 
 CHECKPOINTS = "checkpoints"
 """Default checkpoint directory under a run's output directory."""
@@ -148,8 +136,6 @@ def verify_metadata(path: Path) -> None:
 
     import torch
 
-    from xpar.parallel.torch_internals import dcp_metadata_globals
-
     allowed = dcp_metadata_globals()
 
     class Restricted(pickle.Unpickler):
@@ -256,7 +242,7 @@ def load(engine, path: Path) -> dict:
                       for fqn, states in optim["state"].items()}
     set_optimizer_state_dict(_container(engine.chunks), engine.optimizer, optim)
     if engine.scheduler is not None:
-        from xpar.parallel.optim import restore_lr_scheduler
+        from xpar.parallel.optim import restore_lr_scheduler  # lazy: torch (xpar.LAZY_IMPORTS)
         restore_lr_scheduler(engine.scheduler, engine.optimizer, engine.spec.train, meta["step"])
     engine.grad_norms[:] = list(meta["history"]["grad_norms"])
     return meta
@@ -332,8 +318,6 @@ class Saver:
         the workers' step files (:func:`xpar.track.journal.merged_steps`, the tracking journal's own
         merge), falling back to rank 0's own where a rank's file is not readable here
         (ranks on other hosts)."""
-        from xpar.track.journal import merged_steps
-
         spec = self.engine.spec
         merged = merged_steps(self.out_dir, spec.world_size)[:done]
         if len(merged) == done:
@@ -350,8 +334,6 @@ def replay_history(out_dir: Path, rank: int, history: History) -> None:
     line format of :class:`xpar.track.journal.StepWriter` with the original end times: the tracking
     journal then merges and delivers steps 0..k-1 as the checkpointed run logged them (a store
     that has them already keeps one copy of each identical point)."""
-    from xpar.track.journal import STEPS_DIR
-
     d = Path(out_dir) / STEPS_DIR
     d.mkdir(parents=True, exist_ok=True)
     with open(d / f"rank{rank}.jsonl", "a") as f:
@@ -376,8 +358,6 @@ def tracking_link(spec, meta: dict, params: dict, uri: str) -> TrackingLink:
     as logged) and tracking store ``uri`` equal those its tracking journal recorded; otherwise
     a new run linked to it by the tag ``xpar.resumed_from_run`` (MLflow refuses a param logged
     again with another value, so a run never holds two values of one param)."""
-    from xpar.track.journal import JOURNAL_FILE, Journal
-
     tags = {"xpar.resumed_from": spec.train.resume, "xpar.resumed_step": str(meta["step"])}
     old = Path(meta["out_dir"])
     if not (old / JOURNAL_FILE).is_file():  # the checkpointed run was not tracked

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from xpar.config.spec import RunSpec
+from xpar.parallel.context import shard_sequence
 
 
 class TokenSource:
@@ -43,8 +44,6 @@ class TokenSource:
                       cp_rank: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This (dp, cp) rank's m micro-batches of step ``step``: (inputs, targets), each
         ``[b, S / cp]`` (the cp rank's load-balanced chunks of each row)."""
-        from xpar.parallel.context import shard_sequence
-
         b, m, cp = self.spec.train.micro_batch_size, self.spec.micro_batches, self.spec.cp
         rows = self.global_batch(step)[dp_rank * b * m:(dp_rank + 1) * b * m].to(device)
         xs = [shard_sequence(rows[i * b:(i + 1) * b, :-1], cp, cp_rank) for i in range(m)]

@@ -10,12 +10,28 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
+from xpar.config.cluster import adopt_submitit_tasks, placement_tags
 from xpar.config.recorded import resolved_config
-from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.config.spec import RunSpec
+from xpar.config.torchrun import quiet_exit, torchrun_follower
+from xpar.estimate.cost import estimate
+from xpar.estimate.dryrun import PlanError
+from xpar.estimate.estimate_mode import estimate_report
+from xpar.estimate.fidelity import fidelity_metrics, contention, usable_cores
 from xpar.estimate.preflight import check_run
-from xpar.estimate.report import Report, layout_name, print_report
+from xpar.estimate.report import Report, layout_name, print_report, summarize_measured
+from xpar.plan.command import run_plan
+from xpar.run.checkpoint import tracking_link
+from xpar.run.exits import WorkerFailed
+from xpar.run.host_memory import keep_large_tensors_on_the_heap
+from xpar.run.profile import PROFILE_STEPS
+from xpar.run.resume import checkpointing
+from xpar.track.naming import description, run_name as layout_run_name, sweep_child_name, ui_hint
 from xpar.track.plots import record_step_split, record_timeline
+from xpar.track.recorder import recording_gap
+from xpar.track.run_dir import claim, free_sibling
+from xpar.track.runs import TrackingUnavailable, log_report, mlflow_run, recording, default_uri, flatten
+from xpar.track.sweep import sweep_tags
 
 
 def fail(lines: str, code: int = 2) -> None:
@@ -39,13 +55,9 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     """
     if cfg.run.mode == "plan":  # xpar plan: every layout ranked by the cost model (xpar.plan.command)
         return _plan_job(cfg, out_dir, start_dir, sweep)
-    from xpar.config.cluster import adopt_submitit_tasks
-    from xpar.run.launch import WorkerFailed
-    from xpar.track.runs import TrackingUnavailable
 
     adopt_submitit_tasks()  # the tasks of a multi-task submitit job become this one job's ranks
     own_folder(out_dir, sweep)
-    from xpar.run.resume import checkpointing
     try:
         spec = check_run(cfg)
         spec, resume_meta = checkpointing(spec, start_dir)  # train.resume -> its checkpoint directory
@@ -64,7 +76,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             return _run_torchrun(job)
         if spec.mode == "estimate":
             return _run_estimate(job)
-        from xpar.run.launch import launch_local
+        from xpar.run.launch import launch_local  # lazy: torch (xpar.LAZY_IMPORTS)
 
         def body() -> tuple[Report, list[dict]]:
             stats = launch_local(spec, out_dir)
@@ -84,8 +96,6 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
 
 def _plan_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict]) -> None:
     """``xpar plan`` (run.mode=plan) as one job; a plan that could not be recorded exits 2."""
-    from xpar.plan.command import run_plan
-    from xpar.track.runs import TrackingUnavailable
     own_folder(out_dir, sweep)
     try:
         run_plan(cfg, out_dir, start_dir, sweep=sweep)
@@ -103,7 +113,6 @@ def own_folder(out_dir: Path, sweep: Optional[dict]) -> None:
     or multi-task submitit job share their rank 0's."""
     import os
 
-    from xpar.track.run_dir import claim, free_sibling
     if os.environ.get("RANK", "0") != "0":
         return
     why = claim(out_dir)
@@ -136,16 +145,12 @@ class Job:
 
 def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
     """The measured Report, with how far the run's own estimate was (xpar.estimate.fidelity)."""
-    from xpar.estimate.cost import estimate
-    from xpar.estimate.fidelity import fidelity_metrics
-    from xpar.estimate.report import summarize_measured
     report, est = summarize_measured(spec, stats), estimate(spec)  # the run's own estimate, once
     report.extra.update(fidelity_metrics(spec, report, est))
     report.notes.extend(fidelity_notes(spec, est))
     report.notes.extend(nonfinite_notes(spec, stats, report))
     report.notes.extend(contention_notes(spec, stats, report))
     if spec.train.profile:
-        from xpar.run.profile import PROFILE_STEPS
         report.notes.append(f"train.profile=true: the last {PROFILE_STEPS} step(s) ran under torch.profiler (their "
                             f"times include its overhead); traces in profile/ of the run folder and the MLflow run")
     return report
@@ -154,7 +159,6 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
 def contention_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
     """The workers' CPU share over the timed steps as ``system/workers_cpu_share`` in
     ``report.extra``, and the note of a run measured under contention (xpar.estimate.fidelity)."""
-    from xpar.estimate.fidelity import contention, usable_cores
     share, note = contention(spec, stats, usable_cores()) if spec.launcher == "local" else (None, None)
     if share is not None:
         report.extra["system/workers_cpu_share"] = share
@@ -180,7 +184,6 @@ def fidelity_notes(spec: RunSpec, est=None) -> list[str]:
     leaves out: its cost-model notes (a hardware without link, HBM or host figures times no
     communication, memory-bound or host work), and on an uncalibrated ``hardware=local`` how to
     measure them."""
-    from xpar.estimate.cost import estimate
     notes = [f"fidelity estimate: {n}" for n in (est if est is not None else estimate(spec)).notes]
     if spec.hardware.name == "local":
         notes.append("fidelity/* compare the run with an estimate on UNCALIBRATED hardware=local (no measured links, "
@@ -197,16 +200,11 @@ def _record(job: Job, body) -> Report:
             "xpar.hardware": spec.hardware.name, "xpar.parallel": spec.parallel.name}
     if spec.notes:
         tags["xpar.notes"] = " | ".join(spec.notes)
-    from xpar.config.cluster import placement_tags
-    from xpar.track.naming import description
-    from xpar.track.naming import run_name as layout_run_name
     tags.update(placement_tags(spec))
     run_name, overrides = spec.tracking.run_name or layout_run_name(spec), ""
     if job.sweep and job.sweep.get("parent_run_id"):
         overrides = " ".join(job.sweep["overrides"])
-        from xpar.track.sweep import sweep_tags
         tags.update(sweep_tags(job.sweep))
-        from xpar.track.naming import sweep_child_name
         run_name = sweep_child_name(run_name, job.sweep["overrides"], job.sweep.get("varying", []),
                                     job.sweep["job_num"])
     tags["mlflow.note.content"] = description(spec, overrides)
@@ -216,7 +214,6 @@ def _record(job: Job, body) -> Report:
         record_step_split(report.extra, report.step_time_s, job.out_dir)
         print_report(spec, report)
         return report
-    from xpar.track.runs import log_report, mlflow_run, recording
     tags.update(_continue_run(job))
     with mlflow_run(spec, job.config, job.start_dir, tags, run_name, job.out_dir) as run:
         report, stats = body()
@@ -236,10 +233,8 @@ def _record(job: Job, body) -> Report:
                 mlflow.log_artifact(str(path), "profile")
             record_timeline(report.timeline, job.out_dir)
             record_step_split(report.extra, report.step_time_s, job.out_dir)
-        from xpar.track.naming import ui_hint
         where = (f"{run.info.experiment_id}/{run.info.run_id} in {_uri()}\n"
                  f"Open it: {ui_hint(_uri(), run.info.experiment_id, run.info.run_id)}")
-    from xpar.track.recorder import recording_gap
     gap = recording_gap(run.recorder)
     print_report(spec, report, gap or where)
     if gap and job.sweep is None:  # trained, but not all of it is in MLflow: the `xpar sync` line above says how
@@ -255,8 +250,6 @@ def _continue_run(job: Job) -> dict:
 
     if job.resume is None:
         return {}
-    from xpar.run.checkpoint import tracking_link
-    from xpar.track.runs import default_uri, flatten
     link = tracking_link(job.spec, job.resume, flatten(job.config), job.spec.tracking.uri or default_uri(job.start_dir))
     if link.note:
         print(link.note, file=sys.stderr)
@@ -271,11 +264,6 @@ def _uri() -> str:
 
 
 def _run_estimate(job: Job) -> Report:
-    try:
-        from xpar.estimate.estimate_mode import estimate_report
-    except ImportError:
-        fail("  - run.mode=estimate is not available yet in this build; use hardware=local.")
-    from xpar.estimate.dryrun import PlanError
     try:
         return _record(job, lambda: (estimate_report(job.spec, job.out_dir), None))
     except PlanError as e:  # torch refused to build the layout in the dry run
@@ -292,8 +280,7 @@ def _run_torchrun(job: Job) -> Optional[Report]:
     import torch
     import torch.distributed as dist
 
-    from xpar.run.host_memory import keep_large_tensors_on_the_heap
-    from xpar.run.worker import run_rank
+    from xpar.run.worker import run_rank  # lazy: torch (xpar.LAZY_IMPORTS)
 
     spec, out_dir = job.spec, job.out_dir
     if spec.device == "cuda":

@@ -16,18 +16,8 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
-from xpar.run.worker import HEARTBEAT_DIR, STATS_FILE, spawn_entry
-
-
-class WorkerFailed(RuntimeError):
-    """A worker raised or exited abnormally; ``rank`` is its global rank."""
-
-    def __init__(self, rank: int, error: str, detail: str = ""):
-        self.rank, self.error, self.detail = rank, error, detail
-        super().__init__(f"worker rank {rank} failed: {error}")
-
-    def __reduce__(self):  # picklable: launchers such as submitit send job errors between processes
-        return (WorkerFailed, (self.rank, self.error, self.detail))
+from xpar.run.exits import WorkerFailed  # noqa: F401  (re-exported: xpar.run.launch.WorkerFailed)
+from xpar.run.worker import HEARTBEAT_DIR, STATS_FILE, spawn_entry, stats_fallback
 
 
 def free_port() -> int:
@@ -56,8 +46,6 @@ def stalled_rank(out_dir: Path, timeout_s: float, now: Optional[float] = None) -
     """(rank, why) of the worker whose heartbeat (xpar.run.worker.start_heartbeat) is the oldest and
     older than ``timeout_s``; None while every started worker beats. The rank named is the one
     that stopped, not one that waits for it in a collective (those keep beating)."""
-    from xpar.run.worker import HEARTBEAT_DIR
-
     now = time.time() if now is None else now
     beats = []
     for f in (Path(out_dir) / HEARTBEAT_DIR).glob("rank*.json"):
@@ -150,8 +138,6 @@ def read_stats(out_dir: Path) -> list[dict]:
     Raises:
         WorkerFailed: neither could be read (rank 0 could write neither).
     """
-    from xpar.run.worker import stats_fallback
-
     for path in (out_dir / STATS_FILE, stats_fallback(out_dir)):
         try:
             stats = json.loads(path.read_text())

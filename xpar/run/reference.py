@@ -15,12 +15,15 @@ from typing import Optional
 import torch
 
 from xpar.config.spec import RunSpec
+from xpar.models.transformer import Transformer
+from xpar.parallel.factory import cross_entropy
+from xpar.parallel.optim import build_lr_scheduler, clip_grads_
+from xpar.parallel.precision import mixed_precision_kind
+from xpar.run.data import TokenSource
 
 
 def _bf16_step(model, rows) -> torch.Tensor:
     """FSDP2-style: forward/backward on a bf16 copy, fp32 gradients into ``model``."""
-    from xpar.parallel.factory import cross_entropy
-
     work = copy.deepcopy(model).to(torch.bfloat16)
     loss = cross_entropy(work(rows[:, :-1]), rows[:, 1:])
     loss.backward()
@@ -33,12 +36,6 @@ def reference_run(spec: RunSpec, steps: Optional[int] = None, precision: Optiona
     """Train the single-process model; return ``losses`` and ``grad_norms`` (pre-clip) per
     step, the last step's pre-clip gradients by parameter name (``last_grads``) and the
     trained ``model``. ``precision`` defaults to the recipe ``spec`` runs."""
-    from xpar.models.transformer import Transformer
-    from xpar.parallel.factory import cross_entropy
-    from xpar.parallel.optim import build_lr_scheduler, clip_grads_
-    from xpar.parallel.precision import mixed_precision_kind
-    from xpar.run.data import TokenSource
-
     precision = precision or mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage)
     model = Transformer(spec.model)
     model.init_weights(spec.train.seed)

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Optional
 
 from xpar.config.checks import ConfigError
+from xpar.config.overrides import unwritable
+from xpar.run.checkpoint import (CheckpointError, complete_checkpoints, find_checkpoint, read_meta, run_meta,
+                                  verify_metadata)
 
 MODEL_FIELDS_IGNORED = ("name",)
 """Model fields a checkpoint may differ in (a label; every other field is a shape)."""
@@ -61,8 +64,6 @@ def check_interval(every) -> list[str]:
 def check_reuse(t) -> list[str]:
     """A run that checkpoints into a ``train.checkpoint_dir`` already holding checkpoints, and is
     not resuming, would overwrite another run's steps: refused (nothing a user saved is lost)."""
-    from xpar.run.checkpoint import complete_checkpoints
-
     if not (t.checkpoint_every and t.checkpoint_dir) or t.resume:
         return []
     held = complete_checkpoints(Path(t.checkpoint_dir).expanduser())
@@ -75,8 +76,6 @@ def check_reuse(t) -> list[str]:
 
 def check_dir(path: Optional[str]) -> list[str]:
     """train.checkpoint_dir, when given: its nearest existing folder is writable."""
-    from xpar.config.overrides import unwritable
-
     if not path or not str(path).strip():  # empty: refused by xpar.config.checks.environment.check_empty_paths
         return []
     why = unwritable(Path(path))
@@ -89,13 +88,6 @@ def check_dir(path: Optional[str]) -> list[str]:
 
 def _resume_problems(spec, start_dir: Path) -> tuple[Optional[Path], Optional[dict], list[str]]:
     """(checkpoint directory, its xpar.json, problems) of ``train.resume``."""
-    from xpar.run.checkpoint import (
-        CheckpointError,
-        find_checkpoint,
-        read_meta,
-        verify_metadata,
-    )
-
     try:
         path = find_checkpoint(spec.train.resume, spec.train.checkpoint_dir, Path(start_dir),
                                accept=lambda meta: not model_problems(meta, spec.model, Path()))
@@ -127,8 +119,6 @@ def data_notes(spec, meta: dict) -> list[str]:
     global batch, sequence length, data source): its steps after the checkpoint then see
     other batches than the checkpointed run's would have (a step's batch is a function of
     seed and step, xpar.run.data)."""
-    from xpar.run.checkpoint import run_meta
-
     saved, mine = meta.get("data", {}), run_meta(spec, Path("."))["data"]
     diff = [f"{k} {saved.get(k)} -> {v}" for k, v in mine.items() if saved.get(k) != v]
     if not diff:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from xpar.estimate.fidelity import cpu_share, task_cpu_ns
+from xpar.estimate.fidelity import cpu_share, task_cpu_ns, usable_cores
 from xpar.estimate.timing import step_time_stats
-from xpar.parallel.factory import Engine
 from xpar.parallel.comm_log import CollectiveLog, ddp_comm
+from xpar.parallel.factory import Engine
 from xpar.parallel.memory_accounting import ActivationTracker, model_state_bytes
+from xpar.parallel.mesh import replica_mesh
 from xpar.parallel.tensor import count_tp_comm
 from xpar.run.data import TokenSource
 
@@ -102,8 +103,6 @@ def comm_groups(engine: Engine) -> dict:
     the estimate prices cp as dp x cp ranks, xpar.estimate.context_parallel.fold_cp), when it has
     more than one rank; the cp axis's (K/V all-gathers and their gradients' reduction,
     xpar.parallel.context), when cp > 1; the ep group's (token all-to-all) under ep."""
-    from xpar.parallel.mesh import replica_mesh
-
     spec, out = engine.spec, {}
     if spec.dp * spec.cp > 1:
         out["dp"] = replica_mesh(engine.mesh).get_group()
@@ -204,7 +203,6 @@ def warn_oversubscribed(workers: int, threads: int) -> Optional[str]:
     (step times then measure the OS scheduler); returns the line, or None."""
     import sys
 
-    from xpar.estimate.fidelity import usable_cores
     cores = usable_cores()
     if workers * threads <= cores:
         return None

@@ -20,9 +20,16 @@ import torch
 import torch.distributed as dist
 
 from xpar.config.spec import RunSpec
+from xpar.estimate.report import step_rates
+from xpar.parallel.factory import build_engine
+from xpar.parallel.mesh import build_mesh
+from xpar.run import checkpoint
 from xpar.run.console import StepLines
+from xpar.run.exits import exit_worker
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
-from xpar.track.journal import StepWriter
+from xpar.run.profile import StepProfiler
+from xpar.run.train import train
+from xpar.track.journal import StepWriter, disk_warning
 
 STATS_FILE = "ranks.json"
 
@@ -33,10 +40,6 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     Expects the default process group to be initialised. Rank 0 also writes them to
     ``out_dir/ranks.json``.
     """
-    from xpar.parallel.factory import build_engine
-    from xpar.parallel.mesh import build_mesh
-    from xpar.run.train import train
-
     if spec.device == "cpu":
         torch.set_num_threads(spec.train.threads_per_worker)
         keep_large_tensors_on_the_heap()
@@ -51,7 +54,6 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     record_steps(engine, StepWriter(out_dir, dist.get_rank()), first=start.step if start else 0)
     lines = StepLines(engine, out_dir, dist.get_rank(), then=_progressing(saver))  # the console step line (xpar.run.console)
     if spec.train.profile:  # a torch.profiler trace of the last steps (xpar.run.profile)
-        from xpar.run.profile import StepProfiler
         lines = StepProfiler(spec, out_dir, dist.get_rank(), first=start.step if start else 0, then=lines)
     stats = train(engine, show_progress=(dist.get_rank() == 0 and spec.progress), start=start, after_step=lines)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -60,7 +62,6 @@ def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
         try:
             (out_dir / STATS_FILE).write_text(json.dumps(gathered, indent=1))
         except OSError as e:  # a full disk: the parent reads them from the temporary folder
-            from xpar.track.journal import disk_warning
             disk_warning(out_dir / STATS_FILE, e, f"the per-rank stats go to {stats_fallback(out_dir)}")
             try:
                 stats_fallback(out_dir).write_text(json.dumps(gathered))
@@ -96,7 +97,6 @@ def _checkpoints(engine, out_dir: Path):
     train_cfg = engine.spec.train
     start = saver = None
     if train_cfg.resume or train_cfg.checkpoint_every:
-        from xpar.run import checkpoint
         if train_cfg.resume:
             meta = checkpoint.load(engine, Path(train_cfg.resume))
             start = checkpoint.history_of(meta, dist.get_rank())
@@ -134,8 +134,6 @@ def live_metrics(spec, seconds: float) -> dict[str, float]:
     TFLOP/s per device, MFU (fraction) as :func:`xpar.estimate.report.summarize_measured` defines them,
     and memory: CUDA allocated, reserved and peak allocated bytes, or on a CPU the process's
     resident set (RSS) bytes. torchtitan's names: throughput(tps) is tokens/s per device there."""
-    from xpar.estimate.report import step_rates
-
     rate = step_rates(spec, seconds)
     out = {f"step/{k}": rate[k] for k in ("tokens_per_s", "tflops_per_device", "mfu")}
     if spec.device == "cuda":
@@ -215,21 +213,3 @@ def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> No
     finally:
         dist.destroy_process_group()
     exit_worker()
-
-
-def exit_worker() -> None:
-    """End a finished worker process without Python finalization (exit status 0).
-
-    torch 2.13 + gloo: a gloo thread may free the last reference to a collective's work
-    while the interpreter finalizes; freeing needs the GIL, the thread is ended, and
-    std::terminate aborts the process ("terminate called without an active exception",
-    SIGABRT) after all work is done -- measured in ~10-20% of 2-rank runs, DDP and TP
-    alike (backtrace: ProcessGroupGloo::runLoop -> ~AsyncWork -> ~ThreadLocalState ->
-    take_gil -> pthread_exit). Nothing is left to clean up here: results are written.
-    """
-    import sys
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -18,6 +18,13 @@ from typing import Optional
 
 import pandas as pd
 
+from xpar.estimate.figures import TERM_COLORS
+from xpar.estimate.model_states import MEMORY_TERMS
+from xpar.estimate.report import memory_unit, format_bytes
+from xpar.track.plots import step_split_figure, step_split_terms
+from xpar.track.refusals import refuse_compare, selected
+from xpar.track.runs import default_uri
+
 COLUMNS = {  # table column -> MLflow column
     "job": "tags.xpar.job_num",
     "name": "tags.mlflow.runName",
@@ -114,7 +121,6 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         paths.append(_save(memory_figure(runs, d), out_dir / "memory_by_layout.png"))
     bars = step_split_bars(runs)
     if bars:
-        from xpar.track.plots import step_split_figure
         paths.append(_save(step_split_figure(bars, "where one step went, per run (measured)"),
                            out_dir / "step_split_by_run.png"))
     return paths
@@ -123,7 +129,6 @@ def write_plots(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
 def step_split_bars(runs: pd.DataFrame) -> list[tuple[str, dict]]:
     """(run name, measured step split) of each run that logged one
     (:func:`xpar.track.plots.step_split_terms`), in the table's order."""
-    from xpar.track.plots import step_split_terms
     if "metrics.time/compute_cpu_s" not in runs:
         return []
     bars = []
@@ -141,9 +146,6 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
     """Peak memory per device by run, stacked by term (params, grads, optimizer, activations, and
     for estimates buffers and framework overhead), measured and estimated runs in separate panels,
     each in the unit of its largest bar (a ZeRO sweep of the tiny model reads in MiB, not 0.009 GiB)."""
-    from xpar.estimate.figures import TERM_COLORS
-    from xpar.estimate.model_states import MEMORY_TERMS
-    from xpar.estimate.report import memory_unit
     plt = _plt()
     cols = [f"metrics.memory/{k}_bytes" for k in MEMORY_TERMS]
     terms = runs.set_index("run_id").reindex(columns=cols).apply(pd.to_numeric, errors="coerce").fillna(0.0)
@@ -304,7 +306,6 @@ HEADERS = {"step_time_s": "step", "tokens_per_s": "tokens/s", "tflops_per_device
 def cell(column: str, v) -> str:
     """A console cell in the unit that reads: memory as 9.07 MiB (not 0.009 GiB), MFU in %, step
     time in ms, counts with thousands separators; '' where absent."""
-    from xpar.estimate.report import format_bytes
     if v is None or (isinstance(v, float) and pd.isna(v)):
         return ""
     if not isinstance(v, float):
@@ -321,8 +322,6 @@ def cell(column: str, v) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from xpar.track.runs import default_uri
-
     ap = argparse.ArgumentParser(prog="xpar compare", description="Compare runs recorded by xpar.")
     ap.add_argument("--uri", default=None, help="tracking URI (default: sqlite ./mlflow.db)")
     ap.add_argument("--experiment", default="xpar")
@@ -333,7 +332,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     uri = args.uri or default_uri(Path.cwd())
     sweep = args.sweep or (None if args.filter else "latest")
-    from xpar.track.refusals import refuse_compare, selected
     problem = refuse_compare(uri, args.out)
     runs, sweep = (None, sweep) if problem else selected(select_runs, uri, args.experiment, sweep, args.filter)
     if problem or isinstance(runs, str):

@@ -11,9 +11,7 @@ Two kinds of files, both JSON lines, both append-only:
   ``ack`` lines once the store took a record. :meth:`Journal.pending` is what the store has not
   taken; ``xpar sync <run dir>`` (:func:`xpar.track.runs.sync`) replays it.
 
-:class:`StepMerger` turns the per-rank step files into the run's per-step metrics the same way
-:func:`xpar.estimate.report.summarize_measured` does at the end (loss: mean over the ranks that see one;
-step time: max over ranks), for the steps every rank finished.
+Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

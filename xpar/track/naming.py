@@ -9,6 +9,7 @@ Torch-free.
 """
 from __future__ import annotations
 
+from xpar.config.cluster import placement
 from xpar.config.spec import RunSpec
 
 SEP = "·"
@@ -47,8 +48,6 @@ def sweep_child_name(name: str, overrides: list[str], varying: list[str], job_nu
 
 def description(spec: RunSpec, overrides: str = "") -> str:
     """Markdown shown as the run's description in the MLflow UI (tag ``mlflow.note.content``)."""
-    from xpar.config.cluster import placement
-
     where = placement(spec)
     how = ("estimated by the analytic cost model (xpar/estimate), not run" if spec.mode == "estimate"
            else f"measured on {spec.world_size} {spec.hardware.device} worker(s), {where['nodes']} node(s), "

@@ -13,6 +13,8 @@ from xpar.track.runs import (
     param_key,
     setup_experiment,
 )
+from xpar.track.naming import compare_page, ui_hint
+from xpar.estimate.report import format_bytes
 
 
 def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list) -> dict:
@@ -126,7 +128,6 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
         console.print(f"{len(summary['contention'])} job(s) measured under contention (tag xpar.contention): "
                       f"other processes took the cores; their times read worse than this machine gives")
     if summary.get("run_ids"):  # MLflow's compare page of the children (xpar.track.naming.compare_page)
-        from xpar.track.naming import compare_page, ui_hint
         page = compare_page(info["experiment_id"], summary["run_ids"])
         console.print(f"compare in MLflow: {ui_hint(info['uri'], info['experiment_id'], '', page)}",
                       soft_wrap=True, highlight=False)
@@ -136,7 +137,6 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
 
 def _memory(gib) -> str:
     """Peak memory in the unit that suits it (9.07 MiB, not 0.00886 GiB)."""
-    from xpar.estimate.report import format_bytes
     try:
         nbytes = float(gib) * 2 ** 30
     except (TypeError, ValueError):

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from xpar.track.journal import Journal, StepMerger, step_points
+from xpar.estimate.report import NOT_ALL_RECORDED
+from xpar.track.journal import Journal, StepMerger, step_points, JOURNAL_FILE
 
 HTTP_TIMEOUT_S = 5
 """Seconds per HTTP request to a tracking server (MLflow's default is 120)."""
@@ -192,8 +193,6 @@ def recording_gap(recorder: Recorder) -> Optional[str]:
     """None when the store took every record of the run, else the line that says how much it
     did not: metric points (of those journaled) and other records, and the ``xpar sync`` that
     delivers them (the summary then does not say "Recorded in MLflow")."""
-    from xpar.estimate.report import NOT_ALL_RECORDED
-
     pending = recorder.journal.pending()
     if not pending:
         return None
@@ -242,8 +241,6 @@ def sync(run_dir: Path) -> int:
 
 def _journal_start(run_dir: Path):
     """The journal's ``start`` record (a dict), or the line that refuses the folder (a str)."""
-    from xpar.track.journal import JOURNAL_FILE
-
     if not (run_dir / JOURNAL_FILE).is_file():
         return (f"no tracking journal in {run_dir} ({JOURNAL_FILE}); give the output directory of a run, "
                 f"e.g. outputs/<date>/<time>.")

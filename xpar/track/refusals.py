@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from xpar.config.checks.environment import sqlite_path
+from xpar.config.overrides import unwritable
+from xpar.track.recorder import bound_http
+
 HEALTH_TIMEOUT_S = 3
 """Seconds to wait for a tracking server's /health before refusing."""
 
@@ -14,10 +18,6 @@ FILTER_EXAMPLE = "--filter \"tags.`xpar.mode` = 'estimate'\""
 
 def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:
     """None, or why the store at ``uri`` or the folder ``out`` cannot be used (one line)."""
-    from xpar.config.checks.environment import sqlite_path
-    from xpar.config.overrides import unwritable
-    from xpar.track.recorder import bound_http
-
     bound_http()
     db = sqlite_path(uri)
     scheme = uri.partition("://")[0] if "://" in uri else ""

@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+from xpar.track.journal import disk_warning
+
 MARKER = "xpar_run.json"
 RUN_FILES = (MARKER, "tracking_journal.jsonl", "ranks.json")
 """Files whose presence says a folder holds a run (beside checkpoints, :func:`held_by_another`)."""
@@ -91,7 +93,6 @@ def claim(folder: Path) -> Optional[str]:
         with os.fdopen(fd, "w") as f:
             json.dump(owner(), f)
     except OSError as e:  # a full disk: the run goes on unclaimed, said once
-        from xpar.track.journal import disk_warning
         (folder / MARKER).unlink(missing_ok=True)
         disk_warning(folder / MARKER, e, "this run's folder is not claimed")
     return None

@@ -18,6 +18,9 @@ from typing import Any, Iterator, Optional
 
 from xpar.config.checks.environment import sqlite_path
 from xpar.config.spec import RunSpec
+from xpar.track.journal import unacknowledged, disk_warning
+from xpar.track.plots import TIMELINE_FILE
+from xpar.track.recorder import Recorder, bound_http, store_reason
 from xpar.track.store_seed import seed_sqlite_store
 
 MAX_PARAMS_PER_BATCH = 100
@@ -53,8 +56,6 @@ def store_lock(uri: str) -> Iterator[None]:
     directory ran MLflow's migrations concurrently ("duplicate column name") and broke the store
     for every later run. Other URIs: no lock (a server serialises its own store)."""
     import fcntl
-
-    from xpar.config.checks.environment import sqlite_path
 
     db = sqlite_path(uri)
     if db is None:
@@ -145,7 +146,6 @@ def _store_advice(uri: str, e: Optional[Exception] = None) -> str:
                 "tracking.experiment=xpar), or tracking=off.")
     if uri.startswith(("http://", "https://")):
         return "Start the server, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
-    from xpar.config.checks.environment import sqlite_path
     db = sqlite_path(uri)
     if db is not None and db.exists():
         return (f"If {db} is damaged, move it aside (mv {db} {db}.broken) and run again: a new store is "
@@ -225,7 +225,6 @@ def end_orphaned_runs(client, experiment_id: str) -> list[str]:
 def _sync_hint(out_dir: Optional[str]) -> None:
     """The ``xpar sync`` line for a killed run whose journal holds records (or whose workers' step
     files hold steps) the store has not acknowledged."""
-    from xpar.track.journal import unacknowledged
     n = unacknowledged(Path(out_dir)) if out_dir else 0
     if n:
         print(f"xpar: its folder {out_dir} holds {n} record(s) or step(s) the store has not taken; "
@@ -257,8 +256,6 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     import tempfile
 
     import mlflow
-
-    from xpar.track.recorder import Recorder, bound_http, store_reason
 
     bound_http()
     exp_id = setup_experiment(spec.tracking.uri, spec.tracking.experiment,
@@ -334,7 +331,6 @@ def recording(run) -> Iterator[None]:
         if recorder is None or not _is_store_error(e):
             raise
         recorder.mark_failed(e)
-        from xpar.track.plots import TIMELINE_FILE
         timeline = recorder.out_dir / TIMELINE_FILE
         if timeline.is_file():
             recorder.record("artifact", path=str(timeline), dir=None)
@@ -358,12 +354,10 @@ def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: P
     try:
         (out_dir / "config.yaml").write_text(config_yaml)
     except OSError as e:  # a full disk: the config still goes to MLflow below
-        from xpar.track.journal import disk_warning
         disk_warning(out_dir / "config.yaml", e, "the resolved config goes to MLflow only")
     run = mlflow.active_run()
     recorder = getattr(run, "recorder", None)
     if recorder is None:  # a run not started by mlflow_run
-        from xpar.track.recorder import Recorder
         recorder = Recorder(mlflow.get_tracking_uri(), run.info.run_id, out_dir)
     recorder.stop_live()
     now = int(time.time() * 1000)

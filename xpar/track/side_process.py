@@ -1,10 +1,9 @@
 """A process forked at start-up that imports slow modules while this one works, then runs one call.
 
-``xpar plan`` spends most of its wall time importing MLflow: on this 2-core machine (cProfile,
-175B on 1024 A100s) ``import mlflow`` took 1.8 s and its SQLite store (SQLAlchemy, alembic) 1.6 s,
-against 1.8 s for the search itself. The command forks this helper before Hydra composes the
-config (:func:`start`); the helper imports MLflow on the second core while the search runs on
-the first, and the plan's recording runs there (:func:`call`). The wall time becomes the longer
+``xpar plan`` spends most of its wall time importing MLflow and opening its SQLite store
+(SQLAlchemy, alembic), as long as the search itself (benchmarks/README.md). The command forks
+this helper before Hydra composes the config (:func:`start`); the helper imports MLflow on the
+second core while the search runs on the first, and the plan's recording runs there (:func:`call`). The wall time becomes the longer
 of the two paths instead of their sum. Where ``fork`` is not available, or the helper was not
 started or has died, :func:`call` runs the function here, as before.
 """

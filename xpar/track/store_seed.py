@@ -1,14 +1,13 @@
 """A new SQLite tracking store starts as a copy of an empty one, migrated once per MLflow version.
 
-MLflow builds a new SQLite store by running each of its Alembic migrations in turn: 2-3 s of CPU
-here (measured: ``mlflow.store.db.utils._initialize_tables``, 2.2 s of a 15.7 s first run in a
-new directory, MLflow 3.17), paid by every first run in a directory and by every test that runs
-xpar in a fresh one. xpar migrates one empty store per MLflow version into
-``$XDG_CACHE_HOME/xpar/mlflow-<version>-empty.db`` (default ``~/.cache``) and copies it where a
-new store is wanted. The copy holds MLflow's tables and no experiment: MLflow creates its
-'Default' experiment (id 0, artifacts under ./mlruns) when it first opens the store, as it does
-for a store it migrated itself (setup_experiment: 1.9 -> 1.0 s measured here). Anything that goes
-wrong falls back to MLflow's own creation.
+MLflow builds a new SQLite store by running each of its Alembic migrations in turn
+(``mlflow.store.db.utils._initialize_tables``: seconds of CPU, benchmarks/README.md), paid by every
+first run in a directory and by every test that runs xpar in a fresh one. xpar migrates one
+empty store per MLflow version into ``$XDG_CACHE_HOME/xpar/mlflow-<version>-empty.db`` (default
+``~/.cache``) and copies it where a new store is wanted. The copy holds MLflow's tables and no
+experiment: MLflow creates its 'Default' experiment (id 0, artifacts under ./mlruns) when it
+first opens the store, as it does for a store it migrated itself. Anything that goes wrong falls
+back to MLflow's own creation.
 """
 from __future__ import annotations
 
@@ -17,13 +16,14 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+from xpar.config.hardware import cache_dir
+
 
 def template_path() -> Path:
     """``$XDG_CACHE_HOME/xpar/mlflow-<MLflow version>-empty.db`` (default ``~/.cache``), beside
     the CPU peak cache (:func:`xpar.config.hardware.cache_dir`)."""
     import mlflow
 
-    from xpar.config.hardware import cache_dir
     return cache_dir() / f"mlflow-{mlflow.__version__}-empty.db"
 
 

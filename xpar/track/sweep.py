@@ -25,6 +25,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from xpar.config.checks import ConfigError
+from xpar.config.cluster import submitit_task_problems
+from xpar.config.hydra_internals import split_sweep_arguments
+from xpar.estimate.preflight import check_run
+from xpar.track.naming import varying_keys
+from xpar.track.recorder import bound_http
+from xpar.track.slurm import announce_submissions
+
 SWEEP_FILE = "xpar_sweep_{}.json"
 """The sweep's state, keyed by its id (two sweeps never share one)."""
 SWEEP_ENV = "XPAR_SWEEP_FILE"
@@ -41,8 +49,6 @@ def job_overrides(config: DictConfig) -> tuple[list[list[str]], bool]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import IntervalSweep
 
-    from xpar.config.hydra_internals import split_sweep_arguments
-
     exact = "BasicSweeper" in str(config.hydra.sweeper.get("_target_", ""))
     params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     args = params + list(config.hydra.overrides.task)
@@ -57,10 +63,6 @@ def preflight(config: DictConfig) -> list[tuple[int, list[str], list[str]]]:
     invalid ones. Under a submitit launcher, each job's ranks are held against its tasks
     (xpar.config.cluster.submitit_task_problems)."""
     from hydra.core.global_hydra import GlobalHydra
-
-    from xpar.config.checks import ConfigError
-    from xpar.config.cluster import submitit_task_problems
-    from xpar.estimate.preflight import check_run
 
     jobs, _ = job_overrides(config)
     loader = GlobalHydra.instance().config_loader()
@@ -91,7 +93,6 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
-            from xpar.track.slurm import announce_submissions
             announce_submissions()  # each job's SLURM id and log file, sbatch's refusal in one line
         bad = preflight(config)
         skip = bool(OmegaConf.select(config, "sweep.skip_invalid", default=False))
@@ -105,8 +106,7 @@ class SweepCallback(Callback):
                 raise SystemExit(2)
         if not OmegaConf.select(config, "tracking.enabled", default=True):
             return
-        from xpar.track.parent_run import open_parent_run
-        from xpar.track.recorder import bound_http
+        from xpar.track.parent_run import open_parent_run  # lazy: pandas (xpar.LAZY_IMPORTS)
 
         bound_http()
         sweep_dir = _sweep_dir(config)
@@ -119,7 +119,6 @@ class SweepCallback(Callback):
             print(f"xpar: could not open the sweep's MLflow parent run ({type(e).__name__}: {e}); "
                   f"each job is still recorded as its own run.", file=sys.stderr)
             return
-        from xpar.track.naming import varying_keys
         info["varying"] = varying_keys(jobs)  # named first in each child's run name
         self._file = sweep_dir / SWEEP_FILE.format(sweep_id)
         self._file.write_text(json.dumps(info))
@@ -185,7 +184,7 @@ def mark_interrupted() -> None:
 def finish_sweep(sweep_file: Path) -> None:
     """Summarise the sweep on its parent run and end it (FINISHED; FAILED when a child failed
     or a job is missing; KILLED after Ctrl-C). Safe to call twice."""
-    from xpar.track.parent_run import close_parent_run, print_sweep_summary
+    from xpar.track.parent_run import close_parent_run, print_sweep_summary  # lazy: pandas (xpar.LAZY_IMPORTS)
 
     sweep_file = Path(sweep_file)
     if sweep_file.is_file():

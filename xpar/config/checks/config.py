@@ -7,7 +7,7 @@ from pathlib import Path
 from xpar.config.checks import divisors
 from xpar.config.layout import SCHEDULES
 from xpar.config.remat import RECOMPUTE
-from xpar.config.schema import XparConfig
+from xpar.config.schema import XparConfig, SUMMARY_METRICS
 
 CHOICES = {
     "model.activation": ("swiglu", "gelu"),
@@ -177,8 +177,6 @@ def check_sweep(c: XparConfig) -> list[str]:
     """``sweep.metric`` names a metric xpar logs (a name no run logs picked no best job and gave
     Optuna nothing, silently)."""
     import difflib
-
-    from xpar.config.schema import SUMMARY_METRICS
 
     metric = c.sweep.metric
     if metric in SUMMARY_METRICS or metric.startswith(SWEEP_METRIC_FAMILIES) or \

@@ -22,6 +22,8 @@ from xpar.config.checks.hardware import (  # noqa: F401  (re-exported)
     load_hardware_preset,
 )
 from xpar.config.hardware import is_this_machine
+from xpar.config.resolve import torchrun_world
+from xpar.config.overrides import unwritable
 
 
 def check_environment(c) -> list[str]:
@@ -60,8 +62,6 @@ def check_hardware_overrides(c) -> list[str]:
     assumed instead (:func:`xpar.config.resolve.reference_hardware`): the change would be dropped. A change
     that :func:`~xpar.config.checks.hardware.hardware_value_problems` refuses is left to its own line (the
     line here would suggest the refused value again)."""
-    from xpar.config.resolve import torchrun_world
-
     ref = c.parallel.reference_hardware
     if not (is_this_machine(c.hardware) and ref and c.run.mode != "execute" and not torchrun_world()):
         return []
@@ -126,8 +126,6 @@ def sqlite_path(uri: str) -> Optional[Path]:
 def check_tracking_paths(c, start_dir: Optional[Path] = None) -> list[str]:
     """The SQLite store (file and folder, for its journal) and a local artifact root must be
     writable: an unwritable store otherwise fails only after SQLite's lock retries."""
-    from xpar.config.overrides import unwritable
-
     tr = c.tracking
     if not tr.enabled:
         return []

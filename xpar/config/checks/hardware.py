@@ -21,6 +21,8 @@ from dataclasses import fields
 from typing import Optional
 
 from xpar.config.hardware import is_this_machine
+from xpar.config.presets import load_preset, presets
+from xpar.config.schema import HardwareConfig
 
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
                     "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
@@ -59,17 +61,12 @@ def load_hardware_preset(name: str):
         FileNotFoundError: ``name`` is not a hardware preset."""
     from omegaconf import OmegaConf
 
-    from xpar.config.presets import load_preset
-    from xpar.config.schema import HardwareConfig
-
     node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), load_preset("hardware", name))
     return OmegaConf.to_object(node)
 
 
 def _preset(name: str):
     """The hardware preset ``name``, or None (hardware=local: figures measured; or not a preset)."""
-    from xpar.config.presets import presets
-
     return None if name == "local" or name not in presets("hardware") else load_hardware_preset(name)
 
 
@@ -95,8 +92,6 @@ def _needs_figure(hw, name: str) -> bool:
 def _working_value(hw, name: str, preset) -> Optional[str]:
     """A value of ``name`` that the checks accept on ``hw``: the preset's own figure where it has
     one, else the dataclass default or null where null is accepted, else :data:`EXAMPLE`."""
-    from xpar.config.schema import HardwareConfig
-
     own = getattr(preset, name) if preset is not None else None
     if own is not None:
         return _text(own)
@@ -131,8 +126,6 @@ def _positive_problem(hw, name: str, preset) -> Optional[str]:
 
 def latency_fields() -> tuple[str, ...]:
     """The HardwareConfig fields in microseconds (``*_us``): latencies and host overheads."""
-    from xpar.config.schema import HardwareConfig
-
     return tuple(f.name for f in fields(HardwareConfig) if f.name.endswith("_us"))
 
 

@@ -79,7 +79,7 @@ def check_recompute(layout: Layout, recompute_layers: Optional[int] = None, mode
     """Selective (op-level) recompute (torch's selective activation checkpointing) allows one backward
     through each checkpointed region; the zero-bubble schedules split a block's backward into
     an input-gradient (I) and a weight-gradient (W) pass, which torch 2.13 refuses at run time
-    ("Trying to backward an extra time ... selective activation checkpoint", measured here).
+    ("Trying to backward an extra time ... selective activation checkpoint").
     ``recompute_layers`` (parallel.recompute_layers) 0..the blocks of the largest stage, with a
     policy; in execute mode the policy one xpar runs (xpar.config.remat.Policy.executes)."""
     out, rec = [], layout.recompute
