@@ -506,22 +506,22 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     recompute, on 128 A100s with 400 Gb/s per node and 96 H100s with 800 Gb/s per node; never
     fitted on. Its full recompute is torch's non-reentrant checkpoint, which does not rerun the MLP's
     w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
-    NO_REENTRANT): A100 rows under-predicted by 4 % / 10 % (9 % / 14 % when w2 was counted as
-    rerun). H100 rows over-predicted by 12-17 %, as every torch-FSDP H100 row is (MPT's, next
-    test): the estimate exposes about 10 % of the step to dp communication, what the blog reads in
-    its traces ("a 10% gap due to network peeking out"); the blog suspects HBM bandwidth for the
-    rest (HFU 0.44-0.45 published)."""
+    NO_REENTRANT). Under the kernel model (issue 42): A100 rows under-predicted by 1 % / 7 % (4 % / 10 %
+    under FLOPs over one efficiency; more when w2 was counted as rerun). H100 rows over-predicted by
+    11-14 % (12-17 % before), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
+    about 9 % of the step to dp communication, what the blog reads in its traces ("a 10% gap due to
+    network peeking out"); the blog suspects HBM bandwidth for the rest (HFU 0.44-0.45 published)."""
     cases, res = loso
     r, rows = res["ibm_fms_fsdp_2024"], _published_rows("ibm_fms_fsdp_2024")
     assert r["fit_all"] == r["fit_without"]
     for row, (gpu, spec, assume, ref, _), e in zip(rows, cases["ibm_fms_fsdp_2024"], r["held_out"]):
-        est = estimate(with_hardware(spec, matmul_efficiency=r["fit_all"][gpu]), assume)
+        est = estimate(calibration.with_fitted(spec, r["fit_all"][gpu]), assume)
         exposed = est.time_breakdown["dp_comm_exposed"] / est.time_per_step_s
         if gpu == "A100":
-            assert -0.12 <= e < 0, (row["model"], e)
+            assert -0.08 <= e < 0, (row["model"], e)
             assert 0.03 < exposed < 0.10, exposed
         else:
-            assert 0.08 < e <= 0.20, (row["model"], e)
+            assert 0.09 < e <= 0.15, (row["model"], e)
             assert 0.07 < exposed < 0.15, exposed
 
 
