@@ -139,11 +139,11 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     On a fabric of 4 x 100 Gb/s per node (AWS p4d class) the 3D layout is estimated faster and
     the breakdown says why: ZeRO-3 spends most of its step in exposed dp communication, the 3D
     layout in matmuls (1.50x the TFLOP/s per GPU under the kernel model, issue 42: xpar's eager
-    element-wise passes take 11 % of the 3D step; 1.68x when compute was FLOPs over one efficiency). On the Selene-class preset (8 x 200 Gb/s per node) the alpha-beta model
-    estimates FSDP2's ZeRO-3 (flat all-gathers, prefetched) faster; against the ZeRO-3 Narayanan et
-    al. 2021 measured there (framework=deepspeed_2021: Table 2), the 3D layout as Megatron-LM ran it
-    (framework=megatron) is 2.6x faster, ZeRO-3's exposed dp communication (72 % of its step) the
-    cause."""
+    element-wise passes take 11 % of the 3D step; 1.68x when compute was FLOPs over one efficiency).
+    On the Selene-class preset (8 x 200 Gb/s per node) the alpha-beta model estimates FSDP2's ZeRO-3
+    (flat all-gathers, prefetched) faster; against the ZeRO-3 Narayanan et al. 2021 measured there
+    (framework=deepspeed_2021: Table 2), the 3D layout as Megatron-LM ran it (framework=megatron) is
+    2.6x faster, ZeRO-3's exposed dp communication (72 % of its step) the cause."""
     from xpar.estimate.cost import with_hardware
     d3 = _estimate_175b("parallel=175b_1024gpu")
     z3 = _estimate_175b("parallel=zero3", "model=175b", "hardware=a100_80gb_1024gpu", "train=cluster",
