@@ -29,9 +29,12 @@ def megatron():
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
-def test_megatron_table1_each_row_within_10_percent(megatron):
-    bad = [(r["params_b"], round(100 * e, 1)) for r, _, e in megatron if abs(e) > 0.10]
-    assert not bad, f"rows off by more than 10% (params_b, % error): {bad}"
+def test_megatron_table1_each_row_within_12_percent(megatron):
+    """Every Table 1 row within 12 % under the kernel model (issue 42; within 10 % under FLOPs over one
+    matmul efficiency, max 7.5 %): the worst are 7.5B (tp 4) and 18.4B (tp 8) without pipelining, 11.3 %
+    and 11.0 % under, their blocking tp all-reduces 11-18 % of the estimated step."""
+    bad = [(r["params_b"], round(100 * e, 1)) for r, _, e in megatron if abs(e) > 0.12]
+    assert not bad, f"rows off by more than 12% (params_b, % error): {bad}"
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
@@ -360,9 +363,11 @@ def loso():
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_each_public_source_held_out_is_predicted_within_bounds(loso):
-    """Fit the matmul efficiency per GPU family on the other sources, predict this one: median
-    |error| <= 8 % and max <= 20 % for every source (benchmarks/estimate_calibration.py prints
-    the tables); the fitted constants are those in the hardware presets (within 0.01)."""
+    """Fit the one constant per GPU family (hardware.sustained_efficiency under the kernel model,
+    issue 42) on the other sources, predict this one: median |error| <= 8 % and max <= 13 % for every
+    fitted source (measured: worst median 6.7 %, NeMo's; worst max 11.1 %, Table 1's 7.5B row;
+    benchmarks/estimate_calibration.py prints the tables); the constants fitted on all sources are
+    those in the hardware presets (within 0.01: A100 0.81, H100 0.773)."""
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
@@ -375,10 +380,10 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
             assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
-        assert statistics.median(held) <= 0.08 and max(held) <= 0.20, (name, r["held_out"])
+        assert statistics.median(held) <= 0.08 and max(held) <= 0.13, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
-    assert fitted["A100"] == pytest.approx(preset("hardware", "a100_80gb_64gpu")["matmul_efficiency"], abs=0.01)
-    assert fitted["H100"] == pytest.approx(preset("hardware", "h100_80gb_64gpu")["matmul_efficiency"], abs=0.01)
+    assert fitted["A100"] == pytest.approx(preset("hardware", "a100_80gb_64gpu")["sustained_efficiency"], abs=0.01)
+    assert fitted["H100"] == pytest.approx(preset("hardware", "h100_80gb_64gpu")["sustained_efficiency"], abs=0.01)
 
 
 def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
@@ -416,15 +421,18 @@ def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     gathers each parameter tensor through torch's list API after a device synchronize (host ops per
     rank and tensor, not overlapped), keeps biases and norms whole but gathers them back after each
     step, gathers 8/12 of a block again for its backward under full recompute, and all-reduces the
-    gradients (reduce_scatter at its default). Median |error| <= 10 % (13.4 % at the issue's start,
-    11.7 % with per-tensor reduce-scatters and no persistent regather), every 175B row within 10 %,
-    the 530B rows optimistic by 12-28 % (the largest at 2240 GPUs: what 530B adds is not found in the
-    code), in the published order; at the largest scale the exposed dp communication is most of the step."""
+    gradients (reduce_scatter at its default). Median |error| 13.0 % under the kernel model (issue 42;
+    9.3 % under FLOPs over one matmul efficiency): worse because 26-78 % of these steps is DeepSpeed's
+    communication and host ops, which the kernel model leaves as they were, while their large GEMMs
+    are priced faster (0.81 x 0.869 = 0.70 of the peak against 0.667), so the optimistic 530B rows
+    grow more so. Every 175B row within 10 % (+3.9, +9.9, -1.2 %), the 530B rows optimistic by 16-29 %
+    (the largest at 2240 GPUs: what 530B adds is not found in the code), in the published order; at
+    the largest scale the exposed dp communication is most of the step."""
     cases, res = loso
     rows = cases["narayanan_2021_table2_zero3"]
     errs = res["narayanan_2021_table2_zero3"]["held_out"]
-    assert statistics.median(abs(e) for e in errs) <= 0.10, errs
-    assert all(abs(e) <= 0.10 for e in errs[:3]) and all(0.05 < e < 0.30 for e in errs[3:]), errs
+    assert statistics.median(abs(e) for e in errs) <= 0.14, errs
+    assert all(abs(e) <= 0.10 for e in errs[:3]) and all(0.15 < e < 0.30 for e in errs[3:]), errs
     for lo, hi in ((0, 3), (3, 6)):  # 175B, 530B
         published = [c[3] for c in rows[lo:hi]]
         predicted = [c[3] * (1 + e) for c, e in zip(rows[lo:hi], errs[lo:hi])]
@@ -435,14 +443,28 @@ def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
 
 
 def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a_cpu():
-    """train.dtype=fp32 on an A100 runs its matmuls on CUDA cores (19.5 TFLOP/s; torch uses no
-    TF32 for fp32 matmuls by default), 16x slower than bf16's 312, and its MFU is a fraction of
-    that peak; a CPU preset has one measured peak for both."""
+    """train.dtype=fp32 on an A100 runs its GEMMs on CUDA cores (19.5 TFLOP/s; torch uses no TF32
+    for fp32 matmuls by default): under the kernel model (issue 42) every GEMM of a block, forward and
+    backward, and the logits' GEMM take 312 / 19.5 = 16x bf16's time. The attention core stays priced
+    as bf16 FlashAttention (xpar.estimate.kernels.attention_time), so the step's matmul term grows by
+    14.1x, not 16x (asserted: between 12x and 16x). Its element-wise kernels move 4-byte activations,
+    twice bf16's traffic. Its MFU is a fraction of the fp32 peak. A CPU
+    preset ('hardware=local', FLOPs over one efficiency) has one measured peak for both."""
     from tests.conftest import spec_for
+    from xpar.estimate.kernel_block import block_times, logits_times, shape_of
+    from xpar.estimate.kernel_costs import training_device
     gpu = {d: estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3",
                                 "run.mode=estimate", f"train.dtype={d}")) for d in ("bf16", "fp32")}
+    s = spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3", "run.mode=estimate")
+    device, shape = training_device(s.hardware), shape_of(s.model)
+    for backward in (False, True):
+        b16, b32 = (block_times(shape, 2, 4096, device, dtype=d, backward=backward) for d in ("bf16", "fp32"))
+        assert b32.gemm == pytest.approx(b16.gemm * 312 / 19.5)
+        assert b32.memory == pytest.approx(2 * b16.memory)  # fp32 activations: twice bf16's element-wise bytes
+        l16, l32 = (logits_times(8192, 4096, 32000, device, 1, d, backward)[0] for d in ("bf16", "fp32"))
+        assert l32 == pytest.approx(l16 * 312 / 19.5)
     ratio = gpu["fp32"].time_breakdown["matmul"] / gpu["bf16"].time_breakdown["matmul"]
-    assert ratio == pytest.approx(312 / 19.5)
+    assert 12 < ratio < 312 / 19.5, ratio
     # MFU is a fraction of the training dtype's peak (it divided fp32 runs by the bf16 peak: 16x low)
     for d, peak in (("bf16", 312e12), ("fp32", 19.5e12)):
         assert gpu[d].mfu == pytest.approx(gpu[d].tflops_per_device * 1e12 / peak)
@@ -458,21 +480,22 @@ def _published_rows(name: str) -> list[dict]:
 def test_mpt_fsdp_on_16_to_128_a100s_held_out(loso):
     """llm-foundry's MPT benchmarks (torch FSDP FULL_SHARD, 125M-70B on 16-128 A100s, 8 x 200 Gb/s
     per node), never fitted on (calibration.CHECK_ONLY: the constants are those fitted without
-    them). Median |error| 7.2 %. Every row within 12 % but two, both over-predicted by more than
-    20 %: 70B on 64 A100-40GB (MFU 35.9 % against 48.9 % on 128; the estimate puts it at 36 of the
-    device's 42 GB: allocator pressure near capacity is not modelled) and 1B on 32 GPUs (18 %
-    below its own 16- and 64-GPU rows in the table). The signs are the finding: rows with full
-    recompute (7B-70B) are under-predicted by 3-11 % (the matmul efficiency that would match them
-    is 0.69-0.76 against 0.673 fitted), rows without (125M-3B) over-predicted by 1-12 %, growing as
-    h shrinks. Scale: from 16 to 128 GPUs the published throughput per GPU falls 0.6-6.3 %, the
-    estimate 0-1 %: each model's ratio within 0.06 of the published one."""
+    them). Under the kernel model (issue 42) median |error| 3.7 % (3.5 % under FLOPs over one
+    efficiency). Every row within 17 % but two, both over-predicted by more than 20 %: 70B on 64
+    A100-40GB (+39 %; MFU 35.9 % against 48.9 % on 128; the estimate puts it at 36 of the device's
+    42 GB: allocator pressure near capacity is not modelled) and 1B on 32 GPUs (+26 %; 18 % below its
+    own 16- and 64-GPU rows in the table). Rows with full recompute (7B-70B) within -3.2 to +6.4 %,
+    rows without (125M-3B) over-predicted by up to 16 %, most at 125M (+12 to +16 %: the smallest
+    GEMMs and launches, h = 768). Scale: from 16 to 128 GPUs the published throughput per GPU falls
+    0.6-6.3 %, the estimate moves -1.0 to +1.8 %: each model's ratio within 0.06 of the published one
+    (worst 0.054, 350M)."""
     cases, res = loso
     r, rows = res["llmfoundry_mpt_a100"], _published_rows("llmfoundry_mpt_a100")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 34
     errs = {(row["model"], row["gpus"], row["gpu_memory_gb"]): e for row, e in zip(rows, r["held_out"])}
     outliers = {("70b", "64", "40"), ("1b", "32", "40")}
-    assert statistics.median(abs(e) for e in errs.values()) <= 0.08
-    assert max(abs(e) for k, e in errs.items() if k not in outliers) <= 0.12, errs
+    assert statistics.median(abs(e) for e in errs.values()) <= 0.05
+    assert max(abs(e) for k, e in errs.items() if k not in outliers) <= 0.17, errs
     assert all(errs[k] > 0.20 for k in outliers), errs
     ratio = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_a100"], r["held_out"]):
@@ -491,22 +514,22 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     recompute, on 128 A100s with 400 Gb/s per node and 96 H100s with 800 Gb/s per node; never
     fitted on. Its full recompute is torch's non-reentrant checkpoint, which does not rerun the MLP's
     w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
-    NO_REENTRANT): A100 rows under-predicted by 4 % / 10 % (9 % / 14 % when w2 was counted as
-    rerun). H100 rows over-predicted by 12-17 %, as every torch-FSDP H100 row is (MPT's, next
-    test): the estimate exposes about 10 % of the step to dp communication, what the blog reads in
-    its traces ("a 10% gap due to network peeking out"); the blog suspects HBM bandwidth for the
-    rest (HFU 0.44-0.45 published)."""
+    NO_REENTRANT). Under the kernel model (issue 42): A100 rows under-predicted by 1 % / 7 % (4 % / 10 %
+    under FLOPs over one efficiency; more when w2 was counted as rerun). H100 rows over-predicted by
+    11-14 % (12-17 % before), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
+    about 9 % of the step to dp communication, what the blog reads in its traces ("a 10% gap due to
+    network peeking out"); the blog suspects HBM bandwidth for the rest (HFU 0.44-0.45 published)."""
     cases, res = loso
     r, rows = res["ibm_fms_fsdp_2024"], _published_rows("ibm_fms_fsdp_2024")
     assert r["fit_all"] == r["fit_without"]
     for row, (gpu, spec, assume, ref, _), e in zip(rows, cases["ibm_fms_fsdp_2024"], r["held_out"]):
-        est = estimate(with_hardware(spec, matmul_efficiency=r["fit_all"][gpu]), assume)
+        est = estimate(calibration.with_fitted(spec, r["fit_all"][gpu]), assume)
         exposed = est.time_breakdown["dp_comm_exposed"] / est.time_per_step_s
         if gpu == "A100":
-            assert -0.12 <= e < 0, (row["model"], e)
+            assert -0.08 <= e < 0, (row["model"], e)
             assert 0.03 < exposed < 0.10, exposed
         else:
-            assert 0.08 < e <= 0.20, (row["model"], e)
+            assert 0.09 < e <= 0.15, (row["model"], e)
             assert 0.07 < exposed < 0.15, exposed
 
 
@@ -514,24 +537,24 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
-    Gb/s per node assumed), never fitted on. With full recompute (13B-70B; llm-foundry's
-    non-reentrant checkpoint, w2 not rerun: framework.checkpoint_early_stop) over-predicted by 3-10 %;
-    without (1B-7B) by 12-26 % (at the Llama-3-only H100 efficiency 0.678, before NeMo's
-    rows joined the fit: +8 to +15 % and +25 to +39 %): what the rows without recompute lose is
-    not in the matmul term (small models: memory-bound and host time). Scale: the published throughput per
-    GPU falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
-    0.4-3.3 %, and only through the compute slowed beside the hidden collectives (overlap_slowdown
+    Gb/s per node assumed), never fitted on. Under the kernel model (issue 42, H100 0.773): with full
+    recompute (13B-70B; llm-foundry's non-reentrant checkpoint, w2 not rerun:
+    framework.checkpoint_early_stop) over-predicted by 1.8-8.3 %; without (1B-7B) by 11.9-26.1 %
+    (under FLOPs over one efficiency: 3-10 % and 12-26 %): what the rows without recompute lose is
+    not in the kernels priced (small models: host time). Scale: the published throughput per GPU
+    falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
+    0.4-3.0 %, and only through the compute slowed beside the hidden collectives (overlap_slowdown
     on ring latency that grows with the ranks: without it the estimate is flat). Halving the
     NIC bandwidth does not change the trend (a ring's bus bandwidth does not depend on its size);
     three times NCCL's latencies matches 7B but not 13B-70B, whose loss (2.5-4.8 %) no
     communication term reproduces. Asserted: the bounds above and each model's 512/128 ratio
-    below 1 and within 0.07 of the published one."""
+    below 1 and within 0.07 of the published one (worst 0.067, 1B)."""
     cases, res = loso
     r, rows = res["llmfoundry_mpt_h100"], _published_rows("llmfoundry_mpt_h100")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
     by: dict = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
-        lo, hi = (0.02, 0.11) if row["ac"] == "true" else (0.10, 0.28)
+        lo, hi = (0.01, 0.09) if row["ac"] == "true" else (0.11, 0.27)
         assert lo < e < hi, (row["model"], row["gpus"], e)
         by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
     assert len(by) == 6
@@ -545,26 +568,27 @@ def test_megatron_2022_selective_recompute_on_a100_held_out(loso):
     """Korthikanti et al. 2022 Table 5 (GPT 22B-1T on 8-2240 A100s, tp 8, dp 1 but one row):
     iteration times with full recompute and with sequence parallelism + selective recompute,
     never fitted on, with the Megatron-LM of 2022's asynchronous tp backward (the column-parallel
-    linears' input-gradient collectives behind their weight-gradient GEMMs: median |error| 5.7 ->
-    5.3 %, max 12.5 -> 10.9 %). 530B and 1T under-predicted (-3 % to -11 %): the matmul efficiency that
-    fits the source alone is above the 0.668 fitted (2022's Megatron runs faster GEMMs than the
-    2021 Table 1 it is fitted on). Worst: 1T (-11 %, -10 %), whose 1F1B bubble over pp 64 is 10 %
-    of the estimated step (v = 1 assumed: 2 layers per rank, interleaving not stated). The gain of
-    the paper's method over full recompute is overstated: estimated 1.32-1.39x against 1.29-1.32x
-    published (asserted: above the published and within 0.12 of it). Data parallelism: 530B at dp 8
-    (2240 GPUs) costs 3.5 % published (37.83 -> 39.15 s, the all-reduce after the flush, not
-    overlapped), 0.9 % estimated: asserted below half."""
+    linears' input-gradient collectives behind their weight-gradient GEMMs). Under the kernel model
+    (issue 42, A100 0.81): median |error| 4.9 %, max 10.9 % (FLOPs over one efficiency: 5.4 %, 11.1 %).
+    The 530B and 1T rows at dp 1 under-predicted (-2 % to -10 %): the constant that fits the source
+    alone is 0.85 against the 0.81 fitted (2022's Megatron runs faster GEMMs than the 2021 Table 1).
+    Worst: 22B with the paper's method (+10.9 %) and 1T with full recompute (-9.5 %), whose 1F1B bubble
+    over pp 64 is a tenth of the estimated step (v = 1 assumed: 2 layers per rank, interleaving not
+    stated). The gain of the paper's method over full recompute is overstated: estimated 1.35-1.43x
+    against 1.29-1.32x published (asserted: above the published and within 0.15 of it; 22B the most,
+    +0.14). Data parallelism: 530B at dp 8 (2240 GPUs) costs 3.5 % published (37.83 -> 39.15 s, the
+    all-reduce after the flush, not overlapped), 0.9 % estimated: asserted below half."""
     cases, res = loso
     r, rows = res["korthikanti_2022_table5"], _published_rows("korthikanti_2022_table5")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 9
     errs = r["held_out"]
-    assert statistics.median(abs(e) for e in errs) <= 0.06 and max(abs(e) for e in errs) <= 0.13, errs
-    assert all(e < 0 for row, e in zip(rows, errs) if row["params_b"] in ("530", "1000")), errs
+    assert statistics.median(abs(e) for e in errs) <= 0.06 and max(abs(e) for e in errs) <= 0.12, errs
+    assert all(e < 0 for row, e in zip(rows, errs) if row["params_b"] in ("530", "1000") and row["dp"] == "1"), errs
     by = {(row["params_b"], row["mode"], row["dp"]): (c[3], c[3] * (1 + e))
           for row, c, e in zip(rows, cases["korthikanti_2022_table5"], errs)}
     for size in ("22", "175", "530", "1000"):
         published, estimated = (by[(size, "present", "1")][i] / by[(size, "full", "1")][i] for i in (0, 1))
-        assert 1.28 < published < 1.33 and published < estimated < published + 0.12, (size, published, estimated)
+        assert 1.28 < published < 1.33 and published < estimated < published + 0.15, (size, published, estimated)
     published, estimated = (by[("530", "present", "1")][i] / by[("530", "present", "8")][i] - 1 for i in (0, 1))
     assert published > 0.03 and 0 < estimated < published / 2, (published, estimated)
 
@@ -577,30 +601,31 @@ def _dgxc(cases, rows, model):
 def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
     Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
-    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Held out,
-    the H100 efficiency from Llama 3 alone (0.575, at the V = 8 its paper implies) predicts every row
-    within 12 %: 3-5 % under for 175B and 340B (MFU 53-55 % published), 9-11 % under for 15B (no
-    pipeline). (At the V = 2 assumed before, Llama 3 alone said 0.678 and over-predicted the pipelined
-    rows by 10-14 %.) The matmul efficiency that fits the source alone is 0.60 (asserted: below 0.64),
-    as the H100 FSDP checks want (MPT 0.57, IBM 0.53); with Llama 3 in the H100 fit (0.601) every row
-    is within 9 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 % (175B),
-    4.7 % (340B), 2.6 % (15B) published; estimated within 0.03 of each."""
+    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Under the
+    kernel model (issue 42), held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the
+    V = 8 its paper implies) predicts every row within 10 %: 4-7 % under for 175B and 340B (MFU 53-55 %
+    published), 8-10 % under for 15B (no pipeline) (FLOPs over one efficiency: 3-5 % and 9-11 %).
+    The constant that fits the source alone is 0.755; with Llama 3 in the H100 fit (0.773, the preset)
+    every row is within 4 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 %
+    (175B), 4.8 % (340B), 2.6 % (15B) published; estimated within 0.02 of each."""
     cases, res = loso
     r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
     assert len(rows) == len(r["held_out"]) == 18 and "dgxc_nemo_h100_bf16" not in calibration.CHECK_ONLY
-    assert r["fit_without"]["H100"] == pytest.approx(0.575, abs=0.005) and r["fit_all"]["H100"] < 0.62
-    assert max(abs(e) for e in r["calibration"]) < 0.09, r["calibration"]
+    assert r["fit_without"]["H100"] == pytest.approx(0.711, abs=0.005)
+    h100 = preset("hardware", "h100_80gb_64gpu")["sustained_efficiency"]
+    assert r["fit_all"]["H100"] == pytest.approx(h100, abs=0.005)
+    assert max(abs(e) for e in r["calibration"]) < 0.04, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
-        lo, hi = (-0.12, -0.08) if row["pp"] == "1" else (-0.06, -0.02)
+        lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.03)
         assert lo < e < hi, (row["model"], row["gpus"], e)
-    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) < 0.64
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.755, abs=0.005)
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
         pairs = _dgxc(cases, rows, model)
         (_, small), (_, large) = pairs[0], pairs[-1]
         published = large[3] / small[3]
         eff = r["fit_all"]["H100"]
         estimated = calibration.predicted(large, eff) / calibration.predicted(small, eff)
-        assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.03, (model, published, estimated)
+        assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.02, (model, published, estimated)
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
@@ -632,19 +657,21 @@ def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
     global batch 1920, 126/121/113 TFLOP/s per GPU published; never fitted on. It ran Megatron-DeepSpeed
     (DeepSpeed's pipeline engine, 1F1B, ZeRO-1, full recompute assumed). Without a framework cost it
     is over-predicted by 19-24 %: the same model and tp/pp on the same cluster in Korthikanti et al.
-    2022 (Megatron-LM, dp 1, v = 3) ran 43 % faster per GPU, of which the layout explains 8 points.
-    With the cost per layer and micro-batch fitted on BLOOM's Megatron-DeepSpeed runs
-    (deepspeed_bloom's layer_overhead_ms, tests/data/bigscience_bloom_2022.csv) it is within 15 %
-    (+8 to +13 %). Scale: per-GPU throughput falls 9.8 % from 280 to 420 nodes published, less
-    estimated (the bubble as m falls from 240 to 160): asserted in that order."""
+    2022 (Megatron-LM, dp 1, v = 3) ran 43 % faster per GPU (estimated, with the
+    layer overhead below: 24 %, a ratio of 0.81). Under the kernel model (issue 42): without a framework
+    cost over-predicted by 21-26 % (FLOPs over one efficiency: 19-24 %); with the cost per layer and
+    micro-batch fitted on BLOOM's Megatron-DeepSpeed runs (deepspeed_bloom's layer_overhead_ms 7.1 ms,
+    tests/data/bigscience_bloom_2022.csv) within 13 % (+8 to +13 %). Scale: per-GPU throughput falls
+    9.8 % from 280 to 420 nodes published, 5.9 % estimated (the bubble as m falls from 240 to 160):
+    asserted in that order."""
     cases, res = loso
     r, rows = res["smith_2022_mtnlg"], _published_rows("smith_2022_mtnlg")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 3
-    assert all(0.0 < e < 0.15 for e in r["held_out"]), r["held_out"]
+    assert all(0.0 < e < 0.13 for e in r["held_out"]), r["held_out"]
     mt, k = cases["smith_2022_mtnlg"], cases["korthikanti_2022_table5"]
     eff = r["fit_all"]["A100"]
     without = calibration.errors([(g, sp, replace(a, layer_overhead_ms=0.0), p, m) for g, sp, a, p, m in mt], eff)
-    assert all(0.15 < e < 0.28 for e in without), without
+    assert all(0.20 < e < 0.28 for e in without), without
     k_full = next(c for c, row in zip(k, _published_rows("korthikanti_2022_table5"))
                   if row["params_b"] == "530" and row["mode"] == "full")
     published = mt[0][3] / k_full[3]
@@ -657,10 +684,11 @@ def test_mtnlg_530b_production_layout_held_out_with_blooms_layer_overhead(loso):
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mtnlg(loso):
-    """deepspeed_bloom's layer_overhead_ms is the fit on BLOOM's 8 runs (within 0.5 ms), which puts every
-    BLOOM row within 8 % and lowers their median |error| (4.3 -> 3.2 %); MT-NLG never enters the
+    """deepspeed_bloom's layer_overhead_ms is the fit on BLOOM's 8 runs (within 0.5 ms: 7.1 ms under the
+    kernel model, issue 42; 5.7 ms under FLOPs over one efficiency), which puts every BLOOM row within 8 %
+    (max 7.3 %) and lowers their median |error| (4.4 -> 1.2 %; was 4.3 -> 3.2 %); MT-NLG never enters the
     fit (previous test). The overhead is host time per layer and micro-batch: on every pipeline slot,
-    so the bubble grows with it."""
+    so the bubble grows with it; it adds to the kernels' own launch time in host_overhead."""
     from xpar.calibrate.published import fit_layer_overhead, preset
     cases, res = loso
     bloom = cases["bigscience_bloom_2022"]
@@ -673,34 +701,34 @@ def test_megatron_deepspeeds_layer_overhead_is_fitted_on_bloom_and_checked_on_mt
     assert statistics.median(abs(e) for e in with_) < statistics.median(abs(e) for e in without) - 0.005, without
     _, spec, a, _, _ = bloom[0]
     on, off = estimate(spec, a), estimate(spec, replace(a, layer_overhead_ms=0.0))
-    assert on.time_breakdown["host_overhead"] == pytest.approx(
+    assert on.time_breakdown["host_overhead"] - off.time_breakdown["host_overhead"] == pytest.approx(
         spec.micro_batches * max(spec.layout.layer_split) * ms * 1e-3, rel=0.01)
     assert on.time_breakdown["bubble"] > off.time_breakdown["bubble"]
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
-    """The two H100 sources, each alone, give the same constant (issue 9, then issue 27). The NeMo rows,
-    whose steps are 82-91 % matmul, measure it almost directly: at 0.62 with the recipes' TP overlap every
-    row is within 6 %. The two Llama 3 rows, at the V = 8 their paper's stage split implies (one layer per
-    virtual stage: tests/data/llama3_2024_table4.csv), agree with each other within 2 % and alone fit a
-    constant within 0.03 of NeMo's (at the V = 2 assumed before, 31 % of their step was bubble, they
-    disagreed by 9 points and alone said 0.678). The never-fitted FSDP H100 checks (MPT, IBM),
-    over-predicted at 0.678, come closer at the fitted constant by more than 4 points."""
+    """The H100 constant (hardware.sustained_efficiency under the kernel model, issue 42) is fitted on
+    the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
+    stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
+    the fit. Each source alone: NeMo 0.755, Llama 3 0.711, 0.044 apart (under FLOPs over one
+    efficiency within 0.03); at the fit (0.773, the preset) every NeMo row is within 4 %. The
+    never-fitted FSDP H100 checks (MPT, IBM) want less: at Llama 3's 0.711 their median |error| is
+    4.7 % and 4.9 %, at the fitted 0.773 10.1 % and 12.2 % (asserted: more than 4 points apart)."""
     cases, res = loso
     llama = cases["llama3_2024_table4"]
-    at_fit = calibration.errors(llama, res["llama3_2024_table4"]["fit_all"]["H100"])
+    fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
+    at_fit = calibration.errors(llama, fitted)
     assert abs(at_fit[0] - at_fit[1]) < 0.02, at_fit
-    assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], 0.62))
+    assert all(abs(e) < 0.04 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
     llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
-    assert abs(llama_alone - nemo_alone) < 0.03, (llama_alone, nemo_alone)
-    fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
-    assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["matmul_efficiency"], abs=0.005) and fitted < 0.62
+    assert 0.03 < nemo_alone - llama_alone < 0.05, (llama_alone, nemo_alone)
+    assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["sustained_efficiency"], abs=0.005)
     for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
         h100 = [c for c in cases[name] if c[0] == "H100"]
-        at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (0.678, 0.62, fitted)}
-        assert at[0.62] < at[0.678] - 0.04 and at[fitted] < at[0.678] - 0.04, (name, at)
+        at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (llama_alone, fitted)}
+        assert at[llama_alone] < at[fitted] - 0.04, (name, at)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (4, 8), (8, 24), (16, 64)])
@@ -731,22 +759,26 @@ def test_published_zero_bubble_schedules_are_estimated_under_their_framework():
 
 
 def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
-    """train.dtype=fp8 (issue 30): matmuls at hardware.peak_tflops_fp8 (H100: 1979 TFLOP/s, twice the
-    bf16 peak) x fp8_matmul_efficiency over bf16 storage, so the matmul time falls to 1 / (2 x 0.78)
-    but for the attention core, which stays at the bf16 rate (Transformer Engine, torchao: share a of
-    the FLOPs, counted 4 times per layer under full recompute and the logits 3 times), and the memory
-    stays bf16's; MFU is against the FP8 peak. Refused on hardware without FP8 and in execute mode, in
-    one line each."""
+    """train.dtype=fp8 (issue 30) under the kernel model (issue 42): each GEMM at hardware.peak_tflops_fp8
+    (H100: 1979 TFLOP/s, twice the bf16 peak) x gemm_efficiency_fp8 over bf16 storage, so a large GEMM
+    takes (989 x 0.803) / (1979 x 0.709) = 0.566 of its bf16 time; the step's matmul term falls less
+    (0.60: the attention core and the logits stay bf16), its memory-bound term grows (a cast kernel per
+    GEMM input); the memory stays bf16's; MFU is against the FP8 peak. Refused on hardware without FP8
+    and in execute mode, in one line each."""
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
+    from xpar.estimate.kernel_costs import training_device
+    from xpar.estimate.kernels import gemm_time
     base = ("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.recompute=full",
             "run.mode=estimate")
     bf16, fp8 = (estimate(spec_for(*base, f"train.dtype={d}")) for d in ("bf16", "fp8"))
-    k = spec_for(*base).hardware.fp8_matmul_efficiency  # FP8 matmuls' share of bf16's efficiency (fitted: 0.78)
-    fwd = forward_flops_per_token(spec_for(*base).model, 4096)
-    a = 4 * fwd["attention"] / (4 * (fwd["matmul"] + fwd["attention"]) + 3 * fwd["logits"])
-    assert fp8.time_breakdown["matmul"] == pytest.approx(bf16.time_breakdown["matmul"] * ((1 - a) / (2 * k) + a),
-                                                         rel=0.005)
+    hw = spec_for(*base).hardware
+    device = training_device(hw)
+    gemm = gemm_time(8192, 8192, 8192, device, "fp8") / gemm_time(8192, 8192, 8192, device, "bf16")
+    assert gemm == pytest.approx(hw.peak_tflops * hw.gemm_efficiency / (hw.peak_tflops_fp8 * hw.gemm_efficiency_fp8))
+    ratio = fp8.time_breakdown["matmul"] / bf16.time_breakdown["matmul"]
+    assert gemm < ratio < 0.65, ratio
+    assert fp8.time_breakdown["memory_bound"] > bf16.time_breakdown["memory_bound"]
     assert fp8.memory.total == bf16.memory.total and fp8.time_per_step_s < bf16.time_per_step_s
     assert fp8.mfu == pytest.approx(fp8.tflops_per_device / 1979, rel=1e-9)
     for overrides, words in ((("hardware=a100_80gb_64gpu",), "has none"), (("run.mode=execute", "model=tiny",
@@ -831,11 +863,13 @@ def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
     NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers; 36 on H100/H800): none
     refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
-    figure (in its source's FLOPs convention: xpar.calibrate.published.published_figure) within 15 % over
-    all of them (issue 30; measured 11.8 %) and over the 19 MoE rows alone (measured 14.3 %: Grok-1's FP8
-    rows +14-25 %, Qwen3-30B-A3B's small experts +214 %, DeepSeek-V3's whole-run average +64 %);
-    FP8's efficiency (hardware.fp8_matmul_efficiency) is fitted on the dgxc rows and the other
-    dense FP8 rows hold it out: their median |error| is within 15 % too."""
+    figure (in its source's FLOPs convention: xpar.calibrate.published.published_figure) within 12 % over
+    all of them (issue 30; under the kernel model, issue 42, measured 11.1 %, was 11.8 %) and within 22 %
+    over the 19 MoE rows alone (measured 20.7 %, worse than the 14.3 % under FLOPs over one efficiency:
+    Grok-1's FP8 rows +21-33 %, Qwen3-30B-A3B's small experts +176 %, DeepSeek-V3's whole-run average
+    +45 %, the Qwen3-235B rows with cp 2-8 under-predicted by 13-26 %); the dense FP8 rows outside
+    the dgxc ones (which fitted the FLOP model's fp8_matmul_efficiency; the kernel model's
+    gemm_efficiency_fp8 is a published GEMM sweep, not fitted) within 6 % (measured 4.0 %)."""
     from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
     errors, refused, held_out, moe = {}, [], [], []
     for row in read_table(DATA / "cp_fp8_h100.csv"):
@@ -853,9 +887,10 @@ def test_published_context_parallel_moe_and_fp8_runs():
         if row["moe"] == "true":
             moe.append(abs(errors[row["id"]]))
     assert len(errors) >= 36 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
-    assert statistics.median(abs(x) for x in errors.values()) <= 0.15, errors
-    assert len(moe) >= 18 and statistics.median(moe) <= 0.15, moe
-    assert len(held_out) >= 5 and statistics.median(held_out) <= 0.15, held_out
+    assert statistics.median(abs(x) for x in errors.values()) <= 0.12, errors
+    assert len(moe) >= 18 and statistics.median(moe) <= 0.22, moe
+    assert len(held_out) >= 5 and statistics.median(held_out) <= 0.06, held_out
+
 
 
 

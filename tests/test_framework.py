@@ -159,11 +159,12 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     """`python -m xpar parallel=175b_1024gpu` (TP8 PP16 DP8) against ZeRO-3 over the 1024 GPUs.
     On a fabric of 4 x 100 Gb/s per node (AWS p4d class) the 3D layout is estimated faster and
     the breakdown says why: ZeRO-3 spends most of its step in exposed dp communication, the 3D
-    layout in matmuls. On the Selene-class preset (8 x 200 Gb/s per node) the alpha-beta model
-    estimates FSDP2's ZeRO-3 (flat all-gathers, prefetched) faster; against the ZeRO-3 Narayanan et
-    al. 2021 measured there (framework=deepspeed_2021: Table 2, within 10 % for 175B), the 3D layout as
-    Megatron-LM ran it (framework=megatron) is 3x faster, ZeRO-3's exposed dp communication the
-    cause."""
+    layout in matmuls (1.50x the TFLOP/s per GPU under the kernel model, issue 42: xpar's eager
+    element-wise passes take 11 % of the 3D step; 1.68x when compute was FLOPs over one efficiency).
+    On the Selene-class preset (8 x 200 Gb/s per node) the alpha-beta model estimates FSDP2's ZeRO-3
+    (flat all-gathers, prefetched) faster; against the ZeRO-3 Narayanan et al. 2021 measured there
+    (framework=deepspeed_2021: Table 2), the 3D layout as Megatron-LM ran it (framework=megatron) is
+    2.6x faster, ZeRO-3's exposed dp communication (72 % of its step) the cause."""
     from xpar.estimate.cost import with_hardware
     d3 = _estimate_175b("parallel=175b_1024gpu")
     z3 = _estimate_175b("parallel=zero3", "model=175b", "hardware=a100_80gb_1024gpu", "train=cluster",
@@ -171,7 +172,7 @@ def test_175b_on_1024_gpus_3d_against_zero3_and_why():
     assert d3.world_size == z3.world_size == 1024 and (d3.tp, d3.pp, d3.dp) == (8, 16, 8) and z3.dp == 1024
     thin = dict(inter_node_gb_per_s=12.5, nics_per_node=4)
     e3, ez = estimate(with_hardware(d3, **thin)), estimate(with_hardware(z3, **thin))
-    assert e3.tflops_per_device > 1.5 * ez.tflops_per_device
+    assert e3.tflops_per_device > 1.4 * ez.tflops_per_device
     share = {k: v / ez.time_per_step_s for k, v in ez.time_breakdown.items()}
     assert share["dp_comm_exposed"] > 0.5 and max(share, key=share.get) == "dp_comm_exposed"
     share3 = {k: v / e3.time_per_step_s for k, v in e3.time_breakdown.items()}

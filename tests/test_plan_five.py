@@ -207,13 +207,16 @@ def test_cp_and_ep_candidates_on_lighter_ends_equal_the_scalar_estimate():
 def test_the_reproducing_line_sets_cp_ep_and_the_dtype(capsys):
     """A plan forced onto cp 2, ep 2 and FP8 prints a line with parallel.cp, parallel.ep and
     train.dtype that composes, validates and resolves to the winner (xpar.plan.verify), and a table
-    with a dtype column (two dtypes searched) but no cp or ep column (one value each)."""
+    with a dtype column (two dtypes searched) but no cp or ep column (one value each). moe_tiny widened
+    to hidden 2048: under the kernel model (issue 42) FP8 wins only where its GEMMs save more than its
+    cast kernels cost, which moe_tiny's 64-wide GEMMs do not."""
     from tests.test_plan import plan_of
     from xpar.plan.command import reproduce
     from xpar.plan.show import searched
 
     plan = plan_of("model=moe_tiny", "hardware=h100_80gb_8gpu", "train.seq_len=16384", "plan.cp=[2]", "plan.ep=[2]",
-                   "plan.dtype=[bf16,fp8]")
+                   "plan.dtype=[bf16,fp8]", "model.hidden=2048", "model.n_heads=16", "model.n_kv_heads=8",
+                   "model.ffn_hidden=5632", "model.expert_ffn_hidden=2048", "model.vocab_size=32000")
     r, i = plan.res, plan.best
     assert (r["cp"][i], r["ep"][i], r["dtype"][i]) == (2, 2, "fp8") and searched(plan) == ("dtype",)
     line, spec = reproduce(plan)

@@ -241,6 +241,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     else:
         g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward)
     gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
+    moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
     busy = gemm + experts + attn + memory
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
