@@ -326,8 +326,12 @@ def test_host_time_only_where_measured():
 
     from xpar.estimate.cost import estimate
 
-    gpu = estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel=zero3"))
-    assert gpu.time_breakdown["host_overhead"] == 0
+    gpu_spec = spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel=zero3")
+    gpu = estimate(gpu_spec)
+    # on a GPU the host term is the kernel model's launch gaps only (kernel_launch_us per kernel; issue 42)
+    assert 0 < gpu.time_breakdown["host_overhead"] < 0.01 * gpu.time_per_step_s
+    no_gaps = replace(gpu_spec, hardware=replace(gpu_spec.hardware, kernel_launch_us=0.0))
+    assert estimate(no_gaps).time_breakdown["host_overhead"] == 0
     figures = dict(op_overhead_us=2.0, dtensor_op_overhead_us=7.0, fsdp_unit_overhead_us=400.0)
 
     def est(*overrides, **hw):

@@ -392,7 +392,8 @@ def test_tp_and_pp_overlap_hide_what_the_framework_overlaps():
     s = spec(tp=8, pp=2, micro_batches=8, schedule="1f1b", sequence_parallel=True)
     base, over = estimate(s), estimate(s, replace(Assumptions(), tp_overlap=0.8, pp_overlap=1.0))
     assert over.time_breakdown["tp_comm"] == pytest.approx(0.2 * base.time_breakdown["tp_comm"])
-    assert over.time_breakdown["pp_comm"] == 0 < base.time_breakdown["pp_comm"]
+    # an overlapped send keeps its fixed part (latency) exposed (issue 44: the per-chunk cost of interleaving)
+    assert 0 < over.time_breakdown["pp_comm"] < 0.1 * base.time_breakdown["pp_comm"]
     assert over.comm_time["tp"] == pytest.approx(base.comm_time["tp"]) and over.time_per_step_s < base.time_per_step_s
 
 
@@ -605,7 +606,8 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     kernel model (issue 42), held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the
     V = 8 its paper implies) predicts every row within 10 %: 4-7 % under for 175B and 340B (MFU 53-55 %
     published), 8-10 % under for 15B (no pipeline) (FLOPs over one efficiency: 3-5 % and 9-11 %).
-    The constant that fits the source alone is 0.755; with Llama 3 in the H100 fit (0.773, the preset)
+    The constant that fits the source alone is 0.774 (0.755 before its interleaved sends kept their
+    fixed part exposed, issue 44); with Llama 3 in the H100 fit (0.773, the preset)
     every row is within 4 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 %
     (175B), 4.8 % (340B), 2.6 % (15B) published; estimated within 0.02 of each."""
     cases, res = loso
@@ -618,7 +620,7 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     for row, e in zip(rows, r["held_out"]):
         lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.03)
         assert lo < e < hi, (row["model"], row["gpus"], e)
-    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.755, abs=0.005)
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.774, abs=0.005)
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
         pairs = _dgxc(cases, rows, model)
         (_, small), (_, large) = pairs[0], pairs[-1]
@@ -711,7 +713,7 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     """The H100 constant (hardware.sustained_efficiency under the kernel model, issue 42) is fitted on
     the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
     stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
-    the fit. Each source alone: NeMo 0.755, Llama 3 0.711, 0.044 apart (under FLOPs over one
+    the fit. Each source alone: NeMo 0.774, Llama 3 0.711, 0.063 apart (under FLOPs over one
     efficiency within 0.03); at the fit (0.773, the preset) every NeMo row is within 4 %. The
     never-fitted FSDP H100 checks (MPT, IBM) want less: at Llama 3's 0.711 their median |error| is
     4.7 % and 4.9 %, at the fitted 0.773 10.1 % and 12.2 % (asserted: more than 4 points apart)."""
@@ -723,7 +725,7 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     assert all(abs(e) < 0.04 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
     llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
-    assert 0.03 < nemo_alone - llama_alone < 0.05, (llama_alone, nemo_alone)
+    assert 0.05 < nemo_alone - llama_alone < 0.07, (llama_alone, nemo_alone)
     assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["sustained_efficiency"], abs=0.005)
     for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
         h100 = [c for c in cases[name] if c[0] == "H100"]
@@ -800,6 +802,7 @@ def test_fp8_keeps_the_attention_core_at_the_bf16_rate():
             "run.mode=estimate", "train.seq_len=32768")
     for dtype in ("fp8", "bf16"):
         s = spec_for(*base, f"train.dtype={dtype}")
+        s = replace(s, hardware=replace(s.hardware, sm_count=None))  # the FLOP path: hardware without kernel figures
         hw, cfg, tok = s.hardware, s.model, s.seq_len * s.train.micro_batch_size / s.tp
         fwd = forward_flops_per_token(cfg, s.seq_len)
         layer, core = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers, fwd["attention"] / cfg.n_layers
@@ -816,6 +819,12 @@ def test_fp8_keeps_the_attention_core_at_the_bf16_rate():
             assert c["mm_f"] > 1.2 * tok * layer / rate  # what the whole layer at the FP8 rate gave
         else:
             assert c["mm_f"] == tok * layer / rate
+    from xpar.estimate.kernel_block import block_times, shape_of
+    from xpar.estimate.kernel_costs import training_device
+    kernel = spec_for(*base)  # the kernel model: the core is FlashAttention in BF16 whatever the GEMMs' dtype
+    dev, sh = training_device(kernel.hardware), shape_of(kernel.model)
+    fp8, bf16 = (block_times(sh, 1, 32768, dev, tp=kernel.tp, dtype=d) for d in ("fp8", "bf16"))
+    assert fp8.attention == bf16.attention and fp8.gemm < bf16.gemm
 
 
 def test_context_parallelism_is_priced_as_dp_ranks_on_a_sequence_share_plus_the_kv_gathers():

@@ -25,6 +25,7 @@ def _tp(cross: float) -> dict:
 def test_tp_overlap_applies_inside_a_node_only():
     c = {k: 10.0 for k in ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "logits_mem_f",
                            "logits_mem_b")}  # GEMMs long enough to hide any share
+    c.update(ovh_f=0.0, ovh_b=0.0)  # no kernel overhead
     a = Assumptions(tp_overlap=0.8, tp_async_backward=True)
     inside, across = rank_compute(c, _tp(0.0), 4, 0, 0, a), rank_compute(c, _tp(1.0), 4, 0, 0, a)
     assert inside["tp_issued"] == across["tp_issued"] == 12.0
