@@ -114,6 +114,7 @@ def test_not_fit_names_stage_rank_excess_and_that_nothing_fits_on_one_node():
     assert "a100_80gb_64gpu (parallel=70b_64gpu)" in msg
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_not_fit_lists_alternatives_that_do_fit():
     with pytest.raises(ConfigError) as e:
         spec_for("parallel=7b_8gpu", "parallel.zero_stage=0")
@@ -141,6 +142,7 @@ def test_70b_plain_dp_on_8_gpus_is_refused_with_breakdown_and_alternatives():
     assert "with the optimizer states on the devices" not in msg  # offloaded, it would still not fit
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_memory_headroom_refuses_what_leaves_too_little_free():
     """hardware.memory_headroom keeps a fraction of device memory free: the same layout fits
     without it and is refused with it, the message naming the usable bytes."""

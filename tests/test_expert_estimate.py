@@ -124,6 +124,7 @@ def test_capacity_factor_prices_the_padded_expert_buffers_not_the_imbalance():
     assert tight.time_breakdown["ep_imbalance"] == 0.0 and tight.comm_time["ep"] == pytest.approx(even.comm_time["ep"])
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_recompute_replays_the_all_to_alls_where_the_framework_does():
     """A recomputed MoE block reruns its forward's dispatch and combine in backward where the framework's
     checkpoint replays them (xpar's engine: torch's checkpoint and selective checkpointing, 15 -> 24

@@ -84,6 +84,7 @@ def test_framework_config_mirrors_assumptions():
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry",
                                   "megatron_zb", "deepspeed_bloom", "maxtext"])
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.config.recorded import resolved_config
     runs = [o for o in LAYOUTS if _runs(name, o)]  # each profile on the layouts it runs (megatron: ZeRO-0/1)

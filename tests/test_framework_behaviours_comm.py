@@ -11,6 +11,7 @@ from xpar.config.checks import ConfigError
 GPT3 = ("model=175b", "parallel=175b_1024gpu", "hardware=a100_80gb_1024gpu", "framework=megatron_core")
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_a_memory_refusal_names_the_nearest_settings_that_fit_and_each_works_when_followed():
     """GPT-3 175B under Megatron-Core with the source's recompute unstated (none) and micro-batch 2:
     refused, its first line names the nearest setting that fits; the list holds Megatron's partial
@@ -78,6 +79,7 @@ def test_sharp_halves_an_all_reduces_bus_bytes_and_leaves_the_default_alone():
     assert collective_time(on, "allgather", big, g) == collective_time(hw, "allgather", big, g)  # nothing to reduce
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_sharp_speeds_up_the_dp_all_reduce_of_a_megatron_run_and_the_planner_agrees():
     from xpar.estimate.cost import estimate
 
@@ -92,6 +94,7 @@ H100_FP8 = ("model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "framework
             "parallel.micro_batches=auto", "train.global_batch_size=64")
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fp8_param_gather_moves_one_byte_per_block_element_and_only_under_fp8():
     """Megatron-Core --fp8-param-gather (framework.fp8_param_gather): the distributed optimizer's parameter
     all-gather of the blocks moves FP8 (1 byte), the root (embedding, output) stays bf16; off under bf16."""
@@ -192,6 +195,7 @@ def test_per_chunk_overlap_hides_the_earlier_chunks_and_exposes_the_last_chunks_
                                                             + 0.1 * 1.6)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_the_planner_prices_per_chunk_overlap_as_the_estimate():
     on = {"dp_overlap_per_chunk": True}
     assert _planner_equals_scalar("175b", "a100_80gb_1024gpu", "megatron_core", fw_changes=on, n=10, seed=11) == 10
@@ -206,6 +210,7 @@ def _deepspeed_zero(dp: int, zero: int, *extra: str):
                     f"train.global_batch_size={dp}", *extra)
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("zero", [1, 2])
 def test_deepspeed_reduces_gradients_owner_by_owner_and_pays_each_owners_steps_at_scale(zero):
     """DeepSpeed's ZeRO-1/2 (stage_1_and_2.py average_tensor: one dist.reduce per partition a bucket spans,

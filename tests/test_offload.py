@@ -121,6 +121,7 @@ def test_frameworks_that_do_not_offload_get_no_offload_layouts():
         assert not plan.res["offload"].any() and plan.dropped["offload"] > 0, fw
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_host_memory_must_hold_the_offloaded_states():
     with pytest.raises(ConfigError, match="host memory per node"):
         offloaded("70b", "a100_80gb_8gpu", "hardware.host_memory_gb=512")
@@ -185,6 +186,7 @@ def test_fit_refusal_suggests_offload_only_where_it_would_be_accepted():
         assert "offload" not in str(e.value), fw
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_model_states_alone_count_the_framework_widths():
     """issue 11.11: under framework=xpar the device keeps fp32 parameters and gradients (8 bytes/param)."""
     with pytest.raises(ConfigError) as e:

@@ -385,6 +385,7 @@ def test_headroom_that_fits_nothing_names_the_largest_that_works(capsys):
 
 # --- the command, its record and the reproducing line --------------------------------------
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp_path, capsys):
     import mlflow
 
@@ -575,6 +576,7 @@ def test_offload_asked_on_hardware_without_host_figures_says_why(capsys):
     (4, "e.g. plan.devices=8, or nodes of 4 devices: hardware.devices_per_node=4 plan.devices=4.",
      "hardware.devices_per_node=4 plan.devices=4"),
     (12, "e.g. plan.devices=8 or plan.devices=16.", "plan.devices=16")])
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_plan_devices_must_be_whole_nodes_and_the_fix_plans(capsys, devices, fix, follow):
     from xpar.plan.command import reproduce
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", f"plan.devices={devices}")
@@ -638,6 +640,7 @@ def test_plans_keep_to_the_frameworks_schedule_rules():
     assert not plan.res["sp"].any() and plan.space.dropped["interleaved"] == 0
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_a_global_batch_range_is_named_in_the_title_and_each_rows_batch_shown(capsys):
     """plan.global_batch_size=[lo,hi] ranks layouts at several batches: the title names the range and
     a column B gives each row's (b x m x dp); a fixed batch keeps the one number in the title."""

@@ -123,6 +123,7 @@ def test_ep_rule(dense):
     assert set(np.unique(space.cols["ep"]).tolist()) == ({1} if dense else {1, 2})
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_deepseek_v3_published_layout_and_its_searchable_cousin():
     """DeepSeek-V3 on 2048 H800: its 61 layers split evenly over no pp dividing 2048 but pp 1; with
     lighter ends (xpar.estimate.columns.stage_split) over pp 2-32 (1 x 16 and 2 x 16 stages: from pp 64 the stages

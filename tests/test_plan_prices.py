@@ -64,6 +64,7 @@ def test_pp_overlap_per_schedule_family_and_the_per_chunk_cost():
     assert inter.time_breakdown["pp_comm"] <= 8 * worst * pp_send_latency(spec) * 1.0000001
 
 
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 @pytest.mark.parametrize("framework", ["megatron_core", "hai_llm"])
 def test_planner_columns_equal_the_scalar_estimate_with_cross_node_tp_and_pp_families(framework):
     ctx = context("175b", "h100_80gb_64gpu", 2048, framework)

@@ -296,7 +296,17 @@ def test_catalogue_is_large():
     assert len(CATALOGUE) >= 100
 
 
-@pytest.mark.parametrize("case,fragment,fix", CATALOGUE, ids=[c[0][:60] for c in CATALOGUE])
+FAST_SAMPLE = 5
+"""The fast loop runs every 5th case of the catalogue (its first included); the full suite runs all of
+them (153 cases: ~50 s of one core, conftest.INTEGRATION)."""
+
+
+def _catalogue_params():
+    return [pytest.param(*c, id=c[0][:60], marks=() if i % FAST_SAMPLE == 0 else pytest.mark.slow)
+            for i, c in enumerate(CATALOGUE)]
+
+
+@pytest.mark.parametrize("case,fragment,fix", _catalogue_params())
 def test_bad_input_is_refused_in_one_format(case, fragment, fix, files, tmp_path, monkeypatch, capsys):
     argv = _argv(case, files)
     code, err = refusal(argv, tmp_path, monkeypatch, capsys)
