@@ -52,7 +52,7 @@ def training_device(hw) -> Device:
 
 def rerun_shares(policy: str, early_stop: bool) -> dict[str, float]:
     """Of a block's forward, what the backward of ``policy`` runs again: ``projections`` (of the
-    attention's wq..wo, equal weights by FLOPs not needed: the share of names rerun), ``mlp`` (of
+    attention's wq..wo: the share of the four rerun, each weighed alike), ``mlp`` (of
     w1, w3, w2 alike, experts included), ``attention`` (the core: 0 or 1), ``memory`` (element-wise
     passes and launches: full recompute only). xpar.config.remat.POLICIES."""
     p = POLICIES[policy]
