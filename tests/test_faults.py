@@ -296,3 +296,24 @@ def test_journal_and_stats_survive_a_full_disk(tmp_path, capsys):
         assert "a full disk?" in str(e)
     else:
         raise AssertionError("no stats, no error")
+
+
+def test_a_rank_that_only_saw_its_peer_die_is_not_blamed(tmp_path):
+    """Fast: torch's join may report rank 0's "Connection closed by peer" first when rank 1 raised on
+    purpose (gloo, seen in CI); the launcher blames the rank whose error is its own."""
+    import pickle
+    from types import SimpleNamespace
+
+    from xpar.run.launch import _raised
+
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
+    own = "Traceback ...\nRuntimeError: fault injection: run.fail_rank=1"
+    files = []
+    for rank, msg in enumerate([peer, own, None]):
+        files.append(str(tmp_path / f"err{rank}"))
+        Path(files[-1]).write_bytes(b"" if msg is None else pickle.dumps(msg))  # rank 2: empty, never raised
+    ctx = SimpleNamespace(error_files=files)
+    assert _raised(ctx, 0, peer) == (1, own)
+    assert _raised(ctx, 1, own) == (1, own)  # its own error: kept as torch reported it
+    ctx.error_files = [files[0], files[2]]
+    assert _raised(ctx, 0, peer) == (0, peer)  # nobody else raised: the peer error is all there is

@@ -7,6 +7,7 @@ are terminated, and :class:`WorkerFailed` names the rank and its error.
 from __future__ import annotations
 
 import json
+import pickle
 import signal
 import socket
 import time
@@ -29,6 +30,33 @@ def free_port() -> int:
 def _last_error_line(traceback_text: str) -> str:
     lines = [ln for ln in traceback_text.strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else "unknown error"
+
+
+PEER_GRACE_S = 3.0
+"""Seconds the other ranks get to exit by themselves after one fails, so each writes its own error."""
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+               "Broken pipe", "NCCL communicator was aborted")
+"""Transport errors a rank raises when *another* rank died mid-collective (gloo's pair.cc, NCCL)."""
+
+
+def _raised(ctx, first: int, first_msg: str) -> tuple[int, str]:
+    """The rank to blame among those that raised: the first whose error is its own, not a peer's exit.
+
+    torch's ``ProcessContext.join`` reports whichever failed sentinel it reads first; when rank 1 raises
+    and rank 0's collective sees the closed connection, that can be rank 0 (measured here: gloo,
+    tests/test_sweep.py). ``ctx.error_files`` hold every raised rank's pickled traceback.
+    """
+    if not any(e in first_msg for e in PEER_ERRORS):
+        return first, first_msg
+    for rank, path in enumerate(ctx.error_files):
+        try:
+            with open(path, "rb") as fh:
+                msg = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+        if rank != first and not any(e in msg for e in PEER_ERRORS):
+            return rank, msg
+    return first, first_msg
 
 
 def _state(pid: int) -> str:
@@ -103,18 +131,19 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
     ctx = mp.start_processes(spawn_entry, args=(spec.to_dict(), str(out_dir), free_port()),
                              nprocs=spec.world_size, join=False, start_method="spawn")
     try:
-        while not ctx.join(timeout=1.0):
+        while not ctx.join(timeout=1.0, grace_period=PEER_GRACE_S):
             stopped = (stalled_rank(out_dir, spec.heartbeat_timeout_s)
                        or hung_run(out_dir, spec.world_size, spec.collective_timeout_s))
             if stopped is not None:
                 _kill(ctx.processes[stopped[0]])
                 raise WorkerFailed(*stopped)
     except mp.ProcessRaisedException as e:
+        rank, msg = _raised(ctx, e.error_index, e.msg)
         try:
-            (out_dir / f"worker_{e.error_index}.traceback.txt").write_text(e.msg)
+            (out_dir / f"worker_{rank}.traceback.txt").write_text(msg)
         except OSError:  # a full disk: the error line below still says what failed
             pass
-        raise WorkerFailed(e.error_index, _last_error_line(e.msg), e.msg) from None
+        raise WorkerFailed(rank, _last_error_line(msg), msg) from None
     except mp.ProcessExitedException as e:
         code = e.exit_code
         why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
