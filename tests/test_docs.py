@@ -19,14 +19,14 @@ README = ROOT / "README.md"
 COVERED_ELSEWHERE = {
     "python3 -m venv": "CI's .ci/run (the set-up line itself)",
     "python -m pytest": "CI's .ci/run",
-    "torchrun": "tests/test_launchers.py (torchrun ranks, and two agents as two nodes, as one run)",
-    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1": "tests/test_ui.py (this server, its UI in headless Chromium)",
-    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server": "tests/test_mlflow_server.py (a sweep against it)",
-    "xpar compare": "tests/test_sweep.py (the README's sweep, then compare)",
-    "xpar calibrate": "tests/test_calibrate.py (xpar calibrate --quick; --device cuda on a GPU node: benchmarks/gpu_node.sh)",
-    "python -m xpar -m": "tests/test_sweep.py, test_launchers.py, test_mlflow_server.py (sweeps, launchers, servers)",
-    "python -m xpar hardware=calibrated_here": "tests/test_calibrate.py (a run on the preset calibrate wrote)",
-    "xpar plan model=tiny hardware=local plan.execute_top=3": "tests/test_plan.py (execute_top runs the top layouts)",
+    "torchrun": "tests/run/test_launchers.py (torchrun ranks, and two agents as two nodes, as one run)",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1": "tests/track/test_ui.py (this server, its UI in headless Chromium)",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server": "tests/track/test_mlflow_server.py (a sweep against it)",
+    "xpar compare": "tests/track/test_sweep.py (the README's sweep, then compare)",
+    "xpar calibrate": "tests/calibrate/test_calibrate.py (xpar calibrate --quick; --device cuda on a GPU node: benchmarks/gpu_node.sh)",
+    "python -m xpar -m": "tests/track/test_sweep.py, test_launchers.py, test_mlflow_server.py (sweeps, launchers, servers)",
+    "python -m xpar hardware=calibrated_here": "tests/calibrate/test_calibrate.py (a run on the preset calibrate wrote)",
+    "xpar plan model=tiny hardware=local plan.execute_top=3": "tests/plan/test_plan.py (execute_top runs the top layouts)",
 }
 PAGES = [README] + sorted((ROOT / "docs").rglob("*.md"))
 

@@ -302,7 +302,7 @@ def bloom_row(row: dict):
 DGXC_TP_OVERLAP = 0.8
 """Share of the tp all-gathers/reduce-scatters that NeMo's userbuffer overlap (ub_tp_comm_overlap,
 Transformer Engine) hides behind the GEMMs: not published; 0.8 as the torchtitan profile's
-example for async TP. The diagnosis in tests/test_estimate_throughput.py brackets it with 0 and 1."""
+example for async TP. The diagnosis in tests/estimate/test_estimate_throughput.py brackets it with 0 and 1."""
 
 
 def dgxc_model(row: dict) -> dict:

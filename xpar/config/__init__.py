@@ -2,5 +2,5 @@
 its checks, the resolved :class:`~xpar.config.spec.RunSpec` and the :class:`~xpar.config.layout.Layout`
 that owns every layout rule.
 
-The bottom layer: imports nothing else of xpar and never imports torch (tests/test_layout.py).
+The bottom layer: imports nothing else of xpar and never imports torch (tests/config/test_layout.py).
 """

@@ -1,5 +1,5 @@
 """The private Hydra API xpar uses (hydra-core 1.3), behind one function; a Hydra upgrade
-that moves it breaks here, and tests/test_private_apis.py says so."""
+that moves it breaks here, and tests/parallel/test_private_apis.py says so."""
 from __future__ import annotations
 
 

@@ -78,7 +78,7 @@ def _whole_rounds_text(pp: int, m: int) -> str:
 @dataclass(frozen=True)
 class Schedule:
     """Facts of one pipeline schedule (torch 2.13; micro-batch rules measured there by
-    tests/test_pipeline.py against the schedule classes themselves)."""
+    tests/parallel/test_pipeline.py against the schedule classes themselves)."""
 
     name: str
     torch_name: str
@@ -120,7 +120,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("zbv", "ZBVZeroBubble", "2", _any_m, _any_m_text, zero_bubble=True),
     Schedule("dualpipev", "DualPipeV", "2", _at_least_2pp, _at_least_2pp_text, zero_bubble=True),
     # Qi et al. 2024's handcrafted schedules, one stage per rank: torch 2.13 has no class for them
-    # (InterleavedZeroBubble refuses one stage per rank, measured in tests/test_pipeline.py)
+    # (InterleavedZeroBubble refuses one stage per rank, measured in tests/parallel/test_pipeline.py)
     Schedule("zb_h1", "ZBH1", "1", _at_least_pp, _at_least_pp_text, _zb_h1_bubble, zero_bubble=True,
              executable=False),
     Schedule("zb_h2", "ZBH2", "1", _at_least_pp, _at_least_pp_text, _zb_h2_bubble, zero_bubble=True,
@@ -167,7 +167,7 @@ def zero_stage_run(schedule: str, pp: int, zero_stage: int) -> int:
     Zero-bubble schedules (zero_bubble, zbv, dualpipev) with FSDP2
     ``reshard_after_forward=True`` (xpar's ZeRO-3) give wrong gradients without any error
     in torch 2.13: measured 56 of 75 parameters wrong for zero_bubble and zbv, 20 of 75 for
-    dualpipev (tests/test_pipeline.py keeps a test that fails once torch fixes it). They
+    dualpipev (tests/parallel/test_pipeline.py keeps a test that fails once torch fixes it). They
     are correct with ``reshard_after_forward=False``, xpar's ZeRO-2, which is run instead
     and said in the run's notes.
     """

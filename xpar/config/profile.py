@@ -102,7 +102,7 @@ class FrameworkConfig:
     checkpoint_early_stop: bool = False
     """Full recompute stops at the last tensor the backward needs, so the MLP's down projection (w2)
     and its tp collective are not rerun: torch's non-reentrant checkpoint (set_checkpoint_early_stop,
-    torch >= 2.1: xpar's engine, measured in tests/test_remat.py; torchtitan's and FSDP's
+    torch >= 2.1: xpar's engine, measured in tests/config/test_remat.py; torchtitan's and FSDP's
     checkpoint_wrapper NO_REENTRANT), JAX's remat (MaxText). False: the whole forward is rerun
     (Megatron's and DeepSpeed's checkpoint functions, torch's reentrant checkpoint)."""
     layer_overhead_ms: float = 0.0
@@ -212,7 +212,7 @@ class FrameworkConfig:
     """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
     terms: list = field(default_factory=list)
     """Estimate terms this profile changes relative to framework=xpar (time_breakdown keys
-    and memory terms); tests/test_framework.py checks that nothing else changes."""
+    and memory terms); tests/config/test_framework.py checks that nothing else changes."""
     fp8_param_gather: bool = False
     """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
     moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's

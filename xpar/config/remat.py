@@ -126,7 +126,7 @@ def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: 
 
 def reruns(p: "Policy", early_stop: bool) -> tuple:
     """The projections policy ``p`` reruns; with ``early_stop`` never w2, whose output no backward
-    needs (measured on xpar's engine, torch's checkpoint(use_reentrant=False): tests/test_remat.py)."""
+    needs (measured on xpar's engine, torch's checkpoint(use_reentrant=False): tests/config/test_remat.py)."""
     return tuple(k for k in p.reruns if not (early_stop and k == "w2"))
 
 

@@ -11,5 +11,5 @@
   estimate-mode driver).
 
 May import :mod:`xpar.config`, :mod:`xpar.models` and :mod:`xpar.parallel` (the dry run builds
-the real engine on meta tensors); nothing above (tests/test_layout.py).
+the real engine on meta tensors); nothing above (tests/config/test_layout.py).
 """

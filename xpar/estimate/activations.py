@@ -36,7 +36,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
       e a s (no dropout: e a s only)                -> 5 a s for GPT; with ``flash`` only
       the fp32 log-sum-exp, 4 a bytes per token.
 
-    Framework variants (measured on CPU with torch 2.13, tests/test_estimate_run.py):
+    Framework variants (measured on CPU with torch 2.13, tests/estimate/test_estimate_run.py):
     ``norm_saves_output``: torch's composite RMSNorm upcasts to fp32 and keeps its fp32 input
     and x * rstd (8 h per norm whatever the dtype; a fused norm keeps its input, er h);
     ``autocast_casts``: under torch.autocast each projection casts its fp32 input to bf16

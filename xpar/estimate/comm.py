@@ -5,7 +5,7 @@ of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)/n S each
 
 - dp (Rajbhandari et al. 2020, Sec. 7): what each ZeRO stage issues per step and micro-batch,
   with torch's FSDP2 and pipelining behaviour (gathers m, 2 m or m + 1 times; counted in real
-  runs, tests/test_pipeline.py).
+  runs, tests/parallel/test_pipeline.py).
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022 Sec. 4.2.2): 2 all-reduces of b s h per layer
   each way (all-gather + reduce-scatter with sequence parallelism); full recompute repeats 2.
 - pp (Narayanan et al. 2021, Sec. 4.1): b s h per micro-batch and stage boundary each way,

@@ -5,7 +5,7 @@ step is estimated above :data:`WARN_STEP_S` and refuses a run whose steps are es
 :data:`LONG_RUN_S` in total unless ``run.allow_long=true`` (a local run of hours must not
 start without a word).
 The estimate is :func:`xpar.estimate.cost.estimate` with this machine's measured peak
-(median error 1.6 % on the calibration runs, tests/test_estimate_run.py).
+(median error 1.6 % on the calibration runs, tests/estimate/test_estimate_run.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ operator, autograd included), ``dtensor_op_overhead_us`` (the extra of a DTensor
 ``tp_first_overhead_us``, ``tp_last_overhead_us`` (the extra under tensor parallelism).
 
 Operator counts per block, stage end, DTensor linear, AdamW and clip step: counted with
-``TorchDispatchMode`` on :mod:`xpar.models.transformer` (tests/test_calibrate.py checks them; the
+``TorchDispatchMode`` on :mod:`xpar.models.transformer` (tests/calibrate/test_calibrate.py checks them; the
 counts: docs/concepts/cost-model-derivations.md). Units: seconds. Floats, or numpy arrays over
 layouts for ``n``, ``first`` and ``last``.
 """

@@ -205,7 +205,7 @@ def _meta_shapes(cfg_key: tuple, n_blocks: int, first: bool, last: bool, moe: bo
     tensor once). ``moe``: the blocks hold experts (router, each expert's MLP, the shared experts'
     MLP: :class:`xpar.models.transformer.MoE`); under expert parallelism ``ep`` a rank holds E / ep of
     the experts. Equal to the model built on the meta device for
-    every preset (tests/test_plan_memory.py, tests/test_moe.py); the dry run checks the counts
+    every preset (tests/plan/test_plan_memory.py, tests/parallel/test_moe.py); the dry run checks the counts
     against torch's."""
     cfg = ModelConfig(*cfg_key)
     h, kv, f, vocab = cfg.hidden, cfg.kv_heads * cfg.head_size, cfg.ffn_hidden, cfg.vocab_size
@@ -403,7 +403,7 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     Shard(0) on tp) returns a *Replicate* gradient: the whole V x h on every tp rank. FSDP2
     (and composable ``replicate``) redistribute it to the weight's Shard(0) only when they
     reduce it, so a deferred gradient is held whole: (V - ceil(V/t)) h more elements.
-    Measured on the CPU build of torch 2.13 (tests/test_pipeline.py, 3D runs). ZeRO-0/1 at dp = 1
+    Measured on the CPU build of torch 2.13 (tests/parallel/test_pipeline.py, 3D runs). ZeRO-0/1 at dp = 1
     have no wrapper: xpar places the gradient back after every backward
     (xpar.parallel.data_parallel.keep_grads_placed), nothing is held whole."""
     unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1

@@ -89,7 +89,7 @@ def replay_closed_form(schedule: str, pp: int, m: int, v: int = 1) -> Optional[f
 
     Found from the replay and equal to it within 1e-12 at pp 2, 3, 4, 5, 8, 16 for every m up to
     3 pp + 2 and at 4 pp, 5 pp + 1, 8 pp (v 2, 3, 4), at v 6 and 8 (pp 2, 4, 8), and at points of
-    pp 12 and 32 (tests/test_plan_vector.py keeps a small grid). Replaying takes 0.1-1 s per
+    pp 12 and 32 (tests/plan/test_plan_vector.py keeps a small grid). Replaying takes 0.1-1 s per
     point (torch builds the action lists with their communication); a planner asks for hundreds."""
     p = pp
     if p == 1 or v < 1:
@@ -269,7 +269,7 @@ def interleaved_actions(pp: int, m: int, v: int) -> list[list[Action]]:
     then alternates one forward and one backward, then drains. The i-th forward is on local
     chunk (i // r) % v, micro-batch (i // (r v)) r + i % r; backwards go through the chunks
     in reverse. Stage of local chunk c on rank k: c pp + k. Equal to torch's list
-    (tests/test_estimate_memory.py), without building torch's schedule (seconds at pp 64)."""
+    (tests/estimate/test_estimate_memory.py), without building torch's schedule (seconds at pp 64)."""
     r = m // max(1, m // pp)
     total = v * m
     out = []

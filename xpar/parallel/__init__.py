@@ -2,5 +2,5 @@
 the optimizer (ZeRO-1), recompute, precision and the memory accounting of the built engine.
 :mod:`~xpar.parallel.torch_internals` holds every use of torch's private APIs.
 
-May import :mod:`xpar.config` and :mod:`xpar.models` only (tests/test_layout.py).
+May import :mod:`xpar.config` and :mod:`xpar.models` only (tests/config/test_layout.py).
 """

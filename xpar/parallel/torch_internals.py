@@ -1,7 +1,7 @@
 """Every private torch API xpar uses, behind one small function each (torch 2.13).
 
 A torch upgrade that moves one of them breaks this module only, and
-tests/test_private_apis.py names which one. Import torch lazily: the layout, validation and
+tests/parallel/test_private_apis.py names which one. Import torch lazily: the layout, validation and
 the cost model never import torch.
 """
 from __future__ import annotations

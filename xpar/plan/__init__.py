@@ -2,8 +2,8 @@
 
 Candidates are columns of numpy arrays over layouts (:mod:`xpar.plan.context` documents them);
 the cost model is evaluated on all of them at once and equals :func:`xpar.estimate.cost.estimate`
-on each (tests/test_plan_vector.py).
+on each (tests/plan/test_plan_vector.py).
 
 May import :mod:`xpar.config`, :mod:`xpar.models`, :mod:`xpar.parallel`, :mod:`xpar.estimate` and
-:mod:`xpar.track` (to record a plan); never :mod:`xpar.run` or :mod:`xpar.calibrate` (tests/test_layout.py).
+:mod:`xpar.track` (to record a plan); never :mod:`xpar.run` or :mod:`xpar.calibrate` (tests/config/test_layout.py).
 """

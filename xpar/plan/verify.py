@@ -27,8 +27,8 @@ def composed_spec(line: str, want: dict):
     """(RunSpec, None) when ``line`` composes, validates (:func:`xpar.config.validate.validate`: every
     rule, as a run checks it) and resolves to the layout ``want`` (a candidate row,
     :func:`xpar.plan.context.row`; its pipeline split :func:`xpar.estimate.columns.stage_split.plan_split`'s); else
-    (None, the problem in words). Whether it fits and its figures are the vectorised cost model's, equal to the scalar one's (tests/test_plan_vector.py,
-    tests/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
+    (None, the problem in words). Whether it fits and its figures are the vectorised cost model's, equal to the scalar one's (tests/plan/test_plan_vector.py,
+    tests/plan/test_plan_memory.py): not recomputed here, which would walk torch's schedules."""
     try:
         spec = validate(compose_line(line))
     except ConfigError as e:

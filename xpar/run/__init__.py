@@ -3,5 +3,5 @@ launch of local workers, the worker and its training loop, data, checkpoints and
 host memory, and the single-process reference every layout is checked against.
 
 May import every layer below it (config, models, parallel, estimate, track, plan); never
-:mod:`xpar.calibrate` (tests/test_layout.py).
+:mod:`xpar.calibrate` (tests/config/test_layout.py).
 """

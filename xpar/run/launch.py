@@ -43,8 +43,8 @@ def _raised(ctx, first: int, first_msg: str) -> tuple[int, str]:
     """The rank to blame among those that raised: the first whose error is its own, not a peer's exit.
 
     torch's ``ProcessContext.join`` reports whichever failed sentinel it reads first; when rank 1 raises
-    and rank 0's collective sees the closed connection, that can be rank 0 (measured here: gloo,
-    tests/test_sweep.py). ``ctx.error_files`` hold every raised rank's pickled traceback.
+    and rank 0's collective sees the closed connection, that can be rank 0 (seen with gloo in CI,
+    tests/track/test_sweep.py). ``ctx.error_files`` hold every raised rank's pickled traceback.
     """
     if not any(e in first_msg for e in PEER_ERRORS):
         return first, first_msg

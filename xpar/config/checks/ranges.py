@@ -1,7 +1,7 @@
 """The range of every numeric key of the schema (:mod:`xpar.config.schema`, :mod:`xpar.config.profile`):
 degrees >= 1, counts >= 0, fractions in [0, 1], figures finite. :data:`RANGES` holds one
 :class:`Range` per numeric field (int, float, their Optional, and the ``Any`` fields that take a
-number or 'auto'); tests/test_input_checks.py walks the schema and fails on a field without one, so
+number or 'auto'); tests/config/test_input_checks.py walks the schema and fails on a field without one, so
 a new key cannot be added unchecked. :func:`range_problems` gives one refusal line per key out of
 range: the key, the value given, the valid range and a value that works. Cross-field rules (top k
 <= E, warm-up < steps, degrees dividing each other) stay in the other checks; the static bound is here.

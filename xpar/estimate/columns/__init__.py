@@ -1,6 +1,6 @@
 """The cost model over columns of layouts (numpy arrays, one entry per layout), as the planner
 evaluates it: every figure equals :func:`xpar.estimate.cost.estimate` on each layout's RunSpec
-(tests/test_plan_vector.py, tests/test_plan_memory.py, tests/test_plan_five.py, relative 1e-9).
+(tests/plan/test_plan_vector.py, tests/plan/test_plan_memory.py, tests/plan/test_plan_five.py, relative 1e-9).
 
 - :mod:`~xpar.estimate.columns.step_time`: step time, its terms and the rates.
 - :mod:`~xpar.estimate.columns.peak_memory`: peak memory per device by term.

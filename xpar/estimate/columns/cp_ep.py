@@ -10,7 +10,7 @@ layout). Here the candidates are grouped by (cp, ep, dtype); each group's folded
 the planner's own vectorised time and memory (:mod:`xpar.estimate.columns.step_time`, :mod:`xpar.estimate.columns.peak_memory`)
 with a base spec of that group (its dtype, ep and cp), then the ep and cp terms are added, each
 from the scalar functions once per distinct key (:func:`xpar.estimate.columns.step_time.by_key`), and the rates
-rescaled (every rate is a count over the step time). tests/test_plan_five.py checks the
+rescaled (every rate is a count over the step time). tests/plan/test_plan_five.py checks the
 figures against the scalar estimate on sampled candidates. Units: seconds, bytes, tokens/s.
 """
 from __future__ import annotations

@@ -255,7 +255,7 @@ def _closed_entries(schedule: str, pp: int, m: int, v: int, ends: Optional[list]
     arrays from their order (:func:`_interleaved_entries`; ``ends``: its entries of ranks 0 and
     pp - 1 when already computed; ``by_middle``: pruned on middle chunks), as is zero bubble
     (torch's InterleavedZeroBubble). Equal to the walk on a grid of pp, m, v
-    (tests/test_plan_memory.py). None for an unknown schedule."""
+    (tests/plan/test_plan_memory.py). None for an unknown schedule."""
     given, ends = ends, sorted({0, pp - 1})
     if schedule in ("gpipe", "1f1b"):
         top = [m if schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -546,7 +546,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     hardware.memory_headroom)), ``fits`` (bool: total <= usable), ``optimizer_elements``,
     ``host_bytes`` and ``host_fits`` (:func:`xpar.estimate.offload.host_columns`). The optional candidate column
     ``offload`` (bool) sets ``cpu_offload_optimizer`` per candidate (default: the framework's). Each equals the scalar field
-    to rounding (relative 1e-12 or better; tests/test_plan_memory.py checks 1e-9).
+    to rounding (relative 1e-12 or better; tests/plan/test_plan_memory.py checks 1e-9).
 
     Raises:
         ValueError: a schedule or recompute name that xpar does not know.

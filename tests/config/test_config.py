@@ -1,0 +1,158 @@
+"""Every preset composes; parameter counts match the published ones; validation names the
+violated constraint with the values given and values that would work."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import compose, spec_for
+from xpar.config.presets import check_presets, presets
+from xpar.config.validate import ConfigError, to_schema
+from xpar.models.shapes import param_count
+
+PUBLISHED = {"7b": 6.74e9, "13b": 13.02e9, "70b": 68.98e9, "175b": 174.6e9, "405b": 405.9e9, "small": 124.4e6}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_param_count_matches_published(name, count):
+    cfg = to_schema(compose(f"model={name}")).model
+    assert param_count(cfg).total == pytest.approx(count, rel=0.005)
+
+
+def test_param_count_equals_built_model():
+    import torch
+
+    from xpar.models.transformer import Transformer
+    for name in ("tiny", "small", "70b"):
+        cfg = to_schema(compose(f"model={name}")).model
+        with torch.device("meta"):
+            assert sum(p.numel() for p in Transformer(cfg).parameters()) == param_count(cfg).total
+
+
+OTHER_TESTS_PRESETS = "calibrated_pytest"
+"""Presets that tests/calibrate/test_calibrate.py and tests/plan/test_plan.py write and remove while another pytest
+worker may be listing the group (-n 2): not this test's to compose."""
+
+
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
+@pytest.mark.parametrize("group", ["model", "parallel", "hardware", "train", "data", "tracking"])
+def test_every_preset_composes(group):
+    names = [n for n in presets(group) if not n.startswith(OTHER_TESTS_PRESETS)]
+    assert names
+    for name in names:
+        c = to_schema(compose(f"{group}={name}", "data.path=README.md"))
+        assert getattr(c, group) is not None
+
+
+def test_default_run_resolves():
+    s = spec_for()
+    assert (s.mode, s.dp, s.world_size, s.global_batch, s.micro_batches) == ("execute", 2, 2, 8, 1)
+
+
+def _problems(*overrides, local_devices=2):
+    with pytest.raises(ConfigError) as e:
+        spec_for(*overrides, local_devices=local_devices)
+    return str(e.value)
+
+
+def test_global_batch_must_equal_b_m_dp():
+    msg = _problems("train.global_batch_size=30", "parallel.micro_batches=auto")
+    assert "global_batch_size=30 must be divisible by micro-batch size x dp = 4 x 2 = 8" in msg
+    msg = _problems("train.global_batch_size=32", "parallel.micro_batches=2")
+    assert "32 != 4 x 2 x 2 = 16" in msg and "train.global_batch_size=16" in msg
+
+
+def test_steps_and_warmup():
+    assert "train.steps must be > 0, got 0" in _problems("train.steps=0")
+    msg = _problems("train.steps=3", "train.warmup_steps=3")
+    assert "0 <= warmup_steps < steps" in msg and "warmup_steps=2" in msg
+
+
+def test_heads_not_divisible_by_kv_heads():
+    msg = _problems("model.n_kv_heads=3")
+    assert "n_heads must be divisible by model.n_kv_heads" in msg and "[1, 2, 4]" in msg
+
+
+def test_text_path_must_exist():
+    msg = _problems("data=text", "data.path=/no/such/file.txt")
+    assert "data.path must be an existing text file" in msg and "/no/such/file.txt" in msg
+
+
+def test_world_size_under_torchrun(monkeypatch):
+    for k, v in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    msg = _problems("parallel.dp=4")
+    assert "dp*tp*pp must equal the world size" in msg and "WORLD_SIZE=6" in msg and "dp=6" in msg
+
+
+def test_all_problems_reported_together():
+    msg = _problems("train.steps=0", "model.n_kv_heads=3")
+    assert "train.steps" in msg and "n_kv_heads" in msg
+
+
+def test_model_too_large_for_this_machine_is_refused():
+    msg = _problems("model=70b", "parallel=zero3")
+    assert "does not fit this machine" in msg and "run.mode=estimate" in msg
+
+
+def test_unknown_preset_names_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as e:
+        check_presets(["parallel=zero4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown parallel preset 'zero4'" in err and "zero3" in err
+
+
+@pytest.mark.slow
+def test_bad_input_exits_2_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "xpar", "train.steps=0", "model.n_kv_heads=3"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "train.steps must be > 0" in r.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything ran or was logged
+
+
+def test_learning_rate_and_fractional_layer_split_are_refused():
+    assert "train.lr must be > 0, got -1.0" in _problems("train.lr=-1")
+    msg = _problems("parallel=pp", "parallel.layer_split=[2.5,1.5]")
+    assert "whole numbers of layers per stage, got [2.5, 1.5]; e.g. [2, 2]" in msg
+
+
+def test_unusable_tracking_store_is_a_clear_error(tmp_path):
+    from xpar.track.runs import TrackingUnavailable, setup_experiment
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("foo://bar", "xpar", None, tmp_path)
+    assert "tracking.uri=foo://bar" in str(e.value) and "tracking=off" in str(e.value)
+
+
+def test_worker_failure_survives_pickling():  # launchers such as submitit ship job errors between processes
+    import pickle
+
+    from xpar.run.launch import WorkerFailed
+    e = pickle.loads(pickle.dumps(WorkerFailed(1, "RuntimeError: boom", "traceback")))
+    assert (e.rank, e.error, str(e)) == (1, "RuntimeError: boom", "worker rank 1 failed: RuntimeError: boom")
+
+
+def test_found_by_a_new_user_refused_before_any_worker():
+    """From the break-it pass: each of these used to crash a worker or run silently wrong."""
+    msg = _problems("parallel=pp", "model=tiny", "parallel.schedule=zbv", "parallel.recompute=selective")
+    assert "parallel.recompute=selective cannot run with schedule zbv" in msg and "recompute=full" in msg
+    assert "train.lr must be > 0 and finite, got inf" in _problems("train.lr=inf")
+    assert "weight_decay must be >= 0 and finite, got nan" in _problems("train.weight_decay=nan")
+    msg = _problems("parallel=pp", "model=tiny", "train.global_batch_size=4", "parallel.micro_batches=auto",
+                    "parallel.schedule=1f1b")
+    assert "micro_batches=auto gave m = train.global_batch_size / (micro_batch_size x dp) = 4 / (4 x 1)" in msg
+    assert "parallel.virtual_stages=auto" in _problems("parallel=pp", "model=tiny", "parallel.virtual_stages=2")
+    msg = _problems("parallel.recompute=bogus", "train.max_grad_norm=-1")  # every violated constraint at once
+    assert "parallel.recompute must be one of" in msg and "train.max_grad_norm must be > 0" in msg
+
+
+def test_an_estimate_only_schedule_is_refused_in_execute_mode_with_what_runs():
+    """zb_h1 / zb_h2 have no torch class: execute mode refuses them in one line naming the
+    estimate and the zero-bubble schedules torch runs; the estimate takes them."""
+    msg = _problems("framework=megatron_zb", "parallel=pp", "parallel.schedule=zb_h2", "parallel.zero_stage=0")
+    assert "estimate-only" in msg and "run.mode=estimate" in msg and "parallel.schedule=zbv" in msg
+    spec = spec_for("framework=megatron_zb", "parallel=pp", "parallel.schedule=zb_h2", "parallel.zero_stage=0",
+                    "run.mode=estimate")
+    assert spec.layout.schedule == "zb_h2" and spec.pp == 2

@@ -1,0 +1,61 @@
+"""The plan's space holds what practitioners run (issue 44): cp at every sequence length that leaves
+each rank 4k tokens or more, micro-batches up to 16, an etp axis for MoE models (plan.etp=[0,1]; equal to
+the scalar estimate), each profile's own schedules, and plan.* keys that widen or narrow each axis. Fast."""
+from __future__ import annotations
+
+import numpy as np
+
+from tests.plan.test_plan_five import _sample, assert_equal_to_scalar, context, space_of
+from xpar.plan.axes import default_cp, default_etp
+from xpar.plan.space import Constraints, micro_batch_sizes, schedule_pairs
+
+
+def test_cp_is_searched_from_8k_tokens_with_4k_tokens_or_more_per_rank():
+    """NeMo's Llama 3 70B recipe: cp 2 at 8k tokens; Llama 3's 128k stage: cp 16."""
+    assert default_cp(4096) == (1,)
+    assert default_cp(8192) == (1, 2)
+    assert default_cp(32768) == (1, 2, 4, 8)
+    assert default_cp(131072) == (1, 2, 4, 8, 16)
+
+
+def test_micro_batches_up_to_16_every_b_to_8_then_powers_of_two():
+    assert micro_batch_sizes([1536], 16) == [1, 2, 3, 4, 6, 8, 16]
+    assert micro_batch_sizes([1024], 8) == [1, 2, 4, 8]
+
+
+def test_virtual_stages_narrowed_by_a_plan_key():
+    pairs = schedule_pairs(126, (4, 8, 200))
+    assert {v for s, v in pairs if s == "interleaved_1f1b"} == {4, 8}
+
+
+def test_etp_axis_of_a_moe_model_equals_the_scalar_estimate():
+    """Mixtral 8x7B on 64 H100: etp 1 (experts whole on each rank, ep folding tp ranks) beside etp = tp;
+    ep x etp divides tp x cp x dp; figures equal to estimate() on sampled etp-1 candidates."""
+    ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 4096)
+    assert default_etp(ctx.model) == (0,)  # etp = tp unless plan.etp asks for more
+    space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(1, 2, 8), etp=(0, 1), max_micro_batch_size=2))
+    c = space.cols
+    etp = np.where(c["etp"] == 0, c["tp"], c["etp"])
+    assert set(np.unique(c["etp"]).tolist()) == {0, 1}
+    assert ((c["tp"] * c["dp"] * c["cp"]) % (c["ep"] * etp) == 0).all()
+    assert not ((c["etp"] == 1) & (c["tp"] == 1)).any()  # etp = tp is the default etp, kept once
+    folded = (c["etp"] == 1) & (c["ep"] * 1 > c["dp"])  # ep spans tp ranks: only with etp < tp
+    assert folded.any()
+    assert_equal_to_scalar(ctx, _sample(c, (c["etp"] == 1) & (c["ep"] > 1), 10, 11))
+
+
+def test_dense_model_has_no_etp_column():
+    ctx = context("70b", "h100_80gb_64gpu", 4096)
+    assert "etp" not in space_of(ctx, Constraints(global_batch=(64, 64), max_micro_batch_size=1)).cols
+
+
+def test_plan_etp_key_widens_and_refuses_bad_values():
+    from types import SimpleNamespace
+
+    from xpar.plan.axes import resolve_axes
+    moe = {"n_experts": 8}
+    p = SimpleNamespace(cp=None, ep=None, dtype=None, etp=[1, 0], virtual_stages=[4, 8])
+    axes, bad = resolve_axes(p, moe, 4096, "bf16")
+    assert not bad and axes["etp"] == (0, 1) and axes["v"] == (4, 8)
+    _, bad = resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=None, etp=[-1]), moe, 4096, "bf16")
+    assert len(bad) == 1 and "plan.etp=[-1] must be a list of whole numbers >= 0 (0: etp = tp)" in bad[0]
