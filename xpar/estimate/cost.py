@@ -172,7 +172,8 @@ def _offload(spec: RunSpec, assume: Assumptions, step: Step, elements: int, note
         notes.append("no PCIe or host-memory figures for this hardware: the offloaded optimizer step is not estimated")
         return {}
     out = {k: float(v[0]) for k, v in step.offload.items()}
-    out.update(elements=float(elements), host_bytes=float(host_state_bytes(elements, devices_per_node(spec.hardware))))
+    out.update(elements=float(elements),
+               host_bytes=float(host_state_bytes(elements, devices_per_node(spec.hardware))))
     notes.append(f"optimizer offloaded to host memory (ZeRO-Offload's schedule): +{out['host_step_s']:.3g} s host "
                  f"AdamW, +{out['grad_to_host_exposed_s'] + out['param_to_device_s']:.3g} s PCIe exposed per "
                  f"step; {out['host_bytes'] / 1e9:,.0f} GB of host memory per node")

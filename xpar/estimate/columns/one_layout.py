@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.columns.step_time import Step, _rows, slot_step
+from xpar.estimate.columns.step_time import Step, candidate_rows, slot_step
 from xpar.estimate.step_parts import Assumptions
 
 
@@ -43,6 +43,6 @@ def layout_step(spec: RunSpec, assume: Assumptions, optimizer_bytes: float, opti
     ``optimizer_elements``, ``grad_bytes``: the memory model's optimizer states, optimizer elements
     and gradients on the most loaded device (bytes, elements), for the optimizer term."""
     cols = layout_columns(spec)
-    r = _rows(cols, assume.cpu_offload_optimizer)
+    r = candidate_rows(cols, assume.cpu_offload_optimizer)
     return slot_step(spec, assume, cols, r, layout_slots(spec), np.array([float(optimizer_bytes)]),
                      np.array([float(optimizer_elements)]), np.array([float(grad_bytes)]))

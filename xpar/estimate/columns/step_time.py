@@ -112,7 +112,7 @@ def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[st
     return {k: x.reshape(shape) for k, x in by_key(flat, fn, names).items()}
 
 
-def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
+def candidate_rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
     """The candidate columns as arrays (v resolved: :func:`xpar.config.resolve.resolve_virtual_stages`;
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
@@ -207,9 +207,9 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
 
 def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
-    the step (``dp_end``) and issued per step (``dp_issued``), seconds (
-    fields). The unit timeline (:func:`dp_exposure`) runs once per distinct input (rank class,
-    tp, dp, b, ZeRO stage, sp, recompute, one stage or more, the split; not m or the schedule),
+    the step (``dp_end``) and issued per step (``dp_issued``), seconds. The unit timeline
+    (:func:`dp_exposure`) runs once per distinct input (rank class, tp, dp, b, ZeRO stage, sp,
+    recompute, one stage or more, the split; not m or the schedule),
     grouped by pp and the slot's blocks."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
@@ -218,7 +218,8 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     blocks = np.broadcast_to(s["n"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
-    het = UnitTimes(base, a, spec_at, bool(s.get("by_rank"))) if blocks_vary(base) else None  # dense and MoE blocks: xpar.estimate.columns.mixed_blocks
+    # dense and MoE blocks (xpar.estimate.columns.mixed_blocks); by_rank: one layout, a slot per rank
+    het = UnitTimes(base, a, spec_at, bool(s.get("by_rank"))) if blocks_vary(base) else None
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
                         + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
                         + ([r["v"]] if het or a.dp_overlap_per_chunk else []))
@@ -345,7 +346,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     if len(world):
         base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
-    r = _rows(cols, a.cpu_offload_optimizer)
+    r = candidate_rows(cols, a.cpu_offload_optimizer)
     bad = np.flatnonzero(~splittable(base.model.n_layers, r["pp"] * r["v"]))
     if len(bad):
         i = int(bad[0])
@@ -354,8 +355,10 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     step = slot_step(base, a, cols, r, _slots(r, base.model.n_layers), memory_optimizer, optimizer_elements,
                      memory_grads)
     pick, off = step.slowest, step.offload
-    out = {"time_per_step_s": step.time, **{f"time_{k}": v * np.ones(len(step.time)) for k, v in step.breakdown.items()},
-           "bubble_ratio": step.beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
+    out = {"time_per_step_s": step.time, **{f"time_{k}": v * np.ones(len(step.time))
+                                            for k, v in step.breakdown.items()},
+           "bubble_ratio": step.beta, "dp_comm_issued_s": pick["dp_issued"],
+           "tp_comm_issued_s": r["m"] * pick["tp_issued"],
            "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
            "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, step.time))
@@ -381,7 +384,7 @@ class Step:
 
 def slot_step(base: RunSpec, a: Assumptions, cols: dict, r: dict, s: dict, memory_optimizer: Optional[np.ndarray],
               optimizer_elements: Optional[np.ndarray], memory_grads: Optional[np.ndarray]) -> Step:
-    """The :class:`Step` of layouts ``r`` (:func:`_rows` of ``cols``) under ``a`` from their pipeline
+    """The :class:`Step` of layouts ``r`` (:func:`candidate_rows` of ``cols``) under ``a`` from their pipeline
     ranks ``s`` (slots: :func:`_slots`, or one layout's every rank): the slowest rank's terms, the
     fill of the others (:func:`xpar.estimate.step_parts.fill_time`), the bubble, the optimizer
     term (memory arguments: :func:`time_columns`), stretched when workers outnumber cores."""
