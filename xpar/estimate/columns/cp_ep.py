@@ -5,10 +5,13 @@ A cp layout is priced as its folded one (:func:`xpar.estimate.context_parallel.f
 ranks at micro-batch b / cp, a float) plus the K/V all-gathers and their gradients' reduce-scatters
 (:func:`cp_columns`); an ep layout as the layout with E / ep experts per rank (``Layout.ep``: the
 memory model's expert states, the FSDP units' sizes) plus its all-to-alls and router imbalance
-(:func:`ep_columns`). The planner's candidates are grouped by (cp, ep, dtype, etp)
-(:func:`group_columns`); each group's folded columns go through the vectorised time and memory, the
-terms are added, each from the scalar functions once per distinct key
-(:func:`xpar.estimate.columns.step_time.by_key`), and the rates rescaled. Units: seconds, bytes.
+(:func:`ep_columns`). The planner's candidates are grouped by (cp, ep, dtype, etp) (:func:`group_columns`);
+each group's folded columns go through
+the planner's own vectorised time and memory (:mod:`xpar.estimate.columns.step_time`, :mod:`xpar.estimate.columns.peak_memory`)
+with a base spec of that group (its dtype, ep and cp), then the ep and cp terms are added, each
+from the scalar functions once per distinct key (:func:`xpar.estimate.columns.step_time.by_key`), and the rates
+rescaled (every rate is a count over the step time). tests/test_plan_five.py checks the
+figures against the scalar estimate on sampled candidates. Units: seconds, bytes, tokens/s.
 """
 from __future__ import annotations
 
