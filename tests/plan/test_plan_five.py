@@ -187,7 +187,7 @@ def test_deepseek_v3_over_32_stages_memory_is_an_upper_bound():
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_cp_and_ep_candidates_on_lighter_ends_equal_the_scalar_estimate():
     """cp and ep over pp x v stages that do not divide the blocks (70B at 78 layers, Mixtral at 30):
-    the K/V gathers of the fullest rank's blocks (a middle rank's, xpar.estimate.columns.stage_split.most_blocks) and
+    the K/V gathers of the fullest rank's blocks (a middle rank's, xpar.estimate.columns.cp_ep.fullest_blocks) and
     the MoE layers there, equal to the scalar estimate."""
     from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""Step time, throughput, MFU and memory of one layout: the cost model's orchestration.
+"""Step time, throughput, MFU and memory of one layout: the cost model for ``run.mode=estimate``.
 
     T_mb(r) = matmul (F_r / (peak eta(h/t))) + memory-bound (passes A_r / HBM)
             + exposed tp, pp and dp communication + host time         per micro-batch, rank r
@@ -8,128 +8,51 @@
 eta(x) = hardware.matmul_efficiency x / (x + GEMM_HALF_DIM). Parts: FLOPs (xpar.estimate.flops,
 Narayanan et al. 2021), activations (Korthikanti et al. 2022), collectives (NCCL's alpha-beta),
 dp timeline (xpar.estimate.dp, overlap), bubble (xpar.estimate.schedule), host, offload, cp and
-ep (xpar.estimate.context_parallel, expert_parallel). Framework behaviour: :class:`Assumptions`
-(conf/framework/*.yaml). Terms: :mod:`xpar.estimate.terms`. Units: seconds, FLOP/s, bytes.
-One fitted constant per GPU family (hardware.matmul_efficiency): docs/accuracy/published.md;
-fit history: docs/accuracy/fit_history.md. Pure: no devices, no torch.
+ep. The step is the planner's orchestration on a column of one layout
+(xpar.estimate.columns.one_layout); its parts: xpar.estimate.step_parts (re-exported here).
+Units: seconds, FLOP/s, bytes. One fitted constant per GPU family (hardware.matmul_efficiency):
+docs/accuracy/published.md, docs/accuracy/fit_history.md. Pure: no devices, no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
-from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute, tp_reruns
-from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate import deepspeed_zero3
 from xpar.estimate import flops as fl
-from xpar.estimate.activations import layer_activation_bytes, token_ffn
-from xpar.estimate.collectives import collective_time, group_of, p2p_time
-from xpar.estimate.comm import comm_bytes_rank, pp_sends
-from xpar.estimate.dp import dp_timing, grad_bytes
-from xpar.estimate.host import host_costs, host_step, oversubscription, rank_host
-from xpar.estimate.kernel_costs import kernel_layer_costs, kernel_priced
+from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
+from xpar.estimate.columns.one_layout import layout_columns, layout_step
+from xpar.estimate.columns.step_time import Step
+from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.dp import grad_bytes
+from xpar.estimate.expert_parallel import ep_note, ep_replay
 from xpar.estimate.memory import MemoryEstimate, memory
-from xpar.estimate.model_states import (
-    BYTES,
-    MEMORY_PROFILES,
-    STATE_BYTES,
-    MemoryOptions,
-    state_widths,
+from xpar.estimate.offload import devices_per_node, host_state_bytes, offload_elements, offload_figures_known
+from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home before issue 41)
+    GEMM_HALF_DIM,
+    Assumptions,
+    assumptions_for,
+    compute_peak,
+    fill_time,
+    gradient_time,
+    layer_costs,
+    matmul_efficiency,
+    optimizer_time,
+    pp_overlap_of,
+    pp_send_latency,
+    rank_compute,
+    rates,
+    reduced_grad_bytes,
+    step_time,
+    tp_times,
+    waits_unstretched,
+    with_hardware,
 )
-from xpar.estimate.offload import offload_step
-from xpar.estimate.overlap import vmax, vmin
-from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
-from xpar.estimate.expert_parallel import ep_replay, ep_terms
-from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
-
-GEMM_HALF_DIM = 32.0
-"""GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
-
-
-@dataclass(frozen=True)
-class Assumptions(MemoryOptions):
-    """How the training framework behaves (not the hardware). Defaults: xpar on torch (CUDA).
-    Built from a ``framework`` preset (conf/framework/*.yaml) by :meth:`from_config`; the
-    fields are those of :class:`xpar.config.schema.FrameworkConfig`, documented there. The memory
-    fields (and ``zero1``) are inherited from :class:`xpar.estimate.memory.MemoryOptions`."""
-
-    dp_overlap: bool = True
-    """Gradient reductions overlap the backward of the units before them (xpar.estimate.overlap)."""
-    scatter_gather: bool = False
-    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
-    passes_forward: float = 2.0
-    passes_backward: float = 4.0
-    name: str = "xpar"
-    fsdp_prefetch: bool = True
-    param_gather_overlap: bool = False
-    grad_reduce_bytes: int = 4
-    dp_collective: str = "nccl"
-    bucket_mb: float = 25.0
-    tp_overlap: float = 0.0
-    tp_async_backward: bool = False
-    pp_overlap: float = 0.0
-    ep_a2a_overlap: float = 0.0
-    ep_dispatcher: str = "alltoall"
-    overlap_slowdown: float = 0.15
-    zero3_host_ops_per_rank: float = 0.0
-    zero3_reduce_host_ops_per_rank: float = 0.0
-    zero3_persist_numel: int = 0
-    zero3_reuse_distance: Optional[float] = None
-    zero3_persist_host_ops_per_rank: float = 0.0
-    grad_reduce_scatter: bool = True
-    fused_qkv: bool = False
-    host_op_us: float = 4.0
-    layer_overhead_ms: float = 0.0
-    checkpoint_early_stop: bool = False
-    fsdp_copies: str = "fsdp2"
-    adamw_bytes_per_element: Optional[float] = 84.0
-    grad_accumulation_passes: float = 3.0
-    """Passes over the device's gradient bytes per micro-batch after the first: autograd's
-    AccumulateGrad adds each micro-batch's gradient into ``.grad`` (2 reads, 1 write)."""
-    gradient_passes: bool = False
-    """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
-    left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
-    elementwise_passes: float = 1.0
-    """Element-wise kernels' HBM traffic against fused ones (xpar.config.profile.FrameworkConfig)."""
-    zero_owner_reduce: bool = False
-    """ZeRO-1/2 gradients reduced owner by owner, one reduce per partition a bucket spans (DeepSpeed:
-    xpar.estimate.owner_reduce)."""
-    dp_overlap_per_chunk: bool = False
-    """With v > 1 model chunks per pipeline rank, each chunk's reductions and gathers overlap the other
-    chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""
-    recompute_replays_comm: bool = True
-    """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
-    tp_overlap_across_nodes: float = 0.0
-    pp_overlap_schedules: Optional[tuple] = None
-
-    @classmethod
-    def from_config(cls, framework) -> "Assumptions":
-        """The assumptions of a :class:`xpar.config.schema.FrameworkConfig` (every field of this
-        class that the framework config has; the rest keep their defaults)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: getattr(framework, k) for k in names if hasattr(framework, k)})
-
-    @classmethod
-    def megatron_2021(cls) -> "Assumptions":
-        """Megatron-LM as in Narayanan et al. 2021 (conf/framework/megatron.yaml): unfused
-        softmax (scores in HBM), dropout, fp16 gradients all-reduced in one buffer after the
-        pipeline flush (not overlapped), blocking tp and p2p, scatter/gather; ZeRO-1 as the
-        distributed optimizer; apex's fused Adam."""
-        return cls(name="megatron", flash_attention=False, dropout=True, dp_overlap=False, scatter_gather=True,
-                   sp_saves_gathered=False, grad_reduce_bytes=2, bucket_mb=0.0, adamw_bytes_per_element=None,
-                   **MEMORY_PROFILES["megatron"])
-
-    @classmethod
-    def xpar_cpu(cls) -> "Assumptions":
-        """xpar on the CPU build of torch (measured with saved_tensors_hooks, torch 2.13): SDPA
-        runs its flash kernel for CPU (ScaledDotProductFlashAttentionForCpuBackward: keeps q,
-        k, v, the output and the fp32 log-sum-exp, no s x s probabilities), and RMSNorm is
-        composite (keeps x, rstd and x * rstd). Used for hardware=local (:func:`assumptions_for`)."""
-        return cls(flash_attention=True, fused_rmsnorm=False, count_buffers=False)
 
 
 @dataclass
@@ -166,17 +89,6 @@ class Estimate:
     node; empty without offload."""
 
 
-def assumptions_for(spec: RunSpec) -> Assumptions:
-    """The assumptions of the spec's framework (``spec.framework``, default xpar); on a CPU,
-    torch's composite RMSNorm (measured, :meth:`Assumptions.xpar_cpu`), and collectives that
-    hide nothing behind compute (``overlap_slowdown`` 1: gloo's copies and reductions run on the
-    cores that compute), and the passes over the gradients counted (``gradient_passes``)."""
-    a = Assumptions.from_config(spec.framework)
-    if spec.hardware.device != "cpu":
-        return a
-    return replace(a, fused_rmsnorm=False, count_buffers=False, overlap_slowdown=1.0, gradient_passes=True)
-
-
 def _memory(spec: RunSpec, a: Assumptions, pp_rank: Optional[int] = None) -> MemoryEstimate:
     return memory(spec, pp_rank, assume=a)
 
@@ -185,292 +97,6 @@ def peak_memory(spec: RunSpec, pp_rank: Optional[int] = None) -> MemoryEstimate:
     """The cost model's peak per device (most loaded pipeline rank when ``pp_rank`` is None),
     under :func:`assumptions_for` the spec."""
     return _memory(spec, assumptions_for(spec), pp_rank)
-
-
-def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:
-    """Achievable fraction of peak for GEMMs whose smallest dimension is ``dim`` (h/t)."""
-    return hw.matmul_efficiency * dim / (dim + GEMM_HALF_DIM)
-
-
-def compute_peak(hw: HardwareConfig, dtype: str) -> float:
-    """FLOP/s the matmuls of ``dtype`` run at: ``peak_tflops_fp32`` for fp32 where the preset
-    gives it (A100: 19.5, H100 SXM: 67 TFLOP/s, NVIDIA datasheets: torch's fp32 matmuls use no
-    TF32 by default), ``peak_tflops_fp8`` for fp8 (H100 SXM: 1979), else ``peak_tflops``; 0 when
-    unknown."""
-    tflops = hw.peak_tflops_fp32 if dtype == "fp32" and hw.peak_tflops_fp32 else hw.peak_tflops
-    if dtype == "fp8":
-        tflops = hw.peak_tflops_fp8
-    return (tflops or 0) * 1e12
-
-
-def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
-    """Seconds per micro-batch of one layer and of the logits, forward and backward (the
-    backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
-    s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
-    over the layer's activations, its MLP at the width a token goes through, experts included:
-    :func:`xpar.estimate.activations.token_ffn`). Under FP8 the attention core at the BF16 rate
-    (:func:`attention_core_delay`). Where the hardware has the kernel figures, the kernel model's
-    (:func:`xpar.estimate.kernel_costs.kernel_layer_costs`) instead."""
-    if kernel_priced(spec.hardware, spec.train.dtype):
-        return kernel_layer_costs(spec, assume)
-    cfg, par, hw = spec.model, spec.parallel, spec.hardware
-    s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
-    e = BYTES[spec.train.dtype]
-    peak, hbm = compute_peak(hw, spec.train.dtype), (hw.hbm_tb_per_s or 0) * 1e12
-    rate = peak * matmul_efficiency(hw, h / t) * (hw.fp8_matmul_efficiency if spec.train.dtype == "fp8" else 1.0)
-    fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
-    layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
-    policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
-    extra = share * extra_forward_flops_per_layer(cfg, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
-    act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
-               flash=assume.flash_attention, elem=e)
-    layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
-    logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
-    pf = assume.passes_forward
-    pb = assume.passes_backward + (pf * share if policy == "full" else 0)  # element-wise reruns: full only
-    tok = s * b / t
-    mm = (lambda flops: tok * flops / rate) if rate else (lambda flops: 0.0)
-    mem = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
-    core_f, core_b = attention_core_delay(spec, fwd["attention"] / cfg.n_layers, share * POLICIES[policy].attention)
-    return {"mm_f": mm(layer) + tok * core_f, "mm_b": mm(2 * layer + extra) + tok * core_b, "mem_f": mem(pf * layer_act),
-            "mem_b": mem(pb * layer_act), "logits_mm_f": mm(fwd["logits"]), "logits_mm_b": mm(2 * fwd["logits"]),
-            "logits_mem_f": mem(pf * logits_act), "logits_mem_b": mem(assume.passes_backward * logits_act),
-            "ovh_f": 0.0, "ovh_b": 0.0}
-
-
-def attention_core_delay(spec: RunSpec, core: float, rerun: float) -> tuple[float, float]:
-    """Seconds per token (forward, backward with the rerun ``rerun`` x forward) that one layer's
-    attention core (QK^T and PV, ``core`` forward FLOPs per token) adds to its price at the
-    matmul rate under FP8: Transformer Engine's FP8 recipes (DotProductAttention) and torchao's
-    float8 training convert only the linear layers, so the core runs at the BF16 rate (peak_tflops
-    x :func:`matmul_efficiency`, without fp8_matmul_efficiency). (0, 0) for other dtypes, or
-    without the peaks."""
-    hw = spec.hardware
-    if spec.train.dtype != "fp8" or not hw.peak_tflops_fp8 or not hw.peak_tflops:
-        return 0.0, 0.0
-    eff = matmul_efficiency(hw, spec.model.hidden / spec.tp)
-    delay = core / (hw.peak_tflops * 1e12 * eff) - core / (hw.peak_tflops_fp8 * 1e12 * eff * hw.fp8_matmul_efficiency)
-    return delay, (2 + rerun) * delay
-
-
-def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
-    """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
-    with the recomputed forward (``b``; ``early_stop``: :func:`tp_rerun`), and of one embedding/output end (``end``): 2 all-reduces
-    of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
-    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes). ``b_async``: the part
-    of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
-    gradients' all-reduce (reduce-scatter with sequence parallelism), which Megatron-LM runs
-    behind their weight-gradient GEMMs (``framework.tp_async_backward``). ``cross``: 1.0 where the tp group
-    spans nodes (its overlap is then ``framework.tp_overlap_across_nodes``: :func:`tp_overlap_share`), else 0.0."""
-    t = spec.tp
-    if t == 1:
-        return {"f": 0.0, "b": 0.0, "end": 0.0, "b_async": 0.0, "cross": 0.0}
-    hw, e = spec.hardware, BYTES[spec.train.dtype]
-    size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
-    g = group_of(hw, t, 1)
-    if spec.parallel.sequence_parallel:
-        dgrad = collective_time(hw, "reduce_scatter", size, g)
-        one = collective_time(hw, "allgather", size, g) + dgrad
-    else:
-        one = dgrad = collective_time(hw, "allreduce", size, g)
-    return {"f": 2 * one, "b": (2 + tp_rerun(spec, early_stop)) * one, "end": one, "b_async": 2 * dgrad,
-            "cross": float(g.nodes > 1)}
-
-
-def tp_rerun(spec: RunSpec, early_stop: bool = False) -> float:
-    """tp collectives of one block's forward that its backward reruns, on average over the
-    blocks (xpar.config.remat.tp_reruns times the share recomputed): 2 with full recompute, 1 (1.5
-    with sequence parallelism) where the checkpoint stops early (Assumptions.checkpoint_early_stop)."""
-    policy, share = spec_recompute(spec)
-    return tp_reruns(POLICIES[policy], early_stop, spec.parallel.sequence_parallel) * share
-
-
-def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
-    """Seconds of one pipeline send (b s h elements, /t with sequence parallelism or
-    scatter/gather), a point-to-point transfer across nodes when tp x dp fills a node."""
-    sp = spec.parallel.sequence_parallel or assume.scatter_gather
-    nbytes = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * BYTES[spec.train.dtype]
-    dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
-    return p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
-
-
-def pp_send_latency(spec: RunSpec) -> float:
-    """Seconds of a pipeline send's fixed part (the time of a 1-byte send between the same stages as
-    :func:`pp_send_time`): what an overlapped send still costs, issued once per chunk boundary."""
-    dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
-    return p2p_time(spec.hardware, 1.0, spec.tp * spec.dp >= dpn)
-
-
-def tp_overlap_share(assume: Assumptions, cross: Any) -> Any:
-    """Share of tp communication hidden: ``tp_overlap`` inside a node, ``tp_overlap_across_nodes`` where the
-    tp group spans nodes (``cross`` 1.0; a float or an array over layouts)."""
-    return assume.tp_overlap + (assume.tp_overlap_across_nodes - assume.tp_overlap) * cross
-
-
-def pp_overlap_of(assume: Assumptions, schedule: str) -> float:
-    """Share of pipeline send time the framework hides under ``schedule``: ``pp_overlap`` where
-    ``pp_overlap_schedules`` is null or lists it, else 0."""
-    listed = assume.pp_overlap_schedules
-    return assume.pp_overlap if listed is None or schedule in listed else 0.0
-
-
-def pp_exposed(issued: Any, latency: Any, overlap: Any) -> Any:
-    """Exposed pipeline send seconds: ``overlap`` of the transfer hidden, never the sends' fixed part
-    (``latency``, summed over the sends: each extra model chunk per rank adds a send/recv pair per
-    micro-batch, issued and waited on however it overlaps). Floats or arrays over layouts."""
-    return issued * (1 - overlap) + latency * overlap
-
-
-def _pp_time(spec: RunSpec, assume: Assumptions, pp_rank: int) -> float:
-    """Seconds of pipeline sends per micro-batch on ``pp_rank`` (b s h elements to the next
-    stage forward, the gradient back: :func:`pp_sends` x :func:`pp_send_time`)."""
-    if spec.pp == 1:
-        return 0.0
-    return pp_sends(spec.layout, pp_rank) * pp_send_time(spec, assume)
-
-
-def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assumptions) -> dict:
-    """Seconds per micro-batch of a pipeline rank holding ``n`` blocks (and the first / last
-    stage's ends when ``first`` / ``last``): ``matmul``, ``memory_bound``, ``tp_comm``
-    (exposed), ``tp_issued``, and per FSDP unit ``unit_f``/``unit_b`` (a block forward /
-    backward with its share of exposed tp time) and ``root_f``/``root_b`` (the logits).
-    ``c``: :func:`layer_costs`; ``tp``: :func:`tp_times`. Every value a float, or a numpy
-    array over layouts (xpar.estimate.columns.step_time): the same arithmetic."""
-    mm_f, mm_b = n * c["mm_f"], n * c["mm_b"]
-    tp_f = n * tp["f"] + tp["end"] * first
-    tp_b = n * tp["b"] + tp["end"] * last
-    share = tp_overlap_share(assume, tp.get("cross", 0.0))
-    hidden = vmax(share * (tp_f + tp_b), n * tp.get("b_async", 0.0) * assume.tp_async_backward)
-    tp_exposed = tp_f + tp_b - vmin(hidden, mm_f + mm_b)
-    lmm_f, lmm_b, lmem_f, lmem_b = (c[k] * last for k in ("logits_mm_f", "logits_mm_b", "logits_mem_f",
-                                                          "logits_mem_b"))
-    tp_all = vmax(tp["f"] + tp["b"], 1e-30)
-    return {"matmul": mm_f + mm_b + lmm_f + lmm_b, "memory_bound": n * (c["mem_f"] + c["mem_b"]) + lmem_f + lmem_b,
-            "tp_comm": tp_exposed, "tp_issued": tp_f + tp_b, "overhead": n * (c["ovh_f"] + c["ovh_b"]),
-            "unit_f": c["mm_f"] + c["mem_f"] + c["ovh_f"] + tp_exposed * tp["f"] / tp_all,
-            "unit_b": c["mm_b"] + c["mem_b"] + c["ovh_b"] + tp_exposed * tp["b"] / tp_all,
-            "root_f": lmm_f + lmem_f, "root_b": lmm_b + lmem_b}
-
-
-def microbatch_time(x: dict) -> Any:
-    """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
-    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.host)."""
-    return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host"))
-
-
-def _rank_times(spec: RunSpec, assume: Assumptions, notes: list[str]) -> list[dict]:
-    """Per pipeline rank, seconds per micro-batch by term (matmul, memory_bound, tp_comm,
-    pp_comm exposed, dp_comm exposed per micro-batch, host) and its data-parallel timing (``dp``),
-    and the host's seconds per step outside the micro-batches (``host_step``, xpar.estimate.host)."""
-    hw = spec.hardware
-    c, tp, h = layer_costs(spec, assume), tp_times(spec, assume.checkpoint_early_stop), host_costs(spec, assume.layer_overhead_ms * 1e-3)
-    if not hw.hbm_tb_per_s:
-        notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
-    if hw.intra_node_gb_per_s is None:
-        notes.append("no link bandwidth for this hardware: communication time not estimated")
-    out = []
-    for r in range(spec.pp):
-        n, first, last = spec.layout.layers_of(r), spec.layout.has_first_stage(r), spec.layout.has_last_stage(r)
-        x = rank_compute(c, tp, n, first, last, assume)
-        dp = dp_timing(spec, assume, r, [x["root_f"]] + [x["unit_f"]] * n, [x["unit_b"]] * n + [x["root_b"]])
-        pp = _pp_time(spec, assume, r)
-        lat = pp_sends(spec.layout, r) * pp_send_latency(spec) if spec.pp > 1 else 0.0
-        exposed = pp_exposed(pp, lat, pp_overlap_of(assume, spec.layout.schedule))
-        out.append({"matmul": x["matmul"], "memory_bound": x["memory_bound"], "tp_comm": x["tp_comm"],
-                    "pp_comm": exposed, "dp_comm": dp.per_microbatch, "dp": dp,
-                    "tp_issued": x["tp_issued"], "pp_issued": pp, "host": rank_host(h, n, first, last) + x["overhead"],
-                    "host_step": host_step(h, n, first, last),
-                    "comm": deepspeed_zero3.comm_bytes(spec, assume, r, comm_bytes_rank(
-                        spec, r, assume.scatter_gather, assume.zero1, grad_bytes(spec, assume)))})
-    return out
-
-
-def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
-                   bytes_per_element: Optional[float] = None, ns_per_element: Optional[float] = None,
-                   state_width: Optional[int] = None) -> Any:
-    """Seconds of the optimizer step for the elements the device's optimizer holds
-    (``optimizer_bytes`` / ``state_width``, the bytes per element the framework keeps:
-    :func:`xpar.estimate.model_states.state_widths`; default the width of :data:`STATE_BYTES`). An unfused AdamW
-    (``bytes_per_element`` given, Assumptions.adamw_bytes_per_element: what xpar executes) takes
-    ``ns_per_element`` each where the hardware has that measured figure
-    (HardwareConfig.optimizer_ns_per_element, ``xpar calibrate``), else moves ``bytes_per_element``
-    over HBM; a fused AdamW (``bytes_per_element`` None) makes 2 passes over the params, grads and
-    optimizer states at the ZeRO paper's widths. 0 without an HBM figure or a measured rate."""
-    bp, bg, bo = STATE_BYTES[dtype]
-    elements = optimizer_bytes / (state_width or bo)
-    if bytes_per_element is not None and ns_per_element:
-        return elements * ns_per_element * 1e-9
-    hbm = (hbm_tb_per_s or 0) * 1e12
-    per_element = 2 * (bp + bg + bo) if bytes_per_element is None else bytes_per_element
-    return elements * per_element / hbm if hbm else 0.0
-
-
-def gradient_time(held_bytes: Any, reduced_bytes: Any, m: Any, pp: Any, clip: bool,
-                  hbm_tb_per_s: Optional[float], accumulation_passes: float, counted: bool = True) -> Any:
-    """Seconds per step of the memory passes over a device's gradients outside the GEMMs, at the
-    HBM (on a CPU: copy) bandwidth: accumulation of the m micro-batches into the gradients held
-    (``held_bytes``, the memory model's ``grads``; ``accumulation_passes`` x (m - 1):
-    Assumptions.grad_accumulation_passes); then, over the gradients after the dp reduction
-    (``reduced_bytes``: :func:`reduced_grad_bytes`), torch's division by m under pp (2 passes:
-    PipelineStage.scale_grads, torch 2.13) and the global-norm clip (xpar.parallel.optim.clip_grads_):
-    the norm reads them (1 pass, always: the norm is logged), the scaling reads and writes them
-    when ``clip`` (train.max_grad_norm set; counted as if the norm exceeded it, as it does early in
-    training). Counted in the optimizer term, though accumulation runs in the backward. 0
-    without an HBM figure, or unless ``counted`` (Assumptions.gradient_passes: on the CPU).
-    Floats or numpy arrays over layouts."""
-    hbm = (hbm_tb_per_s or 0) * 1e12
-    if not (hbm and counted):
-        return 0.0 * held_bytes
-    after = 1 + (2 if clip else 0) + 2 * ((pp > 1) & (m > 1))
-    return (held_bytes * accumulation_passes * (m - 1) + reduced_bytes * after) / hbm
-
-
-def reduced_grad_bytes(held_bytes: Any, dp: Any, pp: Any, zero_stage: Any) -> Any:
-    """Gradient bytes a device holds after the dp reduction: the held ones (``held_bytes``), but
-    1/dp of them under pp with ZeRO-2/3, whose reduce-scatter waits for the last backward
-    (xpar.estimate.memory.grads_deferred: the memory model counts the whole stage's). Floats or
-    numpy arrays over layouts."""
-    return held_bytes / (1 + (dp - 1) * ((pp > 1) & (zero_stage >= 2)))
-
-
-def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, grad_bytes: Any, dp: Any, pp: Any,
-                   zero_stage: Any, m: Any) -> Any:
-    """Seconds of the optimizer term before any offload: :func:`optimizer_time` of the device's
-    optimizer states and :func:`gradient_time` of its gradients (``grad_bytes``: the memory model's
-    ``grads``), for ``spec``'s hardware, dtype and clip under ``assume``. The scalar estimate and
-    the planner (xpar.estimate.columns.step_time, numpy arrays over layouts for every argument but the first two)
-    both price it here."""
-    hw = spec.hardware
-    return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
-                           hw.optimizer_ns_per_element, state_widths(spec, assume)[2])
-            + gradient_time(grad_bytes, reduced_grad_bytes(grad_bytes, dp, pp, zero_stage), m, pp,
-                            spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes,
-                            assume.gradient_passes))
-
-
-def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[Any, dict]:
-    """(seconds per step, breakdown by :data:`TIME_TERMS`) from the slowest rank's terms
-    ``slow`` (:func:`_rank_times` entry with ``dp_end``, its dp communication left at the end),
-    m micro-batches, bubble ratio ``beta``, ``fill_mb`` (:func:`fill_time`: the mean micro-batch
-    time of the other ranks) and the optimizer's seconds (module docstring). Floats or numpy
-    arrays over layouts."""
-    mb_slow = microbatch_time(slow)
-    pipe = m * mb_slow + beta / (1 - beta) * m * fill_mb
-    breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"], "tp_comm": m * slow["tp_comm"],
-                 "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
-                 "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
-                 "host_overhead": m * slow["host"] + slow["host_step"]}
-    return pipe + slow["dp_end"] + t_opt + slow["host_step"], breakdown
-
-
-def fill_time(total_mb: Any, slow_mb: Any, pp: Any) -> Any:
-    """Seconds per micro-batch that a pipeline's fill and drain take per stage: the mean
-    micro-batch time of the ranks other than the slowest, from the sum over all ``pp`` ranks
-    (``total_mb``) and the slowest's (``slow_mb``); the slowest's own with one rank (no bubble
-    then). Floats or numpy arrays over layouts (module docstring)."""
-    if isinstance(pp, np.ndarray):
-        return np.where(pp > 1, (total_mb - slow_mb) / np.maximum(pp - 1, 1), slow_mb)
-    return (total_mb - slow_mb) / (pp - 1) if pp > 1 else slow_mb
 
 
 def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
@@ -484,46 +110,50 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     if spec.layout.cp > 1:
         return _with_cp_comm(spec, estimate(fold_cp(spec), assume), assume)
     spec = waits_unstretched(spec, spec.world_size)
-    par, hw, p, m = spec.parallel, spec.hardware, spec.pp, spec.micro_batches
-    notes: list[str] = []
-    per_rank = _rank_times(spec, assume, notes)
-    mb_time = [microbatch_time(x) for x in per_rank]
-    slow = max(range(p), key=lambda r: mb_time[r])
-    beta = bubble_theory(par.schedule, p, m, spec.layout.virtual_stages) if p > 1 else 0.0
-    x = per_rank[slow]
+    notes = missing_figure_notes(spec.hardware)
     mem = _memory(spec, assume)
     notes += [n for n in mem.detail.get("notes", []) if n.startswith("expert states")]
-    t_opt = optimizer_term(spec, assume, mem.optimizer, mem.grads, spec.dp, p, spec.layout.zero_stage, m)
-    off = _offload(spec, assume, mem.pp_rank, x, notes)
-    time, breakdown = step_time(dict(x, dp_end=x["dp"].end), m, beta, fill_time(sum(mb_time), mb_time[slow], p),
-                                t_opt + off.get("exposed_s", 0.0))
-    stretch = oversubscription(hw.cpu_cores, spec.world_size, spec.train.threads_per_worker or 1)
-    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
-    comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp"].issued}
-    est = _result(spec, mem, time, breakdown, beta, x["comm"], notes)
-    est.comm_time, est.framework, est.offload = comm_time, assume.name, off
+    elements = offload_elements(spec, assume, mem.pp_rank) if assume.cpu_offload_optimizer else 0
+    step = layout_step(spec, assume, mem.optimizer, elements, mem.grads)
+    slow, x = int(step.slot[0]), {k: float(v[0]) for k, v in step.slowest.items()}
+    comm = deepspeed_zero3.comm_bytes(spec, assume, slow, comm_bytes_rank(spec, slow, assume.scatter_gather,
+                                                                           assume.zero1, grad_bytes(spec, assume)))
+    est = _result(spec, mem, float(step.time[0]), {k: float(v[0]) for k, v in step.breakdown.items()},
+                  float(step.beta[0]), comm, notes)
+    m = spec.micro_batches
+    est.comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
+    est.framework, est.offload = assume.name, _offload(spec, assume, step, elements, notes)
     return _with_ep_comm(spec, est, assume) if spec.layout.ep > 1 else est
+
+
+def missing_figure_notes(hw) -> list[str]:
+    """Notes on the figures ``hw`` (a HardwareConfig) lacks, whose terms the estimate then leaves at 0."""
+    notes = []
+    if not hw.hbm_tb_per_s:
+        notes.append("no HBM bandwidth for this hardware: memory-bound time not estimated")
+    if hw.intra_node_gb_per_s is None:
+        notes.append("no link bandwidth for this hardware: communication time not estimated")
+    return notes
 
 
 def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of an ep layout: plus its all-to-alls and router imbalance
-    (xpar.estimate.expert_parallel; ``ep`` in comm_time)."""
-    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher,
-                                   ep_replay(spec, assume))
+    (xpar.estimate.columns.cp_ep.ep_columns on the layout's column; ``ep`` in comm_time)."""
+    terms, issued = ep_columns(spec, layout_columns(spec), np.array([est.time_breakdown["matmul"]]), assume)
+    terms = {k: float(v[0]) for k, v in terms.items()}
+    note = ep_note(spec, assume.ep_a2a_overlap, ep_replay(spec, assume))
     out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
                   est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
-    out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=issued), est.framework, est.offload
+    out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=float(issued[0])), est.framework, est.offload
     return out
 
 
 def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
-    K/V all-gathers (again in the backward of the recomputed blocks: :func:`cp_replay`) and gradient
-    reduce-scatters of the fullest rank's layers, m per step, exposed (``cp_comm`` in the breakdown,
+    K/V all-gathers and gradient reduce-scatters of the fullest rank's layers, m per step, exposed
+    (xpar.estimate.columns.cp_ep.cp_columns on the layout's column; ``cp_comm`` in the breakdown,
     ``cp`` in comm_time)."""
-    t = cp_layer_times(spec)
-    layers = max(spec.layout.layers_of(r) for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] * (1 + cp_replay(spec, assume)) + t["b"])
+    issued = float(cp_columns(spec, layout_columns(spec), spec.layout.cp, assume)[0])
     breakdown = dict(est.time_breakdown, cp_comm=issued)
     out = _result(fold_cp(spec), est.memory, est.time_per_step_s + issued, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "
@@ -532,41 +162,22 @@ def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
     return out
 
 
-def _offload(spec: RunSpec, assume: Assumptions, pp_rank: int, x: dict, notes: list[str]) -> dict:
-    """The offloaded optimizer step of the device on ``pp_rank`` (xpar.estimate.offload), with
-    the slowest rank's micro-batch compute ``x`` as the backward the gradient copies overlap;
-    {} without offload, or with a note when the hardware has no host figures."""
+def _offload(spec: RunSpec, assume: Assumptions, step: Step, elements: int, notes: list[str]) -> dict:
+    """The offloaded optimizer step of the memory peak's device (xpar.estimate.offload; ``elements``: the
+    optimizer elements it holds) as ``step`` priced it: seconds by part, ``elements`` and the host
+    ``host_bytes`` per node; {} without offload, or with a note when the hardware has no host figures."""
     if not assume.cpu_offload_optimizer:
         return {}
-    step = offload_step(spec, assume, pp_rank, x["matmul"] + x["memory_bound"])
-    if step is None:
+    if not offload_figures_known(spec.hardware):
         notes.append("no PCIe or host-memory figures for this hardware: the offloaded optimizer step is not estimated")
-    else:
-        notes.append(f"optimizer offloaded to host memory (ZeRO-Offload's schedule): +{step['host_step_s']:.3g} s host "
-                     f"AdamW, +{step['grad_to_host_exposed_s'] + step['param_to_device_s']:.3g} s PCIe exposed per "
-                     f"step; {step['host_bytes'] / 1e9:,.0f} GB of host memory per node")
-    return step or {}
-
-
-def _per(x: Any, time: Any) -> Any:
-    """x / time, 0 where time is 0 (floats or arrays)."""
-    if not isinstance(time, np.ndarray):
-        return x / time if time else 0.0
-    return np.divide(x, time, out=np.zeros(np.broadcast(x, time).shape), where=time != 0)
-
-
-def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, peak_tflops: Optional[float]) -> dict:
-    """Throughput of a step of ``time`` seconds with ``tokens`` tokens on ``world`` devices and
-    ``model_flops``/``hw_flops`` FLOPs per step (all devices): tokens_per_s(_per_device),
-    tflops_per_device, hw_tflops_per_device (1e12 FLOP/s), mfu, hfu (fractions of
-    ``peak_tflops``, the dense peak of the training dtype: :func:`compute_peak`; 0 without a
-    peak). Floats or numpy arrays over layouts."""
-    peak = (peak_tflops or 0) * 1e12
-    tf = _per(model_flops, time) / world / 1e12
-    hwtf = _per(hw_flops, time) / world / 1e12
-    return {"tokens_per_s": _per(tokens, time), "tokens_per_s_per_device": _per(tokens, time) / world,
-            "tflops_per_device": tf, "hw_tflops_per_device": hwtf,
-            "mfu": tf * 1e12 / peak if peak else 0.0 * tf, "hfu": hwtf * 1e12 / peak if peak else 0.0 * hwtf}
+        return {}
+    out = {k: float(v[0]) for k, v in step.offload.items()}
+    out.update(elements=float(elements),
+               host_bytes=float(host_state_bytes(elements, devices_per_node(spec.hardware))))
+    notes.append(f"optimizer offloaded to host memory (ZeRO-Offload's schedule): +{out['host_step_s']:.3g} s host "
+                 f"AdamW, +{out['grad_to_host_exposed_s'] + out['param_to_device_s']:.3g} s PCIe exposed per "
+                 f"step; {out['host_bytes'] / 1e9:,.0f} GB of host memory per node")
+    return out
 
 
 def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, beta: float, comm: dict,
@@ -581,15 +192,3 @@ def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, be
                     notes=notes, **r)
 
 
-def waits_unstretched(spec: RunSpec, world: int) -> RunSpec:
-    """``spec`` with ``hardware.sync_wait_us`` divided by the stretch of ``world`` workers on the
-    CPU's cores (xpar.estimate.host.oversubscription), so that the stretched step pays each wait
-    once: a worker waiting for its peers holds no core (docs/accuracy/fit_history.md)."""
-    hw = spec.hardware
-    stretch = oversubscription(hw.cpu_cores, world, spec.train.threads_per_worker or 1)
-    return spec if not hw.sync_wait_us or stretch == 1 else with_hardware(spec, sync_wait_us=hw.sync_wait_us / stretch)
-
-
-def with_hardware(spec: RunSpec, **changes) -> RunSpec:
-    """``spec`` with hardware fields changed (what-if studies)."""
-    return replace(spec, hardware=replace(spec.hardware, **changes))

@@ -15,7 +15,6 @@ Units: seconds. Derivation: docs/concepts/cost-model-derivations.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -29,22 +28,6 @@ from xpar.estimate.fp8_params import gather_widths
 from xpar.estimate.hsdp import hsdp_unit_times
 from xpar.estimate.owner_reduce import owner_unit_times
 from xpar.estimate.overlap import simulate_pass, vwhere
-
-
-@dataclass(frozen=True)
-class DpTiming:
-    """Exposed dp communication per micro-batch (on the pipeline's critical path) and once per
-    step (``end``: reductions of the last backward, parameter gathers after the step), and the
-    seconds of dp communication issued per step (hidden or not)."""
-
-    per_microbatch: float
-    end: float
-    issued: float
-    copy_per_microbatch: float = 0.0
-    """Seconds of FSDP2's copies on the compute stream per micro-batch (:func:`copy_times`; in
-    ``per_microbatch``) ..."""
-    copy_once: float = 0.0
-    """... and once per step (under pp, the stage's single gather and reduction; in ``end``)."""
 
 
 def grad_bytes(spec: RunSpec, assume) -> int:
@@ -118,23 +101,6 @@ def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
             "copy_reduce": [copy_in * n / hbm if copy_in else 0.0 for n in units]}
 
 
-def dp_timing(spec: RunSpec, assume, pp_rank: int, compute_f: list[float], compute_b: list[float]) -> DpTiming:
-    """Exposed dp communication of ``pp_rank`` (module docstring). ``compute_f``: seconds of
-    each unit's forward in forward order (root first); ``compute_b``: each unit's backward
-    (recompute included) in backward order (root last)."""
-    if spec.dp == 1:
-        return DpTiming(0.0, 0.0, 0.0)
-    units = unit_elements(spec, pp_rank)
-    t = unit_times(spec, assume, units)
-    x = dp_exposure(spec.parallel.zero_stage, spec.pp, assume, compute_f, compute_b, t["gather"], t["reduce"],
-                    t["copy_gather"], t["copy_reduce"], t["gather_backward"], spec.layout.virtual_stages)
-    m = spec.micro_batches
-    persist = persist_time(spec, assume, len(units) - 1) if spec.parallel.zero_stage == 3 else 0.0  # DeepSpeed 2021
-    return DpTiming(x["per_microbatch"] + x["first_backward"] / m, x["end"] + persist,
-                    m * x["issued_per_microbatch"] + x["issued_once"] + persist,
-                    x["copy_per_microbatch"] + x["copy_first_backward"] / m, x["copy_once"])
-
-
 def root_kept(backward_order: list) -> list:
     """Per-unit values in backward order (root last) with the root's set to 0: without pp,
     ZeRO-3's backward gathers every block but not the root, which stays unsharded from its
@@ -165,7 +131,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     reduction, forward order (root first); ``copy_gather``/``copy_reduce``: each unit's compute-
     stream copies after its gather and before its reduction (:func:`copy_times`; None: none), added
     to the unit's compute where they happen and counted as exposed dp time (they exist for the
-    collectives). Returns seconds: ``per_microbatch`` and ``end`` exposed (:class:`DpTiming`, the
+    collectives). Returns seconds: ``per_microbatch`` and ``end`` exposed (per micro-batch and once per step, the
     copies in), ``issued_per_microbatch`` and ``issued_once`` (issued per step = m x the first +
     the second), ``first_backward``: exposed once per step in the stage's first backward (ZeRO-3's
     backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and

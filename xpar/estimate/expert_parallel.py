@@ -89,7 +89,7 @@ def ep_bytes_per_step(spec: RunSpec) -> float:
     """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
     micro-batch, dispatch and combine in forward and their gradients in backward (4 x
     :func:`ep_payload_bytes`, plus the forward's 2 again per recomputed layer: :func:`ep_replay` under
-    the spec's framework), as :func:`ep_terms` counts them; 0 at ep = 1."""
+    the spec's framework), as xpar.estimate.columns.cp_ep.ep_columns counts them; 0 at ep = 1."""
     if spec.layout.ep == 1:
         return 0.0
     layout = spec.layout
@@ -130,20 +130,14 @@ def imbalance_share(spec: RunSpec) -> float:
     return routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
 
 
-def ep_terms(spec: RunSpec, matmul_s: float, overlap: float = 0.0, dispatcher: str = "alltoall",
-             replay: float = 0.0) -> tuple[dict[str, float], float, str]:
-    """What ep adds to a step of ``spec`` (cp folded) whose matmuls take ``matmul_s`` on the
-    slowest rank: (breakdown terms ``ep_comm``: the fullest rank's all-to-alls, m per step,
-    (1 - ``overlap``) exposed; ``ep_imbalance``: its routed experts' matmuls stretched by
-    :func:`busiest_rank_load`), the all-to-all seconds issued, a note. Seconds. ``dispatcher``:
-    :func:`ep_layer_times`. ``replay``: the share of blocks whose backward reruns the forward's
-    all-to-alls (:func:`ep_replay`)."""
-    t = ep_layer_times(spec, dispatcher)
+def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0) -> str:
+    """What ep adds to a step of ``spec`` (cp folded) in words: the fullest rank's all-to-alls per
+    micro-batch (``replay``: the share of blocks whose backward reruns them, :func:`ep_replay`), the
+    bytes each sends and the share exposed (1 - ``overlap``). Their seconds:
+    xpar.estimate.columns.cp_ep.ep_columns."""
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
-    issued = spec.micro_batches * layers * (t["f"] * (1 + replay) + t["b"])
-    skew = matmul_s * imbalance_share(spec)
-    note = (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
-            f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} ({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
-    return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": skew}, issued, note
+    return (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
+            f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} "
+            f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")

@@ -15,7 +15,8 @@ from typing import Optional
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import cp_bytes_per_step
-from xpar.estimate.cost import _rank_times, assumptions_for, estimate, microbatch_time, waits_unstretched
+from xpar.estimate.columns.one_layout import layout_step
+from xpar.estimate.cost import assumptions_for, estimate, waits_unstretched
 from xpar.estimate.estimate_mode import comm_metrics
 from xpar.estimate.expert_parallel import ep_bytes_per_step
 from xpar.estimate.host import host_costs, host_step, oversubscription
@@ -74,15 +75,15 @@ def _host_outside(spec: RunSpec) -> float:
 
 def _dp_end(spec: RunSpec) -> float:
     """Seconds of the estimate's dp_comm_exposed term left after the slowest pipeline rank's last
-    backward (xpar.estimate.dp.DpTiming.end: the last backward's reductions, ZeRO-1's gathers
+    backward (xpar.estimate.columns.step_time.Step's ``dp_end``: the last backward's reductions, ZeRO-1's gathers
     after the step), stretched as the estimate's terms are; the rest of the term, the FSDP
     gathers of every micro-batch, runs inside the stages' forward and backward. Under FSDP
     (ZeRO-2/3) torch runs that reduction in the schedule, after the stage's actions
     (``PipelineStage.perform_reduce_grad``, torch 2.13): inside the measured schedule time, and
     idle by the measured definition; otherwise it is outside the schedule (DDP's in the last
     backward counted there too)."""
-    slow = max(_rank_times(spec, assumptions_for(spec), []), key=microbatch_time)
-    return slow["dp"].end * oversubscription(spec.hardware.cpu_cores, spec.world_size,
+    slow = layout_step(spec, assumptions_for(spec), 0.0, 0, 0.0).slowest  # the optimizer term is not read
+    return float(slow["dp_end"][0]) * oversubscription(spec.hardware.cpu_cores, spec.world_size,
                                              spec.train.threads_per_worker or 1)
 
 

@@ -1,12 +1,12 @@
-"""The cost model over candidates with context parallelism (cp), expert parallelism (ep) or
-another training dtype: :func:`xpar.estimate.cost.estimate`'s figures for them, vectorised.
+"""The cost model's context-parallel (cp) and expert-parallel (ep) terms over columns of layouts,
+for the planner and :func:`xpar.estimate.cost.estimate` (a layout is a column of one) alike.
 
-The scalar estimate prices a cp layout as its folded one (:func:`xpar.estimate.context_parallel.fold_cp`:
-dp x cp ranks at micro-batch b / cp, a float) plus the K/V all-gathers and their gradients'
-reduce-scatters (``_with_cp_comm``), and an ep layout as the layout with E / ep experts per rank
-(``Layout.ep``: the memory model's expert states, the FSDP units' sizes) plus its all-to-alls and
-router imbalance (``_with_ep_comm``, :func:`xpar.estimate.expert_parallel.ep_terms`, on the folded
-layout). Here the candidates are grouped by (cp, ep, dtype); each group's folded columns go through
+A cp layout is priced as its folded one (:func:`xpar.estimate.context_parallel.fold_cp`: dp x cp
+ranks at micro-batch b / cp, a float) plus the K/V all-gathers and their gradients' reduce-scatters
+(:func:`cp_columns`); an ep layout as the layout with E / ep experts per rank (``Layout.ep``: the
+memory model's expert states, the FSDP units' sizes) plus its all-to-alls and router imbalance
+(:func:`ep_columns`). The planner's candidates are grouped by (cp, ep, dtype, etp) (:func:`group_columns`);
+each group's folded columns go through
 the planner's own vectorised time and memory (:mod:`xpar.estimate.columns.step_time`, :mod:`xpar.estimate.columns.peak_memory`)
 with a base spec of that group (its dtype, ep and cp), then the ep and cp terms are added, each
 from the scalar functions once per distinct key (:func:`xpar.estimate.columns.step_time.by_key`), and the rates
@@ -19,13 +19,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from xpar.config.layout import SCHEDULES
 from xpar.estimate.columns.peak_memory import memory_columns
-from xpar.estimate.columns.stage_split import most_blocks
 from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
-from xpar.estimate.cost import assumptions_for
+from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share
 from xpar.estimate.terms import RATE_KEYS, time_key
 
@@ -77,7 +75,7 @@ def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[st
     res.update(time_columns(fbase, fcols, res["memory_optimizer"], res["optimizer_elements"], res["memory_grads"]))
     extra = {}
     if ep > 1:
-        extra.update(ep_columns(fbase, fcols, res["time_matmul"]))
+        extra.update(ep_columns(fbase, fcols, res["time_matmul"])[0])
     if cp > 1:
         extra["cp_comm"] = cp_columns(base, sub, cp)
     if extra:
@@ -98,11 +96,14 @@ def moe_layers_per_rank(base, pp: int, v: int, schedule: str) -> int:
                for r in range(pp))
 
 
-def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[str, np.ndarray]:
-    """``ep_comm`` and ``ep_imbalance`` (seconds per step) of folded candidates whose matmul term
-    is ``matmul``: :func:`xpar.estimate.expert_parallel.ep_terms`, the all-to-all of one MoE layer per
-    distinct (b, tp, sp), the fullest rank's MoE layers per distinct (pp, v, schedule)."""
-    a = assumptions_for(fbase)
+def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) -> tuple[dict, np.ndarray]:
+    """(``ep_comm`` and ``ep_imbalance``: seconds per step; the all-to-all seconds issued per step) of
+    folded candidates whose matmul term is ``matmul``, under ``a`` (default :func:`assumptions_for`
+    ``fbase``): the fullest rank's all-to-alls, m per step, (1 - ep_a2a_overlap) exposed, and its routed
+    experts' matmuls stretched (:func:`xpar.estimate.expert_parallel.imbalance_share`); one MoE layer's
+    all-to-alls (:func:`xpar.estimate.expert_parallel.ep_layer_times`) per distinct (b, tp, sp), the
+    fullest rank's MoE layers per distinct (pp, v, schedule)."""
+    a = assumptions_for(fbase) if a is None else a
     b = np.asarray(fcols["b"])
     tp, sp = np.asarray(fcols["tp"], np.int64), np.asarray(fcols["sp"], bool)
     one = by_key([b, tp, sp], lambda bb, t, s: ep_layer_times(
@@ -114,24 +115,32 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray) -> dict[
     issued = np.asarray(fcols["m"]) * layers * (one["f"] * (1 + replay_column(fbase, fcols, lambda s: ep_replay(s, a)))
                                                 + one["b"])
     share = imbalance_share(fbase)
-    return {"ep_comm": issued * (1.0 - a.ep_a2a_overlap), "ep_imbalance": matmul * share}
+    return {"ep_comm": issued * (1.0 - a.ep_a2a_overlap), "ep_imbalance": matmul * share}, issued
 
 
-def cp_columns(base, sub: dict[str, np.ndarray], cp: int) -> np.ndarray:
+def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> np.ndarray:
     """Seconds per step of the K/V all-gathers and gradient reduce-scatters of unfolded candidates
-    (``_with_cp_comm``: m micro-batches x the blocks on the fullest rank,
-    :func:`xpar.estimate.columns.stage_split.most_blocks`, x :func:`cp_layer_times` per distinct (b, tp))."""
+    under ``a`` (default :func:`assumptions_for` ``base``), exposed: m micro-batches x the blocks on
+    the fullest rank (per distinct (pp, v, schedule)) x :func:`cp_layer_times` per distinct (b, tp),
+    the gathers again in the backward of the recomputed blocks (:func:`cp_replay`)."""
     def layer(b, tp):
         s = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, False, "none")
         return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)))
 
     t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer, ("f", "b"))
-    a = assumptions_for(base)
+    a = assumptions_for(base) if a is None else a
     replay = replay_column(base, sub, lambda s: cp_replay(s, a))
-    pp = np.asarray(sub["pp"], np.int64)
-    v_shaped = np.array([SCHEDULES[str(x)].v_shaped for x in sub["schedule"]], dtype=bool)
-    layers = most_blocks(base.model.n_layers, pp, np.where(pp > 1, np.asarray(sub["v"], np.int64), 1), v_shaped)
+    pp, v = np.asarray(sub["pp"], np.int64), np.asarray(sub["v"], np.int64)
+    layers = by_key([pp, v, np.asarray(sub["schedule"], dtype=str)], lambda p, vv, s: {
+        "n": fullest_blocks(base, p, vv if p > 1 else 1, s)}, ("n",))["n"]
     return np.asarray(sub["m"]) * layers * (t["f"] * (1 + replay) + t["b"])
+
+
+def fullest_blocks(base, pp: int, v: int, schedule: str) -> int:
+    """Blocks on the fullest pipeline rank of ``base`` at pp x v stages placed as ``schedule`` places them
+    (split as :func:`xpar.estimate.columns.step_time.spec_at` splits them)."""
+    layout = spec_at(base, 1, pp, 1, 1, 1, v, schedule, 0, False, "none").layout
+    return max(layout.layers_of(r) for r in range(pp))
 
 
 def replay_column(base, cols: dict[str, np.ndarray], replay) -> np.ndarray:

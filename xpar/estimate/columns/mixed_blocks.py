@@ -28,16 +28,18 @@ def blocks_vary(base) -> bool:
 class UnitTimes:
     """Memoised unit times of representative ranks (:func:`slot_rank_moe`) for one base spec."""
 
-    def __init__(self, base, assume, spec_at):
-        """``spec_at``: :func:`xpar.estimate.columns.step_time.spec_at` (passed in: step_time imports this module)."""
-        self.base, self.assume, self.spec_at, self.memo = base, assume, spec_at, {}
+    def __init__(self, base, assume, spec_at, by_rank: bool = False):
+        """``spec_at``: :func:`xpar.estimate.columns.step_time.spec_at` (passed in: step_time imports this
+        module); ``by_rank``: a slot is the pipeline rank itself (one layout's every rank), not
+        :func:`slot_rank_moe`'s."""
+        self.base, self.assume, self.spec_at, self.by_rank, self.memo = base, assume, spec_at, by_rank, {}
 
     def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
            slot: int) -> dict[str, list]:
         key = (dp, tp, zero, recompute, pp, v, v_shaped, slot)
         if key not in self.memo:
             spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, recompute)
-            rank = slot_rank_moe(spec.layout, slot, self.base.model, zero)
+            rank = slot if self.by_rank else slot_rank_moe(spec.layout, slot, self.base.model, zero)
             t = unit_times(spec, self.assume, unit_elements(spec, rank))
             self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
         return self.memo[key]

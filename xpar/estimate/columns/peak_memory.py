@@ -25,7 +25,7 @@ from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
 from xpar.estimate.columns.mixed_blocks import blocks_vary
 from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
-from xpar.estimate.cost import assumptions_for
+from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.offload import host_columns
 from xpar.estimate.schedule import schedule_actions
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS

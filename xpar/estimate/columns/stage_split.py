@@ -79,15 +79,6 @@ def rank_blocks(n_layers: int, pp: np.ndarray, v: np.ndarray, v_shaped: np.ndarr
     return np.where(pp == 1, n_layers, out)
 
 
-def most_blocks(n_layers: int, pp: np.ndarray, v: np.ndarray, v_shaped: np.ndarray) -> np.ndarray:
-    """Blocks on the fullest pipeline rank of each candidate (:func:`rank_blocks`, the ranks
-    present: the middle one with pp > 2 under loop placement, pp > 1 under V placement)."""
-    pp, vs = np.asarray(pp), np.asarray(v_shaped, dtype=bool)
-    blocks = rank_blocks(n_layers, pp, v, vs)
-    present = np.stack([np.ones_like(vs), (pp > 2) | (vs & (pp > 1)), ~vs & (pp > 1)])
-    return np.where(present, blocks, 0).max(axis=0)
-
-
 def split_key(n_layers: int, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
     """A grouping column: v where pp x v does not divide the blocks (the split then depends on v
     beside pp), else 0 (every rank holds n_layers / pp blocks whatever v)."""

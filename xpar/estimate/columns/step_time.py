@@ -1,13 +1,13 @@
-"""Step time, its terms and the rates of many layouts at once: :func:`xpar.estimate.cost.estimate`'s
-time figures over candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate.
+"""Step time, its terms and the rates of many layouts at once: the cost model's one orchestration
+of a step, for the planner's candidate columns (:mod:`xpar.plan.context`) and for
+:func:`xpar.estimate.cost.estimate` (one layout, every pipeline rank a slot: xpar.estimate.columns.one_layout).
 
 Sub-results that depend on a few columns (layer costs, FSDP unit sizes and times, pipeline sends,
-bubble, ...) come from the scalar functions once per distinct key (:func:`by_key`); the rest is the
-scalar path's own array-polymorphic arithmetic (:func:`xpar.estimate.cost.rank_compute`,
-:func:`xpar.estimate.dp.dp_exposure`, :func:`xpar.estimate.cost.step_time`,
-:func:`xpar.estimate.cost.rates`). Pipeline ranks in three slots per layout (rank 0, a middle rank,
-the last rank; :class:`RankClass`), each with its count of ranks and blocks; the slowest slot gives
-the breakdown, the others the bubble's fill (:func:`xpar.estimate.cost.fill_time`).
+bubble, ...) come from the parts' functions once per distinct key (:func:`by_key`); the rest is
+array arithmetic (:mod:`xpar.estimate.step_parts`, :func:`xpar.estimate.dp.dp_exposure`). The
+planner's pipeline ranks are three slots per layout (rank 0, a middle rank, the last rank), each
+with its count of ranks and blocks; the slowest slot gives the breakdown, the others the bubble's
+fill (:func:`xpar.estimate.step_parts.fill_time`): :func:`slot_step`.
 
 Keys: :data:`xpar.estimate.terms.COLUMN_TIME_KEYS`. Units: seconds, tokens/s, 1e12 FLOP/s,
 fractions of peak. No torch import. Speed: benchmarks/plan_speed.py, benchmarks/README.md.
@@ -28,7 +28,7 @@ from xpar.estimate import flops as fl
 from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.stage_split import plan_split, rank_blocks, split_key, splittable
-from xpar.estimate.cost import (
+from xpar.estimate.step_parts import (
     Assumptions,
     assumptions_for,
     compute_peak,
@@ -40,13 +40,13 @@ from xpar.estimate.cost import (
     pp_overlap_of,
     pp_send_latency,
     pp_send_time,
-    pp_sends,
     rank_compute,
     rates,
     step_time,
     tp_times,
     waits_unstretched,
 )
+from xpar.estimate.comm import pp_sends
 from xpar.estimate.deepspeed_zero3 import persist_time
 from xpar.estimate.kernel_costs import kernel_layer_columns, kernel_priced
 from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
@@ -79,11 +79,14 @@ RECOMPUTE = REMAT_NAMES
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
             sp: bool, recompute: str) -> RunSpec:
-    """``base`` with another layout (pp x v stages split as :func:`xpar.estimate.columns.stage_split.plan_split`:
-    even, else lighter ends), as the scalar functions read it: the layout, the parallel group's
-    fields and the micro-batch size."""
+    """``base`` with another layout, as the scalar functions read it: the layout, the parallel group's
+    fields and the micro-batch size. Its pp x v stages split as ``base``'s where it has as many (a
+    layout's own split: :func:`xpar.estimate.columns.one_layout.layout_step`), else as
+    :func:`xpar.estimate.columns.stage_split.plan_split` (even, else lighter ends)."""
+    own = base.layout.layer_split
+    split = tuple(own) if len(own) == pp * v else tuple(plan_split(base.model.n_layers, pp * v))
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
-                    layer_split=tuple(plan_split(base.model.n_layers, pp * v)), schedule=schedule, zero_stage=zero,
+                    layer_split=split, schedule=schedule, zero_stage=zero,
                     sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
     par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
                   virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split),
@@ -102,14 +105,14 @@ def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str,
 
 
 def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """:func:`by_key` over slot-and-layout columns (each shape (SLOTS, L) or (L,) for every
-    slot), one call for all slots; results shaped (SLOTS, L)."""
-    shape = (SLOTS, max(c.shape[-1] for c in columns))
+    """:func:`by_key` over slot-and-layout columns (each shape (S, L) or (L,) for every slot; S:
+    :data:`SLOTS`, or a layout's pipeline ranks), one call for all slots; results shaped (S, L)."""
+    shape = np.broadcast_shapes(*(np.shape(c) for c in columns))
     flat = [np.broadcast_to(c, shape).ravel() for c in columns]
     return {k: x.reshape(shape) for k, x in by_key(flat, fn, names).items()}
 
 
-def _rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
+def candidate_rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
     """The candidate columns as arrays (v resolved: :func:`xpar.config.resolve.resolve_virtual_stages`;
     schedule and recompute as indices into :data:`SCHEDULE_NAMES`, :data:`RECOMPUTE`), plus
     ``v_shaped`` (V placement, pp > 1) and ``offload`` (the optional column, else ``offload``)."""
@@ -204,9 +207,9 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
 
 def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
-    the step (``dp_end``) and issued per step (``dp_issued``), seconds (:class:`DpTiming`'s
-    fields). The unit timeline (:func:`dp_exposure`) runs once per distinct input (rank class,
-    tp, dp, b, ZeRO stage, sp, recompute, one stage or more, the split; not m or the schedule),
+    the step (``dp_end``) and issued per step (``dp_issued``), seconds. The unit timeline
+    (:func:`dp_exposure`) runs once per distinct input (rank class, tp, dp, b, ZeRO stage, sp,
+    recompute, one stage or more, the split; not m or the schedule),
     grouped by pp and the slot's blocks."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
@@ -215,11 +218,12 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     blocks = np.broadcast_to(s["n"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
-    het = UnitTimes(base, a, spec_at) if blocks_vary(base) else None  # dense and MoE blocks: xpar.estimate.columns.mixed_blocks
+    # dense and MoE blocks (xpar.estimate.columns.mixed_blocks); by_rank: one layout, a slot per rank
+    het = UnitTimes(base, a, spec_at, bool(s.get("by_rank"))) if blocks_vary(base) else None
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
                         + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
                         + ([r["v"]] if het or a.dp_overlap_per_chunk else []))
-    key = (row_key * SLOTS + np.arange(SLOTS)[:, None]).ravel()
+    key = (row_key * shape[0] + np.arange(shape[0])[:, None]).ravel()
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
                                            "first_backward")}
@@ -244,7 +248,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
 
 def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:
     """Per slot (axis 0): seconds per step of ZeRO-3's persistent tensors (DeepSpeed 2021:
-    xpar.estimate.deepspeed_zero3.persist_time, as xpar.estimate.dp.dp_timing adds it); zeros elsewhere."""
+    xpar.estimate.deepspeed_zero3.persist_time, once per step); zeros elsewhere."""
     if not a.zero3_persist_numel:
         return np.zeros(s["count"].shape)
 
@@ -342,13 +346,48 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     if len(world):
         base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
-    r = _rows(cols, a.cpu_offload_optimizer)
+    r = candidate_rows(cols, a.cpu_offload_optimizer)
     bad = np.flatnonzero(~splittable(base.model.n_layers, r["pp"] * r["v"]))
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"time_columns: n_layers={base.model.n_layers} split over pp*v={r['pp'][i]}*{r['v'][i]} "
                          f"stages neither evenly nor with lighter ends (candidate {i}; {len(bad)} such candidates)")
-    s = _slots(r, base.model.n_layers)
+    step = slot_step(base, a, cols, r, _slots(r, base.model.n_layers), memory_optimizer, optimizer_elements,
+                     memory_grads)
+    pick, off = step.slowest, step.offload
+    out = {"time_per_step_s": step.time, **{f"time_{k}": v * np.ones(len(step.time))
+                                            for k, v in step.breakdown.items()},
+           "bubble_ratio": step.beta, "dp_comm_issued_s": pick["dp_issued"],
+           "tp_comm_issued_s": r["m"] * pick["tp_issued"],
+           "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
+           "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
+    out.update(_rates(base, r, step.time))
+    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of each layout (arrays over layouts): seconds per step (``time``), by term
+    (``breakdown``, :data:`xpar.estimate.terms.TIME_TERMS`), the bubble ratio ``beta``, the slowest
+    rank's terms (``slowest``: :func:`_rank_columns`'s keys, seconds per micro-batch but ``dp_end``,
+    ``dp_issued`` and ``host_step`` per step), its slot ``slot`` (axis 0 of the slots: the pipeline
+    rank for one layout's every rank) and the offloaded optimizer's seconds (``offload``,
+    xpar.estimate.offload.OFFLOAD_TERMS; zeros without offload)."""
+
+    time: np.ndarray
+    breakdown: dict
+    beta: np.ndarray
+    slowest: dict
+    slot: np.ndarray
+    offload: dict
+
+
+def slot_step(base: RunSpec, a: Assumptions, cols: dict, r: dict, s: dict, memory_optimizer: Optional[np.ndarray],
+              optimizer_elements: Optional[np.ndarray], memory_grads: Optional[np.ndarray]) -> Step:
+    """The :class:`Step` of layouts ``r`` (:func:`candidate_rows` of ``cols``) under ``a`` from their pipeline
+    ranks ``s`` (slots: :func:`_slots`, or one layout's every rank): the slowest rank's terms, the
+    fill of the others (:func:`xpar.estimate.step_parts.fill_time`), the bubble, the optimizer
+    term (memory arguments: :func:`time_columns`), stretched when workers outnumber cores."""
     x = _rank_columns(base, a, r, s)
     mb = microbatch_time(x)
     slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)[None]
@@ -359,13 +398,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     t_opt, off = _optimizer_columns(base, cols, a, r, pick, memory_optimizer, optimizer_elements, memory_grads)
     time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
     stretch = oversubscription(base.hardware.cpu_cores, r["tp"] * r["pp"] * r["dp"], base.train.threads_per_worker or 1)
-    time, breakdown = time * stretch, {k: v * stretch for k, v in breakdown.items()}
-    out = {"time_per_step_s": time, **{f"time_{k}": v * np.ones(len(time)) for k, v in breakdown.items()},
-           "bubble_ratio": beta, "dp_comm_issued_s": pick["dp_issued"], "tp_comm_issued_s": r["m"] * pick["tp_issued"],
-           "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
-           "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
-    out.update(_rates(base, r, time))
-    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+    return Step(time * stretch, {k: v * stretch for k, v in breakdown.items()}, beta, pick, slow[0], off)
 
 
 def _optimizer_columns(base: RunSpec, cols: dict, a: Assumptions, r: dict, pick: dict,
@@ -398,8 +431,8 @@ def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.
 
 
 def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
-    """Per slot (axis 0), the terms of :func:`xpar.estimate.cost._rank_times` (seconds per
-    micro-batch: matmul, memory_bound, tp_comm, pp_comm, dp_comm; dp_end, issued tp/pp/dp)."""
+    """Per slot (axis 0), a pipeline rank's terms: seconds per micro-batch (matmul, memory_bound,
+    tp_comm, pp_comm, dp_comm, host) and per step (dp_end, host_step), issued tp/pp/dp."""
     c = _layer_columns(base, a, r)
 
     def one_send(t, d, b, sp):

@@ -1,0 +1,49 @@
+"""The estimate's step time is the column model's on a column of one layout
+(xpar.estimate.columns.one_layout): every pipeline rank a slot, with the blocks of the layout's own
+split, whatever it is (issue 41: one orchestration for ``run.mode=estimate`` and ``xpar plan``)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import spec_for
+from xpar.estimate.columns.one_layout import layout_columns, layout_slots
+from xpar.estimate.columns.step_time import time_columns
+from xpar.estimate.cost import assumptions_for, estimate, layer_costs
+from xpar.estimate.terms import time_key
+
+HEAVY = [5] * 7 + [21] + [5] * 8
+"""175B's 96 blocks over 16 stages, rank 7 holding 21: a split no plan candidate has."""
+
+
+def _spec(split):
+    return spec_for("parallel=175b_1024gpu", "hardware=a100_80gb_1024gpu", "hardware.device_memory_gb=400",
+                    "run.mode=estimate", "parallel.schedule=1f1b", "parallel.virtual_stages=1",
+                    f"parallel.layer_split=[{','.join(map(str, split))}]")
+
+
+def test_every_rank_is_a_slot_with_its_own_blocks():
+    spec = _spec(HEAVY)
+    s = layout_slots(spec)
+    assert s["n"][:, 0].tolist() == HEAVY and s["count"].sum() == spec.pp
+    assert s["first"][:, 0].tolist() == [r == 0 for r in range(spec.pp)]
+    assert s["last"][:, 0].tolist() == [r == spec.pp - 1 for r in range(spec.pp)]
+
+
+def test_the_heaviest_rank_of_an_uneven_split_sets_the_step():
+    """The matmul term is m x the 21-block rank's blocks x one block's matmul seconds."""
+    spec = _spec(HEAVY)
+    c = layer_costs(spec, assumptions_for(spec))
+    est = estimate(spec)
+    assert est.time_breakdown["matmul"] == pytest.approx(spec.micro_batches * 21 * (c["mm_f"] + c["mm_b"]), rel=1e-12)
+    even = estimate(_spec([6] * 16))
+    assert est.time_per_step_s > even.time_per_step_s
+
+
+def test_estimate_equals_time_columns_on_its_own_column():
+    """On an even split (a plan candidate) the one-row estimate and the planner's three-slot columns agree."""
+    spec = _spec([6] * 16)
+    est = estimate(spec)
+    got = time_columns(spec, layout_columns(spec), [est.memory.optimizer], [0.0], [est.memory.grads])
+    assert got["time_per_step_s"][0] == pytest.approx(est.time_per_step_s, rel=1e-9)
+    for k, v in est.time_breakdown.items():
+        assert got[time_key(k)][0] == pytest.approx(v, rel=1e-9, abs=1e-12)
