@@ -105,6 +105,8 @@ class Assumptions(MemoryOptions):
     """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
     tp_overlap_across_nodes: float = 0.0
     pp_overlap_schedules: Optional[tuple] = None
+    ep_a2a_overlap_schedules: Optional[tuple] = None
+    """The schedules (pp > 1) whose all-to-alls ``ep_a2a_overlap`` hides; None: every layout (FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -314,6 +316,13 @@ def pp_overlap_of(assume: Assumptions, schedule: str) -> float:
     return assume.pp_overlap if listed is None or schedule in listed else 0.0
 
 
+def ep_a2a_overlap_of(assume: Assumptions, schedule: str, pp: int) -> float:
+    """Share of the MoE all-to-alls the framework hides under ``schedule`` at ``pp`` stages: ``ep_a2a_overlap``
+    where ``ep_a2a_overlap_schedules`` is null, or lists the schedule and pp > 1; else 0."""
+    listed = assume.ep_a2a_overlap_schedules
+    return assume.ep_a2a_overlap if listed is None or (pp > 1 and schedule in listed) else 0.0
+
+
 def pp_exposed(issued: Any, latency: Any, overlap: Any) -> Any:
     """Exposed pipeline send seconds: ``overlap`` of the transfer hidden, never the sends' fixed part
     (``latency``, summed over the sends: each extra model chunk per rank adds a send/recv pair per
@@ -508,7 +517,8 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
 def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of an ep layout: plus its all-to-alls and router imbalance
     (xpar.estimate.expert_parallel; ``ep`` in comm_time)."""
-    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], assume.ep_a2a_overlap, assume.ep_dispatcher,
+    overlap = ep_a2a_overlap_of(assume, spec.layout.schedule, spec.pp)
+    terms, issued, note = ep_terms(spec, est.time_breakdown["matmul"], overlap, assume.ep_dispatcher,
                                    ep_replay(spec, assume))
     out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
                   est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])

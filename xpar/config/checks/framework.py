@@ -50,14 +50,15 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
 
 
 def pp_overlap_schedule_problems(fw: FrameworkConfig) -> list[str]:
-    """framework.pp_overlap_schedules null or a list of schedule names (xpar.config.layout.SCHEDULES)."""
-    listed = getattr(fw, "pp_overlap_schedules", None)
-    bad = [s for s in (listed or []) if s not in SCHEDULES]
-    if not bad:
-        return []
-    return [f"framework.pp_overlap_schedules={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values "
-            f"that work: {hydra_text(list(SCHEDULES))}, e.g. framework.pp_overlap_schedules=[interleaved_1f1b], "
-            f"or null (every schedule)."]
+    """framework.pp_overlap_schedules and ep_a2a_overlap_schedules: each null or a list of schedule names
+    (xpar.config.layout.SCHEDULES)."""
+    out = []
+    for key, eg in (("pp_overlap_schedules", "interleaved_1f1b"), ("ep_a2a_overlap_schedules", "dualpipev")):
+        listed = getattr(fw, key, None)
+        bad = [s for s in (listed or []) if s not in SCHEDULES]
+        out += [f"framework.{key}={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values that work: "
+                f"{hydra_text(list(SCHEDULES))}, e.g. framework.{key}=[{eg}], or null (every schedule)."] if bad else []
+    return out
 
 
 def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
