@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from xpar.calibrate.published import cp_fp8_case, load_cases, preset, read_table
+from xpar.calibrate.published import cp_fp8_case, load_cases, make_spec, preset, read_table
 from xpar.config.profile import FrameworkConfig
 from xpar.estimate.cost import Assumptions, estimate
 from xpar.plan.command import PlanRefused, search
@@ -44,10 +44,19 @@ def cases() -> list[tuple[str, object, object]]:
         case = cp_fp8_case(row)
         if case is not None:
             spec, a = case[0], case[1]
-            if "DualPipe" in row["note"]:  # DeepSeek's own framework (conf/framework/hai_llm.yaml)
-                a = Assumptions.from_config(FrameworkConfig(**preset("framework", "hai_llm")))
-            out.append(("cp_fp8_h100:" + row["id"], spec, a))
+            if "DualPipe" in row["note"]:  # DeepSeek's own framework and schedule (conf/framework/hai_llm.yaml)
+                spec, a = dualpipe(spec), Assumptions.from_config(FrameworkConfig(**preset("framework", "hai_llm")))
+            out.append(("cp_fp8:" + row["id"], spec, a))
     return out
+
+
+def dualpipe(spec):
+    """``spec`` under DualPipeV (v 2; conf/parallel/deepseek_v3_2048gpu.yaml: 1 block on the first stage, none on
+    the last), as DeepSeek-V3 was trained (the csv row gives no schedule)."""
+    par = dict(asdict(spec.parallel), schedule="dualpipev", virtual_stages=2, layer_split=None, first_stage_layers=1,
+               last_stage_layers=0, micro_batches="auto")
+    train = dict(asdict(spec.train), micro_batch_size=1, global_batch_size=spec.train.global_batch_size)
+    return make_spec(asdict(spec.model), par, asdict(spec.hardware), train)
 
 
 def framework_dict(a) -> dict:
@@ -129,7 +138,7 @@ def choose(all_cases: list, per_source: int, max_devices: int, every: bool) -> l
     by_src: dict[str, list] = {}
     for c in all_cases:
         if c[1].layout.world_size <= max_devices:
-            by_src.setdefault(c[0].split(":")[0], []).append(c)
+            by_src.setdefault(c[0].split(":")[1].split("_")[0] if c[0].startswith("cp_fp8:") else c[0], []).append(c)
     out = []
     for cs in by_src.values():
         cs = sorted(cs, key=lambda c: c[1].layout.world_size)
