@@ -6,8 +6,9 @@ row's cluster), framework profile and global batch, and where the published layo
 
 Per run: the rank of the published layout's degree group (tp, pp, dp, cp, ep, ZeRO, etp) among the plan's
 groups (0: not among the fitting ones), whether that group is in the space at all and, if not, the axis or the
-rule that leaves it out; the plan's claimed gain of its winner over the published layout (both by xpar's own
-estimate); the distinct degree sets among the top 10 layouts, and the groups tied with the winner among the
+rule that leaves it out; the published layout's memory against the plan's usable memory (device less the
+headroom; 'mem'); the plan's claimed gain of its winner over the published layout (both by xpar's own estimate)
+and of the best of the published group ('in grp': recompute, b, schedule, v); the distinct degree sets among the top 10 layouts, and the groups tied with the winner among the
 top 10 groups. Then the summary the issue asks for. Runs that share a plan (same model, cluster, profile and
 batch) are planned once. By default ``--per-source`` runs per source (spread over its device counts) and
 clusters up to ``--max-devices`` (a few minutes on two cores); ``--all`` takes every run.
@@ -117,7 +118,11 @@ def row_figures(src: str, spec, a, plan) -> dict:
     top_sets = {tuple(r[k][i] for k in degree_columns(r)) for i in plan.ranked[:TOP]}
     heads = [plan.ranked[np.flatnonzero(ranks == g)[0]] for g in range(1, min(TOP, ranks.max()) + 1)]
     tied = sum(r["tokens_per_s"][i] >= (1 - plan.inputs.tie_within) * r["tokens_per_s"][plan.best] for i in heads)
-    return dict(src=src, devices=plan.devices, deg=deg, in_space=bool(mine.any()),
+    group = plan.ranked[mine[plan.ranked]]
+    inside = float(r["tokens_per_s"][group[0]] / plan.devices / pub.tokens_per_s_per_device - 1) if len(group) else 0.0
+    usable = float(r["memory_usable"][plan.best])
+    return dict(src=src, devices=plan.devices, deg=deg, in_space=bool(mine.any()), inside=inside,
+                pub_fits=pub.memory.total <= usable, pub_mem=pub.memory.total / usable,
                 fits=bool(mine.any() and r["fits"][mine].any()),
                 why="" if mine.any() else why_not(plan, deg), rank=int(ranks[hit[0]]) if len(hit) else 0,
                 groups=int(ranks.max()), gain=float(r["tokens_per_s"][plan.best] / pub.tokens_per_s_per_device
@@ -163,8 +168,8 @@ def main() -> None:
     chosen = choose(every, args.per_source, args.max_devices, args.all)
     print(f"{len(chosen)} of {len(every)} published runs with a full layout"
           + ("" if args.all else f" ({args.per_source} per source, <= {args.max_devices} devices)"))
-    print(f"{'source / run':<52} {'GPUs':>6} {'published group':<34} {'space':<28} {'rank':>6} {'gain':>7} "
-          f"{'sets':>4} {'ties':>4}  plan's best")
+    print(f"{'source / run':<46} {'GPUs':>5} {'published group':<30} {'space':<12} {'mem':>5} {'rank':>5} {'gain':>7} "
+          f"{'in grp':>7} {'sets':>4} {'ties':>4}  plan's best")
     for src, spec, a in chosen:
         k = key_of(spec, a)
         try:
@@ -175,14 +180,14 @@ def main() -> None:
         f = row_figures(src, spec, a, plans[k])
         rows.append(f)
         space = "in" + ("" if f["fits"] else ", none fits") if f["in_space"] else f"OUT: {f['why']}"
-        print(f"{src[:52]:<52} {f['devices']:>6} {_deg(f['deg']):<34} {space[:28]:<28} "
-              f"{f['rank'] or '-':>6} {100 * f['gain']:>+6.1f}% {f['sets']:>4} {f['tied']:>4}  {f['best']}",
-              flush=True)
+        print(f"{src[:46]:<46} {f['devices']:>5} {_deg(f['deg']):<30} {space:<12} {100 * f['pub_mem']:>4.0f}% "
+              f"{f['rank'] or '-':>5} {100 * f['gain']:>+6.1f}% {100 * f['inside']:>+6.1f}% {f['sets']:>4} "
+              f"{f['tied']:>4}  {f['best']}", flush=True)
     summary(rows, time.perf_counter() - t0, len(plans))
 
 
 def _deg(d: dict) -> str:
-    return " ".join(f"{'Z' if k == 'zero' else k}{v}" for k, v in d.items() if v != 1 or k in ("tp", "pp", "dp"))
+    return " ".join(f"{'Z' if k == 'zero' else k}{v}" for k, v in d.items() if (v != 1 or k in ("tp", "pp", "dp")) and not (k == "etp" and v == 0))
 
 
 def summary(rows: list[dict], seconds: float, n_plans: int) -> None:
@@ -197,6 +202,10 @@ def summary(rows: list[dict], seconds: float, n_plans: int) -> None:
           f"winner's group: {sum(f['rank'] == 1 for f in rows)}/{n}; outside the space: {out}/{n} (issue: 0)")
     print(f"claimed gain of the winner over the published layout: median {100 * statistics.median(f['gain'] for f in rows):+.1f} % "
           f"(issue: <= 5 %); max {100 * max(f['gain'] for f in rows):+.1f} %")
+    over = [f for f in rows if not f["pub_fits"]]
+    print(f"published layouts above the plan's usable memory (device less its headroom) by xpar's estimate: "
+          f"{len(over)}/{n}; median gain within the published group (recompute, b, schedule, v): "
+          f"{100 * statistics.median(f['inside'] for f in rows):+.1f} %")
     print(f"distinct degree sets among the top {TOP} layouts: median {statistics.median(f['sets'] for f in rows):g} "
           f"(issue: >= 6; the plan's table shows the best of {TOP} distinct groups, ties marked); groups tied with "
           f"the winner in the top {TOP} groups: median {statistics.median(f['tied'] for f in rows):g}")
