@@ -85,3 +85,15 @@ def test_a_bad_etp_degrees_list_is_one_line():
     from xpar.config.profile import FrameworkConfig
     lines = check_framework(FrameworkConfig(etp_degrees=[-1]))
     assert len(lines) == 1 and "framework.etp_degrees=[-1]" in lines[0]
+
+
+def test_the_space_names_the_rule_that_drops_a_published_layouts_degrees():
+    """enumerate_layouts(watch=...): the rule that drops the last layouts holding given degrees (why a published
+    layout is outside the plan, benchmarks/plan_published.py); "" for degrees the space keeps."""
+    from xpar.calibrate.published import preset
+    from xpar.plan.space import enumerate_layouts
+    model, c = preset("model", "175b"), Constraints(global_batch=(48, 48), vocab_multiple=128, schedules=("1f1b",))
+    assert enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 12}).watch_dropped_by == "tp_nodes"
+    assert enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 8, "pp": 4}).watch_dropped_by == "devices"
+    kept = enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 8, "pp": 3})
+    assert kept.watch_dropped_by == "" and ((kept.cols["tp"] == 8) & (kept.cols["pp"] == 3)).any()
