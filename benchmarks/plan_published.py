@@ -121,7 +121,8 @@ def row_figures(src: str, spec, a, plan) -> dict:
     group = plan.ranked[mine[plan.ranked]]
     inside = float(r["tokens_per_s"][group[0]] / plan.devices / pub.tokens_per_s_per_device - 1) if len(group) else 0.0
     usable = float(r["memory_usable"][plan.best])
-    return dict(src=src, devices=plan.devices, deg=deg, in_space=bool(mine.any()), inside=inside,
+    tie = bool(len(group)) and r["tokens_per_s"][group[0]] >= (1 - plan.inputs.tie_within) * r["tokens_per_s"][plan.best]
+    return dict(src=src, devices=plan.devices, deg=deg, in_space=bool(mine.any()), inside=inside, tie=tie,
                 pub_fits=pub.memory.total <= usable, pub_mem=pub.memory.total / usable,
                 fits=bool(mine.any() and r["fits"][mine].any()),
                 why="" if mine.any() else why_not(plan, deg), rank=int(ranks[hit[0]]) if len(hit) else 0,
@@ -200,6 +201,10 @@ def summary(rows: list[dict], seconds: float, n_plans: int) -> None:
     print(f"\n{n} runs, {n_plans} plans, {seconds:.0f} s")
     print(f"published group in the top {TOP} groups: {top}/{n} = {100 * top / n:.0f} % (issue: >= 80 %); "
           f"winner's group: {sum(f['rank'] == 1 for f in rows)}/{n}; outside the space: {out}/{n} (issue: 0)")
+    ties = sum(f["tie"] for f in rows)
+    print(f"published group tied with the winner (its best within plan.tie_within of the winner's tokens/s, marked "
+          f"'tie' in the plan's table): {ties}/{n} = {100 * ties / n:.0f} %; in the top {TOP} groups or tied: "
+          f"{sum(f['tie'] or 1 <= f['rank'] <= TOP for f in rows)}/{n}")
     print(f"claimed gain of the winner over the published layout: median {100 * statistics.median(f['gain'] for f in rows):+.1f} % "
           f"(issue: <= 5 %); max {100 * max(f['gain'] for f in rows):+.1f} %")
     over = [f for f in rows if not f["pub_fits"]]
