@@ -49,14 +49,18 @@ def test_the_all_to_all_is_priced_where_its_ranks_are():
 
 def test_ep_adds_the_all_to_alls_to_the_step():
     """ep_comm = m x MoE layers of the fullest rank x 4 all-to-alls of b s k h bytes, exposed under
-    megatron_core, hidden under a framework that overlaps them (hai_llm: DualPipe)."""
+    megatron_core, hidden under a framework that overlaps them (hai_llm: DualPipeV; under its 1F1B exposed)."""
     spec = mixtral("parallel.ep=8")
     e = estimate(spec)
     assert e.time_breakdown["ep_comm"] > 0 and e.comm_time["ep"] == pytest.approx(e.time_breakdown["ep_comm"])
     assert ep_payload_bytes(spec) == 4096 * 2 * 4096 * 2
     assert e.time_per_step_s == pytest.approx(sum(e.time_breakdown.values()), rel=1e-9)
-    hidden = estimate(mixtral("parallel.ep=8", "framework=hai_llm"))
+    hidden = estimate(mixtral("parallel.ep=8", "framework=hai_llm", "parallel.schedule=dualpipev",
+                              "parallel.virtual_stages=2", "parallel.micro_batches=16"))
     assert hidden.time_breakdown["ep_comm"] == 0.0 and hidden.comm_time["ep"] > 0
+    exposed = estimate(mixtral("parallel.ep=8", "framework=hai_llm", "parallel.schedule=1f1b"))
+    assert exposed.comm_time["ep"] > 0
+    assert exposed.time_breakdown["ep_comm"] == pytest.approx(exposed.comm_time["ep"], rel=1e-12)
     skewed = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.5"))
     # the kernel model gives the busiest rank's experts their tokens: the skew is in the matmul term itself
     assert skewed.time_breakdown["ep_imbalance"] == 0.0 and skewed.time_per_step_s > e.time_per_step_s

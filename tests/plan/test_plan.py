@@ -632,12 +632,13 @@ def test_equal_estimates_rank_the_simplest_layout_first():
 def test_plans_keep_to_the_frameworks_schedule_rules():
     """framework=megatron: no interleaved 1F1B at pp < 3 or with m not divisible by pp (a fresh-user
     breaker found 210 of 468 such rows ranked for 7B on 8 A100s); framework=deepspeed_2021: no
-    sequence parallelism."""
+    sequence parallelism and no selective recompute (both Korthikanti et al. 2022, after the 2021 stack)."""
     r = plan_of("model=7b", "hardware=a100_80gb_8gpu", "framework=megatron").res
     inter = (r["schedule"] == "interleaved_1f1b") & (r["pp"] > 1)
     assert inter.any() and not (inter & ((r["pp"] < 3) | (r["m"] % r["pp"] != 0))).any()
     plan = plan_of("model=70b", "hardware=a100_80gb_64gpu", "framework=deepspeed_2021")
     assert not plan.res["sp"].any() and plan.space.dropped["interleaved"] == 0
+    assert set(plan.res["recompute"].tolist()) == {"none", "full"}
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop

@@ -59,3 +59,41 @@ def test_plan_etp_key_widens_and_refuses_bad_values():
     assert not bad and axes["etp"] == (0, 1) and axes["v"] == (4, 8)
     _, bad = resolve_axes(SimpleNamespace(cp=None, ep=None, dtype=None, etp=[-1]), moe, 4096, "bf16")
     assert len(bad) == 1 and "plan.etp=[-1] must be a list of whole numbers >= 0 (0: etp = tp)" in bad[0]
+
+
+def test_megatron_core_plans_a_moe_model_at_etp_1_as_its_recipes_run_it():
+    """framework.etp_degrees: megatron_core's plan of a MoE model searches etp = tp and etp 1 (the Megatron-Bridge
+    MoE recipes' expert_tensor_parallel_size: 1), so a published tp 2-4 x ep 8-64 layout at etp 1 is in the space;
+    hai_llm (DeepSeek-V3 trains without tp) and xpar keep etp = tp; a dense model has no etp axis."""
+    from types import SimpleNamespace
+
+    from xpar.plan.axes import resolve_axes
+    p = SimpleNamespace(cp=None, ep=None, etp=None, virtual_stages=None, dtype=None)
+    moe = context("mixtral_8x7b", "h100_80gb_64gpu", 4096, "megatron_core")
+    assert resolve_axes(p, moe.model, 4096, "bf16", moe.framework)[0]["etp"] == (0, 1)
+    assert default_etp(moe.model, context("mixtral_8x7b", "h100_80gb_64gpu", 4096, "hai_llm").framework) == (0,)
+    assert default_etp(moe.model, context("mixtral_8x7b", "h100_80gb_64gpu", 4096).framework) == (0,)
+    assert default_etp(context("70b", "h100_80gb_64gpu", 4096).model, moe.framework) == (0,)
+    space = space_of(moe, Constraints(global_batch=(64, 64), ep=(8,), etp=(0, 1), max_micro_batch_size=1,
+                                      schedules=("1f1b",), recompute=("none",)))
+    c = space.cols
+    assert ((c["tp"] == 4) & (c["ep"] == 8) & (c["etp"] == 1) & (c["dp"] == 16)).any()
+
+
+def test_a_bad_etp_degrees_list_is_one_line():
+    from xpar.config.checks.framework import check_framework
+    from xpar.config.profile import FrameworkConfig
+    lines = check_framework(FrameworkConfig(etp_degrees=[-1]))
+    assert len(lines) == 1 and "framework.etp_degrees=[-1]" in lines[0]
+
+
+def test_the_space_names_the_rule_that_drops_a_published_layouts_degrees():
+    """enumerate_layouts(watch=...): the rule that drops the last layouts holding given degrees (why a published
+    layout is outside the plan, benchmarks/plan_published.py); "" for degrees the space keeps."""
+    from xpar.calibrate.published import preset
+    from xpar.plan.space import enumerate_layouts
+    model, c = preset("model", "175b"), Constraints(global_batch=(48, 48), vocab_multiple=128, schedules=("1f1b",))
+    assert enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 12}).watch_dropped_by == "tp_nodes"
+    assert enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 8, "pp": 4}).watch_dropped_by == "devices"
+    kept = enumerate_layouts(model, 24, 8, 2048, c, watch={"tp": 8, "pp": 3})
+    assert kept.watch_dropped_by == "" and ((kept.cols["tp"] == 8) & (kept.cols["pp"] == 3)).any()

@@ -49,3 +49,16 @@ def test_looped_schedules_try_small_v_that_do_not_divide_the_layers():
     pairs = set(schedule_pairs(126))
     assert ("interleaved_1f1b", 8) in pairs and ("interleaved_1f1b", 4) in pairs and ("interleaved_1f1b", 63) in pairs
     assert ("interleaved_1f1b", 4) in set(schedule_pairs(61)) and ("interleaved_1f1b", 9) not in set(schedule_pairs(8))
+
+
+def test_alternatives_within_the_stated_error_are_marked_as_ties():
+    """'best with another X' says 'a tie' where it is within plan.tie_within of the winner, as the table does:
+    tp 4 at -3.0 % is a tie at 5 %, tp 2 at -20 % is not; without tie_within nothing is marked."""
+    res = _res()
+    for k in ("b", "v", "sp", "mfu", "memory_total", "time_per_step_s") + tuple(f"time_{t}" for t in TIME_TERMS):
+        res[k] = np.ones(6)
+    res["recompute"], res["schedule"] = np.array(["none"] * 6), np.array(["1f1b"] * 6)
+    ranked = np.argsort(-res["tokens_per_s"])
+    tp, pp = [ln for ln in alternative_lines(res, ranked, 0.05) if "best with another" in ln][:2]
+    assert "-3.0 % tokens/s, a tie (within 5 %)" in tp and "tie" not in pp
+    assert not any("tie" in ln for ln in alternative_lines(res, ranked))

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import compose
 from tests.plan.test_plan_five import _sample, assert_equal_to_scalar, context, space_of
 from xpar.config.validate import validate
-from xpar.estimate.cost import Assumptions, estimate, pp_overlap_of, pp_send_latency, rank_compute
+from xpar.estimate.cost import Assumptions, ep_a2a_overlap_of, estimate, pp_overlap_of, pp_send_latency, rank_compute
 from xpar.estimate.comm import pp_sends
 from xpar.plan.space import Constraints
 
@@ -98,3 +98,45 @@ def test_cp_and_ep_groups_across_nodes_are_priced_on_the_nics():
     inside = ep_layer_times(moe)["f"]
     across = ep_layer_times(replace(moe, layout=replace(moe.layout, ep=16, etp=1, tp=1)))["f"]
     assert group_of(moe.hardware, 16, 1).nodes == 2 and across > 2 * inside
+
+
+HAI = ["framework=hai_llm", "model=mixtral_8x7b", "run.mode=estimate", "hardware=h100_80gb_64gpu", "train.dtype=bf16",
+       "train.micro_batch_size=1", "parallel.ep=8", "parallel.tp=1", "parallel.dp=auto", "parallel.pp=2",
+       "parallel.micro_batches=8", "train.global_batch_size=256"]
+
+
+def test_hai_llm_hides_the_all_to_alls_under_dualpipe_only():
+    """framework.ep_a2a_overlap_schedules: hai_llm's ep_a2a_overlap 1.0 is DualPipe's pairing of one micro-batch's
+    forward with another's backward (DeepSeek-AI 2024 Sec. 3.2.1); under 1F1B, or without pp, the all-to-alls are
+    exposed whole. Before, every schedule hid them, and the plan's MoE winners took 1F1B with free all-to-alls."""
+    dual = estimate(validate(compose(*HAI, "parallel.schedule=dualpipev", "parallel.virtual_stages=2")))
+    one = estimate(validate(compose(*HAI, "parallel.schedule=1f1b")))
+    flat = estimate(validate(compose(*HAI[:-3], "parallel.pp=1", "parallel.micro_batches=4",
+                                     "train.global_batch_size=256")))
+    assert dual.comm_time["ep"] > 0 and dual.time_breakdown["ep_comm"] == 0.0
+    assert one.time_breakdown["ep_comm"] == pytest.approx(one.comm_time["ep"], rel=1e-12)
+    assert flat.time_breakdown["ep_comm"] == pytest.approx(flat.comm_time["ep"], rel=1e-12)
+    a = Assumptions(ep_a2a_overlap=0.5)  # null: every layout, as before (profiles that set no list)
+    assert ep_a2a_overlap_of(a, "1f1b", 1) == 0.5 == ep_a2a_overlap_of(a, "gpipe", 4)
+
+
+def test_planner_ep_columns_equal_the_scalar_estimate_under_each_schedule_of_hai_llm():
+    ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 4096, "hai_llm")
+    c = space_of(ctx, Constraints(global_batch=(128, 128), schedules=("1f1b", "dualpipev"), zero_stages=(1,),
+                                  pp_zero_stages=(1,), max_micro_batch_size=1, ep=(8,), recompute=("none",),
+                                  sequence_parallel=(False,))).cols
+    pick = (c["tp"] == 1) & (c["pp"] <= 4)
+    assert {"1f1b", "dualpipev"} <= set(c["schedule"][pick].tolist())
+    sub = _sample(c, pick & (c["pp"] > 1), 4, 3)
+    sub = {k: np.concatenate([sub[k], v[np.flatnonzero(pick & (c["pp"] == 1))[:1]]]) for k, v in c.items()}
+    res = assert_equal_to_scalar(ctx, sub)
+    dual = sub["schedule"] == "dualpipev"
+    assert dual.any() and (~dual).any()
+    assert (res["time_ep_comm"][dual & (sub["pp"] > 1)] == 0).all() and (res["time_ep_comm"][~dual] > 0).all()
+
+
+def test_a_bad_ep_a2a_overlap_schedule_is_one_line():
+    from xpar.config.checks.framework import check_framework
+    from xpar.config.profile import FrameworkConfig
+    lines = check_framework(FrameworkConfig(ep_a2a_overlap_schedules=["dualpipe"]))
+    assert len(lines) == 1 and "framework.ep_a2a_overlap_schedules=[dualpipe]" in lines[0] and "dualpipev" in lines[0]

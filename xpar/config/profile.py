@@ -245,3 +245,11 @@ class FrameworkConfig:
     """The schedules (xpar.config.layout.SCHEDULES names) whose pipeline sends ``pp_overlap`` hides; null: every
     schedule. Megatron-Core overlaps p2p only when interleaving (megatron/core/pipeline_parallel/schedules.py:
     "Non-interleaved pipeline parallelism does not support overlapping p2p communication"); DeepSeek's DualPipe too."""
+    ep_a2a_overlap_schedules: Optional[list] = None
+    """The schedules (xpar.config.layout.SCHEDULES names, pp > 1) under which ``ep_a2a_overlap`` hides the MoE
+    all-to-alls; null: every layout. DeepSeek's DualPipe hides them by pairing one micro-batch's forward with
+    another's backward (DeepSeek-AI 2024 Sec. 3.2.1): under 1F1B or without a pipeline nothing is paired."""
+    etp_degrees: Optional[list] = None
+    """The expert tensor-parallel degrees (parallel.etp; 0: etp = tp) ``xpar plan`` searches for a MoE model where
+    plan.etp is null; null: [0]. Megatron-Core: etp = tp by default and etp 1 (MoE parallel folding), which its
+    MoE recipes set (Megatron-Bridge ``expert_tensor_parallel_size: 1``)."""

@@ -92,6 +92,8 @@ class Assumptions(MemoryOptions):
     """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
     tp_overlap_across_nodes: float = 0.0
     pp_overlap_schedules: Optional[tuple] = None
+    ep_a2a_overlap_schedules: Optional[tuple] = None
+    """The schedules (pp > 1) whose all-to-alls ``ep_a2a_overlap`` hides; None: every layout (FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -255,6 +257,13 @@ def pp_overlap_of(assume: Assumptions, schedule: str) -> float:
     ``pp_overlap_schedules`` is null or lists it, else 0."""
     listed = assume.pp_overlap_schedules
     return assume.pp_overlap if listed is None or schedule in listed else 0.0
+
+
+def ep_a2a_overlap_of(assume: Assumptions, schedule: str, pp: int) -> float:
+    """Share of the MoE all-to-alls the framework hides under ``schedule`` at ``pp`` stages: ``ep_a2a_overlap``
+    where ``ep_a2a_overlap_schedules`` is null, or lists the schedule and pp > 1; else 0."""
+    listed = assume.ep_a2a_overlap_schedules
+    return assume.ep_a2a_overlap if listed is None or (pp > 1 and schedule in listed) else 0.0
 
 
 def pp_exposed(issued: Any, latency: Any, overlap: Any) -> Any:

@@ -6,8 +6,8 @@ and ``plan.dtype`` resolved to the values searched, with their defaults; each ba
   recipes cp 2-8 at 16k-128k, Llama 3 cp 16 at 128k (8k per rank). The space keeps cp values that split
   seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
 - ``plan.ep``: a MoE model's divisors of model.n_experts (kept where ep x etp divides tp x cp x dp: rule
-  ``ep``); [1] for a dense one. ``plan.etp``: [0] (etp = tp, Megatron-Core's default); ``plan.etp=[0,1]``
-  adds MoE parallel folding (etp 1, the Megatron-Bridge MoE recipes'): 2-3 x a MoE plan's layouts.
+  ``ep``); [1] for a dense one. ``plan.etp``: the profile's ``framework.etp_degrees`` (megatron_core: [0, 1],
+  etp = tp and MoE parallel folding, etp 1, the Megatron-Bridge MoE recipes'), else [0] (etp = tp).
 - ``plan.virtual_stages``: the v of looped schedules; null: xpar.plan.space.schedule_pairs's.
 - ``plan.dtype``: [train.dtype]; ``plan.dtype=[bf16,fp8]`` searches both where the hardware has an
   FP8 peak (hardware.peak_tflops_fp8; else fp8 is dropped by rule ``fp8_hw``).
@@ -35,9 +35,11 @@ def default_ep(model: dict) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0) if n else (1,)
 
 
-def default_etp(model: dict) -> tuple[int, ...]:
-    """plan.etp's default: (0,), etp = tp (the search over etp 1 is asked for: it multiplies a MoE plan)."""
-    return (0,)
+def default_etp(model: dict, framework: Optional[dict] = None) -> tuple[int, ...]:
+    """plan.etp's default: a MoE model's ``framework.etp_degrees`` (megatron_core: etp = tp and etp 1, what its
+    MoE recipes run), else (0,), etp = tp; (0,) for a dense model."""
+    listed = (framework or {}).get("etp_degrees") if model.get("n_experts") else None
+    return tuple(sorted({int(x) for x in listed})) if listed else (0,)
 
 
 def _degrees(value: Any, key: str, eg: str) -> tuple[Optional[tuple[int, ...]], list[str]]:
@@ -48,12 +50,12 @@ def _degrees(value: Any, key: str, eg: str) -> tuple[Optional[tuple[int, ...]], 
     return tuple(sorted(set(vals))), []
 
 
-def resolve_axes(p, model: dict, seq_len: int, dtype: str) -> tuple[dict, list[str]]:
+def resolve_axes(p, model: dict, seq_len: int, dtype: str, framework: Optional[dict] = None) -> tuple[dict, list[str]]:
     """(``cp``, ``ep``, ``etp``, ``v``, ``dtypes`` for :class:`xpar.plan.space.Constraints`, problem
     lines) of the plan config ``p`` (plan.cp, plan.ep, plan.etp, plan.virtual_stages, plan.dtype; null:
     the defaults; ``v`` None: :func:`xpar.plan.space.schedule_pairs`'s). ``dtypes`` is () when
     plan.dtype is null (the train dtype, no dtype column)."""
-    out: dict = {"cp": default_cp(seq_len), "ep": default_ep(model), "dtypes": (), "etp": default_etp(model),
+    out: dict = {"cp": default_cp(seq_len), "ep": default_ep(model), "dtypes": (), "etp": default_etp(model, framework),
                  "v": None}
     problems: list[str] = []
     for key, eg in (("cp", "[1,2,4]"), ("ep", "[1,8]"), ("etp", "[0,1]"), ("virtual_stages", "[2,4,8]")):

@@ -88,10 +88,11 @@ def offload_line(res: dict[str, np.ndarray], i: int, hardware: dict) -> str:
             f"GB host memory.")
 
 
-def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[str]:
+def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray, tie_within: float = 0.0) -> list[str]:
     """For each choice in :data:`ALTERNATIVES`, the best feasible layout that differs from the
     winner in it, not already printed (for a degree axis: not of a degree group already printed,
-    :mod:`xpar.plan.groups`): its tokens/s against the winner's and the term that separates them."""
+    :mod:`xpar.plan.groups`): its tokens/s against the winner's and the term that separates them;
+    'a tie' where it is within ``tie_within`` (plan.tie_within, a fraction) of the winner, as in the table."""
     best, out, shown = ranked[0], [], set()
     for col, words in ALTERNATIVES:
         if col not in res:
@@ -107,18 +108,20 @@ def alternative_lines(res: dict[str, np.ndarray], ranked: np.ndarray) -> list[st
         term, frac = separating_terms(res, np.array([j]), best)[0]
         gap = f": {describe_gap(term, frac)}" if term else ""
         lost = "the same tokens/s" if abs(loss) < 0.0005 else f"-{100 * loss:.1f} % tokens/s"
-        out.append(f"  best with another {words} ({label(res, j)}): {lost}{gap}")
+        tie = f", a tie (within {100 * tie_within:g} %)" if tie_within and loss <= tie_within else ""
+        out.append(f"  best with another {words} ({label(res, j)}): {lost}{tie}{gap}")
     return out
 
 
 def explain(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray,
-            hardware: Optional[dict] = None) -> list[str]:
+            hardware: Optional[dict] = None, tie_within: float = 0.0) -> list[str]:
     """The winner's reasoning: the memory line, where its step goes, an offloaded optimizer's
     cost, what alternatives lose. ``ranked``: feasible layouts best first; ``valid``: rows
-    passing every rule but memory; ``hardware``: the hardware group (host memory)."""
+    passing every rule but memory; ``hardware``: the hardware group (host memory); ``tie_within``: the
+    alternatives within it of the winner are marked as ties (:func:`alternative_lines`)."""
     best = ranked[0]
     head = (f"Winner: {label(res, best)}: {res['tokens_per_s'][best]:,.0f} tokens/s, MFU "
             f"{100 * res['mfu'][best]:.1f} %, {res['memory_total'][best] / GB:.1f} GB per device.")
     off = offload_line(res, best, hardware or {})
     return [head, memory_line(res, ranked, valid), overhead_line(res, best)] + ([off] if off else []) + [
-        "What the next-best alternatives lose:"] + alternative_lines(res, ranked)
+        "What the next-best alternatives lose:"] + alternative_lines(res, ranked, tie_within)

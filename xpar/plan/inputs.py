@@ -219,7 +219,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     problems += _choice_problems(p, framework) + _number_problems(p, local) + _request_problems(cfg)
     seq = cfg.train.seq_len or model["seq_len"]
     batch, bad = global_batch(cfg, counts[0] if counts else 1, seq, local)
-    axes, bad_axes = resolve_axes(p, model, int(seq), str(cfg.train.dtype))
+    axes, bad_axes = resolve_axes(p, model, int(seq), str(cfg.train.dtype), framework)
     if problems or bad or bad_axes:
         return None, problems + bad + bad_axes
     c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,

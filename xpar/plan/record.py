@@ -98,7 +98,8 @@ def write_artifacts(plan, line: str, out_dir: Path) -> list[Path]:
     with open(dropped, "w", newline="") as f:
         csv.writer(f).writerows([("rule", "layouts")] + list(plan.dropped.items()))
     text = dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked,
-                                                                      np.ones(len(plan.space), bool), plan.ctx.hardware)
+                                                                      np.ones(len(plan.space), bool), plan.ctx.hardware,
+                                                                      plan.inputs.tie_within)
     (out_dir / "plan.txt").write_text("\n".join(text + ["", "Reproduce the top layout:", "  " + line, ""]))
     return [write_ranked_csv(plan, out_dir / "plan_ranked.csv"), dropped, out_dir / "plan.txt",
             pareto_figure(plan, out_dir / "plan_pareto.png")]

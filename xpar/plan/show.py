@@ -157,7 +157,8 @@ def print_plan(plan, line: str) -> None:
 
     console = Console(width=max(200, Console().width))
     console.print(ranked_table(plan))
-    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware):
+    why = explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware, plan.inputs.tie_within)
+    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + why:
         console.print(text, highlight=False, markup=False)
     console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
 

@@ -121,6 +121,8 @@ class Space:
     raw: int = 0
     emptied_by: str = ""
     """The rule (a :data:`RULES` key) that dropped the last layouts left; "" while some pass."""
+    watch_dropped_by: str = ""
+    """With a ``watch`` (:func:`enumerate_layouts`): the rule that dropped the last layouts holding it."""
 
     def __len__(self) -> int:
         return len(self.cols["tp"])
@@ -162,16 +164,30 @@ def schedule_pairs(n_layers: int, v: Optional[Sequence[int]] = None) -> list[tup
 
 
 class _Drops:
-    """Applies masks in order and counts what each drops, in raw layouts (``weight`` each)."""
+    """Applies masks in order and counts what each drops, in raw layouts (``weight`` each); with ``watch``
+    (column values), the rule that drops the last rows holding them (``watch_dropped_by``)."""
 
-    def __init__(self, weight: int):
+    def __init__(self, weight: int, watch: Optional[dict] = None):
         self.weight, self.dropped, self.emptied_by = weight, {k: 0 for k in RULES}, ""
+        self.watch, self.watch_dropped_by = watch or {}, ""
 
     def apply(self, table: dict[str, np.ndarray], key: str, keep: np.ndarray) -> dict[str, np.ndarray]:
         self.dropped[key] += int((~keep).sum()) * self.weight
         if len(keep) and not keep.any() and not self.emptied_by:
             self.emptied_by = key
+        if self.watch and not self.watch_dropped_by:
+            mine = self.watched(table)
+            if mine.any() and not (mine & keep).any():
+                self.watch_dropped_by = key
         return {k: v[keep] for k, v in table.items()}
+
+    def watched(self, table: dict[str, np.ndarray]) -> np.ndarray:
+        """Rows of ``table`` equal to ``watch`` in each of its columns the table holds."""
+        mine = np.ones(len(next(iter(table.values()))), dtype=bool)
+        for k, v in self.watch.items():
+            if k in table:
+                mine &= table[k] == v
+        return mine
 
 
 def _product(**axes: Sequence) -> dict[str, np.ndarray]:
@@ -269,13 +285,15 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
 
 
 def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len: int,
-                      c: Constraints) -> Space:
+                      c: Constraints, watch: Optional[dict] = None) -> Space:
     """Every layout of ``model`` (a model config dict: n_layers, n_heads, n_kv_heads, ffn_hidden,
     vocab_size) on ``devices`` devices, ``devices_per_node`` per node, at ``seq_len`` tokens per
     sequence, that passes :data:`RULES` under ``c``. Returns the candidate columns
-    (:mod:`xpar.plan.context`) and the count of layouts each rule dropped."""
+    (:mod:`xpar.plan.context`) and the count of layouts each rule dropped; with ``watch`` (column
+    values, e.g. a published layout's degrees) also the rule that dropped the last layouts holding them
+    (``Space.watch_dropped_by``; "" where some are kept or none was in the product)."""
     weight = len(ZERO_STAGES) * 2 * len(c.recompute) * len(OFFLOAD)
-    drops = _Drops(weight)
+    drops = _Drops(weight, watch)
     t = _structure(model, devices, devices_per_node, seq_len, c, drops)
     raw = _raw_size(model, devices, c) * weight
     t = _choices(t, seq_len, c, drops)
@@ -283,7 +301,7 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
     keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if (k != "dtype" or c.dtypes) and (k != "etp" or c.etp != (0,))]
-    return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by)
+    return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by, drops.watch_dropped_by)
 
 
 def _raw_size(model: dict, devices: int, c: Constraints) -> int:

@@ -46,18 +46,29 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     out += [f"framework.make_vocab_size_divisible_by={k} must be a whole number >= 1 or null (no padding); e.g. "
             f"framework.make_vocab_size_divisible_by=128 (Megatron-LM's default)." for _ in [0]
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1)]
-    return out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw)
+    return out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw) + etp_problems(fw)
+
+
+def etp_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.etp_degrees null or a non-empty list of whole numbers >= 0 (0: etp = tp)."""
+    listed = getattr(fw, "etp_degrees", None)
+    if listed is None or (list(listed) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                               for x in listed)):
+        return []
+    return [f"framework.etp_degrees={hydra_text(list(listed))} must be a non-empty list of whole numbers >= 0 "
+            f"(0: etp = tp); e.g. framework.etp_degrees=[0, 1], or null (etp = tp only)."]
 
 
 def pp_overlap_schedule_problems(fw: FrameworkConfig) -> list[str]:
-    """framework.pp_overlap_schedules null or a list of schedule names (xpar.config.layout.SCHEDULES)."""
-    listed = getattr(fw, "pp_overlap_schedules", None)
-    bad = [s for s in (listed or []) if s not in SCHEDULES]
-    if not bad:
-        return []
-    return [f"framework.pp_overlap_schedules={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values "
-            f"that work: {hydra_text(list(SCHEDULES))}, e.g. framework.pp_overlap_schedules=[interleaved_1f1b], "
-            f"or null (every schedule)."]
+    """framework.pp_overlap_schedules and ep_a2a_overlap_schedules: each null or a list of schedule names
+    (xpar.config.layout.SCHEDULES)."""
+    out = []
+    for key, eg in (("pp_overlap_schedules", "interleaved_1f1b"), ("ep_a2a_overlap_schedules", "dualpipev")):
+        listed = getattr(fw, key, None)
+        bad = [s for s in (listed or []) if s not in SCHEDULES]
+        out += [f"framework.{key}={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values that work: "
+                f"{hydra_text(list(SCHEDULES))}, e.g. framework.{key}=[{eg}], or null (every schedule)."] if bad else []
+    return out
 
 
 def recompute_list_problems(fw: FrameworkConfig) -> list[str]:

@@ -23,7 +23,7 @@ from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
-from xpar.estimate.step_parts import assumptions_for
+from xpar.estimate.step_parts import assumptions_for, ep_a2a_overlap_of
 from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share
 from xpar.estimate.terms import RATE_KEYS, time_key
 
@@ -115,7 +115,8 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) 
     issued = np.asarray(fcols["m"]) * layers * (one["f"] * (1 + replay_column(fbase, fcols, lambda s: ep_replay(s, a)))
                                                 + one["b"])
     share = imbalance_share(fbase)
-    return {"ep_comm": issued * (1.0 - a.ep_a2a_overlap), "ep_imbalance": matmul * share}, issued
+    overlap = by_key([pp, sched], lambda p, s: {"o": ep_a2a_overlap_of(a, s, p)}, ("o",))["o"]
+    return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": matmul * share}, issued
 
 
 def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> np.ndarray:
