@@ -83,7 +83,8 @@ def test_framework_config_mirrors_assumptions():
 
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry",
-                                  "megatron_zb", "deepspeed_bloom", "maxtext"])
+                                  "megatron_zb", "deepspeed_bloom", "maxtext", "fsdp2_bf16",
+                                  "megatron_deepspeed"])
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.config.recorded import resolved_config
