@@ -269,12 +269,12 @@ def korthikanti_row(row: dict):
 
 def mtnlg_row(row: dict):
     """(spec, assumptions, published tokens/s per GPU) of an MT-NLG 530B row (smith_2022_mtnlg.csv;
-    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, the 2021 Megatron profile's
-    kernels in Megatron-DeepSpeed's engine, whose cost per layer and micro-batch is the one fitted on
-    BLOOM's runs (deepspeed_bloom's ``layer_overhead_ms``; this source checks it, never fits it)."""
-    spec = gpt_3d_spec(row, zero_stage=1)
-    a = replace(Assumptions.megatron_2021(), layer_overhead_ms=preset("framework", "deepspeed_bloom")["layer_overhead_ms"])
-    return spec, a, _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
+    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, under Megatron-DeepSpeed's profile
+    (conf/framework/megatron_deepspeed.yaml: the 2021 Megatron kernels in DeepSpeed's PipelineEngine, blocking p2p,
+    ZeRO-1 after the flush), whose cost per layer and micro-batch is the one fitted on BLOOM's runs
+    (deepspeed_bloom's ``layer_overhead_ms``; this source checks it, never fits it)."""
+    return gpt_3d_spec(row, zero_stage=1), framework_assumptions("megatron_deepspeed"), _tokens_per_s_per_gpu(row), \
+        "tokens_per_s_per_device"
 
 
 def bloom_row(row: dict):
