@@ -14,6 +14,8 @@ from xpar.config.validate import validate
 from xpar.estimate.cost import Assumptions, estimate
 from xpar.models.shapes import param_count
 
+DATA = next(d for d in (Path(__file__).parent / "data", Path(__file__).parents[1] / "data") if d.is_dir())
+"""tests/data (this module at tests/ or in a package folder under it)."""
 CLUSTER = ("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off")
 ZERO3 = ("parallel.zero_stage=3", "parallel.recompute=full")
 
@@ -76,7 +78,7 @@ def test_megatron_deepspeed_prices_mtnlg_as_its_engine_ran_it_where_megatron_is_
     2240-3360 A100s: the 2021 Megatron-LM profile over-predicts its throughput by 21-26 %, Megatron-DeepSpeed's
     by 8-13 % (its per-layer cost, owner-by-owner ZeRO-1 reduction, blocking p2p): the profile the calibration's
     mtnlg_row estimates it with."""
-    rows = cal.read_table(Path(__file__).parent / "data" / "smith_2022_mtnlg.csv")
+    rows = cal.read_table(DATA / "smith_2022_mtnlg.csv")
     a100 = cal.preset("hardware", "a100_80gb_node")["sustained_efficiency"]
     for row in rows:
         spec, calibrated, ref, metric = cal.mtnlg_row(row)
@@ -92,7 +94,7 @@ def test_nemo_automodels_published_70b_row_is_estimated_under_fsdp2_bf16():
     estimated under fsdp2_bf16 with its recipe's FusedAdam (fp32 moments over bf16 parameters, no master: 2 + 2 + 8
     bytes, three quarters of torchtitan's 16), its published tokens/s per GPU within 10 % (-8.2 %: the same time
     as under torchtitan, whose collectives and kernels the profile keeps)."""
-    row = next(r for r in cal.read_table(Path(__file__).parent / "data" / "cp_fp8_h100.csv")
+    row = next(r for r in cal.read_table(DATA / "cp_fp8_h100.csv")
                if r["id"] == "automodel_llama31_70b_bf16_64_cp2")
     spec, assume, metric, published = cal.cp_fp8_case(row)
     assert assume.name == "fsdp2_bf16" and assume.optimizer_bytes == 8 and spec.parallel.zero_stage == 3
