@@ -83,7 +83,8 @@ def test_framework_config_mirrors_assumptions():
 
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry",
-                                  "megatron_zb", "deepspeed_bloom", "maxtext"])
+                                  "megatron_zb", "deepspeed_bloom", "maxtext", "fsdp2_bf16",
+                                  "megatron_deepspeed"])
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_profile_composes_is_logged_and_names_its_terms(name):
     from xpar.config.recorded import resolved_config
@@ -129,7 +130,7 @@ def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
     # distributed optimizer: gradients reduce-scattered and params all-gathered, no all-reduce
     assert e.comm_bytes["dp_allreduce"] == 0 and e.comm_bytes["dp_reduce_scatter"] > 0
     assert e.comm_bytes["dp_allgather"] == pytest.approx(e.comm_bytes["dp_reduce_scatter"])
-    assert e.time_breakdown["dp_comm_exposed"] > 0 and e.mfu > 0.2
+    assert e.time_breakdown["dp_comm_exposed"] > 0 and e.mfu > 0.19  # 0.1999 at the H100 refit of issue 43 (0.765)
 
 
 def test_zero1_with_pp_executes_as_zero2_and_says_so():
@@ -269,4 +270,4 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
                    param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
                    fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True, pp_overlap=1.0,
-                   pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True) == core
+                   pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, dp_overlap_per_chunk=True) == core

@@ -365,9 +365,9 @@ def loso():
 def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     """Fit the one constant per GPU family (hardware.sustained_efficiency under the kernel model,
     issue 42) on the other sources, predict this one: median |error| <= 8 % and max <= 13 % for every
-    fitted source (measured: worst median 6.7 %, NeMo's; worst max 11.1 %, Table 1's 7.5B row;
+    fitted source (measured: worst median 6.5 %, Llama 3's (NeMo's 6.4 %); worst max 11.1 %, Table 1's 7.5B row;
     benchmarks/estimate_calibration.py prints the tables); the constants fitted on all sources are
-    those in the hardware presets (within 0.01: A100 0.81, H100 0.773)."""
+    those in the hardware presets (within 0.01: A100 0.81, H100 0.765)."""
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
@@ -517,7 +517,8 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
     NO_REENTRANT). Under the kernel model (issue 42): A100 rows under-predicted by 1 % / 7 % (4 % / 10 %
     under FLOPs over one efficiency; more when w2 was counted as rerun). H100 rows over-predicted by
-    11-14 % (12-17 % before), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
+    10-13 % at H100 0.765 (11-14 % at 0.773 before the H100 refit with Megatron-Core's per-chunk dp
+    overlap, issue 43; 12-17 % under FLOPs), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
     about 9 % of the step to dp communication, what the blog reads in its traces ("a 10% gap due to
     network peeking out"); the blog suspects HBM bandwidth for the rest (HFU 0.44-0.45 published)."""
     cases, res = loso
@@ -538,9 +539,10 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
-    Gb/s per node assumed), never fitted on. Under the kernel model (issue 42, H100 0.773): with full
+    Gb/s per node assumed), never fitted on. Under the kernel model (issue 42; H100 0.765, refitted with
+    Megatron-Core's per-chunk dp overlap, issue 43: 0.773 put these 1 point higher): with full
     recompute (13B-70B; llm-foundry's non-reentrant checkpoint, w2 not rerun:
-    framework.checkpoint_early_stop) over-predicted by 1.8-8.3 %; without (1B-7B) by 11.9-26.1 %
+    framework.checkpoint_early_stop) over-predicted by 0.8-7.3 %; without (1B-7B) by 10.9-25.2 %
     (under FLOPs over one efficiency: 3-10 % and 12-26 %): what the rows without recompute lose is
     not in the kernels priced (small models: host time). Scale: the published throughput per GPU
     falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
@@ -555,7 +557,7 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
     by: dict = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
-        lo, hi = (0.01, 0.09) if row["ac"] == "true" else (0.11, 0.27)
+        lo, hi = (0.005, 0.08) if row["ac"] == "true" else (0.10, 0.26)
         assert lo < e < hi, (row["model"], row["gpus"], e)
         by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
     assert len(by) == 6
@@ -602,32 +604,40 @@ def _dgxc(cases, rows, model):
 def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     """NVIDIA's DGX Cloud NeMo BF16 recipes on 16-2048 H100s (GPT-3 175B tp 4 pp 8 v 12,
     Nemotron-4 340B tp 8 pp 8 v 12, Nemotron-4 15B tp 4; sequence parallelism, distributed
-    optimizer with overlapped gradient and parameter collectives, userbuffer TP overlap). Under the
-    kernel model (issue 42), held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the
-    V = 8 its paper implies) predicts every row within 10 %: 4-7 % under for 175B and 340B (MFU 53-55 %
-    published), 8-10 % under for 15B (no pipeline) (FLOPs over one efficiency: 3-5 % and 9-11 %).
-    The constant that fits the source alone is 0.774 (0.755 before its interleaved sends kept their
-    fixed part exposed, issue 44); with Llama 3 in the H100 fit (0.773, the preset)
-    every row is within 4 %. Scale: per-GPU throughput from the smallest to the largest run falls 2.1 %
-    (175B), 4.8 % (340B), 2.6 % (15B) published; estimated within 0.02 of each."""
+    optimizer with overlapped gradient and parameter collectives, per model chunk under interleaving
+    (framework.dp_overlap_per_chunk, issue 43), userbuffer TP overlap). Under the kernel model (issue 42),
+    held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the V = 8 its paper implies)
+    predicts every row within 10 %: 1-7 % under for 175B and 340B (MFU 53-55 % published), 8-10 % under
+    for 15B (no pipeline). The constant that fits the source alone is 0.773 (0.774 with the step's dp
+    collectives behind one micro-batch, 0.755 before its interleaved sends kept their fixed part exposed,
+    issue 44); with Llama 3 in the H100 fit (0.765, the preset) every row is within 6 % (4 % at 0.773
+    before the per-chunk overlap). Scale: per-GPU throughput from the smallest to the largest run falls
+    2.1 % (175B), 4.8 % (340B), 2.6 % (15B) published. With each chunk's reductions behind the other
+    chunks' backwards only the last chunk's stay exposed, so the interleaved runs' estimate falls 0.2 % and
+    1.6 %: asserted falling, by less than published (what else slows a step over 256 nodes is not in the
+    model; with one micro-batch to hide behind they fell within 0.02 of published); 15B (no interleaving)
+    within 0.02."""
     cases, res = loso
     r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
     assert len(rows) == len(r["held_out"]) == 18 and "dgxc_nemo_h100_bf16" not in calibration.CHECK_ONLY
     assert r["fit_without"]["H100"] == pytest.approx(0.711, abs=0.005)
     h100 = preset("hardware", "h100_80gb_64gpu")["sustained_efficiency"]
     assert r["fit_all"]["H100"] == pytest.approx(h100, abs=0.005)
-    assert max(abs(e) for e in r["calibration"]) < 0.04, r["calibration"]
+    assert max(abs(e) for e in r["calibration"]) < 0.06, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
-        lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.03)
+        lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.01)
         assert lo < e < hi, (row["model"], row["gpus"], e)
-    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.774, abs=0.005)
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.773, abs=0.005)
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
         pairs = _dgxc(cases, rows, model)
         (_, small), (_, large) = pairs[0], pairs[-1]
         published = large[3] / small[3]
         eff = r["fit_all"]["H100"]
         estimated = calibration.predicted(large, eff) / calibration.predicted(small, eff)
-        assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.02, (model, published, estimated)
+        if pairs[0][0]["vp"] == "1":
+            assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.02, (model, published, estimated)
+        else:
+            assert published < estimated < 1, (model, published, estimated)
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
@@ -713,16 +723,17 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     """The H100 constant (hardware.sustained_efficiency under the kernel model, issue 42) is fitted on
     the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
     stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
-    the fit. Each source alone: NeMo 0.774, Llama 3 0.711, 0.063 apart (under FLOPs over one
-    efficiency within 0.03); at the fit (0.773, the preset) every NeMo row is within 4 %. The
-    never-fitted FSDP H100 checks (MPT, IBM) want less: at Llama 3's 0.711 their median |error| is
-    4.7 % and 4.9 %, at the fitted 0.773 10.1 % and 12.2 % (asserted: more than 4 points apart)."""
+    the fit. Each source alone: NeMo 0.773, Llama 3 0.711, 0.062 apart (under FLOPs over one
+    efficiency within 0.03); at the fit (0.765, the preset, with Megatron-Core's per-chunk dp overlap:
+    issue 43) every NeMo row is within 6 % (4 % at 0.773 before it). The never-fitted FSDP H100 checks
+    (MPT, IBM) want less: at Llama 3's 0.711 their median |error| is 4.7 % and 4.9 %, at the fitted
+    0.765 9.1 % and 11.2 % (asserted: more than 4 points apart)."""
     cases, res = loso
     llama = cases["llama3_2024_table4"]
     fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
     at_fit = calibration.errors(llama, fitted)
     assert abs(at_fit[0] - at_fit[1]) < 0.02, at_fit
-    assert all(abs(e) < 0.04 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
+    assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
     llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
     assert 0.05 < nemo_alone - llama_alone < 0.07, (llama_alone, nemo_alone)
@@ -870,7 +881,7 @@ CP_FP8_STILL_REFUSED: dict[str, str] = {}
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
-    NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers; 36 on H100/H800): none
+    NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers, NeMo AutoModel; 37 on H100/H800): none
     refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
     figure (in its source's FLOPs convention: xpar.calibrate.published.published_figure) within 12 % over
     all of them (issue 30; under the kernel model, issue 42, measured 11.1 %, was 11.8 %) and within 22 %
@@ -895,7 +906,7 @@ def test_published_context_parallel_moe_and_fp8_runs():
             held_out.append(abs(errors[row["id"]]))
         if row["moe"] == "true":
             moe.append(abs(errors[row["id"]]))
-    assert len(errors) >= 36 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
+    assert len(errors) >= 37 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
     assert statistics.median(abs(x) for x in errors.values()) <= 0.12, errors
     assert len(moe) >= 18 and statistics.median(moe) <= 0.22, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.06, held_out

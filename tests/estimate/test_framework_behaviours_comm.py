@@ -158,14 +158,16 @@ INTERLEAVED = ("model=175b", "hardware=a100_80gb_1024gpu", "train=cluster", "fra
 
 
 def test_megatron_core_overlaps_each_chunks_dp_communication_behind_the_other_chunks():
-    """framework.dp_overlap_per_chunk (Megatron-Core's; off in the profile until the H100 fit is redone): under
+    """framework.dp_overlap_per_chunk (Megatron-Core's; on in the megatron_core profile): under
     interleaving (v = 4) all but the last chunk's reduce-scatter hide behind the remaining backwards and the
     gathers behind the first forwards, so less dp communication is exposed than with one micro-batch to hide
     behind; at v = 1 nothing changes."""
     from xpar.estimate.cost import estimate
 
-    per_chunk = estimate(spec_for(*INTERLEAVED, "framework.dp_overlap_per_chunk=true"))
-    one_mb = estimate(spec_for(*INTERLEAVED))  # the profile's default (off until the H100 fit is redone)
+    per_chunk = estimate(spec_for(*INTERLEAVED))  # the profile's default
+    on = estimate(spec_for(*INTERLEAVED, "framework.dp_overlap_per_chunk=true"))
+    assert per_chunk.time_per_step_s == on.time_per_step_s
+    one_mb = estimate(spec_for(*INTERLEAVED, "framework.dp_overlap_per_chunk=false"))
     exposed = per_chunk.time_breakdown["dp_comm_exposed"]
     assert 0 < exposed < 0.6 * one_mb.time_breakdown["dp_comm_exposed"]
     assert per_chunk.comm_time["dp"] == one_mb.comm_time["dp"]  # the same collectives, issued
@@ -173,7 +175,7 @@ def test_megatron_core_overlaps_each_chunks_dp_communication_behind_the_other_ch
         one_mb.time_breakdown["dp_comm_exposed"] - exposed)
     plain = ("parallel.schedule=1f1b", "parallel.virtual_stages=1")
     assert estimate(spec_for(*INTERLEAVED, *plain)).time_per_step_s == \
-        estimate(spec_for(*INTERLEAVED, *plain, "framework.dp_overlap_per_chunk=true")).time_per_step_s
+        estimate(spec_for(*INTERLEAVED, *plain, "framework.dp_overlap_per_chunk=false")).time_per_step_s
 
 
 def test_per_chunk_overlap_hides_the_earlier_chunks_and_exposes_the_last_chunks_own():

@@ -269,12 +269,12 @@ def korthikanti_row(row: dict):
 
 def mtnlg_row(row: dict):
     """(spec, assumptions, published tokens/s per GPU) of an MT-NLG 530B row (smith_2022_mtnlg.csv;
-    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, the 2021 Megatron profile's
-    kernels in Megatron-DeepSpeed's engine, whose cost per layer and micro-batch is the one fitted on
-    BLOOM's runs (deepspeed_bloom's ``layer_overhead_ms``; this source checks it, never fits it)."""
-    spec = gpt_3d_spec(row, zero_stage=1)
-    a = replace(Assumptions.megatron_2021(), layer_overhead_ms=preset("framework", "deepspeed_bloom")["layer_overhead_ms"])
-    return spec, a, _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
+    :func:`gpt_3d_spec` with full recompute): ZeRO-1 over dp, 1F1B, under Megatron-DeepSpeed's profile
+    (conf/framework/megatron_deepspeed.yaml: the 2021 Megatron kernels in DeepSpeed's PipelineEngine, blocking p2p,
+    ZeRO-1 after the flush), whose cost per layer and micro-batch is the one fitted on BLOOM's runs
+    (deepspeed_bloom's ``layer_overhead_ms``; this source checks it, never fits it)."""
+    return gpt_3d_spec(row, zero_stage=1), framework_assumptions("megatron_deepspeed"), _tokens_per_s_per_gpu(row), \
+        "tokens_per_s_per_device"
 
 
 def bloom_row(row: dict):
@@ -493,8 +493,7 @@ def cp_fp8_case(row: dict):
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    Framework: torchtitan for torchtitan's rows, megatron_core (NeMo, Megatron-LM, dgxc) for the others;
-    an uneven pp x vp split as Megatron balances it."""
+    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it."""
     needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
     if not row["gpu"].startswith(("H100", "H800")) or not all(row[k] for k in needed):
         return None
@@ -506,12 +505,12 @@ def cp_fp8_case(row: dict):
                  tied_embeddings=False, bias=False, **_moe_fields(row),
                  **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
                  head_dim=HEAD_DIMS.get(row["model_name"]))
-    titan = row["id"].startswith("torchtitan")
+    fsdp2 = row["id"].startswith(("torchtitan", "automodel"))  # FSDP2 trainers: ZeRO-3 over dp
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
     par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
                ep=int(row["ep"] or 1), etp=int(row["etp"]) if row["etp"] else (1 if row["moe"] == "true" else None),
-               zero_stage=3 if titan else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+               zero_stage=3 if fsdp2 else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
                sequence_parallel=int(row["tp"] or 1) > 1,
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
@@ -526,8 +525,25 @@ def cp_fp8_case(row: dict):
     metric = row["metric"]
     if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
         metric = "tflops_per_gpu_causal"
-    return (make_spec(model, par, hw, train), framework_assumptions("torchtitan" if titan else "megatron_core", **a2a),
-            metric, float(row["value"]))
+    name, changes = cp_fp8_framework(row)
+    return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
+
+
+AUTOMODEL_OPTIMIZER_BYTES = 8
+"""Bytes per optimizer-state element of NeMo AutoModel's benchmark recipes: Transformer Engine's FusedAdam over the bf16
+parameters keeps its moments in fp32 and no master copy (2 x 4 bytes; the AutoModel docs, "Mixed-Precision Training":
+"TE FusedAdam keeps fp32 state regardless"; examples/llm_pretrain/llama3_1_70b_pretrain_benchmark_*.yaml)."""
+
+
+def cp_fp8_framework(row: dict) -> tuple[str, dict]:
+    """The framework profile of a tests/data/cp_fp8_h100.csv row and the changes its recipe states: torchtitan for
+    torchtitan's rows, fsdp2_bf16 for NeMo AutoModel's (bf16 parameters, its FusedAdam's fp32 moments:
+    :data:`AUTOMODEL_OPTIMIZER_BYTES`), megatron_core (NeMo, Megatron-LM, dgxc) for the others."""
+    if row["id"].startswith("torchtitan"):
+        return "torchtitan", {}
+    if row["id"].startswith("automodel"):
+        return "fsdp2_bf16", {"optimizer_bytes": AUTOMODEL_OPTIMIZER_BYTES}
+    return "megatron_core", {}
 
 
 HEAD_DIMS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128}
