@@ -14,7 +14,7 @@ from xpar.config.validate import validate
 from xpar.estimate.cost import Assumptions, estimate
 from xpar.models.shapes import param_count
 
-DATA = next(d for d in (Path(__file__).parent / "data", Path(__file__).parents[1] / "data") if d.is_dir())
+DATA = Path(__file__).parents[1] / "data"
 """tests/data (this module at tests/ or in a package folder under it)."""
 CLUSTER = ("model=7b", "hardware=a100_80gb_64gpu", "train=cluster", "tracking=off")
 ZERO3 = ("parallel.zero_stage=3", "parallel.recompute=full")
