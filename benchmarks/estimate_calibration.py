@@ -108,15 +108,17 @@ def markdown(res: dict, cases: dict) -> str:
              "sources are in `tests/data/`. |error| of the per-GPU throughput, with the matmul efficiency "
              "fitted on all sources ('fit on all') and on all the *other* sources ('held out': a family "
              "whose only source is held out takes the A100 value).", "",
-             "| source | rows | GPU | fit on all | median | max | fit without it | median (held out) | max (held out) |",
+             "Held out first: the figure a source the fit never saw gets.", "",
+             "| source | rows | GPU | median (held out) | max (held out) | fit without it | median (fit on all) | max "
+             "(fit on all) | fit on all |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         gpus = sorted({c[0] for c in cases[name]})
         (cm, cx), (hm, hx) = _stats(r["calibration"]), _stats(r["held_out"])
         fit_all = " ".join(f"{r['fit_all'][g]:.3f}" for g in gpus)
         fit_without = " ".join(f"{r['fit_without'][g]:.3f}" for g in gpus)
-        lines.append(f"| {name} | {len(cases[name])} | {' '.join(gpus)} | {fit_all} | {100 * cm:.1f}% | {100 * cx:.1f}% "
-                     f"| {fit_without} | {100 * hm:.1f}% | {100 * hx:.1f}% |")
+        lines.append(f"| {name} | {len(cases[name])} | {' '.join(gpus)} | {100 * hm:.1f}% | {100 * hx:.1f}% | {fit_without} "
+                     f"| {100 * cm:.1f}% | {100 * cx:.1f}% | {fit_all} |")
     lines += ["", "The one other fitted constant, Megatron-DeepSpeed's cost per layer and micro-batch "
               "(`framework.layer_overhead_ms`, conf/framework/deepspeed_bloom.yaml), fitted on each of its two sources "
               "and checked on the other (bigscience_bloom_2022's row above uses the value fitted on it; held out, "

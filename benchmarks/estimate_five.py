@@ -84,12 +84,13 @@ def markdown(res: list[dict], causal: list[str] = ()) -> str:
              "under the kernel model FP8 GEMMs run at the device's `gemm_efficiency_fp8` (a published sweep), so "
              "'held out' equals the shipped figures ('FP8 efficiency without it' is the FLOP model's refit, for "
              "hardware without the kernel figures).", "",
-             "| source | rows | MoE rows | FP8 efficiency without it | median | max | median (held out) | max (held out) |",
+             "| source | rows | MoE rows | median (held out) | max (held out) | FP8 efficiency without it | median "
+             "(shipped) | max (shipped) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res:
         eff = "-" if r["fp8_eff"] is None else f"{r['fp8_eff']:.2f}"
-        lines.append(f"| {r['source']} | {r['rows']} | {r['moe']} | {eff} | {r['median']:.1%} | {r['max']:.1%} | "
-                     f"{r['median_held']:.1%} | {r['max_held']:.1%} |")
+        lines.append(f"| {r['source']} | {r['rows']} | {r['moe']} | {r['median_held']:.1%} | {r['max_held']:.1%} | "
+                     f"{eff} | {r['median']:.1%} | {r['max']:.1%} |")
     pooled = [x for r in res for x in r["held"]]
     lines += ["", f"Pooled held-out median |error|: {statistics.median(pooled):.1%} over {len(pooled)} rows."]
     if causal:
