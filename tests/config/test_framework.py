@@ -75,11 +75,20 @@ def test_the_four_profiles_exist_and_xpar_is_the_default():
     assert compose("tracking=off").framework.name == "xpar" and spec.framework.name == "xpar"
 
 
-def test_framework_config_mirrors_assumptions():
-    """Every Assumptions field can be set by a profile (add new ones to FrameworkConfig too)."""
+def test_assumptions_are_the_framework_config_fields_with_their_defaults():
+    """Each framework fact is declared once (issue 41): Assumptions' fields are FrameworkConfig's but the
+    plan's (step_parts.PLAN_FIELDS), with FrameworkConfig's defaults; MemoryOptions' defaults agree too."""
+    from dataclasses import MISSING
+
     from xpar.config.schema import FrameworkConfig
-    missing = {f.name for f in fields(Assumptions)} - {f.name for f in fields(FrameworkConfig)}
-    assert not missing, f"Assumptions fields a framework profile cannot set: {missing}"
+    from xpar.estimate.step_parts import PLAN_FIELDS
+    config = {f.name: f for f in fields(FrameworkConfig)}
+    assert {f.name for f in fields(Assumptions)} == set(config) - set(PLAN_FIELDS)
+    a = Assumptions()
+    for name in {f.name for f in fields(Assumptions)}:
+        f = config[name]
+        default = f.default if f.default is not MISSING else f.default_factory()
+        assert getattr(a, name) == default, name
 
 
 @pytest.mark.parametrize("name", ["xpar", "megatron", "megatron_core", "torchtitan", "deepspeed", "llmfoundry",

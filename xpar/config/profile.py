@@ -16,7 +16,9 @@ class FrameworkConfig:
     """Which training framework the estimate is for: how it computes and communicates.
     Presets in conf/framework/ (xpar, megatron, megatron_core, torchtitan, llmfoundry, deepspeed,
     deepspeed_2021), each with its sources.
-    Mirrors :class:`xpar.estimate.cost.Assumptions` field by field (plus ``terms``)."""
+    The cost model's :class:`xpar.estimate.step_parts.Assumptions` are these fields but the plan's
+    (``step_parts.PLAN_FIELDS``), derived from this class; the memory fields are declared again in
+    ``xpar.estimate.model_states.MemoryOptions`` (tests/config/test_framework.py holds the defaults equal)."""
 
     name: str = "xpar"
     """The framework profile (framework=<name>): whose memory and time behaviour an estimate assumes."""

@@ -11,11 +11,12 @@ Units: seconds, FLOP/s, bytes. Pure: no devices, no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, field, fields, make_dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 
+from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute, tp_reruns
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
@@ -37,63 +38,14 @@ GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
 
 
-@dataclass(frozen=True)
-class Assumptions(MemoryOptions):
-    """How the training framework behaves (not the hardware). Defaults: xpar on torch (CUDA).
-    Built from a ``framework`` preset (conf/framework/*.yaml) by :meth:`from_config`; the
-    fields are those of :class:`xpar.config.schema.FrameworkConfig`, documented there. The memory
-    fields (and ``zero1``) are inherited from :class:`xpar.estimate.memory.MemoryOptions`."""
+PLAN_FIELDS = ("terms", "schedules", "zero_stages", "pp_zero_stages", "recompute", "sequence_parallel", "offload",
+               "microbatch_rule", "interleaved_min_pp", "make_vocab_size_divisible_by", "etp_degrees")
+"""FrameworkConfig fields that say what a framework runs (its layout rules, the planner's space), not how it
+performs: not assumptions of the cost model."""
 
-    dp_overlap: bool = True
-    """Gradient reductions overlap the backward of the units before them (xpar.estimate.overlap)."""
-    scatter_gather: bool = False
-    """Megatron's inter-stage scatter/gather: each tp rank sends 1/t of the activation."""
-    passes_forward: float = 2.0
-    passes_backward: float = 4.0
-    name: str = "xpar"
-    fsdp_prefetch: bool = True
-    param_gather_overlap: bool = False
-    grad_reduce_bytes: int = 4
-    dp_collective: str = "nccl"
-    bucket_mb: float = 25.0
-    tp_overlap: float = 0.0
-    tp_async_backward: bool = False
-    pp_overlap: float = 0.0
-    ep_a2a_overlap: float = 0.0
-    ep_dispatcher: str = "alltoall"
-    overlap_slowdown: float = 0.15
-    zero3_host_ops_per_rank: float = 0.0
-    zero3_reduce_host_ops_per_rank: float = 0.0
-    zero3_persist_numel: int = 0
-    zero3_reuse_distance: Optional[float] = None
-    zero3_persist_host_ops_per_rank: float = 0.0
-    grad_reduce_scatter: bool = True
-    fused_qkv: bool = False
-    host_op_us: float = 4.0
-    layer_overhead_ms: float = 0.0
-    checkpoint_early_stop: bool = False
-    fsdp_copies: str = "fsdp2"
-    adamw_bytes_per_element: Optional[float] = 84.0
-    grad_accumulation_passes: float = 3.0
-    """Passes over the device's gradient bytes per micro-batch after the first: autograd's
-    AccumulateGrad adds each micro-batch's gradient into ``.grad`` (2 reads, 1 write)."""
-    gradient_passes: bool = False
-    """Count the passes over the gradients (:func:`gradient_time`): on the CPU (:func:`assumptions_for`);
-    left out on GPUs, where they are at most 1.5 % of the public runs' steps (docs/accuracy/fit_history.md)."""
-    elementwise_passes: float = 1.0
-    """Element-wise kernels' HBM traffic against fused ones (xpar.config.profile.FrameworkConfig)."""
-    zero_owner_reduce: bool = False
-    """ZeRO-1/2 gradients reduced owner by owner, one reduce per partition a bucket spans (DeepSpeed:
-    xpar.estimate.owner_reduce)."""
-    dp_overlap_per_chunk: bool = False
-    """With v > 1 model chunks per pipeline rank, each chunk's reductions and gathers overlap the other
-    chunks' backwards and forwards (Megatron-Core: xpar.estimate.dp_chunks)."""
-    recompute_replays_comm: bool = True
-    """A recomputed block replays its forward's ep all-to-alls and cp all-gathers (FrameworkConfig)."""
-    tp_overlap_across_nodes: float = 0.0
-    pp_overlap_schedules: Optional[tuple] = None
-    ep_a2a_overlap_schedules: Optional[tuple] = None
-    """The schedules (pp > 1) whose all-to-alls ``ep_a2a_overlap`` hides; None: every layout (FrameworkConfig)."""
+
+class _Profiles:
+    """The constructors of :data:`Assumptions` (a mixin: the fields come from FrameworkConfig)."""
 
     @classmethod
     def from_config(cls, framework) -> "Assumptions":
@@ -119,6 +71,23 @@ class Assumptions(MemoryOptions):
         k, v, the output and the fp32 log-sum-exp, no s x s probabilities), and RMSNorm is
         composite (keeps x, rstd and x * rstd). Used for hardware=local (:func:`assumptions_for`)."""
         return cls(flash_attention=True, fused_rmsnorm=False, count_buffers=False)
+
+
+def _time_fields() -> list:
+    """(name, type, field) of every :class:`xpar.config.profile.FrameworkConfig` field the cost model reads
+    beyond :class:`MemoryOptions`' (not :data:`PLAN_FIELDS`), with the profile's defaults."""
+    memory = {f.name for f in fields(MemoryOptions)}
+    keep = [f for f in fields(FrameworkConfig) if f.name not in memory and f.name not in PLAN_FIELDS]
+    return [(f.name, f.type, field(default=f.default) if f.default is not MISSING
+             else field(default_factory=f.default_factory)) for f in keep]
+
+
+Assumptions = make_dataclass("Assumptions", _time_fields(), bases=(MemoryOptions, _Profiles), frozen=True,
+                             namespace={"__module__": __name__})
+Assumptions.__doc__ = """How the training framework behaves (not the hardware), as the cost model reads it: the
+fields of :class:`xpar.config.profile.FrameworkConfig` (documented there, with their defaults: xpar on torch,
+CUDA) but the plan's (:data:`PLAN_FIELDS`); the memory fields from :class:`MemoryOptions`. Frozen. Built from a
+``framework`` preset by ``Assumptions.from_config``."""
 
 
 def assumptions_for(spec: RunSpec) -> Assumptions:
