@@ -48,3 +48,24 @@ def _accepted_quietly(argv) -> bool:
         return _accepted(argv)
     except ConfigError:
         return False
+
+
+CP70B = "model=70b hardware=h100_80gb_64gpu parallel.tp=8 train=cluster run.mode=estimate parallel.zero_stage=2".split()
+
+
+@pytest.mark.parametrize("seq", ["4096", "4098"])
+def test_cp_refusal_names_tp_cp_pp_and_offers_only_cp_values_that_pass(seq, tmp_path, monkeypatch, capsys):
+    """parallel.cp=3 on 64 devices said tp*pp=24 and offered cp=16 (8 x 16 > 64) or train.seq_len=4098
+    (still cp=3): the product is tp*cp*pp, each value named passes every check when followed."""
+    argv = [*CP70B, "parallel.cp=3", "train.seq_len=" + seq]
+    err = _refused(argv, tmp_path, monkeypatch, capsys)
+    assert "tp*cp*pp=24" in err and "tp*pp=24" not in err, err
+    assert "train.seq_len in" not in err, err  # no seq_len makes cp=3 fit 64 devices
+    listed = [int(c) for c in re.search(r"cp values that work with tp=8 x pp=1 on 64 devices and seq_len=\d+: "
+                                        r"\[([\d, ]+)\]", err).group(1).split(",")]
+    assert listed == ([1, 2, 4, 8] if seq == "4096" else [1]), err
+    fix = re.search(r"\(e\.g\. (parallel\.cp=\d+ parallel\.dp=auto)\)", err).group(1)
+    for cp in listed:
+        assert _accepted(_follow(argv, f"parallel.cp={cp} parallel.dp=auto"))
+    assert fix == ("parallel.cp=4 parallel.dp=auto" if seq == "4096" else "parallel.cp=1 parallel.dp=auto")
+    assert not _accepted_quietly(_follow(argv, "parallel.cp=16"))

@@ -49,14 +49,15 @@ def _raise_if(problems: list[str]) -> None:
         raise ConfigError(problems)
 
 
-def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
-    """Every check of the resolved layout."""
+def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[int] = None) -> list[str]:
+    """Every check of the resolved layout (``world``: the fixed world size, None on a local run)."""
     par, v = c.parallel, layout.virtual_stages
     return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
                                            rule=c.framework.microbatch_rule)
-            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
+            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(
+                c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
@@ -104,7 +105,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
-    problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
+    problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode, target.world)
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
                                        layout.micro_batches, bool(c.parallel.sequence_parallel))
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)

@@ -3,7 +3,7 @@ Each returns violations and changes nothing."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from xpar.config.layout import (
     SCHEDULES,
@@ -144,17 +144,40 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     return out
 
 
-def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
+def cp_world_rule(dp, tp: int, pp: int, world: Optional[int]) -> Callable[[int], bool]:
+    """Whether a cp degree keeps the world size: any on a local run (None), one that tp x cp x pp
+    divides with dp='auto', else dp x tp x cp x pp = world."""
+    if world is None:
+        return lambda c: True
+    if dp == "auto":
+        return lambda c: world % (tp * c * pp) == 0
+    return lambda c: int(dp) * tp * c * pp == world
+
+
+def cp_values(seq_len: int, tp: int, sequence_parallel: bool, fits: Callable[[int], bool] = lambda c: True,
+              max_cp: int = 16) -> list[int]:
+    """The cp degrees (<= ``max_cp``) that split ``seq_len`` into 2 cp equal chunks (and each cp
+    rank's share over tp under sequence parallelism) and keep the world size (``fits``,
+    :func:`cp_world_rule`)."""
+    ok = [c for c in range(1, max_cp + 1) if c == 1 or seq_len % (2 * c) == 0]
+    if sequence_parallel and tp > 1:
+        ok = [c for c in ok if c == 1 or (seq_len // c) % tp == 0]
+    return [c for c in ok if fits(c)]
+
+
+def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int], bool] = lambda c: True) -> list[str]:
     """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
     chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated and executed
-    (xpar.parallel.context)."""
-    cp, s = layout.cp, layout.seq_len
+    (xpar.parallel.context). ``fits``: whether a cp keeps the world size (:func:`cp_world_rule`);
+    the values named pass both."""
+    cp, s, t = layout.cp, layout.seq_len, layout.tp
     if cp > 1 and s % (2 * cp):
-        ok = [c for c in range(1, 17) if s % (2 * c) == 0]
-        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0]
+        ok = cp_values(s, t, layout.sequence_parallel, fits)
+        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0 and fits(cp)
+                and (not layout.sequence_parallel or (x // cp) % t == 0)]
         return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
-                f"seq_len={s} is not divisible; cp values that work: {ok}, or train.seq_len in {near}."]
-    t = layout.tp
+                f"seq_len={s} is not divisible; cp values that work: {ok}" + (f", or train.seq_len in {near}" if near
+                                                                                else "") + "."]
     if cp > 1 and layout.sequence_parallel and (s // cp) % t:
         step = math.lcm(2 * cp, cp * t)
         return [f"parallel.cp={cp} with sequence_parallel=true shards each cp rank's seq_len / cp = {s // cp} "
