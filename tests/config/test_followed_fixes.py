@@ -69,3 +69,43 @@ def test_cp_refusal_names_tp_cp_pp_and_offers_only_cp_values_that_pass(seq, tmp_
         assert _accepted(_follow(argv, f"parallel.cp={cp} parallel.dp=auto"))
     assert fix == ("parallel.cp=4 parallel.dp=auto" if seq == "4096" else "parallel.cp=1 parallel.dp=auto")
     assert not _accepted_quietly(_follow(argv, "parallel.cp=16"))
+
+
+PP70B = ("model=70b hardware=h100_80gb_64gpu parallel.tp=8 parallel.pp=4 parallel.dp=2 train=cluster "
+         "train.global_batch_size=64 run.mode=estimate parallel.zero_stage=2").split()
+
+
+def test_micro_batch_counts_offered_keep_the_given_global_batch(tmp_path, monkeypatch, capsys):
+    """1f1b at pp=4 with micro_batches=1 offered [4, 5, 6]; 5 then gave 64 != 1 x 5 x 2 = 10."""
+    err = _refused(PP70B, tmp_path, monkeypatch, capsys)
+    assert "[4, 5, 6]" not in err, err
+    fix = re.search(r"micro_batches that work: \[32\] \((parallel.micro_batches=32) or auto\)", err)
+    assert fix, err
+    assert _accepted(_follow(PP70B, fix.group(1))) and _accepted(_follow(PP70B, "parallel.micro_batches=auto"))
+    assert not _accepted_quietly(_follow(PP70B, "parallel.micro_batches=5"))
+
+
+LOCAL_EST = "run.mode=estimate run.dry_run=false parallel.dp=2 hardware.devices_per_node=2".split()
+
+
+@pytest.mark.parametrize("extra", [["parallel.micro_batches=auto"], []])
+def test_a_global_batch_dp_cannot_split_says_so_and_offers_one_that_works(extra, tmp_path, monkeypatch, capsys):
+    """train.global_batch_size=7 over dp=2: 'micro_batch_size values that work: []' (and, without
+    micro_batches=auto, a suggestion of micro_batches=auto that led there)."""
+    argv = [*LOCAL_EST, "train.global_batch_size=7", *extra]
+    err = _refused(argv, tmp_path, monkeypatch, capsys)
+    assert "values that work: []" not in err and "7 sequences cannot be split evenly over dp=2" in err, err
+    assert "or parallel.micro_batches=auto" not in err, err
+    fixes = re.findall(r"(?:e\.g\. |Set )(train.global_batch_size=\d+(?: parallel.micro_batches=auto)?)", err)
+    assert fixes, err
+    for fix in fixes:
+        assert _accepted(_follow(argv, fix)), fix
+
+
+def test_a_micro_batch_size_is_offered_where_dp_splits_the_global_batch(tmp_path, monkeypatch, capsys):
+    argv = [*LOCAL_EST, "train.global_batch_size=6"]
+    err = _refused(argv, tmp_path, monkeypatch, capsys)
+    fix = re.search(r"micro_batch_size values that work: \[1, 3\] \(e\.g\. (train.micro_batch_size=3 "
+                    r"parallel.micro_batches=auto)\)", err)
+    assert fix, err
+    assert _accepted(_follow(argv, fix.group(1)))

@@ -10,11 +10,12 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from xpar.config.checks import divisors
-from xpar.config.checks.layout import cp_values, cp_world_rule
 from xpar.config.layout import (
     SCHEDULES,
     Layout,
     balanced_split,
+    cp_values,
+    cp_world_rule,
     edge_split,
     even_split,
     zero_stage_run,
@@ -129,16 +130,30 @@ def resolve_batch(b: int, m, global_batch, dp: int) -> tuple[int, int, list[str]
     B = int(global_batch)
     if m == "auto":
         if B % (b * dp):
-            ok = [x for x in divisors(B) if x <= 64 and (B // x) % dp == 0]
             return 1, B, [f"train.global_batch_size={B} must be divisible by micro-batch size x dp "
-                          f"= {b} x {dp} = {b * dp}; micro_batch_size values that work: {ok}."]
+                          f"= {b} x {dp} = {b * dp}; " + _batch_fix(B, b, dp) + "."]
         return B // (b * dp), B, []
     m = int(m)
     if B != b * m * dp:
+        other = (", or parallel.micro_batches=auto" if B % (b * dp) == 0 else
+                 f" ({B} sequences cannot be split evenly over dp={dp})" if B % dp else
+                 f", or {_batch_fix(B, b, dp)}")
         return m, B, [f"train.global_batch_size must equal micro-batch size x micro-batches x dp: "
                       f"{B} != {b} x {m} x {dp} = {b * m * dp}. Set train.global_batch_size={b * m * dp} "
-                      f"(or auto), or parallel.micro_batches=auto."]
+                      f"(or auto){other}."]
     return m, B, []
+
+
+def _batch_fix(B: int, b: int, dp: int) -> str:
+    """What makes B split into micro-batches over dp: a micro-batch size dividing B / dp, else
+    (B not a multiple of dp) the global batches that are."""
+    sizes = [x for x in divisors(B // dp) if x <= 64] if B % dp == 0 else []
+    if sizes:
+        return (f"micro_batch_size values that work: {sizes} (e.g. train.micro_batch_size={max(sizes)} "
+                f"parallel.micro_batches=auto)")
+    near = [x for x in (B - B % (b * dp), B - B % (b * dp) + b * dp) if x > 0]
+    return (f"{B} sequences cannot be split evenly over dp={dp}; train.global_batch_size values that work "
+            f"with micro_batch_size={b}: {near} (e.g. train.global_batch_size={near[-1]} parallel.micro_batches=auto)")
 
 
 def resolve_virtual_stages(schedule: str, pp: int, v) -> int:

@@ -55,7 +55,9 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
     return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
-                                           rule=c.framework.microbatch_rule)
+                                           rule=c.framework.microbatch_rule,
+                                           global_batch=None if c.train.global_batch_size == "auto"
+                                           else int(c.train.global_batch_size))
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(
                 c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)

@@ -11,9 +11,12 @@ from xpar.config.layout import (
     balanced_split,
     edge_split,
     even_split,
+    cp_values,
+    cp_world_rule,
     microbatch_ok,
     microbatch_problem,
 )
+from xpar.config.checks import divisors
 from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
@@ -109,16 +112,18 @@ def _recompute_layers_problems(layout: Layout, k: Optional[int]) -> list[str]:
 
 
 def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False,
-                   rule: str = "torch") -> list[str]:
+                   rule: str = "torch", global_batch: Optional[int] = None) -> list[str]:
     """Micro-batch count the schedule accepts; no tied embeddings split across stages.
     ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message.
+    ``global_batch``: train.global_batch_size when given (None: auto); the counts offered keep it.
     ``rule``: the framework's micro-batch rule (framework.microbatch_rule) in estimate mode;
     execute mode runs torch's schedule classes and keeps torch's rule."""
     if layout.pp == 1:
         return []
     out = []
-    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches,
-                                 "torch" if mode == "execute" else rule)
+    rule_run = "torch" if mode == "execute" else rule
+    works = None if derived or global_batch is None else _kept_batch_fixes(layout, rule_run, global_batch)
+    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches, rule_run, works)
     if problem and mode == "execute" and rule != "torch" and microbatch_ok(
             layout.schedule, layout.pp, layout.micro_batches, rule):
         problem += (f" (xpar executes with torch's schedule classes; the framework's own rule, "
@@ -144,25 +149,23 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     return out
 
 
-def cp_world_rule(dp, tp: int, pp: int, world: Optional[int]) -> Callable[[int], bool]:
-    """Whether a cp degree keeps the world size: any on a local run (None), one that tp x cp x pp
-    divides with dp='auto', else dp x tp x cp x pp = world."""
-    if world is None:
-        return lambda c: True
-    if dp == "auto":
-        return lambda c: world % (tp * c * pp) == 0
-    return lambda c: int(dp) * tp * c * pp == world
-
-
-def cp_values(seq_len: int, tp: int, sequence_parallel: bool, fits: Callable[[int], bool] = lambda c: True,
-              max_cp: int = 16) -> list[int]:
-    """The cp degrees (<= ``max_cp``) that split ``seq_len`` into 2 cp equal chunks (and each cp
-    rank's share over tp under sequence parallelism) and keep the world size (``fits``,
-    :func:`cp_world_rule`)."""
-    ok = [c for c in range(1, max_cp + 1) if c == 1 or seq_len % (2 * c) == 0]
-    if sequence_parallel and tp > 1:
-        ok = [c for c in ok if c == 1 or (seq_len // c) % tp == 0]
-    return [c for c in ok if fits(c)]
+def _kept_batch_fixes(layout: Layout, rule: str, B: int) -> str:
+    """What to change so that the schedule accepts the micro-batch count and B = b x m x dp holds:
+    m = B / (b dp) where it is accepted, else a micro-batch size b whose count is, else gpipe
+    (where the batch already holds) or a global batch of auto."""
+    b, dp, pp, sched, m = layout.micro_batch_size, layout.dp, layout.pp, layout.schedule, layout.micro_batches
+    ok = (lambda k: microbatch_ok(sched, pp, k, rule))
+    head = f"with train.global_batch_size={B} = micro_batch_size x micro_batches x dp={dp}, "
+    if B % (b * dp) == 0 and ok(B // (b * dp)):
+        return head + f"micro_batches that work: [{B // (b * dp)}] (parallel.micro_batches={B // (b * dp)} or auto)."
+    sizes = [x for x in divisors(B // dp) if x <= 64 and ok(B // dp // x)] if B % dp == 0 else []
+    if sizes:
+        return head + (f"micro_batch_size values that work: {sizes} (e.g. train.micro_batch_size={max(sizes)} "
+                       f"parallel.micro_batches=auto).")
+    if B == b * m * dp and sched != "gpipe":
+        return head + "no micro_batch_size gives a count it accepts: parallel.schedule=gpipe."
+    near = [k for k in range(pp, 4 * pp + 1) if ok(k)][:3]
+    return head + f"none works; train.global_batch_size=auto with parallel.micro_batches in {near}."
 
 
 def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int], bool] = lambda c: True) -> list[str]:
