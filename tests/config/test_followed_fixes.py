@@ -109,3 +109,31 @@ def test_a_micro_batch_size_is_offered_where_dp_splits_the_global_batch(tmp_path
                     r"parallel.micro_batches=auto)\)", err)
     assert fix, err
     assert _accepted(_follow(argv, fix.group(1)))
+
+
+LLMF = "model=70b hardware=h100_80gb_64gpu train=cluster run.mode=estimate framework=llmfoundry".split()
+
+
+@pytest.mark.parametrize("degrees", [["parallel.tp=8", "parallel.pp=4", "parallel.micro_batches=8"],
+                                     ["parallel.tp=8"], ["parallel.pp=4", "parallel.micro_batches=8"]])
+def test_llmfoundry_refuses_pipeline_and_tensor_parallelism(degrees, tmp_path, monkeypatch, capsys):
+    """framework=llmfoundry estimated tp=8 pp=4, a layout llm-foundry (Composer FSDP) does not run."""
+    from xpar.config.validate import validate
+    from tests.conftest import compose
+
+    argv = [*LLMF, *degrees]
+    err = _refused(argv, tmp_path, monkeypatch, capsys)
+    assert err.count("framework=llmfoundry does not run") == 1, err
+    fix = re.search(r"e\.g\. ((?:parallel\.(?:pp|tp)=1 )+parallel\.dp=auto parallel\.micro_batches=auto)", err).group(1)
+    validate(compose("run.progress=false", *_follow(argv, fix)))  # every check but memory's (its own line, own fix)
+    other = re.search(r"or (framework=\w+) \(it runs", err).group(1)
+    assert other == "framework=torchtitan"
+    validate(compose("run.progress=false", *_follow(argv, other)))
+
+
+def test_llmfoundry_plan_searches_neither_pp_nor_tp():
+    """xpar plan under framework=llmfoundry searches only what the profile runs: pp 1, tp 1."""
+    from tests.plan.test_plan import plan_of
+
+    cols = plan_of("model=7b", "hardware=h100_80gb_8gpu", "framework=llmfoundry").space.cols
+    assert len(cols["pp"]) and set(cols["pp"]) == {1} and set(cols["tp"]) == {1}
