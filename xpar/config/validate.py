@@ -23,6 +23,7 @@ from xpar.config.checks.hsdp import check_zero_shard
 from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.ranges import range_problems
 from xpar.config.checks.runtime import check_runtime, check_threads
+from xpar.config.hardware import is_this_machine
 from xpar.config.layout import Layout, edge_split
 from xpar.config.resolve import (  # noqa: F401
     Target,
@@ -64,6 +65,26 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
+
+
+def local_cuda_problems(target, layout: Layout) -> list[str]:
+    """A local CUDA run with more ranks than devices: on hardware=local, this machine's count; on a
+    cluster preset (hardware.device=cuda), the preset's devices_per_node, and what this machine has."""
+    hw = target.hardware
+    if not (target.mode == "execute" and target.launcher == "local" and hw.device == "cuda"
+            and layout.world_size > int(hw.devices_per_node)):
+        return []
+    ranks = f"{'dp*tp*cp*pp' if layout.cp > 1 else 'dp*tp*pp'}={layout.world_size}"
+    if is_this_machine(hw):
+        return [f"{ranks} exceeds the {hw.devices_per_node} local CUDA devices; reduce the degrees or use "
+                f"run.mode=estimate."]
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = f"has {have} CUDA device{'s' if have != 1 else ''}" if have else "has no CUDA device"
+    return [f"{ranks} ranks exceed hardware={hw.name}'s devices_per_node={hw.devices_per_node} (the preset's "
+            f"GPUs per node; xpar starts local workers on one node), and this machine {here}; estimate the "
+            f"cluster instead: run.mode=estimate, or run on this machine: hardware=local with degrees that fit it."]
 
 
 LATE_RANGES = ("run.fail_rank", "run.hang_rank")
@@ -113,11 +134,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
     problems += unnamed(late, problems)
-    if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
-            and layout.world_size > int(target.hardware.devices_per_node):
-        problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
-                        f"CUDA devices; reduce the degrees or use run.mode=estimate.")
-    _raise_if(problems)
+    _raise_if(problems + local_cuda_problems(target, layout))
     return build_spec(c, target, layout)
 
 
