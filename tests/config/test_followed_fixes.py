@@ -152,3 +152,4 @@ def test_execute_on_a_cluster_preset_names_the_presets_devices_and_this_machine(
     assert re.search(r"dp\*tp\*pp=32 ranks exceed hardware=h100_80gb_64gpu's devices_per_node=8 .*this machine has "
                      r"(no CUDA device|\d+ CUDA devices?); .*run\.mode=estimate, or .*hardware=local", err), err
     validate(compose("run.progress=false", *_follow(argv, "run.mode=estimate")))
+
