@@ -1,4 +1,6 @@
 """`xpar plan`'s table written to a pipe or a file (xpar.plan.show.print_plan)."""
+
+
 def test_plan_piped_to_a_file_keeps_its_title_and_last_column(capsys):
     """`xpar plan ... > file` (rich's console not a terminal) cut the title and the last column."""
     from tests.plan.test_plan import plan_of
