@@ -129,3 +129,24 @@ def test_the_site_has_the_first_run_and_troubleshooting_pages_and_no_made_up_rep
     assert "github.com/xpar" not in page
     first = (site / "guides" / "first_run" / "index.html").read_text()
     assert "time/comm_exposed_s" in first and "step: 10 loss:" in first  # every row, and the step line
+
+
+def test_every_test_file_the_docs_name_exists():
+    """docs/concepts/cost-model-derivations.md pointed to tests/test_comm_log.py, which does not exist."""
+    import re
+
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {(p.name, m) for p in pages for m in re.findall(r"tests/[\w/.]*?\.py", p.read_text())}
+    assert named and not [(page, path) for page, path in sorted(named) if not (ROOT / path).is_file()]
+
+
+def test_readme_resume_example_says_which_mlflow_run_it_logs_into():
+    """The README's resume example changes train.steps (a new run linked by xpar.resumed_from_run,
+    xpar.run.checkpoint) while its text said the resumed run continued in the same MLflow run."""
+    text = README.read_text()
+    section = text[text.index("## Checkpoints and clusters"):]
+    section = section[:section.index("\n## ", 4)]
+    first, second = [line for line in section.splitlines() if line.startswith("python -m xpar")][:2]
+    assert "train.resume=" in second and "train.steps=20" in first and "train.steps=30" in second
+    assert "xpar.resumed_from_run" in section and "continues exactly where it stopped, in the same MLflow run" \
+        not in " ".join(section.split())

@@ -23,6 +23,7 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
     ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=0", "parallel.micro_batches=8",
      "parallel.recompute=selective", "parallel.sequence_parallel=true", "parallel.schedule=gpipe"),  # the same under
     # GPipe, for profiles without 1F1B (maxtext: gpipe, looped_bfs)
+    ("parallel.zero_stage=3", "parallel.recompute=selective"),  # selective without tp or pp (llmfoundry: FSDP only)
 )
 
 

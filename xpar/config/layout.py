@@ -148,17 +148,41 @@ def microbatch_ok(schedule: str, pp: int, m: int, rule: str = "torch") -> bool:
     return SCHEDULES[schedule].microbatches_ok(pp, m)
 
 
-def microbatch_problem(schedule: str, pp: int, m: int, rule: str = "torch") -> Optional[str]:
+def cp_world_rule(dp, tp: int, pp: int, world: Optional[int]) -> Callable[[int], bool]:
+    """Whether a cp degree keeps the world size: any on a local run (None), one that tp x cp x pp
+    divides with dp='auto', else dp x tp x cp x pp = world."""
+    if world is None:
+        return lambda c: True
+    if dp == "auto":
+        return lambda c: world % (tp * c * pp) == 0
+    return lambda c: int(dp) * tp * c * pp == world
+
+
+def cp_values(seq_len: int, tp: int, sequence_parallel: bool, fits: Callable[[int], bool] = lambda c: True,
+              max_cp: int = 16) -> list[int]:
+    """The cp degrees (<= ``max_cp``) that split ``seq_len`` into 2 cp equal chunks (and each cp
+    rank's share over tp under sequence parallelism) and keep the world size (``fits``,
+    :func:`cp_world_rule`)."""
+    ok = [c for c in range(1, max_cp + 1) if c == 1 or seq_len % (2 * c) == 0]
+    if sequence_parallel and tp > 1:
+        ok = [c for c in ok if c == 1 or (seq_len // c) % tp == 0]
+    return [c for c in ok if fits(c)]
+
+
+def microbatch_problem(schedule: str, pp: int, m: int, rule: str = "torch",
+                       works: Optional[str] = None) -> Optional[str]:
     """The message for a micro-batch count ``m`` that ``schedule`` refuses at ``pp`` under ``rule``
-    (:data:`MICROBATCH_RULES`), or None."""
+    (:data:`MICROBATCH_RULES`), or None. ``works``: what to say instead of the nearby counts (a
+    fixed global batch allows one count per micro-batch size)."""
     rec = SCHEDULES[schedule]
     if microbatch_ok(schedule, pp, m, rule):
         return None
-    near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if microbatch_ok(schedule, pp, k, rule)]
-    near = sorted(sorted(near, key=lambda k: (abs(k - m), k))[:3])
+    if works is None:
+        near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if microbatch_ok(schedule, pp, k, rule)]
+        near = sorted(sorted(near, key=lambda k: (abs(k - m), k))[:3])
+        works = f"micro_batches that work: {near}" + (" or schedule=gpipe." if schedule != "gpipe" else ".")
     return (f"schedule {schedule} ({rec.torch_class}) needs {rec.microbatch_rule(pp, m)}, got "
-            f"parallel.micro_batches={m}; micro_batches that work: {near}"
-            + (" or schedule=gpipe." if schedule != "gpipe" else "."))
+            f"parallel.micro_batches={m}; {works}")
 
 
 def zero_stage_run(schedule: str, pp: int, zero_stage: int) -> int:

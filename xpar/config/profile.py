@@ -255,3 +255,9 @@ class FrameworkConfig:
     """The expert tensor-parallel degrees (parallel.etp; 0: etp = tp) ``xpar plan`` searches for a MoE model where
     plan.etp is null; null: [0]. Megatron-Core: etp = tp by default and etp 1 (MoE parallel folding), which its
     MoE recipes set (Megatron-Bridge ``expert_tensor_parallel_size: 1``)."""
+    max_pp: Optional[int] = None
+    """Largest pipeline-parallel degree the framework runs (validation and ``xpar plan``); null: any. llm-foundry: 1
+    (Composer trains with FSDP only; no pipeline parallelism)."""
+    max_tp: Optional[int] = None
+    """Largest tensor-parallel degree the framework runs as xpar's tp (attention and MLP sharded, Megatron-LM style);
+    null: any. llm-foundry: 1 (its one tp strategy, llmfoundry/tp/ffn_tp_strategy.py, shards the MLP only)."""

@@ -14,6 +14,8 @@ from xpar.config.layout import (
     SCHEDULES,
     Layout,
     balanced_split,
+    cp_values,
+    cp_world_rule,
     edge_split,
     even_split,
     zero_stage_run,
@@ -87,25 +89,37 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
     return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes)), problems
 
 
-def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1) -> tuple[int, list[str]]:
-    """dp from 'auto' (world / (tp pp cp); a local run fills this machine's devices), checked
-    against the world size (cp: context-parallel ranks share each sequence; tp x cp in messages)."""
-    world, source, tp_pp = target.world, target.source, tp * pp * cp
-    if cp > 1:
-        tp = f"{tp}, cp={cp}"
+def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1, seq_len: Optional[int] = None,
+               sequence_parallel: bool = False) -> tuple[int, list[str]]:
+    """dp from 'auto' (world / (tp cp pp); a local run fills this machine's devices), checked
+    against the world size. With cp > 1 the products are named tp*cp*pp and the cp values offered
+    also split ``seq_len`` (:func:`xpar.config.checks.layout.cp_values`)."""
+    world, source, ranks = target.world, target.source, tp * pp * cp
+    name = "tp*cp*pp" if cp > 1 else "tp*pp"
     if dp == "auto":
         if world is None:
-            return max(1, int(target.hardware.devices_per_node) // tp_pp), []
-        if world % tp_pp:
-            return 1, [f"dp=auto needs world size divisible by tp*pp: {source}, tp*pp={tp_pp}; "
-                       f"tp*pp values that divide {world}: {divisors(world)}."]
-        return world // tp_pp, []
+            return max(1, int(target.hardware.devices_per_node) // ranks), []
+        if world % ranks:
+            return 1, [f"dp=auto needs world size divisible by {name}: {source}, {name}={ranks}; "
+                       + _cp_fix(world, tp, pp, cp, seq_len, sequence_parallel, name)]
+        return world // ranks, []
     dp = int(dp)
-    if world is not None and dp * tp_pp != world:
-        fix = f" or dp={world // tp_pp}." if world % tp_pp == 0 else f", with tp*pp dividing {world}."
-        return dp, [f"dp*tp*pp must equal the world size: dp={dp} x tp={tp} x pp={pp} = {dp * tp_pp}, "
+    if world is not None and dp * ranks != world:
+        fix = f" or dp={world // ranks}." if world % ranks == 0 else (
+            ", with " + _cp_fix(world, tp, pp, cp, seq_len, sequence_parallel, name))
+        degrees = f"tp={tp}, cp={cp}" if cp > 1 else f"tp={tp}"
+        return dp, [f"dp*{name} must equal the world size: dp={dp} x {degrees} x pp={pp} = {dp * ranks}, "
                     f"but {source}. Use parallel.dp=auto" + fix]
     return dp, []
+
+
+def _cp_fix(world: int, tp: int, pp: int, cp: int, seq_len: Optional[int], sp: bool, name: str) -> str:
+    """The {name} values that divide ``world``; with cp > 1 the cp values that do (and split seq_len)."""
+    if cp == 1 or seq_len is None:
+        return f"{name} values that divide {world}: {divisors(world)}."
+    ok = cp_values(seq_len, tp, sp, cp_world_rule("auto", tp, pp, world))
+    return f"cp values that work with tp={tp} x pp={pp} on {world} devices and seq_len={seq_len}: {ok}" + (
+        f" (e.g. parallel.cp={min(ok, key=lambda c: (abs(c - cp), -c))} parallel.dp=auto)." if ok else ".")
 
 
 def resolve_batch(b: int, m, global_batch, dp: int) -> tuple[int, int, list[str]]:
@@ -116,16 +130,30 @@ def resolve_batch(b: int, m, global_batch, dp: int) -> tuple[int, int, list[str]
     B = int(global_batch)
     if m == "auto":
         if B % (b * dp):
-            ok = [x for x in divisors(B) if x <= 64 and (B // x) % dp == 0]
             return 1, B, [f"train.global_batch_size={B} must be divisible by micro-batch size x dp "
-                          f"= {b} x {dp} = {b * dp}; micro_batch_size values that work: {ok}."]
+                          f"= {b} x {dp} = {b * dp}; " + _batch_fix(B, b, dp) + "."]
         return B // (b * dp), B, []
     m = int(m)
     if B != b * m * dp:
+        other = (", or parallel.micro_batches=auto" if B % (b * dp) == 0 else
+                 f" ({B} sequences cannot be split evenly over dp={dp})" if B % dp else
+                 f", or {_batch_fix(B, b, dp)}")
         return m, B, [f"train.global_batch_size must equal micro-batch size x micro-batches x dp: "
                       f"{B} != {b} x {m} x {dp} = {b * m * dp}. Set train.global_batch_size={b * m * dp} "
-                      f"(or auto), or parallel.micro_batches=auto."]
+                      f"(or auto){other}."]
     return m, B, []
+
+
+def _batch_fix(B: int, b: int, dp: int) -> str:
+    """What makes B split into micro-batches over dp: a micro-batch size dividing B / dp, else
+    (B not a multiple of dp) the global batches that are."""
+    sizes = [x for x in divisors(B // dp) if x <= 64] if B % dp == 0 else []
+    if sizes:
+        return (f"micro_batch_size values that work: {sizes} (e.g. train.micro_batch_size={max(sizes)} "
+                f"parallel.micro_batches=auto)")
+    near = [x for x in (B - B % (b * dp), B - B % (b * dp) + b * dp) if x > 0]
+    return (f"{B} sequences cannot be split evenly over dp={dp}; train.global_batch_size values that work "
+            f"with micro_batch_size={b}: {near} (e.g. train.global_batch_size={near[-1]} parallel.micro_batches=auto)")
 
 
 def resolve_virtual_stages(schedule: str, pp: int, v) -> int:
@@ -149,7 +177,8 @@ def resolve_layer_split(n_layers: int, given, n_stages: int) -> list[int]:
 def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     """The resolved layout of ``c`` on ``target``, and the violations met resolving it."""
     par, tr, model = c.parallel, c.train, c.model
-    dp, problems = resolve_dp(par.dp, par.tp, par.pp, target, par.cp)
+    seq = tr.seq_len if tr.seq_len is not None else model.seq_len
+    dp, problems = resolve_dp(par.dp, par.tp, par.pp, target, par.cp, seq, bool(par.sequence_parallel))
     b = max(1, tr.micro_batch_size)
     m, B, batch_problems = resolve_batch(b, par.micro_batches, tr.global_batch_size, max(dp, 1))
     v = resolve_virtual_stages(par.schedule, par.pp, par.virtual_stages)

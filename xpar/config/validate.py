@@ -23,6 +23,7 @@ from xpar.config.checks.hsdp import check_zero_shard
 from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.ranges import range_problems
 from xpar.config.checks.runtime import check_runtime, check_threads
+from xpar.config.hardware import is_this_machine
 from xpar.config.layout import Layout, edge_split
 from xpar.config.resolve import (  # noqa: F401
     Target,
@@ -49,18 +50,41 @@ def _raise_if(problems: list[str]) -> None:
         raise ConfigError(problems)
 
 
-def layout_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
-    """Every check of the resolved layout."""
+def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[int] = None) -> list[str]:
+    """Every check of the resolved layout (``world``: the fixed world size, None on a local run)."""
     par, v = c.parallel, layout.virtual_stages
     return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
-                                           rule=c.framework.microbatch_rule)
-            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(c.model, layout, mode)
+                                           rule=c.framework.microbatch_rule,
+                                           global_batch=None if c.train.global_batch_size == "auto"
+                                           else int(c.train.global_batch_size))
+            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(
+                c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
+
+
+def local_cuda_problems(target, layout: Layout) -> list[str]:
+    """A local CUDA run with more ranks than devices: on hardware=local, this machine's count; on a
+    cluster preset (hardware.device=cuda), the preset's devices_per_node, and what this machine has."""
+    hw = target.hardware
+    if not (target.mode == "execute" and target.launcher == "local" and hw.device == "cuda"
+            and layout.world_size > int(hw.devices_per_node)):
+        return []
+    ranks = f"{'dp*tp*cp*pp' if layout.cp > 1 else 'dp*tp*pp'}={layout.world_size}"
+    if is_this_machine(hw):
+        return [f"{ranks} exceeds the {hw.devices_per_node} local CUDA devices; reduce the degrees or use "
+                f"run.mode=estimate."]
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = f"has {have} CUDA device{'s' if have != 1 else ''}" if have else "has no CUDA device"
+    return [f"{ranks} ranks exceed hardware={hw.name}'s devices_per_node={hw.devices_per_node} (the preset's "
+            f"GPUs per node; xpar starts local workers on one node), and this machine {here}; estimate the "
+            f"cluster instead: run.mode=estimate, or run on this machine: hardware=local with degrees that fit it."]
 
 
 LATE_RANGES = ("run.fail_rank", "run.hang_rank")
@@ -104,17 +128,13 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     _raise_if(early and early + problems)  # resolution assumes valid choices and degrees; say everything
     target, target_problems = resolve_target(c, local_devices)
     layout, layout_resolution = build_layout(c, target)
-    problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode)
+    problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode, target.world)
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
-                                       layout.micro_batches, bool(c.parallel.sequence_parallel))
+                                       layout.micro_batches, bool(c.parallel.sequence_parallel), layout.tp)
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
     problems += unnamed(late, problems)
-    if target.mode == "execute" and target.launcher == "local" and target.hardware.device == "cuda" \
-            and layout.world_size > int(target.hardware.devices_per_node):
-        problems.append(f"dp*tp*pp={layout.world_size} exceeds the {target.hardware.devices_per_node} local "
-                        f"CUDA devices; reduce the degrees or use run.mode=estimate.")
-    _raise_if(problems)
+    _raise_if(problems + local_cuda_problems(target, layout))
     return build_spec(c, target, layout)
 
 

@@ -282,31 +282,61 @@ def alternatives(spec: RunSpec, limit: int = MAX_LISTED, max_checked: int = 400)
 
 
 HOST_MEMORY_USABLE = 0.8
-"""Share of host memory a CPU run may plan for: the rest is left to the Python interpreters,
-torch's libraries and the allocator, which the cost model does not count."""
+"""Share of host memory a CPU run may plan for: the rest is left to the operating system and
+other processes."""
+
+WORKER_BASELINE_BYTES = 0.35e9
+"""Resident memory of one local CPU worker beyond the cost model's figure: the Python interpreter,
+torch's libraries and its allocator, bytes (benchmarks/worker_rss.py; benchmarks/README.md)."""
 
 
 def host_memory_problem(spec: RunSpec) -> Optional[str]:
     """None if a CPU run of ``spec`` fits host memory, else why not and what to do.
 
-    Every worker shares the host's memory, so the need is the cost model's peak per device
-    for hardware=local (:func:`xpar.estimate.cost.peak_memory`) times the world size.
+    Every worker shares the host's memory, so the need is the world size times the cost model's
+    peak per device for hardware=local (:func:`xpar.estimate.cost.peak_memory`) plus
+    :data:`WORKER_BASELINE_BYTES`, the process itself.
     """
-    mem = peak_memory(spec)
-    need = mem.total * spec.world_size
-    have = spec.hardware.device_memory_gb * 1e9
-    usable = HOST_MEMORY_USABLE * have
+    mem, per_worker, usable = _host_need(spec)
+    need, have = per_worker * spec.world_size, spec.hardware.device_memory_gb * 1e9
     if need <= usable:
         return None
     states = mem.params + mem.grads + mem.optimizer
     dtype = spec.train.dtype
     return (f"model={spec.model.name} does not fit this machine: {spec.world_size} workers need "
-            f"~{need / 1e9:.1f} GB (cost-model estimate per worker {mem.total / 1e9:.1f} GB, of which model states "
-            f"{states / 1e9:.1f} GB at {sum(STATE_BYTES[dtype])} bytes/param for "
+            f"~{need / 1e9:.1f} GB ({per_worker / 1e9:.2f} GB per worker: {WORKER_BASELINE_BYTES / 1e9:.2f} GB "
+            f"for the process with torch, plus the cost-model estimate {mem.total / 1e9:.2f} GB, of which "
+            f"model states {states / 1e9:.2f} GB at {sum(STATE_BYTES[dtype])} bytes/param for "
             f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
             f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
-            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). {_smaller(spec)}, or estimate it: "
-            f"run.mode=estimate hardware={_cluster_for(spec)}.")
+            f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). {_fewer_workers(spec, per_worker, usable)}"
+            f", or estimate it: run.mode=estimate hardware={_cluster_for(spec)} parallel.dp=auto.")
+
+
+def _host_need(spec: RunSpec) -> tuple[MemoryEstimate, float, float]:
+    """(cost-model peak, bytes per worker with the process baseline, usable host bytes) of a CPU run."""
+    mem = peak_memory(spec)
+    return mem, mem.total + WORKER_BASELINE_BYTES, HOST_MEMORY_USABLE * spec.hardware.device_memory_gb * 1e9
+
+
+def _fewer_workers(spec: RunSpec, per_worker: float, usable: float) -> str:
+    """The largest dp (tp, pp and cp kept, the global batch auto) whose run fits host memory,
+    checked as followed; else :func:`_smaller`."""
+    others = spec.world_size // spec.dp
+    dp = min(spec.dp - 1, int(usable // (per_worker * others)))
+    while dp >= 1:
+        cfg = XparConfig(model=replace(spec.model), parallel=replace(spec.parallel, dp=dp),
+                         hardware=replace(spec.hardware), train=replace(spec.train, global_batch_size="auto"),
+                         data=replace(spec.data), tracking=replace(spec.tracking),
+                         run=RunConfig(mode="execute", progress=False), framework=replace(spec.framework))
+        try:
+            cand = validate(cfg)
+        except ConfigError:
+            cand = None
+        if cand is not None and _host_need(cand)[1] * cand.world_size <= usable:
+            return f"Use at most {dp} workers: parallel.dp={dp} train.global_batch_size=auto"
+        dp //= 2
+    return _smaller(spec)
 
 
 MODEL_PRESETS_BY_SIZE = ("tiny", "mini", "small", "7b", "13b", "70b", "175b", "405b")

@@ -222,7 +222,9 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     axes, bad_axes = resolve_axes(p, model, int(seq), str(cfg.train.dtype), framework)
     if problems or bad or bad_axes:
         return None, problems + bad + bad_axes
-    c = Constraints(global_batch=batch, max_tp=p.max_tp, pp=p.pp,
+    tp_limits = [x for x in (p.max_tp, framework.get("max_tp")) if x is not None]
+    c = Constraints(global_batch=batch, max_tp=min(tp_limits) if tp_limits else None, pp=p.pp,
+                    max_pp=framework.get("max_pp"),
                     schedules=tuple(p.schedules or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),

@@ -155,8 +155,12 @@ def print_plan(plan, line: str) -> None:
     """Everything above, on the console."""
     from rich.console import Console
 
+    table = ranked_table(plan)
     console = Console(width=max(200, Console().width))
-    console.print(ranked_table(plan))
+    if not console.is_terminal:  # a pipe or file: as wide as the table and its title, never cut
+        need = Console(width=100_000).measure(table).maximum
+        console = Console(width=max(200, need, len(str(table.title or "")) + 4))
+    console.print(table)
     why = explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware, plan.inputs.tie_within)
     for text in dropped_lines(plan) + cluster_lines(plan) + [""] + why:
         console.print(text, highlight=False, markup=False)

@@ -38,7 +38,8 @@ RULES = {
     "etp": "etp does not divide tp, or duplicate: etp = tp is the default etp (0) kept",
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
-    "max_tp": "tp above plan.max_tp",
+    "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp)",
+    "max_pp": "pp above the framework's framework.max_pp (llm-foundry: no pipeline parallelism)",
     "tp_nodes": "tp group neither inside one node nor whole nodes",
     "pp_fixed": "pp other than plan.pp",
     "pp1_schedule": "duplicate: pp = 1 runs no pipeline schedule (one kept)",
@@ -109,6 +110,8 @@ class Constraints:
     """Expert tensor-parallel degrees searched (plan.etp; 0: etp = tp, no ``etp`` column when it is the only one)."""
     v: Optional[tuple[int, ...]] = None
     """Virtual stages per rank of looped schedules (plan.virtual_stages); None: :func:`schedule_pairs`'s."""
+    max_pp: Optional[int] = None
+    """Largest pipeline degree the framework runs (framework.max_pp); None: any."""
 
 
 @dataclass
@@ -214,6 +217,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     t = drops.apply(t, "max_tp", t["tp"] <= (c.max_tp or devices))
     t = drops.apply(t, "tp_nodes", (devices_per_node % t["tp"] == 0) | (t["tp"] % devices_per_node == 0))
     t = drops.apply(t, "pp_fixed", t["pp"] == (c.pp or t["pp"]))
+    t = drops.apply(t, "max_pp", t["pp"] <= (c.max_pp or devices))
     single = pairs.index(SINGLE_SCHEDULE)
     t = drops.apply(t, "pp1_schedule", (t["pp"] > 1) | (t["s"] == single))
     t = drops.apply(t, "schedule", (t["pp"] == 1) | np.isin(names[t["s"]], c.schedules))

@@ -84,13 +84,17 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
 
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
-                           sp: bool = False) -> list[str]:
+                           sp: bool = False, tp: int = 1) -> list[str]:
     """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
     parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
     framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
-    (Megatron-LM), sequence parallelism in framework.sequence_parallel. One line each, with the
-    nearest that works (e.g. framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only)."""
+    (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp and tp up to framework.max_pp
+    and max_tp. One line each, with the nearest that works (e.g. framework=deepspeed: no ZeRO-2/3
+    under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
+    degrees = _degree_problem(fw, pp, tp, schedule)
+    if degrees:
+        return degrees  # the pipeline rules below would name a layout it does not run at all
     out = []
     stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
     if stages and zero_stage not in stages:
@@ -112,6 +116,22 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out
+
+
+def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str) -> list[str]:
+    """pp above framework.max_pp or tp above framework.max_tp: one line naming the framework, the
+    degrees that work and a profile that runs the layout given."""
+    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, fw.max_tp)) if lim is not None and v > lim]
+    if not over:
+        return []
+    given = " and ".join(f"parallel.{k}={v}" for k, v, _ in over)
+    limits = ", ".join(f"framework.max_{k}={lim}" for k, _, lim in over)
+    fix = " ".join(f"parallel.{k}={lim}" for k, _, lim in over)
+    others = sorted((n for n in frameworks_running(schedule) if n not in (fw.name, "xpar")),
+                    key=lambda n: n != "torchtitan") or ["xpar"]  # torchtitan: torch's FSDP with tp and pp
+    return [f"framework={fw.name} does not run {given} ({limits}: the layouts it runs); e.g. {fix} "
+            f"parallel.dp=auto parallel.micro_batches=auto (more data parallelism, ZeRO via parallel.zero_stage), "
+            f"or framework={others[0]} (it runs {given})."]
 
 
 def frameworks_running(schedule: str) -> list[str]:

@@ -3,7 +3,7 @@ Each returns violations and changes nothing."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from xpar.config.layout import (
     SCHEDULES,
@@ -11,9 +11,12 @@ from xpar.config.layout import (
     balanced_split,
     edge_split,
     even_split,
+    cp_values,
+    cp_world_rule,
     microbatch_ok,
     microbatch_problem,
 )
+from xpar.config.checks import divisors
 from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
@@ -109,16 +112,18 @@ def _recompute_layers_problems(layout: Layout, k: Optional[int]) -> list[str]:
 
 
 def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool = False,
-                   rule: str = "torch") -> list[str]:
+                   rule: str = "torch", global_batch: Optional[int] = None) -> list[str]:
     """Micro-batch count the schedule accepts; no tied embeddings split across stages.
     ``derived``: m came from micro_batches=auto (global batch / (b x dp)), said in the message.
+    ``global_batch``: train.global_batch_size when given (None: auto); the counts offered keep it.
     ``rule``: the framework's micro-batch rule (framework.microbatch_rule) in estimate mode;
     execute mode runs torch's schedule classes and keeps torch's rule."""
     if layout.pp == 1:
         return []
     out = []
-    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches,
-                                 "torch" if mode == "execute" else rule)
+    rule_run = "torch" if mode == "execute" else rule
+    works = None if derived or global_batch is None else _kept_batch_fixes(layout, rule_run, global_batch)
+    problem = microbatch_problem(layout.schedule, layout.pp, layout.micro_batches, rule_run, works)
     if problem and mode == "execute" and rule != "torch" and microbatch_ok(
             layout.schedule, layout.pp, layout.micro_batches, rule):
         problem += (f" (xpar executes with torch's schedule classes; the framework's own rule, "
@@ -144,17 +149,38 @@ def check_pipeline(model: ModelConfig, layout: Layout, mode: str, derived: bool 
     return out
 
 
-def check_cp(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
+def _kept_batch_fixes(layout: Layout, rule: str, B: int) -> str:
+    """What to change so that the schedule accepts the micro-batch count and B = b x m x dp holds:
+    m = B / (b dp) where it is accepted, else a micro-batch size b whose count is, else gpipe
+    (where the batch already holds) or a global batch of auto."""
+    b, dp, pp, sched, m = layout.micro_batch_size, layout.dp, layout.pp, layout.schedule, layout.micro_batches
+    ok = (lambda k: microbatch_ok(sched, pp, k, rule))
+    head = f"with train.global_batch_size={B} = micro_batch_size x micro_batches x dp={dp}, "
+    if B % (b * dp) == 0 and ok(B // (b * dp)):
+        return head + f"micro_batches that work: [{B // (b * dp)}] (parallel.micro_batches={B // (b * dp)} or auto)."
+    sizes = [x for x in divisors(B // dp) if x <= 64 and ok(B // dp // x)] if B % dp == 0 else []
+    if sizes:
+        return head + (f"micro_batch_size values that work: {sizes} (e.g. train.micro_batch_size={max(sizes)} "
+                       f"parallel.micro_batches=auto).")
+    if B == b * m * dp and sched != "gpipe":
+        return head + "no micro_batch_size gives a count it accepts: parallel.schedule=gpipe."
+    near = [k for k in range(pp, 4 * pp + 1) if ok(k)][:3]
+    return head + f"none works; train.global_batch_size=auto with parallel.micro_batches in {near}."
+
+
+def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int], bool] = lambda c: True) -> list[str]:
     """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
     chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated and executed
-    (xpar.parallel.context)."""
-    cp, s = layout.cp, layout.seq_len
+    (xpar.parallel.context). ``fits``: whether a cp keeps the world size (:func:`cp_world_rule`);
+    the values named pass both."""
+    cp, s, t = layout.cp, layout.seq_len, layout.tp
     if cp > 1 and s % (2 * cp):
-        ok = [c for c in range(1, 17) if s % (2 * c) == 0]
-        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0]
+        ok = cp_values(s, t, layout.sequence_parallel, fits)
+        near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0 and fits(cp)
+                and (not layout.sequence_parallel or (x // cp) % t == 0)]
         return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
-                f"seq_len={s} is not divisible; cp values that work: {ok}, or train.seq_len in {near}."]
-    t = layout.tp
+                f"seq_len={s} is not divisible; cp values that work: {ok}" + (f", or train.seq_len in {near}" if near
+                                                                                else "") + "."]
     if cp > 1 and layout.sequence_parallel and (s // cp) % t:
         step = math.lcm(2 * cp, cp * t)
         return [f"parallel.cp={cp} with sequence_parallel=true shards each cp rank's seq_len / cp = {s // cp} "

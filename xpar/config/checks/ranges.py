@@ -141,6 +141,7 @@ RANGES: dict[str, Range] = {
     "hardware.kernel_launch_us": NON_NEGATIVE,
     "hardware.sustained_efficiency": EFFICIENCY,
     "framework.elementwise_passes": Range(1, 20),
+    "framework.max_pp": _i(1, null=True), "framework.max_tp": _i(1, null=True),
 }
 
 
