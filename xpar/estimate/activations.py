@@ -6,6 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+import numpy as np
+
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
@@ -267,52 +269,57 @@ def memory_schedule(schedule: str, pp: int, m: int, megatron_interleaved: bool) 
 
 
 @lru_cache(maxsize=512)
-def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, transient: tuple) -> tuple:
-    """Peak of one rank over its action list: (peak kept bytes, peak kept + transient bytes,
-    peak micro-batch chunks in flight). ``per_stage``: (stage, kept bytes per micro-batch);
-    ``transient``: (stage, bytes during that stage's forward of the last stage's loss,
-    bytes during its backward) -- both tuples so the walk is memoised."""
+def stage_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple:
+    """The events of pipeline rank ``rank``'s action list (torch's order) where a memory peak can
+    fall: after each forward and before each backward's release (B or I; B and W release a chunk).
+    Returns (stages: the stage indices acting, increasing; rows [n, len(stages)]: live micro-batch
+    chunks per stage at each event; kind [n]: 0 forward, 1 backward; acting [n]: the column of the
+    acting stage). The one schedule walk: bytes per chunk times these rows give a rank's peak
+    (:func:`schedule_peak`); xpar.estimate.columns.peak_memory sums the rows by stage class."""
     acts = schedule_actions(schedule, pp, m, v)[rank]
-    kept = dict(per_stage)
-    during = {st: (f, bw) for st, f, bw in transient}
-    live = peak = peak_all = chunks = peak_chunks = 0
-    for a in acts:
-        if a.kind == "F":
-            live += kept[a.stage]
-            chunks += 1
-            peak, peak_chunks = max(peak, live), max(peak_chunks, chunks)
-            peak_all = max(peak_all, live + during[a.stage][0])
-        elif a.kind in "BI":
-            peak_all = max(peak_all, live + during[a.stage][1])
-        if a.kind in "BW":
-            live -= kept[a.stage]
-            chunks -= 1
-    return peak, max(peak, peak_all), peak_chunks
+    kinds = np.array([a.kind for a in acts])
+    stages, col = np.unique(np.array([a.stage for a in acts], dtype=np.int64), return_inverse=True)
+    col = col.ravel()
+    inc, back = kinds == "F", (kinds == "B") | (kinds == "I")
+    delta = inc.astype(np.int64) - ((kinds == "B") | (kinds == "W"))
+    per = np.zeros((len(acts), len(stages)), dtype=np.int64)
+    per[np.arange(len(acts)), col] = delta
+    after = np.cumsum(per, axis=0)
+    rows = np.concatenate([after[inc], (after - per)[back]])
+    kind = np.repeat([0, 1], [int(inc.sum()), int(back.sum())])
+    return tuple(stages.tolist()), rows, kind, np.concatenate([col[inc], col[back]])
+
+
+def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[float, float, float, float]:
+    """Bytes of one micro-batch chunk of ``stage`` (:func:`stage_bytes`): (kept until its backward,
+    transient during its forward, transient during its backward, autocast's weight copies); the
+    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``."""
+    sb, cb = stage_bytes(spec, stage, o), o.count_buffers
+    return (sb["layers"] + sb["logits"] + sb["embedding_mask"], sb["loss_transient"] * cb,
+            (sb["workspace"] + sb["loss_transient"]) * cb, sb["weight_copies"])
 
 
 def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak, walking the schedule's
-    action list (torch's order; one micro-batch at a time without pp): ``kept`` (saved
-    for backward), ``total`` (with the transients when ``count_buffers``),
-    ``weight_copies`` (autocast's bf16 weights kept, same walk) and
-    ``microbatches_in_flight`` (peak chunks in flight / v). Bytes."""
+    """Activation bytes of pipeline rank ``pp_rank`` at its peak over the schedule's events
+    (:func:`stage_events`; one micro-batch at a time without pp): ``kept`` (saved for backward),
+    ``total`` (with the transients when ``count_buffers``), ``weight_copies`` (autocast's bf16
+    weights kept, same events), ``microbatches_in_flight`` (peak chunks in flight / v) and
+    ``token_ids``. Bytes."""
     lay, par = spec.layout, spec.parallel
-    stages = lay.stages_of(pp_rank)
-    sb = {st: stage_bytes(spec, st, o) for st in stages}
-    kept = tuple((st, sb[st]["layers"] + sb[st]["logits"] + sb[st]["embedding_mask"]) for st in stages)
-    copies = tuple((st, sb[st]["weight_copies"]) for st in stages)
-    cb = o.count_buffers
-    trans = tuple((st, sb[st]["loss_transient"] * cb, (sb[st]["workspace"] + sb[st]["loss_transient"]) * cb)
-                  for st in stages)
-    zero = tuple((st, 0.0, 0.0) for st in stages)
     if spec.pp == 1:
-        k, c = kept[0][1], copies[0][1]
-        out = {"kept": k, "total": k + max(trans[0][1], trans[0][2]), "weight_copies": c, "chunks": 1}
+        k, fwd, bwd, c = stage_chunk_bytes(spec, 0, o)
+        out = {"kept": k, "total": k + max(fwd, bwd), "weight_copies": c, "chunks": 1}
     else:
-        args = (memory_schedule(par.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp), spec.pp,
-                spec.micro_batches, lay.virtual_stages, pp_rank)
-        k, total, chunks = _walk(*args, kept, trans)
-        out = {"kept": k, "total": total, "weight_copies": _walk(*args, copies, zero)[0], "chunks": chunks}
+        sched = memory_schedule(par.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp)
+        stages, rows, kind, acting = stage_events(sched, spec.pp, spec.micro_batches, lay.virtual_stages, pp_rank)
+        per = np.array([stage_chunk_bytes(spec, st, o) for st in stages])  # [stages, 4]
+        fwd = kind == 0
+        live = rows @ per[:, 0]
+        k = max(0.0, float(live[fwd].max(initial=0.0)))
+        during = np.where(fwd, per[acting, 1], per[acting, 2])
+        total = max(k, float((live + during).max(initial=0.0)))
+        out = {"kept": k, "total": total, "weight_copies": max(0.0, float((rows[fwd] @ per[:, 3]).max(initial=0.0))),
+               "chunks": int(rows[fwd].sum(1).max(initial=0))}
     out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages
     out["token_ids"] = _token_id_bytes(spec, pp_rank)
     return out

@@ -27,7 +27,6 @@ from xpar.estimate.columns.mixed_blocks import blocks_vary
 from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
 from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.offload import host_columns
-from xpar.estimate.schedule import schedule_actions
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
 
@@ -148,22 +147,17 @@ def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple
 def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast: np.ndarray) -> tuple:
     """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
     one micro-batch's bytes (kept until its backward, transient during its forward, transient
-    during its backward, autocast's weight copies) from :func:`xpar.estimate.memory.stage_bytes`,
-    as :func:`xpar.estimate.memory.schedule_peak` sums them. The scalar function runs once per
+    during its backward, autocast's weight copies: :func:`xpar.estimate.activations.stage_chunk_bytes`). The scalar function runs once per
     group without b: every activation term there is s b times bytes per token, the weight
     copies do not depend on b, so the others are scaled by b / b_rep. Returns (table [groups,
     4, 4], group of each candidate)."""
     rep0, inv0 = _group(c["tp"], c["sp"], c["rec"], autocast, c["pp"] * c["v"])
     unit = np.full((len(rep0), 4, 4), np.nan)
-    cb = o.count_buffers
     for g, i in enumerate(rep0):
         spec = memory_spec(base, c, i)
         n = spec.layout.n_stages
         for st in sorted({0, 1 if n > 2 else 0, n - 1}):
-            sb = activations.stage_bytes(spec, st, o)
-            unit[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
-                                            sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
-                                            sb["weight_copies"])
+            unit[g, _stage_class(st, n)] = activations.stage_chunk_bytes(spec, st, o)
         unit[g, :, :3] /= c["b"][i]
     rep, inv = _group(inv0, np.unique(c["b"], return_inverse=True)[1].ravel())  # b: float when cp-folded
     scale = np.ones((len(rep), 1, 4))
@@ -171,21 +165,15 @@ def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast
     return unit[inv0[rep]] * scale, inv
 
 
-def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The events of one rank's action list where :func:`xpar.estimate.memory._walk` takes a
-    maximum, as live micro-batch chunks (all of the rank's, of the first stage, of the last
-    stage): after each forward and before each backward's release. Returns (rows [n, 3], kind
-    0 forward / 1 backward, stage class of the acting stage)."""
-    kinds = np.array([a.kind for a in acts])
-    st = np.array([a.stage for a in acts], dtype=np.int64)
-    inc, back = kinds == "F", (kinds == "B") | (kinds == "I")
-    delta = inc.astype(np.int64) - ((kinds == "B") | (kinds == "W"))
-    per = np.stack([delta, delta * (st == 0), delta * (st == n_stages - 1)], axis=1)
-    after = np.cumsum(per, axis=0)
-    rows = np.concatenate([after[inc], (after - per)[back]])
-    kind = np.concatenate([np.zeros(inc.sum(), dtype=np.int64), np.ones(back.sum(), dtype=np.int64)])
-    cls = 2 * (st == 0) + (st == n_stages - 1)
-    return rows, kind, np.concatenate([cls[inc], cls[back]])
+def _rank_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The events of :func:`xpar.estimate.activations.stage_events` as live micro-batch chunks by
+    stage class (all of the rank's, of the first stage, of the last stage). Returns (rows [n, 3],
+    kind 0 forward / 1 backward, stage class of the acting stage)."""
+    stages, per_stage, kind, acting = activations.stage_events(schedule, pp, m, v, rank)
+    st, n = np.array(stages, dtype=np.int64), pp * v
+    rows = np.stack([per_stage.sum(1), per_stage @ (st == 0), per_stage @ (st == n - 1)], axis=1)
+    cls = 2 * (st == 0) + (st == n - 1)
+    return rows, kind, cls[acting]
 
 
 def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
@@ -226,12 +214,11 @@ def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[t
     list (:func:`_rank_events`): F rows (forwards: the kept peak and autocast's copies), A rows
     with type 3 x kind + stage class (every event: the peak with transients), each reduced by
     :func:`_maximal` within its type."""
-    acts = schedule_actions(schedule, pp, m, v)
     layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=m, seq_len=1,
                     layer_split=(1,) * (pp * v), schedule=schedule)
     out = []
     for r in range(pp):
-        rows, kind, cls = _rank_events(acts[r], pp * v)
+        rows, kind, cls = _rank_events(schedule, pp, m, v, r)
         typed, types = _maximal_typed(rows, 3 * kind + cls, prune)
         out.append((r, _rank_class(layout, r), _maximal(rows[kind == 0], prune), typed, types))
     return out
