@@ -275,7 +275,7 @@ def stage_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple:
     Returns (stages: the stage indices acting, increasing; rows [n, len(stages)]: live micro-batch
     chunks per stage at each event; kind [n]: 0 forward, 1 backward; acting [n]: the column of the
     acting stage). The one schedule walk: bytes per chunk times these rows give a rank's peak
-    (:func:`schedule_peak`); xpar.estimate.columns.peak_memory sums the rows by stage class."""
+    (xpar.estimate.columns.layout_memory); xpar.estimate.columns.peak_memory sums the rows by stage class."""
     acts = schedule_actions(schedule, pp, m, v)[rank]
     kinds = np.array([a.kind for a in acts])
     stages, col = np.unique(np.array([a.stage for a in acts], dtype=np.int64), return_inverse=True)
@@ -299,44 +299,9 @@ def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[floa
             (sb["workspace"] + sb["loss_transient"]) * cb, sb["weight_copies"])
 
 
-def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak over the schedule's events
-    (:func:`stage_events`; one micro-batch at a time without pp): ``kept`` (saved for backward),
-    ``total`` (with the transients when ``count_buffers``), ``weight_copies`` (autocast's bf16
-    weights kept, same events), ``microbatches_in_flight`` (peak chunks in flight / v) and
-    ``token_ids``. Bytes."""
-    lay, par = spec.layout, spec.parallel
-    if spec.pp == 1:
-        k, fwd, bwd, c = stage_chunk_bytes(spec, 0, o)
-        out = {"kept": k, "total": k + max(fwd, bwd), "weight_copies": c, "chunks": 1}
-    else:
-        sched = memory_schedule(par.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp)
-        stages, rows, kind, acting = stage_events(sched, spec.pp, spec.micro_batches, lay.virtual_stages, pp_rank)
-        per = np.array([stage_chunk_bytes(spec, st, o) for st in stages])  # [stages, 4]
-        fwd = kind == 0
-        live = rows @ per[:, 0]
-        k = max(0.0, float(live[fwd].max(initial=0.0)))
-        during = np.where(fwd, per[acting, 1], per[acting, 2])
-        total = max(k, float((live + during).max(initial=0.0)))
-        out = {"kept": k, "total": total, "weight_copies": max(0.0, float((rows[fwd] @ per[:, 3]).max(initial=0.0))),
-               "chunks": int(rows[fwd].sum(1).max(initial=0))}
-    out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages
-    out["token_ids"] = _token_id_bytes(spec, pp_rank)
-    return out
-
-
-def _token_id_bytes(spec: RunSpec, pp_rank: int) -> float:
-    """int64 token ids the embedding keeps for backward: one micro-batch without pp; under pp
-    torch splits the whole local batch into micro-batch views of one tensor, kept while any
-    view is (8 s b m bytes)."""
-    if not spec.layout.has_first_stage(pp_rank):
-        return 0.0
-    return token_id_bytes(spec.seq_len, spec.train.micro_batch_size, spec.micro_batches, spec.pp)
-
-
 def token_id_bytes(seq_len, b, m, pp):
     """int64 token ids kept by the rank holding the first stage: 8 s b, times m under pp
-    (:func:`_token_id_bytes`). Bytes; numbers or numpy arrays alike."""
+    (xpar.estimate.columns.layout_memory). Bytes; numbers or numpy arrays alike."""
     return 8.0 * (seq_len * b) * ((m - 1) * (pp > 1) + 1)
 
 
@@ -348,15 +313,3 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int
     if pp == 1:
         return 1.0  # gradient accumulation: one micro-batch at a time
     return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
-
-
-def activation_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term: ``saved`` (kept
-    for backward at the schedule's peak, token ids included), ``transient`` (recompute
-    workspace and loss temporaries on top, when ``count_buffers``), ``token_ids``,
-    ``microbatches_in_flight`` (chunks at the peak / v). ``assume``/``options``:
-    :class:`MemoryOptions`."""
-    o = MemoryOptions.of(assume, **options)
-    p = schedule_peak(spec, pp_rank, o)
-    return {"saved": p["kept"] + p["token_ids"], "transient": p["total"] - p["kept"], "token_ids": p["token_ids"],
-            "microbatches_in_flight": p["microbatches_in_flight"]}
