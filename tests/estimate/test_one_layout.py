@@ -80,3 +80,16 @@ def test_memory_columns_take_the_assumptions_given():
     assert on["memory_optimizer"][0] == 0 < off["memory_optimizer"][0]
     assert off["memory_total"][0] == pytest.approx(memory(spec, assume=replace(a, cpu_offload_optimizer=False)).total,
                                                    rel=1e-12)
+
+
+def test_memory_columns_shard_states_over_the_hsdp_group():
+    """Under hierarchical ZeRO (parallel.zero_shard_size) the planner's columns hold the states
+    sharded over the shard group, as the estimate does, not over all of dp."""
+    spec = spec_for("parallel=70b_64gpu", "hardware=a100_80gb_64gpu", "run.mode=estimate", "parallel.zero_stage=3",
+                    "parallel.zero_shard_size=4", local_devices=8)
+    flat = spec_for("parallel=70b_64gpu", "hardware=a100_80gb_64gpu", "run.mode=estimate", "parallel.zero_stage=3",
+                    local_devices=8)
+    col = memory_columns(spec, layout_columns(spec))
+    assert col["memory_optimizer"][0] == pytest.approx(memory(spec).optimizer, rel=1e-12)
+    assert col["memory_total"][0] == pytest.approx(memory(spec).total, rel=1e-12)
+    assert memory(spec).optimizer > memory(flat).optimizer

@@ -29,6 +29,7 @@ from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.offload import host_columns
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
+from xpar.estimate.hsdp import shard_group_spec
 
 KEYS = COLUMN_MEMORY_KEYS
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
@@ -141,7 +142,8 @@ def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple
                       split_key(base.model.n_layers, c["pp"], c["v"]))
     table, cfg = np.full((len(rep), 4, 5), np.nan), base.model if blocks_vary(base) else None
     for g, i in enumerate(rep):
-        spec, og = memory_spec(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
+        spec = shard_group_spec(memory_spec(base, c, i))  # hierarchical ZeRO: states over the shard group
+        og = replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
         for k, ranks in _class_ranks(spec.layout, cfg).items():
             table[g, k] = max((rank_states(spec, r, o, og) for r in ranks), key=lambda x: sum(x[:4]))
     return table, inv
