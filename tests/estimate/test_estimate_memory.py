@@ -281,12 +281,12 @@ def test_buffers_and_headroom():
     """FSDP all-gathers two units (current + prefetched), DDP copies gradients into buckets;
     the CPU profile counts neither (xpar's accounting does not); headroom lowers what fits."""
     z3 = spec("7b", "a100_80gb_8gpu", dp=8, zero_stage=3, train={"dtype": "bf16", "micro_batch_size": 1})
-    c = mem.comm_buffer_terms(z3, 0)
+    c = mem.memory(z3, 0).detail["comm_buffers"]
     assert c["fsdp_allgather"] > 0 and c["fsdp_reduce"] > 0 and c["ddp_buckets"] == 0
-    assert sum(mem.comm_buffer_terms(z3, 0, count_buffers=False).values()) == 0
+    assert sum(mem.memory(z3, 0, count_buffers=False).detail["comm_buffers"].values()) == 0
     dp = spec("small", "a100_80gb_8gpu", dp=8, zero_stage=0)
-    assert mem.comm_buffer_terms(dp, 0)["ddp_buckets"] == mem.model_state_bytes(dp)["grads"]
-    assert mem.comm_buffer_terms(dp, 0, ddp_bucket_copy=False)["ddp_buckets"] == 0
+    assert mem.memory(dp, 0).detail["comm_buffers"]["ddp_buckets"] == mem.model_state_bytes(dp)["grads"]
+    assert mem.memory(dp, 0, ddp_bucket_copy=False).detail["comm_buffers"]["ddp_buckets"] == 0
     est = mem.memory(z3)
     tight = with_hardware(z3, device_memory_gb=est.total / 0.97e9)  # fits with 3 % to spare
     assert mem.memory(tight).fits

@@ -13,7 +13,7 @@ from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import MemoryOptions, precision
-from xpar.estimate.schedule import peak_in_flight, schedule_actions
+from xpar.estimate.schedule import schedule_actions
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -307,9 +307,10 @@ def token_id_bytes(seq_len, b, m, pp):
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
-    the rank's whole layer set: the peak of the schedule's action list (torch's order;
-    :func:`xpar.estimate.schedule.peak_in_flight`) / v. Matches Korthikanti et al. 2022
-    Sec. 4.2.3: GPipe m, 1F1B min(m, p - r), interleaved p (1 + (p - 1)/(p v)) on rank 0."""
+    the rank's whole layer set: the most live chunks after a forward (:func:`stage_events`, torch's
+    order) / v. Matches Korthikanti et al. 2022 Sec. 4.2.3: GPipe m, 1F1B min(m, p - r),
+    interleaved p (1 + (p - 1)/(p v)) on rank 0."""
     if pp == 1:
         return 1.0  # gradient accumulation: one micro-batch at a time
-    return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
+    _, rows, kind, _ = stage_events(schedule, pp, m, v, rank)
+    return int(rows[kind == 0].sum(1).max()) / v

@@ -1,6 +1,6 @@
 """Communication and sharding buffers per device, besides model states and saved activations: DDP
 buckets, FSDP all-gather and reduce buffers, DeepSpeed's fp32 gradient partition, pipeline p2p
-buffers (:func:`comm_buffer_terms`). Counted only when the framework's ``count_buffers``. Units:
+buffers (:func:`state_buffer_terms`, :func:`p2p_buffer_bytes`). Counted only when the framework's ``count_buffers``. Units:
 bytes. Sources: torch DDP and FSDP2 (xpar.parallel.data_parallel), DeepSpeed v0.3
 (xpar.estimate.zero12_step); docs/concepts/cost-model-derivations.md.
 """
@@ -38,8 +38,8 @@ def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int
     return max(roots), max(blocks)
 
 
-def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict[str, float]:
-    """Communication and sharding buffers, bytes (0 unless ``count_buffers``).
+def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
+    """Buffers sized by the model states of pipeline rank ``pp_rank``, bytes (0 unless ``count_buffers``).
 
     ddp_buckets (ZeRO 0/1, dp > 1): torch DDP copies gradients into flat buckets
     (gradient_as_bucket_view=False, the default): one more gradient-sized buffer (Megatron's
@@ -52,24 +52,10 @@ def comm_buffer_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> di
     reduction runs in fp32 (MixedPrecisionPolicy reduce_dtype); under pp the deferred whole
     gradients are the ``grads`` term. With ``zero3_gather='tensor'`` (DeepSpeed v0.3) the unit is the
     largest parameter tensor, gathered alone and not prefetched (``fsdp_allgather`` 2 of them: the
-    one in use and the next). pp_p2p: one send and one receive buffer of b s h elements per stage
-    held (/t with sp). fp32_grad_partition: DeepSpeed ZeRO-1/2's fp32 copy of the rank's gradient
-    partition at the step (xpar.estimate.zero12_step; ``fp32_grad_partition``).
+    one in use and the next). fp32_grad_partition: DeepSpeed ZeRO-1/2's fp32 copy of the rank's
+    gradient partition at the step (xpar.estimate.zero12_step). The pipeline's buffers:
+    :func:`p2p_buffer_bytes` (``pp_p2p``).
     """
-    o = MemoryOptions.of(assume, **options)
-    out = state_buffer_terms(spec, pp_rank, o)
-    out["pp_p2p"] = 0.0
-    if o.count_buffers and spec.pp > 1:
-        out["pp_p2p"] = p2p_buffer_bytes(spec.seq_len, spec.train.micro_batch_size, spec.model.hidden,
-                                         len(spec.layout.stages_of(pp_rank)), precision(spec, o)["er"], spec.tp,
-                                         spec.parallel.sequence_parallel)
-    return out
-
-
-def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
-    """The buffers of :func:`comm_buffer_terms` sized by the model states (ddp_buckets,
-    fsdp_allgather, fsdp_reduce): they depend on the rank's parameters, dp, pp and the ZeRO
-    stage only. Bytes."""
     out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "fp32_grad_partition": 0.0}
     if not o.count_buffers:
         return out
@@ -92,7 +78,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
 
 
 def p2p_buffer_bytes(seq_len, b, hidden, stages_held, resid_elem, tp, sp):
-    """Pipeline send and receive buffers of one pipeline rank: 2 per stage held, b s h
+    """Pipeline send and receive buffers of one pipeline rank (``pp_p2p``): 2 per stage held, b s h
     elements of ``resid_elem`` bytes each (/tp with sequence parallelism ``sp``). Bytes.
     Works on numbers or numpy arrays alike (the planner, :mod:`xpar.estimate.columns.peak_memory`)."""
     return 2 * stages_held * (seq_len * b * hidden) * resid_elem / (tp * sp + 1 - sp)

@@ -20,10 +20,7 @@ from typing import Optional
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.activations import recompute_notes
-from xpar.estimate.buffers import (  # noqa: F401 (re-exported: their home before issue 41)
-    comm_buffer_terms,
-    state_buffer_terms,
-)
+from xpar.estimate.buffers import state_buffer_terms
 from xpar.estimate.columns.layout_memory import layout_memory
 from xpar.estimate.columns.peak_memory import usable_bytes
 from xpar.estimate.context_parallel import fold_cp

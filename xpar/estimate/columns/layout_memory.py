@@ -90,5 +90,5 @@ def _pipelined(spec: RunSpec, o: MemoryOptions, ctx: dict, ranks: list[int]) -> 
     i = int(first_largest(vals["total"], np.zeros(1, np.int64), np.array([len(ranks)]))[0])
     pick = {f: float(v[i]) for f, v in vals.items()}
     pick.update(pp_rank=ranks[i], kept=float(kept[i]), total_acts=float(total[i]), copies=float(copies[i]),
-                chunks=int(ent["f"][i].sum(-1).max()))
+                chunks=int(ent["f"][i].sum(-1).max()))  # as activations.microbatches_in_flight counts them
     return pick
