@@ -12,6 +12,7 @@ from tests.conftest import spec_for
 from xpar.calibrate.published import make_spec, preset, read_table
 from xpar.estimate import activations, model_states
 from xpar.estimate import memory as mem
+from xpar.estimate.columns.layout_memory import layout_memory
 from xpar.estimate.cost import with_hardware
 from xpar.estimate.schedule import one_f_one_b_actions, peak_in_flight, torch_actions
 from xpar.models.shapes import param_count
@@ -235,8 +236,8 @@ def test_in_flight_walk_weights_stages_by_their_own_bytes():
     f = spec("small", dp=1, pp=2, schedule="1f1b", micro_batches=4, model_over={"tied_embeddings": False})
     last_g, last_f = (activations.stage_bytes(x, 1, o) for x in (g, f))
     kept = last_g["layers"] + last_g["logits"]
-    assert activations.schedule_peak(g, 1, o)["kept"] == pytest.approx(4 * kept)
-    assert activations.schedule_peak(f, 1, o)["kept"] == pytest.approx(kept)
+    assert layout_memory(g, o, 1)["kept"] == pytest.approx(4 * kept)
+    assert layout_memory(f, o, 1)["kept"] == pytest.approx(kept)
     i = spec("small", dp=1, pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=4,
              model_over={"tied_embeddings": False})
     per = {st: activations.stage_bytes(i, st, o)["layers"] for st in i.layout.stages_of(0)}
@@ -245,7 +246,7 @@ def test_in_flight_walk_weights_stages_by_their_own_bytes():
     for a in order:  # the same walk written out
         live += per[a.stage] if a.kind == "F" else (-per[a.stage] if a.kind in "BW" else 0)
         best = max(best, live)
-    assert activations.schedule_peak(i, 0, o)["kept"] == pytest.approx(best)
+    assert layout_memory(i, o, 0)["kept"] == pytest.approx(best)
 
 
 def test_recompute_policies_memory_and_flops():
@@ -280,12 +281,12 @@ def test_buffers_and_headroom():
     """FSDP all-gathers two units (current + prefetched), DDP copies gradients into buckets;
     the CPU profile counts neither (xpar's accounting does not); headroom lowers what fits."""
     z3 = spec("7b", "a100_80gb_8gpu", dp=8, zero_stage=3, train={"dtype": "bf16", "micro_batch_size": 1})
-    c = mem.comm_buffer_terms(z3, 0)
+    c = mem.memory(z3, 0).detail["comm_buffers"]
     assert c["fsdp_allgather"] > 0 and c["fsdp_reduce"] > 0 and c["ddp_buckets"] == 0
-    assert sum(mem.comm_buffer_terms(z3, 0, count_buffers=False).values()) == 0
+    assert sum(mem.memory(z3, 0, count_buffers=False).detail["comm_buffers"].values()) == 0
     dp = spec("small", "a100_80gb_8gpu", dp=8, zero_stage=0)
-    assert mem.comm_buffer_terms(dp, 0)["ddp_buckets"] == mem.model_state_bytes(dp)["grads"]
-    assert mem.comm_buffer_terms(dp, 0, ddp_bucket_copy=False)["ddp_buckets"] == 0
+    assert mem.memory(dp, 0).detail["comm_buffers"]["ddp_buckets"] == mem.model_state_bytes(dp)["grads"]
+    assert mem.memory(dp, 0, ddp_bucket_copy=False).detail["comm_buffers"]["ddp_buckets"] == 0
     est = mem.memory(z3)
     tight = with_hardware(z3, device_memory_gb=est.total / 0.97e9)  # fits with 3 % to spare
     assert mem.memory(tight).fits

@@ -6,12 +6,14 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+import numpy as np
+
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import MemoryOptions, precision
-from xpar.estimate.schedule import peak_in_flight, schedule_actions
+from xpar.estimate.schedule import schedule_actions
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -267,89 +269,48 @@ def memory_schedule(schedule: str, pp: int, m: int, megatron_interleaved: bool) 
 
 
 @lru_cache(maxsize=512)
-def _walk(schedule: str, pp: int, m: int, v: int, rank: int, per_stage: tuple, transient: tuple) -> tuple:
-    """Peak of one rank over its action list: (peak kept bytes, peak kept + transient bytes,
-    peak micro-batch chunks in flight). ``per_stage``: (stage, kept bytes per micro-batch);
-    ``transient``: (stage, bytes during that stage's forward of the last stage's loss,
-    bytes during its backward) -- both tuples so the walk is memoised."""
+def stage_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple:
+    """The events of pipeline rank ``rank``'s action list (torch's order) where a memory peak can
+    fall: after each forward and before each backward's release (B or I; B and W release a chunk).
+    Returns (stages: the stage indices acting, increasing; rows [n, len(stages)]: live micro-batch
+    chunks per stage at each event; kind [n]: 0 forward, 1 backward; acting [n]: the column of the
+    acting stage). The one schedule walk: bytes per chunk times these rows give a rank's peak
+    (xpar.estimate.columns.layout_memory); xpar.estimate.columns.peak_memory sums the rows by stage class."""
     acts = schedule_actions(schedule, pp, m, v)[rank]
-    kept = dict(per_stage)
-    during = {st: (f, bw) for st, f, bw in transient}
-    live = peak = peak_all = chunks = peak_chunks = 0
-    for a in acts:
-        if a.kind == "F":
-            live += kept[a.stage]
-            chunks += 1
-            peak, peak_chunks = max(peak, live), max(peak_chunks, chunks)
-            peak_all = max(peak_all, live + during[a.stage][0])
-        elif a.kind in "BI":
-            peak_all = max(peak_all, live + during[a.stage][1])
-        if a.kind in "BW":
-            live -= kept[a.stage]
-            chunks -= 1
-    return peak, max(peak, peak_all), peak_chunks
+    kinds = np.array([a.kind for a in acts])
+    stages, col = np.unique(np.array([a.stage for a in acts], dtype=np.int64), return_inverse=True)
+    col = col.ravel()
+    inc, back = kinds == "F", (kinds == "B") | (kinds == "I")
+    delta = inc.astype(np.int64) - ((kinds == "B") | (kinds == "W"))
+    per = np.zeros((len(acts), len(stages)), dtype=np.int64)
+    per[np.arange(len(acts)), col] = delta
+    after = np.cumsum(per, axis=0)
+    rows = np.concatenate([after[inc], (after - per)[back]])
+    kind = np.repeat([0, 1], [int(inc.sum()), int(back.sum())])
+    return tuple(stages.tolist()), rows, kind, np.concatenate([col[inc], col[back]])
 
 
-def schedule_peak(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak, walking the schedule's
-    action list (torch's order; one micro-batch at a time without pp): ``kept`` (saved
-    for backward), ``total`` (with the transients when ``count_buffers``),
-    ``weight_copies`` (autocast's bf16 weights kept, same walk) and
-    ``microbatches_in_flight`` (peak chunks in flight / v). Bytes."""
-    lay, par = spec.layout, spec.parallel
-    stages = lay.stages_of(pp_rank)
-    sb = {st: stage_bytes(spec, st, o) for st in stages}
-    kept = tuple((st, sb[st]["layers"] + sb[st]["logits"] + sb[st]["embedding_mask"]) for st in stages)
-    copies = tuple((st, sb[st]["weight_copies"]) for st in stages)
-    cb = o.count_buffers
-    trans = tuple((st, sb[st]["loss_transient"] * cb, (sb[st]["workspace"] + sb[st]["loss_transient"]) * cb)
-                  for st in stages)
-    zero = tuple((st, 0.0, 0.0) for st in stages)
-    if spec.pp == 1:
-        k, c = kept[0][1], copies[0][1]
-        out = {"kept": k, "total": k + max(trans[0][1], trans[0][2]), "weight_copies": c, "chunks": 1}
-    else:
-        args = (memory_schedule(par.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp), spec.pp,
-                spec.micro_batches, lay.virtual_stages, pp_rank)
-        k, total, chunks = _walk(*args, kept, trans)
-        out = {"kept": k, "total": total, "weight_copies": _walk(*args, copies, zero)[0], "chunks": chunks}
-    out["microbatches_in_flight"] = out.pop("chunks") / lay.virtual_stages
-    out["token_ids"] = _token_id_bytes(spec, pp_rank)
-    return out
-
-
-def _token_id_bytes(spec: RunSpec, pp_rank: int) -> float:
-    """int64 token ids the embedding keeps for backward: one micro-batch without pp; under pp
-    torch splits the whole local batch into micro-batch views of one tensor, kept while any
-    view is (8 s b m bytes)."""
-    if not spec.layout.has_first_stage(pp_rank):
-        return 0.0
-    return token_id_bytes(spec.seq_len, spec.train.micro_batch_size, spec.micro_batches, spec.pp)
+def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[float, float, float, float]:
+    """Bytes of one micro-batch chunk of ``stage`` (:func:`stage_bytes`): (kept until its backward,
+    transient during its forward, transient during its backward, autocast's weight copies); the
+    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``."""
+    sb, cb = stage_bytes(spec, stage, o), o.count_buffers
+    return (sb["layers"] + sb["logits"] + sb["embedding_mask"], sb["loss_transient"] * cb,
+            (sb["workspace"] + sb["loss_transient"]) * cb, sb["weight_copies"])
 
 
 def token_id_bytes(seq_len, b, m, pp):
     """int64 token ids kept by the rank holding the first stage: 8 s b, times m under pp
-    (:func:`_token_id_bytes`). Bytes; numbers or numpy arrays alike."""
+    (xpar.estimate.columns.layout_memory). Bytes; numbers or numpy arrays alike."""
     return 8.0 * (seq_len * b) * ((m - 1) * (pp > 1) + 1)
 
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
-    the rank's whole layer set: the peak of the schedule's action list (torch's order;
-    :func:`xpar.estimate.schedule.peak_in_flight`) / v. Matches Korthikanti et al. 2022
-    Sec. 4.2.3: GPipe m, 1F1B min(m, p - r), interleaved p (1 + (p - 1)/(p v)) on rank 0."""
+    the rank's whole layer set: the most live chunks after a forward (:func:`stage_events`, torch's
+    order) / v. Matches Korthikanti et al. 2022 Sec. 4.2.3: GPipe m, 1F1B min(m, p - r),
+    interleaved p (1 + (p - 1)/(p v)) on rank 0."""
     if pp == 1:
         return 1.0  # gradient accumulation: one micro-batch at a time
-    return peak_in_flight(schedule_actions(schedule, pp, m, v)[rank]) / v
-
-
-def activation_terms(spec: RunSpec, pp_rank: int, assume=None, **options) -> dict:
-    """Activation bytes of pipeline rank ``pp_rank`` at its peak, by term: ``saved`` (kept
-    for backward at the schedule's peak, token ids included), ``transient`` (recompute
-    workspace and loss temporaries on top, when ``count_buffers``), ``token_ids``,
-    ``microbatches_in_flight`` (chunks at the peak / v). ``assume``/``options``:
-    :class:`MemoryOptions`."""
-    o = MemoryOptions.of(assume, **options)
-    p = schedule_peak(spec, pp_rank, o)
-    return {"saved": p["kept"] + p["token_ids"], "transient": p["total"] - p["kept"], "token_ids": p["token_ids"],
-            "microbatches_in_flight": p["microbatches_in_flight"]}
+    _, rows, kind, _ = stage_events(schedule, pp, m, v, rank)
+    return int(rows[kind == 0].sum(1).max()) / v

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from xpar.estimate.memory import memory
 from xpar.estimate.model_states import held_numel, most_loaded_dp_rank, state_widths
 from xpar.estimate.overlap import vmax
 
@@ -126,7 +125,7 @@ def offload_problem(spec, assume) -> Optional[str]:
     or None: execute mode (xpar does not run it), hardware without the PCIe and host figures
     (the step would cost 0 s, :data:`HOST_FIELDS`), or ZeRO-0 (DeepSpeed's offload_optimizer is
     a ZeRO stage 1-3 option; at dp = 1 ZeRO-1 shards nothing and runs as ZeRO-0 does, so
-    parallel.zero_stage=1 is the layout). Host memory: :func:`host_memory_need`."""
+    parallel.zero_stage=1 is the layout). Host memory: xpar.estimate.preflight.host_memory_need."""
     if not getattr(assume, "cpu_offload_optimizer", False):
         return None
     if spec.mode == "execute":
@@ -152,19 +151,8 @@ EXAMPLE_HOST = {"pcie_gb_per_s": 12.5, "host_mem_gb_per_s": 409.6, "host_memory_
 refusal gives for missing :data:`HOST_FIELDS`."""
 
 
-def host_memory_need(spec, assume) -> Optional[dict]:
-    """The offloaded step of ``spec`` (:func:`offload_step`: ``host_bytes`` per node, ``elements``)
-    when its states do not fit ``hardware.host_memory_gb``; None when they fit or nothing is
-    offloaded."""
-    if not getattr(assume, "cpu_offload_optimizer", False) or missing_host_fields(spec.hardware):
-        return None
-    step = offload_step(spec, assume, memory(spec, assume=assume).pp_rank, 0.0)
-    have = (spec.hardware.host_memory_gb or 0) * 1e9
-    return step if step is not None and step["host_bytes"] > have else None
-
-
 def host_memory_line(spec, step: dict) -> str:
-    """The refusal of :func:`host_memory_need`, without a suggestion (the caller checks one)."""
+    """The refusal of xpar.estimate.preflight.host_memory_need, without a suggestion (the caller checks one)."""
     return (f"offloaded optimizer states need {step['host_bytes'] / 1e9:,.0f} GB of host memory per node "
             f"({devices_per_node(spec.hardware)} devices x {step['elements'] / 1e9:.2f}e9 elements x "
             f"{HOST_STATE_BYTES} bytes), more than hardware.host_memory_gb={spec.hardware.host_memory_gb:g}")

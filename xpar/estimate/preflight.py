@@ -26,10 +26,10 @@ from xpar.config.validate import validate
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.duration import duration_problems
-from xpar.estimate.memory import MemoryEstimate
+from xpar.estimate.memory import MemoryEstimate, memory
 from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
 from xpar.estimate.nearest_fit import partial_recompute, recompute_choices
-from xpar.estimate.offload import host_memory_line, host_memory_need, offload_problem
+from xpar.estimate.offload import host_memory_line, missing_host_fields, offload_problem, offload_step
 from xpar.models.shapes import param_count
 
 GB = 1e9
@@ -371,7 +371,7 @@ def _cluster_for(spec: RunSpec) -> str:
 
 def offload_host_problem(spec: RunSpec) -> Optional[str]:
     """None unless ``spec`` offloads its optimizer into host memory too small for it
-    (:func:`xpar.estimate.offload.host_memory_need`); then the refusal with the fixes that pass
+    (:func:`host_memory_need`); then the refusal with the fixes that pass
     every check when followed (each checked here): more nodes (dp auto, the global batch kept),
     a larger host, or no offload."""
     step = host_memory_need(spec, assumptions_for(spec))
@@ -422,3 +422,14 @@ def check_run(cfg, local_devices: Optional[int] = None) -> RunSpec:
     if problems:
         raise ConfigError(problems)
     return spec
+
+
+def host_memory_need(spec: RunSpec, assume) -> Optional[dict]:
+    """The offloaded step of ``spec`` (:func:`xpar.estimate.offload.offload_step`: ``host_bytes`` per
+    node, ``elements``) when its states do not fit ``hardware.host_memory_gb``; None when they fit or
+    nothing is offloaded."""
+    if not getattr(assume, "cpu_offload_optimizer", False) or missing_host_fields(spec.hardware):
+        return None
+    step = offload_step(spec, assume, memory(spec, assume=assume).pp_rank, 0.0)
+    have = (spec.hardware.host_memory_gb or 0) * 1e9
+    return step if step is not None and step["host_bytes"] > have else None

@@ -22,14 +22,14 @@ from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as _RECOMPUTE
 from xpar.config.spec import RunSpec
 from xpar.estimate import activations, model_states
-from xpar.estimate import memory as mem
+from xpar.estimate import buffers
 from xpar.estimate.columns.mixed_blocks import blocks_vary
 from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
 from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.offload import host_columns
-from xpar.estimate.schedule import schedule_actions
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
+from xpar.estimate.hsdp import shard_group_spec
 
 KEYS = COLUMN_MEMORY_KEYS
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
@@ -50,10 +50,11 @@ def _codes(values: np.ndarray, names: tuple) -> np.ndarray:
     return out
 
 
-def _int_columns(cols: dict, offload: bool = False) -> dict[str, np.ndarray]:
+def int_columns(cols: dict, o: model_states.MemoryOptions) -> dict[str, np.ndarray]:
     """The candidate columns as int64 arrays (schedule and recompute as codes), v resolved
     (1 without pipelining, :func:`xpar.config.resolve.resolve_virtual_stages`); ``offload`` where the
-    optional column is absent (the framework's ``cpu_offload_optimizer``)."""
+    optional column is absent: ``o.cpu_offload_optimizer``; interleaved 1F1B at m = pp as looped BFS
+    where ``o.interleaved_m_per_pp`` (:func:`xpar.estimate.activations.memory_schedule`)."""
     c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
     c["b"] = np.maximum(c["b"], 1) if np.asarray(cols["b"]).dtype.kind != "f" else np.asarray(cols["b"], float)
     c["v"] = np.where(c["pp"] == 1, 1, np.asarray(cols["v"], dtype=np.int64))
@@ -61,7 +62,9 @@ def _int_columns(cols: dict, offload: bool = False) -> dict[str, np.ndarray]:
     c["rec"] = _codes(np.asarray(cols["recompute"]), _RECOMPUTE)
     c["sp"] = np.asarray(cols["sp"], dtype=bool).astype(np.int64)
     c["offload"] = np.asarray(cols["offload"], dtype=bool).astype(np.int64) if "offload" in cols else \
-        np.full(len(c["tp"]), int(offload), dtype=np.int64)
+        np.full(len(c["tp"]), int(o.cpu_offload_optimizer), dtype=np.int64)
+    bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])
+    c["sched"] = np.where(bfs, _SCHED.index("looped_bfs"), c["sched"])  # Megatron's warm-up (memory_schedule)
     return c
 
 
@@ -116,10 +119,10 @@ def _class_ranks(layout: Layout, cfg=None) -> dict[int, list[int]]:
     return out
 
 
-def _rank_states(spec: RunSpec, r: int, o: model_states.MemoryOptions, og: model_states.MemoryOptions) -> tuple:
+def rank_states(spec: RunSpec, r: int, o: model_states.MemoryOptions, og: model_states.MemoryOptions) -> tuple:
     """Pipeline rank ``r``'s row of :func:`_state_table` (bytes; the optimizer's elements)."""
     dp_rank = model_states.most_loaded_dp_rank(spec, r, o.zero1)
-    st, buf = model_states.held_state_terms(spec, r, dp_rank, og), mem.state_buffer_terms(spec, r, og)
+    st, buf = model_states.held_state_terms(spec, r, dp_rank, og), buffers.state_buffer_terms(spec, r, og)
     return (st["params_master"] + st["params_compute"], st["grads"], st["optimizer"], sum(buf.values()),
             model_states.held_numel(spec, r, dp_rank, o.zero1)["optimizer"])
 
@@ -139,31 +142,27 @@ def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple
                       split_key(base.model.n_layers, c["pp"], c["v"]))
     table, cfg = np.full((len(rep), 4, 5), np.nan), base.model if blocks_vary(base) else None
     for g, i in enumerate(rep):
-        spec, og = memory_spec(base, c, i), replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
+        spec = shard_group_spec(memory_spec(base, c, i))  # hierarchical ZeRO: states over the shard group
+        og = replace(o, cpu_offload_optimizer=bool(c["offload"][i]))
         for k, ranks in _class_ranks(spec.layout, cfg).items():
-            table[g, k] = max((_rank_states(spec, r, o, og) for r in ranks), key=lambda x: sum(x[:4]))
+            table[g, k] = max((rank_states(spec, r, o, og) for r in ranks), key=lambda x: sum(x[:4]))
     return table, inv
 
 
 def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast: np.ndarray) -> tuple:
     """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
     one micro-batch's bytes (kept until its backward, transient during its forward, transient
-    during its backward, autocast's weight copies) from :func:`xpar.estimate.memory.stage_bytes`,
-    as :func:`xpar.estimate.memory.schedule_peak` sums them. The scalar function runs once per
+    during its backward, autocast's weight copies: :func:`xpar.estimate.activations.stage_chunk_bytes`). The scalar function runs once per
     group without b: every activation term there is s b times bytes per token, the weight
     copies do not depend on b, so the others are scaled by b / b_rep. Returns (table [groups,
     4, 4], group of each candidate)."""
     rep0, inv0 = _group(c["tp"], c["sp"], c["rec"], autocast, c["pp"] * c["v"])
     unit = np.full((len(rep0), 4, 4), np.nan)
-    cb = o.count_buffers
     for g, i in enumerate(rep0):
         spec = memory_spec(base, c, i)
         n = spec.layout.n_stages
         for st in sorted({0, 1 if n > 2 else 0, n - 1}):
-            sb = activations.stage_bytes(spec, st, o)
-            unit[g, _stage_class(st, n)] = (sb["layers"] + sb["logits"] + sb["embedding_mask"],
-                                            sb["loss_transient"] * cb, (sb["workspace"] + sb["loss_transient"]) * cb,
-                                            sb["weight_copies"])
+            unit[g, _stage_class(st, n)] = activations.stage_chunk_bytes(spec, st, o)
         unit[g, :, :3] /= c["b"][i]
     rep, inv = _group(inv0, np.unique(c["b"], return_inverse=True)[1].ravel())  # b: float when cp-folded
     scale = np.ones((len(rep), 1, 4))
@@ -171,21 +170,15 @@ def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast
     return unit[inv0[rep]] * scale, inv
 
 
-def _rank_events(acts: list, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The events of one rank's action list where :func:`xpar.estimate.memory._walk` takes a
-    maximum, as live micro-batch chunks (all of the rank's, of the first stage, of the last
-    stage): after each forward and before each backward's release. Returns (rows [n, 3], kind
-    0 forward / 1 backward, stage class of the acting stage)."""
-    kinds = np.array([a.kind for a in acts])
-    st = np.array([a.stage for a in acts], dtype=np.int64)
-    inc, back = kinds == "F", (kinds == "B") | (kinds == "I")
-    delta = inc.astype(np.int64) - ((kinds == "B") | (kinds == "W"))
-    per = np.stack([delta, delta * (st == 0), delta * (st == n_stages - 1)], axis=1)
-    after = np.cumsum(per, axis=0)
-    rows = np.concatenate([after[inc], (after - per)[back]])
-    kind = np.concatenate([np.zeros(inc.sum(), dtype=np.int64), np.ones(back.sum(), dtype=np.int64)])
-    cls = 2 * (st == 0) + (st == n_stages - 1)
-    return rows, kind, np.concatenate([cls[inc], cls[back]])
+def _rank_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The events of :func:`xpar.estimate.activations.stage_events` as live micro-batch chunks by
+    stage class (all of the rank's, of the first stage, of the last stage). Returns (rows [n, 3],
+    kind 0 forward / 1 backward, stage class of the acting stage)."""
+    stages, per_stage, kind, acting = activations.stage_events(schedule, pp, m, v, rank)
+    st, n = np.array(stages, dtype=np.int64), pp * v
+    rows = np.stack([per_stage.sum(1), per_stage @ (st == 0), per_stage @ (st == n - 1)], axis=1)
+    cls = 2 * (st == 0) + (st == n - 1)
+    return rows, kind, cls[acting]
 
 
 def _maximal(x: np.ndarray, prune: bool) -> np.ndarray:
@@ -226,12 +219,11 @@ def _walk_entries(schedule: str, pp: int, m: int, v: int, prune: bool) -> list[t
     list (:func:`_rank_events`): F rows (forwards: the kept peak and autocast's copies), A rows
     with type 3 x kind + stage class (every event: the peak with transients), each reduced by
     :func:`_maximal` within its type."""
-    acts = schedule_actions(schedule, pp, m, v)
     layout = Layout(dp=1, tp=1, pp=pp, micro_batch_size=1, micro_batches=m, seq_len=1,
                     layer_split=(1,) * (pp * v), schedule=schedule)
     out = []
     for r in range(pp):
-        rows, kind, cls = _rank_events(acts[r], pp * v)
+        rows, kind, cls = _rank_events(schedule, pp, m, v, r)
         typed, types = _maximal_typed(rows, 3 * kind + cls, prune)
         out.append((r, _rank_class(layout, r), _maximal(rows[kind == 0], prune), typed, types))
     return out
@@ -396,13 +388,13 @@ def _rows_of(keys: list[tuple], prune: int) -> list[dict]:
     done = _interleaved_entries(items, prune == 2) if items else []
     for key in todo:
         ends, done = done[:len({0, key[1] - 1})], done[len({0, key[1] - 1}):]
-        _ROWS[key + (prune,)] = _padded(_prune_ranks(_closed_entries(*key, ends=ends)))
+        _ROWS[key + (prune,)] = padded_entries(_prune_ranks(_closed_entries(*key, ends=ends)))
     return [_walk_rows(*key, prune) for key in keys]
 
 
 def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: int) -> dict[str, np.ndarray]:
     """The rank entries of :func:`_walk_entries` that can hold the peak, in closed form where
-    one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`_padded`). ``prune``
+    one holds (:func:`_closed_entries`, with ``prune``), as arrays (:func:`padded_entries`). ``prune``
     (xpar.estimate.columns.stage_split.prune_modes): 0 none; 1 (every coefficient >= 0) rows and ranks dominated
     dropped (a rank when an earlier one of the same class dominates all its rows: never the
     first maximum); 2 the same in the middle-chunk basis where a closed form holds, else none."""
@@ -410,7 +402,7 @@ def _walk_rows(schedule: str, pp: int, m: int, v: int, prune: int) -> dict[str, 
     if key not in _ROWS:
         closed = _closed_entries(schedule, pp, m, v, by_middle=prune == 2) if prune else None
         entries = closed or _walk_entries(schedule, pp, m, v, prune == 1)
-        _ROWS[key] = _padded(_prune_ranks(entries) if closed or prune == 1 else entries)
+        _ROWS[key] = padded_entries(_prune_ranks(entries) if closed or prune == 1 else entries)
     return _ROWS[key]
 
 
@@ -433,13 +425,15 @@ def _dominates(early: tuple, late: tuple) -> bool:
 _FIELDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "total", "optimizer_elements")
 
 
-def _fields(ctx: dict, idx: np.ndarray, rc, kept: np.ndarray, total: np.ndarray, copies: np.ndarray) -> dict:
-    """The memory terms of candidates ``idx`` on a pipeline rank of class ``rc`` (a number or an
-    array over ``idx``), from the schedule's peaks (kept bytes, with transients, autocast's
-    weight copies), summed as :func:`xpar.estimate.memory.rank_memory` does. Bytes."""
+def memory_fields(ctx: dict, idx: np.ndarray, slot, first, kept: np.ndarray, total: np.ndarray,
+                  copies: np.ndarray) -> dict:
+    """The memory terms of candidates ``idx`` on the pipeline rank of state-table slot ``slot`` (a rank
+    class, or a rank of one layout), holding the first stage where ``first`` (numbers or arrays over
+    ``idx``), from the schedule's peaks (kept bytes, with transients, autocast's weight copies): the
+    one sum of a device's terms (the overhead: ``hardware.framework_overhead_gb``). Bytes."""
     table, inv = ctx["state"]
-    st = table[inv[idx], rc]
-    token = np.where(np.asarray(rc) >= 2, ctx["token"][idx], 0.0)
+    st = table[inv[idx], slot]
+    token = np.where(first, ctx["token"][idx], 0.0)
     out = {"params": st[:, 0] + copies, "grads": st[:, 1], "optimizer": st[:, 2],
            "activations": (kept + token) + (total - kept), "comm_buffers": st[:, 3] + ctx["p2p"][idx]}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"] + out["comm_buffers"] \
@@ -448,12 +442,12 @@ def _fields(ctx: dict, idx: np.ndarray, rc, kept: np.ndarray, total: np.ndarray,
     return out
 
 
-def _single(ctx: dict, c: dict, out: dict) -> None:
+def single_stage(ctx: dict, c: dict, out: dict) -> None:
     """Candidates without pipelining: one micro-batch at a time on rank 0, which holds the
-    only stage (:func:`xpar.estimate.memory.schedule_peak`, pp = 1)."""
+    only stage (kept, plus the larger transient)."""
     idx = np.flatnonzero(c["pp"] == 1)
     sv = ctx["stab"][ctx["sinv"][idx], 3]
-    vals = _fields(ctx, idx, 3, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
+    vals = memory_fields(ctx, idx, 3, True, sv[:, 0], sv[:, 0] + np.maximum(sv[:, 1], sv[:, 2]), sv[:, 3])
     for k in _FIELDS:
         out[k][idx] = vals[k]
     out["pp_rank"][idx] = 0
@@ -467,7 +461,7 @@ def _coefficients(stab: np.ndarray, col: int) -> np.ndarray:
     return np.stack([mid, stab[:, 2, col] - mid, stab[:, 1, col] - mid], axis=1)
 
 
-def _padded(entries: list[tuple]) -> dict[str, np.ndarray]:
+def padded_entries(entries: list[tuple]) -> dict[str, np.ndarray]:
     """Rank entries (rank, class, F rows, A rows, A types) as arrays over entries: rank, rank
     class, F rows [e, RF, 3] and A rows [e, RA, 3] with their types [e, RA], padded by repeating
     a row (which leaves every maximum as it is)."""
@@ -480,7 +474,7 @@ def _padded(entries: list[tuple]) -> dict[str, np.ndarray]:
 
 
 def _concat(parts: list[dict]) -> dict[str, np.ndarray]:
-    """:func:`_padded` arrays of several keys as one, rows padded to the longest (repeating the
+    """:func:`padded_entries` arrays of several keys as one, rows padded to the longest (repeating the
     last row)."""
     out = {k: np.concatenate([p[k] for p in parts]) for k in ("rank", "cls")}
     for k, rows in (("f", "f"), ("a", "a"), ("types", "a")):
@@ -508,6 +502,25 @@ def _pipelined(ctx: dict, c: dict, out: dict) -> None:
             _pairs(ctx, ent, part[chunk], sizes[inv[chunk]], (np.cumsum(sizes) - sizes)[inv[chunk]], coef, out)
 
 
+def chunk_peaks(kept_c: np.ndarray, copy_c: np.ndarray, trans: np.ndarray, f: np.ndarray, a: np.ndarray,
+                tidx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (candidate, rank) pair p: the peak kept bytes max(0, max_r kept_c[p] . f[p, r]), the peak
+    with transients max(kept, max_r kept_c[p] . a[p, r] + trans[p, tidx[p, r]]) and autocast's copies
+    max(0, max_r copy_c[p] . f[p, r]). ``kept_c``/``copy_c`` [P, J]: bytes per live chunk in the rows'
+    basis (stage classes, or one layout's stages); ``f`` [P, RF, J]: live chunks after each forward;
+    ``a`` [P, RA, J]: at every event, whose transient is column ``tidx`` of ``trans`` [P, T]. Bytes."""
+    kept = np.maximum(np.einsum("pj,prj->pr", kept_c, f).max(1), 0.0)
+    add = np.take_along_axis(trans, tidx, axis=1)
+    total = np.maximum(kept, (np.einsum("pj,prj->pr", kept_c, a) + add).max(1))
+    return kept, total, np.maximum(np.einsum("pj,prj->pr", copy_c, f).max(1), 0.0)
+
+
+def first_largest(total: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Index of the first largest of each run of ``count`` values from ``first`` in ``total``."""
+    top = np.maximum.reduceat(total, first)
+    return np.minimum.reduceat(np.where(total == np.repeat(top, count), np.arange(len(total)), len(total)), first)
+
+
 _CHUNK = 200_000
 """Candidates evaluated together by :func:`_pairs` (a few arrays of ~10 floats per pair)."""
 
@@ -521,21 +534,18 @@ def _pairs(ctx: dict, ent: dict, idx: np.ndarray, count: np.ndarray, start: np.n
     first = np.cumsum(count) - count
     cand = np.repeat(idx, count)
     e = np.repeat(start, count) + np.arange(count.sum()) - np.repeat(first, count)
-    grp = ctx["sinv"][cand]
-    kept = np.maximum(np.einsum("pj,prj->pr", kept_c[grp], ent["f"][e]).max(1), 0.0)
-    types = ent["types"][e]
-    add = np.take_along_axis(stab[grp][:, :, 1:3].reshape(len(e), 8), 2 * (types % 3) + types // 3, axis=1)
-    total = np.maximum(kept, (np.einsum("pj,prj->pr", kept_c[grp], ent["a"][e]) + add).max(1))
-    copies = np.maximum(np.einsum("pj,prj->pr", copy_c[grp], ent["f"][e]).max(1), 0.0)
-    vals = _fields(ctx, cand, ent["cls"][e], kept, total, copies)
-    top = np.maximum.reduceat(vals["total"], first)
-    pick = np.minimum.reduceat(np.where(vals["total"] == np.repeat(top, count), np.arange(len(e)), len(e)), first)
+    grp, types = ctx["sinv"][cand], ent["types"][e]
+    trans = stab[grp][:, :, 1:3].reshape(len(e), 8)  # (forward, backward) transient per stage class
+    kept, total, copies = chunk_peaks(kept_c[grp], copy_c[grp], trans, ent["f"][e], ent["a"][e],
+                                      2 * (types % 3) + types // 3)
+    vals = memory_fields(ctx, cand, ent["cls"][e], ent["cls"][e] >= 2, kept, total, copies)
+    pick = first_largest(vals["total"], first, count)
     for k in _FIELDS:
         out[k][idx] = vals[k][pick]
     out["pp_rank"][idx] = ent["rank"][e[pick]]
 
 
-def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def memory_columns(base: RunSpec, cols: dict[str, np.ndarray], assume=None) -> dict[str, np.ndarray]:
     """Peak memory per device of every candidate in ``cols`` (:mod:`xpar.plan.context`, length L), as
     :func:`xpar.estimate.cost.estimate` gives it (``.memory``, under :func:`xpar.estimate.cost.assumptions_for`
     ``base``): the most loaded pipeline rank, on its most loaded dp rank. ``base``: the RunSpec of any
@@ -551,26 +561,25 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     Raises:
         ValueError: a schedule or recompute name that xpar does not know.
     """
-    if (padded := columns_by_vocab(base, cols, memory_columns)) is not None:  # vocabulary padded per tp (vocab_groups)
-        return padded
-    o = model_states.MemoryOptions.of(assumptions_for(base))
-    c = _int_columns(cols, o.cpu_offload_optimizer)
-    bfs = o.interleaved_m_per_pp & (c["sched"] == _SCHED.index("interleaved_1f1b")) & (c["m"] == c["pp"])
-    c["sched"] = np.where(bfs, _SCHED.index("looped_bfs"), c["sched"])  # Megatron's warm-up (memory_schedule)
+    by_vocab = columns_by_vocab(base, cols, lambda part, c: memory_columns(part, c, assume))
+    if by_vocab is not None:  # the vocabulary padded per tp (xpar.estimate.columns.vocab_groups)
+        return by_vocab
+    o = model_states.MemoryOptions.of(assumptions_for(base) if assume is None else assume)
+    c = int_columns(cols, o)
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     stab, sinv = _stage_table(base, c, o, autocast) if n else (np.zeros((0, 4, 4)), np.zeros(0, np.int64))
     hw, s = base.hardware, base.seq_len
     extra = {"token": activations.token_id_bytes(s, c["b"], c["m"], c["pp"]),
-             "p2p": mem.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
+             "p2p": buffers.p2p_buffer_bytes(s, c["b"], base.model.hidden, c["v"], er, c["tp"], c["sp"])
              * ((c["pp"] > 1) & bool(o.count_buffers))}
     ctx = dict(extra, stab=stab, sinv=sinv, overhead=(hw.framework_overhead_gb or 0) * 1e9,
                state=_state_table(base, c, o) if n else (np.zeros((0, 4, 5)), np.zeros(0, np.int64)))
     res = {k: np.zeros(n) for k in _FIELDS}
     res["pp_rank"] = np.zeros(n, dtype=np.int64)
-    _single(ctx, c, res)
+    single_stage(ctx, c, res)
     _pipelined(ctx, c, res)
-    usable = (hw.device_memory_gb or 0) * 1e9 * (1 - (getattr(hw, "memory_headroom", 0.0) or 0.0))
+    usable = usable_bytes(hw)
     out = {f"memory_{k}": res[k] for k in _FIELDS[:5]}
     out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
                memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
@@ -578,3 +587,8 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray]) -> dict[str, np.n
     out.update(host_columns(hw, c["offload"], res["optimizer_elements"]))
     return out
 
+
+def usable_bytes(hw) -> float:
+    """Bytes a device of ``hw`` (a HardwareConfig) offers the fit check: device memory x (1 -
+    ``memory_headroom``)."""
+    return (hw.device_memory_gb or 0) * 1e9 * (1 - (getattr(hw, "memory_headroom", 0.0) or 0.0))
