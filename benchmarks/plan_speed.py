@@ -26,10 +26,8 @@ T0 = time.perf_counter()
 import pathlib  # noqa: E402
 
 import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
-from xpar.config.presets import conf_dir, load_preset  # noqa: E402
+from xpar.config.presets import preset_dict  # noqa: E402
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run  # noqa: E402
 from xpar.plan.context import COLUMNS, PlanContext, spec_of  # noqa: E402
@@ -39,14 +37,6 @@ IMPORTS_S = time.perf_counter() - T0
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
-def _group(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
-    groups' presets as written, without their defaults list."""
-    if group == "hardware":
-        return OmegaConf.to_container(load_preset(group, name), resolve=True)
-    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
-    d.pop("defaults", None)
-    return d
 
 
 def _stages(schedule: str, pp: int, layers: int) -> list[int]:
@@ -91,8 +81,8 @@ def main() -> None:
     ap.add_argument("--with-memory", action="store_true",
                     help="optimizer bytes from xpar.estimate.columns.peak_memory (timed apart); default zeros")
     args = ap.parse_args()
-    ctx = PlanContext(model=_group("model", args.model), hardware=_group("hardware", args.hardware),
-                      train={"dtype": "bf16"}, framework=_group("framework", args.framework))
+    ctx = PlanContext(model=preset_dict("model", args.model), hardware=preset_dict("hardware", args.hardware),
+                      train={"dtype": "bf16"}, framework=preset_dict("framework", args.framework))
     world = int(ctx.hardware["devices_per_node"]) * int(ctx.hardware.get("nodes", 1))
     t = time.perf_counter()
     if args.generator == "space":

@@ -9,9 +9,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-from xpar.config.presets import conf_dir, load_preset
+from xpar.config.presets import preset_dict
 
 from xpar.estimate.cost import estimate
 from xpar.plan.context import PlanContext, spec_of
@@ -21,19 +20,11 @@ from xpar.plan.space import Constraints, enumerate_layouts
 CONF = pathlib.Path(__file__).resolve().parents[2] / "conf"
 
 
-def _group(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
-    groups' presets as written, without their defaults list."""
-    if group == "hardware":
-        return OmegaConf.to_container(load_preset(group, name), resolve=True)
-    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
-    d.pop("defaults", None)
-    return d
 
 
 def context(model: str, hardware: str, seq_len: int, framework: str = "xpar", dtype: str = "bf16") -> PlanContext:
-    return PlanContext(model=_group("model", model), hardware=_group("hardware", hardware),
-                       train={"dtype": dtype, "seq_len": seq_len}, framework=_group("framework", framework))
+    return PlanContext(model=preset_dict("model", model), hardware=preset_dict("hardware", hardware),
+                       train={"dtype": dtype, "seq_len": seq_len}, framework=preset_dict("framework", framework))
 
 
 def _devices(ctx: PlanContext) -> int:

@@ -10,12 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
-
-from xpar.config.presets import load_preset
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
-from xpar.config.presets import conf_dir
+from xpar.config.presets import conf_dir, preset_dict
 from xpar.config.remat import RECOMPUTE
 from xpar.estimate.cost import estimate, peak_memory
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
@@ -32,20 +29,12 @@ FRAMEWORK_VARIANT = {"name": "xpar", "count_buffers": False, "fused_rmsnorm": Fa
 recompute on half the blocks, optimizer in host memory."""
 
 
-def _preset(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
-    groups' presets as written, without their defaults list."""
-    if group == "hardware":
-        return OmegaConf.to_container(load_preset(group, name), resolve=True)
-    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
-    d.pop("defaults", None)
-    return d
 
 
 def context(model: str, hardware: str, framework, dtype: str = "bf16") -> PlanContext:
-    fw = framework if isinstance(framework, dict) else _preset("framework", framework)
-    train = {**_preset("train", "default"), **_preset("train", "cluster"), "dtype": dtype}
-    return PlanContext(model=_preset("model", model), hardware=_preset("hardware", hardware), train=train,
+    fw = framework if isinstance(framework, dict) else preset_dict("framework", framework)
+    train = {**preset_dict("train", "default"), **preset_dict("train", "cluster"), "dtype": dtype}
+    return PlanContext(model=preset_dict("model", model), hardware=preset_dict("hardware", hardware), train=train,
                        framework={k: v for k, v in fw.items() if k != "terms"})
 
 
@@ -370,7 +359,7 @@ def test_parameter_shapes_are_the_models():
     names = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
     assert "175b" in names and "tiny" in names
     for name in names:
-        d = _preset("model", name)
+        d = preset_dict("model", name)
         cfg = ModelConfig(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(ModelConfig)}})
         for n_blocks, first, last in ((0, True, True), (0, True, False), (0, False, True), (1, False, False),
                                       (2, True, True)):

@@ -14,9 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-from xpar.config.presets import conf_dir, load_preset
+from xpar.config.presets import preset_dict
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.remat import RECOMPUTE
@@ -30,19 +29,11 @@ HARDWARE = ("a100_80gb_8gpu", "a100_80gb_64gpu", "a100_80gb_1024gpu", "h100_80gb
 FRAMEWORKS = ("xpar", "megatron", "torchtitan", "deepspeed")
 
 
-def _group(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml: a hardware preset over its node preset (as Hydra composes it); other
-    groups' presets as written, without their defaults list."""
-    if group == "hardware":
-        return OmegaConf.to_container(load_preset(group, name), resolve=True)
-    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
-    d.pop("defaults", None)
-    return d
 
 
 def context(model: str, hardware: str, framework: str) -> PlanContext:
-    return PlanContext(model=_group("model", model), hardware=_group("hardware", hardware), train={"dtype": "bf16"},
-                       framework=_group("framework", framework))
+    return PlanContext(model=preset_dict("model", model), hardware=preset_dict("hardware", hardware), train={"dtype": "bf16"},
+                       framework=preset_dict("framework", framework))
 
 
 def _one(ctx: PlanContext, rng: np.random.Generator):
@@ -286,8 +277,8 @@ def test_time_columns_on_the_plan_space():
 def _cpu_columns(hw: dict, model: str, seed: int, n: int):
     """(specs, scalar estimates, time_columns) of ``n`` random fp32 layouts of ``model`` on the CPU
     hardware ``hw`` (framework xpar), after checking the planner equals the scalar estimate."""
-    ctx = PlanContext(model=_group("model", model), hardware=hw, train={"dtype": "fp32"},
-                      framework=_group("framework", "xpar"))
+    ctx = PlanContext(model=preset_dict("model", model), hardware=hw, train={"dtype": "fp32"},
+                      framework=preset_dict("framework", "xpar"))
     cols = random_candidates(ctx, np.random.default_rng(seed), n)
     specs = [spec_of(ctx, cols, i) for i in range(n)]
     ests = [estimate(sp) for sp in specs]
@@ -300,7 +291,7 @@ def _cpu_columns(hw: dict, model: str, seed: int, n: int):
 def test_time_columns_on_local_cpu_hardware():
     """hardware=local (this machine: CPU assumptions, no HBM or link figures, so no memory-bound
     or communication time), fp32: equal to the scalar estimate."""
-    hw = dict(_group("hardware", "local"), devices_per_node=4)
+    hw = dict(preset_dict("hardware", "local"), devices_per_node=4)
     for model in ("tiny", "mini"):
         specs, _, got = _cpu_columns(hw, model, 2, 6)
         assert specs[0].hardware.device == "cpu" and (got["time_dp_comm_exposed"] == 0).all()
@@ -314,7 +305,7 @@ def test_time_columns_with_measured_collective_curves():
               "allgather": [[512, 160.0], [2 ** 21, 2300.0], [2 ** 27, 226000.0]],
               "reduce_scatter": [[512, 700.0], [2 ** 21, 4900.0], [2 ** 27, 285000.0]],
               "send_recv": [[1024, 40.0], [2 ** 22, 1000.0], [2 ** 28, 54000.0]]}
-    hw = dict(_group("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
+    hw = dict(preset_dict("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
               intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
               op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2,
               ring_step_us_by_bytes=curves, sync_wait_us=900.0, optimizer_ns_per_element=3.4)
@@ -327,7 +318,7 @@ def test_time_columns_with_host_overhead_and_shared_cores():
     """A calibrated CPU preset (xpar calibrate: host time per operator, per DTensor operator and
     per FSDP2 unit, links and memory measured, 2 cores shared by up to 8 workers): equal to the
     scalar estimate, and the host term and the oversubscription are exercised."""
-    hw = dict(_group("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
+    hw = dict(preset_dict("hardware", "local"), device="cpu", devices_per_node=8, peak_tflops=0.11, hbm_tb_per_s=0.02,
               intra_node_gb_per_s=1.5, intra_node_latency_us=400.0, collective_latency_us=0.0, link_efficiency=1.0,
               op_overhead_us=2.1, dtensor_op_overhead_us=7.3, fsdp_unit_overhead_us=420.0, cpu_cores=2)
     for model in ("tiny", "mini"):

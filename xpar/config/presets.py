@@ -35,6 +35,17 @@ def load_preset(group: str, name: str) -> DictConfig:
     return OmegaConf.merge(*parts, *([] if "_self_" in order else [own])) if parts else own
 
 
+def preset_dict(group: str, name: str) -> dict:
+    """conf/<group>/<name>.yaml as a plain dict: a hardware preset over its node preset (:func:`load_preset`, as
+    Hydra composes it); other groups' presets as written, without their defaults list (what the planner's and
+    the estimate's tests build a spec from)."""
+    if group == "hardware":
+        return OmegaConf.to_container(load_preset(group, name), resolve=True)
+    d = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+    d.pop("defaults", None)
+    return d
+
+
 def check_presets(argv: list[str]) -> None:
     """Exit 2 naming the valid presets if an override ``group=name[,name...]`` names an
     unknown preset of a config group (model, parallel, hardware, train, data, tracking)."""
