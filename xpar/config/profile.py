@@ -17,8 +17,8 @@ class FrameworkConfig:
     Presets in conf/framework/ (xpar, megatron, megatron_core, torchtitan, llmfoundry, deepspeed,
     deepspeed_2021), each with its sources.
     The cost model's :class:`xpar.estimate.step_parts.Assumptions` are these fields but the plan's
-    (``step_parts.PLAN_FIELDS``), derived from this class; the memory fields are declared again in
-    ``xpar.estimate.model_states.MemoryOptions`` (tests/config/test_framework.py holds the defaults equal)."""
+    (``step_parts.PLAN_FIELDS``), and its ``MemoryOptions`` the ``model_states.MEMORY_FIELDS``: both derived from
+    this class, so each field and default is declared here only."""
 
     name: str = "xpar"
     """The framework profile (framework=<name>): whose memory and time behaviour an estimate assumes."""

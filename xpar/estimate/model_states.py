@@ -6,10 +6,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import field, fields, make_dataclass, replace
 from functools import lru_cache
 
 from xpar.config.layout import SCHEDULES
+from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import SELECTIVE_POLICIES
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
@@ -26,95 +27,18 @@ STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8), "fp8": (2, 2, 12)}
 the dry run's element counts; what a framework keeps is :func:`state_widths`."""
 
 
-@dataclass(frozen=True)
-class MemoryOptions:
-    """How the framework keeps memory; :class:`xpar.estimate.cost.Assumptions` extends it
-    with the time model's fields. Defaults: xpar on CUDA."""
+MEMORY_FIELDS = ("flash_attention", "dropout", "fused_rmsnorm", "sp_saves_gathered", "count_buffers",
+                 "selective_recompute", "recompute_layer_fraction", "param_storage", "grad_bytes",
+                 "optimizer_bytes", "fsdp_reshard_under_pp", "zero3_gather", "ddp_bucket_copy",
+                 "cpu_offload_optimizer", "zero1", "loss_kernel", "interleaved_m_per_pp", "fused_swiglu",
+                 "fp8_saves_inputs", "gqa_kv_expanded", "fp32_grad_partition",
+                 "replicated_embedding_grad", "fp8_param_gather", "fp8_weight_copies")
+"""The :class:`xpar.config.profile.FrameworkConfig` fields that decide what a framework keeps in memory (each
+documented there, with its default)."""
 
-    flash_attention: bool = True
-    """SDPA/flash attention: no s x s scores in memory (xpar's model)."""
-    dropout: bool = False
-    """xpar's model has no dropout; Megatron's GPT has (1-byte masks)."""
-    fused_rmsnorm: bool = True
-    """RMSNorm keeps only its input for backward (a fused kernel). False: torch's composite
-    RMSNorm, which also keeps x * rstd (one more e h per norm)."""
-    sp_saves_gathered: bool = True
-    """Sequence parallelism keeps the all-gathered (full-sequence) inputs of the column-parallel
-    projections for backward (torch DTensor); False: the shard, gathered again (Megatron)."""
-    count_buffers: bool = True
-    """Count what the framework allocates besides model states and saved activations (DDP
-    buckets, FSDP all-gather/reduce buffers, p2p buffers, recompute workspace, fp32 loss
-    temporaries). xpar's CPU accounting counts none of them: False for hardware=local."""
-    selective_recompute: str = "op"
-    """What parallel.recompute=selective keeps: 'op' (xpar: every matmul and tp-collective
-    output), 'torchtitan_op' (SDPA outputs + every other matmul output), 'attention'
-    (Megatron: recompute only the attention core; worthless under flash attention)."""
-    recompute_layer_fraction: float = 1.0
-    """Fraction of blocks the recompute policy applies to (torchtitan selective_layer: full
-    recompute on every other block = 0.5)."""
-    param_storage: str = "fp32"
-    """Mixed precision: 'fp32' (xpar, torchtitan: fp32 parameters are the master weights, bf16
-    compute copies) or 'bf16' (Megatron, DeepSpeed: bf16 parameters, fp32 master in the optimizer)."""
-    grad_bytes: int = 4
-    """Bytes per held gradient element under mixed precision (4: fp32 reduce/accumulate, FSDP2
-    reduce_dtype=fp32, Megatron main_grad; 2: bf16 gradients as in the ZeRO paper)."""
-    optimizer_bytes: int = 0
-    """Bytes per element of the optimizer's states under mixed precision, its master copy included;
-    0: the recipe's (8 with fp32 storage: two fp32 moments; 12 with bf16 storage: fp32 master and
-    moments). NeMo's apex DistributedFusedAdam: 10 (fp32 moments, the master's low 16 bits beside the
-    bf16 parameter: store_param_remainders) or 4 (optimizer dtype bf16: bf16 moments, no master)."""
-    fsdp_reshard_under_pp: bool = True
-    """ZeRO-3 under pp reshards parameters after each forward (xpar); False keeps them unsharded
-    between micro-batches (torchtitan: reshard_after_forward=False with pp)."""
-    zero3_gather: str = "unit"
-    """What ZeRO-3 gathers at once: 'unit' (an FSDP unit, a block, with the next prefetched: FSDP2,
-    torchtitan, xpar) or 'tensor' (one parameter tensor at a time, its gradient reduce-scattered
-    alone: DeepSpeed v0.3's ZeRO-3, partition_parameters._allgather_param)."""
-    ddp_bucket_copy: bool = True
-    """DDP copies gradients into communication buckets (torch default); False: gradients live in
-    the buffer (Megatron's contiguous grad buffer, gradient_as_bucket_view=True)."""
-    cpu_offload_optimizer: bool = False
-    """Optimizer states (and a bf16-storage master copy) in host memory: 0 device bytes."""
-    zero1: str = "zero_redundancy"
-    """ZeRO-1: 'zero_redundancy' (torch ZeroRedundancyOptimizer: whole tensors, greedy; gradients
-    all-reduced) or 'distributed_optimizer' (Megatron: even ranges of one flat buffer, ceil(n / dp);
-    gradients reduce-scattered)."""
-    loss_kernel: str = "fp32"
-    """The cross entropy: 'fp32' (xpar, torchtitan: ``cross_entropy(logits.float())`` keeps fp32
-    log-probs, 4 V/t bytes per token, and its backward holds two more dense fp32 gradients) or
-    'fused' (an in-place fused kernel: flash-attn's CrossEntropyLoss, llm-foundry's default
-    ``loss_fn='fused_crossentropy'``: keeps only the logits, the gradient written over them)."""
-    interleaved_m_per_pp: bool = False
-    """Megatron-LM's interleaved 1F1B (it needs m divisible by pp): at m == pp it runs every forward
-    before any backward on every rank (megatron/core/pipeline_parallel/schedules.py,
-    ``get_num_warmup_microbatches``: all warm-up when num_microbatches == pipeline size), where
-    torch's Interleaved1F1B warms rank k up with (v - 1) pp + 2 (pp - 1 - k) chunks
-    (:func:`xpar.estimate.activations.memory_schedule`)."""
-    fused_swiglu: bool = False
-    """SwiGLU as one kernel that keeps its input and recomputes silu (Megatron-Core's bias_swiglu_impl,
-    with bias_activation_fusion, NeMo's default): 3 e f per token kept, not eager torch's 4 e f."""
-    fp8_saves_inputs: bool = False
-    """Under train.dtype=fp8 the linear layers keep their inputs for the weight gradient in FP8, 1
-    byte per element, not the compute width's 2 (Transformer Engine's fp8 Linear saves the cast
-    input: Megatron-Core, NeMo). False: kept at the compute width (xpar)."""
-    gqa_kv_expanded: bool = True
-    """Attention keeps GQA's K and V expanded to all query heads (xpar's model and torchtitan repeat
-    them before SDPA); False: at their own kv_heads x head_dim width (fused GQA kernels:
-    Transformer Engine, flash-attn)."""
-    fp32_grad_partition: bool = False
-    """DeepSpeed's ZeRO-1/2 optimizer casts the rank's gradient partition to fp32 at each step (+4 bytes per
-    element of its optimizer partition: xpar.estimate.zero12_step); False: no such copy (xpar, Megatron)."""
-    replicated_embedding_grad: bool = True
-    """A deferred gradient of the vocabulary-parallel token embedding is held whole (V x h) on
-    every tp rank (:func:`replicated_embedding_grad_numel`): torch DTensor's behaviour (xpar,
-    torchtitan). False: the gradient stays vocabulary-sharded as its parameter (Megatron's
-    VocabParallelEmbedding, DeepSpeed with Megatron's tp)."""
-    fp8_param_gather: bool = False
-    """FP8 block weights under fp8: the parameter all-gather moves 1 byte (xpar.estimate.fp8_params), and
-    no bf16 copy beside Transformer Engine's FP8 one (xpar.estimate.fp8_weights)."""
-    fp8_weight_copies: bool = False
-    """Under fp8 each block's linear weight keeps an FP8 copy and its transpose, +2 bytes per element
-    (Transformer Engine: xpar.estimate.fp8_weights); False: FP8 casts transient (torchao float8)."""
+
+class _FromAssumptions:
+    """The constructor of :data:`MemoryOptions` (a mixin: its fields come from FrameworkConfig)."""
 
     @classmethod
     def of(cls, assume=None, **overrides) -> "MemoryOptions":
@@ -127,6 +51,13 @@ class MemoryOptions:
         if vals.get("selective_recompute", "op") not in SELECTIVE_POLICIES:
             raise ValueError(f"selective_recompute={vals['selective_recompute']!r}; expected one of {SELECTIVE_POLICIES}")
         return cls(**vals)
+
+
+MemoryOptions = make_dataclass(
+    "MemoryOptions", [(f.name, f.type, field(default=f.default)) for f in fields(FrameworkConfig) if f.name in MEMORY_FIELDS],
+    bases=(_FromAssumptions,), frozen=True, namespace={"__module__": __name__})
+MemoryOptions.__doc__ = """How the framework keeps memory: the :data:`MEMORY_FIELDS` of FrameworkConfig with its defaults
+(xpar on CUDA); frozen. :class:`xpar.estimate.step_parts.Assumptions` extends it with the time model's fields."""
 
 
 MEMORY_PROFILES = {
