@@ -84,7 +84,7 @@ def local_cuda_problems(target, layout: Layout) -> list[str]:
     here = f"has {have} CUDA device{'s' if have != 1 else ''}" if have else "has no CUDA device"
     return [f"{ranks} ranks exceed hardware={hw.name}'s devices_per_node={hw.devices_per_node} (the preset's "
             f"GPUs per node; xpar starts local workers on one node), and this machine {here}; estimate the "
-            f"cluster instead: run.mode=estimate, or run on this machine: hardware=local with degrees that fit it."]
+            f"cluster instead: run.mode=estimate, or run locally: hardware=local with degrees that fit it."]
 
 
 LATE_RANGES = ("run.fail_rank", "run.hang_rank")
