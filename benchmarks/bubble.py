@@ -6,7 +6,7 @@ and 1F1B at m = 1, 2, 4, 8 micro-batches (1F1B needs m >= pp, so no m = 1). Each
 through xpar's real path (launcher, engine factory, PipelineStage, torch schedule, per-action
 timers) and its per-rank records are read back: per timed step (warm-up excluded)
 
-    measured   1 - sum_ranks busy / (pp * step time)    (xpar.estimate.bubble.step_bubbles)
+    measured   1 - sum_ranks busy / (pp * step time)    (xpar.track.bubble.step_bubbles)
     simulated  the executed action order replayed with the measured action times, free comm
     theory     (p - 1) / (m + p - 1)
 
@@ -45,7 +45,7 @@ def _spec(schedule: str, m: int, steps: int):
 
 
 def measure(schedule: str, m: int, steps: int) -> dict:
-    from xpar.estimate.bubble import pipelines, step_bubbles
+    from xpar.track.bubble import pipelines, step_bubbles
     from xpar.estimate.schedule import bubble_theory as theory
     from xpar.models.shapes import param_count
     from xpar.run.launch import launch_local

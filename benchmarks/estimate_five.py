@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from xpar.calibrate.published import cp_fp8_case, published_figure, read_table  # noqa: E402
 from xpar.estimate.cost import estimate  # noqa: E402
-from xpar.estimate.kernel_costs import kernel_priced  # noqa: E402
+from xpar.estimate.compute.kernel_costs import kernel_priced  # noqa: E402
 
 GRID = [round(0.60 + 0.01 * i, 2) for i in range(36)]
 """fp8_matmul_efficiency values tried by the refit (0.60-0.95)."""

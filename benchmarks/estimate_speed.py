@@ -9,7 +9,7 @@ process) and then REPEATS times warm (memoised shapes, shard sizes and schedule 
 a planner's or a sweep's repeated calls). Both must stay under 50 ms whatever the world size.
 Before issue 10 the 175B/1024 ZeRO-3 estimate took ~0.5-1 s: fsdp_shard_numel was called for
 every parameter of every one of the 1024 dp ranks (1.58 M calls); it is now called for one
-rank (:func:`xpar.estimate.memory.held_numel`).
+rank (:func:`xpar.estimate.memory.per_device.held_numel`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def spec_of(overrides: tuple):
 
     import xpar.config.schema  # noqa: F401
     from xpar.config.presets import conf_dir
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -46,7 +46,7 @@ def main() -> dict[str, float]:
     """Print one estimate's time per layout; return the slower of cold and warm (seconds)."""
     import torch  # noqa: F401  (imported once, as in any xpar process; not part of an estimate)
 
-    from xpar.estimate import memory as mem
+    from xpar.estimate.memory import per_device as mem
     from xpar.estimate.cost import assumptions_for, estimate
 
     out = {}

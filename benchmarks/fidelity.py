@@ -4,7 +4,7 @@ For each layout (dp, zero1, zero2, zero3, tp, pp with gpipe, 1f1b, torch's zero-
 InterleavedZeroBubble) and 1f1b over uneven stages (first stage 1 block of mini's 4), 3D pp2 x dp2 x tp2;
 models mini and small by default), run xpar's real path on local gloo workers (launcher, engine
 factory, train loop) and print the estimated and measured step time, peak memory per
-device and bubble ratio (xpar.estimate.fidelity: the run's own estimate on its hardware), then the
+device and bubble ratio (xpar.run.fidelity: the run's own estimate on its hardware), then the
 median and max |ratio - 1| over the layouts. Targets (issue "xpar calibrate and the closed
 loop"): median |step-time ratio - 1| <= 15 %, max <= 35 %; peak memory within 5 %; bubble
 within 0.05.
@@ -36,11 +36,11 @@ on 2 vCPUs.
 
 ``xpar calibrate`` measures compute in CPU seconds (what the work costs a core, whatever else the
 machine runs); the estimate stretches a step only for its own workers outnumbering the cores
-(xpar.estimate.host.oversubscription). A shared machine's other load stretches it too, and by
+(xpar.estimate.compute.host.oversubscription). A shared machine's other load stretches it too, and by
 the minute: each run's workers' CPU share over the timed steps (the main threads' schedstat: ns
 on a core / ns runnable, ``share``) and the hypervisor's steal over the same window (``/proc/stat``:
 time the VM's vCPUs ran nothing of this guest, which neither counts) give the cores they got
-(xpar.estimate.fidelity.cores_got), and the
+(xpar.run.fidelity.cores_got), and the
 estimate on those cores is printed beside the plain one (``est got``, ``got/meas``).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _spec(layout: list[str], model: str, hardware: str, steps: int):
 
     import xpar.config.schema  # noqa: F401
     from xpar.config.presets import conf_dir
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -108,7 +108,7 @@ def _children() -> list[int]:
 
 
 class ShareSampler:
-    """Samples the workers' threads (xpar.estimate.fidelity.task_cpu_ns) every ``period`` seconds while a
+    """Samples the workers' threads (xpar.run.fidelity.task_cpu_ns) every ``period`` seconds while a
     run goes on, with the machine's steal ticks; :meth:`window` is their CPU share and the steal
     fraction between two wall times (the timed steps)."""
 
@@ -121,7 +121,7 @@ class ShareSampler:
     def _run(self) -> None:
         import time
 
-        from xpar.estimate.fidelity import machine_jiffies, task_cpu_ns
+        from xpar.run.fidelity import machine_jiffies, task_cpu_ns
         pids: list[int] = []
         while not self.stop.wait(self.period):
             pids = pids if len(self.samples) % 10 else _children()  # the workers: looked up once a second
@@ -139,7 +139,7 @@ class ShareSampler:
         """(CPU share of the workers, steal fraction of the machine) between the last sample
         before ``t0`` and the first after ``t1`` (the whole run's where none brackets them);
         (1.0, 0.0) without samples."""
-        from xpar.estimate.fidelity import cpu_share, steal_fraction
+        from xpar.run.fidelity import cpu_share, steal_fraction
 
         s = [x for x in self.samples if x[1]]
         if len(s) < 2:
@@ -159,11 +159,11 @@ def _timed_window(out: Path, warmup: int) -> tuple[float, float]:
 
 
 def measure(name: str, layout: list[str], model: str, hardware: str, steps: int) -> dict:
-    """One real run; its measured and estimated figures (xpar.estimate.fidelity), and the estimate again
-    on the cores its workers got (``est_got_s``, ``got_ratio``: xpar.estimate.fidelity.cores_got from
+    """One real run; its measured and estimated figures (xpar.run.fidelity), and the estimate again
+    on the cores its workers got (``est_got_s``, ``got_ratio``: xpar.run.fidelity.cores_got from
     their CPU share over the timed steps, ``share``)."""
     from xpar.estimate.cost import estimate, with_hardware
-    from xpar.estimate.fidelity import cores_got
+    from xpar.run.fidelity import cores_got
     from xpar.run.job import _summarize
     from xpar.run.launch import launch_local
 

@@ -2,7 +2,7 @@
 
     python benchmarks/kernels.py [--dtype bf16|fp8] [--launch]
 
-Prints, for each GPU node preset, the fraction of the dtype's dense peak that xpar.estimate.kernels
+Prints, for each GPU node preset, the fraction of the dtype's dense peak that xpar.estimate.compute.kernels
 gives square GEMMs (n x n x n) and transformer shapes (M tokens against an expert's 768-wide
 projection, a 70B's tp-8 MLP, an 8192 x 8192 projection). ``--launch`` adds the device's launch gap,
 as a timing loop of back-to-back calls measures it. No GPU is used: these are the model's figures,
@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 from xpar.config.checks.hardware import load_hardware_preset
-from xpar.estimate.kernels import device_of, gemm_fraction_of_peak
+from xpar.estimate.compute.kernels import device_of, gemm_fraction_of_peak
 
 NODES = ["a100_80gb_node", "h100_80gb_node", "h200_141gb_node", "b200_180gb_node", "gb200_nvl72_node"]
 SQUARE = [256, 512, 1024, 2048, 4096, 8192, 16384]

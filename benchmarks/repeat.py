@@ -5,7 +5,7 @@ throughput's location and spread: tokens/s median, min-max and coefficient of va
     python benchmarks/repeat.py --runs 5 parallel=zero3 train.steps=20
 
 Each run's tokens/s is xpar's own (global tokens per step / median timed step time), read
-from its ``ranks.json`` via :func:`xpar.estimate.report.summarize_measured` on the validated spec.
+from its ``ranks.json`` via :func:`xpar.track.report.summarize_measured` on the validated spec.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def run_once(overrides: list[str], out_dir: Path) -> float:
     from tests.conftest import (
         spec_for,  # the same composition and validation as the CLI
     )
-    from xpar.estimate.report import summarize_measured
+    from xpar.track.report import summarize_measured
 
     cmd = [sys.executable, "-m", "xpar", "tracking=off", "run.progress=false",
            f"hydra.run.dir={out_dir}", *overrides]

@@ -1,6 +1,6 @@
 """Resident memory (RSS) of one spawned process that imported torch and built model=tiny, as a
 local CPU worker does before it trains: the per-process baseline that the cost model's
-per-worker figure does not count (xpar.estimate.preflight.WORKER_BASELINE_BYTES).
+per-worker figure does not count (xpar.estimate.preflight.check.WORKER_BASELINE_BYTES).
 
     python benchmarks/worker_rss.py [--repeat 3]
 """

@@ -78,14 +78,19 @@ def config_reference() -> str:
 LAYERS = ("config", "models", "parallel", "estimate", "track", "plan", "run", "calibrate")
 
 
+def _stems(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+
+
 def layers() -> str:
     """Markdown: each package of ``xpar/``, lowest layer first, with its docstring."""
     rows = []
     for i, pkg in enumerate(LAYERS, 1):
         doc = ast.get_docstring(ast.parse((ROOT / "xpar" / pkg / "__init__.py").read_text())) or ""
-        mods = sorted(p.stem for p in (ROOT / "xpar" / pkg).glob("*.py") if p.stem != "__init__")
+        mods = [f"`{m}`" for m in _stems(ROOT / "xpar" / pkg)]
+        mods += [f"`{p.parent.name}/` ({', '.join(_stems(p.parent))})" for p in (ROOT / "xpar" / pkg).glob("*/__init__.py")]
         doc = _plain(doc)
-        rows.append(f"### {i}. `xpar/{pkg}/`\n\n{doc}\n\nModules: " + ", ".join(f"`{m}`" for m in mods) + "\n")
+        rows.append(f"### {i}. `xpar/{pkg}/`\n\n{doc}\n\nModules: " + ", ".join(sorted(mods)) + "\n")
     return "\n".join(rows)
 
 

@@ -37,7 +37,7 @@ def compose(*overrides: str):
 
 def spec_for(*overrides: str, local_devices: int = 2) -> RunSpec:
     """A validated RunSpec (tracking off, no progress bar)."""
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     cfg = compose("tracking=off", "run.progress=false", *overrides)
     return check_run(cfg, local_devices=local_devices)

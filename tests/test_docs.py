@@ -69,7 +69,7 @@ def test_every_command_runs_or_is_validated_or_is_run_elsewhere(page, tmp_path):
     memory fit); the rest are named with the test that runs them; a command with a placeholder
     (``<date>``) is validated without its placeholder's override."""
     from xpar.config.overrides import refuse_bad_overrides
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
     for cmd in commands(page):
         if any(cmd.startswith(prefix) for prefix in COVERED_ELSEWHERE):
             continue

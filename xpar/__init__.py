@@ -7,8 +7,8 @@ LAZY_IMPORTS = {
     "xpar.track.sweep": {"xpar.track.parent_run": "pandas"},
     "xpar.run.job": {"xpar.run.launch": "torch", "xpar.run.worker": "torch"},
     "xpar.run.checkpoint": {"xpar.parallel.optim": "torch"},
-    "xpar.estimate.dryrun": {"xpar.parallel.factory": "torch", "xpar.parallel.mesh": "torch",
-                             "xpar.parallel.memory_accounting": "torch"},
+    "xpar.run.dryrun": {"xpar.parallel.factory": "torch", "xpar.parallel.mesh": "torch",
+                        "xpar.parallel.memory_accounting": "torch"},
 }
 """The only imports of xpar's own modules inside functions, and why: each would pull torch or pandas
 (mlflow's run tables) into the command line's fast path (``xpar --help``, ``xpar plan``) or the

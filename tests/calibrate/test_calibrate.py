@@ -13,8 +13,8 @@ from tests.conftest import spec_for
 def test_alpha_beta_fit_recovers_the_model():
     """Timings made from t = steps * alpha + ring_bytes / beta give alpha and beta back."""
     from xpar.calibrate.preset import fit_alpha_beta
-    from xpar.estimate.collectives import ring_steps
-    from xpar.estimate.comm import ring_factor
+    from xpar.estimate.comm.collectives import ring_steps
+    from xpar.estimate.comm.volume import ring_factor
 
     alpha, beta, n = 25e-6, 3e9, 4
     timings = {c: {s: ring_steps(c, n) * alpha + (s if c == "send_recv" else ring_factor(c, n) * s) / beta
@@ -31,7 +31,7 @@ def test_pipeline_sends_pay_the_measured_point_to_point_latency():
     from dataclasses import replace
 
     from xpar.calibrate.preset import fit_p2p_latency
-    from xpar.estimate.collectives import p2p_time
+    from xpar.estimate.comm.collectives import p2p_time
 
     beta = 2e9
     timings = {"send_recv": {s: 50e-6 + s / beta for s in (2 ** 10, 2 ** 16, 2 ** 20)},
@@ -52,7 +52,7 @@ def test_measured_ring_step_curves_replace_alpha_beta_inside_a_node():
     from dataclasses import replace
 
     from xpar.calibrate.preset import monotone, ring_step_curves
-    from xpar.estimate.collectives import Group, collective_time, curve_at, p2p_time
+    from xpar.estimate.comm.collectives import Group, collective_time, curve_at, p2p_time
 
     w = 2
     timings = {"allgather": {2 ** 20: 1e-3, 2 ** 24: 20e-3, 2 ** 26: 200e-3},  # super-linear, as gloo's here
@@ -84,7 +84,7 @@ def test_cpu_share_and_the_cores_a_run_got():
     """The workers' CPU share between two schedstat samples (ns on a core / ns runnable) and the
     cores that makes: all of them when the share is 1 or the workers are fewer; 8 workers on 2
     cores at share 0.2 had 1.6 cores (the estimate's stretch then 5, not 4)."""
-    from xpar.estimate.fidelity import cores_got, cpu_share, task_cpu_ns
+    from xpar.run.fidelity import cores_got, cpu_share, task_cpu_ns
 
     before = {(1, 1): (100, 0), (1, 2): (0, 0), (9, 9): (5, 5)}
     after = {(1, 1): (400, 100), (1, 2): (100, 400)}  # thread (9, 9) ended: left out
@@ -92,7 +92,7 @@ def test_cpu_share_and_the_cores_a_run_got():
     assert cpu_share({}, {}) == 1.0
     assert cores_got(1.0, 2, 1, 2) == 2 and cores_got(0.5, 2, 1, 2) == 1.0 and cores_got(0.2, 8, 1, 2) == 1.6
     assert cores_got(1.0, 2, 1, 2, steal=0.1) == pytest.approx(1.8)  # the hypervisor ran another guest 10 % of the time
-    from xpar.estimate.fidelity import machine_jiffies, steal_fraction
+    from xpar.run.fidelity import machine_jiffies, steal_fraction
     assert steal_fraction((10, 1000), (30, 1200)) == pytest.approx(0.1) and steal_fraction((0, 0), (0, 0)) == 0.0
     steal, total = machine_jiffies()
     assert 0 <= steal <= total and total > 0  # Linux /proc/stat
@@ -116,7 +116,7 @@ def test_cpu_matmul_efficiency_makes_the_cost_model_time_the_measured_reference_
     from xpar.calibrate.preset import fit_block_efficiency
     from xpar.config.schema import HardwareConfig, ModelConfig
     from xpar.estimate.cost import Assumptions, layer_costs
-    from xpar.estimate.host import block_ops
+    from xpar.estimate.compute.host import block_ops
 
     cfg, peak, hbm, op_us = ModelConfig(**REFERENCE_BLOCK), 0.2, 0.015, 2.5
     spec = NS(model=cfg, seq_len=cfg.seq_len, tp=1, train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"),
@@ -189,7 +189,7 @@ def test_calibrate_writes_a_preset_that_runs_use(tmp_path):
         got = spec.hardware.ring_step_us_by_bytes["allgather"]
         assert [b for b, _ in got] == [b for b, _ in curves["allgather"]]
         assert [us for _, us in got] == pytest.approx([us for _, us in curves["allgather"]])
-        host = raw["host"]  # host time per operator, per DTensor operator, per FSDP2 unit (xpar.estimate.host)
+        host = raw["host"]  # host time per operator, per DTensor operator, per FSDP2 unit (xpar.estimate.compute.host)
         assert 0 < host["op_overhead_us"] < 1000 and host["dtensor_op_overhead_us"] > 0
         assert host["fsdp_unit_overhead_us"] > 0 and host["block_ops"] > 100
         assert host["tp_block_overhead_us"] > 0 and host["tp_last_overhead_us"] > 0  # DTensor under the tp plan
@@ -256,7 +256,7 @@ def _dispatched(fn) -> int:
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("position", ["rope", "learned"])
 def test_operator_counts_are_the_models(norm, position):
-    """xpar.estimate.host's operator counts equal what the model dispatches (TorchDispatchMode),
+    """xpar.estimate.compute.host's operator counts equal what the model dispatches (TorchDispatchMode),
     for a block, the first stage's embeddings and the last stage's norm, logits and loss, over
     activation, bias and grouped K/V."""
     import itertools
@@ -264,7 +264,7 @@ def test_operator_counts_are_the_models(norm, position):
 
     import torch
 
-    from xpar.estimate.host import block_ops, end_ops
+    from xpar.estimate.compute.host import block_ops, end_ops
     from xpar.models.transformer import Block, Transformer
     from xpar.parallel.factory import cross_entropy
 
@@ -300,7 +300,7 @@ def test_every_collective_and_send_waits_for_its_peers_once_per_call_unstretched
     not its waits (a waiting worker holds no core)."""
     from dataclasses import replace
 
-    from xpar.estimate.collectives import Group, collective_time, p2p_time
+    from xpar.estimate.comm.collectives import Group, collective_time, p2p_time
     from xpar.estimate.cost import estimate, with_hardware
     spec = spec_for("parallel=tp", "model=tiny", "hardware=local", "hardware.peak_tflops=0.1",
                     "hardware.intra_node_gb_per_s=1.5", "hardware.cpu_cores=2")
@@ -352,7 +352,7 @@ def test_tp_host_time_is_the_measured_block_and_ends_else_the_linears_operators(
     operators per linear."""
     from dataclasses import replace
 
-    from xpar.estimate.host import LINEAR_OPS, host_costs
+    from xpar.estimate.compute.host import LINEAR_OPS, host_costs
 
     spec = spec_for("parallel=tp", "hardware=local")
     base = dict(op_overhead_us=2.0, dtensor_op_overhead_us=7.0)
@@ -371,7 +371,7 @@ def test_estimated_idle_is_the_measured_definition():
     """fidelity's estimated bubble is 1 - sum busy / (pp x schedule time), as measured: the
     schedule's bubble for balanced stages without send time; a lighter stage idles too; exposed
     sends are idle time; host time after the schedule is left out."""
-    from xpar.estimate.fidelity import estimated_idle
+    from xpar.run.fidelity import estimated_idle
 
     m, beta = 4, 0.2
     balanced = {"matmul": m * 1.0, "bubble": beta / (1 - beta) * m * 1.0}
@@ -401,7 +401,7 @@ def test_estimated_idle_of_3d_counts_fsdp_gathers_as_busy():
     from dataclasses import replace
 
     from xpar.estimate.cost import estimate
-    from xpar.estimate.fidelity import _dp_end, _host_outside, estimated_idle
+    from xpar.run.fidelity import _dp_end, _host_outside, estimated_idle
 
     spec = spec_for("parallel=3d_local", "hardware.intra_node_gb_per_s=1.5", "hardware.hbm_tb_per_s=0.02",
                     "hardware.peak_tflops=0.1", "hardware.cpu_cores=2", "hardware.op_overhead_us=2",
@@ -431,7 +431,7 @@ def test_passes_over_the_gradients_are_counted_on_the_cpu():
         gradient_time,
         reduced_grad_bytes,
     )
-    from xpar.estimate.host import oversubscription
+    from xpar.estimate.compute.host import oversubscription
 
     assert gradient_time(1e9, 1e9, 4, 1, True, 0.01, 3.0) == pytest.approx(1e9 * (3 * 3 + 1 + 2) / 1e10)
     assert gradient_time(1e9, 5e8, 4, 2, True, 0.01, 3.0) == pytest.approx((1e9 * 3 * 3 + 5e8 * (1 + 2 + 2)) / 1e10)

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import compose
 from xpar.config.presets import presets
 from xpar.estimate.cost import TIME_TERMS, Assumptions, assumptions_for, estimate
-from xpar.estimate.model_states import MEMORY_TERMS
+from xpar.estimate.memory.model_states import MEMORY_TERMS
 
 LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
     ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
@@ -130,7 +130,7 @@ def test_breakdown_sums_to_the_step_time(name):
 def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
     """The issue's command, with the micro-batches pp=2 needs and full recompute (Megatron's
     unfused attention at s=4096 keeps ~90 GB of scores otherwise): validated, fits, estimated."""
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
     cfg = compose("model=70b", "parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batches=8",
                   "parallel.recompute=full", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron",
                   "tracking=off")
@@ -254,8 +254,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
     tp rank under torch DTensor (measured in xpar's engine), sharded under Megatron's
     VocabParallelEmbedding: the first pipeline rank's grads differ by exactly (t - 1) V/t h elements
     at the profile's gradient width."""
-    from xpar.estimate.memory import memory
-    from xpar.estimate.model_states import held_numel, state_widths
+    from xpar.estimate.memory.per_device import memory
+    from xpar.estimate.memory.model_states import held_numel, state_widths
 
     _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:])
     a = assumptions_for(spec)

@@ -12,7 +12,7 @@ from tests.conftest import spec_for
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
 from xpar.config.presets import conf_dir, load_preset
 from xpar.estimate.cost import estimate
-from xpar.estimate.kernels import device_of
+from xpar.estimate.compute.kernels import device_of
 
 KERNEL_FIELDS = {"sm_count", "gemm_tile_m", "gemm_tile_n", "gemm_efficiency", "gemm_efficiency_fp8",
                  "attention_efficiency", "attention_bwd_efficiency", "kernel_launch_us", "sustained_efficiency", "sharp"}

@@ -81,7 +81,7 @@ def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_p
     the resolved spec) gives no Report; the run ends FAILED (xpar.track.runs.mlflow_run), exit 2."""
     from dataclasses import replace
 
-    from xpar.estimate.estimate_mode import EstimateError, estimate_report
+    from xpar.run.estimate_mode import EstimateError, estimate_report
 
     spec = spec_for("run.mode=estimate", "hardware=h100_80gb_64gpu", "model=mixtral_8x7b", "parallel.ep=8",
                     "parallel.zero_stage=3", "parallel.recompute=full", "train.micro_batch_size=1", "run.dry_run=false")

@@ -147,7 +147,7 @@ def test_no_function_over_60_lines():
 @pytest.mark.slow
 def test_layout_validation_and_cost_model_do_not_import_torch():
     code = ("import sys, xpar.config.layout, xpar.config.checks.config, xpar.config.checks.layout, xpar.config.resolve, xpar.config.validate, "
-            "xpar.estimate.cost, xpar.estimate.comm, xpar.estimate.schedule; "
+            "xpar.estimate.cost, xpar.estimate.comm.volume, xpar.estimate.schedule; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
@@ -188,7 +188,7 @@ def test_every_preset_composes_and_validates(group):
     except the presets that exist to show a refusal (named in their file)."""
     from xpar.config.checks import ConfigError
     from xpar.config.presets import conf_dir
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     for name in _presets(group):
         text = (conf_dir() / group / f"{name}.yaml").read_text()

@@ -33,8 +33,8 @@ def test_both_memory_charts_colour_each_term_alike():
     from matplotlib.colors import to_hex
 
     from tests.conftest import spec_for
-    from xpar.estimate.figures import memory_figure as estimate_figure
-    from xpar.estimate.memory import memory
+    from xpar.track.estimate_figures import memory_figure as estimate_figure
+    from xpar.estimate.memory.per_device import memory
     from xpar.track.compare import headline_table, memory_figure
 
     runs = pd.DataFrame([{"run_id": "r0", "tags.mlflow.runName": "tiny", "tags.xpar.mode": "execute",

@@ -282,7 +282,7 @@ def refusal(argv: list[str], start: Path, monkeypatch, capsys) -> tuple[int, str
 
 def _accepted(argv: list[str]) -> bool:
     from xpar.config.overrides import override_problems
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     if override_problems(argv):
         return False
@@ -387,7 +387,7 @@ def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):
     from dataclasses import replace
 
     from tests.conftest import spec_for
-    from xpar.estimate.duration import duration_problems
+    from xpar.estimate.preflight.duration import duration_problems
 
     spec = spec_for("train.seq_len=100000", "run.allow_long=true")
     assert "pass run.allow_long=true" in duration_problems(spec)[0]

@@ -9,9 +9,9 @@ import pytest
 from tests.conftest import spec_for
 from xpar.config.checks import ConfigError
 from xpar.config.remat import POLICIES, RECOMPUTE, extra_forward_flops_per_layer, policy_name, stage_share
-from xpar.estimate import activations
+from xpar.estimate.memory import activations
 from xpar.estimate.cost import estimate
-from xpar.estimate.flops import forward_flops_per_token, hardware_flops_per_token, model_flops_per_token
+from xpar.estimate.compute.flops import forward_flops_per_token, hardware_flops_per_token, model_flops_per_token
 
 
 def _spec(*overrides: str):

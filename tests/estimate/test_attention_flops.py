@@ -8,7 +8,7 @@ from xpar.calibrate.published import preset
 from xpar.config.checks.config import check_mla
 from xpar.config.remat import extra_forward_flops_per_layer
 from xpar.config.schema import ModelConfig
-from xpar.estimate.flops import forward_flops_per_token, model_flops_per_token
+from xpar.estimate.compute.flops import forward_flops_per_token, model_flops_per_token
 
 
 def _deepseek_v3(**changes) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""What DeepSpeed's 2021 ZeRO-3 gathers and reduces, tensor by tensor (xpar.estimate.deepspeed_zero3), and its time."""
+"""What DeepSpeed's 2021 ZeRO-3 gathers and reduces, tensor by tensor (xpar.estimate.frameworks.deepspeed_zero3), and its time."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,9 +10,9 @@ import pytest
 from xpar.calibrate import published as cal
 from xpar.calibrate.published import framework_assumptions
 from xpar.estimate.cost import estimate
-from xpar.estimate.deepspeed_zero3 import block_traffic, modules, traffic
-from xpar.estimate.dp import unit_elements, unit_times
-from xpar.estimate.model_states import block_shapes
+from xpar.estimate.frameworks.deepspeed_zero3 import block_traffic, modules, traffic
+from xpar.estimate.comm.dp import unit_elements, unit_times
+from xpar.estimate.memory.model_states import block_shapes
 
 DATA = Path(__file__).parents[1] / "data"
 

@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import spec_for
 from xpar.calibrate.published import make_spec, preset, read_table
-from xpar.estimate import activations, model_states
-from xpar.estimate import memory as mem
+from xpar.estimate.memory import activations, model_states
+from xpar.estimate.memory import per_device as mem
 from xpar.estimate.columns.layout_memory import layout_memory
 from xpar.estimate.cost import with_hardware
 from xpar.estimate.schedule import one_f_one_b_actions, peak_in_flight, torch_actions
@@ -337,7 +337,7 @@ def known_spec(row: dict):
 
 
 def profile(framework: str, **changes) -> dict:
-    """memory() options of a framework's memory profile (xpar.estimate.memory.MEMORY_PROFILES)."""
+    """memory() options of a framework's memory profile (xpar.estimate.memory.per_device.MEMORY_PROFILES)."""
     return {**model_states.MEMORY_PROFILES[framework], **changes}
 
 

@@ -163,7 +163,7 @@ def test_memory_headroom_refuses_what_leaves_too_little_free():
 
 def test_estimate_on_pipeline_names_the_loaded_stage():
     s = spec_for("parallel=3d", "model=70b")
-    from xpar.estimate.preflight import fit_problem
+    from xpar.estimate.preflight.check import fit_problem
     tight = replace(s, hardware=replace(s.hardware, device_memory_gb=50))
     msg = fit_problem(tight)
     assert "pipeline rank 0 (stages 0,4)" in msg and "of 4 pipeline ranks are over" in msg
@@ -182,7 +182,7 @@ def test_estimate_on_pipeline_names_the_loaded_stage():
       "parallel.pp=4", "parallel.micro_batches=4"), None),                  # DDP + PipelineStage
 ], ids=["70b-tp8-dp8-z3", "70b-tp8-dp8-z2", "175b-first-last", "7b-zero1", "small-pp4"])
 def test_dry_run_param_bytes_equal_the_analytic_ones(overrides, coords):
-    from xpar.estimate.dryrun import dry_run
+    from xpar.run.dryrun import dry_run
 
     spec = spec_for(*overrides)
     d = dry_run(spec, coords)
@@ -192,7 +192,7 @@ def test_dry_run_param_bytes_equal_the_analytic_ones(overrides, coords):
 
 
 def test_dry_run_turns_torch_refusals_into_plan_errors():
-    from xpar.estimate.dryrun import PlanError, dry_run
+    from xpar.run.dryrun import PlanError, dry_run
 
     s = spec_for("parallel=pp", "model=small", "model.tied_embeddings=false", "hardware=a100_80gb_8gpu",
                  "train=cluster", "parallel.pp=4", "parallel.micro_batches=4", "parallel.schedule=1f1b")
@@ -204,7 +204,7 @@ def test_dry_run_turns_torch_refusals_into_plan_errors():
 
 
 def test_estimate_report_fields(tmp_path):
-    from xpar.estimate.estimate_mode import estimate_report
+    from xpar.run.estimate_mode import estimate_report
 
     spec = spec_for("parallel=3d", "model=70b", "run.dry_run=false")
     r = estimate_report(spec, tmp_path)
@@ -285,7 +285,7 @@ def test_estimated_memory_equals_measured(measured, layout):
     RMSNorm's rstd, RoPE's cos/sin, and zero-bubble schedules freeing part of a micro-batch at
     I where the estimate frees it at W)."""
     from xpar.estimate.cost import assumptions_for, peak_memory
-    from xpar.estimate.memory import model_state_bytes
+    from xpar.estimate.memory.per_device import model_state_bytes
 
     specs, out = measured
     spec = specs[layout]
@@ -304,7 +304,7 @@ def test_estimated_memory_equals_measured(measured, layout):
 @pytest.mark.parametrize("layout", ["tp", "tp_sp"])
 def test_estimated_tp_comm_equals_measured(measured, layout):
     from xpar.estimate.cost import assumptions_for, estimate
-    from xpar.estimate.estimate_mode import comm_metrics
+    from xpar.run.estimate_mode import comm_metrics
 
     specs, out = measured
     est = comm_metrics(specs[layout], estimate(specs[layout], assumptions_for(specs[layout])).comm_bytes)
@@ -317,7 +317,7 @@ def test_estimated_tp_comm_equals_measured(measured, layout):
 def test_estimate_mode_on_this_machine_reports_the_measured_layout(measured, tmp_path):
     """run.mode=estimate hardware=local gives the Report the cost model gives the executed
     layout: the same per-device bytes as measured on the most loaded rank."""
-    from xpar.estimate.estimate_mode import estimate_report
+    from xpar.run.estimate_mode import estimate_report
 
     specs, out = measured
     est_spec = spec_for(*LAYOUTS["zero3"], *RUN, "run.mode=estimate")

@@ -11,14 +11,15 @@ import pytest
 
 from xpar.calibrate import published as calibration
 from xpar.calibrate.published import make_spec, preset
-from xpar.estimate import collectives as col
-from xpar.estimate import comm, cost
-from xpar.estimate import overlap as ov
+from xpar.estimate import cost
+from xpar.estimate.comm import collectives as col
+from xpar.estimate.comm import overlap as ov
+from xpar.estimate.comm import volume as comm
 from xpar.estimate import schedule as sch
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
 from xpar.config.remat import extra_forward_flops_per_layer
-from xpar.estimate.flops import forward_flops_per_token
-from xpar.estimate.model_states import param_shapes
+from xpar.estimate.compute.flops import forward_flops_per_token
+from xpar.estimate.memory.model_states import param_shapes
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -138,7 +139,7 @@ def test_tp_layer_is_two_allreduces_forward_two_backward():
 
 
 def test_dp_comm_bytes_ddp_zero2_zero3():
-    from xpar.estimate.model_states import root_elements
+    from xpar.estimate.memory.model_states import root_elements
     ddp = comm.comm_bytes(spec(zero_stage=0))
     psi = sum(math.prod(sh) for _, sh in param_shapes(spec(), 0)) * 2  # bf16 gradients
     n = 64
@@ -246,7 +247,7 @@ def test_torch_zero1_syncs_parameters_by_broadcast_after_the_step():
     owners (one per tensor, async, waited together: measured 39 per step on the tiny model), not
     all-gathers: per unit the broadcast of its bytes (the volume of a broadcast, one latency);
     Megatron's distributed optimizer keeps its all-gather."""
-    from xpar.estimate import dp as dpm
+    from xpar.estimate.comm import dp as dpm
     s = spec(zero_stage=1)
     units = dpm.unit_elements(s, 0)
     g = col.group_of(s.hardware, s.dp, s.tp)
@@ -262,7 +263,7 @@ def test_zero3_under_pp_gathers_each_forward_and_the_first_backward():
     last (counted in a real run: tests/parallel/test_pipeline.py), so per step the units are gathered
     before each of the m forwards and once before the backward: the backward's gathers are
     issued once and exposed once (``first_backward``), not every micro-batch as without pp."""
-    from xpar.estimate.dp import dp_exposure
+    from xpar.estimate.comm.dp import dp_exposure
     a, gather, red = Assumptions(), [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
     idle = [0.0, 0.0, 0.0]  # no compute to hide behind: every collective exposed
     pp2, pp1 = (dp_exposure(3, p, a, idle, idle, gather, red) for p in (2, 1))
@@ -418,7 +419,7 @@ def test_deepspeed_zero3_2021_falls_with_scale_as_published(loso):
     """Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 without model parallelism at a fixed
     global batch: published 144 -> 88 -> 44 TFLOP/s per GPU (175B on 384/768/1536 A100s) and
     138 -> 98 -> 48 (530B on 640/1120/2240); never fitted. DeepSpeed of 2021
-    (conf/framework/deepspeed_2021.yaml, xpar.estimate.deepspeed_zero3, read in its v0.3.16 code)
+    (conf/framework/deepspeed_2021.yaml, xpar.estimate.frameworks.deepspeed_zero3, read in its v0.3.16 code)
     gathers each parameter tensor through torch's list API after a device synchronize (host ops per
     rank and tensor, not overlapped), keeps biases and norms whole but gathers them back after each
     step, gathers 8/12 of a block again for its backward under full recompute, and all-reduces the
@@ -447,13 +448,13 @@ def test_fp32_matmuls_run_at_the_fp32_peak_on_a_gpu_and_at_the_measured_one_on_a
     """train.dtype=fp32 on an A100 runs its GEMMs on CUDA cores (19.5 TFLOP/s; torch uses no TF32
     for fp32 matmuls by default): under the kernel model (issue 42) every GEMM of a block, forward and
     backward, and the logits' GEMM take 312 / 19.5 = 16x bf16's time. The attention core stays priced
-    as bf16 FlashAttention (xpar.estimate.kernels.attention_time), so the step's matmul term grows by
+    as bf16 FlashAttention (xpar.estimate.compute.kernels.attention_time), so the step's matmul term grows by
     14.1x, not 16x (asserted: between 12x and 16x). Its element-wise kernels move 4-byte activations,
     twice bf16's traffic. Its MFU is a fraction of the fp32 peak. A CPU
     preset ('hardware=local', FLOPs over one efficiency) has one measured peak for both."""
     from tests.conftest import spec_for
-    from xpar.estimate.kernel_block import block_times, logits_times, shape_of
-    from xpar.estimate.kernel_costs import training_device
+    from xpar.estimate.compute.kernel_block import block_times, logits_times, shape_of
+    from xpar.estimate.compute.kernel_costs import training_device
     gpu = {d: estimate(spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3",
                                 "run.mode=estimate", f"train.dtype={d}")) for d in ("bf16", "fp32")}
     s = spec_for("model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "parallel.zero_stage=3", "run.mode=estimate")
@@ -749,7 +750,7 @@ def test_published_zero_bubble_schedules_as_qi_et_al_state_them(p, m):
     """ZB-H1 and ZB-H2 (Qi et al. 2024 Sec. 3.1, Table 2) at equal F, B and W: ZB-H1's idle per
     rank is a third of 1F1B's, (p - 1) of 3 m + p - 1, at 1F1B's activations (p micro-batches on
     the first rank); ZB-H2 idles 0 with twice the activations less one (2 p - 1)."""
-    from xpar.estimate.activations import microbatches_in_flight
+    from xpar.estimate.memory.activations import microbatches_in_flight
     one_f_one_b, h1, h2 = (sch.bubble_theory(s, p, m) for s in ("1f1b", "zb_h1", "zb_h2"))
     work = 3 * m  # F + I + W per micro-batch
     assert h1 * (work + p - 1) == pytest.approx(p - 1)
@@ -780,8 +781,8 @@ def test_fp8_estimates_on_fp8_hardware_and_is_refused_where_it_cannot_run():
     and in execute mode, in one line each."""
     from tests.conftest import spec_for
     from xpar.config.checks import ConfigError
-    from xpar.estimate.kernel_costs import training_device
-    from xpar.estimate.kernels import gemm_time
+    from xpar.estimate.compute.kernel_costs import training_device
+    from xpar.estimate.compute.kernels import gemm_time
     base = ("parallel=3d", "model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.recompute=full",
             "run.mode=estimate")
     bf16, fp8 = (estimate(spec_for(*base, f"train.dtype={d}")) for d in ("bf16", "fp8"))
@@ -830,8 +831,8 @@ def test_fp8_keeps_the_attention_core_at_the_bf16_rate():
             assert c["mm_f"] > 1.2 * tok * layer / rate  # what the whole layer at the FP8 rate gave
         else:
             assert c["mm_f"] == tok * layer / rate
-    from xpar.estimate.kernel_block import block_times, shape_of
-    from xpar.estimate.kernel_costs import training_device
+    from xpar.estimate.compute.kernel_block import block_times, shape_of
+    from xpar.estimate.compute.kernel_costs import training_device
     kernel = spec_for(*base)  # the kernel model: the core is FlashAttention in BF16 whatever the GEMMs' dtype
     dev, sh = training_device(kernel.hardware), shape_of(kernel.model)
     fp8, bf16 = (block_times(sh, 1, 32768, dev, tp=kernel.tp, dtype=d) for d in ("fp8", "bf16"))
@@ -919,7 +920,7 @@ def test_qwen3_rows_are_estimated_and_converted_at_their_head_dim():
     hidden / n_heads = 64: the rows of tests/data/cp_fp8_h100.csv are estimated at 128, and the ModelZoo's
     TF/s compared in its own causal count at 128 (issue 42: the page converted at 64)."""
     from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
-    from xpar.estimate.flops import model_flops_per_token
+    from xpar.estimate.compute.flops import model_flops_per_token
     rows = [r for r in read_table(DATA / "cp_fp8_h100.csv") if r["model_name"].startswith("Qwen3")]
     assert len(rows) >= 8
     for row in rows:

@@ -5,11 +5,11 @@ import pytest
 from tests.conftest import spec_for
 from xpar.calibrate.published import preset
 from xpar.config.schema import HardwareConfig
-from xpar.estimate.collectives import Group
+from xpar.estimate.comm.collectives import Group
 from xpar.estimate.cost import estimate
 from xpar.estimate.expert_parallel import alltoall_time, deepep_inter_share, ep_payload_bytes
-from xpar.estimate.memory import memory
-from xpar.estimate.model_states import expert_state_bytes, held_numel, MemoryOptions
+from xpar.estimate.memory.per_device import memory
+from xpar.estimate.memory.model_states import expert_state_bytes, held_numel, MemoryOptions
 
 H100 = ("hardware=h100_80gb_64gpu", "train=cluster", "run.mode=estimate")
 
@@ -114,7 +114,7 @@ def test_capacity_factor_prices_the_padded_expert_buffers_not_the_imbalance():
     every expert's buffer holds c x its even share k T / E, the tokens beyond it dropped, so the busiest
     ep rank computes and receives c x the even share whatever the router's imbalance: its routed
     matmuls priced at c x the even share of tokens (the kernel model's expert GEMMs: in the matmul term,
-    xpar.estimate.kernel_block.expert_tokens), its all-to-alls carrying c x the even payload. null
+    xpar.estimate.compute.kernel_block.expert_tokens), its all-to-alls carrying c x the even payload. null
     (dropless): model.moe_imbalance, as before."""
     even = estimate(mixtral("parallel.ep=8"))
     skew = estimate(mixtral("parallel.ep=8", "model.moe_imbalance=1.25"))

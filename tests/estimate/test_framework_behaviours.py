@@ -64,7 +64,7 @@ def test_gpt3_vocabulary_is_padded_to_128_x_tp_under_megatron():
     """Megatron-LM pads the tokenizer's 50,257 rows to the next multiple of 128 x tp = 512: 50,688
     (megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding); the padded rows are in the
     logits' FLOPs and the parameters' memory, as an explicit 50,688-row model's."""
-    from xpar.estimate.flops import forward_flops_per_token
+    from xpar.estimate.compute.flops import forward_flops_per_token
     spec = _estimate_spec("framework=megatron", *GPT3_VOCAB[:1], *GPT3_VOCAB[2:], GPT3_VOCAB[1])
     assert spec.model.vocab_size == 50688 and any("padded to 50688" in n for n in spec.notes)
     assert forward_flops_per_token(spec.model, spec.seq_len)["logits"] == 2 * 4096 * 50688
@@ -119,7 +119,7 @@ WIDE_HEADS = ("model.hidden=2880", "model.n_heads=64", "model.n_kv_heads=8", "mo
 def test_head_dim_other_than_hidden_over_heads_is_estimated_with_its_widths():
     """64 heads of 64 in a 2880-wide model (hidden / heads = 45, odd: refused for rope without
     model.head_dim): q and the context are 64 x 64 = 4096 wide, k and v 8 x 64 = 512."""
-    from xpar.estimate.flops import forward_flops_per_token
+    from xpar.estimate.compute.flops import forward_flops_per_token
     from xpar.models.shapes import param_count
     with pytest.raises(ConfigError, match="rope needs an even head dim"):
         _estimate_spec(*WIDE_HEADS[:3], *WIDE_HEADS[4:])
@@ -139,7 +139,7 @@ def test_head_dim_other_than_hidden_over_heads_is_estimated_with_its_widths():
 def test_the_memory_models_parameter_list_is_the_models_with_head_dim():
     import torch
     from xpar.config.schema import ModelConfig
-    from xpar.estimate.model_states import _meta_shapes, _model_key
+    from xpar.estimate.memory.model_states import _meta_shapes, _model_key
     from xpar.models.transformer import Transformer
     cfg = ModelConfig(hidden=36, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=64, n_layers=2, bias=True,
                       norm="layernorm")

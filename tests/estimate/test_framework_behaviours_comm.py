@@ -62,7 +62,7 @@ def test_sharp_halves_an_all_reduces_bus_bytes_and_leaves_the_default_alone():
     once, not the ring's 2 (n - 1) / n; a reduce-scatter keeps its bytes and takes one hop each way."""
     from dataclasses import replace
 
-    from xpar.estimate.collectives import collective_time, group_of, ring_time, sharp_time
+    from xpar.estimate.comm.collectives import collective_time, group_of, ring_time, sharp_time
 
     spec = spec_for(*GPT3)
     hw, on = spec.hardware, replace(spec.hardware, sharp=True)
@@ -99,7 +99,7 @@ def test_fp8_param_gather_moves_one_byte_per_block_element_and_only_under_fp8():
     """Megatron-Core --fp8-param-gather (framework.fp8_param_gather): the distributed optimizer's parameter
     all-gather of the blocks moves FP8 (1 byte), the root (embedding, output) stays bf16; off under bf16."""
     from xpar.estimate.cost import assumptions_for, estimate
-    from xpar.estimate.dp import unit_elements, unit_times
+    from xpar.estimate.comm.dp import unit_elements, unit_times
 
     off, on = spec_for(*H100_FP8), spec_for(*H100_FP8, "framework.fp8_param_gather=true")
     units = unit_elements(on, 0)
@@ -125,8 +125,8 @@ def test_transformer_engine_fp8_weight_copies_raise_the_peak_from_bf16_to_fp8():
     megatron_core): published peaks rise 3.5-8.2 GB from BF16 to FP8; xpar's fell (FP8-saved inputs only).
     +2 bytes per block linear weight element on the device; none with FP8 parameters or without the flag."""
     from xpar.estimate.cost import peak_memory
-    from xpar.estimate.fp8_weights import block_linear_numel
-    from xpar.estimate.model_states import param_shapes
+    from xpar.estimate.frameworks.fp8_weights import block_linear_numel
+    from xpar.estimate.memory.model_states import param_shapes
 
     bf16, fp8 = peak_memory(spec_for(*MC70, "train.dtype=bf16")), peak_memory(spec_for(*MC70, "train.dtype=fp8"))
     assert fp8.total > bf16.total + 3e9
@@ -179,12 +179,12 @@ def test_megatron_core_overlaps_each_chunks_dp_communication_behind_the_other_ch
 
 
 def test_per_chunk_overlap_hides_the_earlier_chunks_and_exposes_the_last_chunks_own():
-    """xpar.estimate.dp_chunks on a rank of v = 2 chunks of 2 blocks (and the root): with backward time to
+    """xpar.estimate.frameworks.dp_chunks on a rank of v = 2 chunks of 2 blocks (and the root): with backward time to
     spare the earlier chunk's reductions cost only the overlap slowdown; the last chunk's overlap its own units."""
     from types import SimpleNamespace
 
-    from xpar.estimate.dp_chunks import chunk_units, gather_start, reduce_end
-    from xpar.estimate.overlap import simulate_pass
+    from xpar.estimate.frameworks.dp_chunks import chunk_units, gather_start, reduce_end
+    from xpar.estimate.comm.overlap import simulate_pass
 
     a = SimpleNamespace(fsdp_prefetch=True, overlap_slowdown=0.1)
     compute, red = [1.0, 1.0, 1.0, 1.0, 0.5], [0.8, 0.8, 0.8, 0.8, 0.3]  # backward order, root last
@@ -219,7 +219,7 @@ def test_deepspeed_reduces_gradients_owner_by_owner_and_pays_each_owners_steps_a
     framework.zero_owner_reduce in conf/framework/deepspeed.yaml): at dp 512 the per-owner chains cost far
     more than one reduce-scatter; at dp 8 about the same bytes (a few owners per message)."""
     from xpar.estimate.cost import estimate
-    from xpar.estimate.owner_reduce import owners_spanned
+    from xpar.estimate.frameworks.owner_reduce import owners_spanned
 
     assert owners_spanned(100.0, 10.0, 512) == 11 and owners_spanned(5000.0, 10.0, 64) == 64
     owner, flat = (estimate(_deepspeed_zero(512, zero, *x)) for x in ((), ("framework.zero_owner_reduce=false",)))

@@ -1,4 +1,4 @@
-"""The kernel model inside the cost model (xpar.estimate.kernel_costs; issue 42): where it prices compute,
+"""The kernel model inside the cost model (xpar.estimate.compute.kernel_costs; issue 42): where it prices compute,
 what its terms are, and the step-level properties the issue asks of it."""
 from dataclasses import replace
 
@@ -8,7 +8,7 @@ from tests.conftest import spec_for
 from xpar.calibrate.published import make_spec, preset
 from xpar.config.remat import POLICIES
 from xpar.estimate.cost import Assumptions, assumptions_for, estimate, layer_costs
-from xpar.estimate.kernel_costs import fitted_field, kernel_layer_costs, kernel_priced, rerun_shares
+from xpar.estimate.compute.kernel_costs import fitted_field, kernel_layer_costs, kernel_priced, rerun_shares
 
 GPU = ("hardware=h100_80gb_64gpu", "train=cluster", "run.mode=estimate", "parallel.zero_stage=3")
 

@@ -1,4 +1,4 @@
-"""Properties of the kernel-level compute model (xpar.estimate.kernels, xpar.estimate.kernel_block; issue 42)."""
+"""Properties of the kernel-level compute model (xpar.estimate.compute.kernels, xpar.estimate.compute.kernel_block; issue 42)."""
 from dataclasses import replace
 
 import numpy as np
@@ -7,9 +7,9 @@ import pytest
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
 from xpar.config.presets import presets
 from xpar.config.schema import ModelConfig
-from xpar.estimate.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
+from xpar.estimate.compute.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
                                         shape_of)
-from xpar.estimate.kernels import (HALF_TILE_RATE, attention_flops, head_dim_rate, attention_time, device_of, gemm_fraction_of_peak,
+from xpar.estimate.compute.kernels import (HALF_TILE_RATE, attention_flops, head_dim_rate, attention_time, device_of, gemm_fraction_of_peak,
                                    gemm_terms, gemm_time, kernel_overhead)
 
 H100 = device_of(load_hardware_preset("h100_80gb_8gpu"))

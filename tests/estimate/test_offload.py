@@ -1,4 +1,4 @@
-"""Optimizer offload (framework.cpu_offload_optimizer, xpar.estimate.offload): its step time in the
+"""Optimizer offload (framework.cpu_offload_optimizer, xpar.estimate.memory.offload): its step time in the
 estimate and the planner, the host-memory fit, the hardware it needs, and the refusals."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from xpar.calibrate.published import preset
 from xpar.config.checks import ConfigError
 from xpar.estimate.cost import estimate, with_hardware
-from xpar.estimate.preflight import check_run
-from xpar.estimate.offload import HOST_STATE_BYTES, offload_time
+from xpar.estimate.preflight.check import check_run
+from xpar.estimate.memory.offload import HOST_STATE_BYTES, offload_time
 from xpar.plan.context import PlanContext, spec_of
 from xpar.plan.verify import compose_line
 
@@ -230,7 +230,7 @@ def test_estimate_notes_are_printed_and_tagged_and_offload_parts_logged(tmp_path
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fit_alternatives_that_change_degrees_print_a_line_that_keeps_the_global_batch():
     """issue 12: 'global batch 8 kept' was promised over a line that ran global batch 2."""
-    from xpar.estimate.preflight import alternatives
+    from xpar.estimate.preflight.check import alternatives
     base = ("python -m xpar model=13b hardware=a100_80gb_8gpu train=cluster parallel.dp=8 parallel.micro_batches=1 "
             "train.micro_batch_size=1 train.global_batch_size=8 run.mode=estimate tracking=off ")
     spec = check_run(compose_line(base + "parallel.zero_stage=3"))  # a valid spec to list alternatives around

@@ -8,14 +8,14 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import spec_for
-from xpar.estimate.activations import stage_chunk_bytes
+from xpar.estimate.memory.activations import stage_chunk_bytes
 from xpar.estimate.columns.layout_memory import layout_memory
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_slots
 from xpar.estimate.columns.step_time import time_columns
 from xpar.estimate.cost import assumptions_for, estimate, layer_costs
-from xpar.estimate.memory import memory
-from xpar.estimate.model_states import MemoryOptions
+from xpar.estimate.memory.per_device import memory
+from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.terms import time_key
 
 HEAVY = [5] * 7 + [21] + [5] * 8

@@ -105,7 +105,7 @@ def test_cp_with_sequence_parallel_needs_seq_len_over_cp_tp():
 
 
 def test_run_name_and_description_say_cp():
-    from xpar.estimate.report import layout_name
+    from xpar.track.report import layout_name
     from xpar.track.naming import description, run_name
 
     spec = spec_for(*BASE, *TWO["cp2"])
@@ -133,7 +133,7 @@ def test_compare_counts_cp_in_the_devices():
 def test_estimate_dry_run_builds_cp_as_it_runs(overrides, devices):
     """The estimate's fake-process-group dry run builds the cp engine (mesh (pp, dp, cp, tp), dp
     wrappers over dp x cp) for every replica rank; its parameter bytes equal the folded cost model's."""
-    from xpar.estimate.dryrun import dry_run
+    from xpar.run.dryrun import dry_run
 
     spec = spec_for("model=tiny", "run.mode=estimate", *overrides, local_devices=devices)
     d = dry_run(spec, [(0, r, 0) for r in range(spec.dp * spec.cp)])

@@ -101,10 +101,10 @@ def test_zero3_holds_whole_gradients_only_when_the_reduction_is_deferred(results
 def test_measured_collectives_are_the_estimates_counts(results, layout):
     """Every rank's logged dp collectives (xpar.parallel.comm_log: FSDP2's all-gathers and
     reduce-scatters, ZeroRedundancyOptimizer's broadcasts, DDP's bucket all-reduce from its logger)
-    carry exactly the payload bytes per step that the estimate counts (xpar.estimate.comm), and at
+    carry exactly the payload bytes per step that the estimate counts (xpar.estimate.comm.volume), and at
     least one call of each kind the estimate names."""
     from xpar.estimate.cost import estimate
-    from xpar.estimate.fidelity import estimated_comm
+    from xpar.run.fidelity import estimated_comm
 
     specs, out = results
     spec = specs[LAYOUTS.index(layout)]
@@ -149,7 +149,7 @@ def test_exposed_communication_in_total_is_at_least_each_collectives(results, la
     max over ranks of the rank's median over the timed steps), never less than one of them (issue 45:
     9.7 ms total beside a 14.1 ms all-gather in every ZeRO job), and the step split stacks those same
     figures under the table's (median) step time."""
-    from xpar.estimate.report import summarize_measured
+    from xpar.track.report import summarize_measured
     from xpar.track.plots import step_split_terms
 
     specs, out = results

@@ -122,7 +122,7 @@ def test_the_all_to_alls_estimate_stands_beside_the_measured(results):
     """The fidelity metrics put the estimate's ep all-to-all bytes beside the measured ones (issue 45);
     the rows each rank sends are its tokens' top-k copies whatever the routing, so within 2 % (the
     count exchanges the estimate leaves out)."""
-    from xpar.estimate.fidelity import estimated_comm
+    from xpar.run.fidelity import estimated_comm
     from xpar.estimate.cost import estimate
 
     specs, out = results

@@ -10,7 +10,7 @@ from tests.conftest import compose, spawn, spec_for
 from xpar.config.checks import ConfigError
 from xpar.config.validate import validate
 from xpar.estimate.cost import estimate
-from xpar.estimate.dp import unit_elements, unit_times
+from xpar.estimate.comm.dp import unit_elements, unit_times
 from xpar.estimate.cost import assumptions_for
 
 HSDP = ("parallel.dp=4", "parallel.zero_shard_size=2", "train.steps=2", "train.warmup_steps=0")

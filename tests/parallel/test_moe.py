@@ -6,8 +6,8 @@ import torch
 from tests.conftest import spec_for
 from xpar.calibrate.published import preset
 from xpar.config.schema import ModelConfig
-from xpar.estimate.flops import forward_flops_per_token
-from xpar.estimate.model_states import _meta_shapes, _model_key
+from xpar.estimate.compute.flops import forward_flops_per_token
+from xpar.estimate.memory.model_states import _meta_shapes, _model_key
 from xpar.models.shapes import param_count
 from xpar.models.transformer import MoE, Transformer
 
@@ -28,14 +28,14 @@ def test_published_parameter_counts(name, total, active, rel_total, rel_active):
 
 @pytest.mark.parametrize("name", ["moe_tiny", "tiny"])
 def test_the_cost_models_shapes_are_the_models(name):
-    """The estimate writes the parameters out without torch (xpar.estimate.model_states._meta_shapes,
+    """The estimate writes the parameters out without torch (xpar.estimate.memory.model_states._meta_shapes,
     experts in the blocks after first_dense_layers): equal to the model built on the meta device, and
     to the analytic count."""
     cfg = model(name)
     with torch.device("meta"):
         real = [(k, tuple(p.shape)) for k, p in Transformer(cfg).named_parameters()]
     from xpar.config.layout import Layout
-    from xpar.estimate.model_states import _param_shapes, _shapes_layout
+    from xpar.estimate.memory.model_states import _param_shapes, _shapes_layout
     layout = _shapes_layout(Layout(dp=1, tp=1, pp=1, micro_batch_size=1, micro_batches=1, seq_len=cfg.seq_len,
                                    layer_split=(cfg.n_layers,)))
     written = [(k.split(":", 1)[1], sh) for k, sh in _param_shapes(_model_key(cfg), layout, 1, 0)]

@@ -103,7 +103,7 @@ def classify(base, row: dict):
     from dataclasses import replace
 
     from xpar.config.checks import ConfigError
-    from xpar.estimate.preflight import check_run
+    from xpar.estimate.preflight.check import check_run
 
     groups = {"parallel": {}, "train": {}}
     for k, v in settings(row).items():

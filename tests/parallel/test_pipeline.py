@@ -34,7 +34,7 @@ def _run(spec_dict: dict):
 def run_all(payload: dict) -> dict:
     """Worker: train each named spec; rank 0 returns per-rank losses and the bubble metrics."""
     from xpar.config.spec import RunSpec
-    from xpar.estimate.bubble import summarize
+    from xpar.track.bubble import summarize
 
     out = {}
     for name, d in payload.items():
@@ -232,8 +232,8 @@ def test_zero3_under_pp_gathers_the_backward_once_per_step(pp2_dp2):
     """torch's PipelineStage turns FSDP2's reshard after backward off until the stage's final
     gradient reduction, while each forward reshards after itself: a ZeRO-3 stage gathers a
     unit before each action that finds it sharded, m + 1 times per step, as the cost model
-    counts them (xpar.estimate.dp, xpar.estimate.comm), not the 2 m of a run without pp."""
-    from xpar.estimate.dp import unit_elements
+    counts them (xpar.estimate.comm.dp, xpar.estimate.comm.volume), not the 2 m of a run without pp."""
+    from xpar.estimate.comm.dp import unit_elements
 
     specs, out = pp2_dp2
     spec = specs["1f1b_zero3"]
@@ -248,8 +248,8 @@ def _check_model_states(spec, out: dict, name: str) -> None:
     torch's PipelineStage defers FSDP2's gradient reduction to the stage's last backward, so
     each rank holds its stages' whole (dp-unsharded) gradients until then: measured by
     probing FSDP2's unsharded gradients just before each reduction, estimated as such."""
-    from xpar.estimate.memory import model_state_bytes
-    from xpar.estimate.model_states import (
+    from xpar.estimate.memory.per_device import model_state_bytes
+    from xpar.estimate.memory.model_states import (
         STATE_BYTES,
         param_shapes,
         replicated_embedding_grad_numel,
@@ -389,7 +389,7 @@ def _record(per_rank: list[list]) -> list[dict]:
 def test_measured_bubble_of_an_ideal_gpipe_step_is_theory():
     """Synthetic records of a perfect GPipe step (F = 1, B = 2, p = 2, m = 4): measured,
     simulated and theory agree (0.2), and the timeline PNG renders."""
-    from xpar.estimate.bubble import step_bubbles
+    from xpar.track.bubble import step_bubbles
     from xpar.estimate.schedule import gpipe_actions, simulate
     from xpar.track.plots import timeline_figure
 

@@ -398,14 +398,14 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     line = out.split("Reproduce the top layout:\n")[1].split("\n")[0].strip()
     spec, problem = composed_spec(line, row(plan.res, plan.best))
     assert problem is None and (spec.tp, spec.pp, spec.dp) == tuple(int(plan.res[k][plan.best]) for k in ("tp", "pp", "dp"))
-    from xpar.estimate.preflight import (
+    from xpar.estimate.preflight.check import (
         check_run,  # the run it reproduces passes the fit check (scalar memory model)
     )
     assert check_run(compose_line(line)).layout == spec.layout
     client = mlflow.tracking.MlflowClient(uri)
     run = client.get_run(plan.run_id)
     assert run.data.tags["xpar.mode"] == "plan" and run.info.status == "FINISHED"
-    from xpar.estimate.report import layout_name
+    from xpar.track.report import layout_name
     assert run.data.tags["xpar.layout"] == layout_name(spec)  # the winner's, as xpar compare lists it
     params = run.data.params  # the winner's layout, resolved (not the parallel group's unused defaults)
     assert (params["parallel.tp"], params["parallel.pp"], params["parallel.dp"], params["run.mode"]) == (
@@ -610,7 +610,7 @@ def test_every_step_time_term_has_words_and_a_colour():
     """The plan's explanations (TERM_WORDS) and the estimate's chart (COLORS) name every term of
     the breakdown: a calibrated CPU preset's host_overhead crashed `xpar plan` with a KeyError."""
     from xpar.estimate.cost import TIME_TERMS
-    from xpar.estimate.figures import COLORS
+    from xpar.track.estimate_figures import COLORS
     from xpar.estimate.terms import AXIS_TIME_TERMS as FIVE_TERMS
     from xpar.estimate.terms import TERM_WORDS
     assert set(TERM_WORDS) == set(TIME_TERMS) | set(FIVE_TERMS) and len(COLORS) >= len(TIME_TERMS)

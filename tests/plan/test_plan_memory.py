@@ -353,7 +353,7 @@ def test_parameter_shapes_are_the_models():
     import torch
 
     from xpar.config.schema import ModelConfig
-    from xpar.estimate.model_states import _meta_shapes, _model_key
+    from xpar.estimate.memory.model_states import _meta_shapes, _model_key
     from xpar.models.transformer import Transformer
 
     names = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
@@ -388,7 +388,7 @@ def test_megatrons_interleaved_warm_up_at_m_equal_pp():
     (get_num_warmup_microbatches), where torch's warms rank k up with (v - 1) pp + 2 (pp - 1 - k):
     a middle rank holds all m micro-batches under framework=megatron, fewer under xpar; the planner
     equals the scalar estimate for both."""
-    from xpar.estimate.activations import microbatches_in_flight, memory_schedule
+    from xpar.estimate.memory.activations import microbatches_in_flight, memory_schedule
     pp, v = 4, 2
     assert memory_schedule("interleaved_1f1b", pp, pp, True) == "looped_bfs"
     assert memory_schedule("interleaved_1f1b", pp, 2 * pp, True) == "interleaved_1f1b"

@@ -11,7 +11,7 @@ from tests.conftest import compose
 from tests.plan.test_plan_five import _sample, assert_equal_to_scalar, context, space_of
 from xpar.config.validate import validate
 from xpar.estimate.cost import Assumptions, ep_a2a_overlap_of, estimate, pp_overlap_of, pp_send_latency, rank_compute
-from xpar.estimate.comm import pp_sends
+from xpar.estimate.comm.volume import pp_sends
 from xpar.plan.space import Constraints
 
 MCORE = ["framework=megatron_core", "model=175b", "run.mode=estimate", "train.dtype=bf16", "train.micro_batch_size=1",
@@ -81,7 +81,7 @@ def test_cp_and_ep_groups_across_nodes_are_priced_on_the_nics():
     slower than the same group inside a node (tp 4), per byte; an ep group of 16 (etp 1) spans two nodes."""
     from dataclasses import replace
 
-    from xpar.estimate.collectives import group_of
+    from xpar.estimate.comm.collectives import group_of
     from xpar.estimate.context_parallel import cp_layer_times, cp_payload_bytes
     from xpar.estimate.expert_parallel import ep_layer_times
 

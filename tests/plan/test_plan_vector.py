@@ -343,7 +343,7 @@ def _equal_on(framework: str, rows: list) -> dict:
 
 def test_time_columns_equal_scalar_estimate_for_deepspeed_2021_zero3():
     """DeepSpeed 2021's ZeRO-3 (framework=deepspeed_2021) gathers some tensors a second time in the
-    backward under full recompute (xpar.estimate.deepspeed_zero3): the vectorised dp time follows the
+    backward under full recompute (xpar.estimate.frameworks.deepspeed_zero3): the vectorised dp time follows the
     layout's recompute as the scalar estimate does, on layouts with and without it."""
     rows = [(1, 1, 64, b, 1, 1, "1f1b", 3, False, rec, False) for b in (1, 2) for rec in ("full", "none", "selective")]
     dp = _equal_on("deepspeed_2021", rows + [(8, 1, 8, 1, 2, 1, "1f1b", 3, False, "full", False)])["time_dp_comm_exposed"]

@@ -227,7 +227,7 @@ def test_contention_is_judged_against_what_the_workers_own_number_allows():
     """8 workers on 2 cores get a quarter of a core each without anyone else: no contention."""
     from types import SimpleNamespace
 
-    from xpar.estimate.fidelity import contention
+    from xpar.run.fidelity import contention
     spec = SimpleNamespace(train=SimpleNamespace(threads_per_worker=1))
     assert contention(spec, [{"cpu_share": 0.24}] * 8, cores=2) == (pytest.approx(0.24), None)
     share, note = contention(spec, [{"cpu_share": 0.1}] * 8, cores=2)

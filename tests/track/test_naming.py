@@ -2,7 +2,7 @@
 above 1 is named, no degree of 1 is, a sweep's varying keys lead its children's names, and the
 printed run link opens the model-training frame."""
 from tests.conftest import spec_for
-from xpar.estimate.report import layout_name
+from xpar.track.report import layout_name
 from xpar.track.naming import run_name, sweep_child_name, ui_hint, varying_keys
 
 

@@ -159,7 +159,7 @@ def test_memory_chart_stacks_the_terms_in_the_unit_of_its_sizes():
     activations), labelled in MiB, not 0.009 GiB."""
     import pandas as pd
 
-    from xpar.estimate.report import format_bytes, memory_unit
+    from xpar.track.report import format_bytes, memory_unit
     from xpar.track.compare import headline_table, memory_figure
     assert memory_unit(9.5e6) == ("MiB", 2 ** 20) and memory_unit(3e10)[0] == "GiB" and memory_unit(10) == ("B", 1)
     assert format_bytes(9.5e6) == "9.06 MiB" and format_bytes(10) == "10 B"

@@ -31,14 +31,14 @@ from xpar.calibrate.preset import (
 )
 from xpar.config.presets import conf_dir
 from xpar.config.hardware import CALIBRATED_PREFIX
-from xpar.estimate.fidelity import CONTENTION_SHARE, usable_cores
+from xpar.run.fidelity import CONTENTION_SHARE, usable_cores
 from xpar.track.runs import setup_experiment
 
 
 def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> Optional[str]:
     """The warning of a calibration measured under contention, or None: the mean CPU share the
     workers' threads had during the collectives (``shares``: by collective and size, fractions of 1,
-    xpar.calibrate.measure.timed_share) below :data:`xpar.estimate.fidelity.CONTENTION_SHARE` of what
+    xpar.calibrate.measure.timed_share) below :data:`xpar.run.fidelity.CONTENTION_SHARE` of what
     ``workers`` x ``threads`` threads on ``cores`` cores allow: other load was calibrated in, and every
     estimate on the preset reads slower than this machine is."""
     values = [s for by_size in shares.values() for s in by_size.values() if isinstance(s, (int, float))]

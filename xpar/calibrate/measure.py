@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from xpar.config.schema import ModelConfig
-from xpar.estimate.fidelity import cpu_share, task_cpu_ns
+from xpar.run.fidelity import cpu_share, task_cpu_ns
 from xpar.models.transformer import Block, Transformer
 from xpar.parallel.tensor import apply_tp, block_plan, loss_context, parallel_cross_entropy
 from xpar.parallel.torch_internals import dispatch_mode_base
@@ -128,7 +128,7 @@ def compute_clock(device: str, threads: int = 1) -> Callable[[], float]:
     seconds (:func:`time.process_time`: what the work costs the core, not the time other
     processes held it -- a shared machine's load changes by the minute, and the cost model
     stretches a step for the share of the cores its workers get,
-    xpar.estimate.host.oversubscription); wall time on a GPU, or with several threads (their CPU
+    xpar.estimate.compute.host.oversubscription); wall time on a GPU, or with several threads (their CPU
     seconds add up: not a worker's rate)."""
     return time.process_time if device == "cpu" and threads == 1 else time.perf_counter
 
@@ -235,7 +235,7 @@ def _collective(name: str, nbytes: int, world: int, rank: int) -> Callable[[], N
 
 def timed_share(measure: Callable[[], float], device: str) -> tuple[float, float]:
     """(what ``measure()`` returns, the CPU share of this process's main thread while it ran:
-    xpar.estimate.fidelity.cpu_share, 1.0 on a GPU or without schedstat): how loaded the machine was."""
+    xpar.run.fidelity.cpu_share, 1.0 on a GPU or without schedstat): how loaded the machine was."""
     if device != "cpu":
         return measure(), 1.0
 
@@ -500,7 +500,7 @@ def host_worker(reps: int, mesh) -> dict:
     tiny block's forward and backward / its operators), the extra per operator on DTensors
     (AdamW's update of 20 DTensor parameters against plain ones, 9 operators per tensor + 2),
     FSDP2's hooks per unit (the tiny block under ``fully_shard`` against the plain block), and
-    tensor parallelism's per block and stage end (:func:`tp_worker`): xpar.estimate.host."""
+    tensor parallelism's per block and stage end (:func:`tp_worker`): xpar.estimate.compute.host."""
     block, x = _tiny_block()
     step = (lambda m: lambda: m(x).sum().backward())
     ops = _count_ops(step(block))

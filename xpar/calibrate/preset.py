@@ -10,10 +10,10 @@ from typing import Optional
 from xpar.calibrate.measure import REFERENCE_BATCH, REFERENCE_BLOCK
 from xpar.config.presets import conf_dir
 from xpar.config.schema import HardwareConfig, ModelConfig
-from xpar.estimate.collectives import ring_steps, WHOLE_MESSAGE
-from xpar.estimate.comm import ring_factor
+from xpar.estimate.comm.collectives import ring_steps, WHOLE_MESSAGE
+from xpar.estimate.comm.volume import ring_factor
 from xpar.estimate.cost import Assumptions, layer_costs, GEMM_HALF_DIM
-from xpar.estimate.host import block_ops
+from xpar.estimate.compute.host import block_ops
 
 
 def fit_matmul_efficiency(rates: dict[int, float], peak: float, half_dim: float) -> float:
@@ -26,7 +26,7 @@ def fit_block_efficiency(seconds: float, peak_tflops: float, hbm_tb_per_s: float
     """``hardware.matmul_efficiency`` with which the cost model's time of :data:`REFERENCE_BLOCK`
     (xpar.estimate.cost.layer_costs: its matmul FLOPs at ``peak_tflops`` x efficiency x the
     shape factor, its memory-bound passes at ``hbm_tb_per_s``, and its operators' host time at
-    ``op_overhead_us``, xpar.estimate.host.block_ops) equals the measured ``seconds`` forward and
+    ``op_overhead_us``, xpar.estimate.compute.host.block_ops) equals the measured ``seconds`` forward and
     backward; within [0.2, 1] (a block measured faster than its memory-bound and host terms
     alone: 1)."""
     from types import SimpleNamespace as NS
@@ -88,8 +88,8 @@ def ring_step_curves(timings: dict, world: int) -> dict:
     """``hardware.ring_step_us_by_bytes`` from the collectives measured on ``world`` workers
     (``timings``: seconds by collective and payload bytes): per collective, [chunk bytes,
     microseconds per ring step] pairs, chunk = payload / world (send/recv, broadcast: the
-    message, xpar.estimate.collectives.WHOLE_MESSAGE) and
-    step = time / :func:`xpar.estimate.collectives.ring_steps`; collectives the backend did not
+    message, xpar.estimate.comm.collectives.WHOLE_MESSAGE) and
+    step = time / :func:`xpar.estimate.comm.collectives.ring_steps`; collectives the backend did not
     run are left out."""
     out = {}
     for name, by_size in timings.items():

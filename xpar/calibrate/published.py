@@ -15,8 +15,8 @@ from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.columns.stage_split import plan_split
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
-from xpar.estimate.flops import model_flops_per_token
-from xpar.estimate.kernel_costs import fitted_field
+from xpar.estimate.compute.flops import model_flops_per_token
+from xpar.estimate.compute.kernel_costs import fitted_field
 
 
 def preset(group: str, name: str) -> dict:
@@ -372,7 +372,7 @@ def load_cases(data_dir) -> dict[str, list]:
 
 def predicted(case, efficiency: float) -> float:
     """The estimate of a case's metric with ``efficiency`` as the hardware's fitted constant
-    (xpar.estimate.kernel_costs.fitted_field: sustained_efficiency or matmul_efficiency)."""
+    (xpar.estimate.compute.kernel_costs.fitted_field: sustained_efficiency or matmul_efficiency)."""
     _, spec, assume, _, metric = case
     e = estimate(with_fitted(spec, efficiency), assume)
     return {"hw_tflops": e.hw_tflops_per_device, "tflops": e.tflops_per_device,
@@ -380,7 +380,7 @@ def predicted(case, efficiency: float) -> float:
 
 
 def with_fitted(spec: RunSpec, efficiency: float) -> RunSpec:
-    """``spec`` with its hardware's fitted constant (:func:`xpar.estimate.kernel_costs.fitted_field`) at ``efficiency``."""
+    """``spec`` with its hardware's fitted constant (:func:`xpar.estimate.compute.kernel_costs.fitted_field`) at ``efficiency``."""
     return with_hardware(spec, **{fitted_field(spec.hardware, spec.train.dtype): efficiency})
 
 

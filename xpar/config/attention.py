@@ -4,7 +4,7 @@ Sec. 2.1.1), where queries and keys/values are projected through low-rank latent
 (``model.q_lora_rank``, ``model.kv_lora_rank``), each head's query and key are a no-position part
 (``qk_nope_head_dim``) and a rotary part (``qk_rope_head_dim``, one rotary key shared by the heads),
 and values are ``v_head_dim`` wide. Training runs MLA's projections as written (not absorbed).
-Pure (no torch), in the config layer so that xpar.estimate.flops and xpar.config.remat read the same
+Pure (no torch), in the config layer so that xpar.estimate.compute.flops and xpar.config.remat read the same
 counts. Units: FLOP per token, 2 per multiply-add.
 """
 from __future__ import annotations

@@ -78,7 +78,7 @@ class FrameworkConfig:
     """Eager host ops per dp rank and parameter tensor in each ZeRO-3 all-gather: 0 for flat
     collectives (FSDP2, DeepSpeed >= 0.5); DeepSpeed 2021 gathered each parameter through torch's
     list API: its narrow per rank, torch's select and copy per rank, 3. Read where ZeRO-3 runs tensor by
-    tensor (zero3_reuse_distance set: xpar.estimate.deepspeed_zero3)."""
+    tensor (zero3_reuse_distance set: xpar.estimate.frameworks.deepspeed_zero3)."""
     zero3_reduce_host_ops_per_rank: float = 0.0
     """The same per gradient tensor reduce-scattered: DeepSpeed 2021's view and narrow per rank,
     torch's select and copy per rank, 4 (0: flat reduce-scatters)."""
@@ -88,11 +88,11 @@ class FrameworkConfig:
     zero3_reuse_distance: Optional[float] = None
     """DeepSpeed's stage3_max_reuse_distance (elements, 1e9 by default): under full recompute the
     submodules used again beyond it are gathered a second time in the backward
-    (xpar.estimate.deepspeed_zero3); null: the block is one unit gathered once (FSDP)."""
+    (xpar.estimate.frameworks.deepspeed_zero3); null: the block is one unit gathered once (FSDP)."""
     zero3_persist_host_ops_per_rank: float = 0.0
     """Host ops per dp rank and persistent tensor when ZeRO-3 gathers its persistent tensors back
     after each step (DeepSpeed 2021's unpack loop of _allgather_params: narrow, view, narrow, copy: 4;
-    xpar.estimate.deepspeed_zero3.persist_time); 0: none."""
+    xpar.estimate.frameworks.deepspeed_zero3.persist_time); 0: none."""
     grad_reduce_scatter: bool = True
     """ZeRO-2/3 reduce-scatter the gradients (FSDP; DeepSpeed's reduce_scatter true); false: each
     bucket is all-reduced and each rank keeps its part (DeepSpeed's default, reduce_scatter false)."""
@@ -119,7 +119,7 @@ class FrameworkConfig:
     """SwiGLU as one kernel keeping its input (Megatron-Core): 3 e f per token kept, not eager torch's 4 e f."""
     fp32_grad_partition: bool = False
     """DeepSpeed's ZeRO-1/2 step casts the rank's 16-bit gradient partition to an fp32 copy (+4 bytes per
-    element of the optimizer partition, in the memory's comm_buffers: xpar.estimate.zero12_step)."""
+    element of the optimizer partition, in the memory's comm_buffers: xpar.estimate.frameworks.zero12_step)."""
     fp8_saves_inputs: bool = False
     """Under train.dtype=fp8 linear layers keep their inputs in FP8 (1 byte) for the weight gradient
     (Transformer Engine: Megatron-Core, NeMo); False: at the compute width."""
@@ -130,10 +130,10 @@ class FrameworkConfig:
     DeepSpeed, llm-foundry)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
-    (torch DTensor: xpar, torchtitan; xpar.estimate.memory); False: it stays
+    (torch DTensor: xpar, torchtitan; xpar.estimate.memory.per_device); False: it stays
     vocabulary-sharded (Megatron's VocabParallelEmbedding)."""
     fsdp_copies: str = "fsdp2"
-    """ZeRO-2/3 copies on the compute stream (xpar.estimate.dp.copy_times). 'fsdp2' (torch 2.13
+    """ZeRO-2/3 copies on the compute stream (xpar.estimate.comm.dp.copy_times). 'fsdp2' (torch 2.13
     _fsdp_collectives.py): all-gather output copied into the parameters (``split_with_sizes_copy``),
     gradients into the reduce-scatter input in the reduce dtype (``foreach_reduce_scatter_copy_in``);
     'fsdp1' (FlatParameter views): only the flat gradient's cast where the reduce dtype differs;
@@ -151,7 +151,7 @@ class FrameworkConfig:
     """Count the passes over the gradients outside the GEMMs (accumulation, torch's pipeline
     scaling, the norm clip: xpar.estimate.cost.gradient_time). Set on a CPU whatever the profile;
     off on GPUs, where they are <= 1.5 % of the public runs' steps."""
-    # --- memory (xpar.estimate.memory.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
+    # --- memory (xpar.estimate.memory.per_device.MemoryOptions; documented on xpar.estimate.cost.Assumptions) ---
     count_buffers: bool = True
     """Count DDP buckets, FSDP gather/reduce buffers, p2p buffers, recompute workspace."""
     selective_recompute: str = "op"
@@ -177,7 +177,7 @@ class FrameworkConfig:
     """DDP copies gradients into communication buckets (torch default)."""
     cpu_offload_optimizer: bool = False
     """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
-    (DeepSpeed offload_optimizer; timed by xpar.estimate.offload). Estimate only: xpar does not
+    (DeepSpeed offload_optimizer; timed by xpar.estimate.memory.offload). Estimate only: xpar does not
     execute it (execute mode refuses it)."""
     offload: list = field(default_factory=lambda: [False, True])
     """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
@@ -203,12 +203,12 @@ class FrameworkConfig:
     elementwise_passes: float = 1.0
     """HBM traffic of a block's element-wise and normalisation kernels against fused ones (1: Megatron,
     Transformer Engine, apex and XLA fuse each norm, activation and RoPE into one pass), where the
-    kernel model prices compute (xpar.estimate.kernel_costs): eager PyTorch runs each op as its own
+    kernel model prices compute (xpar.estimate.compute.kernel_costs): eager PyTorch runs each op as its own
     kernel, RMSNorm with an fp32 upcast in 6 (torchtitan, xpar: 3, counted in
     docs/concepts/kernels.md)."""
     interleaved_m_per_pp: bool = False
     """Whether its interleaved 1F1B is Megatron-LM's: m divisible by pp, and at m == pp every
-    forward before any backward (its warm-up, xpar.estimate.activations.memory_schedule); torch's
+    forward before any backward (its warm-up, xpar.estimate.memory.activations.memory_schedule); torch's
     Interleaved1F1B has its own rule and warm-up (xpar.config.layout.SCHEDULES)."""
     sequence_parallel: list = field(default_factory=lambda: [False, True])
     """Sequence parallelism choices it runs (Korthikanti et al. 2022; DeepSpeed 2021 had none)."""
@@ -218,20 +218,20 @@ class FrameworkConfig:
     fp8_param_gather: bool = False
     """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
     moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
-    enable_fsdp_float8_all_gather: xpar.estimate.fp8_params)."""
+    enable_fsdp_float8_all_gather: xpar.estimate.frameworks.fp8_params)."""
     fp8_weight_copies: bool = False
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;
-    xpar.estimate.fp8_weights). False: FP8 casts are transient (torchao float8: xpar, torchtitan)."""
+    xpar.estimate.frameworks.fp8_weights). False: FP8 casts are transient (torchao float8: xpar, torchtitan)."""
     dp_overlap_per_chunk: bool = False
     """With v > 1 model chunks per pipeline rank (interleaved 1F1B), each chunk's gradient buckets are
     reduced when its last backward ends, behind the other chunks' remaining backwards, and its parameters
     gathered behind the earlier chunks' first forwards (Megatron-Core's overlap_grad_reduce and
-    overlap_param_gather: xpar.estimate.dp_chunks). False: the step's reductions overlap one micro-batch's
+    overlap_param_gather: xpar.estimate.frameworks.dp_chunks). False: the step's reductions overlap one micro-batch's
     backward, its gathers one forward."""
     zero_owner_reduce: bool = False
     """ZeRO-1/2 reduce each gradient bucket to the owners of the partitions it spans, one reduce per owner
-    (DeepSpeed's stage_1_and_2.py average_tensor: xpar.estimate.owner_reduce); False: one reduce-scatter
+    (DeepSpeed's stage_1_and_2.py average_tensor: xpar.estimate.frameworks.owner_reduce); False: one reduce-scatter
     (Megatron's distributed optimizer, FSDP)."""
     recompute_replays_comm: bool = True
     """A recomputed block's backward reruns its forward's MoE all-to-alls and cp K/V all-gathers

@@ -1,7 +1,7 @@
 """Rematerialisation (activation recompute) policies as the frameworks define them: what one
 transformer block keeps for backward besides its input, and which forward work its backward
 runs again. Pure (no torch), in the config layer so that validation, execution
-(xpar.parallel.recompute), the memory model (:mod:`xpar.estimate.activations`), the time model
+(xpar.parallel.recompute), the memory model (:mod:`xpar.estimate.memory.activations`), the time model
 (:func:`xpar.estimate.cost.layer_costs`, :func:`xpar.estimate.cost.tp_times`) and the planner
 (xpar.plan) read the same table.
 
@@ -90,7 +90,7 @@ def policy_of(recompute: str, selective: str = "op") -> Policy:
 def token_ffn(cfg) -> float:
     """The MLP inner width one token goes through, the mean over the blocks: ffn_hidden in a
     dense block; in a block with experts, its top k and shared experts' (k + shared) x expert
-    width (the active parameters, as xpar.estimate.flops counts them)."""
+    width (the active parameters, as xpar.estimate.compute.flops counts them)."""
     if not cfg.n_experts:
         return cfg.ffn_hidden
     moe = (cfg.moe_top_k + cfg.n_shared_experts) * cfg.expert_ffn
@@ -112,7 +112,7 @@ def projection_flops(cfg) -> dict[str, float]:
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",
                                   causal: bool = False, early_stop: bool = False) -> float:
     """Forward FLOPs per token one block's backward runs again under the policy (Narayanan et
-    al. 2021 convention, :func:`xpar.estimate.flops.forward_flops_per_token`: matmuls and the
+    al. 2021 convention, :func:`xpar.estimate.compute.flops.forward_flops_per_token`: matmuls and the
     attention core's scores and context, 4 s h; element-wise ops not counted). full: the whole
     block's forward (Megatron's and DeepSpeed's checkpoint functions), without the MLP's down
     projection w2 with ``early_stop`` (torch's non-reentrant checkpoint stops at the last saved

@@ -197,7 +197,7 @@ def _zero_stage(c: XparConfig, target: Target) -> int:
     """The ZeRO stage that runs (:func:`xpar.config.layout.zero_stage_run`); in execute mode ZeRO-1
     with tp or pp runs as ZeRO-2: torch's ZeroRedundancyOptimizer broadcasts whole parameters
     (fails on DTensor) and is not composed with pipeline stages. Estimates keep ZeRO-1 (the
-    distributed optimizer, xpar.estimate.dp)."""
+    distributed optimizer, xpar.estimate.comm.dp)."""
     par = c.parallel
     z = zero_stage_run(par.schedule, par.pp, par.zero_stage)
     return 2 if (z == 1 and target.mode == "execute" and (par.tp > 1 or par.pp > 1)) else z

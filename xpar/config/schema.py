@@ -209,7 +209,7 @@ class HardwareConfig:
     """Device memory bandwidth in TB/s (1e12 bytes/s); None measures on hardware=local."""
     sm_count: Optional[int] = None
     """Streaming multiprocessors per device (A100 108, H100/H200 SXM 132, B200 148): the waves GEMM tiles
-    run in (xpar.estimate.kernels); None: no kernel-level pricing (a CPU)."""
+    run in (xpar.estimate.compute.kernels); None: no kernel-level pricing (a CPU)."""
     gemm_tile_m: int = 128
     """Rows of a GEMM's CTA tile in the library's large-GEMM kernels (CUTLASS/cuBLAS: 128), a multiple of 16."""
     gemm_tile_n: int = 256
@@ -227,12 +227,12 @@ class HardwareConfig:
     """The same for its backward pass, in (0, 1]."""
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
-    microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.kernels.kernel_overhead)."""
+    microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
     sustained_efficiency: float = 1.0
     """Fraction of the kernel model's isolated-kernel compute rates (gemm_efficiency, attention_efficiency)
     a training step sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped
     communication. The one constant fitted per GPU family on published runs where the kernel model prices
-    compute (xpar.estimate.kernel_costs; docs/accuracy/published.md)."""
+    compute (xpar.estimate.compute.kernel_costs; docs/accuracy/published.md)."""
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None
@@ -259,7 +259,7 @@ class HardwareConfig:
     of 'allreduce', 'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes,
     microseconds per step] (``xpar calibrate``: payload / ranks per step, time / ring steps;
     send_recv: the message, one step). Where a collective has its curve, a single-node group
-    pays ring steps x the curve at its chunk (xpar.estimate.collectives.measured_time) instead
+    pays ring steps x the curve at its chunk (xpar.estimate.comm.collectives.measured_time) instead
     of the alpha-beta model: gloo's cost per byte differs by collective and grows faster than
     linear past a few MiB. None: the alpha-beta model (GPU presets)."""
     matmul_efficiency: float = 0.7
@@ -273,7 +273,7 @@ class HardwareConfig:
     estimated peak exceeds 95 % of device memory); 0 refuses only what does not fit."""
     op_overhead_us: float = 0.0
     """Host microseconds per aten operator issued, autograd included, where the host's time adds
-    to the step (a CPU); measured by ``xpar calibrate``; 0: hidden (GPU presets). xpar.estimate.host."""
+    to the step (a CPU); measured by ``xpar calibrate``; 0: hidden (GPU presets). xpar.estimate.compute.host."""
     dtensor_op_overhead_us: float = 0.0
     """Extra host microseconds of an operator on DTensors (FSDP2, tp); measured by ``xpar calibrate``."""
     fsdp_unit_overhead_us: float = 0.0
@@ -283,7 +283,7 @@ class HardwareConfig:
     """Extra host microseconds of one transformer block under tensor parallelism (DTensor dispatch
     and sharding propagation of the Megatron plan, xpar.parallel.tensor.block_plan), forward and
     backward per micro-batch, measured by ``xpar calibrate`` on a 1-rank mesh (no communication);
-    0: estimated from ``dtensor_op_overhead_us`` per linear. xpar.estimate.host."""
+    0: estimated from ``dtensor_op_overhead_us`` per linear. xpar.estimate.compute.host."""
     tp_first_overhead_us: float = 0.0
     """The same for the first stage's vocabulary-parallel embedding; measured by ``xpar calibrate``."""
     tp_last_overhead_us: float = 0.0
@@ -292,7 +292,7 @@ class HardwareConfig:
     sync_wait_us: float = 0.0
     """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
     ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by
-    ``xpar calibrate``; added to every collective and send (xpar.estimate.collectives). 0: GPU
+    ``xpar calibrate``; added to every collective and send (xpar.estimate.comm.collectives). 0: GPU
     presets (no such measurement)."""
     optimizer_ns_per_element: Optional[float] = None
     """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
@@ -301,10 +301,10 @@ class HardwareConfig:
     ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
     cpu_cores: Optional[int] = None
     """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
-    cores stretch the estimated step (xpar.estimate.host.oversubscription); None: not a shared CPU."""
+    cores stretch the estimated step (xpar.estimate.compute.host.oversubscription); None: not a shared CPU."""
     pcie_gb_per_s: Optional[float] = None
     """Host <-> device bandwidth per device, GB/s per direction, with every device of the node
-    copying at once (optimizer offload, xpar.estimate.offload); None: unknown (no offload)."""
+    copying at once (optimizer offload, xpar.estimate.memory.offload); None: unknown (no offload)."""
     host_memory_gb: Optional[float] = None
     """Host memory (DRAM) per node, GB (1e9 bytes): holds offloaded optimizer states; None: unknown."""
     host_mem_gb_per_s: Optional[float] = None
@@ -314,7 +314,7 @@ class HardwareConfig:
     """In-network reduction (NVLink SHARP inside a node, InfiniBand SHARP across nodes; NCCL's NVLS and
     CollNet algorithms): an all-reduce sends each rank's data to the switch once and reads the result once
     (bus bytes 1x the buffer, not the ring's 2 (n - 1) / n), all-reduces and reduce-scatters in one hop
-    each way (xpar.estimate.collectives.sharp_time); NCCL takes it where faster. False: rings and trees."""
+    each way (xpar.estimate.comm.collectives.sharp_time); NCCL takes it where faster. False: rings and trees."""
 
 
 @dataclass
@@ -423,7 +423,7 @@ class RunConfig:
     """Fault injection: this rank's main thread sleeps after building its engine while its heartbeat
     beats and the other ranks wait in a collective (a hang the watchdog must name, xpar.run.launch)."""
     allow_long: bool = False
-    """Run a local job whose estimated training time exceeds an hour (xpar.estimate.duration)."""
+    """Run a local job whose estimated training time exceeds an hour (xpar.estimate.preflight.duration)."""
     collective_timeout_s: float = 300.0
     """Timeout of every collective (gloo/NCCL), seconds: a rank waiting longer raises. Local workers: a run
     in which no rank finished a step for this long (all waiting on each other, e.g. in a pipeline's
@@ -433,7 +433,7 @@ class RunConfig:
     reach) is named and the job ended (xpar.run.launch)."""
     dry_run: bool = True
     """Estimate mode: also build the representative ranks through the engine factory on a fake
-    process group (xpar.estimate.dryrun) and check the cost model's parameter bytes against them."""
+    process group (xpar.run.dryrun) and check the cost model's parameter bytes against them."""
 
 
 @dataclass
@@ -532,4 +532,4 @@ register_configs()
 SUMMARY_METRICS = ("throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "throughput/step_time_s",
                    "throughput/tflops_per_device", "throughput/mfu", "throughput/hfu", "memory/peak_bytes_per_device",
                    "memory/model_states_bytes", "train/final_loss")
-"""The summary metrics every run logs (:meth:`xpar.estimate.report.Report.metrics`, besides its memory terms and extras)."""
+"""The summary metrics every run logs (:meth:`xpar.track.report.Report.metrics`, besides its memory terms and extras)."""

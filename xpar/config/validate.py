@@ -4,7 +4,7 @@ Runs every named check (:mod:`xpar.config.checks.config` on the config, :mod:`xp
 on the resolved :class:`~xpar.config.layout.Layout`), collects every violation and raises them
 together as :class:`ConfigError` before any worker starts; the entry point prints them and
 exits 2. Nothing here changes the config it is given. Whether the layout fits memory is
-checked after validation by :mod:`xpar.estimate.preflight`, which calls the cost model.
+checked after validation by :mod:`xpar.estimate.preflight.check`, which calls the cost model.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from xpar.config.remat import POLICIES, replayed_share
 from xpar.config.spec import RunSpec
-from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES
+from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.memory.model_states import BYTES
 
 
 def fold_cp(spec: RunSpec) -> RunSpec:

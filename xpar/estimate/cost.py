@@ -5,9 +5,9 @@
     step    = m max_r T_mb(r) + beta/(1 - beta) m mean_{r != slowest} T_mb(r)   pipeline and bubble
             + dp communication left at the end + optimizer and gradient passes + host step time
 
-eta(x) = hardware.matmul_efficiency x / (x + GEMM_HALF_DIM). Parts: FLOPs (xpar.estimate.flops,
+eta(x) = hardware.matmul_efficiency x / (x + GEMM_HALF_DIM). Parts: FLOPs (xpar.estimate.compute.flops,
 Narayanan et al. 2021), activations (Korthikanti et al. 2022), collectives (NCCL's alpha-beta),
-dp timeline (xpar.estimate.dp, overlap), bubble (xpar.estimate.schedule), host, offload, cp and
+dp timeline (xpar.estimate.comm.dp, overlap), bubble (xpar.estimate.schedule), host, offload, cp and
 ep. The step is the planner's orchestration on a column of one layout
 (xpar.estimate.columns.one_layout); its parts: xpar.estimate.step_parts (re-exported here).
 Units: seconds, FLOP/s, bytes. One fitted constant per GPU family (hardware.matmul_efficiency):
@@ -21,17 +21,17 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.spec import RunSpec
-from xpar.estimate import deepspeed_zero3
-from xpar.estimate import flops as fl
+from xpar.estimate.compute import flops as fl
+from xpar.estimate.frameworks import deepspeed_zero3
 from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_step
 from xpar.estimate.columns.step_time import Step
-from xpar.estimate.comm import comm_bytes_rank
+from xpar.estimate.comm.volume import comm_bytes_rank
 from xpar.estimate.context_parallel import fold_cp
-from xpar.estimate.dp import grad_bytes
+from xpar.estimate.comm.dp import grad_bytes
 from xpar.estimate.expert_parallel import ep_note, ep_replay
-from xpar.estimate.memory import MemoryEstimate, memory
-from xpar.estimate.offload import devices_per_node, host_state_bytes, offload_elements, offload_figures_known
+from xpar.estimate.memory.per_device import MemoryEstimate, memory
+from xpar.estimate.memory.offload import devices_per_node, host_state_bytes, offload_elements, offload_figures_known
 from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home before issue 41)
     GEMM_HALF_DIM,
     Assumptions,
@@ -78,14 +78,14 @@ class Estimate:
     hfu: float
     bubble_ratio: float
     comm_bytes: dict[str, float]
-    """Bytes per device per step by collective, slowest rank (xpar.estimate.comm)."""
+    """Bytes per device per step by collective, slowest rank (xpar.estimate.comm.volume)."""
     notes: list[str] = field(default_factory=list)
     comm_time: dict[str, float] = field(default_factory=dict)
     """Seconds of communication issued per step on the slowest rank, hidden or not (tp, pp,
     dp), beside the exposed shares in ``time_breakdown``."""
     framework: str = "xpar"
     offload: dict = field(default_factory=dict)
-    """An offloaded optimizer's seconds per step by part (xpar.estimate.offload.OFFLOAD_TERMS; its
+    """An offloaded optimizer's seconds per step by part (xpar.estimate.memory.offload.OFFLOAD_TERMS; its
     ``exposed_s`` is in ``time_breakdown['optimizer']``), ``elements`` and host ``host_bytes`` per
     node; empty without offload."""
 
@@ -164,7 +164,7 @@ def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
 
 
 def _offload(spec: RunSpec, assume: Assumptions, step: Step, elements: int, notes: list[str]) -> dict:
-    """The offloaded optimizer step of the memory peak's device (xpar.estimate.offload; ``elements``: the
+    """The offloaded optimizer step of the memory peak's device (xpar.estimate.memory.offload; ``elements``: the
     optimizer elements it holds) as ``step`` priced it: seconds by part, ``elements`` and the host
     ``host_bytes`` per node; {} without offload, or with a note when the hardware has no host figures."""
     if not assume.cpu_offload_optimizer:

@@ -7,7 +7,7 @@ each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (e
 leaving the rank (:func:`alltoall_time`). The busiest rank's load (:func:`busiest_rank_load`:
 ``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
 to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
-share is hidden. Expert states: xpar.estimate.model_states.
+share is hidden. Expert states: xpar.estimate.memory.model_states.
 Units: seconds.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Optional
 from xpar.config.remat import replayed_share
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.collectives import Group, group_of, nic_share
-from xpar.estimate.flops import model_flops_per_token
-from xpar.estimate.model_states import BYTES
-from xpar.estimate.kernel_costs import kernel_priced
+from xpar.estimate.comm.collectives import Group, group_of, nic_share
+from xpar.estimate.compute.flops import model_flops_per_token
+from xpar.estimate.memory.model_states import BYTES
+from xpar.estimate.compute.kernel_costs import kernel_priced
 
 
 def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None) -> float:
@@ -124,7 +124,7 @@ def routed_share(spec: RunSpec) -> float:
 def imbalance_share(spec: RunSpec) -> float:
     """Of a step's matmul term, what the busiest ep rank's routed experts add beyond the even share:
     :func:`routed_share` x (:func:`busiest_rank_load` - 1); 0 where the kernel model prices compute (its
-    expert GEMMs already take the busiest rank's tokens: xpar.estimate.kernel_block.expert_tokens)."""
+    expert GEMMs already take the busiest rank's tokens: xpar.estimate.compute.kernel_block.expert_tokens)."""
     if kernel_priced(spec.hardware, spec.train.dtype):
         return 0.0
     return routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)

@@ -20,19 +20,19 @@ from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute, tp_reruns
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate import flops as fl
-from xpar.estimate.activations import layer_activation_bytes, token_ffn
-from xpar.estimate.collectives import collective_time, group_of, p2p_time
-from xpar.estimate.host import oversubscription
-from xpar.estimate.kernel_costs import kernel_layer_costs, kernel_priced
-from xpar.estimate.model_states import (
+from xpar.estimate.compute import flops as fl
+from xpar.estimate.memory.activations import layer_activation_bytes, token_ffn
+from xpar.estimate.comm.collectives import collective_time, group_of, p2p_time
+from xpar.estimate.compute.host import oversubscription
+from xpar.estimate.compute.kernel_costs import kernel_layer_costs, kernel_priced
+from xpar.estimate.memory.model_states import (
     BYTES,
     MEMORY_PROFILES,
     STATE_BYTES,
     MemoryOptions,
     state_widths,
 )
-from xpar.estimate.overlap import vmax, vmin
+from xpar.estimate.comm.overlap import vmax, vmin
 
 GEMM_HALF_DIM = 32.0
 """GEMM dimension (h/t) at which matmul efficiency is half of hardware.matmul_efficiency."""
@@ -122,9 +122,9 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     backward includes the recomputed forward): matmul (``mm_*``: the attention scores over the whole
     s x s square at the matmul rate, docs/accuracy/fit_history.md) and memory-bound (``mem_*``: passes
     over the layer's activations, its MLP at the width a token goes through, experts included:
-    :func:`xpar.estimate.activations.token_ffn`). Under FP8 the attention core at the BF16 rate
+    :func:`xpar.estimate.memory.activations.token_ffn`). Under FP8 the attention core at the BF16 rate
     (:func:`attention_core_delay`). Where the hardware has the kernel figures, the kernel model's
-    (:func:`xpar.estimate.kernel_costs.kernel_layer_costs`) instead."""
+    (:func:`xpar.estimate.compute.kernel_costs.kernel_layer_costs`) instead."""
     if kernel_priced(spec.hardware, spec.train.dtype):
         return kernel_layer_costs(spec, assume)
     cfg, par, hw = spec.model, spec.parallel, spec.hardware
@@ -171,7 +171,7 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
     """Seconds of the tp collectives of one layer per micro-batch, forward (``f``) and backward
     with the recomputed forward (``b``; ``early_stop``: :func:`tp_rerun`), and of one embedding/output end (``end``): 2 all-reduces
     of b s h elements each way (all-gather + reduce-scatter with sequence parallelism),
-    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.tp_layer_bytes). ``b_async``: the part
+    Korthikanti et al. 2022 Sec. 4.2.2 (xpar.estimate.comm.volume.tp_layer_bytes). ``b_async``: the part
     of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
     gradients' all-reduce (reduce-scatter with sequence parallelism), which Megatron-LM runs
     behind their weight-gradient GEMMs (``framework.tp_async_backward``). ``cross``: 1.0 where the tp group
@@ -267,7 +267,7 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
 
 def microbatch_time(x: dict) -> Any:
     """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
-    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.host)."""
+    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.compute.host)."""
     return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host"))
 
 
@@ -276,7 +276,7 @@ def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[floa
                    state_width: Optional[int] = None, explicit: bool = False) -> Any:
     """Seconds of the optimizer step for the elements the device's optimizer holds
     (``optimizer_bytes`` / ``state_width``, the bytes per element the framework keeps:
-    :func:`xpar.estimate.model_states.state_widths`; default the width of :data:`STATE_BYTES`). An unfused AdamW
+    :func:`xpar.estimate.memory.model_states.state_widths`; default the width of :data:`STATE_BYTES`). An unfused AdamW
     (``bytes_per_element`` given, Assumptions.adamw_bytes_per_element: what xpar executes) takes
     ``ns_per_element`` each where the hardware has that measured figure
     (HardwareConfig.optimizer_ns_per_element, ``xpar calibrate``), else moves ``bytes_per_element``
@@ -317,7 +317,7 @@ def gradient_time(held_bytes: Any, reduced_bytes: Any, m: Any, pp: Any, clip: bo
 def reduced_grad_bytes(held_bytes: Any, dp: Any, pp: Any, zero_stage: Any) -> Any:
     """Gradient bytes a device holds after the dp reduction: the held ones (``held_bytes``), but
     1/dp of them under pp with ZeRO-2/3, whose reduce-scatter waits for the last backward
-    (xpar.estimate.memory.grads_deferred: the memory model counts the whole stage's). Floats or
+    (xpar.estimate.memory.per_device.grads_deferred: the memory model counts the whole stage's). Floats or
     numpy arrays over layouts."""
     return held_bytes / (1 + (dp - 1) * ((pp > 1) & (zero_stage >= 2)))
 
@@ -385,7 +385,7 @@ def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, p
 
 def waits_unstretched(spec: RunSpec, world: int) -> RunSpec:
     """``spec`` with ``hardware.sync_wait_us`` divided by the stretch of ``world`` workers on the
-    CPU's cores (xpar.estimate.host.oversubscription), so that the stretched step pays each wait
+    CPU's cores (xpar.estimate.compute.host.oversubscription), so that the stretched step pays each wait
     once: a worker waiting for its peers holds no core (docs/accuracy/fit_history.md)."""
     hw = spec.hardware
     stretch = oversubscription(hw.cpu_cores, world, spec.train.threads_per_worker or 1)

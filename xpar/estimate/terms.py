@@ -4,7 +4,7 @@ columns and the plan's record derives from the term records here.
 Units: step-time terms in seconds per step on the slowest rank (they sum to the step time);
 memory terms in bytes on the most loaded device; rates in tokens/s, 1e12 FLOP/s or fractions of
 peak. A new term is one record here, then its formula in the model (xpar.estimate.cost,
-xpar.estimate.memory); tests/estimate/test_terms.py checks that the planner reports only these keys.
+xpar.estimate.memory.per_device); tests/estimate/test_terms.py checks that the planner reports only these keys.
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ class CollectiveLog:
     def per_step(self, first: int = 0) -> dict[str, float]:
         """Medians over steps ``first``.. of ``comm/<axis>_<kind>_calls`` and ``_bytes`` (payload per
         step per device) and ``time/comm_<axis>_<kind>_exposed_s`` / ``_issued_s``: the statistic of
-        the reported step time (xpar.estimate.report.summarize_measured), robust to an odd slow step."""
+        the reported step time (xpar.track.report.summarize_measured), robust to an odd slow step."""
         steps = self.steps[first:] or self.steps[-1:]
         keys = sorted({k for s in steps for k in s})
         out: dict[str, float] = {}

@@ -21,7 +21,7 @@ from xpar.parallel.torch_internals import composable_replicate
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: str) -> nn.Module:
     """Replicate the model on every dp rank; gradients all-reduced (averaged) in buckets
     during backward. ZeRO stage 0 and, with the ZeRO-1 optimizer, stage 1. On the meta device
-    (the fake-process-group dry run, xpar.estimate.dryrun) the initial shape check and broadcast are
+    (the fake-process-group dry run, xpar.run.dryrun) the initial shape check and broadcast are
     skipped: they read values, which meta tensors do not have."""
     ids = [torch.cuda.current_device()] if device == "cuda" else None
     return DDP(model, device_ids=ids, process_group=dp_mesh.get_group(), init_sync=device != "meta")

@@ -206,7 +206,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
       (``no_sync`` / ``set_requires_gradient_sync(False)`` before it), saving m - 1
       all-reduces. The gradients are whole on every rank anyway (under tp the token
       embedding's is then held at the whole vocabulary until the sync:
-      xpar.estimate.memory.replicated_embedding_grad_numel).
+      xpar.estimate.memory.per_device.replicated_embedding_grad_numel).
     - ZeRO-2/3 (FSDP2): on every micro-batch, as DeepSpeed ZeRO-2/3 and torchtitan do. Each
       backward reduce-scatters and accumulates into the sharded ``p.grad``, so a rank never
       holds more than one FSDP unit's unsharded gradients. Deferring the sync would save

@@ -1,6 +1,6 @@
 """Memory accounting of a measured run: the bytes each rank holds, by term.
 
-``memory/peak_bytes_per_device`` (defined in :mod:`xpar.estimate.report`): max over ranks of
+``memory/peak_bytes_per_device`` (defined in :mod:`xpar.track.report`): max over ranks of
 accounted bytes on CPU = local parameter + gradient + optimizer-state bytes + peak bytes
 saved for backward (each storage counted once), or torch.cuda.max_memory_allocated on
 CUDA. Gradient bytes are the most held at once, FSDP2's unsharded gradients of a deferred

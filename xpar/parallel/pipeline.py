@@ -8,7 +8,7 @@ pp process group, builds the schedule by name and installs :func:`pipeline_step`
 engine's step. Every compute action of every stage (F: forward, B: full backward, I:
 backward for inputs, W: backward for weights) is timed with ``time.perf_counter``; the loss
 of the last stage is counted in its F. ``engine.pipeline_stats()`` returns the per-step
-action records that :mod:`xpar.estimate.bubble` turns into bubble ratios and a timeline.
+action records that :mod:`xpar.track.bubble` turns into bubble ratios and a timeline.
 
 Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
 """

@@ -1,5 +1,5 @@
 """Traffic of ring collectives, shared by the engine's byte counters (:mod:`xpar.parallel.tensor`)
-and the cost model (:mod:`xpar.estimate.comm`). Torch-free.
+and the cost model (:mod:`xpar.estimate.comm.volume`). Torch-free.
 
 Ring collectives over n ranks (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention), for a
 buffer of S bytes: all-reduce 2 (n-1)/n S; reduce-scatter and all-gather (n-1)/n S each.

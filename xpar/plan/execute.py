@@ -19,7 +19,7 @@ from pathlib import Path
 from xpar.config.checks import ConfigError
 from xpar.config.overrides import refuse
 from xpar.estimate.columns.stage_split import split_fields
-from xpar.estimate.preflight import check_run
+from xpar.estimate.preflight.check import check_run
 from xpar.plan.explain import label
 from xpar.plan.verify import compose_line
 from xpar.track.sweep import SWEEP_FILE

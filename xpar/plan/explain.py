@@ -76,13 +76,13 @@ def overhead_line(res: dict[str, np.ndarray], i: int) -> str:
 
 def offload_line(res: dict[str, np.ndarray], i: int, hardware: dict) -> str:
     """What offloading the optimizer costs layout ``i`` ('' when it does not offload): the host
-    AdamW step and the exposed PCIe copies per step (xpar.estimate.offload), and the host memory
+    AdamW step and the exposed PCIe copies per step (xpar.estimate.memory.offload), and the host memory
     its states take per node."""
     if "offload" not in res or not res["offload"][i]:
         return ""
     host, pcie = float(res["offload_host_step_s"][i]), float(res["offload_pcie_s"][i])
     share = (host + pcie) / float(res["time_per_step_s"][i])
-    return (f"Optimizer offloaded to host memory (ZeRO-Offload's schedule, xpar.estimate.offload): +{host:.3g} s "
+    return (f"Optimizer offloaded to host memory (ZeRO-Offload's schedule, xpar.estimate.memory.offload): +{host:.3g} s "
             f"host AdamW, +{pcie:.3g} s PCIe per step ({100 * share:.1f} % of the step); its states take "
             f"{float(res['host_bytes'][i]) / GB:,.0f} GB of the node's {float(hardware.get('host_memory_gb') or 0):,.0f} "
             f"GB host memory.")

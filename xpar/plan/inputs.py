@@ -16,7 +16,7 @@ from xpar.config.overrides import refuse
 from xpar.config.presets import conf_dir, load_preset
 from xpar.config.schema import HardwareConfig
 from xpar.config.validate import to_schema
-from xpar.estimate.offload import offload_figures_known
+from xpar.estimate.memory.offload import offload_figures_known
 from xpar.plan.axes import resolve_axes
 from xpar.plan.context import PlanContext
 from xpar.plan.space import Constraints, PLAN_RECOMPUTE, RECOMPUTE, ZERO_STAGES, batch_values

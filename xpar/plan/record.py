@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.recorded import resolved_config
-from xpar.estimate.report import layout_name
+from xpar.track.report import layout_name
 from xpar.estimate.terms import AXIS_TIME_TERMS, TIME_TERMS, time_key
 from xpar.plan.explain import device_name, explain, label
 from xpar.plan.groups import group_ranks

@@ -97,7 +97,7 @@ class Constraints:
     """Optimizer offload choices (framework.offload, narrowed by plan.offload)."""
     offload_hardware: bool = True
     """Whether the hardware gives the figures an offloaded step is timed with
-    (:func:`xpar.estimate.offload.offload_figures_known`)."""
+    (:func:`xpar.estimate.memory.offload.offload_figures_known`)."""
     cp: tuple[int, ...] = (1,)
     """Context-parallel degrees searched (plan.cp)."""
     ep: tuple[int, ...] = (1,)
@@ -273,7 +273,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
-    kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.offload.offload_problem)
+    kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = np.array([SCHEDULES[s].zero_bubble for s in t["schedule"]], dtype=bool) & (t["pp"] > 1)
     t = drops.apply(dict(t, zb=zb), "zero_run", _zero_runs(t) == t["zero"])

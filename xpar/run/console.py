@@ -4,7 +4,7 @@ prints every ``log_freq`` and Megatron-LM every ``--log-interval``::
     step: 10 loss: 7.8100 grad_norm: 1.20 memory: 31.40GiB(33.1%) tps: 6,543 tflops: 312.00 mfu: 31.6%
 
 ``tps`` is tokens/s per device (torchtitan's), ``tflops`` model TFLOP/s per device, ``mfu`` model
-FLOPs utilisation, all of that one step (:func:`xpar.estimate.report.step_rates`); ``loss`` the mean
+FLOPs utilisation, all of that one step (:func:`xpar.track.report.step_rates`); ``loss`` the mean
 over the dp ranks (torchtitan's global average loss; the value MLflow records, :func:`dp_mean`); ``memory`` the
 CUDA memory reserved (torchtitan's) or on a CPU the process's resident set, with its share of the
 device's (host's) memory. Printed by the rank that sees the loss (the last pipeline stage's first
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from xpar.estimate.report import step_rates
+from xpar.track.report import step_rates
 
 RUN_LOG = "xpar.log"
 """The run's log file in its folder (Hydra's job log, ``hydra.job.name=xpar``)."""

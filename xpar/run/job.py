@@ -15,11 +15,11 @@ from xpar.config.recorded import resolved_config
 from xpar.config.spec import RunSpec
 from xpar.config.torchrun import quiet_exit, torchrun_follower
 from xpar.estimate.cost import estimate
-from xpar.estimate.dryrun import PlanError
-from xpar.estimate.estimate_mode import estimate_report
-from xpar.estimate.fidelity import fidelity_metrics, contention, usable_cores
-from xpar.estimate.preflight import check_run
-from xpar.estimate.report import Report, layout_name, print_report, summarize_measured
+from xpar.run.dryrun import PlanError
+from xpar.run.estimate_mode import estimate_report
+from xpar.run.fidelity import fidelity_metrics, contention, usable_cores
+from xpar.estimate.preflight.check import check_run
+from xpar.track.report import Report, layout_name, print_report, summarize_measured
 from xpar.plan.command import run_plan
 from xpar.run.checkpoint import tracking_link
 from xpar.run.exits import WorkerFailed
@@ -144,7 +144,7 @@ class Job:
 
 
 def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
-    """The measured Report, with how far the run's own estimate was (xpar.estimate.fidelity)."""
+    """The measured Report, with how far the run's own estimate was (xpar.run.fidelity)."""
     report, est = summarize_measured(spec, stats), estimate(spec)  # the run's own estimate, once
     report.extra.update(fidelity_metrics(spec, report, est))
     report.notes.extend(fidelity_notes(spec, est))
@@ -158,7 +158,7 @@ def _summarize(spec: RunSpec, stats: list[dict]) -> Report:
 
 def contention_notes(spec: RunSpec, stats: list[dict], report: Report) -> list[str]:
     """The workers' CPU share over the timed steps as ``system/workers_cpu_share`` in
-    ``report.extra``, and the note of a run measured under contention (xpar.estimate.fidelity)."""
+    ``report.extra``, and the note of a run measured under contention (xpar.run.fidelity)."""
     share, note = contention(spec, stats, usable_cores()) if spec.launcher == "local" else (None, None)
     if share is not None:
         report.extra["system/workers_cpu_share"] = share

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from xpar.estimate.fidelity import cpu_share, task_cpu_ns, usable_cores
-from xpar.estimate.timing import step_time_stats
+from xpar.run.fidelity import cpu_share, task_cpu_ns, usable_cores
+from xpar.track.timing import step_time_stats
 from xpar.parallel.comm_log import CollectiveLog, ddp_comm
 from xpar.parallel.factory import Engine
 from xpar.parallel.memory_accounting import ActivationTracker, model_state_bytes
@@ -44,7 +44,7 @@ def train(engine: Engine, show_progress: bool = False, start: Optional["History"
     timed steps), ``grad_norms`` (pre-clip global gradient norm per step, equal on every rank),
     ``lrs`` (lr after each step's schedule update), ``memory`` (bytes: params, grads, optimizer,
     activations; bf16 adds params_master, params_compute; CUDA cuda_max_allocated), for pipelined runs
-    ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.estimate.fidelity.cpu_share` over the timed
+    ``pipeline``, on a CPU ``cpu_share`` (:func:`xpar.run.fidelity.cpu_share` over the timed
     steps), ``comm`` (tp: ``comm/tp_*_bytes``, :class:`xpar.parallel.tensor.TPCommCounter`; dp: the
     logged collectives, :class:`xpar.parallel.comm_log.CollectiveLog`), ``thread_cpu_s`` and
     ``core_wait_s`` per step outside the logged collectives, ``first_step`` (this process's first).
@@ -165,7 +165,7 @@ def cp_mean(loss: Optional[float], mesh, cp: int, device: str = "cpu") -> Option
 def thread_core_s() -> tuple[float, float]:
     """(seconds this thread ran on a core, seconds it was runnable but waited for one) so far: the
     thread's CPU clock (exact to the call), and Linux schedstat's run delay
-    (:func:`xpar.estimate.fidelity.task_cpu_ns`; 0 where the kernel has none). schedstat's run time
+    (:func:`xpar.run.fidelity.task_cpu_ns`; 0 where the kernel has none). schedstat's run time
     is not used: the running thread reads it as of its last tick or switch (4 ms here), which put
     the compute before each collective inside it (a ZeRO-2 step 0.8 explained, measured)."""
     got = task_cpu_ns([os.getpid()], main_only=True)
@@ -194,7 +194,7 @@ def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times:
 
 def _first_step(record: dict, total: int) -> dict:
     """A resumed pipelined run records its steps from the resumed step on: say which (the
-    bubble summary, xpar.estimate.bubble.summarize, indexes the records from there)."""
+    bubble summary, xpar.track.bubble.summarize, indexes the records from there)."""
     return dict(record, first_step=total - len(record.get("steps") or []))
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.report import step_rates
+from xpar.track.report import step_rates
 from xpar.parallel.factory import build_engine
 from xpar.parallel.mesh import build_mesh
 from xpar.run import checkpoint
@@ -131,7 +131,7 @@ def record_steps(engine, writer: StepWriter, first: int = 0) -> None:
 
 def live_metrics(spec, seconds: float) -> dict[str, float]:
     """This rank's live ``step/*`` metrics of a step that took ``seconds``: tokens/s (global), model
-    TFLOP/s per device, MFU (fraction) as :func:`xpar.estimate.report.summarize_measured` defines them,
+    TFLOP/s per device, MFU (fraction) as :func:`xpar.track.report.summarize_measured` defines them,
     and memory: CUDA allocated, reserved and peak allocated bytes, or on a CPU the process's
     resident set (RSS) bytes. torchtitan's names: throughput(tps) is tokens/s per device there."""
     rate = step_rates(spec, seconds)

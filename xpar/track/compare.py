@@ -18,9 +18,9 @@ from typing import Optional
 
 import pandas as pd
 
-from xpar.estimate.figures import TERM_COLORS
-from xpar.estimate.model_states import MEMORY_TERMS
-from xpar.estimate.report import memory_unit, format_bytes
+from xpar.track.estimate_figures import TERM_COLORS
+from xpar.estimate.memory.model_states import MEMORY_TERMS
+from xpar.track.report import memory_unit, format_bytes
 from xpar.track.plots import step_split_figure, step_split_terms
 from xpar.track.refusals import refuse_compare, selected
 from xpar.track.runs import default_uri
@@ -156,7 +156,7 @@ def memory_figure(runs: pd.DataFrame, d: pd.DataFrame):
         bottom = [0.0] * len(g)
         for term, col in zip(MEMORY_TERMS, cols):
             vals = [float(terms.loc[r, col]) / size if r in terms.index else 0.0 for r in g["run_id"]]
-            if any(vals):  # each term in the estimate figure's colour (xpar.estimate.figures), whichever are drawn
+            if any(vals):  # each term in the estimate figure's colour (xpar.track.estimate_figures), whichever are drawn
                 ax.bar(range(len(g)), vals, bottom=bottom, label=term, color=TERM_COLORS[term],
                        hatch="//" if mode != "measured" else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]

@@ -99,7 +99,7 @@ def _is_ack(r: dict) -> bool:
 class StepMerger:
     """Reads the workers' step files incrementally (each line once) and merges them into the
     run's per-step metrics: loss = mean over the ranks that see one, step time = max over ranks
-    (as :func:`xpar.estimate.report.summarize_measured`), timestamp = the last rank's end of the step."""
+    (as :func:`xpar.track.report.summarize_measured`), timestamp = the last rank's end of the step."""
 
     def __init__(self, out_dir: Path, world: int):
         self.files = [Path(out_dir) / STEPS_DIR / f"rank{k}.jsonl" for k in range(world)]

@@ -14,7 +14,7 @@ from xpar.track.runs import (
     setup_experiment,
 )
 from xpar.track.naming import compare_page, ui_hint
-from xpar.estimate.report import format_bytes
+from xpar.track.report import format_bytes
 
 
 def open_parent_run(config, sweep_id: str, n_jobs: Optional[int], invalid: list) -> dict:

@@ -18,7 +18,7 @@ def timeline_figure(timeline: dict):
     (F, B, I, W) and labelled with its micro-batch (``stage:mb`` when a rank holds several
     stages); grey inside the step is idle time (the bubble). Sized for MLflow's artifact
     viewer (1000 px wide at the saved 100 dpi). ``timeline`` is the dict built by
-    :func:`xpar.estimate.bubble.summarize`.
+    :func:`xpar.track.bubble.summarize`.
     """
     import matplotlib
     matplotlib.use("Agg")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from xpar.estimate.report import NOT_ALL_RECORDED
+from xpar.track.report import NOT_ALL_RECORDED
 from xpar.track.journal import Journal, StepMerger, step_points, JOURNAL_FILE
 
 HTTP_TIMEOUT_S = 5

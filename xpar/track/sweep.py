@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from xpar.config.checks import ConfigError
 from xpar.config.cluster import submitit_task_problems
 from xpar.config.hydra_internals import split_sweep_arguments
-from xpar.estimate.preflight import check_run
+from xpar.estimate.preflight.check import check_run
 from xpar.track.naming import varying_keys
 from xpar.track.recorder import bound_http
 from xpar.track.slurm import announce_submissions

@@ -169,7 +169,7 @@ def check_data(c: XparConfig) -> list[str]:
 
 
 SWEEP_METRIC_FAMILIES = ("pipeline/", "comm/", "estimate/", "fidelity/", "plan/", "train/", "throughput/step_time_")
-"""Families of the metrics a run logs besides the summary ones (xpar.estimate.report.Report.metrics: its
+"""Families of the metrics a run logs besides the summary ones (xpar.track.report.Report.metrics: its
 ``extra``, memory terms ``memory/<term>_bytes``, the step-time spread)."""
 
 

@@ -12,14 +12,14 @@ from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
 CHOICES = {
     "zero1": ("zero_redundancy", "distributed_optimizer"),
-    "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.collectives.ALGORITHMS
-    "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.dp.FSDP_COPIES
+    "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.comm.collectives.ALGORITHMS
+    "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.comm.dp.FSDP_COPIES
     "selective_recompute": SELECTIVE_POLICIES,  # xpar.config.remat
     "param_storage": ("fp32", "bf16"),
-    "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.MemoryOptions.loss_kernel
+    "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.per_device.MemoryOptions.loss_kernel
     "ep_dispatcher": ("alltoall", "deepep"),
     "microbatch_rule": MICROBATCH_RULES,
-    "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
+    "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.per_device.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction",
              "tp_overlap_across_nodes")

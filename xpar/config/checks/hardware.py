@@ -27,7 +27,7 @@ from xpar.config.schema import HardwareConfig
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
                     "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
 """Hardware fields that divide or bound (FLOP/s, bytes/s, bytes): 0 and negatives are refused; null
-as :data:`NULL_MEANS` says (the last three time and hold an offloaded optimizer, xpar.estimate.offload)."""
+as :data:`NULL_MEANS` says (the last three time and hold an offloaded optimizer, xpar.estimate.memory.offload)."""
 
 NULL_MEANS = {"peak_tflops": "null: measured, on hardware=local with a CPU only",
               "peak_tflops_fp32": "null: peak_tflops",
@@ -39,7 +39,7 @@ NULL_MEANS = {"peak_tflops": "null: measured, on hardware=local with a CPU only"
               "host_mem_gb_per_s": "null: unknown, no optimizer offload",
               "host_memory_gb": "null: unknown, no optimizer offload"}
 """What a null figure means, said in the refusal of 0 (xpar.config.hardware.resolve_hardware measures and
-detects; xpar.estimate.cost and xpar.estimate.offload read the unknowns)."""
+detects; xpar.estimate.cost and xpar.estimate.memory.offload read the unknowns)."""
 
 DATASHEET = {"peak_tflops": "the dense bf16 peak per device from the datasheet, TFLOP/s: A100 312, H100 SXM 989",
              "device_memory_gb": "the memory per device in GB (1e9 bytes) as the device reports it: 85.0 for an "
@@ -169,7 +169,7 @@ def _other_problems(hw, preset) -> dict[str, str]:
 
 def _kernel_model_problems(hw) -> dict[str, str]:
     """The kernel model's figures: SM count an integer >= 1 or null, tiles multiples of 16 in
-    [16, 512], fractions of peak in (0, 1] or null (xpar.estimate.kernels)."""
+    [16, 512], fractions of peak in (0, 1] or null (xpar.estimate.compute.kernels)."""
     out = {}
     n = hw.sm_count
     if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):

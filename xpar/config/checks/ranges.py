@@ -123,7 +123,7 @@ RANGES: dict[str, Range] = {
     **{f"framework.{k}": FRACTION for k in ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown",
                                             "recompute_layer_fraction")},
     "framework.grad_reduce_bytes": _i(2, 4), "framework.grad_bytes": _i(2, 6), "framework.optimizer_bytes": _i(0, 16),
-    "framework.bucket_mb": NON_NEGATIVE,  # 0: one buffer (xpar.estimate.dp)
+    "framework.bucket_mb": NON_NEGATIVE,  # 0: one buffer (xpar.estimate.comm.dp)
     "framework.zero3_persist_numel": COUNT,
     "framework.zero3_reuse_distance": Range(0, null=True),
     "framework.adamw_bytes_per_element": Range(0, lo_open=True, null=True), "framework.interleaved_min_pp": DEGREE,

@@ -1,7 +1,7 @@
 """One layout's peak memory as the column model's case of one row
 (:mod:`xpar.estimate.columns.peak_memory`): every pipeline rank priced as a slot of its own, on the
 bytes per live chunk of each of its own stages (whatever the split), the live chunks of the one
-schedule walk (:func:`xpar.estimate.activations.stage_events`), the peaks and the sum of terms the
+schedule walk (:func:`xpar.estimate.memory.activations.stage_events`), the peaks and the sum of terms the
 planner uses (:func:`~xpar.estimate.columns.peak_memory.chunk_peaks`,
 :func:`~xpar.estimate.columns.peak_memory.memory_fields`). Units: bytes. No torch import.
 """
@@ -12,8 +12,8 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.spec import RunSpec
-from xpar.estimate import activations
-from xpar.estimate.buffers import p2p_buffer_bytes
+from xpar.estimate.memory import activations
+from xpar.estimate.memory.buffers import p2p_buffer_bytes
 from xpar.estimate.columns.one_layout import layout_columns
 from xpar.estimate.columns.peak_memory import (
     chunk_peaks,
@@ -24,7 +24,7 @@ from xpar.estimate.columns.peak_memory import (
     rank_states,
     single_stage,
 )
-from xpar.estimate.model_states import MemoryOptions, precision
+from xpar.estimate.memory.model_states import MemoryOptions, precision
 
 
 def _context(spec: RunSpec, o: MemoryOptions, c: dict, ranks: list[int]) -> dict:
@@ -45,7 +45,7 @@ def _context(spec: RunSpec, o: MemoryOptions, c: dict, ranks: list[int]) -> dict
 def _rank_entry(spec: RunSpec, o: MemoryOptions, sched: str, r: int, slot: int) -> tuple:
     """Rank ``r``'s entry (rank, slot, forward rows, event rows, transient index) in its stages'
     basis, with its bytes per live chunk of each stage ([v, 4]: kept, forward and backward
-    transients, autocast's copies; :func:`xpar.estimate.activations.stage_chunk_bytes`)."""
+    transients, autocast's copies; :func:`xpar.estimate.memory.activations.stage_chunk_bytes`)."""
     stages, rows, kind, acting = activations.stage_events(sched, spec.pp, spec.micro_batches,
                                                           spec.layout.virtual_stages, r)
     per = np.array([activations.stage_chunk_bytes(spec, st, o) for st in stages])

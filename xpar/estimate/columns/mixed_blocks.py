@@ -2,8 +2,8 @@
 ``model.first_dense_layers``), whose dp collectives per unit depend on the blocks a rank holds.
 
 Where :func:`blocks_vary`, each representative rank's own units
-(:func:`xpar.estimate.dp.unit_elements` of the candidate's placement) are timed by
-:func:`xpar.estimate.dp.unit_times` -- the scalar estimate's own call -- once per distinct (dp, tp,
+(:func:`xpar.estimate.comm.dp.unit_elements` of the candidate's placement) are timed by
+:func:`xpar.estimate.comm.dp.unit_times` -- the scalar estimate's own call -- once per distinct (dp, tp,
 ZeRO stage, pp, v, placement, slot). The middle slot is the middle rank the scalar estimate takes
 as the slowest (below ZeRO-3 under pp: rank 1; under ZeRO-3 the middle rank with the most MoE
 blocks). Units: seconds.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from xpar.config.remat import RECOMPUTE
-from xpar.estimate.dp import unit_elements, unit_times
+from xpar.estimate.comm.dp import unit_elements, unit_times
 
 UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
-"""Keys of the unit-time lists (and of xpar.estimate.columns.step_time's columns) -> xpar.estimate.dp.unit_times keys."""
+"""Keys of the unit-time lists (and of xpar.estimate.columns.step_time's columns) -> xpar.estimate.comm.dp.unit_times keys."""
 
 
 def blocks_vary(base) -> bool:

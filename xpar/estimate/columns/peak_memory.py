@@ -1,4 +1,4 @@
-"""Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.memory` over
+"""Peak memory per device of many layouts at once: :func:`xpar.estimate.memory.per_device.memory` over
 candidate columns (:mod:`xpar.plan.context`), equal to it on every candidate (relative 1e-9).
 
 Each sub-result comes from the scalar function, once per distinct key of the columns it depends
@@ -21,22 +21,22 @@ import numpy as np
 from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as _RECOMPUTE
 from xpar.config.spec import RunSpec
-from xpar.estimate import activations, model_states
-from xpar.estimate import buffers
+from xpar.estimate.memory import activations, model_states
+from xpar.estimate.memory import buffers
 from xpar.estimate.columns.mixed_blocks import blocks_vary
 from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
 from xpar.estimate.step_parts import assumptions_for
-from xpar.estimate.offload import host_columns
+from xpar.estimate.memory.offload import host_columns
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
-from xpar.estimate.hsdp import shard_group_spec
+from xpar.estimate.comm.hsdp import shard_group_spec
 
 KEYS = COLUMN_MEMORY_KEYS
 """The columns :func:`memory_columns` returns: ``memory_<term>`` for each term of
-:data:`xpar.estimate.memory.MEMORY_TERMS` (bytes), the total (bytes), the pipeline rank it is on,
+:data:`xpar.estimate.memory.per_device.MEMORY_TERMS` (bytes), the total (bytes), the pipeline rank it is on,
 the usable bytes of a device and whether the total fits in them; the optimizer's elements on that
 device (offloaded or not), the host bytes per node an offloaded optimizer needs (0 without
-offload) and whether they fit ``hardware.host_memory_gb`` (xpar.estimate.offload)."""
+offload) and whether they fit ``hardware.host_memory_gb`` (xpar.estimate.memory.offload)."""
 _SCHED = tuple(SCHEDULES)
 
 
@@ -54,7 +54,7 @@ def int_columns(cols: dict, o: model_states.MemoryOptions) -> dict[str, np.ndarr
     """The candidate columns as int64 arrays (schedule and recompute as codes), v resolved
     (1 without pipelining, :func:`xpar.config.resolve.resolve_virtual_stages`); ``offload`` where the
     optional column is absent: ``o.cpu_offload_optimizer``; interleaved 1F1B at m = pp as looped BFS
-    where ``o.interleaved_m_per_pp`` (:func:`xpar.estimate.activations.memory_schedule`)."""
+    where ``o.interleaved_m_per_pp`` (:func:`xpar.estimate.memory.activations.memory_schedule`)."""
     c = {k: np.asarray(cols[k], dtype=np.int64) for k in ("tp", "pp", "dp", "b", "m", "zero")}
     c["b"] = np.maximum(c["b"], 1) if np.asarray(cols["b"]).dtype.kind != "f" else np.asarray(cols["b"], float)
     c["v"] = np.where(c["pp"] == 1, 1, np.asarray(cols["v"], dtype=np.int64))
@@ -97,7 +97,7 @@ def _stage_class(stage: int, n_stages: int) -> int:
 
 def _by_zero(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple[np.ndarray, np.ndarray]:
     """(autocast, residual-stream bytes er) of each candidate, from
-    :func:`xpar.estimate.memory.precision` once per ZeRO stage."""
+    :func:`xpar.estimate.memory.per_device.precision` once per ZeRO stage."""
     rep, inv = _group(c["zero"])
     rec = [model_states.precision(memory_spec(base, c, i), o) for i in rep]
     return (np.array([r["autocast"] for r in rec], dtype=np.int64)[inv],
@@ -152,7 +152,7 @@ def _state_table(base: RunSpec, c: dict, o: model_states.MemoryOptions) -> tuple
 def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast: np.ndarray) -> tuple:
     """Per group of (b, tp, sp, recompute, autocast, stages) and stage class (:func:`_stage_class`):
     one micro-batch's bytes (kept until its backward, transient during its forward, transient
-    during its backward, autocast's weight copies: :func:`xpar.estimate.activations.stage_chunk_bytes`). The scalar function runs once per
+    during its backward, autocast's weight copies: :func:`xpar.estimate.memory.activations.stage_chunk_bytes`). The scalar function runs once per
     group without b: every activation term there is s b times bytes per token, the weight
     copies do not depend on b, so the others are scaled by b / b_rep. Returns (table [groups,
     4, 4], group of each candidate)."""
@@ -171,7 +171,7 @@ def _stage_table(base: RunSpec, c: dict, o: model_states.MemoryOptions, autocast
 
 
 def _rank_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The events of :func:`xpar.estimate.activations.stage_events` as live micro-batch chunks by
+    """The events of :func:`xpar.estimate.memory.activations.stage_events` as live micro-batch chunks by
     stage class (all of the rank's, of the first stage, of the last stage). Returns (rows [n, 3],
     kind 0 forward / 1 backward, stage class of the acting stage)."""
     stages, per_stage, kind, acting = activations.stage_events(schedule, pp, m, v, rank)
@@ -554,7 +554,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray], assume=None) -> d
     Returns :data:`KEYS` -> arrays of length L: ``memory_<term>`` and ``memory_total`` in bytes
     (float64), ``memory_pp_rank`` (int64), ``memory_usable`` (bytes: device memory x (1 -
     hardware.memory_headroom)), ``fits`` (bool: total <= usable), ``optimizer_elements``,
-    ``host_bytes`` and ``host_fits`` (:func:`xpar.estimate.offload.host_columns`). The optional candidate column
+    ``host_bytes`` and ``host_fits`` (:func:`xpar.estimate.memory.offload.host_columns`). The optional candidate column
     ``offload`` (bool) sets ``cpu_offload_optimizer`` per candidate (default: the framework's). Each equals the scalar field
     to rounding (relative 1e-12 or better; tests/plan/test_plan_memory.py checks 1e-9).
 

@@ -4,7 +4,7 @@ of a step, for the planner's candidate columns (:mod:`xpar.plan.context`) and fo
 
 Sub-results that depend on a few columns (layer costs, FSDP unit sizes and times, pipeline sends,
 bubble, ...) come from the parts' functions once per distinct key (:func:`by_key`); the rest is
-array arithmetic (:mod:`xpar.estimate.step_parts`, :func:`xpar.estimate.dp.dp_exposure`). The
+array arithmetic (:mod:`xpar.estimate.step_parts`, :func:`xpar.estimate.comm.dp.dp_exposure`). The
 planner's pipeline ranks are three slots per layout (rank 0, a middle rank, the last rank), each
 with its count of ranks and blocks; the slowest slot gives the breakdown, the others the bubble's
 fill (:func:`xpar.estimate.step_parts.fill_time`): :func:`slot_step`.
@@ -24,7 +24,7 @@ from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.remat import spec_recompute
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.config.spec import RunSpec
-from xpar.estimate import flops as fl
+from xpar.estimate.compute import flops as fl
 from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.stage_split import plan_split, rank_blocks, split_key, splittable
@@ -46,19 +46,19 @@ from xpar.estimate.step_parts import (
     tp_times,
     waits_unstretched,
 )
-from xpar.estimate.comm import pp_sends
-from xpar.estimate.deepspeed_zero3 import persist_time
-from xpar.estimate.kernel_costs import kernel_layer_columns, kernel_priced
-from xpar.estimate.dp import dp_exposure, unit_elements, unit_times
-from xpar.estimate.host import (
+from xpar.estimate.comm.volume import pp_sends
+from xpar.estimate.frameworks.deepspeed_zero3 import persist_time
+from xpar.estimate.compute.kernel_costs import kernel_layer_columns, kernel_priced
+from xpar.estimate.comm.dp import dp_exposure, unit_elements, unit_times
+from xpar.estimate.compute.host import (
     HOST_KEYS,
     host_costs,
     host_step,
     oversubscription,
     rank_host,
 )
-from xpar.estimate.model_states import state_widths
-from xpar.estimate.offload import (
+from xpar.estimate.memory.model_states import state_widths
+from xpar.estimate.memory.offload import (
     OFFLOAD_TERMS,
     devices_per_node,
     gradient_copies,
@@ -185,7 +185,7 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
 
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
-    (:func:`xpar.estimate.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks;
+    (:func:`xpar.estimate.comm.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks;
     columns ``<key>_root``, ``<key>_block`` per key of :data:`xpar.estimate.columns.mixed_blocks.UNIT_TIMES`)."""
     specs: dict[tuple, RunSpec] = {}
 
@@ -248,7 +248,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
 
 def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:
     """Per slot (axis 0): seconds per step of ZeRO-3's persistent tensors (DeepSpeed 2021:
-    xpar.estimate.deepspeed_zero3.persist_time, once per step); zeros elsewhere."""
+    xpar.estimate.frameworks.deepspeed_zero3.persist_time, once per step); zeros elsewhere."""
     if not a.zero3_persist_numel:
         return np.zeros(s["count"].shape)
 
@@ -301,7 +301,7 @@ def _state_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np
 
 
 def _offload_columns(base: RunSpec, a: Assumptions, r: dict, pick: dict, elements: np.ndarray) -> dict:
-    """:func:`xpar.estimate.offload.offload_time` of every candidate (zeros where it does not
+    """:func:`xpar.estimate.memory.offload.offload_time` of every candidate (zeros where it does not
     offload, or the hardware has no host figures: the scalar estimate's note), with the slowest
     slot's micro-batch compute (``pick``) and the optimizer's ``elements`` on the memory peak."""
     hw = base.hardware
@@ -329,7 +329,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     elements on that device, what an offloaded optimizer moves; needed when a candidate
     offloads), and ``memory_grads`` (peak_memory's gradient bytes there, for the passes over the
     gradients: xpar.estimate.cost.gradient_time). The optional column ``offload`` (bool; default the framework's
-    ``cpu_offload_optimizer``) adds the offloaded step (xpar.estimate.offload) to the optimizer
+    ``cpu_offload_optimizer``) adds the offloaded step (xpar.estimate.memory.offload) to the optimizer
     term. Units: seconds, tokens/s, 1e12 FLOP/s, fractions of peak.
 
     Raises:
@@ -372,7 +372,7 @@ class Step:
     rank's terms (``slowest``: :func:`_rank_columns`'s keys, seconds per micro-batch but ``dp_end``,
     ``dp_issued`` and ``host_step`` per step), its slot ``slot`` (axis 0 of the slots: the pipeline
     rank for one layout's every rank) and the offloaded optimizer's seconds (``offload``,
-    xpar.estimate.offload.OFFLOAD_TERMS; zeros without offload)."""
+    xpar.estimate.memory.offload.OFFLOAD_TERMS; zeros without offload)."""
 
     time: np.ndarray
     breakdown: dict
@@ -464,7 +464,7 @@ LAYER_KEYS = ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b", "l
 def _layer_columns(base: RunSpec, a: Assumptions, r: dict) -> dict[str, np.ndarray]:
     """:func:`xpar.estimate.cost.layer_costs` and :func:`xpar.estimate.cost.tp_times` (``tp_*``) of every
     candidate, once per distinct (tp, b, sp, recompute, stages); the kernel model's in one vectorised call
-    (xpar.estimate.kernel_costs.kernel_layer_columns) where it prices the hardware."""
+    (xpar.estimate.compute.kernel_costs.kernel_layer_columns) where it prices the hardware."""
     columns = [r["tp"], r["b"], r["sp"], r["recompute"], _stages(base, r)]
 
     def layer(tp, b, sp, rec, stages):

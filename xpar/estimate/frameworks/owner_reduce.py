@@ -4,7 +4,7 @@ at the flat partitions' bounds and reduces every slice to its owner with one ``d
 on the dp communicator's stream), not one reduce-scatter. A message of L bytes over partitions of P =
 total / dp spans ceil(L / P) + 1 owners (its start falls inside a partition), at most dp; each reduce is
 a pipelined chain (NCCL's ring reduce: n - 1 steps, every rank sends the slice once: priced as
-xpar.estimate.collectives' 'broadcast', the same chain). At several hundred ranks the per-owner steps'
+xpar.estimate.comm.collectives' 'broadcast', the same chain). At several hundred ranks the per-owner steps'
 latency dominates where a reduce-scatter pays it once. Units: seconds, bytes.
 """
 from __future__ import annotations

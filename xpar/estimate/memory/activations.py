@@ -1,6 +1,6 @@
 """Saved activations per layer, stage and pipeline schedule (Korthikanti et al. 2022; the
 schedule walk of torch's action lists): the second part of the memory estimate
-(:mod:`xpar.estimate.memory` documents the accounting and its sources)."""
+(:mod:`xpar.estimate.memory.per_device` documents the accounting and its sources)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -12,7 +12,7 @@ from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_na
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import MemoryOptions, precision
+from xpar.estimate.memory.model_states import MemoryOptions, precision
 from xpar.estimate.schedule import schedule_actions
 
 

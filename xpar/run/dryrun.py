@@ -5,7 +5,7 @@ in this process by :func:`xpar.parallel.factory.build_engine` with ``materialize
 fake process group -> DeviceMesh "cpu" -> the model or this rank's stages on the meta device ->
 TP -> DDP / FSDP2 -> PipelineStage + schedule. No memory is allocated, no collective moves data;
 local shard sizes are read with ``DTensor.to_local()`` and times the dtype's bytes per element
-(xpar.estimate.model_states.STATE_BYTES) checked against the cost model's parameter bytes.
+(xpar.estimate.memory.model_states.STATE_BYTES) checked against the cost model's parameter bytes.
 
 Units: bytes, seconds. Errors: torch's exceptions while building become a :class:`PlanError`
 naming the rank and its coordinates.
@@ -21,7 +21,7 @@ from typing import Optional
 from xpar.config.layout import SCHEDULES
 from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import fold_cp
-from xpar.estimate.model_states import (
+from xpar.estimate.memory.model_states import (
     STATE_BYTES,
     grads_deferred,
     model_state_bytes_per_rank,
@@ -46,9 +46,9 @@ class RankCheck:
     dryrun: dict[str, int]
     """params and grads as held during the step, bytes: params dp-unsharded under ZeRO-2;
     grads dp-sharded under ZeRO-2/3 without pp, whole where the reduction is deferred
-    (xpar.estimate.memory.grads_deferred)."""
+    (xpar.estimate.memory.per_device.grads_deferred)."""
     analytic: dict[str, int]
-    """The same from xpar.estimate.memory.model_state_bytes_per_rank."""
+    """The same from xpar.estimate.memory.per_device.model_state_bytes_per_rank."""
     build_s: float
 
     @property
@@ -98,7 +98,7 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
     from xpar.parallel.mesh import build_mesh  # lazy: torch (xpar.LAZY_IMPORTS)
 
     if dist.is_initialized():
-        raise RuntimeError("xpar.estimate.dryrun needs a process without a default process group")
+        raise RuntimeError("xpar.run.dryrun needs a process without a default process group")
     build_spec = buildable(replace(spec, device="cpu"))  # the mesh must be "cpu"; parameters stay on meta
     out, folded, cp = DryRun(), fold_cp(spec), spec.layout.cp
     t_all = time.perf_counter()
@@ -135,7 +135,7 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
     # gradients as held during the step: shards under ZeRO-2/3 without pp; whole where the
     # dp reduction is deferred (pp: torch's PipelineStage; ZeRO-0/1: no_sync), the tp
     # embedding's Replicate gradient included (a meta build runs no backward: that part
-    # is the cost model's rule, xpar.estimate.memory.replicated_embedding_grad_numel)
+    # is the cost model's rule, xpar.estimate.memory.per_device.replicated_embedding_grad_numel)
     if grads_deferred(folded):
         grads = dp_full + replicated_embedding_grad_numel(folded, pp)
     else:

@@ -18,7 +18,7 @@ COPY_BYTES = 2
 @lru_cache(maxsize=256)
 def block_linear_numel(shapes: tuple) -> int:
     """Elements of the linear weights (2-D, not the MoE router) among a pipeline rank's blocks' parameters
-    ``shapes`` ((name, tp-local shape) pairs: xpar.estimate.model_states.param_shapes)."""
+    ``shapes`` ((name, tp-local shape) pairs: xpar.estimate.memory.model_states.param_shapes)."""
     total = 0
     for name, shape in shapes:
         if ".layers." in f".{name.split(':', 1)[-1]}" and len(shape) == 2 and not name.endswith("router.weight"):

@@ -8,7 +8,7 @@ groups. Per unit (Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2.2 hybrid sharding; 
   dp / s replicas (ranks s x tp apart: across nodes);
 - model states sharded s ways, not dp ways (:func:`shard_group_spec`).
 
-Units: seconds and bytes, as :mod:`xpar.estimate.dp` and :mod:`xpar.estimate.memory`.
+Units: seconds and bytes, as :mod:`xpar.estimate.comm.dp` and :mod:`xpar.estimate.memory.per_device`.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Optional
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.fp8_params import gather_widths
+from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.frameworks.fp8_params import gather_widths
 
 
 def shard_size(spec: RunSpec) -> Optional[int]:

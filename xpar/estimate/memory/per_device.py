@@ -9,7 +9,7 @@ it; what a framework does differently is a :class:`MemoryOptions` field (framewo
 - Activations: Korthikanti et al. 2022 Table 2 generalised term by term
   (:func:`layer_activation_bytes`); a rank's peak over the schedule's own action list.
 - Recompute: none, full (Chen et al. 2016), selective by ``selective_recompute``.
-- Besides (``count_buffers``): buffers (xpar.estimate.buffers), recompute workspace, loss
+- Besides (``count_buffers``): buffers (xpar.estimate.memory.buffers), recompute workspace, loss
   temporaries, ``hardware.framework_overhead_gb``. The peak: the planner's column model on a column of
   one layout (xpar.estimate.columns.layout_memory). Derivation: docs/concepts/cost-model-derivations.md.
 """
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.activations import recompute_notes
-from xpar.estimate.buffers import state_buffer_terms
+from xpar.estimate.memory.activations import recompute_notes
+from xpar.estimate.memory.buffers import state_buffer_terms
 from xpar.estimate.columns.layout_memory import layout_memory
 from xpar.estimate.columns.peak_memory import usable_bytes
 from xpar.estimate.context_parallel import fold_cp
-from xpar.estimate.hsdp import shard_group_spec
-from xpar.estimate.model_states import (
+from xpar.estimate.comm.hsdp import shard_group_spec
+from xpar.estimate.memory.model_states import (
     MemoryOptions,
     expert_state_bytes,
     held_state_terms,
@@ -114,7 +114,7 @@ def rank_memory(spec: RunSpec, o: MemoryOptions, pp_rank: Optional[int] = None) 
 
 
 def expert_notes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions) -> list[str]:
-    """The expert states of a MoE model's rank in words (xpar.estimate.model_states.expert_state_bytes)."""
+    """The expert states of a MoE model's rank in words (xpar.estimate.memory.model_states.expert_state_bytes)."""
     ex = expert_state_bytes(spec, pp_rank, dp_rank, o)
     if not ex:
         return []
@@ -132,5 +132,5 @@ def memory(spec: RunSpec, pp_rank: Optional[int] = None, assume=None, **options)
     ``sp_saves_gathered``). See the module docstring for the terms."""
     o = MemoryOptions.of(assume, **options)
     spec = fold_cp(spec)  # cp ranks hold s / cp tokens and shard over dp x cp (xpar.estimate.context_parallel)
-    spec = shard_group_spec(spec)  # hierarchical ZeRO: states sharded over parallel.zero_shard_size (xpar.estimate.hsdp)
+    spec = shard_group_spec(spec)  # hierarchical ZeRO: states sharded over parallel.zero_shard_size (xpar.estimate.comm.hsdp)
     return rank_memory(spec, o, pp_rank)

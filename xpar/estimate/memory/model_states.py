@@ -1,5 +1,5 @@
 """Model states per device (parameters, gradients, optimizer states) and the options that say how a
-framework keeps them: the first part of the memory estimate (:mod:`xpar.estimate.memory` documents
+framework keeps them: the first part of the memory estimate (:mod:`xpar.estimate.memory.per_device` documents
 the accounting and its sources)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import SELECTIVE_POLICIES
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.fp8_weights import fp8_weight_copy_bytes
+from xpar.estimate.frameworks.fp8_weights import fp8_weight_copy_bytes
 from xpar.estimate.terms import MEMORY_TERMS, STATE_TERMS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
@@ -441,7 +441,7 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
 def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict[str, int]]:
     """Per dp rank of pipeline rank ``stage_index``: params (held during the step: whole
     under ZeRO-2), grads and optimizer bytes at the ZeRO paper's widths (:data:`STATE_BYTES`);
-    the dry run (xpar.estimate.dryrun) checks these element counts against torch's."""
+    the dry run (xpar.run.dryrun) checks these element counts against torch's."""
     bp, bg, bo = STATE_BYTES[spec.train.dtype]
     out = []
     for r in range(spec.dp):
@@ -486,7 +486,7 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     if fp32_master and not rec["autocast"] and (z == 2 or (z == 3 and spec.pp > 1 and not o.fsdp_reshard_under_pp)):
         compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
-    if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.fp8_weights)
+    if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.frameworks.fp8_weights)
         shapes = _param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
         compute += fp8_weight_copy_bytes(spec.train.dtype, z, shapes, o)
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from xpar.estimate.cost import TIME_TERMS
-from xpar.estimate.memory import MemoryEstimate
-from xpar.estimate.model_states import MEMORY_TERMS
+from xpar.estimate.memory.per_device import MemoryEstimate
+from xpar.estimate.memory.model_states import MEMORY_TERMS
 
 MEMORY_FILE = "estimate_memory.png"
 TIME_FILE = "estimate_step_time.png"

@@ -19,9 +19,9 @@ from typing import Any
 from xpar.config.remat import spec_recompute
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import tensor_counts
-from xpar.estimate.overlap import vmax
+from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.memory.model_states import tensor_counts
+from xpar.estimate.comm.overlap import vmax
 
 LINEAR_OPS = (4, 9)
 """Operators of one linear layer, forward and backward (transpose, matmul, views)."""

@@ -1,5 +1,5 @@
 """A layer's compute seconds per micro-batch from its kernels (issue 42): the kernel model
-(xpar.estimate.kernel_block) in the terms the cost model's orchestration reads.
+(xpar.estimate.compute.kernel_block) in the terms the cost model's orchestration reads.
 
 On hardware with the kernel figures (:func:`kernel_priced`: a GPU preset with ``sm_count``,
 ``gemm_efficiency`` and the attention fractions) :func:`xpar.estimate.cost.layer_costs` returns
@@ -17,8 +17,8 @@ import numpy as np
 
 from xpar.config.remat import POLICIES, reruns, spec_recompute
 from xpar.config.spec import RunSpec
-from xpar.estimate.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
-from xpar.estimate.kernels import Device, device_of
+from xpar.estimate.compute.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
+from xpar.estimate.compute.kernels import Device, device_of
 
 FP8_LOGITS_DTYPE = "bf16"
 """The output layer's GEMM dtype under FP8 recipes (Transformer Engine and torchao keep it in BF16)."""
@@ -43,7 +43,7 @@ def fitted_field(hw, dtype: str) -> str:
 
 
 def training_device(hw) -> Device:
-    """The :class:`~xpar.estimate.kernels.Device` of ``hw`` at ``hw.sustained_efficiency`` of every
+    """The :class:`~xpar.estimate.compute.kernels.Device` of ``hw`` at ``hw.sustained_efficiency`` of every
     isolated compute rate (GEMMs per dtype, attention forward and backward)."""
     d, s = device_of(hw), hw.sustained_efficiency
     return replace(d, gemm_fraction={k: v * s for k, v in d.gemm_fraction.items()},

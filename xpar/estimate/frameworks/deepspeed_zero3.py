@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.comm import allgather_bytes, allreduce_bytes
-from xpar.estimate.model_states import BYTES, block_shapes, tensor_counts
+from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.comm.volume import allgather_bytes, allreduce_bytes
+from xpar.estimate.memory.model_states import BYTES, block_shapes, tensor_counts
 
 QKV = ("attention.wq", "attention.wk", "attention.wv")
 """xpar's separate query, key and value projections (xpar.models.transformer)."""
@@ -43,7 +43,7 @@ class BlockTraffic:
 def modules(tensors: tuple, persist_numel: int, fused_qkv: bool) -> list[tuple[int, int, int, int]]:
     """(tensors gathered, their elements, tensors, elements) per submodule of a block in the order
     its parameters are registered (the forward's, but for SwiGLU's w2 and w3 of one size).
-    ``tensors``: (name, shape) pairs as :func:`xpar.estimate.model_states.block_shapes` gives them.
+    ``tensors``: (name, shape) pairs as :func:`xpar.estimate.memory.model_states.block_shapes` gives them.
     A fused query/key/value module has one tensor per kind (weight, bias) holding the three
     projections' elements; a tensor gathers if it has at least ``persist_numel`` elements."""
     sizes: dict[str, dict[str, int]] = {}
@@ -81,7 +81,7 @@ def block_traffic(tensors: tuple, persist_numel: int, reuse_distance: float | No
 
 def traffic(spec, assume) -> BlockTraffic:
     """What ZeRO-3 moves per (dense) block of ``spec``'s model under ``assume`` (Assumptions):
-    :func:`block_traffic` of :func:`xpar.estimate.model_states.block_shapes`. A MoE model's expert
+    :func:`block_traffic` of :func:`xpar.estimate.memory.model_states.block_shapes`. A MoE model's expert
     blocks are priced as its dense block (DeepSpeed v0.3 ran no MoE; this is a what-if)."""
     return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
                          spec.layout.recompute, assume.fused_qkv)
@@ -114,7 +114,7 @@ def list_api_times(spec, assume, units: list[int], elem_bytes: int, kind: str) -
 def tensor_times(spec, assume, units: list[int], gather: list, reduce: list, allgather: Callable[[float], float],
                  elem_bytes: int, grad_bytes: int) -> tuple[list, list, list]:
     """(gather, reduce, gather in the backward) per unit, seconds: ``gather`` and ``reduce`` (the
-    collectives' own times per unit, xpar.estimate.dp.unit_times) with the list API's host ops and
+    collectives' own times per unit, xpar.estimate.comm.dp.unit_times) with the list API's host ops and
     copies (:func:`list_api_times`; the reductions' only when reduce-scattered per tensor), and the
     backward's second gathers of a block (its ``regathered_share`` of the elements through
     ``allgather``: bytes -> seconds)."""
@@ -159,7 +159,7 @@ def _small(spec, persist_numel: int) -> list:
 
 
 def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
-    """``base`` (xpar.estimate.comm.comm_bytes_rank: bytes each device sends per step, by
+    """``base`` (xpar.estimate.comm.volume.comm_bytes_rank: bytes each device sends per step, by
     collective) with what DeepSpeed 2021's ZeRO-3 moves besides (ZeRO-3 without pp, dp > 1; ``base``
     as is otherwise), each with the setting that prices its time: the backward's second gathers
     (``zero3_reuse_distance``), the persistent tensors gathered back after the step and in each

@@ -2,7 +2,7 @@
 buckets, FSDP all-gather and reduce buffers, DeepSpeed's fp32 gradient partition, pipeline p2p
 buffers (:func:`state_buffer_terms`, :func:`p2p_buffer_bytes`). Counted only when the framework's ``count_buffers``. Units:
 bytes. Sources: torch DDP and FSDP2 (xpar.parallel.data_parallel), DeepSpeed v0.3
-(xpar.estimate.zero12_step); docs/concepts/cost-model-derivations.md.
+(xpar.estimate.frameworks.zero12_step); docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import (
+from xpar.estimate.memory.model_states import (
     MemoryOptions,
     _model_key,
     _numels,
@@ -21,7 +21,7 @@ from xpar.estimate.model_states import (
     precision,
     state_widths,
 )
-from xpar.estimate.zero12_step import fp32_grad_partition_bytes
+from xpar.estimate.frameworks.zero12_step import fp32_grad_partition_bytes
 
 
 @lru_cache(maxsize=8192)
@@ -53,7 +53,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     gradients are the ``grads`` term. With ``zero3_gather='tensor'`` (DeepSpeed v0.3) the unit is the
     largest parameter tensor, gathered alone and not prefetched (``fsdp_allgather`` 2 of them: the
     one in use and the next). fp32_grad_partition: DeepSpeed ZeRO-1/2's fp32 copy of the rank's
-    gradient partition at the step (xpar.estimate.zero12_step). The pipeline's buffers:
+    gradient partition at the step (xpar.estimate.frameworks.zero12_step). The pipeline's buffers:
     :func:`p2p_buffer_bytes` (``pp_p2p``).
     """
     out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "fp32_grad_partition": 0.0}

@@ -1,4 +1,4 @@
-"""The nearest memory settings that fit, for a memory refusal (:mod:`xpar.estimate.preflight`).
+"""The nearest memory settings that fit, for a memory refusal (:mod:`xpar.estimate.preflight.check`).
 
 Where a run's source leaves recompute, sequence parallelism or the distributed optimizer unstated,
 the framework's defaults may not fit; the refusal names the nearest settings that do on the same

@@ -20,7 +20,7 @@ from typing import Optional
 
 from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import BYTES, param_shapes, root_elements
+from xpar.estimate.memory.model_states import BYTES, param_shapes, root_elements
 from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
@@ -77,7 +77,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     ``zero1``: 'zero_redundancy' (torch: all-reduce + broadcast of the updated shards) or
     'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step).
     ``grad_bytes``: bytes per gradient element reduced (4 for an fp32 reduction of bf16 training,
-    :func:`xpar.estimate.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts."""
+    :func:`xpar.estimate.comm.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts."""
     par, e = spec.parallel, BYTES[spec.train.dtype]
     out = dict.fromkeys(KEYS, 0.0)
     m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, par.sequence_parallel
@@ -96,7 +96,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
         out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp) * dp_reductions(spec)
         gathers = (m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
         out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
-        if z == 3 and spec.pp == 1:  # backward gathers every block again, not the root (xpar.estimate.dp)
+        if z == 3 and spec.pp == 1:  # backward gathers every block again, not the root (xpar.estimate.comm.dp)
             out["dp_allgather"] += allgather_bytes(psi - root_elements(spec, pp_rank) * e, dp) * m
     # tp
     stages, split = spec.layout.stages_of(pp_rank), spec.layer_split

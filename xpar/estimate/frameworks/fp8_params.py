@@ -7,7 +7,7 @@ block, not 2; the root (embedding, output layer, final norm) stays in bf16. Unit
 from __future__ import annotations
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import BYTES
+from xpar.estimate.memory.model_states import BYTES
 
 FP8_BYTES = 1
 """Bytes of an FP8 element (E4M3 / E5M2)."""
@@ -15,7 +15,7 @@ FP8_BYTES = 1
 
 def gather_widths(spec: RunSpec, assume, n_units: int) -> list[int]:
     """Bytes per element of each unit's parameter all-gather (units in forward order, the root first:
-    xpar.estimate.dp.unit_elements): the training dtype's, but :data:`FP8_BYTES` for the blocks under
+    xpar.estimate.comm.dp.unit_elements): the training dtype's, but :data:`FP8_BYTES` for the blocks under
     fp8 where the framework gathers FP8 parameters (``assume.fp8_param_gather``)."""
     e = BYTES[spec.train.dtype]
     if not (getattr(assume, "fp8_param_gather", False) and spec.train.dtype == "fp8") or n_units == 0:

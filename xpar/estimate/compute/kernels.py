@@ -9,7 +9,7 @@ broadcast together and each function returns seconds of the same shape.
   of the BF16 peak, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
 - Elementwise, normalisation, casts, MoE permutation: bytes over achievable HBM bandwidth.
 - Per-kernel overhead: the device's launch gap, or the host's issue time where that is longer.
-Constants and their sources: docs/concepts/kernels.md. A whole block: xpar.estimate.kernel_block.
+Constants and their sources: docs/concepts/kernels.md. A whole block: xpar.estimate.compute.kernel_block.
 """
 from __future__ import annotations
 

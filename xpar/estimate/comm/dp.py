@@ -1,6 +1,6 @@
 """Data-parallel communication of one pipeline rank, unit by unit, and how much of it is exposed.
 
-What each ZeRO stage issues (Rajbhandari et al. 2020; bytes in xpar.estimate.comm), at the sizes
+What each ZeRO stage issues (Rajbhandari et al. 2020; bytes in xpar.estimate.comm.volume), at the sizes
 issued, units as FSDP wraps them (each block; the root: embedding, final norm, output):
 ZeRO-3 gathers per unit before forward and backward and reduce-scatters after backward (m + 1
 gathers per step under pp, as torch's PipelineStage does); ZeRO-2 gathers before forward only;
@@ -8,7 +8,7 @@ DDP all-reduces buckets of ``bucket_mb`` in the last backward (one buffer when <
 all-reduces then broadcasts (torch) or reduce-scatters then all-gathers (Megatron's distributed
 optimizer). Parameters travel in the training dtype, gradients in ``grad_reduce_bytes``; FSDP2's
 copies (``fsdp_copies``, :func:`copy_times`) and DeepSpeed 2021's per-tensor host ops
-(xpar.estimate.deepspeed_zero3) are added. The overlap: :func:`xpar.estimate.overlap.simulate_pass`.
+(xpar.estimate.frameworks.deepspeed_zero3) are added. The overlap: :func:`xpar.estimate.comm.overlap.simulate_pass`.
 
 Units: seconds. Derivation: docs/concepts/cost-model-derivations.md.
 """
@@ -20,14 +20,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.collectives import collective_time, group_of
-from xpar.estimate.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
-from xpar.estimate.deepspeed_zero3 import persist_time, tensor_times
-from xpar.estimate.dp_chunks import gather_start, reduce_end
-from xpar.estimate.fp8_params import gather_widths
-from xpar.estimate.hsdp import hsdp_unit_times
-from xpar.estimate.owner_reduce import owner_unit_times
-from xpar.estimate.overlap import simulate_pass, vwhere
+from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.memory.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
+from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
+from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
+from xpar.estimate.frameworks.fp8_params import gather_widths
+from xpar.estimate.comm.hsdp import hsdp_unit_times
+from xpar.estimate.frameworks.owner_reduce import owner_unit_times
+from xpar.estimate.comm.overlap import simulate_pass, vwhere
 
 
 def grad_bytes(spec: RunSpec, assume) -> int:
@@ -138,7 +138,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     ``copy_first_backward`` (the copies alone). ``gather_b``: each unit's gathers in the backward,
     forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`).
     ``v``: model chunks per pipeline rank (an int), read with ``assume.dp_overlap_per_chunk``
-    (xpar.estimate.dp_chunks)."""
+    (xpar.estimate.frameworks.dp_chunks)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
@@ -177,7 +177,7 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     else:  # or after it
         end = vwhere(every, 0.0, sum_red)
     chunked = (pp > 1) & (z <= 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1)
-    if overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1:  # Megatron-Core: xpar.estimate.dp_chunks
+    if overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1:  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
         end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red), end)
         with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf), with_gf)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp

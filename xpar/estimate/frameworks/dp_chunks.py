@@ -11,13 +11,13 @@ Priced per pipeline rank: in the cooldown each chunk runs its last pp backwards 
 first pp forwards), so the reductions of all chunks but the last to finish (the rank's first model chunk,
 its blocks ceil(n / v) and the root) hide behind pp backwards of the chunks after them, the excess and
 the overlap slowdown exposed; the last chunk's own reductions overlap its last backward unit by unit
-(xpar.estimate.overlap.simulate_pass). The gathers mirror it over the first forwards. Units: seconds.
+(xpar.estimate.comm.overlap.simulate_pass). The gathers mirror it over the first forwards. Units: seconds.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from xpar.estimate.overlap import simulate_pass, vmax, vmin
+from xpar.estimate.comm.overlap import simulate_pass, vmax, vmin
 
 
 def chunk_units(n_units: int, v: int) -> int:
@@ -29,7 +29,7 @@ def chunk_units(n_units: int, v: int) -> int:
 
 def _hidden(comm: Any, cover: Any, slow: float) -> Any:
     """Exposed seconds of ``comm`` seconds of communication behind ``cover`` seconds of compute: the
-    excess, and the slowdown of the compute it runs beside (xpar.estimate.overlap)."""
+    excess, and the slowdown of the compute it runs beside (xpar.estimate.comm.overlap)."""
     return vmax(comm - cover, 0.0) + slow * vmin(comm, cover)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from xpar.config.schema import HardwareConfig
-from xpar.estimate.comm import ring_factor
+from xpar.estimate.comm.volume import ring_factor
 
 TREE_BUS_FACTOR = 0.9
 """NCCL tuning.cc: tree bus bandwidth = 0.9 x the ring's."""

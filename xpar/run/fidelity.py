@@ -17,10 +17,10 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import cp_bytes_per_step
 from xpar.estimate.columns.one_layout import layout_step
 from xpar.estimate.cost import assumptions_for, estimate, waits_unstretched
-from xpar.estimate.estimate_mode import comm_metrics
+from xpar.run.estimate_mode import comm_metrics
 from xpar.estimate.expert_parallel import ep_bytes_per_step
-from xpar.estimate.host import host_costs, host_step, oversubscription
-from xpar.estimate.report import Report
+from xpar.estimate.compute.host import host_costs, host_step, oversubscription
+from xpar.track.report import Report
 
 
 def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float]:
@@ -49,7 +49,7 @@ def fidelity_metrics(spec: RunSpec, report: Report, est=None) -> dict[str, float
 def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     """``fidelity/estimate_comm_<axis>_<kind>_bytes``: the estimate's payload bytes per step per
     device of each collective it counts (none where it counts 0), beside what the run measured (``comm/<axis>_<kind>_bytes``, the same
-    convention: xpar.estimate.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
+    convention: xpar.run.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
            if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
     if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
@@ -66,7 +66,7 @@ def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
 
 def _host_outside(spec: RunSpec) -> float:
     """Seconds of the estimate's host_overhead term spent after the schedule (optimizer, clip and
-    its all-reduces: xpar.estimate.host.host_step), most on any pipeline rank, stretched as the
+    its all-reduces: xpar.estimate.compute.host.host_step), most on any pipeline rank, stretched as the
     estimate's terms are when workers outnumber cores."""
     h, lay = host_costs(spec), spec.layout
     outside = max(host_step(h, lay.layers_of(r), lay.has_first_stage(r), lay.has_last_stage(r)) for r in range(spec.pp))
@@ -90,7 +90,7 @@ def _dp_end(spec: RunSpec) -> float:
 def estimated_idle(breakdown: dict[str, float], beta: float, pp: int, outside: float = 0.0,
                    idle_inside: float = 0.0) -> float:
     """The estimate's idle fraction of the ``pp`` pipeline ranks within the schedule, on the
-    measured bubble's definition (xpar.estimate.bubble: 1 - sum busy / (pp x schedule time), busy being the
+    measured bubble's definition (xpar.track.bubble: 1 - sum busy / (pp x schedule time), busy being the
     stages' compute): 1 - (m x mean micro-batch time - pipeline sends) / schedule time, from the
     slowest rank's step-time terms (Estimate.time_breakdown, seconds) and the schedule's bubble
     ``beta``. The schedule's time is the compute, host, tp, send, dp and bubble terms, less
@@ -170,7 +170,7 @@ def cores_got(share: float, workers: int, threads: int, cores: int, steal: float
     """The cores ``workers`` processes of ``threads`` torch threads effectively had when their
     threads ran ``share`` of the time they were runnable (:func:`cpu_share`) and the hypervisor
     stole ``steal`` of the machine's time (:func:`steal_fraction`): at most ``cores``, at least
-    share x workers x threads, times 1 - steal; xpar.estimate.host.oversubscription then
+    share x workers x threads, times 1 - steal; xpar.estimate.compute.host.oversubscription then
     stretches the estimate by workers x threads / that (1 / share when the workers saturate the
     cores)."""
     return max(1e-3, min(float(cores), share * workers * threads) * (1 - steal))

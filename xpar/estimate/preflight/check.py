@@ -2,7 +2,7 @@
 any worker starts: device memory in estimate mode, host memory for local CPU runs, and the layouts
 on the same devices that would fit.
 
-The peak is the cost model's (:func:`xpar.estimate.memory.memory`) on the most loaded pipeline
+The peak is the cost model's (:func:`xpar.estimate.memory.per_device.memory`) on the most loaded pipeline
 rank. A layout that does not fit is refused with the stage and ranks over the limit, by how much,
 and the alternatives that fit (ZeRO stage, recompute, sequence parallelism, micro-batch size, tp/pp
 degrees; one change at a time, then combined, each validated).
@@ -25,11 +25,11 @@ from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.estimate.duration import duration_problems
-from xpar.estimate.memory import MemoryEstimate, memory
-from xpar.estimate.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
-from xpar.estimate.nearest_fit import partial_recompute, recompute_choices
-from xpar.estimate.offload import host_memory_line, missing_host_fields, offload_problem, offload_step
+from xpar.estimate.preflight.duration import duration_problems
+from xpar.estimate.memory.per_device import MemoryEstimate, memory
+from xpar.estimate.memory.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
+from xpar.estimate.preflight.nearest_fit import partial_recompute, recompute_choices
+from xpar.estimate.memory.offload import host_memory_line, missing_host_fields, offload_problem, offload_step
 from xpar.models.shapes import param_count
 
 GB = 1e9
@@ -183,7 +183,7 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     every tp (<= devices per node) x pp (dividing the layers) over the same world size."""
     par, tr, model = spec.parallel, spec.train, spec.model
     zero = [z for z in range(par.zero_stage + 1, 4)]
-    recompute = recompute_choices(spec)  # the policies the framework runs (xpar.estimate.nearest_fit)
+    recompute = recompute_choices(spec)  # the policies the framework runs (xpar.estimate.preflight.nearest_fit)
     b = tr.micro_batch_size
     mbs = sorted({b // 2, 1} - {0, b}, reverse=True) if b > 1 else []
     dpn = int(spec.hardware.devices_per_node)
@@ -403,7 +403,7 @@ def memory_problems(spec: RunSpec) -> list[str]:
     if not 0.0 <= headroom < 1.0:
         return [f"hardware.memory_headroom={headroom:g} must be a fraction of device memory in [0, 1) "
                 f"(0.05 keeps 5 % free); values that work: 0, 0.05, 0.1."]
-    problem = offload_problem(spec, assumptions_for(spec)) or offload_host_problem(spec)  # xpar.estimate.offload
+    problem = offload_problem(spec, assumptions_for(spec)) or offload_host_problem(spec)  # xpar.estimate.memory.offload
     if problem is None and spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
     elif problem is None and spec.mode == "estimate":
@@ -425,7 +425,7 @@ def check_run(cfg, local_devices: Optional[int] = None) -> RunSpec:
 
 
 def host_memory_need(spec: RunSpec, assume) -> Optional[dict]:
-    """The offloaded step of ``spec`` (:func:`xpar.estimate.offload.offload_step`: ``host_bytes`` per
+    """The offloaded step of ``spec`` (:func:`xpar.estimate.memory.offload.offload_step`: ``host_bytes`` per
     node, ``elements``) when its states do not fit ``hardware.host_memory_gb``; None when they fit or
     nothing is offloaded."""
     if not getattr(assume, "cpu_offload_optimizer", False) or missing_host_fields(spec.hardware):

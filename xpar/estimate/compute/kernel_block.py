@@ -2,7 +2,7 @@
 
 Prices every kernel of a block (Megatron-Core / torchtitan order: norm, qkv or MLA projections,
 RoPE, attention core, output projection, residual add, norm, MLP or router + experts + combine)
-with xpar.estimate.kernels, for a micro-batch b of s tokens under tp (with sequence parallelism),
+with xpar.estimate.compute.kernels, for a micro-batch b of s tokens under tp (with sequence parallelism),
 cp (load-balanced causal chunks) and ep (experts not split by tp: Megatron's ETP = 1). Backward:
 each GEMM's dgrad and wgrad, the attention backward, elementwise passes at twice their traffic.
 Every argument broadcasts (numpy columns); the result is a :class:`BlockTerms` of arrays, seconds.
@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from xpar.estimate.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
+from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
 
 BF16 = DTYPE_BYTES["bf16"]
 
@@ -89,7 +89,7 @@ class BlockTerms:
     memory: np.ndarray
     """Memory-bound kernels: norms, residual adds, RoPE, activation, FP8 casts, MoE routing traffic."""
     overhead: np.ndarray
-    """Launch gaps, or host issue time beyond the kernels' own (xpar.estimate.kernels.kernel_overhead)."""
+    """Launch gaps, or host issue time beyond the kernels' own (xpar.estimate.compute.kernels.kernel_overhead)."""
     kernels: np.ndarray
     """Kernels launched."""
 

@@ -5,12 +5,12 @@ Metric definitions:
 
 - ``throughput/tokens_per_s``: global tokens per step / median step time, over timed steps
   (warm-up excluded); ``throughput/tokens_per_s_per_device`` divides by the world size.
-- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.flops, non-causal
+- ``throughput/tflops_per_device``: model FLOPs per step (xpar.estimate.compute.flops, non-causal
   attention, no recompute) / step time / world size, in TFLOP/s (1e12 FLOP/s).
 - ``throughput/mfu``: tflops_per_device / the hardware's dense peak for the dtype;
   ``throughput/hfu`` the same with hardware FLOPs (recompute included).
 - ``memory/peak_bytes_per_device``: the most loaded rank's bytes
-  (:mod:`xpar.parallel.memory_accounting` for measured runs, :mod:`xpar.estimate.memory` for
+  (:mod:`xpar.parallel.memory_accounting` for measured runs, :mod:`xpar.estimate.memory.per_device` for
   estimates), with the breakdown ``memory/<term>_bytes``.
 """
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Optional
 
 from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
-from xpar.estimate.bubble import summarize
+from xpar.track.bubble import summarize
 from xpar.estimate.cost import compute_peak
-from xpar.estimate.flops import model_flops_per_token, spec_hardware_flops_per_token
-from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
-from xpar.estimate.timing import step_time_stats
+from xpar.estimate.compute.flops import model_flops_per_token, spec_hardware_flops_per_token
+from xpar.estimate.memory.model_states import STATE_BYTES, zero_model_state_bytes
+from xpar.track.timing import step_time_stats
 from xpar.models.shapes import param_count
 
 MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
-"""The terms a measured run accounts (the first four of xpar.estimate.memory.MEMORY_TERMS)."""
+"""The terms a measured run accounts (the first four of xpar.estimate.memory.per_device.MEMORY_TERMS)."""
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Report:
     extra: dict[str, float] = field(default_factory=dict)
     """Further metrics by full name (pipeline/*, comm/*, estimate/*)."""
     timeline: Optional[dict] = None
-    """Pipelined runs: one step's measured and simulated action times (xpar.estimate.bubble)."""
+    """Pipelined runs: one step's measured and simulated action times (xpar.track.bubble)."""
     artifacts: list[str] = field(default_factory=list)
     """Files to log with the run (estimates: figures, dry-run JSON); paths."""
     notes: list[str] = field(default_factory=list)
@@ -109,8 +109,8 @@ def flops_per_step(spec: RunSpec) -> tuple[float, float]:
 
 def zero_paper_bytes(spec: RunSpec) -> float:
     """Model-state bytes per device by the ZeRO paper's formulas
-    (:func:`xpar.estimate.memory.zero_model_state_bytes`) with the run's bytes per param
-    (:data:`xpar.estimate.memory.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
+    (:func:`xpar.estimate.memory.per_device.zero_model_state_bytes`) with the run's bytes per param
+    (:data:`xpar.estimate.memory.per_device.STATE_BYTES`), for Psi = parameters / (tp*pp) and N = dp.
     Logged as ``memory/zero_paper_model_states_bytes`` beside the measured or estimated
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
@@ -136,7 +136,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     Step time per step = max over ranks; the reported step time is the MEDIAN over timed
     steps (warm-up excluded), robust to the odd slow step of a shared CPU; its spread goes
     to ``extra``: ``throughput/step_time_{median,iqr,min,max,mean}_s`` and
-    ``throughput/step_time_cv`` (xpar.estimate.timing.step_time_stats). The global loss of a step is
+    ``throughput/step_time_cv`` (xpar.track.timing.step_time_stats). The global loss of a step is
     the mean over ranks that see a loss (tp ranks hold equal copies, so this is the mean
     over dp replicas).
     """

@@ -10,7 +10,7 @@ activations freed) is below the backward's. Units: bytes.
 from __future__ import annotations
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.model_states import MemoryOptions, held_numel, most_loaded_dp_rank
+from xpar.estimate.memory.model_states import MemoryOptions, held_numel, most_loaded_dp_rank
 
 
 def fp32_grad_partition_bytes(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> float:

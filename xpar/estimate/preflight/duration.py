@@ -1,6 +1,6 @@
 """How long a local run will take, from the cost model, checked before any worker starts.
 
-:func:`duration_problems` (called by :func:`xpar.estimate.preflight.check_run`) prints a warning when one
+:func:`duration_problems` (called by :func:`xpar.estimate.preflight.check.check_run`) prints a warning when one
 step is estimated above :data:`WARN_STEP_S` and refuses a run whose steps are estimated above
 :data:`LONG_RUN_S` in total unless ``run.allow_long=true`` (a local run of hours must not
 start without a word).

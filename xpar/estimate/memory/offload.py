@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from xpar.estimate.model_states import held_numel, most_loaded_dp_rank, state_widths
-from xpar.estimate.overlap import vmax
+from xpar.estimate.memory.model_states import held_numel, most_loaded_dp_rank, state_widths
+from xpar.estimate.comm.overlap import vmax
 
 HOST_STATE_BYTES = 16
 """Host bytes per offloaded element: fp32 master (4), exp_avg (4), exp_avg_sq (4) and the fp32
@@ -29,7 +29,7 @@ HOST_STEP_READ_WRITE_BYTES = 28
 gradient, exp_avg, exp_avg_sq (16), writes master, exp_avg, exp_avg_sq (12)."""
 BACKWARD_SHARE = 2.0 / 3.0
 """Backward share of a micro-batch's compute: backward = 2 x forward FLOPs (Narayanan et al.
-2021, the 3-passes convention of xpar.estimate.flops)."""
+2021, the 3-passes convention of xpar.estimate.compute.flops)."""
 OFFLOAD_TERMS = ("grad_to_host_s", "grad_to_host_exposed_s", "host_step_s", "param_to_device_s", "exposed_s")
 """Keys of :func:`offload_time` (seconds per step)."""
 
@@ -91,7 +91,7 @@ def devices_per_node(hw) -> int:
 
 def offload_elements(spec, options, pp_rank: int) -> int:
     """Optimizer elements of the most loaded dp rank of pipeline rank ``pp_rank`` (what it
-    offloads; :func:`xpar.estimate.memory.held_numel`). ``options``: MemoryOptions/Assumptions."""
+    offloads; :func:`xpar.estimate.memory.per_device.held_numel`). ``options``: MemoryOptions/Assumptions."""
     return held_numel(spec, pp_rank, most_loaded_dp_rank(spec, pp_rank, options.zero1), options.zero1)["optimizer"]
 
 
@@ -125,7 +125,7 @@ def offload_problem(spec, assume) -> Optional[str]:
     or None: execute mode (xpar does not run it), hardware without the PCIe and host figures
     (the step would cost 0 s, :data:`HOST_FIELDS`), or ZeRO-0 (DeepSpeed's offload_optimizer is
     a ZeRO stage 1-3 option; at dp = 1 ZeRO-1 shards nothing and runs as ZeRO-0 does, so
-    parallel.zero_stage=1 is the layout). Host memory: xpar.estimate.preflight.host_memory_need."""
+    parallel.zero_stage=1 is the layout). Host memory: xpar.estimate.preflight.check.host_memory_need."""
     if not getattr(assume, "cpu_offload_optimizer", False):
         return None
     if spec.mode == "execute":
@@ -152,7 +152,7 @@ refusal gives for missing :data:`HOST_FIELDS`."""
 
 
 def host_memory_line(spec, step: dict) -> str:
-    """The refusal of xpar.estimate.preflight.host_memory_need, without a suggestion (the caller checks one)."""
+    """The refusal of xpar.estimate.preflight.check.host_memory_need, without a suggestion (the caller checks one)."""
     return (f"offloaded optimizer states need {step['host_bytes'] / 1e9:,.0f} GB of host memory per node "
             f"({devices_per_node(spec.hardware)} devices x {step['elements'] / 1e9:.2f}e9 elements x "
             f"{HOST_STATE_BYTES} bytes), more than hardware.host_memory_gb={spec.hardware.host_memory_gb:g}")

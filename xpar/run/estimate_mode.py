@@ -1,7 +1,7 @@
 """Estimate mode: the Report of a layout beyond this machine, from the cost model and a
 fake-process-group dry run of the real engine factory.
 
-The Report has the fields and metric names of a measured run (xpar.estimate.report), with
+The Report has the fields and metric names of a measured run (xpar.track.report), with
 ``mode='estimate'``: throughput and MFU from :func:`xpar.estimate.cost.estimate`; memory by term
 (``memory/<term>_bytes``) on the most loaded device; ``estimate/time_<term>_s``; the fit
 (``estimate/memory_fits``, headroom, peak pipeline rank); the dry run's parameter bytes against
@@ -18,14 +18,14 @@ import math
 from pathlib import Path
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.comm import ring_factor
+from xpar.estimate.comm.volume import ring_factor
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.estimate.dryrun import PlanError, dry_run, representative_ranks
-from xpar.estimate.figures import write_figures
-from xpar.estimate.model_states import MEMORY_TERMS, peak_ranks
-from xpar.estimate.offload import OFFLOAD_TERMS
-from xpar.estimate.report import Report, layout_name, zero_paper_bytes
+from xpar.run.dryrun import PlanError, dry_run, representative_ranks
+from xpar.track.estimate_figures import write_figures
+from xpar.estimate.memory.model_states import MEMORY_TERMS, peak_ranks
+from xpar.estimate.memory.offload import OFFLOAD_TERMS
+from xpar.track.report import Report, layout_name, zero_paper_bytes
 from xpar.estimate.schedule import bubble_theory
 
 DRYRUN_FILE = "dryrun.json"
@@ -67,7 +67,7 @@ def check_figures(report: Report) -> Report:
 
 
 def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
-    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm)."""
+    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm.volume)."""
     out: dict[str, float] = {}
     for group, n in (("dp", spec.dp), ("tp", spec.tp)):
         if n <= 1:
@@ -110,7 +110,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
 
     Raises:
-        xpar.estimate.dryrun.PlanError: torch refused to build a rank of the layout.
+        xpar.run.dryrun.PlanError: torch refused to build a rank of the layout.
     """
     est = estimate(spec, assumptions_for(spec))
     mem = est.memory
