@@ -142,7 +142,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         artifacts.append(str(path))
     if spec.pp > 1:
         extra["pipeline/bubble_ratio"] = est.bubble_ratio
-        extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.parallel.schedule, spec.pp, spec.micro_batches,
+        extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.layout.schedule, spec.pp, spec.micro_batches,
                                                               spec.layout.virtual_stages)
     extra.update(comm_metrics(spec, est.comm_bytes))
     report = Report(

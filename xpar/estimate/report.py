@@ -92,11 +92,12 @@ class Report:
 def layout_name(spec: RunSpec) -> str:
     """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
     context parallelism, ``-ep2`` after it under expert parallelism (every axis above 1)."""
-    p, cp, ep = spec.parallel, spec.layout.cp, spec.layout.ep
+    lay = spec.layout
+    cp, ep = lay.cp, lay.ep
     s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
-         + f"-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
+         + f"-pp{spec.pp}-zero{lay.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
-        s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+        s += f"-{lay.schedule}" + (f"-v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
     return s
 
 
@@ -115,7 +116,7 @@ def zero_paper_bytes(spec: RunSpec) -> float:
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
     P, G, K = STATE_BYTES[spec.train.dtype]
-    return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)
+    return zero_model_state_bytes(psi, spec.layout.zero_stage, spec.dp, P, G, K)
 
 
 def step_rates(spec: RunSpec, seconds: float) -> dict[str, float]:
