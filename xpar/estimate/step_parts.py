@@ -380,6 +380,18 @@ def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, p
             "mfu": tf * 1e12 / peak if peak else 0.0 * tf, "hfu": hwtf * 1e12 / peak if peak else 0.0 * hwtf}
 
 
+def step_rates(spec: RunSpec, seconds: float) -> dict[str, float]:
+    """:func:`rates` of one step of ``spec`` that took ``seconds`` (estimated or measured): its tokens,
+    world size and the training dtype's dense peak, with the step's ``model_flops_per_step`` and
+    ``hardware_flops_per_step`` (all devices; xpar.estimate.flops: no recompute, recompute counted).
+    Floats; the one computation of a step's throughput, TFLOP/s per device, MFU and HFU."""
+    tokens = spec.tokens_per_step
+    model_f = fl.model_flops_per_token(spec.model, spec.seq_len) * tokens
+    hw_f = fl.spec_hardware_flops_per_token(spec) * tokens
+    r = rates(seconds, tokens, spec.world_size, model_f, hw_f, compute_peak(spec.hardware, spec.train.dtype) / 1e12)
+    return {**{k: float(v) for k, v in r.items()}, "model_flops_per_step": model_f, "hardware_flops_per_step": hw_f}
+
+
 def waits_unstretched(spec: RunSpec, world: int) -> RunSpec:
     """``spec`` with ``hardware.sync_wait_us`` divided by the stretch of ``world`` workers on the
     CPU's cores (xpar.estimate.host.oversubscription), so that the stretched step pays each wait
