@@ -22,7 +22,7 @@ from typing import Optional
 from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
 from xpar.estimate.bubble import summarize
-from xpar.estimate.cost import step_rates
+from xpar.estimate.step_parts import step_rates
 from xpar.estimate.model_states import STATE_BYTES, zero_model_state_bytes
 from xpar.estimate.timing import step_time_stats
 from xpar.models.shapes import param_count
@@ -130,7 +130,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     timed = per_step[w:]
     spread = step_time_stats(timed)
     step_time = spread["median"]
-    rate = step_rates(spec, step_time)  # the estimate's computation (xpar.estimate.step_parts.step_rates)
+    rate = step_rates(spec, step_time)  # as the estimate computes its rates
     totals = []
     for s in stats:
         mem = s["memory"]
