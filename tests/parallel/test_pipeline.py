@@ -126,7 +126,7 @@ def zero_checks(payload: dict) -> dict:
     all-gathers of a ZeRO-3 1F1B step."""
     out = {"grads": {}, "trap": {}, "runs": run_all(payload["runs"])}
     for name, d in payload["grads"].items():
-        out["grads"][name] = _grad_error(d, d["parallel"]["zero_stage"])
+        out["grads"][name] = _grad_error(d, d["layout"]["zero_stage"])
         out["trap"][name] = _grad_error(d, 3)
     out["gathers"] = _gathers_per_step(payload["runs"]["1f1b_zero3"])
     return out
