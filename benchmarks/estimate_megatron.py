@@ -35,7 +35,7 @@ def main(path: Path = DEFAULT) -> list[float]:
         err = est.hw_tflops_per_device / ref - 1
         errors.append(err)
         share = {k: v / est.time_per_step_s for k, v in est.time_breakdown.items()}
-        v = spec.parallel.virtual_stages if spec.parallel.schedule == "interleaved_1f1b" else 1
+        v = spec.layout.virtual_stages if spec.layout.schedule == "interleaved_1f1b" else 1
         table.add_row(row["params_b"], f"{spec.tp}x{spec.pp}x{spec.dp}", str(v), str(spec.micro_batches),
                       f"{ref:.0f}", f"{est.hw_tflops_per_device:.1f}", f"{100 * err:+.1f}%",
                       *(f"{100 * share[k]:.0f}%" for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "bubble")),

@@ -67,10 +67,10 @@ def plain_times(rank: int, world: int, spec) -> list[float]:
         return _pp_by_hand(rank, world, spec)
     model = Transformer(spec.model)
     model.init_weights(spec.train.seed)
-    tp = spec.parallel.tp
+    tp = spec.tp
     if tp > 1:  # dp = 1: no data-parallel wrapper, the Megatron plan written out by hand
         model = _tp_by_hand(model, dist.device_mesh.init_device_mesh("cpu", (world,)))
-    elif spec.parallel.zero_stage == 3:
+    elif spec.layout.zero_stage == 3:
         mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)

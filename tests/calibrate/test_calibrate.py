@@ -120,8 +120,8 @@ def test_cpu_matmul_efficiency_makes_the_cost_model_time_the_measured_reference_
 
     cfg, peak, hbm, op_us = ModelConfig(**REFERENCE_BLOCK), 0.2, 0.015, 2.5
     spec = NS(model=cfg, seq_len=cfg.seq_len, tp=1, train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"),
-              parallel=NS(recompute="none", sequence_parallel=False, recompute_layers=None),
-              layout=NS(layer_split=(cfg.n_layers,)),
+              parallel=NS(recompute_layers=None),
+              layout=NS(layer_split=(cfg.n_layers,), recompute="none", sequence_parallel=False),
               hardware=HardwareConfig(device="cpu", peak_tflops=peak, hbm_tb_per_s=hbm, matmul_efficiency=0.7))
     c = layer_costs(spec, Assumptions.xpar_cpu())
     measured = sum(c.values()) - sum(v for k, v in c.items() if k.startswith("logits")) + sum(block_ops(cfg)) * op_us * 1e-6

@@ -135,7 +135,7 @@ def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
                   "parallel.recompute=full", "hardware=h100_80gb_64gpu", "train=cluster", "framework=megatron",
                   "tracking=off")
     spec = check_run(cfg)
-    assert spec.mode == "estimate" and spec.parallel.zero_stage == 1
+    assert spec.mode == "estimate" and spec.layout.zero_stage == 1
     e = estimate(spec)
     # distributed optimizer: gradients reduce-scattered and params all-gathered, no all-reduce
     assert e.comm_bytes["dp_allreduce"] == 0 and e.comm_bytes["dp_reduce_scatter"] > 0
@@ -146,7 +146,7 @@ def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
 def test_zero1_with_pp_executes_as_zero2_and_says_so():
     from xpar.config.validate import validate
     spec = validate(compose("parallel=pp", "parallel.zero_stage=1", "tracking=off"), local_devices=2)
-    assert spec.mode == "execute" and spec.parallel.zero_stage == spec.layout.zero_stage == 2
+    assert spec.mode == "execute" and spec.layout.zero_stage == 2
     assert any("zero_stage=1 ran as zero_stage=2" in n for n in spec.notes)
 
 
@@ -222,7 +222,7 @@ def test_a_layout_the_framework_does_not_run_is_refused_with_what_it_runs():
     assert "does not run parallel.schedule=interleaved_1f1b (framework.schedules=[1f1b])" in msg
     spec = validate(compose(*base, "framework=deepspeed", "parallel.zero_stage=1", "parallel.schedule=1f1b",
                             "parallel.virtual_stages=1"))
-    assert spec.framework.name == "deepspeed" and spec.parallel.zero_stage == 1
+    assert spec.framework.name == "deepspeed" and spec.layout.zero_stage == 1
     with pytest.raises(ConfigError, match=r"framework=megatron does not run parallel.zero_stage=3 .*e.g. parallel.zero_stage=1"):
         validate(compose("parallel=zero3", "model=7b", "hardware=a100_80gb_8gpu", "train=cluster", "tracking=off",
                          "framework=megatron"))

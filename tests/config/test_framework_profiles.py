@@ -109,7 +109,7 @@ def test_nemo_automodels_published_70b_row_is_estimated_under_fsdp2_bf16():
     row = next(r for r in cal.read_table(DATA / "cp_fp8_h100.csv")
                if r["id"] == "automodel_llama31_70b_bf16_64_cp2")
     spec, assume, metric, published = cal.cp_fp8_case(row)
-    assert assume.name == "fsdp2_bf16" and assume.optimizer_bytes == 8 and spec.parallel.zero_stage == 3
+    assert assume.name == "fsdp2_bf16" and assume.optimizer_bytes == 8 and spec.layout.zero_stage == 3
     est = estimate(spec, assume)
     titan_spec, titan, _, _ = cal.cp_fp8_case(dict(row, id="torchtitan_as_automodel"))
     ref = estimate(titan_spec, titan)

@@ -87,7 +87,7 @@ def test_an_estimate_with_a_nan_or_negative_figure_is_refused_not_recorded(tmp_p
                     "parallel.zero_stage=3", "parallel.recompute=full", "train.micro_batch_size=1", "run.dry_run=false")
     assert estimate_report(spec, tmp_path).step_time_s > 0
     for bad in (replace(spec, model=replace(spec.model, moe_imbalance=math.inf)),
-                replace(spec, layout=replace(spec.layout, etp=-1), parallel=replace(spec.parallel, etp=-1))):
+                replace(spec, layout=replace(spec.layout, etp=-1))):
         with pytest.raises(EstimateError) as e:
             estimate_report(bad, tmp_path)
         assert "not finite or negative" in str(e.value) and "\n" not in str(e.value)
@@ -211,7 +211,7 @@ def test_zb_h1_advice_names_the_framework_that_estimates_it():
     assert not any(p.endswith("or framework=xpar.") for p in problems), problems  # the framework in use
     spec = spec_for("parallel=pp", "parallel.schedule=zb_h1", "parallel.virtual_stages=1", "run.mode=estimate",
                     "framework=megatron_zb")
-    assert spec.mode == "estimate" and spec.parallel.schedule == "zb_h1"
+    assert spec.mode == "estimate" and spec.layout.schedule == "zb_h1"
 
 
 @pytest.mark.slow

@@ -333,7 +333,7 @@ def known_spec(row: dict):
     # validated as ZeRO-0, then set, so that this test does not depend on xpar's execute rules
     from dataclasses import replace
     s = make_spec(model, dict(par, zero_stage=0), hw, tr)
-    return replace(s, parallel=replace(s.parallel, zero_stage=1), layout=replace(s.layout, zero_stage=1))
+    return replace(s, layout=replace(s.layout, zero_stage=1))
 
 
 def profile(framework: str, **changes) -> dict:

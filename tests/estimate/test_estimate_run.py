@@ -86,7 +86,7 @@ def test_preset_resolves_local_hardware_to_its_reference_cluster():
 def test_cluster_presets_select_their_model_and_command_line_wins():
     s = spec_for("parallel=175b_1024gpu")
     assert (s.model.name, s.tp, s.pp, s.dp, s.world_size) == ("175b", 8, 16, 8, 1024)
-    assert s.global_batch == 1536 and s.parallel.recompute == "full"
+    assert s.global_batch == 1536 and s.layout.recompute == "full"
     assert spec_for("parallel=70b_64gpu").model.name == "70b"
     assert spec_for("parallel=7b_8gpu").model.name == "7b"
     assert spec_for("parallel=175b_1024gpu", "model=70b", "parallel.pp=8").model.name == "70b"

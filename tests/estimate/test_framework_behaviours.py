@@ -197,7 +197,7 @@ def test_deepspeed_zero12_breakdown_counts_the_fp32_gradient_partition(zero):
 
 def test_megatron_core_runs_megatron_fsdp_and_interleaves_at_pp_2():
     spec = _estimate_spec("framework=megatron_core", "parallel.zero_stage=3")  # --use-megatron-fsdp optim_grads_params
-    assert spec.parallel.zero_stage == 3 and estimate(spec).memory.params > 0
+    assert spec.layout.zero_stage == 3 and estimate(spec).memory.params > 0
     spec = _estimate_spec("framework=megatron_core", "parallel.tp=8", "parallel.pp=2", "parallel.schedule=interleaved_1f1b",
                           "parallel.virtual_stages=4", "parallel.micro_batches=8")
     assert spec.layout.virtual_stages == 4

@@ -140,7 +140,7 @@ def test_offload_at_zero0_is_refused_at_any_dp_and_zero1_at_dp1_is_the_same_layo
         check_run(compose_line(line + "parallel.tp=8 parallel.dp=1 parallel.zero_stage=0 parallel.recompute=full"))
     one = check_run(compose_line(line + "parallel.tp=8 parallel.dp=1 parallel.zero_stage=1 parallel.recompute=full"))
     plain = estimate(replace(one, framework=replace(one.framework, cpu_offload_optimizer=False)))
-    zero0 = replace(one, parallel=replace(one.parallel, zero_stage=0), framework=replace(one.framework, cpu_offload_optimizer=False))
+    zero0 = replace(one, layout=replace(one.layout, zero_stage=0), framework=replace(one.framework, cpu_offload_optimizer=False))
     assert estimate(zero0).time_per_step_s == pytest.approx(plain.time_per_step_s, rel=1e-12)  # dp = 1: ZeRO-1 = ZeRO-0
     assert estimate(zero0).memory.total == pytest.approx(plain.memory.total, rel=1e-12)
 
@@ -153,7 +153,7 @@ def test_plan_offload_rows_run_zero_stage_1_or_more_and_the_drop_reason_agrees()
     assert not (r["zero"][~r["offload"].astype(bool) & (r["dp"] == 1)]).any()  # plain rows at dp = 1: ZeRO-0 kept
     from xpar.plan.command import reproduce
     line, spec = reproduce(plan)
-    assert "parallel.zero_stage=0 framework.cpu_offload_optimizer=true" not in line and spec.parallel.zero_stage >= 1
+    assert "parallel.zero_stage=0 framework.cpu_offload_optimizer=true" not in line and spec.layout.zero_stage >= 1
 
 
 def test_deepspeed_2021_profile_runs_no_offload():

@@ -207,8 +207,8 @@ def test_recompute_replays_the_kv_all_gathers():
     kept = estimate(full, replace(assumptions_for(full), recompute_replays_comm=False))
     assert kept.time_breakdown["cp_comm"] == pytest.approx(m * 80 * (t["f"] + t["b"]), rel=1e-12)
     fw = dict(recompute_replays_comm=True, recompute_layer_fraction=1.0)
-    selective = replace(full, parallel=replace(full.parallel, recompute="selective"))
+    selective = replace(full, layout=replace(full.layout, recompute="selective"))
     assert cp_replay(selective, SimpleNamespace(selective_recompute="op", **fw)) == 1.0
     assert cp_replay(selective, SimpleNamespace(selective_recompute="torchtitan_op", **fw)) == 0.0
-    assert cp_replay(replace(full, parallel=replace(full.parallel, recompute="none")),
+    assert cp_replay(replace(full, layout=replace(full.layout, recompute="none")),
                      SimpleNamespace(selective_recompute="op", **fw)) == 0.0

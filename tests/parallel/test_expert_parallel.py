@@ -76,7 +76,7 @@ def _reference(spec) -> tuple[list, list]:
     or bf16 as FSDP2 runs it); every row has the global batch 16, so the rows of one recipe share it."""
     from xpar.parallel.precision import mixed_precision_kind
 
-    key = (spec.global_batch, mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage))
+    key = (spec.global_batch, mixed_precision_kind(spec.train.dtype, spec.layout.zero_stage))
     if key not in _REFERENCES:
         torch.manual_seed(0)
         out = reference_run(spec)

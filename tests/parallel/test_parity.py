@@ -199,7 +199,7 @@ def _recipe(spec) -> tuple:
     the model, the training recipe and data with the global batch, and the precision kind), not the layout."""
     from xpar.parallel.precision import mixed_precision_kind
     return (repr(spec.model), repr(spec.train), repr(spec.data), spec.global_batch, spec.seq_len,
-            mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage))
+            mixed_precision_kind(spec.train.dtype, spec.layout.zero_stage))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def _grad_error(spec_dict: dict, zero_stage: int) -> dict:
     from xpar.run.data import TokenSource
 
     spec = RunSpec.from_dict(spec_dict)
-    spec.parallel.zero_stage = zero_stage
+    spec = replace(spec, layout=replace(spec.layout, zero_stage=zero_stage))
     mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp)
     engine = build_engine(spec, mesh)
     xs, ys = TokenSource(spec).micro_batches(0, mesh["dp"].get_local_rank(), "cpu")
@@ -125,7 +126,7 @@ def zero_checks(payload: dict) -> dict:
     all-gathers of a ZeRO-3 1F1B step."""
     out = {"grads": {}, "trap": {}, "runs": run_all(payload["runs"])}
     for name, d in payload["grads"].items():
-        out["grads"][name] = _grad_error(d, d["parallel"]["zero_stage"])
+        out["grads"][name] = _grad_error(d, d["layout"]["zero_stage"])
         out["trap"][name] = _grad_error(d, 3)
     out["gathers"] = _gathers_per_step(payload["runs"]["1f1b_zero3"])
     return out
@@ -206,7 +207,7 @@ def test_zero_bubble_gradients_under_zero_match_reference(pp2_dp2, schedule):
     """pp2 x dp2 asking for ZeRO-3: xpar runs it as ZeRO-2 (FSDP2 reshard_after_forward=False)
     and every gradient equals the single-process one."""
     specs, out = pp2_dp2
-    assert specs[schedule].parallel.zero_stage == 2 and "reshard_after_forward=False" in specs[schedule].notes[0]
+    assert specs[schedule].layout.zero_stage == 2 and "reshard_after_forward=False" in specs[schedule].notes[0]
     r = out["grads"][schedule]
     assert r["n_missing"] == 0 and r["n_bad"] == 0 and r["max_rel_error"] <= 1e-4, r
 
@@ -237,7 +238,7 @@ def test_zero3_under_pp_gathers_the_backward_once_per_step(pp2_dp2):
 
     specs, out = pp2_dp2
     spec = specs["1f1b_zero3"]
-    assert spec.parallel.zero_stage == 3 and spec.micro_batches == 4
+    assert spec.layout.zero_stage == 3 and spec.micro_batches == 4
     for rank, count in enumerate(out["gathers"]):
         units = sum(1 for n in unit_elements(spec, spec.layout.coords(rank)[0]) if n)
         assert count == (spec.micro_batches + 1) * units, (rank, count, units)
@@ -350,9 +351,9 @@ def test_uneven_layer_split_builds_those_stages():
 
 
 def test_virtual_stages_auto_and_stage_placement():
-    assert spec_for("parallel=pp").parallel.virtual_stages == 1
+    assert spec_for("parallel=pp").layout.virtual_stages == 1
     inter = spec_for("parallel=pp", "parallel.schedule=interleaved_1f1b")
-    assert inter.parallel.virtual_stages == 2 and inter.layer_split == [1, 1, 1, 1]
+    assert inter.layout.virtual_stages == 2 and inter.layer_split == [1, 1, 1, 1]
     assert [inter.layout.stages_of(r) for r in (0, 1)] == [[0, 2], [1, 3]]  # loop
     zbv = spec_for("parallel=pp", "parallel.schedule=zbv")
     assert [zbv.layout.stages_of(r) for r in (0, 1)] == [[0, 3], [1, 2]]  # V
@@ -360,10 +361,10 @@ def test_virtual_stages_auto_and_stage_placement():
 
 @pytest.mark.slow
 def test_zero3_note_only_for_zero_bubble_schedules():
-    assert spec_for("parallel=pp", "parallel.zero_stage=3", "parallel.schedule=1f1b").parallel.zero_stage == 3
+    assert spec_for("parallel=pp", "parallel.zero_stage=3", "parallel.schedule=1f1b").layout.zero_stage == 3
     for s in ZB:
         spec = spec_for("parallel=pp", "parallel.zero_stage=3", f"parallel.schedule={s}")
-        assert spec.parallel.zero_stage == 2 and spec.notes and s in spec.notes[0]
+        assert spec.layout.zero_stage == 2 and spec.notes and s in spec.notes[0]
 
 
 @pytest.mark.parametrize("m,value", [(1, 0.5), (2, 1 / 3), (4, 0.2), (8, 1 / 9)])

@@ -94,7 +94,7 @@ def test_space_counts_every_layout_once_and_keeps_only_valid_ones():
     for i in np.random.default_rng(0).choice(len(space), 25, replace=False):
         spec = spec_of(ctx, space.cols, int(i))
         r = row(space.cols, int(i))
-        assert (spec.tp, spec.pp, spec.dp, spec.micro_batches, spec.parallel.zero_stage) == \
+        assert (spec.tp, spec.pp, spec.dp, spec.micro_batches, spec.layout.zero_stage) == \
                (r["tp"], r["pp"], r["dp"], r["m"], r["zero"])
 
 
@@ -410,7 +410,7 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     params = run.data.params  # the winner's layout, resolved (not the parallel group's unused defaults)
     assert (params["parallel.tp"], params["parallel.pp"], params["parallel.dp"], params["run.mode"]) == (
         str(spec.tp), str(spec.pp), str(spec.dp), "plan")
-    assert params["parallel.zero_stage"] == str(spec.parallel.zero_stage) and params["parallel.dp"] != "auto"
+    assert params["parallel.zero_stage"] == str(spec.layout.zero_stage) and params["parallel.dp"] != "auto"
     names = {a.path for a in client.list_artifacts(plan.run_id)}
     assert {"plan_ranked.csv", "plan_pareto.png", "plan_dropped.csv", "plan.txt"} <= names
     ranked = (tmp_path / "out" / "plan_ranked.csv").read_text().splitlines()

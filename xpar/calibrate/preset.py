@@ -34,8 +34,8 @@ def fit_block_efficiency(seconds: float, peak_tflops: float, hbm_tb_per_s: float
     cfg = ModelConfig(**REFERENCE_BLOCK)
     hw = HardwareConfig(device="cpu", peak_tflops=peak_tflops, hbm_tb_per_s=hbm_tb_per_s, matmul_efficiency=1.0)
     spec = NS(model=cfg, hardware=hw, seq_len=cfg.seq_len, tp=1,  # the fields layer_costs reads
-              train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"), layout=NS(layer_split=(cfg.n_layers,)),
-              parallel=NS(recompute="none", sequence_parallel=False, recompute_layers=None))
+              train=NS(micro_batch_size=REFERENCE_BATCH, dtype="fp32"), layout=NS(layer_split=(cfg.n_layers,), recompute="none", sequence_parallel=False),
+              parallel=NS(recompute_layers=None))
     c = layer_costs(spec, Assumptions.xpar_cpu())
     rest = c["mem_f"] + c["mem_b"] + sum(block_ops(cfg)) * op_overhead_us * 1e-6
     left = seconds - rest

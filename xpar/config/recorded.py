@@ -17,7 +17,7 @@ def resolved_config(cfg: DictConfig, spec: RunSpec) -> dict:
 
     config = OmegaConf.to_container(cfg, resolve=True)
     for group in GROUPS:
-        config[group] = asdict(getattr(spec, group))
+        config[group] = asdict(spec.parallel_config() if group == "parallel" else getattr(spec, group))
     config["run"]["mode"] = spec.mode  # 'auto' resolved: execute or estimate
     config["train"].pop("resume", None)  # where a run resumed from is a tag (xpar.run.checkpoint.tracking_link)
     if spec.mode == "execute" and spec.launcher != "local":  # torchrun/submitit: nodes as launched

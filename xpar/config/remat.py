@@ -161,10 +161,10 @@ def model_share(recompute: str, layer_split, recompute_layers: Optional[int], fr
 
 
 def spec_share(spec, fraction: float) -> float:
-    """:func:`model_share` of a RunSpec (``parallel.recompute``, ``parallel.recompute_layers``,
-    its layout's split), with the framework's ``recompute_layer_fraction`` ``fraction``."""
-    par = spec.parallel
-    return model_share(par.recompute, spec.layout.layer_split, getattr(par, "recompute_layers", None), fraction)
+    """:func:`model_share` of a RunSpec (its layout's recompute policy and split,
+    ``parallel.recompute_layers``), with the framework's ``recompute_layer_fraction`` ``fraction``."""
+    lay = spec.layout
+    return model_share(lay.recompute, lay.layer_split, spec.parallel.recompute_layers, fraction)
 
 
 def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[float] = None) -> tuple[str, float]:
@@ -172,7 +172,7 @@ def spec_recompute(spec, selective: Optional[str] = None, fraction: Optional[flo
     ``fraction`` default to the spec's framework profile (framework.selective_recompute,
     framework.recompute_layer_fraction); the estimate passes its assumptions' values."""
     fw = spec.framework if selective is None or fraction is None else None  # a bare spec (calibrate) passes both
-    name = policy_name(spec.parallel.recompute, fw.selective_recompute if selective is None else selective)
+    name = policy_name(spec.layout.recompute, fw.selective_recompute if selective is None else selective)
     return name, spec_share(spec, fw.recompute_layer_fraction if fraction is None else fraction)
 
 

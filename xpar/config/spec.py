@@ -1,11 +1,12 @@
 """RunSpec: the validated, fully resolved run (no 'auto' left), built by :mod:`xpar.config.validate`.
 
-The layout's facts (degrees, micro-batches, stages, rank order) are owned by its
-:class:`~xpar.config.layout.Layout`; the config groups it carries are resolved copies consistent
-with that layout (what is logged as params)."""
+The layout's facts (degrees, ZeRO stage, schedule, micro-batches, stages and their blocks, sequence
+parallelism, recompute policy) live only in its :class:`~xpar.config.layout.Layout`; ``parallel`` holds
+the parallel group's settings the layout does not own (:class:`ParallelSettings`). The other config
+groups are resolved copies; :meth:`RunSpec.parallel_config` joins the two for the params a run logs."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from xpar.config.layout import Layout
@@ -21,15 +22,41 @@ from xpar.config.schema import (
 
 
 @dataclass
+class ParallelSettings:
+    """The parallel group's fields (:class:`~xpar.config.schema.ParallelConfig`, same meaning) that the
+    layout does not own: what the layout was built from or is applied with."""
+
+    name: str = "dp"
+    zero_shard_size: Optional[int] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    recompute_layers: Optional[int] = None
+    reference_hardware: Optional[str] = None
+
+
+def layout_fields(layout: Layout) -> dict:
+    """The parallel group's fields that ``layout`` owns, as the group writes them (etp None: tp)."""
+    return dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp or None,
+                zero_stage=layout.zero_stage, micro_batches=layout.micro_batches, schedule=layout.schedule,
+                virtual_stages=layout.virtual_stages, layer_split=list(layout.layer_split),
+                sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+
+
+def settings_of(par: ParallelConfig) -> ParallelSettings:
+    """The settings of a parallel group (:class:`ParallelSettings`' fields of ``par``)."""
+    return ParallelSettings(**{f.name: getattr(par, f.name) for f in fields(ParallelSettings)})
+
+
+@dataclass
 class RunSpec:
     """Everything a worker, the estimator or the report needs, with derived values resolved.
 
-    ``parallel.dp`` and ``parallel.micro_batches`` are ints, ``train.global_batch_size`` and
-    ``train.seq_len`` are ints, ``hardware`` figures are filled in (detected for 'local').
+    The layout's facts are read from ``layout`` (or the properties below); ``train.global_batch_size``
+    and ``train.seq_len`` are ints, ``hardware`` figures are filled in (detected for 'local').
     """
 
     model: ModelConfig
-    parallel: ParallelConfig
+    parallel: ParallelSettings
     hardware: HardwareConfig
     train: TrainConfig
     data: DataConfig
@@ -102,12 +129,17 @@ class RunSpec:
         """Blocks per pipeline stage, len = pp * virtual_stages (stage order)."""
         return list(self.layout.layer_split)
 
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel group as it runs: the layout's fields (dp, micro-batches, virtual stages and layer
+        split as numbers, the ZeRO stage that runs) with the settings; logged as ``parallel.*`` params."""
+        return ParallelConfig(**asdict(self.parallel), **layout_fields(self.layout))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunSpec":
-        groups = dict(model=ModelConfig, parallel=ParallelConfig, hardware=HardwareConfig,
+        groups = dict(model=ModelConfig, parallel=ParallelSettings, hardware=HardwareConfig,
                       train=TrainConfig, data=DataConfig, tracking=TrackingConfig, layout=Layout,
                       framework=FrameworkConfig)
         d = dict(d, layout={k: v for k, v in d["layout"].items() if not k.startswith("_")})

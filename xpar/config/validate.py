@@ -33,7 +33,7 @@ from xpar.config.resolve import (  # noqa: F401
     torchrun_world,
 )
 from xpar.config.schema import XparConfig
-from xpar.config.spec import RunSpec
+from xpar.config.spec import RunSpec, settings_of
 from xpar.config.vocab import padded_model, padding_notes
 
 
@@ -170,10 +170,8 @@ def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:
 
 
 def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
-    """The RunSpec of a valid config: resolved copies of the groups, consistent with ``layout``."""
-    par = replace(c.parallel, dp=layout.dp, micro_batches=layout.micro_batches,
-                  virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
-                  layer_split=list(layout.layer_split))
+    """The RunSpec of a valid config: ``layout``, the parallel settings it does not own, resolved copies
+    of the other groups."""
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
     notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
@@ -181,7 +179,7 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
     model = replace(padded_model(c.model, c.framework, layout.tp), head_dim=c.model.head_size)  # resolved for every reader
-    return RunSpec(model=model, parallel=par, hardware=target.hardware, train=train,
+    return RunSpec(model=model, parallel=settings_of(c.parallel), hardware=target.hardware, train=train,
                    data=replace(c.data), tracking=replace(c.tracking), mode=target.mode, layout=layout,
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,

@@ -31,8 +31,7 @@ def fold_cp(spec: RunSpec) -> RunSpec:
         return spec
     b = spec.train.micro_batch_size / cp
     layout = replace(spec.layout, dp=spec.layout.dp * cp, cp=1, micro_batch_size=b)
-    return replace(spec, layout=layout, parallel=replace(spec.parallel, dp=layout.dp, cp=1),
-                   train=replace(spec.train, micro_batch_size=b))
+    return replace(spec, layout=layout, train=replace(spec.train, micro_batch_size=b))
 
 
 CP_REPLAY_POLICIES = tuple(name for name, p in POLICIES.items() if p.attention)

@@ -21,7 +21,6 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.compute import flops as fl
 from xpar.estimate.frameworks import deepspeed_zero3
 from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_step
@@ -48,6 +47,7 @@ from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home be
     rank_compute,
     rates,
     reduced_grad_bytes,
+    step_rates,
     step_time,
     tp_times,
     waits_unstretched,
@@ -183,13 +183,8 @@ def _offload(spec: RunSpec, assume: Assumptions, step: Step, elements: int, note
 
 def _result(spec: RunSpec, mem: MemoryEstimate, time: float, breakdown: dict, beta: float, comm: dict,
             notes: list[str]) -> Estimate:
-    """The Estimate of a step of ``time`` seconds: throughput, model/hardware FLOP/s, MFU/HFU."""
-    cfg, s, tokens = spec.model, spec.seq_len, spec.tokens_per_step
-    model_flops = fl.model_flops_per_token(cfg, s) * tokens
-    hw_flops = fl.spec_hardware_flops_per_token(spec) * tokens
-    r = rates(time, tokens, spec.world_size, model_flops, hw_flops, compute_peak(spec.hardware, spec.train.dtype) / 1e12)
-    return Estimate(memory=mem, model_flops_per_step=model_flops, hardware_flops_per_step=hw_flops,
-                    time_per_step_s=time, time_breakdown=breakdown, bubble_ratio=beta, comm_bytes=dict(comm),
-                    notes=notes, **r)
+    """The Estimate of a step of ``time`` seconds: throughput, model/hardware FLOP/s, MFU/HFU (:func:`step_rates`)."""
+    return Estimate(memory=mem, time_per_step_s=time, time_breakdown=breakdown, bubble_ratio=beta, comm_bytes=dict(comm),
+                    notes=notes, **step_rates(spec, time))
 
 

@@ -81,7 +81,7 @@ def ep_payload_bytes(spec: RunSpec) -> float:
     """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
     compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
     cfg = spec.model
-    tokens = spec.train.micro_batch_size * spec.seq_len / (spec.tp if spec.parallel.sequence_parallel else 1)
+    tokens = spec.train.micro_batch_size * spec.seq_len / (spec.tp if spec.layout.sequence_parallel else 1)
     return tokens * cfg.moe_top_k * cfg.hidden * BYTES[spec.train.dtype]
 
 

@@ -127,7 +127,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     (:func:`xpar.estimate.compute.kernel_costs.kernel_layer_costs`) instead."""
     if kernel_priced(spec.hardware, spec.train.dtype):
         return kernel_layer_costs(spec, assume)
-    cfg, par, hw = spec.model, spec.parallel, spec.hardware
+    cfg, lay, hw = spec.model, spec.layout, spec.hardware
     s, b, h, t = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp
     e = BYTES[spec.train.dtype]
     peak, hbm = compute_peak(hw, spec.train.dtype), (hw.hbm_tb_per_s or 0) * 1e12
@@ -138,8 +138,8 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     extra = share * extra_forward_flops_per_layer(cfg, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
     act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
-    layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, par.sequence_parallel, "none", **act)
-    logits_act = s * b * (2 * e * h / (t if par.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
+    layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, lay.sequence_parallel, "none", **act)
+    logits_act = s * b * (2 * e * h / (t if lay.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
     pf = assume.passes_forward
     pb = assume.passes_backward + (pf * share if policy == "full" else 0)  # element-wise reruns: full only
     tok = s * b / t
@@ -182,7 +182,7 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
     hw, e = spec.hardware, BYTES[spec.train.dtype]
     size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
     g = group_of(hw, t, 1)
-    if spec.parallel.sequence_parallel:
+    if spec.layout.sequence_parallel:
         dgrad = collective_time(hw, "reduce_scatter", size, g)
         one = collective_time(hw, "allgather", size, g) + dgrad
     else:
@@ -196,13 +196,13 @@ def tp_rerun(spec: RunSpec, early_stop: bool = False) -> float:
     blocks (xpar.config.remat.tp_reruns times the share recomputed): 2 with full recompute, 1 (1.5
     with sequence parallelism) where the checkpoint stops early (Assumptions.checkpoint_early_stop)."""
     policy, share = spec_recompute(spec)
-    return tp_reruns(POLICIES[policy], early_stop, spec.parallel.sequence_parallel) * share
+    return tp_reruns(POLICIES[policy], early_stop, spec.layout.sequence_parallel) * share
 
 
 def pp_send_time(spec: RunSpec, assume: Assumptions) -> float:
     """Seconds of one pipeline send (b s h elements, /t with sequence parallelism or
     scatter/gather), a point-to-point transfer across nodes when tp x dp fills a node."""
-    sp = spec.parallel.sequence_parallel or assume.scatter_gather
+    sp = spec.layout.sequence_parallel or assume.scatter_gather
     nbytes = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * BYTES[spec.train.dtype]
     dpn = int(spec.hardware.devices_per_node) if str(spec.hardware.devices_per_node).isdigit() else 1
     return p2p_time(spec.hardware, nbytes / (spec.tp if sp else 1), spec.tp * spec.dp >= dpn)
@@ -381,6 +381,18 @@ def rates(time: Any, tokens: Any, world: Any, model_flops: Any, hw_flops: Any, p
     return {"tokens_per_s": _per(tokens, time), "tokens_per_s_per_device": _per(tokens, time) / world,
             "tflops_per_device": tf, "hw_tflops_per_device": hwtf,
             "mfu": tf * 1e12 / peak if peak else 0.0 * tf, "hfu": hwtf * 1e12 / peak if peak else 0.0 * hwtf}
+
+
+def step_rates(spec: RunSpec, seconds: float) -> dict[str, float]:
+    """:func:`rates` of one step of ``spec`` that took ``seconds`` (estimated or measured): its tokens,
+    world size and the training dtype's dense peak, with the step's ``model_flops_per_step`` and
+    ``hardware_flops_per_step`` (all devices; xpar.estimate.compute.flops: no recompute, recompute counted).
+    Floats; the one computation of a step's throughput, TFLOP/s per device, MFU and HFU."""
+    tokens = spec.tokens_per_step
+    model_f = fl.model_flops_per_token(spec.model, spec.seq_len) * tokens
+    hw_f = fl.spec_hardware_flops_per_token(spec) * tokens
+    r = rates(seconds, tokens, spec.world_size, model_f, hw_f, compute_peak(spec.hardware, spec.train.dtype) / 1e12)
+    return {**{k: float(v) for k, v in r.items()}, "model_flops_per_step": model_f, "hardware_flops_per_step": hw_f}
 
 
 def waits_unstretched(spec: RunSpec, world: int) -> RunSpec:

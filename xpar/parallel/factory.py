@@ -150,20 +150,20 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
-    par, dtype = spec.parallel, spec.train.dtype
+    lay, shard, dtype = spec.layout, spec.parallel.zero_shard_size, spec.train.dtype
     if spec.cp > 1:
         chunk = apply_cp(chunk, mesh["cp"])                                             # 3a
     if spec.tp > 1:
-        chunk = apply_tp(chunk, mesh["tp"], par.sequence_parallel)                     # 3
-    chunk = apply_recompute(chunk, par.recompute, par.recompute_layers)                 # 3b
-    if mixed_precision_kind(dtype, par.zero_stage) == "autocast":
+        chunk = apply_tp(chunk, mesh["tp"], lay.sequence_parallel)                     # 3
+    chunk = apply_recompute(chunk, lay.recompute, spec.parallel.recompute_layers)       # 3b
+    if mixed_precision_kind(dtype, lay.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
-    if experts is not None and (par.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
-        shard_experts(chunk, experts, par.zero_stage == 3 if par.zero_stage >= 2 else None, dtype)
+    if experts is not None and (lay.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first
+        shard_experts(chunk, experts, lay.zero_stage == 3 if lay.zero_stage >= 2 else None, dtype)
     dp_mesh = replica_mesh(mesh)
-    if par.zero_shard_size and par.zero_stage >= 2 and par.zero_shard_size < dp_mesh.size():  # HSDP: 2-D dp mesh
-        dp_mesh = hsdp_mesh(dp_mesh, par.zero_shard_size)
-    return wrap_dp(chunk, dp_mesh, par.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
+    if shard and lay.zero_stage >= 2 and shard < dp_mesh.size():  # HSDP: 2-D dp mesh
+        dp_mesh = hsdp_mesh(dp_mesh, shard)
+    return wrap_dp(chunk, dp_mesh, lay.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
@@ -188,7 +188,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
                     expert_groups=experts)
     if materialize_model:                                                          # 6
-        engine.optimizer = build_optimizer(params, spec.parallel.zero_stage, replica_mesh(mesh), spec.train.lr,
+        engine.optimizer = build_optimizer(params, spec.layout.zero_stage, replica_mesh(mesh), spec.train.lr,
                                            spec.train.weight_decay, chunks, experts)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:
@@ -218,7 +218,7 @@ def accumulate_step(engine: Engine, inputs: list[torch.Tensor], targets: list[to
     """
     model, m = engine.chunks[0], len(inputs)
     loss_fn = engine.loss_fn
-    sync_every = engine.spec.parallel.zero_stage >= 2
+    sync_every = engine.spec.layout.zero_stage >= 2
     total = 0.0
     for i, (x, y) in enumerate(zip(inputs, targets)):
         sync = sync_every or i == m - 1

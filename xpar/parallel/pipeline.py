@@ -99,7 +99,7 @@ def stage_io(spec: RunSpec, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     # or this tp rank's sequence shard under sequence parallelism (xpar.parallel.tensor).
     # The last stage's logits (a vocabulary-sharded DTensor under tp) go only to the loss,
     # and torch does not check them against this shape.
-    S_between = S // spec.tp if spec.parallel.sequence_parallel else S
+    S_between = S // spec.tp if spec.layout.sequence_parallel else S
     # bf16: hidden states are bf16 under FSDP2's policy, fp32 under autocast; logits bf16.
     dtype = activation_dtype(spec.train.dtype, spec.layout.zero_stage)
     last = spec.layout.n_stages - 1
@@ -134,7 +134,7 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
         if split_backward_needs_reduce(spec, chunk):
             _average_grads_after_reduce(stage, replica_mesh(engine.mesh).get_group(), spec.dp * spec.cp)
         stages.append(stage)
-    cls = schedule_class(spec.parallel.schedule)
+    cls = schedule_class(spec.layout.schedule)
     target = stages[0] if issubclass(cls, schedules.PipelineScheduleSingle) else stages
     schedule = cls(target, n_microbatches=spec.micro_batches, loss_fn=engine.loss_fn)
     recorder.instrument_loss(schedule)
@@ -144,7 +144,7 @@ def attach_schedule(engine, stage_ids: list[int]) -> None:
     pp_rank = pp_mesh.get_local_rank()
 
     def pipeline_stats() -> dict:
-        return {"pp_rank": pp_rank, "stages": list(stage_ids), "schedule": spec.parallel.schedule,
+        return {"pp_rank": pp_rank, "stages": list(stage_ids), "schedule": spec.layout.schedule,
                 "steps": recorder.steps}
     engine.pipeline_stats = pipeline_stats
 
@@ -170,7 +170,7 @@ def split_backward_needs_reduce(spec: RunSpec, chunk: torch.nn.Module) -> bool:
     step 0 on, benchmarks/README.md). FSDP2 and composable ``replicate`` are reduced by torch's
     REDUCE_GRAD action and need nothing."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return spec.dp * spec.cp > 1 and SCHEDULES[spec.parallel.schedule].zero_bubble and isinstance(chunk, DDP)
+    return spec.dp * spec.cp > 1 and SCHEDULES[spec.layout.schedule].zero_bubble and isinstance(chunk, DDP)
 
 
 def _average_grads_after_reduce(stage: PipelineStage, dp_group, dp: int) -> None:

@@ -259,10 +259,10 @@ def history_of(meta: dict, rank: int) -> History:
 
 def run_meta(spec, out_dir: Path) -> dict:
     """The run fields of ``xpar.json``: output directory, model shape, layout, data shape."""
-    par = spec.parallel
+    lay = spec.layout
     return {"out_dir": str(Path(out_dir).resolve()), "world_size": spec.world_size, "model": asdict(spec.model),
-            "layout": {"dp": spec.dp, "tp": spec.tp, "pp": spec.pp, "cp": spec.cp, "zero_stage": par.zero_stage,
-                       "virtual_stages": par.virtual_stages, "schedule": par.schedule},
+            "layout": {"dp": spec.dp, "tp": spec.tp, "pp": spec.pp, "cp": spec.cp, "zero_stage": lay.zero_stage,
+                       "virtual_stages": lay.virtual_stages, "schedule": lay.schedule},
             "data": {"seed": spec.train.seed, "global_batch_size": spec.train.global_batch_size,
                      "seq_len": spec.train.seq_len, "kind": spec.data.kind, "path": spec.data.path}}
 

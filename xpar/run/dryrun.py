@@ -112,7 +112,7 @@ def dry_run(spec: RunSpec, coords: Optional[list[tuple[int, int, int]]] = None) 
                 warnings.simplefilter("ignore")
                 mesh = build_mesh("cpu", spec.pp, spec.dp, spec.tp, cp)
                 engine = build_engine(build_spec, mesh, materialize_model=False)
-            numel = _param_numel(engine.chunks, spec.parallel.zero_stage)
+            numel = _param_numel(engine.chunks, spec.layout.zero_stage)
         except Exception as e:  # torch's own refusal of the plan
             raise PlanError(
                 f"the dry run could not build rank {rank} (pp={pp}, dp={dp}, tp={tp}) of {spec.world_size} through "
@@ -139,7 +139,7 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
     if grads_deferred(folded):
         grads = dp_full + replicated_embedding_grad_numel(folded, pp)
     else:
-        grads = local if folded.parallel.zero_stage >= 2 else dp_full
+        grads = local if folded.layout.zero_stage >= 2 else dp_full
     analytic = model_state_bytes_per_rank(folded, pp)[dp]
     return RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
                      dryrun={"params": held * bp, "grads": grads * bg},
@@ -153,9 +153,9 @@ def buildable(spec: RunSpec) -> RunSpec:
     (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take)."""
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
-    if SCHEDULES[spec.parallel.schedule].executable:
+    if SCHEDULES[spec.layout.schedule].executable:
         return spec
-    return replace(spec, parallel=replace(spec.parallel, schedule="1f1b"), layout=replace(spec.layout, schedule="1f1b"))
+    return replace(spec, layout=replace(spec.layout, schedule="1f1b"))
 
 
 def _param_numel(chunks, zero_stage: int) -> tuple[int, int, int]:

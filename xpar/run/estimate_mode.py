@@ -25,7 +25,7 @@ from xpar.run.dryrun import PlanError, dry_run, representative_ranks
 from xpar.track.estimate_figures import write_figures
 from xpar.estimate.memory.model_states import MEMORY_TERMS, peak_ranks
 from xpar.estimate.memory.offload import OFFLOAD_TERMS
-from xpar.track.report import Report, layout_name, zero_paper_bytes
+from xpar.track.report import RATES, Report, layout_name, zero_paper_bytes
 from xpar.estimate.schedule import bubble_theory
 
 DRYRUN_FILE = "dryrun.json"
@@ -142,13 +142,13 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         artifacts.append(str(path))
     if spec.pp > 1:
         extra["pipeline/bubble_ratio"] = est.bubble_ratio
-        extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.parallel.schedule, spec.pp, spec.micro_batches,
+        extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.layout.schedule, spec.pp, spec.micro_batches,
                                                               spec.layout.virtual_stages)
     extra.update(comm_metrics(spec, est.comm_bytes))
     report = Report(
         mode="estimate", layout=layout_name(spec), world_size=spec.world_size,
-        step_time_s=est.time_per_step_s, tokens_per_s=est.tokens_per_s, tflops_per_device=est.tflops_per_device,
-        mfu=est.mfu, hfu=est.hfu, peak_bytes_per_device=mem.total, peak_rank=ranks[0],
+        step_time_s=est.time_per_step_s, **{k: getattr(est, k) for k in RATES}, peak_bytes_per_device=mem.total,
+        peak_rank=ranks[0],
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     report.notes = list(est.notes)

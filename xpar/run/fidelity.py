@@ -52,12 +52,12 @@ def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     convention: xpar.run.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
            if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
-    if spec.parallel.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
+    if spec.layout.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
         # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
         out["fidelity/estimate_comm_dp_broadcast_bytes"] = out.pop("fidelity/estimate_comm_dp_allgather_bytes")
     if spec.layout.ep > 1 and spec.layout.cp == 1:  # the token all-to-alls (xpar.parallel.expert), beside comm/ep_*
         out["fidelity/estimate_comm_ep_all_to_all_bytes"] = ep_bytes_per_step(spec)
-    if spec.layout.cp > 1 and spec.parallel.recompute == "none":  # the K/V all-gathers (xpar.parallel.context)
+    if spec.layout.cp > 1 and spec.layout.recompute == "none":  # the K/V all-gathers (xpar.parallel.context)
         out["fidelity/estimate_comm_cp_allgather_bytes"] = cp_bytes_per_step(spec)
     if spec.dp * spec.layout.cp > 1 and "dp" in est.comm_time:  # cp: dp x cp ranks (fold_cp)
         out["fidelity/estimate_comm_dp_issued_s"] = float(est.comm_time["dp"])

@@ -36,7 +36,7 @@ def reference_run(spec: RunSpec, steps: Optional[int] = None, precision: Optiona
     """Train the single-process model; return ``losses`` and ``grad_norms`` (pre-clip) per
     step, the last step's pre-clip gradients by parameter name (``last_grads``) and the
     trained ``model``. ``precision`` defaults to the recipe ``spec`` runs."""
-    precision = precision or mixed_precision_kind(spec.train.dtype, spec.parallel.zero_stage)
+    precision = precision or mixed_precision_kind(spec.train.dtype, spec.layout.zero_stage)
     model = Transformer(spec.model)
     model.init_weights(spec.train.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay,

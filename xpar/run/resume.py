@@ -29,7 +29,7 @@ def checkpointing(spec, start_dir: Path):
     if t.checkpoint_keep is not None and t.checkpoint_keep < 1:
         problems.append(f"train.checkpoint_keep must be >= 1 (checkpoints kept), or null to keep all, "
                         f"got {t.checkpoint_keep}; e.g. 3.")
-    if (t.checkpoint_every or t.resume) and spec.parallel.zero_stage == 1 and spec.mode == "execute":
+    if (t.checkpoint_every or t.resume) and spec.layout.zero_stage == 1 and spec.mode == "execute":
         problems.append(ZERO1_REFUSAL)
     meta = None
     if t.resume:

@@ -175,7 +175,7 @@ def thread_core_s() -> tuple[float, float]:
 def _rank_stats(engine: Engine, tracker: ActivationTracker, losses: list, times: list, lrs: list) -> dict:
     """This rank's stats dict (see :func:`train`) after the last step."""
     spec, mesh = engine.spec, engine.mesh
-    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.parallel.zero_stage, engine.grads_peak,
+    memory = model_state_bytes(engine.chunks, engine.optimizer, spec.layout.zero_stage, engine.grads_peak,
                                dtype=spec.train.dtype, copies_peak=tracker.copies_peak)
     memory["activations"] = tracker.peak
     if spec.device == "cuda":

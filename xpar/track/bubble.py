@@ -57,7 +57,7 @@ def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optio
     per_step = [[step_bubbles(pl, i) for i in timed] for pl in pipelines(stats, pp)]
     measured = [b["measured"] for pl in per_step for b in pl]
     simulated = [b["simulated"] for pl in per_step for b in pl]
-    th = bubble_theory(spec.parallel.schedule, pp, m, v)
+    th = bubble_theory(spec.layout.schedule, pp, m, v)
     extra = {
         "pipeline/bubble_ratio": statistics.fmean(measured),
         "pipeline/bubble_ratio_median": statistics.median(measured),
@@ -68,7 +68,7 @@ def summarize(spec: RunSpec, stats: list[dict]) -> tuple[dict[str, float], Optio
     first = per_step[0]
     k = sorted(range(len(first)), key=lambda i: first[i]["measured"])[len(first) // 2]
     chosen = first[k]
-    timeline = {"schedule": spec.parallel.schedule, "pp": pp, "m": m, "v": v,
+    timeline = {"schedule": spec.layout.schedule, "pp": pp, "m": m, "v": v,
                 "step": timed[k], "theory": th,
                 **{key: chosen[key] for key in ("measured", "simulated", "step_time_s", "sim_step_time_s",
                                                 "actions", "sim_actions")}}

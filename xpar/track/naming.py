@@ -17,15 +17,15 @@ SEP = "·"
 
 def run_name(spec: RunSpec) -> str:
     """The run's name from its layout (see the module docstring)."""
-    p = spec.parallel
+    lay = spec.layout
     parts = [spec.model.name]
     degrees = (("tp", spec.tp), ("cp", spec.cp), ("ep", spec.layout.ep), ("pp", spec.pp))
     parts += [f"{axis}{n}" for axis, n in degrees if n > 1]
-    parts += [f"zero{p.zero_stage}"] * (p.zero_stage > 0)
+    parts += [f"zero{lay.zero_stage}"] * (lay.zero_stage > 0)
     parts += [f"dp{spec.dp}"] * (spec.dp > 1)
     if spec.pp > 1:
-        v = spec.layout.virtual_stages
-        parts += [p.schedule + (f"{SEP}v{v}" if v > 1 else ""), f"m{spec.micro_batches}"]
+        v = lay.virtual_stages
+        parts += [lay.schedule + (f"{SEP}v{v}" if v > 1 else ""), f"m{spec.micro_batches}"]
     name = SEP.join(parts)
     return name + " (estimate)" if spec.mode == "estimate" else name
 
@@ -54,7 +54,7 @@ def description(spec: RunSpec, overrides: str = "") -> str:
                 f"launched by {where['launcher']}")
     lines = [f"**{run_name(spec)}**: model `{spec.model.name}`, dp={spec.dp} tp={spec.tp} pp={spec.pp}"
              f"{f' cp={spec.cp}' if spec.cp > 1 else ''}, "
-             f"ZeRO stage {spec.parallel.zero_stage}, micro-batch size b={spec.train.micro_batch_size}, "
+             f"ZeRO stage {spec.layout.zero_stage}, micro-batch size b={spec.train.micro_batch_size}, "
              f"m={spec.micro_batches} micro-batches per step, {spec.train.dtype}; {how} "
              f"(hardware preset `{spec.hardware.name}`)."]
     if overrides:

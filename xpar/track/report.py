@@ -22,14 +22,17 @@ from typing import Optional
 from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
 from xpar.track.bubble import summarize
-from xpar.estimate.cost import compute_peak
-from xpar.estimate.compute.flops import model_flops_per_token, spec_hardware_flops_per_token
+from xpar.estimate.step_parts import step_rates
 from xpar.estimate.memory.model_states import STATE_BYTES, zero_model_state_bytes
 from xpar.track.timing import step_time_stats
 from xpar.models.shapes import param_count
 
 MEASURED_TERMS = ("params", "grads", "optimizer", "activations")
 """The terms a measured run accounts (the first four of xpar.estimate.memory.per_device.MEMORY_TERMS)."""
+
+RATES = ("tokens_per_s", "tflops_per_device", "mfu", "hfu")
+"""The rates a Report carries, as :func:`xpar.estimate.step_parts.step_rates` computes them for a measured
+step and :func:`xpar.estimate.cost.estimate` for an estimated one (the Estimate's fields of these names)."""
 
 
 @dataclass
@@ -92,19 +95,13 @@ class Report:
 def layout_name(spec: RunSpec) -> str:
     """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
     context parallelism, ``-ep2`` after it under expert parallelism (every axis above 1)."""
-    p, cp, ep = spec.parallel, spec.layout.cp, spec.layout.ep
+    lay = spec.layout
+    cp, ep = lay.cp, lay.ep
     s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
-         + f"-pp{spec.pp}-zero{p.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
+         + f"-pp{spec.pp}-zero{lay.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
-        s += f"-{p.schedule}" + (f"-v{p.virtual_stages}" if p.virtual_stages > 1 else "")
+        s += f"-{lay.schedule}" + (f"-v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
     return s
-
-
-def flops_per_step(spec: RunSpec) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one optimizer step over the global batch."""
-    tokens = spec.tokens_per_step
-    return (model_flops_per_token(spec.model, spec.seq_len) * tokens,
-            spec_hardware_flops_per_token(spec) * tokens)
 
 
 def zero_paper_bytes(spec: RunSpec) -> float:
@@ -115,19 +112,7 @@ def zero_paper_bytes(spec: RunSpec) -> float:
     params + grads + optimizer bytes (ideal even shards; the run's own figure is exact)."""
     psi = param_count(spec.model).total / (spec.tp * spec.pp)
     P, G, K = STATE_BYTES[spec.train.dtype]
-    return zero_model_state_bytes(psi, spec.parallel.zero_stage, spec.dp, P, G, K)
-
-
-def step_rates(spec: RunSpec, seconds: float) -> dict[str, float]:
-    """Throughput of a step of ``seconds``: ``tokens_per_s`` (global), ``tflops_per_device`` (model
-    FLOPs, :func:`flops_per_step`), ``mfu`` and ``hfu`` (fractions of the training dtype's dense
-    peak, 0 where no peak is known)."""
-    model_f, hw_f = flops_per_step(spec)
-    tflops = model_f / seconds / spec.world_size / 1e12
-    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
-    return {"tokens_per_s": spec.tokens_per_step / seconds, "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else 0.0,
-            "hfu": (hw_f / seconds / spec.world_size / 1e12) / peak if peak else 0.0}
+    return zero_model_state_bytes(psi, spec.layout.zero_stage, spec.dp, P, G, K)
 
 
 def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
@@ -145,7 +130,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
     timed = per_step[w:]
     spread = step_time_stats(timed)
     step_time = spread["median"]
-    rate = step_rates(spec, step_time)
+    rate = step_rates(spec, step_time)  # as the estimate computes its rates
     totals = []
     for s in stats:
         mem = s["memory"]
@@ -157,7 +142,7 @@ def summarize_measured(spec: RunSpec, stats: list[dict]) -> Report:
         losses.append(statistics.fmean(vals))
     report = Report(
         mode="measured", layout=layout_name(spec), world_size=spec.world_size,
-        step_time_s=step_time, **rate,
+        step_time_s=step_time, **{k: rate[k] for k in RATES},
         peak_bytes_per_device=float(totals[peak_rank]), peak_rank=stats[peak_rank]["rank"],
         memory={k: float(stats[peak_rank]["memory"][k]) for k in MEASURED_TERMS},
         losses=losses, step_times_s=per_step)

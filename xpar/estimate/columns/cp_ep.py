@@ -63,8 +63,7 @@ def with_degrees(spec, cp: int, ep: int, etp: int = 0):
     """``spec`` (a validated candidate's) at context-, expert- and expert-tensor-parallel degrees ``cp``,
     ``ep`` and ``etp`` (0: tp) (layout and parallel group; its dp, tp, pp and batch are replaced per
     candidate downstream)."""
-    return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep, etp=etp),
-                   parallel=replace(spec.parallel, cp=cp, ep=ep, etp=etp or None))
+    return replace(spec, layout=replace(spec.layout, cp=cp, ep=ep, etp=etp))
 
 
 def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[str, np.ndarray]:
@@ -151,7 +150,7 @@ def replay_column(base, cols: dict[str, np.ndarray], replay) -> np.ndarray:
     n = len(cols["tp"])
     names, code = np.unique(np.asarray(cols["recompute"], dtype=str), return_inverse=True)
     stages = np.ones(n, dtype=np.int64)
-    if getattr(base.parallel, "recompute_layers", None) is not None:
+    if base.parallel.recompute_layers is not None:
         pp, v = np.asarray(cols["pp"], np.int64), np.asarray(cols["v"], np.int64)
         sched = np.unique(np.asarray(cols["schedule"], dtype=str), return_inverse=True)
         stages = pp * by_key([sched[1].ravel(), pp, v], lambda s, p, vv: {

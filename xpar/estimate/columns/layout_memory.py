@@ -80,7 +80,7 @@ def layout_memory(spec: RunSpec, o: MemoryOptions, pp_rank: Optional[int] = None
 
 def _pipelined(spec: RunSpec, o: MemoryOptions, ctx: dict, ranks: list[int]) -> dict:
     """:func:`layout_memory` of a pipelined layout: every rank of ``ranks`` a (candidate, rank) pair."""
-    sched = activations.memory_schedule(spec.parallel.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp)
+    sched = activations.memory_schedule(spec.layout.schedule, spec.pp, spec.micro_batches, o.interleaved_m_per_pp)
     entries, per = zip(*(_rank_entry(spec, o, sched, r, i) for i, r in enumerate(ranks)))
     ent, per = padded_entries(list(entries)), np.stack(per)  # per [ranks, v, 4]
     kept, total, copies = chunk_peaks(per[:, :, 0], per[:, :, 3], per[:, :, 1:3].reshape(len(ranks), -1),

@@ -15,13 +15,13 @@ from xpar.estimate.step_parts import Assumptions
 def layout_columns(spec: RunSpec) -> dict[str, np.ndarray]:
     """``spec``'s layout as candidate columns of length one (the keys of :mod:`xpar.plan.context`'s
     columns: degrees, micro-batch size and count, v, ZeRO stage, sp, schedule, recompute)."""
-    lay, par = spec.layout, spec.parallel
+    lay = spec.layout
     b = spec.train.micro_batch_size
     return {"tp": np.array([lay.tp]), "pp": np.array([lay.pp]), "dp": np.array([lay.dp]),
             "b": np.array([b], dtype=np.float64 if isinstance(b, float) else np.int64),
-            "m": np.array([lay.micro_batches]), "v": np.array([lay.virtual_stages]), "zero": np.array([par.zero_stage]),
-            "sp": np.array([par.sequence_parallel]), "schedule": np.array([par.schedule]),
-            "recompute": np.array([par.recompute])}
+            "m": np.array([lay.micro_batches]), "v": np.array([lay.virtual_stages]), "zero": np.array([lay.zero_stage]),
+            "sp": np.array([lay.sequence_parallel]), "schedule": np.array([lay.schedule]),
+            "recompute": np.array([lay.recompute])}
 
 
 def layout_slots(spec: RunSpec) -> dict[str, np.ndarray]:

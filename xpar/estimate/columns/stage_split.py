@@ -104,7 +104,7 @@ def prune_modes(coef: tuple, stab: np.ndarray, grp: np.ndarray, simple: np.ndarr
 
 def memory_spec(base, c: dict, i: int):
     """The RunSpec of candidate ``i`` of xpar.estimate.columns.peak_memory's int columns ``c`` as the memory model
-    reads it (layout, parallel and train groups, the split of :func:`plan_split`; the rest from
+    reads it (layout and train group, the split of :func:`plan_split`; the rest from
     ``base``), built without validation."""
     tp, pp, dp, b, m, v, z = (c[k][i].item() for k in ("tp", "pp", "dp", "b", "m", "v", "zero"))
     sched, rec, sp = _SCHED[c["sched"][i]], RECOMPUTE[c["rec"][i]], bool(c["sp"][i])
@@ -112,8 +112,5 @@ def memory_spec(base, c: dict, i: int):
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len, ep=base.layout.ep,
                     layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec,
                     etp=base.layout.etp)
-    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=z, micro_batches=m, schedule=sched,
-                  virtual_stages=v, layer_split=list(split), first_stage_layers=None, last_stage_layers=None,
-                  sequence_parallel=sp, recompute=rec)
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, parallel=par, train=train, layout=layout)
+    return replace(base, train=train, layout=layout)

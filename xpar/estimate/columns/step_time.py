@@ -79,8 +79,8 @@ RECOMPUTE = REMAT_NAMES
 
 def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
             sp: bool, recompute: str) -> RunSpec:
-    """``base`` with another layout, as the scalar functions read it: the layout, the parallel group's
-    fields and the micro-batch size. Its pp x v stages split as ``base``'s where it has as many (a
+    """``base`` with another layout, as the scalar functions read it: the layout and the micro-batch
+    size. Its pp x v stages split as ``base``'s where it has as many (a
     layout's own split: :func:`xpar.estimate.columns.one_layout.layout_step`), else as
     :func:`xpar.estimate.columns.stage_split.plan_split` (even, else lighter ends)."""
     own = base.layout.layer_split
@@ -88,11 +88,8 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
                     layer_split=split, schedule=schedule, zero_stage=zero,
                     sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
-    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
-                  virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split),
-                  first_stage_layers=None, last_stage_layers=None)
     train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, parallel=par, train=train, layout=layout)
+    return replace(base, train=train, layout=layout)
 
 
 def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -501,7 +498,7 @@ def _rates(base: RunSpec, r: dict, time: np.ndarray) -> dict[str, np.ndarray]:
 def _staged(base: RunSpec) -> bool:
     """Whether the share of blocks recomputed depends on the stages (``parallel.recompute_layers``
     set: of n_layers / (pp v) blocks per stage); else it is ``framework.recompute_layer_fraction``."""
-    return getattr(base.parallel, "recompute_layers", None) is not None
+    return base.parallel.recompute_layers is not None
 
 
 def _stages(base: RunSpec, r: dict) -> np.ndarray:

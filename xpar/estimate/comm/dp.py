@@ -39,7 +39,7 @@ def grad_bytes(spec: RunSpec, assume) -> int:
 def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
     collective timed once: the blocks of a rank are identical units)."""
-    hw, z = spec.hardware, spec.parallel.zero_stage
+    hw, z = spec.hardware, spec.layout.zero_stage
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
     g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
@@ -95,7 +95,7 @@ def copy_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
     copy_out = 2 * e if kind == "fsdp2" else 0
     copy_in = e + gb if kind == "fsdp2" or (kind == "fsdp1" and gb != e) else 0
-    if not (spec.parallel.zero_stage >= 2 and spec.dp > 1 and hbm):
+    if not (spec.layout.zero_stage >= 2 and spec.dp > 1 and hbm):
         copy_out = copy_in = 0
     return {"copy_gather": [copy_out * n / hbm if copy_out else 0.0 for n in units],
             "copy_reduce": [copy_in * n / hbm if copy_in else 0.0 for n in units]}

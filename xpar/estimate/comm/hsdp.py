@@ -22,8 +22,8 @@ from xpar.estimate.frameworks.fp8_params import gather_widths
 
 def shard_size(spec: RunSpec) -> Optional[int]:
     """s where hierarchical ZeRO applies (ZeRO-2/3, 1 < s < dp), else None."""
-    s = getattr(spec.parallel, "zero_shard_size", None)
-    return s if s and spec.parallel.zero_stage >= 2 and 1 <= s < spec.dp else None
+    s = spec.parallel.zero_shard_size
+    return s if s and spec.layout.zero_stage >= 2 and 1 <= s < spec.dp else None
 
 
 def shard_group_spec(spec: RunSpec) -> RunSpec:
@@ -32,7 +32,7 @@ def shard_group_spec(spec: RunSpec) -> RunSpec:
     s = shard_size(spec)
     if s is None:
         return spec
-    return replace(spec, layout=replace(spec.layout, dp=s), parallel=replace(spec.parallel, dp=s))
+    return replace(spec, layout=replace(spec.layout, dp=s))
 
 
 def hsdp_unit_times(spec: RunSpec, assume, units: list[int], grad_bytes: int) -> Optional[dict[str, list[float]]]:

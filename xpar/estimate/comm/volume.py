@@ -44,7 +44,7 @@ def dp_reductions(spec: RunSpec) -> int:
     """Gradient reductions over dp per step: m for ZeRO-2/3 without pp (a reduce-scatter
     after every micro-batch), else 1 (DDP/ZeRO-1 after the last micro-batch; torch
     pipelining after the stage's last backward)."""
-    return spec.micro_batches if spec.parallel.zero_stage >= 2 and spec.pp == 1 else 1
+    return spec.micro_batches if spec.layout.zero_stage >= 2 and spec.pp == 1 else 1
 
 
 def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = False,
@@ -78,13 +78,13 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step).
     ``grad_bytes``: bytes per gradient element reduced (4 for an fp32 reduction of bf16 training,
     :func:`xpar.estimate.comm.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts."""
-    par, e = spec.parallel, BYTES[spec.train.dtype]
+    lay, e = spec.layout, BYTES[spec.train.dtype]
     out = dict.fromkeys(KEYS, 0.0)
-    m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, par.sequence_parallel
+    m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, lay.sequence_parallel
     # dp: params in the training dtype, gradients in grad_bytes per element
     elements = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank))
     psi, grads = elements * e, elements * (e if grad_bytes is None else grad_bytes)
-    z = par.zero_stage
+    z = lay.zero_stage
     if z == 1 and zero1 == "distributed_optimizer":
         out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp)
         out["dp_allgather"] = allgather_bytes(psi, dp)
@@ -104,7 +104,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     n_layers = spec.layout.layers_of(pp_rank)
     b, s, h = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden
     if t > 1:
-        layer = tp_layer_bytes(b, s, h, t, e, sp, par.recompute, POLICIES[policy].tp_rerun * share)
+        layer = tp_layer_bytes(b, s, h, t, e, sp, lay.recompute, POLICIES[policy].tp_rerun * share)
         ends = (0 in stages) + (len(split) - 1 in stages)  # embedding fwd / output bwd
         size = b * s * h * e
         for k, v in layer.items():

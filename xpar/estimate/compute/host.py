@@ -80,8 +80,8 @@ def host_costs(spec: RunSpec, layer_overhead_s: float = 0.0) -> dict[str, float]
             extra_f, extra_b = tp_split((getattr(hw, f"tp_{end}_overhead_us", 0.0) or 0.0) * 1e-6)
             ends[f"{end}_f"] += extra_f
             ends[f"{end}_b"] += extra_b
-    dtensor_params = spec.tp > 1 or spec.parallel.zero_stage >= 2
-    unit = (getattr(hw, "fsdp_unit_overhead_us", 0.0) or 0.0) * 1e-6 if spec.parallel.zero_stage >= 2 else 0.0
+    dtensor_params = spec.tp > 1 or spec.layout.zero_stage >= 2
+    unit = (getattr(hw, "fsdp_unit_overhead_us", 0.0) or 0.0) * 1e-6 if spec.layout.zero_stage >= 2 else 0.0
     block, end = tensor_counts(cfg, spec.tp)
     head = 1 + (cfg.position == "learned")
     return {"f": block_f, "b": block_b, **ends, "unit": unit,
@@ -99,8 +99,8 @@ def clip_allreduce_time(spec: RunSpec) -> float:
     """Seconds of the gradient-norm clip's scalar (8-byte) all-reduces per step
     (xpar.parallel.optim.global_grad_norm): over dp for FSDP2's sharded gradients (ZeRO-2/3), over tp
     for tp-split ones, over pp for the stages' sums."""
-    hw, par = spec.hardware, spec.parallel
-    groups = [(spec.dp, spec.tp)] if par.zero_stage >= 2 else []
+    hw = spec.hardware
+    groups = [(spec.dp, spec.tp)] if spec.layout.zero_stage >= 2 else []
     groups += [(spec.tp, 1)] + [(spec.pp, spec.tp * spec.dp)]
     return sum(collective_time(hw, "allreduce", 8, group_of(hw, n, stride)) for n, stride in groups if n > 1)
 

@@ -121,5 +121,5 @@ def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
         ValueError: the hardware lacks a kernel figure (:func:`kernel_priced` is False)."""
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
     cols = kernel_layer_columns(spec, assume, [spec.tp], [spec.train.micro_batch_size],
-                                [spec.parallel.sequence_parallel], [policy], [share])
+                                [spec.layout.sequence_parallel], [policy], [share])
     return {k: float(v[0]) for k, v in cols.items()}

@@ -165,7 +165,7 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
     (``zero3_reuse_distance``), the persistent tensors gathered back after the step and in each
     micro-batch after the first (``zero3_persist_numel``), the gradients all-reduced rather than
     reduce-scattered (``grad_reduce_scatter`` false: twice the bytes)."""
-    if not (spec.parallel.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
+    if not (spec.layout.zero_stage == 3 and spec.pp == 1 and spec.dp > 1):
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches
     blocks = spec.layout.layers_of(pp_rank)

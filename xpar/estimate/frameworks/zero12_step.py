@@ -17,7 +17,7 @@ def fp32_grad_partition_bytes(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> 
     """4 bytes per optimizer-partition element of pipeline rank ``pp_rank``'s most loaded dp rank
     under ZeRO-1/2 with 16-bit training where the framework keeps one (``o.fp32_grad_partition``;
     on the host with ``cpu_offload_optimizer``: 0 device bytes), else 0."""
-    if not o.fp32_grad_partition or spec.parallel.zero_stage not in (1, 2) or spec.train.dtype == "fp32" \
+    if not o.fp32_grad_partition or spec.layout.zero_stage not in (1, 2) or spec.train.dtype == "fp32" \
             or o.cpu_offload_optimizer:
         return 0.0
     dp_rank = most_loaded_dp_rank(spec, pp_rank, o.zero1)

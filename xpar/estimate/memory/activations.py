@@ -134,7 +134,7 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     under flash attention saves ~nothing; an op-level policy that keeps more than no
     recompute (with sequence parallelism at large t, the wo/w2 outputs before their
     reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
-    name = policy_name(spec.parallel.recompute, o.selective_recompute)
+    name = policy_name(spec.layout.recompute, o.selective_recompute)
     if name in ("none", "full"):
         return []
     if name == "attention" and o.flash_attention:
@@ -142,7 +142,7 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
                 "attention: the s x s scores are never kept (only a 4 a bytes/token log-sum-exp)"]
     lb = layer_bytes(spec, o, 1.0)
     if lb["kept"] > lb["none"]:
-        return [f"recompute={spec.parallel.recompute} ({name}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
+        return [f"recompute={spec.layout.recompute} ({name}) keeps {lb['kept'] / lb['none']:.2f}x the activations "
                 f"of no recompute per block here (it keeps matmul and collective outputs that plain autograd "
                 f"does not need); recompute=none or full is better for memory"]
     return []
@@ -174,11 +174,11 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, floa
     block is recomputed). xpar's model expands GQA K/V to all heads before SDPA, so K and V are
     kept at width h; a framework whose kernel takes them un-expanded (``gqa_kv_expanded`` False)
     keeps kv_heads x head_dim. Bytes."""
-    cfg, par = spec.model, spec.parallel
-    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, par.sequence_parallel)
+    cfg, lay = spec.model, spec.layout
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
     kw = _layer_kwargs(spec, o)
     none = layer_activation_bytes(*args, "none", **kw) - fp8_input_saving(spec, o, "none")
-    policy = layer_activation_bytes(*args, par.recompute, **kw) - fp8_input_saving(spec, o, par.recompute)
+    policy = layer_activation_bytes(*args, lay.recompute, **kw) - fp8_input_saving(spec, o, lay.recompute)
     return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
 
 
@@ -191,7 +191,7 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
         return 0.0
     if policy_name(recompute, o.selective_recompute) not in ("none", "attention"):
         return 0.0
-    cfg, t, sp = spec.model, spec.tp, spec.parallel.sequence_parallel
+    cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
     per_token = 2 * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
     return spec.seq_len * spec.train.micro_batch_size * per_token
 
@@ -199,8 +199,7 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
 def stage_recompute_share(spec: RunSpec, stage: int, o: MemoryOptions) -> float:
     """Share of ``stage``'s blocks recomputed (:func:`xpar.config.remat.stage_share`:
     ``parallel.recompute_layers`` of them, else ``recompute_layer_fraction``)."""
-    par = spec.parallel
-    return stage_share(par.recompute, spec.layout.layer_split[stage], getattr(par, "recompute_layers", None),
+    return stage_share(spec.layout.recompute, spec.layout.layer_split[stage], spec.parallel.recompute_layers,
                        o.recompute_layer_fraction)
 
 
@@ -215,9 +214,9 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
     and the output projection). Bytes."""
-    cfg, lay, par = spec.model, spec.layout, spec.parallel
+    cfg, lay = spec.model, spec.layout
     rec = precision(spec, o)
-    s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, par.sequence_parallel
+    s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, lay.sequence_parallel
     share = stage_recompute_share(spec, stage, o)
     lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
@@ -250,7 +249,7 @@ def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict, share: fl
     (xpar.parallel.memory_accounting.ActivationTracker). It is saved as itself by the first block's
     checkpoint (recompute: ``share`` of the stage's blocks > 0, the first block among them) or by
     a composite norm that needs no upcast (fp32 residual)."""
-    sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.parallel.sequence_parallel else 1)
+    sh = spec.seq_len * spec.train.micro_batch_size * spec.model.hidden / (spec.tp if spec.layout.sequence_parallel else 1)
     if share > 0 or (rec["er"] == 4 and not o.fused_rmsnorm):
         return rec["er"] * sh
     return 0.0

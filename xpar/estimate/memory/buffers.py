@@ -60,7 +60,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     if not o.count_buffers:
         return out
     out["fp32_grad_partition"] = fp32_grad_partition_bytes(spec, pp_rank, o)  # DeepSpeed ZeRO-1/2's step
-    z, e = spec.parallel.zero_stage, precision(spec, o)["e"]
+    z, e = spec.layout.zero_stage, precision(spec, o)["e"]
     whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     unit = max(root, block)

@@ -96,7 +96,7 @@ def precision(spec: RunSpec, o: MemoryOptions) -> dict:
     xpar.parallel.precision.mixed_precision_kind)."""
     if spec.train.dtype == "fp32":
         return {"e": 4, "er": 4, "autocast": False}
-    autocast = o.param_storage == "fp32" and spec.parallel.zero_stage <= 1
+    autocast = o.param_storage == "fp32" and spec.layout.zero_stage <= 1
     return {"e": 2, "er": 4 if autocast else 2, "autocast": autocast}
 
 
@@ -323,7 +323,7 @@ def grads_deferred(spec: RunSpec) -> bool:
     holding its whole (dp-unsharded) gradients until then: always under pp (torch's
     PipelineStage defers DDP's and FSDP2's reduction, whatever m), and without pp for ZeRO-0/1
     with m > 1 (no_sync). ZeRO-2/3 without pp reduce-scatter every micro-batch."""
-    return spec.pp > 1 or (spec.parallel.zero_stage <= 1 and spec.micro_batches > 1)
+    return spec.pp > 1 or (spec.layout.zero_stage <= 1 and spec.micro_batches > 1)
 
 
 def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
@@ -337,7 +337,7 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     Measured on the CPU build of torch 2.13 (tests/parallel/test_pipeline.py, 3D runs). ZeRO-0/1 at dp = 1
     have no wrapper: xpar places the gradient back after every backward
     (xpar.parallel.data_parallel.keep_grads_placed), nothing is held whole."""
-    unwrapped = spec.parallel.zero_stage <= 1 and spec.dp == 1
+    unwrapped = spec.layout.zero_stage <= 1 and spec.dp == 1
     if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
     return (spec.tp - 1) * _embedding_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
@@ -393,7 +393,7 @@ def _without(shapes: tuple, removed: tuple) -> tuple:
 def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:
     """:func:`held_numel` of the parameters ``shapes`` (``whole`` elements) sharded over ``dp``
     ranks; ``extra``: replicated embedding gradient elements held while a reduction is deferred."""
-    z = spec.parallel.zero_stage
+    z = spec.layout.zero_stage
     shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
         grads = whole + extra
@@ -431,7 +431,7 @@ def _expert_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
 def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundancy") -> int:
     """dp rank holding the most model states: 0 under FSDP (ceil-sized chunks first) and
     DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
-    if spec.parallel.zero_stage != 1 or zero1 == "distributed_optimizer":
+    if spec.layout.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
     _, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     sizes = _zero1_sizes(_numels(shapes), spec.dp)
@@ -446,7 +446,7 @@ def model_state_bytes_per_rank(spec: RunSpec, stage_index: int = 0) -> list[dict
     out = []
     for r in range(spec.dp):
         n = held_numel(spec, stage_index, r)
-        params = n["whole"] if spec.parallel.zero_stage == 2 else n["storage"]
+        params = n["whole"] if spec.layout.zero_stage == 2 else n["storage"]
         out.append({"params": params * bp, "grads": n["grads"] * bg, "optimizer": n["optimizer"] * bo})
     return out
 
@@ -465,7 +465,7 @@ def peak_ranks(spec: RunSpec, pp_rank: int) -> tuple[int, list[int]]:
 def _master_numel(spec: RunSpec, n: dict, o: MemoryOptions) -> int:
     """Parameter elements stored on a rank of :func:`held_numel` counts ``n``: whole under ZeRO-2 (and
     ZeRO-0/1), the shard under ZeRO-3; bf16 storage (Megatron, DeepSpeed) whole through ZeRO-2."""
-    z = spec.parallel.zero_stage
+    z = spec.layout.zero_stage
     if spec.train.dtype == "fp32":
         return n["whole"] if z == 2 else n["storage"]  # ZeRO-2 holds the whole params
     if o.param_storage == "bf16":  # Megatron/DeepSpeed: bf16 params, fp32 master in the optimizer
@@ -479,7 +479,7 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     Bytes."""
     n = held_numel(spec, pp_rank, dp_rank, o.zero1, o.replicated_embedding_grad)
     wp, wg, wo = state_widths(spec, o)
-    z, rec = spec.parallel.zero_stage, precision(spec, o)
+    z, rec = spec.layout.zero_stage, precision(spec, o)
     compute = 0
     master = _master_numel(spec, n, o) * wp
     fp32_master = spec.train.dtype != "fp32" and o.param_storage != "bf16"

@@ -104,7 +104,7 @@ def offload_step(spec, assume, pp_rank: int, microbatch_compute_s: float) -> Opt
         return None
     n = offload_elements(spec, assume, pp_rank)
     param_bytes, grad_bytes, _ = state_widths(spec, assume)
-    copies = gradient_copies(spec.parallel.zero_stage, spec.dp, spec.micro_batches)
+    copies = gradient_copies(spec.layout.zero_stage, spec.dp, spec.micro_batches)
     out = offload_time(n, copies, grad_bytes, param_bytes, microbatch_compute_s, hw.pcie_gb_per_s,
                        hw.host_mem_gb_per_s, devices_per_node(hw))
     return dict(out, elements=float(n), host_bytes=float(host_state_bytes(n, devices_per_node(hw))))
@@ -138,7 +138,7 @@ def offload_problem(spec, assume) -> Optional[str]:
                 f"hardware={spec.hardware.name} has no {', '.join('hardware.' + k for k in missing)} (null); give them, "
                 f"e.g. {' '.join(f'hardware.{k}={EXAMPLE_HOST[k]:g}' for k in missing)} (a DGX A100 node, "
                 "conf/hardware/a100_80gb_8gpu.yaml), or framework.cpu_offload_optimizer=false.")
-    if spec.parallel.zero_stage == 0:
+    if spec.layout.zero_stage == 0:
         return (f"framework.cpu_offload_optimizer=true needs parallel.zero_stage >= 1 (got zero_stage=0, "
                 f"dp={spec.dp}): offload moves each rank's optimizer partition (DeepSpeed offload_optimizer: ZeRO "
                 "stages 1-3; at dp = 1 ZeRO-1 shards nothing, the same layout as ZeRO-0); values that work: "

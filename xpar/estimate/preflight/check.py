@@ -50,7 +50,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
     over = [r for r in range(spec.pp) if not peak_memory(spec, r).fits]
     dp_rank, ranks = peak_ranks(fold_cp(spec), mem.pp_rank)  # dp: the dp x cp replica index under cp
     hw = spec.hardware
-    where = (f"pipeline rank {mem.pp_rank} (stage{'s' if spec.pp * spec.parallel.virtual_stages > 1 else ''} "
+    where = (f"pipeline rank {mem.pp_rank} (stage{'s' if spec.pp * spec.layout.virtual_stages > 1 else ''} "
              f"{_stages(spec, mem.pp_rank)}), on its most loaded dp rank {dp_rank} (global "
              f"rank{'s' if len(ranks) > 1 else ''} {ranks[0]}{'-' + str(ranks[-1]) if len(ranks) > 1 else ''}),")
     terms = ", ".join(f"{k} {_gb(getattr(mem, k))}" for k in MEMORY_TERMS)
@@ -96,7 +96,7 @@ def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[tuple[str, boo
     at 0), and the host memory holds the states: (the line, whether it fits). None otherwise."""
     if spec.framework.cpu_offload_optimizer or not mem.optimizer or True not in list(spec.framework.offload):
         return None
-    pchg = {} if spec.parallel.zero_stage >= 1 else {"zero_stage": 1}
+    pchg = {} if spec.layout.zero_stage >= 1 else {"zero_stage": 1}
     cfg = variant(spec, pchg, {})
     cfg.framework = replace(cfg.framework, cpu_offload_optimizer=True)
     try:
@@ -181,8 +181,8 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
     """(number of changes, parallel changes, train changes) around ``spec``: ZeRO stage up,
     recompute selective/full, sequence parallelism on, micro-batch size down (to 1), and
     every tp (<= devices per node) x pp (dividing the layers) over the same world size."""
-    par, tr, model = spec.parallel, spec.train, spec.model
-    zero = [z for z in range(par.zero_stage + 1, 4)]
+    lay, tr, model = spec.layout, spec.train, spec.model
+    zero = [z for z in range(lay.zero_stage + 1, 4)]
     recompute = recompute_choices(spec)  # the policies the framework runs (xpar.estimate.preflight.nearest_fit)
     b = tr.micro_batch_size
     mbs = sorted({b // 2, 1} - {0, b}, reverse=True) if b > 1 else []
@@ -195,7 +195,7 @@ def _candidates(spec: RunSpec) -> list[tuple[int, dict, dict]]:
             if spec.world_size % (t * p) == 0 and (t, p) != (spec.tp, spec.pp) and p <= 64:
                 degrees.append((t, p))
     options = [("zero_stage", zero), ("recompute", recompute),
-               ("sequence_parallel", [True] if not par.sequence_parallel else []),
+               ("sequence_parallel", [True] if not lay.sequence_parallel else []),
                ("micro_batch_size", mbs), ("degrees", degrees)]
     out = []
     for k in (1, 2, 3):
@@ -229,7 +229,7 @@ def _label(pchg: dict, tchg: dict, global_batch: int) -> str:
 def variant(spec: RunSpec, pchg: dict, tchg: dict, hwchg: Optional[dict] = None):
     """The estimate-mode XparConfig of ``spec`` with parallel (``pchg``), train (``tchg``) and
     hardware (``hwchg``) fields changed; dp and micro-batches auto, the global batch kept."""
-    par = replace(spec.parallel, dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
+    par = replace(spec.parallel_config(), dp="auto", micro_batches="auto", reference_hardware=None, **pchg)
     if "tp" in pchg or "pp" in pchg:
         par.layer_split = None
         if par.pp > 1 and spec.pp == 1:
@@ -325,7 +325,7 @@ def _fewer_workers(spec: RunSpec, per_worker: float, usable: float) -> str:
     others = spec.world_size // spec.dp
     dp = min(spec.dp - 1, int(usable // (per_worker * others)))
     while dp >= 1:
-        cfg = XparConfig(model=replace(spec.model), parallel=replace(spec.parallel, dp=dp),
+        cfg = XparConfig(model=replace(spec.model), parallel=replace(spec.parallel_config(), dp=dp),
                          hardware=replace(spec.hardware), train=replace(spec.train, global_batch_size="auto"),
                          data=replace(spec.data), tracking=replace(spec.tracking),
                          run=RunConfig(mode="execute", progress=False), framework=replace(spec.framework))

@@ -23,8 +23,8 @@ def recompute_choices(spec: RunSpec) -> list[str]:
     null: PLAN_RECOMPUTE), in its order, but 'none' and the current; none under full recompute
     (nothing recomputes more)."""
     runs = list(spec.framework.recompute or PLAN_RECOMPUTE)
-    now = spec.parallel.recompute
-    if now == "full" and getattr(spec.parallel, "recompute_layers", None) is None:
+    now = spec.layout.recompute
+    if now == "full" and spec.parallel.recompute_layers is None:
         return []
     return [r for r in runs if r not in ("none", now)]
 
@@ -36,7 +36,7 @@ def partial_recompute(spec: RunSpec, fits: Callable[[dict], Optional[RunSpec]]) 
     or every block recomputed is needed (then recompute=full alone is the setting). ``fits``: parallel
     changes -> the validated spec that fits, or None (preflight's check)."""
     runs = list(spec.framework.recompute or PLAN_RECOMPUTE)
-    if "full" not in runs or (spec.parallel.recompute == "full" and spec.parallel.recompute_layers is None):
+    if "full" not in runs or (spec.layout.recompute == "full" and spec.parallel.recompute_layers is None):
         return None
     most = max(spec.layout.layer_split)
     lo, hi, best = 1, most - 1, None

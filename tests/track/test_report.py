@@ -1,0 +1,48 @@
+"""One record for an estimated and a measured step: the Report's rates are computed once
+(xpar.estimate.step_parts.step_rates), the estimate-mode Report carries the Estimate's figures."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import spec_for
+from xpar.estimate.cost import estimate
+from xpar.estimate.estimate_mode import estimate_report
+from xpar.track.report import MEASURED_TERMS, RATES, summarize_measured
+from xpar.estimate.step_parts import step_rates
+from xpar.estimate.terms import RATE_KEYS
+
+ESTIMATED = ("run.mode=estimate", "hardware=a100_80gb_64gpu", "model=70b", "parallel=70b_64gpu", "run.dry_run=false")
+
+
+def test_the_estimate_rates_are_step_rates_of_its_step_time():
+    spec = spec_for(*ESTIMATED)
+    est = estimate(spec)
+    again = step_rates(spec, est.time_per_step_s)
+    assert set(RATES) <= set(RATE_KEYS) <= set(again)
+    assert {k: getattr(est, k) for k in RATE_KEYS} == {k: again[k] for k in RATE_KEYS}
+    assert (est.model_flops_per_step, est.hardware_flops_per_step) == (again["model_flops_per_step"],
+                                                                       again["hardware_flops_per_step"])
+    assert 0 < est.mfu <= est.hfu < 1 and est.mfu == pytest.approx(est.tflops_per_device / 312, rel=1e-12)
+
+
+def test_the_estimate_mode_report_carries_the_estimate_figures(tmp_path):
+    spec = spec_for(*ESTIMATED)
+    est, report = estimate(spec), estimate_report(spec, tmp_path)
+    assert report.step_time_s == est.time_per_step_s
+    assert {k: getattr(report, k) for k in RATES} == {k: getattr(est, k) for k in RATES}
+    assert report.tokens_per_s_per_device == pytest.approx(est.tokens_per_s_per_device, rel=1e-15)
+    assert report.metrics()["estimate/hw_tflops_per_device"] == est.hw_tflops_per_device
+    assert all(isinstance(v, float) for v in report.metrics().values())  # what MLflow logs
+
+
+def test_a_measured_report_takes_the_same_rates_of_its_median_step():
+    spec = spec_for("hardware=local", "hardware.peak_tflops=0.1", "parallel=dp", "model=tiny", "train.steps=4",
+                    "train.warmup_steps=1")
+    times = [[0.5, 0.2, 0.3, 0.25], [0.4, 0.22, 0.28, 0.3]]
+    stats = [{"rank": r, "step_times_s": t, "losses": [1.0] * 4, "memory": dict.fromkeys(MEASURED_TERMS, 1.0)}
+             for r, t in enumerate(times)]
+    report = summarize_measured(spec, stats)
+    assert report.step_time_s == 0.3  # median over timed steps of the max over ranks: 0.22, 0.3, 0.3
+    expected = step_rates(spec, 0.3)
+    assert {k: getattr(report, k) for k in RATES} == {k: expected[k] for k in RATES}
+    assert report.mfu == pytest.approx(report.tflops_per_device / 0.1, rel=1e-12) and report.mfu > 0
