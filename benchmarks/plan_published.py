@@ -2,7 +2,7 @@
 a full layout (xpar.calibrate.published: load_cases and cp_fp8_case), the plan of its model, hardware (the
 row's cluster), framework profile and global batch, and where the published layout lands in it.
 
-    python benchmarks/plan_published.py [--all] [--per-source 2] [--max-devices 4096]
+    python benchmarks/plan_published.py [--all | --moe] [--per-source 2] [--max-devices 4096]
 
 Per run: the rank of the published layout's degree group (tp, pp, dp, cp, ep, ZeRO, etp) among the plan's
 groups (0: not among the fitting ones), whether that group is in the space at all and, if not, the axis or the
@@ -163,10 +163,13 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every run (tens of minutes on two cores)")
     ap.add_argument("--per-source", type=int, default=2)
     ap.add_argument("--max-devices", type=int, default=4096)
+    ap.add_argument("--moe", action="store_true", help="only the runs of MoE models (every one up to --max-devices)")
     args = ap.parse_args()
     t0, plans, rows = time.perf_counter(), {}, []
     every = cases()
-    chosen = choose(every, args.per_source, args.max_devices, args.all)
+    if args.moe:
+        every = [c for c in every if c[1].model.n_experts and c[1].layout.world_size <= args.max_devices]
+    chosen = choose(every, args.per_source, args.max_devices, args.all or args.moe)
     print(f"{len(chosen)} of {len(every)} published runs with a full layout"
           + ("" if args.all else f" ({args.per_source} per source, <= {args.max_devices} devices)"))
     print(f"{'source / run':<46} {'GPUs':>5} {'published group':<30} {'space':<12} {'mem':>5} {'rank':>5} {'gain':>7} "

@@ -6,6 +6,7 @@ builds RunSpecs of published layouts (Narayanan et al. 2021 Table 1) with
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Optional
 
@@ -576,9 +577,13 @@ def published_figure(est, spec, metric: str) -> float:
 
 
 def _moe_fields(row: dict) -> dict:
-    """The model group's MoE fields of a tests/data/cp_fp8_h100.csv row ({} for a dense one)."""
+    """The model group's MoE fields of a tests/data/cp_fp8_h100.csv row ({} for a dense one); a capacity factor
+    where its note says the run pads to capacity (dgxc's Grok-1: "capacity factor 1.0 + pad-to-capacity"), else
+    dropless."""
     if row["moe"] != "true":
         return {}
     dense = row["moe_layers"].split("first ")[1].split()[0] if "first" in row["moe_layers"] else "0"
+    padded = re.search(r"capacity factor ([0-9.]+) \+ pad-to-capacity", row["note"])
     return dict(n_experts=int(row["experts"]), moe_top_k=int(row["top_k"]), n_shared_experts=int(row["shared_experts"] or 0),
-                expert_ffn_hidden=int(row["expert_ffn"]), first_dense_layers=int(dense))
+                expert_ffn_hidden=int(row["expert_ffn"]), first_dense_layers=int(dense),
+                capacity_factor=float(padded.group(1)) if padded else None)

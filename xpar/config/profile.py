@@ -68,8 +68,11 @@ class FrameworkConfig:
     """Share of expert-parallel all-to-all time hidden behind compute (0: Megatron-Core's default;
     1: DeepSeek-V3's DualPipe)."""
     ep_dispatcher: str = "alltoall"
-    """MoE token transport: alltoall (each routed copy sent; Megatron-Core's) or deepep (DeepSeek's DeepEP:
-    a token crosses to each other node once, then NVLink)."""
+    """MoE token dispatcher: alltoall (each routed copy sent, received copies sorted by local expert;
+    Megatron-Core's default, torchtitan's), deepep (DeepSeek's DeepEP) or hybridep (Megatron-Core's
+    NVLink-domain aware one): a token crosses to each other node once, then NVLink. Each synchronises the
+    host once per dropless MoE layer forward; ragged (a compiled step, JAX/XLA's ragged all-to-all) does
+    not (xpar.estimate.moe_dispatch)."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels

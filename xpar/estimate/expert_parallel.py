@@ -21,6 +21,7 @@ from xpar.estimate.comm.collectives import Group, group_of, nic_share
 from xpar.estimate.compute.flops import model_flops_per_token
 from xpar.estimate.memory.model_states import BYTES
 from xpar.estimate.compute.kernel_costs import kernel_priced
+from xpar.estimate.moe_dispatch import DISPATCHERS
 
 
 def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None) -> float:
@@ -106,7 +107,8 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
     if ep == 1:
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
-    share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if dispatcher == "deepep" else None
+    one_copy = DISPATCHERS[dispatcher].one_copy_per_node
+    share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if one_copy else None
     one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, share)
     return {"f": 2 * one, "b": 2 * one}
 

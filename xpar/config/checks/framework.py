@@ -17,7 +17,7 @@ CHOICES = {
     "selective_recompute": SELECTIVE_POLICIES,  # xpar.config.remat
     "param_storage": ("fp32", "bf16"),
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.per_device.MemoryOptions.loss_kernel
-    "ep_dispatcher": ("alltoall", "deepep"),
+    "ep_dispatcher": ("alltoall", "deepep", "hybridep", "ragged"),  # xpar.estimate.moe_dispatch.DISPATCHERS
     "microbatch_rule": MICROBATCH_RULES,
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.per_device.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
+from xpar.estimate.moe_dispatch import DISPATCHERS, sync_seconds
 
 BF16 = DTYPE_BYTES["bf16"]
 
@@ -161,8 +162,10 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
     return np.ceil(even * sh.imbalance)
 
 
-def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped):
-    """(dense gemm s, expert gemm s, kernels, bytes) of router + routed and shared experts, t tokens per rank."""
+def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False):
+    """(dense gemm s, expert gemm s, kernels, bytes) of router + routed and shared experts, t tokens per rank;
+    ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1, several local
+    experts: xpar.estimate.moe_dispatch)."""
     t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
     router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
     m = expert_tokens(sh, t_sp, ep)
@@ -176,6 +179,9 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped):
              + 2 * t_sp * sh.experts * 4  # router softmax and top-k over fp32 logits
              + m * local * sh.expert_ffn * BF16 * (3 if sh.gated else 2))  # experts' activation
     kernels = router[1] + experts[1] + 8  # softmax, top-k, permute x2, unpermute x2, aux loss, activation
+    resort = sorts * (np.asarray(ep) > 1) * (local > 1)
+    moved = moved + resort * 2 * 2 * m * local * sh.hidden * BF16  # sort by local expert, unsort: read + write
+    kernels = kernels + 2 * resort
     gemm, moved = router[0], moved + router[2] + experts[2]
     if sh.shared_experts:
         s_gemm, s_k, s_bytes = _mlp(t, sh.shared_experts * sh.expert_ffn, sh.hidden, sh.gated, tp, device, dtype,
@@ -208,7 +214,8 @@ def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backwa
 
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
-                sequence_parallel: bool = True, flash: bool = True, dropout: bool = False) -> BlockTerms:
+                sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
+                dispatcher: str = "alltoall") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -218,6 +225,9 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     input is cast). ``flash``: FlashAttention, else batched score GEMMs and a softmax over the scores in
     HBM; ``dropout``: masks on the attention output and MLP output (and the scores when not ``flash``).
     ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
+    ``dispatcher``: the MoE token dispatcher (xpar.estimate.moe_dispatch.DISPATCHERS): its host
+    synchronisation idles the GPU once per MoE forward (in ``overhead``), its sorting by local expert
+    moves bytes (in ``memory``).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device."""
@@ -237,7 +247,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
     experts = np.zeros_like(t)
     if sh.experts:
-        g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm)
+        g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm,
+                                        DISPATCHERS[dispatcher].sorts_by_local_expert)
     else:
         g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward)
     gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
@@ -245,6 +256,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
     busy = gemm + experts + attn + memory
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
+    if sh.experts and not backward:  # the backward reuses the forward's split sizes: no synchronisation
+        over = over + sync_seconds(dispatcher, host_us_per_kernel, sh.capacity_factor is not None)
     shape = np.broadcast(t, busy).shape
     return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
                         for x in (gemm, projections, experts, attn, memory, over, kernels)))

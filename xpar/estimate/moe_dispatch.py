@@ -1,0 +1,69 @@
+"""How a framework's MoE token dispatcher moves tokens, and what that costs beyond the all-to-all's bytes
+(issue 42): ``framework.ep_dispatcher`` names one of :data:`DISPATCHERS`.
+
+- Host synchronisation: a dropless dispatcher learns how many tokens each rank and local expert receives
+  on the device, and the host needs those counts (the all-to-all's split sizes, the grouped GEMM's m per
+  expert) before it can launch what follows: one device->host copy and a stream synchronisation per MoE
+  layer forward. The stream drains; the GPU idles for the round trip (:data:`HOST_SYNC_US`) and until
+  the host has issued the next long kernel (``after_sync`` host ops at ``framework.host_op_us``). A capacity
+  factor with padding has fixed shapes and no synchronisation.
+- Sorting by local expert: received token copies arrive grouped by source rank; a dispatcher that sends
+  them expert-sorted per rank reorders them by local expert after the dispatch and back before the
+  combine (one read and one write of every copy each way).
+Priced per block by xpar.estimate.compute.kernel_block.block_times (both the estimate and the planner).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """What one dispatcher does per MoE layer forward on one rank."""
+
+    syncs: int
+    """Device->host synchronisations of a dropless layer forward (0 where the counts stay on the device)."""
+    after_sync: int
+    """Host ops between the synchronisation and the dispatcher's first long kernel (its all-to-all)."""
+    sorts_by_local_expert: bool
+    """A second permutation of the received copies by local expert (and its inverse before the combine)."""
+    one_copy_per_node: bool
+    """A token crosses to each other node once, then fans out over NVLink (bytes:
+    xpar.estimate.expert_parallel.deepep_inter_share); False: every routed copy is sent."""
+
+
+DISPATCHERS = {
+    # Megatron-Core MoEAlltoAllTokenDispatcher (--moe-token-dispatcher-type alltoall, its default), dropless:
+    # preprocess() sets cuda_sync_point 'before_ep_alltoall' (tokens_per_expert to the host, then a stream
+    # synchronize); after it the host launches the all-to-alls of the tokens and of their probabilities; the
+    # received chunks are reordered by local expert (sort_chunks_by_idxs) when a rank holds several experts.
+    # torchtitan's expert-parallel all-to-all does the same (split sizes .tolist(), then a permutation).
+    "alltoall": Dispatcher(syncs=1, after_sync=2, sorts_by_local_expert=True, one_copy_per_node=False),
+    # DeepEP normal kernels (Megatron-Core's flex dispatcher, DeepSeek's HAI-LLM): the host waits for the
+    # receive counts inside dispatch() (notify_dispatch, a CPU busy-wait), then launches the one dispatch
+    # kernel; received tokens are permuted once into expert order (the same bytes as the sender-side permute).
+    "deepep": Dispatcher(syncs=1, after_sync=1, sorts_by_local_expert=False, one_copy_per_node=True),
+    # HybridEP (Megatron-Core flex dispatcher, NVLink-domain aware): its blocking mode drains the stream after
+    # the metadata preprocessing on every MoE layer forward (NVIDIA-NeMo/Automodel PR 3931), then one kernel.
+    "hybridep": Dispatcher(syncs=1, after_sync=1, sorts_by_local_expert=False, one_copy_per_node=True),
+    # A compiled step with device-side split sizes (JAX/XLA: MaxText's ragged all-to-all inside one jitted
+    # program): nothing returns to the host; received copies are permuted by local expert as in alltoall.
+    "ragged": Dispatcher(syncs=0, after_sync=0, sorts_by_local_expert=True, one_copy_per_node=False),
+}
+"""The dispatchers ``framework.ep_dispatcher`` names, each from its source (comments)."""
+
+HOST_SYNC_US = 10.0
+"""Microseconds of one device->host synchronisation's round trip with the stream already drained: submitting
+a small cudaMemcpyAsync costs 5-7 us (Wu et al. 2026, "DualPath", Sec. 5.2), the blocked host wakes a few
+microseconds after the copy lands. Assumed from these, not fitted."""
+
+
+def sync_seconds(dispatcher: str, host_op_us: float, padded: bool) -> float:
+    """Seconds a MoE layer forward idles the GPU at its dispatcher's host synchronisations: per sync the
+    round trip (:data:`HOST_SYNC_US`) and the host ops issued before the next long kernel (``host_op_us``
+    each); 0 when ``padded`` (capacity factor with padding: fixed shapes, nothing to synchronise).
+
+    Raises:
+        KeyError: ``dispatcher`` is not in :data:`DISPATCHERS`."""
+    d = DISPATCHERS[dispatcher]
+    return 0.0 if padded else d.syncs * (HOST_SYNC_US + d.after_sync * host_op_us) * 1e-6
