@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import spec_for
 from xpar.estimate.cost import estimate
-from xpar.estimate.estimate_mode import estimate_report
+from xpar.run.estimate_mode import estimate_report
 from xpar.track.report import MEASURED_TERMS, RATES, summarize_measured
 from xpar.estimate.step_parts import step_rates
 from xpar.estimate.terms import RATE_KEYS
