@@ -5,8 +5,7 @@
 - ``compute/``: FLOPs, kernels, a block's and a layer's seconds, the host's issue time;
 - ``memory/``: the peak per device, model states, activations, buffers, offload to the host;
 - ``comm/``: collectives (alpha-beta), bytes per step, dp's timeline and overlap, hierarchical ZeRO;
-- ``schedule``: pipeline bubbles and action lists; ``context_parallel``, ``expert_parallel``: cp, ep
-  (``moe_dispatch``: how each dispatcher moves MoE tokens);
+- ``schedule``: bubbles, action lists; ``context_parallel``, ``expert_parallel``, ``moe_dispatch``: cp, ep;
 - ``frameworks/``: one framework's own behaviour (DeepSpeed's ZeRO, Megatron-Core's overlap, FP8);
 - not the model: ``preflight/`` (the memory and duration checks before a run). A run's report,
   bubble and timing live in :mod:`xpar.track`; estimate mode, the dry run and fidelity in :mod:`xpar.run`.
