@@ -14,7 +14,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from xpar.calibrate.published import cp_fp8_case, framework_assumptions, known_run_spec, read_table
+from xpar.calibrate.known_runs import known_run_spec
+from xpar.calibrate.published import cp_fp8_case, framework_assumptions, read_table
 from xpar.estimate.cost import estimate
 from xpar.estimate.memory import per_device as mem
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import spec_for
-from xpar.calibrate.published import known_run_spec, make_spec, preset, read_table
+from xpar.calibrate.known_runs import known_run_spec
+from xpar.calibrate.published import make_spec, preset, read_table
 from xpar.estimate.memory import activations, model_states
 from xpar.estimate.memory import per_device as mem
 from xpar.estimate.columns.layout_memory import layout_memory

@@ -697,11 +697,11 @@ PUBLISHED_SPLITS = {"bloom_176b_tr11": (5,) + (6,) * 10 + (5,)}
 
 def corpus_inputs(r: dict) -> PlanInputs:
     """The plan of a tests/data/known_runs.csv row under its own framework profile: the model and
-    device memory as xpar.calibrate.published.known_run_spec builds them, the row's GPU count and
+    device memory as xpar.calibrate.known_runs.known_run_spec builds them, the row's GPU count and
     global batch fixed, what the framework runs searched."""
     from dataclasses import fields
 
-    from xpar.calibrate.published import known_run_spec
+    from xpar.calibrate.known_runs import known_run_spec
     from xpar.config.schema import FrameworkConfig
     spec = known_run_spec(r)
     model = {f: getattr(spec.model, f) for f in ("name", "n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden",
