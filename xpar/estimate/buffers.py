@@ -14,7 +14,6 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.model_states import (
     MemoryOptions,
     _model_key,
-    _numels,
     _shapes_layout,
     _stage_numels,
     _stage_parts,
@@ -65,8 +64,8 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     unit = max(root, block)
     if o.zero3_gather == "tensor":  # DeepSpeed v0.3: one parameter tensor gathered / reduced at a time
-        root = block = unit = max(_numels(_stage_numels(_model_key(spec.model), _shapes_layout(spec.layout),
-                                                        spec.tp, pp_rank)[1]), default=0)
+        root = block = unit = max((math.prod(sh) for sh, _ in _stage_numels(
+            _model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)[1]), default=0)
         root = 0
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
