@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from dataclasses import field, fields, make_dataclass, replace
 from functools import lru_cache
+from operator import attrgetter
 
 from xpar.config.layout import SCHEDULES
 from xpar.config.profile import FrameworkConfig
@@ -210,18 +211,15 @@ def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
 
 @lru_cache(maxsize=4096)
 def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
-    """:func:`unit_elements`, memoised and summed by part (:func:`_stage_parts`: the stage ends, a
+    """:func:`unit_elements`, memoised and summed by part (:func:`_part_counts`: the stage ends, a
     dense block, a MoE block) rather than tensor by tensor: a MoE stage holds tens of thousands."""
     cfg = ModelConfig(*cfg_key)
-
-    def total(part) -> int:
-        return sum(math.prod(sh) for _, sh in part)
-    dense = total(_stage_parts(cfg_key, False, False, tp)[1])
-    moe = total(_stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1]) if cfg.n_experts else dense
+    dense = _part_counts(cfg_key, False, False, tp)[1][0]
+    moe = _part_counts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1][0] if cfg.n_experts else dense
     root, blocks = 0, []
     for s in layout.stages_of(pp_rank):
-        head, _, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        root += total(head) + total(tail)
+        head, _, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        root += head[0] + tail[0]
         blocks += [moe if cfg.is_moe_layer(i) else dense for i in layout.stage_layers(s)]
     return (root,) + tuple(blocks)
 
@@ -248,10 +246,13 @@ def block_shapes(cfg: ModelConfig, tp: int) -> tuple:
     return tuple(_stage_parts(_model_key(cfg), False, False, tp)[1])
 
 
+_MODEL_FIELDS = attrgetter(*(f.name for f in fields(ModelConfig)))
+
+
 def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
-    return tuple(getattr(cfg, f.name) for f in fields(cfg))
+    return _MODEL_FIELDS(cfg)
 
 
 @lru_cache(maxsize=8192)
@@ -306,17 +307,26 @@ def _rank_counts(cfg_key: tuple, layout, tp: int, pp_rank: int, experts_only: bo
     """(elements, (shape, count) pairs) of the parameters on pipeline rank ``pp_rank`` (the multiset
     of :func:`_param_shapes`' shapes); ``experts_only``: the routed experts' alone."""
     out, cfg = Counter(), ModelConfig(*cfg_key)
+    moe = _part_counts(cfg_key, False, False, tp, *((True, layout.ep, layout.etp) if cfg.n_experts else ()))
     for s in layout.stages_of(pp_rank):
-        head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        moe = _stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1] if cfg.n_experts else block
+        head, block, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
         n_moe = sum(cfg.is_moe_layer(i) for i in layout.stage_layers(s))
-        parts = ((moe, n_moe),) if experts_only else ((head, 1), (block, layout.layer_split[s] - n_moe),
-                                                      (moe, n_moe), (tail, 1))
-        for part, k in parts:
-            for name, shape in part:
-                if k and (not experts_only or ".experts." in name):
-                    out[shape] += k
+        parts = ((moe[3], n_moe),) if experts_only else ((head, 1), (block, layout.layer_split[s] - n_moe),
+                                                        (moe[1], n_moe), (tail, 1))
+        for (_, pairs), k in parts:
+            for shape, n in pairs:
+                out[shape] += k * n
     return _counted(out)
+
+
+@lru_cache(maxsize=256)
+def _part_counts(cfg_key: tuple, first: bool, last: bool, tp: int, moe: bool = False, ep: int = 1,
+                 etp: int = 0) -> tuple:
+    """:func:`_stage_parts`' head, block and tail, then the block's routed experts alone, each as
+    (elements, (shape, count) pairs)."""
+    head, block, tail = _stage_parts(cfg_key, first, last, tp, moe, ep, etp)
+    experts = [x for x in block if ".experts." in x[0]]
+    return tuple(_counted(Counter(sh for _, sh in part)) for part in (head, block, tail, experts))
 
 
 def _counted(counts: Counter) -> tuple[int, tuple]:
