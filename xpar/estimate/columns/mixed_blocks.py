@@ -82,4 +82,5 @@ def unit_columns(times: UnitTimes, rows: dict[str, np.ndarray], n: int) -> dict[
         for k in UNIT_TIMES:
             tables[k][u, :len(got[k])] = got[k]
     inverse = inverse.ravel()
-    return {k: [tables[k][inverse, j] for j in range(n + 1)] for k in UNIT_TIMES}
+    per_unit = {k: np.ascontiguousarray(tables[k][inverse].T) for k in UNIT_TIMES}  # one gather, rows as views
+    return {k: list(per_unit[k]) for k in UNIT_TIMES}
