@@ -5,6 +5,7 @@ The layout's facts (degrees, micro-batches, stages, rank order) are owned by its
 with that layout (what is logged as params)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -115,3 +116,11 @@ class RunSpec:
         return cls(**kw)
 
 
+def with_fields(obj, **changes):
+    """``dataclasses.replace(obj, **changes)`` for the spec's plain dataclasses (RunSpec and its config
+    groups: no ``__post_init__``, no ``init=False`` field): a shallow copy with ``changes`` set, without
+    ``replace``'s field walk and ``__init__`` (the planner builds tens of thousands). Not for
+    :class:`~xpar.config.layout.Layout`, whose ``__post_init__`` derives its stage owners."""
+    new = copy.copy(obj)
+    new.__dict__.update(changes)
+    return new

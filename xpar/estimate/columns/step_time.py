@@ -23,7 +23,7 @@ from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.remat import spec_recompute
 from xpar.config.resolve import resolve_virtual_stages
-from xpar.config.spec import RunSpec
+from xpar.config.spec import RunSpec, with_fields
 from xpar.estimate import flops as fl
 from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.estimate.columns.peak_memory import memory_columns
@@ -88,11 +88,11 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
                     layer_split=split, schedule=schedule, zero_stage=zero,
                     sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
-    par = replace(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
-                  virtual_stages=v, sequence_parallel=sp, recompute=recompute, layer_split=list(layout.layer_split),
-                  first_stage_layers=None, last_stage_layers=None)
-    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, parallel=par, train=train, layout=layout)
+    par = with_fields(base.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batches=m, schedule=schedule,
+                      virtual_stages=v, sequence_parallel=sp, recompute=recompute,
+                      layer_split=list(layout.layer_split), first_stage_layers=None, last_stage_layers=None)
+    train = with_fields(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
+    return with_fields(base, parallel=par, train=train, layout=layout)
 
 
 def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
