@@ -10,6 +10,7 @@ Design notes (what each step does and why, with sources): docs/concepts/design-n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Optional
 
 AXES = ("pp", "dp", "cp", "tp")
@@ -240,6 +241,15 @@ def balanced_split(n_layers: int, n_stages: int) -> list[int]:
     return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
 
 
+@lru_cache(maxsize=4096)
+def _stage_owners(v_shaped: bool, pp: int, n_stages: int) -> tuple[int, ...]:
+    """Pipeline rank of each stage: V placement (stages s and n - 1 - s on rank s) for V-shaped
+    schedules under pp, else loop placement (s mod pp)."""
+    if v_shaped and pp > 1:
+        return tuple(s if s < pp else n_stages - 1 - s for s in range(n_stages))
+    return tuple(s % pp for s in range(n_stages))
+
+
 @dataclass(frozen=True)
 class Layout:
     """A resolved parallel layout. Degrees dp, tp, pp; ``layer_split``: blocks per stage in
@@ -277,7 +287,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_split", tuple(int(x) for x in self.layer_split))
-        object.__setattr__(self, "_owners", tuple(self._owner(s) for s in range(self.n_stages)))
+        object.__setattr__(self, "_owners", _stage_owners(SCHEDULES[self.schedule].v_shaped, self.pp, self.n_stages))
 
     # --- sizes ---------------------------------------------------------------------------
     @property
@@ -333,10 +343,6 @@ class Layout:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     # --- pipeline stages -----------------------------------------------------------------
-    def _owner(self, stage: int) -> int:
-        if SCHEDULES[self.schedule].v_shaped and self.pp > 1:
-            return stage if stage < self.pp else self.n_stages - 1 - stage
-        return stage % self.pp
 
     def stage_owner(self, stage: int) -> int:
         """Pipeline rank holding ``stage``: loop placement, or V placement for V-shaped schedules."""

@@ -6,6 +6,7 @@ the parallel group's settings the layout does not own (:class:`ParallelSettings`
 groups are resolved copies; :meth:`RunSpec.parallel_config` joins the two for the params a run logs."""
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
@@ -147,3 +148,11 @@ class RunSpec:
         return cls(**kw)
 
 
+def with_fields(obj, **changes):
+    """``dataclasses.replace(obj, **changes)`` for the spec's plain dataclasses (RunSpec and its config
+    groups: no ``__post_init__``, no ``init=False`` field): a shallow copy with ``changes`` set, without
+    ``replace``'s field walk and ``__init__`` (the planner builds tens of thousands). Not for
+    :class:`~xpar.config.layout.Layout`, whose ``__post_init__`` derives its stage owners."""
+    new = copy.copy(obj)
+    new.__dict__.update(changes)
+    return new

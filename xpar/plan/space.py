@@ -229,6 +229,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     bad = (t["pp"] < c.interleaved_min_pp) | (c.interleaved_m_per_pp & (t["m"] % t["pp"] != 0))
     t = drops.apply(t, "interleaved", ~(inter & bad))
     t["schedule"] = names[t["s"]]
+    t["zb"] = np.array([SCHEDULES[str(n)].zero_bubble for n in names], dtype=bool)[t["s"]]
     return t
 
 
@@ -256,10 +257,11 @@ def _microbatches_ok(names: np.ndarray, t: dict, rule: str = "torch") -> np.ndar
 
 def _zero_runs(t: dict) -> np.ndarray:
     """The ZeRO stage each row runs (:func:`xpar.config.layout.zero_stage_run`, once per distinct
-    (schedule, pp, zero))."""
-    keys, inverse = np.unique(np.stack([t["s"], t["pp"], t["zero"]]), axis=1, return_inverse=True)
-    names = {int(s): str(n) for s, n in zip(t["s"], t["schedule"])}
-    runs = np.array([zero_stage_run(names[int(s)], int(p), int(z)) for s, p, z in keys.T], dtype=np.int64)
+    (schedule, pp, zero), packed into one integer key)."""
+    key = (t["s"].astype(np.int64) * (int(t["pp"].max(initial=0)) + 1) + t["pp"]) * len(ZERO_STAGES) + t["zero"]
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    runs = np.array([zero_stage_run(str(t["schedule"][i]), int(t["pp"][i]), int(t["zero"][i])) for i in first],
+                    dtype=np.int64)
     return runs[inverse.ravel()] if len(runs) else np.zeros(0, dtype=np.int64)
 
 
@@ -275,7 +277,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
-    zb = np.array([SCHEDULES[s].zero_bubble for s in t["schedule"]], dtype=bool) & (t["pp"] > 1)
+    zb = t["zb"] & (t["pp"] > 1)
     t = drops.apply(dict(t, zb=zb), "zero_run", _zero_runs(t) == t["zero"])
     t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))

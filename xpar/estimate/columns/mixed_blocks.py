@@ -33,12 +33,16 @@ class UnitTimes:
         module); ``by_rank``: a slot is the pipeline rank itself (one layout's every rank), not
         :func:`slot_rank_moe`'s."""
         self.base, self.assume, self.spec_at, self.by_rank, self.memo = base, assume, spec_at, by_rank, {}
+        self.specs: dict[tuple, object] = {}
 
     def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
            slot: int) -> dict[str, list]:
         key = (dp, tp, zero, recompute, pp, v, v_shaped, slot)
         if key not in self.memo:
-            spec = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe", zero, False, recompute)
+            if key[:-1] not in self.specs:  # one spec for the slots of a layout
+                self.specs[key[:-1]] = self.spec_at(self.base, tp, pp, dp, 1, 1, v, "zbv" if v_shaped else "gpipe",
+                                                    zero, False, recompute)
+            spec = self.specs[key[:-1]]
             rank = slot if self.by_rank else slot_rank_moe(spec.layout, slot, self.base.model, zero)
             t = unit_times(spec, self.assume, unit_elements(spec, rank))
             self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
@@ -78,4 +82,5 @@ def unit_columns(times: UnitTimes, rows: dict[str, np.ndarray], n: int) -> dict[
         for k in UNIT_TIMES:
             tables[k][u, :len(got[k])] = got[k]
     inverse = inverse.ravel()
-    return {k: [tables[k][inverse, j] for j in range(n + 1)] for k in UNIT_TIMES}
+    per_unit = {k: np.ascontiguousarray(tables[k][inverse].T) for k in UNIT_TIMES}  # one gather, rows as views
+    return {k: list(per_unit[k]) for k in UNIT_TIMES}

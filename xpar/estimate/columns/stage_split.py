@@ -12,8 +12,6 @@ rows. Units: blocks (transformer layers). No torch import.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from xpar.config.layout import (
@@ -25,6 +23,7 @@ from xpar.config.layout import (
     lighter_ends,
 )
 from xpar.config.remat import RECOMPUTE
+from xpar.config.spec import with_fields
 
 _SCHED = tuple(SCHEDULES)
 
@@ -112,5 +111,5 @@ def memory_spec(base, c: dict, i: int):
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len, ep=base.layout.ep,
                     layer_split=tuple(split), schedule=sched, zero_stage=z, sequence_parallel=sp, recompute=rec,
                     etp=base.layout.etp)
-    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, train=train, layout=layout)
+    train = with_fields(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
+    return with_fields(base, train=train, layout=layout)

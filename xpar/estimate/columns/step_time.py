@@ -23,7 +23,7 @@ from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.remat import spec_recompute
 from xpar.config.resolve import resolve_virtual_stages
-from xpar.config.spec import RunSpec
+from xpar.config.spec import RunSpec, with_fields
 from xpar.estimate.compute import flops as fl
 from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.estimate.columns.peak_memory import memory_columns
@@ -88,8 +88,8 @@ def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, sc
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
                     layer_split=split, schedule=schedule, zero_stage=zero,
                     sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
-    train = replace(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return replace(base, train=train, layout=layout)
+    train = with_fields(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
+    return with_fields(base, train=train, layout=layout)
 
 
 def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -226,13 +226,13 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
                                            "first_backward")}
     rep_live = live[rep]
     chunks = np.broadcast_to(r["v"], shape).ravel() if a.dp_overlap_per_chunk else np.ones_like(pp)  # dp_chunks
+    rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
     for p, n, v in np.unique(np.stack([pp[rep], blocks[rep], chunks[rep]])[:, rep_live], axis=1).T.tolist():
         sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n) & (chunks[rep] == v))
         f = {k: v[rep[sel]] for k, v in flat.items()}
         units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
-            het, {k: np.broadcast_to(r[k], shape).ravel()[rep[sel]] for k in ("dp", "tp", "zero", "recompute", "pp", "v",
-                                                                               "v_shaped")}
-            | {"slot": rep[sel] // shape[1]}, n)
+            het, {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rep[sel]]
+                  for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")} | {"slot": rep[sel] // shape[1]}, n)
         out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
                           units["g"], units["r"], units["cg"], units["cr"], units["gb"], v)
         for k in res:

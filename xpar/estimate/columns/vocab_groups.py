@@ -16,8 +16,9 @@ from xpar.config.vocab import padded_vocab
 
 
 def padded_column(vocab: int, multiple: Optional[int], tp: np.ndarray) -> np.ndarray:
-    """The padded vocabulary of each candidate (rows), from its tp column."""
-    return np.array([padded_vocab(vocab, multiple, int(t)) for t in np.asarray(tp)], dtype=np.int64)
+    """The padded vocabulary of each candidate (rows), from its tp column (once per distinct tp)."""
+    degrees, inverse = np.unique(np.asarray(tp), return_inverse=True)
+    return np.array([padded_vocab(vocab, multiple, int(t)) for t in degrees], dtype=np.int64)[inverse.ravel()]
 
 
 def _join(parts: list[tuple[np.ndarray, dict]], n: int) -> dict[str, np.ndarray]:

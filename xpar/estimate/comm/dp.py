@@ -112,6 +112,9 @@ def _masked(cond: Any, times: list) -> list:
     """``times`` where ``cond``, zeros elsewhere (cond a bool, or a bool array over layouts)."""
     if not isinstance(cond, np.ndarray):
         return times if cond else [0.0] * len(times)
+    if cond.all():  # np.where's values without its copy, for float arrays of cond's shape
+        return [x if isinstance(x, np.ndarray) and x.shape == cond.shape and x.dtype == np.float64
+                else np.where(cond, x, 0.0) for x in times]
     return [np.where(cond, x, 0.0) for x in times]
 
 

@@ -59,13 +59,14 @@ def simulate_pass(compute: Sequence[float], gather: Optional[Sequence[float]] = 
     if n:
         link = ready[0] = vwhere(g[0] != 0, g[0], 0.0)
     for i in range(n):
-        if not prefetch and i:  # on demand: issued once the previous unit is done
+        if not prefetch and i and _some(g[i]):  # on demand: issued once the previous unit is done
             link, ready[i] = _issue(g[i], vmax(link, clock) + g[i], link, ready[i])
         start = vmax(clock, ready[i])
-        if prefetch and i + 1 < n:
+        if prefetch and i + 1 < n and _some(g[i + 1]):
             link, ready[i + 1] = _issue(g[i + 1], vmax(link, start) + g[i + 1], link, ready[i + 1])
         clock = start + compute[i]
-        link = _issue(r[i], vmax(link, clock) + r[i], link, link)[0]
+        if _some(r[i]):
+            link = _issue(r[i], vmax(link, clock) + r[i], link, link)[0]
     total_compute, total_comm = sum(compute), sum(g) + sum(r)
     exposed = vmax(clock, link) - total_compute
     hidden = vmax(0.0, total_comm - exposed)
@@ -78,7 +79,15 @@ def _issue(comm: Any, done: Any, link: Any, ready: Any) -> tuple[Any, Any]:
     if not isinstance(comm, np.ndarray):
         return (done, done) if comm else (link, ready)
     issued = comm != 0
+    if issued.all():  # np.where's result, without the copies
+        return done, done
     return np.where(issued, done, link), np.where(issued, done, ready)
+
+
+def _some(comm: Any) -> bool:
+    """Whether a collective may be issued: an array, or a non-zero float (:func:`_issue` of a zero float
+    changes nothing)."""
+    return isinstance(comm, np.ndarray) or bool(comm)
 
 
 def blocking(comm: float) -> PassTiming:

@@ -15,12 +15,11 @@ Keys: :data:`KEYS`. Derivation: docs/concepts/cost-model-derivations.md.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
-from xpar.estimate.memory.model_states import BYTES, param_shapes, root_elements
+from xpar.estimate.memory.model_states import BYTES, param_numel, root_elements
 from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
@@ -82,7 +81,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     out = dict.fromkeys(KEYS, 0.0)
     m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, lay.sequence_parallel
     # dp: params in the training dtype, gradients in grad_bytes per element
-    elements = sum(math.prod(sh) for _, sh in param_shapes(spec, pp_rank))
+    elements = param_numel(spec, pp_rank)
     psi, grads = elements * e, elements * (e if grad_bytes is None else grad_bytes)
     z = lay.zero_stage
     if z == 1 and zero1 == "distributed_optimizer":

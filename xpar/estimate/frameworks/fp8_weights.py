@@ -26,10 +26,11 @@ def block_linear_numel(shapes: tuple) -> int:
     return total
 
 
-def fp8_weight_copy_bytes(dtype: str, zero_stage: int, shapes: tuple, o) -> int:
-    """Bytes of the FP8 weight copies and transposes of a pipeline rank whose parameters are ``shapes``
-    (module docstring): 0 unless ``dtype`` is fp8 with ``o.fp8_weight_copies`` at ZeRO stage < 3."""
+def fp8_weight_copy_bytes(dtype: str, zero_stage: int, linear_numel: int, o) -> int:
+    """Bytes of the FP8 weight copies and transposes of a pipeline rank whose blocks' linear weights
+    hold ``linear_numel`` elements (:func:`block_linear_numel`; module docstring): 0 unless ``dtype``
+    is fp8 with ``o.fp8_weight_copies`` at ZeRO stage < 3."""
     if not (getattr(o, "fp8_weight_copies", False) and dtype == "fp8" and zero_stage < 3):
         return 0
     width = 0 if getattr(o, "fp8_param_gather", False) else COPY_BYTES
-    return width * block_linear_numel(shapes)
+    return width * linear_numel

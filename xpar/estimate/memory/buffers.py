@@ -14,10 +14,9 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.memory.model_states import (
     MemoryOptions,
     _model_key,
-    _numels,
+    _part_counts,
     _shapes_layout,
     _stage_numels,
-    _stage_parts,
     precision,
     state_widths,
 )
@@ -28,13 +27,12 @@ from xpar.estimate.frameworks.zero12_step import fp32_grad_partition_bytes
 def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int]:
     """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output) and
     of the largest block unit on a pipeline rank, as xpar and torchtitan wrap them."""
-    roots, blocks = [0], [0]
-    moe = sum(math.prod(sh) for _, sh in _stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1])
+    roots, blocks, cfg = [0], [0], ModelConfig(*cfg_key)
+    moe = _part_counts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1][0]
     for s in layout.stages_of(pp_rank):
-        head, block, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        roots.append(sum(math.prod(sh) for _, sh in head + tail))
-        dense = sum(math.prod(sh) for _, sh in block)
-        blocks += [moe if ModelConfig(*cfg_key).is_moe_layer(i) else dense for i in layout.stage_layers(s)]
+        head, block, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        roots.append(head[0] + tail[0])
+        blocks += [moe if cfg.is_moe_layer(i) else block[0] for i in layout.stage_layers(s)]
     return max(roots), max(blocks)
 
 
@@ -65,8 +63,8 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
     unit = max(root, block)
     if o.zero3_gather == "tensor":  # DeepSpeed v0.3: one parameter tensor gathered / reduced at a time
-        root = block = unit = max(_numels(_stage_numels(_model_key(spec.model), _shapes_layout(spec.layout),
-                                                        spec.tp, pp_rank)[1]), default=0)
+        root = block = unit = max((math.prod(sh) for sh, _ in _stage_numels(
+            _model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)[1]), default=0)
         root = 0
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]

@@ -8,13 +8,14 @@ import math
 from collections import Counter
 from dataclasses import field, fields, make_dataclass, replace
 from functools import lru_cache
+from operator import attrgetter
 
 from xpar.config.layout import SCHEDULES
 from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import SELECTIVE_POLICIES
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
-from xpar.estimate.frameworks.fp8_weights import fp8_weight_copy_bytes
+from xpar.estimate.frameworks.fp8_weights import block_linear_numel, fp8_weight_copy_bytes
 from xpar.estimate.terms import MEMORY_TERMS, STATE_TERMS
 
 BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
@@ -197,6 +198,11 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
 
 
+def param_numel(spec: RunSpec, pp_rank: int) -> int:
+    """Parameter elements held by pipeline rank ``pp_rank`` (tp-local): :func:`param_shapes`' total."""
+    return _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)[0]
+
+
 def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
     final norm, output of the stages held; 0 on middle stages) first, then each block."""
@@ -205,18 +211,15 @@ def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
 
 @lru_cache(maxsize=4096)
 def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
-    """:func:`unit_elements`, memoised and summed by part (:func:`_stage_parts`: the stage ends, a
+    """:func:`unit_elements`, memoised and summed by part (:func:`_part_counts`: the stage ends, a
     dense block, a MoE block) rather than tensor by tensor: a MoE stage holds tens of thousands."""
     cfg = ModelConfig(*cfg_key)
-
-    def total(part) -> int:
-        return sum(math.prod(sh) for _, sh in part)
-    dense = total(_stage_parts(cfg_key, False, False, tp)[1])
-    moe = total(_stage_parts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1]) if cfg.n_experts else dense
+    dense = _part_counts(cfg_key, False, False, tp)[1][0]
+    moe = _part_counts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1][0] if cfg.n_experts else dense
     root, blocks = 0, []
     for s in layout.stages_of(pp_rank):
-        head, _, tail = _stage_parts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        root += total(head) + total(tail)
+        head, _, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        root += head[0] + tail[0]
         blocks += [moe if cfg.is_moe_layer(i) else dense for i in layout.stage_layers(s)]
     return (root,) + tuple(blocks)
 
@@ -243,10 +246,13 @@ def block_shapes(cfg: ModelConfig, tp: int) -> tuple:
     return tuple(_stage_parts(_model_key(cfg), False, False, tp)[1])
 
 
+_MODEL_FIELDS = attrgetter(*(f.name for f in fields(ModelConfig)))
+
+
 def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
-    return tuple(getattr(cfg, f.name) for f in fields(cfg))
+    return _MODEL_FIELDS(cfg)
 
 
 @lru_cache(maxsize=8192)
@@ -271,6 +277,13 @@ def _param_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     return tuple(out)
 
 
+@lru_cache(maxsize=4096)
+def _block_linear_numel(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
+    """:func:`xpar.estimate.frameworks.fp8_weights.block_linear_numel` of a pipeline rank (memoised by rank, not by
+    its tens of thousands of shapes)."""
+    return block_linear_numel(_param_shapes(cfg_key, layout, tp, pp_rank))
+
+
 def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
     """Elements of FSDP2's local shard on dp rank ``rank``: rows
     [rank c, min(d0, (rank+1) c)) with c = ceil(d0 / dp) (torch.chunk on dim 0)."""
@@ -282,26 +295,53 @@ def fsdp_shard_numel(shape: tuple[int, ...], dp: int, rank: int) -> int:
 
 @lru_cache(maxsize=8192)
 def _stage_numels(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
-    """(whole elements, shapes) of a pipeline rank; memoised so that one estimate at any world
-    size touches each parameter shape once per rank it asks about."""
-    shapes = tuple(sh for _, sh in _param_shapes(cfg_key, layout, tp, pp_rank))
-    return sum(math.prod(sh) for sh in shapes), shapes
+    """(whole elements, shape counts) of a pipeline rank: its parameters' shapes as a multiset,
+    sorted ((tp-local shape, tensors of that shape) pairs; what every count below needs, since none
+    depends on the tensors' order or names). Built from :func:`_stage_parts` per stage (a block's
+    shapes times its blocks), never tensor by tensor: a MoE rank holds tens of thousands."""
+    return _rank_counts(cfg_key, layout, tp, pp_rank, False)
 
 
 @lru_cache(maxsize=8192)
-def _numels(shapes: tuple) -> tuple:
-    """Elements of each shape (memoised: the ZeRO-1 partition asks for them per dp degree)."""
-    return tuple(math.prod(sh) for sh in shapes)
+def _rank_counts(cfg_key: tuple, layout, tp: int, pp_rank: int, experts_only: bool) -> tuple[int, tuple]:
+    """(elements, (shape, count) pairs) of the parameters on pipeline rank ``pp_rank`` (the multiset
+    of :func:`_param_shapes`' shapes); ``experts_only``: the routed experts' alone."""
+    out, cfg = Counter(), ModelConfig(*cfg_key)
+    moe = _part_counts(cfg_key, False, False, tp, *((True, layout.ep, layout.etp) if cfg.n_experts else ()))
+    for s in layout.stages_of(pp_rank):
+        head, block, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
+        n_moe = sum(cfg.is_moe_layer(i) for i in layout.stage_layers(s))
+        parts = ((moe[3], n_moe),) if experts_only else ((head, 1), (block, layout.layer_split[s] - n_moe),
+                                                        (moe[1], n_moe), (tail, 1))
+        for (_, pairs), k in parts:
+            for shape, n in pairs:
+                out[shape] += k * n
+    return _counted(out)
+
+
+@lru_cache(maxsize=256)
+def _part_counts(cfg_key: tuple, first: bool, last: bool, tp: int, moe: bool = False, ep: int = 1,
+                 etp: int = 0) -> tuple:
+    """:func:`_stage_parts`' head, block and tail, then the block's routed experts alone, each as
+    (elements, (shape, count) pairs)."""
+    head, block, tail = _stage_parts(cfg_key, first, last, tp, moe, ep, etp)
+    experts = [x for x in block if ".experts." in x[0]]
+    return tuple(_counted(Counter(sh for _, sh in part)) for part in (head, block, tail, experts))
+
+
+def _counted(counts: Counter) -> tuple[int, tuple]:
+    """(elements, sorted (shape, count) pairs) of a shape multiset."""
+    pairs = tuple(sorted((sh, n) for sh, n in counts.items() if n > 0))
+    return sum(n * math.prod(sh) for sh, n in pairs), pairs
 
 
 @lru_cache(maxsize=16384)
-def _shard_total(shapes: tuple, dp: int, rank: int) -> int:
-    return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in Counter(shapes).items())
+def _shard_total(counts: tuple, dp: int, rank: int) -> int:
+    return sum(n * fsdp_shard_numel(sh, dp, rank) for sh, n in counts)
 
 
-@lru_cache(maxsize=4096)
-def _zero1_sizes(numels: tuple, dp: int) -> tuple:
-    """:func:`zero1_partition`, memoised; a heap of (size, rank): O(n log dp)."""
+def _greedy_partition(numels, dp: int) -> tuple:
+    """:func:`zero1_partition`; a heap of (size, rank): O(n log dp)."""
     sizes = [0] * dp
     heap = [(0, r) for r in range(dp)]
     for n in sorted(numels, reverse=True):
@@ -311,11 +351,18 @@ def _zero1_sizes(numels: tuple, dp: int) -> tuple:
     return tuple(sizes)
 
 
+@lru_cache(maxsize=4096)
+def _zero1_sizes(counts: tuple, dp: int) -> tuple:
+    """:func:`zero1_partition` of the tensors of ``counts`` ((shape, count) pairs), memoised:
+    the partition depends on the sizes alone, not on which tensor has which."""
+    return _greedy_partition([math.prod(sh) for sh, n in counts for _ in range(n)], dp)
+
+
 def zero1_partition(numels: list[int], dp: int) -> list[int]:
     """Elements per rank assigned by torch's ZeroRedundancyOptimizer: parameters sorted by
     size, largest first (stable), each to the rank with the fewest elements so far (lowest
     rank on ties)."""
-    return list(_zero1_sizes(tuple(numels), dp))
+    return list(_greedy_partition(numels, dp))
 
 
 def grads_deferred(spec: RunSpec) -> bool:
@@ -345,9 +392,10 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
 
 @lru_cache(maxsize=1024)
 def _embedding_numel(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
-    """tp-local token-embedding elements of a pipeline rank (memoised: a MoE stage has many tensors)."""
-    return sum(math.prod(sh) for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank)
-               if name.split(":", 1)[1] == "tok_embeddings.weight")
+    """tp-local token-embedding elements of a pipeline rank (the first stage's, where it holds it)."""
+    return sum(math.prod(sh) for s in layout.stages_of(pp_rank) if s == 0
+               for name, sh in _stage_parts(cfg_key, True, s == layout.n_stages - 1, tp)[0]
+               if name == "tok_embeddings.weight")
 
 
 def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_redundancy",
@@ -359,13 +407,13 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     ``replicated_embedding_grad``: see :class:`MemoryOptions`. Under expert parallelism the
     rank's E / ep experts (split over etp) are sharded and reduced over the expert-dp ranks
     (:attr:`xpar.config.layout.Layout.expert_dp`: tp dp / (ep etp) of a cp-folded layout), the rest over dp."""
-    whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    key = (_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    whole, counts = _stage_numels(*key)
     extra = replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0
     if spec.layout.ep == 1 and spec.layout.expert_tp == spec.tp:
-        return _held(spec, whole, shapes, spec.dp, dp_rank, zero1, extra)
-    experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    n_experts = sum(_numels(experts))
-    dense = _held(spec, whole - n_experts, _without(shapes, experts), spec.dp, dp_rank, zero1, extra)
+        return _held(spec, whole, counts, spec.dp, dp_rank, zero1, extra)
+    n_experts, experts = _rank_counts(*key, True)
+    dense = _held(spec, whole - n_experts, _without(counts, experts), spec.dp, dp_rank, zero1, extra)
     expert_dp = _expert_dp(spec)
     expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
     return {k: dense[k] + expert[k] for k in dense}
@@ -378,23 +426,17 @@ def _expert_dp(spec: RunSpec) -> int:
     return lay.expert_dp if lay.ep > 1 or lay.expert_tp != spec.tp else spec.dp
 
 
-@lru_cache(maxsize=64)
-def _without(shapes: tuple, removed: tuple) -> tuple:
-    """``shapes`` less the first occurrence of each of ``removed`` (a multiset difference, order kept)."""
-    left, out = Counter(removed), []
-    for sh in shapes:
-        if left[sh] > 0:
-            left[sh] -= 1
-        else:
-            out.append(sh)
-    return tuple(out)
+@lru_cache(maxsize=4096)
+def _without(counts: tuple, removed: tuple) -> tuple:
+    """(shape, count) pairs of ``counts`` less those of ``removed`` (a multiset difference)."""
+    return _counted(Counter(dict(counts)) - Counter(dict(removed)))[1]
 
 
-def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:
-    """:func:`held_numel` of the parameters ``shapes`` (``whole`` elements) sharded over ``dp``
+def _held(spec: RunSpec, whole: int, counts: tuple, dp: int, dp_rank: int, zero1: str, extra: int) -> dict[str, int]:
+    """:func:`held_numel` of the parameters ``counts`` ((shape, count) pairs, ``whole`` elements) sharded over ``dp``
     ranks; ``extra``: replicated embedding gradient elements held while a reduction is deferred."""
     z = spec.layout.zero_stage
-    shard = _shard_total(shapes, dp, dp_rank) if z >= 2 else whole
+    shard = _shard_total(counts, dp, dp_rank) if z >= 2 else whole
     if grads_deferred(spec):
         grads = whole + extra
     else:
@@ -402,7 +444,7 @@ def _held(spec: RunSpec, whole: int, shapes: tuple, dp: int, dp_rank: int, zero1
     if z == 1 and zero1 == "distributed_optimizer":
         opt = -(-whole // dp)
     elif z == 1:
-        opt = _zero1_sizes(_numels(shapes), dp)[dp_rank]
+        opt = _zero1_sizes(counts, dp)[dp_rank]
     else:
         opt = shard
     return {"storage": shard, "whole": whole, "grads": grads, "optimizer": opt}
@@ -414,18 +456,12 @@ def expert_state_bytes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptio
     ranks), or {} for a dense model. Bytes."""
     if not spec.model.n_experts:
         return {}
-    experts = _expert_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    n_experts, experts = _rank_counts(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank, True)
     expert_dp = _expert_dp(spec)
-    n = _held(spec, sum(_numels(experts)), experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
+    n = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
     wp, wg, wo = state_widths(spec, o)
     return {"params": _master_numel(spec, n, o) * wp, "grads": n["grads"] * wg,
             "optimizer": 0 if o.cpu_offload_optimizer else n["optimizer"] * wo, "expert_dp": expert_dp}
-
-
-@lru_cache(maxsize=4096)
-def _expert_shapes(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
-    """Shapes of the routed experts' parameters a rank of pipeline rank ``pp_rank`` holds."""
-    return tuple(sh for name, sh in _param_shapes(cfg_key, layout, tp, pp_rank) if ".experts." in name)
 
 
 def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundancy") -> int:
@@ -433,8 +469,8 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
     DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
     if spec.layout.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
-    _, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    sizes = _zero1_sizes(_numels(shapes), spec.dp)
+    _, counts = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    sizes = _zero1_sizes(counts, spec.dp)
     return sizes.index(max(sizes))
 
 
@@ -487,6 +523,6 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
         compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
     if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.frameworks.fp8_weights)
-        shapes = _param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-        compute += fp8_weight_copy_bytes(spec.train.dtype, z, shapes, o)
+        linear = _block_linear_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+        compute += fp8_weight_copy_bytes(spec.train.dtype, z, linear, o)
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
