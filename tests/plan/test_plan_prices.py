@@ -120,6 +120,19 @@ def test_hai_llm_hides_the_all_to_alls_under_dualpipe_only():
     assert ep_a2a_overlap_of(a, "1f1b", 1) == 0.5 == ep_a2a_overlap_of(a, "gpipe", 4)
 
 
+def test_an_overlapped_all_to_all_hides_behind_the_gemms_at_most():
+    """DualPipe hides one micro-batch's all-to-alls behind another's GEMMs (DeepSeek-AI 2024 Sec. 3.2.1): on a
+    slow link, where they take longer than the step's matmuls, the rest is exposed. Before, ep_a2a_overlap 1.0 hid
+    them whole however long they took."""
+    dual = ["parallel.schedule=dualpipev", "parallel.virtual_stages=2"]
+    fast = estimate(validate(compose(*HAI, *dual)))
+    slow = estimate(validate(compose(*HAI, *dual, "hardware.intra_node_gb_per_s=2")))
+    matmul, issued = slow.time_breakdown["matmul"], slow.comm_time["ep"]
+    assert issued > matmul and fast.comm_time["ep"] < fast.time_breakdown["matmul"]
+    assert fast.time_breakdown["ep_comm"] == 0.0
+    assert slow.time_breakdown["ep_comm"] == pytest.approx(issued - matmul, rel=1e-9)
+
+
 def test_planner_ep_columns_equal_the_scalar_estimate_under_each_schedule_of_hai_llm():
     ctx = context("mixtral_8x7b", "h100_80gb_64gpu", 4096, "hai_llm")
     c = space_of(ctx, Constraints(global_batch=(128, 128), schedules=("1f1b", "dualpipev"), zero_stages=(1,),

@@ -98,7 +98,9 @@ def moe_layers_per_rank(base, pp: int, v: int, schedule: str) -> int:
 def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) -> tuple[dict, np.ndarray]:
     """(``ep_comm`` and ``ep_imbalance``: seconds per step; the all-to-all seconds issued per step) of
     folded candidates whose matmul term is ``matmul``, under ``a`` (default :func:`assumptions_for`
-    ``fbase``): the fullest rank's all-to-alls, m per step, (1 - ep_a2a_overlap) exposed, and its routed
+    ``fbase``): the fullest rank's all-to-alls, m per step, ep_a2a_overlap of them hidden but at most the
+    step's matmul seconds (DualPipe and Megatron-Core's 1F1B overlap run one micro-batch's all-to-alls beside
+    another's GEMMs: DeepSeek-AI 2024 Sec. 3.2.1), the rest exposed; and its routed
     experts' matmuls stretched (:func:`xpar.estimate.expert_parallel.imbalance_share`); one MoE layer's
     all-to-alls (:func:`xpar.estimate.expert_parallel.ep_layer_times`) per distinct (b, tp, sp), the
     fullest rank's MoE layers per distinct (pp, v, schedule)."""
@@ -115,7 +117,8 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) 
                                                 + one["b"])
     share = imbalance_share(fbase)
     overlap = by_key([pp, sched], lambda p, s: {"o": ep_a2a_overlap_of(a, s, p)}, ("o",))["o"]
-    return {"ep_comm": issued * (1.0 - overlap), "ep_imbalance": matmul * share}, issued
+    hidden = np.minimum(issued * overlap, matmul)  # an all-to-all hides only behind the GEMMs it runs beside
+    return {"ep_comm": issued - hidden, "ep_imbalance": matmul * share}, issued
 
 
 def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> np.ndarray:
