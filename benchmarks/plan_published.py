@@ -54,7 +54,7 @@ def cases() -> list[tuple[str, object, object]]:
 def dualpipe(spec):
     """``spec`` under DualPipeV (v 2; conf/parallel/deepseek_v3_2048gpu.yaml: 1 block on the first stage, none on
     the last), as DeepSeek-V3 was trained (the csv row gives no schedule)."""
-    par = dict(asdict(spec.parallel), schedule="dualpipev", virtual_stages=2, layer_split=None, first_stage_layers=1,
+    par = dict(asdict(spec.parallel_config()), schedule="dualpipev", virtual_stages=2, layer_split=None, first_stage_layers=1,
                last_stage_layers=0, micro_batches="auto")
     train = dict(asdict(spec.train), micro_batch_size=1, global_batch_size=spec.train.global_batch_size)
     return make_spec(asdict(spec.model), par, asdict(spec.hardware), train)
