@@ -90,3 +90,11 @@ def test_a_layout_the_2021_version_cannot_run_is_refused_in_one_line(overrides, 
                   "framework=megatron_2021", "model.n_layers=30", *overrides)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
         validate(cfg)
+
+
+def test_plan_cp_the_version_does_not_run_is_one_line_with_the_values_that_work(capsys):
+    """plan.cp=[2] under megatron_2021 (framework.max_cp 1): exit 2, one line naming the framework's rule and the
+    cp that works."""
+    from tests.plan.test_plan import refusal
+    err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "framework=megatron_2021", "plan.cp=[2]")
+    assert "passes plan.cp=[2]" in err and "framework.max_cp" in err and "e.g. plan.cp=[1]." in err
