@@ -315,7 +315,7 @@ def test_the_corpus_of_known_runs_spans_the_frameworks():
     """At least 25 published layouts from at least 5 framework profiles, each with its source."""
     assert len(KNOWN) >= 25 and all(r["source"] for r in KNOWN)
     frameworks = {r["framework"] for r in KNOWN}
-    assert len(frameworks) >= 5 and {"deepspeed", "torchtitan", "llmfoundry", "megatron_core", "megatron", "maxtext"} <= frameworks
+    assert len(frameworks) >= 5 and {"deepspeed", "torchtitan", "llmfoundry", "megatron_core", "megatron_2021", "maxtext"} <= frameworks
 
 
 @pytest.mark.slow

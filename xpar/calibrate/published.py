@@ -90,8 +90,10 @@ def framework_assumptions(name: str, **changes):
 
 
 def megatron_row(row: dict):
-    """(spec, assumptions, published hardware TFLOP/s per GPU) of a Table 1 row."""
-    return megatron_2021_spec(row), Assumptions.megatron_2021(), float(row["tflops_per_gpu"]), "hw_tflops"
+    """(spec, assumptions, published hardware TFLOP/s per GPU) of a Table 1 row, under the profile of the
+    Megatron-LM that ran it (conf/framework/megatron_2021.yaml: :meth:`Assumptions.megatron_2021`'s costs, the
+    layouts of 2021)."""
+    return megatron_2021_spec(row), framework_assumptions("megatron_2021"), float(row["tflops_per_gpu"]), "hw_tflops"
 
 
 TORCHTITAN_AC = {"none": ("none", 1.0), "full": ("full", 1.0), "selective_op": ("selective", 1.0),
@@ -263,8 +265,9 @@ def korthikanti_row(row: dict):
     blocking p2p) with the Megatron-LM of 2022's asynchronous tp backward (``tp_async_backward``:
     the paper overlaps the input-gradient all-reduce / reduce-scatter of the column-parallel linears
     with their weight-gradient GEMMs, and Megatron-LM's ``--async-tensor-model-parallel-allreduce``
-    was on by default by then). Published value: global batch x s / (iteration time x GPUs)."""
-    a = replace(Assumptions.megatron_2021(), tp_async_backward=True)
+    was on by default by then): conf/framework/megatron_2022.yaml, the layouts of that version.
+    Published value: global batch x s / (iteration time x GPUs)."""
+    a = framework_assumptions("megatron_2022")
     return gpt_3d_spec(row), a, _tokens_per_s_per_gpu(row), "tokens_per_s_per_device"
 
 

@@ -264,3 +264,13 @@ class FrameworkConfig:
     max_tp: Optional[int] = None
     """Largest tensor-parallel degree the framework runs as xpar's tp (attention and MLP sharded, Megatron-LM style);
     null: any. llm-foundry: 1 (its one tp strategy, llmfoundry/tp/ffn_tp_strategy.py, shards the MLP only)."""
+    max_cp: Optional[int] = None
+    """Largest context-parallel degree the framework runs (validation and ``xpar plan``); null: any. Megatron-LM before
+    its --context-parallel-size (2023-10, conf/framework/megatron_2021.yaml): 1."""
+    max_ep: Optional[int] = None
+    """Largest expert-parallel degree the framework runs (validation and ``xpar plan``); null: any. Megatron-LM before
+    its --expert-model-parallel-size (2023-10, conf/framework/megatron_2021.yaml): 1."""
+    even_layer_split: bool = False
+    """Whether the framework needs the layers split evenly over the pp x v pipeline stages (n_layers divisible by
+    pp x v: Megatron-LM 2021-22, megatron/model/transformer.py); false: ``xpar plan`` also splits them with lighter
+    first and last stages (xpar.estimate.columns.stage_split)."""

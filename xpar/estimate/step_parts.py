@@ -39,7 +39,8 @@ GEMM_HALF_DIM = 32.0
 
 
 PLAN_FIELDS = ("terms", "schedules", "zero_stages", "pp_zero_stages", "recompute", "sequence_parallel", "offload",
-               "microbatch_rule", "interleaved_min_pp", "make_vocab_size_divisible_by", "etp_degrees")
+               "microbatch_rule", "interleaved_min_pp", "make_vocab_size_divisible_by", "etp_degrees", "max_cp",
+               "max_ep", "even_layer_split")
 """FrameworkConfig fields that say what a framework runs (its layout rules, the planner's space), not how it
 performs: not assumptions of the cost model."""
 

@@ -167,9 +167,10 @@ def _smallest_between(inputs: PlanInputs, plan: Plan, below: Optional[int], trie
 USER_RULES = {"max_tp": ("max_tp", "tp"), "pp_fixed": ("pp", "pp"), "schedule": ("schedules", "schedule"),
               "zero": ("zero_stages", "zero"), "recompute": ("recompute", "recompute"),
               "sequence_parallel": ("sequence_parallel", "sp"), "offload": ("offload", "offload"),
-              "cp_seq": ("cp", "cp"), "ep": ("ep", "ep"), "etp": ("etp", "etp")}
+              "cp_seq": ("cp", "cp"), "ep": ("ep", "ep"), "etp": ("etp", "etp"), "max_cp": ("cp", "cp"),
+              "max_ep": ("ep", "ep")}
 """Rules that come from a plan.* constraint: rule key -> (plan field, candidate column)."""
-WHY_ASKED_DROPPED = {"offload": ("offload_hw", "offload_zero")}
+WHY_ASKED_DROPPED = {"offload": ("offload_hw", "offload_zero"), "max_cp": ("max_cp",), "max_ep": ("max_ep",)}
 """Rules that drop what a plan.* constraint asks for (rule key -> the rules that drop the layouts it
 keeps): said with the constraint, since they are why nothing passes it."""
 UNCONSTRAINED = Constraints(global_batch=(1, 1))

@@ -33,8 +33,10 @@ RULES = {
     "devices": "tp x pp x cp does not divide the device count",
     "cp_seq": "cp does not split each sequence into 2 x cp equal chunks (seq_len % (2 cp); causal load balancing, "
               "xpar.config.checks.layout.check_cp)",
+    "max_cp": "cp above the framework's framework.max_cp (Megatron-LM before 2023: no context parallelism)",
     "ep": "ep does not divide the experts (model.n_experts; none: dense), or ep x etp the tp x cp x dp ranks "
           "that hold them (xpar.config.checks.layout.check_ep)",
+    "max_ep": "ep above the framework's framework.max_ep (Megatron-LM before 2023: no expert parallelism)",
     "etp": "etp does not divide tp, or duplicate: etp = tp is the default etp (0) kept",
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
@@ -47,6 +49,8 @@ RULES = {
     "balanced": "pp x v stages split n_layers neither evenly nor with lighter ends (ceil(n_layers / (pp v)) "
                 "blocks on each stage between the first and the last take more than the n_layers blocks; "
                 "xpar.estimate.columns.stage_split)",
+    "even_split": "pp x v stages do not divide n_layers, and the framework splits the layers evenly only "
+                  "(framework.even_layer_split: Megatron-LM 2021-22)",
     "batch": "b x dp does not divide the global batch",
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
@@ -112,6 +116,12 @@ class Constraints:
     """Virtual stages per rank of looped schedules (plan.virtual_stages); None: :func:`schedule_pairs`'s."""
     max_pp: Optional[int] = None
     """Largest pipeline degree the framework runs (framework.max_pp); None: any."""
+    max_cp: Optional[int] = None
+    """Largest context-parallel degree the framework runs (framework.max_cp); None: any."""
+    max_ep: Optional[int] = None
+    """Largest expert-parallel degree the framework runs (framework.max_ep); None: any."""
+    even_split: bool = False
+    """Whether the framework splits the layers evenly over the pp x v stages only (framework.even_layer_split)."""
 
 
 @dataclass
@@ -222,6 +232,7 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     t = drops.apply(t, "pp1_schedule", (t["pp"] > 1) | (t["s"] == single))
     t = drops.apply(t, "schedule", (t["pp"] == 1) | np.isin(names[t["s"]], c.schedules))
     t = drops.apply(t, "balanced", splittable(model["n_layers"], t["pp"] * t["v"]))
+    t = drops.apply(t, "even_split", ~np.bool_(c.even_split) | (model["n_layers"] % (t["pp"] * t["v"]) == 0))
     t = drops.apply(t, "batch", t["B"] % (t["b"] * t["dp"]) == 0)
     t["m"] = t["B"] // (t["b"] * t["dp"])
     t = drops.apply(t, "microbatches", _microbatches_ok(names, t, c.microbatch_rule))
@@ -234,9 +245,11 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
 
 
 def _five_rules(t: dict, model: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
-    """The rules on cp (2 cp chunks per sequence), etp (divides tp; etp = tp is etp 0), ep (divides the
-    experts, ep x etp the tp x cp x dp ranks) and the dtype (fp8 needs an FP8 peak)."""
+    """The rules on cp (2 cp chunks per sequence, up to the framework's), etp (divides tp; etp = tp is etp 0), ep
+    (divides the experts, ep x etp the tp x cp x dp ranks, up to the framework's) and the dtype (fp8 needs an FP8
+    peak)."""
     t = drops.apply(t, "cp_seq", (t["cp"] == 1) | (seq_len % (2 * t["cp"]) == 0))
+    t = drops.apply(t, "max_cp", t["cp"] <= (c.max_cp or np.iinfo(np.int64).max))
     same = (t["etp"] == t["tp"]) & (t["etp"] > 0)
     ok = (t["etp"] == 0) | ((t["tp"] % np.maximum(t["etp"], 1) == 0) & ~(same & (0 in c.etp)))
     t = drops.apply(t, "etp", ok)
@@ -244,6 +257,7 @@ def _five_rules(t: dict, model: dict, seq_len: int, c: Constraints, drops: _Drop
     experts, etp = int(model.get("n_experts") or 0), np.where(t["etp"] == 0, t["tp"], t["etp"])
     ok = (experts % t["ep"] == 0) & (t["tp"] * t["dp"] * t["cp"] % (t["ep"] * etp) == 0) & (experts > 0)
     t = drops.apply(t, "ep", ((t["ep"] == 1) & (t["etp"] == 0)) | ok)
+    t = drops.apply(t, "max_ep", t["ep"] <= (c.max_ep or np.iinfo(np.int64).max))
     return drops.apply(t, "fp8_hw", (t["dtype"] != "fp8") | c.fp8_hardware)
 
 

@@ -84,15 +84,17 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
 
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
-                           sp: bool = False, tp: int = 1) -> list[str]:
+                           sp: bool = False, tp: int = 1, cp: int = 1, ep: int = 1,
+                           layer_split: tuple = ()) -> list[str]:
     """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
     parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
     framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
-    (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp and tp up to framework.max_pp
-    and max_tp. One line each, with the nearest that works (e.g. framework=deepspeed: no ZeRO-2/3
+    (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp, tp, cp and ep up to framework.max_pp,
+    max_tp, max_cp and max_ep, and with framework.even_layer_split an even ``layer_split`` (blocks per stage).
+    One line each, with the nearest that works (e.g. framework=deepspeed: no ZeRO-2/3
     under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
-    degrees = _degree_problem(fw, pp, tp, schedule)
+    degrees = _degree_problem(fw, pp, tp, schedule, cp, ep)
     if degrees:
         return degrees  # the pipeline rules below would name a layout it does not run at all
     out = []
@@ -115,13 +117,25 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
         out.append(f"framework={fw.name} does not run parallel.sequence_parallel={hydra_text(sp)} (framework."
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
-    return out
+    return out + _even_split_problem(fw, layer_split)
 
 
-def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str) -> list[str]:
-    """pp above framework.max_pp or tp above framework.max_tp: one line naming the framework, the
+def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
+    """Blocks per stage unequal under framework.even_layer_split (Megatron-LM 2021-22: n_layers divisible by pp x v)."""
+    if not fw.even_layer_split or len(set(layer_split)) <= 1:
+        return []
+    n, stages = sum(layer_split), len(layer_split)
+    even = [d for d in range(stages, 0, -1) if n % d == 0][0]
+    return [f"framework={fw.name} splits the layers evenly over the pipeline stages only (framework.even_layer_split), "
+            f"got {n} blocks over {stages} stages as {hydra_text(list(layer_split))}; e.g. pp x virtual_stages "
+            f"dividing {n} (such as {even} stages), or framework=megatron (lighter first and last stages)."]
+
+
+def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: int = 1, ep: int = 1) -> list[str]:
+    """pp, tp, cp or ep above framework.max_pp, max_tp, max_cp or max_ep: one line naming the framework, the
     degrees that work and a profile that runs the layout given."""
-    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, fw.max_tp)) if lim is not None and v > lim]
+    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, fw.max_tp), ("cp", cp, fw.max_cp),
+                                          ("ep", ep, fw.max_ep)) if lim is not None and v > lim]
     if not over:
         return []
     given = " and ".join(f"parallel.{k}={v}" for k, v, _ in over)
