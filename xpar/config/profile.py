@@ -264,3 +264,10 @@ class FrameworkConfig:
     max_tp: Optional[int] = None
     """Largest tensor-parallel degree the framework runs as xpar's tp (attention and MLP sharded, Megatron-LM style);
     null: any. llm-foundry: 1 (its one tp strategy, llmfoundry/tp/ffn_tp_strategy.py, shards the MLP only)."""
+    grad_reduce_cast_bytes: int = 0
+    """Bytes per held gradient element of the copy its dp reduce casts the gradient buffer to (DeepSpeed's
+    engine.allreduce_bucket: ``tensor.to(communication_data_type)``, bf16 with bf16 on, ZeRO 0 and no
+    communication_data_type set: 2, BLOOM's runs); 0: reduced in place (xpar.estimate.frameworks.bf16_optimizer)."""
+    grad_accum_cast_bytes: int = 0
+    """Bytes per element of the largest parameter's gradient cast before its accumulation into the fp32 buffer
+    after each micro-batch's backward (DeepSpeed BF16_Optimizer.update_hp_grads: ``lp.grad.to(fp32)``: 4); 0: none."""
