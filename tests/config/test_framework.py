@@ -140,7 +140,7 @@ def test_70b_zero1_with_tp_and_pp_is_estimated_as_the_distributed_optimizer():
     # distributed optimizer: gradients reduce-scattered and params all-gathered, no all-reduce
     assert e.comm_bytes["dp_allreduce"] == 0 and e.comm_bytes["dp_reduce_scatter"] > 0
     assert e.comm_bytes["dp_allgather"] == pytest.approx(e.comm_bytes["dp_reduce_scatter"])
-    assert e.time_breakdown["dp_comm_exposed"] > 0 and e.mfu > 0.19  # 0.1999 at the H100 refit of issue 43 (0.765)
+    assert e.time_breakdown["dp_comm_exposed"] > 0 and e.mfu > 0.19  # 0.2007 at the H100 refit of issue 43 (0.771)
 
 
 def test_zero1_with_pp_executes_as_zero2_and_says_so():

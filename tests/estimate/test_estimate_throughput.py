@@ -368,7 +368,7 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
     issue 42) on the other sources, predict this one: median |error| <= 8 % and max <= 13 % for every
     fitted source (measured: worst median 6.5 %, Llama 3's (NeMo's 6.4 %); worst max 11.1 %, Table 1's 7.5B row;
     benchmarks/estimate_calibration.py prints the tables); the constants fitted on all sources are
-    those in the hardware presets (within 0.01: A100 0.81, H100 0.765)."""
+    those in the hardware presets (within 0.01: A100 0.81, H100 0.771)."""
     cases, res = loso
     assert set(res) == {"megatron_2021_table1", "torchtitan_fsdp2_a100", "llama3_2024_table4", "torchtitan_h100_2024",
                         "narayanan_2021_table2_ptdp", "narayanan_2021_table2_zero3", "llmfoundry_mpt_a100",
@@ -518,8 +518,8 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
     NO_REENTRANT). Under the kernel model (issue 42): A100 rows under-predicted by 1 % / 7 % (4 % / 10 %
     under FLOPs over one efficiency; more when w2 was counted as rerun). H100 rows over-predicted by
-    10-13 % at H100 0.765 (11-14 % at 0.773 before the H100 refit with Megatron-Core's per-chunk dp
-    overlap, issue 43; 12-17 % under FLOPs), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
+    10-13 % at H100 0.771 (10-13 % at 0.765 before the refit with the fused optimizer's passes, 11-14 % at
+    0.773 before the refit with Megatron-Core's per-chunk dp overlap, issue 43; 12-17 % under FLOPs), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
     about 9 % of the step to dp communication, what the blog reads in its traces ("a 10% gap due to
     network peeking out"); the blog suspects HBM bandwidth for the rest (HFU 0.44-0.45 published)."""
     cases, res = loso
@@ -540,10 +540,9 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
 def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     """llm-foundry's large-scale H100 table (torch FSDP: FULL_SHARD for 7B-70B, SHARD_GRAD_OP for
     1B/3B, fp32 reduce-scatters; 128, 256, 512 GPUs; fabric not published, the presets' 8 x 400
-    Gb/s per node assumed), never fitted on. Under the kernel model (issue 42; H100 0.765, refitted with
-    Megatron-Core's per-chunk dp overlap, issue 43: 0.773 put these 1 point higher): with full
+    Gb/s per node assumed), never fitted on. Under the kernel model (issue 42; H100 0.771): with full
     recompute (13B-70B; llm-foundry's non-reentrant checkpoint, w2 not rerun:
-    framework.checkpoint_early_stop) over-predicted by 0.8-7.3 %; without (1B-7B) by 10.9-25.2 %
+    framework.checkpoint_early_stop) over-predicted by 1.5-8.1 %; without (1B-7B) by 11.6-25.9 %
     (under FLOPs over one efficiency: 3-10 % and 12-26 %): what the rows without recompute lose is
     not in the kernels priced (small models: host time). Scale: the published throughput per GPU
     falls from 128 to 512 GPUs for every model (by 2.5-9.7 %); the estimate falls too but by
@@ -552,13 +551,17 @@ def test_mpt_fsdp_on_128_to_512_h100s_held_out(loso):
     NIC bandwidth does not change the trend (a ring's bus bandwidth does not depend on its size);
     three times NCCL's latencies matches 7B but not 13B-70B, whose loss (2.5-4.8 %) no
     communication term reproduces. Asserted: the bounds above and each model's 512/128 ratio
-    below 1 and within 0.07 of the published one (worst 0.067, 1B)."""
+    below 1 and within 0.07 of the published one (worst 0.067, 1B). The bound with recompute is 9 %, not
+    8 %: these rows are never fitted and keep their fp32 states, but the H100 refit after the fused
+    optimizer's passes at framework.optimizer_bytes (issue 43: the NeMo rows' 10- and 4-byte states; the
+    fit's median |error| had two minima 0.001 points apart, 0.766 and 0.772, and the passes lift the first:
+    0.765 -> 0.771) raises each estimate by ~0.8 %: 30B on 512 H100s +7.3 -> +8.1 %."""
     cases, res = loso
     r, rows = res["llmfoundry_mpt_h100"], _published_rows("llmfoundry_mpt_h100")
     assert r["fit_all"] == r["fit_without"] and len(rows) == len(r["held_out"]) == 18
     by: dict = {}
     for row, c, e in zip(rows, cases["llmfoundry_mpt_h100"], r["held_out"]):
-        lo, hi = (0.005, 0.08) if row["ac"] == "true" else (0.10, 0.26)
+        lo, hi = (0.005, 0.09) if row["ac"] == "true" else (0.10, 0.26)
         assert lo < e < hi, (row["model"], row["gpus"], e)
         by.setdefault(row["model"], {})[row["gpus"]] = (c[3], c[3] * (1 + e))
     assert len(by) == 6
@@ -611,8 +614,10 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     predicts every row within 10 %: 1-7 % under for 175B and 340B (MFU 53-55 % published), 8-10 % under
     for 15B (no pipeline). The constant that fits the source alone is 0.773 (0.774 with the step's dp
     collectives behind one micro-batch, 0.755 before its interleaved sends kept their fixed part exposed,
-    issue 44); with Llama 3 in the H100 fit (0.765, the preset) every row is within 6 % (4 % at 0.773
-    before the per-chunk overlap). Scale: per-GPU throughput from the smallest to the largest run falls
+    issue 44); with Llama 3 in the H100 fit (0.771, the preset) every row is within 7 % (6 % at 0.765 before
+    the refit with the fused optimizer's passes at framework.optimizer_bytes, issue 43; 4 % at 0.773 before the
+    per-chunk overlap): the worst, 340B on its largest run, +6.3 %, is the row whose fall with scale the model
+    does not reproduce (below). Scale: per-GPU throughput from the smallest to the largest run falls
     2.1 % (175B), 4.8 % (340B), 2.6 % (15B) published. With each chunk's reductions behind the other
     chunks' backwards only the last chunk's stay exposed, so the interleaved runs' estimate falls 0.2 % and
     1.6 %: asserted falling, by less than published (what else slows a step over 256 nodes is not in the
@@ -624,7 +629,7 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     assert r["fit_without"]["H100"] == pytest.approx(0.711, abs=0.005)
     h100 = preset("hardware", "h100_80gb_64gpu")["sustained_efficiency"]
     assert r["fit_all"]["H100"] == pytest.approx(h100, abs=0.005)
-    assert max(abs(e) for e in r["calibration"]) < 0.06, r["calibration"]
+    assert max(abs(e) for e in r["calibration"]) < 0.07, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
         lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.01)
         assert lo < e < hi, (row["model"], row["gpus"], e)
@@ -725,16 +730,18 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
     stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
     the fit. Each source alone: NeMo 0.773, Llama 3 0.711, 0.062 apart (under FLOPs over one
-    efficiency within 0.03); at the fit (0.765, the preset, with Megatron-Core's per-chunk dp overlap:
-    issue 43) every NeMo row is within 6 % (4 % at 0.773 before it). The never-fitted FSDP H100 checks
+    efficiency within 0.03); at the fit (0.771, the preset, with Megatron-Core's per-chunk dp overlap and
+    the fused optimizer's passes at framework.optimizer_bytes: issue 43) every NeMo row is within 7 % (6 % at
+    0.765 before the passes, 4 % at 0.773 before the overlap; the worst, 340B at its largest run, +6.3 %:
+    its published fall with scale is not in the model). The never-fitted FSDP H100 checks
     (MPT, IBM) want less: at Llama 3's 0.711 their median |error| is 4.7 % and 4.9 %, at the fitted
-    0.765 9.1 % and 11.2 % (asserted: more than 4 points apart)."""
+    0.771 9.9 % and 11.9 % (asserted: more than 4 points apart)."""
     cases, res = loso
     llama = cases["llama3_2024_table4"]
     fitted = res["llama3_2024_table4"]["fit_all"]["H100"]
     at_fit = calibration.errors(llama, fitted)
     assert abs(at_fit[0] - at_fit[1]) < 0.02, at_fit
-    assert all(abs(e) < 0.06 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
+    assert all(abs(e) < 0.07 for e in calibration.errors(cases["dgxc_nemo_h100_bf16"], fitted))
     llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
     assert 0.05 < nemo_alone - llama_alone < 0.07, (llama_alone, nemo_alone)

@@ -274,3 +274,10 @@ class FrameworkConfig:
     """Whether the framework needs the layers split evenly over the pp x v pipeline stages (n_layers divisible by
     pp x v: Megatron-LM 2021-22, megatron/model/transformer.py); false: ``xpar plan`` also splits them with lighter
     first and last stages (xpar.estimate.columns.stage_split)."""
+    grad_reduce_cast_bytes: int = 0
+    """Bytes per held gradient element of the copy its dp reduce casts the gradient buffer to (DeepSpeed's
+    engine.allreduce_bucket: ``tensor.to(communication_data_type)``, bf16 with bf16 on, ZeRO 0 and no
+    communication_data_type set: 2, BLOOM's runs); 0: reduced in place (xpar.estimate.frameworks.bf16_optimizer)."""
+    grad_accum_cast_bytes: int = 0
+    """Bytes per element of the largest parameter's gradient cast before its accumulation into the fp32 buffer
+    after each micro-batch's backward (DeepSpeed BF16_Optimizer.update_hp_grads: ``lp.grad.to(fp32)``: 4); 0: none."""

@@ -274,7 +274,7 @@ def microbatch_time(x: dict) -> Any:
 
 def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
                    bytes_per_element: Optional[float] = None, ns_per_element: Optional[float] = None,
-                   state_width: Optional[int] = None) -> Any:
+                   state_width: Optional[int] = None, explicit: bool = False) -> Any:
     """Seconds of the optimizer step for the elements the device's optimizer holds
     (``optimizer_bytes`` / ``state_width``, the bytes per element the framework keeps:
     :func:`xpar.estimate.memory.model_states.state_widths`; default the width of :data:`STATE_BYTES`). An unfused AdamW
@@ -282,13 +282,16 @@ def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[floa
     ``ns_per_element`` each where the hardware has that measured figure
     (HardwareConfig.optimizer_ns_per_element, ``xpar calibrate``), else moves ``bytes_per_element``
     over HBM; a fused AdamW (``bytes_per_element`` None) makes 2 passes over the params, grads and
-    optimizer states at the ZeRO paper's widths. 0 without an HBM figure or a measured rate."""
+    optimizer states at the ZeRO paper's widths, the states at ``state_width`` where a profile sets
+    ``framework.optimizer_bytes`` (``explicit``: bf16 moments read and write half the bytes). 0 without
+    an HBM figure or a measured rate."""
     bp, bg, bo = STATE_BYTES[dtype]
     elements = optimizer_bytes / (state_width or bo)
     if bytes_per_element is not None and ns_per_element:
         return elements * ns_per_element * 1e-9
     hbm = (hbm_tb_per_s or 0) * 1e12
-    per_element = 2 * (bp + bg + bo) if bytes_per_element is None else bytes_per_element
+    states = state_width if explicit and state_width else bo
+    per_element = 2 * (bp + bg + states) if bytes_per_element is None else bytes_per_element
     return elements * per_element / hbm if hbm else 0.0
 
 
@@ -329,7 +332,7 @@ def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, gra
     both price it here."""
     hw = spec.hardware
     return (optimizer_time(optimizer_bytes, spec.train.dtype, hw.hbm_tb_per_s, assume.adamw_bytes_per_element,
-                           hw.optimizer_ns_per_element, state_widths(spec, assume)[2])
+                           hw.optimizer_ns_per_element, state_widths(spec, assume)[2], bool(assume.optimizer_bytes))
             + gradient_time(grad_bytes, reduced_grad_bytes(grad_bytes, dp, pp, zero_stage), m, pp,
                             spec.train.max_grad_norm is not None, hw.hbm_tb_per_s, assume.grad_accumulation_passes,
                             assume.gradient_passes))

@@ -20,6 +20,7 @@ from xpar.estimate.memory.model_states import (
     precision,
     state_widths,
 )
+from xpar.estimate.frameworks.bf16_optimizer import gradient_cast_terms
 from xpar.estimate.frameworks.zero12_step import fp32_grad_partition_bytes
 
 
@@ -51,12 +52,15 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     gradients are the ``grads`` term. With ``zero3_gather='tensor'`` (DeepSpeed v0.3) the unit is the
     largest parameter tensor, gathered alone and not prefetched (``fsdp_allgather`` 2 of them: the
     one in use and the next). fp32_grad_partition: DeepSpeed ZeRO-1/2's fp32 copy of the rank's
-    gradient partition at the step (xpar.estimate.frameworks.zero12_step). The pipeline's buffers:
+    gradient partition at the step (xpar.estimate.frameworks.zero12_step). grad_reduce_cast, grad_accum_cast:
+    DeepSpeed BF16_Optimizer's casts of the gradients (xpar.estimate.frameworks.bf16_optimizer). The pipeline's buffers:
     :func:`p2p_buffer_bytes` (``pp_p2p``).
     """
-    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "fp32_grad_partition": 0.0}
+    out = {"ddp_buckets": 0.0, "fsdp_allgather": 0.0, "fsdp_reduce": 0.0, "fp32_grad_partition": 0.0,
+           "grad_reduce_cast": 0.0, "grad_accum_cast": 0.0}
     if not o.count_buffers:
         return out
+    out.update(gradient_cast_terms(spec, pp_rank, o))  # DeepSpeed BF16_Optimizer's gradient casts
     out["fp32_grad_partition"] = fp32_grad_partition_bytes(spec, pp_rank, o)  # DeepSpeed ZeRO-1/2's step
     z, e = spec.layout.zero_stage, precision(spec, o)["e"]
     whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
