@@ -168,11 +168,13 @@ def runs_missing_fidelity(root: Path) -> list[str]:
     return out
 
 
-SLOWEST_MODULES = ("test_parity", "test_ownership", "test_sweep", "test_faults", "test_checkpoint", "test_ui", "test_estimate_run", "test_pipeline",
-                   "test_plan", "test_clipping", "test_estimate_throughput", "test_run", "test_calibrate")
-"""Modules that launch workers, longest first (seconds per module in a serial run here, 2026-12-02:
-155, 123, 84, 83, 53, 52, 38, 32, 32, 24, 22, 21; test_ownership 383 s on 2026-12-06 beside other
-agents' processes, its five process tests 50-85 s each). Each module goes
+SLOWEST_MODULES = ("test_ownership", "test_run", "test_parity", "test_checkpoint", "test_faults", "test_estimate_run",
+                   "test_sweep", "test_plan", "test_moe_empty_experts", "test_ui", "test_context_parallel",
+                   "test_calibrate", "test_input_checks", "test_pipeline", "test_estimate_throughput",
+                   "test_expert_parallel", "test_clipping")
+"""Modules that launch workers, longest first (the longest processing time first keeps the two workers'
+ends close): seconds per module in the full suite here (2026-12-06, load 4-8, sum of its tests of >= 3.3 s):
+420, 372, 369, 223, 223, 174, 164, 139, 119, 101, 98, 97, 90, 89, 77, 74, 65. Each module goes
 whole to a free pytest worker in collection order (pyproject's addopts: ``-n 2 --dist loadfile
 --no-loadscope-reorder``; xdist would otherwise order modules by their number of tests, which left the
 long multi-process modules, with few tests each, for the end): the longest go first."""
