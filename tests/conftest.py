@@ -24,9 +24,34 @@ platform.uname().processor  # cached now: MLflow's first import asks it of `unam
 
 
 def compose(*overrides: str):
-    """The composed DictConfig for ``overrides`` (as on the command line): a copy of the one composed for the
-    same overrides earlier in this process (Hydra's compose takes ~0.2 s; tests may change their copy)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
+    """The composed DictConfig for ``overrides`` (as on the command line), as Hydra's compose gives it: the
+    presets the group overrides choose, composed once per choice in this process (Hydra's compose takes
+    ~0.2 s), copied, then the value overrides (``group.key=value``) applied by Hydra's own code, in order and
+    in struct mode, as Hydra applies them after composing the defaults list (hydra/_internal/config_loader_impl.py).
+    ``XPAR_TEST_COMPOSE_CHECK=1`` compares each result with Hydra's compose of all the overrides."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import OmegaConf
+
+    choices, values = _split(overrides)
+    cfg = copy.deepcopy(_composed(choices))
+    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    if os.environ.get("XPAR_TEST_COMPOSE_CHECK") == "1":
+        whole = _composed(tuple(overrides))
+        assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(whole), overrides
+        assert OmegaConf.is_struct(cfg) == OmegaConf.is_struct(whole), overrides
+    return cfg
+
+
+def _split(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], list]:
+    """(what Hydra must compose: group choices and any override not a plain ``a.b=value`` change outside
+    ``hydra.``, the parsed plain changes): a plain change never alters the defaults list."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices, values = [], []
+    for text, o in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
+        plain = o.type.name == "CHANGE" and not o.is_sweep_override() and not o.is_hydra_override()
+        (values.append(o) if plain and "." in o.key_or_group and o.package is None else choices.append(text))
+    return tuple(choices), values
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,11 +193,13 @@ def runs_missing_fidelity(root: Path) -> list[str]:
     return out
 
 
-SLOWEST_MODULES = ("test_parity", "test_ownership", "test_sweep", "test_faults", "test_checkpoint", "test_ui", "test_estimate_run", "test_pipeline",
-                   "test_plan", "test_clipping", "test_estimate_throughput", "test_run", "test_calibrate")
-"""Modules that launch workers, longest first (seconds per module in a serial run here, 2026-12-02:
-155, 123, 84, 83, 53, 52, 38, 32, 32, 24, 22, 21; test_ownership 383 s on 2026-12-06 beside other
-agents' processes, its five process tests 50-85 s each). Each module goes
+SLOWEST_MODULES = ("test_ownership", "test_run", "test_parity", "test_checkpoint", "test_faults", "test_estimate_run",
+                   "test_sweep", "test_plan", "test_moe_empty_experts", "test_ui", "test_context_parallel",
+                   "test_calibrate", "test_input_checks", "test_pipeline", "test_estimate_throughput",
+                   "test_expert_parallel", "test_clipping")
+"""Modules that launch workers, longest first (the longest processing time first keeps the two workers'
+ends close): seconds per module in the full suite here (2026-12-06, load 4-8, sum of its tests of >= 3.3 s):
+420, 372, 369, 223, 223, 174, 164, 139, 119, 101, 98, 97, 90, 89, 77, 74, 65. Each module goes
 whole to a free pytest worker in collection order (pyproject's addopts: ``-n 2 --dist loadfile
 --no-loadscope-reorder``; xdist would otherwise order modules by their number of tests, which left the
 long multi-process modules, with few tests each, for the end): the longest go first."""

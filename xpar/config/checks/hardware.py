@@ -15,13 +15,15 @@ Each refusal names the constraint, the value given and a value that works
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 from dataclasses import fields
 from typing import Optional
 
 from xpar.config.hardware import is_this_machine
-from xpar.config.presets import load_preset, presets
+from xpar.config.presets import conf_dir, load_preset, presets
 from xpar.config.schema import HardwareConfig
 
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
@@ -55,10 +57,19 @@ EXAMPLE = {"peak_tflops": 312.0, "device_memory_gb": 85.0, "inter_node_gb_per_s"
 
 def load_hardware_preset(name: str):
     """conf/hardware/<name>.yaml over the node preset it inherits (xpar.config.presets.load_preset),
-    through the HardwareConfig schema (defaults filled in).
+    through the HardwareConfig schema (defaults filled in): a copy of the one read while no file of
+    conf/hardware/ changed (a refusal reads every preset: ~20 ms each through OmegaConf).
 
     Raises:
         FileNotFoundError: ``name`` is not a hardware preset."""
+    files = sorted((conf_dir() / "hardware").glob("*.yaml"))
+    stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    return copy.deepcopy(_hardware_preset(name, stamp))
+
+
+@functools.lru_cache(maxsize=256)
+def _hardware_preset(name: str, stamp: tuple):
+    """:func:`load_hardware_preset` read once per ``stamp`` (the folder's files, times and sizes)."""
     from omegaconf import OmegaConf
 
     node = OmegaConf.merge(OmegaConf.structured(HardwareConfig), load_preset("hardware", name))
