@@ -206,15 +206,13 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
     the step (``dp_end``) and issued per step (``dp_issued``), seconds. The unit timeline
     (:func:`dp_exposure`) runs once per distinct input (rank class, tp, dp, b, ZeRO stage, sp,
-    recompute, one stage or more, the split; not m or the schedule), all of them at once
-    (:func:`_dp_rows`; by blocks and chunks where the overlap is per chunk)."""
+    recompute, one stage or more, the split; not m or the schedule), all of them at once (:func:`_dp_rows`)."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
     # dense and MoE blocks (xpar.estimate.columns.mixed_blocks); by_rank: one layout, a slot per rank
     het = UnitTimes(base, a, spec_at, bool(s.get("by_rank"))) if blocks_vary(base) else None
     if het is None:
         flat.update({k: v.ravel() for k, v in _dp_unit_times(base, a, r, s).items()})
-    blocks = np.broadcast_to(s["n"], shape).ravel()
     live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
     one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
@@ -224,26 +222,22 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
                                            "first_backward")}
-    rep_live = live[rep]
-    chunks = np.broadcast_to(r["v"], shape).ravel() if a.dp_overlap_per_chunk else np.ones_like(blocks)  # dp_chunks
-    group = np.stack([blocks[rep] if a.dp_overlap_per_chunk else np.zeros_like(rep), chunks[rep]])
+    rows = rep[live[rep]]
     rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
-    cols = {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()
+    cols = {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rows]
             for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")}
-    for n, v in np.unique(group[:, rep_live], axis=1).T.tolist():
-        sel = np.flatnonzero(rep_live & (group[0] == n) & (group[1] == v))
-        rows = rep[sel]
-        out = _dp_rows(a, het, {k: c[rows] for k, c in flat.items()}, {k: c[rows] for k, c in cols.items()}
-                       | {"slot": rows // shape[1]}, blocks[rows], v)
+    if len(rows):
+        out = _dp_rows(a, het, {k: c[rows] for k, c in flat.items()}, cols | {"slot": rows // shape[1]},
+                       np.broadcast_to(s["n"], shape).ravel()[rows])
         for k in res:
-            res[k][sel] = out[k]
+            res[k][live[rep]] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
     persist = _persist_column(base, a, r, s) * live.reshape(shape)
     return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"] + persist,
             "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"] + persist}
 
 
-def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict, n: np.ndarray, v: int) -> dict:
+def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict, n: np.ndarray) -> dict:
     """:func:`dp_exposure` of representative rows (arrays over them: ``f`` their unit computes and, without
     ``het``, unit times; ``rows`` their dp, tp, zero, recompute code, pp, v, v_shaped, slot; ``n`` their
     blocks) in one timeline over the most blocks: a row's units are followed by units of no compute and no
@@ -256,9 +250,9 @@ def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict, n: n
 
     units = ({k: fwd(f[f"{k}_root"], f[f"{k}_block"]) for k in UNIT_TIMES} if het is None
              else unit_columns(het, rows, top))
-    compute_b = fwd(f["root_b"], f["unit_b"])[::-1]
-    return dp_exposure(rows["zero"], rows["pp"], a, fwd(f["root_f"], f["unit_f"]), compute_b, units["g"],
-                       units["r"], units["cg"], units["cr"], units["gb"], v)
+    chunks = rows["v"] if a.dp_overlap_per_chunk else 1  # xpar.estimate.frameworks.dp_chunks
+    return dp_exposure(rows["zero"], rows["pp"], a, fwd(f["root_f"], f["unit_f"]), fwd(f["root_b"], f["unit_b"])[::-1],
+                       units["g"], units["r"], units["cg"], units["cr"], units["gb"], chunks, n + 1)
 
 
 def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:

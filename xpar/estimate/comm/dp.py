@@ -127,7 +127,7 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
                 copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
-                gather_b: Optional[list] = None, v: int = 1) -> dict:
+                gather_b: Optional[list] = None, v: Any = 1, units: Any = None) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -140,8 +140,10 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and
     ``copy_first_backward`` (the copies alone). ``gather_b``: each unit's gathers in the backward,
     forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`).
-    ``v``: model chunks per pipeline rank (an int), read with ``assume.dp_overlap_per_chunk``
-    (xpar.estimate.frameworks.dp_chunks)."""
+    ``v``: model chunks per pipeline rank (an int, or an int array over layouts), read with
+    ``assume.dp_overlap_per_chunk`` (xpar.estimate.frameworks.dp_chunks). ``units``: each layout's own units
+    (an int array) where the lists hold more, the extra ones of no time (after its blocks in forward order;
+    None: all units are its own)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
@@ -149,7 +151,8 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
     compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
                                               _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v)
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v,
+                    units)
     copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
                + vwhere(every, sum(cr), 0.0))
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
@@ -161,7 +164,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
 
 
 def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
-              gather_b: list, v: int = 1) -> dict:
+              gather_b: list, v: Any = 1, units: Any = None) -> dict:
     """:func:`dp_exposure` on compute that already holds the copies."""
     gf, gb_, red = gather, gather_b[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
@@ -179,10 +182,10 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
         end = _lazy(every, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
     else:  # or after it
         end = vwhere(every, 0.0, sum_red)
-    chunked = (pp > 1) & (z <= 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1)
-    if overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1:  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
-        end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red), end)
-        with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf), with_gf)
+    chunked = (pp > 1) & (z <= 1) & (v > 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False))
+    if np.any(chunked):  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
+        end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red, units), end)
+        with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf, units), with_gf)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
     issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(root_kept(gb_)), 0.0) + vwhere(every, sum_red, 0.0)
