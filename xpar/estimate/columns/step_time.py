@@ -226,22 +226,26 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
     cols = {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rows]
             for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")}
-    if len(rows):
-        out = _dp_rows(a, het, {k: c[rows] for k, c in flat.items()}, cols | {"slot": rows // shape[1]},
-                       np.broadcast_to(s["n"], shape).ravel()[rows])
+    cols |= {"slot": rows // shape[1], "n": np.broadcast_to(s["n"], shape).ravel()[rows]}
+    at = np.flatnonzero(live[rep])
+    kind = cols["zero"] * 2 + (cols["pp"] == 1)  # the passes a row needs (xpar.estimate.comm.dp._exposure)
+    for one in np.unique(kind).tolist():
+        sel = np.flatnonzero(kind == one)
+        out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})
         for k in res:
-            res[k][live[rep]] = out[k]
+            res[k][at[sel]] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
     persist = _persist_column(base, a, r, s) * live.reshape(shape)
     return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"] + persist,
             "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"] + persist}
 
 
-def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict, n: np.ndarray) -> dict:
+def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict) -> dict:
     """:func:`dp_exposure` of representative rows (arrays over them: ``f`` their unit computes and, without
-    ``het``, unit times; ``rows`` their dp, tp, zero, recompute code, pp, v, v_shaped, slot; ``n`` their
-    blocks) in one timeline over the most blocks: a row's units are followed by units of no compute and no
+    ``het``, unit times; ``rows`` their dp, tp, zero, recompute code, pp, v, v_shaped, slot and blocks ``n``)
+    in one timeline over the most blocks: a row's units are followed by units of no compute and no
     communication (forward order; first in backward order), which change no time. Seconds."""
+    n = rows["n"]
     top = int(n.max())
     pad = [k <= n for k in range(top + 1)]  # forward order: the root, then the row's blocks
 

@@ -36,9 +36,10 @@ def grad_bytes(spec: RunSpec, assume) -> int:
     return assume.grad_reduce_bytes if spec.train.dtype != "fp32" else 4
 
 
-def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
+def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dict] = None) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
-    collective timed once: the blocks of a rank are identical units)."""
+    collective timed once: the blocks of a rank are identical units). ``timed_once``: seconds of the
+    collectives already timed on this hardware, dp and tp, by (collective, bytes), filled here (None: none)."""
     hw, z = spec.hardware, spec.layout.zero_stage
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
@@ -47,7 +48,7 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
     bucket = assume.bucket_mb * 1e6
-    memo: dict[tuple[str, float], float] = {}
+    memo: dict[tuple[str, float], float] = {} if timed_once is None else timed_once
 
     def timed(kind: str, nbytes: float) -> float:
         if (kind, nbytes) not in memo:
@@ -110,6 +111,8 @@ def root_kept(backward_order: list) -> list:
 
 def _masked(cond: Any, times: list) -> list:
     """``times`` where ``cond``, zeros elsewhere (cond a bool, or a bool array over layouts)."""
+    if isinstance(cond, np.ndarray) and not cond.any():  # zero floats: a pass issues nothing for them
+        cond = False
     if not isinstance(cond, np.ndarray):
         return times if cond else [0.0] * len(times)
     if cond.all():  # np.where's values without its copy, for float arrays of cond's shape
