@@ -228,7 +228,8 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
             for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")}
     cols |= {"slot": rows // shape[1], "n": np.broadcast_to(s["n"], shape).ravel()[rows]}
     at = np.flatnonzero(live[rep])
-    kind = cols["zero"] * 2 + (cols["pp"] == 1)  # the passes a row needs (xpar.estimate.comm.dp._exposure)
+    chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
+    kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure), its blocks
     for one in np.unique(kind).tolist():
         sel = np.flatnonzero(kind == one)
         out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})

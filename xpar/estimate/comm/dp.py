@@ -175,20 +175,22 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     gathered_once, bwd_once = (z == 1) | ((z == 2) & (pp > 1)), (z == 3) & (pp > 1)
     bwd_g = _masked(bwd_gathers, root_kept(gb_))
+    chunked = (pp > 1) & (z <= 1) & (v > 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False))
+    after_step = (z == 1) & bool(assume.param_gather_overlap)  # ZeRO-1's gathers overlap the next forward
     first_bwd = _lazy(bwd_once, lambda: simulate_pass(compute_b, gb_, None, pre, slow).exposed, lambda: 0.0)
-    with_gf = _lazy(fwd_gathers | gathered_once, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed,
-                    lambda: 0.0)
+    read_gf = fwd_gathers | ((z == 2) & (pp > 1)) | (after_step & np.logical_not(chunked))  # where with_gf is read
+    with_gf = _lazy(read_gf, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed, lambda: 0.0)
     bwd = simulate_pass(compute_b, bwd_g, _masked(every & overlap, red) if overlap else None, pre, slow).exposed
     sum_red, sum_gf = sum(red), sum(gf)
     per_mb = vwhere(fwd_gathers, with_gf, 0.0) + bwd + (vwhere(every, sum_red, 0.0) if not overlap else 0.0)
-    if overlap:  # reductions once, in the last micro-batch's backward
-        end = _lazy(every, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
+    if overlap:  # reductions once, in the last micro-batch's backward (per chunk below)
+        end = _lazy(every | chunked, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
     else:  # or after it
         end = vwhere(every, 0.0, sum_red)
-    chunked = (pp > 1) & (z <= 1) & (v > 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False))
     if np.any(chunked):  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
         end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red, units), end)
-        with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf, units), with_gf)
+        if np.any(chunked & after_step):
+            with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf, units), with_gf)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
     issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(root_kept(gb_)), 0.0) + vwhere(every, sum_red, 0.0)
