@@ -206,7 +206,8 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
     the step (``dp_end``) and issued per step (``dp_issued``), seconds. The unit timeline
     (:func:`dp_exposure`) runs once per distinct input (rank class, tp, dp, b, ZeRO stage, sp,
-    recompute, one stage or more, the split; not m or the schedule), all of them at once (:func:`_dp_rows`)."""
+    recompute, one stage or more, the split; not m or the schedule), in one timeline per kind of row
+    (:func:`_dp_rows`; one stage or more, per-chunk overlap or not: the passes a row needs)."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
     # dense and MoE blocks (xpar.estimate.columns.mixed_blocks); by_rank: one layout, a slot per rank
@@ -229,7 +230,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     cols |= {"slot": rows // shape[1], "n": np.broadcast_to(s["n"], shape).ravel()[rows]}
     at = np.flatnonzero(live[rep])
     chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
-    kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure), its blocks
+    kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure)
     for one in np.unique(kind).tolist():
         sel = np.flatnonzero(kind == one)
         out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})
