@@ -231,6 +231,8 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     at = np.flatnonzero(live[rep])
     chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
     kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure)
+    if het is None:  # identical blocks: a timeline per block count, no units of no time (cheaper than padding)
+        kind = kind * (int(cols["n"].max()) + 1) + cols["n"]
     for one in np.unique(kind).tolist():
         sel = np.flatnonzero(kind == one)
         out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})
@@ -252,6 +254,8 @@ def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict) -> d
     pad = [k <= n for k in range(top + 1)]  # forward order: the root, then the row's blocks
 
     def fwd(root: np.ndarray, block: np.ndarray) -> list:
+        if pad[top].all():  # every row holds the most blocks
+            return [root] + [block] * top
         return [root] + [np.where(pad[k], block, 0.0) for k in range(1, top + 1)]
 
     units = ({k: fwd(f[f"{k}_root"], f[f"{k}_block"]) for k in UNIT_TIMES} if het is None
