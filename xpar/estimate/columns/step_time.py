@@ -232,7 +232,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
     kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure)
     if het is None:  # identical blocks: a timeline per block count, no units of no time (cheaper than padding)
-        kind = kind * (int(cols["n"].max()) + 1) + cols["n"]
+        kind = kind * (int(cols["n"].max(initial=0)) + 1) + cols["n"]
     for one in np.unique(kind).tolist():
         sel = np.flatnonzero(kind == one)
         out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})
