@@ -34,6 +34,8 @@ class UnitTimes:
         :func:`slot_rank_moe`'s."""
         self.base, self.assume, self.spec_at, self.by_rank, self.memo = base, assume, spec_at, by_rank, {}
         self.specs: dict[tuple, object] = {}
+        self.times: dict[tuple, dict] = {}  # by (dp, tp, zero, recompute, units): pp, v and the rank only pick units
+        self.collectives: dict[tuple, dict] = {}  # by (dp, tp): seconds by (collective, bytes)
 
     def of(self, dp: int, tp: int, zero: int, recompute: str, pp: int, v: int, v_shaped: bool,
            slot: int) -> dict[str, list]:
@@ -44,8 +46,11 @@ class UnitTimes:
                                                     zero, False, recompute)
             spec = self.specs[key[:-1]]
             rank = slot if self.by_rank else slot_rank_moe(spec.layout, slot, self.base.model, zero)
-            t = unit_times(spec, self.assume, unit_elements(spec, rank))
-            self.memo[key] = {k: t[name] for k, name in UNIT_TIMES.items()}
+            units = tuple(unit_elements(spec, rank))
+            if key[:4] + units not in self.times:
+                t = unit_times(spec, self.assume, list(units), self.collectives.setdefault((dp, tp), {}))
+                self.times[key[:4] + units] = {k: t[name] for k, name in UNIT_TIMES.items()}
+            self.memo[key] = self.times[key[:4] + units]
         return self.memo[key]
 
 
@@ -75,7 +80,9 @@ def unit_columns(times: UnitTimes, rows: dict[str, np.ndarray], n: int) -> dict[
     representative rows."""
     keys = np.stack([np.asarray(rows[k], dtype=np.int64) for k in ("dp", "tp", "zero", "recompute", "pp", "v",
                                                                      "v_shaped", "slot")], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    _, first, inverse = np.unique(np.ravel_multi_index(keys.T, keys.max(axis=0) + 1), return_index=True,
+                                  return_inverse=True)  # one int per row: numpy.unique(axis=0) sorts rows slowly
+    uniq = keys[first]
     tables = {k: np.zeros((len(uniq), n + 1)) for k in UNIT_TIMES}
     for u, key in enumerate(uniq.tolist()):
         got = times.of(*key[:3], RECOMPUTE[key[3]], *key[4:6], bool(key[6]), key[7])

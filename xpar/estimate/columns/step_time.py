@@ -206,17 +206,16 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     """Per slot (axis 0): dp communication exposed per micro-batch (``dp_comm``), at the end of
     the step (``dp_end``) and issued per step (``dp_issued``), seconds. The unit timeline
     (:func:`dp_exposure`) runs once per distinct input (rank class, tp, dp, b, ZeRO stage, sp,
-    recompute, one stage or more, the split; not m or the schedule),
-    grouped by pp and the slot's blocks."""
+    recompute, one stage or more, the split; not m or the schedule), in one timeline per kind of row
+    (:func:`_dp_rows`; one stage or more, per-chunk overlap or not: the passes a row needs)."""
     shape = s["count"].shape
     flat = {k: np.broadcast_to(x[k], shape).ravel() for k in ("unit_f", "unit_b", "root_f", "root_b")}
-    flat.update({k: v.ravel() for k, v in _dp_unit_times(base, a, r, s).items()})
-    z, pp = np.broadcast_to(r["zero"], shape).ravel(), np.broadcast_to(r["pp"], shape).ravel()
-    blocks = np.broadcast_to(s["n"], shape).ravel()
-    live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
-    one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     # dense and MoE blocks (xpar.estimate.columns.mixed_blocks); by_rank: one layout, a slot per rank
     het = UnitTimes(base, a, spec_at, bool(s.get("by_rank"))) if blocks_vary(base) else None
+    if het is None:
+        flat.update({k: v.ravel() for k, v in _dp_unit_times(base, a, r, s).items()})
+    live = ((r["dp"] > 1) & (s["count"] > 0)).ravel()
+    one_stage = r["pp"] * r["v"] == 1  # first and last stage one module: tied embeddings held once
     row_key = _combined([r[k] for k in ("pp", "tp", "dp", "b", "zero", "sp", "recompute", "v_shaped")]
                         + [one_stage, _stages(base, r), split_key(base.model.n_layers, r["pp"], r["v"])]
                         + ([r["v"]] if het or a.dp_overlap_per_chunk else []))
@@ -224,23 +223,46 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     rep, inverse = unique_rows(np.where(live, key + 1, 0))
     res = {k: np.zeros(len(rep)) for k in ("per_microbatch", "end", "issued_per_microbatch", "issued_once",
                                            "first_backward")}
-    rep_live = live[rep]
-    chunks = np.broadcast_to(r["v"], shape).ravel() if a.dp_overlap_per_chunk else np.ones_like(pp)  # dp_chunks
+    rows = rep[live[rep]]
     rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
-    for p, n, v in np.unique(np.stack([pp[rep], blocks[rep], chunks[rep]])[:, rep_live], axis=1).T.tolist():
-        sel = np.flatnonzero(rep_live & (pp[rep] == p) & (blocks[rep] == n) & (chunks[rep] == v))
-        f = {k: v[rep[sel]] for k, v in flat.items()}
-        units = {k: [f[f"{k}_root"]] + [f[f"{k}_block"]] * n for k in UNIT_TIMES} if het is None else unit_columns(
-            het, {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rep[sel]]
-                  for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")} | {"slot": rep[sel] // shape[1]}, n)
-        out = dp_exposure(z[rep[sel]], p, a, [f["root_f"]] + [f["unit_f"]] * n, [f["unit_b"]] * n + [f["root_b"]],
-                          units["g"], units["r"], units["cg"], units["cr"], units["gb"], v)
+    cols = {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rows]
+            for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")}
+    cols |= {"slot": rows // shape[1], "n": np.broadcast_to(s["n"], shape).ravel()[rows]}
+    at = np.flatnonzero(live[rep])
+    chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
+    kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure)
+    if het is None:  # identical blocks: a timeline per block count, no units of no time (cheaper than padding)
+        kind = kind * (int(cols["n"].max(initial=0)) + 1) + cols["n"]
+    for one in np.unique(kind).tolist():
+        sel = np.flatnonzero(kind == one)
+        out = _dp_rows(a, het, {k: c[rows[sel]] for k, c in flat.items()}, {k: c[sel] for k, c in cols.items()})
         for k in res:
-            res[k][sel] = out[k]
+            res[k][at[sel]] = out[k]
     every = {k: v[inverse].reshape(shape) for k, v in res.items()}
     persist = _persist_column(base, a, r, s) * live.reshape(shape)
     return {"dp_comm": every["per_microbatch"] + every["first_backward"] / r["m"], "dp_end": every["end"] + persist,
             "dp_issued": r["m"] * every["issued_per_microbatch"] + every["issued_once"] + persist}
+
+
+def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict) -> dict:
+    """:func:`dp_exposure` of representative rows (arrays over them: ``f`` their unit computes and, without
+    ``het``, unit times; ``rows`` their dp, tp, zero, recompute code, pp, v, v_shaped, slot and blocks ``n``)
+    in one timeline over the most blocks: a row's units are followed by units of no compute and no
+    communication (forward order; first in backward order), which change no time. Seconds."""
+    n = rows["n"]
+    top = int(n.max())
+    pad = [k <= n for k in range(top + 1)]  # forward order: the root, then the row's blocks
+
+    def fwd(root: np.ndarray, block: np.ndarray) -> list:
+        if pad[top].all():  # every row holds the most blocks
+            return [root] + [block] * top
+        return [root] + [np.where(pad[k], block, 0.0) for k in range(1, top + 1)]
+
+    units = ({k: fwd(f[f"{k}_root"], f[f"{k}_block"]) for k in UNIT_TIMES} if het is None
+             else unit_columns(het, rows, top))
+    chunks = rows["v"] if a.dp_overlap_per_chunk else 1  # xpar.estimate.frameworks.dp_chunks
+    return dp_exposure(rows["zero"], rows["pp"], a, fwd(f["root_f"], f["unit_f"]), fwd(f["root_b"], f["unit_b"])[::-1],
+                       units["g"], units["r"], units["cg"], units["cr"], units["gb"], chunks, n + 1)
 
 
 def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:

@@ -36,9 +36,10 @@ def grad_bytes(spec: RunSpec, assume) -> int:
     return assume.grad_reduce_bytes if spec.train.dtype != "fp32" else 4
 
 
-def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]]:
+def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dict] = None) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
-    collective timed once: the blocks of a rank are identical units)."""
+    collective timed once: the blocks of a rank are identical units). ``timed_once``: seconds of the
+    collectives already timed on this hardware, dp and tp, by (collective, bytes), filled here (None: none)."""
     hw, z = spec.hardware, spec.layout.zero_stage
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
@@ -47,7 +48,7 @@ def unit_times(spec: RunSpec, assume, units: list[int]) -> dict[str, list[float]
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
     bucket = assume.bucket_mb * 1e6
-    memo: dict[tuple[str, float], float] = {}
+    memo: dict[tuple[str, float], float] = {} if timed_once is None else timed_once
 
     def timed(kind: str, nbytes: float) -> float:
         if (kind, nbytes) not in memo:
@@ -110,6 +111,8 @@ def root_kept(backward_order: list) -> list:
 
 def _masked(cond: Any, times: list) -> list:
     """``times`` where ``cond``, zeros elsewhere (cond a bool, or a bool array over layouts)."""
+    if isinstance(cond, np.ndarray) and not cond.any():  # zero floats: a pass issues nothing for them
+        cond = False
     if not isinstance(cond, np.ndarray):
         return times if cond else [0.0] * len(times)
     if cond.all():  # np.where's values without its copy, for float arrays of cond's shape
@@ -127,7 +130,7 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
                 copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
-                gather_b: Optional[list] = None, v: int = 1) -> dict:
+                gather_b: Optional[list] = None, v: Any = 1, units: Any = None) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -140,8 +143,10 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     backward gathers under pp, copies in), ``copy_per_microbatch``, ``copy_once`` and
     ``copy_first_backward`` (the copies alone). ``gather_b``: each unit's gathers in the backward,
     forward order (None: ``gather``; more where ZeRO-3 gathers some tensors twice: :func:`unit_times`).
-    ``v``: model chunks per pipeline rank (an int), read with ``assume.dp_overlap_per_chunk``
-    (xpar.estimate.frameworks.dp_chunks)."""
+    ``v``: model chunks per pipeline rank (an int, or an int array over layouts), read with
+    ``assume.dp_overlap_per_chunk`` (xpar.estimate.frameworks.dp_chunks). ``units``: each layout's own units
+    (an int array) where the lists hold more, the extra ones of no time (after its blocks in forward order;
+    None: all units are its own)."""
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
     every = (z >= 2) & (pp == 1)
@@ -149,7 +154,8 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
     compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
                                               _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v)
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v,
+                    units)
     copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
                + vwhere(every, sum(cr), 0.0))
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
@@ -161,7 +167,7 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
 
 
 def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
-              gather_b: list, v: int = 1) -> dict:
+              gather_b: list, v: Any = 1, units: Any = None) -> dict:
     """:func:`dp_exposure` on compute that already holds the copies."""
     gf, gb_, red = gather, gather_b[::-1], reduce[::-1]
     pre, slow, overlap = assume.fsdp_prefetch, assume.overlap_slowdown, assume.dp_overlap
@@ -169,20 +175,22 @@ def _exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather:
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     gathered_once, bwd_once = (z == 1) | ((z == 2) & (pp > 1)), (z == 3) & (pp > 1)
     bwd_g = _masked(bwd_gathers, root_kept(gb_))
+    chunked = (pp > 1) & (z <= 1) & (v > 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False))
+    after_step = (z == 1) & bool(assume.param_gather_overlap)  # ZeRO-1's gathers overlap the next forward
     first_bwd = _lazy(bwd_once, lambda: simulate_pass(compute_b, gb_, None, pre, slow).exposed, lambda: 0.0)
-    with_gf = _lazy(fwd_gathers | gathered_once, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed,
-                    lambda: 0.0)
+    read_gf = fwd_gathers | ((z == 2) & (pp > 1)) | (after_step & np.logical_not(chunked))  # where with_gf is read
+    with_gf = _lazy(read_gf, lambda: simulate_pass(compute_f, gf, None, pre, slow).exposed, lambda: 0.0)
     bwd = simulate_pass(compute_b, bwd_g, _masked(every & overlap, red) if overlap else None, pre, slow).exposed
     sum_red, sum_gf = sum(red), sum(gf)
     per_mb = vwhere(fwd_gathers, with_gf, 0.0) + bwd + (vwhere(every, sum_red, 0.0) if not overlap else 0.0)
-    if overlap:  # reductions once, in the last micro-batch's backward
-        end = _lazy(every, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
+    if overlap:  # reductions once, in the last micro-batch's backward (per chunk below)
+        end = _lazy(every | chunked, lambda: 0.0, lambda: simulate_pass(compute_b, bwd_g, red, pre, slow).exposed - bwd)
     else:  # or after it
         end = vwhere(every, 0.0, sum_red)
-    chunked = (pp > 1) & (z <= 1) & bool(overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1)
-    if overlap and getattr(assume, "dp_overlap_per_chunk", False) and v > 1:  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
-        end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red), end)
-        with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf), with_gf)
+    if np.any(chunked):  # Megatron-Core: xpar.estimate.frameworks.dp_chunks
+        end = vwhere(chunked, reduce_end(pp, v, assume, compute_b, red, units), end)
+        if np.any(chunked & after_step):
+            with_gf = vwhere(chunked, gather_start(pp, v, assume, compute_f, gf, units), with_gf)
     end = end + vwhere((z == 2) & (pp > 1), with_gf, 0.0)  # gathered once per step under pp
     end = end + vwhere(z == 1, with_gf if assume.param_gather_overlap else sum_gf, 0.0)  # after the step
     issued_mb = vwhere(fwd_gathers, sum_gf, 0.0) + vwhere(bwd_gathers, sum(root_kept(gb_)), 0.0) + vwhere(every, sum_red, 0.0)

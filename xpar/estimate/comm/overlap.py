@@ -55,6 +55,19 @@ def simulate_pass(compute: Sequence[float], gather: Optional[Sequence[float]] = 
     r = list(reduce) if reduce is not None else [0.0] * n
     if len(g) != n or len(r) != n:
         raise ValueError(f"gather/reduce need one entry per unit ({n}), got {len(g)}/{len(r)}")
+    if any(map(_some, g)) or any(map(_some, r)):
+        link, clock = _timeline(compute, g, r, prefetch)
+    else:  # nothing issued: the units back to back
+        link, clock = 0.0, sum(compute)
+    total_compute, total_comm = sum(compute), sum(g) + sum(r)
+    exposed = vmax(clock, link) - total_compute
+    hidden = vmax(0.0, total_comm - exposed)
+    return PassTiming(total_compute, total_comm, exposed + slowdown * vmin(hidden, total_compute))
+
+
+def _timeline(compute: Sequence[Any], g: list, r: list, prefetch: bool) -> tuple[Any, Any]:
+    """(When the link is done, when the last unit's compute ends) of :func:`simulate_pass`'s units, seconds."""
+    n = len(compute)
     link, clock, ready = 0.0, 0.0, [0.0] * n
     if n:
         link = ready[0] = vwhere(g[0] != 0, g[0], 0.0)
@@ -67,10 +80,7 @@ def simulate_pass(compute: Sequence[float], gather: Optional[Sequence[float]] = 
         clock = start + compute[i]
         if _some(r[i]):
             link = _issue(r[i], vmax(link, clock) + r[i], link, link)[0]
-    total_compute, total_comm = sum(compute), sum(g) + sum(r)
-    exposed = vmax(clock, link) - total_compute
-    hidden = vmax(0.0, total_comm - exposed)
-    return PassTiming(total_compute, total_comm, exposed + slowdown * vmin(hidden, total_compute))
+    return link, clock
 
 
 def _issue(comm: Any, done: Any, link: Any, ready: Any) -> tuple[Any, Any]:

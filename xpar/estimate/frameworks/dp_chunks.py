@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from xpar.estimate.comm.overlap import simulate_pass, vmax, vmin
 
 
-def chunk_units(n_units: int, v: int) -> int:
+def chunk_units(n_units: Any, v: Any) -> Any:
     """Units of the chunk that finishes its backward last (and starts its forward first): the rank's
-    first model chunk, ceil(blocks / v) blocks and the root (units: the root and the rank's blocks)."""
+    first model chunk, ceil(blocks / v) blocks and the root (units: the root and the rank's blocks; ints,
+    or int arrays over layouts)."""
     blocks = n_units - 1
-    return -(-blocks // max(v, 1)) + 1
+    return -(-blocks // vmax(v, 1)) + 1
 
 
 def _hidden(comm: Any, cover: Any, slow: float) -> Any:
@@ -33,19 +36,40 @@ def _hidden(comm: Any, cover: Any, slow: float) -> Any:
     return vmax(comm - cover, 0.0) + slow * vmin(comm, cover)
 
 
-def reduce_end(pp: Any, v: int, assume, compute_b: list, reduce_b: list) -> Any:
+def _head(values: list, cut: Any) -> list:
+    """``values[:cut]``; for an int array over layouts, every layout's values before its own cut, zeros
+    after it (to the largest cut: units of no time, which change no pass)."""
+    if not isinstance(cut, np.ndarray):
+        return values[:cut]
+    return [np.where(j < cut, x, 0.0) for j, x in enumerate(values[:int(cut.max())])]
+
+
+def _tail(values: list, cut: Any) -> list:
+    """``values[cut:]``; for an int array over layouts, every layout's values from its own cut on, zeros
+    before it (from the smallest cut)."""
+    if not isinstance(cut, np.ndarray):
+        return values[cut:]
+    low = int(cut.min())
+    return [np.where(j >= cut, x, 0.0) for j, x in enumerate(values[low:], start=low)]
+
+
+def reduce_end(pp: Any, v: Any, assume, compute_b: list, reduce_b: list, units: Any = None) -> Any:
     """Exposed seconds of the step's gradient reductions (``reduce_b``, backward order, root last) on a
     rank whose units' backward per micro-batch is ``compute_b`` (backward order): the last chunk's against
-    its last backward, the others' against pp backwards of the chunks after them (module docstring)."""
-    k, pre, slow = chunk_units(len(compute_b), v), assume.fsdp_prefetch, assume.overlap_slowdown
-    last = simulate_pass(compute_b[-k:], None, reduce_b[-k:], pre, slow).exposed
-    return last + _hidden(sum(reduce_b[:-k]), pp * sum(compute_b[:-k]), slow)
+    its last backward, the others' against pp backwards of the chunks after them (module docstring).
+    ``units``: each layout's own units where the lists hold more (leading units of no time; None: all)."""
+    n = len(compute_b)
+    cut, pre, slow = n - chunk_units(n if units is None else units, v), assume.fsdp_prefetch, assume.overlap_slowdown
+    last = simulate_pass(_tail(compute_b, cut), None, _tail(reduce_b, cut), pre, slow).exposed
+    return last + _hidden(sum(_head(reduce_b, cut)), pp * sum(_head(compute_b, cut)), slow)
 
 
-def gather_start(pp: Any, v: int, assume, compute_f: list, gather_f: list) -> Any:
+def gather_start(pp: Any, v: Any, assume, compute_f: list, gather_f: list, units: Any = None) -> Any:
     """Exposed seconds of the parameter all-gathers after the step (``gather_f``, forward order, root
     first): the first chunk's before its first forward, unit by unit with prefetch, the others' behind the
-    pp first forwards of the chunks before them (module docstring)."""
-    k, pre, slow = chunk_units(len(compute_f), v), assume.fsdp_prefetch, assume.overlap_slowdown
-    first = simulate_pass(compute_f[:k], gather_f[:k], None, pre, slow).exposed
-    return first + _hidden(sum(gather_f[k:]), pp * sum(compute_f[k:]), slow)
+    pp first forwards of the chunks before them (module docstring). ``units``: :func:`reduce_end`'s
+    (trailing units of no time)."""
+    k = chunk_units(len(compute_f) if units is None else units, v)
+    pre, slow = assume.fsdp_prefetch, assume.overlap_slowdown
+    first = simulate_pass(_head(compute_f, k), _head(gather_f, k), None, pre, slow).exposed
+    return first + _hidden(sum(_tail(gather_f, k)), pp * sum(_tail(compute_f, k)), slow)
