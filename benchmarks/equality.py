@@ -120,6 +120,11 @@ def main(argv=None) -> int:
         old = json.loads(a.compare.read_text())
         bad = differences(old, new, a.tol)
         print(f"{len(old)} figures in {a.compare}, {len(new)} now; {len(bad)} differ by more than {a.tol:g}")
+        groups: dict[str, int] = {}
+        for k, x, y in bad:
+            g = ".".join(k.split(".")[:2]) + (" (new key)" if x is None else " (gone)" if y is None else "")
+            groups[g] = groups.get(g, 0) + 1
+        print("by source or plan: " + ", ".join(f"{g} {n}" for g, n in sorted(groups.items())))
         print(f"{'figure':<90} {'before':>22} {'after':>22}")
         for k, x, y in bad[:200]:
             print(f"{k:<90} {x!s:>22} {y!s:>22}")
