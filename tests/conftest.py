@@ -29,12 +29,13 @@ def compose(*overrides: str):
     ~0.2 s), copied, then the value overrides (``group.key=value``) applied by Hydra's own code, in order and
     in struct mode, as Hydra applies them after composing the defaults list (hydra/_internal/config_loader_impl.py).
     ``XPAR_TEST_COMPOSE_CHECK=1`` compares each result with Hydra's compose of all the overrides."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from omegaconf import OmegaConf
+
+    from xpar.config.hydra_internals import apply_value_overrides
 
     choices, values = _split(overrides)
     cfg = copy.deepcopy(_composed(choices))
-    ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    apply_value_overrides(values, cfg)
     if os.environ.get("XPAR_TEST_COMPOSE_CHECK") == "1":
         whole = _composed(tuple(overrides))
         assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(whole), overrides

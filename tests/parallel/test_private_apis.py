@@ -61,6 +61,17 @@ def test_hydra_sweep_expansion():
     assert sorted(map(tuple, batches[0])) == [("a=1", "b=x"), ("a=2", "b=x")]
 
 
+
+def test_hydra_applies_value_overrides_in_place():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from xpar.config.hydra_internals import apply_value_overrides
+    cfg = OmegaConf.create({"a": {"b": 1}})
+    OmegaConf.set_struct(cfg, True)
+    apply_value_overrides(OverridesParser.create().parse_overrides(["a.b=2"]), cfg)
+    assert cfg.a.b == 2
+
 @pytest.mark.parametrize("module", ["xpar.parallel.torch_internals", "xpar.config.hydra_internals"])
 def test_private_modules_import_their_libraries_lazily(module):
     import importlib
