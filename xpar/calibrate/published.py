@@ -497,7 +497,9 @@ def cp_fp8_case(row: dict):
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it."""
+    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
+    :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
+    of 3 (Megatron-FSDP) as ZeRO-3."""
     needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
     if not row["gpu"].startswith(("H100", "H800")) or not all(row[k] for k in needed):
         return None
@@ -509,7 +511,7 @@ def cp_fp8_case(row: dict):
                  tied_embeddings=False, bias=False, **_moe_fields(row),
                  **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
                  head_dim=HEAD_DIMS.get(row["model_name"]))
-    fsdp2 = row["id"].startswith(("torchtitan", "automodel"))  # FSDP2 trainers: ZeRO-3 over dp
+    fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
     par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
@@ -518,7 +520,7 @@ def cp_fp8_case(row: dict):
                virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
                sequence_parallel=int(row["tp"] or 1) > 1,
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
-    if row["source"].startswith("The Llama 3 Herd") and n > 2 and (L + 2) % n == 0:
+    if (row["source"].startswith("The Llama 3 Herd") or ACCOUNTED_SPLIT in row["note"]) and n > 2 and (L + 2) % n == 0:
         par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
     hw_name = "h800_80gb_2048gpu" if row["gpu"].startswith("H800") else "h100_80gb_64gpu"
     hw = dict(preset("hardware", hw_name), nodes=max(1, int(row["gpus"]) // 8))
@@ -532,6 +534,11 @@ def cp_fp8_case(row: dict):
     name, changes = cp_fp8_framework(row)
     return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
 
+
+ACCOUNTED_SPLIT = "--account-for-embedding-in-pipeline-split"
+"""A row note naming this flag: Megatron-LM's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split, which split L + 2 layers evenly over the pp x vp chunks, the first chunk
+holding one decoder layer fewer (the embedding) and the last one fewer (the loss), as the Llama 3 paper's split."""
 
 AUTOMODEL_OPTIMIZER_BYTES = 8
 """Bytes per optimizer-state element of NeMo AutoModel's benchmark recipes: Transformer Engine's FusedAdam over the bf16

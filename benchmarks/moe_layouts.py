@@ -1,0 +1,164 @@
+"""Several layouts of one MoE model on one cluster against xpar (issues 42, 44): each row's error, the order of a
+model's layouts by xpar against the source's, the term that orders them wrongly, and where `xpar plan` ranks the
+source's layouts.
+
+    python benchmarks/moe_layouts.py [--plan]
+
+Rows: tests/data/moe_layouts_h100.csv (a check-only source: no fit reads it) and the rows of
+tests/data/cp_fp8_h100.csv named in :data:`SAME_TABLE` (the same published table), each estimated as
+xpar.calibrate.published.cp_fp8_case builds it; errors in the source's own figure (step time, or model TF/s in its
+causal count: published_figure), signed (+: xpar faster). Per model and cluster: Spearman's rho and the share of
+pairs xpar orders as the source does, over distinct layouts (a variant of a layout already listed, e.g. the same
+layout with the all-to-all overlapped, is reported but not ranked: the loader prices no overlap); the most
+discordant pair's time terms side by side. ``--plan``: the plan of the model, cluster, framework and global batch
+(plan.* at their defaults, as benchmarks/plan_published.py) and the rank of each layout's degree group in it.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+from xpar.estimate.cost import estimate
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+SAME_TABLE = ("zoo_qwen3_235b_bf16_256_seq4096_ep32",)
+"""Rows of cp_fp8_h100.csv from the table moe_layouts_h100.csv continues (its first row, collected earlier)."""
+LAYOUT_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "zero", "micro_batch", "recompute")
+
+
+def rows() -> list[dict]:
+    """The rows with their case, estimate, error and layout label, grouped later by (model, gpus, seq, dtype)."""
+    raw = [r for r in read_table(DATA / "cp_fp8_h100.csv") if r["id"] in SAME_TABLE]  # first: the base layouts
+    raw += read_table(DATA / "moe_layouts_h100.csv")
+    out = []
+    for r in raw:
+        spec, assume, metric, value = cp_fp8_case(r)
+        est = estimate(spec, assume)
+        got = published_figure(est, spec, metric)
+        seconds = value if metric == "step_s" else est.time_per_step_s * got / value  # the source's step
+        out.append(dict(id=r["id"], row=r, spec=spec, assume=assume, est=est, metric=metric, value=value,
+                        got=got, error=value / got - 1 if metric == "step_s" else got / value - 1,
+                        published_s=seconds, xpar_s=est.time_per_step_s,
+                        layout=tuple(r[k] for k in LAYOUT_KEYS),
+                        group=(r["model_name"], r["gpus"], r["seq"], r["dtype"])))
+    return out
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties at their average rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho of two equally long lists (Pearson's r of their ranks); nan under 3 items."""
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def distinct(group: list[dict]) -> list[dict]:
+    """The group's rows with a layout not listed before (variants of a listed layout dropped)."""
+    seen, out = set(), []
+    for g in group:
+        if g["layout"] not in seen:
+            seen.add(g["layout"])
+            out.append(g)
+    return out
+
+
+def worst_pair(group: list[dict]) -> tuple:
+    """The pair xpar orders against the source by the largest factor (published ratio x xpar's inverse ratio)."""
+    best, worst = 1.0, None
+    for a, b in itertools.permutations(group, 2):  # the source has a faster than b
+        if a["published_s"] < b["published_s"] and a["xpar_s"] > b["xpar_s"]:
+            f = b["published_s"] / a["published_s"] * a["xpar_s"] / b["xpar_s"]
+            if f > best:
+                best, worst = f, (a, b)
+    return worst
+
+
+def label(g: dict) -> str:
+    r = g["row"]
+    return (f"tp{r['tp']} pp{r['pp']} v{r['vp'] or 1} cp{r['cp'] or 1} ep{r['ep']} etp{r['etp'] or 1} dp{r['dp']} "
+            f"Z{r['zero']} b{r['micro_batch']} {r['recompute'].split()[0]}")
+
+
+def print_group(key: tuple, group: list[dict]) -> None:
+    print(f"\n## {key[0]} on {key[1]} {group[0]['row']['gpu']}, seq {key[2]}, {key[3]}")
+    print(f"{'row':<50} {'layout':<48} {'published':>10} {'xpar':>9} {'error':>7}")
+    for g in sorted(group, key=lambda g: g["published_s"]):
+        unit = "s" if g["metric"] == "step_s" else " TF"
+        print(f"{g['id']:<50} {label(g):<48} {g['value']:>8.1f}{unit:<2} {g['got']:>7.1f}{unit:<2} {g['error']:>+7.1%}")
+    ranked = distinct(group)
+    pub, est = [g["published_s"] for g in ranked], [g["xpar_s"] for g in ranked]
+    pairs = list(itertools.combinations(range(len(ranked)), 2))
+    agree = sum((pub[i] - pub[j]) * (est[i] - est[j]) > 0 for i, j in pairs)
+    print(f"{len(ranked)} distinct layouts: Spearman rho {spearman(pub, est):+.2f}, pairs in the source's order "
+          f"{agree}/{len(pairs)}")
+    pair = worst_pair(ranked)
+    if pair:
+        print_terms(*pair)
+
+
+def print_terms(a: dict, b: dict) -> None:
+    """Time terms of the worst-ordered pair: a is faster in the source, slower in xpar."""
+    print(f"worst-ordered pair: source {a['id']} {a['published_s']:.1f} s < {b['id']} {b['published_s']:.1f} s; "
+          f"xpar {a['xpar_s']:.2f} s > {b['xpar_s']:.2f} s. Terms (s, slowest rank):")
+    ta, tb = a["est"].time_breakdown, b["est"].time_breakdown
+    for k in sorted(set(ta) | set(tb), key=lambda k: -abs(ta.get(k, 0) - tb.get(k, 0))):
+        if ta.get(k, 0) or tb.get(k, 0):
+            print(f"  {k:<18} {ta.get(k, 0):>8.3f} {tb.get(k, 0):>8.3f} {tb.get(k, 0) - ta.get(k, 0):>+8.3f}")
+    print(f"  {'residual':<18} {a['published_s'] - a['xpar_s']:>8.3f} {b['published_s'] - b['xpar_s']:>8.3f}"
+          "  (published - xpar)")
+
+
+def print_plan(group: list[dict]) -> None:
+    """Where the plan of the group's model, cluster, framework and batch ranks each distinct layout's group."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_published import plan_of, row_figures  # noqa: E402 (a sibling script, not a package)
+    first = group[0]
+    plan = plan_of(first["spec"], first["assume"])
+    print(f"plan: {len(plan.res['tp'])} layouts, {plan.devices} devices, winner {row_figures('', first['spec'], first['assume'], plan)['best']}")
+    for g in distinct(group):
+        f = row_figures(g["id"], g["spec"], g["assume"], plan)
+        where = f"group rank {f['rank']} of {f['groups']}" if f["rank"] else (
+            "in the space, none fits" if f["in_space"] else f"not in the space: {f['why']}")
+        print(f"  {label(g):<48} source {g['published_s']:>5.1f} s: {where}; winner's claimed gain over it "
+              f"{f['gain']:+.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", action="store_true", help="also plan each model (a minute or more per model)")
+    args = ap.parse_args()
+    all_rows = rows()
+    groups: dict[tuple, list] = {}
+    for g in all_rows:
+        groups.setdefault(g["group"], []).append(g)
+    for key, group in groups.items():
+        print_group(key, group)
+        if args.plan and len(distinct(group)) > 1:
+            print_plan(group)
+    errs = sorted(abs(g["error"]) for g in all_rows)
+    print(f"\n{len(all_rows)} rows: median |error| {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}")
+
+
+if __name__ == "__main__":
+    main()
