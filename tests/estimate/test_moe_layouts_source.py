@@ -1,0 +1,50 @@
+"""tests/data/moe_layouts_h100.csv: several layouts of one MoE model on one cluster, a check-only source (issues 42,
+44). Its rows build as xpar.calibrate.published.cp_fp8_case reads cp_fp8_h100.csv, no fit reads the file, and the
+loader keeps what the rows' notes state (Megatron's embedding/loss-accounted pipeline split, Megatron-FSDP)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from xpar.calibrate.published import ACCOUNTED_SPLIT, SOURCES, cp_fp8_case, load_cases, read_table
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROWS = read_table(DATA / "moe_layouts_h100.csv")
+
+
+def test_every_row_builds_a_case_with_its_published_layout():
+    """Each row is an H100 MoE run whose spec holds the row's degrees and batch (nothing dropped or defaulted)."""
+    assert len(ROWS) >= 6
+    for row in ROWS:
+        spec, _, metric, value = cp_fp8_case(row)
+        lay = spec.layout
+        got = (lay.tp, lay.pp, lay.ep, lay.etp, lay.dp, spec.train.micro_batch_size, spec.train.global_batch_size)
+        want = tuple(int(row[k]) for k in ("tp", "pp", "ep", "etp", "dp", "micro_batch", "global_batch"))
+        assert got == want and lay.world_size == int(row["gpus"]), row["id"]
+        assert spec.model.n_experts == int(row["experts"]) and value == float(row["value"]), row["id"]
+
+
+def test_the_source_is_check_only():
+    """No fit reads the file: SOURCES (what load_cases and every fit take) does not name it."""
+    assert "moe_layouts_h100.csv" not in {fname for fname, _, _ in SOURCES.values()}
+    assert all("moe_layouts" not in name for name in load_cases(DATA))
+
+
+def test_accounted_split_puts_the_embedding_and_the_loss_on_the_end_chunks():
+    """Megatron's --account-for-embedding/loss-in-pipeline-split over 94 + 2 layers: 96 chunks of one, the first
+    and the last without a decoder layer; 32 chunks of three, the end chunks with two. Without the note's flag the
+    loader balances 94 layers as before (30 chunks of three, two of two at the end)."""
+    row = next(r for r in ROWS if r["id"].endswith("ep8_pp32"))
+    assert ACCOUNTED_SPLIT in row["note"]
+    split = cp_fp8_case(row)[0].layout.layer_split
+    assert list(split) == [0] + [1] * 94 + [0]
+    row = next(r for r in ROWS if r["id"].endswith("tp4_ep8"))
+    assert list(cp_fp8_case(row)[0].layout.layer_split) == [2] + [3] * 30 + [2]
+    plain = dict(row, note=row["note"].replace(ACCOUNTED_SPLIT, "--other-flag"))
+    assert list(cp_fp8_case(plain)[0].layout.layer_split) == [3] * 30 + [2] * 2
+
+
+def test_a_zero_of_3_is_megatron_fsdp():
+    """A Megatron row with FSDP on (zero 3) is priced as ZeRO-3; zero 1 stays the distributed optimizer."""
+    fsdp = next(r for r in ROWS if r["zero"] == "3")
+    assert cp_fp8_case(fsdp)[0].layout.zero_stage == 3
+    assert cp_fp8_case(dict(fsdp, zero="1"))[0].layout.zero_stage == 1
