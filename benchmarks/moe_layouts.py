@@ -106,6 +106,7 @@ def print_group(key: tuple, group: list[dict]) -> None:
     for g in sorted(group, key=lambda g: g["published_s"]):
         unit = "s" if g["metric"] == "step_s" else " TF"
         print(f"{g['id']:<50} {label(g):<48} {g['value']:>8.1f}{unit:<2} {g['got']:>7.1f}{unit:<2} {g['error']:>+7.1%}")
+    print_residuals(group)
     ranked = distinct(group)
     pub, est = [g["published_s"] for g in ranked], [g["xpar_s"] for g in ranked]
     pairs = list(itertools.combinations(range(len(ranked)), 2))
@@ -115,6 +116,29 @@ def print_group(key: tuple, group: list[dict]) -> None:
     pair = worst_pair(ranked)
     if pair:
         print_terms(*pair)
+
+
+def expert_passes(g: dict) -> dict:
+    """Per rank: micro-batches (GA), layers of the busiest stage, local experts, tokens each local expert computes
+    per micro-batch (even routing, xpar.estimate.compute.kernel_block.expert_tokens), and their product of
+    local experts x layer passes (one micro-batch through one layer, forward and backward)."""
+    lay, tr, m = g["spec"].layout, g["spec"].train, g["spec"].model
+    ga = tr.global_batch_size // (tr.micro_batch_size * lay.dp)
+    layers = max(lay.layer_split) * lay.virtual_stages if lay.layer_split else -(-m.n_layers // lay.pp)
+    tokens = tr.micro_batch_size * g["spec"].seq_len / (lay.cp * lay.tp)  # per rank entering the MoE (ETP 1)
+    local = m.n_experts // lay.ep
+    return dict(ga=ga, layers=layers, local=local, per_expert=tokens * m.moe_top_k * lay.ep / m.n_experts,
+                expert_passes=local * layers * ga)
+
+
+def print_residuals(group: list[dict]) -> None:
+    """The source's step less xpar's, per local expert and layer pass (the cost of many small local experts)."""
+    print(f"{'row':<50} {'GA':>4} {'layers':>6} {'local':>5} {'tok/expert':>10} {'residual s':>10} "
+          f"{'ms / (expert x layer pass)':>27}")
+    for g in sorted(group, key=lambda g: g["published_s"]):
+        e, res = expert_passes(g), g["published_s"] - g["xpar_s"]
+        print(f"{g['id']:<50} {e['ga']:>4} {e['layers']:>6} {e['local']:>5} {e['per_expert']:>10.0f} {res:>+10.2f} "
+              f"{1e3 * res / e['expert_passes']:>+27.3f}")
 
 
 def print_terms(a: dict, b: dict) -> None:
