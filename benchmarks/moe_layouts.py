@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+from xpar.estimate.compute.kernel_block import block_step_times, shape_of
+from xpar.estimate.compute.kernels import device_of
 from xpar.estimate.cost import estimate
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -131,14 +133,28 @@ def expert_passes(g: dict) -> dict:
                 expert_passes=local * layers * ga)
 
 
+def expert_gemm(g: dict) -> tuple[float, float]:
+    """(seconds, fraction of the BF16 peak) of one layer pass's routed-expert GEMMs, forward and backward, as the
+    kernel model prices them (xpar.estimate.compute.kernel_block: grouped GEMMs of the local experts' tokens)."""
+    spec, e = g["spec"], expert_passes(g)
+    lay, m = spec.layout, spec.model
+    dev = device_of(spec.hardware)
+    t = block_step_times(shape_of(m), spec.train.micro_batch_size, spec.seq_len, dev, tp=lay.tp, cp=lay.cp, ep=lay.ep,
+                         dtype=spec.train.dtype).experts
+    flops = 6 * e["local"] * e["per_expert"] * 3 * m.hidden * m.expert_ffn_hidden  # gated: 3 matrices, fwd 2 + bwd 4
+    return float(t), flops / float(t) / dev.peak_flops["bf16"]
+
+
 def print_residuals(group: list[dict]) -> None:
-    """The source's step less xpar's, per local expert and layer pass (the cost of many small local experts)."""
-    print(f"{'row':<50} {'GA':>4} {'layers':>6} {'local':>5} {'tok/expert':>10} {'residual s':>10} "
-          f"{'ms / (expert x layer pass)':>27}")
+    """The source's step less xpar's, per local expert and layer pass (the cost of many small local experts), beside
+    the expert GEMMs' time and fraction of peak per layer pass as xpar prices them."""
+    print(f"{'row':<50} {'GA':>4} {'layers':>6} {'local':>5} {'tok/expert':>10} {'expert ms':>9} {'of peak':>7} "
+          f"{'residual s':>10} {'ms / (expert x layer pass)':>27}")
     for g in sorted(group, key=lambda g: g["published_s"]):
         e, res = expert_passes(g), g["published_s"] - g["xpar_s"]
-        print(f"{g['id']:<50} {e['ga']:>4} {e['layers']:>6} {e['local']:>5} {e['per_expert']:>10.0f} {res:>+10.2f} "
-              f"{1e3 * res / e['expert_passes']:>+27.3f}")
+        sec, frac = expert_gemm(g)
+        print(f"{g['id']:<50} {e['ga']:>4} {e['layers']:>6} {e['local']:>5} {e['per_expert']:>10.0f} {1e3 * sec:>9.2f} "
+              f"{frac:>7.0%} {res:>+10.2f} {1e3 * res / e['expert_passes']:>+27.3f}")
 
 
 def print_terms(a: dict, b: dict) -> None:
