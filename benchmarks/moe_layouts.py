@@ -25,6 +25,9 @@ from xpar.estimate.compute.kernel_block import block_step_times, shape_of
 from xpar.estimate.compute.kernels import device_of
 from xpar.estimate.cost import estimate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_published import plan_of, row_figures  # noqa: E402 (a sibling script, not a package)
+
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 SAME_TABLE = ("zoo_qwen3_235b_bf16_256_seq4096_ep32",)
 """Rows of cp_fp8_h100.csv from the table moe_layouts_h100.csv continues (its first row, collected earlier)."""
@@ -171,8 +174,6 @@ def print_terms(a: dict, b: dict) -> None:
 
 def print_plan(group: list[dict]) -> None:
     """Where the plan of the group's model, cluster, framework and batch ranks each distinct layout's group."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from plan_published import plan_of, row_figures  # noqa: E402 (a sibling script, not a package)
     first = group[0]
     plan = plan_of(first["spec"], first["assume"])
     print(f"plan: {len(plan.res['tp'])} layouts, {plan.devices} devices, winner {row_figures('', first['spec'], first['assume'], plan)['best']}")
