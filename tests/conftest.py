@@ -90,12 +90,9 @@ def reference_losses(spec: RunSpec, steps: Optional[int] = None, grads: bool = F
     return (out["losses"], out["last_grads"]) if grads else out["losses"]
 
 
-def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: str, env: dict, cwd: str) -> None:
+def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.clear()
-    os.environ.update(env)  # the test's environment now, not the fork server's at its start
-    os.chdir(cwd)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=local_rank, world_size=world)
     try:
@@ -108,29 +105,19 @@ def _entry(local_rank: int, world: int, port: int, fn: Callable, payload, out: s
     exit_worker()  # skip finalization: gloo may abort a finished process there (see exit_worker)
 
 
-PRELOAD = ["torch", "torch.distributed", "xpar.run.worker", "tests.conftest"]
-"""What the fork server imports once per pytest worker; each :func:`spawn` then forks its ranks from it
-instead of starting interpreters that import torch again (seconds each on 2 cores; benchmarks/README.md)."""
-
-
 def spawn(fn: Callable, world: int, payload) -> object:
     """Run ``fn(payload)`` on ``world`` gloo ranks (a module-level function, so the children
-    can import it); return rank 0's JSON-serialisable result. The ranks are forked from a fork server
-    that imported :data:`PRELOAD` (Python's ``forkserver`` start method): a fresh interpreter's state,
-    as ``spawn`` gives, without importing torch per rank; each rank takes the caller's environment
-    and working directory."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    from xpar.run.launch import free_port
+    can import it); return rank 0's JSON-serialisable result. The ranks start as xpar's workers do
+    (:func:`xpar.run.launch.start_workers`: forked from a server that imported torch once)."""
+    from xpar.run.forkserver import WORKER_PRELOAD
+    from xpar.run.launch import free_port, start_workers
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    multiprocessing.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.start_processes(_entry, args=(world, free_port(), fn, payload, out, dict(os.environ), os.getcwd()),
-                           nprocs=world, join=True, start_method="forkserver")
+        ctx = start_workers(_entry, (world, free_port(), fn, payload, out), world, (*WORKER_PRELOAD, "tests.conftest"))
+        while not ctx.join():
+            pass
         return json.loads(Path(out).read_text())
 
 

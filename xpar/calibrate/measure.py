@@ -29,7 +29,8 @@ from xpar.parallel.tensor import apply_tp, block_plan, loss_context, parallel_cr
 from xpar.parallel.torch_internals import dispatch_mode_base
 from xpar.run.exits import exit_worker
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
-from xpar.run.launch import free_port
+from xpar.run.forkserver import WORKER_PRELOAD
+from xpar.run.launch import free_port, start_workers
 
 GEMM_SIDES = (64, 128, 256, 384, 512)
 
@@ -408,8 +409,8 @@ def measure_workers(world: int, sizes, reps: int, threads: int = 1, device: str 
                "progress": progress}
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "collectives.json")
-        _run_workers(mp.start_processes(_rank_entry, args=(world, free_port(), payload, out), nprocs=world,
-                                        join=False, start_method="spawn"))
+        _run_workers(start_workers(_rank_entry, (world, free_port(), payload, out), world,
+                                   (*WORKER_PRELOAD, "xpar.calibrate.measure")))
         raw = json.loads(Path(out).read_text())
     compute = dict(raw["compute"], matmul={int(n): r for n, r in raw["compute"]["matmul"].items()})
     return {"compute": compute, "collective_shares": raw["shares"], "sync_wait_s": raw["sync_wait_s"],

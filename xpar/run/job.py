@@ -23,6 +23,7 @@ from xpar.track.report import Report, layout_name, print_report, summarize_measu
 from xpar.plan.command import run_plan
 from xpar.run.checkpoint import tracking_link
 from xpar.run.exits import WorkerFailed
+from xpar.run.forkserver import start_server
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
 from xpar.run.profile import PROFILE_STEPS
 from xpar.run.resume import checkpointing
@@ -76,6 +77,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
             return _run_torchrun(job)
         if spec.mode == "estimate":
             return _run_estimate(job)
+        start_server()  # the workers' imports now, beside this process's MLflow set-up
         from xpar.run.launch import launch_local  # lazy: torch (xpar.LAZY_IMPORTS)
 
         def body() -> tuple[Report, list[dict]]:

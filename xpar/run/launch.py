@@ -1,12 +1,14 @@
 """Local worker launch and failure propagation.
 
 ``python -m xpar`` starts ``world size`` workers on this machine with
-``torch.multiprocessing.start_processes`` (spawn). If any worker raises or dies, the others
-are terminated, and :class:`WorkerFailed` names the rank and its error.
+``torch.multiprocessing.start_processes``, forked from a fork server that imported torch once
+(:mod:`xpar.run.forkserver`). If any worker raises or dies, the others are terminated, and
+:class:`WorkerFailed` names the rank and its error.
 """
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import signal
 import socket
@@ -17,6 +19,7 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
+from xpar.run.forkserver import WORKER_PRELOAD, start_server
 from xpar.run.exits import WorkerFailed  # noqa: F401  (re-exported: xpar.run.launch.WorkerFailed)
 from xpar.run.worker import HEARTBEAT_DIR, STATS_FILE, spawn_entry, stats_fallback
 
@@ -25,6 +28,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_workers(entry, args: tuple, world: int, preload: tuple[str, ...] = WORKER_PRELOAD):
+    """Start ``world`` processes running ``entry(rank, *args)``; return torch's ``ProcessContext`` (not joined).
+
+    They are forked from this process's fork server (:func:`xpar.run.forkserver.start_server`, which
+    imports ``preload`` where it starts it here), or spawned where the platform has none. Each takes this
+    process's environment and working directory at the call, as a spawned process does, not the
+    server's at its start."""
+    method = start_server(preload)
+    return mp.start_processes(_in_callers_env, args=(entry, dict(os.environ), os.getcwd(), *args), nprocs=world,
+                              join=False, start_method=method)
+
+
+def _in_callers_env(rank: int, entry, env: dict, cwd: str, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    entry(rank, *args)
 
 
 def _last_error_line(traceback_text: str) -> str:
@@ -128,8 +150,7 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
         WorkerFailed: the first worker that raised or exited non-zero (the rest are ended).
         KeyboardInterrupt: re-raised after ending the workers.
     """
-    ctx = mp.start_processes(spawn_entry, args=(spec.to_dict(), str(out_dir), free_port()),
-                             nprocs=spec.world_size, join=False, start_method="spawn")
+    ctx = start_workers(spawn_entry, (spec.to_dict(), str(out_dir), free_port(), os.getpid()), spec.world_size)
     try:
         while not ctx.join(timeout=1.0, grace_period=PEER_GRACE_S):
             stopped = (stalled_rank(out_dir, spec.heartbeat_timeout_s)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -141,7 +142,6 @@ def live_metrics(spec, seconds: float) -> dict[str, float]:
                     "step/memory_reserved_bytes": float(torch.cuda.memory_reserved()),
                     "step/memory_max_allocated_bytes": float(torch.cuda.max_memory_allocated())})
     else:
-        import psutil
         out["step/memory_rss_bytes"] = float(psutil.Process().memory_info().rss)
     return out
 
@@ -161,22 +161,23 @@ def mark_progress(step: int) -> None:
     PROGRESS.update(t=time.time(), step=step)
 
 
-def start_heartbeat(out_dir: Path, rank: int) -> None:
+def start_heartbeat(out_dir: Path, rank: int, launcher_pid: int) -> None:
     """A daemon thread that writes ``{"pid", "t"}`` to ``<out_dir>/heartbeat/rank<rank>.json``
-    every :data:`HEARTBEAT_S`, and ends this worker (exit :data:`ORPHAN_EXIT`) once the process
-    that started it is gone (a worker re-parented: xpar was killed with SIGKILL; two workers
-    had trained on as orphans to step 400). It keeps beating while the main thread waits in a collective
+    every :data:`HEARTBEAT_S`, and ends this worker (exit :data:`ORPHAN_EXIT`) once xpar, the process
+    ``launcher_pid`` that launched it, is gone or a zombie (xpar was killed with SIGKILL; two workers
+    had trained on as orphans to step 400). Not the parent: a worker's parent is the fork server
+    (xpar.run.forkserver), which outlives xpar while its workers hold it. It keeps beating while the main thread waits in a collective
     (gloo and NCCL waits release the GIL); it stops when the process is stopped or dies."""
     import threading
 
     d = Path(out_dir) / HEARTBEAT_DIR
     d.mkdir(parents=True, exist_ok=True)
     path, tmp = d / f"rank{rank}.json", d / f".rank{rank}.tmp"
-    parent = os.getppid()
+    launcher = psutil.Process(launcher_pid)
 
     def beat():
         while True:
-            if os.getppid() != parent:  # xpar died (kill -9): nothing records this run any more
+            if _gone(launcher):  # xpar died (kill -9): nothing records this run any more
                 os._exit(ORPHAN_EXIT)
             try:
                 tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time(), "progress_t": PROGRESS["t"],
@@ -188,13 +189,22 @@ def start_heartbeat(out_dir: Path, rank: int) -> None:
     threading.Thread(target=beat, name="xpar-heartbeat", daemon=True).start()
 
 
-def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
-    """Entry point of a spawned local worker (``torch.multiprocessing.start_processes``)."""
+def _gone(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has ended (its pid gone or reused) or is a zombie its own parent has not reaped."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int, launcher_pid: int) -> None:
+    """Entry point of a local worker (:func:`xpar.run.launch.start_workers`); ``launcher_pid``: the xpar
+    process that launched it (:func:`start_heartbeat`)."""
     spec = RunSpec.from_dict(spec_dict)
     if spec.device == "cpu":  # before any thread of ours or gloo's allocates (xpar.run.host_memory)
         keep_large_tensors_on_the_heap()
     out = Path(out_dir)
-    start_heartbeat(out, local_rank)
+    start_heartbeat(out, local_rank, launcher_pid)
     logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)
