@@ -67,10 +67,10 @@ def function_local_xpar_imports() -> list[tuple[str, str, int]]:
 
 
 @cache
-def pulls_in(module: str, library: str) -> bool:
-    """Whether importing ``module`` imports ``library`` (through top-level imports, parent packages
-    included)."""
-    seen, todo = set(), [module]
+def reached(module: str) -> frozenset[str]:
+    """Every module importing ``module`` imports (through top-level imports, parent packages included),
+    xpar's and other libraries' (the latter by the name imported, not walked further)."""
+    seen, todo, out = set(), [module], set()
     while todo:
         m = todo.pop()
         if m in seen or m not in _modules():
@@ -79,10 +79,14 @@ def pulls_in(module: str, library: str) -> bool:
         parts = m.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]
         for t in _imports(m)[0]:
-            if t.split(".")[0] == library:
-                return True
+            out.add(t)
             todo += [t, t.rsplit(".", 1)[0]]
-    return False
+    return frozenset(out | seen)
+
+
+def pulls_in(module: str, library: str) -> bool:
+    """Whether importing ``module`` imports ``library`` (:func:`reached`)."""
+    return any(t.split(".")[0] == library for t in reached(module) if not t.startswith("xpar"))
 
 
 def test_function_local_imports_of_xpar_are_the_listed_few():
@@ -108,6 +112,15 @@ def test_the_fast_path_modules_are_torch_free_at_import():
     for module in ("xpar.__main__", "xpar.run.job", "xpar.plan.command", "xpar.estimate.cost"):
         assert not pulls_in(module, "torch"), module
         assert not pulls_in(module, "mlflow") and not pulls_in(module, "matplotlib"), module
+
+
+def test_the_launcher_leaves_the_workers_modules_to_the_fork_server():
+    """xpar, the process that launches local workers, imports torch.multiprocessing and no more of torch:
+    the engine and the parallel wrappers are imported once by the fork server the workers fork from."""
+    for module in ("xpar.run.launch", "xpar.run.forkserver"):
+        heavy = {"xpar.run.worker", "xpar.parallel.factory", "torch.distributed"} & reached(module)
+        assert not heavy, (module, heavy)
+    assert {"xpar.parallel.factory", "torch.distributed"} <= reached("xpar.run.worker")  # the walk sees them
 
 
 def test_the_import_walk_sees_torch_where_it_is():

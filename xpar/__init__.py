@@ -6,6 +6,7 @@ LAZY_IMPORTS = {
     "xpar.__main__": {"xpar.track.compare": "pandas", "xpar.calibrate.command": "torch"},
     "xpar.track.sweep": {"xpar.track.parent_run": "pandas"},
     "xpar.run.job": {"xpar.run.launch": "torch", "xpar.run.worker": "torch"},
+    "xpar.run.forkserver": {"xpar.run.worker": "torch"},
     "xpar.run.checkpoint": {"xpar.parallel.optim": "torch"},
     "xpar.run.dryrun": {"xpar.parallel.factory": "torch", "xpar.parallel.mesh": "torch",
                         "xpar.parallel.memory_accounting": "torch"},

@@ -280,7 +280,7 @@ def test_journal_and_stats_survive_a_full_disk(tmp_path, capsys):
     from pathlib import Path
 
     from xpar.run.launch import WorkerFailed, read_stats
-    from xpar.run.worker import stats_fallback
+    from xpar.run.worker_files import stats_fallback
     from xpar.track.journal import Journal
 
     j = Journal(tmp_path)

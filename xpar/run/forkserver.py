@@ -29,3 +29,10 @@ def start_server(preload: tuple[str, ...] = WORKER_PRELOAD) -> str:
         multiprocessing.set_forkserver_preload(list(preload))
         multiprocessing.forkserver.ensure_running()
     return method
+
+
+def worker_entry(local_rank: int, *args) -> None:
+    """A local worker's entry (:func:`xpar.run.worker.spawn_entry`), named without importing torch here:
+    the launcher passes this function, the worker imports the worker module (the server has it already)."""
+    from xpar.run.worker import spawn_entry  # lazy: torch (xpar.LAZY_IMPORTS)
+    spawn_entry(local_rank, *args)

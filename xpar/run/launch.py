@@ -19,9 +19,9 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
-from xpar.run.forkserver import WORKER_PRELOAD, start_server
+from xpar.run.forkserver import WORKER_PRELOAD, start_server, worker_entry
 from xpar.run.exits import WorkerFailed  # noqa: F401  (re-exported: xpar.run.launch.WorkerFailed)
-from xpar.run.worker import HEARTBEAT_DIR, STATS_FILE, spawn_entry, stats_fallback
+from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 
 
 def free_port() -> int:
@@ -150,7 +150,7 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
         WorkerFailed: the first worker that raised or exited non-zero (the rest are ended).
         KeyboardInterrupt: re-raised after ending the workers.
     """
-    ctx = start_workers(spawn_entry, (spec.to_dict(), str(out_dir), free_port(), os.getpid()), spec.world_size)
+    ctx = start_workers(worker_entry, (spec.to_dict(), str(out_dir), free_port(), os.getpid()), spec.world_size)
     try:
         while not ctx.join(timeout=1.0, grace_period=PEER_GRACE_S):
             stopped = (stalled_rank(out_dir, spec.heartbeat_timeout_s)
@@ -183,7 +183,7 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
 def read_stats(out_dir: Path) -> list[dict]:
     """The per-rank stats rank 0 wrote (:func:`xpar.run.worker.run_rank`): ``ranks.json`` in the run's
     folder, or, where that disk was full, its copy in the system's temporary folder
-    (:func:`xpar.run.worker.stats_fallback`).
+    (:func:`xpar.run.worker_files.stats_fallback`).
 
     Raises:
         WorkerFailed: neither could be read (rank 0 could write neither).

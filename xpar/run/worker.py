@@ -29,11 +29,9 @@ from xpar.run.console import StepLines
 from xpar.run.exits import exit_worker
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
 from xpar.run.profile import StepProfiler
+from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 from xpar.run.train import train
 from xpar.track.journal import StepWriter, disk_warning
-
-STATS_FILE = "ranks.json"
-
 
 def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     """Build and train this rank's part; return all ranks' stats on rank 0 (None elsewhere).
@@ -79,16 +77,6 @@ def _progressing(saver):
         if saver is not None:
             saver(step, *args)
     return after_step
-
-
-def stats_fallback(out_dir: Path) -> Path:
-    """Where rank 0 writes the stats when the run's folder cannot take them (a full disk): the
-    system's temporary folder, named after the run's folder."""
-    import hashlib
-    import tempfile
-
-    key = hashlib.sha1(str(Path(out_dir).absolute()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"xpar-ranks-{key}.json"
 
 
 def _checkpoints(engine, out_dir: Path):
@@ -146,7 +134,6 @@ def live_metrics(spec, seconds: float) -> dict[str, float]:
     return out
 
 
-HEARTBEAT_DIR = "heartbeat"
 ORPHAN_EXIT = 75
 """Exit status of a worker that ended itself because xpar, its parent, was gone."""
 HEARTBEAT_S = 1.0
