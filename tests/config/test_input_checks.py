@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -155,14 +156,16 @@ def test_sigterm_during_calibrate_one_line_no_preset(tmp_path):
 
 
 def _workers_of_group(pgid: int) -> list[int]:
-    """Live spawned workers (multiprocessing's spawn_main) in process group ``pgid``."""
+    """Live workers in process group ``pgid``: processes forked by its fork server (xpar.run.forkserver), whose
+    parent is the server, not the group's leader, or spawned ones (multiprocessing's spawn_main)."""
     from pathlib import Path
 
     out = []
     for d in Path("/proc").glob("[0-9]*"):
         try:
             stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) == pgid and stat[0] != "Z" and b"spawn_main" in (d / "cmdline").read_bytes():
+            cmd, forked = (d / "cmdline").read_bytes(), int(stat[1]) != pgid
+            if int(stat[2]) == pgid and stat[0] != "Z" and (b"spawn_main" in cmd or forked and b"forkserver" in cmd):
                 out.append(int(d.name))
         except (OSError, IndexError, ValueError):
             continue
@@ -170,9 +173,9 @@ def _workers_of_group(pgid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_failed_calibration_writes_no_preset(tmp_path):
-    """The store is broken (a file that is not SQLite where the default store goes): the calibration
-    measures, then fails recording: one line "calibrate failed", exit 1, and no preset in conf/."""
+def test_a_broken_store_stops_calibrate_before_it_measures(tmp_path):
+    """The store is broken (a file that is not SQLite where the default store goes): calibrate says so in
+    one line and exits 2 before any worker measures anything (no calibration.json), writing no preset."""
     import os
 
     name = f"pytest_fail_{os.getpid()}"
@@ -180,9 +183,43 @@ def test_a_failed_calibration_writes_no_preset(tmp_path):
     r = _xpar("calibrate", "--quick", "--name", name, "--out", str(tmp_path / "cal"), cwd=tmp_path, timeout=300)
     preset = conf_dir() / "hardware" / f"calibrated_{name}.yaml"
     try:
-        assert r.returncode == 1, r.stderr[-2000:]
-        assert "Traceback" not in r.stderr and "xpar: calibrate failed, no preset written:" in r.stderr, r.stderr[-3000:]
-        assert not preset.exists()
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and "xpar: calibrate measured nothing: " in r.stderr, r.stderr[-3000:]
+        assert "tracking.uri=sqlite:///" in r.stderr and "--no-track" in r.stderr, r.stderr[-3000:]
+        assert not (tmp_path / "cal" / "calibration.json").exists() and not preset.exists()
+    finally:
+        preset.unlink(missing_ok=True)
+
+
+def _measured_quick() -> dict:
+    """What ``measure_workers(2, QUICK_BYTES, 5)`` returned on a 2-core machine (tests/calibrate/measured_quick.json)."""
+    import json
+
+    raw = json.loads((Path(__file__).parents[1] / "calibrate" / "measured_quick.json").read_text())
+    raw["compute"]["matmul"] = {int(n): r for n, r in raw["compute"]["matmul"].items()}
+    raw["collectives"] = {k: {int(b): t for b, t in v.items()} for k, v in raw["collectives"].items()}
+    return raw
+
+
+def test_a_calibration_that_fails_recording_writes_no_preset(tmp_path, monkeypatch, capsys):
+    """Measured, then the store fails while the run is logged: one line "calibrate failed", exit 1, no preset."""
+    import os
+
+    from xpar.calibrate import command
+
+    def store_fails(*_args):
+        raise OSError("database or disk is full")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(command, "measure_workers", lambda *_a, **_k: _measured_quick())
+    monkeypatch.setattr(command, "_log", store_fails)
+    name = f"pytest_fail_{os.getpid()}"
+    preset = conf_dir() / "hardware" / f"calibrated_{name}.yaml"
+    try:
+        assert command.main(["--quick", "--name", name, "--out", str(tmp_path / "cal")]) == 1
+        err = capsys.readouterr().err
+        assert "xpar: calibrate failed, no preset written: database or disk is full" in err, err
+        assert (tmp_path / "cal" / "calibration.json").exists() and not preset.exists()
     finally:
         preset.unlink(missing_ok=True)
 

@@ -32,7 +32,7 @@ from xpar.calibrate.preset import (
 from xpar.config.presets import conf_dir
 from xpar.config.hardware import CALIBRATED_PREFIX
 from xpar.run.fidelity import CONTENTION_SHARE, usable_cores
-from xpar.track.runs import setup_experiment
+from xpar.track.runs import TrackingUnavailable, setup_experiment
 
 
 def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> Optional[str]:
@@ -52,12 +52,11 @@ def contention_warning(shares: dict, workers: int, threads: int, cores: int) -> 
             f"load is calibrated in (estimates on this preset read slower): calibrate again on a quieter machine")
 
 
-def _log(result: dict, preset: Path, out_dir: Path) -> str:
-    """An MLflow run (tag xpar.mode=calibrate) with the preset's values as params, the raw
-    curves as metrics and artifacts; its id."""
+def _log(result: dict, preset: Path, out_dir: Path, exp: str) -> str:
+    """An MLflow run (tag xpar.mode=calibrate) in experiment ``exp`` with the preset's values as params,
+    the raw curves as metrics and artifacts; its id."""
     import mlflow
 
-    exp = setup_experiment(None, "xpar", None, Path.cwd())
     with mlflow.start_run(experiment_id=exp, run_name=f"calibrate {preset.stem}",
                           tags={"xpar.mode": "calibrate", "xpar.preset": preset.stem,
                                 "xpar.contention": str(bool(result.get("contention"))).lower()}) as run:
@@ -75,9 +74,13 @@ def _log(result: dict, preset: Path, out_dir: Path) -> str:
 
 def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES, reps: int = 7,
               track: bool = True, out_dir: Path = Path("."), progress: bool = True, device: str = "cpu") -> dict:
-    """Measure, fit, write the preset (and log it); returns what was measured and written."""
+    """Measure, fit, write the preset (and log it); returns what was measured and written.
+
+    Raises:
+        TrackingUnavailable: ``track`` and the store in this folder cannot be used; said before measuring."""
     import torch
 
+    exp = setup_experiment(None, "xpar", None, Path.cwd()) if track else None
     measured = measure_workers(workers, sizes, reps, threads, device, progress=progress)
     coll, compute = measured["collectives"], measured["compute"]
     matmul, bandwidth, host = compute["matmul"], compute["memory_bandwidth"], compute["host"]
@@ -106,7 +109,7 @@ def calibrate(name: str, workers: int = 2, threads: int = 1, sizes=MESSAGE_BYTES
               "contention": busy}
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=1, default=str))
     if track:
-        result["run_id"] = _log(result, staged, out_dir)
+        result["run_id"] = _log(result, staged, out_dir, exp)
     write_preset(name, values, header)  # last: a calibration that failed writes no preset
     return result
 
@@ -172,6 +175,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("xpar: calibrate interrupted; workers ended, no preset written.", file=sys.stderr)
         return 130
+    except TrackingUnavailable as e:
+        print(f"xpar: calibrate measured nothing: {e} (or --no-track)", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 (a measurement, the store or the disk: one line, no preset)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"xpar: calibrate failed, no preset written: {first}", file=sys.stderr)
