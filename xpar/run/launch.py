@@ -199,3 +199,4 @@ def read_stats(out_dir: Path) -> list[dict]:
     raise WorkerFailed(0, f"its gathered stats could be written neither to {out_dir / STATS_FILE} nor to "
                           f"{stats_fallback(out_dir)} (a full disk?); free space, or pass "
                           f"hydra.run.dir=<a folder with space>")
+
