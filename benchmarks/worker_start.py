@@ -22,6 +22,8 @@ import time
 
 def _worker(rank: int) -> None:
     import xpar.run.worker  # noqa: F401  (what a worker imports before it builds its engine)
+    from xpar.run.exits import exit_worker
+    exit_worker()  # as a run's worker ends, whichever way it started
 
 
 def _trial(method: str, world: int) -> None:

@@ -7,6 +7,7 @@ import copy
 import functools
 import json
 import multiprocessing.process
+import multiprocessing.util
 import os
 import platform
 import subprocess
@@ -244,6 +245,7 @@ def _no_spawn(item):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(subprocess.Popen, "_execute_child", refuse)
         mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        mp.setattr(multiprocessing.util, "spawnv_passfds", refuse)  # the fork server's and resource tracker's start
         yield
 
 

@@ -187,6 +187,36 @@ def test_ctrl_c_ends_the_sweep_parent_killed(tmp_path):
     assert kids.iloc[0]["metrics.train/loss"] > 0  # the steps before Ctrl-C are kept
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_the_fork_server_imports_is_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while the fork server imports torch, before any worker
+    runs: xpar's one line and exit 130; no traceback from the server, which shares the group."""
+    p = subprocess.Popen([sys.executable, "-m", "xpar", "train.steps=200", "train.warmup_steps=1", ONE_WORKER,
+                          "run.progress=false"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=_ctrl_c_reaches_it, start_new_session=True)
+    deadline = time.time() + 60
+    while not _fork_server_of(p.pid):
+        assert time.time() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)  # inside its imports (seconds of torch)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert "xpar: interrupted" in err, err[-3000:]
+
+
+def _fork_server_of(pgid: int) -> bool:
+    """Whether process group ``pgid`` holds a fork server (xpar.run.forkserver)."""
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            group = int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            if group == pgid and b"forkserver" in (d / "cmdline").read_bytes():
+                return True
+        except (OSError, IndexError, ValueError):
+            continue
+    return False
+
+
 def _pids(run_dir: Path) -> dict:
     return {int(f.stem[4:]): json.loads(f.read_text())["pid"] for f in (run_dir / "heartbeat").glob("rank*.json")}
 

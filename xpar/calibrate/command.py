@@ -176,7 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("xpar: calibrate interrupted; workers ended, no preset written.", file=sys.stderr)
         return 130
     except TrackingUnavailable as e:
-        print(f"xpar: calibrate measured nothing: {e} (or --no-track)", file=sys.stderr)
+        print(f"xpar: calibrate measured nothing: {e.problem}. Repair or move aside the store in this folder, "
+              f"or pass --no-track.", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 (a measurement, the store or the disk: one line, no preset)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

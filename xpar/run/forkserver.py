@@ -1,23 +1,38 @@
-"""The fork server local workers start from (Python's ``forkserver`` start method).
+"""The fork server local workers start from (Python's ``forkserver`` start method, on Linux).
 
 A worker spawned afresh imports torch and xpar's parallel stack: seconds of CPU each on a small
 machine, once per worker. The fork server imports them once per ``xpar`` process and forks every
 worker from that state, which is still a fresh interpreter's (no thread, no process group, no CUDA
 context). :func:`start_server` starts it as soon as a run is known to execute, so its imports overlap
-the parent's own set-up (MLflow). Torch-free: the parent imports torch only to launch.
+the parent's own set-up (MLflow). What a library reads from the environment when it is loaded
+(``OMP_*``, ``LD_PRELOAD``, ``TORCH_LOGS``) is read once, in the server, at its start.
 """
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
+import sys
+import threading
+import time
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "xpar.run.worker")
-"""What the server imports before it forks a worker: what every worker imports first."""
+import psutil
+
+WORKER_PRELOAD = ("xpar.run.quiet_server", "torch", "torch.distributed", "xpar.run.worker")
+"""What the server imports before it forks a worker: what every worker imports first (after
+:mod:`xpar.run.quiet_server`, which keeps Ctrl-C from the server while it imports)."""
+ORPHAN_EXIT = 75
+"""Exit status of a worker that ended itself because xpar, the process that launched it, was gone."""
+WATCH_S = 1.0
+"""Seconds between a worker's checks that xpar still runs."""
 
 
 def start_method() -> str:
-    """'forkserver' where this platform has it, else 'spawn' (Windows)."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    """'forkserver' on Linux; 'spawn' elsewhere (macOS: forking a process that loaded its system
+    frameworks is unsafe, CPython's reason for spawn there; Windows has no fork)."""
+    linux = sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods()
+    return "forkserver" if linux else "spawn"
 
 
 def start_server(preload: tuple[str, ...] = WORKER_PRELOAD) -> str:
@@ -29,6 +44,35 @@ def start_server(preload: tuple[str, ...] = WORKER_PRELOAD) -> str:
         multiprocessing.set_forkserver_preload(list(preload))
         multiprocessing.forkserver.ensure_running()
     return method
+
+
+def in_callers_env(rank: int, entry, launcher_pid: int, env: dict, cwd: str, ctrl_c: bool, *args) -> None:
+    """A worker's first call: take the launcher's environment and folder ``env``, ``cwd`` (the server's
+    are those of its start), Python's default Ctrl-C handler where ``ctrl_c`` (the launcher's SIGINT is not
+    ignored, as a spawned worker would find it; the server ignores it), and a watch that
+    ends this worker (exit :data:`ORPHAN_EXIT`) once xpar, ``launcher_pid``, is gone or a zombie (killed
+    with SIGKILL: nothing records the run any more; the worker's parent is the server, which outlives
+    xpar while its workers run); then ``entry(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    signal.signal(signal.SIGINT, signal.default_int_handler if ctrl_c else signal.SIG_IGN)
+    launcher = psutil.Process(launcher_pid)
+
+    def watch():
+        while not _gone(launcher):
+            time.sleep(WATCH_S)
+        os._exit(ORPHAN_EXIT)
+    threading.Thread(target=watch, name="xpar-launcher-watch", daemon=True).start()
+    entry(rank, *args)
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has ended (its pid gone or reused) or is a zombie its own parent has not reaped."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def worker_entry(local_rank: int, *args) -> None:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
-from xpar.run.forkserver import WORKER_PRELOAD, start_server, worker_entry
+from xpar.run.forkserver import WORKER_PRELOAD, in_callers_env, start_server, worker_entry
 from xpar.run.exits import WorkerFailed  # noqa: F401  (re-exported: xpar.run.launch.WorkerFailed)
 from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 
@@ -36,17 +36,11 @@ def start_workers(entry, args: tuple, world: int, preload: tuple[str, ...] = WOR
     They are forked from this process's fork server (:func:`xpar.run.forkserver.start_server`, which
     imports ``preload`` where it starts it here), or spawned where the platform has none. Each takes this
     process's environment and working directory at the call, as a spawned process does, not the
-    server's at its start."""
+    server's at its start, and ends itself once this process is gone (:func:`xpar.run.forkserver.in_callers_env`)."""
     method = start_server(preload)
-    return mp.start_processes(_in_callers_env, args=(entry, dict(os.environ), os.getcwd(), *args), nprocs=world,
-                              join=False, start_method=method)
-
-
-def _in_callers_env(rank: int, entry, env: dict, cwd: str, *args) -> None:
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    entry(rank, *args)
+    ctrl_c = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    return mp.start_processes(in_callers_env, args=(entry, os.getpid(), dict(os.environ), os.getcwd(), ctrl_c, *args),
+                              nprocs=world, join=False, start_method=method)
 
 
 def _last_error_line(traceback_text: str) -> str:
@@ -150,7 +144,7 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
         WorkerFailed: the first worker that raised or exited non-zero (the rest are ended).
         KeyboardInterrupt: re-raised after ending the workers.
     """
-    ctx = start_workers(worker_entry, (spec.to_dict(), str(out_dir), free_port(), os.getpid()), spec.world_size)
+    ctx = start_workers(worker_entry, (spec.to_dict(), str(out_dir), free_port()), spec.world_size)
     try:
         while not ctx.join(timeout=1.0, grace_period=PEER_GRACE_S):
             stopped = (stalled_rank(out_dir, spec.heartbeat_timeout_s)
@@ -199,4 +193,3 @@ def read_stats(out_dir: Path) -> list[dict]:
     raise WorkerFailed(0, f"its gathered stats could be written neither to {out_dir / STATS_FILE} nor to "
                           f"{stats_fallback(out_dir)} (a full disk?); free space, or pass "
                           f"hydra.run.dir=<a folder with space>")
-

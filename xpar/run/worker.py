@@ -134,8 +134,11 @@ def live_metrics(spec, seconds: float) -> dict[str, float]:
     return out
 
 
-ORPHAN_EXIT = 75
-"""Exit status of a worker that ended itself because xpar, its parent, was gone."""
+PG_TIMEOUT_MARGIN_S = 5.0
+"""Seconds a local worker's process group waits past ``run.collective_timeout_s`` before gloo (NCCL) times
+a collective or a pipeline recv out itself. xpar's launcher names a hang at the timeout from the heartbeats
+(:func:`xpar.run.launch.hung_run`, polled every second, beats every :data:`HEARTBEAT_S`): its line names the
+ranks and the steps they finished, gloo's only a recv that timed out; the two deadlines raced."""
 HEARTBEAT_S = 1.0
 """Seconds between a local worker's heartbeats (xpar.run.launch watches them)."""
 PROGRESS = {"t": time.time(), "step": -2}
@@ -148,24 +151,17 @@ def mark_progress(step: int) -> None:
     PROGRESS.update(t=time.time(), step=step)
 
 
-def start_heartbeat(out_dir: Path, rank: int, launcher_pid: int) -> None:
+def start_heartbeat(out_dir: Path, rank: int) -> None:
     """A daemon thread that writes ``{"pid", "t"}`` to ``<out_dir>/heartbeat/rank<rank>.json``
-    every :data:`HEARTBEAT_S`, and ends this worker (exit :data:`ORPHAN_EXIT`) once xpar, the process
-    ``launcher_pid`` that launched it, is gone or a zombie (xpar was killed with SIGKILL; two workers
-    had trained on as orphans to step 400). Not the parent: a worker's parent is the fork server
-    (xpar.run.forkserver), which outlives xpar while its workers hold it. It keeps beating while the main thread waits in a collective
+    every :data:`HEARTBEAT_S` (a worker whose xpar was killed ends itself: xpar.run.forkserver.in_callers_env). It keeps beating while the main thread waits in a collective
     (gloo and NCCL waits release the GIL); it stops when the process is stopped or dies."""
     import threading
 
     d = Path(out_dir) / HEARTBEAT_DIR
     d.mkdir(parents=True, exist_ok=True)
     path, tmp = d / f"rank{rank}.json", d / f".rank{rank}.tmp"
-    launcher = psutil.Process(launcher_pid)
-
     def beat():
         while True:
-            if _gone(launcher):  # xpar died (kill -9): nothing records this run any more
-                os._exit(ORPHAN_EXIT)
             try:
                 tmp.write_text(json.dumps({"pid": os.getpid(), "t": time.time(), "progress_t": PROGRESS["t"],
                                            "step": PROGRESS["step"]}))
@@ -176,22 +172,14 @@ def start_heartbeat(out_dir: Path, rank: int, launcher_pid: int) -> None:
     threading.Thread(target=beat, name="xpar-heartbeat", daemon=True).start()
 
 
-def _gone(proc: psutil.Process) -> bool:
-    """Whether ``proc`` has ended (its pid gone or reused) or is a zombie its own parent has not reaped."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
-
-def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int, launcher_pid: int) -> None:
-    """Entry point of a local worker (:func:`xpar.run.launch.start_workers`); ``launcher_pid``: the xpar
-    process that launched it (:func:`start_heartbeat`)."""
+def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int) -> None:
+    """Entry point of a local worker (:func:`xpar.run.launch.start_workers`). Its process group's timeout is
+    :data:`PG_TIMEOUT_MARGIN_S` past ``run.collective_timeout_s``: the launcher names a hang at the timeout."""
     spec = RunSpec.from_dict(spec_dict)
     if spec.device == "cpu":  # before any thread of ours or gloo's allocates (xpar.run.host_memory)
         keep_large_tensors_on_the_heap()
     out = Path(out_dir)
-    start_heartbeat(out, local_rank, launcher_pid)
+    start_heartbeat(out, local_rank)
     logging.basicConfig(filename=out / f"worker_{local_rank}.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)
@@ -204,7 +192,8 @@ def spawn_entry(local_rank: int, spec_dict: dict, out_dir: str, port: int, launc
         os.getpid(), spec.device, backend, spec.layout.coords(local_rank), spec.layout.cp_rank(local_rank),
         spec.train.steps)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=local_rank,
-                            world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+                            world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.collective_timeout_s + PG_TIMEOUT_MARGIN_S))
     try:
         run_rank(spec, out)
     finally:

@@ -109,7 +109,12 @@ def ignore_inherited_run() -> None:
 
 
 class TrackingUnavailable(RuntimeError):
-    """The tracking store cannot be reached or used; raised before any worker starts."""
+    """The tracking store cannot be reached or used; raised before any worker starts. ``problem``: the
+    message without its advice (what the store said), for a command whose switches differ (calibrate)."""
+
+    def __init__(self, message: str, problem: Optional[str] = None):
+        super().__init__(message)
+        self.problem = problem or message
 
 
 def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Optional[str],
@@ -132,9 +137,9 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
             seed_new_store(uri)
             return _experiment_id(uri, experiment, artifact_location, start_dir)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
-        raise TrackingUnavailable(f"cannot use the MLflow tracking store tracking.uri={uri}: "
-                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}. "
-                                  f"{_store_advice(uri, e)}") from None
+        problem = (f"cannot use the MLflow tracking store tracking.uri={uri}: "
+                   f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        raise TrackingUnavailable(f"{problem}. {_store_advice(uri, e)}", problem) from None
 
 
 def _store_advice(uri: str, e: Optional[Exception] = None) -> str:
