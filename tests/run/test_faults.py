@@ -201,8 +201,11 @@ def test_ctrl_c_while_the_fork_server_imports_is_one_line(tmp_path):
     time.sleep(0.3)  # inside its imports (seconds of torch)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert "xpar: interrupted" in err, err[-3000:]
+    # 130, or killed by SIGINT (a shell shows both as 130): CPython kills itself with SIGINT at its exit when it
+    # counted a KeyboardInterrupt unhandled (Modules/main.c exit_sigint); strace showed xpar's process sending
+    # itself SIGINT after xpar's line in 3 of 6 runs, xpar having caught the interrupt
+    assert p.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (p.returncode, err[-3000:])
+    assert err.strip().splitlines() == ["xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED."], err
 
 
 def _fork_server_of(pgid: int) -> bool:
