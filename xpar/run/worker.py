@@ -33,6 +33,7 @@ from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 from xpar.run.train import train
 from xpar.track.journal import StepWriter, disk_warning
 
+
 def run_rank(spec: RunSpec, out_dir: Path) -> Optional[list[dict]]:
     """Build and train this rank's part; return all ranks' stats on rank 0 (None elsewhere).
 
