@@ -8,7 +8,7 @@ from xpar.config.checks.hardware import load_hardware_preset
 from xpar.config.presets import preset_dict, presets
 from xpar.config.checks.framework import check_framework
 from xpar.config.schema import FrameworkConfig
-from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times, expert_tokens
+from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times, expert_loop_gap, expert_tokens
 from xpar.estimate.compute.kernels import device_of
 from xpar.estimate.moe_dispatch import DISPATCHERS, HOST_SYNC_US, sync_seconds
 
@@ -82,3 +82,30 @@ def test_vectorised_block_times_with_a_dispatcher_equal_scalar_ones():
     for i in range(3):
         one = block_times(MOE_30B, int(b[i]), 4096, H100, tp=int(tp[i]), ep=8, host_us_per_kernel=10.0)
         assert float(cols.total[i]) == pytest.approx(float(one.total), rel=1e-12)
+
+
+def test_a_loop_of_per_expert_gemm_calls_idles_the_gpu_where_a_call_outlasts_its_gemm():
+    """Transformer Engine's GroupedLinear (megatron_core's grouped GEMM) issues one GEMM per local expert: 2 calls an
+    expert forward (fc1, fc2), 4 backward (their dgrad and wgrad), each ``expert_gemm_call_us`` on the host after the
+    MoE layer's synchronisation. Where a call outlasts its GEMM the GPU waits; with thousands of tokens an expert it
+    does not. One grouped kernel (torchtitan's torch._grouped_mm) has no such loop."""
+    call = FrameworkConfig(**preset_dict("framework", "megatron_core")).expert_gemm_call_us
+    assert call > 0 and FrameworkConfig(**preset_dict("framework", "torchtitan")).expert_gemm_call_us == 0
+    assert float(expert_loop_gap(16, 0.0, False, call)) == pytest.approx(2 * 16 * call * 1e-6)
+    assert float(expert_loop_gap(16, 0.0, True, call)) == pytest.approx(4 * 16 * call * 1e-6)
+    assert float(expert_loop_gap(16, 1.0, True, call)) == 0.0 and float(expert_loop_gap(16, 0.0, True, 0.0)) == 0.0
+    wide = block_times(MOE_30B, 16, 4096, H100, ep=8, expert_call_us=call)  # 32k tokens an expert
+    assert float(wide.overhead) == float(block_times(MOE_30B, 16, 4096, H100, ep=8).overhead)
+
+
+def test_micro_batch_1_and_4_of_a_narrow_moe_differ_by_the_expert_loop_under_megatron_core():
+    """The issue's pair: a 30B-A3B's published runs at micro-batch 1 and 4 differ 2.9x per token. Under megatron_core's
+    per-expert GEMM calls a b 1 block (2,048 tokens an expert, GEMMs of 10-25 us) waits on the host's 16-expert loop,
+    a b 4 block mostly not: at least 1.8x per token, where one grouped kernel gives a few percent."""
+    call = FrameworkConfig(**preset_dict("framework", "megatron_core")).expert_gemm_call_us
+    per_token = [float(block_step_times(MOE_30B, b, 4096, H100, ep=8, host_us_per_kernel=4.0,
+                                        expert_call_us=call).total) / (b * 4096) for b in (1, 4)]
+    assert per_token[0] / per_token[1] > 1.8
+    grouped = [float(block_step_times(MOE_30B, b, 4096, H100, ep=8, host_us_per_kernel=4.0).total) / (b * 4096)
+               for b in (1, 4)]
+    assert grouped[0] / grouped[1] < 1.10

@@ -281,3 +281,9 @@ class FrameworkConfig:
     grad_accum_cast_bytes: int = 0
     """Bytes per element of the largest parameter's gradient cast before its accumulation into the fp32 buffer
     after each micro-batch's backward (DeepSpeed BF16_Optimizer.update_hp_grads: ``lp.grad.to(fp32)``: 4); 0: none."""
+    expert_gemm_call_us: float = 0.0
+    """Host microseconds per local expert and GEMM call where the grouped expert GEMM is a loop of one cuBLAS
+    GEMM per expert (Transformer Engine's GroupedLinear on multiple streams: fc1 and fc2 forward, their dgrad
+    and wgrad backward, each expert's own call, allocations and split): issued after the MoE layer's host
+    synchronisation, it idles the GPU where the experts' GEMMs are shorter (xpar.estimate.compute.kernel_block);
+    0 where one kernel runs every expert (torch._grouped_mm, DeepGEMM, CUTLASS grouped GEMM, XLA)."""

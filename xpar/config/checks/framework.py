@@ -24,7 +24,7 @@ CHOICES = {
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction",
              "tp_overlap_across_nodes")
 NON_NEGATIVE = ("layer_overhead_ms", "host_op_us", "zero3_host_ops_per_rank", "zero3_reduce_host_ops_per_rank",
-                "zero3_persist_numel", "zero3_reuse_distance", "zero3_persist_host_ops_per_rank")
+                "zero3_persist_numel", "zero3_reuse_distance", "zero3_persist_host_ops_per_rank", "expert_gemm_call_us")
 
 
 def check_framework(fw: FrameworkConfig) -> list[str]:

@@ -119,7 +119,8 @@ RANGES: dict[str, Range] = {
     # framework (choices and byte widths also in xpar.config.checks.framework)
     **{f"framework.{k}": NON_NEGATIVE for k in ("passes_forward", "passes_backward", "zero3_host_ops_per_rank",
                                                 "zero3_reduce_host_ops_per_rank", "zero3_persist_host_ops_per_rank",
-                                                "host_op_us", "layer_overhead_ms", "grad_accumulation_passes")},
+                                                "host_op_us", "layer_overhead_ms", "grad_accumulation_passes",
+                                                "expert_gemm_call_us")},
     **{f"framework.{k}": FRACTION for k in ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown",
                                             "recompute_layer_fraction")},
     "framework.grad_reduce_bytes": _i(2, 4), "framework.grad_bytes": _i(2, 6), "framework.optimizer_bytes": _i(0, 16),

@@ -215,7 +215,7 @@ def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backwa
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
-                dispatcher: str = "alltoall") -> BlockTerms:
+                dispatcher: str = "alltoall", expert_call_us: float = 0.0) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -227,7 +227,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
     ``dispatcher``: the MoE token dispatcher (xpar.estimate.moe_dispatch.DISPATCHERS): its host
     synchronisation idles the GPU once per MoE forward (in ``overhead``), its sorting by local expert
-    moves bytes (in ``memory``).
+    moves bytes (in ``memory``). ``expert_call_us``: host microseconds per local expert and GEMM call
+    where the grouped GEMM loops over the experts (framework.expert_gemm_call_us; 2 calls a forward, 4 a backward).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device."""
@@ -256,11 +257,22 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
     busy = gemm + experts + attn + memory
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
+    if sh.experts:
+        over = over + expert_loop_gap(sh.experts // np.asarray(ep), experts, backward, expert_call_us)
     if sh.experts and not backward:  # the backward reuses the forward's split sizes: no synchronisation
         over = over + sync_seconds(dispatcher, host_us_per_kernel, sh.capacity_factor is not None)
     shape = np.broadcast(t, busy).shape
     return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
                         for x in (gemm, projections, experts, attn, memory, over, kernels)))
+
+
+def expert_loop_gap(local, expert_s, backward: bool, call_us: float):
+    """Seconds the GPU waits on the host in a grouped expert GEMM that loops over ``local`` experts, one GEMM
+    call each at ``call_us`` host microseconds (fc1 and fc2: 2 calls an expert forward, their dgrad and wgrad
+    4 backward) beyond the experts' own GEMM seconds ``expert_s``: the loop follows the MoE layer's host
+    synchronisation (the dispatcher's split sizes), so no earlier work hides it. 0 where ``call_us`` is 0."""
+    calls = (4 if backward else 2) * np.asarray(local, dtype=float)
+    return np.maximum(0.0, calls * call_us * 1e-6 - expert_s)
 
 
 def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw) -> BlockTerms:
