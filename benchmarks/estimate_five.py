@@ -18,7 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from xpar.calibrate.published import cp_fp8_case, published_figure, read_table  # noqa: E402
+from xpar.calibrate.cp_fp8 import cp_fp8_case, published_figure  # noqa: E402
+from xpar.calibrate.published import read_table  # noqa: E402
 from xpar.estimate.cost import estimate  # noqa: E402
 from xpar.estimate.compute.kernel_costs import kernel_priced  # noqa: E402
 
@@ -79,11 +80,15 @@ def markdown(res: list[dict], causal: list[str] = ()) -> str:
              f"{date.today()}; the rows and their sources are in `tests/data/cp_fp8_h100.csv`. |error| of the "
              "published figure in its source's FLOPs convention (TF/s of Megatron-LM and the Megatron-MoE "
              "ModelZoo: their causal count, at the model's own head dims: Qwen3's 128, DeepSeek-V3's MLA; "
-             "xpar.calibrate.published.published_figure). No constant is fitted on these rows: the H100's "
+             "xpar.calibrate.cp_fp8.published_figure). No constant is fitted on these rows: the H100's "
              "`sustained_efficiency` is fitted on the dense sources of the [published runs](published.md), and "
              "under the kernel model FP8 GEMMs run at the device's `gemm_efficiency_fp8` (a published sweep), so "
              "'held out' equals the shipped figures ('FP8 efficiency without it' is the FLOP model's refit, for "
-             "hardware without the kernel figures).", "",
+             "hardware without the kernel figures). Two MoE constants were chosen on the Megatron-MoE ModelZoo's "
+             "Qwen3-235B layouts (`tests/data/moe_layouts_h100.csv`, docs/concepts/kernels.md): megatron_core's "
+             "`expert_gemm_call_us` on its TP4 EP8 row (not here), and the all-to-all overlap share of rows that "
+             "state Megatron-Core's 1F1B overlap (`xpar.calibrate.cp_fp8.MOE_A2A_OVERLAP`) on its EP32 pair, "
+             "whose row without the overlap (`zoo_qwen3_235b_bf16_256_seq4096_ep32`) is here.", "",
              "| source | rows | MoE rows | median (held out) | max (held out) | FP8 efficiency without it | median "
              "(shipped) | max (shipped) |",
              "|---|---|---|---|---|---|---|---|"]

@@ -15,7 +15,8 @@ import statistics
 from pathlib import Path
 
 from xpar.calibrate.known_runs import known_run_spec
-from xpar.calibrate.published import cp_fp8_case, framework_assumptions, read_table
+from xpar.calibrate.cp_fp8 import cp_fp8_case
+from xpar.calibrate.published import framework_assumptions, read_table
 from xpar.estimate.cost import estimate
 from xpar.estimate.memory import per_device as mem
 
@@ -37,7 +38,7 @@ def known_rows() -> list[dict]:
 
 
 def cp_fp8_rows() -> list[dict]:
-    """cp_fp8_h100.csv rows with a published peak whose layout the corpus builds (xpar.calibrate.published.cp_fp8_case;
+    """cp_fp8_h100.csv rows with a published peak whose layout the corpus builds (xpar.calibrate.cp_fp8.cp_fp8_case;
     none today: torchtitan's CP/FP8 rows there lack one)."""
     out = []
     for row in read_table(DATA / "cp_fp8_h100.csv"):

@@ -6,7 +6,7 @@ source's layouts.
 
 Rows: tests/data/moe_layouts_h100.csv (a check-only source: no fit reads it) and the rows of
 tests/data/cp_fp8_h100.csv named in :data:`SAME_TABLE` (the same published table), each estimated as
-xpar.calibrate.published.cp_fp8_case builds it; errors in the source's own figure (step time, or model TF/s in its
+xpar.calibrate.cp_fp8.cp_fp8_case builds it; errors in the source's own figure (step time, or model TF/s in its
 causal count: published_figure), signed (+: xpar faster). Per model and cluster: Spearman's rho and the share of
 pairs xpar orders as the source does, over distinct layouts (a variant of a layout already listed, e.g. the same
 layout with the all-to-all overlapped, is reported but not ranked: the loader prices no overlap); the most
@@ -20,7 +20,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+from xpar.calibrate.cp_fp8 import cp_fp8_case, published_figure
+from xpar.calibrate.published import read_table
 from xpar.estimate.compute.kernel_block import block_step_times, shape_of
 from xpar.estimate.compute.kernels import device_of
 from xpar.estimate.cost import estimate

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from xpar.calibrate.published import cp_fp8_case, load_cases, make_spec, preset, read_table
+from xpar.calibrate.cp_fp8 import cp_fp8_case
+from xpar.calibrate.published import load_cases, make_spec, preset, read_table
 from xpar.config.profile import FrameworkConfig
 from xpar.estimate.cost import Assumptions, estimate
 from xpar.plan.command import PlanRefused, search

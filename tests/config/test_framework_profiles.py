@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose
+from xpar.calibrate import cp_fp8
 from xpar.calibrate import published as cal
 from xpar.config.checks import ConfigError
 from xpar.config.validate import validate
@@ -109,13 +110,13 @@ def test_nemo_automodels_published_70b_row_is_estimated_under_fsdp2_bf16():
     instead of 12 bytes of master and moments)."""
     row = next(r for r in cal.read_table(DATA / "cp_fp8_h100.csv")
                if r["id"] == "automodel_llama31_70b_bf16_64_cp2")
-    spec, assume, metric, published = cal.cp_fp8_case(row)
+    spec, assume, metric, published = cp_fp8.cp_fp8_case(row)
     assert assume.name == "fsdp2_bf16" and assume.optimizer_bytes == 8 and spec.layout.zero_stage == 3
     est = estimate(spec, assume)
-    titan_spec, titan, _, _ = cal.cp_fp8_case(dict(row, id="torchtitan_as_automodel"))
+    titan_spec, titan, _, _ = cp_fp8.cp_fp8_case(dict(row, id="torchtitan_as_automodel"))
     ref = estimate(titan_spec, titan)
     states = [m.params + m.grads + m.optimizer for m in (est.memory, ref.memory)]
     assert states[0] == pytest.approx(0.75 * states[1]) and est.memory.fits
-    error = cal.published_figure(est, spec, metric) / published - 1
+    error = cp_fp8.published_figure(est, spec, metric) / published - 1
     fewer_bytes = est.memory.optimizer / 8 * 2 * (12 - 8) / (spec.hardware.hbm_tb_per_s * 1e12)
     assert -0.10 < error < 0 and ref.time_per_step_s - est.time_per_step_s == pytest.approx(fewer_bytes, rel=0.01)

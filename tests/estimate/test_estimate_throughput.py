@@ -891,14 +891,15 @@ def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
     NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers, NeMo AutoModel; 37 on H100/H800): none
     refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
-    figure (in its source's FLOPs convention: xpar.calibrate.published.published_figure) within 12 % over
+    figure (in its source's FLOPs convention: xpar.calibrate.cp_fp8.published_figure) within 12 % over
     all of them (issue 30; under the kernel model, issue 42, measured 11.1 %, was 11.8 %) and within 22 %
     over the 19 MoE rows alone (measured 20.7 %, worse than the 14.3 % under FLOPs over one efficiency:
     Grok-1's FP8 rows +21-33 %, Qwen3-30B-A3B's small experts +176 %, DeepSeek-V3's whole-run average
     +45 %, the Qwen3-235B rows with cp 2-8 under-predicted by 13-26 %); the dense FP8 rows outside
     the dgxc ones (which fitted the FLOP model's fp8_matmul_efficiency; the kernel model's
     gemm_efficiency_fp8 is a published GEMM sweep, not fitted) within 6 % (measured 4.0 %)."""
-    from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+    from xpar.calibrate.cp_fp8 import cp_fp8_case, published_figure
+    from xpar.calibrate.published import read_table
     errors, refused, held_out, moe = {}, [], [], []
     for row in read_table(DATA / "cp_fp8_h100.csv"):
         case = cp_fp8_case(row)
@@ -926,7 +927,8 @@ def test_qwen3_rows_are_estimated_and_converted_at_their_head_dim():
     """Qwen3's heads are 128 wide (config.json head_dim; the Megatron-MoE ModelZoo's kv_channels), not
     hidden / n_heads = 64: the rows of tests/data/cp_fp8_h100.csv are estimated at 128, and the ModelZoo's
     TF/s compared in its own causal count at 128 (issue 42: the page converted at 64)."""
-    from xpar.calibrate.published import cp_fp8_case, published_figure, read_table
+    from xpar.calibrate.cp_fp8 import cp_fp8_case, published_figure
+    from xpar.calibrate.published import read_table
     from xpar.estimate.compute.flops import model_flops_per_token
     rows = [r for r in read_table(DATA / "cp_fp8_h100.csv") if r["model_name"].startswith("Qwen3")]
     assert len(rows) >= 8

@@ -6,7 +6,6 @@ builds RunSpecs of published layouts (Narayanan et al. 2021 Table 1) with
 """
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Optional
 
@@ -16,7 +15,6 @@ from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.columns.stage_split import plan_split
 from xpar.estimate.cost import Assumptions, estimate, with_hardware
-from xpar.estimate.compute.flops import model_flops_per_token
 from xpar.estimate.compute.kernel_costs import fitted_field
 
 
@@ -488,112 +486,3 @@ def leave_one_source_out(cases_by_source: dict) -> dict[str, dict]:
                      "calibration": [errors([c], everything[c[0]])[0] for c in cases],
                      "held_out": [errors([c], without[c[0]])[0] for c in cases]}
     return out
-
-
-def cp_fp8_case(row: dict):
-    """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
-    (context parallelism, FP8, MoE with expert parallelism; Llama shapes, DeepSeek-V3's MLA with the
-    paper's ranks and head dims (:data:`DEEPSEEK_V3_MLA`: its FLOPs; its memory as MHA), Qwen3's heads at
-    :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
-    and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
-    expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
-    :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
-    of 3 (Megatron-FSDP) as ZeRO-3."""
-    needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
-    if not row["gpu"].startswith(("H100", "H800")) or not all(row[k] for k in needed):
-        return None
-    L, pp, vp = int(row["layers"]), int(row["pp"] or 1), int(row["vp"] or 1)
-    n = pp * vp
-    model = dict(name=row["id"], n_layers=L, hidden=int(row["hidden"]), n_heads=int(row["heads"]),
-                 n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"] or 128256),
-                 seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
-                 tied_embeddings=False, bias=False, **_moe_fields(row),
-                 **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
-                 head_dim=HEAD_DIMS.get(row["model_name"]))
-    fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
-    recompute = (row["recompute"] or "none").split()[0]
-    recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
-    par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
-               ep=int(row["ep"] or 1), etp=int(row["etp"]) if row["etp"] else (1 if row["moe"] == "true" else None),
-               zero_stage=3 if fsdp2 else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
-               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
-               sequence_parallel=int(row["tp"] or 1) > 1,
-               layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
-    if (row["source"].startswith("The Llama 3 Herd") or ACCOUNTED_SPLIT in row["note"]) and n > 2 and (L + 2) % n == 0:
-        par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
-    hw_name = "h800_80gb_2048gpu" if row["gpu"].startswith("H800") else "h100_80gb_64gpu"
-    hw = dict(preset("hardware", hw_name), nodes=max(1, int(row["gpus"]) // 8))
-    train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
-                 dtype=row["dtype"], seq_len=int(row["seq"]))
-    a2a = dict(ep_dispatcher="deepep" if "DeepEP" in row["note"] or "DualPipe" in row["note"] else "alltoall",
-               ep_a2a_overlap=1.0 if "DualPipe" in row["note"] else 0.0)
-    metric = row["metric"]
-    if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
-        metric = "tflops_per_gpu_causal"
-    name, changes = cp_fp8_framework(row)
-    return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
-
-
-ACCOUNTED_SPLIT = "--account-for-embedding-in-pipeline-split"
-"""A row note naming this flag: Megatron-LM's --account-for-embedding-in-pipeline-split and
---account-for-loss-in-pipeline-split, which split L + 2 layers evenly over the pp x vp chunks, the first chunk
-holding one decoder layer fewer (the embedding) and the last one fewer (the loss), as the Llama 3 paper's split."""
-
-AUTOMODEL_OPTIMIZER_BYTES = 8
-"""Bytes per optimizer-state element of NeMo AutoModel's benchmark recipes: Transformer Engine's FusedAdam over the bf16
-parameters keeps its moments in fp32 and no master copy (2 x 4 bytes; the AutoModel docs, "Mixed-Precision Training":
-"TE FusedAdam keeps fp32 state regardless"; examples/llm_pretrain/llama3_1_70b_pretrain_benchmark_*.yaml)."""
-
-
-def cp_fp8_framework(row: dict) -> tuple[str, dict]:
-    """The framework profile of a tests/data/cp_fp8_h100.csv row and the changes its recipe states: torchtitan for
-    torchtitan's rows, fsdp2_bf16 for NeMo AutoModel's (bf16 parameters, its FusedAdam's fp32 moments:
-    :data:`AUTOMODEL_OPTIMIZER_BYTES`), megatron_core (NeMo, Megatron-LM, dgxc) for the others."""
-    if row["id"].startswith("torchtitan"):
-        return "torchtitan", {}
-    if row["id"].startswith("automodel"):
-        return "fsdp2_bf16", {"optimizer_bytes": AUTOMODEL_OPTIMIZER_BYTES}
-    return "megatron_core", {}
-
-
-HEAD_DIMS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128}
-"""Heads of cp_fp8_h100.csv's models that are not hidden / n_heads wide (the csv has no head_dim column):
-Qwen3's 128 (Qwen/Qwen3-235B-A22B and Qwen3-30B-A3B config.json ``head_dim``; Megatron-MoE-ModelZoo
-model_configs/benchmarking/Qwen3-*.yaml ``kv_channels: 128``), against hidden / n_heads = 64: the
-attention's projections and core and the sources' own FLOP counts are at 128."""
-
-DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-"""DeepSeek-V3's multi-head latent attention (DeepSeek-AI 2024, Sec. 4.2; conf/model/deepseek_v3.yaml)."""
-
-CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
-"""Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the
-s x s square (Megatron-LM's ``num_floating_point_operations`` since 2025: ``seq_length / 2  # causal
-mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square."""
-
-
-def published_figure(est, spec, metric: str) -> float:
-    """The estimate ``est`` of ``spec`` as a cp_fp8_h100.csv row states its figure: ``step_s``,
-    ``tokens_per_s_per_gpu``, ``tflops_per_gpu`` (xpar's FLOPs) or ``tflops_per_gpu_causal`` (the same
-    seconds over the causal count of :data:`CAUSAL_FLOPS_SOURCES`)."""
-    if metric == "step_s":
-        return est.time_per_step_s
-    if metric == "tokens_per_s_per_gpu":
-        return est.tokens_per_s_per_device
-    if metric == "tflops_per_gpu":
-        return est.tflops_per_device
-    return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
-        model_flops_per_token(spec.model, spec.seq_len)
-
-
-def _moe_fields(row: dict) -> dict:
-    """The model group's MoE fields of a tests/data/cp_fp8_h100.csv row ({} for a dense one); a capacity factor
-    where its note says the run pads to capacity (dgxc's Grok-1: "capacity factor 1.0 + pad-to-capacity"), else
-    dropless."""
-    if row["moe"] != "true":
-        return {}
-    dense = row["moe_layers"].split("first ")[1].split()[0] if "first" in row["moe_layers"] else "0"
-    padded = re.search(r"capacity factor ([0-9.]+) \+ pad-to-capacity", row["note"])
-    return dict(n_experts=int(row["experts"]), moe_top_k=int(row["top_k"]), n_shared_experts=int(row["shared_experts"] or 0),
-                expert_ffn_hidden=int(row["expert_ffn"]), first_dense_layers=int(dense),
-                capacity_factor=float(padded.group(1)) if padded else None)
