@@ -252,3 +252,21 @@ def test_lighter_ends_as_bloom_and_deepseek_v3_split_their_blocks():
 def spec_for_split(*overrides):
     from tests.conftest import spec_for
     return spec_for("parallel=pp", *overrides, local_devices=2)
+
+
+def test_an_estimate_splits_layers_the_stages_do_not_divide_with_lighter_ends():
+    """A run that trained with 70 blocks over 12 stages (BLOOM) and gave no split is estimated, not refused: the
+    lighter ends xpar plan prices, said in a note. A run executes only the split it names; a framework that splits
+    evenly only (megatron_2021) refuses it in an estimate too."""
+    from xpar.config.checks import ConfigError
+    from xpar.config.validate import validate
+    args = ("hardware=h100_80gb_64gpu", "hardware.nodes=3", "model=small", "model.n_layers=70", "parallel.pp=12",
+            "parallel.dp=2",
+            "parallel.micro_batches=24", "train.micro_batch_size=1")
+    spec = validate(compose("run.mode=estimate", "framework=megatron_core", *args))
+    assert spec.layout.layer_split == tuple([5] + [6] * 10 + [5])
+    assert any("model.n_layers=70 over 12 pipeline stages: estimated with the split [5, 6," in n for n in spec.notes)
+    for refused in (("run.mode=estimate", "framework=megatron_2021"), ("run.mode=execute",)):
+        with pytest.raises(ConfigError) as err:
+            validate(compose(*refused, *args))
+        assert "model.n_layers=70 does not split evenly over 12 stages" in str(err.value), str(err.value)

@@ -206,6 +206,19 @@ def even_split(n_layers: int, n_stages: int) -> Optional[list[int]]:
     return [n_layers // n_stages] * n_stages if n_layers % n_stages == 0 else None
 
 
+def requested_split(n_layers: int, par, n_stages: int, uneven_ok: bool) -> Optional[list[int]]:
+    """The layer split a run asks for: ``parallel.layer_split``, or the one of ``first_stage_layers`` /
+    ``last_stage_layers`` (:func:`edge_split`); where neither is given and the stages do not divide the layers,
+    with ``uneven_ok`` (an estimate under a framework that splits unevenly: framework.even_layer_split false) the
+    lighter ends ``xpar plan`` prices (:func:`lighter_ends`, Megatron-LM's --decoder-first/last-pipeline-num-layers).
+    None otherwise (validation then asks for a split)."""
+    given = par.layer_split or edge_split(n_layers, n_stages, par.first_stage_layers, par.last_stage_layers)
+    if given or not uneven_ok or n_stages < 2 or n_layers % n_stages == 0:
+        return given
+    ends = lighter_ends(n_layers, n_stages)
+    return edge_split(n_layers, n_stages, *ends) if ends else None
+
+
 def edge_split(n_layers: int, n_stages: int, first: Optional[int], last: Optional[int]) -> Optional[list[int]]:
     """Megatron-LM's uneven pipeline (``--decoder-first/last-pipeline-num-layers``): ``first`` blocks
     on the first stage and ``last`` on the last (either may be None), the rest split evenly over

@@ -16,7 +16,7 @@ from xpar.config.layout import (
     balanced_split,
     cp_values,
     cp_world_rule,
-    edge_split,
+    requested_split,
     even_split,
     zero_stage_run,
 )
@@ -174,6 +174,13 @@ def resolve_layer_split(n_layers: int, given, n_stages: int) -> list[int]:
     return even_split(n_layers, n_stages) or balanced_split(n_layers, n_stages)
 
 
+def uneven_split_ok(c: XparConfig) -> bool:
+    """Whether ``c`` takes the lighter-ends split where the stages do not divide the layers: an estimate
+    (run.mode=estimate) under a framework that splits unevenly (framework.even_layer_split false). A run
+    executes the split it names."""
+    return c.run.mode == "estimate" and not c.framework.even_layer_split
+
+
 def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     """The resolved layout of ``c`` on ``target``, and the violations met resolving it."""
     par, tr, model = c.parallel, c.train, c.model
@@ -182,8 +189,8 @@ def build_layout(c: XparConfig, target: Target) -> tuple[Layout, list[str]]:
     b = max(1, tr.micro_batch_size)
     m, B, batch_problems = resolve_batch(b, par.micro_batches, tr.global_batch_size, max(dp, 1))
     v = resolve_virtual_stages(par.schedule, par.pp, par.virtual_stages)
-    split = resolve_layer_split(model.n_layers, par.layer_split or edge_split(
-        model.n_layers, par.pp * v, par.first_stage_layers, par.last_stage_layers), par.pp * v)
+    split = resolve_layer_split(model.n_layers, requested_split(model.n_layers, par, par.pp * v, uneven_split_ok(c)),
+                                par.pp * v)
     seq = tr.seq_len if tr.seq_len is not None else model.seq_len
     layout = Layout(dp=max(dp, 1), tp=par.tp, pp=par.pp, micro_batch_size=b, micro_batches=max(m, 1),
                     seq_len=seq, layer_split=tuple(split), schedule=par.schedule,

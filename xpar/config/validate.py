@@ -25,13 +25,14 @@ from xpar.config.checks.hardware import estimate_peak_problem
 from xpar.config.checks.ranges import range_problems
 from xpar.config.checks.runtime import check_runtime, check_threads
 from xpar.config.hardware import is_this_machine
-from xpar.config.layout import Layout, edge_split
+from xpar.config.layout import Layout, requested_split
 from xpar.config.resolve import (  # noqa: F401
     Target,
     build_layout,
     layout_notes,
     resolve_target,
     torchrun_world,
+    uneven_split_ok,
 )
 from xpar.config.schema import XparConfig
 from xpar.config.spec import RunSpec, settings_of
@@ -71,7 +72,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
-            + layout_checks.check_layer_split(c.model.n_layers, given_split(c.model.n_layers, par, par.pp * v), par.pp, v))
+            + layout_checks.check_layer_split(c.model.n_layers, given_split(c, par.pp * v), par.pp, v))
 
 
 def local_cuda_problems(target, layout: Layout) -> list[str]:
@@ -105,10 +106,20 @@ def unnamed(ranged: dict[str, str], others: list[str]) -> list[str]:
             if not any(re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", o) for o in others)]
 
 
-def given_split(n_layers: int, par, n_stages: int):
-    """The layer split the user asked for: ``parallel.layer_split``, or the one of
-    ``first_stage_layers`` / ``last_stage_layers`` (:func:`xpar.config.layout.edge_split`), or None."""
-    return par.layer_split or edge_split(n_layers, n_stages, par.first_stage_layers, par.last_stage_layers)
+def split_notes(c: XparConfig, layout: Layout) -> list[str]:
+    """The lighter-ends split an estimate took where none was given (:func:`xpar.config.layout.requested_split`)."""
+    par, n = c.parallel, len(layout.layer_split)
+    if n < 2 or par.layer_split or par.first_stage_layers is not None or par.last_stage_layers is not None \
+            or c.model.n_layers % n == 0:
+        return []
+    return [f"model.n_layers={c.model.n_layers} over {n} pipeline stages: estimated with the split "
+            f"{list(layout.layer_split)} (lighter first and last stages, as xpar plan prices it and Megatron-LM's "
+            f"--decoder-first/last-pipeline-num-layers run it); set parallel.layer_split to price another."]
+
+
+def given_split(c: XparConfig, n_stages: int):
+    """The layer split ``c`` asks for (:func:`xpar.config.layout.requested_split`), or None."""
+    return requested_split(c.model.n_layers, c.parallel, n_stages, uneven_split_ok(c))
 
 
 def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] = None) -> RunSpec:
@@ -182,7 +193,8 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     of the other groups."""
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
-    notes = list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
+    notes = (list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
+             + split_notes(c, layout))
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
