@@ -98,3 +98,15 @@ def test_plan_cp_the_version_does_not_run_is_one_line_with_the_values_that_work(
     from tests.plan.test_plan import refusal
     err = refusal(capsys, "model=7b", "hardware=a100_80gb_8gpu", "framework=megatron_2021", "plan.cp=[2]")
     assert "passes plan.cp=[2]" in err and "framework.max_cp" in err and "e.g. plan.cp=[1]." in err
+
+
+def test_megatron_core_plans_moe_recompute_for_models_with_experts_only():
+    """--recompute-modules moe (Megatron-Core 0.13+; the ModelZoo's long-context Qwen3-235B runs): in megatron_core's
+    recompute list, searched by xpar plan for a MoE model, not for a dense one (it reruns MoE layers only)."""
+    def policies(*overrides):
+        cfg = compose("hardware=h100_80gb_64gpu", "framework=megatron_core", "run.mode=plan", "tracking=off", *overrides)
+        inputs, problems = plan_inputs(cfg, [])
+        assert not problems, problems
+        return inputs.constraints.recompute
+    assert "moe" in policies("model=mixtral_8x7b") and "moe" not in policies("model=7b")
+    assert policies("model=7b") == ("none", "selective", "full")
