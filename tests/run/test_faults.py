@@ -1,6 +1,7 @@
 """Faults with real processes: the tracking server dies during a run (nothing logged is lost,
 the run ends with its summary and exit 1, ``xpar sync`` delivers the rest with the final
 status), and the step metrics carry their own timestamps."""
+import psutil
 import pytest
 import json
 import os
@@ -13,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from tests.conftest import start_mlflow_server
+from xpar.run.exits import ServerDied
+from xpar.run.forkserver import end_orphans
 from xpar.run.launch import free_port
 
 STEPS = 40
@@ -350,3 +353,34 @@ def test_a_rank_that_only_saw_its_peer_die_is_not_blamed(tmp_path):
     assert _raised(ctx, 1, own) == (1, own)  # its own error: kept as torch reported it
     ctx.error_files = [files[0], files[2]]
     assert _raised(ctx, 0, peer) == (0, peer)  # nobody else raised: the peer error is all there is
+
+
+@pytest.mark.slow
+def test_a_killed_fork_server_is_its_own_line_and_its_workers_end(tmp_path):
+    """The fork server killed while its workers run: multiprocessing reports exit 255 for every worker; xpar says
+    the server ended (not "worker rank 0 failed: exited with code 255" with a traceback that does not exist),
+    exit 1, and no worker outlives the run."""
+    run_dir = tmp_path / "run"
+    p = _start_and_wait(tmp_path, run_dir)
+    pids = _pids(run_dir)
+    server = [c for c in psutil.Process(p.pid).children() if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+    assert len(server) == 1, server
+    server[0].kill()
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "worker rank" not in err and "traceback in" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"xpar: {ServerDied.TEXT}", err[-2000:]
+    assert not any(_alive(pid) for pid in pids.values())
+
+
+@pytest.mark.slow
+def test_end_orphans_kills_the_servers_command_lines_only():
+    """A launcher that goes on after its server died (a sweep's next job) ends the workers by pid; a process that
+    does not run the server's command line (a reused pid) is left alone."""
+    forked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "multiprocessing.forkserver"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        end_orphans([forked.pid, other.pid, 2**22 + 1])  # the last: no such process
+        assert forked.wait(timeout=10) == -signal.SIGKILL and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -19,6 +19,23 @@ class WorkerFailed(RuntimeError):
         return (WorkerFailed, (self.rank, self.error, self.detail))
 
 
+class ServerDied(WorkerFailed):
+    """The fork server that started the local workers ended while they ran (xpar.run.forkserver.server_died): no
+    worker failed, each was stopped."""
+
+    TEXT = ("the fork server that starts xpar's local workers ended while they ran (killed from outside?); no worker "
+            "failed, each was stopped: rerun the command")
+
+    def __init__(self):
+        super().__init__(-1, self.TEXT)
+
+    def __str__(self) -> str:
+        return self.TEXT
+
+    def __reduce__(self):
+        return (ServerDied, ())
+
+
 def exit_worker() -> None:
     """End a finished worker process without Python finalization (exit status 0).
 

@@ -75,6 +75,40 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
+SERVER_EXIT = 255
+"""The exit status multiprocessing reports for every worker of a fork server that ended (its status pipe closed)."""
+
+
+def server_died(exit_code: int) -> bool:
+    """Whether a worker's ``exit_code`` means this process's fork server ended while it ran (killed from outside):
+    :data:`SERVER_EXIT` and no live fork server among this process's children. A worker that itself exits 255
+    while the server runs is a worker's failure."""
+    if exit_code != SERVER_EXIT or start_method() != "forkserver":
+        return False
+    return not any(_forked(c) and not _gone(c) for c in psutil.Process().children())
+
+
+def end_orphans(pids: list) -> None:
+    """SIGKILL the workers ``pids`` whose fork server ended: multiprocessing no longer sees them (it reads their
+    status from the server), so a launcher that goes on (a sweep's next job) would leave them running. Only
+    processes that still run the server's command line are ended (not a reused pid)."""
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if _forked(proc) and not _gone(proc):
+                proc.kill()
+        except psutil.Error:
+            continue
+
+
+def _forked(proc: psutil.Process) -> bool:
+    """Whether ``proc`` runs the fork server's command line (the server, or a worker it forked)."""
+    try:
+        return "multiprocessing.forkserver" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def worker_entry(local_rank: int, *args) -> None:
     """A local worker's entry (:func:`xpar.run.worker.spawn_entry`), named without importing torch here:
     the launcher passes this function, the worker imports the worker module (the server has it already)."""

@@ -22,7 +22,7 @@ from xpar.estimate.preflight.check import check_run
 from xpar.track.report import Report, layout_name, print_report, summarize_measured
 from xpar.plan.command import run_plan
 from xpar.run.checkpoint import tracking_link
-from xpar.run.exits import WorkerFailed
+from xpar.run.exits import ServerDied, WorkerFailed
 from xpar.run.forkserver import start_server
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
 from xpar.run.profile import PROFILE_STEPS
@@ -87,7 +87,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     except WorkerFailed as e:
         if sweep is not None:
             raise
-        print(f"xpar: {e}\n(traceback in {out_dir})", file=sys.stderr)
+        print(f"xpar: {e}" + ("" if isinstance(e, ServerDied) else f"\n(traceback in {out_dir})"), file=sys.stderr)
         raise SystemExit(1)
     except TrackingUnavailable as e:
         if sweep is not None:

@@ -19,8 +19,8 @@ from typing import Optional
 import torch.multiprocessing as mp
 
 from xpar.config.spec import RunSpec
-from xpar.run.forkserver import WORKER_PRELOAD, in_callers_env, start_server, worker_entry
-from xpar.run.exits import WorkerFailed  # noqa: F401  (re-exported: xpar.run.launch.WorkerFailed)
+from xpar.run.forkserver import WORKER_PRELOAD, end_orphans, in_callers_env, server_died, start_server, worker_entry
+from xpar.run.exits import ServerDied, WorkerFailed  # noqa: F401  (WorkerFailed re-exported: xpar.run.launch.WorkerFailed)
 from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 
 
@@ -161,6 +161,9 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
         raise WorkerFailed(rank, _last_error_line(msg), msg) from None
     except mp.ProcessExitedException as e:
         code = e.exit_code
+        if server_died(code):
+            end_orphans([p.pid for p in ctx.processes])
+            raise ServerDied() from None
         why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         raise WorkerFailed(e.error_index, why) from None
     finally:
