@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from xpar.config.checks.hardware import hardware_value_problems, load_hardware_preset
-from xpar.config.presets import presets
-from xpar.config.schema import ModelConfig
+from xpar.config.presets import preset_dict, presets
+from xpar.config.schema import FrameworkConfig, ModelConfig
 from xpar.estimate.compute.kernel_block import (BlockShape, block_step_times, block_times, expert_tokens, logits_times,
                                         shape_of)
 from xpar.estimate.compute.kernels import (HALF_TILE_RATE, attention_flops, head_dim_rate, attention_time, device_of, gemm_fraction_of_peak,
@@ -165,3 +165,16 @@ def test_context_parallel_ranks_share_the_causal_work_and_the_logits_are_priced(
     assert whole == pytest.approx(2 * 32 * 8192 ** 2 * 256 * (64 + 1) / 128)  # 64 blocks a side: 65/128 computed
     gemm, memory = logits_times(8192, 4096, 128256, H100, tp=np.array([1, 8]))
     assert gemm[0] == gemm_time(8192, 128256, 4096, H100) and gemm[1] < gemm[0] / 7 and (memory > 0).all()
+
+
+def test_megatron_cores_host_time_bounds_a_small_models_short_blocks_only():
+    """framework=megatron_core's host time a kernel (its Transformer Engine modules' ~115-140 us a forward): a
+    ~124M model's block at micro-batch 2 waits on the host; at micro-batch 16, and a 70B-wide block at 1, do not."""
+    host = FrameworkConfig(**preset_dict("framework", "megatron_core")).host_op_us
+    assert host >= 20.0  # not eager PyTorch's ~4 us launch alone
+    small = block_step_times(GPT2_SMALL, 2, 1024, H100, host_us_per_kernel=host)
+    assert float(small.overhead) > 0.25 * float(small.busy)
+    for shape, b in ((GPT2_SMALL, 16), (replace(GPT2_SMALL, hidden=8192, heads=64, kv_heads=8, head_dim=128,
+                                                  ffn=28672), 1)):
+        t = block_step_times(shape, b, 1024, H100, host_us_per_kernel=host)
+        assert float(t.overhead) == pytest.approx(float(t.kernels) * H100.launch_s), (shape, b)
