@@ -72,7 +72,7 @@ def test_cp_refusal_names_tp_cp_pp_and_offers_only_cp_values_that_pass(seq, tmp_
 
 
 PP70B = ("model=70b hardware=h100_80gb_64gpu parallel.tp=8 parallel.pp=4 parallel.dp=2 train=cluster "
-         "train.global_batch_size=64 run.mode=estimate parallel.zero_stage=2").split()
+         "train.global_batch_size=64 run.mode=estimate parallel.zero_stage=2 parallel.micro_batches=1").split()
 
 
 def test_micro_batch_counts_offered_keep_the_given_global_batch(tmp_path, monkeypatch, capsys):

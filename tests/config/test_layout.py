@@ -270,3 +270,12 @@ def test_an_estimate_splits_layers_the_stages_do_not_divide_with_lighter_ends():
         with pytest.raises(ConfigError) as err:
             validate(compose(*refused, *args))
         assert "model.n_layers=70 does not split evenly over 12 stages" in str(err.value), str(err.value)
+
+
+def test_a_given_global_batch_sets_the_micro_batch_count_by_default():
+    """train.global_batch_size with the micro-batch size and no parallel.micro_batches (a published run's
+    statement): the gradient accumulation steps follow, B / (b x dp), not a refusal for the count of 1."""
+    from xpar.config.validate import validate
+    spec = validate(compose("run.mode=estimate", "hardware=h100_80gb_64gpu", "train.global_batch_size=512",
+                            "train.micro_batch_size=2"))
+    assert (spec.layout.dp, spec.layout.micro_batches, spec.train.global_batch_size) == (64, 4, 512)

@@ -141,7 +141,7 @@ class ParallelConfig:
     """Hierarchical ZeRO (torch FSDP2's HSDP, DeepSpeed ZeRO++ hpZ): ZeRO-2/3 shard inside groups of
     this many consecutive dp ranks and replicate across the dp / zero_shard_size groups (gradients
     reduce-scattered in the group, then all-reduced across the replicas); null: shard over all of dp."""
-    micro_batches: Any = 1
+    micro_batches: Any = "auto"
     """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
     schedule: str = "1f1b"
