@@ -103,7 +103,7 @@ CATALOGUE = [
     ("parallel.tp=0", "parallel.tp must be >= 1, got 0", None),
     ("parallel.pp=0", "parallel.pp must be >= 1, got 0", None),
     ("train.global_batch_size=0", "train.global_batch_size must be an integer >= 1", None),
-    ("train.global_batch_size=7", "train.global_batch_size must equal micro-batch size x micro-batches x dp", None),
+    ("train.global_batch_size=7", "train.global_batch_size=7 must be divisible by micro-batch size x dp", None),
     ("parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1",
      "parallel.sequence_parallel=false"),
     ("parallel=pp parallel.layer_split=[4,1]", "each >= 1 but the first and last", None),

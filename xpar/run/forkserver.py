@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import psutil
 
@@ -42,8 +43,25 @@ def start_server(preload: tuple[str, ...] = WORKER_PRELOAD) -> str:
     method = start_method()
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(list(preload))
-        multiprocessing.forkserver.ensure_running()
+        with sigint_ignored():
+            multiprocessing.forkserver.ensure_running()
     return method
+
+
+@contextmanager
+def sigint_ignored():
+    """Ctrl-C ignored in this process while the server starts: an ignored signal stays ignored across fork and
+    exec, so the server ignores Ctrl-C from its first instruction (its own imports of the standard library come
+    before :mod:`xpar.run.quiet_server`'s; a Ctrl-C there printed the server's traceback under load). Nothing is
+    changed outside the main thread (where Python sets signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def in_callers_env(rank: int, entry, launcher_pid: int, env: dict, cwd: str, ctrl_c: bool, *args) -> None:
