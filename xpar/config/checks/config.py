@@ -10,7 +10,7 @@ from xpar.config.remat import RECOMPUTE
 from xpar.config.schema import XparConfig, SUMMARY_METRICS
 
 CHOICES = {
-    "model.activation": ("swiglu", "gelu"),
+    "model.activation": ("swiglu", "gelu", "relu", "squared_relu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned"),
     "parallel.zero_stage": (0, 1, 2, 3),
