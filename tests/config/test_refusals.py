@@ -88,7 +88,8 @@ CATALOGUE = [
     ("model.hidden=12", "rope needs an even head dim", None),
     ("model.activation=tanh", "model.activation must be one of ['swiglu', 'gelu', 'relu', 'squared_relu']", None),
     ("model.norm=batchnorm", "model.norm must be one of", None),
-    ("model.position=alibi", "model.position must be one of", None),
+    ("model.position=alibi", "model.position=alibi is estimated, not executed", "model.position=rope"),
+    ("model.position=sinusoidal", "model.position must be one of", None),
     ("model.position=learned train.seq_len=128", "train.seq_len must be in [1, 64]", None),
     # the layout
     ("parallel.zero_stage=4", "parallel.zero_stage must be one of [0, 1, 2, 3]", None),

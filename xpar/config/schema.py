@@ -41,7 +41,8 @@ class ModelConfig:
     norm: str = "rmsnorm"
     """'rmsnorm' or 'layernorm'."""
     position: str = "rope"
-    """'rope' or 'learned' (absolute position embedding of seq_len rows)."""
+    """'rope', 'learned' (absolute position embedding of seq_len rows) or 'alibi' (Press et al. 2022: a per-head
+    linear bias on the attention scores, no parameters: BLOOM, MPT; estimated, not executed)."""
     tied_embeddings: bool = False
     """Output projection shares the token-embedding matrix."""
     bias: bool = False
