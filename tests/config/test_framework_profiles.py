@@ -120,3 +120,31 @@ def test_nemo_automodels_published_70b_row_is_estimated_under_fsdp2_bf16():
     error = cp_fp8.published_figure(est, spec, metric) / published - 1
     fewer_bytes = est.memory.optimizer / 8 * 2 * (12 - 8) / (spec.hardware.hbm_tb_per_s * 1e12)
     assert -0.10 < error < 0 and ref.time_per_step_s - est.time_per_step_s == pytest.approx(fewer_bytes, rel=0.01)
+
+
+DEEPSEEK_V2 = ("framework=hai_llm", "hardware=h800_80gb_2048gpu", "hardware.nodes=128", "model=deepseek_v3",
+               "model.n_layers=60", "model.hidden=5120", "model.ffn_hidden=12288", "model.vocab_size=102400",
+               "model.n_experts=160", "model.moe_top_k=6", "model.n_shared_experts=2", "model.expert_ffn_hidden=1536",
+               "model.first_dense_layers=1", "parallel.pp=16", "parallel.ep=8", "parallel.dp=64",
+               "parallel.zero_stage=1", "parallel.micro_batches=auto", "train=cluster", "train.global_batch_size=9216",
+               "tracking=off", "run.mode=estimate")
+"""DeepSeek-V2 as its paper trained it (arXiv:2405.04434 Sec. 3.1.3: HAI-LLM, 16-way zero-bubble pp, 8-way ep,
+ZeRO-1; 60 layers, MLA as DeepSeek-V3's, 160 routed experts of 1536 (top 6) and 2 shared; batch 9216); the GPU
+count is not published (1024 here)."""
+
+
+def test_hai_llm_estimates_deepseek_v2_zero_bubble_and_plans_without_it_by_default():
+    """hai_llm runs ZB-H1 (refused before: framework.schedules had DualPipe and the 1F1B family only), with less
+    bubble than its 1F1B; xpar plan leaves the zero-bubble schedules out unless plan.schedules names them
+    (framework.plan_schedules), and a plan_schedules outside the framework's schedules is refused."""
+    from xpar.plan.inputs import plan_inputs
+
+    zb, f1b = (estimate(validate(compose(*DEEPSEEK_V2, f"parallel.schedule={s}"))) for s in ("zb_h1", "1f1b"))
+    assert 0 < zb.bubble_ratio < f1b.bubble_ratio and zb.time_per_step_s < f1b.time_per_step_s
+    plan = ("framework=hai_llm", "model=deepseek_v3", "hardware=h800_80gb_2048gpu", "tracking=off", "run.mode=plan")
+    inputs, problems = plan_inputs(compose(*plan), [])
+    assert not problems and "zb_h1" not in inputs.constraints.schedules
+    inputs, problems = plan_inputs(compose(*plan, "plan.schedules=[dualpipev,zb_h1]"), [])
+    assert not problems and inputs.constraints.schedules == ("dualpipev", "zb_h1")
+    with pytest.raises(ConfigError, match=r"framework.plan_schedules=\[zbv\]: \[zbv\] not in framework.schedules"):
+        validate(compose(*DEEPSEEK_V2, "parallel.schedule=zb_h1", "framework.plan_schedules=[zbv]"))

@@ -86,9 +86,10 @@ CATALOGUE = [
     ("model.n_kv_heads=3", "n_kv_heads values that work: [1, 2, 4]", None),
     ("model.n_kv_heads=0", "model.n_heads must be divisible by model.n_kv_heads", None),
     ("model.hidden=12", "rope needs an even head dim", None),
-    ("model.activation=relu", "model.activation must be one of ['swiglu', 'gelu']", None),
+    ("model.activation=tanh", "model.activation must be one of ['swiglu', 'gelu', 'relu', 'squared_relu']", None),
     ("model.norm=batchnorm", "model.norm must be one of", None),
-    ("model.position=alibi", "model.position must be one of", None),
+    ("model.position=alibi", "model.position=alibi is estimated, not executed", "model.position=rope"),
+    ("model.position=sinusoidal", "model.position must be one of", None),
     ("model.position=learned train.seq_len=128", "train.seq_len must be in [1, 64]", None),
     # the layout
     ("parallel.zero_stage=4", "parallel.zero_stage must be one of [0, 1, 2, 3]", None),

@@ -287,3 +287,7 @@ class FrameworkConfig:
     and wgrad backward, each expert's own call, allocations and split): issued after the MoE layer's host
     synchronisation, it idles the GPU where the experts' GEMMs are shorter (xpar.estimate.compute.kernel_block);
     0 where one kernel runs every expert (torch._grouped_mm, DeepGEMM, CUTLASS grouped GEMM, XLA)."""
+    plan_schedules: Optional[list] = None
+    """The pipeline schedules ``xpar plan`` searches when plan.schedules is null, a subset of ``schedules``; null: all
+    of ``schedules``. The others stay valid for run.mode=estimate and for plan.schedules that names them (hai_llm:
+    DeepSeek-V3's DualPipe and the 1F1B family; DeepSeek-V2's zero-bubble schedules on request)."""

@@ -36,11 +36,13 @@ class ModelConfig:
     seq_len: int = 64
     """Context length the model was published with (s); train.seq_len may shorten it."""
     activation: str = "swiglu"
-    """'swiglu' (3 MLP matrices) or 'gelu' (2 MLP matrices)."""
+    """'swiglu' (3 MLP matrices) or 'gelu', 'relu' (OPT), 'squared_relu' (Nemotron-4: relu(x)^2) (2 MLP
+    matrices; the three non-gated ones are priced alike: same matmuls, the same activations kept)."""
     norm: str = "rmsnorm"
     """'rmsnorm' or 'layernorm'."""
     position: str = "rope"
-    """'rope' or 'learned' (absolute position embedding of seq_len rows)."""
+    """'rope', 'learned' (absolute position embedding of seq_len rows) or 'alibi' (Press et al. 2022: a per-head
+    linear bias on the attention scores, no parameters: BLOOM, MPT; estimated, not executed)."""
     tied_embeddings: bool = False
     """Output projection shares the token-embedding matrix."""
     bias: bool = False

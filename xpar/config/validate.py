@@ -67,7 +67,8 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
                                            rule=c.framework.microbatch_rule,
                                            global_batch=None if c.train.global_batch_size == "auto"
                                            else int(c.train.global_batch_size))
-            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_cp(
+            + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_positions(c.model, mode)
+            + layout_checks.check_cp(
                 c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)

@@ -91,14 +91,21 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(B, S, n_q * self.head_dim))
 
 
+NON_GATED = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+             "squared_relu": lambda x: torch.square(F.relu(x))}
+"""The non-gated MLP activations by model.activation (xpar.config.checks.config.CHOICES)."""
+
+
 class MLP(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x), 3 matrices) or GELU (w2(gelu(w1 x)), 2 matrices), of
-    inner width ``ffn`` (default cfg.ffn_hidden; an expert's: cfg.expert_ffn)."""
+    """SwiGLU (w2(silu(w1 x) * w3 x), 3 matrices) or a non-gated w2(act(w1 x)) with 2 matrices: GELU
+    (tanh), ReLU (OPT, Zhang et al. 2022) or squared ReLU (relu(x)^2: Primer, So et al. 2021; Nemotron-4),
+    of inner width ``ffn`` (default cfg.ffn_hidden; an expert's: cfg.expert_ffn)."""
 
     def __init__(self, cfg: ModelConfig, ffn: Optional[int] = None):
         super().__init__()
         f = cfg.ffn_hidden if ffn is None else ffn
         self.swiglu = cfg.activation == "swiglu"
+        self.act = NON_GATED.get(cfg.activation)
         self.w1 = nn.Linear(cfg.hidden, f, bias=cfg.bias)
         self.w2 = nn.Linear(f, cfg.hidden, bias=cfg.bias)
         self.w3 = nn.Linear(cfg.hidden, f, bias=cfg.bias) if self.swiglu else None
@@ -106,7 +113,7 @@ class MLP(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.w2(F.silu(self.w1(x_BSH)) * self.w3(x_BSH))
-        return self.w2(F.gelu(self.w1(x_BSH), approximate="tanh"))
+        return self.w2(self.act(self.w1(x_BSH)))
 
 
 class MoE(nn.Module):

@@ -10,9 +10,9 @@ from xpar.config.remat import RECOMPUTE
 from xpar.config.schema import XparConfig, SUMMARY_METRICS
 
 CHOICES = {
-    "model.activation": ("swiglu", "gelu"),
+    "model.activation": ("swiglu", "gelu", "relu", "squared_relu"),
     "model.norm": ("rmsnorm", "layernorm"),
-    "model.position": ("rope", "learned"),
+    "model.position": ("rope", "learned", "alibi"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": RECOMPUTE,  # xpar.config.remat

@@ -46,7 +46,8 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
     out += [f"framework.make_vocab_size_divisible_by={k} must be a whole number >= 1 or null (no padding); e.g. "
             f"framework.make_vocab_size_divisible_by=128 (Megatron-LM's default)." for _ in [0]
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1)]
-    return out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw) + etp_problems(fw)
+    return (out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw) + etp_problems(fw)
+            + plan_schedule_problems(fw))
 
 
 def etp_problems(fw: FrameworkConfig) -> list[str]:
@@ -69,6 +70,20 @@ def pp_overlap_schedule_problems(fw: FrameworkConfig) -> list[str]:
         out += [f"framework.{key}={hydra_text(list(listed))}: {hydra_text(bad)} not a schedule; values that work: "
                 f"{hydra_text(list(SCHEDULES))}, e.g. framework.{key}=[{eg}], or null (every schedule)."] if bad else []
     return out
+
+
+def plan_schedule_problems(fw: FrameworkConfig) -> list[str]:
+    """framework.plan_schedules null or a non-empty list of schedules the framework runs (framework.schedules)."""
+    listed = getattr(fw, "plan_schedules", None)
+    if listed is None:
+        return []
+    runs = list(fw.schedules or SCHEDULES)
+    bad = [s for s in listed if s not in runs]
+    if bad or not list(listed):
+        return [f"framework.plan_schedules={hydra_text(list(listed))}: {hydra_text(bad) if bad else 'empty'} not in "
+                f"framework.schedules={hydra_text(runs)}; values that work: a non-empty subset of those, e.g. "
+                f"framework.plan_schedules=[{runs[0]}], or null (all of them)."]
+    return []
 
 
 def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
@@ -149,13 +164,17 @@ def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: in
 
 
 def frameworks_running(schedule: str) -> list[str]:
-    """The framework profiles (conf/framework/*.yaml) whose ``schedules`` list ``schedule``, xpar first."""
-    names = []
+    """The framework profiles (conf/framework/*.yaml) whose ``schedules`` list ``schedule``, xpar first, then
+    those whose ``plan_schedules`` (their usual ones) include it."""
+    names, secondary = [], set()
     for path in sorted((conf_dir() / "framework").glob("*.yaml")):
-        listed = OmegaConf.load(path).get("schedules")
+        profile = OmegaConf.load(path)
+        listed, usual = profile.get("schedules"), profile.get("plan_schedules")
         if schedule in (FrameworkConfig().schedules if listed is None else list(listed)):
             names.append(path.stem)
-    return sorted(names, key=lambda n: n != "xpar")
+            if usual is not None and schedule not in list(usual):
+                secondary.add(path.stem)
+    return sorted(names, key=lambda n: (n != "xpar", n in secondary))
 
 
 def _interleaved_problems(fw: FrameworkConfig, pp: int, m: int) -> list[str]:

@@ -233,6 +233,16 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     return []
 
 
+def check_positions(model: ModelConfig, mode: str) -> list[str]:
+    """ALiBi (model.position=alibi) is estimated as attention without position parameters (the bias is added
+    inside the fused attention kernels: flash-attn's alibi_slopes, Megatron-DeepSpeed's baddbmm into the
+    scores); xpar's executed model has RoPE and learned positions only."""
+    if mode == "execute" and model.position == "alibi":
+        return [f"model.position=alibi is estimated, not executed, by xpar (its model runs rope or learned "
+                f"positions); run it with model.position=rope, or estimate it with run.mode=estimate."]
+    return []
+
+
 def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     """An explicit split assigns each layer once, in order, to the pp x v stages; without
     one, the stages must split the layers evenly."""

@@ -1,0 +1,52 @@
+"""Model variants of published runs that xpar refused (issue 43): OPT's ReLU and Nemotron-4's squared ReLU
+(accepted, priced as GELU's two matrices, executed as their functions) and ALiBi positions (BLOOM, MPT,
+BloombergGPT: estimated without position parameters, refused in execute mode)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import compose
+from xpar.config.checks import ConfigError
+from xpar.config.schema import ModelConfig
+from xpar.config.validate import validate
+from xpar.estimate.cost import estimate
+from xpar.models.shapes import param_count
+from xpar.models.transformer import MLP
+
+GPT3 = ("parallel=175b_1024gpu", "hardware=a100_80gb_1024gpu")  # GELU, tp8 x pp16 on 1024 A100
+
+
+def _spec(*overrides: str):
+    return validate(compose("tracking=off", "run.progress=false", *overrides), local_devices=2)
+
+
+@pytest.mark.parametrize("act", ["relu", "squared_relu"])
+def test_non_gated_activation_is_accepted_and_priced_as_gelu(act):
+    """The 175B preset under ReLU / squared ReLU: the same step time and peak memory as under GELU
+    (same matmuls, the same activations kept), where validation refused the value before."""
+    gelu, other = estimate(_spec(*GPT3)), estimate(_spec(*GPT3, f"model.activation={act}"))
+    assert other.time_per_step_s == gelu.time_per_step_s
+    assert other.memory.total == gelu.memory.total
+
+
+@pytest.mark.parametrize("act, fn", [("relu", F.relu), ("squared_relu", lambda x: F.relu(x) ** 2),
+                                     ("gelu", lambda x: F.gelu(x, approximate="tanh"))])
+def test_non_gated_mlp_executes_its_function(act, fn):
+    """The executed MLP is w2(act(w1 x)) with two matrices."""
+    torch.manual_seed(0)
+    mlp = MLP(ModelConfig(hidden=8, n_heads=2, ffn_hidden=16, activation=act))
+    x = torch.randn(2, 3, 8)
+    assert mlp.w3 is None
+    torch.testing.assert_close(mlp(x), mlp.w2(fn(mlp.w1(x))))
+
+
+def test_alibi_is_estimated_without_position_parameters_and_refused_in_execute_mode():
+    """ALiBi adds no parameters (the 175B preset's learned table of 2048 x 12288 goes) and no matmul; the
+    executed model has no ALiBi, so a run on the local workers is refused with the way to run or estimate it."""
+    learned, alibi = _spec(*GPT3), _spec(*GPT3, "model.position=alibi")
+    assert param_count(learned.model).total - param_count(alibi.model).total == 2048 * 12288
+    assert estimate(alibi).time_per_step_s == pytest.approx(estimate(learned).time_per_step_s, rel=1e-3)
+    with pytest.raises(ConfigError, match="model.position=alibi is estimated, not executed"):
+        _spec("model.position=alibi")  # the tiny model on 2 local workers: execute mode
