@@ -288,6 +288,10 @@ def test_buffers_and_headroom():
     dp = spec("small", "a100_80gb_8gpu", dp=8, zero_stage=0)
     assert mem.memory(dp, 0).detail["comm_buffers"]["ddp_buckets"] == mem.model_state_bytes(dp)["grads"]
     assert mem.memory(dp, 0, ddp_bucket_copy=False).detail["comm_buffers"]["ddp_buckets"] == 0
+    big = spec("70b", "a100_80gb_64gpu", dp=8, tp=8, zero_stage=1, train={"dtype": "bf16", "micro_batch_size": 1})
+    whole = mem.memory(big, 0).detail["comm_buffers"]["ddp_buckets"]  # torch DDP: the whole gradient again
+    assert whole > 10e9 and mem.memory(big, 0, grad_buckets=1, bucket_mb=1000.0).detail["comm_buffers"][
+        "ddp_buckets"] == 1e9  # DeepSpeed ZeRO-1: one ipg buffer of reduce_bucket_size (5e8 16-bit elements)
     est = mem.memory(z3)
     tight = with_hardware(z3, device_memory_gb=est.total / 0.97e9)  # fits with 3 % to spare
     assert mem.memory(tight).fits

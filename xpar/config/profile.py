@@ -291,3 +291,8 @@ class FrameworkConfig:
     """The pipeline schedules ``xpar plan`` searches when plan.schedules is null, a subset of ``schedules``; null: all
     of ``schedules``. The others stay valid for run.mode=estimate and for plan.schedules that names them (hai_llm:
     DeepSeek-V3's DualPipe and the 1F1B family; DeepSeek-V2's zero-bubble schedules on request)."""
+    grad_buckets: int = 0
+    """Gradient reduction buckets of ``bucket_mb`` the framework allocates beside the gradients where
+    ``ddp_bucket_copy``: DeepSpeed ZeRO-0/1/2 reduces through its ipg buffer of reduce_bucket_size elements
+    (deepspeed/runtime/zero/stage_1_and_2.py: 1, 2 with overlap_comm); 0: a copy of the whole gradient
+    (torch DDP's flat buckets, gradient_as_bucket_view False) (xpar.estimate.memory.buffers)."""

@@ -125,7 +125,7 @@ RANGES: dict[str, Range] = {
                                             "recompute_layer_fraction")},
     "framework.grad_reduce_bytes": _i(2, 4), "framework.grad_bytes": _i(2, 6), "framework.optimizer_bytes": _i(0, 16),
     "framework.bucket_mb": NON_NEGATIVE,  # 0: one buffer (xpar.estimate.comm.dp)
-    "framework.zero3_persist_numel": COUNT,
+    "framework.zero3_persist_numel": COUNT, "framework.grad_buckets": COUNT,
     "framework.zero3_reuse_distance": Range(0, null=True),
     "framework.adamw_bytes_per_element": Range(0, lo_open=True, null=True), "framework.interleaved_min_pp": DEGREE,
     # plan (xpar plan's space; ranges [lo, hi] of global batch and devices in xpar.plan)

@@ -42,7 +42,8 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
 
     ddp_buckets (ZeRO 0/1, dp > 1): torch DDP copies gradients into flat buckets
     (gradient_as_bucket_view=False, the default): one more gradient-sized buffer (Megatron's
-    gradients live in its buffer: ``ddp_bucket_copy`` False). fsdp_allgather (ZeRO-3,
+    gradients live in its buffer: ``ddp_bucket_copy`` False); DeepSpeed's ``grad_buckets`` of ``bucket_mb``
+    at most. fsdp_allgather (ZeRO-3,
     resharded): in the compute dtype, the root's unsharded parameters (gathered at the start of
     the forward and held through it -- through the backward too without pp,
     xpar.parallel.data_parallel.apply_fsdp), the running block's and the prefetched next
@@ -72,6 +73,8 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
         root = 0
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]
+        if o.grad_buckets:  # DeepSpeed: its reduction buckets, not a second whole gradient
+            out["ddp_buckets"] = min(out["ddp_buckets"], o.grad_buckets * o.bucket_mb * 1e6)
     if z == 3 and (spec.pp == 1 or o.fsdp_reshard_under_pp):
         out["fsdp_allgather"] = (root + 2 * block) * e
     if z >= 2 and spec.pp == 1:
