@@ -114,8 +114,8 @@ def split_notes(c: XparConfig, layout: Layout) -> list[str]:
             or c.model.n_layers % n == 0:
         return []
     return [f"model.n_layers={c.model.n_layers} over {n} pipeline stages: estimated with the split "
-            f"{list(layout.layer_split)} (lighter first and last stages, as xpar plan prices it and Megatron-LM's "
-            f"--decoder-first/last-pipeline-num-layers run it); set parallel.layer_split to price another."]
+            f"{list(layout.layer_split)} (lighter first and last stages, as xpar plan prices it); set "
+            f"parallel.layer_split (or first_stage_layers / last_stage_layers) to price the run's own."]
 
 
 def given_split(c: XparConfig, n_stages: int):
