@@ -16,8 +16,8 @@ from xpar.config.layout import (
     balanced_split,
     cp_values,
     cp_world_rule,
-    requested_split,
     even_split,
+    requested_split,
     zero_stage_run,
 )
 from xpar.config.hardware import is_this_machine, resolve_hardware
