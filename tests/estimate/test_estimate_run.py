@@ -337,3 +337,16 @@ def test_an_executed_runs_fidelity_estimate_says_what_it_leaves_out():
     local = fidelity_notes(spec_for("hardware=local"))
     assert any("no link bandwidth" in n for n in local) and any("xpar calibrate hardware=local" in n for n in local)
     assert fidelity_notes(spec_for("parallel=3d", "model=70b")) == []
+
+
+def test_a_memory_refusal_under_a_profile_without_flash_attention_says_what_flash_attention_gives():
+    """framework=megatron (Megatron-LM 2021: flash_attention false) keeps the s x s scores: a run of that framework
+    that used FlashAttention (Falcon's) is told framework.flash_attention=true and whether the layout then fits
+    (found by the refusal hunt, benchmarks/refusal_hunt.md); following it, the layout is accepted."""
+    args = ("framework=megatron", "model=7b", "hardware=a100_80gb_64gpu", "train.seq_len=8192", "train.micro_batch_size=2",
+            "parallel.tp=8", "parallel.sequence_parallel=true", "train.dtype=bf16")
+    with pytest.raises(ConfigError) as e:
+        spec_for(*args)
+    note = next(line for line in str(e.value).splitlines() if "framework.flash_attention=true" in line)
+    assert "needs" in note and note.endswith("and fits."), note
+    assert spec_for(*args, "framework.flash_attention=true").mode == "estimate"

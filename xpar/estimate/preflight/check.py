@@ -62,6 +62,7 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
              + (f"; {len(over)} of {spec.pp} pipeline ranks are over" if spec.pp > 1 else "") + f". [{terms}]",
              "    " + breakdown(mem)]
     lines += [f"    Note: {n}" for n in mem.detail.get("notes", [])]
+    lines += [f"    Note: {n}" for n in _flash_note(spec)]
     offload = _offload_line(spec, mem)
     if offload:
         lines.append("    " + offload[0])
@@ -87,6 +88,20 @@ def breakdown(mem: MemoryEstimate) -> str:
              f"transient"]
     parts += [f"{k} {_gb(v)}" for k, v in comm.items() if v]
     return "Breakdown: " + "; ".join(parts) + "."
+
+
+def _flash_note(spec: RunSpec) -> list[str]:
+    """Where the framework keeps each layer's s x s attention scores (framework.flash_attention false: Megatron-LM
+    2021, DeepSpeed 2021), what FlashAttention would give the same layout: a run of that framework that used it
+    (Falcon's, under framework=megatron) says framework.flash_attention=true."""
+    if spec.framework.flash_attention or spec.hardware.device == "cpu":
+        return []
+    flash = replace(spec, framework=replace(spec.framework, flash_attention=True))
+    need = max(peak_memory(flash, r).total for r in range(spec.pp))
+    fits = all(peak_memory(flash, r).fits for r in range(spec.pp))
+    return [f"framework={spec.framework.name} keeps each layer's s x s attention scores (framework.flash_attention"
+            f"=false); with FlashAttention (framework.flash_attention=true) this layout needs {_gb(need)} per device"
+            f" and {'fits' if fits else 'does not fit either'}."]
 
 
 def _offload_line(spec: RunSpec, mem: MemoryEstimate) -> Optional[tuple[str, bool]]:
