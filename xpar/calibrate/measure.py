@@ -29,8 +29,8 @@ from xpar.parallel.tensor import apply_tp, block_plan, loss_context, parallel_cr
 from xpar.parallel.torch_internals import dispatch_mode_base
 from xpar.run.exits import ServerDied, exit_worker
 from xpar.run.host_memory import keep_large_tensors_on_the_heap
-from xpar.run.forkserver import WORKER_PRELOAD, end_orphans, server_died
-from xpar.run.launch import free_port, start_workers
+from xpar.run.forkserver import WORKER_PRELOAD
+from xpar.run.launch import exit_reason, free_port, start_workers
 
 GEMM_SIDES = (64, 128, 256, 384, 512)
 
@@ -435,11 +435,10 @@ def _run_workers(ctx) -> None:
         lines = [ln for ln in e.msg.strip().splitlines() if ln.strip()]
         raise CalibrationFailed(f"worker rank {e.error_index}: {lines[-1] if lines else 'unknown error'}") from None
     except mp.ProcessExitedException as e:
-        code = e.exit_code
-        if server_died(code):
-            end_orphans([p.pid for p in ctx.processes])
-            raise CalibrationFailed(ServerDied.TEXT) from None
-        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        try:
+            why = exit_reason(ctx, e.exit_code)
+        except ServerDied as died:
+            raise CalibrationFailed(str(died)) from None
         raise CalibrationFailed(f"worker rank {e.error_index} {why}") from None
     finally:
         for p in ctx.processes:

@@ -160,12 +160,7 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
             pass
         raise WorkerFailed(rank, _last_error_line(msg), msg) from None
     except mp.ProcessExitedException as e:
-        code = e.exit_code
-        if server_died(code):
-            end_orphans([p.pid for p in ctx.processes])
-            raise ServerDied() from None
-        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        raise WorkerFailed(e.error_index, why) from None
+        raise WorkerFailed(e.error_index, exit_reason(ctx, e.exit_code)) from None
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -175,6 +170,19 @@ def launch_local(spec: RunSpec, out_dir: Path) -> list[dict]:
             if p.is_alive():
                 p.kill()
     return read_stats(out_dir)
+
+
+def exit_reason(ctx, code: int) -> str:
+    """Why a worker of ``ctx`` (torch.multiprocessing's context) ended with exit status ``code``: 'killed by signal
+    X' or 'exited with code N'.
+
+    Raises:
+        ServerDied: the fork server that started the workers ended (:func:`xpar.run.forkserver.server_died`);
+            its workers are ended by pid first."""
+    if server_died(code):
+        end_orphans([p.pid for p in ctx.processes])
+        raise ServerDied()
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 def read_stats(out_dir: Path) -> list[dict]:
