@@ -72,3 +72,43 @@ def test_new_presets_carry_their_own_fp8_efficiency_and_the_kernel_models_fields
     assert len(set(fp8.values())) == 4  # one per device, not one factor
     gb200 = load_hardware_preset("gb200_nvl72_576gpu")
     assert (gb200.devices_per_node, gb200.nics_per_node, gb200.intra_node_gb_per_s) == (72, 72, 900)
+
+
+A100_40GB = ["a100_40gb_node", "a100_40gb_64gpu", "p4d_24xlarge_node"]
+
+
+@pytest.mark.parametrize("name", A100_40GB)
+def test_a100_40gb_presets_are_the_a100_with_the_40gb_parts_memory_and_keep_its_fits(name):
+    """NVIDIA A100 datasheet: A100 40GB SXM, 40 GB HBM2 at 1,555 GB/s; the same GA100 as the 80 GB part, so every
+    fitted field (matmul_efficiency, sustained_efficiency, the kernel model's fractions) is inherited."""
+    hw, a100 = load_hardware_preset(name), load_hardware_preset("a100_80gb_node")
+    assert hardware_value_problems(hw) == {}
+    assert (hw.gpu, hw.device_memory_gb, hw.hbm_tb_per_s) == ("A100-SXM4-40GB", 42.3, 1.555)
+    same = ("peak_tflops", "sm_count", "intra_node_gb_per_s", "matmul_efficiency", "sustained_efficiency",
+            "gemm_efficiency", "attention_efficiency", "attention_bwd_efficiency", "framework_overhead_gb")
+    assert {k: getattr(hw, k) for k in same} == {k: getattr(a100, k) for k in same}
+    own = OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml")
+    assert own.defaults[-1] == "_self_" and len(own) <= 10  # states what differs, inherits the rest
+
+
+def test_the_p4d_node_has_four_100_gbps_efa_cards_and_a_cluster_of_them_is_nodes():
+    """AWS p4d.24xlarge: 400 Gbps EFA over 4 network cards: 12.5 GB/s each, 50 GB/s a node (DGX A100: 200)."""
+    p4d, dgx = load_hardware_preset("p4d_24xlarge_node"), load_hardware_preset("a100_40gb_64gpu")
+    assert (p4d.nics_per_node, p4d.inter_node_gb_per_s, p4d.devices_per_node) == (4, 12.5, 8)
+    assert p4d.nics_per_node * p4d.inter_node_gb_per_s * 4 == dgx.nics_per_node * dgx.inter_node_gb_per_s
+    assert (dgx.nodes, p4d.nodes) == (8, 1)
+
+
+def _rate(*overrides: str) -> float:
+    return estimate(spec_for("model=7b", "parallel.dp=64", "parallel.zero_stage=3", "parallel.recompute=full",
+                             "train=cluster", "train.micro_batch_size=1", "run.mode=estimate", *overrides)
+                    ).tokens_per_s_per_device
+
+
+def test_the_40gb_preset_prices_what_the_80gb_preset_with_its_memory_and_hbm_overridden_priced():
+    """The refusal hunt's workaround (hardware.device_memory_gb=40 on an 80GB preset) kept the 80 GB part's HBM
+    bandwidth; the preset is that workaround done right, and a cluster of p4d nodes is slower across nodes."""
+    forty = _rate("hardware=a100_40gb_64gpu")
+    assert forty == _rate("hardware=a100_80gb_64gpu", "hardware.device_memory_gb=42.3", "hardware.hbm_tb_per_s=1.555")
+    assert forty < _rate("hardware=a100_80gb_64gpu")  # memory-bound passes at 1.555 TB/s, not 2.039
+    assert _rate("hardware=p4d_24xlarge_node", "hardware.nodes=8") < forty  # ZeRO-3 gathers over 50, not 200, GB/s
