@@ -112,3 +112,20 @@ def test_the_40gb_preset_prices_what_the_80gb_preset_with_its_memory_and_hbm_ove
     assert forty == _rate("hardware=a100_80gb_64gpu", "hardware.device_memory_gb=42.3", "hardware.hbm_tb_per_s=1.555")
     assert forty < _rate("hardware=a100_80gb_64gpu")  # memory-bound passes at 1.555 TB/s, not 2.039
     assert _rate("hardware=p4d_24xlarge_node", "hardware.nodes=8") < forty  # ZeRO-3 gathers over 50, not 200, GB/s
+
+
+def test_device_memory_changed_on_a_preset_says_which_figures_it_kept_and_names_the_part():
+    """The hunt's trap: hardware.device_memory_gb=40 on an 80 GB A100 preset kept the 80 GB part's name and HBM."""
+    seven = ("model=7b", "parallel.dp=64", "parallel.zero_stage=3", "parallel.recompute=full", "train=cluster",
+             "run.mode=estimate")
+    note = [n for n in spec_for(*seven, "hardware=a100_80gb_64gpu", "hardware.device_memory_gb=40").notes
+            if n.startswith("hardware.device_memory_gb=40 ")]
+    assert len(note) == 1 and "gpu=A100-SXM4-80GB" in note[0] and "hbm_tb_per_s=2.039" in note[0]
+    assert "hardware=a100_40gb_node" in note[0] and "hardware=p4d_24xlarge_node" in note[0]
+    quiet = [spec_for(*seven, *o).notes for o in (["hardware=a100_40gb_64gpu"],  # the part itself
+             ["hardware=a100_80gb_64gpu", "hardware.device_memory_gb=80"],  # within 10 %: the same part
+             ["hardware=a100_80gb_64gpu", "hardware.device_memory_gb=40", "hardware.hbm_tb_per_s=1.555"])]  # said
+    assert not [n for notes in quiet for n in notes if n.startswith("hardware.device_memory_gb")]
+    h100 = [n for n in spec_for(*seven, "hardware=h100_80gb_64gpu", "hardware.device_memory_gb=40").notes
+            if n.startswith("hardware.device_memory_gb")]
+    assert len(h100) == 1 and "set hardware.gpu and hardware.hbm_tb_per_s" in h100[0]  # no 40 GB H100 preset

@@ -10,6 +10,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from xpar.config.checks import divisors
+from xpar.config.checks.hardware import part_memory_notes
 from xpar.config.layout import (
     SCHEDULES,
     Layout,
@@ -86,6 +87,7 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
         source = f"hardware={hw.name} ({hw.devices_per_node} devices x {hw.nodes} nodes = {world})"
     else:
         world, source = None, f"local devices={hw.devices_per_node}"
+    notes += part_memory_notes(hw)
     return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes)), problems
 
 
