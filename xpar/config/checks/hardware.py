@@ -236,12 +236,13 @@ def part_memory_notes(hw) -> list[str]:
     80 GB part's 2.039 TB/s HBM with 40 GB): the figures kept, and the presets of a part with that memory
     and the same peak (the A100-SXM4-40GB's, 1.555 TB/s). None where the hardware is no preset."""
     base = _preset(hw.name)
-    if base is None or hw.device_memory_gb is None or not base.device_memory_gb \
+    if base is None or not hw.device_memory_gb or not base.device_memory_gb \
             or (hw.gpu, hw.hbm_tb_per_s) != (base.gpu, base.hbm_tb_per_s) \
             or abs(hw.device_memory_gb / base.device_memory_gb - 1) <= 0.1:
         return []
     parts = [n for n in presets("hardware") if n.endswith("_node") and (p := _preset(n)).gpu != base.gpu
-             and p.peak_tflops == base.peak_tflops and abs(p.device_memory_gb / hw.device_memory_gb - 1) <= 0.1]
+             and p.peak_tflops == base.peak_tflops and p.device_memory_gb
+             and abs(p.device_memory_gb / hw.device_memory_gb - 1) <= 0.1]
     other = (f"; hardware={' or hardware='.join(parts)} (with hardware.nodes) is that part" if parts else
              "; set hardware.gpu and hardware.hbm_tb_per_s for the part you mean")
     return [f"hardware.device_memory_gb={_text(hw.device_memory_gb)} on hardware={hw.name} keeps the preset's "
