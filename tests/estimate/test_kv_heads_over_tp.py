@@ -45,6 +45,7 @@ def test_starcoders_layout_is_priced_under_megatron_with_the_whole_kv_projection
     assert held["optimizer"] == -(-959_895_040 // 32)  # the distributed optimizer's shard of them over dp 32
     e = estimate(spec)
     assert e.memory.fits and e.time_per_step_s > 0
+    assert not spec.dry_run and any("kv_heads_over_tp=replicate" in n and "no dry run" in n for n in spec.notes)
 
 
 def test_a_replicated_head_prices_each_rank_as_a_split_model_with_one_kv_head_per_rank():
@@ -124,3 +125,25 @@ def test_a_changed_n_heads_that_keeps_the_presets_kv_heads_is_noted():
     assert kept_kv_heads_notes(48, 48, "tiny", ["model.n_heads=48", "model.n_kv_heads=48"]) == []  # given
     assert kept_kv_heads_notes(4, 2, "tiny", []) == []  # the preset's own heads
     assert kept_kv_heads_notes(64, 64, "175b", ["model.n_heads=64"]) == []  # a preset without K/V heads: MHA follows
+
+
+def test_a_run_reads_the_note_from_hydras_model_choice_and_overrides():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from xpar.config.presets import conf_dir
+    from xpar.run.job import model_preset_notes
+
+    spec = spec_for("run.mode=estimate", "model.n_heads=8")
+    assert model_preset_notes(spec) == []  # outside a Hydra app
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose("config", return_hydra_config=True, overrides=["run.mode=estimate", "model.n_heads=8"])
+    HydraConfig.instance().set_config(cfg)
+    try:
+        notes = model_preset_notes(spec)
+    finally:
+        HydraConfig.instance().cfg = None
+        GlobalHydra.instance().clear()
+    assert len(notes) == 1 and "model=tiny's 4" in notes[0] and "4 query heads share each K/V head" in notes[0]
