@@ -88,5 +88,5 @@ def kv_replica_elements(spec) -> tuple[float, int]:
     cfg, t = spec.model, spec.tp
     if t == 1 or is_mla(cfg) or not kv_replicated(cfg.kv_heads, t, spec.framework.kv_heads_over_tp):
         return 0.0, 0
-    width = 2 * tp_model(spec).kv_heads // t * cfg.head_size  # wk and wv rows on a rank
+    width = 2 * (tp_model(spec).kv_heads // t) * cfg.head_size  # wk and wv rows on a rank
     return spec.train.micro_batch_size * spec.seq_len * width, width * cfg.hidden + (width if cfg.bias else 0)

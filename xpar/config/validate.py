@@ -208,8 +208,9 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     of the other groups."""
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
+    replicas = kv_replica_notes(c, layout, target.mode)  # K/V heads replicated over tp: estimated, no dry run
     notes = (list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
-             + split_notes(c, layout) + kv_replica_notes(c, layout, target.mode))
+             + split_notes(c, layout) + replicas)
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
@@ -219,5 +220,5 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
-                   dry_run=c.run.dry_run and not kv_replica_notes(c, layout, target.mode), notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
+                   dry_run=c.run.dry_run and not replicas, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
                    vocab_unpadded=c.model.vocab_size if c.framework.make_vocab_size_divisible_by else None)

@@ -52,8 +52,8 @@ def cp_payload_bytes(spec: RunSpec) -> float:
     carries as many); 0 without cp."""
     if spec.layout.cp == 1:
         return 0.0
-    cfg = spec.model  # the K/V heads as the tp ranks hold them (xpar.config.attention.tp_model: replicated or split)
-    return 2 * spec.train.micro_batch_size * spec.seq_len * tp_model(spec).kv_heads * cfg.head_dim / spec.tp * BYTES[spec.train.dtype]
+    kv = tp_model(spec).kv_heads  # as the tp ranks hold them (xpar.config.attention.tp_model: replicated or split)
+    return 2 * spec.train.micro_batch_size * spec.seq_len * kv * spec.model.head_dim / spec.tp * BYTES[spec.train.dtype]
 
 
 def cp_bytes_per_step(spec: RunSpec) -> float:

@@ -75,8 +75,8 @@ def kv_replica_bytes(spec: RunSpec, grad_bytes: int) -> dict[str, float]:
         return {"tp_allreduce": m * allreduce_bytes(size, t)}
     policy, share = spec_recompute(spec)
     gathers = 1 + share * ("wk" in POLICIES[policy].reruns)
-    return {"tp_allgather": m * gathers * allgather_bytes(size, t), "tp_reduce_scatter": m * reduce_scatter_bytes(size, t),
-            "tp_allreduce": allreduce_bytes(weights * grad_bytes, t)}
+    return {"tp_allgather": m * gathers * allgather_bytes(size, t),
+            "tp_reduce_scatter": m * reduce_scatter_bytes(size, t), "tp_allreduce": allreduce_bytes(weights * grad_bytes, t)}
 
 
 def pp_sends(layout, pp_rank: int) -> int:
