@@ -43,7 +43,7 @@ def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: s
         out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads and "
                    f"MLP columns per tp rank); tp values that divide "
                    f"n_heads={model.n_heads}, n_kv_heads={kv}{kv_rule_text} and ffn_hidden={model.ffn_hidden}: {ok}"
-                   + _replicate_hint(model, t, kv_rule, bad) + ".")
+                   + (_replicate_hint(model, t, kv_rule, bad) if mode == "estimate" else "") + ".")
     if model.vocab_size % t:
         out.append(f"parallel.tp={t} must divide model.vocab_size={model.vocab_size} (vocabulary-parallel embedding "
                    f"and output: whole rows per tp rank); {tp_padding_hint(model.vocab_size, t)}.")
@@ -57,12 +57,12 @@ def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: s
 
 
 def _replicate_hint(model: ModelConfig, t: int, kv_rule: str, bad: list[str]) -> str:
-    """The setting that prices ``t`` where the K/V heads alone refuse it and tp is a multiple of them."""
+    """The setting that prices ``t`` where the K/V heads alone refuse it and tp is a multiple of them (an estimate:
+    execute mode runs xpar's engine, which splits K/V heads)."""
     if kv_rule != "split" or bad != [f"model.n_kv_heads={model.kv_heads}"] or t % model.kv_heads:
         return ""
     return (f"; or keep parallel.tp={t} with the K/V heads whole on every tp rank, as BigCode's Megatron-LM runs "
-            f"multi-query attention: framework.kv_heads_over_tp=replicate (framework=megatron sets it; estimated only, "
-            f"run.mode=estimate)")
+            f"multi-query attention: framework.kv_heads_over_tp=replicate (framework=megatron sets it)")
 
 
 def _kv_problems(model: ModelConfig, t: int, kv_rule: str, mode: str) -> list[str]:
