@@ -5,9 +5,15 @@ Sec. 2.1.1), where queries and keys/values are projected through low-rank latent
 (``qk_nope_head_dim``) and a rotary part (``qk_rope_head_dim``, one rotary key shared by the heads),
 and values are ``v_head_dim`` wide. Training runs MLA's projections as written (not absorbed).
 Pure (no torch), in the config layer so that xpar.estimate.compute.flops and xpar.config.remat read the same
-counts. Units: FLOP per token, 2 per multiply-add.
+counts. Units: FLOP per token, 2 per multiply-add. Also the K/V heads a tp group holds where tp exceeds them
+(``framework.kv_heads_over_tp``: :func:`tp_kv_heads`, :func:`tp_model`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
+
+KV_OVER_TP = ("split", "replicate")
+"""``framework.kv_heads_over_tp`` values (xpar.config.profile.FrameworkConfig)."""
 
 
 def is_mla(cfg) -> bool:
@@ -40,3 +46,47 @@ def attention_core_flops(cfg, seq_len: int, causal: bool = False) -> float:
     else:
         widths = 2 * cfg.q_dim
     return 2 * seq_len * widths * (0.5 if causal else 1.0)
+
+
+def kv_replicated(kv_heads: int, tp: int, rule: str) -> bool:
+    """Whether a tp group of ``tp`` ranks keeps copies of K/V heads: ``rule`` 'replicate' (framework.kv_heads_over_tp)
+    and tp > ``kv_heads`` (tp a multiple of them: xpar.config.checks.layout.check_tp)."""
+    return rule == "replicate" and tp > kv_heads
+
+
+def tp_kv_heads(kv_heads, tp, rule: str = "split"):
+    """K/V heads a tp group holds, summed over its ranks (one rank: this / tp): ``kv_heads`` where tp splits them,
+    max(kv_heads, tp) under ``rule`` 'replicate' (each rank keeps kv_heads / min(tp, kv_heads) = the one K/V head its
+    query heads need, whole; BigCode's Megatron-LM MQA, vLLM's QKVParallelLinear). Ints, or numpy arrays of tp."""
+    if rule != "replicate":
+        return kv_heads
+    return kv_heads + (tp - kv_heads) * (tp > kv_heads)  # max(kv_heads, tp), for ints and arrays alike
+
+
+def tp_model(spec):
+    """``spec.model`` as each of its tp ranks holds it, ``n_kv_heads`` at :func:`tp_kv_heads` (the model itself unless
+    K/V heads are replicated: :func:`kv_replicated`): what parameters, gradients, optimizer states and saved K/V per
+    rank are priced on. The model's own FLOPs and parameter count stay ``spec.model``'s. MLA: the model."""
+    cfg, tp = spec.model, spec.tp
+    if tp == 1 or is_mla(cfg) or not kv_replicated(cfg.kv_heads, tp, spec.framework.kv_heads_over_tp):
+        return cfg
+    return replace(cfg, n_kv_heads=tp_kv_heads(cfg.kv_heads, tp, "replicate"))
+
+
+def tp_compute_model(spec):
+    """The model whose FLOPs per token a tp rank runs one tp-th of: :func:`tp_model` without sequence parallelism
+    (each rank projects its replicated K/V head over all its tokens), the model itself with it (BigCode's
+    Megatron-LM projects K/V on the rank's sequence shard, then all-gathers them: the split's FLOPs)."""
+    return spec.model if spec.layout.sequence_parallel else tp_model(spec)
+
+
+def kv_replica_elements(spec) -> tuple[float, int]:
+    """(elements of one layer's K/V output per micro-batch, b s x 2 kv_local head_dim; elements of one layer's K/V
+    projection weights and biases on a rank) where the spec's tp ranks keep K/V heads whole (:func:`kv_replicated`;
+    BigCode's Megatron-LM reduces the first over tp each micro-batch, the second each step with sequence parallelism:
+    xpar.estimate.step_parts.kv_replica_times); (0, 0) otherwise."""
+    cfg, t = spec.model, spec.tp
+    if t == 1 or is_mla(cfg) or not kv_replicated(cfg.kv_heads, t, spec.framework.kv_heads_over_tp):
+        return 0.0, 0
+    width = 2 * (tp_model(spec).kv_heads // t) * cfg.head_size  # wk and wv rows on a rank
+    return spec.train.micro_batch_size * spec.seq_len * width, width * cfg.hidden + (width if cfg.bias else 0)

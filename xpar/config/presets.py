@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -69,3 +70,20 @@ def check_presets(argv: list[str]) -> None:
             quiet_exit(2)
         print("xpar: invalid configuration:\n" + "\n".join(bad), file=sys.stderr)
         raise SystemExit(2)
+
+
+def kept_kv_heads_notes(n_heads: int, n_kv_heads: Optional[int], preset: Optional[str], overrides: list[str]) -> list[str]:
+    """A note where ``model.n_heads`` differs from the model preset's (``preset``: the model group's choice) while
+    no override names ``model.n_kv_heads``: the preset's K/V heads stay, and with them a grouping the user may not
+    mean (tiny's 2 K/V heads under 48 query heads: grouped-query attention). [] when the preset sets no K/V heads
+    (multi-head: they follow n_heads), the heads are the preset's, or the K/V heads were given."""
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    if preset is None or preset not in presets("model") or "model.n_kv_heads" in given:
+        return []
+    own = preset_dict("model", preset)
+    kept = own.get("n_kv_heads")
+    if kept is None or own.get("n_heads") == n_heads or n_kv_heads != kept:
+        return []
+    return [f"model.n_heads={n_heads} is not model={preset}'s {own.get('n_heads')}, but model.n_kv_heads was not given: "
+            f"the preset's n_kv_heads={kept} is kept, so {n_heads // kept} query heads share each K/V head; set "
+            f"model.n_kv_heads (e.g. model.n_kv_heads={n_heads} for multi-head attention) if the model has others"]

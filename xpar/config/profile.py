@@ -296,3 +296,11 @@ class FrameworkConfig:
     ``ddp_bucket_copy``: DeepSpeed ZeRO-0/1/2 reduces through its ipg buffer of reduce_bucket_size elements
     (deepspeed/runtime/zero/stage_1_and_2.py: 1, 2 with overlap_comm); 0: a copy of the whole gradient
     (torch DDP's flat buckets, gradient_as_bucket_view False) (xpar.estimate.memory.buffers)."""
+    kv_heads_over_tp: str = "split"
+    """K/V heads where tp exceeds model.n_kv_heads (xpar.config.attention.tp_kv_heads): 'split' (each tp rank holds
+    n_kv_heads / tp of them, so tp must divide n_kv_heads: Megatron-Core's num_query_groups / tp, torch DTensor's
+    ColwiseParallel) or 'replicate' (tp a multiple of n_kv_heads: each rank keeps the K/V head its query heads need
+    whole: the K/V projection's parameters, gradients, optimizer states and saved K/V on every rank of the group;
+    its GEMM on every rank's tokens, or on the sequence shard with sequence parallelism, its output gathered and its
+    weight gradients all-reduced over tp: BigCode's Megatron-LM MQA, megatron/model/transformer.py key_value and
+    optimizer.py allreduce_key_value_grads). Estimated only: xpar's engine splits K/V heads (DTensor)."""

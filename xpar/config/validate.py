@@ -15,6 +15,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from xpar.config.attention import kv_replicated
 from xpar.config.checks import ConfigError, divisors  # noqa: F401  (re-exported)
 from xpar.config.checks import config as config_checks
 from xpar.config.checks import layout as layout_checks
@@ -61,7 +62,8 @@ def _raise_if(problems: list[str]) -> None:
 def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[int] = None) -> list[str]:
     """Every check of the resolved layout (``world``: the fixed world size, None on a local run)."""
     par, v = c.parallel, layout.virtual_stages
-    return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout) + layout_checks.check_zero1(layout, mode)
+    return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout,
+                                  c.framework.kv_heads_over_tp, mode) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
                                            rule=c.framework.microbatch_rule,
@@ -116,6 +118,18 @@ def split_notes(c: XparConfig, layout: Layout) -> list[str]:
     return [f"model.n_layers={c.model.n_layers} over {n} pipeline stages: estimated with the split "
             f"{list(layout.layer_split)} (lighter first and last stages, as xpar plan prices it); set "
             f"parallel.layer_split (or first_stage_layers / last_stage_layers) to price the run's own."]
+
+
+def kv_replica_notes(c: XparConfig, layout: Layout, mode: str) -> list[str]:
+    """What an estimate with K/V heads replicated over tp prices (framework.kv_heads_over_tp=replicate, tp above
+    model.n_kv_heads: xpar.config.attention.tp_model), and that the dry run, whose engine splits them, is left out."""
+    kv, t = c.model.kv_heads, layout.tp
+    if mode != "estimate" or c.model.kv_lora_rank is not None or not kv_replicated(kv, t, c.framework.kv_heads_over_tp):
+        return []
+    return [f"framework.kv_heads_over_tp=replicate: each of the parallel.tp={t} ranks keeps the K/V head its query "
+            f"heads need whole ({t // kv} copies of each of the model.n_kv_heads={kv}: their projection's parameters, "
+            f"gradients, optimizer states and saved K/V on every such rank, the gradients reduced over tp); no dry run "
+            f"(run.dry_run): xpar's engine splits K/V heads over tp"]
 
 
 def given_split(c: XparConfig, n_stages: int):
@@ -194,8 +208,9 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
     of the other groups."""
     train = replace(c.train, global_batch_size=layout.global_batch, seq_len=layout.seq_len,
                     threads_per_worker=c.train.threads_per_worker or 1)
+    replicas = kv_replica_notes(c, layout, target.mode)  # K/V heads replicated over tp: estimated, no dry run
     notes = (list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
-             + split_notes(c, layout))
+             + split_notes(c, layout) + replicas)
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")
@@ -205,5 +220,5 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                    device=target.hardware.device if target.mode == "execute" else "cuda",
                    launcher=target.launcher, progress=c.run.progress, fail_rank=c.run.fail_rank, hang_rank=c.run.hang_rank,
                    collective_timeout_s=c.run.collective_timeout_s, heartbeat_timeout_s=c.run.heartbeat_timeout_s,
-                   dry_run=c.run.dry_run, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
+                   dry_run=c.run.dry_run and not replicas, notes=notes, framework=replace(c.framework, terms=list(c.framework.terms)),
                    vocab_unpadded=c.model.vocab_size if c.framework.make_vocab_size_divisible_by else None)

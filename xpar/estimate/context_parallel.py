@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from xpar.config.attention import tp_model
 from xpar.config.remat import POLICIES, replayed_share
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm.collectives import collective_time, group_of
@@ -51,8 +52,8 @@ def cp_payload_bytes(spec: RunSpec) -> float:
     carries as many); 0 without cp."""
     if spec.layout.cp == 1:
         return 0.0
-    cfg = spec.model
-    return 2 * spec.train.micro_batch_size * spec.seq_len * cfg.kv_heads * cfg.head_dim / spec.tp * BYTES[spec.train.dtype]
+    kv = tp_model(spec).kv_heads  # as the tp ranks hold them (xpar.config.attention.tp_model: replicated or split)
+    return 2 * spec.train.micro_batch_size * spec.seq_len * kv * spec.model.head_dim / spec.tp * BYTES[spec.train.dtype]
 
 
 def cp_bytes_per_step(spec: RunSpec) -> float:

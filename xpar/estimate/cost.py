@@ -122,7 +122,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     est = _result(spec, mem, float(step.time[0]), {k: float(v[0]) for k, v in step.breakdown.items()},
                   float(step.beta[0]), comm, notes)
     m = spec.micro_batches
-    est.comm_time = {"tp": m * x["tp_issued"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
+    est.comm_time = {"tp": m * x["tp_issued"] + x["tp_step"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
     est.framework, est.offload = assume.name, _offload(spec, assume, step, elements, notes)
     return _with_ep_comm(spec, est, assume) if spec.layout.ep > 1 else est
 

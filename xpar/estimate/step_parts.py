@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from xpar.config.attention import kv_replica_elements, tp_compute_model
 from xpar.config.profile import FrameworkConfig
-from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, spec_recompute, tp_reruns
+from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, reruns, spec_recompute, tp_reruns
 from xpar.config.schema import HardwareConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.compute import flops as fl
@@ -40,9 +41,10 @@ GEMM_HALF_DIM = 32.0
 
 PLAN_FIELDS = ("terms", "schedules", "zero_stages", "pp_zero_stages", "recompute", "sequence_parallel", "offload",
                "microbatch_rule", "interleaved_min_pp", "make_vocab_size_divisible_by", "etp_degrees", "max_cp",
-               "max_ep", "even_layer_split")
+               "max_ep", "even_layer_split", "kv_heads_over_tp")
 """FrameworkConfig fields that say what a framework runs (its layout rules, the planner's space), not how it
-performs: not assumptions of the cost model."""
+performs: not assumptions of the cost model. ``make_vocab_size_divisible_by`` and ``kv_heads_over_tp`` shape the model
+each rank holds: the cost model reads them from ``spec.framework`` (xpar.config.vocab, xpar.config.attention)."""
 
 
 class _Profiles:
@@ -133,10 +135,11 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     e = BYTES[spec.train.dtype]
     peak, hbm = compute_peak(hw, spec.train.dtype), (hw.hbm_tb_per_s or 0) * 1e12
     rate = peak * matmul_efficiency(hw, h / t) * (hw.fp8_matmul_efficiency if spec.train.dtype == "fp8" else 1.0)
-    fwd = fl.forward_flops_per_token(cfg, s)  # Narayanan et al. convention
+    ran = tp_compute_model(spec)  # K/V heads replicated over tp: each rank's K/V projection (xpar.config.attention)
+    fwd = fl.forward_flops_per_token(ran, s)  # Narayanan et al. convention
     layer = (fwd["matmul"] + fwd["attention"]) / cfg.n_layers
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
-    extra = share * extra_forward_flops_per_layer(cfg, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
+    extra = share * extra_forward_flops_per_layer(ran, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
     act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
                flash=assume.flash_attention, elem=e)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, lay.sequence_parallel, "none", **act)
@@ -188,8 +191,40 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
         one = collective_time(hw, "allgather", size, g) + dgrad
     else:
         one = dgrad = collective_time(hw, "allreduce", size, g)
-    return {"f": 2 * one, "b": (2 + tp_rerun(spec, early_stop)) * one, "end": one, "b_async": 2 * dgrad,
+    kv_f, kv_b = kv_replica_times(spec, early_stop)
+    return {"f": 2 * one + kv_f, "b": (2 + tp_rerun(spec, early_stop)) * one + kv_b, "end": one, "b_async": 2 * dgrad,
             "cross": float(g.nodes > 1)}
+
+
+def kv_replica_times(spec: RunSpec, early_stop: bool = False) -> tuple[float, float]:
+    """Seconds (forward, backward with the recomputed forward) of one layer's tp collectives on the K/V output
+    where each tp rank keeps its K/V head whole (xpar.config.attention.kv_replica_elements), per micro-batch:
+    BigCode's Megatron-LM (megatron/model/transformer.py ParallelAttention.forward) all-reduces the output's gradient
+    in backward (copy_to_tensor_model_parallel_region); with sequence parallelism it projects the sequence shard,
+    all-gathers the output in forward and reduce-scatters its gradient in backward (the all-gather rerun where the
+    recompute policy reruns wk). (0, 0) otherwise."""
+    output, _ = kv_replica_elements(spec)
+    if not output:
+        return 0.0, 0.0
+    hw, size = spec.hardware, output * BYTES[spec.train.dtype]
+    g = group_of(hw, spec.tp, 1)
+    if not spec.layout.sequence_parallel:
+        return 0.0, collective_time(hw, "allreduce", size, g)
+    policy, share = spec_recompute(spec)
+    gather = collective_time(hw, "allgather", size, g)
+    rerun = share * ("wk" in reruns(POLICIES[policy], early_stop))
+    return gather, collective_time(hw, "reduce_scatter", size, g) + rerun * gather
+
+
+def kv_grad_reduce_time(spec: RunSpec, grad_bytes: int) -> float:
+    """Seconds per step of one layer's all-reduce over tp of the replicated K/V projection's weight and bias
+    gradients (``grad_bytes`` per element) where it runs on the sequence shard, each rank's gradient covering its
+    tokens only: BigCode's Megatron-LM megatron/optimizer/optimizer.py allreduce_key_value_grads (multi-query
+    attention with sequence parallelism, before the dp reduction). 0 otherwise."""
+    _, weights = kv_replica_elements(spec)
+    if not (weights and spec.layout.sequence_parallel):
+        return 0.0
+    return collective_time(spec.hardware, "allreduce", weights * grad_bytes, group_of(spec.hardware, spec.tp, 1))
 
 
 def tp_rerun(spec: RunSpec, early_stop: bool = False) -> float:
@@ -340,17 +375,19 @@ def optimizer_term(spec: RunSpec, assume: Assumptions, optimizer_bytes: Any, gra
 
 def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[Any, dict]:
     """(seconds per step, breakdown by :data:`TIME_TERMS`) from the slowest rank's terms
-    ``slow`` (xpar.estimate.columns.step_time.Step.slowest, with ``dp_end``: its dp communication left at the end),
+    ``slow`` (xpar.estimate.columns.step_time.Step.slowest, with ``dp_end``: its dp communication left at the end,
+    ``tp_step``, where present: its tp reductions once a step, :func:`kv_grad_reduce_time`),
     m micro-batches, bubble ratio ``beta``, ``fill_mb`` (:func:`fill_time`: the mean micro-batch
     time of the other ranks) and the optimizer's seconds (module docstring). Floats or numpy
     arrays over layouts."""
-    mb_slow = microbatch_time(slow)
+    mb_slow, tp_step = microbatch_time(slow), slow.get("tp_step", 0.0)
     pipe = m * mb_slow + beta / (1 - beta) * m * fill_mb
-    breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"], "tp_comm": m * slow["tp_comm"],
+    breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"],
+                 "tp_comm": m * slow["tp_comm"] + tp_step,
                  "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
                  "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
                  "host_overhead": m * slow["host"] + slow["host_step"]}
-    return pipe + slow["dp_end"] + t_opt + slow["host_step"], breakdown
+    return pipe + slow["dp_end"] + tp_step + t_opt + slow["host_step"], breakdown
 
 
 def fill_time(total_mb: Any, slow_mb: Any, pp: Any) -> Any:

@@ -243,6 +243,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     interleaved_m_per_pp=bool(framework.get("interleaved_m_per_pp", False)),
                     microbatch_rule=str(framework.get("microbatch_rule", "torch")),
                     vocab_multiple=framework.get("make_vocab_size_divisible_by"),
+                    kv_replicate=framework.get("kv_heads_over_tp") == "replicate",
                     offload=tuple(bool(x) for x in (p.offload or framework.get("offload", [False]))),
                     offload_hardware=offload_figures_known(hw), fp8_hardware=bool(hw.get("peak_tflops_fp8")), **axes)
     train = {k: v for k, v in _plain(cfg.train).items() if k not in ("global_batch_size", "micro_batch_size")}

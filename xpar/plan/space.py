@@ -39,7 +39,8 @@ RULES = {
     "max_ep": "ep above the framework's framework.max_ep (Megatron-LM before 2023: no expert parallelism)",
     "etp": "etp does not divide tp, or duplicate: etp = tp is the default etp (0) kept",
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
-    "tp_split": "tp does not divide n_heads, n_kv_heads, ffn_hidden and vocab_size (whole heads per rank)",
+    "tp_split": "tp does not divide n_heads, n_kv_heads (nor is a multiple of them, under framework.kv_heads_over_tp="
+                "replicate), ffn_hidden and vocab_size (whole heads per rank)",
     "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp)",
     "max_pp": "pp above the framework's framework.max_pp (llm-foundry: no pipeline parallelism)",
     "tp_nodes": "tp group neither inside one node nor whole nodes",
@@ -122,6 +123,9 @@ class Constraints:
     """Largest expert-parallel degree the framework runs (framework.max_ep); None: any."""
     even_split: bool = False
     """Whether the framework splits the layers evenly over the pp x v stages only (framework.even_layer_split)."""
+    kv_replicate: bool = False
+    """Whether tp may exceed the K/V heads, each rank keeping its K/V head whole (framework.kv_heads_over_tp=replicate:
+    xpar.config.attention.tp_kv_heads); False: tp divides them."""
 
 
 @dataclass
@@ -223,7 +227,9 @@ def _structure(model: dict, devices: int, devices_per_node: int, seq_len: int, c
     t = _five_rules(t, model, seq_len, c, drops)
     kv = model.get("n_kv_heads") or model["n_heads"]
     dims = np.array([model["n_heads"], kv, model["ffn_hidden"], 0 if c.vocab_multiple else model["vocab_size"]])
-    t = drops.apply(t, "tp_split", (dims[None, :] % t["tp"][:, None] == 0).all(axis=1))
+    split = dims[None, :] % t["tp"][:, None] == 0
+    split[:, 1] |= c.kv_replicate & (t["tp"] % kv == 0)  # K/V heads kept whole on each tp rank (tp_kv_heads)
+    t = drops.apply(t, "tp_split", split.all(axis=1))
     t = drops.apply(t, "max_tp", t["tp"] <= (c.max_tp or devices))
     t = drops.apply(t, "tp_nodes", (devices_per_node % t["tp"] == 0) | (t["tp"] % devices_per_node == 0))
     t = drops.apply(t, "pp_fixed", t["pp"] == (c.pp or t["pp"]))

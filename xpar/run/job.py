@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
 from xpar.config.cluster import adopt_submitit_tasks, placement_tags
+from xpar.config.presets import kept_kv_heads_notes
 from xpar.config.recorded import resolved_config
 from xpar.config.spec import RunSpec
 from xpar.config.torchrun import quiet_exit, torchrun_follower
@@ -44,6 +46,16 @@ def fail(lines: str, code: int = 2) -> None:
 
 
 
+def model_preset_notes(spec: RunSpec) -> list[str]:
+    """Notes on the model's overrides against its preset (xpar.config.presets.kept_kv_heads_notes), from Hydra's
+    group choice and command-line overrides; [] outside a Hydra app."""
+    if not HydraConfig.initialized():
+        return []
+    hc = HydraConfig.get()
+    return kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, hc.runtime.choices.get("model"),
+                               list(hc.overrides.task))
+
+
 def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict] = None) -> Optional[Report]:
     """Validate ``cfg``, then execute or estimate it and record it.
 
@@ -61,6 +73,7 @@ def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dic
     own_folder(out_dir, sweep)
     try:
         spec = check_run(cfg)
+        spec = replace(spec, notes=list(spec.notes) + model_preset_notes(spec))
         spec, resume_meta = checkpointing(spec, start_dir)  # train.resume -> its checkpoint directory
     except ConfigError as e:
         if sweep is None:

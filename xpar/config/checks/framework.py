@@ -5,6 +5,7 @@ import math
 
 from omegaconf import OmegaConf
 
+from xpar.config.attention import KV_OVER_TP
 from xpar.config.layout import MICROBATCH_RULES, SCHEDULES
 from xpar.config.presets import conf_dir
 from xpar.config.schema import FrameworkConfig
@@ -19,6 +20,7 @@ CHOICES = {
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.per_device.MemoryOptions.loss_kernel
     "ep_dispatcher": ("alltoall", "deepep", "hybridep", "ragged"),  # xpar.estimate.moe_dispatch.DISPATCHERS
     "microbatch_rule": MICROBATCH_RULES,
+    "kv_heads_over_tp": KV_OVER_TP,  # xpar.config.attention.tp_kv_heads
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.per_device.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction",

@@ -16,6 +16,7 @@ from xpar.config.layout import (
     microbatch_ok,
     microbatch_problem,
 )
+from xpar.config.attention import kv_replicated
 from xpar.config.checks import divisors
 from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
@@ -23,22 +24,26 @@ from xpar.config.schema import ModelConfig
 from xpar.config.vocab import tp_padding_hint
 
 
-def check_tp(model: ModelConfig, layout: Layout) -> list[str]:
-    """Megatron splits: heads and kv heads by tp (whole heads per rank), ffn by tp
-    (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output; ``model`` with the
-    vocabulary the framework pads, xpar.config.vocab); with
+def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: str = "estimate") -> list[str]:
+    """Megatron splits: heads and kv heads by tp (whole heads per rank; under ``kv_rule`` 'replicate',
+    framework.kv_heads_over_tp, tp may instead be a multiple of the kv heads: xpar.config.attention.tp_kv_heads,
+    estimated only), ffn by tp (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output;
+    ``model`` with the vocabulary the framework pads, xpar.config.vocab); with
     sequence parallelism the training sequence by tp."""
     t = layout.tp
     if t == 1:
         return []
-    out = []
-    dims = (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden))
-    bad = [f"model.{name}={n}" for name, n in dims if n % t]
+    out, kv = _kv_problems(model, t, kv_rule, mode), model.kv_heads
+    dims = (("n_heads", model.n_heads), ("ffn_hidden", model.ffn_hidden))
+    kv_fits = lambda d: kv % d == 0 or (kv_rule == "replicate" and d % kv == 0)  # noqa: E731
+    bad = [f"model.{name}={n}" for name, n in dims if n % t] + ([] if kv_fits(t) else [f"model.n_kv_heads={kv}"])
     if bad:
-        ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims)]
+        ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims) and kv_fits(d)]
+        kv_rule_text = "" if kv_rule == "split" else " (or a multiple of it: framework.kv_heads_over_tp=replicate)"
         out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads and "
                    f"MLP columns per tp rank); tp values that divide "
-                   f"n_heads={model.n_heads}, n_kv_heads={model.kv_heads} and ffn_hidden={model.ffn_hidden}: {ok}.")
+                   f"n_heads={model.n_heads}, n_kv_heads={kv}{kv_rule_text} and ffn_hidden={model.ffn_hidden}: {ok}"
+                   + (_replicate_hint(model, t, kv_rule, bad) if mode == "estimate" else "") + ".")
     if model.vocab_size % t:
         out.append(f"parallel.tp={t} must divide model.vocab_size={model.vocab_size} (vocabulary-parallel embedding "
                    f"and output: whole rows per tp rank); {tp_padding_hint(model.vocab_size, t)}.")
@@ -49,6 +54,25 @@ def check_tp(model: ModelConfig, layout: Layout) -> list[str]:
                    f"must be divisible by parallel.tp={t}; e.g. train.seq_len in {ok}, or "
                    f"sequence_parallel=false.")
     return out
+
+
+def _replicate_hint(model: ModelConfig, t: int, kv_rule: str, bad: list[str]) -> str:
+    """The setting that prices ``t`` where the K/V heads alone refuse it and tp is a multiple of them (an estimate:
+    execute mode runs xpar's engine, which splits K/V heads)."""
+    if kv_rule != "split" or bad != [f"model.n_kv_heads={model.kv_heads}"] or t % model.kv_heads:
+        return ""
+    return (f"; or keep parallel.tp={t} with the K/V heads whole on every tp rank, as BigCode's Megatron-LM runs "
+            f"multi-query attention: framework.kv_heads_over_tp=replicate (framework=megatron sets it)")
+
+
+def _kv_problems(model: ModelConfig, t: int, kv_rule: str, mode: str) -> list[str]:
+    """Replicated K/V heads (tp above n_kv_heads under framework.kv_heads_over_tp=replicate) are estimated only."""
+    if mode != "execute" or not kv_replicated(model.kv_heads, t, kv_rule) or t % model.kv_heads:
+        return []
+    ok = [d for d in divisors(model.kv_heads) if model.n_heads % d == 0 and model.ffn_hidden % d == 0]
+    return [f"framework.kv_heads_over_tp=replicate with parallel.tp={t} > model.n_kv_heads={model.kv_heads} (each tp "
+            f"rank keeping the K/V head its query heads need) is estimated, not executed, by xpar (its engine splits "
+            f"K/V heads over tp with DTensor); estimate it with run.mode=estimate, or run parallel.tp in {ok}."]
 
 
 def check_zero1(layout: Layout, mode: str) -> list[str]:

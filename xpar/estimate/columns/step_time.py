@@ -33,6 +33,7 @@ from xpar.estimate.step_parts import (
     assumptions_for,
     compute_peak,
     fill_time,
+    kv_grad_reduce_time,
     layer_costs,
     microbatch_time,
     optimizer_term,
@@ -49,7 +50,7 @@ from xpar.estimate.step_parts import (
 from xpar.estimate.comm.volume import pp_sends
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time
 from xpar.estimate.compute.kernel_costs import kernel_layer_columns, kernel_priced
-from xpar.estimate.comm.dp import dp_exposure, unit_elements, unit_times
+from xpar.estimate.comm.dp import dp_exposure, grad_bytes, unit_elements, unit_times
 from xpar.estimate.compute.host import (
     HOST_KEYS,
     host_costs,
@@ -377,7 +378,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
     out = {"time_per_step_s": step.time, **{f"time_{k}": v * np.ones(len(step.time))
                                             for k, v in step.breakdown.items()},
            "bubble_ratio": step.beta, "dp_comm_issued_s": pick["dp_issued"],
-           "tp_comm_issued_s": r["m"] * pick["tp_issued"],
+           "tp_comm_issued_s": r["m"] * pick["tp_issued"] + pick["tp_step"],
            "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
            "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, step.time))
@@ -389,7 +390,7 @@ class Step:
     """A step of each layout (arrays over layouts): seconds per step (``time``), by term
     (``breakdown``, :data:`xpar.estimate.terms.TIME_TERMS`), the bubble ratio ``beta``, the slowest
     rank's terms (``slowest``: :func:`_rank_columns`'s keys, seconds per micro-batch but ``dp_end``,
-    ``dp_issued`` and ``host_step`` per step), its slot ``slot`` (axis 0 of the slots: the pipeline
+    ``tp_step``, ``dp_issued`` and ``host_step`` per step), its slot ``slot`` (axis 0 of the slots: the pipeline
     rank for one layout's every rank) and the offloaded optimizer's seconds (``offload``,
     xpar.estimate.memory.offload.OFFLOAD_TERMS; zeros without offload)."""
 
@@ -451,7 +452,7 @@ def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.
 
 def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0), a pipeline rank's terms: seconds per micro-batch (matmul, memory_bound,
-    tp_comm, pp_comm, dp_comm, host) and per step (dp_end, host_step), issued tp/pp/dp."""
+    tp_comm, pp_comm, dp_comm, host) and per step (dp_end, tp_step, host_step), issued tp/pp/dp."""
     c = _layer_columns(base, a, r)
 
     def one_send(t, d, b, sp):
@@ -472,6 +473,10 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         a.layer_overhead_ms * 1e-3), HOST_KEYS)
     x.update(host=rank_host(h, s["n"], s["first"], s["last"]) + x["overhead"], host_step=host_step(h, s["n"], s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
+    reduced = grad_bytes(base, a)  # the dp reduction's width: Megatron reduces its main gradients at it
+    kv_end = by_key([r["tp"], r["sp"]], lambda t, sp: {"s": kv_grad_reduce_time(
+        spec_at(base, t, 1, 1, 1, 1, 1, "gpipe", 0, sp, "none"), reduced)}, ("s",))["s"]
+    x["tp_step"] = s["n"] * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
     return x
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from xpar.config.attention import kv_replica_elements
 from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
 from xpar.estimate.memory.model_states import BYTES, param_numel, root_elements
@@ -58,6 +59,24 @@ def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = Fal
         return {"tp_allreduce": 0.0, "tp_allgather": n * allgather_bytes(size, t),
                 "tp_reduce_scatter": n * reduce_scatter_bytes(size, t)}
     return {"tp_allreduce": n * allreduce_bytes(size, t), "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
+
+
+def kv_replica_bytes(spec: RunSpec, grad_bytes: int) -> dict[str, float]:
+    """tp bytes per device and step of one layer whose K/V heads its tp ranks keep whole
+    (xpar.config.attention.kv_replica_elements; xpar.estimate.step_parts.kv_replica_times): the K/V output's
+    gradient all-reduced each micro-batch, or with sequence parallelism the output all-gathered (again where
+    recompute reruns wk) and its gradient reduce-scattered, and the weight gradients (``grad_bytes`` each)
+    all-reduced once; {} otherwise."""
+    output, weights = kv_replica_elements(spec)
+    if not output:
+        return {}
+    t, m, size = spec.tp, spec.micro_batches, output * BYTES[spec.train.dtype]
+    if not spec.layout.sequence_parallel:
+        return {"tp_allreduce": m * allreduce_bytes(size, t)}
+    policy, share = spec_recompute(spec)
+    gathers = 1 + share * ("wk" in POLICIES[policy].reruns)
+    return {"tp_allgather": m * gathers * allgather_bytes(size, t),
+            "tp_reduce_scatter": m * reduce_scatter_bytes(size, t), "tp_allreduce": allreduce_bytes(weights * grad_bytes, t)}
 
 
 def pp_sends(layout, pp_rank: int) -> int:
@@ -113,6 +132,8 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
             out["tp_reduce_scatter"] += ends * m * reduce_scatter_bytes(size, t)
         else:
             out["tp_allreduce"] += ends * m * allreduce_bytes(size, t)
+        for k, v in kv_replica_bytes(spec, e if grad_bytes is None else grad_bytes).items():
+            out[k] += v * n_layers
     # pp: sends forward from every stage but the last, backward from every stage but the first
     if spec.pp > 1:
         sends = pp_sends(spec.layout, pp_rank)

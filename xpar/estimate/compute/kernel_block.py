@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.config.attention import tp_kv_heads
 from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
 from xpar.estimate.moe_dispatch import DISPATCHERS, sync_seconds
 
@@ -118,8 +119,9 @@ def _linear(m, n, k, device, dtype, backward, groups=1):
     return dgrad + wgrad, 2 + cast, cast * 3.0 * groups * m * k
 
 
-def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward):
-    """(seconds, kernels, cast bytes) of the attention's projections on t tokens per rank."""
+def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward, kv_heads=None):
+    """(seconds, kernels, cast bytes) of the attention's projections on t tokens per rank; ``kv_heads``: the K/V
+    heads the tp group projects over all its tokens (:func:`xpar.config.attention.tp_kv_heads`; None: the model's)."""
     parts = []
     if sh.mla:
         q_in = sh.hidden
@@ -130,7 +132,8 @@ def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward):
         parts.append((sh.kv_lora_rank + sh.qk_rope_dim, sh.hidden, None))  # kv down-projection + shared rope key
         parts.append((sh.heads * (sh.qk_nope_dim + sh.v_dim), sh.kv_lora_rank, "n"))  # kv up-projection
     else:
-        parts.append(((sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.hidden, "n"))  # fused qkv, column-parallel
+        kv = sh.kv_heads if kv_heads is None else kv_heads
+        parts.append(((sh.heads + 2 * kv) * sh.head_dim, sh.hidden, "n"))  # fused qkv, column-parallel
     parts.append((sh.hidden, sh.heads * sh.v_dim, "k"))  # output projection, row-parallel (K split)
     out = (0.0, 0, 0.0)
     tp = np.asarray(tp, dtype=float)
@@ -215,7 +218,7 @@ def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backwa
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
-                dispatcher: str = "alltoall", expert_call_us: float = 0.0) -> BlockTerms:
+                dispatcher: str = "alltoall", expert_call_us: float = 0.0, kv_over_tp: str = "split") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -229,12 +232,16 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     synchronisation idles the GPU once per MoE forward (in ``overhead``), its sorting by local expert
     moves bytes (in ``memory``). ``expert_call_us``: host microseconds per local expert and GEMM call
     where the grouped GEMM loops over the experts (framework.expert_gemm_call_us; 2 calls a forward, 4 a backward).
+    ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
+    over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
+    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device."""
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
     t_sp = np.where(sequence_parallel, t / tp, t)
-    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward)
+    kv = np.where(sequence_parallel, sh.kv_heads, tp_kv_heads(sh.kv_heads, np.asarray(tp), kv_over_tp))
+    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv)
     projections = gemm
     attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash)
     heads = sh.heads / np.asarray(tp, dtype=float)

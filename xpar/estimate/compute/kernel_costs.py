@@ -78,7 +78,8 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
     """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh`` per row."""
     kw = dict(tp=rows["tp"], ep=base.layout.ep, dtype=base.train.dtype, host_us_per_kernel=assume.host_op_us,
               sequence_parallel=rows["sp"], flash=assume.flash_attention, dropout=assume.dropout,
-              dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us)
+              dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
+              kv_over_tp=base.framework.kv_heads_over_tp)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
     passes = assume.elementwise_passes  # eager PyTorch: each element-wise op its own kernel
     fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.memory.model_states import MemoryOptions, _model_key, _shapes_layout, _stage_numels
+from xpar.estimate.memory.model_states import MemoryOptions, _stage_numels, shape_key
 
 
 def gradient_cast_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[str, float]:
@@ -26,7 +26,7 @@ def gradient_cast_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[s
     ``o.grad_accum_cast_bytes``); both 0 where the profile sets no width."""
     if not (o.grad_reduce_cast_bytes or o.grad_accum_cast_bytes):
         return {"grad_reduce_cast": 0.0, "grad_accum_cast": 0.0}
-    whole, shapes = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    whole, shapes = _stage_numels(*shape_key(spec), pp_rank)
     largest = max((math.prod(sh) for sh, _ in shapes), default=0)
     return {"grad_reduce_cast": float(whole * o.grad_reduce_cast_bytes),
             "grad_accum_cast": float(largest * o.grad_accum_cast_bytes)}

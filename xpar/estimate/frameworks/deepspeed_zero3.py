@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from xpar.config.attention import tp_model
 from xpar.estimate.comm.collectives import collective_time, group_of
 from xpar.estimate.comm.volume import allgather_bytes, allreduce_bytes
 from xpar.estimate.memory.model_states import BYTES, block_shapes, tensor_counts
@@ -83,7 +84,7 @@ def traffic(spec, assume) -> BlockTraffic:
     """What ZeRO-3 moves per (dense) block of ``spec``'s model under ``assume`` (Assumptions):
     :func:`block_traffic` of :func:`xpar.estimate.memory.model_states.block_shapes`. A MoE model's expert
     blocks are priced as its dense block (DeepSpeed v0.3 ran no MoE; this is a what-if)."""
-    return block_traffic(block_shapes(spec.model, spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
+    return block_traffic(block_shapes(tp_model(spec), spec.tp), assume.zero3_persist_numel, assume.zero3_reuse_distance,
                          spec.layout.recompute, assume.fused_qkv)
 
 
@@ -155,7 +156,7 @@ def persist_bytes(spec, assume, blocks: int) -> float:
 
 def _small(spec, persist_numel: int) -> list:
     """The (name, shape) of one block's tensors under ``persist_numel`` elements."""
-    return [(n, s) for n, s in block_shapes(spec.model, spec.tp) if math.prod(s) < persist_numel]
+    return [(n, s) for n, s in block_shapes(tp_model(spec), spec.tp) if math.prod(s) < persist_numel]
 
 
 def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
@@ -169,7 +170,7 @@ def comm_bytes(spec, assume, pp_rank: int, base: dict) -> dict:
         return base
     out, t, e, dp, m = dict(base), traffic(spec, assume), BYTES[spec.train.dtype], spec.dp, spec.micro_batches
     blocks = spec.layout.layers_of(pp_rank)
-    block = sum(math.prod(s) for _, s in block_shapes(spec.model, spec.tp)) * e
+    block = sum(math.prod(s) for _, s in block_shapes(tp_model(spec), spec.tp)) * e
     out["dp_allgather"] += allgather_bytes(t.regathered_share * block * blocks, dp) * m
     out["dp_allgather"] += allgather_bytes(persist_bytes(spec, assume, blocks), dp) * m if t.persistent else 0.0
     if not assume.grad_reduce_scatter:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 
+from xpar.config.attention import tp_model
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
@@ -151,7 +152,7 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
 def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
     cfg, rec = spec.model, precision(spec, o)
-    kv_width = cfg.kv_heads * cfg.head_size
+    kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
     return dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
@@ -223,7 +224,7 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
-        kv = cfg.kv_heads * cfg.head_size
+        kv = tp_model(spec).kv_heads * cfg.head_size
         block = (2 * h * cfg.q_dim + 2 * h * kv + (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden) / t
         kept_blocks = n * (1 - share)
         out["weight_copies"] = rec["e"] * (kept_blocks * block + (cfg.vocab_size * h / t if stage == lay.n_stages - 1 else 0))

@@ -13,11 +13,10 @@ from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.memory.model_states import (
     MemoryOptions,
-    _model_key,
     _part_counts,
-    _shapes_layout,
     _stage_numels,
     precision,
+    shape_key,
     state_widths,
 )
 from xpar.estimate.frameworks.bf16_optimizer import gradient_cast_terms
@@ -64,12 +63,12 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     out.update(gradient_cast_terms(spec, pp_rank, o))  # DeepSpeed BF16_Optimizer's gradient casts
     out["fp32_grad_partition"] = fp32_grad_partition_bytes(spec, pp_rank, o)  # DeepSpeed ZeRO-1/2's step
     z, e = spec.layout.zero_stage, precision(spec, o)["e"]
-    whole, _ = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
-    root, block = _fsdp_units(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    whole, _ = _stage_numels(*shape_key(spec), pp_rank)
+    root, block = _fsdp_units(*shape_key(spec), pp_rank)
     unit = max(root, block)
     if o.zero3_gather == "tensor":  # DeepSpeed v0.3: one parameter tensor gathered / reduced at a time
         root = block = unit = max((math.prod(sh) for sh, _ in _stage_numels(
-            _model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)[1]), default=0)
+            *shape_key(spec), pp_rank)[1]), default=0)
         root = 0
     if z <= 1 and spec.dp > 1 and o.ddp_bucket_copy:
         out["ddp_buckets"] = whole * state_widths(spec, o)[1]

@@ -10,6 +10,7 @@ from dataclasses import field, fields, make_dataclass, replace
 from functools import lru_cache
 from operator import attrgetter
 
+from xpar.config.attention import tp_model
 from xpar.config.layout import SCHEDULES
 from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import SELECTIVE_POLICIES
@@ -196,18 +197,18 @@ def param_shapes(spec: RunSpec, pp_rank: int) -> list[tuple[str, tuple[int, ...]
     """(name, tp-local shape) of every parameter held by pipeline rank ``pp_rank``, in the
     order ``model.parameters()`` yields them (tied weights once), from :func:`_meta_shapes`
     (memoised per model, layout and tp degree)."""
-    return list(_param_shapes(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+    return list(_param_shapes(*shape_key(spec), pp_rank))
 
 
 def param_numel(spec: RunSpec, pp_rank: int) -> int:
     """Parameter elements held by pipeline rank ``pp_rank`` (tp-local): :func:`param_shapes`' total."""
-    return _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)[0]
+    return _stage_numels(*shape_key(spec), pp_rank)[0]
 
 
 def unit_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     """Parameter elements per FSDP unit of ``pp_rank`` in forward order: the root (embedding,
     final norm, output of the stages held; 0 on middle stages) first, then each block."""
-    return list(_unit_elements(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank))
+    return list(_unit_elements(*shape_key(spec), pp_rank))
 
 
 @lru_cache(maxsize=4096)
@@ -254,6 +255,12 @@ def _model_key(cfg: ModelConfig) -> tuple:
     """The model's fields in order (``dataclasses.astuple`` without its deep copy: every field
     is a number, string or None): the key of the shape caches, ``ModelConfig(*key)`` rebuilds it."""
     return _MODEL_FIELDS(cfg)
+
+
+def shape_key(spec: RunSpec) -> tuple:
+    """(model key, layout key, tp) of the shape caches for ``spec``: the model as its tp ranks hold it
+    (:func:`xpar.config.attention.tp_model`: K/V heads replicated over tp where the framework keeps them whole)."""
+    return _model_key(tp_model(spec)), _shapes_layout(spec.layout), spec.tp
 
 
 @lru_cache(maxsize=8192)
@@ -388,7 +395,7 @@ def replicated_embedding_grad_numel(spec: RunSpec, pp_rank: int) -> int:
     unwrapped = spec.layout.zero_stage <= 1 and spec.dp == 1
     if spec.tp == 1 or unwrapped or not grads_deferred(spec) or not spec.layout.has_first_stage(pp_rank):
         return 0
-    return (spec.tp - 1) * _embedding_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    return (spec.tp - 1) * _embedding_numel(*shape_key(spec), pp_rank)
 
 
 @lru_cache(maxsize=1024)
@@ -408,7 +415,7 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
     ``replicated_embedding_grad``: see :class:`MemoryOptions`. Under expert parallelism the
     rank's E / ep experts (split over etp) are sharded and reduced over the expert-dp ranks
     (:attr:`xpar.config.layout.Layout.expert_dp`: tp dp / (ep etp) of a cp-folded layout), the rest over dp."""
-    key = (_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    key = (*shape_key(spec), pp_rank)
     whole, counts = _stage_numels(*key)
     extra = replicated_embedding_grad_numel(spec, pp_rank) if replicated_embedding_grad else 0
     if spec.layout.ep == 1 and spec.layout.expert_tp == spec.tp:
@@ -457,7 +464,7 @@ def expert_state_bytes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptio
     ranks), or {} for a dense model. Bytes."""
     if not spec.model.n_experts:
         return {}
-    n_experts, experts = _rank_counts(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank, True)
+    n_experts, experts = _rank_counts(*shape_key(spec), pp_rank, True)
     expert_dp = _expert_dp(spec)
     n = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
     wp, wg, wo = state_widths(spec, o)
@@ -470,7 +477,7 @@ def most_loaded_dp_rank(spec: RunSpec, pp_rank: int, zero1: str = "zero_redundan
     DDP; ZeRO-1's rank with the largest greedy partition (lowest on ties)."""
     if spec.layout.zero_stage != 1 or zero1 == "distributed_optimizer":
         return 0
-    _, counts = _stage_numels(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+    _, counts = _stage_numels(*shape_key(spec), pp_rank)
     sizes = _zero1_sizes(counts, spec.dp)
     return sizes.index(max(sizes))
 
@@ -524,6 +531,6 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
         compute = n["whole"] * rec["e"]
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
     if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.frameworks.fp8_weights)
-        linear = _block_linear_numel(_model_key(spec.model), _shapes_layout(spec.layout), spec.tp, pp_rank)
+        linear = _block_linear_numel(*shape_key(spec), pp_rank)
         compute += fp8_weight_copy_bytes(spec.train.dtype, z, linear, o)
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
