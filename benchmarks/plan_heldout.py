@@ -57,33 +57,73 @@ def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
     return out
 
 
-def why_columns(plan, f: dict, n: int = 2) -> tuple[str, str]:
-    """(degrees the winner changes from the published group's best, the ``n`` step terms where that best loses
-    most to the winner: per token, as a fraction of the winner's step time)."""
-    r, best = plan.res, plan.best
+def group_mask(r: dict, deg: dict) -> np.ndarray:
+    """Rows of the plan's columns ``r`` in the degree group ``deg`` (plan_published.published_degrees)."""
     mine = np.ones(len(r["tp"]), dtype=bool)
-    for k, v in f["deg"].items():
+    for k, v in deg.items():
         mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
-    group = plan.ranked[mine[plan.ranked]]
-    if not len(group):
-        return "-", "published group: none fits" if mine.any() else "published group outside the space"
-    i = int(group[0])
-    if i == best:
-        return "-", "winner's group"
-    mine_t, ref = term_seconds_per_token(r, np.array([i])), term_seconds_per_token(r, np.array([best]))
+    return mine
+
+
+def published_row(plan, spec, deg: dict) -> int | None:
+    """The plan's row of the published layout itself (its group, b, recompute, sp; schedule and v under pp),
+    fitting or not; None when the space does not hold it."""
+    r, lay = plan.res, spec.layout
+    mine = group_mask(r, deg) & (r["b"] == lay.micro_batch_size) & (r["recompute"] == lay.recompute)
+    if lay.tp > 1:
+        mine &= r["sp"] == lay.sequence_parallel
+    if lay.pp > 1:
+        mine &= (r["schedule"] == lay.schedule) & (r["v"] == lay.virtual_stages)
+    if "offload" in r:
+        mine &= ~r["offload"].astype(bool)
+    hit = np.flatnonzero(mine)
+    return int(hit[0]) if len(hit) else None
+
+
+def gap_words(r: dict, i: int, j: int, n: int = 2) -> str:
+    """The ``n`` step terms where row ``i`` loses most to row ``j`` (per token, as a fraction of ``j``'s step), and
+    the term where it gains most."""
+    mine, ref = term_seconds_per_token(r, np.array([i])), term_seconds_per_token(r, np.array([j]))
     total = sum(ref[k][0] for k in terms(r))
-    diff = sorted(((float(mine_t[k][0] - ref[k][0]) / total, k) for k in terms(r)), reverse=True)
+    diff = sorted(((float(mine[k][0] - ref[k][0]) / total, k) for k in terms(r)), reverse=True)
     words = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[:n] if d > 0.0005]
     gains = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[::-1][:1] if d < -0.0005]
-    return differing_axes(r, best, i), "; ".join(words) + (f" (it saves {gains[0]})" if gains else "")
+    return "; ".join(words) + (f" (saves {gains[0]})" if gains else "") or "no term"
 
 
-def run_one(num: int, name: str, command: str) -> tuple[dict, object]:
-    """The run's figures (plan_published.row_figures) and its plan."""
+def choices(r: dict, i: int) -> str:
+    """A row's choices inside its degree group."""
+    return f"{r['schedule'][i]} v{r['v'][i]} b{r['b'][i]} sp{int(r['sp'][i])} {r['recompute'][i]}"
+
+
+def why_lines(plan, spec, f: dict) -> list[str]:
+    """Where the claimed gain comes from: the published row against its group's best (its own choices), the
+    group's best against the winner (the degrees); each with the terms that separate them."""
+    r, best = plan.res, plan.best
+    mine = group_mask(r, f["deg"])
+    group = plan.ranked[mine[plan.ranked]]
+    pub = published_row(plan, spec, f["deg"])
+    out = []
+    if pub is None:
+        out.append("published choices not in the space")
+    elif len(group) and pub != group[0]:
+        fit = "" if r["fits"][pub] else f", does not fit ({r['memory_total'][pub] / 1e9:.1f} GB)"
+        out.append(f"own choices {choices(r, pub)}{fit} -> {choices(r, group[0])}: {gap_words(r, pub, int(group[0]))}")
+    if not len(group):
+        out.append("published group: none fits" if mine.any() else "published group outside the space")
+    elif group[0] != best:
+        out.append(f"degrees {differing_axes(r, best, int(group[0]))} (+ {choices(r, best)}): "
+                   f"{gap_words(r, int(group[0]), best)}")
+    return out or ["the winner"]
+
+
+def run_one(num: int, name: str, command: str) -> tuple[dict, list[str]]:
+    """The run's figures (plan_published.row_figures) and where its claimed gain comes from."""
     spec = validate(compose_line(command))
     a = assumptions_for(spec)
     plan = plan_of(spec, a)
-    return row_figures(f"#{num} {name}", spec, a, plan), plan
+    f = row_figures(f"#{num} {name}", spec, a, plan)
+    return f, why_lines(plan, spec, f)
 
 
 def main() -> None:
@@ -99,7 +139,7 @@ def main() -> None:
     for num, name, command in rows:
         t = time.perf_counter()
         try:
-            f, plan = run_one(num, name, command)
+            f, why = run_one(num, name, command)
         except PlanRefused as e:
             print(f"#{num} {name[:40]:<40} plan refused: {e.problems[0][:160]}", flush=True)
             continue
@@ -107,11 +147,10 @@ def main() -> None:
             continue
         f["num"] = num
         done.append(f)
-        axes, why = why_columns(plan, f)
         print(row_line(f), flush=True)
         notes.append(f"#{num:<3} {time.perf_counter() - t:5.1f} s  seen: {SEEN.get(num, '-')}"
-                     f"{'; NOT PUBLISHED: ' + NOT_PUBLISHED[num] if num in NOT_PUBLISHED else ''}\n"
-                     f"      published -> winner: {axes or 'same degrees'}; why: {why}")
+                     f"{'; NOT PUBLISHED: ' + NOT_PUBLISHED[num] if num in NOT_PUBLISHED else ''}"
+                     + "".join(f"\n      {w}" for w in why))
     print("\nPer run: seconds to plan, what tests/data holds, what separates the winner")
     print("\n".join(notes))
     summary(done, time.perf_counter() - t0, len(done))
