@@ -6,10 +6,11 @@
     python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192]
 
 Columns and summary as plan_published.py (its ``row_figures``, ``row_line``, ``summary``), then per run: what
-tests/data holds of it ('seen'), the degrees that separate the winner from the published group, and the step
-terms (per token, as a share of the winner's step) where the published group's best loses most to the winner
-('why'). Summaries: every accepted command; the published runs (rows 19 and 24 are a project preset and an
-issue's test item); those whose model no tests/data file holds.
+tests/data holds of it ('seen'), and where the claimed gain comes from: the published row against the best of its
+degree group (its own schedule, v, b, sp, recompute) and that best against the winner (the degrees), each with the
+two step terms (per token, as a share of the better one's step) that separate them most. Summaries: every accepted
+command; the published runs (rows 19 and 24 are a project preset and an issue's test item); those whose model no
+tests/data file holds.
 """
 from __future__ import annotations
 
