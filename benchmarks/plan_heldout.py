@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plan_published import HEADER, plan_of, row_figures, row_line, summary
+from plan_published import HEADER, group_mask, plan_of, row_figures, row_line, summary
 from xpar.config.validate import validate
 from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.terms import TERM_WORDS
@@ -56,14 +56,6 @@ def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
         if re.sub(r"^branch: ", "", result).startswith("accepted"):
             out.append((int(cells[0].lstrip("| ")), cells[1], cells[3].strip("`")))
     return out
-
-
-def group_mask(r: dict, deg: dict) -> np.ndarray:
-    """Rows of the plan's columns ``r`` in the degree group ``deg`` (plan_published.published_degrees)."""
-    mine = np.ones(len(r["tp"]), dtype=bool)
-    for k, v in deg.items():
-        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
-    return mine
 
 
 def published_row(plan, spec, deg: dict) -> int | None:

@@ -93,6 +93,14 @@ def published_degrees(spec, plan) -> dict:
     return {k: d[k] for k in degree_columns(plan.res)} | ({"etp": etp} if etp else {})
 
 
+def group_mask(r: dict, deg: dict) -> np.ndarray:
+    """Rows of the plan's columns ``r`` in the degree group ``deg`` (:func:`published_degrees`)."""
+    mine = np.ones(len(r["tp"]), dtype=bool)
+    for k, v in deg.items():
+        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
+    return mine
+
+
 def why_not(plan, degrees: dict) -> str:
     """The searched axis that misses ``degrees``, or the space's rule that drops them (RULES key)."""
     c, ctx = plan.inputs.constraints, plan.ctx
@@ -110,9 +118,7 @@ def row_figures(src: str, spec, a, plan) -> dict:
     """The per-run figures of the module docstring."""
     r = plan.res
     deg = published_degrees(spec, plan)
-    mine = np.ones(len(r["tp"]), dtype=bool)
-    for k, v in deg.items():
-        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
+    mine = group_mask(r, deg)
     ranks = group_ranks(r, plan.ranked)
     hit = np.flatnonzero(mine[plan.ranked])
     pub = estimate(spec, Assumptions.from_config(FrameworkConfig(**framework_dict(a))))
