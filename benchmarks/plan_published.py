@@ -93,6 +93,14 @@ def published_degrees(spec, plan) -> dict:
     return {k: d[k] for k in degree_columns(plan.res)} | ({"etp": etp} if etp else {})
 
 
+def group_mask(r: dict, deg: dict) -> np.ndarray:
+    """Rows of the plan's columns ``r`` in the degree group ``deg`` (:func:`published_degrees`)."""
+    mine = np.ones(len(r["tp"]), dtype=bool)
+    for k, v in deg.items():
+        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
+    return mine
+
+
 def why_not(plan, degrees: dict) -> str:
     """The searched axis that misses ``degrees``, or the space's rule that drops them (RULES key)."""
     c, ctx = plan.inputs.constraints, plan.ctx
@@ -110,9 +118,7 @@ def row_figures(src: str, spec, a, plan) -> dict:
     """The per-run figures of the module docstring."""
     r = plan.res
     deg = published_degrees(spec, plan)
-    mine = np.ones(len(r["tp"]), dtype=bool)
-    for k, v in deg.items():
-        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
+    mine = group_mask(r, deg)
     ranks = group_ranks(r, plan.ranked)
     hit = np.flatnonzero(mine[plan.ranked])
     pub = estimate(spec, Assumptions.from_config(FrameworkConfig(**framework_dict(a))))
@@ -173,8 +179,7 @@ def main() -> None:
     chosen = choose(every, args.per_source, args.max_devices, args.all or args.moe)
     print(f"{len(chosen)} of {len(every)} published runs with a full layout"
           + ("" if args.all else f" ({args.per_source} per source, <= {args.max_devices} devices)"))
-    print(f"{'source / run':<46} {'GPUs':>5} {'published group':<30} {'space':<12} {'mem':>5} {'rank':>5} {'gain':>7} "
-          f"{'in grp':>7} {'sets':>4} {'ties':>4}  plan's best")
+    print(HEADER)
     for src, spec, a in chosen:
         k = key_of(spec, a)
         try:
@@ -182,13 +187,22 @@ def main() -> None:
         except PlanRefused as e:
             print(f"{src[:52]:<52} refused: {e.problems[0][:150]}")
             continue
-        f = row_figures(src, spec, a, plans[k])
-        rows.append(f)
-        space = "in" + ("" if f["fits"] else ", none fits") if f["in_space"] else f"OUT: {f['why']}"
-        print(f"{src[:46]:<46} {f['devices']:>5} {_deg(f['deg']):<30} {space:<12} {100 * f['pub_mem']:>4.0f}% "
-              f"{f['rank'] or '-':>5} {100 * f['gain']:>+6.1f}% {100 * f['inside']:>+6.1f}% {f['sets']:>4} "
-              f"{f['tied']:>4}  {f['best']}", flush=True)
+        rows.append(row_figures(src, spec, a, plans[k]))
+        print(row_line(rows[-1]), flush=True)
     summary(rows, time.perf_counter() - t0, len(plans))
+
+
+HEADER = (f"{'source / run':<46} {'GPUs':>5} {'published group':<30} {'space':<12} {'mem':>5} {'rank':>5} {'gain':>7} "
+          f"{'in grp':>7} {'sets':>4} {'ties':>4}  plan's best")
+"""The column heads of :func:`row_line`."""
+
+
+def row_line(f: dict) -> str:
+    """One run's figures (:func:`row_figures`) as a line under :data:`HEADER`."""
+    space = "in" + ("" if f["fits"] else ", none fits") if f["in_space"] else f"OUT: {f['why']}"
+    return (f"{f['src'][:46]:<46} {f['devices']:>5} {_deg(f['deg']):<30} {space:<12} {100 * f['pub_mem']:>4.0f}% "
+            f"{f['rank'] or '-':>5} {100 * f['gain']:>+6.1f}% {100 * f['inside']:>+6.1f}% {f['sets']:>4} "
+            f"{f['tied']:>4}  {f['best']}")
 
 
 def _deg(d: dict) -> str:

@@ -155,3 +155,24 @@ def test_recompute_replays_the_all_to_alls_where_the_framework_does():
     titan = estimate(mixtral("parallel.ep=8", "framework=torchtitan", "parallel.zero_stage=2",
                              "parallel.recompute=selective"))
     assert titan.time_breakdown["ep_comm"] == pytest.approx(e0.time_breakdown["ep_comm"], rel=1e-12)
+
+
+def test_node_limited_routing_sends_deepseek_v3s_tokens_across_fewer_nodes():
+    """DeepSeek-V3's node-limited routing (8 groups, 4 open per token; Sec. 2.1.2) at ep 64 on 8 nodes: a node
+    holds one group, open with chance 4/8 and then hit with 1 - (3/4)^8, so DeepEP sends 0.394 of the T k copies
+    across nodes, not 0.574; a token reaches at most 4 other nodes where nodes hold whole groups; every group open
+    is the unlimited share. The 2048-H800 layout's all-to-alls (DualPipeV, hai_llm) fall by that share; under the
+    plain all-to-all dispatcher (one send per copy) nothing changes."""
+    assert deepep_inter_share(8, 8, 8, 4) == pytest.approx(7 * 0.5 * (1 - 0.75 ** 8) / 8)
+    assert deepep_inter_share(8, 8) == pytest.approx(7 * (1 - (7 / 8) ** 8) / 8)
+    assert deepep_inter_share(8, 8, 8, 8) == deepep_inter_share(8, 8) and deepep_inter_share(8, 1, 8, 4) == 0.0
+    for nodes in (2, 4, 8, 16, 32):
+        limited = deepep_inter_share(8, nodes, 8, 4)
+        assert limited < deepep_inter_share(8, nodes)
+        assert nodes > 8 or limited * 8 <= 4
+    dsv3 = ("parallel=deepseek_v3_2048gpu", "run.mode=estimate")
+    open_groups = ("model.moe_router_groups=0", "model.moe_router_group_topk=0")
+    limited, unlimited = estimate(spec_for(*dsv3)), estimate(spec_for(*dsv3, *open_groups))
+    assert limited.comm_time["ep"] < 0.8 * unlimited.comm_time["ep"]
+    plain = ("framework.ep_dispatcher=alltoall",)
+    assert estimate(spec_for(*dsv3, *plain)).comm_time["ep"] == estimate(spec_for(*dsv3, *plain, *open_groups)).comm_time["ep"]

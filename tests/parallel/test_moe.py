@@ -1,5 +1,7 @@
 """Mixture-of-experts models (issue 30): published parameter counts, the model's parameters as the
 cost model writes them out, routing, FLOPs of the active parameters, and the config checks."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from xpar.config.schema import ModelConfig
 from xpar.estimate.compute.flops import forward_flops_per_token
 from xpar.estimate.memory.model_states import _meta_shapes, _model_key
 from xpar.models.shapes import param_count
-from xpar.models.transformer import MoE, Transformer
+from xpar.models.transformer import MoE, Transformer, group_limited
 
 
 def model(name: str) -> ModelConfig:
@@ -57,6 +59,41 @@ def test_routing_is_each_tokens_top_k_weighted_by_their_softmax_plus_the_shared_
             gates = scores.softmax(-1)
             want = sum(g * moe.experts[str(int(e))](t) for g, e in zip(gates, idx)) + moe.shared(t)
             torch.testing.assert_close(got[b, s], want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_limited_routing_takes_each_tokens_experts_from_its_best_groups():
+    """model.moe_router_groups / moe_router_group_topk (DeepSeek-V3's node-limited routing): a token's k experts
+    lie in the M groups with the highest top-(k // M) logit sums, the forward routes so; with every group open,
+    the plain top k."""
+    cfg = replace(model("moe_tiny"), n_experts=8, moe_top_k=4, moe_router_groups=4, moe_router_group_topk=3)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    x = torch.randn(64, cfg.hidden)
+    logits = moe.router(x)
+    picked = group_limited(logits, 4, 3, 4).topk(4, dim=-1).indices
+    best = logits.view(64, 4, 2).max(dim=-1).values.topk(3, dim=-1).indices  # top (4 // 3) = 1 logit per group
+    assert all(set((p // 2).tolist()) <= set(b.tolist()) for p, b in zip(picked, best))
+    plain = logits.topk(4, dim=-1).indices
+    assert torch.equal(group_limited(logits, 4, 4, 4).topk(4, dim=-1).indices, plain)
+    assert any(set(p.tolist()) != set(q.tolist()) for p, q in zip(picked, plain))  # the limit changes some tokens
+    got = moe(x.view(8, 8, -1)).view(64, -1)
+    for t in range(0, 64, 9):
+        scores, idx = group_limited(logits[t:t + 1], 4, 3, 4)[0].topk(4)
+        want = sum(g * moe.experts[str(int(e))](x[t]) for g, e in zip(scores.softmax(-1), idx)) + moe.shared(x[t])
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_router_groups_that_do_not_fit_the_experts_are_refused_in_one_line_naming_the_fix():
+    from xpar.config.checks import ConfigError
+    for bad in (["model.moe_router_groups=3", "model.moe_router_group_topk=1"],  # 3 does not divide 4 experts
+                ["model.moe_router_groups=4", "model.moe_router_group_topk=0"],
+                ["model.moe_router_groups=4", "model.moe_router_group_topk=1"]):  # 1 group of 1 < top 2
+        with pytest.raises(ConfigError) as e:
+            spec_for("model=moe_tiny", *bad)
+        assert "e.g. [2, 4]" in str(e.value) and "model.moe_router_groups=0 model.moe_router_group_topk=0" in str(e.value)
+        assert len(e.value.problems) == 1
+    assert spec_for("model=moe_tiny", "model.moe_router_groups=0", "model.moe_router_group_topk=0").model.n_experts == 4
+    assert spec_for("model=moe_tiny", "model.moe_router_groups=2", "model.moe_router_group_topk=1").model.moe_router_groups == 2
 
 
 def test_flops_count_the_active_parameters():

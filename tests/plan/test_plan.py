@@ -272,6 +272,18 @@ def test_70b_on_8_a100_fits_with_the_optimizer_offloaded(capsys):
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
+def test_plan_devices_count_the_cp_ranks_when_the_first_candidate_splits_sequences():
+    """dp 8 does not divide a global batch of 4 sequences, so the first candidate of the space has cp 2 (dp 4): the
+    plan is still on 8 devices (tp x pp x cp x dp), in its table's title and in the claimed gains that divide by it."""
+    from xpar.plan.show import ranked_table
+
+    plan = plan_of("model=7b", "hardware=h100_80gb_8gpu", "train.seq_len=8192", "plan.global_batch_size=4")
+    assert plan.res["cp"][0] > 1
+    assert plan.devices == 8
+    assert set(plan.res["tp"] * plan.res["pp"] * plan.res["cp"] * plan.res["dp"]) == {8}
+    assert "8 x H100" in str(ranked_table(plan).title)
+
+
 def test_70b_on_8_a100_without_offload_fits_no_layout_and_names_the_smallest_cluster(capsys):
     err = refusal(capsys, "model=70b", "hardware=a100_80gb_8gpu", "plan.offload=[false]")
     assert "no layout of model=70b fits on 8 x A100-SXM4-80GB" in err

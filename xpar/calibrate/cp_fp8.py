@@ -12,7 +12,8 @@ from xpar.estimate.compute.flops import model_flops_per_token
 def cp_fp8_case(row: dict):
     """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
     (context parallelism, FP8, MoE with expert parallelism; Llama shapes, DeepSeek-V3's MLA with the
-    paper's ranks and head dims (:data:`DEEPSEEK_V3_MLA`: its FLOPs; its memory as MHA), Qwen3's heads at
+    paper's ranks and head dims (:data:`DEEPSEEK_V3_MLA`: its FLOPs; its memory as MHA) and its node-limited routing
+    (:data:`DEEPSEEK_V3_ROUTING`), Qwen3's heads at
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
@@ -29,6 +30,7 @@ def cp_fp8_case(row: dict):
                  seq_len=int(row["seq"]), activation="swiglu", norm="rmsnorm", position="rope",
                  tied_embeddings=False, bias=False, **_moe_fields(row),
                  **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
+                 **(DEEPSEEK_V3_ROUTING if row["model_name"] == "DeepSeek-V3" else {}),
                  head_dim=HEAD_DIMS.get(row["model_name"]))
     fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
     recompute = (row["recompute"] or "none").split()[0]
@@ -95,6 +97,8 @@ attention's projections and core and the sources' own FLOP counts are at 128."""
 
 DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 """DeepSeek-V3's multi-head latent attention (DeepSeek-AI 2024, Sec. 4.2; conf/model/deepseek_v3.yaml)."""
+DEEPSEEK_V3_ROUTING = dict(moe_router_groups=8, moe_router_group_topk=4)
+"""DeepSeek-V3's node-limited routing (DeepSeek-AI 2024, Sec. 2.1.2; conf/model/deepseek_v3.yaml)."""
 
 CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
 """Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the

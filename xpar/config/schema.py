@@ -84,6 +84,13 @@ class ModelConfig:
     """MLA: each head's rotary query/key width, the rotary key shared by the heads (DeepSeek-V3: 64)."""
     v_head_dim: Optional[int] = None
     """MLA: each head's value width (DeepSeek-V3: 128)."""
+    moe_router_groups: int = 0
+    """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
+    per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
+    moe_router_group_topk: int = 0
+    """Group-limited routing: groups a token's experts are chosen from, those with the highest top-(k / M) router
+    scores (DeepSeek-V3 ``topk_group`` 4, "each token is sent to at most 4 nodes", Sec. 2.1.2; Megatron-Core
+    ``--moe-router-group-topk``); with DeepEP, fewer nodes a token crosses to (xpar.estimate.expert_parallel)."""
 
     @property
     def kv_heads(self) -> int:

@@ -12,6 +12,7 @@ Units: seconds.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from xpar.config.remat import replayed_share
@@ -43,15 +44,27 @@ def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: 
     return lat * 1e-6 + t
 
 
-def deepep_inter_share(top_k: int, nodes: int) -> float:
+def deepep_inter_share(top_k: int, nodes: int, groups: int = 0, group_topk: int = 0) -> float:
     """Share of the T k token copies a rank sends that cross nodes when each token crosses to each
     other node holding one of its k experts once (DeepEP's dispatch, DeepSeek-AI 2024 Sec. 3.2.2:
-    IB to the node, NVLink to its GPUs): (N - 1)(1 - (1 - 1/N)^k) / k for experts spread evenly
-    over N nodes (the expected number of other nodes among k uniform draws), against (N - 1)/N
-    for a plain all-to-all."""
+    IB to the node, NVLink to its GPUs): (N - 1) P(hit) / k, P(hit) the chance that a node holds one of
+    the token's experts, for experts drawn evenly (against (N - 1)/N for a plain all-to-all): without a group
+    limit 1 - (1 - 1/N)^k. With group-limited routing (``groups`` G, ``group_topk`` M: the k experts come
+    from M of the G expert groups; DeepSeek-V3 Sec. 2.1.2, "each token will be sent to at most M nodes"),
+    drawn evenly within the M groups: a node holding G/N whole groups holds x of the M with the
+    hypergeometric chance of drawing x of its groups, P(hit) = sum_x P(x) (1 - (1 - x/M)^k); a group spread
+    over N/G nodes: P(hit) = M/G (1 - (1 - G/(N M))^k); other splits as without a limit."""
     if nodes <= 1:
         return 0.0
-    return (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k) / top_k
+    if groups and group_topk and group_topk < groups and groups % nodes == 0:
+        g = groups // nodes
+        hit = sum(math.comb(g, x) * math.comb(groups - g, group_topk - x) / math.comb(groups, group_topk)
+                  * (1 - (1 - x / group_topk) ** top_k) for x in range(1, min(g, group_topk) + 1))
+    elif groups and group_topk and group_topk < groups and nodes % groups == 0:
+        hit = group_topk / groups * (1 - (1 - groups / (nodes * group_topk)) ** top_k)
+    else:
+        hit = 1 - (1 - 1 / nodes) ** top_k
+    return (nodes - 1) * hit / top_k
 
 
 def busiest_rank_load(cfg) -> float:
@@ -108,7 +121,8 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
     one_copy = DISPATCHERS[dispatcher].one_copy_per_node
-    share = deepep_inter_share(spec.model.moe_top_k, group.nodes) if one_copy else None
+    m = spec.model
+    share = deepep_inter_share(m.moe_top_k, group.nodes, m.moe_router_groups, m.moe_router_group_topk) if one_copy else None
     one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, share)
     return {"f": 2 * one, "b": 2 * one}
 

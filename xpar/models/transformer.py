@@ -132,6 +132,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.moe_top_k
+        self.groups, self.group_topk = cfg.moe_router_groups, cfg.moe_router_group_topk
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): MLP(cfg, cfg.expert_ffn) for e in range(cfg.n_experts)})
         self.shared = (MLP(cfg, cfg.expert_ffn * cfg.n_shared_experts) if cfg.n_shared_experts else None)
@@ -139,12 +140,26 @@ class MoE(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        scores_TK, experts_TK = self.router(x_TH).topk(self.top_k, dim=-1)
+        logits_TE = self.router(x_TH)
+        if self.groups:
+            logits_TE = group_limited(logits_TE, self.groups, self.group_topk, self.top_k)
+        scores_TK, experts_TK = logits_TE.topk(self.top_k, dim=-1)
         gates_TK = scores_TK.softmax(dim=-1, dtype=torch.float32).to(x_TH.dtype)
         out_TH = self.dispatch(self.experts, x_TH, gates_TK, experts_TK)
         if self.shared is not None:
             out_TH = out_TH + self.shared(x_TH)
         return out_TH.view_as(x_BSH)
+
+
+def group_limited(logits_TE: torch.Tensor, groups: int, group_topk: int, top_k: int) -> torch.Tensor:
+    """Router logits [T, E] with every expert outside each token's ``group_topk`` best groups at -inf: groups
+    of E / ``groups`` consecutive experts, scored by the sum of their top (``top_k`` // ``group_topk``) logits
+    (group-limited routing: DeepSeek-V3 Sec. 2.1.2 node-limited routing; Megatron-Core's group_limited_topk)."""
+    T, E = logits_TE.shape
+    grouped_TGe = logits_TE.view(T, groups, E // groups)
+    score_TG = grouped_TGe.topk(top_k // group_topk, dim=-1).values.sum(dim=-1)
+    keep_TG = torch.zeros_like(score_TG, dtype=torch.bool).scatter_(1, score_TG.topk(group_topk, dim=-1).indices, True)
+    return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def run_experts(experts: nn.ModuleDict, x_TH: torch.Tensor, gates_TK: torch.Tensor,

@@ -73,7 +73,9 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return int(self.res["tp"][0] * self.res["pp"][0] * self.res["dp"][0])
+        """The devices each layout uses: tp x pp x cp x dp (dp = N / (tp pp cp), xpar.plan.space)."""
+        cp = self.res["cp"][0] if "cp" in self.res else 1
+        return int(self.res["tp"][0] * self.res["pp"][0] * cp * self.res["dp"][0])
 
     @property
     def best(self) -> int:

@@ -100,7 +100,22 @@ def check_experts(model) -> list[str]:
     if not model.moe_imbalance >= 1:
         out.append(f"model.moe_imbalance must be >= 1 (busiest ep rank's tokens over the mean; 1: balanced), "
                    f"got {model.moe_imbalance}.")
-    return out
+    return out + check_router_groups(model)
+
+
+def check_router_groups(model) -> list[str]:
+    """Group-limited routing: the groups split the experts evenly, 1 <= M <= groups, and the M groups hold at
+    least the k experts a token takes (as Megatron-Core's router asserts)."""
+    g, m, e, k = model.moe_router_groups, model.moe_router_group_topk, model.n_experts, model.moe_top_k
+    if not g and not m:
+        return []
+    ok = [d for d in range(2, e + 1) if e % d == 0][:6]
+    if not g or e % g or not 1 <= m <= min(g, k) or m * (e // g) < k:
+        return [f"model.moe_router_groups={g} and model.moe_router_group_topk={m} do not fit model.n_experts={e}, "
+                f"moe_top_k={k}: the groups must divide the experts (e.g. {ok}), 1 <= group_topk <= min(groups, "
+                f"moe_top_k), and the group_topk groups must hold >= moe_top_k experts; e.g. "
+                f"model.moe_router_groups=0 model.moe_router_group_topk=0 (no group limit)."]
+    return []
 
 
 def _int_or_auto(key: str, value, minimum: int = 1) -> list[str]:

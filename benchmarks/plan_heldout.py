@@ -1,0 +1,158 @@
+"""Held-out check of `xpar plan` (issue 44's must-show): the accepted commands of benchmarks/refusal_hunt.md
+(published GPU layouts typed as a user types them), each built as the CLI builds it (Hydra composition and
+:func:`xpar.config.validate.validate`), planned with its model, hardware, framework profile and global batch
+(benchmarks/plan_published.py ``plan_of``), and the published layout's place in that plan.
+
+    python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192]
+
+Columns and summary as plan_published.py (its ``row_figures``, ``row_line``, ``summary``), then per run: what
+tests/data holds of it ('seen'), and where the claimed gain comes from: the published row against the best of its
+degree group (its own schedule, v, b, sp, recompute) and that best against the winner (the degrees), each with the
+two step terms (per token, as a share of the better one's step) that separate them most. Summaries: every accepted
+command; the published runs (rows 19 and 24 are a project preset and an issue's test item); those whose model no
+tests/data file holds.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from plan_published import HEADER, group_mask, plan_of, row_figures, row_line, summary
+from xpar.config.validate import validate
+from xpar.estimate.step_parts import assumptions_for
+from xpar.estimate.terms import TERM_WORDS
+from xpar.plan.command import PlanRefused
+from xpar.plan.groups import differing_axes
+from xpar.plan.rank import term_seconds_per_token, terms
+from xpar.plan.verify import compose_line
+
+HUNT = Path(__file__).resolve().parent / "refusal_hunt.md"
+NOT_PUBLISHED = {19: "conf/parallel/70b_64gpu.yaml (the project's preset)", 24: "issue 43's vocabulary-padding item"}
+SEEN = {
+    1: "known_runs.csv gpt_neox_20b (memory)", 2: "known_runs.csv opt_175b (memory)",
+    3: "bigscience_bloom_2022.csv, known_runs.csv", 8: "dgxc_nemo_h100_bf16.csv (model; other layouts)",
+    9: "dgxc_nemo_h100_bf16.csv (this layout)", 10: "dgxc_nemo_h100_bf16.csv (model, H100)",
+    11: "dgxc_nemo_h100_bf16.csv, known_runs.csv (model; tp 2/4)", 15: "llmfoundry_mpt_a100.csv (7b, other GPUs)",
+    17: "smith_2022_mtnlg.csv", 18: "narayanan_2021_table2_ptdp.csv", 20: "cp_fp8_h100.csv dsv3_paper",
+    25: "llama3_2024_table4.csv, cp_fp8_h100.csv", 27: "cp_fp8_h100.csv", 28: "cp_fp8_h100.csv",
+    29: "cp_fp8_h100.csv", 30: "cp_fp8_h100.csv", 31: "cp_fp8_h100.csv", 32: "cp_fp8_h100.csv",
+    34: "megatron_2021_table1.csv", 35: "known_runs.csv, torchtitan_h100_2024.csv",
+}
+"""What of each row a tests/data file holds (the brief's 'none of them is in tests/data' does not hold for these)."""
+
+
+def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
+    """(row number, run, command) of each accepted row of the hunt's Runs table (on main, the branch's result)."""
+    out = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.split(" | ")]
+        if len(cells) < 6 or not cells[0].lstrip("| ").isdigit():
+            continue
+        result = cells[4].split("<br>")[-1]
+        if re.sub(r"^branch: ", "", result).startswith("accepted"):
+            out.append((int(cells[0].lstrip("| ")), cells[1], cells[3].strip("`")))
+    return out
+
+
+def published_row(plan, spec, deg: dict) -> int | None:
+    """The plan's row of the published layout itself (its group, b, recompute, sp; schedule and v under pp),
+    fitting or not; None when the space does not hold it."""
+    r, lay = plan.res, spec.layout
+    mine = group_mask(r, deg) & (r["b"] == lay.micro_batch_size) & (r["recompute"] == lay.recompute)
+    if lay.tp > 1:
+        mine &= r["sp"] == lay.sequence_parallel
+    if lay.pp > 1:
+        mine &= (r["schedule"] == lay.schedule) & (r["v"] == lay.virtual_stages)
+    if "offload" in r:
+        mine &= ~r["offload"].astype(bool)
+    hit = np.flatnonzero(mine)
+    return int(hit[0]) if len(hit) else None
+
+
+def gap_words(r: dict, i: int, j: int, n: int = 2) -> str:
+    """The ``n`` step terms where row ``i`` loses most to row ``j`` (per token, as a fraction of ``j``'s step), and
+    the term where it gains most."""
+    mine, ref = term_seconds_per_token(r, np.array([i])), term_seconds_per_token(r, np.array([j]))
+    total = sum(ref[k][0] for k in terms(r))
+    diff = sorted(((float(mine[k][0] - ref[k][0]) / total, k) for k in terms(r)), reverse=True)
+    words = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[:n] if d > 0.0005]
+    gains = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[::-1][:1] if d < -0.0005]
+    return "; ".join(words) + (f" (saves {gains[0]})" if gains else "") or "no term"
+
+
+def choices(r: dict, i: int) -> str:
+    """A row's choices inside its degree group."""
+    return f"{r['schedule'][i]} v{r['v'][i]} b{r['b'][i]} sp{int(r['sp'][i])} {r['recompute'][i]}"
+
+
+def why_lines(plan, spec, f: dict) -> list[str]:
+    """Where the claimed gain comes from: the published row against its group's best (its own choices), the
+    group's best against the winner (the degrees); each with the terms that separate them."""
+    r, best = plan.res, plan.best
+    mine = group_mask(r, f["deg"])
+    group = plan.ranked[mine[plan.ranked]]
+    pub = published_row(plan, spec, f["deg"])
+    out = []
+    if pub is None:
+        out.append("published choices not in the space")
+    elif len(group) and pub != group[0]:
+        fit = "" if r["fits"][pub] else f", does not fit ({r['memory_total'][pub] / 1e9:.1f} GB)"
+        out.append(f"own choices {choices(r, pub)}{fit} -> {choices(r, group[0])}: {gap_words(r, pub, int(group[0]))}")
+    if not len(group):
+        out.append("published group: none fits" if mine.any() else "published group outside the space")
+    elif group[0] != best:
+        out.append(f"degrees {differing_axes(r, best, int(group[0]))} (+ {choices(r, best)}): "
+                   f"{gap_words(r, int(group[0]), best)}")
+    return out or ["the winner"]
+
+
+def run_one(num: int, name: str, command: str) -> tuple[dict, list[str]]:
+    """The run's figures (plan_published.row_figures) and where its claimed gain comes from."""
+    spec = validate(compose_line(command))
+    a = assumptions_for(spec)
+    plan = plan_of(spec, a)
+    f = row_figures(f"#{num} {name}", spec, a, plan)
+    return f, why_lines(plan, spec, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", help="comma-separated row numbers of the hunt (default: every accepted one)")
+    ap.add_argument("--max-devices", type=int, default=16384)
+    args = ap.parse_args()
+    wanted = {int(x) for x in args.rows.split(",")} if args.rows else None
+    rows = [r for r in hunt_rows() if wanted is None or r[0] in wanted]
+    print(f"{len(rows)} accepted commands of {HUNT.name}")
+    print(HEADER)
+    t0, done, notes = time.perf_counter(), [], []
+    for num, name, command in rows:
+        t = time.perf_counter()
+        try:
+            f, why = run_one(num, name, command)
+        except PlanRefused as e:
+            print(f"#{num} {name[:40]:<40} plan refused: {e.problems[0][:160]}", flush=True)
+            continue
+        if f["devices"] > args.max_devices:
+            continue
+        f["num"] = num
+        done.append(f)
+        print(row_line(f), flush=True)
+        notes.append(f"#{num:<3} {time.perf_counter() - t:5.1f} s  seen: {SEEN.get(num, '-')}"
+                     f"{'; NOT PUBLISHED: ' + NOT_PUBLISHED[num] if num in NOT_PUBLISHED else ''}"
+                     + "".join(f"\n      {w}" for w in why))
+    print("\nPer run: seconds to plan, what tests/data holds, what separates the winner")
+    print("\n".join(notes))
+    summary(done, time.perf_counter() - t0, len(done))
+    for title, keep in (("published runs (not rows 19, 24)", lambda f: f["num"] not in NOT_PUBLISHED),
+                        ("held out: model in no tests/data file", lambda f: f["num"] not in SEEN | NOT_PUBLISHED)):
+        sub = [f for f in done if keep(f)]
+        print(f"\n-- {title}: rows {', '.join(str(f['num']) for f in sub)}")
+        summary(sub, 0.0, len(sub))
+
+
+if __name__ == "__main__":
+    main()
