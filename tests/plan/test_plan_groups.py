@@ -62,3 +62,20 @@ def test_alternatives_within_the_stated_error_are_marked_as_ties():
     tp, pp = [ln for ln in alternative_lines(res, ranked, 0.05) if "best with another" in ln][:2]
     assert "-3.0 % tokens/s, a tie (within 5 %)" in tp and "tie" not in pp
     assert not any("tie" in ln for ln in alternative_lines(res, ranked))
+
+
+def test_ties_beyond_the_table_are_counted_with_the_top_k_that_lists_them():
+    """Three groups within 5 % of the winner and a table of 2 rows: one more tie is said, with plan.top_k=3;
+    a table of 3 rows (or a 1 % tie) says nothing."""
+    from types import SimpleNamespace
+
+    from xpar.plan.show import more_ties_line
+    res = _res()
+    res["tokens_per_s"] = np.array([100.0, 99.9, 99.5, 97.0, 96.0, 96.5])
+    ranked = np.argsort(-res["tokens_per_s"])
+
+    def plan(top_k, within=0.05):
+        return SimpleNamespace(res=res, ranked=ranked, best=0, inputs=SimpleNamespace(top_k=top_k, tie_within=within))
+    assert more_ties_line(plan(2)) == ["1 more degree group ties with the best (within 5 %, closer than the "
+                                       "estimate's error) below the table: plan.top_k=3 lists them all."]
+    assert more_ties_line(plan(3)) == [] and more_ties_line(plan(2, 0.01)) == []

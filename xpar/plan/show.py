@@ -85,6 +85,19 @@ def ranked_table(plan):
     return t
 
 
+def more_ties_line(plan) -> list[str]:
+    """A line where more degree groups tie with the winner (within ``plan.tie_within``) than the table's
+    ``top_k`` rows show: how many more, and the ``plan.top_k`` that lists them all ([] otherwise)."""
+    heads, _ = group_heads(plan.res, plan.ranked)
+    tied = int(ties(plan.res, heads, plan.best, plan.inputs.tie_within).sum())
+    more = tied - min(plan.inputs.top_k, len(heads))
+    if more <= 0:
+        return []
+    return [f"{more} more degree group{'s tie' if more > 1 else ' ties'} with the best (within "
+            f"{100 * plan.inputs.tie_within:.0f} %, closer than the estimate's error) below the table: "
+            f"plan.top_k={tied} lists them all."]
+
+
 def memory_header(plan) -> str:
     """The memory column's header: GB per device against the usable GB (device memory less the headroom)."""
     hw = plan.ctx.hardware
@@ -162,7 +175,7 @@ def print_plan(plan, line: str) -> None:
         console = Console(width=max(200, need, len(str(table.title or "")) + 4))
     console.print(table)
     why = explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware, plan.inputs.tie_within)
-    for text in dropped_lines(plan) + cluster_lines(plan) + [""] + why:
+    for text in more_ties_line(plan) + dropped_lines(plan) + cluster_lines(plan) + [""] + why:
         console.print(text, highlight=False, markup=False)
     console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
 
