@@ -51,8 +51,7 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
                  dtype=row["dtype"], seq_len=int(row["seq"]))
     overlap = 1.0 if "DualPipe" in row["note"] else MOE_A2A_OVERLAP if MOE_A2A_OVERLAP_FLAGS & set(
         row["note"].replace(";", " ").replace(",", " ").split()) else 0.0
-    a2a = dict(ep_dispatcher="deepep" if "DeepEP" in row["note"] or "DualPipe" in row["note"] else "alltoall",
-               ep_a2a_overlap=overlap)
+    a2a = dict(ep_dispatcher=_dispatcher(row["note"]), ep_a2a_overlap=overlap)
     metric = row["metric"]
     if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
         metric = "tflops_per_gpu_causal"
@@ -140,6 +139,14 @@ def published_figure(est, spec, metric: str) -> float:
         return est.tflops_per_device
     return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
         model_flops_per_token(spec.model, spec.seq_len)
+
+
+def _dispatcher(note: str) -> str:
+    """framework.ep_dispatcher of a row whose ``note`` names its recipe's token dispatcher: deepep (DeepEP, or DeepSeek's
+    DualPipe runs), hybridep (Megatron-Core's HybridEP, the flex dispatcher's NVLink-domain backend), else alltoall."""
+    if "DeepEP" in note or "DualPipe" in note:
+        return "deepep"
+    return "hybridep" if "HybridEP dispatcher" in note else "alltoall"
 
 
 def _moe_fields(row: dict) -> dict:
