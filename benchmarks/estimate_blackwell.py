@@ -50,7 +50,8 @@ def medians(res: list[dict], key) -> list[tuple[str, int, float, float]]:
 
 def report(res: list[dict]) -> str:
     """The per-row table and the medians, as Markdown."""
-    lines = ["| row | GPU | kind | precision | published tok/s/GPU | estimate | error |", "|---|---|---|---|---:|---:|---:|"]
+    lines = ["| row | GPU | kind | precision | published tok/s/GPU | estimate | error |",
+             "|---|---|---|---|---:|---:|---:|"]
     lines += [f"| {r['id']} | {r['gpu']} | {r['kind']} | {r['precision']} | {r['published']:,.0f} | "
               f"{r['estimate']:,.0f} | {r['error']:+.1%} |" for r in res]
     lines += ["", "| group | rows | median error | median abs(error) |", "|---|---:|---:|---:|"]
@@ -74,5 +75,6 @@ def parse_overrides(items: list[str]) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hardware", nargs="*", default=[], help="what-if: GPU=field=value, e.g. B200=sustained_efficiency=0.7")
+    ap.add_argument("--hardware", nargs="*", default=[],
+                    help="what-if: GPU=field=value, e.g. B200=sustained_efficiency=0.7")
     print(report(rows(parse_overrides(ap.parse_args().hardware))))

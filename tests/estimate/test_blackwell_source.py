@@ -59,5 +59,6 @@ def test_a_rows_recipe_dispatcher_is_the_profiles_dispatcher():
     """A note naming the recipe's HybridEP or DeepEP dispatcher prices it (framework.ep_dispatcher); else alltoall."""
     by_id = {r["id"]: r for r in ROWS}
     got = {k: cp_fp8_case(by_id[k], NEW_GPU_PRESETS)[1].ep_dispatcher for k in
-           ("mbridge_260401_b200_dsv3_mxfp8_256", "mbridge_260401_b200_qwen3_30b_mxfp8_8", "mbridge_260401_h100_gptoss_bf16_64")}
+           ("mbridge_260401_b200_dsv3_mxfp8_256", "mbridge_260401_b200_qwen3_30b_mxfp8_8",
+            "mbridge_260401_h100_gptoss_bf16_64")}
     assert list(got.values()) == ["deepep", "hybridep", "alltoall"]

@@ -62,7 +62,8 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
 GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H800": "h800_80gb_2048gpu"}
 """The hardware preset of a row's ``gpu`` column (by its prefix) that :func:`cp_fp8_case` prices by default."""
 NEW_GPU_PRESETS = {**GPU_PRESETS, "H200": "h200_141gb_node", "B200": "b200_180gb_node", "GB200": "gb200_nvl72_node"}
-""":data:`GPU_PRESETS` and the GPUs of 2025-26 (tests/data/blackwell_published.csv; benchmarks/estimate_blackwell.py)."""
+""":data:`GPU_PRESETS` and the GPUs of 2025-26 (tests/data/blackwell_published.csv;
+benchmarks/estimate_blackwell.py)."""
 
 
 def sized_hardware(hw: dict, gpus: int) -> dict:
@@ -142,8 +143,9 @@ def published_figure(est, spec, metric: str) -> float:
 
 
 def _dispatcher(note: str) -> str:
-    """framework.ep_dispatcher of a row whose ``note`` names its recipe's token dispatcher: deepep (DeepEP, or DeepSeek's
-    DualPipe runs), hybridep (Megatron-Core's HybridEP, the flex dispatcher's NVLink-domain backend), else alltoall."""
+    """framework.ep_dispatcher of a row whose ``note`` names its recipe's token dispatcher: deepep (DeepEP, or
+    DeepSeek's DualPipe runs), hybridep (Megatron-Core's HybridEP, the flex dispatcher's NVLink-domain backend),
+    else alltoall."""
     if "DeepEP" in note or "DualPipe" in note:
         return "deepep"
     return "hybridep" if "HybridEP dispatcher" in note else "alltoall"
