@@ -1,7 +1,8 @@
 """The cost model against published training runs on the GPUs of 2025-26 (tests/data/blackwell_published.csv:
-Megatron-Bridge's B200 and GB200 rows, with same-release H100 controls; issue 42): per row the published and the
-estimated tokens/s per GPU and the signed error (positive: the estimate is faster), then the median signed and |error|
-per GPU, per dense/MoE and per BF16/FP8. No row of this file is read by a fit (xpar/calibrate/published.py SOURCES).
+Megatron-Bridge's B200/GB200 rows with same-release H100 controls, torchtitan's H200 rows; issue 42): per row the
+published and the estimated tokens/s per GPU and the signed error (positive: the estimate is faster), then the median
+signed and |error| per GPU, per dense/MoE and per BF16/FP8. No row of this file is read by a fit
+(xpar/calibrate/published.py SOURCES).
 
     python benchmarks/estimate_blackwell.py [--hardware GPU=field=value ...]
 """
@@ -33,7 +34,8 @@ def rows(overrides: dict = None) -> list[dict]:
         if overrides and gpu in overrides:
             spec = replace(spec, hardware=replace(spec.hardware, **overrides[gpu]))
         got = published_figure(estimate(spec, assume), spec, metric)
-        label = row["note"].split("precision '")[1].split("'")[0]
+        note = row["note"]
+        label = note.split("precision '")[1].split("'")[0] if "precision '" in note else row["dtype"].upper()
         out.append({"id": row["id"], "gpu": gpu, "kind": "MoE" if row["moe"] == "true" else "dense",
                     "dtype": row["dtype"], "precision": label, "published": published, "estimate": got,
                     "error": got / published - 1})
@@ -58,7 +60,7 @@ def report(res: list[dict]) -> str:
     for name, key in (("GPU", lambda r: r["gpu"]), ("kind", lambda r: f"{r['gpu']} {r['kind']}"),
                       ("dtype", lambda r: f"{r['gpu']} {r['dtype']}")):
         lines += [f"| {g} | {n} | {m:+.1%} | {a:.1%} |" for g, n, m, a in medians(res, key)]
-    blackwell = [r["error"] for r in res if r["gpu"] != "H100"]
+    blackwell = [r["error"] for r in res if r["gpu"] in ("B200", "GB200")]
     lines.append(f"| B200 + GB200 | {len(blackwell)} | {statistics.median(blackwell):+.1%} | "
                  f"{statistics.median(abs(x) for x in blackwell):.1%} |")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ REPO = DATA.parents[1]
 
 def test_every_row_builds_a_case_with_its_published_layout_on_its_gpus_preset():
     """Each row's spec holds the row's degrees, batch and GPU count, on the preset of its GPU (nothing defaulted)."""
-    assert len(ROWS) >= 20 and {r["gpu"] for r in ROWS} >= {"B200", "GB200"}
+    assert len(ROWS) >= 20 and {r["gpu"] for r in ROWS} >= {"B200", "GB200", "H200"}
     for row in ROWS:
         spec, _, metric, value = cp_fp8_case(row, NEW_GPU_PRESETS)
         lay = spec.layout
