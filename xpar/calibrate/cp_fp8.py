@@ -9,7 +9,7 @@ from xpar.calibrate.published import framework_assumptions, make_spec, preset
 from xpar.estimate.compute.flops import model_flops_per_token
 
 
-def cp_fp8_case(row: dict):
+def cp_fp8_case(row: dict, gpu_presets: dict = None):
     """(spec, assumptions, metric, published value) of an H100 or H800 row of tests/data/cp_fp8_h100.csv
     (context parallelism, FP8, MoE with expert parallelism; Llama shapes, DeepSeek-V3's MLA with the
     paper's ranks and head dims (:data:`DEEPSEEK_V3_MLA`: its FLOPs; its memory as MHA) and its node-limited routing
@@ -19,9 +19,12 @@ def cp_fp8_case(row: dict):
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
     Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
     :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
-    of 3 (Megatron-FSDP) as ZeRO-3."""
+    of 3 (Megatron-FSDP) as ZeRO-3. ``gpu_presets``: the GPUs priced and their node presets (default
+    :data:`GPU_PRESETS`; :data:`NEW_GPU_PRESETS` adds H200, B200 and GB200, resized by :func:`sized_hardware`)."""
     needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
-    if not row["gpu"].startswith(("H100", "H800")) or not all(row[k] for k in needed):
+    presets = gpu_presets or GPU_PRESETS
+    gpu = next((g for g in presets if row["gpu"].startswith(g)), None)
+    if gpu is None or not all(row[k] for k in needed):
         return None
     L, pp, vp = int(row["layers"]), int(row["pp"] or 1), int(row["vp"] or 1)
     n = pp * vp
@@ -43,19 +46,37 @@ def cp_fp8_case(row: dict):
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
     if (row["source"].startswith("The Llama 3 Herd") or ACCOUNTED_SPLIT in row["note"]) and n > 2 and (L + 2) % n == 0:
         par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
-    hw_name = "h800_80gb_2048gpu" if row["gpu"].startswith("H800") else "h100_80gb_64gpu"
-    hw = dict(preset("hardware", hw_name), nodes=max(1, int(row["gpus"]) // 8))
+    hw = sized_hardware(preset("hardware", presets[gpu]), int(row["gpus"]))
     train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
                  dtype=row["dtype"], seq_len=int(row["seq"]))
     overlap = 1.0 if "DualPipe" in row["note"] else MOE_A2A_OVERLAP if MOE_A2A_OVERLAP_FLAGS & set(
         row["note"].replace(";", " ").replace(",", " ").split()) else 0.0
-    a2a = dict(ep_dispatcher="deepep" if "DeepEP" in row["note"] or "DualPipe" in row["note"] else "alltoall",
-               ep_a2a_overlap=overlap)
+    a2a = dict(ep_dispatcher=_dispatcher(row["note"]), ep_a2a_overlap=overlap)
     metric = row["metric"]
     if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
         metric = "tflops_per_gpu_causal"
     name, changes = cp_fp8_framework(row)
     return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
+
+
+GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H800": "h800_80gb_2048gpu"}
+"""The hardware preset of a row's ``gpu`` column (by its prefix) that :func:`cp_fp8_case` prices by default."""
+NEW_GPU_PRESETS = {**GPU_PRESETS, "H200": "h200_141gb_node", "B200": "b200_180gb_node", "GB200": "gb200_nvl72_node"}
+""":data:`GPU_PRESETS` and the GPUs of 2025-26 (tests/data/blackwell_published.csv;
+benchmarks/estimate_blackwell.py)."""
+
+
+def sized_hardware(hw: dict, gpus: int) -> dict:
+    """Hardware preset ``hw`` (a dict) resized to ``gpus`` devices: nodes of the preset's size, or, where ``gpus`` is
+    not a multiple of it (256 GPUs of GB200 NVL72 racks of 72), NVLink domains of the largest divisor of ``gpus``
+    that fits one (64), each GPU keeping its NIC (the preset's NICs per device). Raises ValueError for ``gpus`` < 1."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    per_node = int(hw["devices_per_node"])
+    size = next(d for d in range(min(per_node, gpus), 0, -1) if gpus % d == 0)
+    nics = hw.get("nics_per_node")
+    return dict(hw, devices_per_node=size, nodes=gpus // size,
+                **({"nics_per_node": max(1, int(nics) * size // per_node)} if nics else {}))
 
 
 MOE_A2A_OVERLAP = 0.3
@@ -89,11 +110,12 @@ def cp_fp8_framework(row: dict) -> tuple[str, dict]:
     return "megatron_core", {}
 
 
-HEAD_DIMS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128}
+HEAD_DIMS = {"Qwen3-235B-A22B": 128, "Qwen3-30B-A3B": 128, "gpt-oss-120b": 64}
 """Heads of cp_fp8_h100.csv's models that are not hidden / n_heads wide (the csv has no head_dim column):
 Qwen3's 128 (Qwen/Qwen3-235B-A22B and Qwen3-30B-A3B config.json ``head_dim``; Megatron-MoE-ModelZoo
 model_configs/benchmarking/Qwen3-*.yaml ``kv_channels: 128``), against hidden / n_heads = 64: the
-attention's projections and core and the sources' own FLOP counts are at 128."""
+attention's projections and core and the sources' own FLOP counts are at 128; gpt-oss-120b's 64 (openai/gpt-oss-120b
+config.json ``head_dim``) against 2880 / 64 = 45."""
 
 DEEPSEEK_V3_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 """DeepSeek-V3's multi-head latent attention (DeepSeek-AI 2024, Sec. 4.2; conf/model/deepseek_v3.yaml)."""
@@ -118,6 +140,15 @@ def published_figure(est, spec, metric: str) -> float:
         return est.tflops_per_device
     return est.tflops_per_device * model_flops_per_token(spec.model, spec.seq_len, causal=True) / \
         model_flops_per_token(spec.model, spec.seq_len)
+
+
+def _dispatcher(note: str) -> str:
+    """framework.ep_dispatcher of a row whose ``note`` names its recipe's token dispatcher: deepep (DeepEP, or
+    DeepSeek's DualPipe runs), hybridep (Megatron-Core's HybridEP, the flex dispatcher's NVLink-domain backend),
+    else alltoall."""
+    if "DeepEP" in note or "DualPipe" in note:
+        return "deepep"
+    return "hybridep" if "HybridEP dispatcher" in note else "alltoall"
 
 
 def _moe_fields(row: dict) -> dict:
