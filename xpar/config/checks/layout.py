@@ -36,7 +36,9 @@ def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: s
     out, kv = _kv_problems(model, t, kv_rule, mode), model.kv_heads
     dims = (("n_heads", model.n_heads), ("ffn_hidden", model.ffn_hidden))
     kv_fits = lambda d: kv % d == 0 or (kv_rule == "replicate" and d % kv == 0)  # noqa: E731
-    bad = [f"model.{name}={n}" for name, n in dims if n % t] + ([] if kv_fits(t) else [f"model.n_kv_heads={kv}"])
+    fails = {"n_heads": model.n_heads % t, "n_kv_heads": not kv_fits(t), "ffn_hidden": model.ffn_hidden % t}
+    values = {"n_heads": model.n_heads, "n_kv_heads": kv, "ffn_hidden": model.ffn_hidden}  # the model's order
+    bad = [f"model.{k}={values[k]}" for k in values if fails[k]]
     if bad:
         ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims) and kv_fits(d)]
         kv_rule_text = "" if kv_rule == "split" else " (or a multiple of it: framework.kv_heads_over_tp=replicate)"
