@@ -156,3 +156,18 @@ def test_an_estimate_only_schedule_is_refused_in_execute_mode_with_what_runs():
     spec = spec_for("framework=megatron_zb", "parallel=pp", "parallel.schedule=zb_h2", "parallel.zero_stage=0",
                     "run.mode=estimate")
     assert spec.layout.schedule == "zb_h2" and spec.pp == 2
+
+
+def test_an_estimate_of_another_size_on_this_machine_names_the_device_count_that_prices_it():
+    """Execute mode on hardware=local sizes its workers from the layout; estimate mode counted this machine's
+    devices and offered only layouts of that size (a refusal that said 'estimate it with run.mode=estimate'
+    led here and lost the tp asked for). The device count that prices it, followed, is accepted."""
+    with pytest.raises(ConfigError) as e:
+        spec_for("run.mode=estimate", "parallel.tp=4", "parallel.dp=1", "model.n_kv_heads=4")
+    line = next(p for p in e.value.problems if "must equal the world size" in p)
+    assert line.endswith("Or estimate 4 devices of this machine's kind: hardware.devices_per_node=4.")
+    assert spec_for("run.mode=estimate", "parallel.tp=4", "parallel.dp=1", "model.n_kv_heads=4",
+                    "hardware.devices_per_node=4").tp == 4
+    with pytest.raises(ConfigError) as e:  # a cluster preset's count is its own: no such line
+        spec_for("run.mode=estimate", "hardware=h100_80gb_node", "parallel.tp=4", "parallel.dp=1")
+    assert "devices of this machine's kind" not in str(e.value)

@@ -129,3 +129,7 @@ def test_device_memory_changed_on_a_preset_says_which_figures_it_kept_and_names_
     h100 = [n for n in spec_for(*seven, "hardware=h100_80gb_64gpu", "hardware.device_memory_gb=40").notes
             if n.startswith("hardware.device_memory_gb")]
     assert len(h100) == 1 and "set hardware.gpu and hardware.hbm_tb_per_s" in h100[0]  # no 40 GB H100 preset
+    renamed = [n for n in spec_for(*seven, "hardware=a100_80gb_64gpu", "hardware.device_memory_gb=40",
+                                   "hardware.gpu=A100-SXM4-40GB").notes if n.startswith("hardware.device_memory_gb")]
+    assert len(renamed) == 1 and "keeps the preset's hbm_tb_per_s=2.039" in renamed[0]  # the name alone changed
+    assert "though hardware.gpu=A100-SXM4-40GB" in renamed[0] and "hardware=a100_40gb_node" in renamed[0]

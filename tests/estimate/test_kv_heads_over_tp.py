@@ -147,3 +147,18 @@ def test_a_run_reads_the_note_from_hydras_model_choice_and_overrides():
         HydraConfig.instance().cfg = None
         GlobalHydra.instance().clear()
     assert len(notes) == 1 and "model=tiny's 4" in notes[0] and "4 query heads share each K/V head" in notes[0]
+
+
+def test_the_tp_refusal_says_which_of_its_values_work_on_the_devices_given():
+    """Replication lets tp be a multiple of the K/V heads (3 of 12 heads: 1, 3, 6, 12 split the model), but on one
+    8-GPU node only tp 1 divides the devices: the refusal said [1, 3, 6, 12], whose 3, 6 and 12 were refused next."""
+    shape = ("run.mode=estimate", "model.hidden=96", "model.n_heads=12", "model.n_kv_heads=3", "model.ffn_hidden=192",
+             "framework=megatron", "hardware=h100_80gb_node")
+    with pytest.raises(ConfigError) as e:
+        spec_for(*shape, "parallel.tp=8", "parallel.dp=1")
+    line = next(p for p in e.value.problems if "must divide model.n_heads=12" in p)
+    assert ": [1, 3, 6, 12] ([1] on the 8 devices, with parallel.dp=auto)." in line
+    assert spec_for(*shape, "parallel.tp=1", "parallel.dp=auto").dp == 8  # followed
+    with pytest.raises(ConfigError) as e:  # every value fits the devices: the list alone
+        spec_for(*shape, "hardware.devices_per_node=12", "parallel.tp=8", "parallel.dp=1")
+    assert "on the 12 devices" not in str(e.value) and ": [1, 3, 6, 12]." in str(e.value)

@@ -3,7 +3,7 @@
 One spawn per world size: at 2 workers dp2 ep2 under ZeRO-0 (2 micro-batches), ZeRO-1 and
 ZeRO-2, and dp2 without ep; at 4 workers dp4 ep2 (expert-dp groups of 2) under ZeRO-1 (the
 experts' own ZeroRedundancyOptimizer) and ZeRO-3 (experts FSDP2-sharded over expert-dp), and
-pp2 dp2 ep2 with 1F1B and with ZBV (split backward); tp2 (2 workers) and tp2 dp2 ep2 (4): the MoE left out of the tp plan,
+pp2 dp2 ep2 with 1F1B and with ZBV (split backward), dp2 ep2 with group-limited routing; tp2 (2 workers) and tp2 dp2 ep2 (4): the MoE left out of the tp plan,
 replicated over the tp ranks (xpar.parallel.tensor.block_plan), its experts replicated over
 expert-dp by torch's composable replicate. Each trains 2 steps of model=moe_tiny with clipping acting (the second loss checks the clipped update); its losses
 (mean over the ranks that see one) and every rank's pre-clip global gradient norm equal the
@@ -28,6 +28,9 @@ TWO = {
     "dp2_ep2_zero2_bf16": ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2", "train.dtype=bf16",
                            "parallel.micro_batches=2"),
     "tp2": ("parallel.tp=2", "parallel.micro_batches=4"),
+    # group-limited routing (DeepSeek-V3's node-limited routing): each token's 2 experts from 1 of 2 groups
+    "dp2_ep2_router_groups": ("parallel.dp=2", "parallel.ep=2", "parallel.micro_batches=2",
+                              "model.moe_router_groups=2", "model.moe_router_group_topk=1"),
 }
 FOUR = {
     "dp4_ep2_zero1": ("parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=1"),
@@ -76,7 +79,8 @@ def _reference(spec) -> tuple[list, list]:
     or bf16 as FSDP2 runs it); every row has the global batch 16, so the rows of one recipe share it."""
     from xpar.parallel.precision import mixed_precision_kind
 
-    key = (spec.global_batch, mixed_precision_kind(spec.train.dtype, spec.layout.zero_stage))
+    key = (spec.global_batch, mixed_precision_kind(spec.train.dtype, spec.layout.zero_stage),
+           spec.model.moe_router_groups, spec.model.moe_router_group_topk)  # the routing: another model
     if key not in _REFERENCES:
         torch.manual_seed(0)
         out = reference_run(spec)

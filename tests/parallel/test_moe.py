@@ -91,7 +91,12 @@ def test_router_groups_that_do_not_fit_the_experts_are_refused_in_one_line_namin
         with pytest.raises(ConfigError) as e:
             spec_for("model=moe_tiny", *bad)
         assert "e.g. [2, 4]" in str(e.value) and "model.moe_router_groups=0 model.moe_router_group_topk=0" in str(e.value)
-        assert len(e.value.problems) == 1
+        assert len(e.value.problems) == 1 and "(pairs that work: 2:1, 4:2)" in str(e.value)
+        fix = str(e.value).split("; e.g. ")[1].split(" (pairs")[0].split()  # the limit that works, followed
+        assert fix[0].startswith("model.moe_router_groups=") and spec_for("model=moe_tiny", *fix).model.moe_router_groups
+    with pytest.raises(ConfigError) as e:  # a groups value that divides the experts is kept
+        spec_for("model=moe_tiny", "model.moe_router_groups=4", "model.moe_router_group_topk=1")
+    assert "e.g. model.moe_router_groups=4 model.moe_router_group_topk=2 (" in str(e.value)
     assert spec_for("model=moe_tiny", "model.moe_router_groups=0", "model.moe_router_group_topk=0").model.n_experts == 4
     assert spec_for("model=moe_tiny", "model.moe_router_groups=2", "model.moe_router_group_topk=1").model.moe_router_groups == 2
 

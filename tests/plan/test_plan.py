@@ -767,3 +767,41 @@ def test_an_uneven_winner_is_reproduced_with_its_split():
     assert est.memory.total == pytest.approx(r["memory_total"][i], rel=1e-9)
     par = layout_overrides(plan, i)["parallel"]
     assert (par["layer_split"], par["first_stage_layers"], par["last_stage_layers"]) == (None, 7, 7)
+
+
+def test_the_plan_says_the_requests_notes_that_no_layout_changes(tmp_path, capsys):
+    """A 40 GB memory on the 80 GB A100 preset (its HBM kept) and an n_heads that keeps the preset's K/V heads:
+    the estimate notes both; the plan printed neither (its title names the 80 GB part)."""
+    from xpar.plan.command import run_plan
+    given = ("model=tiny", "model.n_heads=8", "hardware=a100_80gb_node", "hardware.device_memory_gb=40",
+             "tracking=off")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    out = capsys.readouterr().out
+    notes = [x for x in out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == 2 and list(plan.notes) == [n[len("note: "):] for n in notes]
+    assert "keeps the preset's gpu=A100-SXM4-80GB" in notes[0] and "hardware=a100_40gb_node" in notes[0]
+    assert "the preset's n_kv_heads=2 is kept" in notes[1]
+    run_plan(cfg_of("model=tiny", "hardware=a100_80gb_node", "tracking=off"), tmp_path, tmp_path,
+             argv("model=tiny", "hardware=a100_80gb_node", "tracking=off"))
+    assert "note: " not in capsys.readouterr().out
+
+
+def test_the_layouts_run_for_real_keep_the_plans_cp_ep_and_dtype():
+    """plan.execute_top ran the top layout without its cp (tiny at plan.cp=[2] on hardware=local ran dp1 cp1 on
+    one worker, reported as the plan's cp 2): the generated config carries every searched axis, and composed
+    as execute_top composes it, it validates to the plan's layout."""
+    from omegaconf import OmegaConf
+
+    from xpar.estimate.preflight.check import check_run
+    from xpar.plan.execute import _base_overrides, layout_overrides
+
+    plan = plan_of("model=tiny", "hardware=local", "plan.cp=[2]")
+    i = plan.best
+    over = layout_overrides(plan, i)
+    assert over["parallel"]["cp"] == int(plan.res["cp"][i]) == 2
+    line = "python -m xpar " + " ".join(_base_overrides(plan) + ["run.mode=execute", "tracking=off"])
+    spec = check_run(OmegaConf.merge(compose_line(line), over))
+    assert (spec.layout.cp, spec.dp, spec.tp) == (2, int(plan.res["dp"][i]), int(plan.res["tp"][i]))
+    moe = plan_of("model=moe_tiny", "hardware=local", "plan.ep=[2]", "plan.dtype=[fp32,bf16]")
+    over = layout_overrides(moe, moe.best)
+    assert over["parallel"]["ep"] == 2 and over["train"]["dtype"] == str(moe.res["dtype"][moe.best])

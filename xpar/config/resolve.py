@@ -40,6 +40,9 @@ class Target:
     """Where the world size comes from, for messages."""
     launcher: str
     notes: tuple[str, ...] = ()
+    sized_here: bool = False
+    """An estimate on this machine's devices counted here (hardware=local, devices_per_node auto, one node): a
+    layout of another size is estimated with hardware.devices_per_node set (as execute mode sizes its workers)."""
 
 
 def torchrun_world() -> Optional[dict[str, int]]:
@@ -88,7 +91,8 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
     else:
         world, source = None, f"local devices={hw.devices_per_node}"
     notes += part_memory_notes(hw)
-    return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes)), problems
+    sized_here = mode == "estimate" and local and not trun and hardware.devices_per_node == "auto" and hw.nodes == 1
+    return Target(mode, hw, world, source, "torchrun" if trun else "local", tuple(notes), sized_here), problems
 
 
 def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1, seq_len: Optional[int] = None,
@@ -110,8 +114,10 @@ def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1, seq_len: Optio
         fix = f" or dp={world // ranks}." if world % ranks == 0 else (
             ", with " + _cp_fix(world, tp, pp, cp, seq_len, sequence_parallel, name))
         degrees = f"tp={tp}, cp={cp}" if cp > 1 else f"tp={tp}"
+        here = (f" Or estimate {dp * ranks} devices of this machine's kind: hardware.devices_per_node={dp * ranks}."
+                if target.sized_here else "")
         return dp, [f"dp*{name} must equal the world size: dp={dp} x {degrees} x pp={pp} = {dp * ranks}, "
-                    f"but {source}. Use parallel.dp=auto" + fix]
+                    f"but {source}. Use parallel.dp=auto" + fix + here]
     return dp, []
 
 

@@ -63,7 +63,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
     """Every check of the resolved layout (``world``: the fixed world size, None on a local run)."""
     par, v = c.parallel, layout.virtual_stages
     return (layout_checks.check_tp(padded_model(c.model, c.framework, layout.tp), layout,
-                                  c.framework.kv_heads_over_tp, mode) + layout_checks.check_zero1(layout, mode)
+                                  c.framework.kv_heads_over_tp, mode, world) + layout_checks.check_zero1(layout, mode)
             + layout_checks.check_virtual_stages(par.schedule, par.pp, v)
             + layout_checks.check_pipeline(c.model, layout, mode, derived=par.micro_batches == "auto",
                                            rule=c.framework.microbatch_rule,

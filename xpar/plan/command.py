@@ -25,7 +25,9 @@ import numpy as np
 
 from xpar.config.checks import ConfigError
 from xpar.config.checks.environment import check_tracking_paths
+from xpar.config.checks.hardware import part_memory_notes
 from xpar.config.overrides import refuse
+from xpar.config.presets import kept_kv_heads_notes
 from xpar.plan.context import PlanContext, row
 from xpar.plan.evaluate import evaluate
 from xpar.plan.execute import execute_top
@@ -70,6 +72,8 @@ class Plan:
     (more than :data:`BETWEEN_MAX`); () when every count below the one chosen was tried."""
     run_id: Optional[str] = None
     """The plan's MLflow run, once recorded."""
+    notes: tuple = ()
+    """Notes on the request that hold for every layout (:func:`request_notes`), printed under the plan."""
 
     @property
     def devices(self) -> int:
@@ -382,6 +386,7 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
         line, spec = reproduce(plan)
     except PlanRefused as e:
         refuse(e.problems)
+    plan = replace(plan, notes=tuple(request_notes(spec, list(inputs.overrides))))
     plan.seconds["plan"] = time.perf_counter() - t0
     print_plan(plan, line)
     executed = []
@@ -390,6 +395,17 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
     if cfg.tracking.enabled:
         record_plan(plan, spec, cfg, line, out_dir, start_dir, executed, sweep)
     return plan
+
+
+def request_notes(spec, overrides: list[str]) -> list[str]:
+    """The estimate's notes that no layout changes, for the plan's reader: the hardware part kept under a changed
+    ``hardware.device_memory_gb`` (xpar.config.checks.hardware.part_memory_notes) and the model preset's K/V heads
+    kept under a changed ``model.n_heads`` (xpar.config.presets.kept_kv_heads_notes). ``spec``: the winner's
+    RunSpec; ``overrides``: the command line's (its ``model=`` choice, else the composed model's name)."""
+    notes = part_memory_notes(spec.hardware)
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+    preset = chosen[-1] if chosen else spec.model.name
+    return notes + kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, preset, overrides)
 
 
 def reproduce(plan: Plan):

@@ -32,7 +32,8 @@ SKIP = ("plan.", "plan=", "run.mode=", "hydra.", "parallel.", "train.global_batc
 
 
 def layout_overrides(plan, i: int) -> dict[str, object]:
-    """parallel.* and train batch values of candidate ``i`` (as a nested config dict); its split
+    """parallel.* and train batch values of candidate ``i`` (as a nested config dict; cp, ep, etp and train.dtype
+    where the plan searched them, as :func:`xpar.plan.show.override_line` names them); its split
     as ``first_stage_layers`` / ``last_stage_layers`` where pp x v does not divide the blocks
     (xpar.estimate.columns.stage_split.split_fields), null otherwise, as ``layer_split``."""
     r = plan.res
@@ -41,8 +42,11 @@ def layout_overrides(plan, i: int) -> dict[str, object]:
                sequence_parallel=bool(r["sp"][i]), recompute=str(r["recompute"][i]), layer_split=None,
                first_stage_layers=None, last_stage_layers=None)
     par.update(split_fields(int(plan.ctx.model["n_layers"]), par["pp"], par["virtual_stages"]))
+    par.update({k: int(r[k][i]) for k in ("cp", "ep") if k in r})  # the searched axes (xpar.plan.axes)
+    par.update({"etp": int(r["etp"][i]) or None} if "etp" in r else {})
     b = int(r["b"][i])
-    return {"parallel": par, "train": {"micro_batch_size": b, "global_batch_size": b * par["micro_batches"] * par["dp"]}}
+    train = {"micro_batch_size": b, "global_batch_size": b * par["micro_batches"] * par["dp"]}
+    return {"parallel": par, "train": dict(train, **({"dtype": str(r["dtype"][i])} if "dtype" in r else {}))}
 
 
 def _runs(plan, i: int) -> bool:

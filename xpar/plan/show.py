@@ -178,6 +178,8 @@ def print_plan(plan, line: str) -> None:
     for text in more_ties_line(plan) + dropped_lines(plan) + cluster_lines(plan) + [""] + why:
         console.print(text, highlight=False, markup=False)
     console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _valid(plan) -> np.ndarray:

@@ -111,11 +111,22 @@ def check_router_groups(model) -> list[str]:
         return []
     ok = [d for d in range(2, e + 1) if e % d == 0][:6]
     if not g or e % g or not 1 <= m <= min(g, k) or m * (e // g) < k:
+        pairs = router_group_pairs(e, k)
+        near = [p for p in pairs if p[0] == g] or pairs
+        fix = (f"model.moe_router_groups={near[0][0]} model.moe_router_group_topk={near[0][1]} (pairs that work: "
+               f"{', '.join(f'{a}:{b}' for a, b in pairs[:8])}), or " if pairs else "")
         return [f"model.moe_router_groups={g} and model.moe_router_group_topk={m} do not fit model.n_experts={e}, "
                 f"moe_top_k={k}: the groups must divide the experts (e.g. {ok}), 1 <= group_topk <= min(groups, "
-                f"moe_top_k), and the group_topk groups must hold >= moe_top_k experts; e.g. "
+                f"moe_top_k), and the group_topk groups must hold >= moe_top_k experts; e.g. {fix}"
                 f"model.moe_router_groups=0 model.moe_router_group_topk=0 (no group limit)."]
     return []
+
+
+def router_group_pairs(experts: int, top_k: int) -> list[tuple[int, int]]:
+    """(groups, group_topk) that limit the routing of ``experts`` experts at ``top_k`` (:func:`check_router_groups`'s
+    rule, fewer groups open than there are: a limit), by groups then group_topk."""
+    return [(g, m) for g in range(2, experts + 1) if experts % g == 0
+            for m in range(1, min(g - 1, top_k) + 1) if m * (experts // g) >= top_k]
 
 
 def _int_or_auto(key: str, value, minimum: int = 1) -> list[str]:

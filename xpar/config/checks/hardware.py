@@ -231,20 +231,22 @@ def estimate_peak_problem(hw, mode: str) -> list[str]:
 
 
 def part_memory_notes(hw) -> list[str]:
-    """A note where ``hardware.device_memory_gb`` was changed on a preset by more than 10 % while its ``gpu`` and
-    ``hbm_tb_per_s`` stayed the preset's (``hardware.device_memory_gb=40`` on an 80 GB A100 preset prices the
+    """A note where ``hardware.device_memory_gb`` was changed on a preset by more than 10 % while its
+    ``hbm_tb_per_s`` stayed the preset's (its ``gpu`` too, or renamed alone) (``hardware.device_memory_gb=40`` on an 80 GB A100 preset prices the
     80 GB part's 2.039 TB/s HBM with 40 GB): the figures kept, and the presets of a part with that memory
     and the same peak (the A100-SXM4-40GB's, 1.555 TB/s). None where the hardware is no preset."""
     base = _preset(hw.name)
-    if base is None or not hw.device_memory_gb or not base.device_memory_gb \
-            or (hw.gpu, hw.hbm_tb_per_s) != (base.gpu, base.hbm_tb_per_s) \
+    if base is None or not hw.device_memory_gb or not base.device_memory_gb or hw.hbm_tb_per_s != base.hbm_tb_per_s \
             or abs(hw.device_memory_gb / base.device_memory_gb - 1) <= 0.1:
         return []
     parts = [n for n in presets("hardware") if n.endswith("_node") and (p := _preset(n)).gpu != base.gpu
              and p.peak_tflops == base.peak_tflops and p.device_memory_gb
              and abs(p.device_memory_gb / hw.device_memory_gb - 1) <= 0.1]
+    named = hw.gpu != base.gpu  # hardware.gpu given, the bandwidth not: still the preset part's
     other = (f"; hardware={' or hardware='.join(parts)} (with hardware.nodes) is that part" if parts else
-             "; set hardware.gpu and hardware.hbm_tb_per_s for the part you mean")
+             f"; set {'' if named else 'hardware.gpu and '}hardware.hbm_tb_per_s for the part you mean")
+    kept = (f"hbm_tb_per_s={_text(base.hbm_tb_per_s)} of its gpu={base.gpu} ({_text(base.device_memory_gb)} GB), "
+            f"though hardware.gpu={hw.gpu}" if named else f"gpu={base.gpu} ({_text(base.device_memory_gb)} GB) and "
+            f"hbm_tb_per_s={_text(base.hbm_tb_per_s)}")
     return [f"hardware.device_memory_gb={_text(hw.device_memory_gb)} on hardware={hw.name} keeps the preset's "
-            f"gpu={base.gpu} ({_text(base.device_memory_gb)} GB) and hbm_tb_per_s={_text(base.hbm_tb_per_s)}: "
-            f"memory-bound time is priced at that part's bandwidth{other}."]
+            f"{kept}: memory-bound time is priced at that part's bandwidth{other}."]

@@ -24,27 +24,32 @@ from xpar.config.schema import ModelConfig
 from xpar.config.vocab import tp_padding_hint
 
 
-def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: str = "estimate") -> list[str]:
+def check_tp(model: ModelConfig, layout: Layout, kv_rule: str = "split", mode: str = "estimate",
+             world: Optional[int] = None) -> list[str]:
     """Megatron splits: heads and kv heads by tp (whole heads per rank; under ``kv_rule`` 'replicate',
     framework.kv_heads_over_tp, tp may instead be a multiple of the kv heads: xpar.config.attention.tp_kv_heads,
     estimated only), ffn by tp (column/row MLP), vocabulary by tp (vocabulary-parallel embedding and output;
     ``model`` with the vocabulary the framework pads, xpar.config.vocab); with
-    sequence parallelism the training sequence by tp."""
+    sequence parallelism the training sequence by tp. ``world``: the fixed world size (None: a local run sized
+    by its layout), whose tp values with parallel.dp=auto the refusal names where fewer work there."""
     t = layout.tp
     if t == 1:
         return []
     out, kv = _kv_problems(model, t, kv_rule, mode), model.kv_heads
     dims = (("n_heads", model.n_heads), ("ffn_hidden", model.ffn_hidden))
     kv_fits = lambda d: kv % d == 0 or (kv_rule == "replicate" and d % kv == 0)  # noqa: E731
-    bad = [f"model.{name}={n}" for name, n in dims if n % t]
-    if not kv_fits(t):  # named in the model's order: heads, kv heads, ffn
-        bad.insert(int(model.n_heads % t != 0), f"model.n_kv_heads={kv}")
+    fails = {"n_heads": model.n_heads % t, "n_kv_heads": not kv_fits(t), "ffn_hidden": model.ffn_hidden % t}
+    values = {"n_heads": model.n_heads, "n_kv_heads": kv, "ffn_hidden": model.ffn_hidden}  # the model's order
+    bad = [f"model.{k}={values[k]}" for k in values if fails[k]]
     if bad:
         ok = [d for d in range(1, 65) if all(n % d == 0 for _, n in dims) and kv_fits(d)]
         kv_rule_text = "" if kv_rule == "split" else " (or a multiple of it: framework.kv_heads_over_tp=replicate)"
+        here = [d for d in ok if world and world % (d * layout.pp * layout.cp) == 0]
+        here_text = f" ({here} on the {world} devices, with parallel.dp=auto)" if world and here != ok else ""
         out.append(f"parallel.tp={t} must divide {', '.join(bad)} (Megatron split: whole heads and "
                    f"MLP columns per tp rank); tp values that divide "
                    f"n_heads={model.n_heads}, n_kv_heads={kv}{kv_rule_text} and ffn_hidden={model.ffn_hidden}: {ok}"
+                   + here_text
                    + (_replicate_hint(model, t, kv_rule, bad) if mode == "estimate" else "") + ".")
     if model.vocab_size % t:
         out.append(f"parallel.tp={t} must divide model.vocab_size={model.vocab_size} (vocabulary-parallel embedding "
