@@ -162,3 +162,18 @@ def test_the_tp_refusal_says_which_of_its_values_work_on_the_devices_given():
     with pytest.raises(ConfigError) as e:  # every value fits the devices: the list alone
         spec_for(*shape, "hardware.devices_per_node=12", "parallel.tp=8", "parallel.dp=1")
     assert "on the 12 devices" not in str(e.value) and ": [1, 3, 6, 12]." in str(e.value)
+
+
+def test_moe_fields_set_on_a_dense_model_are_noted_as_changing_nothing():
+    """model.moe_top_k or capacity_factor on model=tiny (no experts) price nothing: the note says so and names
+    model.n_experts; on a MoE model, or without such overrides, nothing is said. The plan says it too."""
+    from xpar.config.presets import dense_moe_notes
+    from xpar.plan.command import request_notes
+
+    note = dense_moe_notes(0, ["model.moe_top_k=4", "model.capacity_factor=1.0", "parallel.tp=2"])
+    assert note == ["model.moe_top_k=4, model.capacity_factor=1.0 change nothing: model.n_experts=0 (a dense "
+                    "model); set model.n_experts=<E> for a mixture of experts (e.g. model=moe_tiny)"]
+    assert "changes nothing" in dense_moe_notes(0, ["+model.moe_router_groups=2"])[0]
+    assert dense_moe_notes(8, ["model.moe_top_k=4"]) == [] and dense_moe_notes(0, ["model.n_heads=8"]) == []
+    spec = spec_for("run.mode=estimate")
+    assert any("model.moe_top_k=1 changes nothing" in n for n in request_notes(spec, ["model.moe_top_k=1"]))

@@ -87,3 +87,19 @@ def kept_kv_heads_notes(n_heads: int, n_kv_heads: Optional[int], preset: Optiona
     return [f"model.n_heads={n_heads} is not model={preset}'s {own.get('n_heads')}, but model.n_kv_heads was not given: "
             f"the preset's n_kv_heads={kept} is kept, so {n_heads // kept} query heads share each K/V head; set "
             f"model.n_kv_heads (e.g. model.n_kv_heads={n_heads} for multi-head attention) if the model has others"]
+
+
+MOE_FIELDS = ("moe_top_k", "n_shared_experts", "expert_ffn_hidden", "first_dense_layers", "capacity_factor",
+              "moe_imbalance", "moe_router_groups", "moe_router_group_topk")
+"""Model fields read only where the model has experts (model.n_experts > 0)."""
+
+
+def dense_moe_notes(n_experts: int, overrides: list[str]) -> list[str]:
+    """A note where the command line sets mixture-of-experts fields (:data:`MOE_FIELDS`) on a dense model
+    (``n_experts`` 0): they change nothing, and the user may have meant a MoE model. [] otherwise."""
+    given = [o.lstrip("+~") for o in overrides]
+    named = [o for o in given if o.split("=", 1)[0] in {f"model.{k}" for k in MOE_FIELDS}]
+    if n_experts or not named:
+        return []
+    return [f"{', '.join(named)} change{'s' if len(named) == 1 else ''} nothing: model.n_experts=0 (a dense model); "
+            f"set model.n_experts=<E> for a mixture of experts (e.g. model=moe_tiny)"]

@@ -27,7 +27,7 @@ from xpar.config.checks import ConfigError
 from xpar.config.checks.environment import check_tracking_paths
 from xpar.config.checks.hardware import part_memory_notes
 from xpar.config.overrides import refuse
-from xpar.config.presets import kept_kv_heads_notes
+from xpar.config.presets import dense_moe_notes, kept_kv_heads_notes
 from xpar.plan.context import PlanContext, row
 from xpar.plan.evaluate import evaluate
 from xpar.plan.execute import execute_top
@@ -405,7 +405,8 @@ def request_notes(spec, overrides: list[str]) -> list[str]:
     notes = part_memory_notes(spec.hardware)
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
     preset = chosen[-1] if chosen else spec.model.name
-    return notes + kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, preset, overrides)
+    return notes + kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, preset, overrides) + \
+        dense_moe_notes(spec.model.n_experts, overrides)
 
 
 def reproduce(plan: Plan):
