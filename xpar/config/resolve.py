@@ -41,7 +41,7 @@ class Target:
     launcher: str
     notes: tuple[str, ...] = ()
     sized_here: bool = False
-    """An estimate on this machine's devices counted here (hardware=local, devices_per_node auto, one node): a
+    """An estimate sized by the local device count (hardware=local, devices_per_node auto, one node): a
     layout of another size is estimated with hardware.devices_per_node set (as execute mode sizes its workers)."""
 
 
