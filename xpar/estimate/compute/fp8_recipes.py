@@ -1,29 +1,16 @@
-"""FP8 scaling recipes (``train.fp8_recipe``): what each one does per quantised tensor, for the kernel model.
+"""FP8 scaling recipes (``train.fp8_recipe``): what each does per quantised tensor, for the kernel model.
 
-Every FP8 linear layer quantises its BF16 activation input (and, backward, its output gradient) before the
-GEMM. The recipes differ in how many times they read the BF16 tensor, how many FP8 copies they write, how
-many scale bytes go with them, how many kernels that takes, and which GEMM kernel then runs
-(Transformer Engine's docs/features/low_precision_training/, the pages of each recipe, @d0067d0):
-
-- ``delayed`` (DelayedScaling): the scale comes from an amax history, so one read casts the tensor and
-  records its amax in the same kernel ("reduces tensor reads per quantization from two to one"); the
-  history is reduced and rotated once a step, by one kernel for every tensor (not priced: once a step).
-- ``current`` (Float8CurrentScaling, Megatron-Bridge's FP8-CS, torchao's tensorwise): "Quantization is a
-  memory-bound operation that requires reading the tensor twice": an amax kernel, a scale kernel, then the
-  cast (transformer_engine/pytorch/csrc/quantizer.cpp, Float8CurrentScalingQuantizer::quantize_impl:
-  nvte_compute_amax_with_config, nvte_compute_scale_from_amax, nvte_quantize_v2). Under sequence
-  parallelism the amax is all-reduced over the tp group between the first two (not priced: one float).
-- ``mxfp8`` (MXFP8BlockScaling, Blackwell only): one E8M0 scale byte per 32 elements, rowwise (1 x 32) and
-  columnwise (32 x 1) blocks differ, so "both must be quantized independently from the full-precision
-  data": one read, two FP8 copies, two scale tensors (transformer_engine/common/cast/mxfp8/quantize_mxfp8.cuh,
-  both in one kernel).
-- ``blockwise`` (Float8BlockScaling, DeepSeek-V3 report Sec. 3.3: 1 x 128 activation tiles, 128 x 128 weight
-  blocks): one read, rowwise and columnwise copies (1-D blocks cannot be transposed), an FP32 scale per 128
-  elements each; on Blackwell "the recipe is emulated with MXFP8" (TE's fp8_blockwise_scaling page).
-
-Tensor-scaled recipes write one FP8 copy, as the default always priced (Hopper's FP8 GEMMs also need the
-columnwise copy transposed in memory, TE's performance_considerations page; not priced: the default's
-figures kept). Units: bytes per element of the quantised tensor.
+Every FP8 linear quantises its BF16 activation input (backward: its output gradient) before the GEMM. The
+recipes differ in the BF16 reads, the FP8 copies and scale bytes written, the kernels, and the GEMM that
+then runs (Transformer Engine @d0067d0, docs/features/low_precision_training/, one page a recipe):
+``delayed`` (scale from an amax history: one read, one kernel), ``current`` (an amax pass, then the cast:
+transformer_engine/pytorch/csrc/quantizer.cpp, Float8CurrentScalingQuantizer::quantize_impl),
+``mxfp8`` (Blackwell: E8M0 scale per 32, rowwise and columnwise copies quantised independently, one kernel:
+common/cast/mxfp8/quantize_mxfp8.cuh), ``blockwise`` (DeepSeek-V3 report Sec. 3.3: 1 x 128 activation
+tiles, FP32 scales; rowwise and columnwise copies; on Blackwell emulated with MXFP8). Tensor-scaled recipes
+write one FP8 copy (Hopper's transposed copy is not priced: the default's figures kept). Not priced: the
+amax all-reduce under sequence parallelism, delayed's once-a-step history update, weight quantisation
+(cached across micro-batches). Table and sources: docs/concepts/kernels.md. Units: bytes per element.
 """
 from __future__ import annotations
 
