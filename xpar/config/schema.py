@@ -239,8 +239,8 @@ class HardwareConfig:
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
     mxfp8: bool = False
     """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout
-    (NVIDIA Blackwell, SM 10.x: Transformer Engine's MXFP8 recipe page; the B200/GB200 datasheets' MX
-    formats); train.fp8_recipe=mxfp8 needs it. False: Hopper and older (FP8 GEMMs in the TN layout only)."""
+    (NVIDIA Blackwell: Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3 as its supported devices);
+    train.fp8_recipe=mxfp8 needs it. False: Hopper and older (FP8 GEMMs in the TN layout only)."""
     sustained_efficiency: float = 1.0
     """Fraction of the kernel model's isolated-kernel compute rates (gemm_efficiency, attention_efficiency)
     a training step sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped
