@@ -93,3 +93,21 @@ def test_mxfp8_off_blackwell_is_refused_in_one_line_with_values_that_work(tmp_pa
         assert fix.split("=")[1] in line, line
         assert _accepted([a for a in argv if a.split("=")[0] != fix.split("=")[0]] + [fix])
     assert _accepted([*argv[:-1], "train.dtype=bf16", "train.fp8_recipe=mxfp8"])  # unused under bf16
+
+
+def test_the_memory_breakdown_holds_each_recipes_weight_copies_on_blackwell():
+    """Megatron-Core (framework.fp8_weight_copies) on B200: one tensor-scaled FP8 copy per linear weight element
+    (it serves both GEMM layouts), two MXFP8 copies and their E8M0 scales: +1 1/16 bytes an element."""
+    from xpar.estimate.cost import peak_memory
+    from xpar.estimate.frameworks.fp8_weights import block_linear_numel
+    from xpar.estimate.memory.model_states import param_shapes
+
+    mc70 = ("model=70b", "hardware=b200_180gb_64gpu", "train=cluster", "framework=megatron_core", "parallel.tp=8",
+            "parallel.pp=4", "parallel.dp=auto", "parallel.zero_stage=1", "parallel.recompute=full",
+            "parallel.micro_batches=auto", "train.global_batch_size=64", "train.dtype=fp8")
+    spec = spec_for(*mc70, "train.fp8_recipe=current")
+    cur, mx = peak_memory(spec), peak_memory(spec_for(*mc70, "train.fp8_recipe=mxfp8"))
+    plain = peak_memory(spec_for(*mc70, "train.fp8_recipe=current", "framework.fp8_weight_copies=false"))
+    linear = block_linear_numel(tuple(param_shapes(spec, cur.pp_rank)))
+    assert cur.params - plain.params == linear
+    assert mx.params - cur.params == round((2 + 2 / 32) * linear) - linear
