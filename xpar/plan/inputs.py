@@ -15,7 +15,7 @@ from xpar.config.layout import SCHEDULES
 from xpar.config.overrides import refuse
 from xpar.config.presets import conf_dir, load_preset
 from xpar.config.schema import HardwareConfig
-from xpar.config.validate import to_schema
+from xpar.config.validate import fp8_recipe_problems, to_schema
 from xpar.estimate.memory.offload import offload_figures_known
 from xpar.plan.axes import resolve_axes
 from xpar.plan.context import PlanContext
@@ -200,9 +200,13 @@ def _devices(p, hw: dict) -> tuple[tuple[int, ...], list[str]]:
 
 def config_problems(cfg) -> list[str]:
     """The run's own checks that a plan rests on (as ``python -m xpar`` refuses them): choices,
-    model sizes, hardware values, the framework profile, the sequence length."""
+    model sizes, hardware values, the framework profile, the sequence length, the FP8 recipe where fp8 is
+    searched (plan.dtype, else train.dtype)."""
     c = to_schema(cfg)
     out = checks.check_choices(c) + checks.check_model(c) + check_hardware_values(c) + check_framework(c.framework)
+    if not out:
+        fp8 = "fp8" in (_plain_list(cfg.plan.dtype) if cfg.plan.dtype else [c.train.dtype])
+        out = fp8_recipe_problems("fp8" if fp8 else c.train.dtype, c.train.fp8_recipe, c.hardware)
     return out or [p for p in checks.check_train(c) if p.startswith("train.seq_len")]
 
 
