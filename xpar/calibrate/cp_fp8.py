@@ -7,6 +7,7 @@ import re
 
 from xpar.calibrate.published import framework_assumptions, make_spec, preset
 from xpar.estimate.compute.flops import model_flops_per_token
+from xpar.estimate.compute.fp8_recipes import RECIPES
 
 
 def cp_fp8_case(row: dict, gpu_presets: dict = None):
@@ -17,7 +18,8 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
+    FP8 rows at the scaling recipe their source used (:func:`row_fp8_recipe`). Framework: :func:`cp_fp8_framework`;
+    an uneven pp x vp split as Megatron balances it, or, where the note names
     :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
     of 3 (Megatron-FSDP) as ZeRO-3. ``gpu_presets``: the GPUs priced and their node presets (default
     :data:`GPU_PRESETS`; :data:`NEW_GPU_PRESETS` adds H200, B200 and GB200, resized by :func:`sized_hardware`)."""
@@ -48,7 +50,7 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
         par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
     hw = sized_hardware(preset("hardware", presets[gpu]), int(row["gpus"]))
     train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
-                 dtype=row["dtype"], seq_len=int(row["seq"]))
+                 dtype=row["dtype"], seq_len=int(row["seq"]), **row_fp8_recipe(row))
     overlap = 1.0 if "DualPipe" in row["note"] else MOE_A2A_OVERLAP if MOE_A2A_OVERLAP_FLAGS & set(
         row["note"].replace(";", " ").replace(",", " ").split()) else 0.0
     a2a = dict(ep_dispatcher=_dispatcher(row["note"]), ep_a2a_overlap=overlap)
@@ -97,6 +99,22 @@ AUTOMODEL_OPTIMIZER_BYTES = 8
 """Bytes per optimizer-state element of NeMo AutoModel's benchmark recipes: Transformer Engine's FusedAdam over the bf16
 parameters keeps its moments in fp32 and no master copy (2 x 4 bytes; the AutoModel docs, "Mixed-Precision Training":
 "TE FusedAdam keeps fp32 state regardless"; examples/llm_pretrain/llama3_1_70b_pretrain_benchmark_*.yaml)."""
+
+
+def row_fp8_recipe(row: dict) -> dict:
+    """``{"fp8_recipe": recipe}`` of an fp8 row whose ``fp8_recipe`` column names one (tests/data/cp_fp8_h100.csv: the
+    recipe its source's code used at the run's date, with the evidence in the file's header), else {} (train.fp8_recipe
+    keeps its default, ``delayed``: bf16 rows, and the files that share these columns without this one:
+    moe_layouts_h100.csv, blackwell_published.csv, whose benchmark sets the recipe from the row's precision label).
+
+    Raises:
+        ValueError: the column names a recipe train.fp8_recipe does not know (xpar.estimate.compute.fp8_recipes)."""
+    recipe = (row.get("fp8_recipe") or "").strip()
+    if row["dtype"] != "fp8" or not recipe:
+        return {}
+    if recipe not in RECIPES:
+        raise ValueError(f"row {row['id']}: fp8_recipe={recipe!r}; known: {sorted(RECIPES)}")
+    return {"fp8_recipe": recipe}
 
 
 def cp_fp8_framework(row: dict) -> tuple[str, dict]:
