@@ -132,8 +132,10 @@ def choose(all_cases: list, per_source: int, max_devices: int, every: bool) -> l
 
 
 def key_of(spec, a) -> tuple:
+    """What a run's plan depends on: runs with the same key share one plan (FP8 runs of different scaling recipes
+    do not: train.fp8_recipe prices their casts)."""
     return (repr(asdict(spec.model)), repr(asdict(spec.hardware)), repr(framework_dict(a)),
-            spec.train.global_batch_size, spec.seq_len, spec.train.dtype)
+            spec.train.global_batch_size, spec.seq_len, spec.train.dtype, spec.train.fp8_recipe)
 
 
 def main() -> None:
