@@ -184,7 +184,7 @@ def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causa
     the core in BF16). The grid is b x heads x ceil(s_q/128) query blocks in waves over the SMs;
     memory: Q, K, V read and O written once (x2 backward, with dO, dQ, dK, dV). Larger of the two.
     A sliding ``window`` (> 0) cuts the FLOPs to its blocks (:func:`attention_flops`), not the traffic (each
-    tensor still read or written once), so a narrow window (gpt-oss: 128) can make the core HBM-bound."""
+    tensor still read or written once): a narrow window (gpt-oss: 128) brings the core near its HBM bound."""
     b, sq, skv, h = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(batch, s_q, s_kv, heads))
     hk = h if kv_heads is None else np.asarray(kv_heads, dtype=float)
     flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal, window) * (FLASH_BWD_FLOPS if backward else 1.0)
