@@ -128,7 +128,9 @@ DEEPSEEK_V3_ROUTING = dict(moe_router_groups=8, moe_router_group_topk=4)
 CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
 """Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the
 s x s square (Megatron-LM's ``num_floating_point_operations`` since 2025: ``seq_length / 2  # causal
-mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square."""
+mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square. Both ignore a sliding window
+(Megatron-LM's count @001b00c2 puts s / 2 on every attention layer); Megatron-Bridge's later ``flop_utils.py`` counts
+it (xpar.estimate.compute.flops.model_flops_per_token with ``window``)."""
 
 
 def published_figure(est, spec, metric: str) -> float:
