@@ -2,13 +2,13 @@
 
 Convention (Narayanan et al. 2021, Sec. 5.1 / Appendix; Korthikanti et al. 2022, Sec. 6):
 2 FLOPs per multiply-add, backward = 2 x forward, every matmul counted:
-attention q/k/v/o projections with GQA-aware K/V widths, attention scores Q.K^T and
-context P.V over the full (non-causal) s x s square, MLP with 3 matrices (SwiGLU) or 2
-(GELU), and the output logits. Norms, softmax, activations and the optimizer are ignored; so is
-a sliding window (the window's count: ``window=True``, docs/concepts/kernels.md).
+attention q/k/v/o projections with GQA-aware K/V widths, attention scores Q.K^T and context P.V
+over the full (non-causal) s x s square, a sliding window ignored (``window=True`` counts it), MLP
+with 3 matrices (SwiGLU) or 2 (GELU), and the output logits. Norms, softmax, activations and the
+optimizer are ignored.
 A block with experts counts what a token goes through: the router and its top k and shared
-experts (the active parameters; DeepSeek-AI 2024, "DeepSeek-V3", counts 37B of 671B so).
-MLA counts its low-rank projections and its core at its head dims (xpar.config.attention).
+experts (the active parameters; DeepSeek-AI 2024, "DeepSeek-V3", counts 37B of 671B so); MLA
+its low-rank projections and its core at its head dims (xpar.config.attention).
 For GPT shapes this reduces to the papers' closed forms:
 
     model FLOPs per iteration    = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
