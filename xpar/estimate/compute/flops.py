@@ -4,8 +4,7 @@ Convention (Narayanan et al. 2021, Sec. 5.1 / Appendix; Korthikanti et al. 2022,
 2 FLOPs per multiply-add, backward = 2 x forward, every matmul counted:
 attention q/k/v/o projections with GQA-aware K/V widths, attention scores Q.K^T and context P.V
 over the full (non-causal) s x s square, a sliding window ignored (``window=True`` counts it), MLP
-with 3 matrices (SwiGLU) or 2 (GELU), and the output logits. Norms, softmax, activations and the
-optimizer are ignored.
+with 3 matrices (SwiGLU) or 2 (GELU), and the output logits; not norms, softmax, activations, optimizer.
 A block with experts counts what a token goes through: the router and its top k and shared
 experts (the active parameters; DeepSeek-AI 2024, "DeepSeek-V3", counts 37B of 671B so); MLA
 its low-rank projections and its core at its head dims (xpar.config.attention).
