@@ -19,16 +19,13 @@ import re
 import time
 from pathlib import Path
 
-import numpy as np
-
-from plan_published import HEADER, group_mask, plan_of, row_figures, row_line, summary
+from plan_published import HEADER, plan_of, row_figures, row_line, summary
 from xpar.config.validate import validate
 from xpar.estimate.step_parts import assumptions_for
-from xpar.estimate.terms import TERM_WORDS
 from xpar.plan.command import PlanRefused
 from xpar.plan.groups import differing_axes
-from xpar.plan.rank import term_seconds_per_token, terms
 from xpar.plan.verify import compose_line
+from xpar.plan.yours import choices, gap_words, group_mask, layout_row
 
 HUNT = Path(__file__).resolve().parent / "refusal_hunt.md"
 NOT_PUBLISHED = {19: "conf/parallel/70b_64gpu.yaml (the project's preset)", 24: "issue 43's vocabulary-padding item"}
@@ -58,44 +55,13 @@ def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
     return out
 
 
-def published_row(plan, spec, deg: dict) -> int | None:
-    """The plan's row of the published layout itself (its group, b, recompute, sp; schedule and v under pp),
-    fitting or not; None when the space does not hold it."""
-    r, lay = plan.res, spec.layout
-    mine = group_mask(r, deg) & (r["b"] == lay.micro_batch_size) & (r["recompute"] == lay.recompute)
-    if lay.tp > 1:
-        mine &= r["sp"] == lay.sequence_parallel
-    if lay.pp > 1:
-        mine &= (r["schedule"] == lay.schedule) & (r["v"] == lay.virtual_stages)
-    if "offload" in r:
-        mine &= ~r["offload"].astype(bool)
-    hit = np.flatnonzero(mine)
-    return int(hit[0]) if len(hit) else None
-
-
-def gap_words(r: dict, i: int, j: int, n: int = 2) -> str:
-    """The ``n`` step terms where row ``i`` loses most to row ``j`` (per token, as a fraction of ``j``'s step), and
-    the term where it gains most."""
-    mine, ref = term_seconds_per_token(r, np.array([i])), term_seconds_per_token(r, np.array([j]))
-    total = sum(ref[k][0] for k in terms(r))
-    diff = sorted(((float(mine[k][0] - ref[k][0]) / total, k) for k in terms(r)), reverse=True)
-    words = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[:n] if d > 0.0005]
-    gains = [f"{100 * d:+.1f} % {TERM_WORDS[k]}" for d, k in diff[::-1][:1] if d < -0.0005]
-    return "; ".join(words) + (f" (saves {gains[0]})" if gains else "") or "no term"
-
-
-def choices(r: dict, i: int) -> str:
-    """A row's choices inside its degree group."""
-    return f"{r['schedule'][i]} v{r['v'][i]} b{r['b'][i]} sp{int(r['sp'][i])} {r['recompute'][i]}"
-
-
 def why_lines(plan, spec, f: dict) -> list[str]:
     """Where the claimed gain comes from: the published row against its group's best (its own choices), the
     group's best against the winner (the degrees); each with the terms that separate them."""
     r, best = plan.res, plan.best
     mine = group_mask(r, f["deg"])
     group = plan.ranked[mine[plan.ranked]]
-    pub = published_row(plan, spec, f["deg"])
+    pub = layout_row(r, spec, f["deg"])
     out = []
     if pub is None:
         out.append("published choices not in the space")

@@ -32,8 +32,8 @@ from xpar.estimate.cost import Assumptions, estimate
 from xpar.plan.command import PlanRefused, search
 from xpar.plan.groups import degree_columns, group_ranks
 from xpar.plan.inputs import plan_inputs
-from xpar.plan.space import enumerate_layouts, schedule_pairs
 from xpar.plan.verify import compose_line
+from xpar.plan.yours import group_mask, layout_degrees, why_not
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 TOP = 10
@@ -85,39 +85,10 @@ def plan_of(spec, a):
     return search(inputs)
 
 
-def published_degrees(spec, plan) -> dict:
-    """The published layout's degree group in the plan's columns (ZeRO as it runs; ZeRO 0 at dp 1; etp 0 = tp)."""
-    lay = spec.layout
-    etp = lay.etp if lay.etp and lay.etp != lay.tp else 0
-    d = dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, zero=lay.zero_stage if lay.dp > 1 else 0, etp=etp)
-    return {k: d[k] for k in degree_columns(plan.res)} | ({"etp": etp} if etp else {})
-
-
-def group_mask(r: dict, deg: dict) -> np.ndarray:
-    """Rows of the plan's columns ``r`` in the degree group ``deg`` (:func:`published_degrees`)."""
-    mine = np.ones(len(r["tp"]), dtype=bool)
-    for k, v in deg.items():
-        mine &= (np.asarray(r[k]) if k in r else np.zeros(len(mine), dtype=np.int64)) == v
-    return mine
-
-
-def why_not(plan, degrees: dict) -> str:
-    """The searched axis that misses ``degrees``, or the space's rule that drops them (RULES key)."""
-    c, ctx = plan.inputs.constraints, plan.ctx
-    for k, dom in (("cp", c.cp), ("ep", c.ep), ("etp", c.etp), ("zero", c.zero_stages)):
-        if k in degrees and degrees[k] not in dom:
-            return f"{k} {degrees[k]} not in plan.{k}{'_stages' if k == 'zero' else ''} {list(dom)}"
-    if "zero" in degrees and degrees["pp"] > 1 and degrees["zero"] not in c.pp_zero_stages:
-        return f"ZeRO {degrees['zero']} with pp not in framework.pp_zero_stages {list(c.pp_zero_stages)}"
-    space = enumerate_layouts(ctx.model, plan.devices, int(ctx.hardware["devices_per_node"]),
-                              int(ctx.train["seq_len"]), c, watch=degrees)
-    return f"rule {space.watch_dropped_by}" if space.watch_dropped_by else "not in the product"
-
-
 def row_figures(src: str, spec, a, plan) -> dict:
     """The per-run figures of the module docstring."""
     r = plan.res
-    deg = published_degrees(spec, plan)
+    deg = layout_degrees(spec, r)
     mine = group_mask(r, deg)
     ranks = group_ranks(r, plan.ranked)
     hit = np.flatnonzero(mine[plan.ranked])

@@ -262,6 +262,10 @@ class HardwareConfig:
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
+    mxfp8: bool = False
+    """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout
+    (NVIDIA Blackwell: Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3 as its supported devices);
+    train.fp8_recipe=mxfp8 needs it. False: Hopper and older (FP8 GEMMs in the TN layout only)."""
     sustained_efficiency: float = 1.0
     """Fraction of the kernel model's isolated-kernel compute rates (gemm_efficiency, attention_efficiency)
     a training step sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped
@@ -382,6 +386,13 @@ class TrainConfig:
     dtype: str = "fp32"
     """fp32 (pure fp32) or bf16: mixed precision -- bf16 compute, fp32 master weights and
     AdamW states, fp32 gradient reduction and loss (xpar.parallel.precision)."""
+    fp8_recipe: str = "delayed"
+    """Under dtype=fp8 (estimated), how the linear layers quantise to FP8 (Transformer Engine's recipes;
+    xpar.estimate.compute.fp8_recipes): 'delayed' (DelayedScaling: one cast pass from an amax history, the
+    default), 'current' (per-tensor current scaling, FP8-CS, torchao tensorwise: an amax pass, then the
+    cast), 'mxfp8' (MXFP8 block scaling, E8M0 scale per 32 elements, rowwise and columnwise copies;
+    Blackwell only: hardware.mxfp8), 'blockwise' (DeepSeek-V3's 1x128 / 128x128 FP8 blocks). Priced by
+    the kernel model (quantise passes as memory traffic, the recipe's GEMM rate); unused under bf16/fp32."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None

@@ -167,6 +167,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
                                        layout.cp, layout.ep, layout.layer_split if layout.pp > 1 else ())
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
+    problems += fp8_recipe_problems(c.train.dtype, c.train.fp8_recipe, target.hardware)
     problems += unnamed(late, problems)
     _raise_if(problems + local_cuda_problems(target, layout))
     return build_spec(c, target, layout)
@@ -185,6 +186,16 @@ def fp8_problems(dtype: str, hw, mode: str) -> list[str]:
         return [f"train.dtype=fp8 needs FP8 matmuls; hardware={hw.name} has none (hardware.peak_tflops_fp8 unset); "
                 f"use an H100/H200 preset (hardware=h100_80gb_64gpu) or train.dtype=bf16."]
     return []
+
+
+def fp8_recipe_problems(dtype: str, recipe: str, hw) -> list[str]:
+    """train.fp8_recipe=mxfp8 under train.dtype=fp8 needs MXFP8 tensor cores (hardware.mxfp8: Blackwell);
+    the values that work on ``hw`` are named."""
+    if dtype != "fp8" or recipe != "mxfp8" or getattr(hw, "mxfp8", False):
+        return []
+    return [f"train.fp8_recipe=mxfp8 needs MXFP8 tensor cores (Blackwell); hardware={hw.name} has none "
+            f"(hardware.mxfp8=false); use train.fp8_recipe=delayed, current or blockwise, or a Blackwell preset "
+            f"(hardware=b200_180gb_64gpu, gb200_nvl72_576gpu)."]
 
 
 def fail_rank_problems(c: XparConfig, layout: Layout, mode: str) -> list[str]:

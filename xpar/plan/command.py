@@ -38,6 +38,7 @@ from xpar.plan.record import record_plan
 from xpar.plan.show import override_line, print_plan
 from xpar.plan.space import Constraints, RULES, Space, enumerate_layouts
 from xpar.plan.verify import composed_spec
+from xpar.plan.yours import your_layout_lines
 
 GB = 1e9
 
@@ -74,6 +75,8 @@ class Plan:
     """The plan's MLflow run, once recorded."""
     notes: tuple = ()
     """Notes on the request that hold for every layout (:func:`request_notes`), printed under the plan."""
+    yours: tuple = ()
+    """Where the layout the command states ranks (:func:`xpar.plan.yours.your_layout_lines`); () for none."""
 
     @property
     def devices(self) -> int:
@@ -386,7 +389,8 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
         line, spec = reproduce(plan)
     except PlanRefused as e:
         refuse(e.problems)
-    plan = replace(plan, notes=tuple(request_notes(spec, list(inputs.overrides))))
+    plan = replace(plan, notes=tuple(request_notes(spec, list(inputs.overrides))),
+                   yours=tuple(your_layout_lines(plan, cfg, list(inputs.overrides))))
     plan.seconds["plan"] = time.perf_counter() - t0
     print_plan(plan, line)
     executed = []

@@ -100,6 +100,7 @@ def write_artifacts(plan, line: str, out_dir: Path) -> list[Path]:
     text = dropped_lines(plan) + cluster_lines(plan) + [""] + explain(plan.res, plan.ranked,
                                                                       np.ones(len(plan.space), bool), plan.ctx.hardware,
                                                                       plan.inputs.tie_within)
+    text += [""] + list(plan.yours) if plan.yours else []
     (out_dir / "plan.txt").write_text("\n".join(text + ["", "Reproduce the top layout:", "  " + line]
                                                + [f"note: {n}" for n in plan.notes] + [""]))
     return [write_ranked_csv(plan, out_dir / "plan_ranked.csv"), dropped, out_dir / "plan.txt",

@@ -175,7 +175,7 @@ def print_plan(plan, line: str) -> None:
         console = Console(width=max(200, need, len(str(table.title or "")) + 4))
     console.print(table)
     why = explain(plan.res, plan.ranked, _valid(plan), plan.ctx.hardware, plan.inputs.tie_within)
-    for text in more_ties_line(plan) + dropped_lines(plan) + cluster_lines(plan) + [""] + why:
+    for text in more_ties_line(plan) + dropped_lines(plan) + cluster_lines(plan) + [""] + why + ([""] + list(plan.yours) if plan.yours else []):
         console.print(text, highlight=False, markup=False)
     console.print("\nReproduce the top layout:\n  " + line, highlight=False, markup=False, soft_wrap=True)
     for note in plan.notes:

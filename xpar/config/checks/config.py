@@ -17,6 +17,7 @@ CHOICES = {
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": RECOMPUTE,  # xpar.config.remat
     "train.dtype": ("fp32", "bf16", "fp8"),
+    "train.fp8_recipe": ("delayed", "current", "mxfp8", "blockwise"),  # xpar.estimate.compute.fp8_recipes
     "train.on_nonfinite": ("stop", "skip", "ignore"),
     "sweep.goal": ("max", "min"),
     "data.kind": ("synthetic", "text"),

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.attention import tp_kv_heads
+from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, RECIPES, Fp8Recipe, gemm_dtype
 from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
 from xpar.estimate.moe_dispatch import DISPATCHERS, sync_seconds
 
@@ -110,19 +111,22 @@ class BlockTerms:
         return BlockTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
-def _linear(m, n, k, device, dtype, backward, groups=1):
+def _linear(m, n, k, device, dtype, backward, groups=1, quant: Optional[Fp8Recipe] = None):
     """(seconds, kernels, cast bytes) of a linear layer y = x W (x: m x k, W: k x n): forward, or dgrad +
-    wgrad. Under FP8 one cast kernel quantises the GEMM's activation input (read BF16, write FP8);
-    its forward bytes are returned either way (the caller doubles a backward's memory traffic)."""
-    cast = dtype == "fp8"
+    wgrad. Under an FP8 recipe ``quant`` (xpar.estimate.compute.fp8_recipes) its quantisation of the GEMM's
+    activation input: ``quant.kernels`` kernels moving ``quant.cast_bytes()`` an element (delayed scaling:
+    one kernel, read BF16, write FP8, 3 bytes); its forward bytes are returned either way (the caller
+    doubles a backward's memory traffic: the output gradient's quantisation). None: no cast (BF16 GEMMs)."""
+    casts = 0 if quant is None else quant.kernels
+    moved = 0.0 if quant is None else quant.cast_bytes() * groups * m * k
     if not backward:
-        return gemm_time(m, n, k, device, dtype, groups), 1 + cast, cast * 3.0 * groups * m * k
+        return gemm_time(m, n, k, device, dtype, groups), 1 + casts, moved
     dgrad = gemm_time(m, k, n, device, dtype, groups)  # dx = dy W^T: (m x n) @ (n x k)
     wgrad = gemm_time(k, n, m, device, dtype, groups)  # dW = x^T dy: (k x m) @ (m x n), reduced over tokens
-    return dgrad + wgrad, 2 + cast, cast * 3.0 * groups * m * k
+    return dgrad + wgrad, 2 + casts, moved
 
 
-def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward, kv_heads=None):
+def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward, kv_heads=None, quant=None):
     """(seconds, kernels, cast bytes) of the attention's projections on t tokens per rank; ``kv_heads``: the K/V
     heads the tp group projects over all its tokens (:func:`xpar.config.attention.tp_kv_heads`; None: the model's)."""
     parts = []
@@ -142,7 +146,7 @@ def _attention_linears(sh: BlockShape, t, tp, device, dtype, backward, kv_heads=
     tp = np.asarray(tp, dtype=float)
     for n, k, split in parts:  # split: the dimension tp divides (None: replicated on every tp rank)
         n_r, k_r = (n / tp if split == "n" else n), (k / tp if split == "k" else k)
-        out = _sum(out, _linear(t, n_r, k_r, device, dtype, backward))
+        out = _sum(out, _linear(t, n_r, k_r, device, dtype, backward, quant=quant))
     return out
 
 
@@ -150,10 +154,10 @@ def _sum(a, b):
     return tuple(x + y for x, y in zip(a, b))
 
 
-def _mlp(t, width, hidden, gated, tp, device, dtype, backward):
+def _mlp(t, width, hidden, gated, tp, device, dtype, backward, quant=None):
     """(seconds of GEMMs, kernels, bytes of activation and casts) of a dense MLP of ``width`` on t tokens."""
-    up = _linear(t, width * (2 if gated else 1) / tp, hidden, device, dtype, backward)
-    down = _linear(t, hidden, width / tp, device, dtype, backward)
+    up = _linear(t, width * (2 if gated else 1) / tp, hidden, device, dtype, backward, quant=quant)
+    down = _linear(t, hidden, width / tp, device, dtype, backward, quant=quant)
     act = t * width / tp * BF16 * (3 if gated else 2)  # SwiGLU reads gate and up, writes one; GeLU one in, one out
     return _sum(_sum(up, down), (0.0, 1, act))
 
@@ -168,7 +172,7 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
     return np.ceil(even * sh.imbalance)
 
 
-def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False):
+def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None):
     """(dense gemm s, expert gemm s, kernels, bytes) of router + routed and shared experts, t tokens per rank;
     ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1, several local
     experts: xpar.estimate.moe_dispatch)."""
@@ -177,8 +181,8 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     m = expert_tokens(sh, t_sp, ep)
     local = sh.experts // np.asarray(ep)
     groups, launches = (local, 1) if grouped else (1, local)
-    up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups)
-    down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups)
+    up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups, quant)
+    down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups, quant)
     experts = tuple(x * launches for x in _sum(up, down))
     moved = (2 * t_sp * sh.top_k * sh.hidden * BF16  # permute: gather the token copies into expert order
              + t_sp * (sh.top_k + 1) * sh.hidden * BF16  # unpermute + weighted combine
@@ -191,7 +195,7 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     gemm, moved = router[0], moved + router[2] + experts[2]
     if sh.shared_experts:
         s_gemm, s_k, s_bytes = _mlp(t, sh.shared_experts * sh.expert_ffn, sh.hidden, sh.gated, tp, device, dtype,
-                                    backward)
+                                    backward, quant)
         gemm, kernels, moved = gemm + s_gemm, kernels + s_k, moved + s_bytes
     return gemm, experts[0], kernels, moved
 
@@ -225,15 +229,15 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
                 dispatcher: str = "alltoall", expert_call_us: float = 0.0, kv_over_tp: str = "split",
-                window_kernel: bool = True) -> BlockTerms:
+                fp8_recipe: str = DEFAULT_RECIPE, window_kernel: bool = True) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
     the whole sequence, the causal half); tp splits heads and MLP widths (``sequence_parallel``: norms,
     residual adds and routing on 1/tp of the tokens); ep ranks hold ``experts / ep`` experts each.
-    ``dtype`` is the GEMMs' (fp8: Transformer Engine's recipe, the attention core stays BF16; each GEMM
-    input is cast). ``flash``: FlashAttention, else batched score GEMMs and a softmax over the scores in
-    HBM; ``dropout``: masks on the attention output and MLP output (and the scores when not ``flash``).
+    ``dtype`` is the GEMMs' (fp8: the attention core stays BF16; each GEMM input is quantised as
+    ``fp8_recipe`` does, its GEMMs at that recipe's rate: xpar.estimate.compute.fp8_recipes). ``flash``:
+    FlashAttention, else batched score GEMMs and a softmax over the scores in HBM; ``dropout``: masks on the attention output and MLP output (and the scores when not ``flash``).
     ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
     ``dispatcher``: the MoE token dispatcher (xpar.estimate.moe_dispatch.DISPATCHERS): its host
     synchronisation idles the GPU once per MoE forward (in ``overhead``), its sorting by local expert
@@ -241,16 +245,17 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     where the grouped GEMM loops over the experts (framework.expert_gemm_call_us; 2 calls a forward, 4 a backward).
     ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
-    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``:
-    framework.sliding_window_kernel, whether a local block's (``sh.window``) attention skips the blocks outside
-    its window (:func:`_attention_core`).
+    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
 
     Raises:
-        ValueError: ``dtype`` has no tensor-core peak on the device."""
+        ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
+        cores the device lacks (xpar.estimate.compute.fp8_recipes.gemm_dtype)."""
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
     t_sp = np.where(sequence_parallel, t / tp, t)
     kv = np.where(sequence_parallel, sh.kv_heads, tp_kv_heads(sh.kv_heads, np.asarray(tp), kv_over_tp))
-    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv)
+    quant = RECIPES[fp8_recipe] if dtype == "fp8" else None
+    dtype = gemm_dtype(fp8_recipe, device.mx_native) if dtype == "fp8" else dtype
+    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
     projections = gemm
     attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel)
     heads = sh.heads / np.asarray(tp, dtype=float)
@@ -265,9 +270,9 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     experts = np.zeros_like(t)
     if sh.experts:
         g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm,
-                                        DISPATCHERS[dispatcher].sorts_by_local_expert)
+                                        DISPATCHERS[dispatcher].sorts_by_local_expert, quant)
     else:
-        g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward)
+        g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
     gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xpar.estimate.compute.fp8_recipes import MXFP8_GEMM_RATE
+
 HBM_FRACTION = 0.9
 """Achievable fraction of datasheet HBM bandwidth for a streaming kernel (public STREAM/D2D copy
 microbenchmarks: H100 SXM 3.0-3.1 of 3.35 TB/s; ~0.9 on other HBM parts)."""
@@ -27,7 +29,8 @@ FLASH_BWD_FLOPS = 2.5
 HALF_TILE_RATE = 0.9
 """Assumed (not fitted): a tile_m x tile_n/2 tile's mainloop rate over the full tile's (less operand reuse:
 1.33x the shared-memory traffic per FLOP). Libraries pick the half tile where it quantises better."""
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "mxfp8": 1, "fp32": 4}
+"""Bytes of a GEMM operand element per dtype key ('mxfp8': block-scaled FP8, its scales not counted)."""
 ATTENTION_HALF_DIM = 32.0
 """Head dim at which FlashAttention's rate would be half its asymptote: rate(d) ~ d / (d + 32), taken
 relative to d = 128 (the fractions' reference) and capped there. FlashAttention-3 (Shah et al. 2024,
@@ -53,6 +56,9 @@ class Device:
     """GEMM CTA tile (m, n, k) of the library's large-GEMM kernels (CUTLASS/cuBLAS)."""
     launch_s: float = 0.0
     """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
+    mx_native: bool = False
+    """The tensor cores take MXFP8 and FP8 in every layout (Blackwell: hardware.mxfp8); then ``peak_flops``
+    has an 'mxfp8' key (xpar.estimate.compute.fp8_recipes)."""
 
 
 def device_of(hw) -> Device:
@@ -69,14 +75,17 @@ def device_of(hw) -> Device:
                          f"with these figures (conf/hardware/h100_80gb_node.yaml has them)")
     peak = {"bf16": hw.peak_tflops * 1e12, "fp16": hw.peak_tflops * 1e12}
     frac = {"bf16": hw.gemm_efficiency, "fp16": hw.gemm_efficiency}
+    mx = bool(getattr(hw, "mxfp8", False))
     if hw.peak_tflops_fp8 is not None and hw.gemm_efficiency_fp8 is not None:
         peak["fp8"], frac["fp8"] = hw.peak_tflops_fp8 * 1e12, hw.gemm_efficiency_fp8
+        if mx:  # block-scaled MXFP8 GEMMs at the FP8 peak, MXFP8_GEMM_RATE of the tensor-scaled rate
+            peak["mxfp8"], frac["mxfp8"] = peak["fp8"], hw.gemm_efficiency_fp8 * MXFP8_GEMM_RATE
     if hw.peak_tflops_fp32:  # fp32 GEMMs on CUDA cores, at the BF16 sweep's fraction (assumed)
         peak["fp32"], frac["fp32"] = hw.peak_tflops_fp32 * 1e12, hw.gemm_efficiency
     return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
                   attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
                   hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
-                  launch_s=hw.kernel_launch_us * 1e-6)
+                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx)
 
 
 def _rate(device: Device, dtype: str) -> float:

@@ -532,5 +532,6 @@ def held_state_terms(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptions
     optimizer = 0 if o.cpu_offload_optimizer else n["optimizer"] * wo
     if o.fp8_weight_copies and spec.train.dtype == "fp8":  # Transformer Engine's FP8 weights (xpar.estimate.frameworks.fp8_weights)
         linear = _block_linear_numel(*shape_key(spec), pp_rank)
-        compute += fp8_weight_copy_bytes(spec.train.dtype, z, linear, o)
+        compute += fp8_weight_copy_bytes(spec.train.dtype, z, linear, o, spec.train.fp8_recipe,
+                                         bool(getattr(spec.hardware, "mxfp8", False)))
     return {"params_master": master, "params_compute": compute, "grads": n["grads"] * wg, "optimizer": optimizer}
