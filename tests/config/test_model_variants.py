@@ -56,7 +56,7 @@ def test_alibi_is_estimated_without_position_parameters_and_refused_in_execute_m
     (("model.sliding_window_pattern=2",), "model.sliding_window_pattern=2 needs model.sliding_window > 0"),
     (("model.sliding_window=16", "model.sliding_window_pattern=1"), "makes every layer full attention"),
     (("model.sliding_window=16", "model.sliding_window_pattern=5"), "leaves no full layer among model.n_layers=4: "
-                                                                    "set model.sliding_window_pattern=2..4"),
+                                                                    "set model.sliding_window_pattern=2 (any of 2..4)"),
     (("model.sliding_window=-8",), "model.sliding_window must be an integer >= 0, got -8"),
 ])
 def test_sliding_window_refusals_are_one_line_each(overrides, line):

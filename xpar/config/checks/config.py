@@ -79,7 +79,7 @@ def check_window(model) -> list[str]:
     if w and k > n >= 1:
         return [f"model.sliding_window_pattern={k} (every {k}-th layer full) leaves no full layer among "
                 f"model.n_layers={n}: set model.sliding_window_pattern="
-                + (f"2..{n}, or 0 for every layer local." if n >= 2 else "0 (every layer local).")]
+                + (f"2 (any of 2..{n}), or 0 for every layer local." if n >= 2 else "0 (every layer local).")]
     return []
 
 
