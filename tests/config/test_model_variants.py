@@ -50,3 +50,25 @@ def test_alibi_is_estimated_without_position_parameters_and_refused_in_execute_m
     assert estimate(alibi).time_per_step_s == pytest.approx(estimate(learned).time_per_step_s, rel=1e-3)
     with pytest.raises(ConfigError, match="model.position=alibi is estimated, not executed"):
         _spec("model.position=alibi")  # the tiny model on 2 local workers: execute mode
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (("model.sliding_window_pattern=2",), "model.sliding_window_pattern=2 needs model.sliding_window > 0"),
+    (("model.sliding_window=16", "model.sliding_window_pattern=1"), "makes every layer full attention"),
+    (("model.sliding_window=16", "model.sliding_window_pattern=5"), "leaves no full layer among model.n_layers=4: "
+                                                                    "set model.sliding_window_pattern=2 (any of 2..4)"),
+    (("model.sliding_window=-8",), "model.sliding_window must be an integer >= 0, got -8"),
+])
+def test_sliding_window_refusals_are_one_line_each(overrides, line):
+    """A pattern without a window, a pattern that leaves no local layer or no full one, a negative window: one
+    line each, with values that work."""
+    with pytest.raises(ConfigError) as e:
+        _spec("run.mode=estimate", *overrides)
+    lines = [x for x in str(e.value).splitlines() if "sliding_window" in x]
+    assert len(lines) == 1 and line in lines[0], str(e.value)
+
+
+def test_sliding_window_is_accepted_and_executed_locally():
+    """gpt-oss's pattern on the tiny model is accepted in execute mode: layers 0 and 2 local, 1 and 3 full."""
+    spec = _spec("model.sliding_window=8", "model.sliding_window_pattern=2")
+    assert [spec.model.is_local_layer(i) for i in range(4)] == [True, False, True, False]

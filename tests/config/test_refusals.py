@@ -78,6 +78,13 @@ CATALOGUE = [
     ("model.n_heads=0", "model.n_heads must be >= 1, got 0", None),
     ("model.hidden=0", "model.hidden must be >= 1, got 0", None),
     ("model.n_layers=0", "model.n_layers must be >= 1", None),
+    # sliding-window attention (issue 42): a pattern without a window, or one leaving no local or no full layer
+    ("model.sliding_window_pattern=2", "needs model.sliding_window > 0", "model.sliding_window_pattern=0"),
+    ("model.sliding_window=16 model.sliding_window_pattern=1", "makes every layer full attention",
+     "model.sliding_window_pattern=0"),
+    ("model.sliding_window=16 model.sliding_window_pattern=5", "leaves no full layer among model.n_layers=4",
+     "model.sliding_window_pattern=2"),
+    ("model.sliding_window=-8", "model.sliding_window must be an integer >= 0", "model.sliding_window=0"),
     ("model.vocab_size=0", "model.vocab_size must be >= 1", None),
     ("model.ffn_hidden=0", "model.ffn_hidden must be >= 1", None),
     ("model.seq_len=0", "model.seq_len must be >= 1", None),

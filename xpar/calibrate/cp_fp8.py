@@ -18,8 +18,9 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    FP8 rows at the scaling recipe their source used (:func:`row_fp8_recipe`). Framework: :func:`cp_fp8_framework`;
-    an uneven pp x vp split as Megatron balances it, or, where the note names
+    A row's ``sliding_window`` and ``sliding_window_pattern`` columns, where the file has them (blackwell_published.csv),
+    are the model's (empty: none); FP8 rows at the scaling recipe their source used (:func:`row_fp8_recipe`).
+    Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
     :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
     of 3 (Megatron-FSDP) as ZeRO-3. ``gpu_presets``: the GPUs priced and their node presets (default
     :data:`GPU_PRESETS`; :data:`NEW_GPU_PRESETS` adds H200, B200 and GB200, resized by :func:`sized_hardware`)."""
@@ -36,7 +37,9 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
                  tied_embeddings=False, bias=False, **_moe_fields(row),
                  **(DEEPSEEK_V3_MLA if row["attention"] == "mla" and row["model_name"] == "DeepSeek-V3" else {}),
                  **(DEEPSEEK_V3_ROUTING if row["model_name"] == "DeepSeek-V3" else {}),
-                 head_dim=HEAD_DIMS.get(row["model_name"]))
+                 head_dim=HEAD_DIMS.get(row["model_name"]),
+                 sliding_window=int(row.get("sliding_window") or 0),
+                 sliding_window_pattern=int(row.get("sliding_window_pattern") or 0))
     fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
@@ -143,7 +146,9 @@ DEEPSEEK_V3_ROUTING = dict(moe_router_groups=8, moe_router_group_topk=4)
 CAUSAL_FLOPS_SOURCES = ("NVIDIA/Megatron-LM", "yanring/Megatron-MoE-ModelZoo")
 """Sources whose model TFLOP/s count causal attention: the score and context matmuls over half the
 s x s square (Megatron-LM's ``num_floating_point_operations`` since 2025: ``seq_length / 2  # causal
-mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square."""
+mask``), where xpar's model FLOPs, as Narayanan et al. 2021, count the whole square. Both ignore a sliding window
+(Megatron-LM's count @001b00c2 puts s / 2 on every attention layer); Megatron-Bridge's later ``flop_utils.py`` counts
+it (xpar.estimate.compute.flops.model_flops_per_token with ``window``)."""
 
 
 def published_figure(est, spec, metric: str) -> float:

@@ -37,15 +37,30 @@ def attention_projection_flops(cfg) -> dict[str, float]:
             "wv": 2 * c * n * cfg.v_head_dim, "wo": 2 * n * cfg.v_head_dim * h}
 
 
-def attention_core_flops(cfg, seq_len: int, causal: bool = False) -> float:
+def attention_core_flops(cfg, seq_len: int, causal: bool = False, window: bool = False) -> float:
     """Forward FLOPs per token of one block's attention core, scores Q K^T and context P V over s keys
     (the whole square; half when ``causal``): 2 s n (d_qk + d_v); 4 s q for MHA/GQA (d_qk = d_v = head
-    dim), 2 s n (nope + rope + v_head_dim) for MLA."""
+    dim), 2 s n (nope + rope + v_head_dim) for MLA. A sliding window (model.sliding_window) is not counted
+    (every layer's whole square, as Narayanan et al. 2021 count the matmuls as written, and as Megatron-Bridge's
+    published gpt-oss figures of 25.11 and 26.04.01 count it) unless ``window``: then the mean over the model's
+    blocks, each local block at :func:`attended_keys` (with ``causal``) or min(w, s) keys."""
     if is_mla(cfg):
         widths = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     else:
         widths = 2 * cfg.q_dim
-    return 2 * seq_len * widths * (0.5 if causal else 1.0)
+    full = seq_len * (0.5 if causal else 1.0)
+    local = cfg.local_layers / cfg.n_layers if window else 0.0
+    return 2 * widths * ((1 - local) * full + local * attended_keys(seq_len, cfg.sliding_window, causal))
+
+
+def attended_keys(seq_len: int, window: int, causal: bool = True) -> float:
+    """Mean keys a query of a sliding-window layer attends to (``window`` w keys, itself included) over a
+    sequence of s tokens: causal, w - w (w - 1) / (2 s) for w < s, else s / 2 (the 1 .. w keys of the first w
+    queries, w after: Megatron-Bridge src/megatron/bridge/training/utils/flop_utils.py @0494433b,
+    ``swa_context``; an earlier version counted min(w, s) / 2); not ``causal``: min(w, s)."""
+    if not causal:
+        return float(min(window, seq_len))
+    return window - window * (window - 1) / (2 * seq_len) if window < seq_len else seq_len / 2
 
 
 def kv_replicated(kv_heads: int, tp: int, rule: str) -> bool:

@@ -24,6 +24,11 @@ class FrameworkConfig:
     """The framework profile (framework=<name>): whose memory and time behaviour an estimate assumes."""
     flash_attention: bool = True
     """Fused (flash) attention: no s x s scores kept or moved through HBM."""
+    sliding_window_kernel: bool = True
+    """A sliding-window layer's (model.sliding_window) flash attention skips the (query, key) blocks outside the
+    window (FlashAttention-2/3 and cuDNN through Transformer Engine: ``window_size``; flex_attention's block mask);
+    false: the band is a dense mask over the whole s x s square, every block computed (torch SDPA with an
+    ``attn_mask``: xpar's model)."""
     dropout: bool = False
     """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
     fused_rmsnorm: bool = True

@@ -84,6 +84,17 @@ class ModelConfig:
     """MLA: each head's rotary query/key width, the rotary key shared by the heads (DeepSeek-V3: 64)."""
     v_head_dim: Optional[int] = None
     """MLA: each head's value width (DeepSeek-V3: 128)."""
+    sliding_window: int = 0
+    """Sliding-window (local) attention: the keys a query of a local layer sees, itself and the
+    ``sliding_window - 1`` tokens before it (HF config.json ``sliding_window``: gpt-oss 128, Mistral 7B v0.1 4096,
+    Gemma 2 4096, Gemma 3 1024; FlashAttention's ``window_size=(w - 1, 0)``; Megatron-Core ``window_size``
+    (left, 0) counts left + 1 keys); 0: every layer attends to the whole causal prefix. Which layers are
+    local: ``sliding_window_pattern``."""
+    sliding_window_pattern: int = 0
+    """With ``sliding_window``: every k-th layer is full (global) attention, the others local: layer i
+    (from 0) is full where (i + 1) % k == 0 (HF Gemma 3 ``sliding_window_pattern`` 6, i.e. 5 local : 1 global;
+    gpt-oss and Gemma 2: 2, local first, as their ``layer_types``; Megatron-Core ``window_attn_skip_freq``);
+    0: every layer local (Mistral 7B v0.1)."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
@@ -104,6 +115,20 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global block ``layer`` holds experts."""
         return self.n_experts > 0 and layer >= self.first_dense_layers
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether global block ``layer`` attends within ``sliding_window`` (``sliding_window_pattern``)."""
+        k = self.sliding_window_pattern
+        return self.sliding_window > 0 and (k == 0 or (layer + 1) % k != 0)
+
+    @property
+    def local_layers(self) -> int:
+        """Blocks with sliding-window attention: n_layers - n_layers // k for a pattern k, all of them for
+        k = 0, none without a window (gpt-oss-120b: 18 of 36; Gemma 3 27B: 52 of 62)."""
+        if self.sliding_window <= 0:
+            return 0
+        k = self.sliding_window_pattern
+        return self.n_layers - (self.n_layers // k if k else 0)
 
     @property
     def expert_ffn(self) -> int:

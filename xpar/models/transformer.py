@@ -31,13 +31,26 @@ def sequence_positions(S: int, device: torch.device) -> torch.Tensor:
     return torch.arange(S, device=device)
 
 
-def causal_attention(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor) -> torch.Tensor:
+def band_mask(pos_s: torch.Tensor, S: int, window: int = 0) -> torch.Tensor:
+    """Which of ``S`` keys (positions 0..S-1) each query at ``pos_s`` ``[s]`` sees: ``[s, S]`` bool, the keys at
+    positions <= its own (causal) and, with a ``window`` > 0, > its own - window (sliding-window attention:
+    itself and the window - 1 tokens before it, as HF's ``sliding_window`` and gpt-oss's reference model)."""
+    keys_S = torch.arange(S, device=pos_s.device)[None, :]
+    seen = keys_S <= pos_s[:, None]
+    return seen & (keys_S > pos_s[:, None] - window) if window > 0 else seen
+
+
+def causal_attention(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Causal attention of q ``[B, N, S, D]`` over k, v ``[B, K, S, D]`` (K = n_kv heads, N a
-    multiple of K: grouped-query K/V repeated here); returns ``[B, N, S, D]``."""
-    n_q, n_kv = q_BNSD.shape[1], k_BKSD.shape[1]
+    multiple of K: grouped-query K/V repeated here), within ``window`` keys where > 0 (the band of
+    :func:`band_mask` as SDPA's ``attn_mask``); returns ``[B, N, S, D]``."""
+    n_q, n_kv, S = q_BNSD.shape[1], k_BKSD.shape[1], k_BKSD.shape[2]
     if n_kv != n_q:
         k_BKSD = k_BKSD.repeat_interleave(n_q // n_kv, dim=1)
         v_BKSD = v_BKSD.repeat_interleave(n_q // n_kv, dim=1)
+    if window > 0:
+        mask_SS = band_mask(torch.arange(S, device=q_BNSD.device), S, window)
+        return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, attn_mask=mask_SS)
     return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True)
 
 
@@ -56,12 +69,13 @@ def rope(x_BSND: torch.Tensor, theta: float, positions_S: Optional[torch.Tensor]
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query K/V (n_kv_heads <= n_heads). Seams (module
-    docstring): ``positions`` for RoPE, ``core`` for the attention of q over k, v (given before
-    the grouped K/V heads are repeated)."""
+    """Causal self-attention with grouped-query K/V (n_kv_heads <= n_heads), within ``window`` keys where
+    > 0 (a local layer: ``cfg.is_local_layer``). Seams (module docstring): ``positions`` for RoPE,
+    ``core(q, k, v, window=...)`` for the attention of q over k, v (given before the grouped K/V heads are repeated)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
+        self.window = window
         kv_dim = cfg.kv_heads * cfg.head_size
         self.head_dim = cfg.head_size
         self.position = cfg.position
@@ -87,7 +101,7 @@ class Attention(nn.Module):
             pos = self.positions(S, x_BSH.device)
             q, k = rope(q, self.rope_theta, pos), rope(k, self.rope_theta, pos)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, S, D]
-        o = self.core(q, k, v)
+        o = self.core(q, k, v, window=self.window)
         return self.wo(o.transpose(1, 2).reshape(B, S, n_q * self.head_dim))
 
 
@@ -178,12 +192,13 @@ def run_experts(experts: nn.ModuleDict, x_TH: torch.Tensor, gates_TK: torch.Tens
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
-    :class:`MoE` where the model puts experts (``cfg.is_moe_layer(layer)``)."""
+    :class:`MoE` where the model puts experts (``cfg.is_moe_layer(layer)``), the attention local where the
+    model puts a sliding window (``cfg.is_local_layer(layer)``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = _norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, cfg.sliding_window if cfg.is_local_layer(layer) else 0)
         self.ffn_norm = _norm(cfg)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from xpar.models.transformer import band_mask
+
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     """The two sequence chunks (of 2 cp) cp rank ``rank`` holds: (rank, 2 cp - 1 - rank)."""
@@ -89,28 +91,30 @@ def gather_sequence(t_BKsD: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 def attend_local_queries(q_BNsD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, cp: int,
-                         rank: int) -> torch.Tensor:
+                         rank: int, window: int = 0) -> torch.Tensor:
     """Causal attention of cp rank ``rank``'s queries ``[B, N, S / cp, D]`` over the whole
     sequence's K/V ``[B, K, S, D]`` (n_kv heads, repeated here for grouped-query attention);
     returns ``[B, N, S / cp, D]``. The query at global position p sees the keys at positions
-    <= p (:func:`cp_positions`): the rows of full causal attention this rank holds."""
+    <= p (:func:`cp_positions`), and > p - ``window`` where > 0 (a local layer:
+    xpar.models.transformer.band_mask): the rows of the single-process attention this rank holds."""
     n_q, n_kv, S = q_BNsD.shape[1], k_BKSD.shape[1], k_BKSD.shape[2]
     if n_kv != n_q:
         k_BKSD = k_BKSD.repeat_interleave(n_q // n_kv, dim=1)
         v_BKSD = v_BKSD.repeat_interleave(n_q // n_kv, dim=1)
     pos_q = cp_positions(q_BNsD.shape[2], q_BNsD.device, cp, rank)
-    mask_sS = torch.arange(S, device=q_BNsD.device)[None, :] <= pos_q[:, None]
+    mask_sS = band_mask(pos_q, S, window)
     return F.scaled_dot_product_attention(q_BNsD, k_BKSD, v_BKSD, attn_mask=mask_sS)
 
 
 def cp_attention(q_BNsD: torch.Tensor, k_BKsD: torch.Tensor, v_BKsD: torch.Tensor, group, cp: int,
-                 rank: int) -> torch.Tensor:
+                 rank: int, window: int = 0) -> torch.Tensor:
     """``Attention.core`` under context parallelism: all-gather this layer's K and V (n_kv heads,
     ``[B, K, S / cp, D]`` each, concatenated on the heads: one collective per layer) over the cp
-    ``group``, then :func:`attend_local_queries`."""
+    ``group``, then :func:`attend_local_queries` (within ``window`` keys where > 0). A local layer gathers the
+    whole sequence too, as Transformer Engine's all-gather context parallelism does for sliding windows."""
     kv_B2KSD = gather_sequence(torch.cat([k_BKsD, v_BKsD], dim=1), group, cp)
     k, v = kv_B2KSD.chunk(2, dim=1)
-    return attend_local_queries(q_BNsD, k, v, cp, rank)
+    return attend_local_queries(q_BNsD, k, v, cp, rank, window)
 
 
 def apply_cp(chunk: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:

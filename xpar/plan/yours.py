@@ -13,6 +13,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from xpar.config.checks import ConfigError
+from xpar.config.validate import validate
 from xpar.estimate.terms import TERM_WORDS
 from xpar.plan.explain import label
 from xpar.plan.groups import degree_columns, differing_axes, group_ranks
@@ -33,8 +34,6 @@ def states_layout(overrides: list[str]) -> bool:
 def stated_spec(cfg, global_batch: Optional[int]):
     """The RunSpec of the layout ``cfg`` states, validated as ``run.mode=estimate`` at the plan's global batch
     (``global_batch`` sequences; None keeps ``cfg``'s). Raises ConfigError where it does not validate."""
-    from xpar.config.validate import validate
-
     over = {"run": {"mode": "estimate"}, "parallel": {"micro_batches": "auto"}}
     if global_batch:
         over["train"] = {"global_batch_size": int(global_batch)}

@@ -60,7 +60,27 @@ def check_model(c: XparConfig) -> list[str]:
         given = f"model.head_dim = {model.head_dim}" if model.head_dim is not None else \
             f"hidden/n_heads = {model.head_size}"
         out.append(f"rope needs an even head dim: {given}; e.g. model.head_dim={model.head_size + 1}.")
-    return out + check_experts(model) + check_mla(model)
+    return out + check_experts(model) + check_mla(model) + check_window(model)
+
+
+def check_window(model) -> list[str]:
+    """Sliding-window attention: a pattern needs a window, and a window's pattern k leaves some layers local
+    (k != 1) and some full (k <= n_layers; 0: every layer local). Negative values: xpar.config.checks.ranges."""
+    w, k, n = model.sliding_window, model.sliding_window_pattern, model.n_layers
+    if w < 0 or k < 0:
+        return []
+    if k and not w:
+        return [f"model.sliding_window_pattern={k} needs model.sliding_window > 0 (the window in tokens, e.g. gpt-oss "
+                f"128); or set model.sliding_window_pattern=0."]
+    if w and k == 1:
+        return [f"model.sliding_window_pattern=1 makes every layer full attention, so model.sliding_window={w} is "
+                f"never used: set model.sliding_window_pattern=0 (every layer local), 2 (gpt-oss, Gemma 2) or 6 "
+                f"(Gemma 3), or model.sliding_window=0."]
+    if w and k > n >= 1:
+        return [f"model.sliding_window_pattern={k} (every {k}-th layer full) leaves no full layer among "
+                f"model.n_layers={n}: set model.sliding_window_pattern="
+                + (f"2 (any of 2..{n}), or 0 for every layer local." if n >= 2 else "0 (every layer local).")]
+    return []
 
 
 MLA_DIMS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

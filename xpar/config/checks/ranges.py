@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     **{f"model.{k}": _i(1, null=True) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                  "v_head_dim")},
     "model.moe_router_groups": COUNT, "model.moe_router_group_topk": COUNT,
+    "model.sliding_window": COUNT, "model.sliding_window_pattern": COUNT,
     # parallel (divisibility in xpar.config.checks.layout)
     **{f"parallel.{k}": DEGREE for k in ("tp", "pp", "cp", "ep")},
     **{f"parallel.{k}": _i(1, auto=True) for k in ("dp", "micro_batches", "virtual_stages")},

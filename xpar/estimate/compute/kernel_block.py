@@ -48,6 +48,8 @@ class BlockShape:
     v_head_dim: int = 0
     rope: bool = True
     """Rotary embeddings on q and k (False: learned or no positions, GPT-3)."""
+    window: int = 0
+    """Sliding-window attention: the keys each query sees (model.sliding_window, a local block); 0: causal."""
 
     @property
     def mla(self) -> bool:
@@ -62,9 +64,9 @@ class BlockShape:
         return self.v_head_dim if self.mla else self.head_dim
 
 
-def shape_of(model, moe: bool = True) -> BlockShape:
+def shape_of(model, moe: bool = True, local: bool = False) -> BlockShape:
     """The :class:`BlockShape` of an xpar ModelConfig (a MoE layer where ``moe`` and the model has experts;
-    MLA where the model sets ``kv_lora_rank``)."""
+    MLA where the model sets ``kv_lora_rank``; a local layer's window where ``local``)."""
     experts = model.n_experts if moe else 0
     mla = {k: getattr(model, k, None) or 0 for k in ("q_lora_rank", "kv_lora_rank")}
     if mla["kv_lora_rank"]:
@@ -74,7 +76,8 @@ def shape_of(model, moe: bool = True) -> BlockShape:
                       ffn=model.ffn_hidden, gated=model.activation == "swiglu", experts=experts,
                       top_k=model.moe_top_k, expert_ffn=model.expert_ffn_hidden or model.ffn_hidden,
                       shared_experts=model.n_shared_experts, capacity_factor=model.capacity_factor,
-                      imbalance=model.moe_imbalance, rope=model.position == "rope", **mla)
+                      imbalance=model.moe_imbalance, rope=model.position == "rope",
+                      window=model.sliding_window if local else 0, **mla)
 
 
 @dataclass(frozen=True)
@@ -207,15 +210,18 @@ def _unfused_attention(b, s_q, s_kv, heads, sh: BlockShape, device, backward):
     return scores + context, kernels + k2 + 1, 2 * g * s_q * s_kv * BF16
 
 
-def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backward, flash):
-    """(seconds on tensor cores, kernels, bytes moved besides) of one rank's attention core."""
+def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel=True):
+    """(seconds on tensor cores, kernels, bytes moved besides) of one rank's attention core. A local block
+    (``sh.window``) computes its window's blocks where ``window_kernel``, else every block of the square (the
+    band as a dense mask); the unfused path computes the whole square either way."""
     heads = sh.heads / np.asarray(tp, dtype=float)
     s_q = np.asarray(seq_len, dtype=float) / cp
     if not flash:
         return _unfused_attention(micro_batch, s_q, np.asarray(seq_len, dtype=float), heads, sh, device, backward)
     kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: MHA
-    attn = attention_time(micro_batch, s_q, seq_len, heads, sh.qk_dim, sh.v_dim, device, kv_heads=kv_heads,
-                          backward=backward)
+    dense_band = sh.window > 0 and not window_kernel
+    attn = attention_time(micro_batch, s_q, seq_len, heads, sh.qk_dim, sh.v_dim, device, causal=not dense_band,
+                          kv_heads=kv_heads, backward=backward, window=sh.window if window_kernel else 0)
     return attn, 3 if backward else 1, 0.0  # FlashAttention backward: preprocess, main, dq conversion
 
 
@@ -223,7 +229,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
                 dispatcher: str = "alltoall", expert_call_us: float = 0.0, kv_over_tp: str = "split",
-                fp8_recipe: str = DEFAULT_RECIPE) -> BlockTerms:
+                fp8_recipe: str = DEFAULT_RECIPE, window_kernel: bool = True) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -239,7 +245,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     where the grouped GEMM loops over the experts (framework.expert_gemm_call_us; 2 calls a forward, 4 a backward).
     ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
-    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times).
+    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -251,7 +257,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     dtype = gemm_dtype(fp8_recipe, device.mx_native) if dtype == "fp8" else dtype
     gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
     projections = gemm
-    attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash)
+    attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel)
     heads = sh.heads / np.asarray(tp, dtype=float)
     kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))
     rope_k = 1 if sh.mla else kv_heads  # MLA: one rope key shared by the heads

@@ -7,7 +7,7 @@ On hardware with the kernel figures (:func:`kernel_priced`: a GPU preset with ``
 Each kernel runs at ``hardware.sustained_efficiency`` of its isolated rate (the one constant fitted
 per GPU family on published runs: clocks under a training step's power draw, SMs lent to overlapped
 communication kernels; docs/accuracy/fit_history.md). Units: seconds; a layer is the mean over the
-dense and MoE blocks.
+blocks of each kind (dense or MoE, full or sliding-window attention: :func:`block_kinds`).
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
     kw = dict(tp=rows["tp"], ep=base.layout.ep, dtype=base.train.dtype, host_us_per_kernel=assume.host_op_us,
               sequence_parallel=rows["sp"], flash=assume.flash_attention, dropout=assume.dropout,
               dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
-              kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe)
+              kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe,
+              window_kernel=assume.sliding_window_kernel)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
     passes = assume.elementwise_passes  # eager PyTorch: each element-wise op its own kernel
     fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)
@@ -87,6 +88,16 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
     return {"mm_f": fwd.gemm + fwd.experts + fwd.attention, "mem_f": fwd.memory, "ovh_f": fwd.overhead,
             "mm_b": bwd.gemm + bwd.experts + bwd.attention + share * again["mm"],
             "mem_b": bwd.memory + share * again["mem"], "ovh_b": bwd.overhead + share * again["ovh"]}
+
+
+def block_kinds(cfg) -> dict[tuple, float]:
+    """Share of the model's blocks by kind, {(MoE, local): share}: with experts or the dense MLP
+    (``cfg.is_moe_layer``), sliding-window or full attention (``cfg.is_local_layer``). Shares sum to 1."""
+    kinds = {}
+    for i in range(cfg.n_layers):
+        key = (cfg.is_moe_layer(i), cfg.is_local_layer(i))
+        kinds[key] = kinds.get(key, 0.0) + 1.0 / cfg.n_layers
+    return kinds
 
 
 def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, shares) -> dict[str, np.ndarray]:
@@ -99,9 +110,8 @@ def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, share
     rows = {"tp": np.asarray(tp, dtype=float), "b": np.asarray(b, dtype=float), "sp": np.asarray(sp, dtype=bool),
             "share": np.asarray(shares, dtype=float),
             "rerun": {k: np.array([x[k] for x in per], dtype=float) for k in per[0]}}
-    moe_share = cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
-    parts = [(w, _block_costs(base, assume, shape_of(cfg, moe=moe), device, rows))
-             for w, moe in ((1 - moe_share, False), (moe_share, True)) if w > 0]
+    parts = [(w, _block_costs(base, assume, shape_of(cfg, moe=moe, local=local), device, rows))
+             for (moe, local), w in block_kinds(cfg).items()]
     out = {k: sum(w * x[k] for w, x in parts) for k in parts[0][1]}
     tokens = rows["b"] * base.seq_len
     dtype = FP8_LOGITS_DTYPE if base.train.dtype == "fp8" else base.train.dtype

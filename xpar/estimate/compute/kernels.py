@@ -5,8 +5,8 @@ broadcast together and each function returns seconds of the same shape.
 
 - GEMM (M x K) @ (K x N): CTA tiles of ``tile_m x tile_n`` over the device's SMs in waves, split-K
   when the grid is under one wave, an HBM roofline, at the large-GEMM fraction of peak (MAMF).
-- Attention core: FlashAttention's FLOPs (causal blocks only) at the device's flash-attention fraction
-  of the BF16 peak, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
+- Attention core: FlashAttention's FLOPs (causal blocks only, a sliding window's blocks where one) at the
+  device's flash-attention fraction of the BF16 peak, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
 - Elementwise, normalisation, casts, MoE permutation: bytes over achievable HBM bandwidth.
 - Per-kernel overhead: the device's launch gap, or the host's issue time where that is longer.
 Constants and their sources: docs/concepts/kernels.md. A whole block: xpar.estimate.compute.kernel_block.
@@ -156,19 +156,27 @@ def gemm_fraction_of_peak(m, n, k, device: Device, dtype: str = "bf16", groups=1
     return np.divide(2.0 * g * m * n * k, t * device.peak_flops[dtype], out=np.zeros(m.shape), where=t > 0)
 
 
-def causal_block_fraction(seq):
+def causal_block_fraction(seq, window=0):
     """Fraction of FlashAttention's (query, key) blocks a causal mask computes over a sequence of ``seq``
-    tokens: with n = ceil(seq / 128) blocks a side, the n (n + 1) / 2 on or below the diagonal."""
+    tokens: with n = ceil(seq / 128) blocks a side, the n (n + 1) / 2 on or below the diagonal. With a sliding
+    ``window`` of w keys (> 0; 0: none) query block i computes key blocks i - c .. i only, c = ceil((w - 1) / 128)
+    (the blocks that hold a key of its band; FlashAttention-2's ``window_size``: flash_fwd_kernel.h starts
+    ``n_block_min`` at the window's first key block, and the backward the same; FlashAttention-3 and cuDNN
+    likewise): n + c (c + 1) / 2 + c (n - 1 - c) blocks, at w >= seq the causal count. Arrays broadcast."""
     n = np.maximum(np.ceil(np.asarray(seq, dtype=float) / FLASH_BLOCK), 1)
-    return (n + 1) / (2 * n)
+    w = np.asarray(window, dtype=float)
+    c = np.where(w > 0, np.minimum(np.ceil((w - 1) / FLASH_BLOCK), n - 1), n - 1)  # key blocks before the diagonal
+    return (n + c * (c + 1) / 2 + c * (n - 1 - c)) / (n * n)
 
 
-def attention_flops(batch, s_q, s_kv, heads, qk_dim, v_dim, causal: bool = True):
+def attention_flops(batch, s_q, s_kv, heads, qk_dim, v_dim, causal: bool = True, window=0):
     """Forward FLOPs of the attention core as FlashAttention executes it: 2 b h s_q s_kv (d_qk + d_v), times
     the causal blocks' share of the whole ``s_kv`` sequence (under context parallelism a rank's s_q = s_kv / cp
-    queries in load-balanced chunks do 1/cp of the causal work). A matmul count, not a model's MFU count."""
+    queries in load-balanced chunks do 1/cp of the causal work), within a sliding ``window`` of keys where > 0
+    (:func:`causal_block_fraction`: ~ 4 b h s (w + 128) d at s >> w, against 2 b h s^2 d causal). A matmul count,
+    not a model's MFU count (xpar.estimate.compute.flops)."""
     full = 2.0 * np.asarray(batch, dtype=float) * heads * s_q * s_kv * (np.asarray(qk_dim) + v_dim)
-    return full * (causal_block_fraction(s_kv) if causal else 1.0)
+    return full * (causal_block_fraction(s_kv, window) if causal else 1.0)
 
 
 def head_dim_rate(head_dim):
@@ -178,15 +186,17 @@ def head_dim_rate(head_dim):
 
 
 def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causal: bool = True,
-                   kv_heads=None, backward: bool = False):
+                   kv_heads=None, backward: bool = False, window=0):
     """Seconds of the attention core (FlashAttention forward, or backward at 2.5x its FLOPs) on one rank.
 
     Runs in BF16 at the device's flash-attention fraction whatever the GEMM dtype (FP8 recipes keep
     the core in BF16). The grid is b x heads x ceil(s_q/128) query blocks in waves over the SMs;
-    memory: Q, K, V read and O written once (x2 backward, with dO, dQ, dK, dV). Larger of the two."""
+    memory: Q, K, V read and O written once (x2 backward, with dO, dQ, dK, dV). Larger of the two.
+    A sliding ``window`` (> 0) cuts the FLOPs to its blocks (:func:`attention_flops`), not the traffic (each
+    tensor still read or written once): a narrow window (gpt-oss: 128) brings the core near its HBM bound."""
     b, sq, skv, h = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(batch, s_q, s_kv, heads))
     hk = h if kv_heads is None else np.asarray(kv_heads, dtype=float)
-    flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal) * (FLASH_BWD_FLOPS if backward else 1.0)
+    flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal, window) * (FLASH_BWD_FLOPS if backward else 1.0)
     rate = device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
     units = b * h * np.ceil(sq / FLASH_BLOCK)
     waves = np.ceil(units / device.sms)
