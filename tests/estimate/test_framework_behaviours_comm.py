@@ -233,3 +233,15 @@ def test_deepspeed_reduces_gradients_owner_by_owner_and_pays_each_owners_steps_a
 
 def test_the_planner_prices_owner_by_owner_reduction_as_the_estimate():
     assert _planner_equals_scalar("70b", "a100_80gb_1024gpu", "deepspeed", n=10, seed=2) == 10
+
+
+def test_a_memory_refusal_never_offers_moe_recompute_to_a_dense_model():
+    """Megatron-Core's ``--recompute-modules moe`` reruns the MoE layers only: the nearest settings of a dense
+    model's refusal once named ``parallel.recompute=moe`` (Llama 3 405B on 16,384 H100, which it does not change);
+    a model with experts keeps it, as xpar plan searches them (xpar.config.remat.model_policies)."""
+    from xpar.estimate.preflight.nearest_fit import recompute_choices
+    dense = spec_for("model=7b", "hardware=h100_80gb_node", "framework=megatron_core", "parallel.tp=8",
+                     "parallel.recompute=none")
+    moe = spec_for("model=moe_tiny", "hardware=h100_80gb_node", "framework=megatron_core", "parallel.recompute=none")
+    assert "moe" in dense.framework.recompute and "moe" not in recompute_choices(dense)
+    assert "moe" in recompute_choices(moe) and "full" in recompute_choices(dense)
