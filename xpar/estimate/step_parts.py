@@ -142,7 +142,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
     extra = share * extra_forward_flops_per_layer(ran, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
     act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
-               flash=assume.flash_attention, elem=e)
+               flash=assume.flash_attention, elem=e, block=cfg.block)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, lay.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if lay.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
     pf = assume.passes_forward
