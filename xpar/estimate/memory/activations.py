@@ -55,11 +55,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
     'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
     (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
-    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``
-    (model.block, xpar.config.block): in a parallel block both branches read the block input x, so
-    its norm input is kept once (a fused norm's; torch's composite one keeps its fp32 copy per norm),
-    and with one norm the q/k/v and MLP inputs are one tensor (not under ``autocast_casts``: each
-    projection casts its own). Units: bytes.
+    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``:
+    model.block (:func:`_replicated_bytes`). Units: bytes.
     """
     q = h if q is None else q
     kv = q if kv is None else kv
@@ -72,11 +69,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
         return s * b * er * h / (t if sp else 1)
     if policy not in ("none", "attention"):
         return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy, q)
-    n_norms = 1 if block == "parallel" else 2
-    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else n_norms
-    norm_in = 4 if norm_saves_output else er
-    norm_inputs = n_norms if (norm_saves_output or block == "sequential") else 1
-    rep = norm_inputs * norm_in * h + n_in * elem * h + 2 * mask * h + (n_norms * 4 * h if norm_saves_output else 0)
+    rep, n_in = _replicated_bytes(h, elem, er, mask, swiglu, norm_saves_output, autocast_casts, block)
     split = 2 * elem * q + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if policy == "attention":
@@ -84,6 +77,21 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     gathered = n_in * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
     per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
     return s * b * per_token
+
+
+def _replicated_bytes(h: int, elem: int, er: int, mask: int, swiglu: bool, norm_saves_output: bool,
+                      autocast_casts: bool, block: str) -> tuple[float, int]:
+    """(bytes per token of :func:`layer_activation_bytes`'s replicated terms, projection inputs kept): the norm
+    inputs, the q/k/v and MLP inputs and the two dropout masks (its docstring). In a parallel ``block``
+    (model.block, xpar.config.block) both branches read the block input x, so its norm input is kept once (a fused
+    norm's; torch's composite one keeps its fp32 copy per norm), and with one norm the q/k/v and MLP inputs are
+    one tensor (not under ``autocast_casts``: each projection casts its own)."""
+    n_norms = 1 if block == "parallel" else 2
+    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else n_norms
+    norm_in = 4 if norm_saves_output else er
+    norm_inputs = n_norms if (norm_saves_output or block == "sequential") else 1
+    rep = norm_inputs * norm_in * h + n_in * elem * h + 2 * mask * h + (n_norms * 4 * h if norm_saves_output else 0)
+    return rep, n_in
 
 
 def kept_terms(policy: str, swiglu: bool) -> tuple:
