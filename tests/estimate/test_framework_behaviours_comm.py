@@ -233,3 +233,32 @@ def test_deepspeed_reduces_gradients_owner_by_owner_and_pays_each_owners_steps_a
 
 def test_the_planner_prices_owner_by_owner_reduction_as_the_estimate():
     assert _planner_equals_scalar("70b", "a100_80gb_1024gpu", "deepspeed", n=10, seed=2) == 10
+
+
+def test_a_memory_refusal_never_offers_moe_recompute_to_a_dense_model():
+    """Megatron-Core's ``--recompute-modules moe`` reruns the MoE layers only: the nearest settings of a dense
+    model's refusal once named ``parallel.recompute=moe`` (Llama 3 405B on 16,384 H100, which it does not change);
+    a model with experts keeps it, as xpar plan searches them (xpar.config.remat.model_policies)."""
+    from xpar.estimate.preflight.nearest_fit import recompute_choices
+    dense = spec_for("model=7b", "hardware=h100_80gb_node", "framework=megatron_core", "parallel.tp=8",
+                     "parallel.recompute=none")
+    moe = spec_for("model=moe_tiny", "hardware=h100_80gb_node", "framework=megatron_core", "parallel.recompute=none")
+    assert "moe" in dense.framework.recompute and "moe" not in recompute_choices(dense)
+    assert "moe" in recompute_choices(moe) and "full" in recompute_choices(dense)
+
+
+def test_a_layout_estimated_just_over_the_device_is_estimated_with_a_note_and_beyond_the_tolerance_refused():
+    """Within MEMORY_TOLERANCE (5 %: the memory model's error where it runs high on published peaks) over the device
+    a layout is estimated, labelled (a note, memory.fits False); 10 % over it is refused with the nearest settings."""
+    from xpar.estimate.cost import peak_memory
+    from xpar.estimate.preflight.check import MEMORY_TOLERANCE
+    given = ("model=7b", "hardware=h100_80gb_node", "framework=megatron_core", "parallel.tp=8", "run.mode=estimate",
+             "parallel.recompute=none", "train=cluster")
+    need = peak_memory(spec_for(*given, "hardware.device_memory_gb=1000")).total
+    near = spec_for(*given, f"hardware.device_memory_gb={need / 1.02 / 1e9}")
+    assert not peak_memory(near).fits and near.mode == "estimate"
+    assert [n for n in near.notes if "% over the" in n and "may not fit" in n and "2.0 % over" in n]
+    assert MEMORY_TOLERANCE == 0.05
+    with pytest.raises(ConfigError) as e:
+        spec_for(*given, f"hardware.device_memory_gb={need / 1.10 / 1e9}")
+    assert "does not fit device memory" in e.value.problems[0]

@@ -67,3 +67,15 @@ def test_no_stated_layout_no_line_and_a_stated_one_in_plan_txt(tmp_path, capsys)
     plan, lines = _plan(tmp_path, capsys, "parallel.tp=2", "parallel.dp=4")
     write_artifacts(plan, "python -m xpar ...", tmp_path)
     assert lines[0] in (tmp_path / "plan.txt").read_text() and np.all(plan.res["tp"] >= 1)
+
+
+def test_a_stated_layout_that_does_not_fit_says_by_how_much_and_what_its_group_pays_to_fit(tmp_path, capsys):
+    """7B on 8 H100 under ZeRO-3 at tp 1, micro-batch 8, no recompute: over the device; its group's best that fits is
+    slower and the line says what that best pays, not a gain."""
+    given = ("model=7b", "hardware=h100_80gb_node", "tracking=off", "plan.global_batch_size=64", "parallel.tp=1",
+             "parallel.dp=8", "parallel.zero_stage=3", "train.micro_batch_size=8", "parallel.recompute=none")
+    run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    lines = capsys.readouterr().out.split("\nYour layout")[1].split("\n\n")[0].splitlines()
+    assert "GB per device does not fit" in lines[0] and "usable" in lines[0], lines
+    group = [x for x in lines if x.startswith("  the best of its degree group that fits (")]
+    assert group and ", as it pays: +" in group[0] and " -" in group[0].split("tokens/s")[0], lines

@@ -29,6 +29,13 @@ policies (and the other selective meanings) by name through ``plan.recompute``, 
 lists them (``framework.recompute``: conf/framework/maxtext.yaml): searching all five by default
 made the 175B plan on 1024 A100 1.8x larger and 8 s with its MLflow record (target 5 s;
 benchmarks/plan.py)."""
+
+
+def model_policies(policies, n_experts: int) -> list[str]:
+    """The recompute ``policies`` that apply to a model with ``n_experts`` routed experts (0: dense): ``moe``
+    (Megatron-Core's ``--recompute-modules moe``, which reruns the MoE layers only) needs experts."""
+    return [r for r in policies if r != "moe" or n_experts]
+
 SAC_POLICIES = ("op", "torchtitan_op", "attention", "save_dot_except_mlp", "save_qkv_proj")
 """Policies run by selective activation checkpointing (one backward per block: not with the
 split backward of zero-bubble schedules, xpar.config.checks.layout.check_recompute)."""

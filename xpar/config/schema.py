@@ -68,6 +68,11 @@ class ModelConfig:
     moe_imbalance: float = 1.0
     """Router load imbalance: tokens the busiest ep rank receives over the mean (1: balanced, as NeMo's MoE
     benchmarks force it); stretches experts' compute and all-to-alls (xpar.estimate.expert_parallel)."""
+    block: str = "sequential"
+    """How attention and MLP compose in a block: 'sequential' (x + attn, then + mlp: GPT-2/3, Llama);
+    'parallel' (x + attn(ln(x)) + mlp(ln(x)), one norm: GPT-J, PaLM Sec. 2 "Parallel Layers", Falcon-7B);
+    'parallel_two_norms' (the same with two norms of x: GPT-NeoX-20B, Falcon-40B/180B). Same matmuls; tensor
+    parallelism reduces the summed output once (xpar.config.block). Estimated, not executed."""
     head_dim: Optional[int] = None
     """Width of one attention head (d); null: hidden / n_heads. Set where heads are not hidden / n_heads
     wide (gpt-oss: 64 heads of 64 in a 2880-wide model): q, k, v project to heads x head_dim and wo

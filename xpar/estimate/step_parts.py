@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from xpar.config.attention import kv_replica_elements, tp_compute_model
+from xpar.config.block import block_collectives, forward_share
 from xpar.config.profile import FrameworkConfig
 from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, reruns, spec_recompute, tp_reruns
 from xpar.config.schema import HardwareConfig
@@ -141,7 +142,7 @@ def layer_costs(spec: RunSpec, assume: Assumptions) -> dict[str, float]:
     policy, share = spec_recompute(spec, assume.selective_recompute, assume.recompute_layer_fraction)
     extra = share * extra_forward_flops_per_layer(ran, s, policy, early_stop=assume.checkpoint_early_stop)  # per block
     act = dict(kv=h, ffn=token_ffn(cfg), swiglu=cfg.activation == "swiglu", dropout=assume.dropout,
-               flash=assume.flash_attention, elem=e)
+               flash=assume.flash_attention, elem=e, block=cfg.block)
     layer_act = layer_activation_bytes(s, b, h, cfg.n_heads, t, lay.sequence_parallel, "none", **act)
     logits_act = s * b * (2 * e * h / (t if lay.sequence_parallel else 1) + (4 + e) * cfg.vocab_size / t)
     pf = assume.passes_forward
@@ -179,21 +180,25 @@ def tp_times(spec: RunSpec, early_stop: bool = False) -> dict[str, float]:
     of ``b`` issued by the backward of the two column-parallel linears (QKV, MLP up): their input
     gradients' all-reduce (reduce-scatter with sequence parallelism), which Megatron-LM runs
     behind their weight-gradient GEMMs (``framework.tp_async_backward``). ``cross``: 1.0 where the tp group
-    spans nodes (its overlap is then ``framework.tp_overlap_across_nodes``: :func:`tp_overlap_share`), else 0.0."""
+    spans nodes (its overlap is then ``framework.tp_overlap_across_nodes``: :func:`tp_overlap_share`), else 0.0.
+    A parallel block (``model.block``) has fewer: one output-side reduction, an input-side collective per
+    distinct input (xpar.config.block); the forward collectives a recompute reruns scale alike."""
     t = spec.tp
     if t == 1:
         return {"f": 0.0, "b": 0.0, "end": 0.0, "b_async": 0.0, "cross": 0.0}
     hw, e = spec.hardware, BYTES[spec.train.dtype]
     size = spec.train.micro_batch_size * spec.seq_len * spec.model.hidden * e
     g = group_of(hw, t, 1)
+    n_in, n_out = block_collectives(spec.model.block)
     if spec.layout.sequence_parallel:
-        dgrad = collective_time(hw, "reduce_scatter", size, g)
-        one = collective_time(hw, "allgather", size, g) + dgrad
+        dgrad, gather = collective_time(hw, "reduce_scatter", size, g), collective_time(hw, "allgather", size, g)
+        one, f, b = gather + dgrad, n_in * gather + n_out * dgrad, n_in * dgrad + n_out * gather
     else:
         one = dgrad = collective_time(hw, "allreduce", size, g)
+        f, b = n_out * one, n_in * one
+    rerun = tp_rerun(spec, early_stop) * forward_share(spec.model.block, spec.layout.sequence_parallel) * one
     kv_f, kv_b = kv_replica_times(spec, early_stop)
-    return {"f": 2 * one + kv_f, "b": (2 + tp_rerun(spec, early_stop)) * one + kv_b, "end": one, "b_async": 2 * dgrad,
-            "cross": float(g.nodes > 1)}
+    return {"f": f + kv_f, "b": b + rerun + kv_b, "end": one, "b_async": n_in * dgrad, "cross": float(g.nodes > 1)}
 
 
 def kv_replica_times(spec: RunSpec, early_stop: bool = False) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from xpar.config.hardware import is_this_machine, resolve_hardware
 from xpar.config.layout import SCHEDULES
 from xpar.config.overrides import refuse
 from xpar.config.presets import conf_dir, load_preset
+from xpar.config.remat import model_policies
 from xpar.config.schema import HardwareConfig
 from xpar.config.validate import fp8_recipe_problems, to_schema
 from xpar.estimate.memory.offload import offload_figures_known
@@ -210,12 +211,6 @@ def config_problems(cfg) -> list[str]:
     return out or [p for p in checks.check_train(c) if p.startswith("train.seq_len")]
 
 
-def model_policies(policies, model: dict) -> list[str]:
-    """The framework's recompute policies that apply to ``model``: ``moe`` (Megatron-Core's --recompute-modules moe,
-    which reruns the MoE layers only) for a model with experts."""
-    return [r for r in policies if r != "moe" or model.get("n_experts")]
-
-
 def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[PlanInputs], list[str]]:
     """The checked request of a composed config (``run.mode=plan``), or the problem lines.
     ``overrides``: the command line's (default: Hydra's task overrides of the running app)."""
@@ -239,7 +234,8 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     schedules=tuple(p.schedules or framework.get("plan_schedules") or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),
-                    recompute=tuple(p.recompute or model_policies(framework.get("recompute") or PLAN_RECOMPUTE, model)),
+                    recompute=tuple(p.recompute or model_policies(framework.get("recompute") or PLAN_RECOMPUTE,
+                                                                  model.get("n_experts") or 0)),
                     max_micro_batch_size=p.max_micro_batch_size,
                     sequence_parallel=tuple(bool(x) for x in (p.sequence_parallel or framework.get("sequence_parallel",
                                                                                                    (False, True)))),

@@ -156,12 +156,15 @@ def _separation(plan, i: Optional[int], mine: np.ndarray) -> list[str]:
     if not len(group):
         return ["  no layout of its degree group fits the device memory (recompute, sp and b as searched)"]
     out = []
-    if i is not None and i != group[0]:
-        out.append(f"  the best of its degree group ({choices(res, int(group[0]))}): "
-                   f"{_gain(res, int(group[0]), i)} tokens/s: {gap_words(res, i, int(group[0]))}")
-    if group[0] != best:
-        out.append(f"  the winner ({differing_axes(res, best, int(group[0]))}; {label(res, best)}): "
-                   f"{_gain(res, best, int(group[0]))} tokens/s over its group's best: {gap_words(res, int(group[0]), best)}")
+    g = int(group[0])
+    if i is not None and i != g:  # what the slower of the two loses to the faster, term by term
+        slower, faster = (i, g) if res["tokens_per_s"][g] >= res["tokens_per_s"][i] else (g, i)
+        fit = "" if res["fits"][i] else " that fits"
+        out.append(f"  the best of its degree group{fit} ({choices(res, g)}): {_gain(res, g, i)} tokens/s"
+                   f"{'' if slower == i else ', as it pays'}: {gap_words(res, slower, faster)}")
+    if g != best:
+        out.append(f"  the winner ({differing_axes(res, best, g)}; {label(res, best)}): "
+                   f"{_gain(res, best, g)} tokens/s over its group's best: {gap_words(res, g, best)}")
     else:
         out.append("  its degree group is the winner's")
     return out

@@ -13,6 +13,7 @@ CHOICES = {
     "model.activation": ("swiglu", "gelu", "relu", "squared_relu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned", "alibi"),
+    "model.block": ("sequential", "parallel", "parallel_two_norms"),  # xpar.config.block
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": RECOMPUTE,  # xpar.config.remat

@@ -267,11 +267,17 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
 def check_positions(model: ModelConfig, mode: str) -> list[str]:
     """ALiBi (model.position=alibi) is estimated as attention without position parameters (the bias is added
     inside the fused attention kernels: flash-attn's alibi_slopes, Megatron-DeepSpeed's baddbmm into the
-    scores); xpar's executed model has RoPE and learned positions only."""
+    scores); xpar's executed model has RoPE and learned positions only. A parallel block (model.block,
+    xpar.config.block) is estimated only: the executed model runs sequential blocks."""
+    out = []
     if mode == "execute" and model.position == "alibi":
-        return [f"model.position=alibi is estimated, not executed, by xpar (its model runs rope or learned "
-                f"positions); run it with model.position=rope, or estimate it with run.mode=estimate."]
-    return []
+        out.append(f"model.position=alibi is estimated, not executed, by xpar (its model runs rope or learned "
+                   f"positions); run it with model.position=rope, or estimate it with run.mode=estimate.")
+    if mode == "execute" and model.block != "sequential":
+        out.append(f"model.block={model.block} (parallel attention and MLP) is estimated, not executed, by xpar "
+                   f"(its model runs sequential blocks: the same matmuls); run it with model.block=sequential, or "
+                   f"estimate it with run.mode=estimate.")
+    return out
 
 
 def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:

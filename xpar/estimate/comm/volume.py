@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from xpar.config.attention import kv_replica_elements
+from xpar.config.block import block_collectives
 from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
 from xpar.estimate.memory.model_states import BYTES, param_numel, root_elements
@@ -48,17 +49,22 @@ def dp_reductions(spec: RunSpec) -> int:
 
 
 def tp_layer_bytes(b: int, s: int, h: int, t: int, elem: int = 2, sp: bool = False,
-                   recompute: str = "none", rerun: Optional[float] = None) -> dict[str, float]:
+                   recompute: str = "none", rerun: Optional[float] = None,
+                   block: str = "sequential") -> dict[str, float]:
     """TP bytes per device of one transformer layer, one micro-batch, forward + backward:
     2 all-reduces of b s h elements forward, 2 backward, plus the forward's that the backward
-    reruns (``rerun``, xpar.estimate.cost.tp_rerun; default 2 with full recompute); with
-    sequence parallelism the same number of all-gathers and reduce-scatters."""
-    n = 4 + ((2 if recompute == "full" else 0) if rerun is None else rerun)  # all-reduces (or AG+RS pairs)
+    reruns (``rerun``, xpar.estimate.cost.tp_rerun, in a sequential block's forward pairs; default 2 with
+    full recompute); with sequence parallelism the same number of all-gathers and reduce-scatters.
+    A parallel ``block`` (xpar.config.block): n_in input-side and n_out output-side collectives each way
+    (forward: n_in all-gathers, n_out reduce-scatters or all-reduces; backward the transposes)."""
+    r = ((2 if recompute == "full" else 0) if rerun is None else rerun) / 2  # forwards rerun
+    n_in, n_out = block_collectives(block)
     size = b * s * h * elem
     if sp:
-        return {"tp_allreduce": 0.0, "tp_allgather": n * allgather_bytes(size, t),
-                "tp_reduce_scatter": n * reduce_scatter_bytes(size, t)}
-    return {"tp_allreduce": n * allreduce_bytes(size, t), "tp_allgather": 0.0, "tp_reduce_scatter": 0.0}
+        return {"tp_allreduce": 0.0, "tp_allgather": (n_in * (1 + r) + n_out) * allgather_bytes(size, t),
+                "tp_reduce_scatter": (n_out * (1 + r) + n_in) * reduce_scatter_bytes(size, t)}
+    return {"tp_allreduce": (n_out * (1 + r) + n_in) * allreduce_bytes(size, t), "tp_allgather": 0.0,
+            "tp_reduce_scatter": 0.0}
 
 
 def kv_replica_bytes(spec: RunSpec, grad_bytes: int) -> dict[str, float]:
@@ -122,7 +128,7 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     n_layers = spec.layout.layers_of(pp_rank)
     b, s, h = spec.train.micro_batch_size, spec.seq_len, spec.model.hidden
     if t > 1:
-        layer = tp_layer_bytes(b, s, h, t, e, sp, lay.recompute, POLICIES[policy].tp_rerun * share)
+        layer = tp_layer_bytes(b, s, h, t, e, sp, lay.recompute, POLICIES[policy].tp_rerun * share, spec.model.block)
         ends = (0 in stages) + (len(split) - 1 in stages)  # embedding fwd / output bwd
         size = b * s * h * e
         for k, v in layer.items():

@@ -23,7 +23,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            flash: bool = False, elem: int = 2, norm_saves_output: bool = False,
                            sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
                            autocast_casts: bool = False, kv_matmul: Optional[int] = None,
-                           selective: str = "attention", fused_swiglu: bool = False, q: Optional[int] = None) -> float:
+                           selective: str = "attention", fused_swiglu: bool = False, q: Optional[int] = None,
+                           block: str = "sequential") -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
@@ -54,7 +55,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
     'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
     (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
-    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). Units: bytes.
+    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``:
+    model.block (:func:`_replicated_bytes`). Units: bytes.
     """
     q = h if q is None else q
     kv = q if kv is None else kv
@@ -67,9 +69,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
         return s * b * er * h / (t if sp else 1)
     if policy not in ("none", "attention"):
         return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy, q)
-    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else 2
-    norm_in = 4 if norm_saves_output else er
-    rep = 2 * norm_in * h + n_in * elem * h + 2 * mask * h + (2 * 4 * h if norm_saves_output else 0)
+    rep, n_in = _replicated_bytes(h, elem, er, mask, swiglu, norm_saves_output, autocast_casts, block)
     split = 2 * elem * q + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
     if policy == "attention":
@@ -77,6 +77,21 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     gathered = n_in * elem * h if (sp and sp_saves_gathered) else 0  # kept at full sequence length
     per_token = (rep - gathered + split + scores) / t + gathered if sp else rep + (split + scores) / t
     return s * b * per_token
+
+
+def _replicated_bytes(h: int, elem: int, er: int, mask: int, swiglu: bool, norm_saves_output: bool,
+                      autocast_casts: bool, block: str) -> tuple[float, int]:
+    """(bytes per token of :func:`layer_activation_bytes`'s replicated terms, projection inputs kept): the norm
+    inputs, the q/k/v and MLP inputs and the two dropout masks (its docstring). In a parallel ``block``
+    (model.block, xpar.config.block) both branches read the block input x, so its norm input is kept once (a fused
+    norm's; torch's composite one keeps its fp32 copy per norm), and with one norm the q/k/v and MLP inputs are
+    one tensor (not under ``autocast_casts``: each projection casts its own)."""
+    n_norms = 1 if block == "parallel" else 2
+    n_in = (3 + (2 if swiglu else 1)) if autocast_casts else n_norms
+    norm_in = 4 if norm_saves_output else er
+    norm_inputs = n_norms if (norm_saves_output or block == "sequential") else 1
+    rep = norm_inputs * norm_in * h + n_in * elem * h + 2 * mask * h + (n_norms * 4 * h if norm_saves_output else 0)
+    return rep, n_in
 
 
 def kept_terms(policy: str, swiglu: bool) -> tuple:
@@ -157,7 +172,7 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
                 resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu)
+                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu, block=cfg.block)
 
 
 def token_ffn(cfg) -> float:
@@ -193,7 +208,8 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
     if policy_name(recompute, o.selective_recompute) not in ("none", "attention"):
         return 0.0
     cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
-    per_token = 2 * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
+    inputs = 1 if cfg.block == "parallel" else 2  # one norm: the q/k/v and MLP-in inputs are one tensor
+    per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
     return spec.seq_len * spec.train.micro_batch_size * per_token
 
 

@@ -34,6 +34,13 @@ from xpar.models.shapes import param_count
 
 GB = 1e9
 MAX_LISTED = 5
+MEMORY_TOLERANCE = 0.05
+"""Fraction above the usable device memory within which estimate mode estimates a layout (labelled: a note and
+``estimate/memory_fits`` 0) instead of refusing it: the memory model's own error where it runs high. On the
+published peaks of benchmarks/memory_published.py the estimate is above the published figure in 10 of 23 runs,
+by 0.4-10.1 % (median 5.2 %; two torch.compile + float8 H200 rows +47 %), so a published layout estimated up to
+5 % over the device may have fit (Llama 3 405B on 16,384 H100, Dubey et al. 2024 Table 4, is estimated 0.4 %
+over under Megatron-Core's interleaved warm-up). Beyond it the refusal names the settings that fit."""
 
 
 def _gb(x: float) -> str:
@@ -422,8 +429,22 @@ def memory_problems(spec: RunSpec) -> list[str]:
     if problem is None and spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
     elif problem is None and spec.mode == "estimate":
-        problem = fit_problem(spec)
+        problem = None if within_tolerance(spec) else fit_problem(spec)
     return [problem] if problem else []
+
+
+def within_tolerance(spec: RunSpec) -> bool:
+    """Whether ``spec``'s estimated peak is over its usable device memory by at most :data:`MEMORY_TOLERANCE`;
+    if so, a note on ``spec`` says so (estimated, labelled, not refused)."""
+    mem = peak_memory(spec)
+    if mem.fits or not mem.device_memory or mem.total > (1 + MEMORY_TOLERANCE) * mem.usable:
+        return False
+    spec.notes.append(f"estimated peak {_gb(mem.total)} per device (pipeline rank {mem.pp_rank}) is "
+                      f"{100 * (mem.total / mem.usable - 1):.1f} % over the {_gb(mem.usable)} usable on "
+                      f"hardware={spec.hardware.name}: within the memory model's error on published peaks "
+                      f"({100 * MEMORY_TOLERANCE:g} %, xpar.estimate.preflight.check.MEMORY_TOLERANCE), so estimated "
+                      "(estimate/memory_fits=0); it may not fit: recompute or a smaller micro-batch would leave room.")
+    return True
 
 
 def check_run(cfg, local_devices: Optional[int] = None) -> RunSpec:

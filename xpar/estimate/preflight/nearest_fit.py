@@ -14,15 +14,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from xpar.config.remat import PLAN_RECOMPUTE
+from xpar.config.remat import PLAN_RECOMPUTE, model_policies
 from xpar.config.spec import RunSpec
 
 
 def recompute_choices(spec: RunSpec) -> list[str]:
     """Recompute policies to try around ``spec``: those the framework runs (``framework.recompute``,
-    null: PLAN_RECOMPUTE), in its order, but 'none' and the current; none under full recompute
-    (nothing recomputes more)."""
-    runs = list(spec.framework.recompute or PLAN_RECOMPUTE)
+    null: PLAN_RECOMPUTE) that apply to its model, in the framework's order, but 'none' and the current; none
+    under full recompute (nothing recomputes more). ``moe`` (Megatron-Core's ``--recompute-modules moe``) reruns the
+    MoE layers only: nothing on a dense model, so not offered there (xpar.config.remat.model_policies, as xpar plan)."""
+    runs = model_policies(spec.framework.recompute or PLAN_RECOMPUTE, spec.model.n_experts)
     now = spec.layout.recompute
     if now == "full" and spec.parallel.recompute_layers is None:
         return []
