@@ -79,3 +79,14 @@ def test_a_stated_layout_that_does_not_fit_says_by_how_much_and_what_its_group_p
     assert "GB per device does not fit" in lines[0] and "usable" in lines[0], lines
     group = [x for x in lines if x.startswith("  the best of its degree group that fits (")]
     assert group and ", as it pays: +" in group[0] and " -" in group[0].split("tokens/s")[0], lines
+
+
+def test_a_cluster_preset_plans_at_its_own_global_batch_and_is_placed(tmp_path, capsys):
+    """parallel=175b_1024gpu states 192 micro-batches of 1 over dp 8: the plan searches at that global batch (1,536,
+    GPT-3's; was 2,048 from 4M tokens, where the preset's own layout does not validate) and places the preset."""
+    given = ("parallel=175b_1024gpu", "hardware=a100_80gb_1024gpu", "tracking=off")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    out = capsys.readouterr().out
+    assert "global batch 1536" in out.splitlines()[0] and plan.inputs.constraints.global_batch == (1536, 1536)
+    line = out.split("\nYour layout")[1].splitlines()[0]
+    assert line.startswith(" (tp8 pp16 dp8 b1 ZeRO-0 recompute=full): ") and "rank " in line, line

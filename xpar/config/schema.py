@@ -507,7 +507,9 @@ class PlanConfig:
 
     global_batch_size: Any = "auto"
     """Sequences per step: a number, a range [lo, hi] (lo, hi, powers of two between), or 'auto': train.global_batch_size,
-    else 2^22 tokens / seq_len as a power of two >= the devices (Llama 2/3); local: devices x micro_batch_size."""
+    else the stated layout's (micro_batch_size x parallel.micro_batches x dp where the count is a number, as a cluster
+    preset states it), else 2^22 tokens / seq_len as a power of two >= the devices (Llama 2/3); local: devices x
+    micro_batch_size."""
     devices: Any = None
     """Devices: null (the preset's), a number, or a whole-node range [lo, hi] with ``min_tokens_per_s``."""
     min_tokens_per_s: Optional[float] = None

@@ -100,11 +100,26 @@ def global_batch(cfg, devices: int, seq_len: int, local: bool) -> tuple[Optional
     if value == "auto":
         if isinstance(cfg.train.global_batch_size, int):
             value = cfg.train.global_batch_size
+        elif stated := stated_global_batch(cfg, devices):
+            value = stated
         elif local:
             value = devices * cfg.train.micro_batch_size
         else:
             value = max(devices, 2 ** round(math.log2(TOKENS_PER_BATCH / seq_len)))
     return _range(_plain(value), "plan.global_batch_size")
+
+
+def stated_global_batch(cfg, devices: int) -> Optional[int]:
+    """The global batch (sequences) a command's layout fixes: micro-batch size x parallel.micro_batches x dp where
+    the micro-batch count is a number (a cluster preset's, e.g. 120 x 128 = 15,360 for DeepSeek-V3 on 2048 H800);
+    dp auto = devices / (tp pp cp). None where the layout leaves the batch open (micro_batches auto) or dp does not
+    come out whole."""
+    par = cfg.parallel
+    if not isinstance(par.micro_batches, int) or not isinstance(cfg.train.micro_batch_size, int):
+        return None
+    model_parallel = par.tp * par.pp * (par.cp or 1)
+    dp = par.dp if isinstance(par.dp, int) else (devices // model_parallel if devices % model_parallel == 0 else 0)
+    return cfg.train.micro_batch_size * par.micro_batches * dp if dp > 0 else None
 
 
 def _choice_problems(p, framework: dict) -> list[str]:
