@@ -68,6 +68,16 @@ def test_steps_and_warmup():
     assert "0 <= warmup_steps < steps" in msg and "warmup_steps=2" in msg
 
 
+def test_a_negative_step_count_is_one_line_with_a_working_value():
+    """train.steps=-3 was refused twice: its own line, and an lr-warmup line suggesting 'e.g. -3'."""
+    msg = _problems("train.steps=-3")
+    assert "train.steps must be > 0, got -3; e.g. train.steps=10." in msg
+    assert "lr_warmup_steps" not in msg and "e.g. -3" not in msg
+    msg = _problems("train.lr_warmup_steps=20")  # steps=10: the suggestion is an override that validates
+    assert "e.g. train.lr_warmup_steps=1." in msg
+    assert spec_for("train.lr_warmup_steps=1").train.lr_warmup_steps == 1
+
+
 def test_heads_not_divisible_by_kv_heads():
     msg = _problems("model.n_kv_heads=3")
     assert "n_heads must be divisible by model.n_kv_heads" in msg and "[1, 2, 4]" in msg

@@ -27,7 +27,7 @@ def test_invalid_combination_stops_sweep_before_any_job(tmp_path):
     r = _xpar(tmp_path, "-m", "train.steps=0,3", "parallel=dp,zero2", "run.progress=false")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "pre-flight found 2 invalid job(s)" in r.stderr
-    assert "job 0 (train.steps=0 parallel=dp run.progress=False): train.steps must be > 0, got 0." in r.stderr
+    assert "job 0 (train.steps=0 parallel=dp run.progress=False): train.steps must be > 0, got 0; e.g. train.steps=10." in r.stderr
     assert "job 1 (train.steps=0 parallel=zero2" in r.stderr
     assert "Launching" not in r.stdout + r.stderr
     assert not (tmp_path / "mlflow.db").exists()
@@ -45,7 +45,7 @@ def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     assert parent["status"] == "FINISHED"
     assert list(children["tags.xpar.job_num"]) == ["1"] and list(children["status"]) == ["FINISHED"]
     invalid = mlflow.tracking.MlflowClient().download_artifacts(parent["run_id"], "invalid_jobs.csv", str(tmp_path))
-    assert "train.steps must be > 0, got 0." in open(invalid).read()  # the reason is kept beside the results
+    assert "train.steps must be > 0, got 0; e.g. train.steps=10." in open(invalid).read()  # the reason is kept beside the results
     c = subprocess.run([sys.executable, "-m", "xpar.track.compare", "--sweep", parent["tags.xpar.sweep_id"],
                         "--out", str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr
