@@ -46,3 +46,34 @@ def test_a_measured_report_takes_the_same_rates_of_its_median_step():
     expected = step_rates(spec, 0.3)
     assert {k: getattr(report, k) for k in RATES} == {k: expected[k] for k in RATES}
     assert report.mfu == pytest.approx(report.tflops_per_device / 0.1, rel=1e-12) and report.mfu > 0
+
+
+def _split_stats(comm: dict) -> list[dict]:
+    """Two ranks' records with CPU times and the logged collectives ``comm`` (as a worker writes them)."""
+    return [{"rank": r, "step_times_s": [0.5, 0.3, 0.3], "losses": [1.0] * 3, "comm": comm,
+             "memory": dict.fromkeys(MEASURED_TERMS, 1.0), "thread_cpu_s": [0.2] * 3, "core_wait_s": [0.01] * 3}
+            for r in range(2)]
+
+
+@pytest.mark.parametrize("overrides,label", [
+    (("parallel=tp",), "time/comm_exposed_s (per step; tp not timed)"),
+    (("parallel=dp",), "time/comm_exposed_s (per step)"),
+])
+def test_the_step_split_says_which_collectives_its_comm_time_leaves_out(overrides, label, capsys):
+    """A tp run printed 'time/comm_exposed_s (per step) 0.0 ms': tp's DTensor collectives are counted
+    in bytes, not timed, and pipeline sends are timed elsewhere, so 0.0 ms read as 'no communication'."""
+    from xpar.track.report import print_report
+    spec = spec_for("hardware=local", "hardware.peak_tflops=0.1", *overrides, "train.steps=3", "train.warmup_steps=1")
+    report = summarize_measured(spec, _split_stats({}))
+    assert report.extra["time/comm_exposed_s"] == 0.0
+    print_report(spec, report)
+    out = " ".join(capsys.readouterr().out.split())
+    assert label in out and "0.0 ms" in out
+    assert "time/compute_cpu_s (per step)" in out
+
+
+def test_a_pipeline_run_s_comm_time_leaves_out_its_sends():
+    from xpar.track.report import split_scope
+    spec = spec_for("hardware=local", "parallel=pp")
+    assert split_scope(spec, "time/comm_exposed_s") == "per step; pp not timed"
+    assert split_scope(spec, "time/core_wait_s") == "per step"

@@ -197,6 +197,18 @@ def comm_cell(extra: dict, key: str) -> str:
     return cell
 
 
+def split_scope(spec: RunSpec, key: str) -> str:
+    """The console label's scope of a step-split row (:func:`step_split`): 'per step', and for
+    ``time/comm_exposed_s`` the axes whose time it leaves out. Only the collectives that
+    :func:`xpar.run.train.comm_groups` logs are timed (dp, cp, ep); tp's DTensor collectives are
+    counted in bytes only and pipeline sends are timed in the pipeline's records, so a tp or pp run's
+    0.0 ms is not 'no communication'."""
+    untimed = [axis for axis, degree in (("tp", spec.tp), ("pp", spec.pp)) if degree > 1]
+    if key != "time/comm_exposed_s" or not untimed:
+        return "per step"
+    return f"per step; {' and '.join(untimed)} not timed"
+
+
 def memory_unit(nbytes: float) -> tuple[str, float]:
     """The binary unit that shows ``nbytes`` with a leading digit: (name, bytes per unit)."""
     for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -246,7 +258,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         elif k.startswith("comm/") and k.endswith("_bytes"):
             rows.append((f"{k} (per step per device)", comm_cell(report.extra, k)))
         elif k in ("time/compute_cpu_s", "time/comm_exposed_s", "time/core_wait_s"):
-            rows.append((f"{k} (per step)", f"{v * 1e3:.1f} ms"))
+            rows.append((f"{k} ({split_scope(spec, k)})", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
                          format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
