@@ -119,6 +119,8 @@ CATALOGUE = [
     ("hardware=h100_80gb_8gpu parallel.dp=3", "dp*tp*pp must equal the world size", "parallel.dp=auto"),
     ("model=70b parallel=zero3", "does not fit this machine", None),
     # the step loop
+    ("parallel.cp=3 parallel.dp=1 run.mode=estimate hardware.devices_per_node=3",  # cp 3 on 3 devices, seq_len 64
+     "no cp > 1 on these devices splits seq_len=64; or keep cp=3 with train.seq_len=60 (or 66)", "train.seq_len=60"),
     ("train.steps=0", "train.steps must be > 0, got 0", "train.steps=10"),
     ("train.steps=-1", "train.steps must be > 0", "train.steps=10"),
     ("train.warmup_steps=10", "train.warmup_steps must satisfy 0 <= warmup_steps < steps", None),
