@@ -136,6 +136,21 @@ def test_unusable_tracking_store_is_a_clear_error(tmp_path):
     assert "tracking.uri=foo://bar" in str(e.value) and "tracking=off" in str(e.value)
 
 
+def test_a_tracking_uri_that_is_a_path_is_told_its_sqlite_uri(tmp_path):
+    """tracking.uri=other.db (a path, no scheme) said 'The store is healthy and refused a value: fix it (e.g. a
+    shorter tracking.experiment...)': MLflow 3 reads a bare path as its file store and refuses it. The advice
+    is the SQLite URI of that file, and following it records."""
+    from xpar.track.runs import TrackingUnavailable, setup_experiment
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("other.db", "xpar", None, tmp_path)
+    fix = f"tracking.uri=sqlite:///{(tmp_path / 'other.db').resolve()}"
+    assert fix in str(e.value) and "healthy" not in str(e.value), str(e.value)
+    assert setup_experiment(fix.split("=", 1)[1], "xpar", None, tmp_path)
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("runs", "xpar", None, tmp_path)  # a folder: a file in it, the folder to make first
+    assert f"sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()} (after mkdir -p" in str(e.value)
+
+
 def test_worker_failure_survives_pickling():  # launchers such as submitit ship job errors between processes
     import pickle
 
