@@ -87,3 +87,16 @@ def test_an_estimate_on_uncalibrated_local_hardware_says_so(tmp_path):
     assert any("hardware=local is UNCALIBRATED" in n and "xpar calibrate hardware=local" in n for n in local.notes)
     cluster = estimate_report(spec_for(*ESTIMATED), tmp_path)
     assert not any("UNCALIBRATED" in n for n in cluster.notes)
+
+
+@pytest.mark.parametrize("overrides,name", [
+    (("parallel=tp",), "dp1-tp2-pp1-zero0-m1-b4"),
+    (("parallel=tp", "parallel.sequence_parallel=true"), "dp1-tp2-sp-pp1-zero0-m1-b4"),
+    (("parallel=dp", "parallel.recompute=full"), "dp2-tp1-pp1-zero0-m1-b4-recompute_full"),
+    (("parallel=pp", "parallel.recompute=selective"), "dp1-tp1-pp2-zero0-m4-b4-gpipe-recompute_selective"),
+])
+def test_the_layout_name_tells_apart_what_a_sweep_varies(overrides, name):
+    """-m parallel.sequence_parallel=false,true (or parallel.recompute=none,full) gave every job the same
+    layout in the console title, the xpar.layout tag, the sweep summary and xpar compare's layout column."""
+    from xpar.track.report import layout_name
+    assert layout_name(spec_for("hardware=local", *overrides)) == name

@@ -93,15 +93,18 @@ class Report:
 
 
 def layout_name(spec: RunSpec) -> str:
-    """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
-    context parallelism, ``-ep2`` after it under expert parallelism (every axis above 1)."""
+    """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-sp`` after tp with
+    sequence parallelism, ``-cp2`` after it under context parallelism, ``-ep2`` after that under
+    expert parallelism (every axis above 1); the schedule under pp; ``-recompute_full`` (the policy)
+    last where recompute is not none, so that layouts a sweep tells apart have different names."""
     lay = spec.layout
     cp, ep = lay.cp, lay.ep
-    s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+    s = (f"dp{spec.dp}-tp{spec.tp}" + ("-sp" if lay.sequence_parallel else "") + (f"-cp{cp}" if cp > 1 else "")
+         + (f"-ep{ep}" if ep > 1 else "")
          + f"-pp{spec.pp}-zero{lay.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
         s += f"-{lay.schedule}" + (f"-v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-    return s
+    return s + (f"-recompute_{lay.recompute}" if lay.recompute != "none" else "")
 
 
 def zero_paper_bytes(spec: RunSpec) -> float:
