@@ -39,6 +39,7 @@ CATALOGUE = [
     ("parallel.zero=3", "did you mean parallel.zero_stage=3", "parallel.zero_stage=3"),
     ("modle=small", "did you mean model=small", "model=small"),
     ("hardwre=h100_80gb_8gpu", "did you mean hardware=h100_80gb_8gpu", "hardware=h100_80gb_8gpu"),
+    ("parallel.steps=20", "did you mean train.steps=20", "train.steps=20"),  # was: parallel.tp=20
     ("foo.bar=1", "'foo.bar' is not in the schema; valid: groups", None),
     ("+model.extra_layers=1", "is not in the schema", None),
     ("+parallel=zero3", "already in the defaults list; write parallel=zero3", "parallel=zero3"),
