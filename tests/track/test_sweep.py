@@ -175,3 +175,20 @@ def test_memory_chart_stacks_the_terms_in_the_unit_of_its_sizes():
     tops = [max(p.get_y() + p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - i) < 0.1)
             for i in range(4)]
     assert tops[0] == pytest.approx(9e6 / 2 ** 20)  # the four terms of zero0, stacked, in MiB
+
+
+def test_the_sweep_summary_labels_estimated_jobs(capsys):
+    """-m parallel=3d model=70b parallel.micro_batches=16,32 ended with a table of tokens/s and 'FINISHED'
+    and no word that the figures were the cost model's; an executed job stays unlabelled."""
+    import pandas as pd
+
+    from xpar.track.parent_run import print_sweep_summary
+    table = pd.DataFrame({"job": ["0", "1"], "layout": ["dp2-tp8-pp4", "dp2"], "tokens_per_s": [20998.0, 7000.0],
+                          "peak_gib_per_device": [58.0, 0.01], "bubble": [0.086, None],
+                          "status": ["FINISHED", "FINISHED"], "mode": ["estimate", "execute"]})
+    print_sweep_summary({"sweep_id": "abc", "metric": "throughput/tokens_per_s", "goal": "max"},
+                        {"table": table, "status": "FINISHED", "contention": set(), "best": None})
+    err = capsys.readouterr().err
+    job0, job1 = err.split("│   1 │")  # a row may wrap onto a second line
+    assert "(estimate)" in job0.split("│   0 │")[1] and "20,998" in job0, err
+    assert "(estimate)" not in job1, err
