@@ -100,3 +100,13 @@ def test_the_layout_name_tells_apart_what_a_sweep_varies(overrides, name):
     layout in the console title, the xpar.layout tag, the sweep summary and xpar compare's layout column."""
     from xpar.track.report import layout_name
     assert layout_name(spec_for("hardware=local", *overrides)) == name
+
+
+def test_the_mfu_row_names_the_peak_it_divides_by():
+    """70B in fp8 on H100s printed 'MFU 16.6%' beside bf16 runs' MFU over a peak half as large, with no word
+    on which peak; the row now names the dtype's peak (datasheet: H100 SXM 989 bf16, 1979 fp8 TFLOP/s)."""
+    from xpar.track.report import mfu_label
+    h100 = ("run.mode=estimate", "hardware=h100_80gb_64gpu", "model=70b", "train=cluster", "parallel.tp=8",
+            "parallel.zero_stage=3")
+    assert mfu_label(spec_for(*h100, "train.dtype=fp8")) == "MFU (of the fp8 peak, 1979 TFLOP/s)"
+    assert mfu_label(spec_for(*h100)) == "MFU (of the bf16 peak, 989 TFLOP/s)"

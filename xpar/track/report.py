@@ -22,7 +22,7 @@ from typing import Optional
 from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
 from xpar.track.bubble import summarize
-from xpar.estimate.step_parts import step_rates
+from xpar.estimate.step_parts import compute_peak, step_rates
 from xpar.estimate.memory.model_states import STATE_BYTES, zero_model_state_bytes
 from xpar.track.timing import step_time_stats
 from xpar.models.shapes import param_count
@@ -200,6 +200,14 @@ def comm_cell(extra: dict, key: str) -> str:
     return cell
 
 
+def mfu_label(spec: RunSpec) -> str:
+    """The MFU row's label: the dense peak it divides by, which depends on the training dtype
+    (:func:`xpar.estimate.step_parts.compute_peak`: fp8 over the fp8 peak, e.g. 1979 TFLOP/s on an
+    H100 SXM, half the MFU of the same FLOP/s in bf16); 'MFU' alone when no peak is known."""
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
+    return f"MFU (of the {spec.train.dtype} peak, {peak:.4g} TFLOP/s)" if peak else "MFU"
+
+
 def split_scope(spec: RunSpec, key: str) -> str:
     """The console label's scope of a step-split row (:func:`step_split`): 'per step', and for
     ``time/comm_exposed_s`` the axes whose time it leaves out. Only the collectives that
@@ -249,7 +257,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         ("tokens/s (global)", f"{report.tokens_per_s:,.0f}"),
         ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
         ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
-        ("MFU", f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
+        (mfu_label(spec), f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
         (f"peak memory per device (rank {report.peak_rank})", format_bytes(report.peak_bytes_per_device)),
     ]
     rows += [(f"  {k}", format_bytes(v)) for k, v in report.memory.items()]
