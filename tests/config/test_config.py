@@ -68,6 +68,16 @@ def test_steps_and_warmup():
     assert "0 <= warmup_steps < steps" in msg and "warmup_steps=2" in msg
 
 
+def test_a_negative_step_count_is_one_line_with_a_working_value():
+    """train.steps=-3 was refused twice: its own line, and an lr-warmup line suggesting 'e.g. -3'."""
+    msg = _problems("train.steps=-3")
+    assert "train.steps must be > 0, got -3; e.g. train.steps=10." in msg
+    assert "lr_warmup_steps" not in msg and "e.g. -3" not in msg
+    msg = _problems("train.lr_warmup_steps=20")  # steps=10: the suggestion is an override that validates
+    assert "e.g. train.lr_warmup_steps=1." in msg
+    assert spec_for("train.lr_warmup_steps=1").train.lr_warmup_steps == 1
+
+
 def test_heads_not_divisible_by_kv_heads():
     msg = _problems("model.n_kv_heads=3")
     assert "n_heads must be divisible by model.n_kv_heads" in msg and "[1, 2, 4]" in msg
@@ -124,6 +134,21 @@ def test_unusable_tracking_store_is_a_clear_error(tmp_path):
     with pytest.raises(TrackingUnavailable) as e:
         setup_experiment("foo://bar", "xpar", None, tmp_path)
     assert "tracking.uri=foo://bar" in str(e.value) and "tracking=off" in str(e.value)
+
+
+def test_a_tracking_uri_that_is_a_path_is_told_its_sqlite_uri(tmp_path):
+    """tracking.uri=other.db (a path, no scheme) said 'The store is healthy and refused a value: fix it (e.g. a
+    shorter tracking.experiment...)': MLflow 3 reads a bare path as its file store and refuses it. The advice
+    is the SQLite URI of that file, and following it records."""
+    from xpar.track.runs import TrackingUnavailable, setup_experiment
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("other.db", "xpar", None, tmp_path)
+    fix = f"tracking.uri=sqlite:///{(tmp_path / 'other.db').resolve()}"
+    assert fix in str(e.value) and "healthy" not in str(e.value), str(e.value)
+    assert setup_experiment(fix.split("=", 1)[1], "xpar", None, tmp_path)
+    with pytest.raises(TrackingUnavailable) as e:
+        setup_experiment("runs", "xpar", None, tmp_path)  # a folder: a file in it, the folder to make first
+    assert f"sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()} (after mkdir -p" in str(e.value)
 
 
 def test_worker_failure_survives_pickling():  # launchers such as submitit ship job errors between processes

@@ -805,3 +805,19 @@ def test_the_layouts_run_for_real_keep_the_plans_cp_ep_and_dtype():
     moe = plan_of("model=moe_tiny", "hardware=local", "plan.ep=[2]", "plan.dtype=[fp32,bf16]")
     over = layout_overrides(moe, moe.best)
     assert over["parallel"]["ep"] == 2 and over["train"]["dtype"] == str(moe.res["dtype"][moe.best])
+
+
+def test_one_executed_layout_reports_no_rank_order(capsys):
+    """plan.execute_top=1 printed 'Rank order: the estimates tie (within 0.5 %): the cost model does not separate
+    these layouts' about a single layout; it now gives the measured/estimated ratio and how to compare orders."""
+    from xpar.plan.execute import print_comparison
+    row = {"plan_rank": 1, "estimated_tokens_per_s": 93625.0, "measured_tokens_per_s": 6079.0, "measured_rank": 1,
+           "layout": "tp1 pp1 dp2 b4 m1 ZeRO-0 recompute=none"}
+    print_comparison([row], 0)
+    out = capsys.readouterr().out
+    assert "tie" not in out and "Rank order" not in out, out
+    assert "One layout executed: measured 0.065x its estimate" in out, out
+    two = [dict(row), dict(row, plan_rank=2, estimated_tokens_per_s=50000.0, measured_tokens_per_s=7000.0)]
+    two[0]["measured_rank"] = 2
+    print_comparison(two, 0)
+    assert "Rank order: differs, estimated against measured." in capsys.readouterr().out

@@ -49,3 +49,13 @@ def test_help_pages_end_quietly_when_the_reader_stops_early(tmp_path):
         p.stdout.close()  # the reader goes away before the child writes (it is still importing)
         err = p.stderr.read()
         assert p.wait(timeout=60) == 0 and "Traceback" not in err, (args, err)
+
+
+def test_every_calibrate_option_says_what_it_does(capsys):
+    """``xpar calibrate --help`` listed --name NAME and --out OUT with no word on what they set."""
+    from xpar.calibrate.command import _args
+    with pytest.raises(SystemExit):
+        _args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--name NAME the preset's name: conf/hardware/calibrated_NAME.yaml" in out, out
+    assert "--out OUT folder for calibration.json" in out and "outputs/calibrate" in out, out

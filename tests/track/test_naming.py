@@ -12,6 +12,12 @@ def test_an_ep2_run_names_ep2_in_its_name_and_layout_tag():
     assert run_name(spec) == "moe_tiny·ep2·dp2"
 
 
+def test_sequence_parallelism_is_in_the_run_name():
+    """parallel=tp with and without parallel.sequence_parallel=true were both named 'tiny·tp2'."""
+    assert run_name(spec_for("model=tiny", "parallel=tp", "parallel.sequence_parallel=true")) == "tiny·tp2·sp"
+    assert run_name(spec_for("model=tiny", "parallel=tp")) == "tiny·tp2"
+
+
 def test_no_name_carries_a_degree_of_1():
     for overrides in [("parallel.dp=1",), ("parallel.dp=2",), ("parallel.dp=1", "parallel.cp=2"),
                       ("parallel.dp=1", "parallel.tp=2")]:

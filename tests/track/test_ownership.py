@@ -189,6 +189,7 @@ def test_compare_with_a_sweep_run_that_has_no_sweep_id(tmp_path, capsys, monkeyp
     assert main(["--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err
     assert "no sweep found in experiment 'xpar'" in err and "Traceback" not in err
+    assert err.count("python -m xpar -m") == 1, err  # the advice once (it was given twice in one line)
 
 
 def test_a_value_mlflow_refuses_gets_no_move_the_store_aside_advice(tmp_path):

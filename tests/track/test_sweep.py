@@ -27,7 +27,7 @@ def test_invalid_combination_stops_sweep_before_any_job(tmp_path):
     r = _xpar(tmp_path, "-m", "train.steps=0,3", "parallel=dp,zero2", "run.progress=false")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "pre-flight found 2 invalid job(s)" in r.stderr
-    assert "job 0 (train.steps=0 parallel=dp run.progress=False): train.steps must be > 0, got 0." in r.stderr
+    assert "job 0 (train.steps=0 parallel=dp run.progress=False): train.steps must be > 0, got 0; e.g. train.steps=10." in r.stderr
     assert "job 1 (train.steps=0 parallel=zero2" in r.stderr
     assert "Launching" not in r.stdout + r.stderr
     assert not (tmp_path / "mlflow.db").exists()
@@ -45,7 +45,7 @@ def test_skip_invalid_runs_the_rest_and_compare_reads_the_sweep(tmp_path):
     assert parent["status"] == "FINISHED"
     assert list(children["tags.xpar.job_num"]) == ["1"] and list(children["status"]) == ["FINISHED"]
     invalid = mlflow.tracking.MlflowClient().download_artifacts(parent["run_id"], "invalid_jobs.csv", str(tmp_path))
-    assert "train.steps must be > 0, got 0." in open(invalid).read()  # the reason is kept beside the results
+    assert "train.steps must be > 0, got 0; e.g. train.steps=10." in open(invalid).read()  # the reason is kept beside the results
     c = subprocess.run([sys.executable, "-m", "xpar.track.compare", "--sweep", parent["tags.xpar.sweep_id"],
                         "--out", str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stderr
@@ -175,3 +175,20 @@ def test_memory_chart_stacks_the_terms_in_the_unit_of_its_sizes():
     tops = [max(p.get_y() + p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - i) < 0.1)
             for i in range(4)]
     assert tops[0] == pytest.approx(9e6 / 2 ** 20)  # the four terms of zero0, stacked, in MiB
+
+
+def test_the_sweep_summary_labels_estimated_jobs(capsys):
+    """-m parallel=3d model=70b parallel.micro_batches=16,32 ended with a table of tokens/s and 'FINISHED'
+    and no word that the figures were the cost model's; an executed job stays unlabelled."""
+    import pandas as pd
+
+    from xpar.track.parent_run import print_sweep_summary
+    table = pd.DataFrame({"job": ["0", "1"], "layout": ["dp2-tp8-pp4", "dp2"], "tokens_per_s": [20998.0, 7000.0],
+                          "peak_gib_per_device": [58.0, 0.01], "bubble": [0.086, None],
+                          "status": ["FINISHED", "FINISHED"], "mode": ["estimate", "execute"]})
+    print_sweep_summary({"sweep_id": "abc", "metric": "throughput/tokens_per_s", "goal": "max"},
+                        {"table": table, "status": "FINISHED", "contention": set(), "best": None})
+    err = capsys.readouterr().err
+    job0, job1 = err.split("│   1 │")  # a row may wrap onto a second line
+    assert "(estimate)" in job0.split("│   0 │")[1] and "20,998" in job0, err
+    assert "(estimate)" not in job1, err

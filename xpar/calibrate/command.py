@@ -123,13 +123,16 @@ def _staging(out_dir: Path) -> Path:
 def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="xpar calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("target", nargs="?", default="hardware=local", help="hardware=local (the machine measured)")
-    ap.add_argument("--name", default=socket.gethostname().split(".")[0].replace("-", "_"))
+    ap.add_argument("--name", default=socket.gethostname().split(".")[0].replace("-", "_"),
+                    help="the preset's name: conf/hardware/calibrated_NAME.yaml, hardware=calibrated_NAME "
+                         "(letters, digits, _; default: this host's name)")
     ap.add_argument("--workers", type=int, default=2, help="local processes for the collectives")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (as train.threads_per_worker)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 GEMMs, HBM, nccl")
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_BYTES)} message sizes, five repetitions (a smoke test)")
     ap.add_argument("--no-track", action="store_true", help="do not log an MLflow run")
-    ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate")
+    ap.add_argument("--out", type=Path, default=Path("outputs") / "calibrate",
+                    help="folder for calibration.json (the raw curves) and the staged preset (default: %(default)s)")
     return ap.parse_args(argv)
 
 

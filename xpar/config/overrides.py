@@ -257,7 +257,8 @@ def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] 
                   else groups() + all_keys())
     leaf = key.split(".")[-1]
     prefixed = sorted((k for k in candidates if k.startswith(key)), key=len)  # parallel.zero -> parallel.zero_stage
-    near = (prefixed[0] if prefixed else None) or _closest(key, candidates) or next((k for k in candidates if k.split(".")[-1] == leaf), None) \
+    near = (prefixed[0] if prefixed else None) or (_other_section(section, leaf) if section else None) \
+        or _closest(key, candidates) or next((k for k in candidates if k.split(".")[-1] == leaf), None) \
         or _closest(leaf, candidates)
     what = f"key {key!r} is not in the schema" if section or "." in key else f"{key!r} is neither a config group nor a key"
     if near is None:
@@ -265,6 +266,17 @@ def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] 
                                                         f"{', '.join(f'{s}.*' for s in SECTIONS)}")
         return [f"{arg}: {what}; valid: {valid}."]
     return [f"{arg}: {what}; did you mean {_suggest(near, value)}?"]
+
+
+def _other_section(section: str, leaf: str) -> Optional[str]:
+    """``section.<field>`` for a field name close to ``leaf`` (parallel.micro_batchs ->
+    parallel.micro_batches), else the key of another section whose field is ``leaf`` (parallel.steps ->
+    train.steps: comparing whole keys, the shared 'parallel.' made parallel.tp the closest); None if neither."""
+    field = _closest(leaf, fields_of(section))
+    if field is not None:
+        return f"{section}.{field}"
+    same = [k for k in all_keys() if k.split(".", 1)[1] == leaf]  # train.seq_len before model.seq_len
+    return min(same, key=lambda k: not k.startswith("train.")) if same else None
 
 
 def _suggest(near: str, value: Optional[str]) -> str:

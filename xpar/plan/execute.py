@@ -153,6 +153,11 @@ def print_comparison(table: list[dict], returncode: int) -> None:
     meas = [r["measured_rank"] for r in table]
     if not all(meas):
         return
+    if len(table) == 1:  # plan.execute_top=1: one layout, no order (it said 'the estimates tie')
+        row = table[0]
+        print(f"One layout executed: measured {row['measured_tokens_per_s'] / row['estimated_tokens_per_s']:.2g}x its "
+              f"estimate; plan.execute_top=3 compares the rank order of the top 3.")
+        return
     if max(est) <= min(est) * (1 + TIE):
         print(f"Rank order: the estimates tie (within {100 * TIE:g} %): the cost model does not separate these "
               f"layouts on this hardware; measured, the fastest is plan rank {table[meas.index(1)]['plan_rank']}.")

@@ -151,10 +151,17 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         peak_rank=ranks[0],
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
-    report.notes = list(est.notes)
+    report.notes = list(est.notes) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else [])
     check_figures(report)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
+
+
+UNCALIBRATED_LOCAL = ("hardware=local is UNCALIBRATED: this estimate counts the matmuls at the measured peak and "
+                      "leaves out what it has no figure for (links, HBM, host time per operator), so it reads "
+                      "faster than a run here: `xpar calibrate hardware=local --name here`, then "
+                      "hardware=calibrated_here")
+"""The note of an estimate on ``hardware=local`` (no calibrated figures: xpar.calibrate)."""
 
 
 def _figures(spec: RunSpec, est, out_dir: Path) -> list[Path]:

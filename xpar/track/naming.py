@@ -1,7 +1,7 @@
 """Short, readable names for runs (the MLflow run name) and their one-paragraph description.
 
 A run name lists the model, then every degree above 1 (tp, cp, ep, pp, dp; a degree of 1 is
-never named) and the ZeRO stage, then (pipelines) the schedule and the micro-batch count m:
+never named; ``sp`` after tp with sequence parallelism) and the ZeRO stage, then (pipelines) the schedule and the micro-batch count m:
 ``tiny·zero3·dp2``, ``tiny·cp2``, ``moe_tiny·ep2·dp2``, ``mini·pp2·gpipe·m8``,
 ``70b·tp8·pp4·dp2·1f1b·m8 (estimate)``; a single-device run is the model's name alone. Run links
 open MLflow 3.x's model-training view (``workflowType=machine_learning``), not its GenAI frame.
@@ -20,7 +20,7 @@ def run_name(spec: RunSpec) -> str:
     lay = spec.layout
     parts = [spec.model.name]
     degrees = (("tp", spec.tp), ("cp", spec.cp), ("ep", spec.layout.ep), ("pp", spec.pp))
-    parts += [f"{axis}{n}" for axis, n in degrees if n > 1]
+    parts += [f"{axis}{n}" + ("·sp" if axis == "tp" and lay.sequence_parallel else "") for axis, n in degrees if n > 1]
     parts += [f"zero{lay.zero_stage}"] * (lay.zero_stage > 0)
     parts += [f"dp{spec.dp}"] * (spec.dp > 1)
     if spec.pp > 1:

@@ -103,7 +103,7 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
 
 def print_sweep_summary(info: dict, summary: dict) -> None:
     """The end of a multirun on the console: a row per job (layout, tokens/s, peak memory, bubble,
-    status), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
+    status; '(estimate)' after the status of a job the cost model estimated), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
     from rich.console import Console
     from rich.table import Table
 
@@ -114,7 +114,8 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
     for _, row in summary["table"].iterrows():
         table.add_row(str(row.get("job")), str(row.get("layout")), _num(row.get("tokens_per_s"), "{:,.0f}"),
                       _memory(row.get("peak_gib_per_device")), _num(row.get("bubble"), "{:.3f}"),
-                      str(row.get("status")) + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
+                      str(row.get("status")) + (" (estimate)" if row.get("mode") == "estimate" else "")
+                      + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
     console = Console(stderr=True)
     if not len(summary["table"]):  # nothing ran (sbatch refused, every job skipped): nothing to compare
         console.print(f"sweep {info['sweep_id']}: no job ran; parent run {summary['status']}", soft_wrap=True)

@@ -85,8 +85,8 @@ def selected(select_runs: Callable, uri: str, experiment: str, sweep: Optional[s
         if filter_string:
             return f"--filter {filter_string!r} is not a valid MLflow search filter ({first}); e.g. {FILTER_EXAMPLE}.", sweep
         return f"the tracking store at {uri} failed: {first}", sweep
-    except SystemExit as e:  # select_runs: no sweep in the experiment
-        return f"{str(e.code).removeprefix('xpar compare: ')}; run a sweep (python -m xpar -m ...) or use --filter.", sweep
+    except SystemExit as e:  # select_runs: no sweep in the experiment (its line says what to run)
+        return f"{str(e.code).removeprefix('xpar compare: ')}.", sweep
     if runs.empty and sweep and sweep != "latest" and not filter_string:
         known = _sweep_ids(experiment)
         return (f"--sweep {sweep} names no sweep in experiment {experiment!r} at {uri}; sweep ids there: "

@@ -22,7 +22,7 @@ from typing import Optional
 from xpar.config.schema import SUMMARY_METRICS
 from xpar.config.spec import RunSpec
 from xpar.track.bubble import summarize
-from xpar.estimate.step_parts import step_rates
+from xpar.estimate.step_parts import compute_peak, step_rates
 from xpar.estimate.memory.model_states import STATE_BYTES, zero_model_state_bytes
 from xpar.track.timing import step_time_stats
 from xpar.models.shapes import param_count
@@ -93,15 +93,18 @@ class Report:
 
 
 def layout_name(spec: RunSpec) -> str:
-    """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-cp2`` after tp under
-    context parallelism, ``-ep2`` after it under expert parallelism (every axis above 1)."""
+    """``dp2-tp1-pp1-zero0-m1-b4`` (tag ``xpar.layout``, the console title); ``-sp`` after tp with
+    sequence parallelism, ``-cp2`` after it under context parallelism, ``-ep2`` after that under
+    expert parallelism (every axis above 1); the schedule under pp; ``-recompute_full`` (the policy)
+    last where recompute is not none, so that layouts a sweep tells apart have different names."""
     lay = spec.layout
     cp, ep = lay.cp, lay.ep
-    s = (f"dp{spec.dp}-tp{spec.tp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+    s = (f"dp{spec.dp}-tp{spec.tp}" + ("-sp" if lay.sequence_parallel else "") + (f"-cp{cp}" if cp > 1 else "")
+         + (f"-ep{ep}" if ep > 1 else "")
          + f"-pp{spec.pp}-zero{lay.zero_stage}-m{spec.micro_batches}-b{spec.train.micro_batch_size}")
     if spec.pp > 1:
         s += f"-{lay.schedule}" + (f"-v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-    return s
+    return s + (f"-recompute_{lay.recompute}" if lay.recompute != "none" else "")
 
 
 def zero_paper_bytes(spec: RunSpec) -> float:
@@ -197,6 +200,26 @@ def comm_cell(extra: dict, key: str) -> str:
     return cell
 
 
+def mfu_label(spec: RunSpec) -> str:
+    """The MFU row's label: the dense peak it divides by, which depends on the training dtype
+    (:func:`xpar.estimate.step_parts.compute_peak`: fp8 over the fp8 peak, e.g. 1979 TFLOP/s on an
+    H100 SXM, half the MFU of the same FLOP/s in bf16); 'MFU' alone when no peak is known."""
+    peak = compute_peak(spec.hardware, spec.train.dtype) / 1e12
+    return f"MFU (of the {spec.train.dtype} peak, {peak:.4g} TFLOP/s)" if peak else "MFU"
+
+
+def split_scope(spec: RunSpec, key: str) -> str:
+    """The console label's scope of a step-split row (:func:`step_split`): 'per step', and for
+    ``time/comm_exposed_s`` the axes whose time it leaves out. Only the collectives that
+    :func:`xpar.run.train.comm_groups` logs are timed (dp, cp, ep); tp's DTensor collectives are
+    counted in bytes only and pipeline sends are timed in the pipeline's records, so a tp or pp run's
+    0.0 ms is not 'no communication'."""
+    untimed = [axis for axis, degree in (("tp", spec.tp), ("pp", spec.pp)) if degree > 1]
+    if key != "time/comm_exposed_s" or not untimed:
+        return "per step"
+    return f"per step; {' and '.join(untimed)} not timed"
+
+
 def memory_unit(nbytes: float) -> tuple[str, float]:
     """The binary unit that shows ``nbytes`` with a leading digit: (name, bytes per unit)."""
     for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -234,7 +257,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         ("tokens/s (global)", f"{report.tokens_per_s:,.0f}"),
         ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
         ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
-        ("MFU", f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
+        (mfu_label(spec), f"{report.mfu:.1%}" + ("" if spec.hardware.peak_tflops else " (no peak known)")),
         (f"peak memory per device (rank {report.peak_rank})", format_bytes(report.peak_bytes_per_device)),
     ]
     rows += [(f"  {k}", format_bytes(v)) for k, v in report.memory.items()]
@@ -246,7 +269,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
         elif k.startswith("comm/") and k.endswith("_bytes"):
             rows.append((f"{k} (per step per device)", comm_cell(report.extra, k)))
         elif k in ("time/compute_cpu_s", "time/comm_exposed_s", "time/core_wait_s"):
-            rows.append((f"{k} (per step)", f"{v * 1e3:.1f} ms"))
+            rows.append((f"{k} ({split_scope(spec, k)})", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
                          format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))

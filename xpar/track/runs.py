@@ -139,7 +139,24 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
         problem = (f"cannot use the MLflow tracking store tracking.uri={uri}: "
                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-        raise TrackingUnavailable(f"{problem}. {_store_advice(uri, e)}", problem) from None
+        advice = _path_advice(uri, start_dir) or _store_advice(uri, e)
+        raise TrackingUnavailable(f"{problem}. {advice}", problem) from None
+
+
+def _path_advice(uri: str, start_dir: Path) -> Optional[str]:
+    """For a ``tracking.uri`` that is a path (no scheme: ``other.db``, ``./mlruns``), which MLflow reads as
+    its file store (in maintenance mode in MLflow 3, refused here with 'The filesystem tracking backend
+    ... is in maintenance mode', mlflow/store/tracking/file_store.py): the SQLite URI of a file at that
+    path (``<path>/mlflow.db`` for a folder), its folder created if missing; None for a URI."""
+    if "://" in uri or uri.startswith("databricks"):
+        return None
+    path = Path(uri).expanduser()
+    path = path if path.is_absolute() else start_dir / path
+    if path.is_dir() or not path.suffix:
+        path = path / "mlflow.db"
+    return (f"tracking.uri={uri} is a path, which MLflow reads as its file store (not used by xpar); for a SQLite "
+            f"file there pass tracking.uri=sqlite:///{path.resolve()}" + ("" if path.parent.is_dir() else
+            f" (after mkdir -p {path.parent.resolve()})") + ", or omit tracking.uri for ./mlflow.db.")
 
 
 def _store_advice(uri: str, e: Optional[Exception] = None) -> str:

@@ -183,7 +183,7 @@ def check_train(c: XparConfig) -> list[str]:
     elif seq < 1:  # rope: any length >= 1 runs
         out.append(f"train.seq_len must be >= 1, got {seq}; e.g. train.seq_len={model.seq_len}.")
     if tr.micro_batch_size < 1:
-        out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}.")
+        out.append(f"train.micro_batch_size must be >= 1, got {tr.micro_batch_size}; e.g. train.micro_batch_size=1.")
     if not (tr.lr > 0 and math.isfinite(tr.lr)):
         finite = "" if math.isfinite(tr.lr) else " and finite"
         out.append(f"train.lr must be > 0{finite}, got {tr.lr}; e.g. train.lr=3e-4.")
@@ -191,7 +191,7 @@ def check_train(c: XparConfig) -> list[str]:
         finite = "" if math.isfinite(tr.weight_decay) else " and finite"
         out.append(f"train.weight_decay must be >= 0{finite}, got {tr.weight_decay}; e.g. train.weight_decay=0.1.")
     if tr.steps <= 0:
-        out.append(f"train.steps must be > 0, got {tr.steps}.")
+        out.append(f"train.steps must be > 0, got {tr.steps}; e.g. train.steps=10.")
     if tr.steps > 0 and not 0 <= tr.warmup_steps < tr.steps:
         out.append(f"train.warmup_steps must satisfy 0 <= warmup_steps < steps, got warmup_steps="
                    f"{tr.warmup_steps}, steps={tr.steps}; e.g. train.warmup_steps={min(2, tr.steps - 1)}.")

@@ -209,9 +209,10 @@ def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int]
         ok = cp_values(s, t, layout.sequence_parallel, fits)
         near = [x for x in (s - s % (2 * cp), s - s % (2 * cp) + 2 * cp) if x > 0 and fits(cp)
                 and (not layout.sequence_parallel or (x // cp) % t == 0)]
+        cps = f"cp values that work: {ok}" if ok else f"no cp > 1 on these devices splits seq_len={s}"
+        lens = f"train.seq_len={near[0]}" + (f" (or {near[1]})" if len(near) > 1 else "") if near else ""
         return [f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} chunks (causal load balancing): "
-                f"seq_len={s} is not divisible; cp values that work: {ok}" + (f", or train.seq_len in {near}" if near
-                                                                                else "") + "."]
+                f"seq_len={s} is not divisible; {cps}" + (f"; or keep cp={cp} with {lens}" if lens else "") + "."]
     if cp > 1 and layout.sequence_parallel and (s // cp) % t:
         step = math.lcm(2 * cp, cp * t)
         return [f"parallel.cp={cp} with sequence_parallel=true shards each cp rank's seq_len / cp = {s // cp} "

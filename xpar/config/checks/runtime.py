@@ -22,13 +22,14 @@ def check_max_grad_norm(c) -> list[str]:
 
 
 def check_lr_schedule(c) -> list[str]:
-    """train.lr_schedule in constant|cosine; 0 <= lr_warmup_steps <= steps; 0 <= min_lr_ratio <= 1."""
+    """train.lr_schedule in constant|cosine; 0 <= lr_warmup_steps <= steps (checked when steps >= 1);
+    0 <= min_lr_ratio <= 1."""
     t, out = c.train, []
     if t.lr_schedule not in LR_SCHEDULES:
         out.append(f"train.lr_schedule={t.lr_schedule!r} is unknown; values that work: {list(LR_SCHEDULES)}.")
-    if not 0 <= t.lr_warmup_steps <= t.steps:
+    if t.steps > 0 and not 0 <= t.lr_warmup_steps <= t.steps:  # steps < 1: its own line (checks.config)
         out.append(f"train.lr_warmup_steps must satisfy 0 <= lr_warmup_steps <= steps, got "
-                   f"lr_warmup_steps={t.lr_warmup_steps}, steps={t.steps}; e.g. {min(t.steps, max(0, t.steps // 10))}.")
+                   f"lr_warmup_steps={t.lr_warmup_steps}, steps={t.steps}; e.g. train.lr_warmup_steps={t.steps // 10}.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         out.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}; e.g. 0.1.")
     return out
