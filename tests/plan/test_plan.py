@@ -821,3 +821,13 @@ def test_one_executed_layout_reports_no_rank_order(capsys):
     two[0]["measured_rank"] = 2
     print_comparison(two, 0)
     assert "Rank order: differs, estimated against measured." in capsys.readouterr().out
+
+
+def test_a_plan_on_local_hardware_says_it_is_uncalibrated_and_how_to_calibrate(tmp_path, capsys):
+    """A plan on hardware=local read MFU 66.7 % and 'No overhead is estimated' with no word that the figures lack
+    calibration; it now carries the estimate's UNCALIBRATED note (xpar calibrate), a cluster preset none."""
+    from xpar.plan.command import run_plan
+    given = ("model=tiny", "hardware=local", "tracking=off")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    assert any("hardware=local is UNCALIBRATED" in n and "xpar calibrate hardware=local" in n for n in plan.notes)
+    assert "note: hardware=local is UNCALIBRATED" in capsys.readouterr().out

@@ -25,7 +25,7 @@ import numpy as np
 
 from xpar.config.checks import ConfigError
 from xpar.config.checks.environment import check_tracking_paths
-from xpar.config.checks.hardware import part_memory_notes
+from xpar.config.checks.hardware import UNCALIBRATED_LOCAL, part_memory_notes
 from xpar.config.overrides import refuse
 from xpar.config.presets import dense_moe_notes, kept_kv_heads_notes
 from xpar.plan.context import PlanContext, row
@@ -402,11 +402,12 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
 
 
 def request_notes(spec, overrides: list[str]) -> list[str]:
-    """The estimate's notes that no layout changes, for the plan's reader: the hardware part kept under a changed
+    """The estimate's notes that no layout changes, for the plan's reader: hardware=local uncalibrated
+    (xpar.config.checks.hardware.UNCALIBRATED_LOCAL), the hardware part kept under a changed
     ``hardware.device_memory_gb`` (xpar.config.checks.hardware.part_memory_notes) and the model preset's K/V heads
     kept under a changed ``model.n_heads`` (xpar.config.presets.kept_kv_heads_notes). ``spec``: the winner's
     RunSpec; ``overrides``: the command line's (its ``model=`` choice, else the composed model's name)."""
-    notes = part_memory_notes(spec.hardware)
+    notes = part_memory_notes(spec.hardware) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else [])
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
     preset = chosen[-1] if chosen else spec.model.name
     return notes + kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, preset, overrides) + \

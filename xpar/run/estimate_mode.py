@@ -17,6 +17,7 @@ import json
 import math
 from pathlib import Path
 
+from xpar.config.checks.hardware import UNCALIBRATED_LOCAL
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm.volume import ring_factor
 from xpar.estimate.context_parallel import fold_cp
@@ -157,11 +158,6 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     return report
 
 
-UNCALIBRATED_LOCAL = ("hardware=local is UNCALIBRATED: this estimate counts the matmuls at the measured peak and "
-                      "leaves out what it has no figure for (links, HBM, host time per operator), so it reads "
-                      "faster than a run here: `xpar calibrate hardware=local --name here`, then "
-                      "hardware=calibrated_here")
-"""The note of an estimate on ``hardware=local`` (no calibrated figures: xpar.calibrate)."""
 
 
 def _figures(spec: RunSpec, est, out_dir: Path) -> list[Path]:

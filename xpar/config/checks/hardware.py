@@ -55,6 +55,13 @@ EXAMPLE = {"peak_tflops": 312.0, "device_memory_gb": 85.0, "inter_node_gb_per_s"
 """A figure that works where the hardware is not a preset (an A100-SXM4-80GB node on HDR InfiniBand)."""
 
 
+
+UNCALIBRATED_LOCAL = ("hardware=local is UNCALIBRATED: its estimates count the matmuls at the measured peak and "
+                      "leave out what they have no figure for (links, HBM, host time per operator), so they read "
+                      "faster than a run here: `xpar calibrate hardware=local --name here`, then "
+                      "hardware=calibrated_here")
+"""The note of an estimate or a plan on ``hardware=local`` (no calibrated figures: xpar.calibrate)."""
+
 def load_hardware_preset(name: str):
     """conf/hardware/<name>.yaml over the node preset it inherits (xpar.config.presets.load_preset),
     through the HardwareConfig schema (defaults filled in): a copy of the one read while no file of
