@@ -252,3 +252,20 @@ def test_host_memory_refusal_suggests_override_sets_that_pass_when_followed():
     assert len(fixes) >= 2
     for fix in fixes:
         offloaded("70b", "a100_80gb_8gpu", "hardware.host_memory_gb=512", fix)  # passes every check
+
+
+def test_an_estimate_run_logs_no_host_system_metrics(tmp_path, monkeypatch):
+    """MLflow's system metrics (the recording host's CPU and memory) beside a 64-GPU estimate said 99.8 % CPU of a
+    machine the estimate is not about: estimate runs turn them off (xpar.track.runs.system_metrics); sampled every
+    0.1 s here, so that even a run of a second would log them."""
+    import mlflow
+
+    from xpar.run.job import run_job
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    line = f"python -m xpar model=7b hardware=a100_80gb_8gpu train=cluster parallel=zero3 run.mode=estimate run.dry_run=false tracking.uri={uri}"
+    run_job(compose_line(line), tmp_path / "out", tmp_path)
+    client = mlflow.tracking.MlflowClient(uri)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert "throughput/tokens_per_s" in run.data.metrics
+    assert not [k for k in run.data.metrics if k.startswith("system/")], sorted(run.data.metrics)

@@ -92,6 +92,13 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 without it new experiments open in the GenAI view, with the runs one click away)."""
 
 
+def system_metrics(spec: RunSpec) -> Optional[bool]:
+    """MLflow's ``log_system_metrics`` for a run of ``spec``: None (the environment's setting,
+    :data:`SYSTEM_METRICS_ENV`) for an executed run, False for an estimate or a plan on a cluster, whose
+    host's CPU and memory say nothing of the devices estimated (a 64-GPU estimate logged 99.8 % host CPU)."""
+    return None if spec.mode == "execute" else False
+
+
 INHERITED_RUN_ENV = ("MLFLOW_RUN_ID",)
 """MLflow's run-selecting environment: ``mlflow.start_run`` would log into the run it names, in its
 experiment, and rename it (mlflow#15713). xpar creates every run itself (``experiment_id`` is
@@ -285,7 +292,8 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="xpar-")).resolve()
     try:
         run = mlflow.start_run(experiment_id=exp_id, run_name=run_name or spec.tracking.run_name,
-                               tags={**(tags or {}), **owner_tags(), "xpar.out_dir": str(out_dir)})
+                               tags={**(tags or {}), **owner_tags(), "xpar.out_dir": str(out_dir)},
+                               log_system_metrics=system_metrics(spec))
     except Exception as e:  # a store that reads but takes no write (a full disk, a read-only file)
         raise TrackingUnavailable(f"the MLflow store tracking.uri={mlflow.get_tracking_uri()} did not take a new run "
                                   f"({type(e).__name__}: {store_reason(e)}); "
