@@ -13,6 +13,9 @@ on the hardware preset, and xpar's seconds are turned into GB/s the way DeepEP's
 - low-latency kernels (128 tokens): every routed copy's bytes / time; xpar has no low-latency dispatcher, so they are
   priced as the plain all-to-all (every copy sent, NVLink inside the node, NICs across), microseconds beside.
 
+- V2 normal kernels (README, SM90 with CX7, the GPU not named, 8K tokens, no group limit): priced on the preset and
+  on the H100 preset, as the GPU could be either.
+
 Columns: DeepEP's GB/s, xpar's with the one-copy-per-rank NVLink leg (now), xpar's with every copy on NVLink
 ((k - 1)/n, the plain all-to-all's NVLink share: the price before issue 44's fix), errors signed (+: xpar faster).
 """
@@ -40,11 +43,13 @@ def hardware(name: str) -> HardwareConfig:
 
 def normal_row(hw: HardwareConfig, row: dict, phase: str) -> dict:
     """xpar's seconds and GB/s (DeepEP's count) for one normal-kernel ``phase`` ('dispatch' or 'combine') of
-    ``row``: {'published', 'now', 'every_copy'} GB/s and the bytes DeepEP counts, 'counted'."""
+    ``row``: {'published', 'now', 'every_copy'} GB/s and the bytes DeepEP counts, 'counted'. V1 rows route with
+    the nodes as expert groups, min(nodes, 4) open; V2 rows (kernel 'v2_normal') without a group limit."""
     ep, tokens, hidden, k = (int(row[c]) for c in ("ep", "tokens", "hidden", "top_k"))
     group = group_of(hw, ep, 1)
     nodes = group.nodes
-    groups, open_groups = (nodes, min(nodes, 4)) if nodes > 1 else (0, 0)
+    limited = nodes > 1 and row["kernel"] == "normal"
+    groups, open_groups = (nodes, min(nodes, 4)) if limited else (0, 0)
     elem = FP8_TOKEN if phase == "dispatch" else 2.0
     payload = tokens * k * hidden * elem  # T k h bytes: every routed copy, as ep_payload_bytes counts it
     intra, inter = ep_shares("deepep", k, group, groups, open_groups)
@@ -74,34 +79,46 @@ def error(got: float, published: float) -> float:
     return got / published - 1
 
 
-def report(hw_name: str) -> list[float]:
-    """Print both tables; the normal kernels' errors (now), dispatch and combine of every row."""
+def normal_table(hw_name: str, kernel: str) -> list[float]:
+    """Print the ``kernel`` rows ('normal' or 'v2_normal') priced on ``hw_name``; their errors (now)."""
     hw = hardware(hw_name)
-    rows = read_table(DATA)
-    print(f"DeepEP normal kernels (H800, docs/legacy.md) against xpar on {hw_name}: GB/s as DeepEP counts them")
     print(f"{'EP':>4} {'phase':8} {'counted':>10} {'DeepEP':>7} {'xpar':>7} {'err':>7} {'every copy on NVLink':>21}")
     errors = []
-    for row in (r for r in rows if r["kernel"] == "normal"):
+    for row in (r for r in read_table(DATA) if r["kernel"] == kernel):
         for phase in ("dispatch", "combine"):
             r = normal_row(hw, row, phase)
             errors.append(error(r["now"], r["published"]))
             link = "NVL" if int(row["ep"]) <= 8 else "RDMA"
             print(f"{row['ep']:>4} {phase:8} {link:>10} {r['published']:7.1f} {r['now']:7.1f} "
                   f"{errors[-1]:+7.1%} {r['every_copy']:9.1f} ({error(r['every_copy'], r['published']):+7.1%})")
-    print(f"normal kernels: median |error| {statistics.median(abs(e) for e in errors):.1%}, "
-          f"max |error| {max(abs(e) for e in errors):.1%}")
-    print(f"\nDeepEP low-latency kernels (128 tokens) against xpar's plain all-to-all on {hw_name}")
+    print(f"median |error| {statistics.median(abs(e) for e in errors):.1%}, max |error| {max(abs(e) for e in errors):.1%}")
+    return errors
+
+
+def low_latency_table(hw_name: str) -> list[float]:
+    """Print the low-latency rows priced as the plain all-to-all on ``hw_name``; their GB/s errors."""
+    hw = hardware(hw_name)
     print(f"{'EP':>4} {'phase':8} {'DeepEP us':>9} {'xpar us':>8} {'DeepEP GB/s':>11} {'xpar GB/s':>9} {'err':>7}")
-    ll = []
-    for row in (r for r in rows if r["kernel"] == "low_latency"):
+    errors = []
+    for row in (r for r in read_table(DATA) if r["kernel"] == "low_latency"):
         for phase in ("dispatch", "combine"):
             r = low_latency_row(hw, row, phase)
-            ll.append(error(r["now"], r["published"]))
+            errors.append(error(r["now"], r["published"]))
             print(f"{row['ep']:>4} {phase:8} {r['published_us']:9.0f} {r['us']:8.0f} {r['published']:11.1f} "
-                  f"{r['now']:9.1f} {ll[-1]:+7.1%}")
-    print(f"low-latency kernels: median |error| {statistics.median(abs(e) for e in ll):.1%}, "
-          f"max |error| {max(abs(e) for e in ll):.1%}")
+                  f"{r['now']:9.1f} {errors[-1]:+7.1%}")
+    print(f"median |error| {statistics.median(abs(e) for e in errors):.1%}, max |error| {max(abs(e) for e in errors):.1%}")
     return errors
+
+
+def report(hw_name: str) -> None:
+    """Print the V1 normal, V1 low-latency and V2 normal tables (V2 also on the H100 preset: its GPU is unnamed)."""
+    print(f"DeepEP V1 normal kernels (H800, docs/legacy.md) against xpar on {hw_name}: GB/s as DeepEP counts them")
+    normal_table(hw_name, "normal")
+    print(f"\nDeepEP V1 low-latency kernels (H800, 128 tokens) against xpar's plain all-to-all on {hw_name}")
+    low_latency_table(hw_name)
+    for name in dict.fromkeys((hw_name, "h100_80gb_64gpu")):
+        print(f"\nDeepEP V2 normal kernels (SM90, GPU unnamed; README) against xpar on {name}")
+        normal_table(name, "v2_normal")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 
 Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
 each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
-leaving the rank (:func:`alltoall_time`). The busiest rank's load (:func:`busiest_rank_load`:
+leaving the rank (:func:`alltoall_time`); a one-copy-per-node dispatcher (DeepEP, HybridEP) sends one copy
+per node across and one per rank over NVLink (:func:`ep_shares`). The busiest rank's load (:func:`busiest_rank_load`:
 ``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
 to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
 share is hidden. Expert states: xpar.estimate.memory.model_states.
