@@ -4,7 +4,8 @@ alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 
 Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
 each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
-leaving the rank (:func:`alltoall_time`). The busiest rank's load (:func:`busiest_rank_load`:
+leaving the rank (:func:`alltoall_time`); a one-copy-per-node dispatcher (DeepEP, HybridEP) sends one copy
+per node across and one per rank over NVLink (:func:`ep_shares`). The busiest rank's load (:func:`busiest_rank_load`:
 ``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
 to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
 share is hidden. Expert states: xpar.estimate.memory.model_states.
@@ -25,17 +26,18 @@ from xpar.estimate.compute.kernel_costs import kernel_priced
 from xpar.estimate.moe_dispatch import DISPATCHERS
 
 
-def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None) -> float:
+def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None,
+                  intra_share: Optional[float] = None) -> float:
     """Seconds of an all-to-all in which each of the ``group.size`` ranks sends ``nbytes`` split
-    evenly over all ranks (itself included): (k - 1)/n of it to the node's other ranks over the
-    intra-node link, ``inter_share`` of it (default (n - k)/n) across nodes over its share of the
-    node's NICs (:func:`nic_share`), both at once; one latency per link class crossed (NCCL issues
-    the sends concurrently). 0 for one rank or unknown bandwidths."""
+    evenly over all ranks (itself included): ``intra_share`` of it (default (k - 1)/n) over the intra-node
+    link, ``inter_share`` of it (default (n - k)/n) across nodes over its share of the node's NICs
+    (:func:`nic_share`), both at once; one latency per link class crossed (NCCL issues the sends
+    concurrently). 0 for one rank or unknown bandwidths. The shares of a dispatcher: :func:`ep_shares`."""
     n, k = group.size, min(group.per_node, group.size)
     if n <= 1 or nbytes <= 0 or hw.intra_node_gb_per_s is None:
         return 0.0
     intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
-    t = (k - 1) / n * nbytes / intra
+    t = ((k - 1) / n if intra_share is None else intra_share) * nbytes / intra
     lat = hw.collective_latency_us + hw.intra_node_latency_us
     if n > k and hw.inter_node_gb_per_s is not None:
         inter = nic_share(hw) * hw.inter_node_gb_per_s * 1e9 * hw.link_efficiency
@@ -44,27 +46,56 @@ def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: 
     return lat * 1e-6 + t
 
 
+def expert_hit(units: int, top_k: int, groups: int = 0, group_topk: int = 0) -> float:
+    """Chance that one of ``units`` equal shares of the experts (a node's, a rank's) holds at least one of a
+    token's ``top_k`` experts, experts drawn evenly: without a group limit 1 - (1 - 1/units)^k. With
+    group-limited routing (``groups`` G, ``group_topk`` M: the k experts come from M of the G expert groups;
+    DeepSeek-V3 Sec. 2.1.2, "each token will be sent to at most M nodes"), drawn evenly within the M groups: a
+    unit holding G/units whole groups holds x of the M with the hypergeometric chance of drawing x of its
+    groups, hit = sum_x P(x) (1 - (1 - x/M)^k); a group spread over units/G units: M/G (1 - (1 - G/(units M))^k);
+    other splits as without a limit. 1 for one unit."""
+    if units <= 1:
+        return 1.0
+    if groups and group_topk and group_topk < groups and groups % units == 0:
+        g = groups // units
+        return sum(math.comb(g, x) * math.comb(groups - g, group_topk - x) / math.comb(groups, group_topk)
+                   * (1 - (1 - x / group_topk) ** top_k) for x in range(1, min(g, group_topk) + 1))
+    if groups and group_topk and group_topk < groups and units % groups == 0:
+        return group_topk / groups * (1 - (1 - groups / (units * group_topk)) ** top_k)
+    return 1 - (1 - 1 / units) ** top_k
+
+
 def deepep_inter_share(top_k: int, nodes: int, groups: int = 0, group_topk: int = 0) -> float:
     """Share of the T k token copies a rank sends that cross nodes when each token crosses to each
     other node holding one of its k experts once (DeepEP's dispatch, DeepSeek-AI 2024 Sec. 3.2.2:
-    IB to the node, NVLink to its GPUs): (N - 1) P(hit) / k, P(hit) the chance that a node holds one of
-    the token's experts, for experts drawn evenly (against (N - 1)/N for a plain all-to-all): without a group
-    limit 1 - (1 - 1/N)^k. With group-limited routing (``groups`` G, ``group_topk`` M: the k experts come
-    from M of the G expert groups; DeepSeek-V3 Sec. 2.1.2, "each token will be sent to at most M nodes"),
-    drawn evenly within the M groups: a node holding G/N whole groups holds x of the M with the
-    hypergeometric chance of drawing x of its groups, P(hit) = sum_x P(x) (1 - (1 - x/M)^k); a group spread
-    over N/G nodes: P(hit) = M/G (1 - (1 - G/(N M))^k); other splits as without a limit."""
-    if nodes <= 1:
-        return 0.0
-    if groups and group_topk and group_topk < groups and groups % nodes == 0:
-        g = groups // nodes
-        hit = sum(math.comb(g, x) * math.comb(groups - g, group_topk - x) / math.comb(groups, group_topk)
-                  * (1 - (1 - x / group_topk) ** top_k) for x in range(1, min(g, group_topk) + 1))
-    elif groups and group_topk and group_topk < groups and nodes % groups == 0:
-        hit = group_topk / groups * (1 - (1 - groups / (nodes * group_topk)) ** top_k)
-    else:
-        hit = 1 - (1 - 1 / nodes) ** top_k
-    return (nodes - 1) * hit / top_k
+    IB to the node, NVLink to its GPUs): (N - 1) hit / k, hit = :func:`expert_hit` of a node (against
+    (N - 1)/N for a plain all-to-all); 0 on one node."""
+    return 0.0 if nodes <= 1 else (nodes - 1) * expert_hit(nodes, top_k, groups, group_topk) / top_k
+
+
+def deepep_intra_share(top_k: int, ranks: int, groups: int = 0, group_topk: int = 0) -> float:
+    """Share of the T k token copies that pass a rank's NVLink buffers under DeepEP's normal kernels: a token
+    reaches each rank holding one of its experts once, the sending rank's own included, D = ranks x
+    :func:`expert_hit` of a rank such ranks a token; by symmetry each rank forwards (across nodes) or sends
+    (inside one) T D copies: D / k. Source: DeepEP csrc/kernels/legacy/intranode.cu (dispatch: one sender warp
+    group per destination rank, itself included, writing each token once where ``is_token_in_rank``) and
+    internode.cu (the RDMA-and-NVL forwarders write a node's received tokens to each local rank whose
+    ``is_token_in_nvl_rank`` bit is set, the own node's tokens copied locally, not through the NIC); DeepEP's
+    README (docs/legacy.md, H800, 4096 tokens, hidden 7168, top-8) prints these bytes as 'NVL' GB/s and they
+    bind at EP 16 on two nodes (benchmarks/ep_alltoall.py)."""
+    return ranks * expert_hit(ranks, top_k, groups, group_topk) / top_k
+
+
+def ep_shares(dispatcher: str, top_k: int, group: Group, groups: int = 0,
+              group_topk: int = 0) -> tuple[Optional[float], Optional[float]]:
+    """(intra_share, inter_share) of :func:`alltoall_time` for ``dispatcher`` on ``group``: (None, None), every
+    routed copy sent, for a plain all-to-all; for a one-copy-per-node dispatcher (DeepEP, HybridEP)
+    :func:`deepep_intra_share` and :func:`deepep_inter_share` (``groups``, ``group_topk``: the router's group
+    limit). Raises KeyError for a dispatcher not in :data:`xpar.estimate.moe_dispatch.DISPATCHERS`."""
+    if not DISPATCHERS[dispatcher].one_copy_per_node:
+        return None, None
+    return (deepep_intra_share(top_k, group.size, groups, group_topk),
+            deepep_inter_share(top_k, group.nodes, groups, group_topk))
 
 
 def busiest_rank_load(cfg) -> float:
@@ -120,10 +151,9 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
     if ep == 1:
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
-    one_copy = DISPATCHERS[dispatcher].one_copy_per_node
     m = spec.model
-    share = deepep_inter_share(m.moe_top_k, group.nodes, m.moe_router_groups, m.moe_router_group_topk) if one_copy else None
-    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, share)
+    intra, inter = ep_shares(dispatcher, m.moe_top_k, group, m.moe_router_groups, m.moe_router_group_topk)
+    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, inter, intra)
     return {"f": 2 * one, "b": 2 * one}
 
 

@@ -28,8 +28,9 @@ class Dispatcher:
     sorts_by_local_expert: bool
     """A second permutation of the received copies by local expert (and its inverse before the combine)."""
     one_copy_per_node: bool
-    """A token crosses to each other node once, then fans out over NVLink (bytes:
-    xpar.estimate.expert_parallel.deepep_inter_share); False: every routed copy is sent."""
+    """A token crosses to each other node holding one of its experts once, then reaches each rank holding one
+    once over NVLink, its own rank included (bytes: xpar.estimate.expert_parallel.ep_shares); False: every routed
+    copy is sent."""
 
 
 DISPATCHERS = {
