@@ -68,9 +68,11 @@ def check_figures(report: Report) -> Report:
 
 
 def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
-    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm.volume)."""
+    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm.volume). The gradients
+    reduce over dp x cp ranks (cp ranks hold the same parameters: the cp-folded spec's dp, as the engine's dp
+    metrics count them)."""
     out: dict[str, float] = {}
-    for group, n in (("dp", spec.dp), ("tp", spec.tp)):
+    for group, n in (("dp", fold_cp(spec).dp), ("tp", spec.tp)):
         if n <= 1:
             continue
         ring = 0.0
