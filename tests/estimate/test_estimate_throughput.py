@@ -378,8 +378,9 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
             continue
-        if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
-            assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
+        if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it (+23, +26 %
+            # since its SDPA attention runs at FlashAttention-2's rates, framework.attention_fa2; +34, +37 % before)
+            assert min(r["held_out"]) > 0.2 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.13, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
