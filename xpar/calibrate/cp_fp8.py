@@ -65,7 +65,8 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
 
 
 GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H100-96GB": "h100_96gb_500w_node", "H800": "h800_80gb_2048gpu"}
-"""The hardware preset of a row's ``gpu`` column (by its prefix) that :func:`cp_fp8_case` prices by default."""
+"""The hardware preset of a row's ``gpu`` column (by its longest matching prefix) that :func:`cp_fp8_case` prices by
+default: H100-96GB is torchtitan's Grand Teton part (96 GB HBM2e at 2.4 TB/s, 500 W; its benchmark page's "Hardware")."""
 NEW_GPU_PRESETS = {**GPU_PRESETS, "H200": "h200_141gb_node", "B200": "b200_180gb_node", "GB200": "gb200_nvl72_node"}
 """:data:`GPU_PRESETS` and the GPUs of 2025-26 (tests/data/blackwell_published.csv;
 benchmarks/estimate_blackwell.py)."""
