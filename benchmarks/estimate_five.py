@@ -106,7 +106,10 @@ def markdown(res: list[dict], causal: list[str] = (), recipes: list[str] = ()) -
              "Qwen3-235B layouts (`tests/data/moe_layouts_h100.csv`, docs/concepts/kernels.md): megatron_core's "
              "`expert_gemm_call_us` on its TP4 EP8 row (not here), and the all-to-all overlap share of rows that "
              "state Megatron-Core's 1F1B overlap (`xpar.calibrate.cp_fp8.MOE_A2A_OVERLAP`) on its EP32 pair, "
-             "whose row without the overlap (`zoo_qwen3_235b_bf16_256_seq4096_ep32`) is here.", "",
+             "whose row without the overlap (`zoo_qwen3_235b_bf16_256_seq4096_ep32`) is here. torchtitan's rows ran on "
+             "H100s with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit (`conf/hardware/h100_96gb_500w_node.yaml`: the "
+             "SXM node's figures but the memory and its bandwidth; the power limit is not modelled), their attention "
+             "through torch SDPA at FlashAttention-2's H100 rates (`framework.attention_fa2`).", "",
              "| source | rows | MoE rows | median (held out) | max (held out) | FP8 efficiency without it | median "
              "(shipped) | max (shipped) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -119,7 +122,7 @@ def markdown(res: list[dict], causal: list[str] = (), recipes: list[str] = ()) -
     if recipes:
         lines += ["", "FP8 rows are priced at the scaling recipe their source used (`train.fp8_recipe`, the csv's "
                   "`fp8_recipe` column: delayed for dgxc, NeMo 24.07 and Megatron-LM, current for Megatron-Bridge's "
-                  "H100 rows, blockwise for DeepSeek-V3; evidence in the csv's header). Against the default recipe "
+                  "H100 rows and torchtitan's float8, blockwise for DeepSeek-V3; evidence in the csv's header). Against the default recipe "
                   "(`delayed`) for every FP8 row (signed: + faster than published):", "", *recipes]
     if causal:
         lines += ["", "Rows published as TF/s in their source's causal count (signed: + faster than published), "

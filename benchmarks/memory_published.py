@@ -38,8 +38,8 @@ def known_rows() -> list[dict]:
 
 
 def cp_fp8_rows() -> list[dict]:
-    """cp_fp8_h100.csv rows with a published peak whose layout the corpus builds (xpar.calibrate.cp_fp8.cp_fp8_case;
-    none today: torchtitan's CP/FP8 rows there lack one)."""
+    """cp_fp8_h100.csv rows with a published peak whose layout the corpus builds (xpar.calibrate.cp_fp8.cp_fp8_case:
+    torchtitan's nine H100-96GB FP8/CP rows, issue 42)."""
     out = []
     for row in read_table(DATA / "cp_fp8_h100.csv"):
         case = cp_fp8_case(row) if row["peak_memory_gib"] else None

@@ -378,8 +378,9 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         held = [abs(e) for e in r["held_out"]]
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
             continue
-        if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it
-            assert min(r["held_out"]) > 0.3 and max(abs(e) for e in r["calibration"]) < 0.05, r
+        if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it (+23, +26 %
+            # since its SDPA attention runs at FlashAttention-2's rates, framework.attention_fa2; +34, +37 % before)
+            assert min(r["held_out"]) > 0.2 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.13, (name, r["held_out"])
     fitted = next(iter(res.values()))["fit_all"]
@@ -889,7 +890,8 @@ CP_FP8_STILL_REFUSED: dict[str, str] = {}
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_published_context_parallel_moe_and_fp8_runs():
     """Runs with cp, FP8 and MoE with expert parallelism (tests/data/cp_fp8_h100.csv: dgxc, Megatron-LM,
-    NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers, NeMo AutoModel; 37 on H100/H800): none
+    NeMo, Megatron-Bridge, Megatron-MoE-ModelZoo, Llama 3 and DeepSeek-V3 papers, NeMo AutoModel, torchtitan; 46 on
+    H100/H800, torchtitan's 9 on its 500 W H100-96GB: tests/estimate/test_torchtitan_h100_rows.py): none
     refused by the memory check but :data:`CP_FP8_STILL_REFUSED`; median |error| of the published
     figure (in its source's FLOPs convention: xpar.calibrate.cp_fp8.published_figure) within 12 % over
     all of them (issue 30; under the kernel model, issue 42, measured 11.1 %, was 11.8 %) and within 22 %
@@ -897,7 +899,7 @@ def test_published_context_parallel_moe_and_fp8_runs():
     Grok-1's FP8 rows +21-33 %, Qwen3-30B-A3B's small experts +176 %, DeepSeek-V3's whole-run average
     +45 %, the Qwen3-235B rows with cp 2-8 under-predicted by 13-26 %); the dense FP8 rows outside
     the dgxc ones (which fitted the FLOP model's fp8_matmul_efficiency; the kernel model's
-    gemm_efficiency_fp8 is a published GEMM sweep, not fitted) within 6 % (measured 4.0 %)."""
+    gemm_efficiency_fp8 is a published GEMM sweep, not fitted) on the 80 GB H100 within 6 % (measured 4.0 %)."""
     from xpar.calibrate.cp_fp8 import cp_fp8_case, published_figure
     from xpar.calibrate.published import read_table
     errors, refused, held_out, moe = {}, [], [], []
@@ -911,11 +913,11 @@ def test_published_context_parallel_moe_and_fp8_runs():
             refused.append(row["id"])
         got = published_figure(e, spec, metric)
         errors[row["id"]] = (published / got - 1) if metric == "step_s" else (got / published - 1)
-        if row["dtype"] == "fp8" and row["moe"] != "true" and not row["id"].startswith("dgxc"):
+        if row["dtype"] == "fp8" and row["moe"] != "true" and not row["id"].startswith("dgxc") and row["gpu"] == "H100":
             held_out.append(abs(errors[row["id"]]))
         if row["moe"] == "true":
             moe.append(abs(errors[row["id"]]))
-    assert len(errors) >= 37 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
+    assert len(errors) >= 46 and set(refused) == set(CP_FP8_STILL_REFUSED), refused
     assert statistics.median(abs(x) for x in errors.values()) <= 0.12, errors
     assert len(moe) >= 18 and statistics.median(moe) <= 0.22, moe
     assert len(held_out) >= 5 and statistics.median(held_out) <= 0.06, held_out

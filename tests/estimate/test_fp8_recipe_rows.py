@@ -19,10 +19,8 @@ ROWS = {r["id"]: r for r in read_table(DATA / "cp_fp8_h100.csv")}
 
 
 def _case(row_id: str, gpu_presets: dict = None):
-    """cp_fp8_case of a row; torchtitan's rows state no global batch: pp micro-batches of one sequence a dp rank."""
-    row = ROWS[row_id]
-    row = dict(row, global_batch=row["global_batch"] or str(int(row["dp"]) * int(row["pp"] or 1)))
-    return cp_fp8_case(row, gpu_presets)
+    """cp_fp8_case of a row (torchtitan's carry the global batch their source implies: tests/estimate/test_torchtitan_h100_rows.py)."""
+    return cp_fp8_case(ROWS[row_id], gpu_presets)
 
 
 def test_every_fp8_row_names_a_known_recipe_and_no_bf16_row_names_one():

@@ -26,7 +26,7 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     :data:`GPU_PRESETS`; :data:`NEW_GPU_PRESETS` adds H200, B200 and GB200, resized by :func:`sized_hardware`)."""
     needed = ("gpus", "seq", "dp", "layers", "hidden", "heads", "kv_heads", "ffn", "global_batch", "value")
     presets = gpu_presets or GPU_PRESETS
-    gpu = next((g for g in presets if row["gpu"].startswith(g)), None)
+    gpu = max((g for g in presets if row["gpu"].startswith(g)), key=len, default=None)  # H100-96GB before H100
     if gpu is None or not all(row[k] for k in needed):
         return None
     L, pp, vp = int(row["layers"]), int(row["pp"] or 1), int(row["vp"] or 1)
@@ -64,8 +64,9 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
 
 
-GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H800": "h800_80gb_2048gpu"}
-"""The hardware preset of a row's ``gpu`` column (by its prefix) that :func:`cp_fp8_case` prices by default."""
+GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H100-96GB": "h100_96gb_500w_node", "H800": "h800_80gb_2048gpu"}
+"""The hardware preset of a row's ``gpu`` column (by its longest matching prefix) that :func:`cp_fp8_case` prices by
+default: H100-96GB is torchtitan's Grand Teton part (96 GB HBM2e at 2.4 TB/s, 500 W; its benchmark page's "Hardware")."""
 NEW_GPU_PRESETS = {**GPU_PRESETS, "H200": "h200_141gb_node", "B200": "b200_180gb_node", "GB200": "gb200_nvl72_node"}
 """:data:`GPU_PRESETS` and the GPUs of 2025-26 (tests/data/blackwell_published.csv;
 benchmarks/estimate_blackwell.py)."""

@@ -29,6 +29,11 @@ class FrameworkConfig:
     window (FlashAttention-2/3 and cuDNN through Transformer Engine: ``window_size``; flex_attention's block mask);
     false: the band is a dense mask over the whole s x s square, every block computed (torch SDPA with an
     ``attn_mask``: xpar's model)."""
+    attention_fa2: bool = False
+    """The attention core is FlashAttention-2 (torch SDPA's flash backend, first in its default order: PyTorch
+    issue 138907; the flash-attn 2 package), priced at the device's FlashAttention-2 fractions where its preset has them
+    (hardware.attention_efficiency_fa2: on H100 ~0.55 of FlashAttention-3's rate); false: the device's own figures
+    (Transformer Engine's cuDNN fused attention, FlashAttention-3)."""
     dropout: bool = False
     """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
     fused_rmsnorm: bool = True

@@ -264,6 +264,12 @@ class HardwareConfig:
     (FlashAttention-2 on A100, -3 on H100); the core runs in BF16 under FP8 recipes."""
     attention_bwd_efficiency: Optional[float] = None
     """The same for its backward pass, in (0, 1]."""
+    attention_efficiency_fa2: Optional[float] = None
+    """FlashAttention-2's forward fraction of the BF16 peak on a device whose ``attention_efficiency`` is a newer
+    kernel's (H100: FlashAttention-3), in (0, 1]: what a framework whose attention is FlashAttention-2
+    (framework.attention_fa2: torch SDPA's flash backend) reaches. None: ``attention_efficiency`` (A100's is FA2's)."""
+    attention_bwd_efficiency_fa2: Optional[float] = None
+    """The same for its backward pass, in (0, 1]; None: ``attention_bwd_efficiency``."""
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
