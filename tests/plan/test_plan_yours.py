@@ -90,3 +90,10 @@ def test_a_cluster_preset_plans_at_its_own_global_batch_and_is_placed(tmp_path, 
     assert "global batch 1536" in out.splitlines()[0] and plan.inputs.constraints.global_batch == (1536, 1536)
     line = out.split("\nYour layout")[1].splitlines()[0]
     assert line.startswith(" (tp8 pp16 dp8 b1 ZeRO-0 recompute=full): ") and "rank " in line, line
+
+
+def test_a_stated_layout_on_local_hardware_is_placed_on_the_local_devices(tmp_path, capsys):
+    """hardware=local plans on this machine's devices: a stated layout was validated on 1 device and not placed."""
+    given = ("model=tiny", "hardware=local", "tracking=off", "parallel.dp=auto", "parallel.tp=1")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    assert plan.yours and plan.yours[0].startswith(f"Your layout (tp1 pp1 dp{plan.devices} "), plan.yours

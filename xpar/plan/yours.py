@@ -31,13 +31,14 @@ def states_layout(overrides: list[str]) -> bool:
                for o in overrides)
 
 
-def stated_spec(cfg, global_batch: Optional[int]):
+def stated_spec(cfg, global_batch: Optional[int], devices: int):
     """The RunSpec of the layout ``cfg`` states, validated as ``run.mode=estimate`` at the plan's global batch
-    (``global_batch`` sequences; None keeps ``cfg``'s). Raises ConfigError where it does not validate."""
+    (``global_batch`` sequences; None keeps ``cfg``'s) on the plan's ``devices`` (hardware=local: the local devices
+    the plan counted). Raises ConfigError where it does not validate."""
     over = {"run": {"mode": "estimate"}, "parallel": {"micro_batches": "auto"}}
     if global_batch:
         over["train"] = {"global_batch_size": int(global_batch)}
-    return validate(OmegaConf.merge(cfg, over), local_devices=1)
+    return validate(OmegaConf.merge(cfg, over), local_devices=devices)
 
 
 def layout_degrees(spec, res: dict) -> dict:
@@ -115,7 +116,7 @@ def your_layout_lines(plan, cfg, overrides: list[str]) -> list[str]:
         return []
     lo, hi = plan.inputs.constraints.global_batch
     try:
-        spec = stated_spec(cfg, lo if lo == hi else None)
+        spec = stated_spec(cfg, lo if lo == hi else None, plan.devices)
     except ConfigError as e:
         return [f"Your layout (the command's parallel.*) is not placed: {e.problems[0]}"]
     lay = spec.layout
