@@ -24,7 +24,7 @@ from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.run.dryrun import PlanError, dry_run, representative_ranks
 from xpar.track.estimate_figures import write_figures
-from xpar.estimate.memory.model_states import MEMORY_TERMS, peak_ranks
+from xpar.estimate.memory.model_states import MEMORY_TERMS, expert_dp_size, peak_ranks
 from xpar.estimate.memory.offload import OFFLOAD_TERMS
 from xpar.track.report import RATES, Report, layout_name, zero_paper_bytes
 from xpar.estimate.schedule import bubble_theory
@@ -68,11 +68,14 @@ def check_figures(report: Report) -> Report:
 
 
 def comm_metrics(spec: RunSpec, ring_bytes: dict[str, float]) -> dict[str, float]:
-    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm.volume). The gradients
-    reduce over dp x cp ranks (cp ranks hold the same parameters: the cp-folded spec's dp, as the engine's dp
-    metrics count them)."""
+    """``comm/*`` metrics from the cost model's ring bytes per device (xpar.estimate.comm.volume): payload
+    bytes per collective and group (dp, the routed experts' expert-dp ``edp`` where it is a group of its own, tp)
+    and the ring bytes sent. The gradients reduce over dp x cp ranks (cp ranks hold the same parameters: the
+    cp-folded spec's dp, as the engine's dp metrics count them)."""
     out: dict[str, float] = {}
-    for group, n in (("dp", fold_cp(spec).dp), ("tp", spec.tp)):
+    folded = fold_cp(spec)
+    groups = (("dp", folded.dp), ("edp", expert_dp_size(folded) if "edp_allreduce" in ring_bytes else 1), ("tp", spec.tp))
+    for group, n in groups:
         if n <= 1:
             continue
         ring = 0.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from xpar.config.remat import RECOMPUTE
-from xpar.estimate.comm.dp import unit_elements, unit_times
+from xpar.estimate.comm.dp import unit_elements, unit_expert_elements, unit_times
 
 UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy_gather", "cr": "copy_reduce"}
 """Keys of the unit-time lists (and of xpar.estimate.columns.step_time's columns) -> xpar.estimate.comm.dp.unit_times keys."""
@@ -47,8 +47,9 @@ class UnitTimes:
             spec = self.specs[key[:-1]]
             rank = slot if self.by_rank else slot_rank_moe(spec.layout, slot, self.base.model, zero)
             units = tuple(unit_elements(spec, rank))
-            if key[:4] + units not in self.times:
-                t = unit_times(spec, self.assume, list(units), self.collectives.setdefault((dp, tp), {}))
+            if key[:4] + units not in self.times:  # the units fix their experts (xpar.estimate.comm.dp.expert_split_times)
+                t = unit_times(spec, self.assume, list(units), self.collectives.setdefault((dp, tp), {}),
+                               unit_expert_elements(spec, rank))
                 self.times[key[:4] + units] = {k: t[name] for k, name in UNIT_TIMES.items()}
             self.memo[key] = self.times[key[:4] + units]
         return self.memo[key]

@@ -50,7 +50,7 @@ from xpar.estimate.step_parts import (
 from xpar.estimate.comm.volume import pp_sends
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time
 from xpar.estimate.compute.kernel_costs import kernel_layer_columns, kernel_priced
-from xpar.estimate.comm.dp import dp_exposure, grad_bytes, unit_elements, unit_times
+from xpar.estimate.comm.dp import dp_exposure, grad_bytes, unit_elements, unit_expert_elements, unit_times
 from xpar.estimate.compute.host import (
     HOST_KEYS,
     host_costs,
@@ -169,16 +169,16 @@ stage's, 2: none (middle), 3: the last stage's, 4: both (V placement)."""
 
 
 def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
-    """Elements of the root unit and of one block on a rank of ``rank_class``
-    (:data:`RANK_CLASSES`), from :func:`unit_elements` on a layout of one block per stage: a
+    """Elements of the root unit and of one block (``experts``: the block's routed experts) on a rank of
+    ``rank_class`` (:data:`RANK_CLASSES`), from :func:`unit_elements` on a layout of one block per stage: a
     rank's root depends on the stage ends it holds, a block on tp, neither on the blocks held."""
     c = RANK_CLASSES[rank_class]
     pp, v, v_shaped, rank = c.pp, c.v, c.v_shaped, c.rank
     layout = Layout(dp=1, tp=tp, pp=pp, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len,
                     layer_split=(1,) * (pp * v), schedule="zbv" if v_shaped else "gpipe", ep=base.layout.ep,
                     etp=base.layout.etp)
-    u = unit_elements(replace(base, layout=layout), rank)
-    return {"root": u[0], "block": u[1]}
+    u, x = unit_elements(replace(base, layout=layout), rank), unit_expert_elements(replace(base, layout=layout), rank)
+    return {"root": u[0], "block": u[1], "experts": x[1]}
 
 
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
@@ -187,19 +187,21 @@ def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str,
     columns ``<key>_root``, ``<key>_block`` per key of :data:`xpar.estimate.columns.mixed_blocks.UNIT_TIMES`)."""
     specs: dict[tuple, RunSpec] = {}
 
-    def times(dp, tp, zero, rec, root, block, n):
+    def times(dp, tp, zero, rec, root, block, n, experts):
         if (dp, tp, zero, rec) not in specs:
             specs[dp, tp, zero, rec] = spec_at(base, tp, 1, dp, 1, 1, 1, "gpipe", zero, False, RECOMPUTE[rec])
-        t = unit_times(specs[dp, tp, zero, rec], a, [int(root)] + [int(block)] * int(n))
+        t = unit_times(specs[dp, tp, zero, rec], a, [int(root)] + [int(block)] * int(n), None,
+                       [0] + [int(experts)] * int(n))
         return {f"{k}_{u}": t[name][i] for k, name in UNIT_TIMES.items() for u, i in (("root", 0), ("block", -1))}
 
     first, last = s["first"], s["last"]
     cls = np.where(r["pp"] == 1, 0, np.where(first & last, 4, np.where(first, 1, np.where(last, 3, 2))))
-    el = per_slot([r["tp"], cls], lambda tp, c: _unit_sizes(base, tp, c), ("root", "block"))
+    el = per_slot([r["tp"], cls], lambda tp, c: _unit_sizes(base, tp, c), ("root", "block", "experts"))
     n = np.broadcast_to(s["n"], cls.shape)
     root, block = el["root"].astype(np.int64), el["block"].astype(np.int64)  # element counts
     rec = r["recompute"] if a.zero3_reuse_distance is not None else np.zeros_like(r["recompute"])  # else unread
-    return per_slot([r["dp"], r["tp"], r["zero"], rec, root, block, n], times,
+    experts = el["experts"].astype(np.int64)  # of one block (xpar.estimate.comm.dp.expert_split_times)
+    return per_slot([r["dp"], r["tp"], r["zero"], rec, root, block, n, experts], times,
                     tuple(f"{k}_{u}" for k in UNIT_TIMES for u in ("root", "block")))
 
 

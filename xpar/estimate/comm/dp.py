@@ -21,7 +21,8 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm.collectives import collective_time, group_of
-from xpar.estimate.memory.model_states import BYTES, unit_elements  # noqa: F401 (unit_elements re-exported)
+from xpar.estimate.memory.model_states import (BYTES, expert_dp_size, unit_elements,  # noqa: F401 (re-exported)
+                                               unit_expert_elements)
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
@@ -36,44 +37,85 @@ def grad_bytes(spec: RunSpec, assume) -> int:
     return assume.grad_reduce_bytes if spec.train.dtype != "fp32" else 4
 
 
-def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dict] = None) -> dict[str, list[float]]:
+def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dict] = None,
+               experts: Optional[list[int]] = None) -> dict[str, list[float]]:
     """Seconds per unit of its all-gather, reduce-scatter and bucketed reduction (each size's
     collective timed once: the blocks of a rank are identical units). ``timed_once``: seconds of the
-    collectives already timed on this hardware, dp and tp, by (collective, bytes), filled here (None: none)."""
-    hw, z = spec.hardware, spec.layout.zero_stage
+    collectives already timed on this hardware, dp and tp, by (collective, bytes, group), filled here (None: none).
+    ``experts``: the routed-expert elements of each unit (:func:`unit_expert_elements`; None: none), reduced and
+    gathered over the expert-dp ranks where they are a group of their own (:func:`expert_dp_size`), the rest
+    over dp: :func:`expert_split_times`."""
+    z = spec.layout.zero_stage
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
-    g, algo = group_of(hw, spec.dp, spec.tp), assume.dp_collective
-    e, gb = BYTES[spec.train.dtype], grad_bytes(spec, assume)
+    memo: dict[tuple, float] = {} if timed_once is None else timed_once
+    times = expert_split_times(spec, assume, units, experts, memo)
+    gather, red = times["gather"], times["reduce"]
+    gather_b = gather
+    if z == 3 and assume.zero3_reuse_distance is not None:  # DeepSpeed 2021's coordinator, tensor by tensor
+        g = group_of(spec.hardware, spec.dp, spec.tp)
+        gather, red, gather_b = tensor_times(spec, assume, units, gather, red,
+                                             lambda b: _timed(spec, assume, memo, "allgather", b, g),
+                                             BYTES[spec.train.dtype], grad_bytes(spec, assume))
+    return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
+
+
+def _timed(spec: RunSpec, assume, memo: dict, kind: str, nbytes: float, group) -> float:
+    """Seconds of one ``kind`` collective of ``nbytes`` over ``group``, memoised in ``memo``."""
+    key = (kind, nbytes, group.size, group.per_node)
+    if key not in memo:
+        memo[key] = collective_time(spec.hardware, kind, nbytes, group, assume.dp_collective)
+    return memo[key]
+
+
+def expert_split_times(spec: RunSpec, assume, units: list[int], experts: Optional[list[int]],
+                       memo: dict) -> dict[str, list[float]]:
+    """Seconds per unit of its ``gather`` and ``reduce`` (:func:`group_times`): the dense elements over dp
+    (ranks tp apart), the routed experts' (``experts`` per unit) over the expert-dp ranks, tp x cp x dp /
+    (ep x etp) of them, ep x etp apart in the rank order (Megatron-Core's expert data parallel group,
+    megatron/core/parallel_state.py; DeepSpeed-MoE's expert data parallel group, deepspeed/utils/groups.py;
+    xpar.parallel.expert.group_ranks), buckets of their own (Megatron-Core's distributed data parallel keeps
+    the expert parameters' buckets apart; xpar's engine reduces them in one flat buffer: reduce_expert_grads).
+    One expert-dp rank: the experts issue nothing. Everything over dp where the experts have no group of
+    their own."""
+    edp, hw = expert_dp_size(spec), spec.hardware
+    if not experts or not any(experts) or edp == spec.dp:
+        return group_times(spec, assume, units, spec.dp, group_of(hw, spec.dp, spec.tp), memo)
+    dense = group_times(spec, assume, [u - x for u, x in zip(units, experts)], spec.dp,
+                        group_of(hw, spec.dp, spec.tp), memo)
+    if edp == 1:
+        return dense
+    stride = spec.layout.ep * spec.layout.expert_tp
+    mine = group_times(spec, assume, list(experts), edp, group_of(hw, edp, stride), memo)
+    return {k: [a + b for a, b in zip(dense[k], mine[k])] for k in dense}
+
+
+def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: dict) -> dict[str, list[float]]:
+    """Seconds per unit (``units``: elements each) of its parameter ``gather`` and gradient ``reduce`` over
+    ``n`` ranks in ``group`` (module docstring: what each ZeRO stage issues). FP8 gathers:
+    xpar.estimate.frameworks.fp8_params; DeepSpeed's owner-by-owner reduction: xpar.estimate.frameworks.owner_reduce."""
+    z, gb = spec.layout.zero_stage, grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
     bucket = assume.bucket_mb * 1e6
-    memo: dict[tuple[str, float], float] = {} if timed_once is None else timed_once
 
     def timed(kind: str, nbytes: float) -> float:
-        if (kind, nbytes) not in memo:
-            memo[kind, nbytes] = collective_time(hw, kind, nbytes, g, algo)
-        return memo[kind, nbytes]
+        return _timed(spec, assume, memo, kind, nbytes, group)
 
     if z >= 2:  # FSDP: one reduce-scatter per unit
-        red = [timed(coll, n * gb) for n in units]
+        red = [timed(coll, u * gb) for u in units]
     elif bucket > 0:  # buckets: a unit's share of the messages, ceil(gradient bytes / bucket) of them
         total = sum(units) * gb
         buckets = max(1, math.ceil(total / bucket))
         per_bucket = timed(coll, total / buckets)
-        red = [n * gb / total * buckets * per_bucket if total else 0.0 for n in units]
+        red = [u * gb / total * buckets * per_bucket if total else 0.0 for u in units]
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
     if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
-        red = owner_unit_times(units, gb, spec.dp, bucket, z == 2, lambda b: timed("broadcast", b))
-    gather = [timed("allgather", n * w) for n, w in zip(units, pw)]
-    if z == 1 and assume.zero1 == "zero_redundancy":  # torch: broadcasts, not all-gathers (module docstring)
-        gather = [timed("broadcast", n * w) for n, w in zip(units, pw)]
-    gather_b = gather
-    if z == 3 and assume.zero3_reuse_distance is not None:  # DeepSpeed 2021's coordinator, tensor by tensor
-        gather, red, gather_b = tensor_times(spec, assume, units, gather, red, lambda b: timed("allgather", b), e, gb)
-    return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
+        red = owner_unit_times(units, gb, n, bucket, z == 2, lambda b: timed("broadcast", b))
+    kind = "broadcast" if z == 1 and assume.zero1 == "zero_redundancy" else "allgather"  # torch: broadcasts
+    return {"gather": [timed(kind, u * w) for u, w in zip(units, pw)], "reduce": red}
 
 
 FSDP_COPIES = ("fsdp2", "fsdp1", "none")

@@ -21,11 +21,14 @@ from xpar.config.attention import kv_replica_elements
 from xpar.config.block import block_collectives
 from xpar.config.remat import POLICIES, spec_recompute
 from xpar.config.spec import RunSpec
-from xpar.estimate.memory.model_states import BYTES, param_numel, root_elements
+from xpar.estimate.memory.model_states import BYTES, expert_dp_size, expert_numel, param_numel, root_elements
 from xpar.parallel.ring import ring_factor  # noqa: F401  (re-exported: the cost model's formulas use it)
 
 KEYS = ("dp_allreduce", "dp_reduce_scatter", "dp_allgather", "tp_allreduce", "tp_allgather",
         "tp_reduce_scatter", "pp_send_recv")
+EXPERT_KEYS = ("edp_allreduce", "edp_reduce_scatter", "edp_allgather")
+"""Keys of the routed experts' gradient reduction and gathers over the expert-dp ranks, present only where
+that group is not dp (:func:`comm_bytes_rank`)."""
 
 
 def allreduce_bytes(nbytes: float, n: int) -> float:
@@ -93,6 +96,37 @@ def pp_sends(layout, pp_rank: int) -> int:
     return sum((st < len(split) - 1) + (st > 0) for st in stages)
 
 
+def dp_bytes(spec: RunSpec, elements: int, root: int, n: int, zero1: str, grad_bytes: int,
+             prefix: str = "dp") -> dict[str, float]:
+    """Bytes one device sends per step in the data-parallel collectives of ``elements`` parameters
+    reduced (and, ZeRO-1-3, sharded) over ``n`` ranks, keys ``<prefix>_allreduce``, ``_reduce_scatter``,
+    ``_allgather``; ``root``: elements of the FSDP root unit among them (ZeRO-3 without pp keeps it
+    gathered into the backward). What each ZeRO stage issues: module docstring; ``zero1``,
+    ``grad_bytes``: :func:`comm_bytes_rank`. Called once for the dense parameters over dp and once for
+    the routed experts over the expert-dp ranks (prefix ``edp``), which reduce an expert's gradient
+    among the ranks holding the same experts: Megatron-Core's expert data parallel group
+    (megatron/core/parallel_state.py, dp x cp x tp / (ep x etp) ranks), DeepSpeed-MoE's (Rajbhandari et
+    al. 2022, DeepSpeed-MoE; deepspeed/moe/utils.py ``split_params_into_different_moe_groups_for_optimizer``),
+    xpar's engine (xpar.parallel.expert.reduce_expert_grads, shard_experts)."""
+    lay, e, m = spec.layout, BYTES[spec.train.dtype], spec.micro_batches
+    psi, grads, z = elements * e, elements * grad_bytes, lay.zero_stage
+    out = {f"{prefix}_{k}": 0.0 for k in ("allreduce", "reduce_scatter", "allgather")}
+    if z == 1 and zero1 == "distributed_optimizer":
+        out[f"{prefix}_reduce_scatter"] = reduce_scatter_bytes(grads, n)
+        out[f"{prefix}_allgather"] = allgather_bytes(psi, n)
+    elif z <= 1:
+        out[f"{prefix}_allreduce"] = allreduce_bytes(grads, n)
+        if z == 1:
+            out[f"{prefix}_allgather"] = allgather_bytes(psi, n)
+    else:
+        out[f"{prefix}_reduce_scatter"] = reduce_scatter_bytes(grads, n) * dp_reductions(spec)
+        gathers = (m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
+        out[f"{prefix}_allgather"] = allgather_bytes(psi, n) * gathers
+        if z == 3 and spec.pp == 1:  # backward gathers every block again, not the root (xpar.estimate.comm.dp)
+            out[f"{prefix}_allgather"] += allgather_bytes(psi - root * e, n) * m
+    return out
+
+
 def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
                     zero1: str = "zero_redundancy", grad_bytes: Optional[int] = None) -> dict[str, float]:
     """Bytes sent per step by one device of pipeline rank ``pp_rank``, by collective (see
@@ -101,27 +135,19 @@ def comm_bytes_rank(spec: RunSpec, pp_rank: int, scatter_gather: bool = False,
     ``zero1``: 'zero_redundancy' (torch: all-reduce + broadcast of the updated shards) or
     'distributed_optimizer' (Megatron: reduce-scatter + all-gather, as ZeRO-2, once per step).
     ``grad_bytes``: bytes per gradient element reduced (4 for an fp32 reduction of bf16 training,
-    :func:`xpar.estimate.comm.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts."""
+    :func:`xpar.estimate.comm.dp.grad_bytes`); None: the training dtype's, as the ZeRO paper counts.
+    Where the routed experts are reduced over their own expert-dp ranks (ep > 1 or an etp of their own:
+    :func:`xpar.estimate.memory.model_states.expert_dp_size`), the ``dp_*`` keys hold the dense parameters' and
+    the ``edp_*`` keys (:data:`EXPERT_KEYS`) the experts' (:func:`dp_bytes`)."""
     lay, e = spec.layout, BYTES[spec.train.dtype]
     out = dict.fromkeys(KEYS, 0.0)
-    m, dp, t, sp = spec.micro_batches, spec.dp, spec.tp, lay.sequence_parallel
-    # dp: params in the training dtype, gradients in grad_bytes per element
-    elements = param_numel(spec, pp_rank)
-    psi, grads = elements * e, elements * (e if grad_bytes is None else grad_bytes)
-    z = lay.zero_stage
-    if z == 1 and zero1 == "distributed_optimizer":
-        out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp)
-        out["dp_allgather"] = allgather_bytes(psi, dp)
-    elif z <= 1:
-        out["dp_allreduce"] = allreduce_bytes(grads, dp)
-        if z == 1:
-            out["dp_allgather"] = allgather_bytes(psi, dp)
-    else:
-        out["dp_reduce_scatter"] = reduce_scatter_bytes(grads, dp) * dp_reductions(spec)
-        gathers = (m if spec.pp == 1 else m + 1) if z == 3 else (m if spec.pp == 1 else 1)
-        out["dp_allgather"] = allgather_bytes(psi, dp) * gathers
-        if z == 3 and spec.pp == 1:  # backward gathers every block again, not the root (xpar.estimate.comm.dp)
-            out["dp_allgather"] += allgather_bytes(psi - root_elements(spec, pp_rank) * e, dp) * m
+    m, t, sp = spec.micro_batches, spec.tp, lay.sequence_parallel
+    gb = e if grad_bytes is None else grad_bytes
+    experts = expert_numel(spec, pp_rank) if expert_dp_size(spec) != spec.dp else 0
+    root = root_elements(spec, pp_rank)
+    out.update(dp_bytes(spec, param_numel(spec, pp_rank) - experts, root, spec.dp, zero1, gb, "dp"))
+    if experts:  # the routed experts over expert-dp (:func:`dp_bytes`)
+        out.update(dp_bytes(spec, experts, 0, expert_dp_size(spec), zero1, gb, "edp"))
     # tp
     stages, split = spec.layout.stages_of(pp_rank), spec.layer_split
     policy, share = spec_recompute(spec)

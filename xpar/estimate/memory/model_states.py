@@ -226,6 +226,30 @@ def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     return (root,) + tuple(blocks)
 
 
+def unit_expert_elements(spec: RunSpec, pp_rank: int) -> list[int]:
+    """Routed-expert elements per FSDP unit of ``pp_rank``, as :func:`unit_elements` orders the units
+    (the root 0; a MoE block its E / ep local experts, split over etp; a dense block 0): the part of each
+    unit reduced and sharded over the expert-dp ranks (:func:`expert_dp_size`), not over dp."""
+    return list(_unit_expert_elements(*shape_key(spec), pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _unit_expert_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
+    """:func:`unit_expert_elements`, memoised (:func:`_part_counts`' routed experts of one MoE block)."""
+    cfg = ModelConfig(*cfg_key)
+    if not cfg.n_experts:
+        return (0,) * (1 + layout.layers_of(pp_rank))
+    experts = _part_counts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[3][0]
+    return (0,) + tuple(experts if cfg.is_moe_layer(i) else 0
+                        for s in layout.stages_of(pp_rank) for i in layout.stage_layers(s))
+
+
+def expert_numel(spec: RunSpec, pp_rank: int) -> int:
+    """Routed-expert parameter elements held by pipeline rank ``pp_rank`` (tp-local, E / ep experts per
+    MoE layer); 0 for a dense model."""
+    return _rank_counts(*shape_key(spec), pp_rank, True)[0] if spec.model.n_experts else 0
+
+
 def root_elements(spec: RunSpec, pp_rank: int) -> int:
     """Parameter elements of ``pp_rank``'s FSDP root unit (embeddings, final norm, output; 0 on
     middle stages): :func:`unit_elements`'s first."""
@@ -422,14 +446,17 @@ def held_numel(spec: RunSpec, pp_rank: int, dp_rank: int, zero1: str = "zero_red
         return _held(spec, whole, counts, spec.dp, dp_rank, zero1, extra)
     n_experts, experts = _rank_counts(*key, True)
     dense = _held(spec, whole - n_experts, _without(counts, experts), spec.dp, dp_rank, zero1, extra)
-    expert_dp = _expert_dp(spec)
+    expert_dp = expert_dp_size(spec)
     expert = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, zero1, 0)
     return {k: dense[k] + expert[k] for k in dense}
 
 
-def _expert_dp(spec: RunSpec) -> int:
+def expert_dp_size(spec: RunSpec) -> int:
     """Ranks the routed experts' states are reduced and sharded over: the layout's expert-dp under
-    ep or an etp of its own, else dp like every parameter."""
+    ep or an etp of its own (tp x cp x dp / (ep x etp): Megatron-Core's expert data parallel group,
+    megatron/core/parallel_state.py ``get_expert_data_parallel_group``; DeepSpeed-MoE's expert data
+    parallel group, deepspeed/utils/groups.py ``_get_expert_data_parallel_group``; xpar's engine,
+    xpar.parallel.expert.group_ranks), else dp like every parameter."""
     lay = spec.layout
     return lay.expert_dp if lay.ep > 1 or lay.expert_tp != spec.tp else spec.dp
 
@@ -465,7 +492,7 @@ def expert_state_bytes(spec: RunSpec, pp_rank: int, dp_rank: int, o: MemoryOptio
     if not spec.model.n_experts:
         return {}
     n_experts, experts = _rank_counts(*shape_key(spec), pp_rank, True)
-    expert_dp = _expert_dp(spec)
+    expert_dp = expert_dp_size(spec)
     n = _held(spec, n_experts, experts, expert_dp, dp_rank % expert_dp, o.zero1, 0)
     wp, wg, wo = state_widths(spec, o)
     return {"params": _master_numel(spec, n, o) * wp, "grads": n["grads"] * wg,
