@@ -387,3 +387,16 @@ def test_end_orphans_kills_the_servers_command_lines_only():
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_rendezvous_port_is_drawn_below_the_kernels_ephemeral_range():
+    """free_port probed with port 0 (an ephemeral port, which gloo's own connections can take before rank 0 binds
+    it: EADDRINUSE seen once in the suite); it now draws below ip_local_port_range, free when drawn."""
+    import socket
+
+    from xpar.run.launch import PORT_FLOOR, _ephemeral_floor, free_port
+    for _ in range(20):
+        port = free_port()
+        assert PORT_FLOOR <= port < _ephemeral_floor()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import signal
 import socket
 import time
@@ -24,10 +25,36 @@ from xpar.run.exits import ServerDied, WorkerFailed  # noqa: F401  (WorkerFailed
 from xpar.run.worker_files import HEARTBEAT_DIR, STATS_FILE, stats_fallback
 
 
+PORT_FLOOR = 20000
+"""Lowest port :func:`free_port` draws from (the range up to the kernel's ephemeral floor)."""
+
+
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the workers' rendezvous, drawn at random BELOW the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range, Linux default 32768-60999): a port the kernel hands out itself (port 0,
+    or any outgoing connection: gloo opens many) can be taken again by another process between this probe and rank
+    0's bind (seen once in the suite: EADDRINUSE); one below that range is taken only by an explicit bind. Falls
+    back to a kernel-chosen port where the range leaves no room or 50 draws find none free."""
+    low = _ephemeral_floor()
+    for _ in range(50 if low > PORT_FLOOR else 0):
+        port = random.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 where it cannot be read: Linux's default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def start_workers(entry, args: tuple, world: int, preload: tuple[str, ...] = WORKER_PRELOAD):
