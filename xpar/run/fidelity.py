@@ -52,9 +52,10 @@ def estimated_comm(spec: RunSpec, est) -> dict[str, float]:
     convention: xpar.run.estimate_mode.comm_metrics), and ``fidelity/estimate_comm_dp_issued_s``."""
     out = {f"fidelity/estimate_{k.replace('/', '_')}": v for k, v in comm_metrics(spec, est.comm_bytes).items()
            if k.endswith("_bytes") and not k.endswith("_ring_bytes") and v}
-    if spec.layout.zero_stage == 1 and "fidelity/estimate_comm_dp_allgather_bytes" in out:
-        # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
-        out["fidelity/estimate_comm_dp_broadcast_bytes"] = out.pop("fidelity/estimate_comm_dp_allgather_bytes")
+    for group in ("dp", "edp"):
+        if spec.layout.zero_stage == 1 and f"fidelity/estimate_comm_{group}_allgather_bytes" in out:
+            # an executed ZeRO-1 is torch's ZeroRedundancyOptimizer: it broadcasts what the estimate gathers
+            out[f"fidelity/estimate_comm_{group}_broadcast_bytes"] = out.pop(f"fidelity/estimate_comm_{group}_allgather_bytes")
     if spec.layout.ep > 1 and spec.layout.cp == 1:  # the token all-to-alls (xpar.parallel.expert), beside comm/ep_*
         out["fidelity/estimate_comm_ep_all_to_all_bytes"] = ep_bytes_per_step(spec)
     if spec.layout.cp > 1 and spec.layout.recompute == "none":  # the K/V all-gathers (xpar.parallel.context)

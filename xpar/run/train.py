@@ -102,14 +102,19 @@ def comm_groups(engine: Engine) -> dict:
     the dp wrappers' (dp, or the flattened dp x cp under context parallelism, logged as ``dp``:
     the estimate prices cp as dp x cp ranks, xpar.estimate.context_parallel.fold_cp), when it has
     more than one rank; the cp axis's (K/V all-gathers and their gradients' reduction,
-    xpar.parallel.context), when cp > 1; the ep group's (token all-to-all) under ep."""
+    xpar.parallel.context), when cp > 1; under ep the ep group's (token all-to-all) and, when it has more
+    than one rank, the expert-dp group's (``edp``: the routed experts' gradient reduction and ZeRO's gathers,
+    xpar.parallel.expert; the estimate's ``comm/edp_*``)."""
     spec, out = engine.spec, {}
     if spec.dp * spec.cp > 1:
         out["dp"] = replica_mesh(engine.mesh).get_group()
     if spec.cp > 1:
         out["cp"] = engine.mesh["cp"].get_group()
-    if getattr(engine, "expert_groups", None) is not None:
-        out["ep"] = engine.expert_groups.ep
+    groups = getattr(engine, "expert_groups", None)
+    if groups is not None:
+        out["ep"] = groups.ep
+        if dist.get_world_size(groups.expert_dp) > 1:
+            out["edp"] = groups.expert_dp
     return out
 
 
