@@ -130,3 +130,48 @@ def test_moe_checks_name_what_works():
     est = spec_for("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "parallel.tp=8", "parallel.dp=8",
                    "parallel.zero_stage=3", "train=cluster", "train.seq_len=4096", "run.mode=estimate")
     assert est.model.n_experts == 8 and est.tp == 8
+
+
+MAVERICK = dict(name="llama4_maverick", n_layers=48, hidden=5120, n_heads=40, n_kv_heads=8, head_dim=128,
+                ffn_hidden=16384, n_experts=128, moe_top_k=1, n_shared_experts=1, expert_ffn_hidden=8192,
+                vocab_size=202048, seq_len=8192, moe_layer_freq=2)
+"""Llama 4 Maverick's text model (Hugging Face meta-llama/Llama-4-Maverick-17B-128E config.json: hidden 5120, 48
+layers, 40 heads of 128, 8 kv heads, intermediate_size 8192 (each expert and the shared one),
+intermediate_size_mlp 16384 (the dense blocks), 128 experts, top 1, interleave_moe_layer_step 2, vocab 202048)."""
+
+
+def test_every_other_block_holds_experts_as_llama4_maverick_and_its_published_counts():
+    """model.moe_layer_freq=2: blocks 1, 3, ..., 47 hold experts (transformers' Llama4TextConfig moe_layers =
+    range(step - 1, n_layers, step)), the others the 16384-wide dense MLP; 400B parameters, 17B active (Meta's
+    model card: 17B active, 400B total)."""
+    cfg = ModelConfig(**MAVERICK)
+    assert [i for i in range(48) if cfg.is_moe_layer(i)] == list(range(1, 48, 2)) and cfg.moe_layers == 24
+    count = param_count(cfg)
+    assert count.total == pytest.approx(400e9, rel=0.01) and count.active == pytest.approx(17e9, rel=0.02)
+    every = param_count(replace(cfg, moe_layer_freq=1))  # every block with 128 experts: twice the experts
+    assert every.total > 1.9 * count.total
+    after = replace(cfg, first_dense_layers=3, n_layers=9)  # the dense leading blocks first, then one in two
+    assert [i for i in range(9) if after.is_moe_layer(i)] == [4, 6, 8] and after.moe_layers == 3
+
+
+def test_interleaved_moe_blocks_are_what_the_model_builds_and_the_estimate_writes_out():
+    """The executed model puts experts where ``is_moe_layer`` says; the estimate's parameter shapes (written
+    without torch) equal the model built on the meta device."""
+    cfg = replace(model("moe_tiny"), n_layers=4, first_dense_layers=0, moe_layer_freq=2)
+    with torch.device("meta"):
+        built = Transformer(cfg)
+    kinds = [isinstance(block.feed_forward, MoE) for block in built.layers.values()]
+    assert kinds == [False, True, False, True]
+    from xpar.config.layout import Layout
+    from xpar.estimate.memory.model_states import _param_shapes, _shapes_layout
+    layout = _shapes_layout(Layout(dp=1, tp=1, pp=1, micro_batch_size=1, micro_batches=1, seq_len=cfg.seq_len,
+                                   layer_split=(cfg.n_layers,)))
+    real = [(k, tuple(p.shape)) for k, p in built.named_parameters()]
+    assert [(k.split(":", 1)[1], sh) for k, sh in _param_shapes(_model_key(cfg), layout, 1, 0)] == real
+    assert sum(torch.Size(sh).numel() for _, sh in real) == param_count(cfg).total
+
+
+def test_a_moe_layer_freq_leaving_no_expert_block_is_one_line():
+    from xpar.config.checks.config import check_experts
+    msgs = check_experts(ModelConfig(**{**MAVERICK, "moe_layer_freq": 49}))
+    assert len(msgs) == 1 and "model.moe_layer_freq=49" in msgs[0] and "values that work: 1-48" in msgs[0]

@@ -62,6 +62,11 @@ class ModelConfig:
     """Inner width of one expert's MLP (same activation as the dense MLP); None: ffn_hidden."""
     first_dense_layers: int = 0
     """Leading blocks with the dense MLP (ffn_hidden) instead of experts (DeepSeek-V3: 3)."""
+    moe_layer_freq: int = 1
+    """After ``first_dense_layers``, every ``moe_layer_freq``-th block holds experts, the others the dense MLP
+    (ffn_hidden): blocks f-1, 2f-1, ... Llama 4 Maverick 2 (Hugging Face transformers ``Llama4TextConfig``:
+    ``interleave_moe_layer_step`` 2, ``moe_layers = range(step - 1, n_layers, step)``; Megatron-Core's
+    ``--moe-layer-freq`` pattern [0, 1] x 24); 1: every block (Mixtral, DeepSeek-V3 after its dense ones)."""
     capacity_factor: Optional[float] = None
     """Tokens an expert takes as a multiple of its even share k T / E, the rest dropped (Fedus et al. 2022);
     None: dropless (MegaBlocks, Megatron-Core's and DeepSeek-V3's default). Executed dropless only."""
@@ -114,12 +119,14 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        """Blocks with experts: n_layers - first_dense_layers (0 for a dense model)."""
-        return max(0, self.n_layers - self.first_dense_layers) if self.n_experts else 0
+        """Blocks with experts: of the n_layers - first_dense_layers after the dense ones, one in
+        moe_layer_freq (0 for a dense model)."""
+        return max(0, self.n_layers - self.first_dense_layers) // max(1, self.moe_layer_freq) if self.n_experts else 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global block ``layer`` holds experts."""
-        return self.n_experts > 0 and layer >= self.first_dense_layers
+        """Whether global block ``layer`` holds experts (:attr:`moe_layer_freq`, :attr:`first_dense_layers`)."""
+        after = layer - self.first_dense_layers
+        return self.n_experts > 0 and after >= 0 and after % max(1, self.moe_layer_freq) == max(1, self.moe_layer_freq) - 1
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether global block ``layer`` attends within ``sliding_window`` (``sliding_window_pattern``)."""

@@ -102,7 +102,8 @@ def check_mla(model) -> list[str]:
 
 def check_experts(model) -> list[str]:
     """A mixture of experts: E >= 0; with experts, 1 <= top k <= E, shared experts >= 0, an expert
-    width >= 1, 0 <= first dense blocks <= n_layers, a capacity factor > 0 or null (dropless)."""
+    width >= 1, 0 <= first dense blocks <= n_layers with at least one block of experts after them
+    (model.moe_layer_freq), a capacity factor > 0 or null (dropless)."""
     if model.n_experts < 0:
         return [f"model.n_experts must be >= 0 (0: a dense model), got {model.n_experts}."]
     if not model.n_experts:
@@ -117,6 +118,11 @@ def check_experts(model) -> list[str]:
     if not 0 <= model.first_dense_layers <= model.n_layers:
         out.append(f"model.first_dense_layers must be between 0 and model.n_layers={model.n_layers}, "
                    f"got {model.first_dense_layers}.")
+    elif model.moe_layers < 1:
+        most = max(1, model.n_layers - model.first_dense_layers)
+        out.append(f"model.moe_layer_freq={model.moe_layer_freq} leaves no block with experts after "
+                   f"model.first_dense_layers={model.first_dense_layers} of model.n_layers={model.n_layers}; "
+                   f"values that work: 1-{most}, e.g. model.moe_layer_freq=1 (every block) or model.n_experts=0 (dense).")
     if model.capacity_factor is not None and not model.capacity_factor > 0:
         out.append(f"model.capacity_factor must be > 0, or null for dropless routing, got {model.capacity_factor}.")
     if not model.moe_imbalance >= 1:

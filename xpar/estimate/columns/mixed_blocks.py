@@ -1,5 +1,5 @@
 """FSDP unit times of models whose blocks differ in size (a MoE model with dense leading blocks,
-``model.first_dense_layers``), whose dp collectives per unit depend on the blocks a rank holds.
+``model.first_dense_layers``, ``model.moe_layer_freq``), whose dp collectives per unit depend on the blocks a rank holds.
 
 Where :func:`blocks_vary`, each representative rank's own units
 (:func:`xpar.estimate.comm.dp.unit_elements` of the candidate's placement) are timed by
@@ -22,7 +22,7 @@ UNIT_TIMES = {"g": "gather", "gb": "gather_backward", "r": "reduce", "cg": "copy
 def blocks_vary(base) -> bool:
     """Whether the model's blocks differ in parameter elements (dense and MoE blocks)."""
     cfg = base.model
-    return bool(cfg.n_experts) and 0 < cfg.first_dense_layers < cfg.n_layers
+    return bool(cfg.n_experts) and 0 < cfg.moe_layers < cfg.n_layers
 
 
 class UnitTimes:
