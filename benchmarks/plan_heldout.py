@@ -119,7 +119,8 @@ def main() -> None:
     print("\nPer run: seconds to plan, what tests/data holds, what separates the winner")
     print("\n".join(notes))
     summary(done, time.perf_counter() - t0, len(done))
-    for title, keep in (("published runs (not rows 19, 24)", lambda f: f["num"] not in NOT_PUBLISHED),
+    left = ", ".join(str(k) for k in NOT_PUBLISHED) or "none"
+    for title, keep in ((f"published runs (left out: rows {left})", lambda f: f["num"] not in NOT_PUBLISHED),
                         ("held out: model in no tests/data file", lambda f: f["num"] not in SEEN | NOT_PUBLISHED)):
         sub = [f for f in done if keep(f)]
         print(f"\n-- {title}: rows {', '.join(str(f['num']) for f in sub)}")
