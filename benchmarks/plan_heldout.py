@@ -3,7 +3,7 @@
 :func:`xpar.config.validate.validate`), planned with its model, hardware, framework profile and global batch
 (benchmarks/plan_published.py ``plan_of``), and the published layout's place in that plan.
 
-    python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192]
+    python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192] [--hunt benchmarks/refusal_hunt2.md]
 
 Columns and summary as plan_published.py (its ``row_figures``, ``row_line``, ``summary``), then per run: what
 tests/data holds of it ('seen'), and where the claimed gain comes from: the published row against the best of its
@@ -43,6 +43,8 @@ SEEN = {
 
 
 def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
+    # --hunt: another hunt's Runs table in the same columns (benchmarks/refusal_hunt2.md); SEEN and NOT_PUBLISHED
+    # describe refusal_hunt.md's rows only
     """(row number, run, command) of each accepted row of the hunt's Runs table (on main, the branch's result)."""
     out = []
     for line in path.read_text().splitlines():
@@ -89,10 +91,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", help="comma-separated row numbers of the hunt (default: every accepted one)")
     ap.add_argument("--max-devices", type=int, default=16384)
+    ap.add_argument("--hunt", type=Path, default=HUNT, help="a hunt's markdown (Runs table of refusal_hunt.md's columns)")
     args = ap.parse_args()
+    if args.hunt.resolve() != HUNT:
+        SEEN.clear()
+        NOT_PUBLISHED.clear()
     wanted = {int(x) for x in args.rows.split(",")} if args.rows else None
-    rows = [r for r in hunt_rows() if wanted is None or r[0] in wanted]
-    print(f"{len(rows)} accepted commands of {HUNT.name}")
+    rows = [r for r in hunt_rows(args.hunt) if wanted is None or r[0] in wanted]
+    print(f"{len(rows)} accepted commands of {args.hunt.name}")
     print(HEADER)
     t0, done, notes = time.perf_counter(), [], []
     for num, name, command in rows:
@@ -113,7 +119,8 @@ def main() -> None:
     print("\nPer run: seconds to plan, what tests/data holds, what separates the winner")
     print("\n".join(notes))
     summary(done, time.perf_counter() - t0, len(done))
-    for title, keep in (("published runs (not rows 19, 24)", lambda f: f["num"] not in NOT_PUBLISHED),
+    left = ", ".join(str(k) for k in NOT_PUBLISHED) or "none"
+    for title, keep in ((f"published runs (left out: rows {left})", lambda f: f["num"] not in NOT_PUBLISHED),
                         ("held out: model in no tests/data file", lambda f: f["num"] not in SEEN | NOT_PUBLISHED)):
         sub = [f for f in done if keep(f)]
         print(f"\n-- {title}: rows {', '.join(str(f['num']) for f in sub)}")

@@ -362,3 +362,21 @@ def test_a_context_parallel_estimate_logs_the_gradient_bytes_of_its_dp_x_cp_grou
     dp = spec_for("parallel.dp=2", "run.mode=estimate")
     got, want = comm_metrics(cp, estimate(cp).comm_bytes), comm_metrics(dp, estimate(dp).comm_bytes)
     assert got["comm/dp_allreduce_bytes"] == pytest.approx(want["comm/dp_allreduce_bytes"]) and got["comm/dp_allreduce_bytes"] > 0
+
+
+def test_estimate_of_a_folded_ep_layout_skips_the_dry_run_with_a_note(tmp_path):
+    """ep above dp x cp (MoE parallel folding, etp < tp: DeepSeek-V3 on 512 H100 at tp 2, ep 64, dp 32,
+    dgxc-benchmarking) is estimated; the engine cannot build it, so its dry run is skipped with a note
+    instead of torch's ProcessGroup error (benchmarks/refusal_hunt2.md). ep inside dp x cp is still built."""
+    from xpar.run.dryrun import not_buildable
+    from xpar.run.estimate_mode import estimate_report
+
+    common = ("model=moe_tiny", "parallel.tp=2", "parallel.dp=2", "parallel.etp=1", "parallel.sequence_parallel=true",
+              "run.mode=estimate", "hardware=h100_80gb_8gpu", "hardware.devices_per_node=4")
+    folded = spec_for(*common, "parallel.ep=4", local_devices=4)
+    assert folded.layout.ep > folded.layout.dp * folded.layout.cp
+    r = estimate_report(folded, tmp_path)
+    assert r.step_time_s > 0 and "estimate/dryrun_ranks" not in r.extra
+    assert any(n.startswith("dry run skipped: ep=4") for n in r.notes), r.notes
+    inside = spec_for(*common, "parallel.ep=2", local_devices=4)
+    assert not_buildable(inside) is None and not_buildable(folded) is not None

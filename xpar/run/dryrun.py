@@ -146,6 +146,23 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
                      analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])}, build_s=build_s)
 
 
+def not_buildable(spec: RunSpec) -> Optional[str]:
+    """Why the engine factory cannot build ``spec``'s layout for the dry run, or None where it can.
+
+    The executed engine takes its ep groups inside dp x cp (xpar.parallel.expert.group_ranks); a
+    layout whose ep exceeds dp x cp folds tp ranks into ep (MoE parallel folding, etp < tp: Liu et al.
+    2025, arXiv 2504.14960; Megatron-Core's --expert-tensor-parallel-size), which xpar estimates but does not
+    run (xpar.config.checks.layout.check_ep). Such a layout trained (e.g. DeepSeek-V3 on 512 H100 at tp 2,
+    ep 64, dp 32: NVIDIA/dgxc-benchmarking deepseek_v3/pretraining/README.md @1f6d9f4); its dry run is
+    skipped rather than reported as torch's refusal."""
+    dp_cp = spec.layout.dp * spec.layout.cp
+    if spec.layout.ep > dp_cp:
+        return (f"dry run skipped: ep={spec.layout.ep} over tp x cp x dp (etp={spec.layout.expert_tp} < "
+                f"tp={spec.layout.tp}, MoE parallel folding) is estimated only; the executed engine takes ep inside "
+                f"dp x cp = {dp_cp}, so no rank of this layout can be built to check its parameter bytes.")
+    return None
+
+
 def buildable(spec: RunSpec) -> RunSpec:
     """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).

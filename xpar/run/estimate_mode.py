@@ -22,7 +22,7 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.comm.volume import ring_factor
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.run.dryrun import PlanError, dry_run, representative_ranks
+from xpar.run.dryrun import PlanError, dry_run, not_buildable, representative_ranks
 from xpar.track.estimate_figures import write_figures
 from xpar.estimate.memory.model_states import MEMORY_TERMS, expert_dp_size, peak_ranks
 from xpar.estimate.memory.offload import OFFLOAD_TERMS
@@ -113,7 +113,8 @@ def offload_metrics(offload: dict) -> dict[str, float]:
 
 def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     """The Report of ``spec`` in estimate mode (see the module docstring), with the dry run
-    unless ``spec.dry_run`` is False; figures and ``dryrun.json`` are written to ``out_dir``.
+    unless ``spec.dry_run`` is False or the engine cannot build the layout (a note says why:
+    :func:`xpar.run.dryrun.not_buildable`); figures and ``dryrun.json`` are written to ``out_dir``.
 
     Raises:
         xpar.run.dryrun.PlanError: torch refused to build a rank of the layout.
@@ -133,7 +134,8 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(memory_detail_metrics(mem))
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
-    if spec.dry_run:
+    skipped = not_buildable(spec)
+    if spec.dry_run and not skipped:
         coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
@@ -157,7 +159,8 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         peak_rank=ranks[0],
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
-    report.notes = list(est.notes) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else [])
+    report.notes = list(est.notes) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else []) \
+        + ([skipped] if spec.dry_run and skipped else [])
     check_figures(report)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report
