@@ -62,8 +62,8 @@ TOTALS = {
     "nemotron4_15b": ((3.2 + 12.5) * G, 0.01),  # Nemotron-4 15B report Sec. 2: 3.2B embedding + 12.5B non-embedding
     "nemotron4_340b": ((9.4 + 331.6) * G, 0.001),  # Nemotron-4 340B report Sec. 2.2: 9.4B + 331.6B
     "grok1": (314 * G, 0.01),  # xai-org/grok-1 README: "Parameters: 314B"
-    "mixtral_8x22b": (141 * G, 0.005),  # Mistral AI release note, 2024-04-17: 141B
-    "mistral_7b": (7.3 * G, 0.01),  # Mistral AI release note, 2023-09-27: "7.3B parameter model"
+    "mixtral_8x22b": (141 * G, 0.005),  # Mistral AI release note "Cheaper, Better, Faster, Stronger" (April 2024): 141B
+    "mistral_7b": (7.3 * G, 0.01),  # "Announcing Mistral 7B" (September 2023): "7.3B parameter model"
     "gemma2_9b": (917_962_752 + 8_324_201_984, 0.001),  # Gemma 2 report (arXiv 2408.00118) Table 2
     "gemma2_27b": (1_180_237_824 + 26_047_480_320, 0.001),  # ibid.
     "gemma3_27b": ((1416 + 25600) * 1e6, 0.005),  # Gemma 3 report (arXiv 2503.19786) Table 1, vision encoder aside
@@ -129,8 +129,8 @@ def test_deepseek_v2_counts_are_the_published_ones_with_mla_as_mla(name, total, 
 
 
 def test_grok1_routes_a_quarter_of_its_expert_weights():
-    """xAI's release note (2024-03-17): "25% of the weights active on a given token" (2 of 8 experts; with the
-    attention and the embedding, all active, xpar's count gives 26.5 %)."""
+    """xAI's "Open Release of Grok-1" (March 2024): "25% of the weights active on a given token" (2 of 8 experts;
+    with the attention and the embedding, all active, xpar's count gives 26.5 %)."""
     count = param_count(model("grok1"))
     assert 0.25 <= count.active / count.total <= 0.27
 
