@@ -532,7 +532,7 @@ class PlanConfig:
     pp: Optional[int] = None
     """Fixed pipeline degree; null: any."""
     cp: Optional[list] = None
-    """Context-parallel degrees; null: [1], or 1, 2, 4, 8 at seq_len >= 16384 (xpar.plan.axes)."""
+    """Context-parallel degrees; null: 1 and the powers of two leaving each cp rank >= 4096 tokens (xpar.plan.axes)."""
     ep: Optional[list] = None
     """Expert-parallel degrees; null: a MoE model's divisors of n_experts, [1] when dense (xpar.plan.axes)."""
     dtype: Optional[list] = None
@@ -548,7 +548,7 @@ class PlanConfig:
     offload: Optional[list] = None
     """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
     max_micro_batch_size: int = 16
-    """Largest micro-batch size b tried (sequences): every b up to 8, powers of two above (torchtitan runs b 16);
+    """Largest micro-batch size b tried (sequences): every b dividing the global batch (torchtitan runs b 12, 16);
     layouts that do not fit are dropped by memory."""
     memory_headroom: Optional[float] = None
     """Fraction of device memory kept free; null: hardware.memory_headroom where above 0, else 0.08 on a GPU (the CUDA
