@@ -225,11 +225,34 @@ def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backwa
     return attn, 3 if backward else 1, 0.0  # FlashAttention backward: preprocess, main, dq conversion
 
 
+def sink_bytes(path: Optional[str], micro_batch, s_q, s_kv, heads, backward: bool):
+    """(bytes, kernels) one rank's attention core moves for learned sinks (model.attention_sinks) beyond its own
+    pass, by the framework's path (framework.sink_attention), ``heads`` per rank:
+
+    - 'fused' (cuDNN through Transformer Engine >= 2.8, cuDNN >= 9.13.1): forward nothing (the sink is one more term
+      of the kernel's running softmax sum: cudnn-frontend scaled_dot_product_flash_attention.h, Softmax
+      ``set_sink``); backward the dsink reduction, exp(sink - stats) x D summed over batch and queries per head
+      (the same file, ``sub_sink``/``exp_sink``/``reduce_per_token_grad``): the fp32 stats and the fp32 rowsum D
+      read once, 8 bytes a query row and head, no kernel of its own counted (one cuDNN graph);
+    - 'unfused' (Transformer Engine's UnfusedDotProductAttention, transformer_engine/pytorch/attention/
+      dot_product_attention/backends.py: ``torch.cat`` of the sink column to the scores, then ``[..., :-1]``):
+      the bf16 s_q x s_kv scores read and written once more forward (the concatenation) and backward (the slice's
+      gradient padded back), one kernel each;
+    - None: no sinks, nothing."""
+    rows = np.asarray(micro_batch, dtype=float) * heads * s_q
+    if path == "fused":
+        return (8.0 * rows if backward else 0.0 * rows), 0
+    if path == "unfused":
+        return 2.0 * BF16 * rows * s_kv, 1
+    return 0.0 * rows, 0
+
+
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
                 dispatcher: str = "alltoall", expert_call_us: float = 0.0, kv_over_tp: str = "split",
-                fp8_recipe: str = DEFAULT_RECIPE, window_kernel: bool = True) -> BlockTerms:
+                fp8_recipe: str = DEFAULT_RECIPE, window_kernel: bool = True,
+                sinks: Optional[str] = None) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -246,6 +269,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
+    ``sinks``: the path of learned attention sinks (framework.sink_attention where model.attention_sinks; None: no
+    sinks), their extra traffic in ``memory`` (:func:`sink_bytes`); the core itself as ``flash`` says.
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -275,7 +300,9 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
     gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
-    memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
+    sunk, k_sink = sink_bytes(sinks, micro_batch, np.asarray(seq_len, dtype=float) / cp, seq_len, heads, backward)
+    kernels = kernels + k_sink
+    memory = memory_time(moved * (2 if backward else 1) + sunk, device)  # backward: grads in and out, saved inputs
     busy = gemm + experts + attn + memory
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
     if sh.experts:
