@@ -105,6 +105,12 @@ class ModelConfig:
     (from 0) is full where (i + 1) % k == 0 (HF Gemma 3 ``sliding_window_pattern`` 6, i.e. 5 local : 1 global;
     gpt-oss and Gemma 2: 2, local first, as their ``layer_types``; Megatron-Core ``window_attn_skip_freq``);
     0: every layer local (Mistral 7B v0.1)."""
+    attention_sinks: bool = False
+    """Learned attention sinks: one logit per head added to every softmax denominator (its column attends to no
+    value), so a row may give less than all of its weight to the keys (openai/gpt-oss-120b and -20b: ``sinks``, 64
+    logits a layer, in OpenAI's reference gpt_oss/torch/model.py and HF modeling_gpt_oss.py; Megatron-Core
+    ``softmax_type='learnable'``). Priced as the framework's kernel runs them (framework.sink_attention); estimated,
+    not executed."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
