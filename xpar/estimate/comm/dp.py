@@ -90,14 +90,58 @@ def expert_split_times(spec: RunSpec, assume, units: list[int], experts: Optiona
     return {k: [a + b for a, b in zip(dense[k], mine[k])] for k in dense}
 
 
+BUCKET_RULES = ("fixed", "megatron_core")
+"""Values of Assumptions.bucket_rule (xpar.config.profile.FrameworkConfig): :func:`bucket_bytes`."""
+MCORE_BUCKET_MIN_ELEMENTS = 40_000_000
+"""Megatron-Core's smallest default bucket, elements (megatron/core/distributed/distributed_data_parallel.py,
+DistributedDataParallel.__init__: ``bucket_size = max(40000000, 1000000 * dp_group.size())`` where
+``ddp_config.bucket_size`` is None; Megatron-LM commit 0fda386c, 2024-04-11, 'Tune DDP bucket size to improve
+speed at large DP counts')."""
+MCORE_BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
+"""Megatron-Core's default bucket grows by this many elements per dp rank (same line: large enough that each
+ring step's chunk stays bandwidth-bound rather than latency-bound at large dp)."""
+
+
+def bucket_bytes(spec: RunSpec, assume, nbytes: int) -> float:
+    """Bytes per DDP/ZeRO-1 bucket of elements of ``nbytes`` bytes: ``assume.bucket_mb`` MB under the 'fixed'
+    rule; under 'megatron_core', Megatron-Core's default, max(:data:`MCORE_BUCKET_MIN_ELEMENTS`,
+    :data:`MCORE_BUCKET_ELEMENTS_PER_DP_RANK` x dp) elements (dp: ``spec.dp``, dp x cp where cp is folded),
+    as NeMo's Megatron-Core optimizer leaves it (nemo/collections/nlp/models/language_modeling/megatron_gpt_model.py
+    ``setup_mcore_distributed_parallel``: ``bucket_size`` from ``optim.ddp_bucket_size``, not ``bucket_cap_mb``).
+
+    Raises:
+        ValueError: a ``bucket_rule`` not in :data:`BUCKET_RULES`."""
+    rule = getattr(assume, "bucket_rule", "fixed")
+    if rule not in BUCKET_RULES:
+        raise ValueError(f"framework.bucket_rule must be one of {BUCKET_RULES}, got {rule!r}")
+    if rule == "fixed":
+        return assume.bucket_mb * 1e6
+    return max(MCORE_BUCKET_MIN_ELEMENTS, MCORE_BUCKET_ELEMENTS_PER_DP_RANK * spec.dp) * nbytes
+
+
+def bucketed(units: list[int], widths: list, buckets: int, timed: Callable[[float], float]) -> list[float]:
+    """Seconds per unit of a collective issued in ``buckets`` equal buckets over ``units`` (elements of
+    ``widths`` bytes each): a unit's share of ``buckets`` collectives of 1 / buckets of the bytes each
+    (``timed``: seconds of one collective of so many bytes)."""
+    sizes = [u * w for u, w in zip(units, widths)]
+    total = sum(sizes)
+    if not total:
+        return [0.0] * len(units)
+    per_bucket = timed(total / buckets)
+    return [x / total * buckets * per_bucket for x in sizes]
+
+
 def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: dict) -> dict[str, list[float]]:
     """Seconds per unit (``units``: elements each) of its parameter ``gather`` and gradient ``reduce`` over
-    ``n`` ranks in ``group`` (module docstring: what each ZeRO stage issues). FP8 gathers:
-    xpar.estimate.frameworks.fp8_params; DeepSpeed's owner-by-owner reduction: xpar.estimate.frameworks.owner_reduce."""
+    ``n`` ranks in ``group`` (module docstring: what each ZeRO stage issues), the buckets :func:`bucket_bytes`;
+    under the 'megatron_core' bucket rule the distributed optimizer's all-gathers run bucket by bucket too
+    (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBucketGroup.start_param_sync``: one
+    all-gather per bucket). FP8 gathers: xpar.estimate.frameworks.fp8_params; DeepSpeed's owner-by-owner
+    reduction: xpar.estimate.frameworks.owner_reduce."""
     z, gb = spec.layout.zero_stage, grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
-    bucket = assume.bucket_mb * 1e6
+    bucket = bucket_bytes(spec, assume, gb)
 
     def timed(kind: str, nbytes: float) -> float:
         return _timed(spec, assume, memo, kind, nbytes, group)
@@ -105,16 +149,17 @@ def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: di
     if z >= 2:  # FSDP: one reduce-scatter per unit
         red = [timed(coll, u * gb) for u in units]
     elif bucket > 0:  # buckets: a unit's share of the messages, ceil(gradient bytes / bucket) of them
-        total = sum(units) * gb
-        buckets = max(1, math.ceil(total / bucket))
-        per_bucket = timed(coll, total / buckets)
-        red = [u * gb / total * buckets * per_bucket if total else 0.0 for u in units]
+        buckets = max(1, math.ceil(sum(units) * gb / bucket))  # ceil(gradient bytes / bucket)
+        red = bucketed(units, [gb] * len(units), buckets, lambda b: timed(coll, b))
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
     if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
         red = owner_unit_times(units, gb, n, bucket, z == 2, lambda b: timed("broadcast", b))
     kind = "broadcast" if z == 1 and assume.zero1 == "zero_redundancy" else "allgather"  # torch: broadcasts
+    if z == 1 and kind == "allgather" and getattr(assume, "bucket_rule", "fixed") == "megatron_core":
+        buckets = max(1, math.ceil(sum(units) * gb / bucket))  # the gradient buckets' parameters, in their width
+        return {"gather": bucketed(units, list(pw), buckets, lambda b: timed(kind, b)), "reduce": red}
     return {"gather": [timed(kind, u * w) for u, w in zip(units, pw)], "reduce": red}
 
 
