@@ -26,6 +26,7 @@ from xpar.estimate.memory.model_states import (BYTES, expert_dp_size, unit_eleme
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
+from xpar.estimate.comm.head_unit import any_head, kept_head, split_compute, split_forward
 from xpar.estimate.comm.hsdp import hsdp_unit_times
 from xpar.estimate.frameworks.owner_reduce import owner_unit_times
 from xpar.estimate.comm.overlap import simulate_pass, vwhere
@@ -217,7 +218,7 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
                 copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
-                gather_b: Optional[list] = None, v: Any = 1, units: Any = None) -> dict:
+                gather_b: Optional[list] = None, v: Any = 1, units: Any = None, head: Any = 0.0) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -233,18 +234,23 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     ``v``: model chunks per pipeline rank (an int, or an int array over layouts), read with
     ``assume.dp_overlap_per_chunk`` (xpar.estimate.frameworks.dp_chunks). ``units``: each layout's own units
     (an int array) where the lists hold more, the extra ones of no time (after its blocks in forward order;
-    None: all units are its own)."""
+    None: all units are its own). ``head``: the share of the root's elements that are the output head, a unit of its
+    own after the last block where > 0 (a float, or a float array over layouts; xpar.estimate.comm.head_unit)."""
+    gather_b = gather if gather_b is None else gather_b
+    if any_head(head):  # the root split: the embedding first, the head (with the logits) last in forward
+        compute_f, compute_b = split_compute(compute_f, compute_b, head)
+        gather, reduce, copy_gather, copy_reduce, gather_b = (split_forward(x, head) for x in (
+            gather, reduce, copy_gather, copy_reduce, gather_b))
+        gather_b = kept_head(gather_b[::-1], head)[::-1]  # the head stays gathered for its backward
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
+    cg_b = kept_head(root_kept(cg[::-1]), head)  # backward order: copies after the backward's gathers
     every = (z >= 2) & (pp == 1)
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
-    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
-                                              _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v,
-                    units)
-    copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
-               + vwhere(every, sum(cr), 0.0))
+    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, cg_b), _masked(every, cr[::-1]))]
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather_b, v, units)
+    copy_mb = vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(cg_b), 0.0) + vwhere(every, sum(cr), 0.0)
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
     copy_first = vwhere((z == 3) & (pp > 1), sum(cg), 0.0)
     out["first_backward"] = out["first_backward"] + copy_first
