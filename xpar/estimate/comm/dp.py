@@ -26,6 +26,7 @@ from xpar.estimate.memory.model_states import (BYTES, expert_dp_size, unit_eleme
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
+from xpar.estimate.frameworks.mcore_buckets import bucket_count, bucket_elements
 from xpar.estimate.comm.head_unit import any_head, kept_head, split_compute, split_forward
 from xpar.estimate.comm.hsdp import hsdp_unit_times
 from xpar.estimate.frameworks.owner_reduce import owner_unit_times
@@ -93,22 +94,11 @@ def expert_split_times(spec: RunSpec, assume, units: list[int], experts: Optiona
 
 BUCKET_RULES = ("fixed", "megatron_core")
 """Values of Assumptions.bucket_rule (xpar.config.profile.FrameworkConfig): :func:`bucket_bytes`."""
-MCORE_BUCKET_MIN_ELEMENTS = 40_000_000
-"""Megatron-Core's smallest default bucket, elements (megatron/core/distributed/distributed_data_parallel.py,
-DistributedDataParallel.__init__: ``bucket_size = max(40000000, 1000000 * dp_group.size())`` where
-``ddp_config.bucket_size`` is None; Megatron-LM commit 0fda386c, 2024-04-11, 'Tune DDP bucket size to improve
-speed at large DP counts')."""
-MCORE_BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
-"""Megatron-Core's default bucket grows by this many elements per dp rank (same line: large enough that each
-ring step's chunk stays bandwidth-bound rather than latency-bound at large dp)."""
 
 
 def bucket_bytes(spec: RunSpec, assume, nbytes: int) -> float:
     """Bytes per DDP/ZeRO-1 bucket of elements of ``nbytes`` bytes: ``assume.bucket_mb`` MB under the 'fixed'
-    rule; under 'megatron_core', Megatron-Core's default, max(:data:`MCORE_BUCKET_MIN_ELEMENTS`,
-    :data:`MCORE_BUCKET_ELEMENTS_PER_DP_RANK` x dp) elements (dp: ``spec.dp``, dp x cp where cp is folded),
-    as NeMo's Megatron-Core optimizer leaves it (nemo/collections/nlp/models/language_modeling/megatron_gpt_model.py
-    ``setup_mcore_distributed_parallel``: ``bucket_size`` from ``optim.ddp_bucket_size``, not ``bucket_cap_mb``).
+    rule; under 'megatron_core', Megatron-Core's default (xpar.estimate.frameworks.mcore_buckets.bucket_elements).
 
     Raises:
         ValueError: a ``bucket_rule`` not in :data:`BUCKET_RULES`."""
@@ -117,7 +107,16 @@ def bucket_bytes(spec: RunSpec, assume, nbytes: int) -> float:
         raise ValueError(f"framework.bucket_rule must be one of {BUCKET_RULES}, got {rule!r}")
     if rule == "fixed":
         return assume.bucket_mb * 1e6
-    return max(MCORE_BUCKET_MIN_ELEMENTS, MCORE_BUCKET_ELEMENTS_PER_DP_RANK * spec.dp) * nbytes
+    return bucket_elements(spec) * nbytes
+
+
+def buckets_of(spec: RunSpec, assume, units: list[int], bucket: float, nbytes: int) -> int:
+    """How many buckets of ``bucket`` bytes the ``units`` (elements of ``nbytes`` bytes) make: ceil(bytes / bucket)
+    under the 'fixed' rule; Megatron-Core's layout under 'megatron_core' (xpar.estimate.frameworks.mcore_buckets.
+    bucket_count: a tensor larger than the bucket a bucket of its own)."""
+    if getattr(assume, "bucket_rule", "fixed") == "megatron_core":
+        return bucket_count(spec, units, bucket_elements(spec))
+    return max(1, math.ceil(sum(units) * nbytes / bucket))
 
 
 def bucketed(units: list[int], widths: list, buckets: int, timed: Callable[[float], float]) -> list[float]:
@@ -150,7 +149,7 @@ def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: di
     if z >= 2:  # FSDP: one reduce-scatter per unit
         red = [timed(coll, u * gb) for u in units]
     elif bucket > 0:  # buckets: a unit's share of the messages, ceil(gradient bytes / bucket) of them
-        buckets = max(1, math.ceil(sum(units) * gb / bucket))  # ceil(gradient bytes / bucket)
+        buckets = buckets_of(spec, assume, units, bucket, gb)
         red = bucketed(units, [gb] * len(units), buckets, lambda b: timed(coll, b))
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
@@ -159,7 +158,7 @@ def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: di
         red = owner_unit_times(units, gb, n, bucket, z == 2, lambda b: timed("broadcast", b))
     kind = "broadcast" if z == 1 and assume.zero1 == "zero_redundancy" else "allgather"  # torch: broadcasts
     if z == 1 and kind == "allgather" and getattr(assume, "bucket_rule", "fixed") == "megatron_core":
-        buckets = max(1, math.ceil(sum(units) * gb / bucket))  # the gradient buckets' parameters, in their width
+        buckets = buckets_of(spec, assume, units, bucket, gb)  # the gradient buckets' parameters, in their width
         return {"gather": bucketed(units, list(pw), buckets, lambda b: timed(kind, b)), "reduce": red}
     return {"gather": [timed(kind, u * w) for u, w in zip(units, pw)], "reduce": red}
 
