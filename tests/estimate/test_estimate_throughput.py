@@ -617,7 +617,8 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     (framework.dp_overlap_per_chunk, issue 43), userbuffer TP overlap). Under the kernel model (issue 42),
     held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the V = 8 its paper implies)
     predicts every row within 10 %: 1-7 % under for 175B and 340B (MFU 53-55 % published), 8-10 % under
-    for 15B (no pipeline). The constant that fits the source alone is 0.773 (0.774 with the step's dp
+    for 15B (no pipeline). The constant that fits the source alone is 0.767 (0.773 before issue 44's
+    Megatron-Core bucket rule and head unit; 0.774 with the step's dp
     collectives behind one micro-batch, 0.755 before its interleaved sends kept their fixed part exposed,
     issue 44); with Llama 3 in the H100 fit (0.771, the preset) every row is within 7 % (6 % at 0.765 before
     the refit with the fused optimizer's passes at framework.optimizer_bytes, issue 43; 4 % at 0.773 before the
@@ -642,7 +643,7 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     for row, e in zip(rows, r["held_out"]):
         lo, hi = (-0.11, -0.06) if row["pp"] == "1" else (-0.08, -0.01)
         assert lo < e < hi, (row["model"], row["gpus"], e)
-    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.773, abs=0.005)
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.767, abs=0.005)
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
         pairs = _dgxc(cases, rows, model)
         (_, small), (_, large) = pairs[0], pairs[-1]
@@ -661,7 +662,7 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8); hiding more raises every row. At the
     H100 matmul efficiency of Llama 3 alone (0.575) no share from 0 to 1 puts all 18 rows within 5 %:
     even with every tp collective hidden, 15B (4 micro-batches of 4 x 4096 tokens, tp comm 17 % of its
-    step when blocking) stays 4.5-6.5 % under (7-9 % before issue 44's bucket rule and head unit), so the tp knob cannot stand in for the efficiency
+    step when blocking) stays 4-6 % under (7-9 % before issue 44's bucket rule and head unit), so the tp knob cannot stand in for the efficiency
     (test_h100_efficiency_is_fitted_where_the_step_is_matmul). (At the 0.678 Llama 3 gave alone at the
     V = 2 assumed before, blocking tp put 175B and 340B within 5 % and 15B 5-11 % under.)"""
     eff = loso[1]["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
@@ -674,7 +675,7 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
                 calibration.errors([("H100", spec, replace(a, tp_async_backward=False), *rest)], eff)[0])
     for model in err[0.0]:
         assert all(a < b for a, b in zip(err[0.0][model], err[1.0][model]))
-    assert all(-0.10 < e < -0.04 for e in err[1.0]["nemotron4_15b"]), err[1.0]["nemotron4_15b"]
+    assert all(-0.10 < e < -0.035 for e in err[1.0]["nemotron4_15b"]), err[1.0]["nemotron4_15b"]
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
 
 
@@ -738,7 +739,7 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     """The H100 constant (hardware.sustained_efficiency under the kernel model, issue 42) is fitted on
     the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
     stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
-    the fit. Each source alone: NeMo 0.773, Llama 3 0.711, 0.062 apart (under FLOPs over one
+    the fit. Each source alone: NeMo 0.767 (0.773 before issue 44), Llama 3 0.711, 0.056 apart (under FLOPs over one
     efficiency within 0.03); at the fit (0.771, the preset; 0.765 since issue 44's bucket rule and head unit,
     :data:`H100_FIT`, the preset not refitted; with Megatron-Core's per-chunk dp overlap and
     the fused optimizer's passes at framework.optimizer_bytes: issue 43) every NeMo row is within 7 % (6 % at
