@@ -2,17 +2,13 @@
 parameters make.
 
 Size: where ``--ddp-bucket-size`` is unset, max(40M, 1M x dp) elements (megatron/core/distributed/
-distributed_data_parallel.py, ``DistributedDataParallel.__init__``; Megatron-LM commit 0fda386c, 2024-04-11, "Tune
-DDP bucket size to improve speed at large DP counts": large enough that each ring step's chunk stays bandwidth-bound).
-NeMo's Megatron-Core optimizer leaves it so (nemo/collections/nlp/models/language_modeling/megatron_gpt_model.py
-``setup_mcore_distributed_parallel``: ``bucket_size`` from ``optim.ddp_bucket_size``, not ``bucket_cap_mb``).
-
-Count: the parameters are laid out in reverse order and a bucket closes once it holds at least the bucket size
-(megatron/core/optimizer/distrib_optimizer.py ``_compute_per_buffer_param_layout``; a parameter is never split), so a
-tensor larger than the bucket is a bucket of its own. Counted on a dense block's tensors (``block_shapes``), the root
-(embedding, final norm, output) as one tensor; ceil(elements / bucket) where the blocks differ (MoE). Each bucket is
-one reduce-scatter and, with the distributed optimizer, one all-gather (param_and_grad_buffer.py
-``start_grad_sync`` / ``start_param_sync``). Units: elements.
+distributed_data_parallel.py ``DistributedDataParallel.__init__``, Megatron-LM commit 0fda386c, "Tune DDP bucket size
+to improve speed at large DP counts"); NeMo's Megatron-Core optimizer leaves it so (megatron_gpt_model.py
+``setup_mcore_distributed_parallel``: ``optim.ddp_bucket_size``, not ``bucket_cap_mb``).
+Count: parameters laid out in reverse order, a bucket closed once it holds the bucket size, a parameter never split
+(megatron/core/optimizer/distrib_optimizer.py ``_compute_per_buffer_param_layout``): counted on a dense block's
+tensors, the root as one tensor; ceil(elements / bucket) where blocks differ (MoE). Each bucket is one reduce-scatter
+and one all-gather (param_and_grad_buffer.py ``start_grad_sync`` / ``start_param_sync``). Units: elements.
 """
 from __future__ import annotations
 
