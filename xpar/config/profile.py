@@ -74,7 +74,18 @@ class FrameworkConfig:
     """Algorithm of dp collectives: 'nccl' (ring, or tree for all-reduce where faster),
     'ring' (flat ring), 'hierarchical' (intra-node, then inter-node, then intra-node)."""
     bucket_mb: float = 25.0
-    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued."""
+    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued (under
+    ``bucket_rule`` 'fixed')."""
+    head_unit_last: bool = False
+    """The output head (final norm and output projection) of an untied model on a one-stage pipeline is a dp unit of
+    its own after the last block: gathered last in forward, reduced first in backward, kept from forward to backward
+    (torchtitan's ``fully_shard([model.norm, model.output], reshard_after_forward=False)``; Megatron-Core's buckets in
+    backward order, the output layer's first). False: one root unit with the embedding, first in forward and last in
+    backward (xpar's ``fully_shard(model)`` root). xpar.estimate.comm.head_unit."""
+    bucket_rule: str = "fixed"
+    """How the DDP/ZeRO-1 bucket is sized: 'fixed' (``bucket_mb``) or 'megatron_core' (Megatron-Core's
+    default when ``--ddp-bucket-size`` is unset: max(40M, 1M x dp) elements, the distributed optimizer's
+    parameter all-gathers bucketed as its reduce-scatters: xpar.estimate.comm.dp.bucket_bytes)."""
     tp_overlap: float = 0.0
     """Share of tensor-parallel communication hidden behind the layer's GEMMs (0: blocking;
     async TP / Megatron-Core tp-comm-overlap hide most of it)."""
