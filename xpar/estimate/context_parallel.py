@@ -7,11 +7,12 @@ sequences, so its matmuls, activations, tp collectives and pipeline sends scale 
 its queries attend over all s keys, so the attention scores cost (b s / cp) s, what b / cp whole
 sequences cost; the gradients are reduced and ZeRO shards over dp x cp ranks (torchtitan shards
 over dp_shard x cp, Megatron-Core's distributed optimizer over dp x cp). What cp adds
-(:func:`cp_layer_times`): per layer and micro-batch, an all-gather of K and V over the cp group
-in forward and a reduce-scatter of their gradients in backward (the Llama 3 paper's all-gather
-based context parallelism: 2 b s kv / t elements gathered), counted exposed (Llama 3 gathers
-before it computes; a ring implementation would hide part of it behind the attention). Not
-counted: the all-gathered K and V kept for backward beside the local activations. Units: seconds.
+(:func:`cp_layer_times`): per layer and micro-batch, the exchange of K and V (2 b s kv / t elements
+of the whole sequence) as the framework runs it (``framework.cp_comm``, xpar.estimate.cp_exchange):
+all-gathered and their gradients reduce-scattered, exposed (the Llama 3 paper, xpar's engine); a
+ring whose sends hide behind each chunk's attention (Transformer Engine's p2p: Megatron-Core, NeMo);
+or Ulysses all-to-alls. Not counted: the all-gathered K and V kept for backward beside the local
+activations. Units: seconds.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dataclasses import replace
 from xpar.config.attention import tp_model
 from xpar.config.remat import POLICIES, replayed_share
 from xpar.config.spec import RunSpec
-from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.cp_exchange import (CP_COMM_TYPES, a2a_layer_times, all_gather_layer_times,
+                                       p2p_layer_times)
 from xpar.estimate.memory.model_states import BYTES
 
 
@@ -65,15 +67,22 @@ def cp_bytes_per_step(spec: RunSpec) -> float:
     return layers * spec.micro_batches * cp_payload_bytes(spec) * (1 + cp_replay(spec, spec.framework))
 
 
-def cp_layer_times(spec: RunSpec) -> dict[str, float]:
-    """Seconds of one layer's cp collectives per micro-batch on the unfolded ``spec``: ``f`` (the
-    all-gather of K and V, 2 b s kv_heads head_dim / t elements) and ``b`` (the reduce-scatter of
-    their gradients, the same payload); 0 without cp. The cp group is tp-strided (rank order
-    pp, dp, cp, tp)."""
-    cp = spec.layout.cp
-    if cp == 1:
-        return {"f": 0.0, "b": 0.0}
-    payload = cp_payload_bytes(spec)
-    g = group_of(spec.hardware, cp, spec.tp)
-    return {"f": collective_time(spec.hardware, "allgather", payload, g),
-            "b": collective_time(spec.hardware, "reduce_scatter", payload, g)}
+def cp_layer_times(spec: RunSpec, fw=None) -> dict[str, float]:
+    """Seconds of one layer's cp K/V exchange per micro-batch on the unfolded ``spec`` as the framework runs it
+    (``fw.cp_comm``: xpar.estimate.cp_exchange; ``fw``: its assumptions or config, default ``spec.framework``):
+    ``f`` and ``b`` exposed in forward and backward, ``f_issued`` and ``b_issued`` the communication issued (equal
+    where nothing is hidden); all 0 without cp. The cp group is tp-strided (rank order pp, dp, cp, tp).
+
+    Raises:
+        ValueError: an unknown ``cp_comm``."""
+    fw = spec.framework if fw is None else fw
+    if spec.layout.cp == 1:
+        return dict.fromkeys(("f", "b", "f_issued", "b_issued"), 0.0)
+    kind = getattr(fw, "cp_comm", "all_gather")
+    if kind == "p2p":
+        return p2p_layer_times(spec, cp_payload_bytes(spec), fw)
+    if kind == "a2a":
+        return a2a_layer_times(spec)
+    if kind == "all_gather":
+        return all_gather_layer_times(spec, cp_payload_bytes(spec))
+    raise ValueError(f"framework.cp_comm={kind!r} is not one of {', '.join(CP_COMM_TYPES)}")
