@@ -71,18 +71,30 @@ def cp_layer_times(spec: RunSpec, fw=None) -> dict[str, float]:
     """Seconds of one layer's cp K/V exchange per micro-batch on the unfolded ``spec`` as the framework runs it
     (``fw.cp_comm``: xpar.estimate.cp_exchange; ``fw``: its assumptions or config, default ``spec.framework``):
     ``f`` and ``b`` exposed in forward and backward, ``f_issued`` and ``b_issued`` the communication issued (equal
-    where nothing is hidden); all 0 without cp. The cp group is tp-strided (rank order pp, dp, cp, tp).
+    where nothing is hidden); all 0 without cp. ``p2p`` with a sliding-window model is priced as ``all_gather``
+    (:func:`cp_comm_of`): Transformer Engine's ring refuses sliding windows (its attention-with-cp tests: "No
+    support for SWA with cp_comm_type={p2p, a2a+p2p}"), its all-gather cp takes ``window_size``
+    (docs/concepts/kernels.md). The cp group is tp-strided (rank order pp, dp, cp, tp).
 
     Raises:
         ValueError: an unknown ``cp_comm``."""
     fw = spec.framework if fw is None else fw
     if spec.layout.cp == 1:
         return dict.fromkeys(("f", "b", "f_issued", "b_issued"), 0.0)
-    kind = getattr(fw, "cp_comm", "all_gather")
+    kind = cp_comm_of(spec, fw)
     if kind == "p2p":
         return p2p_layer_times(spec, cp_payload_bytes(spec), fw)
     if kind == "a2a":
         return a2a_layer_times(spec)
-    if kind == "all_gather":
-        return all_gather_layer_times(spec, cp_payload_bytes(spec))
-    raise ValueError(f"framework.cp_comm={kind!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    return all_gather_layer_times(spec, cp_payload_bytes(spec))
+
+
+def cp_comm_of(spec: RunSpec, fw) -> str:
+    """The exchange the framework runs for ``spec`` (:func:`cp_layer_times`): ``fw.cp_comm``, but ``all_gather`` for
+    ``p2p`` with a sliding-window model.
+
+    Raises:
+        ValueError: an unknown ``cp_comm``."""
+    if fw.cp_comm not in CP_COMM_TYPES:
+        raise ValueError(f"framework.cp_comm={fw.cp_comm!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    return "all_gather" if fw.cp_comm == "p2p" and spec.model.sliding_window else fw.cp_comm

@@ -26,7 +26,7 @@ from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_step
 from xpar.estimate.columns.step_time import Step
 from xpar.estimate.comm.volume import comm_bytes_rank
-from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.context_parallel import cp_comm_of, fold_cp
 from xpar.estimate.comm.dp import grad_bytes
 from xpar.estimate.expert_parallel import ep_note, ep_replay
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
@@ -158,7 +158,7 @@ def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
     breakdown = dict(est.time_breakdown, cp_comm=exposed)
     out = _result(fold_cp(spec), est.memory, est.time_per_step_s + exposed, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "
-                                                     f"s / cp tokens each, K/V {CP_NOTES[assume.cp_comm]}"])
+                                                     f"s / cp tokens each, K/V {CP_NOTES[cp_comm_of(spec, assume)]}"])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, cp=issued), est.framework, est.offload
     return out
 
