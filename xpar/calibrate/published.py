@@ -31,11 +31,14 @@ def preset(group: str, name: str) -> dict:
     return {**out, **own}
 
 
-def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
+def make_spec(model: dict, parallel: dict, hardware: dict, train: dict, framework: Optional[dict] = None) -> RunSpec:
     """A validated estimate-mode RunSpec from plain group dicts (through xpar.config.validate; what-if
-    studies: a layout that does not fit device memory is returned, not refused)."""
+    studies: a layout that does not fit device memory is returned, not refused); ``framework``: fields over the
+    default profile's (None: none)."""
     cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
            "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
+    if framework:
+        cfg["framework"] = framework
     return validate(cfg)
 
 

@@ -29,6 +29,15 @@ class FrameworkConfig:
     window (FlashAttention-2/3 and cuDNN through Transformer Engine: ``window_size``; flex_attention's block mask);
     false: the band is a dense mask over the whole s x s square, every block computed (torch SDPA with an
     ``attn_mask``: xpar's model)."""
+    sink_attention: Optional[str] = None
+    """How the attention core runs a model's learned sinks (model.attention_sinks), xpar.estimate.compute.kernel_block
+    .sink_bytes: 'fused' (the sink is a term of the flash kernel's softmax; its backward adds one reduction
+    dsink = sum over tokens of exp(sink - lse) D: Transformer Engine >= 2.8 FusedAttention with cuDNN >= 9.13.1,
+    transformer_engine/common/fused_attn/fused_attn.cpp nvte_get_fused_attn_backend; cudnn-frontend
+    scaled_dot_product_flash_attention.h), 'unfused' (the s x s scores in HBM, the sink column concatenated to
+    them: Transformer Engine's UnfusedDotProductAttention, where cuDNN is older; priced as
+    flash_attention false plus that copy), null: no sink path priced for this framework (an estimate of a model
+    with sinks is refused; set one of the two)."""
     attention_fa2: bool = False
     """The attention core is FlashAttention-2 (torch SDPA's flash backend, first in its default order: PyTorch
     issue 138907; the flash-attn 2 package), priced at the device's FlashAttention-2 fractions where its preset has them

@@ -105,6 +105,12 @@ class ModelConfig:
     (from 0) is full where (i + 1) % k == 0 (HF Gemma 3 ``sliding_window_pattern`` 6, i.e. 5 local : 1 global;
     gpt-oss and Gemma 2: 2, local first, as their ``layer_types``; Megatron-Core ``window_attn_skip_freq``);
     0: every layer local (Mistral 7B v0.1)."""
+    attention_sinks: bool = False
+    """Learned attention sinks: one logit per head added to every softmax denominator (its column attends to no
+    value), so a row may give less than all of its weight to the keys (openai/gpt-oss-120b and -20b: ``sinks``, 64
+    logits a layer, in OpenAI's reference gpt_oss/torch/model.py and HF modeling_gpt_oss.py; Megatron-Core
+    ``softmax_type='learnable'``). Priced as the framework's kernel runs them (framework.sink_attention); estimated,
+    not executed."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
@@ -532,7 +538,7 @@ class PlanConfig:
     pp: Optional[int] = None
     """Fixed pipeline degree; null: any."""
     cp: Optional[list] = None
-    """Context-parallel degrees; null: [1], or 1, 2, 4, 8 at seq_len >= 16384 (xpar.plan.axes)."""
+    """Context-parallel degrees; null: 1 and the powers of two leaving each cp rank >= 4096 tokens (xpar.plan.axes)."""
     ep: Optional[list] = None
     """Expert-parallel degrees; null: a MoE model's divisors of n_experts, [1] when dense (xpar.plan.axes)."""
     dtype: Optional[list] = None
@@ -548,7 +554,7 @@ class PlanConfig:
     offload: Optional[list] = None
     """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
     max_micro_batch_size: int = 16
-    """Largest micro-batch size b tried (sequences): every b up to 8, powers of two above (torchtitan runs b 16);
+    """Largest micro-batch size b tried (sequences): every b dividing the global batch (torchtitan runs b 12, 16);
     layouts that do not fit are dropped by memory."""
     memory_headroom: Optional[float] = None
     """Fraction of device memory kept free; null: hardware.memory_headroom where above 0, else 0.08 on a GPU (the CUDA
