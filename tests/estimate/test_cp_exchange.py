@@ -61,7 +61,8 @@ def test_megatron_core_runs_the_ring_and_torchtitan_gathers():
     """The profiles' defaults: megatron_core (and hai_llm, built on it) p2p (Megatron-Core's --cp-comm-type),
     torchtitan and xpar all_gather."""
     from tests.conftest import compose
-    for fw, comm in (("megatron_core", "p2p"), ("hai_llm", "p2p"), ("torchtitan", "all_gather"), ("xpar", "all_gather")):
+    for fw, comm in (("megatron_core", "p2p"), ("hai_llm", "p2p"), ("torchtitan", "all_gather"),
+                     ("xpar", "all_gather")):
         assert compose(f"framework={fw}").framework.cp_comm == comm, fw
 
 
@@ -88,7 +89,8 @@ def test_plan_prices_cp_layouts_as_the_estimate_under_each_exchange(comm):
     from xpar.plan.context import PlanContext, spec_of
     from xpar.plan.evaluate import evaluate
     from xpar.plan.space import Constraints, enumerate_layouts
-    ctx = PlanContext(model=preset_dict("model", "7b"), hardware=dict(preset_dict("hardware", "h100_80gb_64gpu"), nodes=4),
+    hw = dict(preset_dict("hardware", "h100_80gb_64gpu"), nodes=4)
+    ctx = PlanContext(model=preset_dict("model", "7b"), hardware=hw,
                       train={"dtype": "bf16", "seq_len": 16384},
                       framework=dict(preset_dict("framework", "megatron_core"), cp_comm=comm))
     space = enumerate_layouts(ctx.model, 32, 8, 16384, Constraints(

@@ -7,12 +7,9 @@ sequences, so its matmuls, activations, tp collectives and pipeline sends scale 
 its queries attend over all s keys, so the attention scores cost (b s / cp) s, what b / cp whole
 sequences cost; the gradients are reduced and ZeRO shards over dp x cp ranks (torchtitan shards
 over dp_shard x cp, Megatron-Core's distributed optimizer over dp x cp). What cp adds
-(:func:`cp_layer_times`): per layer and micro-batch, the exchange of K and V (2 b s kv / t elements
-of the whole sequence) as the framework runs it (``framework.cp_comm``, xpar.estimate.cp_exchange):
-all-gathered and their gradients reduce-scattered, exposed (the Llama 3 paper, xpar's engine); a
-ring whose sends hide behind each chunk's attention (Transformer Engine's p2p: Megatron-Core, NeMo);
-or Ulysses all-to-alls. Not counted: the all-gathered K and V kept for backward beside the local
-activations. Units: seconds.
+(:func:`cp_layer_times`): per layer and micro-batch, the exchange of K and V (2 b s kv / t elements)
+as the framework runs it (``framework.cp_comm``: xpar.estimate.cp_exchange). Not counted: the
+all-gathered K and V kept for backward beside the local activations. Units: seconds.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """How each framework exchanges K and V under context parallelism (cp), and what of it the attention hides
-(``framework.cp_comm``, issue 42). Per layer and micro-batch, on one rank of the unfolded spec:
-
-- ``all_gather``: K and V all-gathered over the cp group before the attention core, their gradients
-  reduce-scattered after its backward, nothing hidden (the Llama 3 paper's all-gather context parallelism,
-  Sec. 3.3.2; Transformer Engine's ``cp_comm_type="all_gather"``, AttnFuncWithCPAndKVAllGather in
-  transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py; xpar's own engine,
-  xpar/parallel/context.py).
-- ``p2p``: a ring of cp steps (Transformer Engine's ``cp_comm_type="p2p"``, AttnFuncWithCPAndKVP2P, the default
-  of Megatron-Core's ``--cp-comm-type``: megatron/training/arguments.py; NeMo). Forward: step i computes the
-  local queries against the K/V chunk it holds while the next chunk is sent and received (``forward``'s loop
-  posts ``flash_attn_p2p_communicate`` for step i + 1, then runs step i's attention); cp - 1 sends of one
-  chunk (s / cp tokens of K and V), each hidden behind one step's attention (1/cp of the rank's core with
-  load-balanced chunks), exposed max(0, send - step). Step 0 runs on the local chunk: no send precedes it.
-  Backward: cp steps, each sending while it computes; step 0 sends K/V, steps 1..cp-2 K/V and the
-  accumulated dK/dV (``p2p_comm_buffers`` hold both), the last dK/dV only (``backward``'s
-  ``send_tensor[0]`` / ``send_tensor[1]``), each exposed max(0, send - step).
-- ``a2a``: DeepSpeed-Ulysses (Jacobs et al. 2023, Sec. 3.1; Transformer Engine's ``cp_comm_type="a2a"``,
-  AttnFuncWithCPAndQKVOA2A): all-to-alls of Q, K and V (sequence-sharded to head-sharded) before the core and of
-  its output after; in backward of dO before and dQ, dK, dV after; nothing hidden.
-
-torch's ``context_parallel`` (torch/distributed/tensor/experimental/_attention.py, torchtitan) is priced as
-``all_gather``: its default rotate method gathers K/V once per attention (``_AllGatherRotater``).
+(``framework.cp_comm``, issue 42), per layer and micro-batch on one rank of the unfolded spec:
+``all_gather`` (gathered before the core, gradients reduce-scattered after, exposed: the Llama 3 paper Sec.
+3.3.2; Transformer Engine's AttnFuncWithCPAndKVAllGather; xpar/parallel/context.py; torch's context_parallel,
+torch/distributed/tensor/experimental/_attention.py, at torchtitan's default allgather rotate method),
+``p2p`` (Transformer Engine's ring, AttnFuncWithCPAndKVP2P in
+transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py, the default of Megatron-Core's
+``--cp-comm-type``: :func:`p2p_layer_times`) or ``a2a`` (DeepSpeed-Ulysses, Jacobs et al. 2023 Sec. 3.1;
+Transformer Engine's AttnFuncWithCPAndQKVOA2A: :func:`a2a_layer_times`). docs/concepts/cost-model.md.
 Units: seconds, bytes.
 """
 from __future__ import annotations
@@ -69,8 +55,14 @@ def attention_core_times(spec: RunSpec, fw) -> tuple[float, float]:
 
 
 def p2p_layer_times(spec: RunSpec, payload: float, fw) -> dict[str, float]:
-    """{f, b: exposed seconds; f_issued, b_issued: the sends' seconds} of one layer's p2p ring (module docstring)
-    per micro-batch; ``payload``: the bytes of the whole sequence's K and V on a rank
+    """{f, b: exposed seconds; f_issued, b_issued: the sends' seconds} of one layer's p2p ring per micro-batch, as
+    Transformer Engine's AttnFuncWithCPAndKVP2P runs it. Forward: step i computes the local queries against the
+    K/V chunk it holds while the next chunk is sent (``forward`` posts ``flash_attn_p2p_communicate`` for step
+    i + 1, then runs step i): cp - 1 sends of one chunk, each behind one step's attention (1/cp of the rank's core,
+    load-balanced chunks), exposed max(0, send - step); step 0 runs on the local chunk, no send before it.
+    Backward: cp steps each sending while it computes: K/V at step 0, K/V and the accumulated dK/dV at steps
+    1..cp-2 (``p2p_comm_buffers`` hold both), dK/dV alone at the last (``send_tensor[0]`` / ``[1]``).
+    ``payload``: the bytes of the whole sequence's K and V on a rank
     (xpar.estimate.context_parallel.cp_payload_bytes), one chunk ``payload`` / cp. The ring's hops cross
     nodes where the cp group does (tp-strided: xpar.estimate.comm.collectives.group_of); every rank sends at
     once, so a hop across nodes has its device's share of the NICs (p2p_time)."""
@@ -84,8 +76,9 @@ def p2p_layer_times(spec: RunSpec, payload: float, fw) -> dict[str, float]:
 
 
 def a2a_layer_times(spec: RunSpec) -> dict[str, float]:
-    """{f, b, f_issued, b_issued} seconds of one layer's Ulysses all-to-alls per micro-batch (module docstring),
-    all exposed: forward Q, K, V and the output, backward dO, dQ, dK, dV; each rank's buffer b (s / cp) x
+    """{f, b, f_issued, b_issued} seconds of one layer's Ulysses all-to-alls per micro-batch (sequence-sharded
+    to head-sharded before the core, back after), all exposed: forward Q, K, V and the output, backward dO, dQ,
+    dK, dV; each rank's buffer b (s / cp) x
     heads x head_dim / t elements for Q and the output, kv_heads for K and V (xpar.config.attention.tp_model),
     split over the cp group (xpar.estimate.expert_parallel.alltoall_time)."""
     cp, m = spec.layout.cp, tp_model(spec)
