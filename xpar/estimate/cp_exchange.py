@@ -78,9 +78,8 @@ def p2p_layer_times(spec: RunSpec, payload: float, fw) -> dict[str, float]:
 def a2a_layer_times(spec: RunSpec) -> dict[str, float]:
     """{f, b, f_issued, b_issued} seconds of one layer's Ulysses all-to-alls per micro-batch (sequence-sharded
     to head-sharded before the core, back after), all exposed: forward Q, K, V and the output, backward dO, dQ,
-    dK, dV; each rank's buffer b (s / cp) x
-    heads x head_dim / t elements for Q and the output, kv_heads for K and V (xpar.config.attention.tp_model),
-    split over the cp group (xpar.estimate.expert_parallel.alltoall_time)."""
+    dK, dV; each rank's buffer b (s / cp) x heads x head_dim / t elements for Q and the output, kv_heads for K
+    and V (xpar.config.attention.tp_model), split over the cp group (xpar.estimate.expert_parallel.alltoall_time)."""
     cp, m = spec.layout.cp, tp_model(spec)
     rows = spec.train.micro_batch_size * spec.seq_len / cp * spec.model.head_dim / spec.tp * BYTES[spec.train.dtype]
     g = group_of(spec.hardware, cp, spec.tp)
