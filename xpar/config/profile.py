@@ -326,6 +326,12 @@ class FrameworkConfig:
     ``ddp_bucket_copy``: DeepSpeed ZeRO-0/1/2 reduces through its ipg buffer of reduce_bucket_size elements
     (deepspeed/runtime/zero/stage_1_and_2.py: 1, 2 with overlap_comm); 0: a copy of the whole gradient
     (torch DDP's flat buckets, gradient_as_bucket_view False) (xpar.estimate.memory.buffers)."""
+    cp_comm: str = "all_gather"
+    """How context parallelism exchanges K and V (xpar.estimate.cp_exchange): 'all_gather' (gathered before the
+    attention core, gradients reduce-scattered after, exposed: xpar's engine, xpar/parallel/context.py; the Llama 3
+    paper; torch's context_parallel with its default allgather rotate method), 'p2p' (Transformer Engine's ring,
+    each K/V chunk sent while the previous one's attention runs: Megatron-Core's --cp-comm-type default, NeMo) or
+    'a2a' (DeepSpeed-Ulysses all-to-alls of Q, K, V and the output: Transformer Engine's cp_comm_type='a2a')."""
     kv_heads_over_tp: str = "split"
     """K/V heads where tp exceeds model.n_kv_heads (xpar.config.attention.tp_kv_heads): 'split' (each tp rank holds
     n_kv_heads / tp of them, so tp must divide n_kv_heads: Megatron-Core's num_query_groups / tp, torch DTensor's

@@ -7,11 +7,9 @@ sequences, so its matmuls, activations, tp collectives and pipeline sends scale 
 its queries attend over all s keys, so the attention scores cost (b s / cp) s, what b / cp whole
 sequences cost; the gradients are reduced and ZeRO shards over dp x cp ranks (torchtitan shards
 over dp_shard x cp, Megatron-Core's distributed optimizer over dp x cp). What cp adds
-(:func:`cp_layer_times`): per layer and micro-batch, an all-gather of K and V over the cp group
-in forward and a reduce-scatter of their gradients in backward (the Llama 3 paper's all-gather
-based context parallelism: 2 b s kv / t elements gathered), counted exposed (Llama 3 gathers
-before it computes; a ring implementation would hide part of it behind the attention). Not
-counted: the all-gathered K and V kept for backward beside the local activations. Units: seconds.
+(:func:`cp_layer_times`): per layer and micro-batch, the exchange of K and V (2 b s kv / t elements)
+as the framework runs it (``framework.cp_comm``: xpar.estimate.cp_exchange). Not counted: the
+all-gathered K and V kept for backward beside the local activations. Units: seconds.
 """
 from __future__ import annotations
 
@@ -20,7 +18,8 @@ from dataclasses import replace
 from xpar.config.attention import tp_model
 from xpar.config.remat import POLICIES, replayed_share
 from xpar.config.spec import RunSpec
-from xpar.estimate.comm.collectives import collective_time, group_of
+from xpar.estimate.cp_exchange import (CP_COMM_TYPES, a2a_layer_times, all_gather_layer_times,
+                                       p2p_layer_times)
 from xpar.estimate.memory.model_states import BYTES
 
 
@@ -65,15 +64,34 @@ def cp_bytes_per_step(spec: RunSpec) -> float:
     return layers * spec.micro_batches * cp_payload_bytes(spec) * (1 + cp_replay(spec, spec.framework))
 
 
-def cp_layer_times(spec: RunSpec) -> dict[str, float]:
-    """Seconds of one layer's cp collectives per micro-batch on the unfolded ``spec``: ``f`` (the
-    all-gather of K and V, 2 b s kv_heads head_dim / t elements) and ``b`` (the reduce-scatter of
-    their gradients, the same payload); 0 without cp. The cp group is tp-strided (rank order
-    pp, dp, cp, tp)."""
-    cp = spec.layout.cp
-    if cp == 1:
-        return {"f": 0.0, "b": 0.0}
-    payload = cp_payload_bytes(spec)
-    g = group_of(spec.hardware, cp, spec.tp)
-    return {"f": collective_time(spec.hardware, "allgather", payload, g),
-            "b": collective_time(spec.hardware, "reduce_scatter", payload, g)}
+def cp_layer_times(spec: RunSpec, fw=None) -> dict[str, float]:
+    """Seconds of one layer's cp K/V exchange per micro-batch on the unfolded ``spec`` as the framework runs it
+    (``fw.cp_comm``: xpar.estimate.cp_exchange; ``fw``: its assumptions or config, default ``spec.framework``):
+    ``f`` and ``b`` exposed in forward and backward, ``f_issued`` and ``b_issued`` the communication issued (equal
+    where nothing is hidden); all 0 without cp. ``p2p`` with a sliding-window model is priced as ``all_gather``
+    (:func:`cp_comm_of`): Transformer Engine's ring refuses sliding windows (its attention-with-cp tests: "No
+    support for SWA with cp_comm_type={p2p, a2a+p2p}"), its all-gather cp takes ``window_size``
+    (docs/concepts/kernels.md). The cp group is tp-strided (rank order pp, dp, cp, tp).
+
+    Raises:
+        ValueError: an unknown ``cp_comm``."""
+    fw = spec.framework if fw is None else fw
+    if spec.layout.cp == 1:
+        return dict.fromkeys(("f", "b", "f_issued", "b_issued"), 0.0)
+    kind = cp_comm_of(spec, fw)
+    if kind == "p2p":
+        return p2p_layer_times(spec, cp_payload_bytes(spec), fw)
+    if kind == "a2a":
+        return a2a_layer_times(spec)
+    return all_gather_layer_times(spec, cp_payload_bytes(spec))
+
+
+def cp_comm_of(spec: RunSpec, fw) -> str:
+    """The exchange the framework runs for ``spec`` (:func:`cp_layer_times`): ``fw.cp_comm``, but ``all_gather`` for
+    ``p2p`` with a sliding-window model.
+
+    Raises:
+        ValueError: an unknown ``cp_comm``."""
+    if fw.cp_comm not in CP_COMM_TYPES:
+        raise ValueError(f"framework.cp_comm={fw.cp_comm!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    return "all_gather" if fw.cp_comm == "p2p" and spec.model.sliding_window else fw.cp_comm

@@ -26,7 +26,7 @@ from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_step
 from xpar.estimate.columns.step_time import Step
 from xpar.estimate.comm.volume import comm_bytes_rank
-from xpar.estimate.context_parallel import fold_cp
+from xpar.estimate.context_parallel import cp_comm_of, fold_cp
 from xpar.estimate.comm.dp import grad_bytes
 from xpar.estimate.expert_parallel import ep_note, ep_replay
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
@@ -152,16 +152,21 @@ def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
 
 def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
     """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
-    K/V all-gathers and gradient reduce-scatters of the fullest rank's layers, m per step, exposed
-    (xpar.estimate.columns.cp_ep.cp_columns on the layout's column; ``cp_comm`` in the breakdown,
-    ``cp`` in comm_time)."""
-    issued = float(cp_columns(spec, layout_columns(spec), spec.layout.cp, assume)[0])
-    breakdown = dict(est.time_breakdown, cp_comm=issued)
-    out = _result(fold_cp(spec), est.memory, est.time_per_step_s + issued, breakdown, est.bubble_ratio,
+    exposed part of the K/V exchange of the fullest rank's layers as ``assume.cp_comm`` runs it, m per step
+    (xpar.estimate.columns.cp_ep.cp_columns on the layout's column; ``cp_comm`` in the breakdown, the
+    issued seconds as ``cp`` in comm_time)."""
+    exposed, issued = (float(x[0]) for x in cp_columns(spec, layout_columns(spec), spec.layout.cp, assume))
+    breakdown = dict(est.time_breakdown, cp_comm=exposed)
+    out = _result(fold_cp(spec), est.memory, est.time_per_step_s + exposed, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "
-                                                     f"s / cp tokens each, K/V all-gathers exposed"])
+                                                     f"s / cp tokens each, K/V {CP_NOTES[cp_comm_of(spec, assume)]}"])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, cp=issued), est.framework, est.offload
     return out
+
+
+CP_NOTES = {"all_gather": "all-gathers exposed", "p2p": "ring (p2p) sends hidden behind each chunk's attention",
+            "a2a": "and Q/output all-to-alls (Ulysses) exposed"}
+"""How an estimate's note names the cp exchange of each framework.cp_comm (xpar.estimate.cp_exchange)."""
 
 
 def _offload(spec: RunSpec, assume: Assumptions, step: Step, elements: int, notes: list[str]) -> dict:

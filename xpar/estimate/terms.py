@@ -30,7 +30,7 @@ TIME = (
     Term("dp_comm_exposed", "exposed dp communication"),
     Term("optimizer", "optimizer step"),
     Term("host_overhead", "host and framework overhead (operator dispatch; framework.layer_overhead_ms)"),
-    Term("cp_comm", "cp K/V all-gathers", axis="cp"),
+    Term("cp_comm", "cp K/V exchange", axis="cp"),
     Term("ep_comm", "expert all-to-alls", axis="ep"),
     Term("ep_imbalance", "router imbalance", axis="ep"),
 )

@@ -2,7 +2,7 @@
 for the planner and :func:`xpar.estimate.cost.estimate` (a layout is a column of one) alike.
 
 A cp layout is priced as its folded one (:func:`xpar.estimate.context_parallel.fold_cp`: dp x cp
-ranks at micro-batch b / cp, a float) plus the K/V all-gathers and their gradients' reduce-scatters
+ranks at micro-batch b / cp, a float) plus the K/V exchange as the framework runs it
 (:func:`cp_columns`); an ep layout as the layout with E / ep experts per rank (``Layout.ep``: the
 memory model's expert states, the FSDP units' sizes) plus its all-to-alls and router imbalance
 (:func:`ep_columns`). The planner's candidates are grouped by (cp, ep, dtype, etp) (:func:`group_columns`);
@@ -76,7 +76,7 @@ def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[st
     if ep > 1:
         extra.update(ep_columns(fbase, fcols, res["time_matmul"])[0])
     if cp > 1:
-        extra["cp_comm"] = cp_columns(base, sub, cp)
+        extra["cp_comm"] = cp_columns(base, sub, cp)[0]
     if extra:
         old = res["time_per_step_s"]
         new = old + sum(extra.values())
@@ -121,22 +121,25 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) 
     return {"ep_comm": issued - hidden, "ep_imbalance": matmul * share}, issued
 
 
-def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> np.ndarray:
-    """Seconds per step of the K/V all-gathers and gradient reduce-scatters of unfolded candidates
-    under ``a`` (default :func:`assumptions_for` ``base``), exposed: m micro-batches x the blocks on
-    the fullest rank (per distinct (pp, v, schedule)) x :func:`cp_layer_times` per distinct (b, tp),
-    the gathers again in the backward of the recomputed blocks (:func:`cp_replay`)."""
+def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> tuple[np.ndarray, np.ndarray]:
+    """(Exposed, issued) seconds per step of the cp K/V exchange of unfolded candidates under ``a`` (default
+    :func:`assumptions_for` ``base``; its ``cp_comm``: xpar.estimate.cp_exchange): m micro-batches x the
+    blocks on the fullest rank (per distinct (pp, v, schedule)) x :func:`cp_layer_times` per distinct (b, tp),
+    the forward exchange again in the backward of the recomputed blocks (:func:`cp_replay`)."""
+    a = assumptions_for(base) if a is None else a
+
     def layer(b, tp):
         s = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, False, "none")
-        return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)))
+        return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)), a)
 
-    t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer, ("f", "b"))
-    a = assumptions_for(base) if a is None else a
+    t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer,
+               ("f", "b", "f_issued", "b_issued"))
     replay = replay_column(base, sub, lambda s: cp_replay(s, a))
     pp, v = np.asarray(sub["pp"], np.int64), np.asarray(sub["v"], np.int64)
     layers = by_key([pp, v, np.asarray(sub["schedule"], dtype=str)], lambda p, vv, s: {
         "n": fullest_blocks(base, p, vv if p > 1 else 1, s)}, ("n",))["n"]
-    return np.asarray(sub["m"]) * layers * (t["f"] * (1 + replay) + t["b"])
+    per = np.asarray(sub["m"]) * layers
+    return per * (t["f"] * (1 + replay) + t["b"]), per * (t["f_issued"] * (1 + replay) + t["b_issued"])
 
 
 def fullest_blocks(base, pp: int, v: int, schedule: str) -> int:
