@@ -63,10 +63,9 @@ class ModelConfig:
     first_dense_layers: int = 0
     """Leading blocks with the dense MLP (ffn_hidden) instead of experts (DeepSeek-V3: 3)."""
     moe_layer_freq: int = 1
-    """After ``first_dense_layers``, every ``moe_layer_freq``-th block holds experts, the others the dense MLP
-    (ffn_hidden): blocks f-1, 2f-1, ... Llama 4 Maverick 2 (Hugging Face transformers ``Llama4TextConfig``:
-    ``interleave_moe_layer_step`` 2, ``moe_layers = range(step - 1, n_layers, step)``; Megatron-Core's
-    ``--moe-layer-freq`` pattern [0, 1] x 24); 1: every block (Mixtral, DeepSeek-V3 after its dense ones)."""
+    """After ``first_dense_layers``, every f-th block holds experts (blocks f-1, 2f-1, ...), the others the dense MLP:
+    Llama 4 Maverick 2 (transformers ``Llama4TextConfig`` ``interleave_moe_layer_step``; Megatron-Core's
+    ``--moe-layer-freq`` [0, 1] x 24); 1: every block."""
     capacity_factor: Optional[float] = None
     """Tokens an expert takes as a multiple of its even share k T / E, the rest dropped (Fedus et al. 2022);
     None: dropless (MegaBlocks, Megatron-Core's and DeepSeek-V3's default). Executed dropless only."""
@@ -79,9 +78,8 @@ class ModelConfig:
     'parallel_two_norms' (the same with two norms of x: GPT-NeoX-20B, Falcon-40B/180B). Same matmuls; tensor
     parallelism reduces the summed output once (xpar.config.block). Estimated, not executed."""
     head_dim: Optional[int] = None
-    """Width of one attention head (d); null: hidden / n_heads. Set where heads are not hidden / n_heads
-    wide (gpt-oss: 64 heads of 64 in a 2880-wide model): q, k, v project to heads x head_dim and wo
-    back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
+    """Width of one attention head (d); null: hidden / n_heads (gpt-oss: 64 heads of 64 in a 2880-wide model):
+    q, k, v project to heads x head_dim and wo back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
     q_lora_rank: Optional[int] = None
     """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
     (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""
@@ -95,22 +93,19 @@ class ModelConfig:
     v_head_dim: Optional[int] = None
     """MLA: each head's value width (DeepSeek-V3: 128)."""
     sliding_window: int = 0
-    """Sliding-window (local) attention: the keys a query of a local layer sees, itself and the
-    ``sliding_window - 1`` tokens before it (HF config.json ``sliding_window``: gpt-oss 128, Mistral 7B v0.1 4096,
-    Gemma 2 4096, Gemma 3 1024; FlashAttention's ``window_size=(w - 1, 0)``; Megatron-Core ``window_size``
-    (left, 0) counts left + 1 keys); 0: every layer attends to the whole causal prefix. Which layers are
-    local: ``sliding_window_pattern``."""
+    """Sliding-window (local) attention: the keys a query of a local layer sees, itself and the ``sliding_window -
+    1`` tokens before it (HF ``sliding_window``: gpt-oss 128, Mistral 7B v0.1 4096, Gemma 2 4096, Gemma 3 1024;
+    FlashAttention's ``window_size=(w - 1, 0)``; Megatron-Core ``window_size`` (left, 0) counts left + 1 keys);
+    0: every layer attends to the whole causal prefix. Which layers are local: ``sliding_window_pattern``."""
     sliding_window_pattern: int = 0
     """With ``sliding_window``: every k-th layer is full (global) attention, the others local: layer i
     (from 0) is full where (i + 1) % k == 0 (HF Gemma 3 ``sliding_window_pattern`` 6, i.e. 5 local : 1 global;
     gpt-oss and Gemma 2: 2, local first, as their ``layer_types``; Megatron-Core ``window_attn_skip_freq``);
     0: every layer local (Mistral 7B v0.1)."""
     attention_sinks: bool = False
-    """Learned attention sinks: one logit per head added to every softmax denominator (its column attends to no
-    value), so a row may give less than all of its weight to the keys (openai/gpt-oss-120b and -20b: ``sinks``, 64
-    logits a layer, in OpenAI's reference gpt_oss/torch/model.py and HF modeling_gpt_oss.py; Megatron-Core
-    ``softmax_type='learnable'``). Priced as the framework's kernel runs them (framework.sink_attention); estimated,
-    not executed."""
+    """Learned attention sinks: one logit per head added to every softmax denominator (gpt-oss ``sinks``, OpenAI's
+    gpt_oss/torch/model.py; Megatron-Core ``softmax_type='learnable'``); priced as the framework's kernel runs them
+    (framework.sink_attention), not executed."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
@@ -125,14 +120,13 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        """Blocks with experts: of the n_layers - first_dense_layers after the dense ones, one in
-        moe_layer_freq (0 for a dense model)."""
+        """Blocks with experts: one in moe_layer_freq after the first_dense_layers (0 for a dense model)."""
         return max(0, self.n_layers - self.first_dense_layers) // max(1, self.moe_layer_freq) if self.n_experts else 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global block ``layer`` holds experts (:attr:`moe_layer_freq`, :attr:`first_dense_layers`)."""
-        after = layer - self.first_dense_layers
-        return self.n_experts > 0 and after >= 0 and after % max(1, self.moe_layer_freq) == max(1, self.moe_layer_freq) - 1
+        f, after = max(1, self.moe_layer_freq), layer - self.first_dense_layers
+        return self.n_experts > 0 and after >= 0 and after % f == f - 1
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether global block ``layer`` attends within ``sliding_window`` (``sliding_window_pattern``)."""
