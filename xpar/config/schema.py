@@ -411,6 +411,11 @@ class TrainConfig:
     cast), 'mxfp8' (MXFP8 block scaling, E8M0 scale per 32 elements, rowwise and columnwise copies;
     Blackwell only: hardware.mxfp8), 'blockwise' (DeepSeek-V3's 1x128 / 128x128 FP8 blocks). Priced by
     the kernel model (quantise passes as memory traffic, the recipe's GEMM rate); unused under bf16/fp32."""
+    compile: bool = False
+    """The run compiles each transformer block with torch.compile (torchtitan's ``training.compile`` /
+    ``compile.enable``, off by default there too); estimated, not executed, by xpar. Priced: TorchInductor
+    fuses a block's element-wise, normalisation and activation ops (FP8 amax and casts included) into
+    one pass each, so ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs.elementwise_passes)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None
