@@ -46,7 +46,7 @@ def test_compile_counts_one_pass_and_eager_the_profiles():
 
 
 def test_compiled_block_moves_a_third_of_eager_traffic_and_the_same_gemms():
-    """torchtitan's eager profile (3 passes): compiled, every memory-bound term is a third; GEMMs, attention unchanged."""
+    """torchtitan's eager profile (3 passes): compiled, every memory-bound term a third; GEMMs, attention the same."""
     spec, assume, _ = _table1()
     eager, comp = (kernel_layer_costs(_compiled(spec, c), assume) for c in (False, True))
     for k in ("mem_f", "mem_b"):

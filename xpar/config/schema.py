@@ -52,8 +52,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
     n_experts: int = 0
-    """Routed experts per mixture-of-experts layer (E); 0: a dense model (Shazeer et al. 2017,
-    Fedus et al. 2022)."""
+    """Routed experts per mixture-of-experts layer (E); 0: a dense model (Shazeer et al. 2017, Fedus et al. 2022)."""
     moe_top_k: int = 2
     """Routed experts each token goes to (k): Mixtral 2, DeepSeek-V3 8."""
     n_shared_experts: int = 0
@@ -382,15 +381,13 @@ class TrainConfig:
     warmup_steps: int = 2
     """Steps excluded from timing (must be < steps)."""
     log_every: int = 5
-    """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s,
-    TFLOP/s, MFU, memory) and the console step line (xpar.run.console: loss, gradient norm, memory,
-    tokens/s, TFLOP/s, MFU; also in the run's xpar.log); the last step always logs. Loss, step time,
-    gradient norm and lr log to MLflow every step."""
+    """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s, TFLOP/s, MFU,
+    memory) and the console step line (xpar.run.console: loss, gradient norm, memory, tokens/s, TFLOP/s, MFU; also in
+    the run's xpar.log); the last step always logs. Loss, step time, gradient norm and lr log to MLflow every step."""
     profile: bool = False
-    """Trace the last 2 steps (the run's last, with fewer) of every rank with torch.profiler
-    (xpar.run.profile): Chrome trace files ``profile/rank<r>_trace.json`` in the run folder,
-    logged as MLflow artifacts (open them in chrome://tracing or ui.perfetto.dev). Those steps
-    are timed with the profiler's overhead."""
+    """Trace the last 2 steps (the run's last, with fewer) of every rank with torch.profiler (xpar.run.profile):
+    Chrome trace files ``profile/rank<r>_trace.json`` in the run folder, logged as MLflow artifacts (open them in
+    chrome://tracing or ui.perfetto.dev). Those steps are timed with the profiler's overhead."""
     global_batch_size: Any = "auto"
     """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
     micro_batch_size: int = 4
@@ -412,10 +409,8 @@ class TrainConfig:
     Blackwell only: hardware.mxfp8), 'blockwise' (DeepSeek-V3's 1x128 / 128x128 FP8 blocks). Priced by
     the kernel model (quantise passes as memory traffic, the recipe's GEMM rate); unused under bf16/fp32."""
     compile: bool = False
-    """The run compiles each transformer block with torch.compile (torchtitan's ``training.compile`` /
-    ``compile.enable``, off by default there too); estimated, not executed, by xpar. Priced: TorchInductor
-    fuses a block's element-wise, normalisation and activation ops (FP8 amax and casts included) into
-    one pass each, so ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs.elementwise_passes)."""
+    """The run compiles its blocks with torch.compile (torchtitan's ``training.compile``); estimated only: TorchInductor
+    fuses the element-wise passes: ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None
