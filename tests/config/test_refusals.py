@@ -98,6 +98,7 @@ CATALOGUE = [
     ("model.norm=batchnorm", "model.norm must be one of", None),
     ("model.position=alibi", "model.position=alibi is estimated, not executed", "model.position=rope"),
     ("train.compile=true", "train.compile=true is estimated, not executed", "train.compile=false"),
+    ("train.compile_loss=true", "train.compile_loss=true is estimated, not executed", "train.compile_loss=false"),
     ("model.position=sinusoidal", "model.position must be one of", None),
     ("model.position=learned train.seq_len=128", "train.seq_len must be in [1, 64]", None),
     # the layout

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from xpar.calibrate.cp_fp8 import cp_fp8_case, row_compiled
-from xpar.calibrate.published import read_table, torchtitan_h100_row
+from xpar.calibrate.known_runs import known_run_spec
+from xpar.calibrate.published import framework_assumptions, read_table, torchtitan_h100_row
 from xpar.config.presets import preset_dict
 from xpar.estimate.compute.kernel_costs import elementwise_passes, kernel_layer_costs
 from xpar.estimate.cost import estimate
+from xpar.estimate.memory import per_device as mem
+from xpar.estimate.memory.activations import loss_bytes
 from xpar.plan.context import PlanContext, spec_of
 from xpar.estimate.columns.step_time import time_columns
 from tests.plan.test_plan_vector import _mismatches, memory_args, random_candidates
@@ -97,3 +100,53 @@ def test_plan_columns_equal_the_estimate_under_compile():
     assert not _mismatches(ctx, cols, got, ests)
     eager = [estimate(_compiled(s, False)).time_per_step_s for s in specs]
     assert all(e.time_per_step_s < x for e, x in zip(ests, eager))
+
+
+def test_a_compiled_loss_keeps_bf16_logits_and_a_bf16_gradient():
+    """Eager cross_entropy(logits.float()): 4 bytes a logit kept, 8 transient; compiled: the dtype's bytes each;
+    llm-foundry's fused kernel: the logits kept, nothing transient, compiled or not."""
+    assert loss_bytes("fp32", False, 2) == (4.0, 8.0)
+    assert loss_bytes("fp32", True, 2) == (2.0, 2.0)
+    assert loss_bytes("fused", True, 2) == loss_bytes("fused", False, 2) == (2.0, 0.0)
+
+
+def test_known_runs_carry_their_compile_and_the_loss_term_shrinks_by_its_logits():
+    """known_runs.csv's compile column: Dec 2024's torchtitan compiled the blocks only (no memory term moves); the
+    June 2025 H200 runs compiled the loss too: the last stage's loss terms drop from 12 to 4 bytes a logit."""
+    dec, june = KNOWN["llama31_8b_fsdp8_compile_h100"], KNOWN["llama31_8b_fsdp32_float8_h200"]
+    s_dec, s_june = known_run_spec(dec), known_run_spec(june)
+    assert s_dec.train.compile and not s_dec.train.compile_loss
+    assert s_june.train.compile and s_june.train.compile_loss
+    assert not known_run_spec(KNOWN["llama31_8b_fsdp8_h100"]).train.compile
+    assume = framework_assumptions("torchtitan")
+    eager = replace(s_june, train=replace(s_june.train, compile_loss=False))
+    got, was = (mem.memory(s, assume=assume).total for s in (s_june, eager))
+    logits = s_june.seq_len * s_june.train.micro_batch_size * s_june.model.vocab_size
+    assert was - got == pytest.approx((12 - 4) * logits, rel=1e-9)
+
+
+@pytest.mark.slow  # compiles with TorchInductor (C++ on the CPU, compile workers)
+def test_torch_compiled_cross_entropy_saves_the_bf16_input_only():
+    """What :func:`loss_bytes` assumes, checked on torch itself: eager saves the fp32 log-probs (4 bytes a logit),
+    the compiled graph its bf16 input and two per-row statistics (2 bytes a logit and a little)."""
+    import torch
+    import torch.nn.functional as F
+
+    def ce(x, y):
+        return F.cross_entropy(x.float(), y)
+
+    n, v = 64, 1024
+    x = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, v, (n,))
+    per_logit = {}
+    for name, fn in (("eager", ce), ("compiled", torch.compile(ce))):
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x, y).backward()
+        per_logit[name] = sum(saved.values()) / (n * v)
+    assert per_logit["eager"] == pytest.approx(loss_bytes("fp32", False, 2)[0], rel=0.01)
+    assert per_logit["compiled"] == pytest.approx(loss_bytes("fp32", True, 2)[0], rel=0.02)

@@ -296,15 +296,12 @@ class HardwareConfig:
     nics_per_node: Optional[int] = None
     """Inter-node NICs per node (compute fabric), an integer >= 1; None: one per device."""
     collective_latency_us: float = 8.4
-    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL
-    src/graph/tuning.cc baseLat, ring, Simple protocol). Every ``*_us`` field is >= 0
-    (xpar.config.checks.hardware): it adds to the step."""
+    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL src/graph/tuning.cc baseLat, ring,
+    Simple protocol). Every ``*_us`` field is >= 0 (xpar.config.checks.hardware): it adds to the step."""
     intra_node_latency_us: float = 3.4
-    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc
-    hwLat NVLink, ring, Simple)."""
+    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc hwLat NVLink, ring, Simple)."""
     inter_node_latency_us: float = 9.6
-    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET,
-    ring, Simple)."""
+    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET, ring, Simple)."""
     p2p_latency_us: Optional[float] = None
     """Latency of one point-to-point message (a pipeline send), microseconds, where it is
     measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
@@ -411,6 +408,9 @@ class TrainConfig:
     compile: bool = False
     """The run compiles its blocks with torch.compile (torchtitan's ``training.compile``); estimated only: TorchInductor
     fuses the element-wise passes: ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs)."""
+    compile_loss: bool = False
+    """The cross-entropy is compiled too (torchtitan from 2025-02, PR 859; not @9dec370, Dec 2024); estimated only:
+    its fp32 upcast fused, it keeps bf16 logits and no fp32 gradients (xpar.estimate.memory.activations.loss_bytes)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None
