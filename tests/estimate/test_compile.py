@@ -150,3 +150,18 @@ def test_torch_compiled_cross_entropy_saves_the_bf16_input_only():
         per_logit[name] = sum(saved.values()) / (n * v)
     assert per_logit["eager"] == pytest.approx(loss_bytes("fp32", False, 2)[0], rel=0.01)
     assert per_logit["compiled"] == pytest.approx(loss_bytes("fp32", True, 2)[0], rel=0.02)
+
+
+def test_plan_memory_columns_equal_the_estimate_under_a_compiled_loss():
+    """The planner's vectorised peak memory reads train.compile_loss as the scalar estimate does; never more than
+    eager, less where the peak is on the last stage (the loss's)."""
+    from tests.plan.test_plan_memory import assert_equal, candidates, context
+    from xpar.estimate.columns.peak_memory import memory_columns
+
+    base = context("7b", "h100_80gb_64gpu", "torchtitan")
+    ctx = replace(base, train={**base.train, "compile": True, "compile_loss": True})
+    rng = np.random.default_rng(11)
+    cols = candidates(rng, ctx, 12)
+    assert_equal(ctx, cols, range(12))
+    got, eager = (memory_columns(spec_of(c, cols, 0), cols)["memory_total"] for c in (ctx, base))
+    assert (got <= eager).all() and (got < eager).sum() >= 6
