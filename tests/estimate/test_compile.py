@@ -153,8 +153,8 @@ def test_torch_compiled_cross_entropy_saves_the_bf16_input_only():
 
 
 def test_plan_memory_columns_equal_the_estimate_under_a_compiled_loss():
-    """The planner's vectorised peak memory reads train.compile_loss as the scalar estimate does; never more than
-    eager, less where the peak is on the last stage (the loss's)."""
+    """The planner's vectorised peak memory reads train.compile_loss as the scalar estimate does; never more
+    than eager, less where the peak is on the last stage (the loss's)."""
     from tests.plan.test_plan_memory import assert_equal, candidates, context
     from xpar.estimate.columns.peak_memory import memory_columns
 
@@ -165,3 +165,36 @@ def test_plan_memory_columns_equal_the_estimate_under_a_compiled_loss():
     assert_equal(ctx, cols, range(12))
     got, eager = (memory_columns(spec_of(c, cols, 0), cols)["memory_total"] for c in (ctx, base))
     assert (got <= eager).all() and (got < eager).sum() >= 6
+
+
+def test_a_compiled_block_keeps_what_fused_kernels_keep():
+    """Without recompute a compiled torchtitan block keeps one SwiGLU tensor (e f a token) fewer than eager, and an
+    eager framework with composite RMSNorm (fused_rmsnorm false) its fp32 copies for the bf16 input (12 h)."""
+    from xpar.estimate.memory.activations import layer_bytes
+    from xpar.estimate.memory.model_states import MemoryOptions
+
+    spec, assume, _ = _table1()
+    spec = replace(spec, layout=replace(spec.layout, recompute="none"))
+    tokens, h, f = spec.seq_len * spec.train.micro_batch_size, spec.model.hidden, spec.model.ffn_hidden
+    for fused_norm, extra in ((True, 0), (False, 12 * h)):
+        o = MemoryOptions.of(assume, fused_rmsnorm=fused_norm)
+        eager, comp = (layer_bytes(_compiled(spec, c), o, 0.0)["none"] for c in (False, True))
+        assert eager - comp == pytest.approx(tokens * (2 * f + extra), rel=1e-9)
+
+
+@pytest.mark.slow  # compiles with TorchInductor (C++ on the CPU, compile workers)
+def test_torch_compiled_llama_block_saves_no_fp32_norm_copies_and_three_swiglu_tensors():
+    """What :func:`xpar.estimate.memory.activations._layer_kwargs` assumes of a compiled block, checked on torch: a
+    Llama block with torchtitan's composite RMSNorm keeps an fp32 (b, s, h) copy per norm and four f-wide tensors
+    eager, and none and three compiled."""
+    import torch
+
+    from tests.estimate.llama_block import Block, saved_activations
+
+    blk = Block(hidden=256, heads=8, kv_heads=2, ffn=704).to(torch.bfloat16)
+    b, s = 2, 96
+    got = {name: saved_activations(fn, b, s, 256) for name, fn in (("eager", blk), ("compiled", torch.compile(blk)))}
+    fp32_h = {k: sum(1 for shape, dt in v if dt == torch.float32 and shape[-1] == 256) for k, v in got.items()}
+    swiglu = {k: sum(1 for shape, dt in v if shape[-1] == 704) for k, v in got.items()}
+    assert fp32_h == {"eager": 2, "compiled": 0}
+    assert swiglu == {"eager": 4, "compiled": 3}

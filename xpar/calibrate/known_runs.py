@@ -36,7 +36,8 @@ def known_run_spec(row: dict) -> RunSpec:
     hw.update(name=row["gpu"], gpu=row["gpu"], device_memory_gb=float(row["gpu_memory_gb"]), nodes=int(row["gpus"]) // 8)
     compiled = (row.get("compile") or "").split("+")  # '', 'model' or 'model+loss' (the csv's header)
     tr = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
-              dtype=row["dtype"], seq_len=int(row["seq"]), compile="model" in compiled, compile_loss="loss" in compiled)
+              dtype=row["dtype"], seq_len=int(row["seq"]), compile="model" in compiled,
+              compile_loss="loss" in compiled)
     if par["zero_stage"] != 1 or (par["tp"] == 1 and par["pp"] == 1):
         return make_spec(model, par, hw, tr)
     s = make_spec(model, dict(par, zero_stage=0), hw, tr)

@@ -165,14 +165,17 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
 
 
 def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
-    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
-    cfg, rec = spec.model, precision(spec, o)
+    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework. A compiled block
+    (train.compile) keeps what fused kernels keep: AOTAutograd's partitioner (torch/_functorch/partitioners.py,
+    min_cut_rematerialization_partition) recomputes pointwise ops in the backward, so RMSNorm keeps its bf16 input
+    (no fp32 copies) and SwiGLU its two inputs and product (SiLU recomputed: 3 e f, ``fused_swiglu``)."""
+    cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
     return dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
-                resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
+                resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu, block=cfg.block)
+                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block)
 
 
 def token_ffn(cfg) -> float:
