@@ -409,7 +409,7 @@ class TrainConfig:
     """The run compiles its blocks with torch.compile (torchtitan's ``training.compile``); estimated only: TorchInductor
     fuses the element-wise passes: ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs)."""
     compile_loss: bool = False
-    """The cross-entropy is compiled too (torchtitan from 2025-02, PR 859; not @9dec370, Dec 2024); estimated only:
+    """The cross-entropy is compiled too (torchtitan from 2025-04, PR 1033; not @9dec370, Dec 2024); estimated only:
     its fp32 upcast fused, it keeps bf16 logits and no fp32 gradients (xpar.estimate.memory.activations.loss_bytes)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
