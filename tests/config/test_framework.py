@@ -281,4 +281,5 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
                    param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
                    fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True, pp_overlap=1.0,
                    pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, dp_overlap_per_chunk=True,
-                   expert_gemm_call_us=70.0, host_op_us=40.0) == core
+                   expert_gemm_call_us=70.0, host_op_us=40.0, sink_attention="fused", bucket_rule="megatron_core",
+                   head_unit_last=True) == core

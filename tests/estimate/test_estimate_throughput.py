@@ -22,6 +22,9 @@ from xpar.estimate.compute.flops import forward_flops_per_token
 from xpar.estimate.memory.model_states import param_shapes
 
 DATA = Path(__file__).parents[1] / "data"
+H100_FIT = 0.765
+"""The H100 sustained_efficiency the dense H100 sources fit (NeMo and Llama 3; benchmarks/estimate_calibration.py)
+since issue 44's Megatron-Core bucket rule and head unit; the shipped preset (0.771) is the fit before them."""
 
 
 @pytest.fixture(scope="module")
@@ -614,7 +617,8 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     (framework.dp_overlap_per_chunk, issue 43), userbuffer TP overlap). Under the kernel model (issue 42),
     held out, the H100 sustained_efficiency from Llama 3 alone (0.711, at the V = 8 its paper implies)
     predicts every row within 10 %: 1-7 % under for 175B and 340B (MFU 53-55 % published), 8-10 % under
-    for 15B (no pipeline). The constant that fits the source alone is 0.773 (0.774 with the step's dp
+    for 15B (no pipeline). The constant that fits the source alone is 0.767 (0.773 before issue 44's
+    Megatron-Core bucket rule and head unit; 0.774 with the step's dp
     collectives behind one micro-batch, 0.755 before its interleaved sends kept their fixed part exposed,
     issue 44); with Llama 3 in the H100 fit (0.771, the preset) every row is within 7 % (6 % at 0.765 before
     the refit with the fused optimizer's passes at framework.optimizer_bytes, issue 43; 4 % at 0.773 before the
@@ -624,18 +628,22 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
     chunks' backwards only the last chunk's stay exposed, so the interleaved runs' estimate falls 0.2 % and
     1.6 %: asserted falling, by less than published (what else slows a step over 256 nodes is not in the
     model; with one micro-batch to hide behind they fell within 0.02 of published); 15B (no interleaving)
-    within 0.02."""
+    within 0.025: under Megatron-Core's bucket of 1M elements per dp rank (framework.bucket_rule, issue 44) its dp
+    communication no longer grows with dp, the estimate falls 0.5 % where the recipe's fell 2.6 % (1.0 % more than
+    published with 100 MB buckets before). Since issue 44 (the bucket rule and the output head as its own dp unit)
+    the sources alone fit 0.765 with Llama 3, not the preset's 0.771 (:data:`H100_FIT`; the preset is not refitted
+    here: it moves every H100 and Blackwell figure), and 15B held out is 6.6-8.9 % under (7-10 % before)."""
     cases, res = loso
     r, rows = res["dgxc_nemo_h100_bf16"], _published_rows("dgxc_nemo_h100_bf16")
     assert len(rows) == len(r["held_out"]) == 18 and "dgxc_nemo_h100_bf16" not in calibration.CHECK_ONLY
     assert r["fit_without"]["H100"] == pytest.approx(0.711, abs=0.005)
     h100 = preset("hardware", "h100_80gb_64gpu")["sustained_efficiency"]
-    assert r["fit_all"]["H100"] == pytest.approx(h100, abs=0.005)
+    assert r["fit_all"]["H100"] == pytest.approx(H100_FIT, abs=0.003) and 0 <= h100 - H100_FIT < 0.01
     assert max(abs(e) for e in r["calibration"]) < 0.07, r["calibration"]
     for row, e in zip(rows, r["held_out"]):
-        lo, hi = (-0.11, -0.07) if row["pp"] == "1" else (-0.08, -0.01)
+        lo, hi = (-0.11, -0.06) if row["pp"] == "1" else (-0.08, -0.01)
         assert lo < e < hi, (row["model"], row["gpus"], e)
-    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.773, abs=0.005)
+    assert calibration.fit_efficiency(cases["dgxc_nemo_h100_bf16"]) == pytest.approx(0.767, abs=0.005)
     for model in ("gpt3_175b", "nemotron4_340b", "nemotron4_15b"):
         pairs = _dgxc(cases, rows, model)
         (_, small), (_, large) = pairs[0], pairs[-1]
@@ -643,7 +651,7 @@ def test_nemo_3d_on_h100_held_out_over_predicted(loso):
         eff = r["fit_all"]["H100"]
         estimated = calibration.predicted(large, eff) / calibration.predicted(small, eff)
         if pairs[0][0]["vp"] == "1":
-            assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.02, (model, published, estimated)
+            assert published < 1 and estimated < 1 and abs(estimated - published) <= 0.025, (model, published, estimated)
         else:
             assert published < estimated < 1, (model, published, estimated)
 
@@ -654,7 +662,7 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
     userbuffer overlap hides (calibration.DGXC_TP_OVERLAP = 0.8); hiding more raises every row. At the
     H100 matmul efficiency of Llama 3 alone (0.575) no share from 0 to 1 puts all 18 rows within 5 %:
     even with every tp collective hidden, 15B (4 micro-batches of 4 x 4096 tokens, tp comm 17 % of its
-    step when blocking) stays 7-9 % under, so the tp knob cannot stand in for the efficiency
+    step when blocking) stays 4-6 % under (7-9 % before issue 44's bucket rule and head unit), so the tp knob cannot stand in for the efficiency
     (test_h100_efficiency_is_fitted_where_the_step_is_matmul). (At the 0.678 Llama 3 gave alone at the
     V = 2 assumed before, blocking tp put 175B and 340B within 5 % and 15B 5-11 % under.)"""
     eff = loso[1]["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
@@ -667,7 +675,7 @@ def test_nemo_h100_rows_no_single_tp_overlap_explains_them(loso):
                 calibration.errors([("H100", spec, replace(a, tp_async_backward=False), *rest)], eff)[0])
     for model in err[0.0]:
         assert all(a < b for a, b in zip(err[0.0][model], err[1.0][model]))
-    assert all(-0.10 < e < -0.05 for e in err[1.0]["nemotron4_15b"]), err[1.0]["nemotron4_15b"]
+    assert all(-0.10 < e < -0.035 for e in err[1.0]["nemotron4_15b"]), err[1.0]["nemotron4_15b"]
     assert all(max(abs(e) for m in by.values() for e in m) > 0.05 for by in err.values())
 
 
@@ -731,8 +739,9 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     """The H100 constant (hardware.sustained_efficiency under the kernel model, issue 42) is fitted on
     the NeMo rows, whose steps are 82-93 % matmul, and the two Llama 3 rows (at the V = 8 their paper's
     stage split implies: tests/data/llama3_2024_table4.csv), which agree with each other within 2 % at
-    the fit. Each source alone: NeMo 0.773, Llama 3 0.711, 0.062 apart (under FLOPs over one
-    efficiency within 0.03); at the fit (0.771, the preset, with Megatron-Core's per-chunk dp overlap and
+    the fit. Each source alone: NeMo 0.767 (0.773 before issue 44), Llama 3 0.711, 0.056 apart (under FLOPs over one
+    efficiency within 0.03); at the fit (0.771, the preset; 0.765 since issue 44's bucket rule and head unit,
+    :data:`H100_FIT`, the preset not refitted; with Megatron-Core's per-chunk dp overlap and
     the fused optimizer's passes at framework.optimizer_bytes: issue 43) every NeMo row is within 7 % (6 % at
     0.765 before the passes, 4 % at 0.773 before the overlap; the worst, 340B at its largest run, +6.3 %:
     its published fall with scale is not in the model). The never-fitted FSDP H100 checks
@@ -747,7 +756,8 @@ def test_h100_efficiency_is_fitted_where_the_step_is_matmul(loso):
     llama_alone = res["dgxc_nemo_h100_bf16"]["fit_without"]["H100"]
     nemo_alone = res["llama3_2024_table4"]["fit_without"]["H100"]
     assert 0.05 < nemo_alone - llama_alone < 0.07, (llama_alone, nemo_alone)
-    assert fitted == pytest.approx(preset("hardware", "h100_80gb_8gpu")["sustained_efficiency"], abs=0.005)
+    assert fitted == pytest.approx(H100_FIT, abs=0.003)
+    assert 0 <= preset("hardware", "h100_80gb_8gpu")["sustained_efficiency"] - fitted < 0.01
     for name in ("llmfoundry_mpt_h100", "ibm_fms_fsdp_2024"):
         h100 = [c for c in cases[name] if c[0] == "H100"]
         at = {e: statistics.median(abs(x) for x in calibration.errors(h100, e)) for e in (llama_alone, fitted)}

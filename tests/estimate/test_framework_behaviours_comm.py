@@ -97,11 +97,14 @@ H100_FP8 = ("model=70b", "hardware=h100_80gb_64gpu", "train=cluster", "framework
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop
 def test_fp8_param_gather_moves_one_byte_per_block_element_and_only_under_fp8():
     """Megatron-Core --fp8-param-gather (framework.fp8_param_gather): the distributed optimizer's parameter
-    all-gather of the blocks moves FP8 (1 byte), the root (embedding, output) stays bf16; off under bf16."""
+    all-gather of the blocks moves FP8 (1 byte), the root (embedding, output) stays bf16; off under bf16. Unit by
+    unit under a fixed bucket (one all-gather per unit; Megatron-Core's own rule gathers per bucket, the units' shares
+    of it: test_megatron_core_buckets_grow_with_dp_and_gather_per_bucket)."""
     from xpar.estimate.cost import assumptions_for, estimate
     from xpar.estimate.comm.dp import unit_elements, unit_times
 
-    off, on = spec_for(*H100_FP8), spec_for(*H100_FP8, "framework.fp8_param_gather=true")
+    fixed = "framework.bucket_rule=fixed"
+    off, on = spec_for(*H100_FP8, fixed), spec_for(*H100_FP8, fixed, "framework.fp8_param_gather=true")
     units = unit_elements(on, 0)
     t_off, t_on = unit_times(off, assumptions_for(off), units), unit_times(on, assumptions_for(on), units)
     assert t_on["gather"][0] == t_off["gather"][0]  # the root in bf16

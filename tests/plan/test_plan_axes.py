@@ -11,16 +11,21 @@ from xpar.plan.space import Constraints, micro_batch_sizes, schedule_pairs
 
 
 def test_cp_is_searched_from_8k_tokens_with_4k_tokens_or_more_per_rank():
-    """NeMo's Llama 3 70B recipe: cp 2 at 8k tokens; Llama 3's 128k stage: cp 16."""
+    """NeMo's Llama 3 70B recipe: cp 2 at 8k tokens; Llama 3's 128k stage: cp 16; NeMo's 1M-token recipe: cp 32
+    (benchmarks/refusal_hunt2.md row 3: outside the space when the default stopped at 16)."""
     assert default_cp(4096) == (1,)
     assert default_cp(8192) == (1, 2)
     assert default_cp(32768) == (1, 2, 4, 8)
-    assert default_cp(131072) == (1, 2, 4, 8, 16)
+    assert default_cp(131072) == (1, 2, 4, 8, 16, 32)
+    assert 32 in default_cp(1 << 20) and max(default_cp(1 << 20)) == 256
 
 
-def test_micro_batches_up_to_16_every_b_to_8_then_powers_of_two():
-    assert micro_batch_sizes([1536], 16) == [1, 2, 3, 4, 6, 8, 16]
-    assert micro_batch_sizes([1024], 8) == [1, 2, 4, 8]
+def test_micro_batches_up_to_16_every_b_dividing_the_batch():
+    """torchtitan's async-TP runs b 12 (refusal_hunt2.md rows 13-14: outside the space at every b to 8, powers of
+    two above); a power-of-two batch keeps the powers of two."""
+    assert micro_batch_sizes([1536], 16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert micro_batch_sizes([96], 16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert micro_batch_sizes([1024], 16) == [1, 2, 4, 8, 16]
 
 
 def test_virtual_stages_narrowed_by_a_plan_key():

@@ -18,8 +18,8 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     :data:`HEAD_DIMS` and GeGLU as SwiGLU: the same matmuls; the Llama 3 paper's pipelines with one layer fewer on the first
     and the last stage, as its Sec. 3.3.2 says; an unstated etp of a MoE row is 1, the Megatron-Bridge MoE recipes'
     expert_tensor_parallel_size, which their ep x tp layouts need), or None for another GPU or a row without its layout.
-    A row's ``sliding_window`` and ``sliding_window_pattern`` columns, where the file has them (blackwell_published.csv),
-    are the model's (empty: none); FP8 rows at the scaling recipe their source used (:func:`row_fp8_recipe`).
+    A row's ``sliding_window``, ``sliding_window_pattern`` and ``attention_sinks`` columns, where the file has them
+    (blackwell_published.csv), are the model's (empty: none); FP8 rows at the scaling recipe their source used (:func:`row_fp8_recipe`).
     Framework: :func:`cp_fp8_framework`; an uneven pp x vp split as Megatron balances it, or, where the note names
     :data:`ACCOUNTED_SPLIT`, L + 2 layers split evenly with the embedding and the loss counted as one each; a ``zero``
     of 3 (Megatron-FSDP) as ZeRO-3. ``gpu_presets``: the GPUs priced and their node presets (default
@@ -39,7 +39,8 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
                  **(DEEPSEEK_V3_ROUTING if row["model_name"] == "DeepSeek-V3" else {}),
                  head_dim=HEAD_DIMS.get(row["model_name"]),
                  sliding_window=int(row.get("sliding_window") or 0),
-                 sliding_window_pattern=int(row.get("sliding_window_pattern") or 0))
+                 sliding_window_pattern=int(row.get("sliding_window_pattern") or 0),
+                 attention_sinks=row.get("attention_sinks") == "true")
     fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
@@ -61,7 +62,9 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     if metric == "tflops_per_gpu" and row["source"].startswith(CAUSAL_FLOPS_SOURCES):
         metric = "tflops_per_gpu_causal"
     name, changes = cp_fp8_framework(row)
-    return make_spec(model, par, hw, train), framework_assumptions(name, **a2a, **changes), metric, float(row["value"])
+    assume = framework_assumptions(name, **a2a, **changes)
+    sinks = {"sink_attention": assume.sink_attention} if model["attention_sinks"] else None  # the profile's sink path
+    return make_spec(model, par, hw, train, sinks), assume, metric, float(row["value"])
 
 
 GPU_PRESETS = {"H100": "h100_80gb_64gpu", "H100-96GB": "h100_96gb_500w_node", "H800": "h800_80gb_2048gpu"}

@@ -31,11 +31,14 @@ def preset(group: str, name: str) -> dict:
     return {**out, **own}
 
 
-def make_spec(model: dict, parallel: dict, hardware: dict, train: dict) -> RunSpec:
+def make_spec(model: dict, parallel: dict, hardware: dict, train: dict, framework: Optional[dict] = None) -> RunSpec:
     """A validated estimate-mode RunSpec from plain group dicts (through xpar.config.validate; what-if
-    studies: a layout that does not fit device memory is returned, not refused)."""
+    studies: a layout that does not fit device memory is returned, not refused); ``framework``: fields over the
+    default profile's (None: none)."""
     cfg = {"model": model, "parallel": parallel, "hardware": hardware, "train": train,
            "tracking": {"enabled": False}, "run": {"mode": "estimate", "progress": False}}
+    if framework:
+        cfg["framework"] = framework
     return validate(cfg)
 
 
@@ -229,7 +232,8 @@ def ibm_fsdp_row(row: dict):
     hw = dict(preset("hardware", GPU_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
               inter_node_gb_per_s=float(row["fabric_gbps_per_node"]) / 8 / nics)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = framework_assumptions("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1")
+    a = framework_assumptions("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1",
+                              head_unit_last=False)  # fms-fsdp wraps the blocks only: the root holds embedding and output
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 
@@ -323,7 +327,7 @@ def dgxc_row(row: dict, tp_overlap: float = DGXC_TP_OVERLAP):
     (dgxc_nemo_h100_bf16.csv): tp x pp x dp with sequence parallelism, the distributed optimizer
     (ZeRO-1, Megatron semantics) with gradient reduce-scatters overlapping the backward
     (overlap_grad_sync) and parameter all-gathers the next forward (overlap_param_sync) in
-    ``bucket_mb`` buckets of bf16, interleaved 1F1B with the row's vp, recompute as the row, the
+    ``bucket_mb`` buckets of bf16 (empty: Megatron-Core's default bucket, the profile's ``bucket_rule``), interleaved 1F1B with the row's vp, recompute as the row, the
     recipe's optimizer states (``optimizer_bytes`` per element: apex's or Megatron-Core's optimizer as its config).
     Profile: Megatron-Core (conf/framework/megatron_core.yaml: Transformer Engine's flash attention,
     overlapped gradient and parameter collectives), dropout and bucket size as the recipe, ``tp_overlap``
@@ -336,8 +340,9 @@ def dgxc_row(row: dict, tp_overlap: float = DGXC_TP_OVERLAP):
     hw = dict(preset("hardware", "h100_80gb_64gpu"), nodes=gpus // 8)
     train = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]), dtype="bf16",
                  seq_len=int(row["seq"]))
-    a = framework_assumptions("megatron_core", dropout=row["dropout"] == "true", bucket_mb=float(row["bucket_mb"]), tp_overlap=tp_overlap,
-                              pp_overlap=1.0 if v > 1 else 0.0, optimizer_bytes=int(row["optimizer_bytes"]))
+    bucket = dict(bucket_rule="fixed", bucket_mb=float(row["bucket_mb"])) if row["bucket_mb"] else {}  # else the profile's
+    a = framework_assumptions("megatron_core", dropout=row["dropout"] == "true", tp_overlap=tp_overlap,
+                              pp_overlap=1.0 if v > 1 else 0.0, optimizer_bytes=int(row["optimizer_bytes"]), **bucket)
     ref = float(row["tokens_per_s"]) / gpus
     return make_spec(dgxc_model(row), parallel, hw, train), a, ref, "tokens_per_s_per_device"
 

@@ -29,6 +29,15 @@ class FrameworkConfig:
     window (FlashAttention-2/3 and cuDNN through Transformer Engine: ``window_size``; flex_attention's block mask);
     false: the band is a dense mask over the whole s x s square, every block computed (torch SDPA with an
     ``attn_mask``: xpar's model)."""
+    sink_attention: Optional[str] = None
+    """How the attention core runs a model's learned sinks (model.attention_sinks), xpar.estimate.compute.kernel_block
+    .sink_bytes: 'fused' (the sink is a term of the flash kernel's softmax; its backward adds one reduction
+    dsink = sum over tokens of exp(sink - lse) D: Transformer Engine >= 2.8 FusedAttention with cuDNN >= 9.13.1,
+    transformer_engine/common/fused_attn/fused_attn.cpp nvte_get_fused_attn_backend; cudnn-frontend
+    scaled_dot_product_flash_attention.h), 'unfused' (the s x s scores in HBM, the sink column concatenated to
+    them: Transformer Engine's UnfusedDotProductAttention, where cuDNN is older; priced as
+    flash_attention false plus that copy), null: no sink path priced for this framework (an estimate of a model
+    with sinks is refused; set one of the two)."""
     attention_fa2: bool = False
     """The attention core is FlashAttention-2 (torch SDPA's flash backend, first in its default order: PyTorch
     issue 138907; the flash-attn 2 package), priced at the device's FlashAttention-2 fractions where its preset has them
@@ -65,7 +74,18 @@ class FrameworkConfig:
     """Algorithm of dp collectives: 'nccl' (ring, or tree for all-reduce where faster),
     'ring' (flat ring), 'hierarchical' (intra-node, then inter-node, then intra-node)."""
     bucket_mb: float = 25.0
-    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued."""
+    """Gradient bucket size for DDP/ZeRO-1 reductions, MB (1e6 bytes): messages issued (under
+    ``bucket_rule`` 'fixed')."""
+    head_unit_last: bool = False
+    """The output head (final norm and output projection) of an untied model on a one-stage pipeline is a dp unit of
+    its own after the last block: gathered last in forward, reduced first in backward, kept from forward to backward
+    (torchtitan's ``fully_shard([model.norm, model.output], reshard_after_forward=False)``; Megatron-Core's buckets in
+    backward order, the output layer's first). False: one root unit with the embedding, first in forward and last in
+    backward (xpar's ``fully_shard(model)`` root). xpar.estimate.comm.head_unit."""
+    bucket_rule: str = "fixed"
+    """How the DDP/ZeRO-1 bucket is sized: 'fixed' (``bucket_mb``) or 'megatron_core' (Megatron-Core's
+    default when ``--ddp-bucket-size`` is unset: max(40M, 1M x dp) elements, the distributed optimizer's
+    parameter all-gathers bucketed as its reduce-scatters: xpar.estimate.comm.dp.bucket_bytes)."""
     tp_overlap: float = 0.0
     """Share of tensor-parallel communication hidden behind the layer's GEMMs (0: blocking;
     async TP / Megatron-Core tp-comm-overlap hide most of it)."""

@@ -94,16 +94,21 @@ class ModelConfig:
     v_head_dim: Optional[int] = None
     """MLA: each head's value width (DeepSeek-V3: 128)."""
     sliding_window: int = 0
-    """Sliding-window (local) attention: the keys a query of a local layer sees, itself and the
-    ``sliding_window - 1`` tokens before it (HF config.json ``sliding_window``: gpt-oss 128, Mistral 7B v0.1 4096,
-    Gemma 2 4096, Gemma 3 1024; FlashAttention's ``window_size=(w - 1, 0)``; Megatron-Core ``window_size``
-    (left, 0) counts left + 1 keys); 0: every layer attends to the whole causal prefix. Which layers are
-    local: ``sliding_window_pattern``."""
+    """Sliding-window (local) attention: the keys a query of a local layer sees, itself and the ``sliding_window - 1``
+    tokens before it (HF config.json ``sliding_window``: gpt-oss 128, Mistral 7B v0.1 4096, Gemma 2 4096, Gemma 3 1024;
+    FlashAttention's ``window_size=(w - 1, 0)``; Megatron-Core ``window_size`` (left, 0) counts left + 1 keys); 0: every
+    layer attends to the whole causal prefix. Which layers are local: ``sliding_window_pattern``."""
     sliding_window_pattern: int = 0
     """With ``sliding_window``: every k-th layer is full (global) attention, the others local: layer i
     (from 0) is full where (i + 1) % k == 0 (HF Gemma 3 ``sliding_window_pattern`` 6, i.e. 5 local : 1 global;
     gpt-oss and Gemma 2: 2, local first, as their ``layer_types``; Megatron-Core ``window_attn_skip_freq``);
     0: every layer local (Mistral 7B v0.1)."""
+    attention_sinks: bool = False
+    """Learned attention sinks: one logit per head added to every softmax denominator (its column attends to no
+    value), so a row may give less than all of its weight to the keys (openai/gpt-oss-120b and -20b: ``sinks``, 64
+    logits a layer, in OpenAI's reference gpt_oss/torch/model.py and HF modeling_gpt_oss.py; Megatron-Core
+    ``softmax_type='learnable'``). Priced as the framework's kernel runs them (framework.sink_attention); estimated,
+    not executed."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
@@ -307,13 +312,12 @@ class HardwareConfig:
     measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
     collectives pay ~0.3-4 ms per step); None: collective_latency_us + one link step."""
     ring_step_us_by_bytes: Optional[dict] = None
-    """Measured seconds of one ring step by collective and chunk size, inside one node: for each
-    of 'allreduce', 'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes,
-    microseconds per step] (``xpar calibrate``: payload / ranks per step, time / ring steps;
-    send_recv: the message, one step). Where a collective has its curve, a single-node group
-    pays ring steps x the curve at its chunk (xpar.estimate.comm.collectives.measured_time) instead
-    of the alpha-beta model: gloo's cost per byte differs by collective and grows faster than
-    linear past a few MiB. None: the alpha-beta model (GPU presets)."""
+    """Measured seconds of one ring step by collective and chunk size, inside one node: for each of 'allreduce',
+    'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes, microseconds per step] (``xpar calibrate``:
+    payload / ranks per step, time / ring steps; send_recv: the message, one step). Where a collective has its curve, a
+    single-node group pays ring steps x the curve at its chunk (xpar.estimate.comm.collectives.measured_time) instead of
+    the alpha-beta model: gloo's cost per byte differs by collective and grows faster than linear past a few MiB. None:
+    the alpha-beta model (GPU presets)."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8
@@ -342,15 +346,13 @@ class HardwareConfig:
     """The same for the last stage's norm, output projection and vocabulary-parallel loss
     (``loss_parallel``); measured by ``xpar calibrate``."""
     sync_wait_us: float = 0.0
-    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
-    ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by
-    ``xpar calibrate``; added to every collective and send (xpar.estimate.comm.collectives). 0: GPU
-    presets (no such measurement)."""
+    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the ranks arrive from
+    compute (the later peer, a woken gloo thread on a busy core), measured by ``xpar calibrate``; added to every
+    collective and send (xpar.estimate.comm.collectives). 0: GPU presets (no such measurement)."""
     optimizer_ns_per_element: Optional[float] = None
-    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
-    parameter element, measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element
-    over the measured copy bandwidth would say ~4.3: temporaries partly cached); None: bytes over
-    ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
+    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per parameter element,
+    measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element over the measured copy bandwidth would
+    say ~4.3: temporaries partly cached); None: bytes over ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
     cpu_cores: Optional[int] = None
     """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
     cores stretch the estimated step (xpar.estimate.compute.host.oversubscription); None: not a shared CPU."""
@@ -406,11 +408,9 @@ class TrainConfig:
     Blackwell only: hardware.mxfp8), 'blockwise' (DeepSeek-V3's 1x128 / 128x128 FP8 blocks). Priced by
     the kernel model (quantise passes as memory traffic, the recipe's GEMM rate); unused under bf16/fp32."""
     compile: bool = False
-    """The run compiles its blocks with torch.compile (torchtitan's ``training.compile``); estimated only: TorchInductor
-    fuses the element-wise passes: ``framework.elementwise_passes`` counts as 1 (xpar.estimate.compute.kernel_costs)."""
+    """Blocks compiled by torch.compile (estimated only: element-wise passes fused; estimate.compute.kernel_costs)."""
     compile_loss: bool = False
-    """The cross-entropy is compiled too (torchtitan from 2025-04, PR 1033; not @9dec370, Dec 2024); estimated only:
-    its fp32 upcast fused, it keeps bf16 logits and no fp32 gradients (xpar.estimate.memory.activations.loss_bytes)."""
+    """The loss compiled too (torchtitan PR 1033, 2025-04; estimated only; estimate.memory.activations.loss_bytes)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None
@@ -532,7 +532,7 @@ class PlanConfig:
     pp: Optional[int] = None
     """Fixed pipeline degree; null: any."""
     cp: Optional[list] = None
-    """Context-parallel degrees; null: [1], or 1, 2, 4, 8 at seq_len >= 16384 (xpar.plan.axes)."""
+    """Context-parallel degrees; null: 1 and the powers of two leaving each cp rank >= 4096 tokens (xpar.plan.axes)."""
     ep: Optional[list] = None
     """Expert-parallel degrees; null: a MoE model's divisors of n_experts, [1] when dense (xpar.plan.axes)."""
     dtype: Optional[list] = None
@@ -548,7 +548,7 @@ class PlanConfig:
     offload: Optional[list] = None
     """Optimizer offload allowed ([false], [true] or both); null: the framework's (framework.offload)."""
     max_micro_batch_size: int = 16
-    """Largest micro-batch size b tried (sequences): every b up to 8, powers of two above (torchtitan runs b 16);
+    """Largest micro-batch size b tried (sequences): every b dividing the global batch (torchtitan runs b 12, 16);
     layouts that do not fit are dropped by memory."""
     memory_headroom: Optional[float] = None
     """Fraction of device memory kept free; null: hardware.memory_headroom where above 0, else 0.08 on a GPU (the CUDA

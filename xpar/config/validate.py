@@ -70,6 +70,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
                                            global_batch=None if c.train.global_batch_size == "auto"
                                            else int(c.train.global_batch_size))
             + layout_checks.check_moe(c.model, layout, mode) + layout_checks.check_positions(c.model, mode)
+            + layout_checks.check_sinks(c.model, c.framework.sink_attention, c.framework.name, mode)
             + layout_checks.check_cp(
                 c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)

@@ -47,6 +47,7 @@ from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home be
     rank_compute,
     rates,
     reduced_grad_bytes,
+    sink_assumptions,
     step_rates,
     step_time,
     tp_times,
@@ -107,7 +108,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     Pure function of the spec (no devices, no process groups). See the module docstring
     for the formulas and the calibration.
     """
-    assume = assumptions_for(spec) if assume is None else assume
+    assume = assumptions_for(spec) if assume is None else sink_assumptions(spec.model, assume)
     if spec.layout.cp > 1:
         return _with_cp_comm(spec, estimate(fold_cp(spec), assume), assume)
     spec = waits_unstretched(spec, spec.world_size)

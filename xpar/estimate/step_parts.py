@@ -99,10 +99,20 @@ def assumptions_for(spec: RunSpec) -> Assumptions:
     torch's composite RMSNorm (measured, :meth:`Assumptions.xpar_cpu`), and collectives that
     hide nothing behind compute (``overlap_slowdown`` 1: gloo's copies and reductions run on the
     cores that compute), and the passes over the gradients counted (``gradient_passes``)."""
-    a = Assumptions.from_config(spec.framework)
+    a = sink_assumptions(spec.model, Assumptions.from_config(spec.framework))
     if spec.hardware.device != "cpu":
         return a
     return replace(a, fused_rmsnorm=False, count_buffers=False, overlap_slowdown=1.0, gradient_passes=True)
+
+
+def sink_assumptions(model, a: Assumptions) -> Assumptions:
+    """``a`` for ``model``: where the model has learned attention sinks (model.attention_sinks) that the framework
+    runs unfused (framework.sink_attention 'unfused': Transformer Engine's UnfusedDotProductAttention), the core is
+    the unfused one, its s x s scores kept and moved (flash_attention false) in time and memory alike; else ``a``.
+    Idempotent (:func:`xpar.estimate.cost.estimate` applies it to a given ``assume`` too)."""
+    if model.attention_sinks and a.sink_attention == "unfused" and a.flash_attention:
+        return replace(a, flash_attention=False)
+    return a
 
 
 def matmul_efficiency(hw: HardwareConfig, dim: float) -> float:

@@ -1,10 +1,10 @@
 """The plan's cp, ep, etp, v and dtype axes: ``plan.cp``, ``plan.ep``, ``plan.etp``, ``plan.virtual_stages``
 and ``plan.dtype`` resolved to the values searched, with their defaults; each bad value one line.
 
-- ``plan.cp``: the powers of two up to :data:`CP_MAX` leaving each cp rank >= :data:`CP_MIN_TOKENS`
-  tokens, at every sequence length: NeMo's Llama 3 70B recipe runs cp 2 at 8k tokens, its long-context
-  recipes cp 2-8 at 16k-128k, Llama 3 cp 16 at 128k (8k per rank). The space keeps cp values that split
-  seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``).
+- ``plan.cp``: the powers of two leaving each cp rank >= :data:`CP_MIN_TOKENS` tokens, at every sequence
+  length: NeMo's Llama 3 70B recipe runs cp 2 at 8k tokens, its long-context recipes cp 2-8 at 16k-128k and
+  cp 32 at 1M (NeMo performance_long_sequence.md), Llama 3 cp 16 at 128k (8k per rank). The space keeps cp
+  values that split seq_len into 2 cp equal chunks (xpar.plan.space rule ``cp_seq``) and divide the devices.
 - ``plan.ep``: a MoE model's divisors of model.n_experts (kept where ep x etp divides tp x cp x dp: rule
   ``ep``); [1] for a dense one. ``plan.etp``: the profile's ``framework.etp_degrees`` (megatron_core: [0, 1],
   etp = tp and MoE parallel folding, etp 1, the Megatron-Bridge MoE recipes'), else [0] (etp = tp).
@@ -18,15 +18,17 @@ from typing import Any, Optional
 
 CP_MIN_TOKENS = 4096
 """Fewest tokens of a sequence per cp rank that plan.cp's default searches (module docstring)."""
-CP_MAX = 16
-"""Largest cp plan.cp's default searches (Llama 3's 128k stage)."""
 DTYPES = ("fp32", "bf16", "fp8")
 
 
 def default_cp(seq_len: int) -> tuple[int, ...]:
-    """plan.cp's default at ``seq_len`` tokens: 1 and each power of two <= :data:`CP_MAX` with
-    seq_len / cp >= :data:`CP_MIN_TOKENS` (module docstring)."""
-    return tuple(c for c in (1, 2, 4, 8, 16) if c <= CP_MAX and (c == 1 or seq_len // c >= CP_MIN_TOKENS))
+    """plan.cp's default at ``seq_len`` tokens: 1 and each power of two with seq_len / cp >=
+    :data:`CP_MIN_TOKENS` (module docstring): 1-16 at 64k, 1-256 at 1M."""
+    out, c = [1], 2
+    while seq_len // c >= CP_MIN_TOKENS:
+        out.append(c)
+        c *= 2
+    return tuple(out)
 
 
 def default_ep(model: dict) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ CHOICES = {
     "data.kind": ("synthetic", "text"),
     "run.mode": ("auto", "execute", "estimate", "plan"),
     "hardware.device": ("auto", "cpu", "cuda"),
+    "framework.sink_attention": (None, "fused", "unfused"),  # xpar.estimate.compute.kernel_block.sink_bytes
 }
 
 

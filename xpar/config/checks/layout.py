@@ -281,6 +281,23 @@ def check_positions(model: ModelConfig, mode: str) -> list[str]:
     return out
 
 
+def check_sinks(model: ModelConfig, sink_path, framework: str, mode: str) -> list[str]:
+    """Learned attention sinks (model.attention_sinks): estimated only (xpar's executed model has none), and
+    priced only by a framework with a sink path (framework.sink_attention: xpar.estimate.compute.kernel_block
+    .sink_bytes)."""
+    if not model.attention_sinks:
+        return []
+    if mode == "execute":
+        return ["model.attention_sinks=true is estimated, not executed, by xpar (its model has no sink logits); run "
+                "it with model.attention_sinks=false, or estimate it with run.mode=estimate."]
+    if sink_path is None:
+        return [f"model.attention_sinks=true: framework={framework} prices no sink path; set "
+                f"framework.sink_attention=fused (the sink inside the flash kernel: Transformer Engine >= 2.8 with "
+                f"cuDNN >= 9.13.1, as framework=megatron_core) or framework.sink_attention=unfused (the s x s scores "
+                f"in HBM), or model.attention_sinks=false."]
+    return []
+
+
 def check_layer_split(n_layers: int, given, pp: int, v: int) -> list[str]:
     """An explicit split assigns each layer once, in order, to the pp x v stages; without
     one, the stages must split the layers evenly."""

@@ -58,7 +58,7 @@ from xpar.estimate.compute.host import (
     oversubscription,
     rank_host,
 )
-from xpar.estimate.memory.model_states import state_widths
+from xpar.estimate.memory.model_states import root_tail_elements, state_widths
 from xpar.estimate.memory.offload import (
     OFFLOAD_TERMS,
     devices_per_node,
@@ -181,6 +181,21 @@ def _unit_sizes(base: RunSpec, tp: int, rank_class: int) -> dict[str, int]:
     return {"root": u[0], "block": u[1], "experts": x[1]}
 
 
+def _head_shares(base: RunSpec, a: Assumptions, tp: np.ndarray, pp: np.ndarray) -> np.ndarray:
+    """Per row: the share of the root's elements that are the output head, a dp unit of its own
+    (``framework.head_unit_last``, an untied model on one stage: xpar.estimate.comm.head_unit); 0 elsewhere."""
+    out = np.zeros(len(tp))
+    if not a.head_unit_last or base.model.tied_embeddings:
+        return out
+    for t in np.unique(tp[pp == 1]).tolist():
+        c = RANK_CLASSES[0]
+        layout = Layout(dp=1, tp=t, pp=1, micro_batch_size=1, micro_batches=1, seq_len=base.seq_len, layer_split=(1,),
+                        schedule="gpipe", ep=base.layout.ep, etp=base.layout.etp)
+        one = replace(base, layout=layout)
+        out[(pp == 1) & (tp == t)] = root_tail_elements(one, c.rank) / max(1, unit_elements(one, c.rank)[0])
+    return out
+
+
 def _dp_unit_times(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, np.ndarray]:
     """Per slot (axis 0): seconds of the root's and of one block's all-gather and reduction
     (:func:`xpar.estimate.comm.dp.unit_times` of the rank's units: the root, then its ``s["n"]`` blocks;
@@ -231,6 +246,7 @@ def _dp_columns(base: RunSpec, a: Assumptions, r: dict, s: dict, x: dict) -> dic
     cols = {k: np.broadcast_to(r[k] if k != "recompute" else rec, shape).ravel()[rows]
             for k in ("dp", "tp", "zero", "recompute", "pp", "v", "v_shaped")}
     cols |= {"slot": rows // shape[1], "n": np.broadcast_to(s["n"], shape).ravel()[rows]}
+    cols["head"] = _head_shares(base, a, cols["tp"], cols["pp"])  # xpar.estimate.comm.head_unit
     at = np.flatnonzero(live[rep])
     chunked = (cols["v"] > 1) & bool(a.dp_overlap_per_chunk)  # xpar.estimate.frameworks.dp_chunks
     kind = (cols["pp"] == 1) * 2 + chunked  # the passes a row needs (xpar.estimate.comm.dp._exposure)
@@ -265,7 +281,7 @@ def _dp_rows(a: Assumptions, het: Optional[UnitTimes], f: dict, rows: dict) -> d
              else unit_columns(het, rows, top))
     chunks = rows["v"] if a.dp_overlap_per_chunk else 1  # xpar.estimate.frameworks.dp_chunks
     return dp_exposure(rows["zero"], rows["pp"], a, fwd(f["root_f"], f["unit_f"]), fwd(f["root_b"], f["unit_b"])[::-1],
-                       units["g"], units["r"], units["cg"], units["cr"], units["gb"], chunks, n + 1)
+                       units["g"], units["r"], units["cg"], units["cr"], units["gb"], chunks, n + 1, rows["head"])
 
 
 def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarray:

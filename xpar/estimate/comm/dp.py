@@ -26,6 +26,8 @@ from xpar.estimate.memory.model_states import (BYTES, expert_dp_size, unit_eleme
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
+from xpar.estimate.frameworks.mcore_buckets import bucket_count, bucket_elements
+from xpar.estimate.comm.head_unit import any_head, kept_head, split_compute, split_forward
 from xpar.estimate.comm.hsdp import hsdp_unit_times
 from xpar.estimate.frameworks.owner_reduce import owner_unit_times
 from xpar.estimate.comm.overlap import simulate_pass, vwhere
@@ -90,14 +92,56 @@ def expert_split_times(spec: RunSpec, assume, units: list[int], experts: Optiona
     return {k: [a + b for a, b in zip(dense[k], mine[k])] for k in dense}
 
 
+BUCKET_RULES = ("fixed", "megatron_core")
+"""Values of Assumptions.bucket_rule (xpar.config.profile.FrameworkConfig): :func:`bucket_bytes`."""
+
+
+def bucket_bytes(spec: RunSpec, assume, nbytes: int) -> float:
+    """Bytes per DDP/ZeRO-1 bucket of elements of ``nbytes`` bytes: ``assume.bucket_mb`` MB under the 'fixed'
+    rule; under 'megatron_core', Megatron-Core's default (xpar.estimate.frameworks.mcore_buckets.bucket_elements).
+
+    Raises:
+        ValueError: a ``bucket_rule`` not in :data:`BUCKET_RULES`."""
+    rule = getattr(assume, "bucket_rule", "fixed")
+    if rule not in BUCKET_RULES:
+        raise ValueError(f"framework.bucket_rule must be one of {BUCKET_RULES}, got {rule!r}")
+    if rule == "fixed":
+        return assume.bucket_mb * 1e6
+    return bucket_elements(spec) * nbytes
+
+
+def buckets_of(spec: RunSpec, assume, units: list[int], bucket: float, nbytes: int) -> int:
+    """How many buckets of ``bucket`` bytes the ``units`` (elements of ``nbytes`` bytes) make: ceil(bytes / bucket)
+    under the 'fixed' rule; Megatron-Core's layout under 'megatron_core' (xpar.estimate.frameworks.mcore_buckets.
+    bucket_count: a tensor larger than the bucket a bucket of its own)."""
+    if getattr(assume, "bucket_rule", "fixed") == "megatron_core":
+        return bucket_count(spec, units, bucket_elements(spec))
+    return max(1, math.ceil(sum(units) * nbytes / bucket))
+
+
+def bucketed(units: list[int], widths: list, buckets: int, timed: Callable[[float], float]) -> list[float]:
+    """Seconds per unit of a collective issued in ``buckets`` equal buckets over ``units`` (elements of
+    ``widths`` bytes each): a unit's share of ``buckets`` collectives of 1 / buckets of the bytes each
+    (``timed``: seconds of one collective of so many bytes)."""
+    sizes = [u * w for u, w in zip(units, widths)]
+    total = sum(sizes)
+    if not total:
+        return [0.0] * len(units)
+    per_bucket = timed(total / buckets)
+    return [x / total * buckets * per_bucket for x in sizes]
+
+
 def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: dict) -> dict[str, list[float]]:
     """Seconds per unit (``units``: elements each) of its parameter ``gather`` and gradient ``reduce`` over
-    ``n`` ranks in ``group`` (module docstring: what each ZeRO stage issues). FP8 gathers:
-    xpar.estimate.frameworks.fp8_params; DeepSpeed's owner-by-owner reduction: xpar.estimate.frameworks.owner_reduce."""
+    ``n`` ranks in ``group`` (module docstring: what each ZeRO stage issues), the buckets :func:`bucket_bytes`;
+    under the 'megatron_core' bucket rule the distributed optimizer's all-gathers run bucket by bucket too
+    (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBucketGroup.start_param_sync``: one
+    all-gather per bucket). FP8 gathers: xpar.estimate.frameworks.fp8_params; DeepSpeed's owner-by-owner
+    reduction: xpar.estimate.frameworks.owner_reduce."""
     z, gb = spec.layout.zero_stage, grad_bytes(spec, assume)
     coll = "reduce_scatter" if (z >= 2 or (z == 1 and assume.zero1 == "distributed_optimizer")) else "allreduce"
     coll = "allreduce" if z >= 2 and not assume.grad_reduce_scatter else coll  # DeepSpeed's reduce_scatter false
-    bucket = assume.bucket_mb * 1e6
+    bucket = bucket_bytes(spec, assume, gb)
 
     def timed(kind: str, nbytes: float) -> float:
         return _timed(spec, assume, memo, kind, nbytes, group)
@@ -105,16 +149,17 @@ def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: di
     if z >= 2:  # FSDP: one reduce-scatter per unit
         red = [timed(coll, u * gb) for u in units]
     elif bucket > 0:  # buckets: a unit's share of the messages, ceil(gradient bytes / bucket) of them
-        total = sum(units) * gb
-        buckets = max(1, math.ceil(total / bucket))
-        per_bucket = timed(coll, total / buckets)
-        red = [u * gb / total * buckets * per_bucket if total else 0.0 for u in units]
+        buckets = buckets_of(spec, assume, units, bucket, gb)
+        red = bucketed(units, [gb] * len(units), buckets, lambda b: timed(coll, b))
     else:  # one buffer after the backward
         red = [timed(coll, sum(units) * gb) / len(units)] * len(units)
     pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
     if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
         red = owner_unit_times(units, gb, n, bucket, z == 2, lambda b: timed("broadcast", b))
     kind = "broadcast" if z == 1 and assume.zero1 == "zero_redundancy" else "allgather"  # torch: broadcasts
+    if z == 1 and kind == "allgather" and getattr(assume, "bucket_rule", "fixed") == "megatron_core":
+        buckets = buckets_of(spec, assume, units, bucket, gb)  # the gradient buckets' parameters, in their width
+        return {"gather": bucketed(units, list(pw), buckets, lambda b: timed(kind, b)), "reduce": red}
     return {"gather": [timed(kind, u * w) for u, w in zip(units, pw)], "reduce": red}
 
 
@@ -172,7 +217,7 @@ def _lazy(cond: Any, when_true: Callable[[], Any], when_false: Callable[[], Any]
 
 def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gather: list, reduce: list,
                 copy_gather: Optional[list] = None, copy_reduce: Optional[list] = None,
-                gather_b: Optional[list] = None, v: Any = 1, units: Any = None) -> dict:
+                gather_b: Optional[list] = None, v: Any = 1, units: Any = None, head: Any = 0.0) -> dict:
     """Exposed and issued dp communication of one pipeline rank (module docstring), for a
     ZeRO stage ``z`` and pipeline degree ``pp`` (ints, or int arrays over layouts: every time
     then an array or a float). ``gather``/``reduce``: seconds of each unit's all-gather and
@@ -188,18 +233,23 @@ def dp_exposure(z: Any, pp: Any, assume, compute_f: list, compute_b: list, gathe
     ``v``: model chunks per pipeline rank (an int, or an int array over layouts), read with
     ``assume.dp_overlap_per_chunk`` (xpar.estimate.frameworks.dp_chunks). ``units``: each layout's own units
     (an int array) where the lists hold more, the extra ones of no time (after its blocks in forward order;
-    None: all units are its own)."""
+    None: all units are its own). ``head``: the share of the root's elements that are the output head, a unit of its
+    own after the last block where > 0 (a float, or a float array over layouts; xpar.estimate.comm.head_unit)."""
+    gather_b = gather if gather_b is None else gather_b
+    if any_head(head):  # the root split: the embedding first, the head (with the logits) last in forward
+        compute_f, compute_b = split_compute(compute_f, compute_b, head)
+        gather, reduce, copy_gather, copy_reduce, gather_b = (split_forward(x, head) for x in (
+            gather, reduce, copy_gather, copy_reduce, gather_b))
+        gather_b = kept_head(gather_b[::-1], head)[::-1]  # the head stays gathered for its backward
     zeros = [0.0] * len(gather)
     cg, cr = copy_gather or zeros, copy_reduce or zeros
+    cg_b = kept_head(root_kept(cg[::-1]), head)  # backward order: copies after the backward's gathers
     every = (z >= 2) & (pp == 1)
     fwd_gathers, bwd_gathers = (z == 3) | ((z == 2) & (pp == 1)), (z == 3) & (pp == 1)
     compute_f = [c + x for c, x in zip(compute_f, _masked(fwd_gathers, cg))]
-    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, root_kept(cg[::-1])),
-                                              _masked(every, cr[::-1]))]
-    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather if gather_b is None else gather_b, v,
-                    units)
-    copy_mb = (vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(root_kept(cg[::-1])), 0.0)
-               + vwhere(every, sum(cr), 0.0))
+    compute_b = [c + g + r for c, g, r in zip(compute_b, _masked(bwd_gathers, cg_b), _masked(every, cr[::-1]))]
+    out = _exposure(z, pp, assume, compute_f, compute_b, gather, reduce, gather_b, v, units)
+    copy_mb = vwhere(fwd_gathers, sum(cg), 0.0) + vwhere(bwd_gathers, sum(cg_b), 0.0) + vwhere(every, sum(cr), 0.0)
     copy_once = vwhere((z == 2) & (pp > 1), sum(cg), 0.0) + vwhere((z >= 2) & (pp > 1), sum(cr), 0.0)
     copy_first = vwhere((z == 3) & (pp > 1), sum(cg), 0.0)
     out["first_backward"] = out["first_backward"] + copy_first

@@ -210,26 +210,54 @@ def _unfused_attention(b, s_q, s_kv, heads, sh: BlockShape, device, backward):
     return scores + context, kernels + k2 + 1, 2 * g * s_q * s_kv * BF16
 
 
-def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel=True):
+def _attention_core(sh: BlockShape, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel=True,
+                    sinks: Optional[str] = None):
     """(seconds on tensor cores, kernels, bytes moved besides) of one rank's attention core. A local block
     (``sh.window``) computes its window's blocks where ``window_kernel``, else every block of the square (the
-    band as a dense mask); the unfused path computes the whole square either way."""
+    band as a dense mask); the unfused path computes the whole square either way. Learned sinks (``sinks``: their
+    path, None: none) add :func:`sink_bytes` at the HBM rate to the core's seconds (rerun where the core is)."""
     heads = sh.heads / np.asarray(tp, dtype=float)
     s_q = np.asarray(seq_len, dtype=float) / cp
+    sunk, k_sink = sink_bytes(sinks, micro_batch, s_q, np.asarray(seq_len, dtype=float), heads, backward)
     if not flash:
-        return _unfused_attention(micro_batch, s_q, np.asarray(seq_len, dtype=float), heads, sh, device, backward)
+        core, kernels, moved = _unfused_attention(micro_batch, s_q, np.asarray(seq_len, dtype=float), heads, sh,
+                                                  device, backward)
+        return core + memory_time(sunk, device), kernels + k_sink, moved
     kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: MHA
     dense_band = sh.window > 0 and not window_kernel
     attn = attention_time(micro_batch, s_q, seq_len, heads, sh.qk_dim, sh.v_dim, device, causal=not dense_band,
                           kv_heads=kv_heads, backward=backward, window=sh.window if window_kernel else 0)
-    return attn, 3 if backward else 1, 0.0  # FlashAttention backward: preprocess, main, dq conversion
+    kernels = (3 if backward else 1) + k_sink  # FlashAttention backward: preprocess, main, dq conversion
+    return attn + memory_time(sunk, device), kernels, 0.0
+
+
+def sink_bytes(path: Optional[str], micro_batch, s_q, s_kv, heads, backward: bool):
+    """(bytes, kernels) one rank's attention core moves for learned sinks (model.attention_sinks) beyond its own
+    pass, by the framework's path (framework.sink_attention), ``heads`` per rank:
+
+    - 'fused' (cuDNN through Transformer Engine >= 2.8, cuDNN >= 9.13.1): forward nothing (the sink is one more term
+      of the kernel's running softmax sum: cudnn-frontend scaled_dot_product_flash_attention.h, Softmax
+      ``set_sink``); backward the dsink reduction, exp(sink - stats) x D summed over batch and queries per head
+      (the same file, ``sub_sink``/``exp_sink``/``reduce_per_token_grad``): the fp32 stats and the fp32 rowsum D
+      read once, 8 bytes a query row and head, no kernel of its own counted (one cuDNN graph);
+    - 'unfused' (Transformer Engine's UnfusedDotProductAttention, transformer_engine/pytorch/attention/
+      dot_product_attention/backends.py: ``torch.cat`` of the sink column to the scores, then ``[..., :-1]``):
+      the bf16 s_q x s_kv scores read and written once more forward (the concatenation) and backward (the slice's
+      gradient padded back), one kernel each;
+    - None: no sinks, nothing."""
+    rows = np.asarray(micro_batch, dtype=float) * heads * s_q
+    if path == "fused":
+        return (8.0 * rows if backward else 0.0 * rows), 0
+    if path == "unfused":
+        return 2.0 * BF16 * rows * s_kv, 1
+    return 0.0 * rows, 0
 
 
 def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1, ep=1, dtype: str = "bf16",
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
-                sequence_parallel: bool = True, flash: bool = True, dropout: bool = False,
-                dispatcher: str = "alltoall", expert_call_us: float = 0.0, kv_over_tp: str = "split",
-                fp8_recipe: str = DEFAULT_RECIPE, window_kernel: bool = True) -> BlockTerms:
+                sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
+                expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
+                window_kernel: bool = True, sinks: Optional[str] = None) -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -246,6 +274,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
+    ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -255,12 +284,11 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     kv = np.where(sequence_parallel, sh.kv_heads, tp_kv_heads(sh.kv_heads, np.asarray(tp), kv_over_tp))
     quant = RECIPES[fp8_recipe] if dtype == "fp8" else None
     dtype = gemm_dtype(fp8_recipe, device.mx_native) if dtype == "fp8" else dtype
-    gemm, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
-    projections = gemm
-    attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel)
+    projections, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
+    attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel,
+                                           sinks)
     heads = sh.heads / np.asarray(tp, dtype=float)
-    kv_heads = heads if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))
-    rope_k = 1 if sh.mla else kv_heads  # MLA: one rope key shared by the heads
+    rope_k = 1 if sh.mla else np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))  # MLA: one rope key for all
     moved = moved + b_attn * (1 + 0.5 * dropout) + (
         2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
         + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
@@ -273,7 +301,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                                         DISPATCHERS[dispatcher].sorts_by_local_expert, quant)
     else:
         g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
-    gemm, kernels, moved = gemm + g, kernels + k_ffn, moved + b_ffn
+    gemm, kernels, moved = projections + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
     busy = gemm + experts + attn + memory

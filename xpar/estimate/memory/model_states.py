@@ -226,6 +226,18 @@ def _unit_elements(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple:
     return (root,) + tuple(blocks)
 
 
+def root_tail_elements(spec: RunSpec, pp_rank: int) -> int:
+    """Elements of the root unit's tail on ``pp_rank`` (:func:`unit_elements`): the final norm and, untied, the output
+    projection, of the last stage where the rank holds it; 0 elsewhere."""
+    return _root_tail(*shape_key(spec), pp_rank)
+
+
+@lru_cache(maxsize=1024)
+def _root_tail(cfg_key: tuple, layout, tp: int, pp_rank: int) -> int:
+    """:func:`root_tail_elements`, memoised."""
+    return sum(_part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)[2][0] for s in layout.stages_of(pp_rank))
+
+
 def unit_expert_elements(spec: RunSpec, pp_rank: int) -> list[int]:
     """Routed-expert elements per FSDP unit of ``pp_rank``, as :func:`unit_elements` orders the units
     (the root 0; a MoE block its E / ep local experts, split over etp; a dense block 0): the part of each
