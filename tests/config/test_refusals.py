@@ -97,6 +97,8 @@ CATALOGUE = [
     ("model.activation=tanh", "model.activation must be one of ['swiglu', 'gelu', 'relu', 'squared_relu']", None),
     ("model.norm=batchnorm", "model.norm must be one of", None),
     ("model.position=alibi", "model.position=alibi is estimated, not executed", "model.position=rope"),
+    ("train.compile=true", "train.compile=true is estimated, not executed", "train.compile=false"),
+    ("train.compile_loss=true", "train.compile_loss=true is estimated, not executed", "train.compile_loss=false"),
     ("model.position=sinusoidal", "model.position must be one of", None),
     ("model.position=learned train.seq_len=128", "train.seq_len must be in [1, 64]", None),
     # the layout

@@ -54,7 +54,7 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
         par["layer_split"] = [(L + 2) // n - 1] + [(L + 2) // n] * (n - 2) + [(L + 2) // n - 1]  # Sec. 3.3.2
     hw = sized_hardware(preset("hardware", presets[gpu]), int(row["gpus"]))
     train = dict(micro_batch_size=int(row["micro_batch"] or 1), global_batch_size=int(row["global_batch"]),
-                 dtype=row["dtype"], seq_len=int(row["seq"]), **row_fp8_recipe(row))
+                 dtype=row["dtype"], seq_len=int(row["seq"]), compile=row_compiled(row), **row_fp8_recipe(row))
     overlap = 1.0 if "DualPipe" in row["note"] else MOE_A2A_OVERLAP if MOE_A2A_OVERLAP_FLAGS & set(
         row["note"].replace(";", " ").replace(",", " ").split()) else 0.0
     a2a = dict(ep_dispatcher=_dispatcher(row["note"]), ep_a2a_overlap=overlap)
@@ -106,6 +106,13 @@ AUTOMODEL_OPTIMIZER_BYTES = 8
 """Bytes per optimizer-state element of NeMo AutoModel's benchmark recipes: Transformer Engine's FusedAdam over the bf16
 parameters keeps its moments in fp32 and no master copy (2 x 4 bytes; the AutoModel docs, "Mixed-Precision Training":
 "TE FusedAdam keeps fp32 state regardless"; examples/llm_pretrain/llama3_1_70b_pretrain_benchmark_*.yaml)."""
+
+
+def row_compiled(row: dict) -> bool:
+    """Whether a row's run compiled its blocks (train.compile): its source or note names torch.compile
+    (torchtitan's tables and Trainy's H200 page state it per run) and neither says it was off."""
+    text = f"{row.get('source', '')} {row.get('note', '')}".lower()
+    return "torch.compile" in text and not any(x in text for x in ("no torch.compile", "torch.compile off"))
 
 
 def row_fp8_recipe(row: dict) -> dict:

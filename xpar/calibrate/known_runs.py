@@ -14,7 +14,8 @@ from xpar.estimate.columns.stage_split import plan_split
 def known_run_spec(row: dict) -> RunSpec:
     """Estimate-mode RunSpec of a tests/data/known_runs.csv row (Llama shapes for SwiGLU rows, GPT
     shapes otherwise), its hardware sized to the row's GPUs and device memory. ZeRO-1 with tp/pp (the
-    framework's distributed optimizer, an estimate-only layout) is validated as ZeRO-0, then set."""
+    framework's distributed optimizer, an estimate-only layout) is validated as ZeRO-0, then set. The ``compile``
+    column sets train.compile ('model') and train.compile_loss ('+loss')."""
     llama = row["activation"] == "swiglu"
     model = dict(name=row["id"], n_layers=int(row["layers"]), hidden=int(row["hidden"]), n_heads=int(row["heads"]),
                  n_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]), vocab_size=int(row["vocab"]),
@@ -33,8 +34,10 @@ def known_run_spec(row: dict) -> RunSpec:
                sequence_parallel=row.get("sequence_parallel") == "true")
     hw = preset("hardware", "a100_80gb_8gpu")
     hw.update(name=row["gpu"], gpu=row["gpu"], device_memory_gb=float(row["gpu_memory_gb"]), nodes=int(row["gpus"]) // 8)
+    compiled = (row.get("compile") or "").split("+")  # '', 'model' or 'model+loss' (the csv's header)
     tr = dict(micro_batch_size=int(row["micro_batch"]), global_batch_size=int(row["global_batch"]),
-              dtype=row["dtype"], seq_len=int(row["seq"]))
+              dtype=row["dtype"], seq_len=int(row["seq"]), compile="model" in compiled,
+              compile_loss="loss" in compiled)
     if par["zero_stage"] != 1 or (par["tp"] == 1 and par["pp"] == 1):
         return make_spec(model, par, hw, tr)
     s = make_spec(model, dict(par, zero_stage=0), hw, tr)

@@ -52,8 +52,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
     n_experts: int = 0
-    """Routed experts per mixture-of-experts layer (E); 0: a dense model (Shazeer et al. 2017,
-    Fedus et al. 2022)."""
+    """Routed experts per mixture-of-experts layer (E); 0: a dense model (Shazeer et al. 2017, Fedus et al. 2022)."""
     moe_top_k: int = 2
     """Routed experts each token goes to (k): Mixtral 2, DeepSeek-V3 8."""
     n_shared_experts: int = 0
@@ -297,27 +296,23 @@ class HardwareConfig:
     nics_per_node: Optional[int] = None
     """Inter-node NICs per node (compute fabric), an integer >= 1; None: one per device."""
     collective_latency_us: float = 8.4
-    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL
-    src/graph/tuning.cc baseLat, ring, Simple protocol). Every ``*_us`` field is >= 0
-    (xpar.config.checks.hardware): it adds to the step."""
+    """Fixed start-up latency of one collective, microseconds (alpha_base; NCCL src/graph/tuning.cc baseLat, ring,
+    Simple protocol). Every ``*_us`` field is >= 0 (xpar.config.checks.hardware): it adds to the step."""
     intra_node_latency_us: float = 3.4
-    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc
-    hwLat NVLink, ring, Simple)."""
+    """Latency of one ring step over the intra-node link, microseconds (NCCL tuning.cc hwLat NVLink, ring, Simple)."""
     inter_node_latency_us: float = 9.6
-    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET,
-    ring, Simple)."""
+    """Latency of one ring step across nodes, microseconds (NCCL tuning.cc hwLat NET, ring, Simple)."""
     p2p_latency_us: Optional[float] = None
     """Latency of one point-to-point message (a pipeline send), microseconds, where it is
     measured on its own (``xpar calibrate``: gloo's send/recv costs ~50 us here while its
     collectives pay ~0.3-4 ms per step); None: collective_latency_us + one link step."""
     ring_step_us_by_bytes: Optional[dict] = None
-    """Measured seconds of one ring step by collective and chunk size, inside one node: for each
-    of 'allreduce', 'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes,
-    microseconds per step] (``xpar calibrate``: payload / ranks per step, time / ring steps;
-    send_recv: the message, one step). Where a collective has its curve, a single-node group
-    pays ring steps x the curve at its chunk (xpar.estimate.comm.collectives.measured_time) instead
-    of the alpha-beta model: gloo's cost per byte differs by collective and grows faster than
-    linear past a few MiB. None: the alpha-beta model (GPU presets)."""
+    """Measured seconds of one ring step by collective and chunk size, inside one node: for each of 'allreduce',
+    'allgather', 'reduce_scatter', 'send_recv' a list of [chunk bytes, microseconds per step] (``xpar calibrate``:
+    payload / ranks per step, time / ring steps; send_recv: the message, one step). Where a collective has its curve, a
+    single-node group pays ring steps x the curve at its chunk (xpar.estimate.comm.collectives.measured_time) instead of
+    the alpha-beta model: gloo's cost per byte differs by collective and grows faster than linear past a few MiB. None:
+    the alpha-beta model (GPU presets)."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8
@@ -346,15 +341,13 @@ class HardwareConfig:
     """The same for the last stage's norm, output projection and vocabulary-parallel loss
     (``loss_parallel``); measured by ``xpar calibrate``."""
     sync_wait_us: float = 0.0
-    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the
-    ranks arrive from compute (the later peer, a woken gloo thread on a busy core), measured by
-    ``xpar calibrate``; added to every collective and send (xpar.estimate.comm.collectives). 0: GPU
-    presets (no such measurement)."""
+    """Mean microseconds a blocking collective or pipeline send waits beyond its own time when the ranks arrive from
+    compute (the later peer, a woken gloo thread on a busy core), measured by ``xpar calibrate``; added to every
+    collective and send (xpar.estimate.comm.collectives). 0: GPU presets (no such measurement)."""
     optimizer_ns_per_element: Optional[float] = None
-    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per
-    parameter element, measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element
-    over the measured copy bandwidth would say ~4.3: temporaries partly cached); None: bytes over
-    ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
+    """Nanoseconds of torch's single-tensor AdamW step (``foreach=False``, what xpar executes) per parameter element,
+    measured by ``xpar calibrate`` (2.0-2.8 ns here, where 84 bytes per element over the measured copy bandwidth would
+    say ~4.3: temporaries partly cached); None: bytes over ``hbm_tb_per_s`` (xpar.estimate.cost.optimizer_time)."""
     cpu_cores: Optional[int] = None
     """Cores the local CPU workers share (written by ``xpar calibrate``): more worker threads than
     cores stretch the estimated step (xpar.estimate.compute.host.oversubscription); None: not a shared CPU."""
@@ -382,15 +375,13 @@ class TrainConfig:
     warmup_steps: int = 2
     """Steps excluded from timing (must be < steps)."""
     log_every: int = 5
-    """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s,
-    TFLOP/s, MFU, memory) and the console step line (xpar.run.console: loss, gradient norm, memory,
-    tokens/s, TFLOP/s, MFU; also in the run's xpar.log); the last step always logs. Loss, step time,
-    gradient norm and lr log to MLflow every step."""
+    """Steps between the live throughput and memory points of a run (``step/*`` metrics: tokens/s, TFLOP/s, MFU,
+    memory) and the console step line (xpar.run.console: loss, gradient norm, memory, tokens/s, TFLOP/s, MFU; also in
+    the run's xpar.log); the last step always logs. Loss, step time, gradient norm and lr log to MLflow every step."""
     profile: bool = False
-    """Trace the last 2 steps (the run's last, with fewer) of every rank with torch.profiler
-    (xpar.run.profile): Chrome trace files ``profile/rank<r>_trace.json`` in the run folder,
-    logged as MLflow artifacts (open them in chrome://tracing or ui.perfetto.dev). Those steps
-    are timed with the profiler's overhead."""
+    """Trace the last 2 steps (the run's last, with fewer) of every rank with torch.profiler (xpar.run.profile):
+    Chrome trace files ``profile/rank<r>_trace.json`` in the run folder, logged as MLflow artifacts (open them in
+    chrome://tracing or ui.perfetto.dev). Those steps are timed with the profiler's overhead."""
     global_batch_size: Any = "auto"
     """Sequences per optimizer step (B = b * m * dp), or 'auto' to derive it."""
     micro_batch_size: int = 4
@@ -411,6 +402,10 @@ class TrainConfig:
     cast), 'mxfp8' (MXFP8 block scaling, E8M0 scale per 32 elements, rowwise and columnwise copies;
     Blackwell only: hardware.mxfp8), 'blockwise' (DeepSeek-V3's 1x128 / 128x128 FP8 blocks). Priced by
     the kernel model (quantise passes as memory traffic, the recipe's GEMM rate); unused under bf16/fp32."""
+    compile: bool = False
+    """Blocks compiled by torch.compile (estimated only: element-wise passes fused; estimate.compute.kernel_costs)."""
+    compile_loss: bool = False
+    """The loss compiled too (torchtitan PR 1033, 2025-04; estimated only; estimate.memory.activations.loss_bytes)."""
     seed: int = 0
     """Seed of the model's initial weights and of the synthetic data."""
     threads_per_worker: Optional[int] = None

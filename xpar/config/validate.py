@@ -169,6 +169,7 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
     problems += fp8_recipe_problems(c.train.dtype, c.train.fp8_recipe, target.hardware)
+    problems += compile_problems(c.train, target.mode)
     problems += unnamed(late, problems)
     _raise_if(problems + local_cuda_problems(target, layout))
     return build_spec(c, target, layout)
@@ -187,6 +188,16 @@ def fp8_problems(dtype: str, hw, mode: str) -> list[str]:
         return [f"train.dtype=fp8 needs FP8 matmuls; hardware={hw.name} has none (hardware.peak_tflops_fp8 unset); "
                 f"use an H100/H200 preset (hardware=h100_80gb_64gpu) or train.dtype=bf16."]
     return []
+
+
+def compile_problems(train, mode: str) -> list[str]:
+    """train.compile=true and train.compile_loss=true are estimated only: xpar's engine runs eagerly, so an
+    executed run would time eager kernels under a compiled label."""
+    if mode != "execute":
+        return []
+    return [f"train.{k}=true is estimated, not executed, by xpar (its engine runs eager PyTorch); "
+            f"estimate it with run.mode=estimate, or run train.{k}=false." for k in ("compile", "compile_loss")
+            if getattr(train, k)]
 
 
 def fp8_recipe_problems(dtype: str, recipe: str, hw) -> list[str]:

@@ -86,6 +86,24 @@ def _rerun(fwd: BlockTerms, share: dict) -> dict:
     return {"mm": compute, "mem": share["memory"] * fwd.memory, "ovh": share["memory"] * fwd.overhead}
 
 
+def elementwise_passes(train, assume) -> float:
+    """Times the fused traffic a block's memory-bound kernels move (norms, residual adds, RoPE, activation, FP8
+    amax and casts, MoE routing: xpar.estimate.compute.kernel_block), for ``train`` (a TrainConfig) under a
+    framework's ``assume``: its ``elementwise_passes`` (eager PyTorch: each op its own kernel,
+    docs/concepts/kernels.md), or 1 where ``train.compile``. TorchInductor fuses chains of pointwise ops with
+    the reduction they feed or follow into one generated kernel that reads its inputs once and writes its
+    outputs once (torch/_inductor/scheduler.py, Scheduler.fuse_nodes / can_fuse: vertical and horizontal
+    fusion; Ansel et al., "PyTorch 2", ASPLOS 2024, Sec. 5), the traffic of a fused framework's kernels: RMSNorm
+    with its fp32 upcast one read and one write, SiLU x up one kernel, RoPE's complex views one. torchao's
+    tensorwise Float8 under compile is an amax reduction, then one scale-and-cast kernel (torchao
+    torchao/float8/README.md: "enable torch.compile to generate fused kernels for float8 scaling and casting"),
+    the two reads and one FP8 write of the ``current`` recipe (xpar.estimate.compute.fp8_recipes). Not
+    priced: a residual add fused with the norm that reads its sum (one read of the sum saved); each block is
+    compiled alone (torchtitan models/llama3/infra/parallelize.py apply_compile), so nothing fuses across
+    blocks. Unitless, >= 1."""
+    return 1.0 if train.compile else assume.elementwise_passes
+
+
 def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: dict) -> dict:
     """mm/mem/ovh forward and backward (recompute included) of one block of shape ``sh`` per row."""
     kw = dict(tp=rows["tp"], ep=base.layout.ep, dtype=base.train.dtype, host_us_per_kernel=assume.host_op_us,
@@ -95,7 +113,7 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               window_kernel=assume.sliding_window_kernel,
               sinks=assume.sink_attention if base.model.attention_sinks else None)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
-    passes = assume.elementwise_passes  # eager PyTorch: each element-wise op its own kernel
+    passes = elementwise_passes(base.train, assume)
     fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)
     again, share = _rerun(fwd, rows["rerun"]), rows["share"]
     return {"mm_f": fwd.gemm + fwd.experts + fwd.attention, "mem_f": fwd.memory, "ovh_f": fwd.overhead,

@@ -165,14 +165,17 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
 
 
 def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
-    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework."""
-    cfg, rec = spec.model, precision(spec, o)
+    """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework. A compiled block
+    (train.compile) keeps what fused kernels keep: AOTAutograd's partitioner (torch/_functorch/partitioners.py,
+    min_cut_rematerialization_partition) recomputes pointwise ops in the backward, so RMSNorm keeps its bf16 input
+    (no fp32 copies) and SwiGLU its two inputs and product (SiLU recomputed: 3 e f, ``fused_swiglu``)."""
+    cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
     return dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
                 swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
-                resid_elem=rec["er"], norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm",
+                resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
                 sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu, block=cfg.block)
+                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block)
 
 
 def token_ffn(cfg) -> float:
@@ -253,10 +256,26 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
         norm = 8 * sh if composite else rec["er"] * sh
         lin_in = rec["e"] * (s * b * h if sp and o.sp_saves_gathered else sh)
-        fused = o.loss_kernel == "fused"
-        out["logits"] = norm + lin_in + (rec["e"] if fused else 4) * s * b * cfg.vocab_size / t
-        out["loss_transient"] = 0.0 if fused else 8 * s * b * cfg.vocab_size / t
+        kept, transient = loss_bytes(o.loss_kernel, spec.train.compile_loss, rec["e"])
+        out["logits"] = norm + lin_in + kept * s * b * cfg.vocab_size / t
+        out["loss_transient"] = transient * s * b * cfg.vocab_size / t
     return out
+
+
+def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
+    """(kept, transient) bytes per logit of the cross-entropy on the last stage (:func:`stage_bytes`), ``elem`` the
+    compute dtype's bytes. Eager ``cross_entropy(logits.float())`` (loss_kernel 'fp32'): the fp32 log-probs kept
+    (4; Korthikanti et al. 2022 Sec. 4.3) and, while the loss runs backward, the dense fp32 gradients of nll_loss and
+    log_softmax (8). A fused loss kernel ('fused', llm-foundry's in-place one): the logits kept, no transient.
+    ``compiled`` (train.compile_loss): AOTAutograd's partitioner (torch/_functorch/partitioners.py,
+    min_cut_rematerialization_partition) saves the graph's bf16 input and a per-token max and log-sum-exp (not
+    counted), recomputing the upcast and the softmax in the backward, which writes one gradient in the logits'
+    dtype beside them: elem kept, elem transient. Units: bytes per element of s b V / t."""
+    if loss_kernel == "fused":
+        return float(elem), 0.0
+    if compiled:
+        return float(elem), float(elem)
+    return 4.0, 8.0
 
 
 def _uncounted_stage_input(spec: RunSpec, o: MemoryOptions, rec: dict, share: float) -> float:
