@@ -196,3 +196,15 @@ def test_an_estimate_of_another_size_on_this_machine_names_the_device_count_that
     with pytest.raises(ConfigError) as e:  # a cluster preset's count is its own: no such line
         spec_for("run.mode=estimate", "hardware=h100_80gb_node", "parallel.tp=4", "parallel.dp=1")
     assert "devices of this machine's kind" not in str(e.value)
+
+
+def test_text_data_without_a_path_names_values_that_work(tmp_path, monkeypatch):
+    """python -m xpar data=text said 'data.path must be an existing text file for data=text, got None.' and
+    nothing that works; now data=synthetic, and README.md where the command runs from a clone."""
+    monkeypatch.chdir(tmp_path)
+    msg = _problems("data=text")
+    assert "e.g. data=synthetic" in msg and "README.md" not in msg, msg
+    (tmp_path / "README.md").write_text("x" * 100)
+    msg = _problems("data=text")
+    assert "e.g. data.path=README.md (any text file of at least 65 bytes), or data=synthetic" in msg, msg
+    assert spec_for("data=text", "data.path=README.md").data.path == "README.md"  # following it validates

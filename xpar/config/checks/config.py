@@ -200,6 +200,15 @@ def check_train(c: XparConfig) -> list[str]:
     return out
 
 
+def _text_example(seq: int) -> str:
+    """Values that work for data=text: README.md where the command runs from a clone (a text file of at least
+    ``seq`` + 1 bytes there), and data=synthetic anywhere."""
+    readme = Path("README.md")
+    near = readme.is_file() and readme.stat().st_size > seq
+    return ("e.g. data.path=README.md (any text file of at least " f"{seq + 1} bytes), or " if near else "e.g. ") + \
+        "data=synthetic (no file)"
+
+
 def check_data(c: XparConfig) -> list[str]:
     """A text corpus exists, holds one sequence, and fits the byte vocabulary."""
     if c.data.kind != "text":
@@ -207,7 +216,7 @@ def check_data(c: XparConfig) -> list[str]:
     out = []
     path, seq = c.data.path, c.train.seq_len if c.train.seq_len is not None else c.model.seq_len
     if not path or not Path(path).expanduser().is_file():
-        out.append(f"data.path must be an existing text file for data=text, got {path!r}.")
+        out.append(f"data.path must be an existing text file for data=text, got {path!r}; {_text_example(seq)}.")
     elif Path(path).expanduser().stat().st_size < seq + 1:
         out.append(f"data.path={path} holds fewer than seq_len+1={seq + 1} bytes.")
     if c.model.vocab_size < 256:
