@@ -103,7 +103,27 @@ def test_all_problems_reported_together():
 
 def test_model_too_large_for_this_machine_is_refused():
     msg = _problems("model=70b", "parallel=zero3")
-    assert "does not fit this machine" in msg and "run.mode=estimate" in msg
+    assert "does not fit this machine" in msg and "xpar plan model=70b hardware=b200_180gb_node" in msg, msg
+
+
+def test_a_model_this_machine_cannot_hold_is_sent_where_its_estimate_or_plan_fits():
+    """python -m xpar model=7b said 'or estimate it: run.mode=estimate hardware=a100_40gb_node parallel.dp=auto',
+    which was refused again (305 GB per device at fp32, micro-batch 4, ZeRO-0 on any preset): the estimate line
+    is offered only where it passes when followed, else the plan on the smallest preset whose memory holds
+    the model's mixed-precision AdamW states (1.1 TB for 70B: not a100_40gb_node's 320 GB)."""
+    from xpar.config.checks.hardware import load_hardware_preset
+    from xpar.models.shapes import param_count
+
+    msg = _problems("model=small", "parallel.dp=1000")
+    assert "or estimate it: run.mode=estimate hardware=a100_40gb_node parallel.dp=auto." in msg, msg
+    assert spec_for("model=small", "run.mode=estimate", "hardware=a100_40gb_node", "parallel.dp=auto").world_size == 8
+    for model, preset in (("7b", "a100_40gb_node"), ("70b", "b200_180gb_node")):
+        msg = _problems(f"model={model}")
+        assert f"(it fits none as it is): xpar plan model={model} hardware={preset}." in msg, msg
+        hw = load_hardware_preset(preset)
+        states = 16 * param_count(spec_for(f"model={model}", "run.mode=estimate", "hardware=b200_180gb_64gpu",
+                                           "parallel.zero_stage=3", "parallel.recompute=full", "train=cluster").model).total
+        assert hw.devices_per_node * hw.nodes * hw.device_memory_gb * 1e9 >= states
 
 
 def test_unknown_preset_names_the_valid_ones(capsys):
