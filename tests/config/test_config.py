@@ -228,3 +228,19 @@ def test_text_data_without_a_path_names_values_that_work(tmp_path, monkeypatch):
     msg = _problems("data=text")
     assert "e.g. data.path=README.md (any text file of at least 65 bytes), or data=synthetic" in msg, msg
     assert spec_for("data=text", "data.path=README.md").data.path == "README.md"  # following it validates
+
+
+def test_a_hidden_size_the_heads_do_not_divide_names_values_that_pass_when_followed():
+    """model.hidden=65 offered n_heads [1, 5, 13, 65], each refused again (model=tiny's n_kv_heads=2, and
+    RoPE needs an even head dim); now the n_heads values that pass every head check, else hidden sizes."""
+    import re
+
+    msg = _problems("model.hidden=65")
+    assert "no n_heads works with hidden=65, n_kv_heads=2 and RoPE's even head dim" in msg, msg
+    assert "model.hidden=64 or model.hidden=72" in msg, msg
+    assert spec_for("model.hidden=72").model.hidden == 72
+    msg = _problems("model.n_heads=6")
+    heads = [int(h) for h in re.search(r"RoPE's even head dim: \[([\d, ]+)\]", msg).group(1).split(",")]
+    assert heads == [2, 4, 8, 16, 32], msg
+    for h in heads:
+        assert spec_for("model.n_heads=" + str(h)).model.n_heads == h
