@@ -244,3 +244,14 @@ def test_a_hidden_size_the_heads_do_not_divide_names_values_that_pass_when_follo
     assert heads == [2, 4, 8, 16, 32], msg
     for h in heads:
         assert spec_for("model.n_heads=" + str(h)).model.n_heads == h
+
+
+def test_sequence_parallel_over_an_odd_sequence_names_overrides_that_pass():
+    """parallel.tp=2 parallel.sequence_parallel=true train.seq_len=63 said 'e.g. train.seq_len in [58, 60, 62], or
+    sequence_parallel=false': neither an override (no such key as sequence_parallel); each now follows."""
+    sp = ("parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true")
+    msg = _problems(*sp, "train.seq_len=63")
+    assert "e.g. train.seq_len=62, or parallel.sequence_parallel=false." in msg, msg
+    assert spec_for(*sp, "train.seq_len=62").seq_len == 62
+    assert spec_for(*sp, "train.seq_len=63", "parallel.sequence_parallel=false").seq_len == 63
+    assert "e.g. parallel.sequence_parallel=false." in _problems(*sp, "train.seq_len=1")
