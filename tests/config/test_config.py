@@ -255,3 +255,23 @@ def test_sequence_parallel_over_an_odd_sequence_names_overrides_that_pass():
     assert spec_for(*sp, "train.seq_len=62").seq_len == 62
     assert spec_for(*sp, "train.seq_len=63", "parallel.sequence_parallel=false").seq_len == 63
     assert "e.g. parallel.sequence_parallel=false." in _problems(*sp, "train.seq_len=1")
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (("parallel=pp", "parallel.schedule=1f1b", "parallel.micro_batches=1", "run.mode=estimate"),
+     "or parallel.schedule=gpipe."),  # was 'or schedule=gpipe.'
+    (("parallel.dp=1", "run.mode=estimate", "hardware.devices_per_node=2"), "or parallel.dp=2."),  # 'or dp=2.'
+    (("parallel=pp", "model.tied_embeddings=true"), "model.tied_embeddings=false or parallel.pp=1."),  # 'or pp=1.'
+    (("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.tp=4", "parallel.cp=2",
+      "parallel.sequence_parallel=true", "train.seq_len=4100", "parallel.zero_stage=3"),
+     "e.g. train.seq_len=4096, or parallel.sequence_parallel=false."),  # 'train.seq_len in [8, 16, 24], or sequence_parallel=false.'
+])
+def test_a_refusal_suggests_overrides_of_the_command_line(overrides, says):
+    """Refusals suggested 'or schedule=gpipe', 'or dp=2', 'or pp=1', 'train.seq_len in [8, 16, 24], or
+    sequence_parallel=false': no such keys (parallel.schedule, parallel.dp, parallel.pp,
+    parallel.sequence_parallel), nor a value, so the line did not run as written; each is now an override
+    that validates when followed."""
+    msg = _problems(*overrides)
+    assert says in msg, msg
+    fix = says.rstrip(".").split()[-1]
+    assert spec_for(*overrides, fix) is not None
