@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import xpar
 from xpar.config.checks import ConfigError
 from xpar.config.overrides import refuse_bad_overrides
 from xpar.config.presets import conf_dir
@@ -117,14 +118,12 @@ def version_line() -> str:
     Hydra, MLflow), read from the installed distributions without importing them."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from xpar import __version__
-
     def of(dist: str) -> str:
         try:
             return version(dist)
         except PackageNotFoundError:
             return "not installed"
-    return f"xpar {__version__} (torch {of('torch')}, hydra-core {of('hydra-core')}, mlflow {of('mlflow')})"
+    return f"xpar {xpar.__version__} (torch {of('torch')}, hydra-core {of('hydra-core')}, mlflow {of('mlflow')})"
 
 
 def _commands() -> None:
