@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import xpar
 from xpar.config.checks import ConfigError
 from xpar.config.overrides import refuse_bad_overrides
 from xpar.config.presets import conf_dir
@@ -112,6 +113,19 @@ def sqlite_store(argv: list[str]) -> Optional[str]:
     return uri if isinstance(uri, str) and uri.startswith("sqlite:///") else None
 
 
+def version_line() -> str:
+    """``xpar --version``: xpar's version and those of the packages a run's figures depend on (torch,
+    Hydra, MLflow), read from the installed distributions without importing them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"xpar {xpar.__version__} (torch {of('torch')}, hydra-core {of('hydra-core')}, mlflow {of('mlflow')})"
+
+
 def _commands() -> None:
     """``xpar compare|help|sync|calibrate`` (run here, then exit) and ``xpar plan`` (its overrides
     become a run.mode=plan run's); anything else is left to Hydra."""
@@ -124,6 +138,9 @@ def _commands() -> None:
         raise SystemExit(0)
     if command == "sync":
         raise SystemExit(_sync(sys.argv[2:]))
+    if command in ("--version", "-V"):  # Hydra's own --version printed "Hydra 1.3.8" and nothing of xpar
+        print(version_line())
+        raise SystemExit(0)
     if command == "calibrate":  # measure this machine into a hardware preset
         from xpar.calibrate.command import main as calibrate_main  # lazy: torch (xpar.LAZY_IMPORTS)
         raise SystemExit(calibrate_main(sys.argv[2:]))

@@ -103,7 +103,27 @@ def test_all_problems_reported_together():
 
 def test_model_too_large_for_this_machine_is_refused():
     msg = _problems("model=70b", "parallel=zero3")
-    assert "does not fit this machine" in msg and "run.mode=estimate" in msg
+    assert "does not fit this machine" in msg and "xpar plan model=70b hardware=b200_180gb_node" in msg, msg
+
+
+def test_a_model_this_machine_cannot_hold_is_sent_where_its_estimate_or_plan_fits():
+    """python -m xpar model=7b said 'or estimate it: run.mode=estimate hardware=a100_40gb_node parallel.dp=auto',
+    which was refused again (305 GB per device at fp32, micro-batch 4, ZeRO-0 on any preset): the estimate line
+    is offered only where it passes when followed, else the plan on the smallest preset whose memory holds
+    the model's mixed-precision AdamW states (1.1 TB for 70B: not a100_40gb_node's 320 GB)."""
+    from xpar.config.checks.hardware import load_hardware_preset
+    from xpar.models.shapes import param_count
+
+    msg = _problems("model=small", "parallel.dp=1000")
+    assert "or estimate it: run.mode=estimate hardware=a100_40gb_node parallel.dp=auto." in msg, msg
+    assert spec_for("model=small", "run.mode=estimate", "hardware=a100_40gb_node", "parallel.dp=auto").world_size == 8
+    for model, preset in (("7b", "a100_40gb_node"), ("70b", "b200_180gb_node")):
+        msg = _problems(f"model={model}")
+        assert f"(it fits none as it is): xpar plan model={model} hardware={preset}." in msg, msg
+        hw = load_hardware_preset(preset)
+        states = 16 * param_count(spec_for(f"model={model}", "run.mode=estimate", "hardware=b200_180gb_64gpu",
+                                           "parallel.zero_stage=3", "parallel.recompute=full", "train=cluster").model).total
+        assert hw.devices_per_node * hw.nodes * hw.device_memory_gb * 1e9 >= states
 
 
 def test_unknown_preset_names_the_valid_ones(capsys):
@@ -196,3 +216,62 @@ def test_an_estimate_of_another_size_on_this_machine_names_the_device_count_that
     with pytest.raises(ConfigError) as e:  # a cluster preset's count is its own: no such line
         spec_for("run.mode=estimate", "hardware=h100_80gb_node", "parallel.tp=4", "parallel.dp=1")
     assert "devices of this machine's kind" not in str(e.value)
+
+
+def test_text_data_without_a_path_names_values_that_work(tmp_path, monkeypatch):
+    """python -m xpar data=text said 'data.path must be an existing text file for data=text, got None.' and
+    nothing that works; now data=synthetic, and README.md where the command runs from a clone."""
+    monkeypatch.chdir(tmp_path)
+    msg = _problems("data=text")
+    assert "e.g. data=synthetic" in msg and "README.md" not in msg, msg
+    (tmp_path / "README.md").write_text("x" * 100)
+    msg = _problems("data=text")
+    assert "e.g. data.path=README.md (any text file of at least 65 bytes), or data=synthetic" in msg, msg
+    assert spec_for("data=text", "data.path=README.md").data.path == "README.md"  # following it validates
+
+
+def test_a_hidden_size_the_heads_do_not_divide_names_values_that_pass_when_followed():
+    """model.hidden=65 offered n_heads [1, 5, 13, 65], each refused again (model=tiny's n_kv_heads=2, and
+    RoPE needs an even head dim); now the n_heads values that pass every head check, else hidden sizes."""
+    import re
+
+    msg = _problems("model.hidden=65")
+    assert "no n_heads works with hidden=65, n_kv_heads=2 and RoPE's even head dim" in msg, msg
+    assert "model.hidden=64 or model.hidden=72" in msg, msg
+    assert spec_for("model.hidden=72").model.hidden == 72
+    msg = _problems("model.n_heads=6")
+    heads = [int(h) for h in re.search(r"RoPE's even head dim: \[([\d, ]+)\]", msg).group(1).split(",")]
+    assert heads == [2, 4, 8, 16, 32], msg
+    for h in heads:
+        assert spec_for("model.n_heads=" + str(h)).model.n_heads == h
+
+
+def test_sequence_parallel_over_an_odd_sequence_names_overrides_that_pass():
+    """parallel.tp=2 parallel.sequence_parallel=true train.seq_len=63 said 'e.g. train.seq_len in [58, 60, 62], or
+    sequence_parallel=false': neither an override (no such key as sequence_parallel); each now follows."""
+    sp = ("parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true")
+    msg = _problems(*sp, "train.seq_len=63")
+    assert "e.g. train.seq_len=62, or parallel.sequence_parallel=false." in msg, msg
+    assert spec_for(*sp, "train.seq_len=62").seq_len == 62
+    assert spec_for(*sp, "train.seq_len=63", "parallel.sequence_parallel=false").seq_len == 63
+    assert "e.g. parallel.sequence_parallel=false." in _problems(*sp, "train.seq_len=1")
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (("parallel=pp", "parallel.schedule=1f1b", "parallel.micro_batches=1", "run.mode=estimate"),
+     "or parallel.schedule=gpipe."),  # was 'or schedule=gpipe.'
+    (("parallel.dp=1", "run.mode=estimate", "hardware.devices_per_node=2"), "or parallel.dp=2."),  # 'or dp=2.'
+    (("parallel=pp", "model.tied_embeddings=true"), "model.tied_embeddings=false or parallel.pp=1."),  # 'or pp=1.'
+    (("model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "train=cluster", "parallel.tp=4", "parallel.cp=2",
+      "parallel.sequence_parallel=true", "train.seq_len=4100", "parallel.zero_stage=3"),
+     "e.g. train.seq_len=4096, or parallel.sequence_parallel=false."),  # 'train.seq_len in [8, 16, 24], or sequence_parallel=false.'
+])
+def test_a_refusal_suggests_overrides_of_the_command_line(overrides, says):
+    """Refusals suggested 'or schedule=gpipe', 'or dp=2', 'or pp=1', 'train.seq_len in [8, 16, 24], or
+    sequence_parallel=false': no such keys (parallel.schedule, parallel.dp, parallel.pp,
+    parallel.sequence_parallel), nor a value, so the line did not run as written; each is now an override
+    that validates when followed."""
+    msg = _problems(*overrides)
+    assert says in msg, msg
+    fix = says.rstrip(".").split()[-1]
+    assert spec_for(*overrides, fix) is not None

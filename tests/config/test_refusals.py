@@ -216,7 +216,7 @@ CATALOGUE = [
     ("hardware.device=cuda", "is a CPU build", "hardware.device=cpu"),
     ("hardware.device=cuda run.mode=estimate", "is a CPU build", "hardware.device=cpu"),
     ("hardware.device=tpu", "hardware.device must be one of", None),
-    ("data=text", "data.path must be an existing text file", None),
+    ("data=text", "data.path must be an existing text file", "data=synthetic"),  # was: no value that works
     ("data=text data.path=/nonexistent/corpus.txt", "data.path must be an existing text file", None),
     (f"data=text data.path={EMPTY}", "holds fewer than seq_len+1=65 bytes", None),
     (f"data=text data.path={DIR}", "data.path must be an existing text file", None),

@@ -177,3 +177,21 @@ def test_moe_fields_set_on_a_dense_model_are_noted_as_changing_nothing():
     assert dense_moe_notes(8, ["model.moe_top_k=4"]) == [] and dense_moe_notes(0, ["model.n_heads=8"]) == []
     spec = spec_for("run.mode=estimate")
     assert any("model.moe_top_k=1 changes nothing" in n for n in request_notes(spec, ["model.moe_top_k=1"]))
+
+
+def test_an_fp8_recipe_on_a_run_that_is_not_fp8_says_it_changes_nothing():
+    """train.fp8_recipe=mxfp8 on the default fp32 run (or a bf16 plan) was accepted without a word: the recipe
+    scales FP8 matmuls only. A note names it and the override that makes the run FP8; none where fp8 is run or
+    searched, or where the recipe is not on the command line."""
+    from xpar.config.presets import fp8_recipe_notes
+
+    note = fp8_recipe_notes(["fp32"], ["train.fp8_recipe=mxfp8", "parallel.tp=2"])
+    assert len(note) == 1 and note[0].startswith("train.fp8_recipe=mxfp8 changes nothing"), note
+    assert "train.dtype=fp32" in note[0] and "add train.dtype=fp8" in note[0], note
+    assert fp8_recipe_notes(["bf16", "fp8"], ["train.fp8_recipe=current"]) == []  # a plan searching fp8
+    assert fp8_recipe_notes(["fp8"], ["train.fp8_recipe=current"]) == []
+    assert fp8_recipe_notes(["bf16"], ["train.dtype=bf16"]) == []
+    from xpar.plan.command import request_notes
+    spec = spec_for("run.mode=estimate")
+    assert any("train.fp8_recipe=current changes nothing" in n for n in request_notes(spec, ["train.fp8_recipe=current"]))
+    assert not any("fp8_recipe" in n for n in request_notes(spec, ["train.fp8_recipe=current", "plan.dtype=[bf16,fp8]"]))

@@ -831,3 +831,14 @@ def test_a_plan_on_local_hardware_says_it_is_uncalibrated_and_how_to_calibrate(t
     plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
     assert any("hardware=local is UNCALIBRATED" in n and "xpar calibrate hardware=local" in n for n in plan.notes)
     assert "note: hardware=local is UNCALIBRATED" in capsys.readouterr().out
+
+
+def test_a_negative_execute_top_is_one_line_whose_value_works_on_the_hardware_asked():
+    """xpar plan model=7b hardware=a100_80gb_8gpu plan.execute_top=-1 gave two lines, the second suggesting
+    'hardware=local plan.execute_top=-1' (refused again) and the first 'e.g. plan.execute_top=3' (refused on a
+    cluster preset: it executes); now one line with plan.execute_top=0 on a cluster, 3 on hardware=local."""
+    _, problems = plan_inputs(cfg_of("model=7b", "hardware=a100_80gb_8gpu", "plan.execute_top=-1"),
+                              argv("model=7b", "hardware=a100_80gb_8gpu", "plan.execute_top=-1"))
+    assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=0."], problems
+    _, problems = plan_inputs(cfg_of("model=tiny", "plan.execute_top=-1"), argv("model=tiny", "plan.execute_top=-1"))
+    assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=3."], problems

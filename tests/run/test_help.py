@@ -59,3 +59,18 @@ def test_every_calibrate_option_says_what_it_does(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--name NAME the preset's name: conf/hardware/calibrated_NAME.yaml" in out, out
     assert "--out OUT folder for calibration.json" in out and "outputs/calibrate" in out, out
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_names_xpar_and_the_packages_its_figures_rest_on(flag, monkeypatch, capsys):
+    """`xpar --version` printed Hydra's 'Hydra 1.3.8' and nothing of xpar; it names xpar's version, torch,
+    hydra-core and mlflow, and runs nothing."""
+    import xpar
+    from xpar import __main__ as entry
+
+    monkeypatch.setattr(sys, "argv", ["xpar", flag])
+    with pytest.raises(SystemExit) as e:
+        entry._commands()
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"xpar {xpar.__version__} (torch "), out
+    assert "hydra-core " in out and "mlflow " in out and "Hydra 1." not in out, out

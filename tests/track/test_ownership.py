@@ -373,3 +373,21 @@ def test_a_claim_on_a_full_disk_is_a_warning_and_an_uncreatable_folder_one_line(
     (tmp_path / "file").write_text("")
     extra, line = run_dir.claim_before_hydra([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], tmp_path)
     assert extra == [] and "cannot be created" in line and "hydra.run.dir=<a folder with space>" in line
+
+
+def test_compare_of_an_experiment_the_store_lacks_names_those_it_holds(tmp_path, capsys):
+    """xpar compare --experiment nope said MLflow's 'Cannot retrieve experiment by name nope' and then 'no sweep
+    found in experiment 'nope'', as if it were there and empty; now one line naming the store's experiments,
+    the closest first, and following it finds the experiment."""
+    from xpar.track.compare import main
+    from xpar.track.runs import setup_experiment
+
+    setup_experiment(None, "xpar", None, tmp_path)  # a store holding the experiment xpar
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["--uri", uri, "--experiment", "xpr", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "--experiment xpr names no experiment" in err and "experiments there: " in err, err
+    assert "e.g. --experiment xpar." in err and "no sweep found" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert main(["--uri", uri, "--experiment", "xpar", "--out", str(tmp_path / "cmp")]) == 2
+    assert "no sweep found in experiment 'xpar'" in capsys.readouterr().err  # the experiment is found (and empty)

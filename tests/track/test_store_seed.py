@@ -1,6 +1,7 @@
 """A new SQLite store copied from an empty one migrated once (xpar.track.store_seed) is the store
 MLflow would have built, and seeding never stands between a run and its store."""
 import sqlite3
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -102,3 +103,24 @@ def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
         assert cache_dir() == tmp_path / "home" / ".cache" / "xpar"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "abs"))
     assert cache_dir() == tmp_path / "abs" / "xpar"
+
+
+def test_a_server_nobody_answers_at_is_one_short_line_with_the_command_that_serves_it(monkeypatch, caplog):
+    """tracking.uri=http://127.0.0.1:<closed port> printed urllib3's 'Retrying ... NewConnectionError' warning and
+    MLflow's HTTPConnectionPool text cut mid-word ("HTTPConnection(host='127.0.0.1', por."); now the socket's
+    reason and the mlflow server line at that host and port."""
+    import logging
+    import socket
+
+    from xpar.track.runs import TrackingUnavailable, setup_experiment
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:  # a port bound, never listened on: refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with caplog.at_level(logging.WARNING), pytest.raises(TrackingUnavailable) as info:
+            setup_experiment(f"http://127.0.0.1:{port}", "xpar", None, Path.cwd())
+    text = str(info.value)
+    assert "no server answers there" in text and "Connection refused" in text, text
+    assert "HTTPConnectionPool" not in text and "NewConnectionError" not in text, text
+    assert f"mlflow server --workers 1 --host 127.0.0.1 --port {port} " in text, text
+    assert not [r for r in caplog.records if r.name.startswith("urllib3")], caplog.text

@@ -192,3 +192,29 @@ def test_the_sweep_summary_labels_estimated_jobs(capsys):
     job0, job1 = err.split("│   1 │")  # a row may wrap onto a second line
     assert "(estimate)" in job0.split("│   0 │")[1] and "20,998" in job0, err
     assert "(estimate)" not in job1, err
+
+
+def test_the_sweep_summary_names_what_each_job_changed_where_layouts_repeat(capsys):
+    """-m model=7b parallel=zero3 train=cluster hardware=h100_80gb_8gpu,a100_80gb_8gpu,b200_180gb_node run.mode=estimate
+    ended with three rows named dp8-tp1-pp1-zero3-m1-b1 and nothing telling which ran on which GPU; each row now
+    names its swept override. A micro-batch sweep (layout names differ) keeps its columns."""
+    import pandas as pd
+
+    from xpar.track.parent_run import print_sweep_summary, swept_overrides
+    common = "model=7b parallel=zero3 train=cluster run.mode=estimate"
+    hws = ["h100_80gb_8gpu", "a100_80gb_8gpu", "b200_180gb_node"]
+    table = pd.DataFrame({"job": ["0", "1", "2"], "layout": ["dp8-tp1-pp1-zero3-m1-b1"] * 3,
+                          "tokens_per_s": [71569.0, 29430.0, 155158.0], "peak_gib_per_device": [37.4] * 3,
+                          "bubble": [None] * 3, "status": ["FINISHED"] * 3, "mode": ["estimate"] * 3,
+                          "overrides": [f"{common} hardware={h}" for h in hws]})
+    assert swept_overrides(table) == [f"hardware={h}" for h in hws]
+    print_sweep_summary({"sweep_id": "abc", "metric": "throughput/tokens_per_s", "goal": "max"},
+                        {"table": table, "status": "FINISHED", "contention": set(), "best": None})
+    err = capsys.readouterr().err
+    assert "swept" in err
+    for job, h in enumerate(hws):
+        row = err.split(f"│   {job} │")[1].split(f"│   {job + 1} │")[0]
+        assert f"hardware={h[0]}" in row and h[1:9] in row, err  # the column folds a long value over lines
+    pipeline = table.assign(layout=[f"dp1-pp2-m{m}" for m in (1, 2, 4)],
+                            overrides=[f"parallel=pp parallel.micro_batches={m}" for m in (1, 2, 4)])
+    assert swept_overrides(pipeline) == []

@@ -181,7 +181,7 @@ def microbatch_problem(schedule: str, pp: int, m: int, rule: str = "torch",
     if works is None:
         near = [k for k in range(max(1, m - 2 * pp), m + 2 * pp + 1) if microbatch_ok(schedule, pp, k, rule)]
         near = sorted(sorted(near, key=lambda k: (abs(k - m), k))[:3])
-        works = f"micro_batches that work: {near}" + (" or schedule=gpipe." if schedule != "gpipe" else ".")
+        works = f"micro_batches that work: {near}" + (" or parallel.schedule=gpipe." if schedule != "gpipe" else ".")
     return (f"schedule {schedule} ({rec.torch_class}) needs {rec.microbatch_rule(pp, m)}, got "
             f"parallel.micro_batches={m}; {works}")
 

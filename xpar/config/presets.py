@@ -103,3 +103,14 @@ def dense_moe_notes(n_experts: int, overrides: list[str]) -> list[str]:
         return []
     return [f"{', '.join(named)} change{'s' if len(named) == 1 else ''} nothing: model.n_experts=0 (a dense model); "
             f"set model.n_experts=<E> for a mixture of experts (e.g. model=moe_tiny)"]
+
+
+def fp8_recipe_notes(dtypes: list[str], overrides: list[str]) -> list[str]:
+    """A note where the command line sets ``train.fp8_recipe`` but no dtype in ``dtypes`` (the run's
+    ``train.dtype``; a plan's searched ``plan.dtype``) is fp8: the recipe scales FP8 matmuls only, so it
+    changes nothing, and the user may have meant an FP8 run. [] otherwise."""
+    given = [o.lstrip("+~") for o in overrides if o.lstrip("+~").startswith("train.fp8_recipe=")]
+    if not given or "fp8" in dtypes:
+        return []
+    return [f"{given[-1]} changes nothing: it scales FP8 matmuls and train.dtype={dtypes[0]}; "
+            f"add train.dtype=fp8 for an FP8 run"]

@@ -111,7 +111,7 @@ def resolve_dp(dp, tp: int, pp: int, target: Target, cp: int = 1, seq_len: Optio
         return world // ranks, []
     dp = int(dp)
     if world is not None and dp * ranks != world:
-        fix = f" or dp={world // ranks}." if world % ranks == 0 else (
+        fix = f" or parallel.dp={world // ranks}." if world % ranks == 0 else (
             ", with " + _cp_fix(world, tp, pp, cp, seq_len, sequence_parallel, name))
         degrees = f"tp={tp}, cp={cp}" if cp > 1 else f"tp={tp}"
         here = (f" Or estimate {dp * ranks} devices of this machine's kind: hardware.devices_per_node={dp * ranks}."

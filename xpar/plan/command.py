@@ -27,7 +27,7 @@ from xpar.config.checks import ConfigError
 from xpar.config.checks.environment import check_tracking_paths
 from xpar.config.checks.hardware import UNCALIBRATED_LOCAL, part_memory_notes
 from xpar.config.overrides import refuse
-from xpar.config.presets import dense_moe_notes, kept_kv_heads_notes
+from xpar.config.presets import dense_moe_notes, fp8_recipe_notes, kept_kv_heads_notes
 from xpar.plan.context import PlanContext, row
 from xpar.plan.evaluate import evaluate
 from xpar.plan.execute import execute_top
@@ -405,13 +405,16 @@ def request_notes(spec, overrides: list[str]) -> list[str]:
     """The estimate's notes that no layout changes, for the plan's reader: hardware=local uncalibrated
     (xpar.config.checks.hardware.UNCALIBRATED_LOCAL), the hardware part kept under a changed
     ``hardware.device_memory_gb`` (xpar.config.checks.hardware.part_memory_notes) and the model preset's K/V heads
-    kept under a changed ``model.n_heads`` (xpar.config.presets.kept_kv_heads_notes). ``spec``: the winner's
+    kept under a changed ``model.n_heads`` (xpar.config.presets.kept_kv_heads_notes), an FP8 recipe where no FP8 is
+    searched (fp8_recipe_notes). ``spec``: the winner's
     RunSpec; ``overrides``: the command line's (its ``model=`` choice, else the composed model's name)."""
     notes = part_memory_notes(spec.hardware) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else [])
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
     preset = chosen[-1] if chosen else spec.model.name
+    searched = [o.split("=", 1)[1] for o in overrides if o.startswith("plan.dtype=")]
+    dtypes = [spec.train.dtype] + (["fp8"] if searched and "fp8" in searched[-1] else [])
     return notes + kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, preset, overrides) + \
-        dense_moe_notes(spec.model.n_experts, overrides)
+        dense_moe_notes(spec.model.n_experts, overrides) + fp8_recipe_notes(dtypes, overrides)
 
 
 def reproduce(plan: Plan):

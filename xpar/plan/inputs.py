@@ -156,7 +156,7 @@ def _number_problems(p, local: bool) -> list[str]:
     out = [f"plan.{k}={getattr(p, k)} must be >= 1 (or null); e.g. plan.{k}=8." for k in ("max_tp", "pp")
            if getattr(p, k) is not None and getattr(p, k) < 1]
     out += [f"plan.{k}={getattr(p, k)} must be >= {lo}; e.g. plan.{k}={eg}."
-            for k, lo, eg in (("max_micro_batch_size", 1, 8), ("top_k", 1, 10), ("execute_top", 0, 3))
+            for k, lo, eg in (("max_micro_batch_size", 1, 8), ("top_k", 1, 10), ("execute_top", 0, 3 if local else 0))
             if getattr(p, k) < lo]
     if not 0 <= p.tie_within < 1:
         out.append(f"plan.tie_within={p.tie_within} must be a fraction in [0, 1); e.g. plan.tie_within=0.05.")
@@ -165,7 +165,7 @@ def _number_problems(p, local: bool) -> list[str]:
     if p.min_tokens_per_s is not None and not 0 < p.min_tokens_per_s < math.inf:
         out.append(f"plan.min_tokens_per_s={p.min_tokens_per_s} must be > 0 tokens/s and finite; e.g. "
                    f"plan.min_tokens_per_s=10000.")
-    if p.execute_top and not local:
+    if p.execute_top > 0 and not local:
         out.append(f"plan.execute_top={p.execute_top} runs layouts for real, which needs hardware=local; "
                    f"e.g. hardware=local plan.execute_top={p.execute_top}, or plan.execute_top=0.")
     return out
@@ -178,7 +178,7 @@ def _request_problems(cfg) -> list[str]:
     if p.min_tokens_per_s is not None and (p.devices is None or len(set(_plain_list(p.devices))) < 2):
         out.append(f"plan.min_tokens_per_s={p.min_tokens_per_s} picks the smallest cluster of a range of "
                    f"plan.devices, but none is given; e.g. plan.devices=[8,512], or drop plan.min_tokens_per_s.")
-    if p.execute_top and not cfg.tracking.enabled:
+    if p.execute_top > 0 and not cfg.tracking.enabled:
         out.append(f"plan.execute_top={p.execute_top} compares the runs it records in MLflow, and tracking is "
                    f"off; drop tracking=off, or plan.execute_top=0.")
     return out

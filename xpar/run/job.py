@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.checks import ConfigError
 from xpar.config.cluster import adopt_submitit_tasks, placement_tags
-from xpar.config.presets import dense_moe_notes, kept_kv_heads_notes
+from xpar.config.presets import dense_moe_notes, fp8_recipe_notes, kept_kv_heads_notes
 from xpar.config.recorded import resolved_config
 from xpar.config.spec import RunSpec
 from xpar.config.torchrun import quiet_exit, torchrun_follower
@@ -47,15 +47,16 @@ def fail(lines: str, code: int = 2) -> None:
 
 
 def model_preset_notes(spec: RunSpec) -> list[str]:
-    """Notes on the model's overrides against its preset (xpar.config.presets.kept_kv_heads_notes) and on MoE fields
-    set on a dense model (dense_moe_notes), from Hydra's group choice and command-line overrides; [] outside a
-    Hydra app."""
+    """Notes on the model's overrides against its preset (xpar.config.presets.kept_kv_heads_notes), on MoE fields
+    set on a dense model (dense_moe_notes) and on an FP8 recipe set for a run that is not FP8 (fp8_recipe_notes),
+    from Hydra's group choice and command-line overrides; [] outside a Hydra app."""
     if not HydraConfig.initialized():
         return []
     hc = HydraConfig.get()
     given = list(hc.overrides.task)
     return kept_kv_heads_notes(spec.model.n_heads, spec.model.n_kv_heads, hc.runtime.choices.get("model"),
-                               given) + dense_moe_notes(spec.model.n_experts, given)
+                               given) + dense_moe_notes(spec.model.n_experts, given) + \
+        fp8_recipe_notes([spec.train.dtype], given)
 
 
 def run_job(cfg: DictConfig, out_dir: Path, start_dir: Path, sweep: Optional[dict] = None) -> Optional[Report]:

@@ -52,6 +52,7 @@ COLUMNS = {  # table column -> MLflow column
     "bubble": "metrics.pipeline/bubble_ratio",
     "bubble_sim": "metrics.pipeline/bubble_ratio_sim",
     "bubble_theory": "metrics.pipeline/bubble_ratio_theory",
+    "overrides": "tags.xpar.overrides",
 }
 NUMERIC = ("pp", "micro_batches", "dp", "tp", "cp", "global_batch", "step_time_s", "fidelity_step_ratio", "tokens_per_s", "tflops_per_device", "mfu", "peak_gib_per_device",
            "model_states_gib", "zero_paper_gib",

@@ -102,17 +102,19 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
 
 
 def print_sweep_summary(info: dict, summary: dict) -> None:
-    """The end of a multirun on the console: a row per job (layout, tokens/s, peak memory, bubble,
-    status; '(estimate)' after the status of a job the cost model estimated), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
+    """The end of a multirun on the console: a row per job (layout, the swept overrides where layouts repeat
+    (:func:`swept_overrides`), tokens/s, peak memory, bubble, status; '(estimate)' after the status of a job the cost model estimated), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"sweep {info['sweep_id']}: {len(summary['table'])} job(s), parent run {summary['status']}")
-    for col in ("job", "layout", "tokens/s", "peak memory/device", "bubble", "status"):
-        table.add_column(col, justify="right" if col not in ("layout", "status") else "left",
-                         overflow="fold" if col == "layout" else "ellipsis")
-    for _, row in summary["table"].iterrows():
-        table.add_row(str(row.get("job")), str(row.get("layout")), _num(row.get("tokens_per_s"), "{:,.0f}"),
+    swept = swept_overrides(summary["table"])
+    for col in ("job", "layout") + (("swept",) if swept else ()) + ("tokens/s", "peak memory/device", "bubble", "status"):
+        table.add_column(col, justify="right" if col not in ("layout", "swept", "status") else "left",
+                         overflow="fold" if col in ("layout", "swept") else "ellipsis")
+    for i, (_, row) in enumerate(summary["table"].iterrows()):
+        table.add_row(str(row.get("job")), str(row.get("layout")), *([swept[i]] if swept else []),
+                      _num(row.get("tokens_per_s"), "{:,.0f}"),
                       _memory(row.get("peak_gib_per_device")), _num(row.get("bubble"), "{:.3f}"),
                       str(row.get("status")) + (" (estimate)" if row.get("mode") == "estimate" else "")
                       + (" (contention)" if str(row.get("job")) in summary["contention"] else ""))
@@ -134,6 +136,20 @@ def print_sweep_summary(info: dict, summary: dict) -> None:
                       soft_wrap=True, highlight=False)
     console.print(f"compare: xpar compare --sweep {info['sweep_id']}   (tag xpar.sweep_id={info['sweep_id']})",
                   soft_wrap=True, highlight=False)
+
+
+def swept_overrides(table) -> list[str]:
+    """Per job (row of :func:`xpar.track.compare.headline_table`), the overrides of its command line
+    (tag ``xpar.overrides``) that not every job shares: what the sweep changed, e.g. ``hardware=a100_80gb_8gpu``.
+    [] where the layout names already tell every job apart (a sweep over micro-batches or tp: its
+    layouts dp2-m1, dp2-m2 differ) or no job has its overrides; a sweep over hardware, model,
+    seq_len or lr runs one layout name for every job, and its rows could not be told apart."""
+    layouts = [str(v) for v in table.get("layout", [])]
+    words = [str(v).split() if isinstance(v, str) else [] for v in table.get("overrides", [])]
+    if len(set(layouts)) == len(layouts) or not any(words):
+        return []
+    shared = set.intersection(*(set(w) for w in words))
+    return [" ".join(w for w in ws if w not in shared) or "-" for ws in words]
 
 
 def _memory(gib) -> str:

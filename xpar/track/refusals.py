@@ -79,6 +79,8 @@ def selected(select_runs: Callable, uri: str, experiment: str, sweep: Optional[s
     from mlflow.exceptions import MlflowException
 
     try:
+        if missing := _no_experiment(uri, experiment):
+            return missing, sweep
         runs, sweep = select_runs(uri, experiment, sweep, filter_string)
     except MlflowException as e:
         first = str(e).splitlines()[0][:200]
@@ -92,6 +94,22 @@ def selected(select_runs: Callable, uri: str, experiment: str, sweep: Optional[s
         return (f"--sweep {sweep} names no sweep in experiment {experiment!r} at {uri}; sweep ids there: "
                 f"{', '.join(known) or 'none'}."), sweep
     return runs, sweep
+
+
+def _no_experiment(uri: str, experiment: str) -> Optional[str]:
+    """None if the store at ``uri`` holds ``experiment``, else the refusal naming the experiments it holds
+    (``--experiment nope`` said "no sweep found in experiment 'nope'", after MLflow's own warning
+    "Cannot retrieve experiment by name nope", as if the experiment were there and empty)."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return None
+    import difflib
+    names = [e.name for e in client.search_experiments(max_results=50)]
+    near = difflib.get_close_matches(experiment, names, n=1) or [n for n in names if n == "xpar"] or names[:1]
+    return (f"--experiment {experiment} names no experiment at {uri}; experiments there: {', '.join(names) or 'none'}"
+            + (f"; e.g. --experiment {near[0]}." if near else "; run xpar first (python -m xpar)."))
 
 
 def _sweep_ids(experiment: str) -> list[str]:

@@ -136,7 +136,7 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
         os.environ.setdefault(key, value)
     import logging
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines on the console
-    for name in ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor"):
+    for name in ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor", "urllib3.connectionpool"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # a failing store's tracebacks and SQL: xpar's line says it
     uri = uri or default_uri(start_dir)
     try:
@@ -144,10 +144,21 @@ def setup_experiment(uri: Optional[str], experiment: str, artifact_location: Opt
             seed_new_store(uri)
             return _experiment_id(uri, experiment, artifact_location, start_dir)
     except Exception as e:  # unreachable server, unknown scheme, unwritable store
-        problem = (f"cannot use the MLflow tracking store tracking.uri={uri}: "
-                   f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        problem = f"cannot use the MLflow tracking store tracking.uri={uri}: {_store_said(uri, e)}"
         advice = _path_advice(uri, start_dir) or _store_advice(uri, e)
         raise TrackingUnavailable(f"{problem}. {advice}", problem) from None
+
+
+def _store_said(uri: str, e: Exception) -> str:
+    """What the store said, in one short clause: for a server nobody answers at, the socket's reason
+    (``no server answers there ([Errno 111] Connection refused)``), not MLflow's 400-character
+    HTTPConnectionPool text cut mid-word; else the exception's first line (300 characters at most)."""
+    import re
+    text = str(e)
+    refused = re.search(r"\[Errno -?\d+\] [^'\")]+", text)
+    if uri.startswith(("http://", "https://")) and ("NewConnectionError" in text or "Max retries" in text):
+        return f"no server answers there ({refused.group(0).strip() if refused else 'no connection'})"
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _path_advice(uri: str, start_dir: Path) -> Optional[str]:
@@ -174,12 +185,24 @@ def _store_advice(uri: str, e: Optional[Exception] = None) -> str:
         return ("The store is healthy and refused a value: fix it (e.g. a shorter tracking.experiment, "
                 "tracking.experiment=xpar), or tracking=off.")
     if uri.startswith(("http://", "https://")):
-        return "Start the server, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
+        return f"Start the server{_serve_line(uri)}, fix the URI, or use the default SQLite store (omit tracking.uri) or tracking=off."
     db = sqlite_path(uri)
     if db is not None and db.exists():
         return (f"If {db} is damaged, move it aside (mv {db} {db}.broken) and run again: a new store is "
                 f"created; or pass tracking.uri=sqlite:///<another file>, or tracking=off.")
     return "Fix the URI, use the default SQLite store (omit tracking.uri), or tracking=off."
+
+
+def _serve_line(uri: str) -> str:
+    """For a server URI on this host (127.0.0.1, localhost): `` (<the command that serves it>)``, the README's
+    ``mlflow server`` line at its host and port, with ./mlflow.db as the store; '' for another host."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(uri)
+    if parts.hostname not in ("127.0.0.1", "localhost") or parts.scheme != "http":
+        return ""
+    port = parts.port or 80
+    return (f" (MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --workers 1 --host {parts.hostname} "
+            f"--port {port} --backend-store-uri sqlite:///$PWD/mlflow.db)")
 
 
 def _experiment_id(uri: str, experiment: str, artifact_location: Optional[str], start_dir: Path) -> str:

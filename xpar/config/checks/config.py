@@ -48,9 +48,8 @@ def check_model(c: XparConfig) -> list[str]:
            for name in ("n_layers", "hidden", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
            if getattr(model, name) < 1]
     if model.n_heads >= 1 and model.head_dim is None and model.hidden % model.n_heads:
-        ok = [d for d in divisors(model.hidden) if d <= 256]
         out.append(f"model.hidden must be divisible by model.n_heads: {model.hidden} % {model.n_heads} != 0; "
-                   f"n_heads values that divide {model.hidden}: {ok}; or give the heads' width, model.head_dim.")
+                   f"{_heads_that_work(model)}; or give the heads' width, model.head_dim.")
     if model.head_dim is not None and (isinstance(model.head_dim, bool) or model.head_dim < 1):
         out.append(f"model.head_dim must be >= 1 or null (hidden / n_heads), got {model.head_dim}.")
     if model.kv_heads < 1 or (model.n_heads % model.kv_heads):
@@ -63,6 +62,23 @@ def check_model(c: XparConfig) -> list[str]:
             f"hidden/n_heads = {model.head_size}"
         out.append(f"rope needs an even head dim: {given}; e.g. model.head_dim={model.head_size + 1}.")
     return out + check_experts(model) + check_mla(model) + check_window(model)
+
+
+def _heads_that_work(model) -> str:
+    """For a hidden size that n_heads does not divide: the n_heads values that pass every head check when
+    followed (divide hidden, a multiple of an explicit n_kv_heads, an even head dim under RoPE), else the
+    hidden sizes next to it that n_heads does. model.hidden=65 offered n_heads [1, 5, 13, 65], each refused
+    again (tiny's n_kv_heads=2; an odd head dim under RoPE)."""
+    kv, rope = model.n_kv_heads, model.position == "rope"
+    ok = [d for d in divisors(model.hidden) if d <= 256 and (not kv or d % kv == 0)
+          and not (rope and (model.hidden // d) % 2)]
+    needs = (f", n_kv_heads={kv}" if kv else "") + (" and RoPE's even head dim" if rope else "")
+    if ok:
+        return f"n_heads values that work with hidden={model.hidden}{needs}: {ok}"
+    step = model.n_heads * (2 if rope else 1)
+    below, above = model.hidden // step * step, (model.hidden // step + 1) * step
+    sizes = " or ".join(f"model.hidden={h}" for h in (below, above) if h >= 1)
+    return f"no n_heads works with hidden={model.hidden}{needs}; hidden values that work with n_heads={model.n_heads}: {sizes}"
 
 
 def check_window(model) -> list[str]:
@@ -207,6 +223,15 @@ def check_train(c: XparConfig) -> list[str]:
     return out
 
 
+def _text_example(seq: int) -> str:
+    """Values that work for data=text: README.md where the command runs from a clone (a text file of at least
+    ``seq`` + 1 bytes there), and data=synthetic anywhere."""
+    readme = Path("README.md")
+    near = readme.is_file() and readme.stat().st_size > seq
+    return ("e.g. data.path=README.md (any text file of at least " f"{seq + 1} bytes), or " if near else "e.g. ") + \
+        "data=synthetic (no file)"
+
+
 def check_data(c: XparConfig) -> list[str]:
     """A text corpus exists, holds one sequence, and fits the byte vocabulary."""
     if c.data.kind != "text":
@@ -214,7 +239,7 @@ def check_data(c: XparConfig) -> list[str]:
     out = []
     path, seq = c.data.path, c.train.seq_len if c.train.seq_len is not None else c.model.seq_len
     if not path or not Path(path).expanduser().is_file():
-        out.append(f"data.path must be an existing text file for data=text, got {path!r}.")
+        out.append(f"data.path must be an existing text file for data=text, got {path!r}; {_text_example(seq)}.")
     elif Path(path).expanduser().stat().st_size < seq + 1:
         out.append(f"data.path={path} holds fewer than seq_len+1={seq + 1} bytes.")
     if c.model.vocab_size < 256:

@@ -332,7 +332,7 @@ def host_memory_problem(spec: RunSpec) -> Optional[str]:
             f"{'fp32' if dtype == 'fp32' else dtype + ' mixed-precision'} AdamW), "
             f"{(need - usable) / 1e9:.1f} GB more than the {usable / 1e9:.1f} GB usable "
             f"({HOST_MEMORY_USABLE:.0%} of {have / 1e9:.1f} GB host memory). {_fewer_workers(spec, per_worker, usable)}"
-            f", or estimate it: run.mode=estimate hardware={_cluster_for(spec)} parallel.dp=auto.")
+            f", or {_estimate_advice(spec)}.")
 
 
 def _host_need(spec: RunSpec) -> tuple[MemoryEstimate, float, float]:
@@ -375,20 +375,58 @@ def _smaller(spec: RunSpec) -> str:
     return "Use fewer workers and smaller micro-batches (hardware.devices_per_node=1 train.micro_batch_size=1)"
 
 
-def _cluster_for(spec: RunSpec) -> str:
-    """A hardware preset to estimate ``spec`` on: its parallel preset's reference cluster, else
-    the smallest preset whose device count tp x pp divides (so that dp=auto resolves)."""
-    if spec.parallel.reference_hardware:
-        return spec.parallel.reference_hardware
-    sized = []
+def _estimate_advice(spec: RunSpec) -> str:
+    """Where to estimate a run this machine cannot hold: ``estimate it: run.mode=estimate hardware=<preset>
+    parallel.dp=auto`` on the smallest preset where that passes every check and fits (:func:`_cluster_for`),
+    else the plan of the model on the smallest preset, which searches the layouts that fit: model=7b
+    with the default train (fp32, micro-batch 4) fits no preset as it is (305 GB per device on B200 at
+    ZeRO-0), and the estimate line sent there was refused again."""
+    name, fits = _cluster_for(spec)
+    if fits:
+        return f"estimate it: run.mode=estimate hardware={name} parallel.dp=auto"
+    return (f"find a layout of it that fits a cluster (it fits none as it is): xpar plan model={spec.model.name} "
+            f"hardware={_cluster_holding(spec)}")
+
+
+def _cluster_holding(spec: RunSpec) -> str:
+    """The smallest cluster preset whose device memory, all devices together, holds the model states of
+    mixed-precision AdamW (2 + 2 + 12 bytes per parameter: Rajbhandari et al. 2020, ZeRO, Section 3.1;
+    :data:`STATE_BYTES`): ZeRO-3 shards them over every device, and the plan searches recompute and optimizer
+    offload for the activations. model=70b went to a100_40gb_node (320 GB for 1.1 TB of states), whose plan
+    fits no layout."""
+    states = param_count(spec.model).total * sum(STATE_BYTES["bf16"])
+    held = [name for world, name, hw in _cluster_presets() if world * (hw.device_memory_gb or 0) * 1e9 >= states]
+    return held[0] if held else "a100_80gb_1024gpu"
+
+
+def _cluster_presets() -> list:
+    """(devices, name, HardwareConfig) of every cluster preset (not local, not calibrated_*), fewest devices first."""
+    out = []
     for name in presets("hardware"):
         if name == "local" or name.startswith("calibrated_"):
             continue
         hw = load_hardware_preset(name)
-        world = int(hw.devices_per_node) * hw.nodes
-        if world % (spec.tp * spec.pp) == 0:
-            sized.append((world, name))
-    return min(sized)[1] if sized else "a100_80gb_1024gpu"
+        out.append((int(hw.devices_per_node) * hw.nodes, name, hw))
+    return sorted(out, key=lambda x: (x[0], x[1]))
+
+
+def _cluster_for(spec: RunSpec) -> tuple[str, bool]:
+    """A hardware preset to estimate ``spec`` on, and whether it fits there: its parallel preset's reference
+    cluster, else the smallest preset whose device count tp x pp divides (so that dp=auto resolves) and on
+    which the estimate, followed as :func:`_estimate_advice` words it (dp and the global batch auto),
+    passes every check and fits device memory (:func:`_passes`); the smallest that divides where none fits."""
+    if spec.parallel.reference_hardware:
+        return spec.parallel.reference_hardware, True
+    sized = [name for world, name, _ in _cluster_presets() if world % (spec.tp * spec.pp) == 0]
+    fits = ((name, True) for name in sized if _passes(_on_preset(spec, name)) is not None)
+    return next(fits, (sized[0] if sized else "a100_80gb_1024gpu", False))
+
+
+def _on_preset(spec: RunSpec, name: str) -> XparConfig:
+    """The estimate-mode config of ``spec`` on hardware preset ``name`` with dp and the global batch auto."""
+    cfg = variant(spec, {}, {})
+    cfg.hardware, cfg.train = load_hardware_preset(name), replace(cfg.train, global_batch_size="auto")
+    return cfg
 
 
 def offload_host_problem(spec: RunSpec) -> Optional[str]:
