@@ -105,6 +105,10 @@ class ModelConfig:
     """Learned attention sinks: one logit per head added to every softmax denominator (gpt-oss ``sinks``, OpenAI's
     gpt_oss/torch/model.py; Megatron-Core ``softmax_type='learnable'``); priced as the framework's kernel runs them
     (framework.sink_attention), not executed."""
+    moe_routing: str = "learned"
+    """'learned' (top-k of router scores, experts taken as drawn evenly) or 'round_robin': the synthetic balanced gate
+    NeMo AutoModel's published MoE benchmarks ran (``fake_balanced_gate: true``), token t to experts (t k + j) mod E,
+    j < k; DeepEP then sends a token to 1-2 ranks (xpar.estimate.expert_parallel.round_robin_reach). Estimate only."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""

@@ -250,7 +250,7 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """Experts are executed with dp / ZeRO, pp, ep and tp without sequence parallelism (the MoE
     left out of the tp plan, replicated over the tp ranks: xpar.parallel.tensor.block_plan);
     splitting them over tp, or sequence parallelism with experts, is estimated only (as
-    Megatron-Core's expert tensor parallelism)."""
+    Megatron-Core's expert tensor parallelism); a round-robin router (model.moe_routing) is estimated only."""
     if mode == "execute" and model.n_experts and layout.tp > 1 and layout.sequence_parallel:
         return [f"model={model.name} has experts, which xpar runs under tp only without sequence parallelism "
                 f"(parallel.tp={layout.tp}, parallel.sequence_parallel=true); run parallel.sequence_parallel=false "
@@ -258,6 +258,9 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
+    if mode == "execute" and model.n_experts and model.moe_routing != "learned":
+        return [f"model.moe_routing={model.moe_routing} (a synthetic balanced gate) is estimated, not executed, by "
+                f"xpar (its router is learned top-k); set model.moe_routing=learned to run it, or run.mode=estimate."]
     if mode == "execute" and model.kv_lora_rank is not None:
         return [f"model={model.name} has multi-head latent attention (model.kv_lora_rank={model.kv_lora_rank}), "
                 f"which xpar estimates but does not run; set model.kv_lora_rank=null (MHA) to run it, or "
