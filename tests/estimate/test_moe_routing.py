@@ -70,3 +70,36 @@ def test_round_robin_gate_is_estimated_not_executed():
     with pytest.raises(ConfigError) as e:
         spec_for("model=moe_tiny", "run.mode=estimate", "model.moe_routing=random")
     assert "model.moe_routing must be one of" in str(e.value)
+
+
+def v2_lite(*overrides: str):
+    return spec_for("model=deepseek_v2_lite", "run.mode=estimate", "hardware=h100_80gb_8gpu", "framework=fsdp2_bf16",
+                    "parallel.ep=8", "parallel.dp=8", "parallel.zero_stage=3", "train.micro_batch_size=1",
+                    "train.global_batch_size=64", "run.dry_run=false", *overrides, local_devices=8)
+
+
+def test_shared_experts_on_their_own_stream_hide_the_all_to_alls():
+    """fsdp2_bf16 (AutoModel's MoE.forward: shared experts on a second stream): DeepSeek-V2-Lite's 2 shared of 6
+    routed experts hide min(issued, their share of the matmul seconds) of the all-to-alls; without the overlap
+    every issued second is exposed. A model without shared experts (Qwen3) is unchanged."""
+    from xpar.estimate.expert_parallel import routed_share, shared_expert_share
+    spec = v2_lite()
+    assert shared_expert_share(spec) == pytest.approx(routed_share(spec) * 2 / 6)
+    on, off = estimate(spec), estimate(v2_lite("framework.ep_shared_expert_overlap=false"))
+    issued, mm = on.comm_time["ep"], on.time_breakdown["matmul"]
+    assert off.time_breakdown["ep_comm"] == pytest.approx(issued, rel=1e-12) and issued == off.comm_time["ep"]
+    hidden = min(issued, mm * shared_expert_share(spec))
+    assert hidden > 0 and on.time_breakdown["ep_comm"] == pytest.approx(issued - hidden, rel=1e-9)
+    assert on.time_per_step_s == pytest.approx(off.time_per_step_s - hidden, rel=1e-9)
+    assert "shared experts' GEMMs hide" in " ".join(on.notes)
+    q_on, q_off = estimate(qwen3()), estimate(qwen3("framework.ep_shared_expert_overlap=false"))
+    assert shared_expert_share(qwen3()) == 0.0 and q_on.time_per_step_s == q_off.time_per_step_s
+
+
+def test_shared_expert_overlap_candidates_equal_the_scalar_estimate():
+    """The planner hides the same seconds as the estimate (relative 1e-9) on sampled ep candidates of
+    DeepSeek-V2-Lite under fsdp2_bf16 with the round-robin gate."""
+    ctx = context("deepseek_v2_lite", "h100_80gb_8gpu", 4096, "fsdp2_bf16")
+    ctx.model["moe_routing"] = "round_robin"
+    space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(2, 8)))
+    assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["ep"] > 1, 4, 5))

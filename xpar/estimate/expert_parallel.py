@@ -193,6 +193,14 @@ def routed_share(spec: RunSpec) -> float:
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))
 
 
+def shared_expert_share(spec: RunSpec) -> float:
+    """Fraction of a MoE model's matmul FLOPs per token in its shared experts (``n_shared_experts`` MLPs of
+    expert_ffn width in every MoE layer, as xpar.estimate.compute.kernel_block prices them): :func:`routed_share`
+    x n_shared / k; 0 without shared experts (Qwen3 MoE, gpt-oss) or experts."""
+    cfg = spec.model
+    return routed_share(spec) * cfg.n_shared_experts / cfg.moe_top_k if cfg.n_experts else 0.0
+
+
 def imbalance_share(spec: RunSpec) -> float:
     """Of a step's matmul term, what the busiest ep rank's routed experts add beyond the even share:
     :func:`routed_share` x (:func:`busiest_rank_load` - 1); 0 where the kernel model prices compute (its
@@ -202,14 +210,15 @@ def imbalance_share(spec: RunSpec) -> float:
     return routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
 
 
-def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0) -> str:
+def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0, shared: bool = False) -> str:
     """What ep adds to a step of ``spec`` (cp folded) in words: the fullest rank's all-to-alls per
     micro-batch (``replay``: the share of blocks whose backward reruns them, :func:`ep_replay`), the
-    bytes each sends and the share exposed (1 - ``overlap``). Their seconds:
-    xpar.estimate.columns.cp_ep.ep_columns."""
+    bytes each sends and the share exposed (1 - ``overlap``; ``shared``: less what the shared experts' GEMMs hide,
+    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.cp_ep.ep_columns."""
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
     return (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
             f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} "
-            f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
+            f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed"
+            + (" less what the shared experts' GEMMs hide on their own stream" if shared else ""))
