@@ -199,6 +199,21 @@ def _kept_batch_fixes(layout: Layout, rule: str, B: int) -> str:
     return head + f"none works; train.global_batch_size=auto with parallel.micro_batches in {near}."
 
 
+def check_pipeline_runs(layout: Layout, k: Optional[int], mode: str) -> list[str]:
+    """parallel.pipeline_micro_batches (k micro-batches per schedule run, m / k runs a step): null, or a divisor
+    of m; estimated only unless k = m (xpar's engine runs one schedule a step)."""
+    m = layout.micro_batches
+    if k is None or k == m:
+        return []
+    if m % k:
+        return [f"parallel.pipeline_micro_batches={k} must divide the step's {m} micro-batches (m / k schedule "
+                f"runs a step); values that work: {divisors(m)}, or null (one run)."]
+    if mode == "execute":
+        return [f"parallel.pipeline_micro_batches={k} ({m // k} schedule runs a step) is estimated, not executed: "
+                f"xpar runs one schedule a step; set parallel.pipeline_micro_batches=null, or run.mode=estimate."]
+    return []
+
+
 def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int], bool] = lambda c: True) -> list[str]:
     """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
     chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated and executed
