@@ -194,13 +194,9 @@ class ParallelConfig:
     """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
     micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
     pipeline_micro_batches: Optional[int] = None
-    """Micro-batches per pipeline schedule run: the step's m run as m / this schedules back to back, each with its
-    own fill and drain (a bubble per run), the gradients reduced once at the end. NeMo AutoModel's benchmark loop
-    calls ``schedule.step`` once per gradient-accumulation step, GA = global batch / (local batch x dp) of them,
-    each over local batch / pp_microbatch_size micro-batches (nemo_automodel/recipes/llm/benchmark.py @037e04a6,
-    ``ga_steps`` loop): its DeepSeek-V3 run on 1024 H100 ran 4 schedules of 8. Null: all m in one schedule
-    (Megatron-Core, torchtitan, xpar's engine). Must divide m; only the bubble depends on it (the memory
-    model keeps m's in-flight count); estimated only."""
+    """Micro-batches per pipeline schedule run (k, a divisor of m): m / k runs a step, each with its fill and drain
+    (NeMo AutoModel runs one per gradient-accumulation step: xpar.config.checks.layout.check_pipeline_runs); null:
+    one run of m (Megatron-Core, torchtitan, xpar's engine). Only the bubble depends on it; estimate only."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zero_bubble, zbv, dualpipev; and
     zb_h1, zb_h2 (Qi et al. 2024, one stage per rank): estimate-only, refused in execute mode."""

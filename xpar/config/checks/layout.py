@@ -201,7 +201,11 @@ def _kept_batch_fixes(layout: Layout, rule: str, B: int) -> str:
 
 def check_pipeline_runs(layout: Layout, k: Optional[int], mode: str) -> list[str]:
     """parallel.pipeline_micro_batches (k micro-batches per schedule run, m / k runs a step): null, or a divisor
-    of m; estimated only unless k = m (xpar's engine runs one schedule a step)."""
+    of m; estimated only unless k = m (xpar's engine runs one schedule a step). Source of the setting: NeMo
+    AutoModel's benchmark loop calls ``schedule.step`` once per gradient-accumulation step, GA = global batch /
+    (local batch x dp) of them, each over local batch / pp_microbatch_size micro-batches
+    (nemo_automodel/recipes/llm/benchmark.py @037e04a6, the ``ga_steps`` loop): its DeepSeek-V3 run on 1024 H100
+    ran 4 runs of 8. The memory model keeps m's in-flight count."""
     m = layout.micro_batches
     if k is None or k == m:
         return []
