@@ -90,7 +90,7 @@ def kept_kv_heads_notes(n_heads: int, n_kv_heads: Optional[int], preset: Optiona
 
 
 MOE_FIELDS = ("moe_top_k", "n_shared_experts", "expert_ffn_hidden", "first_dense_layers", "moe_layer_freq", "capacity_factor",
-              "moe_imbalance", "moe_router_groups", "moe_router_group_topk")
+              "moe_imbalance", "moe_routing", "moe_router_groups", "moe_router_group_topk")
 """Model fields read only where the model has experts (model.n_experts > 0)."""
 
 

@@ -284,6 +284,15 @@ class FrameworkConfig:
     """The schedules (xpar.config.layout.SCHEDULES names, pp > 1) under which ``ep_a2a_overlap`` hides the MoE
     all-to-alls; null: every layout. DeepSeek's DualPipe hides them by pairing one micro-batch's forward with
     another's backward (DeepSeek-AI 2024 Sec. 3.2.1): under 1F1B or without a pipeline nothing is paired."""
+    ep_shared_expert_overlap: bool = False
+    """The shared experts' GEMMs run on a second CUDA stream beside the routed experts' dispatch, GEMMs and combine,
+    so each MoE layer's all-to-alls hide behind them (up to the shared experts' seconds, forward and backward: autograd
+    runs an op's backward on its forward's stream, torch docs "CUDA semantics", "Stream semantics of backward
+    passes"). NeMo AutoModel: nemo_automodel/components/moe/layers.py ``MoE.forward`` @037e04a6 ("Execute shared
+    experts in a separate stream to overlap compute with the communication for grouped experts"); its DeepEP
+    dispatch and combine themselves run synchronously (token_dispatcher.py ``token_permutation2`` /
+    ``token_unpermutation``: async_finish=False), so nothing else hides them. Megatron-Core's opt-in
+    ``--moe-shared-expert-overlap`` does the same. xpar.estimate.columns.cp_ep.ep_columns."""
     etp_degrees: Optional[list] = None
     """The expert tensor-parallel degrees (parallel.etp; 0: etp = tp) ``xpar plan`` searches for a MoE model where
     plan.etp is null; null: [0]. Megatron-Core: etp = tp by default and etp 1 (MoE parallel folding), which its

@@ -105,6 +105,9 @@ class ModelConfig:
     """Learned attention sinks: one logit per head added to every softmax denominator (gpt-oss ``sinks``, OpenAI's
     gpt_oss/torch/model.py; Megatron-Core ``softmax_type='learnable'``); priced as the framework's kernel runs them
     (framework.sink_attention), not executed."""
+    moe_routing: str = "learned"
+    """'learned' (top-k of router scores) or 'round_robin': NeMo AutoModel's benchmark gate (fake_balanced_gate), token
+    t to experts (t k + j) mod E, j < k (xpar.estimate.expert_parallel.round_robin_reach); estimate only."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""
@@ -187,8 +190,10 @@ class ParallelConfig:
     this many consecutive dp ranks and replicate across the dp / zero_shard_size groups (gradients
     reduce-scattered in the group, then all-reduced across the replicas); null: shard over all of dp."""
     micro_batches: Any = "auto"
-    """Micro-batches per step per dp rank (m): gradient accumulation steps, or pipeline
-    micro-batches. 'auto' = train.global_batch_size / (micro_batch_size * dp)."""
+    """Micro-batches per step per dp rank (m), accumulated or pipelined; 'auto': global batch / (b * dp)."""
+    pipeline_micro_batches: Optional[int] = None
+    """Micro-batches per pipeline schedule run, k | m: m / k runs a step, a bubble each (NeMo AutoModel: a run per
+    accumulation step, xpar.config.checks.layout.check_pipeline_runs); null: one run. Estimate only."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zero_bubble, zbv, dualpipev; and
     zb_h1, zb_h2 (Qi et al. 2024, one stage per rank): estimate-only, refused in execute mode."""

@@ -75,6 +75,7 @@ def layout_problems(c: XparConfig, layout: Layout, mode: str, world: Optional[in
                 c.model, layout, mode, layout_checks.cp_world_rule(par.dp, par.tp, par.pp, world))
             + layout_checks.check_ep(c.model, layout, mode) + check_zero_shard(par.zero_shard_size, layout, mode)
             + layout_checks.check_recompute(layout, par.recompute_layers, mode)
+            + layout_checks.check_pipeline_runs(layout, par.pipeline_micro_batches, mode)
             + layout_checks.check_edge_stages(c.model.n_layers, par, par.pp * v)
             + layout_checks.check_layer_split(c.model.n_layers, given_split(c, par.pp * v), par.pp, v))
 

@@ -143,7 +143,8 @@ def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
     (xpar.estimate.columns.cp_ep.ep_columns on the layout's column; ``ep`` in comm_time)."""
     terms, issued = ep_columns(spec, layout_columns(spec), np.array([est.time_breakdown["matmul"]]), assume)
     terms = {k: float(v[0]) for k, v in terms.items()}
-    note = ep_note(spec, ep_a2a_overlap_of(assume, spec.layout.schedule, spec.pp), ep_replay(spec, assume))
+    note = ep_note(spec, ep_a2a_overlap_of(assume, spec.layout.schedule, spec.pp), ep_replay(spec, assume),
+                   assume.ep_shared_expert_overlap and spec.model.n_shared_experts > 0)
     out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
                   est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=float(issued[0])), est.framework, est.offload

@@ -5,7 +5,8 @@ alltoall dispatcher; DeepSeek-AI 2024, "DeepSeek-V3", Sec. 3.2.2).
 Per rank, micro-batch and MoE layer: two all-to-alls forward (dispatch, combine) and two backward,
 each ``T k h`` elements (T = b s / cp tokens, / t with sequence parallelism), (ep - 1) / ep of them
 leaving the rank (:func:`alltoall_time`); a one-copy-per-node dispatcher (DeepEP, HybridEP) sends one copy
-per node across and one per rank over NVLink (:func:`ep_shares`). The busiest rank's load (:func:`busiest_rank_load`:
+per node across and one per rank over NVLink (:func:`ep_shares`; fewer under a round-robin gate,
+model.moe_routing: :func:`round_robin_reach`). The busiest rank's load (:func:`busiest_rank_load`:
 ``model.moe_imbalance`` x the mean, dropless; or ``model.capacity_factor`` x the even share, padded
 to capacity) stretches the routed compute and the all-to-alls; the framework's ``ep_a2a_overlap``
 share is hidden. Expert states: xpar.estimate.memory.model_states.
@@ -14,6 +15,7 @@ Units: seconds.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 from xpar.config.remat import replayed_share
@@ -86,14 +88,39 @@ def deepep_intra_share(top_k: int, ranks: int, groups: int = 0, group_topk: int 
     return ranks * expert_hit(ranks, top_k, groups, group_topk) / top_k
 
 
-def ep_shares(dispatcher: str, top_k: int, group: Group, groups: int = 0,
-              group_topk: int = 0) -> tuple[Optional[float], Optional[float]]:
+@lru_cache(maxsize=256)
+def round_robin_reach(n_experts: int, top_k: int, units: int) -> float:
+    """Mean number of distinct ``units`` (equal contiguous shares of the ``n_experts`` experts: a rank's, a node's,
+    as ep places them) holding one of a token's ``top_k`` experts under a round-robin gate: token t takes experts
+    (t k + j) mod E, j < k (NeMo AutoModel's ``FakeBalancedGate.forward``, nemo_automodel/components/moe/layers.py
+    @01926a5c and @037e04a6; ``BackendConfig.fake_balanced_gate: true`` in its examples/benchmark/configs/
+    *_te_deepep.yaml, and its docs/performance-summary.md Notes: "Fake balanced gate is enabled to simulate ideal
+    expert routing"), averaged over one period of t (E / gcd(E, k) tokens). The k experts are consecutive, so the
+    count is 1 or 2 where a unit holds >= k experts (Qwen3-30B-A3B at ep 8: 1), against units x
+    :func:`expert_hit` (about 5.3 of 8) for experts drawn evenly. Raises ValueError unless E % units == 0."""
+    if units <= 1:
+        return 1.0
+    if n_experts % units:
+        raise ValueError(f"{n_experts} experts do not split over {units} units")
+    per, period = n_experts // units, n_experts // math.gcd(n_experts, top_k)
+    return sum(len({(t * top_k + j) % n_experts // per for j in range(top_k)}) for t in range(period)) / period
+
+
+def ep_shares(dispatcher: str, top_k: int, group: Group, groups: int = 0, group_topk: int = 0,
+              round_robin_experts: int = 0) -> tuple[Optional[float], Optional[float]]:
     """(intra_share, inter_share) of :func:`alltoall_time` for ``dispatcher`` on ``group``: (None, None), every
     routed copy sent, for a plain all-to-all; for a one-copy-per-node dispatcher (DeepEP, HybridEP)
     :func:`deepep_intra_share` and :func:`deepep_inter_share` (``groups``, ``group_topk``: the router's group
-    limit). Raises KeyError for a dispatcher not in :data:`xpar.estimate.moe_dispatch.DISPATCHERS`."""
+    limit); under a round-robin gate over ``round_robin_experts`` experts (model.moe_routing) the same shares
+    with :func:`round_robin_reach` ranks and nodes a token (its destinations the same on every rank, spread
+    evenly over the nodes: (N - 1) / N of a node's copies cross). Raises KeyError for a dispatcher not in
+    :data:`xpar.estimate.moe_dispatch.DISPATCHERS`."""
     if not DISPATCHERS[dispatcher].one_copy_per_node:
         return None, None
+    if round_robin_experts:
+        n = group.nodes
+        inter = 0.0 if n <= 1 else (n - 1) / n * round_robin_reach(round_robin_experts, top_k, n) / top_k
+        return round_robin_reach(round_robin_experts, top_k, group.size) / top_k, inter
     return (deepep_intra_share(top_k, group.size, groups, group_topk),
             deepep_inter_share(top_k, group.nodes, groups, group_topk))
 
@@ -152,7 +179,8 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
         return {"f": 0.0, "b": 0.0}
     group = group_of(spec.hardware, ep, spec.layout.expert_tp)
     m = spec.model
-    intra, inter = ep_shares(dispatcher, m.moe_top_k, group, m.moe_router_groups, m.moe_router_group_topk)
+    intra, inter = ep_shares(dispatcher, m.moe_top_k, group, m.moe_router_groups, m.moe_router_group_topk,
+                             m.n_experts if m.moe_routing == "round_robin" else 0)
     one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, inter, intra)
     return {"f": 2 * one, "b": 2 * one}
 
@@ -167,6 +195,14 @@ def routed_share(spec: RunSpec) -> float:
     return min(1.0, routed / model_flops_per_token(cfg, spec.seq_len))
 
 
+def shared_expert_share(spec: RunSpec) -> float:
+    """Fraction of a MoE model's matmul FLOPs per token in its shared experts (``n_shared_experts`` MLPs of
+    expert_ffn width in every MoE layer, as xpar.estimate.compute.kernel_block prices them): :func:`routed_share`
+    x n_shared / k; 0 without shared experts (Qwen3 MoE, gpt-oss) or experts."""
+    cfg = spec.model
+    return routed_share(spec) * cfg.n_shared_experts / cfg.moe_top_k if cfg.n_experts else 0.0
+
+
 def imbalance_share(spec: RunSpec) -> float:
     """Of a step's matmul term, what the busiest ep rank's routed experts add beyond the even share:
     :func:`routed_share` x (:func:`busiest_rank_load` - 1); 0 where the kernel model prices compute (its
@@ -176,14 +212,15 @@ def imbalance_share(spec: RunSpec) -> float:
     return routed_share(spec) * (busiest_rank_load(spec.model) - 1.0)
 
 
-def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0) -> str:
+def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0, shared: bool = False) -> str:
     """What ep adds to a step of ``spec`` (cp folded) in words: the fullest rank's all-to-alls per
     micro-batch (``replay``: the share of blocks whose backward reruns them, :func:`ep_replay`), the
-    bytes each sends and the share exposed (1 - ``overlap``). Their seconds:
-    xpar.estimate.columns.cp_ep.ep_columns."""
+    bytes each sends and the share exposed (1 - ``overlap``; ``shared``: less what the shared experts' GEMMs hide,
+    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.cp_ep.ep_columns."""
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
     return (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
             f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} "
-            f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed")
+            f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed"
+            + (" less what the shared experts' GEMMs hide on their own stream" if shared else ""))

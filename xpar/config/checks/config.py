@@ -14,6 +14,7 @@ CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned", "alibi"),
     "model.block": ("sequential", "parallel", "parallel_two_norms"),  # xpar.config.block
+    "model.moe_routing": ("learned", "round_robin"),  # xpar.estimate.expert_parallel.unit_reach
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.recompute": RECOMPUTE,  # xpar.config.remat

@@ -199,6 +199,25 @@ def _kept_batch_fixes(layout: Layout, rule: str, B: int) -> str:
     return head + f"none works; train.global_batch_size=auto with parallel.micro_batches in {near}."
 
 
+def check_pipeline_runs(layout: Layout, k: Optional[int], mode: str) -> list[str]:
+    """parallel.pipeline_micro_batches (k micro-batches per schedule run, m / k runs a step): null, or a divisor
+    of m; estimated only unless k = m (xpar's engine runs one schedule a step). Source of the setting: NeMo
+    AutoModel's benchmark loop calls ``schedule.step`` once per gradient-accumulation step, GA = global batch /
+    (local batch x dp) of them, each over local batch / pp_microbatch_size micro-batches
+    (nemo_automodel/recipes/llm/benchmark.py @037e04a6, the ``ga_steps`` loop): its DeepSeek-V3 run on 1024 H100
+    ran 4 runs of 8. The memory model keeps m's in-flight count."""
+    m = layout.micro_batches
+    if k is None or k == m:
+        return []
+    if m % k:
+        return [f"parallel.pipeline_micro_batches={k} must divide the step's {m} micro-batches (m / k schedule "
+                f"runs a step); values that work: {divisors(m)}, or null (one run)."]
+    if mode == "execute":
+        return [f"parallel.pipeline_micro_batches={k} ({m // k} schedule runs a step) is estimated, not executed: "
+                f"xpar runs one schedule a step; set parallel.pipeline_micro_batches=null, or run.mode=estimate."]
+    return []
+
+
 def check_cp(model: ModelConfig, layout: Layout, mode: str, fits: Callable[[int], bool] = lambda c: True) -> list[str]:
     """cp >= 1; each sequence splits into 2 cp equal chunks (causal load balancing: rank i takes
     chunks i and 2 cp - 1 - i, as Megatron-Core and torchtitan do); estimated and executed
@@ -250,7 +269,7 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """Experts are executed with dp / ZeRO, pp, ep and tp without sequence parallelism (the MoE
     left out of the tp plan, replicated over the tp ranks: xpar.parallel.tensor.block_plan);
     splitting them over tp, or sequence parallelism with experts, is estimated only (as
-    Megatron-Core's expert tensor parallelism)."""
+    Megatron-Core's expert tensor parallelism); a round-robin router (model.moe_routing) is estimated only."""
     if mode == "execute" and model.n_experts and layout.tp > 1 and layout.sequence_parallel:
         return [f"model={model.name} has experts, which xpar runs under tp only without sequence parallelism "
                 f"(parallel.tp={layout.tp}, parallel.sequence_parallel=true); run parallel.sequence_parallel=false "
@@ -258,6 +277,9 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
+    if mode == "execute" and model.n_experts and model.moe_routing != "learned":
+        return [f"model.moe_routing={model.moe_routing} (a synthetic balanced gate) is estimated, not executed, by "
+                f"xpar (its router is learned top-k); set model.moe_routing=learned to run it, or run.mode=estimate."]
     if mode == "execute" and model.kv_lora_rank is not None:
         return [f"model={model.name} has multi-head latent attention (model.kv_lora_rank={model.kv_lora_rank}), "
                 f"which xpar estimates but does not run; set model.kv_lora_rank=null (MHA) to run it, or "

@@ -24,7 +24,7 @@ from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
 from xpar.estimate.step_parts import assumptions_for, ep_a2a_overlap_of
-from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share
+from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share, shared_expert_share
 from xpar.estimate.terms import RATE_KEYS, time_key
 
 
@@ -100,7 +100,9 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) 
     folded candidates whose matmul term is ``matmul``, under ``a`` (default :func:`assumptions_for`
     ``fbase``): the fullest rank's all-to-alls, m per step, ep_a2a_overlap of them hidden but at most the
     step's matmul seconds (DualPipe and Megatron-Core's 1F1B overlap run one micro-batch's all-to-alls beside
-    another's GEMMs: DeepSeek-AI 2024 Sec. 3.2.1), the rest exposed; and its routed
+    another's GEMMs: DeepSeek-AI 2024 Sec. 3.2.1), and with ``ep_shared_expert_overlap`` also behind the shared
+    experts' share of the matmul seconds (:func:`xpar.estimate.expert_parallel.shared_expert_share`), at most all
+    of them, the rest exposed; and its routed
     experts' matmuls stretched (:func:`xpar.estimate.expert_parallel.imbalance_share`); one MoE layer's
     all-to-alls (:func:`xpar.estimate.expert_parallel.ep_layer_times`) per distinct (b, tp, sp), the
     fullest rank's MoE layers per distinct (pp, v, schedule)."""
@@ -118,6 +120,8 @@ def ep_columns(fbase, fcols: dict[str, np.ndarray], matmul: np.ndarray, a=None) 
     share = imbalance_share(fbase)
     overlap = by_key([pp, sched], lambda p, s: {"o": ep_a2a_overlap_of(a, s, p)}, ("o",))["o"]
     hidden = np.minimum(issued * overlap, matmul)  # an all-to-all hides only behind the GEMMs it runs beside
+    if a.ep_shared_expert_overlap:  # and behind the shared experts' GEMMs on their own stream
+        hidden = np.minimum(hidden + matmul * shared_expert_share(fbase), np.minimum(issued, matmul))
     return {"ep_comm": issued - hidden, "ep_imbalance": matmul * share}, issued
 
 

@@ -424,14 +424,17 @@ def slot_step(base: RunSpec, a: Assumptions, cols: dict, r: dict, s: dict, memor
               optimizer_elements: Optional[np.ndarray], memory_grads: Optional[np.ndarray]) -> Step:
     """The :class:`Step` of layouts ``r`` (:func:`candidate_rows` of ``cols``) under ``a`` from their pipeline
     ranks ``s`` (slots: :func:`_slots`, or one layout's every rank): the slowest rank's terms, the
-    fill of the others (:func:`xpar.estimate.step_parts.fill_time`), the bubble, the optimizer
+    fill of the others (:func:`xpar.estimate.step_parts.fill_time`), the bubble (of a run of
+    parallel.pipeline_micro_batches micro-batches where set: m x that run's ratio is m / k runs' bubbles), the optimizer
     term (memory arguments: :func:`time_columns`), stretched when workers outnumber cores."""
     x = _rank_columns(base, a, r, s)
     mb = microbatch_time(x)
     slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)[None]
     pick = {k: np.take_along_axis(np.broadcast_to(v, mb.shape), slow, axis=0)[0] for k, v in x.items()}
     fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
-    beta = by_key([r["schedule"], r["pp"], r["m"], r["v"]], lambda sch, pp, m, v: {
+    runs = base.parallel.pipeline_micro_batches  # m / k schedule runs a step, each with its fill and drain
+    m_run = r["m"] if runs is None else np.minimum(r["m"], runs)
+    beta = by_key([r["schedule"], r["pp"], m_run, r["v"]], lambda sch, pp, m, v: {
         "b": bubble_theory(SCHEDULE_NAMES[sch], pp, m, v) if pp > 1 else 0.0}, ("b",))["b"]
     t_opt, off = _optimizer_columns(base, cols, a, r, pick, memory_optimizer, optimizer_elements, memory_grads)
     time, breakdown = step_time(pick, r["m"], beta, fill, t_opt)
