@@ -16,7 +16,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from xpar.config.attention import kv_replicated
-from xpar.config.checks import ConfigError, divisors  # noqa: F401  (re-exported)
+from xpar.config.checks import ConfigError, divisors, estimate_only  # noqa: F401  (divisors re-exported)
 from xpar.config.checks import config as config_checks
 from xpar.config.checks import layout as layout_checks
 from xpar.config.checks.environment import check_environment
@@ -196,9 +196,8 @@ def compile_problems(train, mode: str) -> list[str]:
     executed run would time eager kernels under a compiled label."""
     if mode != "execute":
         return []
-    return [f"train.{k}=true is estimated, not executed, by xpar (its engine runs eager PyTorch); "
-            f"estimate it with run.mode=estimate, or run train.{k}=false." for k in ("compile", "compile_loss")
-            if getattr(train, k)]
+    return [estimate_only(f"train.{k}=true", "its engine runs eager PyTorch", f"train.{k}=false")
+            for k in ("compile", "compile_loss") if getattr(train, k)]
 
 
 def fp8_recipe_problems(dtype: str, recipe: str, hw) -> list[str]:

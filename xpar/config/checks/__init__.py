@@ -25,3 +25,11 @@ class ConfigError(ValueError):
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n``, increasing."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate_only(given: str, why: str, run_with: str) -> str:
+    """The one line for a setting xpar prices but its engine does not run, in execute mode: the setting given,
+    why (what the executed model or engine does instead), and both ways on (the setting that runs, or
+    run.mode=estimate)."""
+    return (f"{given} is estimated, not executed, by xpar ({why}); run it with {run_with}, or estimate it with "
+            f"run.mode=estimate.")

@@ -17,7 +17,7 @@ from xpar.config.layout import (
     microbatch_problem,
 )
 from xpar.config.attention import kv_replicated
-from xpar.config.checks import divisors
+from xpar.config.checks import divisors, estimate_only
 from xpar.config.checks.framework import frameworks_running
 from xpar.config.remat import POLICIES, RECOMPUTE, SAC_POLICIES
 from xpar.config.schema import ModelConfig
@@ -213,8 +213,8 @@ def check_pipeline_runs(layout: Layout, k: Optional[int], mode: str) -> list[str
         return [f"parallel.pipeline_micro_batches={k} must divide the step's {m} micro-batches (m / k schedule "
                 f"runs a step); values that work: {divisors(m)}, or null (one run)."]
     if mode == "execute":
-        return [f"parallel.pipeline_micro_batches={k} ({m // k} schedule runs a step) is estimated, not executed: "
-                f"xpar runs one schedule a step; set parallel.pipeline_micro_batches=null, or run.mode=estimate."]
+        return [estimate_only(f"parallel.pipeline_micro_batches={k} ({m // k} schedule runs a step)",
+                              "its engine runs one schedule a step", "parallel.pipeline_micro_batches=null")]
     return []
 
 
@@ -278,8 +278,8 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
     if mode == "execute" and model.n_experts and model.moe_routing != "learned":
-        return [f"model.moe_routing={model.moe_routing} (a synthetic balanced gate) is estimated, not executed, by "
-                f"xpar (its router is learned top-k); set model.moe_routing=learned to run it, or run.mode=estimate."]
+        return [estimate_only(f"model.moe_routing={model.moe_routing} (a synthetic balanced gate)",
+                              "its router is learned top-k", "model.moe_routing=learned")]
     if mode == "execute" and model.kv_lora_rank is not None:
         return [f"model={model.name} has multi-head latent attention (model.kv_lora_rank={model.kv_lora_rank}), "
                 f"which xpar estimates but does not run; set model.kv_lora_rank=null (MHA) to run it, or "
@@ -294,12 +294,11 @@ def check_positions(model: ModelConfig, mode: str) -> list[str]:
     xpar.config.block) is estimated only: the executed model runs sequential blocks."""
     out = []
     if mode == "execute" and model.position == "alibi":
-        out.append(f"model.position=alibi is estimated, not executed, by xpar (its model runs rope or learned "
-                   f"positions); run it with model.position=rope, or estimate it with run.mode=estimate.")
+        out.append(estimate_only("model.position=alibi", "its model runs rope or learned positions",
+                                 "model.position=rope"))
     if mode == "execute" and model.block != "sequential":
-        out.append(f"model.block={model.block} (parallel attention and MLP) is estimated, not executed, by xpar "
-                   f"(its model runs sequential blocks: the same matmuls); run it with model.block=sequential, or "
-                   f"estimate it with run.mode=estimate.")
+        out.append(estimate_only(f"model.block={model.block} (parallel attention and MLP)",
+                                 "its model runs sequential blocks: the same matmuls", "model.block=sequential"))
     return out
 
 
@@ -310,8 +309,8 @@ def check_sinks(model: ModelConfig, sink_path, framework: str, mode: str) -> lis
     if not model.attention_sinks:
         return []
     if mode == "execute":
-        return ["model.attention_sinks=true is estimated, not executed, by xpar (its model has no sink logits); run "
-                "it with model.attention_sinks=false, or estimate it with run.mode=estimate."]
+        return [estimate_only("model.attention_sinks=true", "its model has no sink logits",
+                              "model.attention_sinks=false")]
     if sink_path is None:
         return [f"model.attention_sinks=true: framework={framework} prices no sink path; set "
                 f"framework.sink_attention=fused (the sink inside the flash kernel: Transformer Engine >= 2.8 with "
