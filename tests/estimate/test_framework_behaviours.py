@@ -209,6 +209,16 @@ def test_megatron_core_runs_megatron_fsdp_and_interleaves_at_pp_2():
                        "parallel.micro_batches=8")
 
 
+
+def test_megatron_fsdp_gathers_into_its_parameters_without_copies():
+    """Megatron-FSDP keeps parameters and main grads as views of its communication buffers (its README: zero copy
+    communication, ParamAndGradBuffer): no FSDP2 copy-in/out on the compute stream, so less dp time exposed than
+    the same layout with FSDP2's copies."""
+    zero3 = ("framework=megatron_core", "parallel.zero_stage=3", "parallel.tp=1", "parallel.pp=1", "parallel.dp=auto")
+    mcore = estimate(_estimate_spec(*zero3)).time_breakdown["dp_comm_exposed"]
+    copies = estimate(_estimate_spec(*zero3, "framework.fsdp_copies=fsdp2")).time_breakdown["dp_comm_exposed"]
+    assert 0 < mcore < copies
+
 # --- DeepSpeed BF16_Optimizer's gradient casts (Megatron-DeepSpeed as BLOOM ran it) ----------------------------
 
 def test_deepspeed_bloom_counts_the_bf16_optimizers_gradient_casts():
