@@ -252,6 +252,13 @@ class FrameworkConfig:
     """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
     moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
     enable_fsdp_float8_all_gather: xpar.estimate.frameworks.fp8_params)."""
+    fsdp_head_units: bool = False
+    """Under ZeRO-3 the token embedding and the output head (final norm and output projection) of an untied model
+    are FSDP units of their own, not one root unit: the largest root unit a rank gathers (and reduces) is the larger
+    of the two, not their sum (torchtitan/models/llama3/infra/parallelize.py apply_fsdp: ``fully_shard`` on
+    ``tok_embeddings`` and on ``[norm, output]``; xpar.estimate.memory.buffers). False: one root unit holds both
+    (xpar's ``fully_shard(model)`` root; Megatron-FSDP, whose units are the TransformerLayers and whose root owns the
+    remaining parameters)."""
     fp8_weight_copies: bool = False
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;
