@@ -26,6 +26,7 @@ import argparse
 import csv
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,15 @@ from xpar.plan.verify import compose_line
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
 METRICS = ("tokens_per_s_gpu", "step_s", "model_tflops_gpu_full_attention", "model_tflops_gpu", "mfu")
+
+
+def refuse(line: str) -> None:
+    """Bad input: ``line`` on stderr, exit code 2 (the project's rule for bad input).
+
+    Raises:
+        SystemExit: always, code 2."""
+    print(f"hunt_score: {line}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def runs_table(path: Path) -> list[tuple[int, str, str]]:
@@ -63,22 +73,25 @@ def published(path: Path) -> dict[int, list[dict]]:
     """Sidecar rows by hunt row number (a row may carry several metrics); {} if there is no sidecar.
 
     Raises:
-        SystemExit: a metric not in :data:`METRICS` (one line, the valid ones)."""
+        SystemExit: code 2, a metric not in :data:`METRICS` (one line, the valid ones)."""
     if not path.exists():
         return {}
     out: dict[int, list[dict]] = {}
     for r in csv.DictReader(path.open()):
         if r["metric"] not in METRICS:
-            raise SystemExit(f"{path.name} row {r['row']}: metric {r['metric']!r}; values that work: {', '.join(METRICS)}")
+            refuse(f"{path.name} row {r['row']}: metric {r['metric']!r}; values that work: {', '.join(METRICS)}")
         out.setdefault(int(r["row"]), []).append(r)
     return out
 
 
 def build(command: str):
     """(spec, refusal): the spec as the CLI builds it, and the first refusal line (None if accepted). A command
-    refused only by the memory check is still built (its spec, the refusal); one refused by validation gives
-    (None, refusal)."""
-    cfg = compose_line(command)
+    refused only by the memory check is still built (its spec, the refusal); one refused by validation or by
+    Hydra's composition (an unknown group, preset or key) gives (None, refusal)."""
+    try:
+        cfg = compose_line(command)
+    except Exception as e:  # noqa: BLE001 (Hydra's composition errors: an unknown group, preset or key)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     try:
         return check_run(cfg), None
     except ConfigError as e:
@@ -172,12 +185,12 @@ def row_set(text: str) -> set[int]:
     """``--rows``: '1,4,7-9' -> {1, 4, 7, 8, 9}.
 
     Raises:
-        SystemExit: a part that is not a number or a range (one line)."""
+        SystemExit: code 2, a part that is not a number or a range (one line)."""
     out: set[int] = set()
     for part in text.split(","):
         lo, _, hi = part.partition("-")
         if not lo.strip().isdigit() or (hi and not hi.strip().isdigit()):
-            raise SystemExit(f"--rows {text}: {part!r} is not a row number; values that work: 1,4 or 1-19")
+            refuse(f"--rows {text}: {part!r} is not a row number; values that work: 1,4 or 1-19")
         out.update(range(int(lo), int(hi or lo) + 1))
     return out
 
@@ -189,8 +202,8 @@ def main() -> None:
     ap.add_argument("--published", type=Path, help="the sidecar csv (default: benchmarks/hunt<N>_published.csv)")
     args = ap.parse_args()
     if not args.hunt.exists():
-        raise SystemExit(f"--hunt {args.hunt}: no such file; values that work: "
-                         + ", ".join(str(p.relative_to(HERE.parent)) for p in sorted(HERE.glob("refusal_hunt*.md"))))
+        refuse(f"--hunt {args.hunt}: no such file; values that work: "
+               + ", ".join(str(p.relative_to(HERE.parent)) for p in sorted(HERE.glob("refusal_hunt*.md"))))
     pubs = published(args.published or sidecar_for(args.hunt))
     wanted = row_set(args.rows) if args.rows else None
     t0, rows = time.perf_counter(), []
