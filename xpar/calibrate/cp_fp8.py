@@ -136,14 +136,13 @@ def cp_fp8_framework(row: dict) -> tuple[str, dict]:
     torchtitan's rows, fsdp2_bf16 for NeMo AutoModel's (bf16 parameters, its FusedAdam's fp32 moments:
     :data:`AUTOMODEL_OPTIMIZER_BYTES`), megatron_core (NeMo, Megatron-LM, dgxc) for the others; the Llama 3 paper's
     rows with its all-gather context parallelism (Sec. 3.3.2: K/V all-gathered, not a ring: framework.cp_comm; the
-    local queries' attention over the gathered K/V, no per-step kernels: framework.cp_attention_merge null) and the
-    device's own attention fractions (Meta's stack, not Transformer Engine: its kernel is not stated)."""
+    local queries' attention over the gathered K/V, no per-step kernels: framework.cp_attention_merge null)."""
     if row["id"].startswith("torchtitan"):
         return "torchtitan", {}
     if row["id"].startswith("automodel"):
         return "fsdp2_bf16", {"optimizer_bytes": AUTOMODEL_OPTIMIZER_BYTES}
     if row["source"].startswith("The Llama 3 Herd"):  # Sec. 3.3.2: "all-gather based" context parallelism
-        return "megatron_core", {"cp_comm": "all_gather", "cp_attention_merge": None, "attention_kernel": "fa3"}
+        return "megatron_core", {"cp_comm": "all_gather", "cp_attention_merge": None}
     return "megatron_core", {}
 
 
