@@ -124,4 +124,4 @@ def test_estimate_adds_the_ring_as_its_own_term_and_reruns_it_with_the_core():
 def test_unknown_kernels_and_merges_are_refused_with_the_values_that_work():
     out = check_framework(FrameworkConfig(attention_kernel="fa4", cp_attention_merge="fp16"))
     assert any("framework.attention_kernel='fa4'" in x and "cudnn_2024" in x for x in out)
-    assert any("framework.cp_attention_merge='fp16'" in x and "bf16, fp32" in x for x in out)
+    assert any("framework.cp_attention_merge='fp16'" in x and "null, bf16, fp32" in x for x in out)
