@@ -34,8 +34,8 @@ and dQ conversion; the dQ and dK/dV additions)."""
 def ring_step_times(b, s: int, cp: int, heads, kv_heads, qk_dim: int, v_dim: int, device, backward: bool) -> float:
     """Seconds of one rank's cp step kernels of one layer (module docstring): step 0 causal over 2c queries and keys,
     then cp - 1 unmasked steps (xpar.estimate.compute.kernels.UNMASKED_GAIN forward), half of them 2c queries x c
-    keys and half c x 2c (the mean over the ranks); ``b``
-    sequences of ``s`` tokens, ``heads`` and ``kv_heads`` on the rank (after tp)."""
+    keys and half c x 2c (the mean over the ranks); ``b`` sequences of ``s`` tokens, ``heads`` and ``kv_heads`` on
+    the rank (after tp)."""
     c = s / (2 * cp)
     kw = dict(kv_heads=kv_heads, backward=backward)
     first = attention_time(b, 2 * c, 2 * c, heads, qk_dim, v_dim, device, causal=True, **kw)
@@ -58,7 +58,8 @@ def merge_bytes(b, s: int, cp: int, heads, kv_heads, qk_dim: int, v_dim: int, me
 def ring_extra_times(spec: RunSpec, fw) -> dict[str, float]:
     """{f, b}: seconds per layer and micro-batch that one rank of the unfolded ``spec`` spends in the ring's step
     kernels, merges and launches beyond the folded core (mean over the block kinds; sliding-window blocks, which no
-    ring runs: xpar.estimate.context_parallel.cp_comm_of, add nothing), at least 0. Both 0 without cp, without
+    ring runs: xpar.estimate.context_parallel.cp_comm_of, add nothing), at least 0: where the unmasked forward steps
+    over long chunks outrun the folded causal kernel, the term takes no credit for it. Both 0 without cp, without
     ``fw.cp_attention_merge``, without flash attention, or where the kernel model does not price the hardware."""
     cp, merge = spec.layout.cp, fw.cp_attention_merge
     if cp == 1 or merge is None or not fw.flash_attention or not kernel_priced(spec.hardware, spec.train.dtype):
