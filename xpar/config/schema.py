@@ -281,10 +281,10 @@ class HardwareConfig:
     (framework.attention_fa2: torch SDPA's flash backend) reaches. None: ``attention_efficiency`` (A100's is FA2's)."""
     attention_bwd_efficiency_fa2: Optional[float] = None
     """The same for its backward pass, in (0, 1]; None: ``attention_bwd_efficiency``."""
-    gemm_tile_fixed_us: float = 0.0
-    """Microseconds a GEMM's CTA tile spends outside its main loop (pipeline fill, epilogue storing the C tile), the
-    same in BF16 and FP8, >= 0 (xpar.estimate.compute.kernels.TILE_FIXED_S: Hopper 3.0, fitted on DeepGEMM's H800
-    table); 0: none (Blackwell's tensor-memory accumulators overlap it; A100: no shape-resolved source)."""
+    gemm_tile_fixed_us_fp8: float = 0.0
+    """Microseconds an FP8 GEMM's CTA tile spends outside its main loop (pipeline fill, epilogue storing the C tile),
+    >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S: Hopper 3.0, fitted on DeepGEMM's H800 FP8 table); 0: none
+    (Blackwell: tensor-memory accumulators overlap it). BF16 GEMMs pay none (no shape-resolved public BF16 table)."""
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
