@@ -258,8 +258,7 @@ class HardwareConfig:
     hbm_tb_per_s: Optional[float] = None
     """Device memory bandwidth in TB/s (1e12 bytes/s); None measures on hardware=local."""
     sm_count: Optional[int] = None
-    """Streaming multiprocessors per device (A100 108, H100/H200 SXM 132, B200 148): the waves GEMM tiles
-    run in (xpar.estimate.compute.kernels); None: no kernel-level pricing (a CPU)."""
+    """SMs per device (A100 108, H100/H200 SXM 132, B200 148): GEMM tiles run over them in waves; None: a CPU."""
     gemm_tile_m: int = 128
     """Rows of a GEMM's CTA tile in the library's large-GEMM kernels (CUTLASS/cuBLAS: 128), a multiple of 16."""
     gemm_tile_n: int = 256
@@ -282,12 +281,9 @@ class HardwareConfig:
     attention_bwd_efficiency_fa2: Optional[float] = None
     """The same for its backward pass, in (0, 1]; None: ``attention_bwd_efficiency``."""
     gemm_tile_fixed_us_fp8: float = 0.0
-    """Microseconds an FP8 GEMM's CTA tile spends outside its main loop (pipeline fill, epilogue storing the C tile),
-    >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S: Hopper 3.0, fitted on DeepGEMM's H800 FP8 table); 0: none
-    (Blackwell: tensor-memory accumulators overlap it). BF16 GEMMs pay none (no shape-resolved public BF16 table)."""
+    """Microseconds an FP8 GEMM tile spends beside its main loop, >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S)."""
     kernel_launch_us: float = 0.0
-    """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
-    microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
+    """Microseconds one kernel launched back to back adds to the device (launch, ramp, tail): kernels.kernel_overhead."""
     mxfp8: bool = False
     """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout
     (NVIDIA Blackwell: Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3 as its supported devices);
