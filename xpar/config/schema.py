@@ -258,8 +258,7 @@ class HardwareConfig:
     hbm_tb_per_s: Optional[float] = None
     """Device memory bandwidth in TB/s (1e12 bytes/s); None measures on hardware=local."""
     sm_count: Optional[int] = None
-    """Streaming multiprocessors per device (A100 108, H100/H200 SXM 132, B200 148): the waves GEMM tiles
-    run in (xpar.estimate.compute.kernels); None: no kernel-level pricing (a CPU)."""
+    """SMs per device (A100 108, H100/H200 SXM 132, B200 148): GEMM tiles run over them in waves; None: a CPU."""
     gemm_tile_m: int = 128
     """Rows of a GEMM's CTA tile in the library's large-GEMM kernels (CUTLASS/cuBLAS: 128), a multiple of 16."""
     gemm_tile_n: int = 256
@@ -283,9 +282,10 @@ class HardwareConfig:
     """cuDNN's fused attention of 2024 (9.0-9.4; framework.attention_kernel cudnn_2024), forward, as the fa2 fields."""
     attention_bwd_efficiency_cudnn_2024: Optional[float] = None
     """Its backward pass; None: ``attention_bwd_efficiency``."""
+    gemm_tile_fixed_us_fp8: float = 0.0
+    """Microseconds an FP8 GEMM tile spends beside its main loop, >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S)."""
     kernel_launch_us: float = 0.0
-    """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
-    microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
+    """Microseconds one kernel launched back to back adds to the device (launch, ramp, tail): kernels.kernel_overhead."""
     mxfp8: bool = False
     """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout (Blackwell:
     Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3); train.fp8_recipe=mxfp8 needs it."""

@@ -27,6 +27,20 @@ FLASH_BLOCK = 128
 """FlashAttention's query/key block (Br = Bc = 128 for head_dim <= 128: FlashAttention-2/3 kernels)."""
 FLASH_BWD_FLOPS = 2.5
 """Backward FLOPs over forward of the attention core: 5 matmuls (S, dP, dV, dQ, dK) against 2 (Dao 2023)."""
+FP8_TILE_FIXED_S = 3.0e-6
+"""Seconds an FP8 GEMM's CTA tile (or split-K slice) spends outside its main loop on Hopper
+(hardware.gemm_tile_fixed_us_fp8: 3.0 on h100_80gb_node and the presets inheriting it): the pipeline's fill (the
+first K stages loaded before the first MMA) and the epilogue (the accumulator converted and the C tile stored).
+Fitted on DeepGEMM's README table (deepseek-ai/DeepGEMM README.md @327ec92, 'Normal GEMMs for dense models', H800
+SXM5 FP8, M = 4096: 1520 TFLOP/s at K 16384, 1410 at 7168, 1168 at 2048, 1212 at 1536, 775 at 512): the rates
+relative to the K = 16384 row, by median |error| over 0.5-4 us, are matched within 3.7 % (max 8.3 %) at 3 us and
+within 16.6 % (max 96 % at K 512) without it. It makes FP8's gain over BF16 smaller where K is small. Not on BF16
+GEMMs (no shape-resolved public BF16 table found; the BF16 published runs the H100 fit reads agree less with it,
+docs/concepts/kernels.md), nor on Blackwell: the MAMF tables' best FP8 shapes there have small K (GB200
+19456 x 5120 x 1536 at 0.723 of peak), which 3 us would put at 0.57 (its accumulators in tensor memory let a
+tile's epilogue overlap the next tile's MMAs)."""
+FP8_KEYS = ("fp8", "mxfp8")
+"""The GEMM dtype keys that pay :data:`FP8_TILE_FIXED_S`."""
 HALF_TILE_RATE = 0.9
 """Assumed (not fitted): a tile_m x tile_n/2 tile's mainloop rate over the full tile's (less operand reuse:
 1.33x the shared-memory traffic per FLOP). Libraries pick the half tile where it quantises better."""
@@ -64,6 +78,8 @@ class Device:
     """Datasheet HBM bandwidth, bytes/s."""
     tile: tuple = (128, 256, 64)
     """GEMM CTA tile (m, n, k) of the library's large-GEMM kernels (CUTLASS/cuBLAS)."""
+    fp8_tile_fixed_s: float = 0.0
+    """Seconds each FP8 GEMM tile spends outside its main loop (:data:`FP8_TILE_FIXED_S`)."""
     launch_s: float = 0.0
     """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
     mx_native: bool = False
@@ -95,7 +111,8 @@ def device_of(hw) -> Device:
     return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
                   attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
                   hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
-                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx)
+                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx,
+                  fp8_tile_fixed_s=hw.gemm_tile_fixed_us_fp8 * 1e-6)
 
 
 def _rate(device: Device, dtype: str) -> float:
@@ -111,14 +128,15 @@ def memory_time(nbytes, device: Device):
     return np.asarray(nbytes, dtype=float) / (device.hbm_bytes_per_s * HBM_FRACTION)
 
 
-def _tiled_compute(m, n, k, g, tile, device: Device, rate: float):
-    """Seconds of the tiles of ``tile`` (m, n, k) over the SMs: waves of one tile or split-K slice per SM."""
+def _tiled_compute(m, n, k, g, tile, device: Device, rate: float, fixed: float = 0.0):
+    """Seconds of the tiles of ``tile`` (m, n, k) over the SMs: waves of one tile or split-K slice per SM,
+    each its main loop at ``rate`` / SMs plus ``fixed`` seconds (:data:`FP8_TILE_FIXED_S`)."""
     tm, tn, tk = tile
     tiles = g * np.ceil(m / tm) * np.ceil(n / tn)
     splits = np.clip(np.floor(device.sms / np.maximum(tiles, 1)), 1, np.maximum(np.ceil(k / tk), 1))
     waves = np.ceil(tiles * splits / device.sms)
     k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
-    return waves * 2 * tm * tn * k_slice / (rate / device.sms)
+    return waves * (2 * tm * tn * k_slice / (rate / device.sms) + fixed)
 
 
 def tile_choices(tm: int, tn: int) -> tuple:
@@ -132,8 +150,8 @@ def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes
 
     Compute: ``groups * ceil(m/tile_m) * ceil(n/tile_n)`` tiles; a grid under one wave splits K
     (split-K) to fill the SMs, at most into k/tile_k slices; each wave runs one tile (or slice, K
-    rounded up to tile_k) per SM at the large-GEMM rate / SMs; the better of the device's tile and a
-    half-width one (:data:`HALF_TILE_RATE`). Memory: A and B read, C written once (split-K's fp32
+    rounded up to tile_k) per SM at the large-GEMM rate / SMs, an FP8 tile plus :data:`FP8_TILE_FIXED_S`; the
+    better of the device's tile and a half-width one (:data:`HALF_TILE_RATE`). Memory: A and B read, C written once (split-K's fp32
     partials reduce in L2, not counted). No stream-K: a partial last wave of a multi-wave grid idles.
 
     Raises:
@@ -141,7 +159,8 @@ def gemm_terms(m, n, k, device: Device, dtype: str = "bf16", groups=1, out_bytes
     m, n, k, g = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(m, n, k, groups))
     tm, tn, tk = device.tile
     rate = _rate(device, dtype)
-    compute = np.minimum.reduce([_tiled_compute(m, n, k, g, (a, b, tk), device, rate * r)
+    fixed = device.fp8_tile_fixed_s if dtype in FP8_KEYS else 0.0
+    compute = np.minimum.reduce([_tiled_compute(m, n, k, g, (a, b, tk), device, rate * r, fixed)
                                  for a, b, r in tile_choices(tm, tn)])  # the library's heuristic
     traffic = g * ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out_bytes)  # A, B in, C out
     return compute, memory_time(traffic, device)
