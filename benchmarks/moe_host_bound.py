@@ -56,7 +56,7 @@ def moe_block_host(spec, assume, host_us: float | None = None) -> dict[str, dict
               dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
               kv_over_tp=spec.framework.kv_heads_over_tp, fp8_recipe=spec.train.fp8_recipe,
               window_kernel=assume.sliding_window_kernel)
-    device, sh = training_device(spec.hardware, assume.attention_fa2), shape_of(spec.model, moe=True)
+    device, sh = training_device(spec.hardware, assume.attention_kernel), shape_of(spec.model, moe=True)
     out = {}
     for name, backward in (("forward", False), ("backward", True)):
         t = block_times(sh, spec.train.micro_batch_size, spec.seq_len, device, backward=backward, **kw)

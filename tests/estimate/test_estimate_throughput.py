@@ -382,7 +382,7 @@ def test_each_public_source_held_out_is_predicted_within_bounds(loso):
         if name in calibration.CHECK_ONLY:  # FSDP at scale, never fitted: their own tests below
             continue
         if name == "torchtitan_h100_2024":  # 500 W H100 of unknown peak: the A100 fit over-predicts it (+23, +26 %
-            # since its SDPA attention runs at FlashAttention-2's rates, framework.attention_fa2; +34, +37 % before)
+            # since its SDPA attention runs at FlashAttention-2's rates, framework.attention_kernel sdpa; +34, +37 % before)
             assert min(r["held_out"]) > 0.2 and max(abs(e) for e in r["calibration"]) < 0.05, r
             continue
         assert statistics.median(held) <= 0.08 and max(held) <= 0.13, (name, r["held_out"])
@@ -522,7 +522,7 @@ def test_fsdp_on_thin_fabric_ibm_rows_held_out(loso):
     w2 (framework.checkpoint_early_stop; fms-fsdp wraps its blocks with checkpoint_wrapper
     NO_REENTRANT). Under the kernel model (issue 42): A100 rows under-predicted by 1 % / 7 % (4 % / 10 %
     under FLOPs over one efficiency; more when w2 was counted as rerun). H100 rows over-predicted by
-    6.6-8.8 % at H100 0.771 with torch SDPA at FlashAttention-2's H100 rates (framework.attention_fa2; fms-fsdp
+    6.6-8.8 % at H100 0.771 with torch SDPA at FlashAttention-2's H100 rates (framework.attention_kernel sdpa; fms-fsdp
     calls SDPA; 10-13 % at FlashAttention-3's before), (10-13 % at 0.765 before the refit with the fused optimizer's passes, 11-14 % at
     0.773 before the refit with Megatron-Core's per-chunk dp overlap, issue 43; 12-17 % under FLOPs), as every torch-FSDP H100 row is (MPT's, next test): the estimate exposes
     about 9 % of the step to dp communication, what the blog reads in its traces ("a 10% gap due to
