@@ -105,12 +105,10 @@ def build(command: str):
 def xpar_figure(metric: str, est, pub: dict) -> float:
     """xpar's figure of ``metric`` (module docstring), in the published figure's unit."""
     fpt = float(pub["flops_per_token"]) if pub.get("flops_per_token") else None
-    if metric == "tokens_per_s_gpu":
-        return est.tokens_per_s_per_device
-    if metric == "step_s":
-        return est.time_per_step_s
-    if metric == "model_tflops_gpu_full_attention":
-        return est.tflops_per_device
+    direct = {"tokens_per_s_gpu": "tokens_per_s_per_device", "step_s": "time_per_step_s",
+              "model_tflops_gpu_full_attention": "tflops_per_device"}
+    if metric in direct:
+        return getattr(est, direct[metric])
     if metric == "model_tflops_gpu":
         return est.tokens_per_s_per_device * fpt / 1e12 if fpt else est.tflops_per_device
     if fpt and pub.get("peak_tflops"):
