@@ -161,7 +161,7 @@ def ep_bytes_per_step(spec: RunSpec) -> float:
     """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
     micro-batch, dispatch and combine in forward and their gradients in backward (4 x
     :func:`ep_payload_bytes`, plus the forward's 2 again per recomputed layer: :func:`ep_replay` under
-    the spec's framework), as xpar.estimate.columns.cp_ep.ep_columns counts them; 0 at ep = 1."""
+    the spec's framework), as xpar.estimate.columns.ep_slots.ep_slot_columns counts them; 0 at ep = 1."""
     if spec.layout.ep == 1:
         return 0.0
     layout = spec.layout
@@ -216,7 +216,7 @@ def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0, shared: bo
     """What ep adds to a step of ``spec`` (cp folded) in words: the fullest rank's all-to-alls per
     micro-batch (``replay``: the share of blocks whose backward reruns them, :func:`ep_replay`), the
     bytes each sends and the share exposed (1 - ``overlap``; ``shared``: less what the shared experts' GEMMs hide,
-    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.cp_ep.ep_columns."""
+    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.ep_slots.ep_slot_columns."""
     layout = spec.layout
     layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
                  for r in range(spec.pp))
