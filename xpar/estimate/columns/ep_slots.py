@@ -18,16 +18,11 @@ import numpy as np
 
 from xpar.config.resolve import resolve_virtual_stages
 from xpar.estimate.columns.keys import by_key, per_slot, spec_at
-from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share, shared_expert_share
+from xpar.estimate.expert_parallel import ep_layer_times, ep_replay, imbalance_share, moe_blocks_on, shared_expert_share
 from xpar.estimate.step_parts import Assumptions, ep_a2a_overlap_of
 
 EP_SLOT_KEYS = ("ep_comm", "ep_imbalance", "ep_issued")
 """Per-micro-batch keys :func:`ep_slot_columns` adds to a rank's terms (exposed, imbalance, issued)."""
-
-
-def moe_blocks_on(layout, model, rank: int) -> int:
-    """MoE blocks pipeline rank ``rank`` of ``layout`` holds (``model.is_moe_layer`` of its stages' blocks)."""
-    return sum(model.is_moe_layer(i) for s in layout.stages_of(rank) for i in layout.stage_layers(s))
 
 
 def slot_moe_blocks(base, r: dict, s: dict, schedules: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

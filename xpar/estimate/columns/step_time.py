@@ -70,6 +70,7 @@ from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import COLUMN_TIME_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
 from xpar.estimate.columns.ep_slots import ep_slot_columns
+from xpar.estimate.columns.mtp import last_stage_work
 from xpar.estimate.columns.keys import _combined, by_key, per_slot, spec_at, unique_rows  # noqa: F401 (re-exported)
 
 TIME_KEYS = COLUMN_TIME_KEYS
@@ -432,8 +433,8 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         return {"t": pp_send_time(spec, a), "lat": pp_send_latency(spec)}
 
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], one_send, ("t", "lat"))
-    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async", "cross")}, s["n"], s["first"],
-                     s["last"], a)
+    n, heads = last_stage_work(base.model, s["n"], s["last"])  # + multi-token prediction (xpar.estimate.columns.mtp)
+    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async", "cross")}, n, s["first"], heads, a)
     sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send["t"], 0.0)
@@ -443,12 +444,12 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
         spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec]),
         a.layer_overhead_ms * 1e-3), HOST_KEYS)
-    x.update(host=rank_host(h, s["n"], s["first"], s["last"]) + x["overhead"], host_step=host_step(h, s["n"], s["first"], s["last"]))
+    x.update(host=rank_host(h, n, s["first"], s["last"]) + x["overhead"], host_step=host_step(h, n, s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     reduced = grad_bytes(base, a)  # the dp reduction's width: Megatron reduces its main gradients at it
     kv_end = by_key([r["tp"], r["sp"]], lambda t, sp: {"s": kv_grad_reduce_time(
         spec_at(base, t, 1, 1, 1, 1, 1, "gpipe", 0, sp, "none"), reduced)}, ("s",))["s"]
-    x["tp_step"] = s["n"] * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
+    x["tp_step"] = n * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
     return x
 
 
