@@ -109,7 +109,10 @@ def markdown(res: list[dict], causal: list[str] = (), recipes: list[str] = ()) -
              "whose row without the overlap (`zoo_qwen3_235b_bf16_256_seq4096_ep32`) is here. torchtitan's rows ran on "
              "H100s with 96 GB of HBM2e at 2.4 TB/s and a 500 W limit (`conf/hardware/h100_96gb_500w_node.yaml`: the "
              "SXM node's figures but the memory and its bandwidth; the power limit is not modelled), their attention "
-             "through torch SDPA at FlashAttention-2's H100 rates (`framework.attention_fa2`).", "",
+             "through torch SDPA at FlashAttention-2's H100 rates (`framework.attention_kernel` sdpa); the Megatron-Core "
+             "rows' through Transformer Engine's cuDNN attention (`cudnn`, at the device's own rates); under cp both "
+             "frameworks run one attention kernel per ring step and merge the partial outputs (`framework."
+             "cp_attention_merge`: the `cp_attention` term; the Llama 3 paper's all-gather cp does not).", "",
              "| source | rows | MoE rows | median (held out) | max (held out) | FP8 efficiency without it | median "
              "(shipped) | max (shipped) |",
              "|---|---|---|---|---|---|---|---|"]

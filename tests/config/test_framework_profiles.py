@@ -117,7 +117,7 @@ def test_nemo_automodels_published_70b_row_is_estimated_under_fsdp2_bf16():
     est = estimate(spec, assume)
     titan_spec, titan, _, _ = cp_fp8.cp_fp8_case(dict(row, id="torchtitan_as_automodel"))
     # AutoModel's attention is TE's, not SDPA's FA2; its fully_shard per block + root keeps the head in the root unit
-    ref = estimate(titan_spec, replace(titan, attention_fa2=False, head_unit_last=False))
+    ref = estimate(titan_spec, replace(titan, attention_kernel="cudnn", head_unit_last=False))
     states = [m.params + m.grads + m.optimizer for m in (est.memory, ref.memory)]
     assert states[0] == pytest.approx(0.75 * states[1]) and est.memory.fits
     error = cp_fp8.published_figure(est, spec, metric) / published - 1

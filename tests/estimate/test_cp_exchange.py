@@ -74,17 +74,18 @@ def test_unknown_cp_comm_is_refused():
 
 
 def test_llama3_paper_rows_gather_and_nemo_rows_ring():
-    """The Llama 3 paper's context parallelism is all-gather based (Sec. 3.3.2); NeMo/Megatron rows run the ring."""
+    """The Llama 3 paper's context parallelism is all-gather based (Sec. 3.3.2: the local queries over the gathered K/V,
+    no per-step kernels); NeMo/Megatron rows run the ring."""
     from xpar.calibrate.cp_fp8 import cp_fp8_framework
     assert cp_fp8_framework({"id": "llama3_paper_x", "source": "The Llama 3 Herd of Models, Table 4"}) == (
-        "megatron_core", {"cp_comm": "all_gather"})
+        "megatron_core", {"cp_comm": "all_gather", "cp_attention_merge": None})
     assert cp_fp8_framework({"id": "dgxc_x", "source": "NVIDIA/dgxc-benchmarking"}) == ("megatron_core", {})
 
 
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
 def test_plan_prices_cp_layouts_as_the_estimate_under_each_exchange(comm):
-    """The planner's cp candidates under megatron_core with each cp_comm: step time and cp_comm equal the scalar
-    estimate's (relative 1e-9)."""
+    """The planner's cp candidates under megatron_core with each cp_comm: step time, cp_comm and cp_attention (the
+    ring's step kernels and merges, recompute included) equal the scalar estimate's (relative 1e-9)."""
     from xpar.config.presets import preset_dict
     from xpar.plan.context import PlanContext, spec_of
     from xpar.plan.evaluate import evaluate
@@ -104,6 +105,9 @@ def test_plan_prices_cp_layouts_as_the_estimate_under_each_exchange(comm):
         est = estimate(spec_of(ctx, sub, i))
         assert float(res["time_per_step_s"][i]) == pytest.approx(est.time_per_step_s, rel=1e-9)
         assert float(res["time_cp_comm"][i]) == pytest.approx(est.time_breakdown["cp_comm"], rel=1e-9, abs=1e-15)
+        assert float(res["time_cp_attention"][i]) == pytest.approx(est.time_breakdown["cp_attention"], rel=1e-9,
+                                                                    abs=1e-15)
+    assert (res["time_cp_attention"] > 0).all()  # megatron_core runs TE's ring: its step kernels and merges priced
 
 
 def test_p2p_with_sliding_windows_falls_back_to_the_all_gather():

@@ -209,6 +209,28 @@ def test_megatron_core_runs_megatron_fsdp_and_interleaves_at_pp_2():
                        "parallel.micro_batches=8")
 
 
+
+def test_megatron_fsdp_gathers_into_its_parameters_without_copies():
+    """Megatron-FSDP keeps parameters and main grads as views of its communication buffers (its README: zero copy
+    communication, ParamAndGradBuffer): no FSDP2 copy-in/out on the compute stream, so less dp time exposed than
+    the same layout with FSDP2's copies."""
+    zero3 = ("framework=megatron_core", "parallel.zero_stage=3", "parallel.tp=1", "parallel.pp=1", "parallel.dp=auto")
+    mcore = estimate(_estimate_spec(*zero3)).time_breakdown["dp_comm_exposed"]
+    copies = estimate(_estimate_spec(*zero3, "framework.fsdp_copies=fsdp2")).time_breakdown["dp_comm_exposed"]
+    assert 0 < mcore < copies
+
+
+def test_torchtitan_gathers_the_embedding_and_the_head_as_units_of_their_own():
+    """torchtitan's apply_fsdp shards tok_embeddings and [norm, output] apart (framework.fsdp_head_units): an untied
+    model's largest root unit is the larger of the two, not their sum, in the all-gather and reduce buffers."""
+    tt = ("framework=torchtitan", "parallel.zero_stage=3", "parallel.tp=1", "parallel.pp=1", "parallel.dp=auto")
+    split = estimate(_estimate_spec(*tt)).memory.detail["comm_buffers"]
+    one = estimate(_estimate_spec(*tt, "framework.fsdp_head_units=false")).memory.detail["comm_buffers"]
+    block = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096  # Llama 2 7B: attention, SwiGLU, two norms
+    embedding, head = 32000 * 4096, 32000 * 4096 + 4096  # the head with the final norm
+    assert split["fsdp_reduce"] / one["fsdp_reduce"] == pytest.approx(block / (embedding + head))  # a block is larger
+    assert one["fsdp_allgather"] - split["fsdp_allgather"] == pytest.approx(2 * embedding)  # bf16: the embedding
+
 # --- DeepSpeed BF16_Optimizer's gradient casts (Megatron-DeepSpeed as BLOOM ran it) ----------------------------
 
 def test_deepspeed_bloom_counts_the_bf16_optimizers_gradient_casts():

@@ -3,7 +3,7 @@ benchmarks/llama3_h100_202412_torchtitan.md, issue 42): each row gets the global
 batch: torchtitan's training.batch_size is per data-parallel rank, cp ranks share its sequences), Table 6's micro-batches
 (torchtitan's default pipeline micro-batch count, the pp degree), and the GPU it ran on (96 GB of HBM2e at 2.4 TB/s,
 conf/hardware/h100_96gb_500w_node.yaml); the accuracy page prices them; torchtitan's SDPA attention runs at
-FlashAttention-2's H100 rates (framework.attention_fa2), which A100 presets leave at their own."""
+FlashAttention-2's H100 rates (framework.attention_kernel sdpa), which A100 presets leave at their own."""
 from __future__ import annotations
 
 import re
@@ -58,18 +58,23 @@ def test_the_accuracy_page_prices_every_row_the_case_builds():
 
 def test_torchtitans_attention_runs_at_flashattention2s_h100_rates():
     """On H100 the attention core of torchtitan (SDPA: FlashAttention-2) is slower than Megatron-Core's (cuDNN) by the
-    preset's FA2/FA3 fractions, forward and backward; the GEMMs are the same."""
+    preset's FA2/cuDNN fractions, forward and backward; the GEMMs are the same."""
     spec, titan, _, _ = cp_fp8_case(ROWS["torchtitan_llama31_8b_fp8_8_cp2"])
-    costs = {name: kernel_layer_costs(spec, replace(titan, attention_fa2=fa2)) for name, fa2 in
-             (("fa2", True), ("own", False))}
-    assert titan.attention_fa2 and not framework_assumptions("megatron_core").attention_fa2
-    assert costs["fa2"]["mm_f"] > 1.3 * costs["own"]["mm_f"] and costs["fa2"]["mm_b"] > 1.3 * costs["own"]["mm_b"]
-    assert costs["fa2"]["mem_f"] == costs["own"]["mem_f"]
+    costs = {name: kernel_layer_costs(spec, replace(titan, attention_kernel=name)) for name in ("sdpa", "cudnn")}
+    assert titan.attention_kernel == "sdpa" and framework_assumptions("megatron_core").attention_kernel == "cudnn"
+    assert costs["sdpa"]["mm_f"] > 1.3 * costs["cudnn"]["mm_f"] and costs["sdpa"]["mm_b"] > 1.3 * costs["cudnn"]["mm_b"]
+    assert costs["sdpa"]["mem_f"] == costs["cudnn"]["mem_f"]
 
 
-def test_a100_presets_keep_their_own_attention_fractions_under_fa2():
-    """A100's attention_efficiency is FlashAttention-2's already: no FA2 fields, the same fractions."""
+def test_each_attention_kernel_reads_its_own_h100_fractions_and_a100_keeps_its_own():
+    """H100: FlashAttention-3 and cuDNN from 9.5 (the device's own), 2024's cuDNN and FlashAttention-2 (sdpa: torch
+    SDPA's flash backend) at the preset's fractions from Shah et al. 2024 Fig. 5-6; A100's attention_efficiency is
+    FlashAttention-2's already: no per-kernel fields, the same fractions for every kernel. An unknown kernel is refused."""
     h100 = HardwareConfig(**preset("hardware", "h100_80gb_node"))
     a100 = HardwareConfig(**preset("hardware", "a100_80gb_node"))
-    assert attention_fractions(h100, True) == (0.35, 0.33) and attention_fractions(h100, False) == (0.65, 0.52)
-    assert attention_fractions(a100, True) == attention_fractions(a100, False)
+    assert attention_fractions(h100, "sdpa") == attention_fractions(h100, "fa2") == (0.35, 0.33)
+    assert attention_fractions(h100, "fa3") == attention_fractions(h100, "cudnn") == (0.65, 0.52)
+    assert attention_fractions(h100, "cudnn_2024") == (0.545, 0.522)
+    assert {attention_fractions(a100, k) for k in ("fa3", "cudnn", "cudnn_2024", "fa2", "sdpa")} == {(0.68, 0.58)}
+    with pytest.raises(ValueError, match="attention_kernel"):
+        attention_fractions(h100, "fa4")

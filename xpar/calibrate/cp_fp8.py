@@ -135,13 +135,14 @@ def cp_fp8_framework(row: dict) -> tuple[str, dict]:
     """The framework profile of a tests/data/cp_fp8_h100.csv row and the changes its recipe states: torchtitan for
     torchtitan's rows, fsdp2_bf16 for NeMo AutoModel's (bf16 parameters, its FusedAdam's fp32 moments:
     :data:`AUTOMODEL_OPTIMIZER_BYTES`), megatron_core (NeMo, Megatron-LM, dgxc) for the others; the Llama 3 paper's
-    rows with its all-gather context parallelism (Sec. 3.3.2: K/V all-gathered, not a ring: framework.cp_comm)."""
+    rows with its all-gather context parallelism (Sec. 3.3.2: K/V all-gathered, not a ring: framework.cp_comm; the
+    local queries' attention over the gathered K/V, no per-step kernels: framework.cp_attention_merge null)."""
     if row["id"].startswith("torchtitan"):
         return "torchtitan", {}
     if row["id"].startswith("automodel"):
         return "fsdp2_bf16", {"optimizer_bytes": AUTOMODEL_OPTIMIZER_BYTES}
     if row["source"].startswith("The Llama 3 Herd"):  # Sec. 3.3.2: "all-gather based" context parallelism
-        return "megatron_core", {"cp_comm": "all_gather"}
+        return "megatron_core", {"cp_comm": "all_gather", "cp_attention_merge": None}
     return "megatron_core", {}
 
 

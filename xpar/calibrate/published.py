@@ -232,8 +232,8 @@ def ibm_fsdp_row(row: dict):
     hw = dict(preset("hardware", GPU_PRESETS[row["gpu"]]), nodes=gpus // 8, nics_per_node=nics,
               inter_node_gb_per_s=float(row["fabric_gbps_per_node"]) / 8 / nics)
     train = dict(micro_batch_size=int(row["local_batch"]), global_batch_size="auto", dtype="bf16")
-    a = framework_assumptions("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1",
-                              head_unit_last=False)  # fms-fsdp wraps the blocks only: the root holds embedding and output
+    a = framework_assumptions("torchtitan", grad_reduce_bytes=2, fsdp_copies="fsdp1", head_unit_last=False,
+                              fsdp_head_units=False)  # fms-fsdp wraps the blocks only: the root holds embedding and output
     return make_spec(model, parallel, hw, train), a, float(row["tps_per_gpu"]), "tokens_per_s_per_device"
 
 

@@ -38,11 +38,24 @@ class FrameworkConfig:
     them: Transformer Engine's UnfusedDotProductAttention, where cuDNN is older; priced as
     flash_attention false plus that copy), null: no sink path priced for this framework (an estimate of a model
     with sinks is refused; set one of the two)."""
-    attention_fa2: bool = False
-    """The attention core is FlashAttention-2 (torch SDPA's flash backend, first in its default order: PyTorch
-    issue 138907; the flash-attn 2 package), priced at the device's FlashAttention-2 fractions where its preset has them
-    (hardware.attention_efficiency_fa2: on H100 ~0.55 of FlashAttention-3's rate); false: the device's own figures
-    (Transformer Engine's cuDNN fused attention, FlashAttention-3)."""
+    attention_kernel: str = "fa3"
+    """The flash-attention kernel the framework runs (xpar.estimate.compute.kernel_costs.attention_fractions): 'fa3'
+    (the device's own hardware.attention_efficiency: FlashAttention-3 on H100, FlashAttention-2 on A100); 'cudnn'
+    (Transformer Engine's FusedAttention, which TE prefers on Hopper and newer: dot_product_attention/utils.py
+    get_attention_backend), from cuDNN 9.5 at the device's own figures too (cuDNN 9.5.1 581.9 TFLOP/s forward against
+    FlashAttention-3's 465.5 at 8 x 16 heads x 8192 x 128 on one H100: meta-pytorch/tritonbench issue 141; cuDNN
+    1.7-2.3x SDPA's FlashAttention-2 on Hopper training shapes: huggingface/transformers PR 48163); 'cudnn_2024'
+    (2024's cuDNN, 9.0-9.4, as FlashAttention-3's paper measured it in mid-2024), 'fa2' (the flash-attn 2 package)
+    or 'sdpa' (torch SDPA, whose flash backend, FlashAttention-2, is first in its default order: PyTorch issue 138907;
+    priced as 'fa2'); each at the preset's figures for that kernel (hardware.attention_efficiency_cudnn_2024, _fa2:
+    on H100 0.545 and 0.35 of the BF16 peak forward against 0.65), the device's own where the preset has none."""
+    cp_attention_merge: Optional[str] = None
+    """How the attention core runs under context parallelism (xpar.estimate.cp_attention): None, one kernel per
+    rank over the whole sequence's keys (xpar's engine: gathered K/V and a mask); 'bf16' or 'fp32', one kernel per
+    cp step on the K/V chunk at hand, load-balanced (2 cp chunks, step 0 causal, the others unmasked halves), the
+    steps' partial outputs merged by their log-sum-exp and the gradients accumulated in that dtype: 'bf16'
+    Transformer Engine's ring (AttnFuncWithCP @v1.4, ``out = torch.empty_like(q)``, ``dq.add_``), 'fp32' torch's
+    context_parallel (_templated_ring_attention, _SDPAMerger in float32, convert_to_f32) under torchtitan."""
     dropout: bool = False
     """Dropout after attention and MLP (1-byte masks kept, one more element-wise pass)."""
     fused_rmsnorm: bool = True
@@ -252,6 +265,13 @@ class FrameworkConfig:
     """Under train.dtype=fp8 the blocks' compute weights are FP8 and the ZeRO/FSDP parameter all-gather
     moves 1 byte per element, not 2 (Megatron-Core --fp8-param-gather; torchtitan's
     enable_fsdp_float8_all_gather: xpar.estimate.frameworks.fp8_params)."""
+    fsdp_head_units: bool = False
+    """Under ZeRO-3 the token embedding and the output head (final norm and output projection) of an untied model
+    are FSDP units of their own, not one root unit: the largest root unit a rank gathers (and reduces) is the larger
+    of the two, not their sum (torchtitan/models/llama3/infra/parallelize.py apply_fsdp: ``fully_shard`` on
+    ``tok_embeddings`` and on ``[norm, output]``; xpar.estimate.memory.buffers). False: one root unit holds both
+    (xpar's ``fully_shard(model)`` root; Megatron-FSDP, whose units are the TransformerLayers and whose root owns the
+    remaining parameters)."""
     fp8_weight_copies: bool = False
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;

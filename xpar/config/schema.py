@@ -265,34 +265,34 @@ class HardwareConfig:
     gemm_tile_n: int = 256
     """Columns of that tile (CUTLASS 3 Hopper/Blackwell: 256 per SM), a multiple of 16."""
     gemm_efficiency: Optional[float] = None
-    """A large BF16 GEMM's fraction of peak_tflops, in (0, 1]: the maximum achievable matmul FLOPS of a
-    shape sweep (public mamf-finder tables), the kernel model's rate before tile and wave losses. Not
-    matmul_efficiency (a whole step's fitted matmul fraction); None: no kernel-level pricing."""
+    """A large BF16 GEMM's fraction of peak_tflops, in (0, 1]: a shape sweep's maximum achievable matmul FLOPS (public
+    mamf-finder tables) before tile and wave losses; not matmul_efficiency. None: no kernel-level pricing."""
     gemm_efficiency_fp8: Optional[float] = None
     """The same for FP8 GEMMs, of peak_tflops_fp8, in (0, 1] (per device: H100 0.71, B200 0.76)."""
     attention_efficiency: Optional[float] = None
-    """FlashAttention's forward fraction of the BF16 peak at long sequences, head_dim 128, in (0, 1]
-    (FlashAttention-2 on A100, -3 on H100); the core runs in BF16 under FP8 recipes."""
+    """The device's fastest flash attention's forward fraction of the BF16 peak at 16k keys, head_dim 128, in (0, 1]
+    (FlashAttention-2 on A100, -3 on H100: framework.attention_kernel fa3 or cudnn); BF16 under FP8 recipes too."""
     attention_bwd_efficiency: Optional[float] = None
     """The same for its backward pass, in (0, 1]."""
     attention_efficiency_fa2: Optional[float] = None
-    """FlashAttention-2's forward fraction of the BF16 peak on a device whose ``attention_efficiency`` is a newer
-    kernel's (H100: FlashAttention-3), in (0, 1]: what a framework whose attention is FlashAttention-2
-    (framework.attention_fa2: torch SDPA's flash backend) reaches. None: ``attention_efficiency`` (A100's is FA2's)."""
+    """FlashAttention-2's forward fraction where ``attention_efficiency`` is a newer kernel's (H100), in (0, 1]
+    (framework.attention_kernel fa2 or sdpa). None: ``attention_efficiency`` (A100's is FA2's)."""
     attention_bwd_efficiency_fa2: Optional[float] = None
     """The same for its backward pass, in (0, 1]; None: ``attention_bwd_efficiency``."""
+    attention_efficiency_cudnn_2024: Optional[float] = None
+    """cuDNN's fused attention of 2024 (9.0-9.4; framework.attention_kernel cudnn_2024), forward, as the fa2 fields."""
+    attention_bwd_efficiency_cudnn_2024: Optional[float] = None
+    """Its backward pass; None: ``attention_bwd_efficiency``."""
     kernel_launch_us: float = 0.0
     """Device time one kernel adds beyond its own work when launched back to back (launch, ramp, tail),
     microseconds; the kernel model's per-kernel overhead floor (xpar.estimate.compute.kernels.kernel_overhead)."""
     mxfp8: bool = False
-    """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout
-    (NVIDIA Blackwell: Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3 as its supported devices);
-    train.fp8_recipe=mxfp8 needs it. False: Hopper and older (FP8 GEMMs in the TN layout only)."""
+    """The tensor cores take MXFP8 (an E8M0 scale per 32 FP8 elements) and FP8 operands in every layout (Blackwell:
+    Transformer Engine's MXFP8 recipe page lists SM 10.0 and 10.3); train.fp8_recipe=mxfp8 needs it."""
     sustained_efficiency: float = 1.0
-    """Fraction of the kernel model's isolated-kernel compute rates (gemm_efficiency, attention_efficiency)
-    a training step sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped
-    communication. The one constant fitted per GPU family on published runs where the kernel model prices
-    compute (xpar.estimate.compute.kernel_costs; docs/accuracy/published.md)."""
+    """Fraction of the kernel model's isolated-kernel rates (gemm_efficiency, attention_efficiency) a training step
+    sustains, in (0, 1]: clocks under a step's power draw, SMs lent to overlapped communication. The one constant
+    fitted per GPU family on published runs (xpar.estimate.compute.kernel_costs; docs/accuracy/published.md)."""
     intra_node_gb_per_s: Optional[float] = None
     """Per-device intra-node link bandwidth (NVLink), GB/s per direction."""
     inter_node_gb_per_s: Optional[float] = None

@@ -152,10 +152,11 @@ def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate
     """The estimate of a cp layout from its folded one (xpar.estimate.context_parallel): plus the
     exposed part of the K/V exchange of the fullest rank's layers as ``assume.cp_comm`` runs it, m per step
     (xpar.estimate.columns.cp_ep.cp_columns on the layout's column; ``cp_comm`` in the breakdown, the
-    issued seconds as ``cp`` in comm_time)."""
-    exposed, issued = (float(x[0]) for x in cp_columns(spec, layout_columns(spec), spec.layout.cp, assume))
-    breakdown = dict(est.time_breakdown, cp_comm=exposed)
-    out = _result(fold_cp(spec), est.memory, est.time_per_step_s + exposed, breakdown, est.bubble_ratio,
+    issued seconds as ``cp`` in comm_time), and what the attention core's ring steps add (``cp_attention``:
+    xpar.estimate.cp_attention)."""
+    exposed, issued, ring = (float(x[0]) for x in cp_columns(spec, layout_columns(spec), spec.layout.cp, assume))
+    breakdown = dict(est.time_breakdown, cp_comm=exposed, cp_attention=ring)
+    out = _result(fold_cp(spec), est.memory, est.time_per_step_s + exposed + ring, breakdown, est.bubble_ratio,
                   est.comm_bytes, list(est.notes) + [f"context parallelism cp={spec.layout.cp}: priced as dp x cp ranks at "
                                                      f"s / cp tokens each, K/V {CP_NOTES[cp_comm_of(spec, assume)]}"])
     out.comm_time, out.framework, out.offload = dict(est.comm_time, cp=issued), est.framework, est.offload

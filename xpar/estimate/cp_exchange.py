@@ -31,13 +31,13 @@ def attention_core_times(spec: RunSpec, fw) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention core per micro-batch on one rank of the unfolded
     ``spec`` (b sequences, s / cp queries each against all s keys: what b / cp whole sequences cost, as the
     folded estimate prices it, xpar.estimate.context_parallel.fold_cp). Where the hardware has the kernel
-    figures, the kernel model's core (xpar.estimate.compute.kernels.attention_time at ``fw.attention_fa2``'s
+    figures, the kernel model's core (xpar.estimate.compute.kernels.attention_time at ``fw.attention_kernel``'s
     fractions, mean over the block kinds); else its FLOPs (whole s x s square, Narayanan et al. 2021) at the
     BF16 matmul rate, backward at twice the forward. ``fw``: the framework's assumptions or config."""
     cp, b, s = spec.layout.cp, spec.train.micro_batch_size, spec.seq_len
     hw, cfg = spec.hardware, spec.model
     if kernel_priced(hw, spec.train.dtype):
-        device = training_device(hw, fw.attention_fa2)
+        device = training_device(hw, fw.attention_kernel)
         kw = dict(tp=spec.tp, dtype=spec.train.dtype, flash=fw.flash_attention, window_kernel=fw.sliding_window_kernel,
                   kv_over_tp=spec.framework.kv_heads_over_tp, fp8_recipe=spec.train.fp8_recipe)
         f = bw = 0.0

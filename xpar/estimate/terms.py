@@ -31,6 +31,7 @@ TIME = (
     Term("optimizer", "optimizer step"),
     Term("host_overhead", "host and framework overhead (operator dispatch; framework.layer_overhead_ms)"),
     Term("cp_comm", "cp K/V exchange", axis="cp"),
+    Term("cp_attention", "cp attention steps and merges (xpar.estimate.cp_attention)", axis="cp"),
     Term("ep_comm", "expert all-to-alls", axis="ep"),
     Term("ep_imbalance", "router imbalance", axis="ep"),
 )

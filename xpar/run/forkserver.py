@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
@@ -43,25 +44,31 @@ def start_server(preload: tuple[str, ...] = WORKER_PRELOAD) -> str:
     method = start_method()
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(list(preload))
-        with sigint_ignored():
+        # first the resource tracker, which the server's start would start: its start ends by unblocking SIGINT in
+        # this thread (multiprocessing/resource_tracker.py ensure_running, bpo-33613: the same blocking trick)
+        multiprocessing.resource_tracker.ensure_running()
+        with sigint_blocked():
             multiprocessing.forkserver.ensure_running()
     return method
 
 
 @contextmanager
-def sigint_ignored():
-    """Ctrl-C ignored in this process while the server starts: an ignored signal stays ignored across fork and
-    exec, so the server ignores Ctrl-C from its first instruction (its own imports of the standard library come
-    before :mod:`xpar.run.quiet_server`'s; a Ctrl-C there printed the server's traceback under load). Nothing is
-    changed outside the main thread (where Python sets signal handlers)."""
+def sigint_blocked():
+    """Ctrl-C blocked in this thread while the server starts: a blocked signal mask survives fork and exec, so the
+    server holds a Ctrl-C pending from its first instruction (its own imports of the standard library come before
+    :mod:`xpar.run.quiet_server`'s, which ignores it and lifts the block; a Ctrl-C there had printed the server's
+    traceback under load). Here the Ctrl-C is not lost: it stays pending and is raised (KeyboardInterrupt) when the
+    block ends, or at once where another thread of this process takes it. An ignored SIGINT, the earlier way, was
+    lost in that window (a run went on to exit 0). Nothing is changed outside the main thread (where Python runs
+    signal handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C of the window is raised here
 
 
 def in_callers_env(rank: int, entry, launcher_pid: int, env: dict, cwd: str, ctrl_c: bool, *args) -> None:
@@ -75,6 +82,7 @@ def in_callers_env(rank: int, entry, launcher_pid: int, env: dict, cwd: str, ctr
     os.environ.update(env)
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler if ctrl_c else signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a server without xpar.run.quiet_server keeps it
     launcher = psutil.Process(launcher_pid)
 
     def watch():

@@ -23,6 +23,8 @@ CHOICES = {
     "microbatch_rule": MICROBATCH_RULES,
     "kv_heads_over_tp": KV_OVER_TP,  # xpar.config.attention.tp_kv_heads
     "cp_comm": ("all_gather", "p2p", "a2a"),  # xpar.estimate.cp_exchange.CP_COMM_TYPES
+    "attention_kernel": ("fa3", "cudnn", "cudnn_2024", "fa2", "sdpa"),  # xpar.estimate.compute.kernel_costs.ATTENTION_KERNELS
+    "cp_attention_merge": (None, "bf16", "fp32"),  # xpar.estimate.cp_attention.MERGE_BYTES
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.per_device.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }
 FRACTIONS = ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown", "recompute_layer_fraction",
@@ -33,7 +35,7 @@ NON_NEGATIVE = ("layer_overhead_ms", "host_op_us", "zero3_host_ops_per_rank", "z
 
 def check_framework(fw: FrameworkConfig) -> list[str]:
     """Each choice among its values, each share in [0, 1], counts and times not negative, gradient bytes 2 or 4 (held: also 6), optimizer bytes 0 or 2-16."""
-    out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(v)}; e.g. framework.{k}={v[0]}."
+    out = [f"framework.{k}={getattr(fw, k)!r} is not one of {', '.join(map(_yaml, v))}; e.g. framework.{k}={_yaml(v[0])}."
            for k, v in CHOICES.items() if getattr(fw, k) not in v]
     out += [f"framework.{k}={getattr(fw, k)} must be between 0 and 1." for k in FRACTIONS
             if not 0.0 <= getattr(fw, k) <= 1.0]
@@ -52,6 +54,11 @@ def check_framework(fw: FrameworkConfig) -> list[str]:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1)]
     return (out + offload_problems(fw) + recompute_list_problems(fw) + pp_overlap_schedule_problems(fw) + etp_problems(fw)
             + plan_schedule_problems(fw))
+
+
+def _yaml(value) -> str:
+    """A choice as a command line types it (None: null)."""
+    return "null" if value is None else str(value)
 
 
 def etp_problems(fw: FrameworkConfig) -> list[str]:

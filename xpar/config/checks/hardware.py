@@ -199,7 +199,8 @@ def _kernel_model_problems(hw) -> dict[str, str]:
             out[name] = (f"hardware.{name} must be a multiple of 16 in [16, 512] (a tensor-core GEMM tile), got {v!r}; "
                          f"e.g. hardware.{name}={128 if name.endswith('m') else 256}.")
     for name in ("gemm_efficiency", "gemm_efficiency_fp8", "attention_efficiency", "attention_bwd_efficiency",
-                 "attention_efficiency_fa2", "attention_bwd_efficiency_fa2"):
+                 "attention_efficiency_fa2", "attention_bwd_efficiency_fa2", "attention_efficiency_cudnn_2024",
+                 "attention_bwd_efficiency_cudnn_2024"):
         v = getattr(hw, name)
         if v is not None and not 0 < v <= 1:
             out[name] = (f"hardware.{name} must be in (0, 1] (a fraction of peak) or null, got {v}; "

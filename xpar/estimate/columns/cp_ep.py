@@ -22,6 +22,7 @@ from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.step_time import by_key, spec_at, time_columns
 from xpar.estimate.context_parallel import cp_layer_times, cp_replay, fold_cp
 from xpar.estimate.columns.ep_slots import replay_column
+from xpar.estimate.cp_attention import ring_extra_times, ring_rerun
 from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.terms import RATE_KEYS, time_key
 
@@ -72,7 +73,7 @@ def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[st
     res.update(time_columns(fbase, fcols, res["memory_optimizer"], res["optimizer_elements"], res["memory_grads"]))
     extra = {}  # the ep terms are each rank's own, inside time_columns (xpar.estimate.columns.ep_slots)
     if cp > 1:
-        extra["cp_comm"] = cp_columns(base, sub, cp)[0]
+        extra["cp_comm"], _, extra["cp_attention"] = cp_columns(base, sub, cp)
     if extra:
         old = res["time_per_step_s"]
         new = old + sum(extra.values())
@@ -82,25 +83,30 @@ def group_columns(base, sub: dict[str, np.ndarray], cp: int, ep: int) -> dict[st
     return res
 
 
-def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> tuple[np.ndarray, np.ndarray]:
+def cp_columns(base, sub: dict[str, np.ndarray], cp: int, a=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(Exposed, issued) seconds per step of the cp K/V exchange of unfolded candidates under ``a`` (default
-    :func:`assumptions_for` ``base``; its ``cp_comm``: xpar.estimate.cp_exchange): m micro-batches x the
-    blocks on the fullest rank (per distinct (pp, v, schedule)) x :func:`cp_layer_times` per distinct (b, tp),
-    the forward exchange again in the backward of the recomputed blocks (:func:`cp_replay`)."""
+    :func:`assumptions_for` ``base``; its ``cp_comm``: xpar.estimate.cp_exchange), and the seconds its attention
+    core's ring steps add (xpar.estimate.cp_attention.ring_extra_times): m micro-batches x the blocks on the fullest
+    rank (per distinct (pp, v, schedule)) x the layer's seconds per distinct (b, tp), the forward exchange again in
+    the backward of the blocks that replay it (:func:`cp_replay`), the ring's forward again in those that rerun the
+    core (xpar.estimate.cp_attention.ring_rerun)."""
     a = assumptions_for(base) if a is None else a
 
-    def layer(b, tp):
+    def unfolded(b, tp):
         s = spec_at(base, tp, 1, 1, b, 1, 1, "gpipe", 0, False, "none")
-        return cp_layer_times(replace(s, layout=replace(s.layout, cp=cp)), a)
+        return replace(s, layout=replace(s.layout, cp=cp))
 
-    t = by_key([np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)], layer,
-               ("f", "b", "f_issued", "b_issued"))
+    keys = [np.asarray(sub["b"], np.int64), np.asarray(sub["tp"], np.int64)]
+    t = by_key(keys, lambda b, tp: cp_layer_times(unfolded(b, tp), a), ("f", "b", "f_issued", "b_issued"))
+    ring = by_key(keys, lambda b, tp: ring_extra_times(unfolded(b, tp), a), ("f", "b"))
     replay = replay_column(base, sub, lambda s: cp_replay(s, a))
+    rerun = replay_column(base, sub, lambda s: ring_rerun(s, a))
     pp, v = np.asarray(sub["pp"], np.int64), np.asarray(sub["v"], np.int64)
     layers = by_key([pp, v, np.asarray(sub["schedule"], dtype=str)], lambda p, vv, s: {
         "n": fullest_blocks(base, p, vv if p > 1 else 1, s)}, ("n",))["n"]
     per = np.asarray(sub["m"]) * layers
-    return per * (t["f"] * (1 + replay) + t["b"]), per * (t["f_issued"] * (1 + replay) + t["b_issued"])
+    return (per * (t["f"] * (1 + replay) + t["b"]), per * (t["f_issued"] * (1 + replay) + t["b_issued"]),
+            per * (ring["f"] * (1 + rerun) + ring["b"]))
 
 
 def fullest_blocks(base, pp: int, v: int, schedule: str) -> int:

@@ -42,24 +42,36 @@ def fitted_field(hw, dtype: str) -> str:
     return "sustained_efficiency" if kernel_priced(hw, dtype) else "matmul_efficiency"
 
 
-def training_device(hw, fa2: bool = False) -> Device:
+def training_device(hw, kernel: str = "fa3") -> Device:
     """The :class:`~xpar.estimate.compute.kernels.Device` of ``hw`` at ``hw.sustained_efficiency`` of every
-    isolated compute rate (GEMMs per dtype, attention forward and backward); with ``fa2`` (framework.attention_fa2)
-    the attention at the device's FlashAttention-2 fractions where it has them (:func:`attention_fractions`)."""
+    isolated compute rate (GEMMs per dtype, attention forward and backward), the attention at the fractions of
+    ``kernel`` (framework.attention_kernel: :func:`attention_fractions`).
+
+    Raises:
+        ValueError: an unknown ``kernel``."""
     d, s = device_of(hw), hw.sustained_efficiency
     return replace(d, gemm_fraction={k: v * s for k, v in d.gemm_fraction.items()},
-                   attention_fraction=tuple(x * s for x in attention_fractions(hw, fa2)))
+                   attention_fraction=tuple(x * s for x in attention_fractions(hw, kernel)))
 
 
-def attention_fractions(hw, fa2: bool) -> tuple[float, float]:
-    """(forward, backward) fraction of the BF16 peak of the attention core on ``hw``: the device's own
-    (attention_efficiency, attention_bwd_efficiency), or with ``fa2`` its FlashAttention-2 ones
-    (attention_efficiency_fa2, attention_bwd_efficiency_fa2), each falling back to the device's own where None."""
-    own = (hw.attention_efficiency, hw.attention_bwd_efficiency)
-    if not fa2:
-        return own
-    return tuple(own[i] if x is None else x
-                 for i, x in enumerate((hw.attention_efficiency_fa2, hw.attention_bwd_efficiency_fa2)))
+ATTENTION_KERNELS = {"fa3": "", "cudnn": "", "cudnn_2024": "_cudnn_2024", "fa2": "_fa2", "sdpa": "_fa2"}
+"""framework.attention_kernel -> the suffix of its hardware fields (attention_efficiency<suffix>,
+attention_bwd_efficiency<suffix>; '': the device's own): cuDNN from 9.5 at the device's own (xpar.config.profile),
+2024's cuDNN at its own; 'sdpa' is torch SDPA, whose flash backend (FlashAttention-2) it runs first."""
+
+
+def attention_fractions(hw, kernel: str) -> tuple[float, float]:
+    """(forward, backward) fraction of the BF16 peak of the attention core on ``hw`` for ``kernel``
+    (:data:`ATTENTION_KERNELS`): the preset's figures for that kernel, each the device's own (attention_efficiency,
+    attention_bwd_efficiency) where None.
+
+    Raises:
+        ValueError: an unknown ``kernel``."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"framework.attention_kernel={kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+    own, sfx = (hw.attention_efficiency, hw.attention_bwd_efficiency), ATTENTION_KERNELS[kernel]
+    named = (getattr(hw, f"attention_efficiency{sfx}"), getattr(hw, f"attention_bwd_efficiency{sfx}"))
+    return tuple(own[i] if x is None else x for i, x in enumerate(named))
 
 
 def rerun_shares(policy: str, early_stop: bool) -> dict[str, float]:
@@ -136,7 +148,7 @@ def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, share
     row its tp, micro-batch size ``b`` (a float under cp), sequence parallelism ``sp``, recompute policy
     (a resolved name, :func:`xpar.config.remat.spec_recompute`) and the share of blocks it recomputes.
     Arrays of one length; the result's values are float64 arrays of it."""
-    cfg, device = base.model, training_device(base.hardware, assume.attention_fa2)
+    cfg, device = base.model, training_device(base.hardware, assume.attention_kernel)
     per = [rerun_shares(p, assume.checkpoint_early_stop) for p in policies]
     rows = {"tp": np.asarray(tp, dtype=float), "b": np.asarray(b, dtype=float), "sp": np.asarray(sp, dtype=bool),
             "share": np.asarray(shares, dtype=float),

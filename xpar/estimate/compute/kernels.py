@@ -6,7 +6,8 @@ broadcast together and each function returns seconds of the same shape.
 - GEMM (M x K) @ (K x N): CTA tiles of ``tile_m x tile_n`` over the device's SMs in waves, split-K
   when the grid is under one wave, an HBM roofline, at the large-GEMM fraction of peak (MAMF).
 - Attention core: FlashAttention's FLOPs (causal blocks only, a sliding window's blocks where one) at the
-  device's flash-attention fraction of the BF16 peak, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
+  device's flash-attention fraction of the BF16 peak for the framework's kernel (FlashAttention-2/3, cuDNN), by head
+  dim and key length, whatever the matmul dtype (Transformer Engine and torchao keep it in BF16).
 - Elementwise, normalisation, casts, MoE permutation: bytes over achievable HBM bandwidth.
 - Per-kernel overhead: the device's launch gap, or the host's issue time where that is longer.
 Constants and their sources: docs/concepts/kernels.md. A whole block: xpar.estimate.compute.kernel_block.
@@ -36,6 +37,15 @@ ATTENTION_HALF_DIM = 32.0
 relative to d = 128 (the fractions' reference) and capped there. FlashAttention-3 (Shah et al. 2024,
 H100 BF16 forward): head_dim 64 reaches ~0.77 of head_dim 128's rate; FlashAttention-2 (Dao 2023, A100)
 ~0.85; this curve gives 0.83."""
+ATTENTION_HALF_SEQ = 360.0
+"""Key length (tokens) at which a flash-attention kernel's rate would be half its asymptote: rate(s) ~ s / (s + 360),
+taken relative to s = 16384 (the preset fractions' reference) and capped there (:func:`sequence_rate`). Fitted
+(RMS 0.033) on the six causal-forward and backward curves, head_dim 128, of FlashAttention-2, cuDNN and
+FlashAttention-3 on H100 SXM5 BF16 at 512-16k tokens (Shah et al. 2024, FlashAttention-3, Fig. 5-6: e.g. cuDNN
+causal forward 315, 410, 484, 518, 529, 539 TFLOP/s; the curve gives 0.60, 0.76, 0.87, 0.94, 0.98, 1 of 539): each
+query block's loop over the key blocks amortises its prologue (Q load, softmax state) and epilogue (O, LSE store)
+over s / 128 iterations, and the causal diagonal's masked blocks are 1 / n of a row's n. The non-causal forward
+saturates sooner (0.84 of its 16k rate at 512): the curve prices it conservatively at short keys."""
 
 
 @dataclass(frozen=True)
@@ -185,19 +195,46 @@ def head_dim_rate(head_dim):
     return np.minimum(1.0, d / (d + ATTENTION_HALF_DIM) * (128 + ATTENTION_HALF_DIM) / 128)
 
 
+UNMASKED_HALF_SEQ = 115.0
+"""The same for an unmasked (non-causal) forward, which saturates sooner: fitted (RMS 0.039) on the three non-causal
+forward curves of the same figure (FlashAttention-2 309-370, cuDNN 497-595, FlashAttention-3 467-648 TFLOP/s)."""
+UNMASKED_GAIN = 1.08
+"""An unmasked forward's rate over a causal one's at 16k keys, head_dim 128 (Shah et al. 2024, Fig. 5: FlashAttention-2
+370 / 335 = 1.10, cuDNN 595 / 539 = 1.10, FlashAttention-3 648 / 616 = 1.05): no masked diagonal blocks, every
+query block's loop equally long. The preset fractions are the causal forward's (the backward figure, Fig. 6, is
+unmasked: no gain)."""
+SEQUENCE_RATE_FLOOR = 512.0
+"""The shortest key length the curve is read at (the figures' shortest); shorter ones (a 128-key sliding window)
+are priced at its rate there, not extrapolated."""
+
+
+def sequence_rate(s_kv, half: float = None):
+    """A flash-attention kernel's rate over ``s_kv`` keys per query row (a sliding window's keys where one) relative
+    to its rate at 16384, at most 1, read at :data:`SEQUENCE_RATE_FLOOR` keys or more; ``half``: the curve's
+    half-rate length (default :data:`ATTENTION_HALF_SEQ`). Arrays broadcast."""
+    h = ATTENTION_HALF_SEQ if half is None else half
+    s = np.maximum(np.asarray(s_kv, dtype=float), SEQUENCE_RATE_FLOOR)
+    return np.minimum(1.0, s / (s + h) * (16384.0 + h) / 16384.0)
+
+
 def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causal: bool = True,
-                   kv_heads=None, backward: bool = False, window=0):
+                   kv_heads=None, backward: bool = False, window=0, unmasked: bool = False):
     """Seconds of the attention core (FlashAttention forward, or backward at 2.5x its FLOPs) on one rank.
 
     Runs in BF16 at the device's flash-attention fraction whatever the GEMM dtype (FP8 recipes keep
-    the core in BF16). The grid is b x heads x ceil(s_q/128) query blocks in waves over the SMs;
+    the core in BF16), times :func:`head_dim_rate` and :func:`sequence_rate` of ``s_kv``; ``unmasked`` (with
+    ``causal`` False: a kernel without any mask, a cp ring's off-diagonal step) forward at the unmasked curve and
+    :data:`UNMASKED_GAIN`. The grid is b x heads x ceil(s_q/128) query blocks in waves over the SMs;
     memory: Q, K, V read and O written once (x2 backward, with dO, dQ, dK, dV). Larger of the two.
     A sliding ``window`` (> 0) cuts the FLOPs to its blocks (:func:`attention_flops`), not the traffic (each
     tensor still read or written once): a narrow window (gpt-oss: 128) brings the core near its HBM bound."""
     b, sq, skv, h = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(batch, s_q, s_kv, heads))
     hk = h if kv_heads is None else np.asarray(kv_heads, dtype=float)
     flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal, window) * (FLASH_BWD_FLOPS if backward else 1.0)
-    rate = device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
+    keys = np.where(np.asarray(window) > 0, np.minimum(skv, window), skv)
+    fast = unmasked and not causal and not backward  # an unmasked forward (:data:`UNMASKED_GAIN`)
+    rate = (device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
+            * (UNMASKED_GAIN * sequence_rate(keys, UNMASKED_HALF_SEQ) if fast else sequence_rate(keys)))
     units = b * h * np.ceil(sq / FLASH_BLOCK)
     waves = np.ceil(units / device.sms)
     compute = flops / rate * np.divide(waves * device.sms, units, out=np.ones_like(units), where=units > 0)

@@ -24,14 +24,15 @@ from xpar.estimate.frameworks.zero12_step import fp32_grad_partition_bytes
 
 
 @lru_cache(maxsize=8192)
-def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int) -> tuple[int, int]:
-    """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output) and
-    of the largest block unit on a pipeline rank, as xpar and torchtitan wrap them."""
+def _fsdp_units(cfg_key: tuple, layout, tp: int, pp_rank: int, head_units: bool = False) -> tuple[int, int]:
+    """Elements of the largest FSDP root unit (a stage's embeddings, final norm, output: one unit, or with
+    ``head_units`` the embedding and the head each a unit of its own, framework.fsdp_head_units) and of the largest
+    block unit on a pipeline rank."""
     roots, blocks, cfg = [0], [0], ModelConfig(*cfg_key)
     moe = _part_counts(cfg_key, False, False, tp, True, layout.ep, layout.etp)[1][0]
     for s in layout.stages_of(pp_rank):
         head, block, tail, _ = _part_counts(cfg_key, s == 0, s == layout.n_stages - 1, tp)
-        roots.append(head[0] + tail[0])
+        roots.append(max(head[0], tail[0]) if head_units and not cfg.tied_embeddings else head[0] + tail[0])
         blocks += [moe if cfg.is_moe_layer(i) else block[0] for i in layout.stage_layers(s)]
     return max(roots), max(blocks)
 
@@ -64,7 +65,7 @@ def state_buffer_terms(spec: RunSpec, pp_rank: int, o: MemoryOptions) -> dict[st
     out["fp32_grad_partition"] = fp32_grad_partition_bytes(spec, pp_rank, o)  # DeepSpeed ZeRO-1/2's step
     z, e = spec.layout.zero_stage, precision(spec, o)["e"]
     whole, _ = _stage_numels(*shape_key(spec), pp_rank)
-    root, block = _fsdp_units(*shape_key(spec), pp_rank)
+    root, block = _fsdp_units(*shape_key(spec), pp_rank, o.fsdp_head_units)
     unit = max(root, block)
     if o.zero3_gather == "tensor":  # DeepSpeed v0.3: one parameter tensor gathered / reduced at a time
         root = block = unit = max((math.prod(sh) for sh, _ in _stage_numels(
