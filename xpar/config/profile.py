@@ -312,7 +312,7 @@ class FrameworkConfig:
     experts in a separate stream to overlap compute with the communication for grouped experts"); its DeepEP
     dispatch and combine themselves run synchronously (token_dispatcher.py ``token_permutation2`` /
     ``token_unpermutation``: async_finish=False), so nothing else hides them. Megatron-Core's opt-in
-    ``--moe-shared-expert-overlap`` does the same. xpar.estimate.columns.cp_ep.ep_columns."""
+    ``--moe-shared-expert-overlap`` does the same. xpar.estimate.columns.ep_slots.ep_slot_columns."""
     etp_degrees: Optional[list] = None
     """The expert tensor-parallel degrees (parallel.etp; 0: etp = tp) ``xpar plan`` searches for a MoE model where
     plan.etp is null; null: [0]. Megatron-Core: etp = tp by default and etp 1 (MoE parallel folding), which its

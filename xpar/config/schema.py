@@ -66,11 +66,9 @@ class ModelConfig:
     Llama 4 Maverick 2 (transformers ``Llama4TextConfig`` ``interleave_moe_layer_step``; Megatron-Core's
     ``--moe-layer-freq`` [0, 1] x 24); 1: every block."""
     capacity_factor: Optional[float] = None
-    """Tokens an expert takes as a multiple of its even share k T / E, the rest dropped (Fedus et al. 2022);
-    None: dropless (MegaBlocks, Megatron-Core's and DeepSeek-V3's default). Executed dropless only."""
+    """Tokens an expert takes over its even share k T / E, the rest dropped (Fedus et al. 2022); None: dropless."""
     moe_imbalance: float = 1.0
-    """Router load imbalance: tokens the busiest ep rank receives over the mean (1: balanced, as NeMo's MoE
-    benchmarks force it); stretches experts' compute and all-to-alls (xpar.estimate.expert_parallel)."""
+    """Tokens the busiest ep rank receives over the mean (1: balanced); stretches its experts and all-to-alls."""
     block: str = "sequential"
     """How attention and MLP compose in a block: 'sequential' (x + attn, then + mlp: GPT-2/3, Llama);
     'parallel' (x + attn(ln(x)) + mlp(ln(x)), one norm: GPT-J, PaLM Sec. 2 "Parallel Layers", Falcon-7B);
@@ -108,6 +106,8 @@ class ModelConfig:
     moe_routing: str = "learned"
     """'learned' (top-k of router scores) or 'round_robin': NeMo AutoModel's benchmark gate (fake_balanced_gate), token
     t to experts (t k + j) mod E, j < k (xpar.estimate.expert_parallel.round_robin_reach); estimate only."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth (``--mtp-num-layers``), on the last stage: xpar.estimate.columns.mtp. Estimated."""
     moe_router_groups: int = 0
     """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3 ``n_group`` 8: one group
     per node of its ep 64; Megatron-Core ``--moe-router-num-groups``); 0: every expert open to every token."""

@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.frameworks import deepspeed_zero3
-from xpar.estimate.columns.cp_ep import cp_columns, ep_columns
+from xpar.estimate.columns.cp_ep import cp_columns
 from xpar.estimate.columns.one_layout import layout_columns, layout_step
 from xpar.estimate.columns.step_time import Step
 from xpar.estimate.comm.volume import comm_bytes_rank
@@ -125,7 +124,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     m = spec.micro_batches
     est.comm_time = {"tp": m * x["tp_issued"] + x["tp_step"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
     est.framework, est.offload = assume.name, _offload(spec, assume, step, elements, notes)
-    return _with_ep_comm(spec, est, assume) if spec.layout.ep > 1 else est
+    return _with_ep_comm(spec, est, assume, m * x["ep_issued"]) if spec.layout.ep > 1 else est
 
 
 def missing_figure_notes(hw) -> list[str]:
@@ -138,17 +137,15 @@ def missing_figure_notes(hw) -> list[str]:
     return notes
 
 
-def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:
-    """The estimate of an ep layout: plus its all-to-alls and router imbalance
-    (xpar.estimate.columns.cp_ep.ep_columns on the layout's column; ``ep`` in comm_time)."""
-    terms, issued = ep_columns(spec, layout_columns(spec), np.array([est.time_breakdown["matmul"]]), assume)
-    terms = {k: float(v[0]) for k, v in terms.items()}
+def _with_ep_comm(spec: RunSpec, est: Estimate, assume: Assumptions, issued: float) -> Estimate:
+    """The estimate of an ep layout, its all-to-alls and router imbalance already in the slowest rank's step
+    (xpar.estimate.columns.ep_slots): plus their note and the slowest rank's ``issued`` all-to-all seconds per
+    step as ``ep`` in comm_time."""
     note = ep_note(spec, ep_a2a_overlap_of(assume, spec.layout.schedule, spec.pp), ep_replay(spec, assume),
                    assume.ep_shared_expert_overlap and spec.model.n_shared_experts > 0)
-    out = _result(spec, est.memory, est.time_per_step_s + sum(terms.values()), dict(est.time_breakdown, **terms),
-                  est.bubble_ratio, est.comm_bytes, list(est.notes) + [note])
-    out.comm_time, out.framework, out.offload = dict(est.comm_time, ep=float(issued[0])), est.framework, est.offload
-    return out
+    est.notes = list(est.notes) + [note]
+    est.comm_time = dict(est.comm_time, ep=issued)
+    return est
 
 
 def _with_cp_comm(spec: RunSpec, est: Estimate, assume: Assumptions) -> Estimate:

@@ -149,6 +149,14 @@ def ep_replay(spec: RunSpec, fw) -> float:
     return replayed_share(spec, fw, EP_REPLAY_POLICIES)
 
 
+def moe_blocks_on(layout, model, rank: int) -> int:
+    """MoE blocks pipeline rank ``rank`` of ``layout`` computes: ``model.is_moe_layer`` of its stages' blocks, and
+    on the rank holding the last stage the multi-token prediction blocks where the decoder's last block is MoE
+    (``model.mtp_layers``: xpar.estimate.columns.mtp)."""
+    mtp = model.mtp_layers * model.is_moe_layer(model.n_layers - 1) * layout.has_last_stage(rank)
+    return sum(model.is_moe_layer(i) for s in layout.stages_of(rank) for i in layout.stage_layers(s)) + mtp
+
+
 def ep_payload_bytes(spec: RunSpec) -> float:
     """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: T k h at the
     compute width (T tokens of the rank: b s on a cp-folded spec, / t with sequence parallelism)."""
@@ -161,12 +169,11 @@ def ep_bytes_per_step(spec: RunSpec) -> float:
     """Bytes the fullest pipeline rank sends in its all-to-alls of one step: per MoE layer and
     micro-batch, dispatch and combine in forward and their gradients in backward (4 x
     :func:`ep_payload_bytes`, plus the forward's 2 again per recomputed layer: :func:`ep_replay` under
-    the spec's framework), as xpar.estimate.columns.cp_ep.ep_columns counts them; 0 at ep = 1."""
+    the spec's framework), as xpar.estimate.columns.ep_slots.ep_slot_columns counts them; 0 at ep = 1."""
     if spec.layout.ep == 1:
         return 0.0
     layout = spec.layout
-    layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
-                 for r in range(spec.pp))
+    layers = max(moe_blocks_on(layout, spec.model, r) for r in range(spec.pp))
     return (4.0 + 2.0 * ep_replay(spec, spec.framework)) * layers * spec.micro_batches * ep_payload_bytes(spec)
 
 
@@ -216,10 +223,9 @@ def ep_note(spec: RunSpec, overlap: float = 0.0, replay: float = 0.0, shared: bo
     """What ep adds to a step of ``spec`` (cp folded) in words: the fullest rank's all-to-alls per
     micro-batch (``replay``: the share of blocks whose backward reruns them, :func:`ep_replay`), the
     bytes each sends and the share exposed (1 - ``overlap``; ``shared``: less what the shared experts' GEMMs hide,
-    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.cp_ep.ep_columns."""
+    framework.ep_shared_expert_overlap). Their seconds: xpar.estimate.columns.ep_slots.ep_slot_columns."""
     layout = spec.layout
-    layers = max(sum(spec.model.is_moe_layer(i) for s in layout.stages_of(r) for i in layout.stage_layers(s))
-                 for r in range(spec.pp))
+    layers = max(moe_blocks_on(layout, spec.model, r) for r in range(spec.pp))
     return (f"expert parallelism ep={layout.ep}: {2 * layers} all-to-alls per micro-batch in forward and as "
             f"many in backward{f' (+{2 * replay:.3g} replayed by recompute)' if replay else ''} "
             f"({ep_payload_bytes(spec) / 2**20:.1f} MiB sent per rank each), {1 - overlap:.0%} exposed"

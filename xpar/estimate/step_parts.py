@@ -318,8 +318,10 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
 
 def microbatch_time(x: dict) -> Any:
     """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
-    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.compute.host)."""
-    return sum(x[k] for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host"))
+    tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.compute.host; at ep > 1 its
+    exposed all-to-alls and router imbalance: xpar.estimate.columns.ep_slots)."""
+    return sum(x.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host", "ep_comm",
+                                       "ep_imbalance"))
 
 
 def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
@@ -393,8 +395,9 @@ def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[
     ``slow`` (xpar.estimate.columns.step_time.Step.slowest, with ``dp_end``: its dp communication left at the end,
     ``tp_step``, where present: its tp reductions once a step, :func:`kv_grad_reduce_time`),
     m micro-batches, bubble ratio ``beta``, ``fill_mb`` (:func:`fill_time`: the mean micro-batch
-    time of the other ranks) and the optimizer's seconds (module docstring). Floats or numpy
-    arrays over layouts."""
+    time of the other ranks) and the optimizer's seconds (module docstring); at ep > 1 ``slow``'s exposed
+    all-to-alls and imbalance per micro-batch (``ep_comm``, ``ep_imbalance``: xpar.estimate.columns.ep_slots) are
+    terms of their own. Floats or numpy arrays over layouts."""
     mb_slow, tp_step = microbatch_time(slow), slow.get("tp_step", 0.0)
     pipe = m * mb_slow + beta / (1 - beta) * m * fill_mb
     breakdown = {"matmul": m * slow["matmul"], "memory_bound": m * slow["memory_bound"],
@@ -402,6 +405,7 @@ def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[
                  "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
                  "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
                  "host_overhead": m * slow["host"] + slow["host_step"]}
+    breakdown.update({k: m * slow[k] for k in ("ep_comm", "ep_imbalance") if k in slow})  # ep > 1
     return pipe + slow["dp_end"] + tp_step + t_opt + slow["host_step"], breakdown
 
 

@@ -269,7 +269,8 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     """Experts are executed with dp / ZeRO, pp, ep and tp without sequence parallelism (the MoE
     left out of the tp plan, replicated over the tp ranks: xpar.parallel.tensor.block_plan);
     splitting them over tp, or sequence parallelism with experts, is estimated only (as
-    Megatron-Core's expert tensor parallelism); a round-robin router (model.moe_routing) is estimated only."""
+    Megatron-Core's expert tensor parallelism); a round-robin router (model.moe_routing) and multi-token
+    prediction (model.mtp_layers) are estimated only."""
     if mode == "execute" and model.n_experts and layout.tp > 1 and layout.sequence_parallel:
         return [f"model={model.name} has experts, which xpar runs under tp only without sequence parallelism "
                 f"(parallel.tp={layout.tp}, parallel.sequence_parallel=true); run parallel.sequence_parallel=false "
@@ -277,6 +278,9 @@ def check_moe(model: ModelConfig, layout: Layout, mode: str) -> list[str]:
     if mode == "execute" and model.n_experts and model.capacity_factor is not None:
         return [f"model.capacity_factor={model.capacity_factor}: xpar runs experts dropless; set "
                 f"model.capacity_factor=null to run it, or run.mode=estimate."]
+    if mode == "execute" and model.mtp_layers:
+        return [estimate_only(f"model.mtp_layers={model.mtp_layers} (multi-token prediction)",
+                              "its model predicts the next token only", "model.mtp_layers=0")]
     if mode == "execute" and model.n_experts and model.moe_routing != "learned":
         return [estimate_only(f"model.moe_routing={model.moe_routing} (a synthetic balanced gate)",
                               "its router is learned top-k", "model.moe_routing=learned")]

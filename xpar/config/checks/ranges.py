@@ -83,6 +83,7 @@ RANGES: dict[str, Range] = {
     "model.n_kv_heads": _i(1, null=True), "model.expert_ffn_hidden": _i(1, null=True),
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE,
     "model.n_experts": COUNT, "model.n_shared_experts": COUNT, "model.first_dense_layers": COUNT,
+    "model.mtp_layers": COUNT,
     "model.moe_layer_freq": DEGREE,
     "model.capacity_factor": Range(0, lo_open=True, null=True), "model.moe_imbalance": Range(1),
     **{f"model.{k}": _i(1, null=True) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

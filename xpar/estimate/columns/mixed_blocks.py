@@ -5,8 +5,8 @@ Where :func:`blocks_vary`, each representative rank's own units
 (:func:`xpar.estimate.comm.dp.unit_elements` of the candidate's placement) are timed by
 :func:`xpar.estimate.comm.dp.unit_times` -- the scalar estimate's own call -- once per distinct (dp, tp,
 ZeRO stage, pp, v, placement, slot). The middle slot is the middle rank the scalar estimate takes
-as the slowest (below ZeRO-3 under pp: rank 1; under ZeRO-3 the middle rank with the most MoE
-blocks). Units: seconds.
+as the slowest (below ZeRO-3 under pp without ep: rank 1; under ZeRO-3 or at ep > 1 the middle rank with the
+most MoE blocks). Units: seconds.
 """
 from __future__ import annotations
 
@@ -57,14 +57,15 @@ class UnitTimes:
 
 def slot_rank_moe(layout, slot: int, cfg, zero: int = 3) -> int:
     """The pipeline rank a slot (xpar.estimate.columns.step_time.SLOTS: 0 first, 1 middle, 2 last) stands for: rank
-    0; the first middle rank at ZeRO ``zero`` below 3 (module docstring), else the middle rank holding
-    the most MoE blocks (``cfg.is_moe_layer``; first on ties); the last rank."""
+    0; the first middle rank at ZeRO ``zero`` below 3 without ep (module docstring), else the middle rank holding
+    the most MoE blocks (``cfg.is_moe_layer``; first on ties: under ZeRO-3 its gathers, at ep > 1 its all-to-alls,
+    xpar.estimate.columns.ep_slots, make it the slowest); the last rank."""
     pp = layout.pp
     if slot == 0 or pp == 1:
         return 0
     if slot == 2:
         return pp - 1
-    if zero < 3:
+    if zero < 3 and layout.ep == 1:
         return 1
     v_shaped = layout.has_last_stage(0) and layout.n_stages > 1
     middle = list(range(1, pp if v_shaped else pp - 1)) or [min(1, pp - 1)]

@@ -15,7 +15,7 @@ fractions of peak. No torch import. Speed: benchmarks/plan_speed.py, benchmarks/
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from xpar.config.layout import SCHEDULES, Layout
 from xpar.config.remat import RECOMPUTE as REMAT_NAMES
 from xpar.config.remat import spec_recompute
 from xpar.config.resolve import resolve_virtual_stages
-from xpar.config.spec import RunSpec, with_fields
+from xpar.config.spec import RunSpec
 from xpar.estimate.compute import flops as fl
 from xpar.estimate.columns.mixed_blocks import UNIT_TIMES, UnitTimes, blocks_vary, unit_columns
 from xpar.estimate.columns.peak_memory import memory_columns
@@ -69,45 +69,24 @@ from xpar.estimate.memory.offload import (
 from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import COLUMN_TIME_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
+from xpar.estimate.columns.ep_slots import ep_slot_columns
+from xpar.estimate.columns.mtp import last_stage_work
+from xpar.estimate.columns.keys import _combined, by_key, per_slot, spec_at, unique_rows  # noqa: F401 (re-exported)
 
 TIME_KEYS = COLUMN_TIME_KEYS
-"""Keys of :func:`time_columns` (:data:`xpar.estimate.terms.COLUMN_TIME_KEYS`)."""
+"""Keys of :func:`time_columns` (:data:`xpar.estimate.terms.COLUMN_TIME_KEYS`), and at ep > 1 :data:`EP_TIME_KEYS`."""
+EP_TIME_KEYS = ("time_ep_comm", "time_ep_imbalance")
+"""The expert-parallel terms of an ep layout's step (xpar.estimate.columns.ep_slots)."""
+
+
+def time_keys(base: RunSpec) -> tuple[str, ...]:
+    """Keys of :func:`time_columns` for candidates of ``base``'s ep: :data:`TIME_KEYS`, plus :data:`EP_TIME_KEYS`
+    at ep > 1."""
+    return TIME_KEYS + (EP_TIME_KEYS if base.layout.ep > 1 else ())
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
 RECOMPUTE = REMAT_NAMES
-
-
-def spec_at(base: RunSpec, tp: int, pp: int, dp: int, b: int, m: int, v: int, schedule: str, zero: int,
-            sp: bool, recompute: str) -> RunSpec:
-    """``base`` with another layout, as the scalar functions read it: the layout and the micro-batch
-    size. Its pp x v stages split as ``base``'s where it has as many (a
-    layout's own split: :func:`xpar.estimate.columns.one_layout.layout_step`), else as
-    :func:`xpar.estimate.columns.stage_split.plan_split` (even, else lighter ends)."""
-    own = base.layout.layer_split
-    split = tuple(own) if len(own) == pp * v else tuple(plan_split(base.model.n_layers, pp * v))
-    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b, micro_batches=m, seq_len=base.seq_len,
-                    layer_split=split, schedule=schedule, zero_stage=zero,
-                    sequence_parallel=sp, recompute=recompute, ep=base.layout.ep, etp=base.layout.etp)
-    train = with_fields(base.train, micro_batch_size=b, global_batch_size=b * m * dp)
-    return with_fields(base, train=train, layout=layout)
-
-
-def by_key(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """``fn(*key)`` once per distinct row of ``columns`` (plain Python values), each of its
-    ``names`` broadcast back to every row (float64 arrays)."""
-    first, inverse = unique_rows(_combined(columns))
-    keys = zip(*(c[first].tolist() for c in columns))
-    values = [fn(*k) for k in keys]
-    return {k: np.array([x[k] for x in values], dtype=np.float64)[inverse] for k in names}
-
-
-def per_slot(columns: list[np.ndarray], fn: Callable[..., dict], names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """:func:`by_key` over slot-and-layout columns (each shape (S, L) or (L,) for every slot; S:
-    :data:`SLOTS`, or a layout's pipeline ranks), one call for all slots; results shaped (S, L)."""
-    shape = np.broadcast_shapes(*(np.shape(c) for c in columns))
-    flat = [np.broadcast_to(c, shape).ravel() for c in columns]
-    return {k: x.reshape(shape) for k, x in by_key(flat, fn, names).items()}
 
 
 def candidate_rows(cols: dict[str, np.ndarray], offload: bool = False) -> dict[str, np.ndarray]:
@@ -297,38 +276,6 @@ def _persist_column(base: RunSpec, a: Assumptions, r: dict, s: dict) -> np.ndarr
     return per_slot([r["dp"], r["tp"], r["zero"], r["m"], s["n"]], one, ("p",))["p"]
 
 
-def unique_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first index of each distinct key in increasing key order, each row's position in that
-    list): numpy.unique's return_index and return_inverse for non-negative int keys; by
-    direct indexing (no sort) when the keys are below 4 L + 1024."""
-    key = np.asarray(key, dtype=np.int64)
-    top = int(key.max(initial=0)) + 1
-    if top > 4 * len(key) + 1024:
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        return first, inverse
-    first = np.full(top, len(key), dtype=np.int64)
-    np.minimum.at(first, key, np.arange(len(key)))
-    present = first < len(key)
-    return first[present], (np.cumsum(present) - 1)[key]
-
-
-def _combined(columns: list[np.ndarray]) -> np.ndarray:
-    """One non-negative int64 key per row, equal for rows equal in every column (small-range
-    int columns by offset, others by their rank among the column's values)."""
-    key = np.zeros(len(columns[0]), dtype=np.int64)
-    for c in columns:
-        lo = int(c.min()) if c.dtype.kind in "biu" and len(c) else 0
-        if c.dtype.kind in "biu" and int(c.max(initial=0)) - lo < 4 * len(c) + 1024:
-            code = c.astype(np.int64) - lo
-        else:
-            _, code = np.unique(c, return_inverse=True)
-        radix = int(code.max(initial=0)) + 1
-        if int(key.max(initial=0)) * radix >= 2 ** 62:  # renumber before the key overflows
-            _, key = unique_rows(key)
-        key = key * radix + code
-    return key
-
-
 def _state_bytes(base: RunSpec, cols: dict, r: dict, a: Assumptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(Optimizer-state bytes on the most loaded device (Estimate.memory.optimizer), the
     optimizer's elements there (offloaded or not), gradient bytes there (Estimate.memory.grads)):
@@ -400,7 +347,7 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
            "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
            "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, step.time))
-    return {k: np.asarray(out[k], dtype=np.float64) for k in TIME_KEYS}
+    return {k: np.asarray(out[k], dtype=np.float64) for k in time_keys(base)}
 
 
 @dataclass(frozen=True)
@@ -428,10 +375,15 @@ def slot_step(base: RunSpec, a: Assumptions, cols: dict, r: dict, s: dict, memor
     parallel.pipeline_micro_batches micro-batches where set: m x that run's ratio is m / k runs' bubbles), the optimizer
     term (memory arguments: :func:`time_columns`), stretched when workers outnumber cores."""
     x = _rank_columns(base, a, r, s)
+    if base.layout.ep > 1:  # each rank's own all-to-alls, in its micro-batch (xpar.estimate.columns.ep_slots)
+        x.update(ep_slot_columns(base, a, cols, r, s, x["matmul"], SCHEDULE_NAMES))
     mb = microbatch_time(x)
-    slow = np.argmax(np.where(s["count"] > 0, mb, -np.inf), axis=0)[None]
+    key = np.where(s["count"] > 0, mb, -np.inf)
+    if "ep_blocks" in x:  # on a tie, the rank with the most MoE blocks (xpar.estimate.columns.mixed_blocks.slot_rank_moe)
+        key = np.where(key == key.max(axis=0), x["ep_blocks"], -np.inf)
+    slow = np.argmax(key, axis=0)[None]
     pick = {k: np.take_along_axis(np.broadcast_to(v, mb.shape), slow, axis=0)[0] for k, v in x.items()}
-    fill = fill_time((s["count"] * mb).sum(axis=0), microbatch_time(pick), r["pp"])
+    fill = fill_time((s["count"] * mb + x.get("ep_fill", 0.0)).sum(axis=0), microbatch_time(pick), r["pp"])
     runs = base.parallel.pipeline_micro_batches  # m / k schedule runs a step, each with its fill and drain
     m_run = r["m"] if runs is None else np.minimum(r["m"], runs)
     beta = by_key([r["schedule"], r["pp"], m_run, r["v"]], lambda sch, pp, m, v: {
@@ -461,12 +413,12 @@ def _optimizer_columns(base: RunSpec, cols: dict, a: Assumptions, r: dict, pick:
 def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.ndarray]) -> dict[str, np.ndarray]:
     """:func:`time_columns` of candidates of several device counts, one count at a time (``state``:
     its memory_optimizer, optimizer_elements and memory_grads, each None or per candidate)."""
-    out = {k: np.zeros(len(world)) for k in TIME_KEYS}
+    out = {k: np.zeros(len(world)) for k in time_keys(base)}
     for w in np.unique(world):
         i = np.flatnonzero(world == w)
         part = time_columns(base, {k: np.asarray(v)[i] for k, v in cols.items()},
                             *(None if x is None else np.asarray(x)[i] for x in state))
-        for k in TIME_KEYS:
+        for k in out:
             out[k][i] = part[k]
     return out
 
@@ -481,8 +433,8 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
         return {"t": pp_send_time(spec, a), "lat": pp_send_latency(spec)}
 
     send = by_key([r["tp"], r["dp"], r["b"], r["sp"]], one_send, ("t", "lat"))
-    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async", "cross")}, s["n"], s["first"],
-                     s["last"], a)
+    n, heads = last_stage_work(base.model, s["n"], s["last"])  # + multi-token prediction (xpar.estimate.columns.mtp)
+    x = rank_compute(c, {k: c[f"tp_{k}"] for k in ("f", "b", "end", "b_async", "cross")}, n, s["first"], heads, a)
     sends = per_slot([r["pp"], r["v"], r["v_shaped"], s["rank"]], lambda p, v, vs, rank: {
         "n": pp_sends(_placement(base, p, v, vs), rank)}, ("n",))["n"]
     pp = np.where(r["pp"] > 1, sends * send["t"], 0.0)
@@ -492,12 +444,12 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     h = by_key([r["tp"], r["dp"], r["pp"], r["zero"], r["recompute"], v], lambda t, d, p, z, rec, v: host_costs(
         spec_at(base, t, p, d, 1, 1, v, "interleaved_1f1b" if v > 1 else "gpipe", z, False, RECOMPUTE[rec]),
         a.layer_overhead_ms * 1e-3), HOST_KEYS)
-    x.update(host=rank_host(h, s["n"], s["first"], s["last"]) + x["overhead"], host_step=host_step(h, s["n"], s["first"], s["last"]))
+    x.update(host=rank_host(h, n, s["first"], s["last"]) + x["overhead"], host_step=host_step(h, n, s["first"], s["last"]))
     x.update(_dp_columns(base, a, r, s, x))
     reduced = grad_bytes(base, a)  # the dp reduction's width: Megatron reduces its main gradients at it
     kv_end = by_key([r["tp"], r["sp"]], lambda t, sp: {"s": kv_grad_reduce_time(
         spec_at(base, t, 1, 1, 1, 1, 1, "gpipe", 0, sp, "none"), reduced)}, ("s",))["s"]
-    x["tp_step"] = s["n"] * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
+    x["tp_step"] = n * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
     return x
 
 
