@@ -231,15 +231,6 @@ def test_torchtitan_gathers_the_embedding_and_the_head_as_units_of_their_own():
     assert split["fsdp_reduce"] / one["fsdp_reduce"] == pytest.approx(block / (embedding + head))  # a block is larger
     assert one["fsdp_allgather"] - split["fsdp_allgather"] == pytest.approx(2 * embedding)  # bf16: the embedding
 
-
-def test_automodel_fuses_its_norms_where_torchtitan_runs_them_eager():
-    """NeMo AutoModel (framework=fsdp2_bf16) takes Transformer Engine's RMSNorm and fused RoPE (its BackendConfig
-    where TE is installed): its elementwise traffic is the fused one, a third of torchtitan's eager passes."""
-    tt = ("parallel.zero_stage=3", "parallel.tp=1", "parallel.pp=1", "parallel.dp=auto")
-    fused = estimate(_estimate_spec("framework=fsdp2_bf16", *tt)).time_breakdown["memory_bound"]
-    eager = estimate(_estimate_spec("framework=torchtitan", *tt)).time_breakdown["memory_bound"]
-    assert 0 < fused < eager / 2
-
 # --- DeepSpeed BF16_Optimizer's gradient casts (Megatron-DeepSpeed as BLOOM ran it) ----------------------------
 
 def test_deepspeed_bloom_counts_the_bf16_optimizers_gradient_casts():
