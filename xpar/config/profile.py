@@ -309,6 +309,12 @@ class FrameworkConfig:
     max_ep: Optional[int] = None
     """Largest expert-parallel degree the framework runs (validation and ``xpar plan``); null: any. Megatron-LM before
     its --expert-model-parallel-size (2023-10, conf/framework/megatron_2021.yaml): 1."""
+    moe_max_tp: Optional[int] = None
+    """Largest tensor-parallel degree the framework runs for a model with routed experts (model.n_experts; validation
+    and ``xpar plan``, beside ``max_tp``); null: as a dense model. NeMo AutoModel's MoE models (conf/framework/
+    fsdp2_bf16.yaml): 1, nemo_automodel/components/moe/parallelizer.py ``parallelize_model`` asserts the tp mesh has
+    size 1 ("Tensor parallelism not supported for DeepSeek v3 model", @89e3a9fd, 2025-10; "for custom MoE models"
+    since)."""
     even_layer_split: bool = False
     """Whether the framework needs the layers split evenly over the pp x v pipeline stages (n_layers divisible by
     pp x v: Megatron-LM 2021-22, megatron/model/transformer.py); false: ``xpar plan`` also splits them with lighter

@@ -41,7 +41,8 @@ RULES = {
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads (nor is a multiple of them, under framework.kv_heads_over_tp="
                 "replicate), ffn_hidden and vocab_size (whole heads per rank)",
-    "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp)",
+    "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp; framework.moe_max_tp for a model with "
+              "experts: NeMo AutoModel's MoE models run tp 1)",
     "max_pp": "pp above the framework's framework.max_pp (llm-foundry: no pipeline parallelism)",
     "tp_nodes": "tp group neither inside one node nor whole nodes",
     "pp_fixed": "pp other than plan.pp",
@@ -56,8 +57,9 @@ RULES = {
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
                    "divisible by pp (framework.interleaved_m_per_pp)",
-    "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
-    "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism",
+    "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages (at dp > 1: at dp = 1 every stage "
+            "runs the same, rule zero_dp1 keeps one)",
+    "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism (at dp > 1)",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
     "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
@@ -294,8 +296,8 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = {k: v[x["row"]] for k, v in t.items()}
     t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"], offload=x["offload"])
     drops.weight = 1
-    t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
-    t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
+    t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages) | (t["dp"] == 1))
+    t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages) | (t["dp"] == 1))
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = t["zb"] & (t["pp"] > 1)

@@ -104,21 +104,22 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
                            sp: bool = False, tp: int = 1, cp: int = 1, ep: int = 1,
-                           layer_split: tuple = ()) -> list[str]:
+                           layer_split: tuple = (), dp: int = 2, moe: bool = False) -> list[str]:
     """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
     parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
     framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
     (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp, tp, cp and ep up to framework.max_pp,
-    max_tp, max_cp and max_ep, and with framework.even_layer_split an even ``layer_split`` (blocks per stage).
-    One line each, with the nearest that works (e.g. framework=deepspeed: no ZeRO-2/3
-    under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
-    degrees = _degree_problem(fw, pp, tp, schedule, cp, ep)
+    max_tp (framework.moe_max_tp too for a model with experts, ``moe``), max_cp and max_ep, and with
+    framework.even_layer_split an even ``layer_split`` (blocks per stage). The ZeRO stage is not checked at dp = 1
+    (nothing is sharded: every stage runs the same). One line each, with the nearest that works (e.g.
+    framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
+    degrees = _degree_problem(fw, pp, tp, schedule, cp, ep, moe)
     if degrees:
         return degrees  # the pipeline rules below would name a layout it does not run at all
     out = []
     stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
-    if stages and zero_stage not in stages:
+    if stages and zero_stage not in stages and dp > 1:
         key, under = ("pp_zero_stages", " with pp > 1") if pp > 1 else ("zero_stages", "")
         near = max((z for z in stages if z <= zero_stage), default=stages[0])
         out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
@@ -150,15 +151,19 @@ def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
             f"dividing {n} (such as {even} stages), or framework=megatron (lighter first and last stages)."]
 
 
-def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: int = 1, ep: int = 1) -> list[str]:
-    """pp, tp, cp or ep above framework.max_pp, max_tp, max_cp or max_ep: one line naming the framework, the
-    degrees that work and a profile that runs the layout given."""
-    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, fw.max_tp), ("cp", cp, fw.max_cp),
+def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: int = 1, ep: int = 1,
+                    moe: bool = False) -> list[str]:
+    """pp, tp, cp or ep above framework.max_pp, max_tp (moe_max_tp for a model with experts), max_cp or max_ep: one
+    line naming the framework, the degrees that work and a profile that runs the layout given."""
+    moe_tp = moe and fw.moe_max_tp is not None and (fw.max_tp is None or fw.moe_max_tp < fw.max_tp)
+    max_tp = fw.moe_max_tp if moe_tp else fw.max_tp
+    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, max_tp), ("cp", cp, fw.max_cp),
                                           ("ep", ep, fw.max_ep)) if lim is not None and v > lim]
     if not over:
         return []
     given = " and ".join(f"parallel.{k}={v}" for k, v, _ in over)
-    limits = ", ".join(f"framework.max_{k}={lim}" for k, _, lim in over)
+    limits = ", ".join(f"framework.{'moe_' if k == 'tp' and moe_tp else ''}max_{k}={lim}"
+                       + (" for a model with experts" if k == "tp" and moe_tp else "") for k, _, lim in over)
     fix = " ".join(f"parallel.{k}={lim}" for k, _, lim in over)
     others = sorted((n for n in frameworks_running(schedule) if n not in (fw.name, "xpar")),
                     key=lambda n: n != "torchtitan") or ["xpar"]  # torchtitan: torch's FSDP with tp and pp
