@@ -24,6 +24,8 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
      "parallel.recompute=selective", "parallel.sequence_parallel=true", "parallel.schedule=gpipe"),  # the same under
     # GPipe, for profiles without 1F1B (maxtext: gpipe, looped_bfs)
     ("parallel.zero_stage=3", "parallel.recompute=selective"),  # selective without tp or pp (llmfoundry: FSDP only)
+    ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=2", "parallel.micro_batches=8",
+     "parallel.recompute=selective", "parallel.sequence_parallel=true"),  # tp and pp under FSDP (torchtitan: DDP alone)
 )
 
 
@@ -257,7 +259,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
     from xpar.estimate.memory.per_device import memory
     from xpar.estimate.memory.model_states import held_numel, state_widths
 
-    _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:])
+    ddp = ("framework.ddp_alone=false",) if name == "torchtitan" else ()  # its DDP runs alone: the formula at tp 8
+    _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:], *ddp)
     a = assumptions_for(spec)
     assert a.replicated_embedding_grad is replicated
     sharded = held_numel(spec, 0, 0, a.zero1, replicated_embedding_grad=False)["grads"]

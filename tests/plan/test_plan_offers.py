@@ -63,3 +63,18 @@ def test_the_zero_stage_is_not_checked_at_dp_1():
     r = search(inputs_of("model=7b", "hardware=h100_80gb_8gpu", "framework=fsdp2_bf16", "plan.global_batch_size=64",
                          "plan.recompute=[none]")).res
     assert np.any(r["dp"] == 1) and (r["zero"][r["dp"] == 1] == 0).all() and (r["zero"][r["dp"] > 1] == 3).all()
+
+
+def test_torchtitan_runs_ddp_only_without_other_parallelism():
+    """torchtitan's DDP runs on a 1-D device mesh (framework.ddp_alone): the plan has no ZeRO-0 layout at dp > 1 with
+    tp, pp or cp > 1, keeps ZeRO-0 at tp = pp = cp = 1, and validation refuses tp 2 with ZeRO-0 in one line; MaxText
+    (JAX meshes) keeps it."""
+    r = search(inputs_of("model=7b", "hardware=h100_80gb_8gpu", "framework=torchtitan", "plan.global_batch_size=64",
+                         "plan.recompute=[none]")).res
+    ddp = (r["zero"] == 0) & (r["dp"] > 1)
+    assert ddp.any() and (r["tp"][ddp] * r["pp"][ddp] * r["cp"][ddp] == 1).all()
+    base = ("model=7b", "hardware=h100_80gb_8gpu", "train=cluster", "tracking=off", "run.mode=estimate",
+            "parallel.zero_stage=0", "parallel.tp=2")
+    with pytest.raises(ConfigError, match=r"does not run parallel.zero_stage=0 \(DDP\).*got tp=2 pp=1 cp=1 ep=1; e\.g\. parallel\.zero_stage=2"):
+        validate(compose(*base, "framework=torchtitan"))
+    assert validate(compose(*base, "framework=maxtext")).layout.dp == 4

@@ -315,6 +315,10 @@ class FrameworkConfig:
     fsdp2_bf16.yaml): 1, nemo_automodel/components/moe/parallelizer.py ``parallelize_model`` asserts the tp mesh has
     size 1 ("Tensor parallelism not supported for DeepSeek v3 model", @89e3a9fd, 2025-10; "for custom MoE models"
     since)."""
+    ddp_alone: bool = False
+    """Whether its ZeRO-0 (DDP) runs at dp > 1 only with no other parallelism (tp = pp = cp = ep = 1; validation and
+    ``xpar plan``). torchtitan 2024-25: torchtitan/models/llama3/parallelize_llama.py ``parallelize_llama`` raises
+    "DDP has not supported > 1D parallelism" where the device mesh has more than the dp_replicate dimension."""
     even_layer_split: bool = False
     """Whether the framework needs the layers split evenly over the pp x v pipeline stages (n_layers divisible by
     pp x v: Megatron-LM 2021-22, megatron/model/transformer.py); false: ``xpar plan`` also splits them with lighter

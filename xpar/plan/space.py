@@ -60,6 +60,8 @@ RULES = {
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages (at dp > 1: at dp = 1 every stage "
             "runs the same, rule zero_dp1 keeps one)",
     "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism (at dp > 1)",
+    "ddp_alone": "ZeRO-0 (DDP) at dp > 1 beside tp, pp, cp or ep, which the framework refuses (framework.ddp_alone: "
+                 "torchtitan's DDP runs on a 1-D device mesh only)",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
     "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
@@ -123,6 +125,8 @@ class Constraints:
     """Largest context-parallel degree the framework runs (framework.max_cp); None: any."""
     max_ep: Optional[int] = None
     """Largest expert-parallel degree the framework runs (framework.max_ep); None: any."""
+    ddp_alone: bool = False
+    """Whether ZeRO-0 at dp > 1 needs tp = pp = cp = ep = 1 (framework.ddp_alone: torchtitan)."""
     even_split: bool = False
     """Whether the framework splits the layers evenly over the pp x v stages only (framework.even_layer_split)."""
     kv_replicate: bool = False
@@ -298,6 +302,8 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages) | (t["dp"] == 1))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages) | (t["dp"] == 1))
+    alone = (t["tp"] * t["pp"] * t["cp"] * t["ep"] == 1) | (t["zero"] > 0) | (t["dp"] == 1)
+    t = drops.apply(t, "ddp_alone", alone | ~np.bool_(c.ddp_alone))
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = t["zb"] & (t["pp"] > 1)

@@ -111,7 +111,8 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
     framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
     (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp, tp, cp and ep up to framework.max_pp,
     max_tp (framework.moe_max_tp too for a model with experts, ``moe``), max_cp and max_ep, and with
-    framework.even_layer_split an even ``layer_split`` (blocks per stage). The ZeRO stage is not checked at dp = 1
+    framework.even_layer_split an even ``layer_split`` (blocks per stage), with framework.ddp_alone ZeRO-0 at dp > 1
+    beside no other parallelism. The ZeRO stage is not checked at dp = 1
     (nothing is sharded: every stage runs the same). One line each, with the nearest that works (e.g.
     framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
     degrees = _degree_problem(fw, pp, tp, schedule, cp, ep, moe)
@@ -124,6 +125,8 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
         near = max((z for z in stages if z <= zero_stage), default=stages[0])
         out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
                    f"{hydra_text(stages)}); e.g. parallel.zero_stage={near}, or framework=xpar (runs every stage).")
+    if fw.ddp_alone and zero_stage == 0 and dp > 1 and tp * pp * cp * ep > 1:
+        out.append(_ddp_alone_line(fw.name, stages, tp=tp, pp=pp, cp=cp, ep=ep))
     if pp > 1 and fw.schedules and schedule not in fw.schedules:
         first = fw.schedules[0]
         fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
@@ -138,6 +141,14 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out + _even_split_problem(fw, layer_split)
+
+
+def _ddp_alone_line(name: str, stages: list, **degrees: int) -> str:
+    """ZeRO-0 at dp > 1 beside other parallelism under framework.ddp_alone (torchtitan: DDP on a 1-D mesh only)."""
+    given = " ".join(f"{k}={v}" for k, v in degrees.items())
+    return (f"framework={name} does not run parallel.zero_stage=0 (DDP) at dp > 1 beside other parallelism "
+            f"(framework.ddp_alone: DDP on a 1-D device mesh only), got {given}; e.g. parallel.zero_stage="
+            f"{min((z for z in stages if z > 0), default=3)} (FSDP), or framework=xpar.")
 
 
 def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
