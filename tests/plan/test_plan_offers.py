@@ -78,3 +78,16 @@ def test_torchtitan_runs_ddp_only_without_other_parallelism():
     with pytest.raises(ConfigError, match=r"does not run parallel.zero_stage=0 \(DDP\).*got tp=2 pp=1 cp=1 ep=1; e\.g\. parallel\.zero_stage=2"):
         validate(compose(*base, "framework=torchtitan"))
     assert validate(compose(*base, "framework=maxtext")).layout.dp == 4
+
+
+def test_torchtitan_tp_always_carries_sequence_parallelism():
+    """torchtitan's apply_tp puts SequenceParallel on the norms whenever tp > 1 (framework.sequence_parallel [true]):
+    every plan layout with tp > 1 has sp, tp-1 layouts none; validation refuses tp 2 without sp and takes tp 1."""
+    r = search(inputs_of("model=7b", "hardware=h100_80gb_8gpu", "framework=torchtitan", "plan.global_batch_size=64",
+                         "plan.recompute=[none]")).res
+    assert (r["tp"] > 1).any() and r["sp"][r["tp"] > 1].all() and not r["sp"][r["tp"] == 1].any()
+    base = ("model=7b", "hardware=h100_80gb_8gpu", "train=cluster", "tracking=off", "run.mode=estimate",
+            "framework=torchtitan", "parallel.zero_stage=3")
+    with pytest.raises(ConfigError, match=r"does not run parallel.sequence_parallel=false"):
+        validate(compose(*base, "parallel.tp=2"))
+    assert validate(compose(*base)).layout.tp == 1

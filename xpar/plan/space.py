@@ -67,7 +67,8 @@ RULES = {
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
     "recompute": "recompute policy not in plan.recompute",
-    "sequence_parallel": "sequence parallelism not in plan.sequence_parallel",
+    "sequence_parallel": "sequence parallelism (at tp > 1) not in plan.sequence_parallel or the framework's "
+                         "framework.sequence_parallel (torchtitan: always on with tp)",
     "selective_zb": "selective (op-level) recompute with a zero-bubble schedule (torch refuses its split backward)",
     "offload": "optimizer offload the framework does not run (framework.offload), or not in plan.offload",
     "offload_hw": "optimizer offload on hardware without PCIe and host-memory figures (hardware.pcie_gb_per_s, "
@@ -311,7 +312,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
     t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
-    t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel))
+    t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel) | (t["tp"] == 1))
     t = drops.apply(t, "selective_zb", ~(t["zb"] & np.isin(t["recompute"], ("selective",) + SAC_POLICIES)))
     t = drops.apply(t, "offload", ~t["offload"] | bool(True in c.offload))
     t = drops.apply(t, "offload", t["offload"] | bool(False in c.offload))

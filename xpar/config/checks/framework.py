@@ -136,7 +136,7 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"{hydra_text(list(fw.schedules))}); e.g. {fix}{alt}.")
     if pp > 1 and schedule == "interleaved_1f1b":
         out += _interleaved_problems(fw, pp, m)
-    if sp not in list(fw.sequence_parallel):
+    if sp not in list(fw.sequence_parallel) and (sp or tp > 1):  # tp 1: nothing to shard, sp false runs anywhere
         out.append(f"framework={fw.name} does not run parallel.sequence_parallel={hydra_text(sp)} (framework."
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
