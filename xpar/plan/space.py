@@ -303,8 +303,9 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages) | (t["dp"] == 1))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages) | (t["dp"] == 1))
-    alone = (t["tp"] * t["pp"] * t["cp"] * t["ep"] == 1) | (t["zero"] > 0) | (t["dp"] == 1)
-    t = drops.apply(t, "ddp_alone", alone | ~np.bool_(c.ddp_alone))
+    if c.ddp_alone:  # a rule only some profiles have: no pass over the table without it
+        alone = (t["tp"] * t["pp"] * t["cp"] * t["ep"] == 1) | (t["zero"] > 0) | (t["dp"] == 1)
+        t = drops.apply(t, "ddp_alone", alone)
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = t["zb"] & (t["pp"] > 1)
