@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from xpar.config.attention import KV_OVER_TP
 from xpar.config.layout import MICROBATCH_RULES, SCHEDULES
-from xpar.config.presets import conf_dir
+from xpar.config.presets import conf_dir, load_preset
 from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
@@ -104,7 +104,7 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
                            sp: bool = False, tp: int = 1, cp: int = 1, ep: int = 1,
-                           layer_split: tuple = (), dp: int = 2, moe: bool = False) -> list[str]:
+                           layer_split: tuple = (), dp: int = 2, moe: bool = False, suggest: bool = True) -> list[str]:
     """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
     parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
@@ -115,7 +115,9 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
     beside no other parallelism. The ZeRO stage is not checked at dp = 1
     (nothing is sharded: every stage runs the same). One line each, with the nearest that works (e.g.
     framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
-    degrees = _degree_problem(fw, pp, tp, schedule, cp, ep, moe)
+    layout = dict(zero_stage=zero_stage, pp=pp, schedule=schedule, m=m, sp=sp, tp=tp, cp=cp, ep=ep,
+                  layer_split=layer_split, dp=dp, moe=moe)
+    degrees = _degree_problem(fw, layout, suggest)
     if degrees:
         return degrees  # the pipeline rules below would name a layout it does not run at all
     out = []
@@ -162,10 +164,11 @@ def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
             f"dividing {n} (such as {even} stages), or framework=megatron (lighter first and last stages)."]
 
 
-def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: int = 1, ep: int = 1,
-                    moe: bool = False) -> list[str]:
-    """pp, tp, cp or ep above framework.max_pp, max_tp (moe_max_tp for a model with experts), max_cp or max_ep: one
-    line naming the framework, the degrees that work and a profile that runs the layout given."""
+def _degree_problem(fw: FrameworkConfig, layout: dict, suggest: bool = True) -> list[str]:
+    """pp, tp, cp or ep of ``layout`` (check_framework_layout's arguments) above framework.max_pp, max_tp (moe_max_tp
+    for a model with experts), max_cp or max_ep: one line naming the framework, the degrees that work and (with
+    ``suggest``) a profile that runs the whole layout given (torchtitan first, else xpar)."""
+    pp, tp, cp, ep, moe = (layout[k] for k in ("pp", "tp", "cp", "ep", "moe"))
     moe_tp = moe and fw.moe_max_tp is not None and (fw.max_tp is None or fw.moe_max_tp < fw.max_tp)
     max_tp = fw.moe_max_tp if moe_tp else fw.max_tp
     over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, max_tp), ("cp", cp, fw.max_cp),
@@ -176,11 +179,19 @@ def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: in
     limits = ", ".join(f"framework.{'moe_' if k == 'tp' and moe_tp else ''}max_{k}={lim}"
                        + (" for a model with experts" if k == "tp" and moe_tp else "") for k, _, lim in over)
     fix = " ".join(f"parallel.{k}={lim}" for k, _, lim in over)
-    others = sorted((n for n in frameworks_running(schedule) if n not in (fw.name, "xpar")),
-                    key=lambda n: n != "torchtitan") or ["xpar"]  # torchtitan: torch's FSDP with tp and pp
+    others = sorted((n for n in frameworks_running(layout["schedule"]) if n not in (fw.name, "xpar")),
+                    key=lambda n: n != "torchtitan")  # torchtitan: torch's FSDP with tp and pp
+    other = next((n for n in others if suggest and _runs_layout(n, layout)), "xpar")
     return [f"framework={fw.name} does not run {given} ({limits}: the layouts it runs); e.g. {fix} "
             f"parallel.dp=auto parallel.micro_batches=auto (more data parallelism, ZeRO via parallel.zero_stage), "
-            f"or framework={others[0]} (it runs {given})."]
+            f"or framework={other} (it runs {given})."]
+
+
+def _runs_layout(name: str, layout: dict) -> bool:
+    """Whether profile ``name`` (conf/framework/<name>.yaml) runs ``layout`` whole: its ZeRO stage, sequence
+    parallelism and schedule too (torchtitan: DDP alone, sp with tp), not only the degrees."""
+    fw = FrameworkConfig(**OmegaConf.to_container(load_preset("framework", name), resolve=True))
+    return not check_framework_layout(fw, suggest=False, **layout)
 
 
 def frameworks_running(schedule: str) -> list[str]:
