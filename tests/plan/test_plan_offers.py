@@ -91,3 +91,17 @@ def test_torchtitan_tp_always_carries_sequence_parallelism():
     with pytest.raises(ConfigError, match=r"does not run parallel.sequence_parallel=false"):
         validate(compose(*base, "parallel.tp=2"))
     assert validate(compose(*base)).layout.tp == 1
+
+
+def test_megatron_core_runs_tp_with_ep_only_with_sequence_parallelism():
+    """Megatron-Core's TransformerConfig refuses tp > 1 with ep > 1 without sp (framework.tp_ep_needs_sp): no such
+    plan layout for Qwen3-30B-A3B on 8 H100, tp > 1 without sp kept at ep 1; validation refuses tp 2 ep 2 without sp."""
+    r = search(inputs_of("model=qwen3_30b_a3b", "hardware=h100_80gb_8gpu", "framework=megatron_core",
+                         "plan.global_batch_size=64", "plan.recompute=[full]")).res
+    both = (r["tp"] > 1) & (r["ep"] > 1)
+    assert both.any() and r["sp"][both].all() and (~r["sp"][(r["tp"] > 1) & (r["ep"] == 1)]).any()
+    base = ("model=qwen3_30b_a3b", "hardware=h100_80gb_8gpu", "train=cluster", "tracking=off", "run.mode=estimate",
+            "framework=megatron_core", "parallel.tp=2", "parallel.ep=2", "parallel.recompute=full")
+    with pytest.raises(ConfigError, match=r"does not run parallel.tp=2 with parallel.ep=2 without sequence parallelism"):
+        validate(compose(*base))
+    assert validate(compose(*base, "parallel.sequence_parallel=true")).layout.ep == 2

@@ -315,6 +315,10 @@ class FrameworkConfig:
     fsdp2_bf16.yaml): 1, nemo_automodel/components/moe/parallelizer.py ``parallelize_model`` asserts the tp mesh has
     size 1 ("Tensor parallelism not supported for DeepSeek v3 model", @89e3a9fd, 2025-10; "for custom MoE models"
     since)."""
+    tp_ep_needs_sp: bool = False
+    """Whether tp > 1 with ep > 1 runs only with sequence parallelism (validation and ``xpar plan``). Megatron-Core:
+    megatron/core/transformer/transformer_config.py ``TransformerConfig.__post_init__`` raises "When using expert
+    parallelism and tensor parallelism, sequence parallelism must be used"."""
     ddp_alone: bool = False
     """Whether its ZeRO-0 (DDP) runs at dp > 1 only with no other parallelism (tp = pp = cp = ep = 1; validation and
     ``xpar plan``). torchtitan 2024-25: torchtitan/models/llama3/parallelize_llama.py ``parallelize_llama`` raises

@@ -248,6 +248,7 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
                     max_pp=framework.get("max_pp"), max_cp=framework.get("max_cp"), max_ep=framework.get("max_ep"),
                     even_split=bool(framework.get("even_layer_split", False)),
                     ddp_alone=bool(framework.get("ddp_alone", False)),
+                    tp_ep_needs_sp=bool(framework.get("tp_ep_needs_sp", False)),
                     schedules=tuple(p.schedules or framework.get("plan_schedules") or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),

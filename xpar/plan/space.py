@@ -60,6 +60,8 @@ RULES = {
     "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages (at dp > 1: at dp = 1 every stage "
             "runs the same, rule zero_dp1 keeps one)",
     "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism (at dp > 1)",
+    "tp_ep_sp": "tp > 1 with ep > 1 without sequence parallelism, which the framework refuses (framework.tp_ep_needs_sp: "
+                "Megatron-Core's TransformerConfig)",
     "ddp_alone": "ZeRO-0 (DDP) at dp > 1 beside tp, pp, cp or ep, which the framework refuses (framework.ddp_alone: "
                  "torchtitan's DDP runs on a 1-D device mesh only)",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
@@ -126,6 +128,8 @@ class Constraints:
     """Largest context-parallel degree the framework runs (framework.max_cp); None: any."""
     max_ep: Optional[int] = None
     """Largest expert-parallel degree the framework runs (framework.max_ep); None: any."""
+    tp_ep_needs_sp: bool = False
+    """Whether tp > 1 with ep > 1 needs sequence parallelism (framework.tp_ep_needs_sp: Megatron-Core)."""
     ddp_alone: bool = False
     """Whether ZeRO-0 at dp > 1 needs tp = pp = cp = ep = 1 (framework.ddp_alone: torchtitan)."""
     even_split: bool = False
@@ -303,7 +307,9 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     drops.weight = 1
     t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages) | (t["dp"] == 1))
     t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages) | (t["dp"] == 1))
-    if c.ddp_alone:  # a rule only some profiles have: no pass over the table without it
+    if c.tp_ep_needs_sp:  # rules only some profiles have: no pass over the table without them
+        t = drops.apply(t, "tp_ep_sp", t["sp"] | (t["tp"] == 1) | (t["ep"] == 1))
+    if c.ddp_alone:
         alone = (t["tp"] * t["pp"] * t["cp"] * t["ep"] == 1) | (t["zero"] > 0) | (t["dp"] == 1)
         t = drops.apply(t, "ddp_alone", alone)
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)

@@ -112,7 +112,7 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
     (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp, tp, cp and ep up to framework.max_pp,
     max_tp (framework.moe_max_tp too for a model with experts, ``moe``), max_cp and max_ep, and with
     framework.even_layer_split an even ``layer_split`` (blocks per stage), with framework.ddp_alone ZeRO-0 at dp > 1
-    beside no other parallelism. The ZeRO stage is not checked at dp = 1
+    beside no other parallelism, with framework.tp_ep_needs_sp sp wherever tp > 1 and ep > 1. The ZeRO stage is not checked at dp = 1
     (nothing is sharded: every stage runs the same). One line each, with the nearest that works (e.g.
     framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
     layout = dict(zero_stage=zero_stage, pp=pp, schedule=schedule, m=m, sp=sp, tp=tp, cp=cp, ep=ep,
@@ -127,8 +127,7 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
         near = max((z for z in stages if z <= zero_stage), default=stages[0])
         out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
                    f"{hydra_text(stages)}); e.g. parallel.zero_stage={near}, or framework=xpar (runs every stage).")
-    if fw.ddp_alone and zero_stage == 0 and dp > 1 and tp * pp * cp * ep > 1:
-        out.append(_ddp_alone_line(fw.name, stages, tp=tp, pp=pp, cp=cp, ep=ep))
+    out += _pairing_problems(fw, layout, stages)
     if pp > 1 and fw.schedules and schedule not in fw.schedules:
         first = fw.schedules[0]
         fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
@@ -143,6 +142,19 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out + _even_split_problem(fw, layer_split)
+
+
+def _pairing_problems(fw: FrameworkConfig, layout: dict, stages: list) -> list[str]:
+    """Degrees a profile runs only together: ZeRO-0 at dp > 1 alone (framework.ddp_alone), tp > 1 with ep > 1 only
+    with sequence parallelism (framework.tp_ep_needs_sp)."""
+    tp, pp, cp, ep, dp, sp = (layout[k] for k in ("tp", "pp", "cp", "ep", "dp", "sp"))
+    out = []
+    if fw.ddp_alone and layout["zero_stage"] == 0 and dp > 1 and tp * pp * cp * ep > 1:
+        out.append(_ddp_alone_line(fw.name, stages, tp=tp, pp=pp, cp=cp, ep=ep))
+    if fw.tp_ep_needs_sp and tp > 1 and ep > 1 and not sp:
+        out.append(f"framework={fw.name} does not run parallel.tp={tp} with parallel.ep={ep} without sequence "
+                   f"parallelism (framework.tp_ep_needs_sp); e.g. parallel.sequence_parallel=true, or framework=xpar.")
+    return out
 
 
 def _ddp_alone_line(name: str, stages: list, **degrees: int) -> str:
