@@ -24,6 +24,8 @@ LAYOUTS = (  # (overrides): dp, ZeRO-1/2/3, tp, pp, sp on a 64-GPU A100 cluster
      "parallel.recompute=selective", "parallel.sequence_parallel=true", "parallel.schedule=gpipe"),  # the same under
     # GPipe, for profiles without 1F1B (maxtext: gpipe, looped_bfs)
     ("parallel.zero_stage=3", "parallel.recompute=selective"),  # selective without tp or pp (llmfoundry: FSDP only)
+    ("parallel.tp=8", "parallel.pp=2", "parallel.zero_stage=2", "parallel.micro_batches=8",
+     "parallel.recompute=selective", "parallel.sequence_parallel=true"),  # tp and pp under FSDP (torchtitan: DDP alone)
 )
 
 
@@ -257,7 +259,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
     from xpar.estimate.memory.per_device import memory
     from xpar.estimate.memory.model_states import held_numel, state_widths
 
-    _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:])
+    ddp = ("framework.ddp_alone=false",) if name == "torchtitan" else ()  # its DDP runs alone: the formula at tp 8
+    _, spec = _spec(name, *LAYOUTS[4][:2], "parallel.zero_stage=0", *LAYOUTS[4][3:], *ddp)
     a = assumptions_for(spec)
     assert a.replicated_embedding_grad is replicated
     sharded = held_numel(spec, 0, 0, a.zero1, replicated_embedding_grad=False)["grads"]
@@ -269,7 +272,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
 def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     """The NeMo H100 recipes (tests/data/dgxc_nemo_h100_bf16.csv) are estimated with the megatron_core
     profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap, TE's p2p cp ring, its
-    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, Megatron-FSDP's zero-copy buffers."""
+    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, Megatron-FSDP's zero-copy buffers (and
+    Megatron-Core's layout rule tp_ep_needs_sp, which prices nothing)."""
     from dataclasses import replace
 
     from xpar.calibrate.published import DGXC_TP_OVERLAP
@@ -284,4 +288,4 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
                    pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, dp_overlap_per_chunk=True,
                    expert_gemm_call_us=70.0, host_op_us=40.0, sink_attention="fused", bucket_rule="megatron_core",
                    head_unit_last=True, cp_comm="p2p", attention_kernel="cudnn", cp_attention_merge="bf16",
-                   fsdp_copies="none") == core
+                   fsdp_copies="none", tp_ep_needs_sp=True) == core

@@ -53,11 +53,15 @@ def test_round_robin_gate_cuts_the_all_to_alls_only():
     assert rr.memory.total == learned.memory.total
 
 
+AUTOMODEL = dict(max_tp=1, zero_stages=(3,), pp_zero_stages=(2, 3))
+"""What fsdp2_bf16 runs for a MoE model (conf/framework/fsdp2_bf16.yaml: moe_max_tp, zero_stages, pp_zero_stages)."""
+
+
 def test_round_robin_candidates_equal_the_scalar_estimate():
     """The planner prices the gate as the estimate does (relative 1e-9) on sampled ep candidates."""
     ctx = context("qwen3_30b_a3b", "h100_80gb_8gpu", 4096, "fsdp2_bf16")
     ctx.model["moe_routing"] = "round_robin"
-    space = space_of(ctx, Constraints(global_batch=(512, 512), ep=(2, 8)))
+    space = space_of(ctx, Constraints(global_batch=(512, 512), ep=(2, 8), **AUTOMODEL))
     res = assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["ep"] > 1, 4, 3))
     assert (np.asarray(res["time_ep_comm"]) > 0).all()
 
@@ -101,5 +105,5 @@ def test_shared_expert_overlap_candidates_equal_the_scalar_estimate():
     DeepSeek-V2-Lite under fsdp2_bf16 with the round-robin gate."""
     ctx = context("deepseek_v2_lite", "h100_80gb_8gpu", 4096, "fsdp2_bf16")
     ctx.model["moe_routing"] = "round_robin"
-    space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(2, 8)))
+    space = space_of(ctx, Constraints(global_batch=(64, 64), ep=(2, 8), **AUTOMODEL))
     assert_equal_to_scalar(ctx, _sample(space.cols, space.cols["ep"] > 1, 4, 5))

@@ -71,8 +71,13 @@ def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
 
 
 def _framework_runs(ctx: PlanContext, r: dict) -> bool:
-    """Megatron-LM's interleaving rules (framework.interleaved_min_pp, interleaved_m_per_pp)."""
+    """Megatron-LM's interleaving rules (framework.interleaved_min_pp, interleaved_m_per_pp); torchtitan's DDP alone
+    (framework.ddp_alone) and sp with every tp (framework.sequence_parallel [true])."""
     fw, pp = ctx.framework, r["pp"]
+    if fw.get("ddp_alone") and r["zero"] == 0 and r["dp"] > 1 and r["tp"] * pp > 1:
+        return False
+    if r["tp"] > 1 and r["sp"] not in [bool(x) for x in fw.get("sequence_parallel", [False, True])]:
+        return False
     if r["schedule"] != "interleaved_1f1b" or pp == 1:
         return True
     return pp >= fw.get("interleaved_min_pp", 2) and not (fw.get("interleaved_m_per_pp") and r["m"] % pp)
@@ -160,7 +165,8 @@ def framework_constraints(fw: dict, batch: int) -> Constraints:
                        pp_zero_stages=tuple(fw["pp_zero_stages"]), schedules=tuple(fw["schedules"]),
                        interleaved_min_pp=fw["interleaved_min_pp"], interleaved_m_per_pp=fw["interleaved_m_per_pp"],
                        recompute=tuple(fw["recompute"] or ("none", "selective", "full")),
-                       sequence_parallel=tuple(fw["sequence_parallel"]), max_micro_batch_size=2)
+                       sequence_parallel=tuple(fw["sequence_parallel"]), max_micro_batch_size=2,
+                       ddp_alone=bool(fw["ddp_alone"]))
 
 
 def uneven_candidates(ctx: PlanContext, per_schedule: int, seed: int, batch: int = 64) -> dict[str, np.ndarray]:

@@ -57,8 +57,12 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
         return None  # Megatron-LM's interleaving rules (framework.interleaved_*)
     zero = zero_stage_run(schedule, pp, int(rng.choice(fw["pp_zero_stages" if pp > 1 else "zero_stages"])))
     recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else list(RECOMPUTE)))  # SAC
+    if fw.get("ddp_alone") and zero == 0 and tp * pp > 1 or tp > (fw.get("moe_max_tp") or tp) and mdl.get("n_experts"):
+        return None  # torchtitan's DDP runs alone (framework.ddp_alone); AutoModel's MoE runs tp 1 (moe_max_tp)
+    sp_runs = [bool(x) for x in fw.get("sequence_parallel", [False, True])]  # torchtitan: [true], sp with every tp
+    sp = tp > 1 and (rng.random() < 0.5 or sp_runs == [True]) and True in sp_runs
     return (tp, pp, world // (tp * pp), int(rng.choice([1, 2, 4])), m, int(rng.choice(vs)), schedule, zero,
-            bool(tp > 1 and rng.random() < 0.5), recompute, bool(rng.random() < 0.5))
+            bool(sp), recompute, bool(rng.random() < 0.5))
 
 
 def random_candidates(ctx: PlanContext, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:

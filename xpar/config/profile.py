@@ -329,6 +329,20 @@ class FrameworkConfig:
     max_ep: Optional[int] = None
     """Largest expert-parallel degree the framework runs (validation and ``xpar plan``); null: any. Megatron-LM before
     its --expert-model-parallel-size (2023-10, conf/framework/megatron_2021.yaml): 1."""
+    moe_max_tp: Optional[int] = None
+    """Largest tensor-parallel degree the framework runs for a model with routed experts (model.n_experts; validation
+    and ``xpar plan``, beside ``max_tp``); null: as a dense model. NeMo AutoModel's MoE models (conf/framework/
+    fsdp2_bf16.yaml): 1, nemo_automodel/components/moe/parallelizer.py ``parallelize_model`` asserts the tp mesh has
+    size 1 ("Tensor parallelism not supported for DeepSeek v3 model", @89e3a9fd, 2025-10; "for custom MoE models"
+    since)."""
+    tp_ep_needs_sp: bool = False
+    """Whether tp > 1 with ep > 1 runs only with sequence parallelism (validation and ``xpar plan``). Megatron-Core:
+    megatron/core/transformer/transformer_config.py ``TransformerConfig.__post_init__`` raises "When using expert
+    parallelism and tensor parallelism, sequence parallelism must be used"."""
+    ddp_alone: bool = False
+    """Whether its ZeRO-0 (DDP) runs at dp > 1 only with no other parallelism (tp = pp = cp = ep = 1; validation and
+    ``xpar plan``). torchtitan 2024-25: torchtitan/models/llama3/parallelize_llama.py ``parallelize_llama`` raises
+    "DDP has not supported > 1D parallelism" where the device mesh has more than the dp_replicate dimension."""
     even_layer_split: bool = False
     """Whether the framework needs the layers split evenly over the pp x v pipeline stages (n_layers divisible by
     pp x v: Megatron-LM 2021-22, megatron/model/transformer.py); false: ``xpar plan`` also splits them with lighter

@@ -166,7 +166,8 @@ def validate(cfg: DictConfig | dict | XparConfig, local_devices: Optional[int] =
     problems += target_problems + layout_resolution + layout_problems(c, layout, target.mode, target.world)
     problems += check_framework_layout(c.framework, c.parallel.zero_stage, layout.pp, c.parallel.schedule,
                                        layout.micro_batches, bool(c.parallel.sequence_parallel), layout.tp,
-                                       layout.cp, layout.ep, layout.layer_split if layout.pp > 1 else ())
+                                       layout.cp, layout.ep, layout.layer_split if layout.pp > 1 else (), layout.dp,
+                                       bool(c.model.n_experts))
     problems += estimate_peak_problem(target.hardware, target.mode) + fail_rank_problems(c, layout, target.mode)
     problems += fp8_problems(c.train.dtype, target.hardware, target.mode)
     problems += fp8_recipe_problems(c.train.dtype, c.train.fp8_recipe, target.hardware)

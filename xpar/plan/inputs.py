@@ -242,10 +242,13 @@ def plan_inputs(cfg, overrides: Optional[list[str]] = None) -> tuple[Optional[Pl
     axes, bad_axes = resolve_axes(p, model, int(seq), str(cfg.train.dtype), framework)
     if problems or bad or bad_axes:
         return None, problems + bad + bad_axes
-    tp_limits = [x for x in (p.max_tp, framework.get("max_tp")) if x is not None]
+    moe_tp = framework.get("moe_max_tp") if model.get("n_experts") else None  # framework.moe_max_tp: experts' tp
+    tp_limits = [x for x in (p.max_tp, framework.get("max_tp"), moe_tp) if x is not None]
     c = Constraints(global_batch=batch, max_tp=min(tp_limits) if tp_limits else None, pp=p.pp,
                     max_pp=framework.get("max_pp"), max_cp=framework.get("max_cp"), max_ep=framework.get("max_ep"),
                     even_split=bool(framework.get("even_layer_split", False)),
+                    ddp_alone=bool(framework.get("ddp_alone", False)),
+                    tp_ep_needs_sp=bool(framework.get("tp_ep_needs_sp", False)),
                     schedules=tuple(p.schedules or framework.get("plan_schedules") or framework.get("schedules", SCHEDULES)),
                     zero_stages=tuple(p.zero_stages or framework.get("zero_stages", ZERO_STAGES)),
                     pp_zero_stages=tuple(framework.get("pp_zero_stages", ZERO_STAGES)),

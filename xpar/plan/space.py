@@ -41,7 +41,8 @@ RULES = {
     "fp8_hw": "train.dtype=fp8 on hardware without an FP8 peak (hardware.peak_tflops_fp8)",
     "tp_split": "tp does not divide n_heads, n_kv_heads (nor is a multiple of them, under framework.kv_heads_over_tp="
                 "replicate), ffn_hidden and vocab_size (whole heads per rank)",
-    "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp)",
+    "max_tp": "tp above plan.max_tp (or the framework's framework.max_tp; framework.moe_max_tp for a model with "
+              "experts: NeMo AutoModel's MoE models run tp 1)",
     "max_pp": "pp above the framework's framework.max_pp (llm-foundry: no pipeline parallelism)",
     "tp_nodes": "tp group neither inside one node nor whole nodes",
     "pp_fixed": "pp other than plan.pp",
@@ -56,14 +57,20 @@ RULES = {
     "microbatches": "micro-batch count m the schedule refuses (xpar.config.layout.microbatch_ok)",
     "interleaved": "interleaved 1F1B the framework refuses: pp below framework.interleaved_min_pp, or m not "
                    "divisible by pp (framework.interleaved_m_per_pp)",
-    "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages",
-    "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism",
+    "zero": "ZeRO stage the framework does not run, or not in plan.zero_stages (at dp > 1: at dp = 1 every stage "
+            "runs the same, rule zero_dp1 keeps one)",
+    "zero_pp": "ZeRO stage the framework does not run with pipeline parallelism (at dp > 1)",
+    "tp_ep_sp": "tp > 1 with ep > 1 without sequence parallelism, which the framework refuses (framework.tp_ep_needs_sp: "
+                "Megatron-Core's TransformerConfig)",
+    "ddp_alone": "ZeRO-0 (DDP) at dp > 1 beside tp, pp, cp or ep, which the framework refuses (framework.ddp_alone: "
+                 "torchtitan's DDP runs on a 1-D device mesh only)",
     "zero_dp1": "duplicate: ZeRO stages at dp = 1 shard nothing (stage 0 kept; stage 1 with optimizer offload)",
     "zero_run": "duplicate: ZeRO-3 runs as ZeRO-2 with zero-bubble schedules",
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
     "recompute": "recompute policy not in plan.recompute",
-    "sequence_parallel": "sequence parallelism not in plan.sequence_parallel",
+    "sequence_parallel": "sequence parallelism (at tp > 1) not in plan.sequence_parallel or the framework's "
+                         "framework.sequence_parallel (torchtitan: always on with tp)",
     "selective_zb": "selective (op-level) recompute with a zero-bubble schedule (torch refuses its split backward)",
     "offload": "optimizer offload the framework does not run (framework.offload), or not in plan.offload",
     "offload_hw": "optimizer offload on hardware without PCIe and host-memory figures (hardware.pcie_gb_per_s, "
@@ -121,6 +128,10 @@ class Constraints:
     """Largest context-parallel degree the framework runs (framework.max_cp); None: any."""
     max_ep: Optional[int] = None
     """Largest expert-parallel degree the framework runs (framework.max_ep); None: any."""
+    tp_ep_needs_sp: bool = False
+    """Whether tp > 1 with ep > 1 needs sequence parallelism (framework.tp_ep_needs_sp: Megatron-Core)."""
+    ddp_alone: bool = False
+    """Whether ZeRO-0 at dp > 1 needs tp = pp = cp = ep = 1 (framework.ddp_alone: torchtitan)."""
     even_split: bool = False
     """Whether the framework splits the layers evenly over the pp x v stages only (framework.even_layer_split)."""
     kv_replicate: bool = False
@@ -294,8 +305,13 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = {k: v[x["row"]] for k, v in t.items()}
     t.update(zero=x["zero"], sp=x["sp"], recompute=x["recompute"], offload=x["offload"])
     drops.weight = 1
-    t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages))
-    t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages))
+    t = drops.apply(t, "zero", np.isin(t["zero"], c.zero_stages) | (t["dp"] == 1))
+    t = drops.apply(t, "zero_pp", (t["pp"] == 1) | np.isin(t["zero"], c.pp_zero_stages) | (t["dp"] == 1))
+    if c.tp_ep_needs_sp:  # rules only some profiles have: no pass over the table without them
+        t = drops.apply(t, "tp_ep_sp", t["sp"] | (t["tp"] == 1) | (t["ep"] == 1))
+    if c.ddp_alone:
+        alone = (t["tp"] * t["pp"] * t["cp"] * t["ep"] == 1) | (t["zero"] > 0) | (t["dp"] == 1)
+        t = drops.apply(t, "ddp_alone", alone)
     kept_at_dp1 = np.where(t["offload"], 1, 0)  # offload runs at ZeRO >= 1 (xpar.estimate.memory.offload.offload_problem)
     t = drops.apply(t, "zero_dp1", (t["dp"] > 1) | (t["zero"] == kept_at_dp1) | (t["zero"] == 0))
     zb = t["zb"] & (t["pp"] > 1)
@@ -303,7 +319,7 @@ def _choices(t: dict, seq_len: int, c: Constraints, drops: _Drops) -> dict:
     t = drops.apply(t, "sp_tp1", (t["tp"] > 1) | ~t["sp"])
     t = drops.apply(t, "sp_seq", ~t["sp"] | (seq_len % t["tp"] == 0))
     t = drops.apply(t, "recompute", np.isin(t["recompute"], c.recompute))
-    t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel))
+    t = drops.apply(t, "sequence_parallel", np.isin(t["sp"], c.sequence_parallel) | (t["tp"] == 1))
     t = drops.apply(t, "selective_zb", ~(t["zb"] & np.isin(t["recompute"], ("selective",) + SAC_POLICIES)))
     t = drops.apply(t, "offload", ~t["offload"] | bool(True in c.offload))
     t = drops.apply(t, "offload", t["offload"] | bool(False in c.offload))

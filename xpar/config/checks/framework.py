@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from xpar.config.attention import KV_OVER_TP
 from xpar.config.layout import MICROBATCH_RULES, SCHEDULES
-from xpar.config.presets import conf_dir
+from xpar.config.presets import conf_dir, load_preset
 from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
@@ -111,25 +111,30 @@ def recompute_list_problems(fw: FrameworkConfig) -> list[str]:
 
 def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedule: str, m: int = 1,
                            sp: bool = False, tp: int = 1, cp: int = 1, ep: int = 1,
-                           layer_split: tuple = ()) -> list[str]:
+                           layer_split: tuple = (), dp: int = 2, moe: bool = False, suggest: bool = True) -> list[str]:
     """The layout among what ``framework.name`` runs (its profile's fields, as ``xpar plan`` reads
     them): parallel.zero_stage in framework.zero_stages (framework.pp_zero_stages with pp > 1),
     parallel.schedule in framework.schedules with pp > 1, an interleaved schedule at pp >=
     framework.interleaved_min_pp and, with framework.interleaved_m_per_pp, m divisible by pp
     (Megatron-LM), sequence parallelism in framework.sequence_parallel, pp, tp, cp and ep up to framework.max_pp,
-    max_tp, max_cp and max_ep, and with framework.even_layer_split an even ``layer_split`` (blocks per stage).
-    One line each, with the nearest that works (e.g. framework=deepspeed: no ZeRO-2/3
-    under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
-    degrees = _degree_problem(fw, pp, tp, schedule, cp, ep)
+    max_tp (framework.moe_max_tp too for a model with experts, ``moe``), max_cp and max_ep, and with
+    framework.even_layer_split an even ``layer_split`` (blocks per stage), with framework.ddp_alone ZeRO-0 at dp > 1
+    beside no other parallelism, with framework.tp_ep_needs_sp sp wherever tp > 1 and ep > 1. The ZeRO stage is not checked at dp = 1
+    (nothing is sharded: every stage runs the same). One line each, with the nearest that works (e.g.
+    framework=deepspeed: no ZeRO-2/3 under pp, 1F1B only; framework=llmfoundry: FSDP only, no pp or tp)."""
+    layout = dict(zero_stage=zero_stage, pp=pp, schedule=schedule, m=m, sp=sp, tp=tp, cp=cp, ep=ep,
+                  layer_split=layer_split, dp=dp, moe=moe)
+    degrees = _degree_problem(fw, layout, suggest)
     if degrees:
         return degrees  # the pipeline rules below would name a layout it does not run at all
     out = []
     stages = sorted(fw.pp_zero_stages if pp > 1 else fw.zero_stages)
-    if stages and zero_stage not in stages:
+    if stages and zero_stage not in stages and dp > 1:
         key, under = ("pp_zero_stages", " with pp > 1") if pp > 1 else ("zero_stages", "")
         near = max((z for z in stages if z <= zero_stage), default=stages[0])
         out.append(f"framework={fw.name} does not run parallel.zero_stage={zero_stage}{under} (framework.{key}="
                    f"{hydra_text(stages)}); e.g. parallel.zero_stage={near}, or framework=xpar (runs every stage).")
+    out += _pairing_problems(fw, layout, stages)
     if pp > 1 and fw.schedules and schedule not in fw.schedules:
         first = fw.schedules[0]
         fix = f"parallel.schedule={first} parallel.virtual_stages={SCHEDULES[first].default_virtual_stages()}"
@@ -139,11 +144,32 @@ def check_framework_layout(fw: FrameworkConfig, zero_stage: int, pp: int, schedu
                    f"{hydra_text(list(fw.schedules))}); e.g. {fix}{alt}.")
     if pp > 1 and schedule == "interleaved_1f1b":
         out += _interleaved_problems(fw, pp, m)
-    if sp not in list(fw.sequence_parallel):
+    if sp not in list(fw.sequence_parallel) and (sp or tp > 1):  # tp 1: nothing to shard, sp false runs anywhere
         out.append(f"framework={fw.name} does not run parallel.sequence_parallel={hydra_text(sp)} (framework."
                    f"sequence_parallel={hydra_text(list(fw.sequence_parallel))}); e.g. parallel.sequence_parallel="
                    f"{hydra_text(fw.sequence_parallel[0])}, or framework=xpar.")
     return out + _even_split_problem(fw, layer_split)
+
+
+def _pairing_problems(fw: FrameworkConfig, layout: dict, stages: list) -> list[str]:
+    """Degrees a profile runs only together: ZeRO-0 at dp > 1 alone (framework.ddp_alone), tp > 1 with ep > 1 only
+    with sequence parallelism (framework.tp_ep_needs_sp)."""
+    tp, pp, cp, ep, dp, sp = (layout[k] for k in ("tp", "pp", "cp", "ep", "dp", "sp"))
+    out = []
+    if fw.ddp_alone and layout["zero_stage"] == 0 and dp > 1 and tp * pp * cp * ep > 1:
+        out.append(_ddp_alone_line(fw.name, stages, tp=tp, pp=pp, cp=cp, ep=ep))
+    if fw.tp_ep_needs_sp and tp > 1 and ep > 1 and not sp:
+        out.append(f"framework={fw.name} does not run parallel.tp={tp} with parallel.ep={ep} without sequence "
+                   f"parallelism (framework.tp_ep_needs_sp); e.g. parallel.sequence_parallel=true, or framework=xpar.")
+    return out
+
+
+def _ddp_alone_line(name: str, stages: list, **degrees: int) -> str:
+    """ZeRO-0 at dp > 1 beside other parallelism under framework.ddp_alone (torchtitan: DDP on a 1-D mesh only)."""
+    given = " ".join(f"{k}={v}" for k, v in degrees.items())
+    return (f"framework={name} does not run parallel.zero_stage=0 (DDP) at dp > 1 beside other parallelism "
+            f"(framework.ddp_alone: DDP on a 1-D device mesh only), got {given}; e.g. parallel.zero_stage="
+            f"{min((z for z in stages if z > 0), default=3)} (FSDP), or framework=xpar.")
 
 
 def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
@@ -157,21 +183,34 @@ def _even_split_problem(fw: FrameworkConfig, layer_split: tuple) -> list[str]:
             f"dividing {n} (such as {even} stages), or framework=megatron (lighter first and last stages)."]
 
 
-def _degree_problem(fw: FrameworkConfig, pp: int, tp: int, schedule: str, cp: int = 1, ep: int = 1) -> list[str]:
-    """pp, tp, cp or ep above framework.max_pp, max_tp, max_cp or max_ep: one line naming the framework, the
-    degrees that work and a profile that runs the layout given."""
-    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, fw.max_tp), ("cp", cp, fw.max_cp),
+def _degree_problem(fw: FrameworkConfig, layout: dict, suggest: bool = True) -> list[str]:
+    """pp, tp, cp or ep of ``layout`` (check_framework_layout's arguments) above framework.max_pp, max_tp (moe_max_tp
+    for a model with experts), max_cp or max_ep: one line naming the framework, the degrees that work and (with
+    ``suggest``) a profile that runs the whole layout given (torchtitan first, else xpar)."""
+    pp, tp, cp, ep, moe = (layout[k] for k in ("pp", "tp", "cp", "ep", "moe"))
+    moe_tp = moe and fw.moe_max_tp is not None and (fw.max_tp is None or fw.moe_max_tp < fw.max_tp)
+    max_tp = fw.moe_max_tp if moe_tp else fw.max_tp
+    over = [(k, v, lim) for k, v, lim in (("pp", pp, fw.max_pp), ("tp", tp, max_tp), ("cp", cp, fw.max_cp),
                                           ("ep", ep, fw.max_ep)) if lim is not None and v > lim]
     if not over:
         return []
     given = " and ".join(f"parallel.{k}={v}" for k, v, _ in over)
-    limits = ", ".join(f"framework.max_{k}={lim}" for k, _, lim in over)
+    limits = ", ".join(f"framework.{'moe_' if k == 'tp' and moe_tp else ''}max_{k}={lim}"
+                       + (" for a model with experts" if k == "tp" and moe_tp else "") for k, _, lim in over)
     fix = " ".join(f"parallel.{k}={lim}" for k, _, lim in over)
-    others = sorted((n for n in frameworks_running(schedule) if n not in (fw.name, "xpar")),
-                    key=lambda n: n != "torchtitan") or ["xpar"]  # torchtitan: torch's FSDP with tp and pp
+    others = sorted((n for n in frameworks_running(layout["schedule"]) if n not in (fw.name, "xpar")),
+                    key=lambda n: n != "torchtitan")  # torchtitan: torch's FSDP with tp and pp
+    other = next((n for n in others if suggest and _runs_layout(n, layout)), "xpar")
     return [f"framework={fw.name} does not run {given} ({limits}: the layouts it runs); e.g. {fix} "
             f"parallel.dp=auto parallel.micro_batches=auto (more data parallelism, ZeRO via parallel.zero_stage), "
-            f"or framework={others[0]} (it runs {given})."]
+            f"or framework={other} (it runs {given})."]
+
+
+def _runs_layout(name: str, layout: dict) -> bool:
+    """Whether profile ``name`` (conf/framework/<name>.yaml) runs ``layout`` whole: its ZeRO stage, sequence
+    parallelism and schedule too (torchtitan: DDP alone, sp with tp), not only the degrees."""
+    fw = FrameworkConfig(**OmegaConf.to_container(load_preset("framework", name), resolve=True))
+    return not check_framework_layout(fw, suggest=False, **layout)
 
 
 def frameworks_running(schedule: str) -> list[str]:

@@ -152,6 +152,7 @@ RANGES: dict[str, Range] = {
     "framework.elementwise_passes": Range(1, 20),
     "framework.max_pp": _i(1, null=True), "framework.max_tp": _i(1, null=True),
     "framework.max_cp": _i(1, null=True), "framework.max_ep": _i(1, null=True),
+    "framework.moe_max_tp": _i(1, null=True),
     "framework.grad_reduce_cast_bytes": _i(0, 4), "framework.grad_accum_cast_bytes": _i(0, 4),
 }
 
