@@ -136,3 +136,11 @@ def test_device_memory_changed_on_a_preset_says_which_figures_it_kept_and_names_
                                    "hardware.gpu=A100-SXM4-40GB").notes if n.startswith("hardware.device_memory_gb")]
     assert len(renamed) == 1 and "keeps the preset's hbm_tb_per_s=2.039" in renamed[0]  # the name alone changed
     assert "though hardware.gpu=A100-SXM4-40GB" in renamed[0] and "hardware=a100_40gb_node" in renamed[0]
+
+
+def test_the_500w_h100_runs_its_compute_at_the_clock_its_power_limit_leaves():
+    """torchtitan's 500 W H100 (96 GB HBM2e): compute rates at (500 / 700)^(1/3) of the SXM node's (power ~ f^3),
+    its HBM at its own 2.4 TB/s."""
+    sxm, capped = (load_preset("hardware", n) for n in ("h100_80gb_node", "h100_96gb_500w_node"))
+    assert capped.sustained_efficiency / sxm.sustained_efficiency == pytest.approx((500 / 700) ** (1 / 3), abs=1e-3)
+    assert capped.peak_tflops == sxm.peak_tflops and capped.hbm_tb_per_s == 2.4
