@@ -272,7 +272,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((f"{k} ({split_scope(spec, k)})", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
-                         format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
+                         format_bytes(v) if k.endswith(("_bytes", "_bytes_diff")) else f"{v:.4g}"))
         elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
             label = "UNCALIBRATED hardware=local: xpar calibrate" if spec.hardware.name == "local" else \
                 "own estimate vs measured"
