@@ -118,6 +118,11 @@ def test_a_run_that_ends_early_keeps_its_config_log_and_tracebacks(tmp_path):
         assert "config.yaml" in top and logs == {"logs/xpar.log", "logs/worker_1.traceback.txt"}, (top, logs)
         text = client.download_artifacts(run.info.run_id, "logs/worker_1.traceback.txt", str(tmp_path))
         assert open(text).read() == "Traceback: boom\n"
+    # Ctrl-C's one line names the killed run, what it kept and where (was 'the MLflow run (if any) ended KILLED')
+    from xpar.__main__ import _killed_runs
+    assert _killed_runs().endswith(f"ended KILLED with 0 step(s) recorded, its config and log kept "
+                                   f"(run folder {tmp_path / 'KeyboardInterrupt'})"), _killed_runs()
+    assert _killed_runs().startswith("MLflow run ") and "ValueError" not in _killed_runs()
 
 
 def test_long_params_are_kept_within_mlflow_limits():

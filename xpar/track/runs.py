@@ -333,6 +333,9 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
         except (KeyboardInterrupt, _Terminated):
             record_run_files(recorder, out_dir)
             _end(recorder, "KILLED")
+            KILLED_RUNS.append(f"MLflow run {exp_id}/{run.info.run_id} ended KILLED with "
+                               f"{recorder.journal.steps_journaled()} step(s) recorded, its config and log kept "
+                               f"(run folder {out_dir})")
             raise KeyboardInterrupt from None
         except BaseException as e:
             if isinstance(e, Exception):  # why, on the run (a SystemExit's line is already on the console)
@@ -343,6 +346,10 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
         else:
             _end(recorder, "FINISHED")
 
+
+KILLED_RUNS: list[str] = []
+"""'MLflow run <experiment id>/<run id> ended KILLED with <n> step(s) recorded, ...' of each run
+this process ended KILLED (:func:`mlflow_run`), for the one line xpar.__main__ prints on Ctrl-C."""
 
 RUN_FILES = ("config.yaml", "xpar.log", "worker_*.traceback.txt")
 """The run folder's files a FAILED or KILLED run keeps in MLflow (artifact folder ``logs``, config.yaml
