@@ -842,3 +842,29 @@ def test_a_negative_execute_top_is_one_line_whose_value_works_on_the_hardware_as
     assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=0."], problems
     _, problems = plan_inputs(cfg_of("model=tiny", "plan.execute_top=-1"), argv("model=tiny", "plan.execute_top=-1"))
     assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=3."], problems
+
+
+def test_an_auto_batch_past_the_default_says_so(tmp_path, capsys):
+    """plan.global_batch_size=auto on more devices than the 4M-token default has sequences gives one sequence per
+    device: 7B on 100,000 H100s planned 410M tokens per step with 'global batch 100000' in the title only. A note
+    says so; a cluster the default fills, a stated batch or a range of device counts get none."""
+    from xpar.plan.command import run_plan
+    from xpar.plan.inputs import auto_batch_notes
+
+    def notes(*over):
+        cfg = cfg_of(*over, "tracking=off")
+        inputs, problems = plan_inputs(cfg, argv(*over, "tracking=off"))
+        assert not problems, problems
+        return auto_batch_notes(cfg, inputs)
+
+    big = notes("model=7b", "hardware=h100_80gb_8gpu", "plan.devices=2048")
+    assert len(big) == 1 and "gave 2,048 sequences of 4,096 tokens (8.4M tokens per step)" in big[0], big
+    assert "(1,024 sequences" in big[0] and "plan.global_batch_size=" in big[0]
+    for over in (("plan.devices=1024",), ("plan.devices=2048", "plan.global_batch_size=4096"),
+                 ("plan.devices=2048", "train.global_batch_size=2048"),
+                 ("plan.devices=[1024,4096]", "plan.min_tokens_per_s=1e5")):
+        assert notes("model=7b", "hardware=h100_80gb_8gpu", *over) == [], over
+    given = ("model=tiny", "hardware=h100_80gb_8gpu", "train.seq_len=65536", "plan.devices=128", "tracking=off")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))  # default 64 sequences: 128 on 128 devices
+    assert any(n.startswith("global batch: plan.global_batch_size=auto gave 128 sequences") for n in plan.notes)
+    assert "note: global batch: plan.global_batch_size=auto gave 128" in capsys.readouterr().out

@@ -109,6 +109,24 @@ def global_batch(cfg, devices: int, seq_len: int, local: bool) -> tuple[Optional
     return _range(_plain(value), "plan.global_batch_size")
 
 
+def auto_batch_notes(cfg, inputs: PlanInputs) -> list[str]:
+    """A note where ``plan.global_batch_size=auto`` gave one sequence per device on a cluster past the default of
+    :data:`TOKENS_PER_BATCH` (4M tokens): at 100,000 H100s a 7B plan ran at 100,000 sequences of 4,096 tokens (410M
+    tokens per step) and its title said 'global batch 100000' only. [] for one stated batch, a range of device
+    counts, hardware=local, or a cluster whose default batch has a sequence for every device."""
+    seq, devices = int(inputs.ctx.train["seq_len"]), inputs.device_counts[0]
+    lo, hi = inputs.constraints.global_batch
+    default = 2 ** round(math.log2(TOKENS_PER_BATCH / seq))
+    if (cfg.plan.global_batch_size != "auto" or len(inputs.device_counts) > 1 or lo != hi or lo != devices
+            or devices <= default or is_this_machine(inputs.ctx.hardware)
+            or isinstance(cfg.train.global_batch_size, int) or stated_global_batch(cfg, devices)):
+        return []
+    return [f"global batch: plan.global_batch_size=auto gave {devices:,} sequences of {seq:,} tokens "
+            f"({devices * seq / 1e6:,.1f}M tokens per step), one per device: the 4M-token default ({default:,} sequences, "
+            f"Llama 2 and 3 pre-training) would leave devices idle; the figures rest on that batch: set "
+            f"plan.global_batch_size=<sequences> for the batch you train with."]
+
+
 def stated_global_batch(cfg, devices: int) -> Optional[int]:
     """The global batch (sequences) a command's layout fixes: micro-batch size x parallel.micro_batches x dp where
     the micro-batch count is a number (a cluster preset's, e.g. 120 x 128 = 15,360 for DeepSeek-V3 on 2048 H800);
