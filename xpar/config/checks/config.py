@@ -48,7 +48,7 @@ def check_model(c: XparConfig) -> list[str]:
     out = [f"model.{name} must be >= 1, got {getattr(model, name)}."
            for name in ("n_layers", "hidden", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
            if getattr(model, name) < 1]
-    if model.n_heads >= 1 and model.head_dim is None and model.hidden % model.n_heads:
+    if model.n_heads >= 1 and model.hidden >= 1 and model.head_dim is None and model.hidden % model.n_heads:
         out.append(f"model.hidden must be divisible by model.n_heads: {model.hidden} % {model.n_heads} != 0; "
                    f"{_heads_that_work(model)}; or give the heads' width, model.head_dim.")
     if model.head_dim is not None and (isinstance(model.head_dim, bool) or model.head_dim < 1):
