@@ -26,6 +26,17 @@ def test_near_misses_get_a_suggestion_that_works():
     assert any("did you mean parallel.schedule=1f1b?" in p for p in check_choices(cfg))
 
 
+def test_a_sweep_over_presets_with_a_typo_is_told_the_whole_sweep():
+    """-m parallel=dp,zero4,zero3 was told 'did you mean parallel=zero3?': followed, one job where three were asked.
+    Each unknown value is replaced by its closest preset, the rest kept; the line it gives passes."""
+    from xpar.config.overrides import override_problems
+
+    problems = override_problems(["-m", "parallel=dp,zero4,zro1"])
+    assert len(problems) == 2 and all("did you mean parallel=dp,zero3,zero1?" in p for p in problems), problems
+    assert override_problems(["-m", "parallel=dp,zero3,zero1"]) == []
+    assert "did you mean parallel=dp,zero3?" in override_problems(["-m", "parallel=dp,zero4,zero3"])[0]
+
+
 def test_both_memory_charts_colour_each_term_alike():
     """The estimate's memory figure and xpar compare's draw the same term in the same colour, even
     where compare leaves out a term that is zero for every run."""

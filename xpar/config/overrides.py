@@ -242,12 +242,20 @@ def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
         known = presets(key)
         bad = [v for v in (values or []) if str(v) not in known]
         return [f"unknown {key} preset {str(v)!r} in {arg}; "
-                + (f"did you mean {key}={_closest(str(v), known)}? " if _closest(str(v), known) else "")
+                + (f"did you mean {key}={_sweep_fix(values, known)}? " if _closest(str(v), known) else "")
                 + f"available: {', '.join(known)}." for v in bad]
     if key in SECTIONS:
         return [f"{arg}: {key} is not a config group but a section of fields ({', '.join(fields_of(key))}); "
                 f"set one of them, e.g. {key}.{fields_of(key)[0]}=..."]
     return _unknown(arg, key, values)
+
+
+def _sweep_fix(values: list, known: list[str]) -> str:
+    """The values of ``group=a,b,c`` with each unknown one replaced by its closest preset (dropped without one),
+    each once: a sweep stays a sweep (parallel=dp,zero4,zero3 was told 'did you mean parallel=zero3?', one job
+    where three were asked)."""
+    fixed = [str(v) if str(v) in known else _closest(str(v), known) for v in values]
+    return ",".join(dict.fromkeys(f for f in fixed if f))
 
 
 def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] = None) -> list[str]:
