@@ -35,6 +35,10 @@ def test_a_sweep_over_presets_with_a_typo_is_told_the_whole_sweep():
     assert len(problems) == 2 and all("did you mean parallel=dp,zero3,zero1?" in p for p in problems), problems
     assert override_problems(["-m", "parallel=dp,zero3,zero1"]) == []
     assert "did you mean parallel=dp,zero3?" in override_problems(["-m", "parallel=dp,zero4,zero3"])[0]
+    # a misspelt key or group of a sweep keeps the sweep's values (was 'did you mean parallel.tp=...?')
+    assert override_problems(["-m", "parallel.tpp=1,2"])[0].endswith("did you mean parallel.tp=1,2?")
+    assert override_problems(["-m", "paralel=dp,zero3"])[0].endswith("did you mean parallel=dp,zero3?")
+    assert override_problems(["-m", "parallel.tp=1,2", "parallel=dp,zero3"]) == []
 
 
 def test_both_memory_charts_colour_each_term_alike():

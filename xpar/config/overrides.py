@@ -259,8 +259,9 @@ def _sweep_fix(values: list, known: list[str]) -> str:
 
 
 def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] = None) -> list[str]:
-    """An unknown key or group, with the closest valid one written as a working override."""
-    value = _text(values[0]) if values and len(values) == 1 else None
+    """An unknown key or group, with the closest valid one written as a working override (a sweep's values as
+    given: parallel.tpp=1,2 -> parallel.tp=1,2, was 'parallel.tp=...')."""
+    value = _text(values[0]) if values and len(values) == 1 else (arg.split("=", 1)[1] or None) if "=" in arg else None
     candidates = ([f"{section}.{f}" for f in fields_of(section)] if section
                   else groups() + all_keys())
     leaf = key.split(".")[-1]
@@ -293,7 +294,7 @@ def _suggest(near: str, value: Optional[str]) -> str:
         return f"{near}=..."
     if "." not in near:  # a group
         known = presets(near)
-        if value not in known:
+        if any(v not in known for v in value.split(",")):  # a sweep's values (paralel=dp,zero3) each a preset
             return f"{near}=<one of {', '.join(known)}>"
         return f"{'' if near in GROUPS else '+'}{near}={value}"
     return f"{near}={value}"
