@@ -182,13 +182,13 @@ def _int_or_auto(key: str, value, minimum: int = 1) -> list[str]:
         ok = int(value) == value and int(value) >= minimum
     except (TypeError, ValueError):
         ok = False
-    return [] if ok else [f"{key} must be an integer >= {minimum} or 'auto', got {value!r}."]
+    return [] if ok else [f"{key} must be an integer >= {minimum} or 'auto', got {value!r}; e.g. {key}=auto."]
 
 
 def check_degrees(c: XparConfig) -> list[str]:
     """tp, pp, cp, ep >= 1; dp, micro_batches and virtual_stages whole numbers >= 1 or 'auto'."""
     par = c.parallel
-    out = [f"parallel.{name} must be >= 1, got {getattr(par, name)}." for name in ("tp", "pp", "cp", "ep")
+    out = [f"parallel.{name} must be >= 1, got {getattr(par, name)}; e.g. parallel.{name}=1." for name in ("tp", "pp", "cp", "ep")
            if getattr(par, name) < 1]
     for name in ("dp", "micro_batches", "virtual_stages"):
         out += _int_or_auto(f"parallel.{name}", getattr(par, name))
