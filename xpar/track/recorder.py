@@ -45,7 +45,11 @@ def end_budget_s(uri: str) -> float:
 
 def bound_http(timeout_s: int = HTTP_TIMEOUT_S, retries: int = HTTP_RETRIES) -> None:
     """Bound MLflow's HTTP calls: ``timeout_s`` per request, ``retries`` retries (MLflow reads
-    these at each request; its back-off factor must be an integer, FACTS.md)."""
+    these at each request; its back-off factor must be an integer, FACTS.md). Also keeps MLflow from printing
+    '🏃 View run ... at: <url>' on each run it ends on a server (MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT, MLflow's
+    mlflow/environment_variables.py): twice per run, above xpar's table, each a link that opens the GenAI view
+    (no workflowType=machine_learning, docs/guides/troubleshooting.md); xpar prints its own."""
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(timeout_s)
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
     os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "1"
