@@ -868,3 +868,14 @@ def test_an_auto_batch_past_the_default_says_so(tmp_path, capsys):
     plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))  # default 64 sequences: 128 on 128 devices
     assert any(n.startswith("global batch: plan.global_batch_size=auto gave 128 sequences") for n in plan.notes)
     assert "note: global batch: plan.global_batch_size=auto gave 128" in capsys.readouterr().out
+
+
+def test_a_plan_with_one_layout_that_fits_says_it_has_no_alternative():
+    """deepseek_v3 on 80 H100s at batch 1024 (the smallest cluster its refusal on 8 H100s names): one layout fits,
+    and 'What the next-best alternatives lose:' stood over nothing."""
+    from xpar.plan.explain import explain
+
+    plan = plan_of("model=deepseek_v3", "hardware=h100_80gb_8gpu", "hardware.nodes=10", "plan.global_batch_size=1024")
+    assert len(plan.ranked) == 1
+    lines = explain(plan.res, plan.ranked, plan.ranked)
+    assert lines[-2:] == ["What the next-best alternatives lose:", "  none: no other layout fits."], lines
