@@ -879,3 +879,15 @@ def test_a_plan_with_one_layout_that_fits_says_it_has_no_alternative():
     assert len(plan.ranked) == 1
     lines = explain(plan.res, plan.ranked, plan.ranked)
     assert lines[-2:] == ["What the next-best alternatives lose:", "  none: no other layout fits."], lines
+
+
+def test_a_device_range_out_of_order_is_told_the_range_that_works():
+    """plan.devices=[512,8] was told 'e.g. plan.devices=1536 or plan.devices=[1024,2048]': the range, followed, was
+    refused again (a range needs plan.min_tokens_per_s), and neither was the user's range in order."""
+    base = ("model=7b", "hardware=h100_80gb_8gpu", "tracking=off")
+    _, problems = plan_inputs(cfg_of(*base, "plan.devices=[512,8]"), argv(*base, "plan.devices=[512,8]"))
+    assert len(problems) == 1 and problems[0].endswith("e.g. plan.devices=[8,512] plan.min_tokens_per_s=100000."), problems
+    fix = ("plan.devices=[8,512]", "plan.min_tokens_per_s=100000")
+    assert plan_inputs(cfg_of(*base, *fix), argv(*base, *fix))[1] == []
+    _, problems = plan_inputs(cfg_of(*base, "plan.devices=0"), argv(*base, "plan.devices=0"))
+    assert "e.g. plan.devices=2048 or plan.devices=[1024,2048] plan.min_tokens_per_s=100000." in problems[0], problems

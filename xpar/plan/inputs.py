@@ -89,8 +89,11 @@ def _range(value, key: str) -> tuple[Optional[tuple[int, int]], list[str]]:
     vals = list(value) if isinstance(value, (list, tuple)) else [value]
     ok = len(vals) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals)
     if not ok or vals[0] > vals[-1]:
+        lo, hi = (vals[-1], vals[0]) if ok else (1024, 2048)  # [512, 8]: the same range, in order
+        also = " plan.min_tokens_per_s=100000" if key == "plan.devices" else ""  # a device range searches for it
+        single = f"{key}={hi} or " if not ok else ""
         return None, [f"{key}={value} must be a whole number >= 1 or a range [lo, hi] with 1 <= lo <= hi; "
-                      f"e.g. {key}=1536 or {key}=[1024,2048]."]
+                      f"e.g. {single}{key}=[{lo},{hi}]{also}."]
     return (vals[0], vals[-1]), []
 
 
