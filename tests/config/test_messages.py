@@ -39,6 +39,9 @@ def test_a_sweep_over_presets_with_a_typo_is_told_the_whole_sweep():
     assert override_problems(["-m", "parallel.tpp=1,2"])[0].endswith("did you mean parallel.tp=1,2?")
     assert override_problems(["-m", "paralel=dp,zero3"])[0].endswith("did you mean parallel=dp,zero3?")
     assert override_problems(["-m", "parallel.tp=1,2", "parallel=dp,zero3"]) == []
+    # a group outside the defaults list keeps its '+' (experiment=foo was told 'write experiment=<one of ...>')
+    assert "write +experiment=<one of bubble_vs_microbatches," in override_problems(["experiment=foo"])[0]
+    assert override_problems(["+experiment=zero_memory"]) == []
 
 
 def test_both_memory_charts_colour_each_term_alike():

@@ -294,9 +294,10 @@ def _suggest(near: str, value: Optional[str]) -> str:
         return f"{near}=..."
     if "." not in near:  # a group
         known = presets(near)
+        plus = "" if near in GROUPS else "+"  # a group outside the defaults list: experiment=foo was told 'experiment=<...>'
         if any(v not in known for v in value.split(",")):  # a sweep's values (paralel=dp,zero3) each a preset
-            return f"{near}=<one of {', '.join(known)}>"
-        return f"{'' if near in GROUPS else '+'}{near}={value}"
+            return f"{plus}{near}=<one of {', '.join(known)}>"
+        return f"{plus}{near}={value}"
     return f"{near}={value}"
 
 
