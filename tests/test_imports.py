@@ -148,7 +148,11 @@ or benchmarks/README.md, dated)."""
 
 def test_no_machine_notes_or_dated_fit_histories_in_code_or_presets():
     hits = []
-    for path in sorted([*XPAR.rglob("*.py"), *(ROOT / "conf").rglob("*.yaml")]):
+    # not the presets `xpar calibrate` writes (conf/hardware/calibrated_*.yaml, git-ignored): a machine's own
+    # measurements, dated and named for it by design (README's `xpar calibrate hardware=local --name here` failed
+    # this test in the clone of every user who followed it)
+    presets = [p for p in (ROOT / "conf").rglob("*.yaml") if not p.name.startswith("calibrated_")]
+    for path in sorted([*XPAR.rglob("*.py"), *presets]):
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if m := MACHINE_NOTES.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{i}: {m.group(0)!r}")

@@ -172,6 +172,15 @@ def _before_hydra() -> None:
     sys.argv += extra + optuna_failure_rate(sys.argv[1:])
 
 
+def _killed_runs() -> str:
+    """What Ctrl-C left in MLflow, for its one line: the runs this process ended KILLED
+    (xpar.track.runs.KILLED_RUNS: id, steps recorded, run folder), else the sweep's or none's."""
+    runs = getattr(sys.modules.get("xpar.track.runs"), "KILLED_RUNS", [])
+    if not runs:
+        return "the MLflow run (if any) ended KILLED"
+    return "; ".join(runs)
+
+
 def main() -> None:
     """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
     journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
@@ -187,7 +196,7 @@ def main() -> None:
         _hydra_main()
     except KeyboardInterrupt:
         mark_interrupted()  # a sweep's parent run ends KILLED (xpar.track.sweep.finish_sweep, at exit)
-        print("xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED.", file=sys.stderr)
+        print(f"xpar: interrupted; workers ended, {_killed_runs()}.", file=sys.stderr)
         raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank that finished (results logged) skips interpreter finalization,

@@ -246,6 +246,13 @@ def test_a_hidden_size_the_heads_do_not_divide_names_values_that_pass_when_follo
         assert spec_for("model.n_heads=" + str(h)).model.n_heads == h
 
 
+def test_a_negative_hidden_size_is_one_line():
+    """model.hidden=-1 added 'no n_heads works with hidden=-1 ...; hidden values that work with n_heads=4: ;'
+    (an empty list) under 'model.hidden must be >= 1'."""
+    msg = _problems("model.hidden=-1")
+    assert msg.strip() == "- model.hidden must be >= 1, got -1.", msg
+
+
 def test_sequence_parallel_over_an_odd_sequence_names_overrides_that_pass():
     """parallel.tp=2 parallel.sequence_parallel=true train.seq_len=63 said 'e.g. train.seq_len in [58, 60, 62], or
     sequence_parallel=false': neither an override (no such key as sequence_parallel); each now follows."""

@@ -26,6 +26,24 @@ def test_near_misses_get_a_suggestion_that_works():
     assert any("did you mean parallel.schedule=1f1b?" in p for p in check_choices(cfg))
 
 
+def test_a_sweep_over_presets_with_a_typo_is_told_the_whole_sweep():
+    """-m parallel=dp,zero4,zero3 was told 'did you mean parallel=zero3?': followed, one job where three were asked.
+    Each unknown value is replaced by its closest preset, the rest kept; the line it gives passes."""
+    from xpar.config.overrides import override_problems
+
+    problems = override_problems(["-m", "parallel=dp,zero4,zro1"])
+    assert len(problems) == 2 and all("did you mean parallel=dp,zero3,zero1?" in p for p in problems), problems
+    assert override_problems(["-m", "parallel=dp,zero3,zero1"]) == []
+    assert "did you mean parallel=dp,zero3?" in override_problems(["-m", "parallel=dp,zero4,zero3"])[0]
+    # a misspelt key or group of a sweep keeps the sweep's values (was 'did you mean parallel.tp=...?')
+    assert override_problems(["-m", "parallel.tpp=1,2"])[0].endswith("did you mean parallel.tp=1,2?")
+    assert override_problems(["-m", "paralel=dp,zero3"])[0].endswith("did you mean parallel=dp,zero3?")
+    assert override_problems(["-m", "parallel.tp=1,2", "parallel=dp,zero3"]) == []
+    # a group outside the defaults list keeps its '+' (experiment=foo was told 'write experiment=<one of ...>')
+    assert "write +experiment=<one of bubble_vs_microbatches," in override_problems(["experiment=foo"])[0]
+    assert override_problems(["+experiment=zero_memory"]) == []
+
+
 def test_both_memory_charts_colour_each_term_alike():
     """The estimate's memory figure and xpar compare's draw the same term in the same colour, even
     where compare leaves out a term that is zero for every run."""

@@ -105,14 +105,16 @@ CATALOGUE = [
     ("parallel.zero_stage=4", "parallel.zero_stage must be one of [0, 1, 2, 3]", None),
     ("parallel.schedule=foo", "parallel.schedule must be one of", None),
     ("parallel.recompute=some", "parallel.recompute must be one of", None),
-    ("parallel.micro_batches=abc", "parallel.micro_batches must be an integer >= 1 or 'auto', got 'abc'", None),
-    ("parallel.micro_batches=1.5", "parallel.micro_batches must be an integer >= 1 or 'auto', got 1.5", None),
+    ("parallel.micro_batches=abc", "parallel.micro_batches must be an integer >= 1 or 'auto', got 'abc'",
+     "parallel.micro_batches=auto"),
+    ("parallel.micro_batches=1.5", "parallel.micro_batches must be an integer >= 1 or 'auto', got 1.5",
+     "parallel.micro_batches=auto"),
     ("parallel.micro_batches=0", "parallel.micro_batches must be an integer >= 1", None),
-    ("parallel.dp=0", "parallel.dp must be an integer >= 1", None),
+    ("parallel.dp=0", "parallel.dp must be an integer >= 1", "parallel.dp=auto"),
     ("parallel.dp=abc", "parallel.dp must be an integer >= 1 or 'auto'", None),
-    ("parallel.virtual_stages=0", "parallel.virtual_stages must be an integer >= 1", None),
-    ("parallel.tp=0", "parallel.tp must be >= 1, got 0", None),
-    ("parallel.pp=0", "parallel.pp must be >= 1, got 0", None),
+    ("parallel.virtual_stages=0", "parallel.virtual_stages must be an integer >= 1", "parallel.virtual_stages=auto"),
+    ("parallel.tp=0", "parallel.tp must be >= 1, got 0", "parallel.tp=1"),
+    ("parallel.pp=0", "parallel.pp must be >= 1, got 0", "parallel.pp=1"),
     ("train.global_batch_size=0", "train.global_batch_size must be an integer >= 1", None),
     ("train.global_batch_size=7", "train.global_batch_size=7 must be divisible by micro-batch size x dp", None),
     ("parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1",
@@ -392,6 +394,38 @@ def test_compare_refuses_in_one_line_and_seconds(tmp_path, capsys, monkeypatch):
         err = "".join(ln for ln in capsys.readouterr().err.splitlines(True) if " INFO " not in ln)  # MLflow's log
         assert time.monotonic() - t0 < 10, args
         assert err.count("\n") == 1 and err.startswith("xpar: invalid configuration: ") and fragment in err, err
+
+
+def test_compare_filter_example_survives_a_shell(tmp_path, capsys):
+    """The bad-filter refusal's example works when pasted into bash: it printed
+    --filter "tags.`xpar.mode` = 'estimate'", whose backticks bash runs as a command inside double
+    quotes (the filter became "tags. = 'estimate'": 'no runs match'). Single quotes keep them; the
+    value MLflow then gets finds an estimate run (test_compare_filter_example_finds_runs)."""
+    import re
+
+    from xpar.track.refusals import FILTER_EXAMPLE
+
+    assert re.fullmatch(r"--filter '[^']*'", FILTER_EXAMPLE), FILTER_EXAMPLE  # no expansion inside '...'
+
+
+@pytest.mark.slow  # integration-sized (conftest.INTEGRATION): a new SQLite store, ~20 s on 2 cores
+def test_compare_filter_example_finds_runs(tmp_path, capsys):
+    """The example's value, as a shell passes it, is a filter MLflow takes and matches with."""
+    import shlex
+
+    import mlflow
+
+    from xpar.track.compare import main
+    from xpar.track.refusals import FILTER_EXAMPLE
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(uri)
+    exp = client.create_experiment("xpar")
+    run = client.create_run(exp, tags={"xpar.mode": "estimate", "xpar.layout": "dp1-tp1-pp1-zero0-m1-b1"})
+    client.log_metric(run.info.run_id, "throughput/tokens_per_s", 1.0)
+    client.set_terminated(run.info.run_id)
+    assert main(["--uri", uri, "--out", str(tmp_path / "cmp"), *shlex.split(FILTER_EXAMPLE)]) == 0
+    assert (tmp_path / "cmp" / "table.csv").read_text().count("\n") == 2  # header and the one run
 
 
 def test_duration_check_warns_refuses_and_stays_out_of_the_way(capsys):

@@ -380,3 +380,21 @@ def test_estimate_of_a_folded_ep_layout_skips_the_dry_run_with_a_note(tmp_path):
     assert any(n.startswith("dry run skipped: ep=4") for n in r.notes), r.notes
     inside = spec_for(*common, "parallel.ep=2", local_devices=4)
     assert not_buildable(inside) is None and not_buildable(folded) is not None
+
+
+def test_dry_run_that_disagrees_with_the_estimate_says_so():
+    """A MoE under tp: xpar's engine keeps each expert whole on every tp rank (xpar.parallel.tensor.block_plan),
+    the estimate splits it over etp = tp ranks; the dry run found it and only a metric said so
+    (mixtral_8x7b tp8 dp8 ZeRO-3: estimate/dryrun_param_bytes_diff 9.865e+09 and no note). Where they agree, no note."""
+    from xpar.run.dryrun import dry_run, gap_note
+    from xpar.track.report import format_bytes
+
+    moe = spec_for("model=moe_tiny", "parallel.tp=2", "parallel.dp=4", "hardware=h100_80gb_8gpu", "run.mode=estimate")
+    d = dry_run(moe, [(0, 0, 0)])
+    note = gap_note(moe, d)
+    assert d.max_diff > 0 and note is not None, d.to_dict()
+    r = d.ranks[0]
+    assert note.startswith(f"dry run: xpar's engine holds {format_bytes(r.dryrun['params'])} of params on rank 0")
+    assert f"the estimate counts {format_bytes(r.analytic['params'])}" in note and "replicates each expert over the tp=2" in note
+    dense = spec_for("model=moe_tiny", "parallel.tp=1", "parallel.dp=8", "hardware=h100_80gb_8gpu", "run.mode=estimate")
+    assert gap_note(dense, dry_run(dense, [(0, 0, 0)])) is None

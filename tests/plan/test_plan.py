@@ -842,3 +842,52 @@ def test_a_negative_execute_top_is_one_line_whose_value_works_on_the_hardware_as
     assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=0."], problems
     _, problems = plan_inputs(cfg_of("model=tiny", "plan.execute_top=-1"), argv("model=tiny", "plan.execute_top=-1"))
     assert problems == ["plan.execute_top=-1 must be >= 0; e.g. plan.execute_top=3."], problems
+
+
+def test_an_auto_batch_past_the_default_says_so(tmp_path, capsys):
+    """plan.global_batch_size=auto on more devices than the 4M-token default has sequences gives one sequence per
+    device: 7B on 100,000 H100s planned 410M tokens per step with 'global batch 100000' in the title only. A note
+    says so; a cluster the default fills, a stated batch or a range of device counts get none."""
+    from xpar.plan.command import run_plan
+    from xpar.plan.inputs import auto_batch_notes
+
+    def notes(*over):
+        cfg = cfg_of(*over, "tracking=off")
+        inputs, problems = plan_inputs(cfg, argv(*over, "tracking=off"))
+        assert not problems, problems
+        return auto_batch_notes(cfg, inputs)
+
+    big = notes("model=7b", "hardware=h100_80gb_8gpu", "plan.devices=2048")
+    assert len(big) == 1 and "gave 2,048 sequences of 4,096 tokens (8.4M tokens per step)" in big[0], big
+    assert "(1,024 sequences" in big[0] and "plan.global_batch_size=" in big[0]
+    for over in (("plan.devices=1024",), ("plan.devices=2048", "plan.global_batch_size=4096"),
+                 ("plan.devices=2048", "train.global_batch_size=2048"),
+                 ("plan.devices=[1024,4096]", "plan.min_tokens_per_s=1e5")):
+        assert notes("model=7b", "hardware=h100_80gb_8gpu", *over) == [], over
+    given = ("model=tiny", "hardware=h100_80gb_8gpu", "train.seq_len=65536", "plan.devices=128", "tracking=off")
+    plan = run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))  # default 64 sequences: 128 on 128 devices
+    assert any(n.startswith("global batch: plan.global_batch_size=auto gave 128 sequences") for n in plan.notes)
+    assert "note: global batch: plan.global_batch_size=auto gave 128" in capsys.readouterr().out
+
+
+def test_a_plan_with_one_layout_that_fits_says_it_has_no_alternative():
+    """deepseek_v3 on 80 H100s at batch 1024 (the smallest cluster its refusal on 8 H100s names): one layout fits,
+    and 'What the next-best alternatives lose:' stood over nothing."""
+    from xpar.plan.explain import explain
+
+    plan = plan_of("model=deepseek_v3", "hardware=h100_80gb_8gpu", "hardware.nodes=10", "plan.global_batch_size=1024")
+    assert len(plan.ranked) == 1
+    lines = explain(plan.res, plan.ranked, plan.ranked)
+    assert lines[-2:] == ["What the next-best alternatives lose:", "  none: no other layout fits."], lines
+
+
+def test_a_device_range_out_of_order_is_told_the_range_that_works():
+    """plan.devices=[512,8] was told 'e.g. plan.devices=1536 or plan.devices=[1024,2048]': the range, followed, was
+    refused again (a range needs plan.min_tokens_per_s), and neither was the user's range in order."""
+    base = ("model=7b", "hardware=h100_80gb_8gpu", "tracking=off")
+    _, problems = plan_inputs(cfg_of(*base, "plan.devices=[512,8]"), argv(*base, "plan.devices=[512,8]"))
+    assert len(problems) == 1 and problems[0].endswith("e.g. plan.devices=[8,512] plan.min_tokens_per_s=100000."), problems
+    fix = ("plan.devices=[8,512]", "plan.min_tokens_per_s=100000")
+    assert plan_inputs(cfg_of(*base, *fix), argv(*base, *fix))[1] == []
+    _, problems = plan_inputs(cfg_of(*base, "plan.devices=0"), argv(*base, "plan.devices=0"))
+    assert "e.g. plan.devices=2048 or plan.devices=[1024,2048] plan.min_tokens_per_s=100000." in problems[0], problems

@@ -94,6 +94,37 @@ def test_interrupt_ends_run_killed_and_error_failed(tmp_path):
         assert run["params.a.b"] == "1"
 
 
+@pytest.mark.slow
+def test_a_run_that_ends_early_keeps_its_config_log_and_tracebacks(tmp_path):
+    """A FAILED or KILLED run reaches no log_report: its MLflow page held no artifact (no config.yaml,
+    no worker traceback: a break-it user saw FAILED and the error tag only). The run folder's
+    config.yaml, xpar.log and worker tracebacks go with it (xpar.track.runs.RUN_FILES)."""
+    from tests.conftest import spec_for
+    from xpar.track.runs import mlflow_run
+
+    spec = spec_for(f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "tracking.enabled=true")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    for exc in (KeyboardInterrupt, ValueError):
+        out = tmp_path / exc.__name__
+        out.mkdir()
+        for name, text in (("config.yaml", "model:\n  name: tiny\n"), ("xpar.log", "step: 1 loss: 5.5\n"),
+                           ("worker_1.traceback.txt", "Traceback: boom\n")):
+            (out / name).write_text(text)
+        with pytest.raises(exc):
+            with mlflow_run(spec, {"a": 1}, tmp_path, out_dir=out) as run:
+                raise exc()
+        top = {a.path for a in client.list_artifacts(run.info.run_id)}
+        logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+        assert "config.yaml" in top and logs == {"logs/xpar.log", "logs/worker_1.traceback.txt"}, (top, logs)
+        text = client.download_artifacts(run.info.run_id, "logs/worker_1.traceback.txt", str(tmp_path))
+        assert open(text).read() == "Traceback: boom\n"
+    # Ctrl-C's one line names the killed run, what it kept and where (was 'the MLflow run (if any) ended KILLED')
+    from xpar.__main__ import _killed_runs
+    assert _killed_runs().endswith(f"ended KILLED with 0 step(s) recorded, its config and log kept "
+                                   f"(run folder {tmp_path / 'KeyboardInterrupt'})"), _killed_runs()
+    assert _killed_runs().startswith("MLflow run ") and "ValueError" not in _killed_runs()
+
+
 def test_long_params_are_kept_within_mlflow_limits():
     from xpar.track.runs import MAX_PARAM_CHARS, flatten
     flat = flatten({"x": {"y": "z" * 10000, "l": [1, 2]}})

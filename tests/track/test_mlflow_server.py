@@ -51,3 +51,19 @@ def test_sweep_against_a_real_server(server, tmp_path):
         assert metrics["throughput/tokens_per_s"] > 0 and metrics["memory/peak_bytes_per_device"] > 0
     stages = sorted(p["value"] for k in kids for p in k["data"]["params"] if p["key"] == "parallel.zero_stage")
     assert stages == ["0", "2"]
+
+
+def test_mlflow_prints_no_run_links_of_its_own(monkeypatch):
+    """On a tracking server every run printed MLflow's '🏃 View run ... at: <url>' and '🧪 View experiment' twice
+    above xpar's table (its end_run and xpar's journal each end the run), links without workflowType=machine_learning
+    that open the GenAI view; xpar prints its own link. MLflow reads the switch at each run end."""
+    from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT
+
+    from xpar.track.recorder import bound_http
+
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")  # each restored after the test
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    assert not MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get()
+    bound_http()
+    assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get()

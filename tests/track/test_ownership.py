@@ -97,6 +97,25 @@ def test_sync_of_an_empty_or_damaged_journal_is_one_line(tmp_path, capsys, text)
     assert "names no run" in err and "Traceback" not in err
 
 
+def test_sync_to_a_server_that_is_down_is_one_short_line(tmp_path, capsys):
+    """xpar sync with the server still down printed two lines: the live run's warning ('... retried while the run
+    lasts': no run lasts) and the refusal, each with MLflow's 'API request to ... failed with exception
+    HTTPConnectionPool(...): Max retries exceeded with url: ...' cut mid-URL. Now one line with the socket's reason."""
+    from xpar.run.launch import free_port
+    from xpar.track.journal import Journal
+    from xpar.track.recorder import sync
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    j = Journal(tmp_path)
+    j.ack(j.append("start", uri=uri, run_id="0" * 32, world=0, pid=os.getpid()))
+    j.append("metrics", points=[["train/loss", 1.5, 1, 0]])
+    assert sync(tmp_path) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "retried while the run lasts" not in err, err
+    assert f"xpar: the tracking store at {uri} still fails (MlflowException: no server answers ([Errno 111] " \
+           f"Connection refused)); 1 record(s) kept in" in err, err
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_sync_help_prints_usage_not_a_missing_journal(capsys, flag):
     from xpar.__main__ import _sync

@@ -110,3 +110,19 @@ def test_the_mfu_row_names_the_peak_it_divides_by():
             "parallel.zero_stage=3")
     assert mfu_label(spec_for(*h100, "train.dtype=fp8")) == "MFU (of the fp8 peak, 1979 TFLOP/s)"
     assert mfu_label(spec_for(*h100)) == "MFU (of the bf16 peak, 989 TFLOP/s)"
+
+
+def test_the_console_reads_one_call_and_a_long_step_in_seconds(capsys):
+    """'850.25 KiB in 1 calls', and a 7B step on one H100 as 'step time 404843.1 ms'."""
+    from dataclasses import replace
+
+    from xpar.track.report import comm_cell, print_report
+    extra = {"comm/dp_allreduce_bytes": 1024.0, "comm/dp_allreduce_calls": 1.0}
+    assert " in 1 call" in comm_cell(extra, "comm/dp_allreduce_bytes") and "calls" not in comm_cell(
+        extra, "comm/dp_allreduce_bytes")
+    assert " in 3 calls" in comm_cell(dict(extra, **{"comm/dp_allreduce_calls": 3.0}), "comm/dp_allreduce_bytes")
+    spec = spec_for("hardware=local", "hardware.peak_tflops=0.1", "parallel=dp", "train.steps=3", "train.warmup_steps=1")
+    report = summarize_measured(spec, _split_stats({}))
+    print_report(spec, replace(report, step_time_s=404.8431))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "step time │ 404.8 s" in out, out

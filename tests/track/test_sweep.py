@@ -194,6 +194,21 @@ def test_the_sweep_summary_labels_estimated_jobs(capsys):
     assert "(estimate)" not in job1, err
 
 
+def test_the_sweep_summary_names_the_jobs_it_skipped(capsys):
+    """-m ... parallel.tp=1,3,2 sweep.skip_invalid=true ended with 'sweep 191be87f: 2 job(s), parent run FINISHED'
+    and rows 0 and 2: job 1's refusal was printed before the jobs ran, a screen above, and the summary said nothing."""
+    import pandas as pd
+
+    from xpar.track.parent_run import print_sweep_summary
+    table = pd.DataFrame({"job": ["0", "2"], "layout": ["dp8-tp1", "dp4-tp2"], "tokens_per_s": [71569.0, 60083.0],
+                          "peak_gib_per_device": [37.4, 28.0], "bubble": [None] * 2, "status": ["FINISHED"] * 2,
+                          "mode": ["estimate"] * 2})
+    print_sweep_summary({"sweep_id": "abc", "metric": "throughput/tokens_per_s", "goal": "max", "skipped": [1]},
+                        {"table": table, "status": "FINISHED", "contention": set(), "best": None})
+    err = " ".join(capsys.readouterr().err.split())
+    assert "1 skipped as invalid (job 1: invalid_jobs.csv on the parent run)" in err, err
+
+
 def test_the_sweep_summary_names_what_each_job_changed_where_layouts_repeat(capsys):
     """-m model=7b parallel=zero3 train=cluster hardware=h100_80gb_8gpu,a100_80gb_8gpu,b200_180gb_node run.mode=estimate
     ended with three rows named dp8-tp1-pp1-zero3-m1-b1 and nothing telling which ran on which GPU; each row now

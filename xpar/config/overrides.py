@@ -242,7 +242,7 @@ def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
         known = presets(key)
         bad = [v for v in (values or []) if str(v) not in known]
         return [f"unknown {key} preset {str(v)!r} in {arg}; "
-                + (f"did you mean {key}={_closest(str(v), known)}? " if _closest(str(v), known) else "")
+                + (f"did you mean {key}={_sweep_fix(values, known)}? " if _closest(str(v), known) else "")
                 + f"available: {', '.join(known)}." for v in bad]
     if key in SECTIONS:
         return [f"{arg}: {key} is not a config group but a section of fields ({', '.join(fields_of(key))}); "
@@ -250,9 +250,18 @@ def _group_problem(arg: str, key: str, values: Optional[list]) -> list[str]:
     return _unknown(arg, key, values)
 
 
+def _sweep_fix(values: list, known: list[str]) -> str:
+    """The values of ``group=a,b,c`` with each unknown one replaced by its closest preset (dropped without one),
+    each once: a sweep stays a sweep (parallel=dp,zero4,zero3 was told 'did you mean parallel=zero3?', one job
+    where three were asked)."""
+    fixed = [str(v) if str(v) in known else _closest(str(v), known) for v in values]
+    return ",".join(dict.fromkeys(f for f in fixed if f))
+
+
 def _unknown(arg: str, key: str, values: Optional[list], section: Optional[str] = None) -> list[str]:
-    """An unknown key or group, with the closest valid one written as a working override."""
-    value = _text(values[0]) if values and len(values) == 1 else None
+    """An unknown key or group, with the closest valid one written as a working override (a sweep's values as
+    given: parallel.tpp=1,2 -> parallel.tp=1,2, was 'parallel.tp=...')."""
+    value = _text(values[0]) if values and len(values) == 1 else (arg.split("=", 1)[1] or None) if "=" in arg else None
     candidates = ([f"{section}.{f}" for f in fields_of(section)] if section
                   else groups() + all_keys())
     leaf = key.split(".")[-1]
@@ -285,9 +294,10 @@ def _suggest(near: str, value: Optional[str]) -> str:
         return f"{near}=..."
     if "." not in near:  # a group
         known = presets(near)
-        if value not in known:
-            return f"{near}=<one of {', '.join(known)}>"
-        return f"{'' if near in GROUPS else '+'}{near}={value}"
+        plus = "" if near in GROUPS else "+"  # a group outside the defaults list: experiment=foo was told 'experiment=<...>'
+        if any(v not in known for v in value.split(",")):  # a sweep's values (paralel=dp,zero3) each a preset
+            return f"{plus}{near}=<one of {', '.join(known)}>"
+        return f"{plus}{near}={value}"
     return f"{near}={value}"
 
 

@@ -32,7 +32,7 @@ from xpar.plan.context import PlanContext, row
 from xpar.plan.evaluate import evaluate
 from xpar.plan.execute import execute_top
 from xpar.plan.explain import device_name, label
-from xpar.plan.inputs import PlanInputs, _hydra, plan_inputs
+from xpar.plan.inputs import PlanInputs, _hydra, auto_batch_notes, plan_inputs
 from xpar.plan.rank import feasible, order
 from xpar.plan.record import record_plan
 from xpar.plan.show import override_line, print_plan
@@ -389,7 +389,7 @@ def run_plan(cfg, out_dir: Path, start_dir: Path, overrides: Optional[list[str]]
         line, spec = reproduce(plan)
     except PlanRefused as e:
         refuse(e.problems)
-    plan = replace(plan, notes=tuple(request_notes(spec, list(inputs.overrides))),
+    plan = replace(plan, notes=tuple(request_notes(spec, list(inputs.overrides)) + auto_batch_notes(cfg, inputs)),
                    yours=tuple(your_layout_lines(plan, cfg, list(inputs.overrides))))
     plan.seconds["plan"] = time.perf_counter() - t0
     print_plan(plan, line)

@@ -123,5 +123,8 @@ def explain(res: dict[str, np.ndarray], ranked: np.ndarray, valid: np.ndarray,
     head = (f"Winner: {label(res, best)}: {res['tokens_per_s'][best]:,.0f} tokens/s, MFU "
             f"{100 * res['mfu'][best]:.1f} %, {res['memory_total'][best] / GB:.1f} GB per device.")
     off = offload_line(res, best, hardware or {})
+    alternatives = alternative_lines(res, ranked, tie_within)  # none where the winner is the only layout that fits
+    if not alternatives:  # the heading stood over nothing (deepseek_v3 on 80 H100s: 1 layout fits)
+        alternatives = ["  none: no other layout fits." if len(ranked) == 1 else "  none differs in a searched axis."]
     return [head, memory_line(res, ranked, valid), overhead_line(res, best)] + ([off] if off else []) + [
-        "What the next-best alternatives lose:"] + alternative_lines(res, ranked, tie_within)
+        "What the next-best alternatives lose:"] + alternatives

@@ -89,8 +89,11 @@ def _range(value, key: str) -> tuple[Optional[tuple[int, int]], list[str]]:
     vals = list(value) if isinstance(value, (list, tuple)) else [value]
     ok = len(vals) in (1, 2) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vals)
     if not ok or vals[0] > vals[-1]:
+        lo, hi = (vals[-1], vals[0]) if ok else (1024, 2048)  # [512, 8]: the same range, in order
+        also = " plan.min_tokens_per_s=100000" if key == "plan.devices" else ""  # a device range searches for it
+        single = f"{key}={hi} or " if not ok else ""
         return None, [f"{key}={value} must be a whole number >= 1 or a range [lo, hi] with 1 <= lo <= hi; "
-                      f"e.g. {key}=1536 or {key}=[1024,2048]."]
+                      f"e.g. {single}{key}=[{lo},{hi}]{also}."]
     return (vals[0], vals[-1]), []
 
 
@@ -107,6 +110,24 @@ def global_batch(cfg, devices: int, seq_len: int, local: bool) -> tuple[Optional
         else:
             value = max(devices, 2 ** round(math.log2(TOKENS_PER_BATCH / seq_len)))
     return _range(_plain(value), "plan.global_batch_size")
+
+
+def auto_batch_notes(cfg, inputs: PlanInputs) -> list[str]:
+    """A note where ``plan.global_batch_size=auto`` gave one sequence per device on a cluster past the default of
+    :data:`TOKENS_PER_BATCH` (4M tokens): at 100,000 H100s a 7B plan ran at 100,000 sequences of 4,096 tokens (410M
+    tokens per step) and its title said 'global batch 100000' only. [] for one stated batch, a range of device
+    counts, hardware=local, or a cluster whose default batch has a sequence for every device."""
+    seq, devices = int(inputs.ctx.train["seq_len"]), inputs.device_counts[0]
+    lo, hi = inputs.constraints.global_batch
+    default = 2 ** round(math.log2(TOKENS_PER_BATCH / seq))
+    if (cfg.plan.global_batch_size != "auto" or len(inputs.device_counts) > 1 or lo != hi or lo != devices
+            or devices <= default or is_this_machine(inputs.ctx.hardware)
+            or isinstance(cfg.train.global_batch_size, int) or stated_global_batch(cfg, devices)):
+        return []
+    return [f"global batch: plan.global_batch_size=auto gave {devices:,} sequences of {seq:,} tokens "
+            f"({devices * seq / 1e6:,.1f}M tokens per step), one per device: the 4M-token default ({default:,} sequences, "
+            f"Llama 2 and 3 pre-training) would leave devices idle; the figures rest on that batch: set "
+            f"plan.global_batch_size=<sequences> for the batch you train with."]
 
 
 def stated_global_batch(cfg, devices: int) -> Optional[int]:

@@ -28,6 +28,7 @@ from xpar.estimate.memory.model_states import (
     replicated_embedding_grad_numel,
 )
 from xpar.parallel.torch_internals import fake_store
+from xpar.track.report import format_bytes
 
 
 class PlanError(RuntimeError):
@@ -144,6 +145,27 @@ def _rank_check(folded: RunSpec, rank: int, coords: tuple[int, int, int], numel:
     return RankCheck(rank=rank, coords={"pp": pp, "dp": dp, "tp": tp}, local_numel=local,
                      dryrun={"params": held * bp, "grads": grads * bg},
                      analytic={"params": int(analytic["params"]), "grads": int(analytic["grads"])}, build_s=build_s)
+
+
+def gap_note(spec: RunSpec, d: DryRun) -> Optional[str]:
+    """The note of a dry run whose engine holds other parameter or gradient bytes than the cost model
+    counts on a built rank (``d.max_diff`` > 0), naming the rank, both figures (bytes, in MiB/GiB) and, for
+    experts under tp, why: the engine replicates each expert over the tp ranks
+    (xpar.parallel.tensor.block_plan) where the estimate splits it over etp ranks as Megatron-Core's
+    --expert-tensor-parallel-size does. None when every built rank agrees."""
+    if not d.ranks or d.max_diff == 0:
+        return None
+    r = max(d.ranks, key=lambda r: r.diff)
+    kind = max(r.dryrun, key=lambda k: abs(r.dryrun[k] - r.analytic[k]))
+    why = ""
+    if spec.model.n_experts and spec.layout.tp > 1 and spec.layout.expert_tp > 1:
+        why = (f": xpar's engine replicates each expert over the tp={spec.layout.tp} ranks "
+               f"(xpar.parallel.tensor.block_plan), the estimate splits it over etp={spec.layout.expert_tp} ranks as "
+               f"Megatron-Core's expert tensor parallelism; the estimate's memory is not what run.mode=execute of "
+               f"this layout holds")
+    return (f"dry run: xpar's engine holds {format_bytes(r.dryrun[kind])} of {kind} on rank {r.rank} "
+            f"(pp={r.coords['pp']}, dp={r.coords['dp']}, tp={r.coords['tp']}) where the estimate counts "
+            f"{format_bytes(r.analytic[kind])} (estimate/dryrun_param_bytes_diff, dryrun.json){why}.")
 
 
 def not_buildable(spec: RunSpec) -> Optional[str]:

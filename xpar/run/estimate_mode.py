@@ -22,7 +22,7 @@ from xpar.config.spec import RunSpec
 from xpar.estimate.comm.volume import ring_factor
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
-from xpar.run.dryrun import PlanError, dry_run, not_buildable, representative_ranks
+from xpar.run.dryrun import PlanError, dry_run, gap_note, not_buildable, representative_ranks
 from xpar.track.estimate_figures import write_figures
 from xpar.estimate.memory.model_states import MEMORY_TERMS, expert_dp_size, peak_ranks
 from xpar.estimate.memory.offload import OFFLOAD_TERMS
@@ -134,8 +134,8 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
     extra.update(memory_detail_metrics(mem))
     extra.update(offload_metrics(est.offload))
     artifacts: list[str] = []
-    skipped = not_buildable(spec)
-    if spec.dry_run and not skipped:
+    dry_note = not_buildable(spec)  # then the dry run's note: why it was skipped, or where it disagrees
+    if spec.dry_run and not dry_note:
         coords = representative_ranks(fold_cp(spec))  # dp: the dp x cp replica index under cp (dry_run)
         peak_coords = (mem.pp_rank, peak_dp, 0)  # the estimate's most loaded device, built too
         d = dry_run(spec, coords + ([peak_coords] if peak_coords not in coords else []))
@@ -148,6 +148,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         path = out_dir / DRYRUN_FILE
         path.write_text(json.dumps(d.to_dict(), indent=1))
         artifacts.append(str(path))
+        dry_note = gap_note(spec, d)  # the engine and the cost model disagree on a built rank: a note, not only a metric
     if spec.pp > 1:
         extra["pipeline/bubble_ratio"] = est.bubble_ratio
         extra["pipeline/bubble_ratio_theory"] = bubble_theory(spec.layout.schedule, spec.pp, spec.micro_batches,
@@ -160,7 +161,7 @@ def estimate_report(spec: RunSpec, out_dir: Path) -> Report:
         memory={k: float(getattr(mem, k)) for k in MEMORY_TERMS}, extra=extra)
     report.extra["memory/zero_paper_model_states_bytes"] = zero_paper_bytes(spec)
     report.notes = list(est.notes) + ([UNCALIBRATED_LOCAL] if spec.hardware.name == "local" else []) \
-        + ([skipped] if spec.dry_run and skipped else [])
+        + ([dry_note] if spec.dry_run and dry_note else [])
     check_figures(report)
     report.artifacts = artifacts + [str(p) for p in _figures(spec, est, out_dir)]
     return report

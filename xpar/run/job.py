@@ -33,7 +33,7 @@ from xpar.track.naming import description, run_name as layout_run_name, sweep_ch
 from xpar.track.plots import record_step_split, record_timeline
 from xpar.track.recorder import recording_gap
 from xpar.track.run_dir import claim, free_sibling
-from xpar.track.runs import TrackingUnavailable, log_report, mlflow_run, recording, default_uri, flatten
+from xpar.track.runs import TrackingUnavailable, log_report, mlflow_run, recording, default_uri, flatten, write_config
 from xpar.track.sweep import sweep_tags
 
 
@@ -233,6 +233,7 @@ def _record(job: Job, body) -> Report:
         print_report(spec, report)
         return report
     tags.update(_continue_run(job))
+    write_config(job.out_dir, job.yaml)  # before any worker: a run that fails or is stopped keeps it (xpar.track.runs.RUN_FILES)
     with mlflow_run(spec, job.config, job.start_dir, tags, run_name, job.out_dir) as run:
         report, stats = body()
         with recording(run):  # a store failing here costs no result: journaled for `xpar sync`

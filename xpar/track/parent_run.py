@@ -102,12 +102,16 @@ def close_parent_run(info: dict, sweep_dir: Path, interrupted: bool = False) -> 
 
 
 def print_sweep_summary(info: dict, summary: dict) -> None:
-    """The end of a multirun on the console: a row per job (layout, the swept overrides where layouts repeat
+    """The end of a multirun on the console: the jobs skipped as invalid in its title, a row per job (layout, the
+    swept overrides where layouts repeat
     (:func:`swept_overrides`), tokens/s, peak memory, bubble, status; '(estimate)' after the status of a job the cost model estimated), the sweep id, the best job by ``sweep.metric`` and the ``xpar compare`` line."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"sweep {info['sweep_id']}: {len(summary['table'])} job(s), parent run {summary['status']}")
+    skipped = info.get("skipped") or []  # sweep.skip_invalid: said before the jobs ran, hundreds of lines above
+    table = Table(title=f"sweep {info['sweep_id']}: {len(summary['table'])} job(s), parent run {summary['status']}"
+                        + (f"; {len(skipped)} skipped as invalid (job {', '.join(map(str, skipped))}: "
+                           f"invalid_jobs.csv on the parent run)" if skipped else ""))
     swept = swept_overrides(summary["table"])
     for col in ("job", "layout") + (("swept",) if swept else ()) + ("tokens/s", "peak memory/device", "bubble", "status"):
         table.add_column(col, justify="right" if col not in ("layout", "swept", "status") else "left",

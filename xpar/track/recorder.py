@@ -13,6 +13,7 @@ never left RUNNING once synced.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -44,7 +45,11 @@ def end_budget_s(uri: str) -> float:
 
 def bound_http(timeout_s: int = HTTP_TIMEOUT_S, retries: int = HTTP_RETRIES) -> None:
     """Bound MLflow's HTTP calls: ``timeout_s`` per request, ``retries`` retries (MLflow reads
-    these at each request; its back-off factor must be an integer, FACTS.md)."""
+    these at each request; its back-off factor must be an integer, FACTS.md). Also keeps MLflow from printing
+    '🏃 View run ... at: <url>' on each run it ends on a server (MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT, MLflow's
+    mlflow/environment_variables.py): twice per run, above xpar's table, each a link that opens the GenAI view
+    (no workflowType=machine_learning, docs/guides/troubleshooting.md); xpar prints its own."""
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(timeout_s)
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
     os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "1"
@@ -76,8 +81,14 @@ def deliver(client, run_id: str, rec: dict) -> None:
 
 def store_reason(e: Exception) -> str:
     """The line of a store error that says what happened: SQLAlchemy's ``(sqlite3.OperationalError)
-    database or disk is full`` rather than its first line (an autoflush note), at most 200 characters."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    database or disk is full`` rather than its first line (an autoflush note), at most 200 characters; for a
+    server that does not answer, the socket's reason (``no server answers ([Errno 111] Connection refused)``), not
+    MLflow's 'API request to ... failed with exception HTTPConnectionPool(...): Max retries exceeded' cut mid-URL."""
+    text = str(e)
+    socket = re.search(r"\[Errno -?\d+\] [^'\")\]]+", text)  # urllib3's NewConnectionError inside MLflow's text
+    if socket and ("HTTPConnectionPool" in text or "HTTPSConnectionPool" in text):
+        return f"no server answers ({socket.group(0).strip()})"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     driver = [ln for ln in lines if ln.startswith("(") and "Error)" in ln]
     return (driver or lines or [""])[0][:200]
 
@@ -93,6 +104,8 @@ class Recorder:
         self.journal = Journal(self.out_dir)
         self.merger = StepMerger(self.out_dir, world)
         self.error: Optional[str] = None
+        self.warn = True
+        """Warn on the first failure that the run goes on retrying (:func:`sync` sends once and says so itself)."""
         self._failed_at = 0.0
         self._send_lock = threading.Lock()
         self._collect_lock = threading.Lock()
@@ -133,7 +146,7 @@ class Recorder:
         self.error = f"{type(e).__name__}: {store_reason(e)}"
         self._failed_at = time.monotonic()
         bound_http(timeout_s=1, retries=0)  # a store that failed once gets short calls from now on
-        if first:
+        if first and self.warn:
             print(f"xpar: warning: the tracking store did not take a record ({self.error}); "
                   f"kept in {self.journal.path}, retried while the run lasts.", file=sys.stderr, flush=True)
 
@@ -225,6 +238,7 @@ def sync(run_dir: Path) -> int:
         return 2
     bound_http()
     rec = Recorder(start["uri"], start["run_id"], run_dir, start.get("world") if isinstance(start.get("world"), int) else 0)
+    rec.warn = False  # one line: its own, below, not the live run's 'retried while the run lasts'
     rec.collect_steps()
     if not rec.journal.records("end") and not _alive(start.get("pid")):
         status = unobserved_end(rec.client, start["run_id"])

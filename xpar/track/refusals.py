@@ -13,7 +13,9 @@ from xpar.track.recorder import bound_http
 HEALTH_TIMEOUT_S = 3
 """Seconds to wait for a tracking server's /health before refusing."""
 
-FILTER_EXAMPLE = "--filter \"tags.`xpar.mode` = 'estimate'\""
+FILTER_EXAMPLE = "--filter 'tags.`xpar.mode` = \"estimate\"'"
+"""A filter a shell passes as written: backticks inside single quotes (inside double quotes bash ran
+`xpar.mode` as a command, and the filter reached MLflow as "tags. = 'estimate'")."""
 
 
 def refuse_compare(uri: str, out: Optional[str]) -> Optional[str]:

@@ -191,7 +191,8 @@ def comm_cell(extra: dict, key: str) -> str:
     stem = key[len("comm/"):-len("_bytes")]
     cell = format_bytes(extra[key])
     if f"comm/{stem}_calls" in extra:
-        cell += f" in {extra[f'comm/{stem}_calls']:.0f} calls"
+        calls = extra[f"comm/{stem}_calls"]
+        cell += f" in {calls:.0f} call{'' if round(calls) == 1 else 's'}"
     if f"fidelity/estimate_comm_{stem}_bytes" in extra:
         cell += f" (estimate {format_bytes(extra[f'fidelity/estimate_comm_{stem}_bytes'])})"
     if f"time/comm_{stem}_exposed_s" in extra:
@@ -253,7 +254,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
     rows = [
         ("world size (devices)", f"{report.world_size}"),
         ("global batch x seq", f"{spec.global_batch} x {spec.seq_len}"),
-        ("step time", f"{report.step_time_s * 1e3:.1f} ms"),
+        ("step time", f"{report.step_time_s * 1e3:.1f} ms" if report.step_time_s < 10 else f"{report.step_time_s:,.1f} s"),
         ("tokens/s (global)", f"{report.tokens_per_s:,.0f}"),
         ("tokens/s per device", f"{report.tokens_per_s_per_device:,.0f}"),
         ("model TFLOP/s per device", f"{report.tflops_per_device:.4g}"),
@@ -272,7 +273,7 @@ def print_report(spec: RunSpec, report: Report, where: Optional[str] = None) -> 
             rows.append((f"{k} ({split_scope(spec, k)})", f"{v * 1e3:.1f} ms"))
         elif k.startswith("estimate/"):  # breakdowns of an estimate
             rows.append((k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else
-                         format_bytes(v) if k.endswith("_bytes") else f"{v:.4g}"))
+                         format_bytes(v) if k.endswith(("_bytes", "_bytes_diff")) else f"{v:.4g}"))
         elif k in ("fidelity/step_time_ratio", "fidelity/peak_memory_ratio", "fidelity/bubble_diff"):
             label = "UNCALIBRATED hardware=local: xpar calibrate" if spec.hardware.name == "local" else \
                 "own estimate vs measured"

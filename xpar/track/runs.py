@@ -331,15 +331,39 @@ def mlflow_run(spec: RunSpec, config: dict, start_dir: Path, tags: Optional[dict
             recorder.start_live()
             yield run
         except (KeyboardInterrupt, _Terminated):
+            record_run_files(recorder, out_dir)
             _end(recorder, "KILLED")
+            KILLED_RUNS.append(f"MLflow run {exp_id}/{run.info.run_id} ended KILLED with "
+                               f"{recorder.journal.steps_journaled()} step(s) recorded, its config and log kept "
+                               f"(run folder {out_dir})")
             raise KeyboardInterrupt from None
         except BaseException as e:
             if isinstance(e, Exception):  # why, on the run (a SystemExit's line is already on the console)
                 recorder.record("tags", tags={"xpar.error": f"{type(e).__name__}: {e}"[:5000]})
+            record_run_files(recorder, out_dir)
             _end(recorder, "FAILED")
             raise
         else:
             _end(recorder, "FINISHED")
+
+
+KILLED_RUNS: list[str] = []
+"""'MLflow run <experiment id>/<run id> ended KILLED with <n> step(s) recorded, ...' of each run
+this process ended KILLED (:func:`mlflow_run`), for the one line xpar.__main__ prints on Ctrl-C."""
+
+RUN_FILES = ("config.yaml", "xpar.log", "worker_*.traceback.txt")
+"""The run folder's files a FAILED or KILLED run keeps in MLflow (artifact folder ``logs``, config.yaml
+at the top): the resolved config (xpar.run.job writes it before any worker starts), the console's log
+and each failed worker's traceback (xpar.run.launch)."""
+
+
+def record_run_files(recorder, out_dir: Path) -> None:
+    """Journal :data:`RUN_FILES` of ``out_dir`` as artifacts of a run that ends early: such a run
+    reaches no :func:`log_report`, and its MLflow page held no artifact at all (no config, no
+    traceback: a user saw FAILED and the error tag only)."""
+    for pattern in RUN_FILES:
+        for path in sorted(out_dir.glob(pattern)):
+            recorder.record("artifact", path=str(path), dir=None if path.name == "config.yaml" else "logs")
 
 
 @contextmanager
@@ -398,16 +422,23 @@ def _is_store_error(e: Exception) -> bool:
     return isinstance(e, (MlflowException, RequestException, OSError, TimeoutError))
 
 
+def write_config(out_dir: Path, config_yaml: str) -> None:
+    """The resolved config as ``out_dir/config.yaml``; a disk that refuses it is a warning (the config
+    still goes to MLflow, from the text)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(config_yaml)
+    except OSError as e:
+        disk_warning(out_dir / "config.yaml", e, "the resolved config goes to MLflow only")
+
+
 def log_report(report, stats: Optional[list[dict]], config_yaml: str, out_dir: Path) -> None:
     """Summary metrics, the per-step metrics not yet delivered live (e.g. ranks on other
     nodes' disks), and artifacts: the resolved config YAML, the per-rank stats JSON and the
     report's files. Journaled first, then delivered within the end budget."""
     import mlflow
 
-    try:
-        (out_dir / "config.yaml").write_text(config_yaml)
-    except OSError as e:  # a full disk: the config still goes to MLflow below
-        disk_warning(out_dir / "config.yaml", e, "the resolved config goes to MLflow only")
+    write_config(out_dir, config_yaml)
     run = mlflow.active_run()
     recorder = getattr(run, "recorder", None)
     if recorder is None:  # a run not started by mlflow_run

@@ -48,7 +48,7 @@ def check_model(c: XparConfig) -> list[str]:
     out = [f"model.{name} must be >= 1, got {getattr(model, name)}."
            for name in ("n_layers", "hidden", "n_heads", "ffn_hidden", "vocab_size", "seq_len")
            if getattr(model, name) < 1]
-    if model.n_heads >= 1 and model.head_dim is None and model.hidden % model.n_heads:
+    if model.n_heads >= 1 and model.hidden >= 1 and model.head_dim is None and model.hidden % model.n_heads:
         out.append(f"model.hidden must be divisible by model.n_heads: {model.hidden} % {model.n_heads} != 0; "
                    f"{_heads_that_work(model)}; or give the heads' width, model.head_dim.")
     if model.head_dim is not None and (isinstance(model.head_dim, bool) or model.head_dim < 1):
@@ -182,13 +182,13 @@ def _int_or_auto(key: str, value, minimum: int = 1) -> list[str]:
         ok = int(value) == value and int(value) >= minimum
     except (TypeError, ValueError):
         ok = False
-    return [] if ok else [f"{key} must be an integer >= {minimum} or 'auto', got {value!r}."]
+    return [] if ok else [f"{key} must be an integer >= {minimum} or 'auto', got {value!r}; e.g. {key}=auto."]
 
 
 def check_degrees(c: XparConfig) -> list[str]:
     """tp, pp, cp, ep >= 1; dp, micro_batches and virtual_stages whole numbers >= 1 or 'auto'."""
     par = c.parallel
-    out = [f"parallel.{name} must be >= 1, got {getattr(par, name)}." for name in ("tp", "pp", "cp", "ep")
+    out = [f"parallel.{name} must be >= 1, got {getattr(par, name)}; e.g. parallel.{name}=1." for name in ("tp", "pp", "cp", "ep")
            if getattr(par, name) < 1]
     for name in ("dp", "micro_batches", "virtual_stages"):
         out += _int_or_auto(f"parallel.{name}", getattr(par, name))
