@@ -181,6 +181,15 @@ def _killed_runs() -> str:
     return "; ".join(runs)
 
 
+def interrupted_line(argv: list) -> str:
+    """Ctrl-C's one line for the command ``argv`` (overrides as Hydra gets them): a plan that ran no layout for real
+    (no run ended KILLED) has no workers and records nothing until it is done; anything else ended its workers."""
+    runs = getattr(sys.modules.get("xpar.track.runs"), "KILLED_RUNS", [])
+    if "run.mode=plan" in argv and not runs:
+        return "xpar: interrupted; the plan stopped before its record: nothing was written to MLflow."
+    return f"xpar: interrupted; workers ended, {_killed_runs()}."
+
+
 def main() -> None:
     """``xpar compare ...`` compares recorded runs; ``xpar sync <run dir>`` sends what a run's
     journal kept to the store; ``xpar plan ...`` ranks every layout (run.mode=plan); anything else is a Hydra run: check
@@ -196,7 +205,7 @@ def main() -> None:
         _hydra_main()
     except KeyboardInterrupt:
         mark_interrupted()  # a sweep's parent run ends KILLED (xpar.track.sweep.finish_sweep, at exit)
-        print(f"xpar: interrupted; workers ended, {_killed_runs()}.", file=sys.stderr)
+        print(interrupted_line(sys.argv[1:]), file=sys.stderr)
         raise SystemExit(130)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # A torchrun rank that finished (results logged) skips interpreter finalization,

@@ -891,3 +891,17 @@ def test_a_device_range_out_of_order_is_told_the_range_that_works():
     assert plan_inputs(cfg_of(*base, *fix), argv(*base, *fix))[1] == []
     _, problems = plan_inputs(cfg_of(*base, "plan.devices=0"), argv(*base, "plan.devices=0"))
     assert "e.g. plan.devices=2048 or plan.devices=[1024,2048] plan.min_tokens_per_s=100000." in problems[0], problems
+
+
+def test_ctrl_c_in_a_plan_says_nothing_was_recorded_not_that_workers_ended(monkeypatch):
+    """A plan has no workers and writes its MLflow run when done: its Ctrl-C line says so, unless it ran a layout
+    for real (plan.execute), whose run ended KILLED like any other."""
+    import xpar.track.runs as runs
+    from xpar.__main__ import interrupted_line
+
+    plan = argv("model=70b")
+    monkeypatch.setattr(runs, "KILLED_RUNS", [])
+    assert interrupted_line(plan) == "xpar: interrupted; the plan stopped before its record: nothing was written to MLflow."
+    assert interrupted_line(["model=70b"]) == "xpar: interrupted; workers ended, the MLflow run (if any) ended KILLED."
+    monkeypatch.setattr(runs, "KILLED_RUNS", ["MLflow run 1/abc ended KILLED with 3 steps recorded"])
+    assert interrupted_line(plan).startswith("xpar: interrupted; workers ended, MLflow run 1/abc")
