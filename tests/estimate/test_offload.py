@@ -211,7 +211,7 @@ def test_estimate_notes_are_printed_and_tagged_and_offload_parts_logged(tmp_path
 
     from xpar.run.job import run_job
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    line = ("python -m xpar model=13b hardware=a100_80gb_8gpu train=cluster parallel=zero3 framework=deepspeed framework.flash_attention=true "
+    line = ("python -m xpar model=13b hardware=a100_80gb_8gpu train=cluster parallel=zero3 framework=deepspeed "
             f"framework.cpu_offload_optimizer=true run.mode=estimate run.dry_run=false tracking.uri={uri}")
     report = run_job(compose_line(line), tmp_path / "out", tmp_path)
     out = capsys.readouterr().out

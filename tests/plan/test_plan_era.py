@@ -2,9 +2,8 @@
 tests/data/a100_40gb_published.csv row neox20b: tp 2, pp 4, dp 12, ZeRO-1, micro-batch 4, full recompute, on
 96 A100-40GB). Under megatron_deepspeed (its 2022 stack: Megatron's fused softmax, no sequence parallelism, 1F1B)
 layouts without recompute do not fit its degrees and the published group is near the top; under deepspeed (the
-profile the refusal hunt typed: the same fused softmax, but Megatron's sequence parallelism offered, which
-Megatron-DeepSpeed took up after the run) the same degrees fit without recompute, and the plan's claimed gain is
-what that later stack offers. A plan of about 1 s each."""
+profile the refusal hunt typed: FlashAttention, sequence parallelism offered) the same degrees fit without
+recompute, and the plan's claimed gain is what that later stack offers. A plan of about 1 s each."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,9 +51,9 @@ def test_neox_published_group_is_near_the_top_of_its_own_stacks_plan(source_plan
 
 
 def test_neox_under_the_hunts_deepspeed_profile_drops_recompute_at_the_published_degrees(source_plan):
-    """deepspeed (sequence parallelism offered; the hunt's 'before' command, here on the 40 GB preset): at the
-    published degrees a layout without recompute fits (sp shards the activations tp ways) and is the group's best,
-    so the claimed gain over the published group's full-recompute layouts grows by what that stack allows."""
+    """deepspeed (FlashAttention, sequence parallelism offered; the hunt's 'before' command, here on the 40 GB
+    preset): at the published degrees a layout without recompute fits and is the group's best, so the claimed
+    gain over the published group's full-recompute layouts grows by what that stack allows."""
     plan = neox_plan("framework=deepspeed", "hardware=a100_40gb_64gpu", "hardware.nodes=12")
     rank, members = group_rank(plan, **PUBLISHED)
     r = plan.res
