@@ -3,14 +3,20 @@ tests/data/a100_40gb_published.csv row neox20b: tp 2, pp 4, dp 12, ZeRO-1, micro
 96 A100-40GB). Under megatron_deepspeed (its 2022 stack: Megatron's fused softmax, no sequence parallelism, 1F1B)
 layouts without recompute do not fit its degrees and the published group is near the top; under deepspeed (the
 profile the refusal hunt typed: FlashAttention, sequence parallelism offered) the same degrees fit without
-recompute, and the plan's claimed gain is what that later stack offers. A plan of about 1 s each."""
+recompute, and the plan's claimed gain is what that later stack offers. And a published layout that was not tuned
+for throughput (torchtitan's FSDP x TP 8 for an 8B model): the plan's preference for FSDP alone against
+torchtitan's own figures. A plan of about 1 s each (benchmarks/dense_plan_gains.md)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tests.conftest import compose
 from tests.plan.test_plan import plan_of
 from tests.plan.test_plan_published import group_rank, rows
+from xpar.config.validate import validate
+from xpar.estimate.cost import estimate
+from xpar.estimate.step_parts import assumptions_for
 
 NEOX = ("model.name=neox20b", "model.n_layers=44", "model.hidden=6144", "model.n_heads=64", "model.n_kv_heads=64",
         "model.ffn_hidden=24576", "model.vocab_size=50432", "model.seq_len=2048", "model.activation=gelu",
@@ -61,3 +67,33 @@ def test_neox_under_the_hunts_deepspeed_profile_drops_recompute_at_the_published
     assert rank >= 1 and r["recompute"][best] == "none"
     full = members[r["recompute"][members] == "full"]
     assert gain(plan, full) > gain(source_plan, group_rank(source_plan, **PUBLISHED)[1]) + 0.10
+
+
+TORCHTITAN_8B = ("framework=torchtitan", "hardware=h100_96gb_500w_node", "model=7b", "model.name=llama3_8b",
+                 "model.n_kv_heads=8", "model.ffn_hidden=14336", "model.vocab_size=128256", "model.seq_len=8192",
+                 "train.dtype=bf16", "parallel.recompute=selective", "parallel.zero_stage=3",
+                 "parallel.micro_batches=auto", "run.mode=estimate", "tracking=off")
+TP8_PUBLISHED = 4378.0
+"""tok/s per GPU of Llama 3.1 8B on 64 H100 with FSDP 8 x TP 8 (sequence parallel), per-op SAC, local batch 12,
+vanilla TP in bf16: pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @2887250b (the page
+shows async TP; refusal_hunt2.md row 13)."""
+
+
+def torchtitan_8b_rate(*layout: str) -> float:
+    """xpar's tok/s per GPU of Llama 3.1 8B under torchtitan with ``layout`` (overrides)."""
+    spec = validate(compose(*TORCHTITAN_8B, *layout))
+    return estimate(spec, assumptions_for(spec)).tokens_per_s_per_device
+
+
+def test_torchtitan_8b_fsdp_alone_over_fsdp_x_tp8_is_priced_as_torchtitan_published_them():
+    """A published layout that was not tuned for throughput (hunt2 rows 13-14: an async-TP demonstration): the plan
+    claims FSDP alone beats FSDP 8 x TP 8 for an 8B model. torchtitan's own figures agree: FSDP on 128 H100 (local
+    batch 2, tests/data/torchtitan_h100_2024.csv table 3) 5,605 tok/s per GPU against :data:`TP8_PUBLISHED`, 1.28x;
+    xpar's estimates of the two layouts keep that ratio within 10 %."""
+    row = next(x for x in rows("torchtitan_h100_2024.csv") if x["gpus"] == "128")
+    fsdp = torchtitan_8b_rate("hardware.nodes=16", "parallel.dp=128", f"train.micro_batch_size={row['local_batch']}",
+                              "train.global_batch_size=256")
+    tp8 = torchtitan_8b_rate("hardware.nodes=8", "parallel.tp=8", "parallel.dp=8", "parallel.sequence_parallel=true",
+                             "train.micro_batch_size=12", "train.global_batch_size=96")
+    published = float(row["tps_per_gpu"]) / TP8_PUBLISHED
+    assert fsdp / tp8 == pytest.approx(published, rel=0.10), (fsdp, tp8)
