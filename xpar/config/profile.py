@@ -225,6 +225,13 @@ class FrameworkConfig:
     """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
     (DeepSpeed offload_optimizer; timed by xpar.estimate.memory.offload). Estimate only: xpar does not
     execute it (execute mode refuses it)."""
+    activation_offload: bool = False
+    """Whether the framework copies whole blocks' saved activations to host memory and back
+    (parallel.activation_offload_layers; xpar.estimate.memory.activation_offload): Megatron-Core's
+    --cpu-offloading (megatron/core/transformer/transformer_config.py, Transformer Engine's cpu_offload).
+    False: torchtitan (its CPU offload is FSDP2's CPUOffloadPolicy of parameters, gradients and optimizer
+    states), MaxText (its remat policies offload chosen tensors, not blocks), DeepSpeed (activation
+    checkpoints to CPU only with checkpointing), xpar (does not execute it)."""
     offload: list = field(default_factory=lambda: [False, True])
     """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
     [false, true]."""

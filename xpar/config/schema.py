@@ -220,6 +220,12 @@ class ParallelConfig:
     """Blocks per stage (model chunk) the policy applies to, the first ones (Megatron-LM's
     --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
     every block (times framework.recompute_layer_fraction)."""
+    activation_offload_layers: Optional[int] = None
+    """Blocks whose saved activations are copied to host memory during the forward and back before
+    their backward (Megatron-Core's --cpu-offloading --cpu-offloading-num-layers, Transformer Engine's
+    cpu_offload), the first N of the model: 0 <= N < n_layers, pp 1, no recompute, where the framework
+    runs it (framework.activation_offload). Estimated only (xpar.estimate.memory.activation_offload).
+    null or 0: none."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 

@@ -34,6 +34,8 @@ TIME = (
     Term("cp_attention", "cp attention steps and merges (xpar.estimate.cp_attention)", axis="cp"),
     Term("ep_comm", "expert all-to-alls", axis="ep"),
     Term("ep_imbalance", "router imbalance", axis="ep"),
+    Term("act_offload", "activation offload copies over the host link (parallel.activation_offload_layers)",
+         axis="offload"),
 )
 """The step-time terms (``Estimate.time_breakdown``, metrics ``estimate/time_<term>_s``)."""
 TIME_TERMS = tuple(t.name for t in TIME if not t.axis)
