@@ -40,23 +40,24 @@ def act_offload_problem(spec: RunSpec) -> Optional[str]:
     need = host_bytes_needed(spec)
     if have and need > have * 1e9:
         n = offload_layers(spec)
+        per_block = host_need(spec, MemoryOptions.of(assumptions_for(spec)))["host_bytes"] / n
+        most = int(max(have * 1e9 - (need - n * per_block), 0.0) // per_block)  # the blocks the host holds
         return (f"parallel.activation_offload_layers={n}: the offloaded activations need {need / 1e9:,.0f} GB of host "
                 f"memory per node ({devices_per_node(spec.hardware)} devices x {n} blocks"
                 f"{', with the offloaded optimizer states' if spec.framework.cpu_offload_optimizer else ''}), more than "
-                f"hardware.host_memory_gb={have:g}; e.g. parallel.activation_offload_layers={max(n // 2, 1)}, or "
-                f"hardware.host_memory_gb={-(-need // 1e10) * 10:.0f}.")
+                f"hardware.host_memory_gb={have:g}; the host holds at most {most} blocks' "
+                f"(parallel.activation_offload_layers={most}), or hardware.host_memory_gb={-(-need // 1e10) * 10:.0f}.")
     return None
 
 
 def fitting_offload(spec: RunSpec, fits: Callable[[RunSpec], bool]) -> Optional[tuple[int, RunSpec]]:
-    """The fewest blocks N to offload for ``spec`` (no offload now, pp 1, no recompute, the framework
-    runs it) with which ``fits`` (a checked candidate's test) holds, and that spec; None when none does.
-    The peak falls with N (one block less per block offloaded), so the search halves."""
-    if (offload_layers(spec) or spec.pp > 1 or spec.layout.recompute != "none"
-            or not getattr(spec.framework, "activation_offload", False)):
+    """The fewest blocks N to offload for ``spec`` (pp 1, no recompute, the framework runs it), more than
+    it offloads now, with which ``fits`` (a checked candidate's test) holds, and that spec; None when none
+    does. The peak falls with N (one block less per block offloaded), so the search halves."""
+    if spec.pp > 1 or spec.layout.recompute != "none" or not getattr(spec.framework, "activation_offload", False):
         return None
     with_n = lambda n: replace(spec, parallel=replace(spec.parallel, activation_offload_layers=n))  # noqa: E731
-    lo, hi = 1, spec.model.n_layers - 1
+    lo, hi = offload_layers(spec) + 1, spec.model.n_layers - 1
     if hi < lo or not fits(with_n(hi)):
         return None
     while lo < hi:
