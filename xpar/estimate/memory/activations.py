@@ -255,14 +255,14 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
     fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
-    and the output projection). Bytes."""
+    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`. Bytes."""
     cfg, lay = spec.model, spec.layout
     rec = precision(spec, o)
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, lay.sequence_parallel
     share = stage_recompute_share(spec, stage, o)
     lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
-    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
+    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0, "moe_graph": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
         kv = tp_model(spec).kv_heads * cfg.head_size
@@ -273,6 +273,7 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         out["embedding_mask"] = s * b * h / (t if sp else 1)
     if stage > 0 and n and not o.count_buffers:
         out["layers"] -= _uncounted_stage_input(spec, o, rec, share)
+    out["moe_graph"] = moe_kept_graph_bytes(spec, o, stage, share)
     if stage == lay.n_stages - 1:
         sh = s * b * h / (t if sp else 1)
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
@@ -282,6 +283,22 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         out["logits"] = norm + lin_in + kept * s * b * cfg.vocab_size / t
         out["loss_transient"] = transient * s * b * cfg.vocab_size / t
     return out
+
+
+def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: float) -> float:
+    """Bytes the recomputed MoE blocks of ``stage`` keep after their backward with ``moe_recompute_graph_kept``
+    (xpar.config.profile.FrameworkConfig): per recomputed MoE block, the recompute's graph of the attention sublayer and
+    the router with its saved tensors, one micro-batch's (the last one each block recomputed): a block's
+    no-recompute bytes (:func:`layer_activation_bytes`) without the expert MLP's inner tensors (the experts run after
+    the router; their nodes are not reached from the kept probabilities). 0 without the option, experts or full
+    recompute. Held from the block's backward to its next forward, so beside what the stage still keeps then, not
+    beside its own micro-batch (:func:`stage_chunk_bytes`). Bytes."""
+    cfg, lay = spec.model, spec.layout
+    if not (o.moe_recompute_graph_kept and cfg.n_experts and share) or policy_name(lay.recompute) != "full":
+        return 0.0
+    moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
+    return share * moe * layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
 
 
 def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
@@ -350,10 +367,13 @@ def stage_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple:
 def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[float, float, float, float]:
     """Bytes of one micro-batch chunk of ``stage`` (:func:`stage_bytes`): (kept until its backward,
     transient during its forward, transient during its backward, autocast's weight copies); the
-    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``."""
+    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``. The recomputed MoE
+    graph a stage keeps after a backward (``moe_graph``) replaces the chunk it released, so its backward transient is
+    at least moe_graph - kept: the peak at that event is the other live chunks plus max(kept + transient, moe_graph)."""
     sb, cb = stage_bytes(spec, stage, o), o.count_buffers
-    return (sb["layers"] + sb["logits"] + sb["embedding_mask"], sb["loss_transient"] * cb,
-            (sb["workspace"] + sb["loss_transient"]) * cb, sb["weight_copies"])
+    kept = sb["layers"] + sb["logits"] + sb["embedding_mask"]
+    back = max((sb["workspace"] + sb["loss_transient"]) * cb, sb["moe_graph"] - kept)
+    return kept, sb["loss_transient"] * cb, back, sb["weight_copies"]
 
 
 def token_id_bytes(seq_len, b, m, pp):
