@@ -55,9 +55,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
     'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
     (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
-    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``:
-    model.block (:func:`_replicated_bytes`). ``compiled`` (train.compile): an op-level torch policy keeps only the
-    saved outputs its backward reads (:func:`compiled_drops`). Units: bytes.
+    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``: model.block
+    (:func:`_replicated_bytes`). ``compiled`` (train.compile): :func:`compiled_drops`. Units: bytes.
     """
     q = h if q is None else q
     kv = q if kv is None else kv
@@ -169,8 +168,13 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     """What the estimate should say about the recompute policy: Megatron's selective recompute
     under flash attention saves ~nothing; an op-level policy that keeps more than no
     recompute (with sequence parallelism at large t, the wo/w2 outputs before their
-    reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
+    reduce-scatter and the all-gathered inputs are kept at full sequence length); the MoE graphs
+    kept after the backward (:func:`moe_kept_graph_bytes`)."""
     name = policy_name(spec.layout.recompute, o.selective_recompute)
+    graph = max(moe_kept_graph_bytes(spec, o, st, stage_recompute_share(spec, st, o)) for st in range(spec.layout.n_stages))
+    if graph:
+        return [f"framework.moe_recompute_graph_kept: after its backward each recomputed MoE block keeps its recomputed "
+                f"attention and router graph until its next forward ({graph / 1e9:.1f} GB on the largest stage)"]
     if name in ("none", "full"):
         return []
     if name == "attention" and o.flash_attention:
