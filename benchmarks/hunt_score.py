@@ -2,7 +2,11 @@
 builds it (Hydra composition, :func:`xpar.estimate.preflight.check.check_run`: validation and the memory check),
 estimated, and set against the published figure of a sidecar csv (benchmarks/hunt<N>_published.csv).
 
-    python benchmarks/hunt_score.py --hunt benchmarks/refusal_hunt2.md [--rows 1,2] [--published FILE]
+    python benchmarks/hunt_score.py --hunt benchmarks/refusal_hunt2.md [--rows 1,2] [--published FILE] [--recipe]
+                                    [--set KEY=VALUE ...]
+
+``--recipe``: each row's command with what its source's recipe ran that the typed command leaves out
+(benchmarks/hunt_recipes.py); ``--set``: overrides appended to every row's command (as benchmarks/plan_heldout.py).
 
 Sidecar columns: ``row`` (the Runs table's #), ``metric``, ``published``, ``memory_gib`` (published peak per GPU in
 GiB, blank if none), ``flops_per_token`` (the source's own FLOPs per token, forward and backward, where it counts
@@ -37,6 +41,9 @@ from xpar.estimate.cost import assumptions_for, estimate
 from xpar.estimate.preflight.check import check_run
 from xpar.models.shapes import param_count
 from xpar.plan.verify import compose_line
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hunt_recipes import checked_sets, recipe_overrides, with_overrides  # noqa: E402 (a sibling script)
 
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
@@ -207,19 +214,25 @@ def main() -> None:
     ap.add_argument("--hunt", type=Path, required=True, help="a hunt's markdown (its Runs table)")
     ap.add_argument("--rows", help="row numbers, e.g. 1,4,7-9 (default: every row with a command)")
     ap.add_argument("--published", type=Path, help="the sidecar csv (default: benchmarks/hunt<N>_published.csv)")
+    ap.add_argument("--recipe", action="store_true", help="add what each row's recipe ran (benchmarks/hunt_recipes.py)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="an override appended to every row's command")
     args = ap.parse_args()
+    sets = checked_sets(args.set, "hunt_score")
     if not args.hunt.exists():
         refuse(f"--hunt {args.hunt}: no such file; values that work: "
                + ", ".join(str(p.relative_to(HERE.parent)) for p in sorted(HERE.glob("refusal_hunt*.md"))))
     pubs = published(args.published or sidecar_for(args.hunt))
     wanted = row_set(args.rows) if args.rows else None
-    t0, rows = time.perf_counter(), []
+    t0, rows, changed = time.perf_counter(), [], []
     print("#    run                                          kind   xpar step  tokens/s/GPU  peak | published "
           "metric, figure, xpar's, signed error (D dense, M MoE, F FP8, C CP, S small)")
     for num, name, command in runs_table(args.hunt):
         if wanted is None or num in wanted:
-            rows.append(score_row(num, name, command, pubs.get(num, [])))
+            extra = (recipe_overrides(args.hunt, num) if args.recipe else ()) + sets
+            rows.append(score_row(num, name, with_overrides(command, extra), pubs.get(num, [])))
             print(row_line(rows[-1]), flush=True)
+            changed += [f"#{num} " + " ".join(extra)] if extra else []
+    print("".join(f"\nwith {c}" for c in changed))
     print(f"\n{len(rows)} rows, {time.perf_counter() - t0:.0f} s; medians of the first published metric per row:")
     print("\n".join(medians(rows)))
 

@@ -4,6 +4,11 @@
 (benchmarks/plan_published.py ``plan_of``), and the published layout's place in that plan.
 
     python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192] [--hunt benchmarks/refusal_hunt2.md]
+                                      [--recipe] [--set model.moe_routing=round_robin ...]
+
+``--recipe``: each row's command with what its source's recipe ran that the typed command leaves out
+(benchmarks/hunt_recipes.py: the benchmark gates of NeMo AutoModel and torchtitan); ``--set``: overrides appended to
+every row's command. Each row that gets overrides lists them under 'Per run'.
 
 Columns and summary as plan_published.py (its ``row_figures``, ``row_line``, ``summary``), then per run: what
 tests/data holds of it ('seen'), and where the claimed gain comes from: the published row against the best of its
@@ -20,8 +25,10 @@ import time
 from pathlib import Path
 
 try:
+    from hunt_recipes import checked_sets, recipe_overrides, with_overrides
     from plan_published import HEADER, plan_of, row_figures, row_line, summary
 except ModuleNotFoundError:  # imported as benchmarks.plan_heldout (tests/estimate/test_hunt_score.py)
+    from benchmarks.hunt_recipes import checked_sets, recipe_overrides, with_overrides
     from benchmarks.plan_published import HEADER, plan_of, row_figures, row_line, summary
 from xpar.config.validate import validate
 from xpar.estimate.step_parts import assumptions_for
@@ -91,12 +98,39 @@ def run_one(num: int, name: str, command: str) -> tuple[dict, list[str]]:
     return f, why_lines(plan, spec, f)
 
 
+def plan_rows(rows: list[tuple[int, str, str]], hunt: Path, max_devices: int, recipe: bool,
+              sets: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+    """Each row planned (its command with the recipe's overrides when ``recipe``, then ``sets``), its line printed:
+    (the figures of the rows planned, their 'Per run' notes); a refused plan is printed and left out."""
+    done, notes = [], []
+    for num, name, command in rows:
+        t = time.perf_counter()
+        extra = (recipe_overrides(hunt, num) if recipe else ()) + sets
+        try:
+            f, why = run_one(num, name, with_overrides(command, extra))
+        except PlanRefused as e:
+            print(f"#{num} {name[:40]:<40} plan refused: {e.problems[0][:160]}", flush=True)
+            continue
+        if f["devices"] > max_devices:
+            continue
+        f["num"] = num
+        done.append(f)
+        print(row_line(f), flush=True)
+        notes.append(f"#{num:<3} {time.perf_counter() - t:5.1f} s  seen: {SEEN.get(num, '-')}"
+                     f"{'; NOT PUBLISHED: ' + NOT_PUBLISHED[num] if num in NOT_PUBLISHED else ''}"
+                     + "".join(f"\n      {w}" for w in (*why, *(["with " + " ".join(extra)] if extra else []))))
+    return done, notes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", help="comma-separated row numbers of the hunt (default: every accepted one)")
     ap.add_argument("--max-devices", type=int, default=16384)
     ap.add_argument("--hunt", type=Path, default=HUNT, help="a hunt's markdown (Runs table of refusal_hunt.md's columns)")
+    ap.add_argument("--recipe", action="store_true", help="add what each row's recipe ran (benchmarks/hunt_recipes.py)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="an override appended to every row's command")
     args = ap.parse_args()
+    sets = checked_sets(args.set, "plan_heldout")
     if args.hunt.resolve() != HUNT:
         SEEN.clear()
         NOT_PUBLISHED.clear()
@@ -104,22 +138,8 @@ def main() -> None:
     rows = [r for r in hunt_rows(args.hunt) if wanted is None or r[0] in wanted]
     print(f"{len(rows)} accepted commands of {args.hunt.name}")
     print(HEADER)
-    t0, done, notes = time.perf_counter(), [], []
-    for num, name, command in rows:
-        t = time.perf_counter()
-        try:
-            f, why = run_one(num, name, command)
-        except PlanRefused as e:
-            print(f"#{num} {name[:40]:<40} plan refused: {e.problems[0][:160]}", flush=True)
-            continue
-        if f["devices"] > args.max_devices:
-            continue
-        f["num"] = num
-        done.append(f)
-        print(row_line(f), flush=True)
-        notes.append(f"#{num:<3} {time.perf_counter() - t:5.1f} s  seen: {SEEN.get(num, '-')}"
-                     f"{'; NOT PUBLISHED: ' + NOT_PUBLISHED[num] if num in NOT_PUBLISHED else ''}"
-                     + "".join(f"\n      {w}" for w in why))
+    t0 = time.perf_counter()
+    done, notes = plan_rows(rows, args.hunt, args.max_devices, args.recipe, sets)
     print("\nPer run: seconds to plan, what tests/data holds, what separates the winner")
     print("\n".join(notes))
     summary(done, time.perf_counter() - t0, len(done))

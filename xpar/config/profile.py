@@ -174,6 +174,17 @@ class FrameworkConfig:
     that repeat K/V before SDPA (xpar, torchtitan's repeat_kv). False: the kernel
     takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
     DeepSpeed, llm-foundry)."""
+    moe_recompute_graph_kept: bool = False
+    """Under full recompute each MoE layer keeps, from its backward to its next forward, the graph its recompute built
+    for the attention sublayer and the router, with that graph's saved tensors: one micro-batch's no-recompute bytes of
+    both per MoE layer (xpar.estimate.memory.activations.moe_kept_graph_bytes). True for a MoE dispatcher that keeps the
+    routing probabilities on the module between calls: the Primus-Turbo DeepEP manager of torchtitan's deepep branch
+    @022f885f (torchtitan/distributed/deepep/utils.py PrimusTurboDeepepManager.setup_metadata stores
+    ``self.token_probs`` and ``dispatch`` the dispatched probabilities, which ``combine`` clears; the recompute of
+    torch's non-reentrant checkpoint stops after the last tensor the backward needs, before combine, and its pack hook
+    hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
+    dispatcher that hands its state to combine (upstream torchtitan's EPDispatchMetadata,
+    torchtitan/models/common/token_dispatcher.py 2026; Megatron-Core, DeepSpeed)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
     (torch DTensor: xpar, torchtitan; xpar.estimate.memory.per_device); False: it stays

@@ -104,8 +104,8 @@ class ModelConfig:
     gpt_oss/torch/model.py; Megatron-Core ``softmax_type='learnable'``); priced as the framework's kernel runs them
     (framework.sink_attention), not executed."""
     moe_routing: str = "learned"
-    """'learned' (top-k of router scores) or 'round_robin': NeMo AutoModel's benchmark gate (fake_balanced_gate), token
-    t to experts (t k + j) mod E, j < k (xpar.estimate.expert_parallel.round_robin_reach); estimate only."""
+    """'learned' (top-k of router scores) or 'round_robin': token t to experts (t k + j) mod E, j < k, the benchmark
+    gates of AutoModel and torchtitan (xpar.estimate.expert_parallel.round_robin_reach); estimate only."""
     mtp_layers: int = 0
     """Multi-token prediction depth (``--mtp-num-layers``), on the last stage: xpar.estimate.columns.mtp. Estimated."""
     moe_router_groups: int = 0

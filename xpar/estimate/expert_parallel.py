@@ -95,9 +95,12 @@ def round_robin_reach(n_experts: int, top_k: int, units: int) -> float:
     (t k + j) mod E, j < k (NeMo AutoModel's ``FakeBalancedGate.forward``, nemo_automodel/components/moe/layers.py
     @01926a5c and @037e04a6; ``BackendConfig.fake_balanced_gate: true`` in its examples/benchmark/configs/
     *_te_deepep.yaml, and its docs/performance-summary.md Notes: "Fake balanced gate is enabled to simulate ideal
-    expert routing"), averaged over one period of t (E / gcd(E, k) tokens). The k experts are consecutive, so the
-    count is 1 or 2 where a unit holds >= k experts (Qwen3-30B-A3B at ep 8: 1), against units x
-    :func:`expert_hit` (about 5.3 of 8) for experts drawn evenly. Raises ValueError unless E % units == 0."""
+    expert routing"; torchtitan's ``debug.moe_force_load_balance``, torchtitan/models/moe/moe.py
+    ``TokenChoiceTopKRouter._debug_force_load_balance_routing``: ``arange(N k) % E``; not Megatron-Core's
+    ``--moe-router-force-load-balancing``, random logits, moe_utils.py ``RandomSTE``), averaged over one period of t
+    (E / gcd(E, k) tokens). The k experts are consecutive, so the count is 1 or 2 where a unit holds >= k experts
+    (Qwen3-30B-A3B at ep 8: 1), against units x :func:`expert_hit` (about 5.3 of 8) for experts drawn evenly.
+    Raises ValueError unless E % units == 0."""
     if units <= 1:
         return 1.0
     if n_experts % units:

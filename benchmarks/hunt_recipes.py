@@ -1,0 +1,63 @@
+"""What a held-out hunt row's source ran that the row's typed command leaves out (issue 44): the settings of the
+benchmark recipe behind a published figure, applied by ``--recipe`` in benchmarks/plan_heldout.py and
+benchmarks/hunt_score.py, so that a check compares xpar with the run as it ran, not as it was typed.
+
+The rows' commands (benchmarks/refusal_hunt*.md) stay as typed: they are the record of what a user types. Each
+entry of :data:`RECIPES` names the hunt file, the row, the overrides and the source line that sets them.
+
+- Round-robin routing (``model.moe_routing=round_robin``, xpar.estimate.expert_parallel.round_robin_reach): NeMo
+  AutoModel's benchmark recipes set ``fake_balanced_gate: true`` (examples/benchmark/configs/*_te_deepep.yaml
+  @037e04a6, e.g. deepseek_v3_te_deepep.yaml ``model.backend``; docs/performance-summary.md @01926a5c, Notes: "Fake
+  balanced gate is enabled to simulate ideal expert routing"), and torchtitan's DeepEP recipe sets
+  ``debug_moe_force_load_balance=true`` (torchtitan/models/qwen3/train_configs/qwen3_10b_a1b_with_deepep.toml
+  @022f885f), whose router takes ``arange(N k) % E`` (torchtitan/models/moe/moe.py
+  ``TokenChoiceTopKRouter._debug_force_load_balance_routing``, "Balanced round-robin expert assignment"): token t
+  gets the k consecutive experts (t k + j) mod E, on 1-2 ranks and nodes, where learned routing spreads them. Not
+  for Megatron-Core's ``--moe-router-force-load-balancing``: it draws random logits
+  (megatron/core/transformer/moe/moe_utils.py ``RandomSTE``), so its experts spread as learned routing's do.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROUND_ROBIN = ("model.moe_routing=round_robin",)
+AUTOMODEL = "NeMo AutoModel examples/benchmark/configs/{}_te_deepep.yaml @037e04a6: fake_balanced_gate: true"
+TORCHTITAN = "torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_force_load_balance=true"
+
+RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
+    ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
+    ("refusal_hunt2.md", 10): (ROUND_ROBIN, AUTOMODEL.format("qwen3_moe_30b")),
+    ("refusal_hunt2.md", 11): (ROUND_ROBIN, AUTOMODEL.format("gptoss_120b")),
+    ("refusal_hunt2.md", 12): (ROUND_ROBIN, AUTOMODEL.format("gptoss_20b")),
+    ("refusal_hunt2.md", 18): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
+    ("refusal_hunt2.md", 19): (ROUND_ROBIN, AUTOMODEL.format("kimi_k2")),
+    **{("refusal_hunt3.md", row): (ROUND_ROBIN, TORCHTITAN) for row in (22, 23, 24, 25)},
+}
+"""(hunt file name, row) -> (overrides the recipe sets, its source)."""
+
+
+def recipe_overrides(hunt: Path, row: int) -> tuple[str, ...]:
+    """The overrides :data:`RECIPES` holds for ``row`` of the hunt file ``hunt`` (by its name); () for none."""
+    return RECIPES.get((Path(hunt).name, int(row)), ((), ""))[0]
+
+
+def checked_sets(values: list[str] | None, prog: str) -> tuple[str, ...]:
+    """``--set`` values as overrides: each KEY=VALUE with a dotted key (``model.moe_routing=round_robin``).
+
+    Raises:
+        SystemExit: code 2, one line on stderr, for a value without '=' or a key without a group."""
+    out = []
+    for v in values or []:
+        key, eq, _ = v.partition("=")
+        if not eq or "." not in key or not key.replace(".", "").replace("_", "").isalnum():
+            print(f"{prog}: --set {v!r} is not KEY=VALUE with a dotted key; e.g. --set model.moe_routing=round_robin",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        out.append(v)
+    return tuple(out)
+
+
+def with_overrides(command: str, overrides: tuple[str, ...]) -> str:
+    """``command`` with ``overrides`` appended (Hydra: a later key=value wins)."""
+    return " ".join((command, *overrides)) if overrides else command
