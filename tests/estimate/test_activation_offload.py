@@ -14,7 +14,8 @@ from xpar.estimate.columns.one_layout import layout_columns
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.step_time import time_columns
 from xpar.estimate.cost import assumptions_for, estimate, layer_costs, peak_memory as memory
-from xpar.estimate.memory.activation_offload import block_bytes_of, exposed_time, resident_blocks, windows
+from xpar.estimate.memory.activation_host import block_bytes_of
+from xpar.estimate.memory.activation_offload import exposed_time, resident_blocks, windows
 from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.terms import time_key
 

@@ -1,10 +1,8 @@
 """Structured-config schemas for every config group, registered in Hydra's ConfigStore.
 
-The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a
-wrong type on the command line (``parallel.tp=abc``) is refused by OmegaConf with the
-full key before anything runs. Cross-field constraints live in :mod:`xpar.config.validate`,
-the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`.
-"""
+The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a wrong type on the command line
+(``parallel.tp=abc``) is refused by OmegaConf with the full key before anything runs. Cross-field constraints live in
+:mod:`xpar.config.validate`, the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -221,11 +219,7 @@ class ParallelConfig:
     --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
     every block (times framework.recompute_layer_fraction)."""
     activation_offload_layers: Optional[int] = None
-    """Blocks whose saved activations are copied to host memory during the forward and back before
-    their backward (Megatron-Core's --cpu-offloading --cpu-offloading-num-layers, Transformer Engine's
-    cpu_offload), the first N of the model: 0 <= N < n_layers, pp 1, no recompute, where the framework
-    runs it (framework.activation_offload). Estimated only (xpar.estimate.memory.activation_offload).
-    null or 0: none."""
+    """First N blocks' activations to host memory (xpar.estimate.memory.activation_offload); null or 0: none."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 

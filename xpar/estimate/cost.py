@@ -29,7 +29,8 @@ from xpar.estimate.context_parallel import cp_comm_of, fold_cp
 from xpar.estimate.comm.dp import grad_bytes
 from xpar.estimate.expert_parallel import ep_note, ep_replay
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
-from xpar.estimate.memory.activation_offload import host_need, offload_layers, resident_blocks
+from xpar.estimate.memory.activation_host import host_need
+from xpar.estimate.memory.activation_offload import offload_layers, resident_blocks
 from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.memory.offload import devices_per_node, host_state_bytes, offload_elements, offload_figures_known
 from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home before issue 41)

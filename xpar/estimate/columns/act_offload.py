@@ -9,7 +9,8 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.columns.keys import by_key, spec_at
-from xpar.estimate.memory.activation_offload import block_bytes_of, exposed_time, offload_layers
+from xpar.estimate.memory.activation_host import block_bytes_of
+from xpar.estimate.memory.activation_offload import exposed_time, offload_layers
 from xpar.estimate.memory.model_states import MemoryOptions
 
 

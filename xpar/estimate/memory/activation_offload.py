@@ -1,30 +1,14 @@
 """Activation offload to host memory (``parallel.activation_offload_layers``, N): Megatron-Core's
---cpu-offloading --cpu-offloading-num-layers N (megatron/core/transformer/transformer_config.py,
-``cpu_offloading*``; TransformerBlock hands them to Transformer Engine's ``get_cpu_offload_context``),
-as Transformer Engine runs it (transformer_engine/pytorch/cpu_offload.py, the
-``AsyncDoubleBufferGroupOffloadHandler`` of TE 1.x-2.x, ``cpu_offload_v1.py`` after 2.8):
-
-- the first N of a stage's L blocks are offload groups; the tensors TE's modules mark for offload
-  (their saved inputs, attention's saved tensors) are copied device -> host on a side stream, one
-  group at a time, group i's copy spread over window i of the forward (``layer_window_map``: N
-  windows tiling the L blocks, L mod N of them L // N + 1 blocks long, the rest L // N), and its
-  device copy freed at the end of that window;
-- in the backward each group is reloaded host -> device into fresh buffers one window before the
-  block that needs it (``bulk_reload_group``), the main stream waiting on the copy at the window's end.
-
-Device memory: the L - N blocks never offloaded plus one group in flight (copied out, or reloaded
-and not yet consumed): ``resident_blocks`` = L - N + 1 (N > 0). What a block saves is counted whole
-(an assumption: the few tensors TE does not mark, norm statistics and masks, are small beside them).
-
-Time per micro-batch: each group's copy of ``c`` = block bytes / host link seconds hides behind its
-window's compute, ``k`` blocks of forward ``t_f`` (backward ``t_b``) seconds each:
-    exposed = sum over windows of max(0, c - k t_f) + max(0, c - k t_b)
-Host memory per node: devices_per_node x N x block bytes (one micro-batch: pp = 1 only).
-
-Megatron-Core's rules (transformer_config.py ``__post_init__``): 0 <= N < L; no pipeline
-parallelism; no activation recompute. Not modelled: TE's double_buffering (two persistent reload
-buffers, off by default), the copies' share of HBM bandwidth, Megatron-Core 0.15's
-fine_grained_activation_offloading (per-module, with pp). Units: bytes, seconds.
+--cpu-offloading --cpu-offloading-num-layers N (megatron/core/transformer/transformer_config.py) as Transformer
+Engine runs it (transformer_engine/pytorch/cpu_offload.py, ``AsyncDoubleBufferGroupOffloadHandler``): the saved
+tensors of the first N of a stage's L blocks go device -> host on a side stream, group i during window i of TE's
+``layer_window_map`` (N windows tiling the L blocks: L mod N of L // N + 1 blocks, the rest L // N), and come back
+one window ahead of their backward. The device holds L - N + 1 blocks (those never offloaded, one group in flight);
+a copy of c seconds behind a window of k blocks of t_f (forward) / t_b (backward) seconds exposes
+max(0, c - k t_f) + max(0, c - k t_b); the host holds devices_per_node x N blocks per node. Megatron-Core's rules:
+0 <= N < L, pp 1, no recompute. Not modelled: TE's double_buffering (off by default), the copies' share of HBM
+bandwidth, Megatron-Core 0.15's per-module fine_grained_activation_offloading. Units: bytes, seconds.
+Derivation: docs/concepts/cost-model.md (Activation offload).
 """
 from __future__ import annotations
 
@@ -103,20 +87,3 @@ def offload_problems(spec) -> list[str]:
                    f"{spec.hardware.name} has no hardware.pcie_gb_per_s (null); e.g. hardware.pcie_gb_per_s=50 "
                    "(PCIe Gen5 x16, conf/hardware/h100_80gb_node.yaml).")
     return out
-
-
-def block_bytes_of(spec, o) -> float:
-    """One block's saved bytes for one micro-batch under no recompute (what a group copies):
-    :func:`xpar.estimate.memory.activations.layer_bytes`' ``none``."""
-    from xpar.estimate.memory.activations import layer_bytes  # activations imports this module
-    return float(layer_bytes(spec, o, 0.0)["none"])
-
-
-def host_need(spec, o) -> Optional[dict]:
-    """``host_bytes`` (per node) and ``block_bytes`` of ``spec``'s offloaded activations; None without offload."""
-    n = offload_layers(spec)
-    if n == 0:
-        return None
-    from xpar.estimate.memory.offload import devices_per_node
-    b = block_bytes_of(spec, o)
-    return {"block_bytes": b, "host_bytes": host_bytes(b, n, devices_per_node(spec.hardware))}

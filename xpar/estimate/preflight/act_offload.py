@@ -9,9 +9,11 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from xpar.config.spec import RunSpec
-from xpar.estimate.memory.activation_offload import host_need, offload_layers, offload_problems
+from xpar.estimate.memory.activation_host import host_need
+from xpar.estimate.memory.activation_offload import offload_layers, offload_problems
 from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.memory.offload import devices_per_node, missing_host_fields, offload_step
+from xpar.estimate.memory.per_device import memory
 from xpar.estimate.step_parts import assumptions_for
 
 
@@ -24,7 +26,6 @@ def host_bytes_needed(spec: RunSpec) -> float:
         return 0.0
     total = need["host_bytes"]
     if getattr(a, "cpu_offload_optimizer", False) and not missing_host_fields(spec.hardware):
-        from xpar.estimate.memory.per_device import memory
         total += offload_step(spec, a, memory(spec, assume=a).pp_rank, 0.0)["host_bytes"]
     return float(total)
 
