@@ -10,11 +10,17 @@
 - Sorting by local expert: received token copies arrive grouped by source rank; a dispatcher that sends
   them expert-sorted per rank reorders them by local expert after the dispatch and back before the
   combine (one read and one write of every copy each way).
+- Reducing the copies back to tokens (``framework.moe_scatter``, :data:`SCATTERS`): a fused unpermute kernel
+  gathers each token's copies and sums them (streaming, at HBM speed); an atomic one adds each copy's row into its
+  token's row with per-element atomic adds (aten ``scatter_add_`` / ``index_add_``), at
+  :data:`ATOMIC_SCATTER_FRACTION` of HBM (:func:`atomic_scatter_seconds`).
 Priced per block by xpar.estimate.compute.kernel_block.block_times (both the estimate and the planner).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -68,3 +74,34 @@ def sync_seconds(dispatcher: str, host_op_us: float, padded: bool) -> float:
         KeyError: ``dispatcher`` is not in :data:`DISPATCHERS`."""
     d = DISPATCHERS[dispatcher]
     return 0.0 if padded else d.syncs * (HOST_SYNC_US + d.after_sync * host_op_us) * 1e-6
+
+
+SCATTERS = ("fused", "atomic")
+"""How a framework reduces a MoE layer's routed copies back to their tokens (``framework.moe_scatter``):
+
+- 'fused': one gather-and-sum kernel per token, no atomics (Transformer Engine's ``moe_unpermute`` and its
+  permutation backward, which Megatron-Core and NeMo AutoModel run with ``moe_permute_fusion``);
+- 'atomic': aten atomic scatters, twice per layer (torchtitan @022f885f). Forward, the combine:
+  ``torchtitan/distributed/deepep/utils.py`` ``unpermute`` (``output_tokens.scatter_add_``; its own comment: "this
+  takes up to 30% of training time") and, on torchtitan's all-to-all path, ``torchtitan/models/moe/moe.py``
+  MoE.forward (``out.scatter_add``). Backward, the gradient of the token gather that made the copies: ``permute``'s
+  ``tokens.index_select`` (its backward an ``index_add_`` into zeros) and MoE.forward's ``torch.gather`` (its
+  backward a ``scatter_add``). Each adds (copies x hidden) bf16 elements atomically."""
+
+ATOMIC_SCATTER_FRACTION = 0.05
+"""Fraction of the datasheet HBM bandwidth at which aten's bf16 atomic scatter (``scatter_add_`` / ``index_add_``,
+one element an atomic add) moves its bytes (the copies read, the tokens' rows written once). Source: TileOPs PR 608
+(tile-ai/TileOPs, 'Add moe_unpermute kernel and op', 2026-03, Benchmark table, H200 bf16): its PyTorch baseline of a
+MoE unpermute -- a ``scatter_add_`` of the copies (TileOPs PR 733 names it so when replacing it) -- reaches
+0.22-0.25 TB/s of the H200's 4.8 TB/s (0.046-0.052), against 2.1-2.9 TB/s for a fused gather-and-sum kernel on the
+same shapes. Scaled by HBM bandwidth to other GPUs (assumed: atomics resolve in L2, whose slices grow with the memory
+system). pytorch/pytorch PR 183950 (2026-05, B200) shows the same order on Blackwell: aten ``index_add_`` in bf16
+2.4-2.6x slower than a TMA bulk-reduce kernel of the same scatter. Not fitted to a training run."""
+
+
+def atomic_scatter_seconds(copies, tokens, hidden: int, hbm_bytes_per_s: float):
+    """Seconds of one aten bf16 atomic scatter of ``copies`` rows of ``hidden`` into ``tokens`` rows on a GPU of
+    ``hbm_bytes_per_s`` (datasheet): (copies + tokens) x hidden x 2 bytes at :data:`ATOMIC_SCATTER_FRACTION` of it.
+    Arrays broadcast."""
+    moved = (np.asarray(copies, dtype=float) + np.asarray(tokens, dtype=float)) * hidden * 2.0
+    return moved / (ATOMIC_SCATTER_FRACTION * hbm_bytes_per_s)
