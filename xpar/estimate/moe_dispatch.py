@@ -12,8 +12,8 @@
   combine (one read and one write of every copy each way).
 - Reducing the copies back to tokens (``framework.moe_scatter``, :data:`SCATTERS`): a fused unpermute kernel
   gathers each token's copies and sums them (streaming, at HBM speed); an atomic one adds each copy's row into its
-  token's row with per-element atomic adds (aten ``scatter_add_`` / ``index_add_``), at
-  :data:`ATOMIC_SCATTER_FRACTION` of HBM (:func:`atomic_scatter_seconds`).
+  token's row with per-element atomic adds (aten ``scatter_add_`` / ``index_add_``),
+  :data:`ATOMIC_SCATTER_SLOWDOWN` times a streaming pass (:func:`atomic_scatter_seconds`).
 Priced per block by xpar.estimate.compute.kernel_block.block_times (both the estimate and the planner).
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from xpar.estimate.compute.kernels import HBM_FRACTION
 
 
 @dataclass(frozen=True)
@@ -88,20 +90,23 @@ SCATTERS = ("fused", "atomic")
   ``tokens.index_select`` (its backward an ``index_add_`` into zeros) and MoE.forward's ``torch.gather`` (its
   backward a ``scatter_add``). Each adds (copies x hidden) bf16 elements atomically."""
 
-ATOMIC_SCATTER_FRACTION = 0.05
-"""Fraction of the datasheet HBM bandwidth at which aten's bf16 atomic scatter (``scatter_add_`` / ``index_add_``,
-one element an atomic add) moves its bytes (the copies read, the tokens' rows written once). Source: TileOPs PR 608
-(tile-ai/TileOPs, 'Add moe_unpermute kernel and op', 2026-03, Benchmark table, H200 bf16): its PyTorch baseline of a
-MoE unpermute -- a ``scatter_add_`` of the copies (TileOPs PR 733 names it so when replacing it) -- reaches
-0.22-0.25 TB/s of the H200's 4.8 TB/s (0.046-0.052), against 2.1-2.9 TB/s for a fused gather-and-sum kernel on the
-same shapes. Scaled by HBM bandwidth to other GPUs (assumed: atomics resolve in L2, whose slices grow with the memory
-system). pytorch/pytorch PR 183950 (2026-05, B200) shows the same order on Blackwell: aten ``index_add_`` in bf16
-2.4-2.6x slower than a TMA bulk-reduce kernel of the same scatter. Not fitted to a training run."""
+ATOMIC_SCATTER_SLOWDOWN = 11.1
+"""Times a streaming pass of the same bytes that aten's atomic scatter of a MoE layer's copies takes. Source: the
+permutation benchmark of fanshiqing/grouped_gemm (tests/test_permuteTopK.py ``permute_topK_test``: the PyTorch
+permutation is ``tokens.index_select(0, sorted_indices // topK)``, whose backward is aten's ``index_add_`` with one
+atomic add an element, against the library's gather-and-sum kernel of the same gradient), as DeepLink-org/DLBlas
+PR 66 (2025-08) prints it for 8192 tokens, hidden 4096, top-8 of 8 experts, fp16: 'pytorch bwd: 2.304 ms', 'cuda bwd:
+0.207 ms' (11.1x; fp32, whose atomics are native 32-bit adds: 1.968 / 0.405 = 4.9x). The gather-and-sum moves its
+(copies + tokens) x hidden x 2 bytes at 2.9 TB/s, a Hopper part's streaming rate, the rate :func:`memory_time`
+prices; aten adds fp16 and bf16 alike (packed 32-bit atomics, ATen/native/cuda/KernelUtils.cuh
+``fastSpecializedAtomicAdd``). Assumed to carry to other GPUs as a ratio to their streaming rate; pytorch/pytorch PR
+182675 (GB200) and PR 183950 (B200) show aten's ``index_add_`` in bf16 1.5-4.7x slower than a TMA bulk-reduce kernel
+of the same scatter, itself below a streaming pass. Not fitted to a training run."""
 
 
 def atomic_scatter_seconds(copies, tokens, hidden: int, hbm_bytes_per_s: float):
     """Seconds of one aten bf16 atomic scatter of ``copies`` rows of ``hidden`` into ``tokens`` rows on a GPU of
-    ``hbm_bytes_per_s`` (datasheet): (copies + tokens) x hidden x 2 bytes at :data:`ATOMIC_SCATTER_FRACTION` of it.
-    Arrays broadcast."""
+    ``hbm_bytes_per_s`` (datasheet): (copies + tokens) x hidden x 2 bytes streamed at HBM_FRACTION of it
+    (xpar.estimate.compute.kernels.memory_time), :data:`ATOMIC_SCATTER_SLOWDOWN` times. Arrays broadcast."""
     moved = (np.asarray(copies, dtype=float) + np.asarray(tokens, dtype=float)) * hidden * 2.0
-    return moved / (ATOMIC_SCATTER_FRACTION * hbm_bytes_per_s)
+    return ATOMIC_SCATTER_SLOWDOWN * moved / (HBM_FRACTION * hbm_bytes_per_s)
