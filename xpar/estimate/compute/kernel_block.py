@@ -16,7 +16,8 @@ import numpy as np
 
 from xpar.config.attention import tp_kv_heads
 from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, RECIPES, Fp8Recipe, gemm_dtype
-from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
+from xpar.estimate.compute.kernels import (DTYPE_BYTES, Device, attention_time, expert_gemm_rate, gemm_time,
+                                           kernel_overhead, memory_time)
 from xpar.estimate.moe_dispatch import DISPATCHERS, atomic_scatter_seconds, sync_seconds
 
 BF16 = DTYPE_BYTES["bf16"]
@@ -176,13 +177,14 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
 
 
 def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None,
-         scatter: str = "fused"):
+         scatter: str = "fused", expert_kernel: str = "dense"):
     """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of router + routed and shared experts, t
     tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
     several local experts: xpar.estimate.moe_dispatch); ``scatter`` 'atomic': the copies are summed back into
     their tokens by an aten atomic scatter (forward the combine, backward the gather's gradient:
     xpar.estimate.moe_dispatch.SCATTERS), priced by :func:`~xpar.estimate.moe_dispatch.atomic_scatter_seconds`
-    instead of as a streaming unpermute."""
+    instead of as a streaming unpermute; ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
+    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate."""
     t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
     router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
     m = expert_tokens(sh, t_sp, ep)
@@ -191,6 +193,7 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups, quant)
     down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups, quant)
     experts = tuple(x * launches for x in _sum(up, down))
+    experts = (experts[0] / expert_gemm_rate(expert_kernel, device)[1 if backward else 0],) + experts[1:]
     moved = (2 * t_sp * sh.top_k * sh.hidden * BF16  # permute: gather the token copies into expert order
              + t_sp * (sh.top_k + 1) * sh.hidden * BF16  # unpermute + weighted combine
              + 2 * t_sp * sh.experts * 4  # router softmax and top-k over fp32 logits
@@ -268,7 +271,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
                 expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
-                window_kernel: bool = True, sinks: Optional[str] = None, moe_scatter: str = "fused") -> BlockTerms:
+                window_kernel: bool = True, sinks: Optional[str] = None, moe_scatter: str = "fused",
+                expert_gemm_kernel: str = "dense") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -286,7 +290,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
     ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
-    ``moe_scatter``: framework.moe_scatter (xpar.estimate.moe_dispatch.SCATTERS), in ``atomics``.
+    ``moe_scatter``: framework.moe_scatter (xpar.estimate.moe_dispatch.SCATTERS), in ``atomics``;
+    ``expert_gemm_kernel``: framework.expert_gemm_kernel (xpar.estimate.compute.kernels.expert_gemm_rate), in ``experts``.
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -310,7 +315,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     experts, atomics = np.zeros_like(t), np.zeros_like(t)
     if sh.experts:
         g, experts, k_ffn, b_ffn, atomics = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm,
-                                                 DISPATCHERS[dispatcher].sorts_by_local_expert, quant, moe_scatter)
+                                                 DISPATCHERS[dispatcher].sorts_by_local_expert, quant, moe_scatter,
+                                                 expert_gemm_kernel)
     else:
         g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
     gemm, kernels, moved = projections + g, kernels + k_ffn, moved + b_ffn
