@@ -214,6 +214,15 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     return gemm, experts[0], kernels, moved, atomic
 
 
+def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel):
+    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of the block's MLP: :func:`_moe` where the block
+    has experts, else :func:`_mlp` (no experts, no atomic scatters)."""
+    if sh.experts:
+        return _moe(sh, t, tp, ep, device, dtype, backward, grouped, sorts, quant, scatter, expert_kernel)
+    g, kernels, moved = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
+    return g, np.zeros_like(t), kernels, moved, np.zeros_like(t)
+
+
 def _unfused_attention(b, s_q, s_kv, heads, sh: BlockShape, device, backward):
     """(GEMM seconds, kernels, bytes) of an attention core without FlashAttention (Megatron-LM 2021):
     batched GEMMs Q K^T (s_q x d @ d x s_kv) and P V (s_q x s_kv @ s_kv x d) per head, the scaled,
@@ -290,8 +299,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
     ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
-    ``moe_scatter``: framework.moe_scatter (xpar.estimate.moe_dispatch.SCATTERS), in ``atomics``;
-    ``expert_gemm_kernel``: framework.expert_gemm_kernel (xpar.estimate.compute.kernels.expert_gemm_rate), in ``experts``.
+    ``moe_scatter``, ``expert_gemm_kernel``: the framework's MoE combine and expert GEMMs (:func:`_moe`).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -312,13 +320,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         + sh.rope * 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16  # RoPE on q, k
         + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16)  # two dropouts: read x, write y and a byte mask
     kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
-    experts, atomics = np.zeros_like(t), np.zeros_like(t)
-    if sh.experts:
-        g, experts, k_ffn, b_ffn, atomics = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm,
-                                                 DISPATCHERS[dispatcher].sorts_by_local_expert, quant, moe_scatter,
-                                                 expert_gemm_kernel)
-    else:
-        g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
+    g, experts, k_ffn, b_ffn, atomics = _ffn(sh, t, tp, ep, device, dtype, backward, grouped_gemm, quant,
+                                             DISPATCHERS[dispatcher].sorts_by_local_expert, moe_scatter, expert_gemm_kernel)
     gemm, kernels, moved = projections + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
