@@ -84,8 +84,9 @@ SCATTERS = ("fused", "atomic")
 - 'fused': one gather-and-sum kernel per token, no atomics (Transformer Engine's ``moe_unpermute`` and its
   permutation backward, which Megatron-Core and NeMo AutoModel run with ``moe_permute_fusion``);
 - 'atomic': aten atomic scatters, twice per layer (torchtitan @022f885f). Forward, the combine:
-  ``torchtitan/distributed/deepep/utils.py`` ``unpermute`` (``output_tokens.scatter_add_``; its own comment: "this
-  takes up to 30% of training time") and, on torchtitan's all-to-all path, ``torchtitan/models/moe/moe.py``
+  ``torchtitan/distributed/deepep/utils.py`` ``unpermute`` (``output_tokens.scatter_add_``, compiled, but Inductor
+  hands bf16 scatter-adds back to aten: torch/_inductor/utils.py ``needs_fallback_due_to_atomic_add_limitations``;
+  its own comment: "this takes up to 30% of training time") and, on torchtitan's all-to-all path, ``torchtitan/models/moe/moe.py``
   MoE.forward (``out.scatter_add``). Backward, the gradient of the token gather that made the copies: ``permute``'s
   ``tokens.index_select`` (its backward an ``index_add_`` into zeros) and MoE.forward's ``torch.gather`` (its
   backward a ``scatter_add``). Each adds (copies x hidden) bf16 elements atomically."""
