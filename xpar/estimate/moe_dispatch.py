@@ -1,19 +1,13 @@
 """How a framework's MoE token dispatcher moves tokens, and what that costs beyond the all-to-all's bytes
 (issue 42): ``framework.ep_dispatcher`` names one of :data:`DISPATCHERS`.
 
-- Host synchronisation: a dropless dispatcher learns how many tokens each rank and local expert receives
-  on the device, and the host needs those counts (the all-to-all's split sizes, the grouped GEMM's m per
-  expert) before it can launch what follows: one device->host copy and a stream synchronisation per MoE
-  layer forward. The stream drains; the GPU idles for the round trip (:data:`HOST_SYNC_US`) and until
-  the host has issued the next long kernel (``after_sync`` host ops at ``framework.host_op_us``). A capacity
-  factor with padding has fixed shapes and no synchronisation.
-- Sorting by local expert: received token copies arrive grouped by source rank; a dispatcher that sends
-  them expert-sorted per rank reorders them by local expert after the dispatch and back before the
-  combine (one read and one write of every copy each way).
-- Reducing the copies back to tokens (``framework.moe_scatter``, :data:`SCATTERS`): a fused unpermute kernel
-  gathers each token's copies and sums them (streaming, at HBM speed); an atomic one adds each copy's row into its
-  token's row with per-element atomic adds (aten ``scatter_add_`` / ``index_add_``),
-  :data:`ATOMIC_SCATTER_SLOWDOWN` times a streaming pass (:func:`atomic_scatter_seconds`).
+- Host synchronisation: a dropless dispatcher's token counts go to the host before it launches what follows
+  (the all-to-all's split sizes, the grouped GEMM's m per expert): the stream drains, the GPU idles for the round
+  trip (:data:`HOST_SYNC_US`) and the host's ``after_sync`` ops (``framework.host_op_us`` each); none when padded.
+- Sorting by local expert: copies received grouped by source rank are reordered by local expert after the
+  dispatch and back before the combine (one read and one write of every copy each way).
+- Summing the copies back into tokens (``framework.moe_scatter``, :data:`SCATTERS`): a fused gather-and-sum
+  streams; aten's atomic scatters run :data:`ATOMIC_SCATTER_SLOWDOWN` times slower (:func:`atomic_scatter_seconds`).
 Priced per block by xpar.estimate.compute.kernel_block.block_times (both the estimate and the planner).
 """
 from __future__ import annotations
