@@ -142,8 +142,9 @@ def _tiled_compute(m, n, k, g, tile, device: Device, rate: float, fixed: float =
 EXPERT_GEMM_KERNELS = ("dense", "torch_grouped_mm")
 """How a framework runs its routed experts' GEMMs (framework.expert_gemm_kernel): 'dense', at the device's dense GEMM
 rate (Transformer Engine's cuBLAS GEMM per expert, DeepGEMM's grouped kernels), or 'torch_grouped_mm', torch's
-``torch._grouped_mm`` (torch 2.9: CUTLASS grouped kernels on sm90 and, from pytorch/pytorch PR 156203, sm100; no
-per-expert loop), at :data:`TORCH_GROUPED_MM_RATE` of it."""
+``torch._grouped_mm`` (CUTLASS grouped kernels on sm90 and, from pytorch/pytorch PR 156203, in torch 2.9, sm100:
+aten/src/ATen/native/cuda/GroupedBlas.cpp ``_grouped_mm_cuda``; no per-expert loop), at :data:`TORCH_GROUPED_MM_RATE`
+of it."""
 
 TORCH_GROUPED_MM_RATE = {"blackwell": (0.83, 0.67)}
 """(forward, backward) rate of ``torch._grouped_mm`` in BF16 over the dense GEMM rate, per GPU family. Blackwell
