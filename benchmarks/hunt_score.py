@@ -17,8 +17,9 @@ own count), ``note``. Metrics and their signed error:
   tokens/s per GPU x flops_per_token / peak, against the published MFU.
 
 Memory error: xpar's peak (GiB) / published - 1. Medians of |error| and signed, over all rows, dense, MoE (the
-model has experts), FP8 (train.dtype fp8), CP (cp > 1) rows. A row whose command is refused is listed with the
-refusal's first line; one refused only for memory is scored and marked. One process, no plan.
+model has experts), FP8 (train.dtype fp8), CP (cp > 1) and small rows (fewer than :data:`SMALL_PARAMS` parameters,
+issue 42's small-model class: steps priced mostly by per-kernel and memory-bound costs). A row whose command is
+refused is listed with the refusal's first line; one refused only for memory is scored and marked. One process.
 """
 from __future__ import annotations
 
@@ -34,10 +35,14 @@ from xpar.config.checks import ConfigError
 from xpar.config.validate import validate
 from xpar.estimate.cost import assumptions_for, estimate
 from xpar.estimate.preflight.check import check_run
+from xpar.models.shapes import param_count
 from xpar.plan.verify import compose_line
 
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
+SMALL_PARAMS = 2e9
+"""A model under this many parameters (total, experts included) is a 'small' row: issue 42's small models and the
+hunts' briefs ('small models (< 2B params)')."""
 METRICS = ("tokens_per_s_gpu", "step_s", "model_tflops_gpu_full_attention", "model_tflops_gpu", "mfu")
 
 
@@ -130,6 +135,7 @@ def score_row(num: int, name: str, command: str, pubs: list[dict]) -> dict:
         return row
     est = estimate(spec, assumptions_for(spec))
     row.update(moe=bool(spec.model.n_experts), fp8=spec.train.dtype == "fp8", cp=spec.cp > 1,
+               small=param_count(spec.model).total < SMALL_PARAMS,
                step=est.time_per_step_s, tok=est.tokens_per_s_per_device, peak=est.memory.total / GIB)
     for p in pubs:
         x, v = xpar_figure(p["metric"], est, p), float(p["published"])
@@ -145,6 +151,7 @@ def row_line(r: dict) -> str:
     if "step" not in r:
         return f"{head} refused: {r['refusal'][:110]}"
     kinds = "".join(k for k, on in (("M", r["moe"]), ("F", r["fp8"]), ("C", r["cp"])) if on) or "D"
+    kinds += "S" if r.get("small") else ""
     cells = [f"{m} {_num(v)} xpar {_num(x)} {100 * e:+.1f}%" for m, v, x, e in r["scores"]] or ["(no published figure)"]
     mem = f"  mem {r['mem'][0]:.1f} xpar {r['mem'][1]:.1f} GiB {100 * r['mem'][2]:+.1f}%" if r["mem"] else ""
     flag = f"  [{r['refusal'][:60]}]" if r["refusal"] else ""
@@ -157,11 +164,13 @@ def _num(v: float) -> str:
 
 
 def medians(rows: list[dict]) -> list[str]:
-    """Median |error| and signed median of the first published metric per row: all, dense, MoE, FP8, CP; memory."""
+    """Median |error| and signed median of the first published metric per row: all, dense, MoE, FP8, CP, small
+    (< :data:`SMALL_PARAMS` parameters); memory."""
     scored = [r for r in rows if r["scores"]]
     groups = (("all", lambda r: True), ("dense", lambda r: not r["moe"]), ("MoE", lambda r: r["moe"]),
               ("FP8", lambda r: r["fp8"]), ("CP", lambda r: r["cp"]),
-              ("MoE, FP8 or CP", lambda r: r["moe"] or r["fp8"] or r["cp"]))
+              ("MoE, FP8 or CP", lambda r: r["moe"] or r["fp8"] or r["cp"]),
+              ("small (< 2B)", lambda r: r.get("small", False)))
     out = []
     for title, keep in groups:
         errs = [r["scores"][0][3] for r in scored if keep(r)]
@@ -206,7 +215,7 @@ def main() -> None:
     wanted = row_set(args.rows) if args.rows else None
     t0, rows = time.perf_counter(), []
     print("#    run                                          kind   xpar step  tokens/s/GPU  peak | published "
-          "metric, figure, xpar's, signed error (D dense, M MoE, F FP8, C CP)")
+          "metric, figure, xpar's, signed error (D dense, M MoE, F FP8, C CP, S small)")
     for num, name, command in runs_table(args.hunt):
         if wanted is None or num in wanted:
             rows.append(score_row(num, name, command, pubs.get(num, [])))

@@ -143,7 +143,7 @@ def test_llmfoundry_plan_searches_neither_pp_nor_tp():
 
 def test_execute_on_a_cluster_preset_names_the_presets_devices_and_this_machine(tmp_path, monkeypatch, capsys):
     """'dp*tp*pp=32 exceeds the 8 local CUDA devices' on a machine with no CUDA: the 8 was the
-    preset's devices_per_node."""
+    preset's devices_per_node. dp is the preset's cluster's (64 / 32 = 2), not one node's."""
     from xpar.config.validate import validate
     from tests.conftest import compose
 
@@ -151,7 +151,7 @@ def test_execute_on_a_cluster_preset_names_the_presets_devices_and_this_machine(
             "run.mode=execute").split()
     err = _refused(argv, tmp_path, monkeypatch, capsys)
     assert "exceeds the 8 local CUDA devices" not in err, err
-    assert re.search(r"dp\*tp\*pp=32 ranks exceed hardware=h100_80gb_64gpu's devices_per_node=8 .*this machine has "
+    assert re.search(r"dp\*tp\*pp=64 ranks exceed hardware=h100_80gb_64gpu's devices_per_node=8 .*this machine has "
                      r"(no CUDA device|\d+ CUDA devices?); .*run\.mode=estimate, or .*hardware=local", err), err
     validate(compose("run.progress=false", *_follow(argv, "run.mode=estimate")))
 

@@ -511,3 +511,12 @@ def test_a_checkpoint_meta_xpar_did_not_write_is_refused(tmp_path, meta):
     (tmp_path / "xpar.json").write_text(meta)
     with pytest.raises(CheckpointError, match="is not one xpar wrote"):
         read_meta(tmp_path)
+
+
+def test_a_refused_execute_checks_the_layout_on_the_named_cluster(tmp_path, monkeypatch, capsys):
+    """run.mode=execute of a cluster preset is refused for its devices; the layout's other checks
+    used dp resolved on one node (dp 1), so an ep line said 'ep values that work: [1]' of a layout
+    that is right on its cluster. Now they see the named cluster's world (2,048 devices)."""
+    code, err = refusal(["parallel=deepseek_v3_2048gpu", "run.mode=execute"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "run.mode=execute needs the devices of hardware=h800_80gb_2048gpu" in err
+    assert "parallel.ep=64 must divide" not in err and "dp=1" not in err, err

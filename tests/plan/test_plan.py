@@ -439,6 +439,9 @@ def test_plan_run_is_recorded_and_its_command_line_reproduces_the_top_layout(tmp
     assert {"plan_ranked.csv", "plan_pareto.png", "plan_dropped.csv", "plan.txt"} <= names
     ranked = (tmp_path / "out" / "plan_ranked.csv").read_text().splitlines()
     assert len(ranked) == len(plan.ranked) + 1 and run.data.metrics["plan/layouts_fit"] == len(plan.ranked)
+    header = ranked[0].split(",")  # each figure's unit in its column's name
+    assert {"time_per_step_s", "memory_total_bytes", "memory_usable_bytes", "host_bytes"} <= set(header)
+    assert all(h.endswith("_s") for h in header if h.startswith("time_")), header
 
 
 def test_an_unwritable_store_is_refused_before_the_search(capsys):

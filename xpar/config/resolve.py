@@ -85,7 +85,7 @@ def resolve_target(c: XparConfig, local_devices: Optional[int] = None) -> tuple[
         world, source = trun["world_size"], (
             f"the SLURM job's {os.environ['XPAR_SUBMITIT_TASKS']} tasks (hydra.launcher.nodes x tasks_per_node)"
             if os.environ.get("XPAR_SUBMITIT_TASKS") else f"torchrun WORLD_SIZE={trun['world_size']}")
-    elif mode == "estimate":
+    elif mode == "estimate" or problems and not local:  # refused execute: check the layout on the named cluster
         world = int(hw.devices_per_node) * hw.nodes
         source = f"hardware={hw.name} ({hw.devices_per_node} devices x {hw.nodes} nodes = {world})"
     else:

@@ -38,15 +38,26 @@ def csv_columns(res: dict) -> tuple[str, ...]:
     return CSV_COLUMNS + tuple(k for k in extra if k in res)
 
 
+def csv_header(name: str) -> str:
+    """``name`` with its unit in the header: ``time_*`` seconds (``_s``), ``memory_*`` bytes (``_bytes``);
+    names that already say their unit (``tokens_per_s``, ``host_bytes``, ``mfu``, degrees) unchanged."""
+    if name.startswith("time_") and not name.endswith("_s"):
+        return name + "_s"
+    if name.startswith("memory_") and not name.endswith("_bytes"):
+        return name + "_bytes"
+    return name
+
+
 def write_ranked_csv(plan, path: Path) -> Path:
-    """Every layout that fits, best first, with the term separating it from the best."""
+    """Every layout that fits, best first, with the term separating it from the best; seconds, bytes and
+    fractions, each unit in its column's name (:func:`csv_header`)."""
     r, rows = plan.res, plan.ranked
     gaps = separating_terms(r, rows, plan.best)
     names = csv_columns(r)
     cols = [r[k][rows].tolist() for k in names] + [group_ranks(r, rows).tolist()]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("rank",) + names + ("group", "separates"))
+        w.writerow(("rank",) + tuple(map(csv_header, names)) + ("group", "separates"))
         w.writerows([n + 1, *vals, describe_gap(*gap)] for n, (vals, gap) in enumerate(zip(zip(*cols), gaps)))
     return path
 
