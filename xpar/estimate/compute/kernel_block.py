@@ -193,7 +193,7 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups, quant)
     down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups, quant)
     experts = tuple(x * launches for x in _sum(up, down))
-    experts = (experts[0] / expert_gemm_rate(expert_kernel, device)[1 if backward else 0],) + experts[1:]
+    experts = (experts[0] / expert_gemm_rate(expert_kernel, device, dtype)[1 if backward else 0],) + experts[1:]
     moved = (2 * t_sp * sh.top_k * sh.hidden * BF16  # permute: gather the token copies into expert order
              + t_sp * (sh.top_k + 1) * sh.hidden * BF16  # unpermute + weighted combine
              + 2 * t_sp * sh.experts * 4  # router softmax and top-k over fp32 logits
