@@ -116,6 +116,13 @@ class FrameworkConfig:
     NVLink-domain aware one): a token crosses to each other node once, then NVLink. Each synchronises the
     host once per dropless MoE layer forward; ragged (a compiled step, JAX/XLA's ragged all-to-all) does
     not (xpar.estimate.moe_dispatch)."""
+    moe_scatter: str = "fused"
+    """How a MoE layer's routed copies are summed back into their tokens: 'fused' (a gather-and-sum kernel,
+    Transformer Engine's moe_unpermute) or 'atomic' (aten atomic scatters: torchtitan's scatter_add_ combine and
+    the index_add_ gradient of its token gather), xpar.estimate.moe_dispatch.SCATTERS."""
+    expert_gemm_kernel: str = "dense"
+    """The routed experts' GEMM kernel: 'dense' (at the device's dense GEMM rate) or 'torch_grouped_mm'
+    (torch._grouped_mm, torchtitan's GroupedExperts), xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
