@@ -284,7 +284,7 @@ class HardwareConfig:
     """Its backward pass; None: ``attention_bwd_efficiency``."""
     attention_half_seq: float = 360.0
     """Key length (tokens) at which the device's flash attention would run at half its asymptotic rate, > 0
-    (xpar.estimate.compute.kernels.sequence_rate; H100's fit 360, ATTENTION_HALF_SEQ; Blackwell's cuDNN 1700)."""
+    (xpar.estimate.compute.kernels.sequence_rate; H100's fit 360, ATTENTION_HALF_SEQ; Blackwell's cuDNN 1300)."""
     gemm_tile_fixed_us_fp8: float = 0.0
     """Microseconds an FP8 GEMM tile spends beside its main loop, >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S)."""
     kernel_launch_us: float = 0.0

@@ -64,9 +64,9 @@ The H100's; a device's own is ``hardware.attention_half_seq`` (:attr:`Device.att
 prologue and epilogue take about as long while the loop runs 2.25-2.5x faster, so the curve saturates later:
 cuDNN 9.17 on GB200 (NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/artifacts/
 sdpa_bf16_benchmark_results_NVIDIA_GB200.csv @d48a60eb: 128 q / 8 kv heads, head_dim 128, causal, cudnn_fe; forward
-408, 733, 1069, 1386, 1584, 1668 and backward 329, 527, 655, 1054, 1211, 1304 TFLOP/s at 512-16k) fits 1700 (RMS
-0.038; 16k: 0.667 / 0.522 of 2.5 PFLOP/s); cuDNN 9.13 through torch's SDPA on B200 (the _B200.csv @bb37575d) 4400,
-0.59 / 0.48 at 16k."""
+408, 733, 1069, 1386, 1584, 1668 and backward 329, 527, 655, 1054, 1211, 1304 TFLOP/s at 512-16k) fits 1300
+through :func:`attention_time`'s block count and waves (RMS 0.041 relative to 16k; 16k: 0.667 / 0.522 of 2.5 PFLOP/s);
+cuDNN 9.13 through torch's SDPA on B200 (the _B200.csv @bb37575d) is slower still (0.59 / 0.48 at 16k, 0.36 at 2k)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Device:
     """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
     attention_half_seq: float = ATTENTION_HALF_SEQ
     """Key length at which the device's flash attention runs at half its asymptote (:func:`sequence_rate`;
-    hardware.attention_half_seq): H100's 360, Blackwell's cuDNN 1700 (:data:`ATTENTION_HALF_SEQ`)."""
+    hardware.attention_half_seq): H100's 360, Blackwell's cuDNN 1300 (:data:`ATTENTION_HALF_SEQ`)."""
     mx_native: bool = False
     """The tensor cores take MXFP8 and FP8 in every layout (Blackwell: hardware.mxfp8); then ``peak_flops``
     has an 'mxfp8' key (xpar.estimate.compute.fp8_recipes)."""
