@@ -52,3 +52,22 @@ def test_attention_half_seq_must_be_positive():
     c.hardware.attention_half_seq = 0.0
     line = range_problems(c)["hardware.attention_half_seq"]
     assert "got 0.0" in line and "e.g. hardware.attention_half_seq=360" in line
+
+
+def test_planner_columns_equal_the_estimate_on_blackwell_fp8():
+    """The planner prices the Blackwell presets' GEMM fractions and attention curve as the estimate does."""
+    from tests.plan.test_plan_vector import _mismatches, memory_args, random_candidates
+    from xpar.config.presets import preset_dict
+    from xpar.estimate.columns.step_time import time_columns
+    from xpar.estimate.cost import estimate
+    from xpar.plan.context import PlanContext, spec_of
+
+    for hardware in ("b200_180gb_64gpu", "gb200_nvl72_node"):
+        ctx = PlanContext(model=preset_dict("model", "7b"), hardware=preset_dict("hardware", hardware),
+                          train={"dtype": "fp8"}, framework=preset_dict("framework", "megatron_core"))
+        cols = random_candidates(ctx, np.random.default_rng(3), 3)
+        specs = [spec_of(ctx, cols, i) for i in range(3)]
+        assert all(sp.hardware.attention_half_seq == 1300 for sp in specs)
+        ests = [estimate(sp) for sp in specs]
+        bad = _mismatches(ctx, cols, time_columns(specs[0], cols, *memory_args(ests)), ests)
+        assert not bad, "\n".join(bad[:5])
