@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from xpar.estimate.compute.kernels import Device, gemm_time
+from xpar.estimate.compute.fp8_recipes import RECIPES
+from xpar.estimate.compute.kernels import Device, gemm_time, memory_time
 
 HIDDEN, INTERMEDIATE, TOKENS = 4096, 16384, 31 * 512
 """The tutorial's model config: hidden, MLP intermediate width, tokens per step (micro-batch 31 x 512)."""
@@ -32,6 +33,10 @@ TE_LAYER_MS = {
     "H200_NVL": {"bf16": (32.014 + 31.968) / 2, "fp8": 16.785},
 }
 """Kernel-only per-layer GEMM milliseconds of the tutorial (module docstring; BF16 the mean of its two runs)."""
+
+TE_AUTOCAST_MS = {"B300": {"current": 9.147, "delayed": 7.802, "mxfp8": 8.984}}
+"""Autocast per-layer milliseconds (GEMMs and the quantisation of both inputs of each, every call): less the kernel
+times above (delayed against current scaling's: the same tensor-scaled GEMMs), the quantisation's own time."""
 
 H200_NVL_PEAK_TFLOPS = {"bf16": 835.5, "fp8": 1670.5}
 """H200 NVL dense peaks (NVIDIA H200 datasheet, NVL column, sparse figures halved)."""
@@ -51,6 +56,19 @@ def model_layer_s(device: Device, dtype: str) -> float:
     """Seconds the kernel model gives the tutorial's 12 GEMMs of one layer on ``device`` in ``dtype`` (its isolated
     kernel rates: no sustained_efficiency, as the tutorial times kernels back to back)."""
     return float(sum(gemm_time(m, n, k, device, dtype) for m, n, k in layer_shapes()))
+
+
+def quantised_elements() -> float:
+    """Elements quantised per layer in autocast mode: both inputs of each of the 12 GEMMs, m k + k n (te.Linear
+    under te.autocast quantises its input and its weight on every call)."""
+    return float(sum(m * k + k * n for m, n, k in layer_shapes()))
+
+
+def model_cast_s(device: Device, recipe: str) -> float:
+    """Seconds the kernel model gives that quantisation under ``recipe`` (xpar.estimate.compute.fp8_recipes: its
+    priced bytes at the block's memory-bound rate, and its kernels' launch gaps, 24 quantisations a layer)."""
+    r = RECIPES[recipe]
+    return float(memory_time(r.priced_bytes() * quantised_elements(), device)) + 24 * r.kernels * device.launch_s
 
 
 def at_h200_nvl(device: Device) -> Device:

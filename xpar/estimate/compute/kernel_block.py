@@ -115,10 +115,11 @@ def _linear(m, n, k, device, dtype, backward, groups=1, quant: Optional[Fp8Recip
     """(seconds, kernels, cast bytes) of a linear layer y = x W (x: m x k, W: k x n): forward, or dgrad +
     wgrad. Under an FP8 recipe ``quant`` (xpar.estimate.compute.fp8_recipes) its quantisation of the GEMM's
     activation input: ``quant.kernels`` kernels moving ``quant.cast_bytes()`` an element (delayed scaling:
-    one kernel, read BF16, write FP8, 3 bytes); its forward bytes are returned either way (the caller
+    one kernel, read BF16, write FP8, 3 bytes) at the recipe's share of HBM (``quant.priced_bytes()``:
+    xpar.estimate.compute.fp8_recipes.CAST_HBM_FRACTION); its forward bytes are returned either way (the caller
     doubles a backward's memory traffic: the output gradient's quantisation). None: no cast (BF16 GEMMs)."""
     casts = 0 if quant is None else quant.kernels
-    moved = 0.0 if quant is None else quant.cast_bytes() * groups * m * k
+    moved = 0.0 if quant is None else quant.priced_bytes() * groups * m * k
     if not backward:
         return gemm_time(m, n, k, device, dtype, groups), 1 + casts, moved
     dgrad = gemm_time(m, k, n, device, dtype, groups)  # dx = dy W^T: (m x n) @ (n x k)
