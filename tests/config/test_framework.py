@@ -272,7 +272,7 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
 def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     """The NeMo H100 recipes (tests/data/dgxc_nemo_h100_bf16.csv) are estimated with the megatron_core
     profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap, TE's p2p cp ring, its
-    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, Megatron-FSDP's zero-copy buffers (and
+    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, TE's FP8 quantisation kernels, Megatron-FSDP's zero-copy buffers (and
     Megatron-Core's layout rule tp_ep_needs_sp, which prices nothing)."""
     from dataclasses import replace
 

@@ -114,3 +114,17 @@ def test_the_memory_breakdown_holds_each_recipes_weight_copies_on_blackwell():
     linear = block_linear_numel(tuple(param_shapes(spec, cur.pp_rank)))
     assert cur.params - plain.params == linear
     assert mx.params - cur.params == round((2 + 2 / 32) * linear) - linear
+
+
+def test_te_quantises_current_scaling_slower_than_the_blocks_fused_passes_and_delayed_alike():
+    """framework.fp8_cast_kernels: Transformer Engine's current-scaling and MXFP8 casts at CAST_HBM_FRACTION of HBM
+    (TE's GEMM profiling tutorial), torchao's ('fused') at the block's memory-bound share; delayed the same under both."""
+    from xpar.estimate.compute.fp8_recipes import quantiser
+    te, fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="current", fp8_casts=k) for k in ("te", "fused"))
+    assert te.gemm == pytest.approx(fused.gemm) and te.memory > fused.memory
+    assert quantiser("current", "fused").priced_bytes() == 5.0 and quantiser("mxfp8", "te").hbm_fraction == 0.71
+    d_te, d_fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="delayed", fp8_casts=k) for k in ("te", "fused"))
+    assert d_te.memory == pytest.approx(d_fused.memory)
+    assert spec_for("framework=megatron_core").framework.fp8_cast_kernels == "te"
+    assert spec_for("framework=torchtitan").framework.fp8_cast_kernels == "fused"
+    assert spec_for("framework=hai_llm").framework.fp8_cast_kernels == "fused"

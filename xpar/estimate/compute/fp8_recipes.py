@@ -14,7 +14,7 @@ amax all-reduce under sequence parallelism, delayed's once-a-step history update
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 BF16_BYTES = 2
@@ -85,6 +85,16 @@ RECIPES = {
 DEFAULT = "delayed"
 NEEDS_MX = ("mxfp8",)
 """Recipes whose GEMMs need MXFP8 tensor cores (hardware.mxfp8: Blackwell, SM 10.x; TE's mxfp8 page)."""
+
+
+def quantiser(recipe: str, kernels: str = "te") -> Fp8Recipe:
+    """The :class:`Fp8Recipe` of ``recipe`` as ``kernels`` run its casts (framework.fp8_cast_kernels): 'te' at the
+    recipe's measured share of HBM, 'fused' at the block's memory-bound passes' (``hbm_fraction`` None).
+
+    Raises:
+        KeyError: an unknown ``recipe``."""
+    r = RECIPES[recipe]
+    return r if kernels == "te" else replace(r, hbm_fraction=None)
 
 
 def gemm_dtype(recipe: str, mx_native: bool) -> str:

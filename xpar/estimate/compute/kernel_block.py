@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.attention import tp_kv_heads
-from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, RECIPES, Fp8Recipe, gemm_dtype
+from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, Fp8Recipe, gemm_dtype, quantiser
 from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
 from xpar.estimate.moe_dispatch import DISPATCHERS, sync_seconds
 
@@ -258,7 +258,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
                 expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
-                window_kernel: bool = True, sinks: Optional[str] = None) -> BlockTerms:
+                window_kernel: bool = True, sinks: Optional[str] = None, fp8_casts: str = "te") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -276,6 +276,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
     ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
+    ``fp8_casts``: who quantises (framework.fp8_cast_kernels: xpar.estimate.compute.fp8_recipes.quantiser).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -283,7 +284,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
     t_sp = np.where(sequence_parallel, t / tp, t)
     kv = np.where(sequence_parallel, sh.kv_heads, tp_kv_heads(sh.kv_heads, np.asarray(tp), kv_over_tp))
-    quant = RECIPES[fp8_recipe] if dtype == "fp8" else None
+    quant = quantiser(fp8_recipe, fp8_casts) if dtype == "fp8" else None
     dtype = gemm_dtype(fp8_recipe, device.mx_native) if dtype == "fp8" else dtype
     projections, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
     attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel,
