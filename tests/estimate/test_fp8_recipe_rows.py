@@ -64,7 +64,7 @@ def test_the_rows_pricing_differs_from_the_default_by_the_recipes_passes(row_id)
     at = {name: replace(spec, train=replace(spec.train, dtype=dtype, fp8_recipe=r))
           for name, dtype, r in (("bf16", "bf16", DEFAULT), ("default", "fp8", DEFAULT), ("row", "fp8", recipe))}
     k = {name: kernel_layer_costs(s, assume) for name, s in at.items()}
-    cast = quantiser(recipe, spec.framework.fp8_cast_kernels)  # TE's kernels at CAST_HBM_FRACTION (megatron_core)
+    cast = quantiser(recipe, assume.fp8_cast_kernels)  # TE's kernels at CAST_HBM_FRACTION (megatron_core)
     extra = (cast.priced_bytes() - RECIPES[DEFAULT].priced_bytes()) / RECIPES[DEFAULT].priced_bytes()
     assert extra > 0
     for term in ("mem_f", "mem_b"):
