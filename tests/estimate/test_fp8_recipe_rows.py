@@ -11,6 +11,7 @@ import pytest
 from xpar.calibrate.cp_fp8 import NEW_GPU_PRESETS, cp_fp8_case, row_fp8_recipe
 from xpar.calibrate.published import read_table
 from xpar.estimate.compute.fp8_recipes import DEFAULT, RECIPES, quantiser
+from xpar.estimate.compute.kernel_block import priced_cast_bytes
 from xpar.estimate.compute.kernel_costs import kernel_layer_costs
 from xpar.estimate.cost import estimate
 
@@ -65,7 +66,7 @@ def test_the_rows_pricing_differs_from_the_default_by_the_recipes_passes(row_id)
           for name, dtype, r in (("bf16", "bf16", DEFAULT), ("default", "fp8", DEFAULT), ("row", "fp8", recipe))}
     k = {name: kernel_layer_costs(s, assume) for name, s in at.items()}
     cast = quantiser(recipe, assume.fp8_cast_kernels)  # TE's kernels at CAST_HBM_FRACTION (megatron_core)
-    extra = (cast.priced_bytes() - RECIPES[DEFAULT].priced_bytes()) / RECIPES[DEFAULT].priced_bytes()
+    extra = (priced_cast_bytes(cast) - priced_cast_bytes(RECIPES[DEFAULT])) / priced_cast_bytes(RECIPES[DEFAULT])
     assert extra > 0
     for term in ("mem_f", "mem_b"):
         quant = k["default"][term] - k["bf16"][term]

@@ -6,7 +6,7 @@ from tests.config.test_refusals import _accepted, refusal
 from tests.conftest import spec_for
 from xpar.config.checks.hardware import load_hardware_preset
 from xpar.estimate.compute.fp8_recipes import CAST_HBM_FRACTION, MXFP8_GEMM_RATE, RECIPES, gemm_dtype, weight_copy_bytes
-from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times
+from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times, priced_cast_bytes
 from xpar.estimate.compute.kernels import HBM_FRACTION, device_of, memory_time
 
 H100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
@@ -41,7 +41,7 @@ def test_delayed_scaling_has_no_amax_pass_and_current_scaling_reads_the_tensor_t
     n = _linear_inputs(LLAMA_8B, B * S)
     extra = memory_time(5.0 * HBM_FRACTION / CAST_HBM_FRACTION * n, H100) - memory_time(3.0 * n, H100)
     assert current.memory - delayed.memory == pytest.approx(extra)
-    assert RECIPES["current"].priced_bytes() == pytest.approx(5.0 * 0.9 / 0.71)
+    assert priced_cast_bytes(RECIPES["current"]) == pytest.approx(5.0 * 0.9 / 0.71)
     assert current.kernels - delayed.kernels == 4 * 2
 
 
@@ -122,7 +122,7 @@ def test_te_quantises_current_scaling_slower_than_the_blocks_fused_passes_and_de
     from xpar.estimate.compute.fp8_recipes import quantiser
     te, fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="current", fp8_casts=k) for k in ("te", "fused"))
     assert te.gemm == pytest.approx(fused.gemm) and te.memory > fused.memory
-    assert quantiser("current", "fused").priced_bytes() == 5.0 and quantiser("mxfp8", "te").hbm_fraction == 0.71
+    assert priced_cast_bytes(quantiser("current", "fused")) == 5.0 and quantiser("mxfp8", "te").hbm_fraction == 0.71
     d_te, d_fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="delayed", fp8_casts=k) for k in ("te", "fused"))
     assert d_te.memory == pytest.approx(d_fused.memory)
     assert spec_for("framework=megatron_core").framework.fp8_cast_kernels == "te"

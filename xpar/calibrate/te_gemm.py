@@ -2,27 +2,20 @@
 
 Source: NVIDIA/TransformerEngine docs/examples/gemm_profiling/gemm_profiling.rst @8f2e6357 ('Worked Example: 5B
 Model on B300' and '... on H200'), run by benchmarks/gemm/benchmark_gemm.py in model-config mode: hidden 4096,
-intermediate 16384, 32 heads, 15,872 tokens (31 x 512); each layer's 12 GEMMs (fprop, dgrad, wgrad of qkv, attention
-output, MLP up and down) timed with CUDA events over 100 calls. ``--pre-quantize`` times the GEMM kernels alone
-(``tex.generic_gemm`` on inputs quantised before the loop); autocast mode times ``te.Linear`` under ``te.autocast``,
-which quantises both of a GEMM's inputs on every call. Per-layer totals, milliseconds:
-
-| device | BF16 | FP8 current, kernels | FP8 current, autocast | FP8 delayed, autocast | MXFP8, kernels | MXFP8, autocast |
-|---|---|---|---|---|---|---|
-| B300 SXM6 | 12.758 / 13.102 | 6.812 | 9.147 | 7.802 | 7.161 | 8.984 |
-| H200 NVL | 32.014 / 31.968 | 16.785 | 20.285 | 18.978 | - | - |
-
-(BF16: the autocast and the pre-quantised run, the same torch.matmul kernels.) The Blackwell presets' GEMM
-fractions are set so the kernel model gives these kernel times (conf/hardware/b200_180gb_node.yaml: the B300 taken
-at the B200's dense BF16 / FP8 peaks, 2.25 / 4.5 PFLOP/s); the H200 NVL rows check the Hopper fractions (MAMF, not
-fitted here) at the NVL part's dense peaks, 835.5 / 1670.5 TFLOP/s (H200 NVL datasheet: 1,671 / 3,341 with sparsity).
-Units: seconds unless named.
+intermediate 16384, 15,872 tokens (31 x 512); each layer's 12 GEMMs (fprop, dgrad, wgrad of qkv, attention output,
+MLP up and down) timed with CUDA events over 100 calls. ``--pre-quantize`` times the GEMM kernels alone; autocast
+mode times ``te.Linear`` under ``te.autocast``, which quantises both of a GEMM's inputs on every call. The Blackwell
+presets' GEMM fractions reproduce the B300 kernel times (conf/hardware/b200_180gb_node.yaml: the B300 taken at the
+B200's dense BF16 / FP8 peaks), the H200 NVL rows check the Hopper fractions (MAMF, not fitted here) at the NVL
+part's dense peaks, and the autocast less kernel-only time sizes the quantisation kernels' share of HBM
+(xpar.estimate.compute.fp8_recipes.CAST_HBM_FRACTION). Units: seconds unless named.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from xpar.estimate.compute.fp8_recipes import RECIPES
+from xpar.estimate.compute.kernel_block import priced_cast_bytes
 from xpar.estimate.compute.kernels import Device, gemm_time, memory_time
 
 HIDDEN, INTERMEDIATE, TOKENS = 4096, 16384, 31 * 512
@@ -32,7 +25,8 @@ TE_LAYER_MS = {
     "B300": {"bf16": (12.758 + 13.102) / 2, "fp8": 6.812, "mxfp8": 7.161},
     "H200_NVL": {"bf16": (32.014 + 31.968) / 2, "fp8": 16.785},
 }
-"""Kernel-only per-layer GEMM milliseconds of the tutorial (module docstring; BF16 the mean of its two runs)."""
+"""Kernel-only per-layer GEMM milliseconds of the tutorial (BF16: the mean of its autocast and pre-quantised runs,
+12.758 / 13.102 on the B300, 32.014 / 31.968 on the H200 NVL, the same torch.matmul kernels)."""
 
 TE_AUTOCAST_MS = {"B300": {"current": 9.147, "delayed": 7.802, "mxfp8": 8.984}}
 """Autocast per-layer milliseconds (GEMMs and the quantisation of both inputs of each, every call): less the kernel
@@ -68,7 +62,7 @@ def model_cast_s(device: Device, recipe: str) -> float:
     """Seconds the kernel model gives that quantisation under ``recipe`` (xpar.estimate.compute.fp8_recipes: its
     priced bytes at the block's memory-bound rate, and its kernels' launch gaps, 24 quantisations a layer)."""
     r = RECIPES[recipe]
-    return float(memory_time(r.priced_bytes() * quantised_elements(), device)) + 24 * r.kernels * device.launch_s
+    return float(memory_time(priced_cast_bytes(r) * quantised_elements(), device)) + 24 * r.kernels * device.launch_s
 
 
 def at_h200_nvl(device: Device) -> Device:

@@ -51,14 +51,6 @@ class Fp8Recipe:
         """Bytes moved per element quantised: reads of BF16, FP8 copies and their scales written."""
         return self.reads * BF16_BYTES + self.copies * (FP8_BYTES + self.scale_bytes)
 
-    def priced_bytes(self) -> float:
-        """:meth:`cast_bytes` as the block's memory-bound passes price bytes (at kernels.HBM_FRACTION of HBM):
-        the bytes those passes would move in the time the recipe's kernels, at :attr:`hbm_fraction`, take."""
-        if self.hbm_fraction is None:
-            return self.cast_bytes()
-        from xpar.estimate.compute.kernels import HBM_FRACTION  # here: kernels imports this module
-        return self.cast_bytes() * HBM_FRACTION / self.hbm_fraction
-
 
 CAST_HBM_FRACTION = 0.71
 """The fraction of HBM bandwidth Transformer Engine's current-scaling and MXFP8 quantisation kernels reach, against the
