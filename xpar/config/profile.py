@@ -116,6 +116,13 @@ class FrameworkConfig:
     NVLink-domain aware one): a token crosses to each other node once, then NVLink. Each synchronises the
     host once per dropless MoE layer forward; ragged (a compiled step, JAX/XLA's ragged all-to-all) does
     not (xpar.estimate.moe_dispatch)."""
+    moe_scatter: str = "fused"
+    """How a MoE layer's routed copies are summed back into their tokens: 'fused' (a gather-and-sum kernel,
+    Transformer Engine's moe_unpermute) or 'atomic' (aten atomic scatters: torchtitan's scatter_add_ combine and
+    the index_add_ gradient of its token gather), xpar.estimate.moe_dispatch.SCATTERS."""
+    expert_gemm_kernel: str = "dense"
+    """The routed experts' GEMM kernel: 'dense' (at the device's dense GEMM rate) or 'torch_grouped_mm'
+    (torch._grouped_mm, torchtitan's GroupedExperts), xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
@@ -290,6 +297,11 @@ class FrameworkConfig:
     ``tok_embeddings`` and on ``[norm, output]``; xpar.estimate.memory.buffers). False: one root unit holds both
     (xpar's ``fully_shard(model)`` root; Megatron-FSDP, whose units are the TransformerLayers and whose root owns the
     remaining parameters)."""
+    fp8_cast_kernels: str = "fused"
+    """Who quantises under train.dtype=fp8: 'te' (Transformer Engine's quantize kernels: current scaling, MXFP8 and
+    blockwise at their measured share of HBM, xpar.estimate.compute.fp8_recipes.CAST_HBM_FRACTION, from TE's GEMM
+    profiling tutorial) or 'fused' (the block's other memory-bound passes' share: torchao's casts, compiled or eager,
+    for which no public bandwidth figure was found; delayed scaling under TE too, which reaches it)."""
     fp8_weight_copies: bool = False
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;

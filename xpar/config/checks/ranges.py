@@ -149,6 +149,7 @@ RANGES: dict[str, Range] = {
                                                                       "attention_efficiency_cudnn_2024",
                                                                       "attention_bwd_efficiency_cudnn_2024")},
     "hardware.kernel_launch_us": NON_NEGATIVE, "hardware.gemm_tile_fixed_us_fp8": NON_NEGATIVE,
+    "hardware.attention_half_seq": POSITIVE,
     "hardware.sustained_efficiency": EFFICIENCY,
     "framework.elementwise_passes": Range(1, 20),
     "framework.max_pp": _i(1, null=True), "framework.max_tp": _i(1, null=True),

@@ -59,7 +59,14 @@ FlashAttention-3 on H100 SXM5 BF16 at 512-16k tokens (Shah et al. 2024, FlashAtt
 causal forward 315, 410, 484, 518, 529, 539 TFLOP/s; the curve gives 0.60, 0.76, 0.87, 0.94, 0.98, 1 of 539): each
 query block's loop over the key blocks amortises its prologue (Q load, softmax state) and epilogue (O, LSE store)
 over s / 128 iterations, and the causal diagonal's masked blocks are 1 / n of a row's n. The non-causal forward
-saturates sooner (0.84 of its 16k rate at 512): the curve prices it conservatively at short keys."""
+saturates sooner (0.84 of its 16k rate at 512): the curve prices it conservatively at short keys.
+The H100's; a device's own is ``hardware.attention_half_seq`` (:attr:`Device.attention_half_seq`). On Blackwell the
+prologue and epilogue take about as long while the loop runs 2.25-2.5x faster, so the curve saturates later:
+cuDNN 9.17 on GB200 (NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/artifacts/
+sdpa_bf16_benchmark_results_NVIDIA_GB200.csv @d48a60eb: 128 q / 8 kv heads, head_dim 128, causal, cudnn_fe; forward
+408, 733, 1069, 1386, 1584, 1668 and backward 329, 527, 655, 1054, 1211, 1304 TFLOP/s at 512-16k) fits 1300
+through :func:`attention_time`'s block count and waves (RMS 0.041 relative to 16k; 16k: 0.667 / 0.522 of 2.5 PFLOP/s);
+cuDNN 9.13 through torch's SDPA on B200 (the _B200.csv @bb37575d) is slower still (0.59 / 0.48 at 16k, 0.36 at 2k)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ class Device:
     """Seconds each FP8 GEMM tile spends outside its main loop (:data:`FP8_TILE_FIXED_S`)."""
     launch_s: float = 0.0
     """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
+    attention_half_seq: float = ATTENTION_HALF_SEQ
+    """Key length at which the device's flash attention runs at half its asymptote (:func:`sequence_rate`;
+    hardware.attention_half_seq): H100's 360, Blackwell's cuDNN 1300 (:data:`ATTENTION_HALF_SEQ`)."""
     mx_native: bool = False
     """The tensor cores take MXFP8 and FP8 in every layout (Blackwell: hardware.mxfp8); then ``peak_flops``
     has an 'mxfp8' key (xpar.estimate.compute.fp8_recipes)."""
@@ -111,7 +121,7 @@ def device_of(hw) -> Device:
     return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
                   attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
                   hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
-                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx,
+                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx, attention_half_seq=hw.attention_half_seq,
                   fp8_tile_fixed_s=hw.gemm_tile_fixed_us_fp8 * 1e-6)
 
 
@@ -137,6 +147,38 @@ def _tiled_compute(m, n, k, g, tile, device: Device, rate: float, fixed: float =
     waves = np.ceil(tiles * splits / device.sms)
     k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
     return waves * (2 * tm * tn * k_slice / (rate / device.sms) + fixed)
+
+
+EXPERT_GEMM_KERNELS = ("dense", "torch_grouped_mm")
+"""How a framework runs its routed experts' GEMMs (framework.expert_gemm_kernel): 'dense', at the device's dense GEMM
+rate (Transformer Engine's cuBLAS GEMM per expert, DeepGEMM's grouped kernels), or 'torch_grouped_mm', torch's
+``torch._grouped_mm`` (CUTLASS grouped kernels on sm90 and, from pytorch/pytorch PR 156203, in torch 2.9, sm100:
+aten/src/ATen/native/cuda/GroupedBlas.cpp ``_grouped_mm_cuda``; no per-expert loop), at :data:`TORCH_GROUPED_MM_RATE`
+of it."""
+
+TORCH_GROUPED_MM_RATE = {"blackwell": (0.83, 0.67)}
+"""(forward, backward) rate of ``torch._grouped_mm`` in BF16 over the dense GEMM rate, per GPU family. Blackwell
+(SM 10.x, hardware.mxfp8): torchao PR 3271 (pytorch/ao, 2025-10, Benchmarks table, B200, bf16 columns) times
+(16384, 8192, 5120) grouped into G = 1, 2, 4, 8 experts at 1.12-1.26 ms forward (0.48-0.55 of the 2.25 PFLOP/s peak,
+median 0.525) and 3.98-4.09 ms forward + backward, the backward's dgrad and K-grouped wgrad 2.82-2.92 ms (0.42-0.43,
+median 0.424); torchao PR 2427 (2025-06, bench_matmul.py, B200) times torch.mm in BF16 at 0.627, 0.646 and 0.631 of
+peak for 4096, 6144 and 8192 cubes (median 0.631): 0.525 / 0.631 = 0.83 and 0.424 / 0.631 = 0.67. Other families:
+no public figure at hand, priced at the dense rate (1, 1)."""
+
+
+def expert_gemm_rate(kernel: str, device, dtype: str = "bf16") -> tuple:
+    """(forward, backward) rate of the routed experts' GEMMs over the dense GEMM rate for framework.expert_gemm_kernel
+    ``kernel`` (:data:`EXPERT_GEMM_KERNELS`) on ``device`` (a :class:`Device`; Blackwell where ``mx_native``) in the
+    GEMM dtype key ``dtype``: (1, 1) but for torch._grouped_mm in BF16/FP16 (FP8 grouped GEMMs run torchao's
+    scaled kernels, not this one: torchao's README times its MXFP8 2D-3D grouped GEMM at 74.6 % of peak on B200).
+
+    Raises:
+        ValueError: an unknown ``kernel``."""
+    if kernel not in EXPERT_GEMM_KERNELS:
+        raise ValueError(f"framework.expert_gemm_kernel={kernel!r} is not one of {', '.join(EXPERT_GEMM_KERNELS)}")
+    if kernel == "dense" or dtype not in ("bf16", "fp16"):
+        return 1.0, 1.0
+    return TORCH_GROUPED_MM_RATE.get("blackwell" if device.mx_native else "other", (1.0, 1.0))
 
 
 def tile_choices(tm: int, tn: int) -> tuple:
@@ -252,8 +294,10 @@ def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causa
     flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal, window) * (FLASH_BWD_FLOPS if backward else 1.0)
     keys = np.where(np.asarray(window) > 0, np.minimum(skv, window), skv)
     fast = unmasked and not causal and not backward  # an unmasked forward (:data:`UNMASKED_GAIN`)
+    half = device.attention_half_seq  # the unmasked curve's half length scaled with it (:data:`ATTENTION_HALF_SEQ`)
     rate = (device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
-            * (UNMASKED_GAIN * sequence_rate(keys, UNMASKED_HALF_SEQ) if fast else sequence_rate(keys)))
+            * (UNMASKED_GAIN * sequence_rate(keys, UNMASKED_HALF_SEQ * half / ATTENTION_HALF_SEQ) if fast
+               else sequence_rate(keys, half)))
     units = b * h * np.ceil(sq / FLASH_BLOCK)
     waves = np.ceil(units / device.sms)
     compute = flops / rate * np.divide(waves * device.sms, units, out=np.ones_like(units), where=units > 0)
