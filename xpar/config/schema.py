@@ -322,6 +322,11 @@ class HardwareConfig:
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8
     """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
+    deepep_nvl_gb_per_s: Optional[float] = None
+    """DeepEP's normal (intranode) dispatch and combine bandwidth on this device, GB/s per rank, as DeepEP's
+    tests/test_intranode.py counts it (the bytes a rank receives, its own copies included, over the kernel's time): the
+    rate ``framework.ep_dispatcher=deepep`` moves its NVLink share at (xpar.estimate.expert_parallel.ep_layer_times).
+    None: ``intra_node_gb_per_s`` x ``link_efficiency``, as NCCL's all-to-all."""
     framework_overhead_gb: float = 2.0
     """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
     memory_headroom: float = 0.0
