@@ -1,10 +1,8 @@
 """Structured-config schemas for every config group, registered in Hydra's ConfigStore.
 
-The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a
-wrong type on the command line (``parallel.tp=abc``) is refused by OmegaConf with the
-full key before anything runs. Cross-field constraints live in :mod:`xpar.config.validate`,
-the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`.
-"""
+The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a wrong type on the command line
+(``parallel.tp=abc``) is refused by OmegaConf with the full key before anything runs. Cross-field constraints live in
+:mod:`xpar.config.validate`, the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -323,10 +321,7 @@ class HardwareConfig:
     link_efficiency: float = 0.8
     """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
     deepep_nvl_gb_per_s: Optional[float] = None
-    """DeepEP's normal (intranode) dispatch and combine bandwidth on this device, GB/s per rank, as DeepEP's
-    tests/test_intranode.py counts it (the bytes a rank receives, its own copies included, over the kernel's time): the
-    rate ``framework.ep_dispatcher=deepep`` moves its NVLink share at (xpar.estimate.expert_parallel.ep_layer_times).
-    None: ``intra_node_gb_per_s`` x ``link_efficiency``, as NCCL's all-to-all."""
+    """DeepEP's intranode GB/s a rank (xpar.estimate.expert_parallel.deepep_nvl_rate); None: NCCL's rate."""
     framework_overhead_gb: float = 2.0
     """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
     memory_headroom: float = 0.0

@@ -184,7 +184,8 @@ def ep_bytes_per_step(spec: RunSpec) -> float:
 def deepep_nvl_rate(hw: HardwareConfig, dispatcher: str) -> Optional[float]:
     """GB/s at which ``dispatcher`` moves a rank's intra-node copies where it is DeepEP's and the device has DeepEP's
     own figure (``hardware.deepep_nvl_gb_per_s``); None otherwise (:func:`alltoall_time` then takes the link's rate x
-    ``link_efficiency``). DeepEP's intranode kernels do not reach NCCL's share of NVLink 5: tuned on B200 at ep 8 they
+    ``link_efficiency``). The figure counts what DeepEP's tests/test_intranode.py counts: the bytes a rank receives,
+    its own copies included, over the kernel's time (:func:`deepep_intra_share`'s bytes). DeepEP's intranode kernels do not reach NCCL's share of NVLink 5: tuned on B200 at ep 8 they
     move 516.71 GB/s dispatching and 485.75 GB/s combining, 0.57 / 0.54 of the 900 GB/s link (pytorch/torchtitan
     torchtitan/distributed/deepep/utils.py, ``turbo_deepep_dispatch_tuned_config`` / ``..._combine_tuned_config``
     comments, 128 SMs, Qwen3-30B-A3B shapes; DeepEP V1, the NVSHMEM-based kernels of 2025), where V1 reaches 153 / 158
