@@ -33,6 +33,7 @@ RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 18): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
     ("refusal_hunt2.md", 19): (ROUND_ROBIN, AUTOMODEL.format("kimi_k2")),
     **{("refusal_hunt3.md", row): (ROUND_ROBIN, TORCHTITAN) for row in (22, 23, 24, 25)},
+    **{("refusal_hunt4.md", row): (ROUND_ROBIN, TORCHTITAN) for row in (10, 11)},  # the same recipe on 16, 32 B200
 }
 """(hunt file name, row) -> (overrides the recipe sets, its source)."""
 

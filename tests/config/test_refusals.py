@@ -165,6 +165,8 @@ CATALOGUE = [
     ("hardware=h100_80gb_8gpu hardware.hbm_tb_per_s=0", "hardware.hbm_tb_per_s must be > 0", "hardware.hbm_tb_per_s=3.35"),
     ("hardware=h100_80gb_8gpu hardware.intra_node_gb_per_s=0", "hardware.intra_node_gb_per_s must be > 0",
      "hardware.intra_node_gb_per_s=450"),
+    ("hardware=b200_180gb_node hardware.deepep_nvl_gb_per_s=0", "hardware.deepep_nvl_gb_per_s must be > 0 or null "
+     "(null: DeepEP at intra_node_gb_per_s x link_efficiency)", "hardware.deepep_nvl_gb_per_s=500.8"),
     ("hardware=h100_80gb_64gpu hardware.inter_node_gb_per_s=0",
      "hardware.inter_node_gb_per_s must be > 0 or null (null: on one node only), got 0.0 on hardware=h100_80gb_64gpu",
      "hardware.inter_node_gb_per_s=50"),

@@ -28,6 +28,7 @@ def test_recipe_overrides_by_file_name_and_none_elsewhere():
     assert recipe_overrides(Path("elsewhere") / "refusal_hunt2.md", 9) == ("model.moe_routing=round_robin",)
     assert recipe_overrides(BENCH / "refusal_hunt2.md", 5) == ()  # Megatron-Core: random logits, learned spread
     assert recipe_overrides(BENCH / "refusal_hunt.md", 9) == ()
+    assert recipe_overrides(BENCH / "refusal_hunt4.md", 10) == ("model.moe_routing=round_robin",)  # torchtitan's
 
 
 def test_an_appended_override_wins_over_the_typed_command():

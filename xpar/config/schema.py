@@ -322,6 +322,8 @@ class HardwareConfig:
     """Achievable fraction of peak for large matmuls (cost model calibration)."""
     link_efficiency: float = 0.8
     """Achievable fraction of link bandwidth for collectives (cost model calibration)."""
+    deepep_nvl_gb_per_s: Optional[float] = None
+    """DeepEP's intranode GB/s a rank (xpar.estimate.expert_parallel.deepep_nvl_rate); None: NCCL's rate."""
     framework_overhead_gb: float = 2.0
     """Fixed per-device memory overhead (CUDA context, allocator, workspace)."""
     memory_headroom: float = 0.0

@@ -29,16 +29,17 @@ from xpar.estimate.moe_dispatch import DISPATCHERS
 
 
 def alltoall_time(hw: HardwareConfig, nbytes: float, group: Group, inter_share: Optional[float] = None,
-                  intra_share: Optional[float] = None) -> float:
+                  intra_share: Optional[float] = None, intra_gb_per_s: Optional[float] = None) -> float:
     """Seconds of an all-to-all in which each of the ``group.size`` ranks sends ``nbytes`` split
     evenly over all ranks (itself included): ``intra_share`` of it (default (k - 1)/n) over the intra-node
     link, ``inter_share`` of it (default (n - k)/n) across nodes over its share of the node's NICs
     (:func:`nic_share`), both at once; one latency per link class crossed (NCCL issues the sends
-    concurrently). 0 for one rank or unknown bandwidths. The shares of a dispatcher: :func:`ep_shares`."""
+    concurrently). 0 for one rank or unknown bandwidths. The shares of a dispatcher: :func:`ep_shares`;
+    ``intra_gb_per_s``: the intra-node rate its kernels reach, GB/s (None: the link's x ``link_efficiency``)."""
     n, k = group.size, min(group.per_node, group.size)
     if n <= 1 or nbytes <= 0 or hw.intra_node_gb_per_s is None:
         return 0.0
-    intra = hw.intra_node_gb_per_s * 1e9 * hw.link_efficiency
+    intra = (hw.intra_node_gb_per_s * hw.link_efficiency if intra_gb_per_s is None else intra_gb_per_s) * 1e9
     t = ((k - 1) / n if intra_share is None else intra_share) * nbytes / intra
     lat = hw.collective_latency_us + hw.intra_node_latency_us
     if n > k and hw.inter_node_gb_per_s is not None:
@@ -180,10 +181,25 @@ def ep_bytes_per_step(spec: RunSpec) -> float:
     return (4.0 + 2.0 * ep_replay(spec, spec.framework)) * layers * spec.micro_batches * ep_payload_bytes(spec)
 
 
+def deepep_nvl_rate(hw: HardwareConfig, dispatcher: str) -> Optional[float]:
+    """GB/s at which ``dispatcher`` moves a rank's intra-node copies where it is DeepEP's and the device has DeepEP's
+    own figure (``hardware.deepep_nvl_gb_per_s``); None otherwise (:func:`alltoall_time` then takes the link's rate x
+    ``link_efficiency``). The figure counts what DeepEP's tests/test_intranode.py counts: the bytes a rank receives,
+    its own copies included, over the kernel's time (:func:`deepep_intra_share`'s bytes). DeepEP's intranode kernels do not reach NCCL's share of NVLink 5: tuned on B200 at ep 8 they
+    move 516.71 GB/s dispatching and 485.75 GB/s combining, 0.57 / 0.54 of the 900 GB/s link (pytorch/torchtitan
+    torchtitan/distributed/deepep/utils.py, ``turbo_deepep_dispatch_tuned_config`` / ``..._combine_tuned_config``
+    comments, 128 SMs, Qwen3-30B-A3B shapes; DeepEP V1, the NVSHMEM-based kernels of 2025), where V1 reaches 153 / 158
+    GB/s of H800's "~160 GB/s NVLink maximum" (deepseek-ai/DeepEP docs/legacy.md, intranode EP 8). DeepEP V2
+    (2026-04) reaches 726 / 740 GB/s on SM100 at EP 8 (DeepEP README @dd758ca, 'Performance', 64 SMs): a run on V2
+    sets ``hardware.deepep_nvl_gb_per_s`` to ~733 (or null: 0.8 of the link)."""
+    return hw.deepep_nvl_gb_per_s if dispatcher == "deepep" else None
+
+
 def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, float]:
     """Seconds of one MoE layer's all-to-alls per micro-batch: ``f`` (dispatch and combine) and
     ``b`` (their gradients); 0 at ep = 1. The ep group is etp-strided (expert ranks etp innermost,
-    then ep, as Megatron-Core orders them)."""
+    then ep, as Megatron-Core orders them). DeepEP's NVLink share moves at ``hardware.deepep_nvl_gb_per_s`` where
+    the preset has DeepEP's own figure (:func:`deepep_nvl_rate`)."""
     ep = spec.layout.ep
     if ep == 1:
         return {"f": 0.0, "b": 0.0}
@@ -191,7 +207,8 @@ def ep_layer_times(spec: RunSpec, dispatcher: str = "alltoall") -> dict[str, flo
     m = spec.model
     intra, inter = ep_shares(dispatcher, m.moe_top_k, group, m.moe_router_groups, m.moe_router_group_topk,
                              m.n_experts if m.moe_routing == "round_robin" else 0)
-    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, inter, intra)
+    one = alltoall_time(spec.hardware, ep_payload_bytes(spec) * busiest_rank_load(spec.model), group, inter, intra,
+                        deepep_nvl_rate(spec.hardware, dispatcher))
     return {"f": 2 * one, "b": 2 * one}
 
 

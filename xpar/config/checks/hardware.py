@@ -27,9 +27,10 @@ from xpar.config.presets import conf_dir, load_preset, presets
 from xpar.config.schema import HardwareConfig
 
 POSITIVE_OR_NULL = ("peak_tflops", "peak_tflops_fp32", "hbm_tb_per_s", "intra_node_gb_per_s", "inter_node_gb_per_s",
-                    "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb")
+                    "device_memory_gb", "pcie_gb_per_s", "host_mem_gb_per_s", "host_memory_gb", "deepep_nvl_gb_per_s")
 """Hardware fields that divide or bound (FLOP/s, bytes/s, bytes): 0 and negatives are refused; null
-as :data:`NULL_MEANS` says (the last three time and hold an offloaded optimizer, xpar.estimate.memory.offload)."""
+as :data:`NULL_MEANS` says (pcie_gb_per_s, host_mem_gb_per_s and host_memory_gb time and hold an offloaded optimizer,
+xpar.estimate.memory.offload; deepep_nvl_gb_per_s: xpar.estimate.expert_parallel.ep_layer_times)."""
 
 NULL_MEANS = {"peak_tflops": "null: measured, on hardware=local with a CPU only",
               "peak_tflops_fp32": "null: peak_tflops",
@@ -39,7 +40,8 @@ NULL_MEANS = {"peak_tflops": "null: measured, on hardware=local with a CPU only"
               "device_memory_gb": "null: detected, on hardware=local only",
               "pcie_gb_per_s": "null: unknown, no optimizer offload",
               "host_mem_gb_per_s": "null: unknown, no optimizer offload",
-              "host_memory_gb": "null: unknown, no optimizer offload"}
+              "host_memory_gb": "null: unknown, no optimizer offload",
+              "deepep_nvl_gb_per_s": "null: DeepEP at intra_node_gb_per_s x link_efficiency"}
 """What a null figure means, said in the refusal of 0 (xpar.config.hardware.resolve_hardware measures and
 detects; xpar.estimate.cost and xpar.estimate.memory.offload read the unknowns)."""
 

@@ -102,7 +102,7 @@ RANGES: dict[str, Range] = {
     **{f"hardware.{k}": Range(0, lo_open=True, null=True)
        for k in ("device_memory_gb", "peak_tflops", "peak_tflops_fp8", "peak_tflops_fp32", "hbm_tb_per_s",
                  "intra_node_gb_per_s", "inter_node_gb_per_s", "optimizer_ns_per_element", "pcie_gb_per_s",
-                 "host_memory_gb", "host_mem_gb_per_s")},
+                 "host_memory_gb", "host_mem_gb_per_s", "deepep_nvl_gb_per_s")},
     "hardware.fp8_matmul_efficiency": EFFICIENCY, "hardware.matmul_efficiency": EFFICIENCY,
     "hardware.link_efficiency": EFFICIENCY,
     "hardware.nics_per_node": _i(1, null=True), "hardware.cpu_cores": _i(1, null=True),
