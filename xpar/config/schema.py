@@ -181,8 +181,7 @@ class ParallelConfig:
     """Expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size; None: tp); etp < tp
     folds tp ranks into ep (MoE parallel folding): ep x etp divides tp x cp x dp. Estimated only."""
     zero_stage: int = 0
-    """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2: FSDP2 reshard_after_forward=False;
-    3: FSDP2 reshard_after_forward=True."""
+    """0: DDP; 1: ZeroRedundancyOptimizer over DDP; 2/3: FSDP2 reshard_after_forward=False/True."""
     zero_shard_size: Optional[int] = None
     """Hierarchical ZeRO (torch FSDP2's HSDP, DeepSpeed ZeRO++ hpZ): ZeRO-2/3 shard inside groups of
     this many consecutive dp ranks and replicate across the dp / zero_shard_size groups (gradients
@@ -335,8 +334,7 @@ class HardwareConfig:
     dtensor_op_overhead_us: float = 0.0
     """Extra host microseconds of an operator on DTensors (FSDP2, tp); measured by ``xpar calibrate``."""
     fsdp_unit_overhead_us: float = 0.0
-    """Host microseconds of FSDP2's hooks per unit and micro-batch (forward and backward);
-    measured by ``xpar calibrate``."""
+    """Host us of FSDP2's hooks per unit and micro-batch (forward and backward); measured by ``xpar calibrate``."""
     tp_block_overhead_us: float = 0.0
     """Extra host microseconds of one transformer block under tensor parallelism (DTensor dispatch
     and sharding propagation of the Megatron plan, xpar.parallel.tensor.block_plan), forward and
