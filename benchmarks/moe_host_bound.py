@@ -55,7 +55,8 @@ def moe_block_host(spec, assume, host_us: float | None = None) -> dict[str, dict
               sequence_parallel=spec.layout.sequence_parallel, flash=assume.flash_attention, dropout=assume.dropout,
               dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
               kv_over_tp=spec.framework.kv_heads_over_tp, fp8_recipe=spec.train.fp8_recipe,
-              window_kernel=assume.sliding_window_kernel)
+              window_kernel=assume.sliding_window_kernel, moe_scatter=assume.moe_scatter,
+              expert_gemm_kernel=assume.expert_gemm_kernel)
     device, sh = training_device(spec.hardware, assume.attention_kernel), shape_of(spec.model, moe=True)
     out = {}
     for name, backward in (("forward", False), ("backward", True)):

@@ -198,3 +198,73 @@ def test_torch_compiled_llama_block_saves_no_fp32_norm_copies_and_three_swiglu_t
     swiglu = {k: sum(1 for shape, dt in v if shape[-1] == 704) for k, v in got.items()}
     assert fp32_h == {"eager": 2, "compiled": 0}
     assert swiglu == {"eager": 4, "compiled": 3}
+
+
+def test_compiled_torchtitan_op_sac_keeps_no_w2_output():
+    """torchtitan's op-level SAC under train.compile keeps what its backward reads: w2's output (a partial sum, h) and,
+    with sequence parallelism, its reduce-scatter's (h / t) fewer per token than eager; no recompute, full AC and
+    xpar's own op policy as eager (xpar.estimate.memory.activations.compiled_drops)."""
+    from xpar.estimate.memory.activations import layer_activation_bytes as lab, layer_bytes
+    from xpar.estimate.memory.model_states import MemoryOptions
+
+    s, b, h, a, f, kv = 8192, 1, 4096, 32, 14336, 1024
+    kw = dict(kv=kv, kv_matmul=kv, ffn=f, swiglu=True, dropout=False, flash=True, elem=2, fused_swiglu=True)
+    for t, sp, less in ((1, False, 2 * h), (4, True, 2 * h + 2 * h / 4)):
+        eager, comp = (lab(s, b, h, a, t, sp, "selective", selective="torchtitan_op", compiled=c, **kw)
+                       for c in (False, True))
+        assert eager - comp == s * b * less
+    for rc, sel in (("none", "torchtitan_op"), ("full", "torchtitan_op"), ("selective", "op")):
+        assert lab(s, b, h, a, 4, True, rc, selective=sel, compiled=True, **kw) == lab(
+            s, b, h, a, 4, True, rc, selective=sel, **kw)
+    spec, assume, _ = _table1()  # Llama 3.1 8B, FSDP 8, op-level SAC
+    o = MemoryOptions.of(assume)
+    eager, comp = (layer_bytes(_compiled(spec, c), o, 1.0)["kept"] for c in (False, True))
+    assert eager - comp == spec.seq_len * spec.train.micro_batch_size * 2 * spec.model.hidden
+
+
+@pytest.mark.slow  # traces with torch.compile (AOTAutograd's partitioner)
+def test_torch_keeps_w2_output_under_eager_op_sac_but_not_compiled():
+    """What :func:`xpar.estimate.memory.activations.compiled_drops` assumes, checked on torch: a Llama block under
+    torchtitan's op-level SAC policy (every other mm and SDPA saved) holds one (b, s, h) bf16 tensor per token more
+    after its forward in eager (the cached w2 output) than compiled."""
+    import gc
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from tests.estimate.llama_block import Block
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def context():
+        count = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):  # torchtitan's _custom_policy (activation_checkpoint.py @022f885f)
+            key = "recompute" if ctx.is_recompute else "forward"
+            count[key] += func == torch.ops.aten.mm.default
+            keep = func in save and not (func == torch.ops.aten.mm.default and count[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    def held(fn, x, freqs) -> int:
+        def live():
+            tensors = [t for t in gc.get_objects() if type(t) is torch.Tensor]  # activations; not parameters, not proxies
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        gc.collect()
+        before = live()
+        out = fn(x, freqs)
+        gc.collect()
+        got = live() - before - out.untyped_storage().nbytes()
+        out.float().sum().backward()
+        return got
+
+    torch.manual_seed(0)
+    h, b, s = 256, 2, 128
+    blk = Block(hidden=h, heads=8, kv_heads=2, ffn=704).to(torch.bfloat16)
+    freqs = torch.polar(torch.ones(s, 16), torch.randn(s, 16))[None, :, None, :]
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    eager = lambda y, fr: checkpoint(blk, y, fr, use_reentrant=False, context_fn=context)  # noqa: E731
+    compiled = torch.compile(eager, backend="aot_eager")
+    got = {k: [held(fn, x, freqs) for _ in range(2)][-1] for k, fn in (("eager", eager), ("compiled", compiled))}
+    assert got["eager"] - got["compiled"] == pytest.approx(b * s * h * 2, rel=0.1)

@@ -121,6 +121,18 @@ def test_plan_figures_equal_the_scalar_estimate_of_each_layout():
         assert e.mfu == pytest.approx(plan.res["mfu"][i], rel=1e-9) and e.memory.fits
 
 
+def test_plan_figures_equal_the_estimate_of_torchtitan_moe_on_b200():
+    """torchtitan's MoE on Blackwell (its atomic scatters and torch._grouped_mm rate, issue 42): the planner's
+    best, middle and worst ep 8 layouts equal the scalar estimate of their RunSpec."""
+    plan = plan_of("model=qwen3_30b_a3b", "hardware=b200_180gb_node", "framework=torchtitan", "plan.ep=[8]",
+                   "plan.max_tp=1", "plan.pp=1", "plan.global_batch_size=64")
+    assert plan.ctx.framework["moe_scatter"] == "atomic" and len(plan.ranked) > 3
+    for i in (plan.ranked[0], plan.ranked[len(plan.ranked) // 2], plan.ranked[-1]):
+        e = estimate(spec_of(plan.ctx, plan.res, int(i)))
+        assert e.tokens_per_s == pytest.approx(plan.res["tokens_per_s"][i], rel=1e-9)
+        assert e.time_breakdown["memory_bound"] == pytest.approx(plan.res["time_memory_bound"][i], rel=1e-9)
+
+
 # --- Narayanan et al. 2021 Table 1: the published layouts are feasible and near the top -------
 
 def megatron_inputs(r: dict) -> PlanInputs:

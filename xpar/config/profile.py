@@ -116,6 +116,13 @@ class FrameworkConfig:
     NVLink-domain aware one): a token crosses to each other node once, then NVLink. Each synchronises the
     host once per dropless MoE layer forward; ragged (a compiled step, JAX/XLA's ragged all-to-all) does
     not (xpar.estimate.moe_dispatch)."""
+    moe_scatter: str = "fused"
+    """How a MoE layer's routed copies are summed back into their tokens: 'fused' (a gather-and-sum kernel,
+    Transformer Engine's moe_unpermute) or 'atomic' (aten atomic scatters: torchtitan's scatter_add_ combine and
+    the index_add_ gradient of its token gather), xpar.estimate.moe_dispatch.SCATTERS."""
+    expert_gemm_kernel: str = "dense"
+    """The routed experts' GEMM kernel: 'dense' (at the device's dense GEMM rate) or 'torch_grouped_mm'
+    (torch._grouped_mm, torchtitan's GroupedExperts), xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
@@ -174,6 +181,17 @@ class FrameworkConfig:
     that repeat K/V before SDPA (xpar, torchtitan's repeat_kv). False: the kernel
     takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
     DeepSpeed, llm-foundry)."""
+    moe_recompute_graph_kept: bool = False
+    """Under full recompute each MoE layer keeps, from its backward to its next forward, the graph its recompute built
+    for the attention sublayer and the router, with that graph's saved tensors: one micro-batch's no-recompute bytes of
+    both per MoE layer (xpar.estimate.memory.activations.moe_kept_graph_bytes). True for a MoE dispatcher that keeps the
+    routing probabilities on the module between calls: the Primus-Turbo DeepEP manager of torchtitan's deepep branch
+    @022f885f (torchtitan/distributed/deepep/utils.py PrimusTurboDeepepManager.setup_metadata stores
+    ``self.token_probs`` and ``dispatch`` the dispatched probabilities, which ``combine`` clears; the recompute of
+    torch's non-reentrant checkpoint stops after the last tensor the backward needs, before combine, and its pack hook
+    hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
+    dispatcher that hands its state to combine (upstream torchtitan's EPDispatchMetadata,
+    torchtitan/models/common/token_dispatcher.py 2026; Megatron-Core, DeepSpeed)."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
     (torch DTensor: xpar, torchtitan; xpar.estimate.memory.per_device); False: it stays

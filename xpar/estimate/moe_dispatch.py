@@ -1,20 +1,22 @@
 """How a framework's MoE token dispatcher moves tokens, and what that costs beyond the all-to-all's bytes
 (issue 42): ``framework.ep_dispatcher`` names one of :data:`DISPATCHERS`.
 
-- Host synchronisation: a dropless dispatcher learns how many tokens each rank and local expert receives
-  on the device, and the host needs those counts (the all-to-all's split sizes, the grouped GEMM's m per
-  expert) before it can launch what follows: one device->host copy and a stream synchronisation per MoE
-  layer forward. The stream drains; the GPU idles for the round trip (:data:`HOST_SYNC_US`) and until
-  the host has issued the next long kernel (``after_sync`` host ops at ``framework.host_op_us``). A capacity
-  factor with padding has fixed shapes and no synchronisation.
-- Sorting by local expert: received token copies arrive grouped by source rank; a dispatcher that sends
-  them expert-sorted per rank reorders them by local expert after the dispatch and back before the
-  combine (one read and one write of every copy each way).
+- Host synchronisation: a dropless dispatcher's token counts go to the host before it launches what follows
+  (the all-to-all's split sizes, the grouped GEMM's m per expert): the stream drains, the GPU idles for the round
+  trip (:data:`HOST_SYNC_US`) and the host's ``after_sync`` ops (``framework.host_op_us`` each); none when padded.
+- Sorting by local expert: copies received grouped by source rank are reordered by local expert after the
+  dispatch and back before the combine (one read and one write of every copy each way).
+- Summing the copies back into tokens (``framework.moe_scatter``, :data:`SCATTERS`): a fused gather-and-sum
+  streams; aten's atomic scatters run :data:`ATOMIC_SCATTER_SLOWDOWN` times slower (:func:`atomic_scatter_seconds`).
 Priced per block by xpar.estimate.compute.kernel_block.block_times (both the estimate and the planner).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+
+from xpar.estimate.compute.kernels import HBM_FRACTION
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,38 @@ def sync_seconds(dispatcher: str, host_op_us: float, padded: bool) -> float:
         KeyError: ``dispatcher`` is not in :data:`DISPATCHERS`."""
     d = DISPATCHERS[dispatcher]
     return 0.0 if padded else d.syncs * (HOST_SYNC_US + d.after_sync * host_op_us) * 1e-6
+
+
+SCATTERS = ("fused", "atomic")
+"""How a framework reduces a MoE layer's routed copies back to their tokens (``framework.moe_scatter``):
+
+- 'fused': one gather-and-sum kernel per token, no atomics (Transformer Engine's ``moe_unpermute`` and its
+  permutation backward, which Megatron-Core and NeMo AutoModel run with ``moe_permute_fusion``);
+- 'atomic': aten atomic scatters, twice per layer (torchtitan @022f885f). Forward, the combine:
+  ``torchtitan/distributed/deepep/utils.py`` ``unpermute`` (``output_tokens.scatter_add_``, compiled, but Inductor
+  hands bf16 scatter-adds back to aten: torch/_inductor/utils.py ``needs_fallback_due_to_atomic_add_limitations``;
+  its own comment: "this takes up to 30% of training time") and, on torchtitan's all-to-all path, ``torchtitan/models/moe/moe.py``
+  MoE.forward (``out.scatter_add``). Backward, the gradient of the token gather that made the copies: ``permute``'s
+  ``tokens.index_select`` (its backward an ``index_add_`` into zeros) and MoE.forward's ``torch.gather`` (its
+  backward a ``scatter_add``). Each adds (copies x hidden) bf16 elements atomically."""
+
+ATOMIC_SCATTER_SLOWDOWN = 11.1
+"""Times a streaming pass of the same bytes that aten's atomic scatter of a MoE layer's copies takes. Source: the
+permutation benchmark of fanshiqing/grouped_gemm (tests/test_permuteTopK.py ``permute_topK_test``: the PyTorch
+permutation is ``tokens.index_select(0, sorted_indices // topK)``, whose backward is aten's ``index_add_`` with one
+atomic add an element, against the library's gather-and-sum kernel of the same gradient), as DeepLink-org/DLBlas
+PR 66 (2025-08) prints it for 8192 tokens, hidden 4096, top-8 of 8 experts, fp16: 'pytorch bwd: 2.304 ms', 'cuda bwd:
+0.207 ms' (11.1x; fp32, whose atomics are native 32-bit adds: 1.968 / 0.405 = 4.9x). The gather-and-sum moves its
+(copies + tokens) x hidden x 2 bytes at 2.9 TB/s, a Hopper part's streaming rate, the rate :func:`memory_time`
+prices; aten adds fp16 and bf16 alike (packed 32-bit atomics, ATen/native/cuda/KernelUtils.cuh
+``fastSpecializedAtomicAdd``). Assumed to carry to other GPUs as a ratio to their streaming rate; pytorch/pytorch PR
+182675 (GB200) and PR 183950 (B200) show aten's ``index_add_`` in bf16 1.5-4.7x slower than a TMA bulk-reduce kernel
+of the same scatter, itself below a streaming pass. Not fitted to a training run."""
+
+
+def atomic_scatter_seconds(copies, tokens, hidden: int, hbm_bytes_per_s: float):
+    """Seconds of one aten bf16 atomic scatter of ``copies`` rows of ``hidden`` into ``tokens`` rows on a GPU of
+    ``hbm_bytes_per_s`` (datasheet): (copies + tokens) x hidden x 2 bytes streamed at HBM_FRACTION of it
+    (xpar.estimate.compute.kernels.memory_time), :data:`ATOMIC_SCATTER_SLOWDOWN` times. Arrays broadcast."""
+    moved = (np.asarray(copies, dtype=float) + np.asarray(tokens, dtype=float)) * hidden * 2.0
+    return ATOMIC_SCATTER_SLOWDOWN * moved / (HBM_FRACTION * hbm_bytes_per_s)

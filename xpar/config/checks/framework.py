@@ -20,6 +20,8 @@ CHOICES = {
     "param_storage": ("fp32", "bf16"),
     "loss_kernel": ("fp32", "fused"),  # xpar.estimate.memory.per_device.MemoryOptions.loss_kernel
     "ep_dispatcher": ("alltoall", "deepep", "hybridep", "ragged"),  # xpar.estimate.moe_dispatch.DISPATCHERS
+    "moe_scatter": ("fused", "atomic"),  # xpar.estimate.moe_dispatch.SCATTERS
+    "expert_gemm_kernel": ("dense", "torch_grouped_mm"),  # xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS
     "microbatch_rule": MICROBATCH_RULES,
     "kv_heads_over_tp": KV_OVER_TP,  # xpar.config.attention.tp_kv_heads
     "cp_comm": ("all_gather", "p2p", "a2a"),  # xpar.estimate.cp_exchange.CP_COMM_TYPES

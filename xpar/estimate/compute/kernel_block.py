@@ -16,8 +16,9 @@ import numpy as np
 
 from xpar.config.attention import tp_kv_heads
 from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, RECIPES, Fp8Recipe, gemm_dtype
-from xpar.estimate.compute.kernels import DTYPE_BYTES, Device, attention_time, gemm_time, kernel_overhead, memory_time
-from xpar.estimate.moe_dispatch import DISPATCHERS, sync_seconds
+from xpar.estimate.compute.kernels import (DTYPE_BYTES, Device, attention_time, expert_gemm_rate, gemm_time,
+                                           kernel_overhead, memory_time)
+from xpar.estimate.moe_dispatch import DISPATCHERS, atomic_scatter_seconds, sync_seconds
 
 BF16 = DTYPE_BYTES["bf16"]
 
@@ -98,10 +99,13 @@ class BlockTerms:
     """Launch gaps, or host issue time beyond the kernels' own (xpar.estimate.compute.kernels.kernel_overhead)."""
     kernels: np.ndarray
     """Kernels launched."""
+    atomics: np.ndarray
+    """Atomic scatters of a MoE layer's copies back into their tokens (framework.moe_scatter 'atomic':
+    xpar.estimate.moe_dispatch.atomic_scatter_seconds); 0 elsewhere."""
 
     @property
     def busy(self) -> np.ndarray:
-        return self.gemm + self.experts + self.attention + self.memory
+        return self.gemm + self.experts + self.attention + self.memory + self.atomics
 
     @property
     def total(self) -> np.ndarray:
@@ -172,10 +176,15 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
     return np.ceil(even * sh.imbalance)
 
 
-def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None):
-    """(dense gemm s, expert gemm s, kernels, bytes) of router + routed and shared experts, t tokens per rank;
-    ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1, several local
-    experts: xpar.estimate.moe_dispatch)."""
+def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None,
+         scatter: str = "fused", expert_kernel: str = "dense"):
+    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of router + routed and shared experts, t
+    tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
+    several local experts: xpar.estimate.moe_dispatch); ``scatter`` 'atomic': the copies are summed back into
+    their tokens by an aten atomic scatter (forward the combine, backward the gather's gradient:
+    xpar.estimate.moe_dispatch.SCATTERS), priced by :func:`~xpar.estimate.moe_dispatch.atomic_scatter_seconds`
+    instead of as a streaming unpermute; ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
+    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate."""
     t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
     router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
     m = expert_tokens(sh, t_sp, ep)
@@ -184,6 +193,7 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
     up = _linear(m, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden, device, dtype, backward, groups, quant)
     down = _linear(m, sh.hidden, sh.expert_ffn, device, dtype, backward, groups, quant)
     experts = tuple(x * launches for x in _sum(up, down))
+    experts = (experts[0] / expert_gemm_rate(expert_kernel, device, dtype)[1 if backward else 0],) + experts[1:]
     moved = (2 * t_sp * sh.top_k * sh.hidden * BF16  # permute: gather the token copies into expert order
              + t_sp * (sh.top_k + 1) * sh.hidden * BF16  # unpermute + weighted combine
              + 2 * t_sp * sh.experts * 4  # router softmax and top-k over fp32 logits
@@ -197,7 +207,20 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
         s_gemm, s_k, s_bytes = _mlp(t, sh.shared_experts * sh.expert_ffn, sh.hidden, sh.gated, tp, device, dtype,
                                     backward, quant)
         gemm, kernels, moved = gemm + s_gemm, kernels + s_k, moved + s_bytes
-    return gemm, experts[0], kernels, moved
+    atomic = np.zeros_like(np.asarray(t_sp, dtype=float))
+    if scatter == "atomic":  # the streaming unpermute's bytes become one atomic scatter of the copies
+        moved = moved - t_sp * (sh.top_k + 1) * sh.hidden * BF16
+        atomic = atomic_scatter_seconds(t_sp * sh.top_k, t_sp, sh.hidden, device.hbm_bytes_per_s)
+    return gemm, experts[0], kernels, moved, atomic
+
+
+def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel):
+    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of the block's MLP: :func:`_moe` where the block
+    has experts, else :func:`_mlp` (no experts, no atomic scatters)."""
+    if sh.experts:
+        return _moe(sh, t, tp, ep, device, dtype, backward, grouped, sorts, quant, scatter, expert_kernel)
+    g, kernels, moved = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
+    return g, np.zeros_like(t), kernels, moved, np.zeros_like(t)
 
 
 def _unfused_attention(b, s_q, s_kv, heads, sh: BlockShape, device, backward):
@@ -257,7 +280,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 backward: bool = False, grouped_gemm: bool = True, host_us_per_kernel: float = 0.0,
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
                 expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
-                window_kernel: bool = True, sinks: Optional[str] = None) -> BlockTerms:
+                window_kernel: bool = True, sinks: Optional[str] = None, moe_scatter: str = "fused",
+                expert_gemm_kernel: str = "dense") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -275,6 +299,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
     ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
+    ``moe_scatter``, ``expert_gemm_kernel``: the framework's MoE combine and expert GEMMs (:func:`_moe`).
 
     Raises:
         ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
@@ -295,16 +320,12 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         + sh.rope * 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16  # RoPE on q, k
         + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16)  # two dropouts: read x, write y and a byte mask
     kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
-    experts = np.zeros_like(t)
-    if sh.experts:
-        g, experts, k_ffn, b_ffn = _moe(sh, t, tp, ep, device, dtype, backward, grouped_gemm,
-                                        DISPATCHERS[dispatcher].sorts_by_local_expert, quant)
-    else:
-        g, k_ffn, b_ffn = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
+    g, experts, k_ffn, b_ffn, atomics = _ffn(sh, t, tp, ep, device, dtype, backward, grouped_gemm, quant,
+                                             DISPATCHERS[dispatcher].sorts_by_local_expert, moe_scatter, expert_gemm_kernel)
     gemm, kernels, moved = projections + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
-    busy = gemm + experts + attn + memory
+    busy = gemm + experts + attn + memory + atomics
     over = kernel_overhead(kernels, busy, device, host_us_per_kernel * 1e-6)
     if sh.experts:
         over = over + expert_loop_gap(sh.experts // np.asarray(ep), experts, backward, expert_call_us)
@@ -312,7 +333,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         over = over + sync_seconds(dispatcher, host_us_per_kernel, sh.capacity_factor is not None)
     shape = np.broadcast(t, busy).shape
     return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
-                        for x in (gemm, projections, experts, attn, memory, over, kernels)))
+                        for x in (gemm, projections, experts, attn, memory, over, kernels, atomics)))
 
 
 def expert_loop_gap(local, expert_s, backward: bool, call_us: float):

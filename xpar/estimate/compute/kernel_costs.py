@@ -128,10 +128,11 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
               kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe,
               window_kernel=assume.sliding_window_kernel,
-              sinks=assume.sink_attention if base.model.attention_sinks else None)
+              sinks=assume.sink_attention if base.model.attention_sinks else None, moe_scatter=assume.moe_scatter,
+              expert_gemm_kernel=assume.expert_gemm_kernel)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
-    passes = elementwise_passes(base.train, assume)
-    fwd, bwd = replace(fwd, memory=fwd.memory * passes), replace(bwd, memory=bwd.memory * passes)
+    passes = elementwise_passes(base.train, assume)  # not the atomic scatters: one aten kernel each, compiled or not
+    fwd, bwd = (replace(x, memory=x.memory * passes + x.atomics, atomics=0.0 * x.atomics) for x in (fwd, bwd))
     again, share = _rerun(fwd, rows["rerun"]), rows["share"]
     return {"mm_f": fwd.gemm + fwd.experts + fwd.attention, "mem_f": fwd.memory, "ovh_f": fwd.overhead,
             "mm_b": bwd.gemm + bwd.experts + bwd.attention + share * again["mm"],

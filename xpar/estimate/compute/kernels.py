@@ -139,6 +139,38 @@ def _tiled_compute(m, n, k, g, tile, device: Device, rate: float, fixed: float =
     return waves * (2 * tm * tn * k_slice / (rate / device.sms) + fixed)
 
 
+EXPERT_GEMM_KERNELS = ("dense", "torch_grouped_mm")
+"""How a framework runs its routed experts' GEMMs (framework.expert_gemm_kernel): 'dense', at the device's dense GEMM
+rate (Transformer Engine's cuBLAS GEMM per expert, DeepGEMM's grouped kernels), or 'torch_grouped_mm', torch's
+``torch._grouped_mm`` (CUTLASS grouped kernels on sm90 and, from pytorch/pytorch PR 156203, in torch 2.9, sm100:
+aten/src/ATen/native/cuda/GroupedBlas.cpp ``_grouped_mm_cuda``; no per-expert loop), at :data:`TORCH_GROUPED_MM_RATE`
+of it."""
+
+TORCH_GROUPED_MM_RATE = {"blackwell": (0.83, 0.67)}
+"""(forward, backward) rate of ``torch._grouped_mm`` in BF16 over the dense GEMM rate, per GPU family. Blackwell
+(SM 10.x, hardware.mxfp8): torchao PR 3271 (pytorch/ao, 2025-10, Benchmarks table, B200, bf16 columns) times
+(16384, 8192, 5120) grouped into G = 1, 2, 4, 8 experts at 1.12-1.26 ms forward (0.48-0.55 of the 2.25 PFLOP/s peak,
+median 0.525) and 3.98-4.09 ms forward + backward, the backward's dgrad and K-grouped wgrad 2.82-2.92 ms (0.42-0.43,
+median 0.424); torchao PR 2427 (2025-06, bench_matmul.py, B200) times torch.mm in BF16 at 0.627, 0.646 and 0.631 of
+peak for 4096, 6144 and 8192 cubes (median 0.631): 0.525 / 0.631 = 0.83 and 0.424 / 0.631 = 0.67. Other families:
+no public figure at hand, priced at the dense rate (1, 1)."""
+
+
+def expert_gemm_rate(kernel: str, device, dtype: str = "bf16") -> tuple:
+    """(forward, backward) rate of the routed experts' GEMMs over the dense GEMM rate for framework.expert_gemm_kernel
+    ``kernel`` (:data:`EXPERT_GEMM_KERNELS`) on ``device`` (a :class:`Device`; Blackwell where ``mx_native``) in the
+    GEMM dtype key ``dtype``: (1, 1) but for torch._grouped_mm in BF16/FP16 (FP8 grouped GEMMs run torchao's
+    scaled kernels, not this one: torchao's README times its MXFP8 2D-3D grouped GEMM at 74.6 % of peak on B200).
+
+    Raises:
+        ValueError: an unknown ``kernel``."""
+    if kernel not in EXPERT_GEMM_KERNELS:
+        raise ValueError(f"framework.expert_gemm_kernel={kernel!r} is not one of {', '.join(EXPERT_GEMM_KERNELS)}")
+    if kernel == "dense" or dtype not in ("bf16", "fp16"):
+        return 1.0, 1.0
+    return TORCH_GROUPED_MM_RATE.get("blackwell" if device.mx_native else "other", (1.0, 1.0))
+
+
 def tile_choices(tm: int, tn: int) -> tuple:
     """(tile_m, tile_n, rate factor) of the tiles a GEMM library picks among: the large tile both ways
     round, and the half-width one (:data:`HALF_TILE_RATE`) both ways round."""

@@ -25,7 +25,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
                            sp_saves_gathered: bool = False, resid_elem: Optional[int] = None,
                            autocast_casts: bool = False, kv_matmul: Optional[int] = None,
                            selective: str = "attention", fused_swiglu: bool = False, q: Optional[int] = None,
-                           block: str = "sequential") -> float:
+                           block: str = "sequential", compiled: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch (b sequences of s).
 
     Korthikanti et al. 2022, Sec. 4.1, term by term (e = ``elem`` compute bytes, er =
@@ -56,8 +56,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     (Megatron) drops the score terms; the op-level policies ('op', 'torchtitan_op',
     'save_dot_except_mlp', 'save_qkv_proj') keep the input and the outputs they name
     (:func:`_kept_bytes`). Not counted: RoPE's and norms' small side tensors (rstd,
-    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``:
-    model.block (:func:`_replicated_bytes`). Units: bytes.
+    cos/sin). ``q``: the queries' and context's width, n_heads x head dim (None: h). ``block``: model.block
+    (:func:`_replicated_bytes`). ``compiled`` (train.compile): :func:`compiled_drops`. Units: bytes.
     """
     q = h if q is None else q
     kv = q if kv is None else kv
@@ -69,7 +69,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     if policy == "full":
         return s * b * er * h / (t if sp else 1)
     if policy not in ("none", "attention"):
-        return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy, q)
+        return s * b * _kept_bytes(h, a, t, sp, f, kvm, swiglu, elem, er, policy, q, compiled)
     rep, n_in = _replicated_bytes(h, elem, er, mask, swiglu, norm_saves_output, autocast_casts, block)
     split = 2 * elem * q + 2 * elem * kv + ((3 if fused_swiglu else 4) if swiglu else 2) * elem * f
     scores = 4 * a if flash else a * s * (elem + (mask + elem if dropout else 0))
@@ -95,31 +95,50 @@ def _replicated_bytes(h: int, elem: int, er: int, mask: int, swiglu: bool, norm_
     return rep, n_in
 
 
-def kept_terms(policy: str, swiglu: bool) -> tuple:
+def kept_terms(policy: str, swiglu: bool, compiled: bool = False) -> tuple:
     """The projections whose outputs a block keeps under an op-level ``policy``
     (:data:`xpar.config.remat.POLICIES`); torchtitan keeps every other matmul output, so w2
-    (the 7th matmul with SwiGLU, the 6th with GELU) only with SwiGLU."""
+    (the 7th matmul with SwiGLU, the 6th with GELU) only with SwiGLU; ``compiled``: less
+    :func:`compiled_drops`."""
     keeps = POLICIES[policy].keeps
-    return tuple(k for k in keeps if k != "w2" or swiglu or policy != "torchtitan_op")
+    drop = compiled_drops(policy, compiled)
+    return tuple(k for k in keeps if (k != "w2" or swiglu or policy != "torchtitan_op") and k not in drop)
+
+
+def compiled_drops(policy: str, compiled: bool) -> tuple:
+    """The kept outputs a compiled block does not keep under ``policy``: ('w2',) for torchtitan's op-level SAC under
+    train.compile, else (). Eager selective checkpointing caches the output of every op its policy marks MUST_SAVE,
+    read by the backward or not (torch/utils/checkpoint.py ``_CachingTorchDispatchMode``: ``storage[key][idx] = out``
+    for MUST_SAVE/PREFER_SAVE; ``CheckpointPolicy``'s note: such a policy "would save additional tensors not limited
+    to ones that are actually needed for gradient computation"). Under torch.compile the policy only tags the traced
+    nodes, and AOTAutograd's partitioner keeps the saved values the backward graph reads
+    (torch/_functorch/partitioners.py ``_extract_fwd_bwd_modules``: "filter out saved values that don't actually end
+    up being used by the backwards pass"). w2's output (torchtitan's 7th matmul) only feeds the residual add, whose
+    backward reads nothing, so a compiled block drops it, and with sequence parallelism its reduce-scatter's output
+    (:func:`_kept_bytes`); the other kept outputs are read (the SDPA, SwiGLU and wo backwards; q, v and h rebuilt from
+    them). Checked on torch (tests/estimate/test_compile.py)."""
+    return ("w2",) if compiled and policy == "torchtitan_op" else ()
 
 
 def _kept_bytes(h: int, a: int, t: int, sp: bool, f: int, kv: int, swiglu: bool, e: int, er: int,
-                policy: str, q: Optional[int] = None) -> float:
+                policy: str, q: Optional[int] = None, compiled: bool = False) -> float:
     """Per-token bytes kept by an op-level policy (see :func:`layer_activation_bytes`): the block
     input, then each kept output -- q e h/t, k and v e kv/t (the un-expanded GQA width), w1 and w3
     e f/t, wo and w2 e h (partial sums under tp), SDPA's output e h/t with its fp32 log-sum-exp
     4 a/t ('context') -- and the tp collectives' outputs the policy keeps ('op': all of them, 2
     all-reduced e h, with sp 2 gathered e h and 2 reduce-scattered e h/t; torchtitan: its
-    reduce-scatters; the MaxText policies none); q: the queries' width (None: h). Units: bytes per token."""
+    reduce-scatters, compiled only wo's: :func:`compiled_drops`; the MaxText policies none); q: the queries' width
+    (None: h). Units: bytes per token."""
     q = h if q is None else q
     width = {"wq": q / t, "wk": kv / t, "wv": kv / t, "wo": h, "w1": f / t, "w3": f / t if swiglu else 0,
              "w2": h, "context": q / t}
     lse = 4 * a / t if "context" in POLICIES[policy].keeps else 0  # SDPA's fp32 log-sum-exp
-    kept = e * sum(width[k] for k in kept_terms(policy, swiglu)) + lse
+    kept = e * sum(width[k] for k in kept_terms(policy, swiglu, compiled)) + lse
     block_in = er * h / (t if sp else 1)
     coll = 0.0
     if t > 1 and sp and policy in ("op", "torchtitan_op"):
-        coll = 2 * e * h / t + (2 * e * h if policy == "op" else 0)
+        scatters = 1 if "w2" in compiled_drops(policy, compiled) else 2
+        coll = scatters * e * h / t + (2 * e * h if policy == "op" else 0)
     elif t > 1 and policy == "op":
         coll = 2 * e * h
     return block_in + kept + coll
@@ -150,8 +169,13 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     """What the estimate should say about the recompute policy: Megatron's selective recompute
     under flash attention saves ~nothing; an op-level policy that keeps more than no
     recompute (with sequence parallelism at large t, the wo/w2 outputs before their
-    reduce-scatter and the all-gathered inputs are kept at full sequence length)."""
+    reduce-scatter and the all-gathered inputs are kept at full sequence length); the MoE graphs
+    kept after the backward (:func:`moe_kept_graph_bytes`)."""
     name = policy_name(spec.layout.recompute, o.selective_recompute)
+    graph = max(moe_kept_graph_bytes(spec, o, st, stage_recompute_share(spec, st, o)) for st in range(spec.layout.n_stages))
+    if graph:
+        return [f"framework.moe_recompute_graph_kept: after its backward each recomputed MoE block keeps its recomputed "
+                f"attention and router graph until its next forward ({graph / 1e9:.1f} GB on the largest stage)"]
     if name in ("none", "full"):
         return []
     if name == "attention" and o.flash_attention:
@@ -169,14 +193,16 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     """:func:`layer_activation_bytes` keywords for the spec's model, precision and framework. A compiled block
     (train.compile) keeps what fused kernels keep: AOTAutograd's partitioner (torch/_functorch/partitioners.py,
     min_cut_rematerialization_partition) recomputes pointwise ops in the backward, so RMSNorm keeps its bf16 input
-    (no fp32 copies) and SwiGLU its two inputs and product (SiLU recomputed: 3 e f, ``fused_swiglu``)."""
+    (no fp32 copies) and SwiGLU its two inputs and product (SiLU recomputed: 3 e f, ``fused_swiglu``); under an op-level
+    torch policy it keeps only the saved outputs its backward reads (``compiled``: :func:`compiled_drops`)."""
     cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
     kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
               swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
               resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
               sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-              selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block)
+              selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block,
+              compiled=compiled)
     return {**kw, **mla_widths(cfg)}  # MLA: its own q/k/v and context widths (xpar.estimate.memory.mla)
 
 
@@ -256,14 +282,14 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
     fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
-    and the output projection). Bytes."""
+    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`. Bytes."""
     cfg, lay = spec.model, spec.layout
     rec = precision(spec, o)
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, lay.sequence_parallel
     share = stage_recompute_share(spec, stage, o)
     lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
-    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0,
+    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0, "moe_graph": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
         kv = tp_model(spec).kv_heads * cfg.head_size
@@ -274,6 +300,7 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         out["embedding_mask"] = s * b * h / (t if sp else 1)
     if stage > 0 and n and not o.count_buffers:
         out["layers"] -= _uncounted_stage_input(spec, o, rec, share)
+    out["moe_graph"] = moe_kept_graph_bytes(spec, o, stage, share)
     if stage == lay.n_stages - 1:
         sh = s * b * h / (t if sp else 1)
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
@@ -283,6 +310,22 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
         out["logits"] = norm + lin_in + kept * s * b * cfg.vocab_size / t
         out["loss_transient"] = transient * s * b * cfg.vocab_size / t
     return out
+
+
+def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: float) -> float:
+    """Bytes the recomputed MoE blocks of ``stage`` keep after their backward with ``moe_recompute_graph_kept``
+    (xpar.config.profile.FrameworkConfig): per recomputed MoE block, the recompute's graph of the attention sublayer and
+    the router with its saved tensors, one micro-batch's (the last one each block recomputed): a block's
+    no-recompute bytes (:func:`layer_activation_bytes`) without the expert MLP's inner tensors (the experts run after
+    the router; their nodes are not reached from the kept probabilities). 0 without the option, experts or full
+    recompute. Held from the block's backward to its next forward, so beside what the stage still keeps then, not
+    beside its own micro-batch (:func:`stage_chunk_bytes`). Bytes."""
+    cfg, lay = spec.model, spec.layout
+    if not (o.moe_recompute_graph_kept and cfg.n_experts and share) or policy_name(lay.recompute) != "full":
+        return 0.0
+    moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
+    return share * moe * layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
 
 
 def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
@@ -351,10 +394,13 @@ def stage_events(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple:
 def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[float, float, float, float]:
     """Bytes of one micro-batch chunk of ``stage`` (:func:`stage_bytes`): (kept until its backward,
     transient during its forward, transient during its backward, autocast's weight copies); the
-    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``."""
+    transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``. The recomputed MoE
+    graph a stage keeps after a backward (``moe_graph``) replaces the chunk it released, so its backward transient is
+    at least moe_graph - kept: the peak at that event is the other live chunks plus max(kept + transient, moe_graph)."""
     sb, cb = stage_bytes(spec, stage, o), o.count_buffers
-    return (sb["layers"] + sb["logits"] + sb["embedding_mask"], sb["loss_transient"] * cb,
-            (sb["workspace"] + sb["loss_transient"]) * cb, sb["weight_copies"])
+    kept = sb["layers"] + sb["logits"] + sb["embedding_mask"]
+    back = max((sb["workspace"] + sb["loss_transient"]) * cb, sb["moe_graph"] - kept)
+    return kept, sb["loss_transient"] * cb, back, sb["weight_copies"]
 
 
 def token_id_bytes(seq_len, b, m, pp):
