@@ -146,7 +146,7 @@ def test_config_refusals():
     msg = _problems("parallel=pp", "model=tiny", "parallel.schedule=zbv", "parallel.recompute=save_dot_except_mlp")
     assert "parallel.recompute=save_dot_except_mlp cannot run with schedule zbv" in msg
     assert policy_name("selective", "attention") == "attention" and policy_name("full") == "full"
-    assert {p for p in POLICIES if not POLICIES[p].executes} == {"attention", "torchtitan_op", "moe"}
+    assert {p for p in POLICIES if not POLICIES[p].executes} == {"attention", "torchtitan_op", "moe", *MODULE_POLICIES}
 
 
 def _run(mode: str, layers=None):
