@@ -8,7 +8,8 @@ import pytest
 
 from tests.conftest import spec_for
 from xpar.config.checks import ConfigError
-from xpar.config.remat import MODULE_POLICIES, POLICIES, RECOMPUTE, extra_forward_flops_per_layer, policy_name, stage_share
+from xpar.config.remat import (MODULE_POLICIES, POLICIES, RECOMPUTE, extra_forward_flops_per_layer, policy_name,
+                                stage_share)
 from xpar.estimate.memory import activations
 from xpar.estimate.cost import estimate
 from xpar.estimate.compute.flops import forward_flops_per_token, hardware_flops_per_token, model_flops_per_token
