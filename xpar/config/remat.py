@@ -51,10 +51,10 @@ def model_policies(policies, n_experts: int, mla: bool = False) -> list[str]:
     """The recompute ``policies`` that apply to a model with ``n_experts`` routed experts (0: dense) and MLA
     attention or not (``mla``): ``moe`` (Megatron-Core's ``--recompute-modules moe``, which reruns the MoE
     layers only) needs experts; the :data:`MODULE_POLICIES` need MLA, and 'moe_act' experts too."""
-    return [r for r in policies if (r != "moe" or n_experts) and _module_policy_applies(r, n_experts, mla)]
+    return [r for r in policies if (r != "moe" or n_experts) and module_policy_applies(r, n_experts, mla)]
 
 
-def _module_policy_applies(policy: str, n_experts: int, mla: bool) -> bool:
+def module_policy_applies(policy: str, n_experts: int, mla: bool) -> bool:
     """Whether a :data:`MODULE_POLICIES` entry applies (every other policy does): MLA, and experts for moe_act."""
     modules = MODULE_POLICIES.get(policy)
     if modules is None:
