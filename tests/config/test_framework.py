@@ -272,8 +272,8 @@ def test_only_torch_profiles_hold_the_tp_embedding_gradient_whole(name, replicat
 def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     """The NeMo H100 recipes (tests/data/dgxc_nemo_h100_bf16.csv) are estimated with the megatron_core
     profile and only the recipe's own settings changed: dropout, bucket size, tp and p2p overlap, TE's p2p cp ring, its
-    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, Megatron-FSDP's zero-copy buffers (and
-    Megatron-Core's layout rule tp_ep_needs_sp, which prices nothing)."""
+    attention kernel (cuDNN) and its per-step ring kernels with bf16 merges, TE's FP8 quantisation kernels,
+    Megatron-FSDP's zero-copy buffers (and Megatron-Core's layout rule tp_ep_needs_sp, which prices nothing)."""
     from dataclasses import replace
 
     from xpar.calibrate.published import DGXC_TP_OVERLAP
@@ -285,7 +285,7 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
     assert replace(_fw("megatron"), name="megatron_core", flash_attention=True, dropout=False, dp_overlap=True,
                    param_gather_overlap=True, bucket_mb=100.0, tp_overlap=DGXC_TP_OVERLAP, grad_bytes=2,
                    fp8_saves_inputs=True, fused_swiglu=True, tp_async_backward=True, pp_overlap=1.0,
-                   pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, dp_overlap_per_chunk=True,
-                   expert_gemm_call_us=70.0, host_op_us=40.0, sink_attention="fused", bucket_rule="megatron_core",
+                   pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, fp8_cast_kernels="te",
+                   dp_overlap_per_chunk=True, expert_gemm_call_us=70.0, host_op_us=40.0, sink_attention="fused", bucket_rule="megatron_core",
                    head_unit_last=True, cp_comm="p2p", attention_kernel="cudnn", cp_attention_merge="bf16",
-                   fsdp_copies="none", tp_ep_needs_sp=True) == core
+                   fsdp_copies="none", tp_ep_needs_sp=True, activation_offload=True) == core

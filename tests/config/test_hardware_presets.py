@@ -17,9 +17,9 @@ from xpar.estimate.compute.kernels import device_of
 KERNEL_FIELDS = {"sm_count", "gemm_tile_m", "gemm_tile_n", "gemm_efficiency", "gemm_efficiency_fp8",
                  "attention_efficiency", "attention_bwd_efficiency", "kernel_launch_us", "sustained_efficiency", "sharp",
                  "mxfp8", "attention_efficiency_fa2", "attention_bwd_efficiency_fa2", "attention_efficiency_cudnn_2024",
-                 "attention_bwd_efficiency_cudnn_2024", "gemm_tile_fixed_us_fp8"}
+                 "attention_bwd_efficiency_cudnn_2024", "gemm_tile_fixed_us_fp8", "attention_half_seq"}
 """Schema fields added after the snapshot: the kernel model's (issue 42, its FP8 recipes: mxfp8; FlashAttention-2's
-and 2024 cuDNN's fractions; an FP8 GEMM tile's fixed cost) and SHARP (issue 43)."""
+and 2024 cuDNN's fractions; an FP8 GEMM tile's fixed cost; the attention's key-length curve) and SHARP (issue 43)."""
 
 
 @pytest.mark.slow  # integration-sized (conftest.INTEGRATION): runs in the full suite, not the fast loop

@@ -10,7 +10,8 @@ import pytest
 
 from xpar.calibrate.cp_fp8 import NEW_GPU_PRESETS, cp_fp8_case, row_fp8_recipe
 from xpar.calibrate.published import read_table
-from xpar.estimate.compute.fp8_recipes import DEFAULT, RECIPES
+from xpar.estimate.compute.fp8_recipes import DEFAULT, RECIPES, quantiser
+from xpar.estimate.compute.kernel_block import priced_cast_bytes
 from xpar.estimate.compute.kernel_costs import kernel_layer_costs
 from xpar.estimate.cost import estimate
 
@@ -56,14 +57,16 @@ def test_a_blackwell_mxfp8_row_reaches_the_spec_on_its_preset():
 def test_the_rows_pricing_differs_from_the_default_by_the_recipes_passes(row_id):
     """Against the same row at the default (delayed: 3 bytes an element quantised), the row's element-wise seconds
     grow by (cast bytes - 3) / 3 of the default's quantisation traffic (the FP8 rows' minus the bf16 row's), forward
-    and backward (current: 5 bytes, its amax read; blockwise: 4 1/16, two copies with FP32 scales per 128); its
+    and backward (current: 5 bytes, its amax read; blockwise: 4 1/16, two copies with FP32 scales per 128; under
+    Transformer Engine's kernels, framework.fp8_cast_kernels te, at CAST_HBM_FRACTION of HBM, else the block's); its
     GEMMs are the same (Hopper: tensor-scaled and blockwise both at the FP8 rate), and its step is longer."""
     spec, assume, _, _ = _case(row_id)
     recipe = spec.train.fp8_recipe
     at = {name: replace(spec, train=replace(spec.train, dtype=dtype, fp8_recipe=r))
           for name, dtype, r in (("bf16", "bf16", DEFAULT), ("default", "fp8", DEFAULT), ("row", "fp8", recipe))}
     k = {name: kernel_layer_costs(s, assume) for name, s in at.items()}
-    extra = (RECIPES[recipe].cast_bytes() - RECIPES[DEFAULT].cast_bytes()) / RECIPES[DEFAULT].cast_bytes()
+    cast = quantiser(recipe, assume.fp8_cast_kernels)  # TE's kernels at CAST_HBM_FRACTION (megatron_core)
+    extra = (priced_cast_bytes(cast) - priced_cast_bytes(RECIPES[DEFAULT])) / priced_cast_bytes(RECIPES[DEFAULT])
     assert extra > 0
     for term in ("mem_f", "mem_b"):
         quant = k["default"][term] - k["bf16"][term]

@@ -5,9 +5,9 @@ import pytest
 from tests.config.test_refusals import _accepted, refusal
 from tests.conftest import spec_for
 from xpar.config.checks.hardware import load_hardware_preset
-from xpar.estimate.compute.fp8_recipes import MXFP8_GEMM_RATE, RECIPES, gemm_dtype, weight_copy_bytes
-from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times
-from xpar.estimate.compute.kernels import device_of, memory_time
+from xpar.estimate.compute.fp8_recipes import CAST_HBM_FRACTION, MXFP8_GEMM_RATE, RECIPES, gemm_dtype, weight_copy_bytes
+from xpar.estimate.compute.kernel_block import BlockShape, block_step_times, block_times, priced_cast_bytes
+from xpar.estimate.compute.kernels import HBM_FRACTION, device_of, memory_time
 
 H100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
 B200 = device_of(load_hardware_preset("b200_180gb_64gpu"))
@@ -32,13 +32,16 @@ def test_the_default_recipe_is_one_cast_pass_of_3_bytes_an_element_as_before():
 
 def test_delayed_scaling_has_no_amax_pass_and_current_scaling_reads_the_tensor_twice():
     """Current scaling reads each BF16 input once more for its amax (2 bytes an element) and launches the amax
-    and scale kernels besides the cast (TE's Float8CurrentScalingQuantizer); delayed takes its scale from a
-    history: one read, one kernel. Same GEMMs (both tensor-scaled FP8)."""
+    and scale kernels besides the cast (TE's Float8CurrentScalingQuantizer), its passes at CAST_HBM_FRACTION of HBM
+    (TE's GEMM profiling tutorial); delayed takes its scale from a history: one read, one kernel, at the block's
+    memory-bound rate. Same GEMMs (both tensor-scaled FP8)."""
     assert (RECIPES["delayed"].reads, RECIPES["delayed"].kernels) == (1, 1)
     delayed, current = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe=r) for r in ("delayed", "current"))
     assert current.gemm == pytest.approx(delayed.gemm)
-    amax = memory_time(2.0 * _linear_inputs(LLAMA_8B, B * S), H100)
-    assert current.memory - delayed.memory == pytest.approx(amax)
+    n = _linear_inputs(LLAMA_8B, B * S)
+    extra = memory_time(5.0 * HBM_FRACTION / CAST_HBM_FRACTION * n, H100) - memory_time(3.0 * n, H100)
+    assert current.memory - delayed.memory == pytest.approx(extra)
+    assert priced_cast_bytes(RECIPES["current"]) == pytest.approx(5.0 * 0.9 / 0.71)
     assert current.kernels - delayed.kernels == 4 * 2
 
 
@@ -48,7 +51,7 @@ def test_mxfp8_step_is_slower_than_current_scaling_on_the_same_layout_by_its_gem
     tensor-scaled rate (TE's GEMM profiling, B300): for a Llama-8B block the GEMMs outweigh the saved read."""
     cur, mx = (block_step_times(LLAMA_8B, B, S, B200, dtype="fp8", fp8_recipe=r) for r in ("current", "mxfp8"))
     assert RECIPES["mxfp8"].cast_bytes() == pytest.approx(4.0625) and RECIPES["current"].cast_bytes() == 5.0
-    assert mx.memory < cur.memory
+    assert mx.memory < cur.memory  # both at CAST_HBM_FRACTION: fewer bytes, less time
     assert 1.0 < mx.gemm / cur.gemm <= 1 / MXFP8_GEMM_RATE + 1e-9
     assert mx.total > cur.total
     assert mx.attention == pytest.approx(cur.attention)  # the attention core stays BF16 under every recipe
@@ -111,3 +114,17 @@ def test_the_memory_breakdown_holds_each_recipes_weight_copies_on_blackwell():
     linear = block_linear_numel(tuple(param_shapes(spec, cur.pp_rank)))
     assert cur.params - plain.params == linear
     assert mx.params - cur.params == round((2 + 2 / 32) * linear) - linear
+
+
+def test_te_quantises_current_scaling_slower_than_the_blocks_fused_passes_and_delayed_alike():
+    """framework.fp8_cast_kernels: Transformer Engine's current-scaling and MXFP8 casts at CAST_HBM_FRACTION of HBM
+    (TE's GEMM profiling tutorial), torchao's ('fused') at the block's memory-bound share; delayed the same under both."""
+    from xpar.estimate.compute.fp8_recipes import quantiser
+    te, fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="current", fp8_casts=k) for k in ("te", "fused"))
+    assert te.gemm == pytest.approx(fused.gemm) and te.memory > fused.memory
+    assert priced_cast_bytes(quantiser("current", "fused")) == 5.0 and quantiser("mxfp8", "te").hbm_fraction == 0.71
+    d_te, d_fused = (block_times(LLAMA_8B, B, S, H100, dtype="fp8", fp8_recipe="delayed", fp8_casts=k) for k in ("te", "fused"))
+    assert d_te.memory == pytest.approx(d_fused.memory)
+    assert spec_for("framework=megatron_core").framework.fp8_cast_kernels == "te"
+    assert spec_for("framework=torchtitan").framework.fp8_cast_kernels == "fused"
+    assert spec_for("framework=hai_llm").framework.fp8_cast_kernels == "fused"

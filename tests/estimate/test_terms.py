@@ -35,7 +35,7 @@ def test_every_figure_the_planner_reports_is_a_registry_key():
 
 
 def test_key_lists_derive_from_the_term_records():
-    assert terms.TIME_TERMS + terms.AXIS_TIME_TERMS == tuple(t.name for t in terms.TIME)
-    assert set(terms.TERM_WORDS) == set(terms.TIME_TERMS) | set(terms.AXIS_TIME_TERMS)
+    assert terms.TIME_TERMS + terms.AXIS_TIME_TERMS + terms.SETTING_TIME_TERMS == tuple(t.name for t in terms.TIME)
+    assert set(terms.TERM_WORDS) == set(terms.TIME_TERMS) | set(terms.AXIS_TIME_TERMS) | set(terms.SETTING_TIME_TERMS)
     assert set(terms.COLUMN_MEMORY_KEYS) == set(terms.PLAN_MEMORY_KEYS) | {"memory_pp_rank"}
     assert set(terms.COLUMN_TIME_KEYS) == set(terms.PLAN_TIME_KEYS) | set(terms.COMM_ISSUED_KEYS)

@@ -638,7 +638,8 @@ def test_every_step_time_term_has_words_and_a_colour():
     the breakdown: a calibrated CPU preset's host_overhead crashed `xpar plan` with a KeyError."""
     from xpar.estimate.cost import TIME_TERMS
     from xpar.track.estimate_figures import COLORS
-    from xpar.estimate.terms import AXIS_TIME_TERMS as FIVE_TERMS
+    from xpar.estimate.terms import AXIS_TIME_TERMS, SETTING_TIME_TERMS
+    FIVE_TERMS = AXIS_TIME_TERMS + SETTING_TIME_TERMS
     from xpar.estimate.terms import TERM_WORDS
     assert set(TERM_WORDS) == set(TIME_TERMS) | set(FIVE_TERMS) and len(COLORS) >= len(TIME_TERMS)
     plan = plan_of("model=tiny", "hardware=local", "hardware.op_overhead_us=2.1", "hardware.cpu_cores=2")

@@ -136,13 +136,17 @@ def cp_fp8_framework(row: dict) -> tuple[str, dict]:
     torchtitan's rows, fsdp2_bf16 for NeMo AutoModel's (bf16 parameters, its FusedAdam's fp32 moments:
     :data:`AUTOMODEL_OPTIMIZER_BYTES`), megatron_core (NeMo, Megatron-LM, dgxc) for the others; the Llama 3 paper's
     rows with its all-gather context parallelism (Sec. 3.3.2: K/V all-gathered, not a ring: framework.cp_comm; the
-    local queries' attention over the gathered K/V, no per-step kernels: framework.cp_attention_merge null)."""
+    local queries' attention over the gathered K/V, no per-step kernels: framework.cp_attention_merge null); the
+    DeepSeek-V3 paper's run with DeepSeek's own FP8 quantisation, not Transformer Engine's kernels
+    (framework.fp8_cast_kernels fused, as conf/framework/hai_llm.yaml)."""
     if row["id"].startswith("torchtitan"):
         return "torchtitan", {}
     if row["id"].startswith("automodel"):
         return "fsdp2_bf16", {"optimizer_bytes": AUTOMODEL_OPTIMIZER_BYTES}
     if row["source"].startswith("The Llama 3 Herd"):  # Sec. 3.3.2: "all-gather based" context parallelism
         return "megatron_core", {"cp_comm": "all_gather", "cp_attention_merge": None}
+    if row["id"].startswith("dsv3_paper"):
+        return "megatron_core", {"fp8_cast_kernels": "fused"}
     return "megatron_core", {}
 
 

@@ -243,6 +243,13 @@ class FrameworkConfig:
     """Optimizer states (fp32 master, AdamW moments) in host memory, the step on the host CPU
     (DeepSpeed offload_optimizer; timed by xpar.estimate.memory.offload). Estimate only: xpar does not
     execute it (execute mode refuses it)."""
+    activation_offload: bool = False
+    """Whether the framework copies whole blocks' saved activations to host memory and back
+    (parallel.activation_offload_layers; xpar.estimate.memory.activation_offload): Megatron-Core's
+    --cpu-offloading (megatron/core/transformer/transformer_config.py, Transformer Engine's cpu_offload).
+    False: torchtitan (its CPU offload is FSDP2's CPUOffloadPolicy of parameters, gradients and optimizer
+    states), MaxText (its remat policies offload chosen tensors, not blocks), DeepSpeed (activation
+    checkpoints to CPU only with checkpointing), xpar (does not execute it)."""
     offload: list = field(default_factory=lambda: [False, True])
     """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
     [false, true]."""
@@ -290,6 +297,11 @@ class FrameworkConfig:
     ``tok_embeddings`` and on ``[norm, output]``; xpar.estimate.memory.buffers). False: one root unit holds both
     (xpar's ``fully_shard(model)`` root; Megatron-FSDP, whose units are the TransformerLayers and whose root owns the
     remaining parameters)."""
+    fp8_cast_kernels: str = "fused"
+    """Who quantises under train.dtype=fp8: 'te' (Transformer Engine's quantize kernels: current scaling, MXFP8 and
+    blockwise at their measured share of HBM, xpar.estimate.compute.fp8_recipes.CAST_HBM_FRACTION, from TE's GEMM
+    profiling tutorial) or 'fused' (the block's other memory-bound passes' share: torchao's casts, compiled or eager,
+    for which no public bandwidth figure was found; delayed scaling under TE too, which reaches it)."""
     fp8_weight_copies: bool = False
     """Under train.dtype=fp8 each block's linear weight keeps an FP8 copy and its transpose beside the
     bf16 weight (+2 bytes per element at ZeRO stage < 3; Transformer Engine: Megatron-Core, NeMo;

@@ -1,10 +1,8 @@
 """Structured-config schemas for every config group, registered in Hydra's ConfigStore.
 
-The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a
-wrong type on the command line (``parallel.tp=abc``) is refused by OmegaConf with the
-full key before anything runs. Cross-field constraints live in :mod:`xpar.config.validate`,
-the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`.
-"""
+The YAML presets in ``conf/<group>/*.yaml`` are merged onto these dataclasses, so a wrong type on the command line
+(``parallel.tp=abc``) is refused by OmegaConf with the full key before anything runs. Cross-field constraints live in
+:mod:`xpar.config.validate`, the one place that turns a composed config into a :class:`xpar.config.spec.RunSpec`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -220,6 +218,8 @@ class ParallelConfig:
     """Blocks per stage (model chunk) the policy applies to, the first ones (Megatron-LM's
     --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
     every block (times framework.recompute_layer_fraction)."""
+    activation_offload_layers: Optional[int] = None
+    """First N blocks' activations to host memory (xpar.estimate.memory.activation_offload); null or 0: none."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 
@@ -264,24 +264,24 @@ class HardwareConfig:
     gemm_tile_n: int = 256
     """Columns of that tile (CUTLASS 3 Hopper/Blackwell: 256 per SM), a multiple of 16."""
     gemm_efficiency: Optional[float] = None
-    """A large BF16 GEMM's fraction of peak_tflops, in (0, 1]: a shape sweep's maximum achievable matmul FLOPS (public
-    mamf-finder tables) before tile and wave losses; not matmul_efficiency. None: no kernel-level pricing."""
+    """A large BF16 GEMM's main-loop fraction of peak_tflops, (0, 1] (MAMF; Blackwell: TE's GEMM bench); None: none."""
     gemm_efficiency_fp8: Optional[float] = None
-    """The same for FP8 GEMMs, of peak_tflops_fp8, in (0, 1] (per device: H100 0.71, B200 0.76)."""
+    """The same for FP8 GEMMs, of peak_tflops_fp8, in (0, 1] (per device: H100 0.71, B200 0.64)."""
     attention_efficiency: Optional[float] = None
     """The device's fastest flash attention's forward fraction of the BF16 peak at 16k keys, head_dim 128, in (0, 1]
     (FlashAttention-2 on A100, -3 on H100: framework.attention_kernel fa3 or cudnn); BF16 under FP8 recipes too."""
     attention_bwd_efficiency: Optional[float] = None
     """The same for its backward pass, in (0, 1]."""
     attention_efficiency_fa2: Optional[float] = None
-    """FlashAttention-2's forward fraction where ``attention_efficiency`` is a newer kernel's (H100), in (0, 1]
-    (framework.attention_kernel fa2 or sdpa). None: ``attention_efficiency`` (A100's is FA2's)."""
+    """FlashAttention-2's forward fraction (attention_kernel fa2, sdpa), (0, 1]; None: attention_efficiency (A100)."""
     attention_bwd_efficiency_fa2: Optional[float] = None
     """The same for its backward pass, in (0, 1]; None: ``attention_bwd_efficiency``."""
     attention_efficiency_cudnn_2024: Optional[float] = None
     """cuDNN's fused attention of 2024 (9.0-9.4; framework.attention_kernel cudnn_2024), forward, as the fa2 fields."""
     attention_bwd_efficiency_cudnn_2024: Optional[float] = None
     """Its backward pass; None: ``attention_bwd_efficiency``."""
+    attention_half_seq: float = 360.0
+    """Keys at which flash attention runs at half its asymptote, > 0 (kernels.ATTENTION_HALF_SEQ: H100 360, B200 1300)."""
     gemm_tile_fixed_us_fp8: float = 0.0
     """Microseconds an FP8 GEMM tile spends beside its main loop, >= 0 (xpar.estimate.compute.kernels.FP8_TILE_FIXED_S)."""
     kernel_launch_us: float = 0.0

@@ -32,6 +32,7 @@ class ParallelSettings:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     recompute_layers: Optional[int] = None
+    activation_offload_layers: Optional[int] = None
     pipeline_micro_batches: Optional[int] = None
     reference_hardware: Optional[str] = None
 

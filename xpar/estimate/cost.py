@@ -29,6 +29,9 @@ from xpar.estimate.context_parallel import cp_comm_of, fold_cp
 from xpar.estimate.comm.dp import grad_bytes
 from xpar.estimate.expert_parallel import ep_note, ep_replay
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
+from xpar.estimate.memory.activation_host import host_need
+from xpar.estimate.memory.activation_offload import offload_layers, resident_blocks
+from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.memory.offload import devices_per_node, host_state_bytes, offload_elements, offload_figures_known
 from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home before issue 41)
     GEMM_HALF_DIM,
@@ -124,7 +127,23 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     m = spec.micro_batches
     est.comm_time = {"tp": m * x["tp_issued"] + x["tp_step"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
     est.framework, est.offload = assume.name, _offload(spec, assume, step, elements, notes)
+    notes += act_offload_notes(spec, est.time_breakdown.get("act_offload", 0.0))
     return _with_ep_comm(spec, est, assume, m * x["ep_issued"]) if spec.layout.ep > 1 else est
+
+
+def act_offload_notes(spec: RunSpec, exposed_s: float) -> list[str]:
+    """The activation offload of ``spec`` in words (xpar.estimate.memory.activation_offload): blocks offloaded and
+    held, the exposed copies per step (``exposed_s``) and the host memory per node; [] without it."""
+    n = offload_layers(spec)
+    if not n:
+        return []
+    need = host_need(spec, MemoryOptions.of(assumptions_for(spec)))
+    blocks = spec.model.n_layers
+    return [f"activations of {n} of {blocks} blocks offloaded to host memory (Megatron-Core's --cpu-offloading, "
+            f"Transformer Engine's cpu_offload): {resident_blocks(blocks, n)} blocks' activations held on the device, "
+            f"{need['block_bytes'] / 1e9:.2f} GB a block copied over the host link at "
+            f"{spec.hardware.pcie_gb_per_s:g} GB/s, +{exposed_s:.3g} s exposed per step; "
+            f"{need['host_bytes'] / 1e9:,.0f} GB of host memory per node"]
 
 
 def missing_figure_notes(hw) -> list[str]:

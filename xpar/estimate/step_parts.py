@@ -319,9 +319,10 @@ def rank_compute(c: dict, tp: dict, n: Any, first: Any, last: Any, assume: Assum
 def microbatch_time(x: dict) -> Any:
     """Seconds of one micro-batch on a rank: the sum of its terms (matmul, memory_bound,
     tp_comm, pp_comm, dp_comm exposed per micro-batch, host: xpar.estimate.compute.host; at ep > 1 its
-    exposed all-to-alls and router imbalance: xpar.estimate.columns.ep_slots)."""
+    exposed all-to-alls and router imbalance: xpar.estimate.columns.ep_slots; with activation offload its exposed
+    copies, ``act_offload``: xpar.estimate.columns.act_offload)."""
     return sum(x.get(k, 0.0) for k in ("matmul", "memory_bound", "tp_comm", "pp_comm", "dp_comm", "host", "ep_comm",
-                                       "ep_imbalance"))
+                                       "ep_imbalance", "act_offload"))
 
 
 def optimizer_time(optimizer_bytes: Any, dtype: str, hbm_tb_per_s: Optional[float],
@@ -405,7 +406,7 @@ def step_time(slow: dict, m: Any, beta: Any, fill_mb: Any, t_opt: Any) -> tuple[
                  "pp_comm": m * slow["pp_comm"], "bubble": pipe - m * mb_slow,
                  "dp_comm_exposed": m * slow["dp_comm"] + slow["dp_end"], "optimizer": t_opt,
                  "host_overhead": m * slow["host"] + slow["host_step"]}
-    breakdown.update({k: m * slow[k] for k in ("ep_comm", "ep_imbalance") if k in slow})  # ep > 1
+    breakdown.update({k: m * slow[k] for k in ("ep_comm", "ep_imbalance", "act_offload") if k in slow})  # ep > 1; offload
     return pipe + slow["dp_end"] + tp_step + t_opt + slow["host_step"], breakdown
 
 

@@ -34,12 +34,16 @@ TIME = (
     Term("cp_attention", "cp attention steps and merges (xpar.estimate.cp_attention)", axis="cp"),
     Term("ep_comm", "expert all-to-alls", axis="ep"),
     Term("ep_imbalance", "router imbalance", axis="ep"),
+    Term("act_offload", "activation offload copies over the host link (parallel.activation_offload_layers)",
+         axis="offload"),
 )
 """The step-time terms (``Estimate.time_breakdown``, metrics ``estimate/time_<term>_s``)."""
 TIME_TERMS = tuple(t.name for t in TIME if not t.axis)
 """The terms of every layout."""
-AXIS_TIME_TERMS = tuple(t.name for t in TIME if t.axis)
+AXIS_TIME_TERMS = tuple(t.name for t in TIME if t.axis in ("cp", "ep"))
 """The terms of context- and expert-parallel layouts only (0 or absent elsewhere)."""
+SETTING_TIME_TERMS = tuple(t.name for t in TIME if t.axis == "offload")
+"""The terms of a setting the planner does not search (activation offload: estimates only, absent elsewhere)."""
 TERM_WORDS = {t.name: t.words for t in TIME}
 
 STATE_TERMS = ("params", "grads", "optimizer")
@@ -82,5 +86,5 @@ pipeline rank of the peak."""
 
 def figure_keys() -> frozenset[str]:
     """Every figure key the cost model's columns may carry."""
-    axis = tuple(map(time_key, AXIS_TIME_TERMS))
+    axis = tuple(map(time_key, AXIS_TIME_TERMS + SETTING_TIME_TERMS))
     return frozenset(PLAN_TIME_KEYS + COLUMN_TIME_KEYS + PLAN_MEMORY_KEYS + COLUMN_MEMORY_KEYS + axis)

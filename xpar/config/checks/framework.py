@@ -25,7 +25,8 @@ CHOICES = {
     "microbatch_rule": MICROBATCH_RULES,
     "kv_heads_over_tp": KV_OVER_TP,  # xpar.config.attention.tp_kv_heads
     "cp_comm": ("all_gather", "p2p", "a2a"),  # xpar.estimate.cp_exchange.CP_COMM_TYPES
-    "attention_kernel": ("fa3", "cudnn", "cudnn_2024", "fa2", "sdpa"),  # xpar.estimate.compute.kernel_costs.ATTENTION_KERNELS
+    "attention_kernel": ("fa3", "cudnn", "cudnn_2024", "fa2", "sdpa"),
+    "fp8_cast_kernels": ("te", "fused"),  # xpar.estimate.compute.fp8_recipes.quantiser  # xpar.estimate.compute.kernel_costs.ATTENTION_KERNELS
     "cp_attention_merge": (None, "bf16", "fp32"),  # xpar.estimate.cp_attention.MERGE_BYTES
     "zero3_gather": ("unit", "tensor"),  # xpar.estimate.memory.per_device.state_buffer_terms  # xpar.estimate.expert_parallel.ep_layer_times
 }

@@ -95,7 +95,8 @@ RANGES: dict[str, Range] = {
     **{f"parallel.{k}": _i(1, auto=True) for k in ("dp", "micro_batches", "virtual_stages")},
     "parallel.etp": _i(1, null=True), "parallel.zero_stage": _i(0, 3),
     "parallel.first_stage_layers": _i(0, null=True), "parallel.last_stage_layers": _i(0, null=True),
-    "parallel.recompute_layers": _i(0, null=True), "parallel.pipeline_micro_batches": _i(1, null=True),
+    "parallel.recompute_layers": _i(0, null=True), "parallel.activation_offload_layers": _i(0, null=True),
+    "parallel.pipeline_micro_batches": _i(1, null=True),
     # hardware (null's meaning per hardware in xpar.config.checks.hardware)
     "hardware.devices_per_node": _i(1, auto=True, fix="auto"), "hardware.nodes": DEGREE,
     **{f"hardware.{k}": Range(0, lo_open=True, null=True)
@@ -148,6 +149,7 @@ RANGES: dict[str, Range] = {
                                                                       "attention_efficiency_cudnn_2024",
                                                                       "attention_bwd_efficiency_cudnn_2024")},
     "hardware.kernel_launch_us": NON_NEGATIVE, "hardware.gemm_tile_fixed_us_fp8": NON_NEGATIVE,
+    "hardware.attention_half_seq": POSITIVE,
     "hardware.sustained_efficiency": EFFICIENCY,
     "framework.elementwise_passes": Range(1, 20),
     "framework.max_pp": _i(1, null=True), "framework.max_tp": _i(1, null=True),

@@ -70,6 +70,8 @@ from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import COLUMN_TIME_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
 from xpar.estimate.columns.ep_slots import ep_slot_columns
+from xpar.estimate.columns.act_offload import act_offload_columns
+from xpar.estimate.memory.activation_offload import offload_layers
 from xpar.estimate.columns.mtp import last_stage_work
 from xpar.estimate.columns.keys import _combined, by_key, per_slot, spec_at, unique_rows  # noqa: F401 (re-exported)
 
@@ -81,8 +83,9 @@ EP_TIME_KEYS = ("time_ep_comm", "time_ep_imbalance")
 
 def time_keys(base: RunSpec) -> tuple[str, ...]:
     """Keys of :func:`time_columns` for candidates of ``base``'s ep: :data:`TIME_KEYS`, plus :data:`EP_TIME_KEYS`
-    at ep > 1."""
-    return TIME_KEYS + (EP_TIME_KEYS if base.layout.ep > 1 else ())
+    at ep > 1 and ``time_act_offload`` with activation offload (parallel.activation_offload_layers)."""
+    return (TIME_KEYS + (EP_TIME_KEYS if base.layout.ep > 1 else ())
+            + (("time_act_offload",) if offload_layers(base) else ()))
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -450,6 +453,8 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     kv_end = by_key([r["tp"], r["sp"]], lambda t, sp: {"s": kv_grad_reduce_time(
         spec_at(base, t, 1, 1, 1, 1, 1, "gpipe", 0, sp, "none"), reduced)}, ("s",))["s"]
     x["tp_step"] = n * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
+    if offload_layers(base):  # pp 1 only (xpar.estimate.memory.activation_offload)
+        x["act_offload"] = act_offload_columns(base, a, r, c)
     return x
 
 

@@ -14,7 +14,8 @@ amax all-reduce under sequence parallelism, delayed's once-a-step history update
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 BF16_BYTES = 2
 FP8_BYTES = 1
@@ -42,22 +43,50 @@ class Fp8Recipe:
     """Kernels a quantisation launches."""
     block_scaled: bool
     """The GEMM takes block scales (MXFP8 on Blackwell; Hopper's blockwise kernels)."""
+    hbm_fraction: Optional[float] = None
+    """Fraction of the datasheet HBM bandwidth the recipe's quantisation kernels reach (:data:`CAST_HBM_FRACTION`);
+    None: the block's other memory-bound passes' (xpar.estimate.compute.kernels.HBM_FRACTION)."""
 
     def cast_bytes(self) -> float:
         """Bytes moved per element quantised: reads of BF16, FP8 copies and their scales written."""
         return self.reads * BF16_BYTES + self.copies * (FP8_BYTES + self.scale_bytes)
 
 
+CAST_HBM_FRACTION = 0.71
+"""The fraction of HBM bandwidth Transformer Engine's current-scaling and MXFP8 quantisation kernels reach, against the
+block's other memory-bound passes' 0.9 (xpar.estimate.compute.kernels.HBM_FRACTION). From TE's GEMM profiling tutorial
+(docs/examples/gemm_profiling/gemm_profiling.rst @8f2e6357, 'Worked Example: 5B Model on B300'; xpar.calibrate.te_gemm):
+autocast minus pre-quantised per-layer time is the quantisation of both inputs of 12 GEMMs on every call, 2,483 M
+elements; FP8 current scaling 9.147 - 6.812 = 2.335 ms for 5 bytes an element (less 72 kernels at 2 us): 5.67 TB/s,
+0.71 of the B300's 8 TB/s; MXFP8 8.984 - 7.161 = 1.823 ms for 4.06 bytes (24 kernels): 5.68 TB/s, 0.71. Delayed
+scaling's single cast, 7.802 - 6.812 = 0.99 ms for 3 bytes against the same tensor-scaled GEMMs, reaches 0.99: it keeps
+0.9. On the H200 NVL (4.8 TB/s) current scaling's 20.285 - 16.785 = 3.50 ms is 0.77 without its transposed copy
+(which xpar does not price on Hopper) and 0.92 with it. Blockwise (two 1-D-scaled copies, MXFP8's kernel structure; on
+Blackwell TE runs it as MXFP8) takes MXFP8's figure."""
+
 RECIPES = {
     "delayed": Fp8Recipe("delayed", reads=1, copies=1, scale_bytes=0.0, kernels=1, block_scaled=False),
-    "current": Fp8Recipe("current", reads=2, copies=1, scale_bytes=0.0, kernels=3, block_scaled=False),
-    "mxfp8": Fp8Recipe("mxfp8", reads=1, copies=2, scale_bytes=1 / 32, kernels=1, block_scaled=True),
-    "blockwise": Fp8Recipe("blockwise", reads=1, copies=2, scale_bytes=4 / 128, kernels=1, block_scaled=True),
+    "current": Fp8Recipe("current", reads=2, copies=1, scale_bytes=0.0, kernels=3, block_scaled=False,
+                         hbm_fraction=CAST_HBM_FRACTION),
+    "mxfp8": Fp8Recipe("mxfp8", reads=1, copies=2, scale_bytes=1 / 32, kernels=1, block_scaled=True,
+                       hbm_fraction=CAST_HBM_FRACTION),
+    "blockwise": Fp8Recipe("blockwise", reads=1, copies=2, scale_bytes=4 / 128, kernels=1, block_scaled=True,
+                           hbm_fraction=CAST_HBM_FRACTION),
 }
 """The recipes ``train.fp8_recipe`` names; ``delayed`` (one cast pass, 3 bytes an element) is the default."""
 DEFAULT = "delayed"
 NEEDS_MX = ("mxfp8",)
 """Recipes whose GEMMs need MXFP8 tensor cores (hardware.mxfp8: Blackwell, SM 10.x; TE's mxfp8 page)."""
+
+
+def quantiser(recipe: str, kernels: str = "te") -> Fp8Recipe:
+    """The :class:`Fp8Recipe` of ``recipe`` as ``kernels`` run its casts (framework.fp8_cast_kernels): 'te' at the
+    recipe's measured share of HBM, 'fused' at the block's memory-bound passes' (``hbm_fraction`` None).
+
+    Raises:
+        KeyError: an unknown ``recipe``."""
+    r = RECIPES[recipe]
+    return r if kernels == "te" else replace(r, hbm_fraction=None)
 
 
 def gemm_dtype(recipe: str, mx_native: bool) -> str:

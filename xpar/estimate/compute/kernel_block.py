@@ -15,9 +15,9 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.attention import tp_kv_heads
-from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, RECIPES, Fp8Recipe, gemm_dtype
-from xpar.estimate.compute.kernels import (DTYPE_BYTES, Device, attention_time, expert_gemm_rate, gemm_time,
-                                           kernel_overhead, memory_time)
+from xpar.estimate.compute.fp8_recipes import DEFAULT as DEFAULT_RECIPE, Fp8Recipe, gemm_dtype, quantiser
+from xpar.estimate.compute.kernels import (DTYPE_BYTES, HBM_FRACTION, Device, attention_time, expert_gemm_rate,
+                                           gemm_time, kernel_overhead, memory_time)
 from xpar.estimate.moe_dispatch import DISPATCHERS, atomic_scatter_seconds, sync_seconds
 
 BF16 = DTYPE_BYTES["bf16"]
@@ -115,14 +115,22 @@ class BlockTerms:
         return BlockTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
+def priced_cast_bytes(quant: Fp8Recipe) -> float:
+    """A recipe's bytes an element quantised (``quant.cast_bytes()``) as the block's memory-bound passes price bytes,
+    at kernels.HBM_FRACTION of HBM: the bytes they would move in the time the recipe's kernels take at their own
+    ``quant.hbm_fraction`` (xpar.estimate.compute.fp8_recipes.CAST_HBM_FRACTION; None: the same share)."""
+    return quant.cast_bytes() * HBM_FRACTION / (quant.hbm_fraction or HBM_FRACTION)
+
+
 def _linear(m, n, k, device, dtype, backward, groups=1, quant: Optional[Fp8Recipe] = None):
     """(seconds, kernels, cast bytes) of a linear layer y = x W (x: m x k, W: k x n): forward, or dgrad +
     wgrad. Under an FP8 recipe ``quant`` (xpar.estimate.compute.fp8_recipes) its quantisation of the GEMM's
     activation input: ``quant.kernels`` kernels moving ``quant.cast_bytes()`` an element (delayed scaling:
-    one kernel, read BF16, write FP8, 3 bytes); its forward bytes are returned either way (the caller
-    doubles a backward's memory traffic: the output gradient's quantisation). None: no cast (BF16 GEMMs)."""
+    one kernel, read BF16, write FP8, 3 bytes) at the recipe's share of HBM (:func:`priced_cast_bytes`); its
+    forward bytes are returned either way (the caller doubles a backward's memory traffic: the output gradient's
+    quantisation). None: no cast (BF16 GEMMs)."""
     casts = 0 if quant is None else quant.kernels
-    moved = 0.0 if quant is None else quant.cast_bytes() * groups * m * k
+    moved = 0.0 if quant is None else priced_cast_bytes(quant) * groups * m * k
     if not backward:
         return gemm_time(m, n, k, device, dtype, groups), 1 + casts, moved
     dgrad = gemm_time(m, k, n, device, dtype, groups)  # dx = dy W^T: (m x n) @ (n x k)
@@ -281,33 +289,33 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
                 expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
                 window_kernel: bool = True, sinks: Optional[str] = None, moe_scatter: str = "fused",
-                expert_gemm_kernel: str = "dense") -> BlockTerms:
+                expert_gemm_kernel: str = "dense", fp8_casts: str = "te") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
     the whole sequence, the causal half); tp splits heads and MLP widths (``sequence_parallel``: norms,
     residual adds and routing on 1/tp of the tokens); ep ranks hold ``experts / ep`` experts each.
-    ``dtype`` is the GEMMs' (fp8: the attention core stays BF16; each GEMM input is quantised as
-    ``fp8_recipe`` does, its GEMMs at that recipe's rate: xpar.estimate.compute.fp8_recipes). ``flash``:
-    FlashAttention, else batched score GEMMs and a softmax over the scores in HBM; ``dropout``: masks on the attention output and MLP output (and the scores when not ``flash``).
-    ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the device's gap only).
+    ``dtype`` is the GEMMs' (fp8: the attention core stays BF16; each GEMM input is quantised as ``fp8_recipe`` does,
+    its GEMMs at that recipe's rate: xpar.estimate.compute.fp8_recipes). ``flash``: FlashAttention, else batched score
+    GEMMs and a softmax over the scores in HBM; ``dropout``: masks on the attention output and MLP output (and the
+    scores when not ``flash``). ``host_us_per_kernel``: the framework's host time to issue one kernel (0: the gap only).
     ``dispatcher``: the MoE token dispatcher (xpar.estimate.moe_dispatch.DISPATCHERS): its host
     synchronisation idles the GPU once per MoE forward (in ``overhead``), its sorting by local expert
     moves bytes (in ``memory``). ``expert_call_us``: host microseconds per local expert and GEMM call
     where the grouped GEMM loops over the experts (framework.expert_gemm_call_us; 2 calls a forward, 4 a backward).
     ``kv_over_tp``: framework.kv_heads_over_tp; 'replicate' with tp above the K/V heads projects each rank's K/V head
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
-    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``: :func:`_attention_core`.
-    ``sinks``: the path of learned attention sinks (framework.sink_attention; None: none): :func:`_attention_core`.
-    ``moe_scatter``, ``expert_gemm_kernel``: the framework's MoE combine and expert GEMMs (:func:`_moe`).
+    FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``, ``sinks`` (learned
+    attention sinks' path, framework.sink_attention; None: none): :func:`_attention_core`. ``moe_scatter``,
+    ``expert_gemm_kernel``: the framework's MoE combine and expert GEMMs (:func:`_moe`). ``fp8_casts``: who quantises
+    (framework.fp8_cast_kernels: fp8_recipes.quantiser).
 
     Raises:
-        ValueError: ``dtype`` has no tensor-core peak on the device, or ``fp8_recipe`` needs MXFP8 tensor
-        cores the device lacks (xpar.estimate.compute.fp8_recipes.gemm_dtype)."""
+        ValueError: ``dtype`` has no tensor-core peak here, or ``fp8_recipe`` needs MXFP8 tensor cores (gemm_dtype)."""
     t = np.asarray(micro_batch, dtype=float) * np.asarray(seq_len, dtype=float) / cp  # tokens per rank
     t_sp = np.where(sequence_parallel, t / tp, t)
     kv = np.where(sequence_parallel, sh.kv_heads, tp_kv_heads(sh.kv_heads, np.asarray(tp), kv_over_tp))
-    quant = RECIPES[fp8_recipe] if dtype == "fp8" else None
+    quant = quantiser(fp8_recipe, fp8_casts) if dtype == "fp8" else None
     dtype = gemm_dtype(fp8_recipe, device.mx_native) if dtype == "fp8" else dtype
     projections, kernels, moved = _attention_linears(sh, t, tp, device, dtype, backward, kv, quant)
     attn, k_attn, b_attn = _attention_core(sh, micro_batch, seq_len, cp, tp, device, backward, flash, window_kernel,

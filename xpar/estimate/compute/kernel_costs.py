@@ -127,7 +127,7 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               sequence_parallel=rows["sp"], flash=assume.flash_attention, dropout=assume.dropout,
               dispatcher=assume.ep_dispatcher, expert_call_us=assume.expert_gemm_call_us,
               kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe,
-              window_kernel=assume.sliding_window_kernel,
+              fp8_casts=assume.fp8_cast_kernels, window_kernel=assume.sliding_window_kernel,
               sinks=assume.sink_attention if base.model.attention_sinks else None, moe_scatter=assume.moe_scatter,
               expert_gemm_kernel=assume.expert_gemm_kernel)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))

@@ -59,7 +59,14 @@ FlashAttention-3 on H100 SXM5 BF16 at 512-16k tokens (Shah et al. 2024, FlashAtt
 causal forward 315, 410, 484, 518, 529, 539 TFLOP/s; the curve gives 0.60, 0.76, 0.87, 0.94, 0.98, 1 of 539): each
 query block's loop over the key blocks amortises its prologue (Q load, softmax state) and epilogue (O, LSE store)
 over s / 128 iterations, and the causal diagonal's masked blocks are 1 / n of a row's n. The non-causal forward
-saturates sooner (0.84 of its 16k rate at 512): the curve prices it conservatively at short keys."""
+saturates sooner (0.84 of its 16k rate at 512): the curve prices it conservatively at short keys.
+The H100's; a device's own is ``hardware.attention_half_seq`` (:attr:`Device.attention_half_seq`). On Blackwell the
+prologue and epilogue take about as long while the loop runs 2.25-2.5x faster, so the curve saturates later:
+cuDNN 9.17 on GB200 (NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training/artifacts/
+sdpa_bf16_benchmark_results_NVIDIA_GB200.csv @d48a60eb: 128 q / 8 kv heads, head_dim 128, causal, cudnn_fe; forward
+408, 733, 1069, 1386, 1584, 1668 and backward 329, 527, 655, 1054, 1211, 1304 TFLOP/s at 512-16k) fits 1300
+through :func:`attention_time`'s block count and waves (RMS 0.041 relative to 16k; 16k: 0.667 / 0.522 of 2.5 PFLOP/s);
+cuDNN 9.13 through torch's SDPA on B200 (the _B200.csv @bb37575d) is slower still (0.59 / 0.48 at 16k, 0.36 at 2k)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ class Device:
     """Seconds each FP8 GEMM tile spends outside its main loop (:data:`FP8_TILE_FIXED_S`)."""
     launch_s: float = 0.0
     """Device-side gap one dependent kernel adds (launch, ramp, tail), seconds."""
+    attention_half_seq: float = ATTENTION_HALF_SEQ
+    """Key length at which the device's flash attention runs at half its asymptote (:func:`sequence_rate`;
+    hardware.attention_half_seq): H100's 360, Blackwell's cuDNN 1300 (:data:`ATTENTION_HALF_SEQ`)."""
     mx_native: bool = False
     """The tensor cores take MXFP8 and FP8 in every layout (Blackwell: hardware.mxfp8); then ``peak_flops``
     has an 'mxfp8' key (xpar.estimate.compute.fp8_recipes)."""
@@ -111,7 +121,7 @@ def device_of(hw) -> Device:
     return Device(sms=int(hw.sm_count), peak_flops=peak, gemm_fraction=frac,
                   attention_fraction=(hw.attention_efficiency, hw.attention_bwd_efficiency),
                   hbm_bytes_per_s=hw.hbm_tb_per_s * 1e12, tile=(hw.gemm_tile_m, hw.gemm_tile_n, 64),
-                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx,
+                  launch_s=hw.kernel_launch_us * 1e-6, mx_native=mx, attention_half_seq=hw.attention_half_seq,
                   fp8_tile_fixed_s=hw.gemm_tile_fixed_us_fp8 * 1e-6)
 
 
@@ -284,8 +294,10 @@ def attention_time(batch, s_q, s_kv, heads, qk_dim, v_dim, device: Device, causa
     flops = attention_flops(b, sq, skv, h, qk_dim, v_dim, causal, window) * (FLASH_BWD_FLOPS if backward else 1.0)
     keys = np.where(np.asarray(window) > 0, np.minimum(skv, window), skv)
     fast = unmasked and not causal and not backward  # an unmasked forward (:data:`UNMASKED_GAIN`)
+    half = device.attention_half_seq  # the unmasked curve's half length scaled with it (:data:`ATTENTION_HALF_SEQ`)
     rate = (device.peak_flops["bf16"] * device.attention_fraction[1 if backward else 0] * head_dim_rate(qk_dim)
-            * (UNMASKED_GAIN * sequence_rate(keys, UNMASKED_HALF_SEQ) if fast else sequence_rate(keys)))
+            * (UNMASKED_GAIN * sequence_rate(keys, UNMASKED_HALF_SEQ * half / ATTENTION_HALF_SEQ) if fast
+               else sequence_rate(keys, half)))
     units = b * h * np.ceil(sq / FLASH_BLOCK)
     waves = np.ceil(units / device.sms)
     compute = flops / rate * np.divide(waves * device.sms, units, out=np.ones_like(units), where=units > 0)

@@ -13,6 +13,7 @@ from xpar.config.remat import MODULE_POLICIES, POLICIES, extra_forward_flops_per
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
+from xpar.estimate.memory.activation_offload import offload_layers, resident_blocks
 from xpar.estimate.memory.mla import freed_bytes, latent_bytes, mla_widths
 from xpar.estimate.memory.model_states import MemoryOptions, precision
 from xpar.estimate.schedule import schedule_actions
@@ -282,14 +283,17 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
     fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
-    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`. Bytes."""
+    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`. ``layers`` counts the blocks a stage
+    holds with activation offload (parallel.activation_offload_layers:
+    :func:`xpar.estimate.memory.activation_offload.resident_blocks`). Bytes."""
     cfg, lay = spec.model, spec.layout
     rec = precision(spec, o)
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, lay.sequence_parallel
     share = stage_recompute_share(spec, stage, o)
     lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
-    out = {"layers": n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0, "moe_graph": 0.0,
+    kept_n = resident_blocks(n, offload_layers(spec))  # activation offload: pp 1 (xpar.estimate.memory.activation_offload)
+    out = {"layers": kept_n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0, "moe_graph": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:
         kv = tp_model(spec).kv_heads * cfg.head_size

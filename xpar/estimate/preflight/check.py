@@ -25,6 +25,7 @@ from xpar.config.spec import RunSpec
 from xpar.config.validate import validate
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
+from xpar.estimate.preflight.act_offload import act_offload_problem, fitting_offload
 from xpar.estimate.preflight.duration import duration_problems
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
 from xpar.estimate.memory.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
@@ -81,7 +82,23 @@ def fit_problem(spec: RunSpec) -> Optional[str]:
         lines += [f"      {label}: {_gb(mem.total)}, {t:.3g} s/step" for label, mem, t in fits]
     else:
         lines.append("    " + _no_layout_fits(spec, offload_fits=bool(offload and offload[1])))
+    lines[0] += _act_offload_line(spec)
     return "\n".join(lines)
+
+
+def _act_offload_line(spec: RunSpec) -> str:
+    """Where the framework runs activation offload (framework.activation_offload) and ``spec`` (pp 1, no
+    recompute) fits with it: the fewest blocks offloaded that fit, checked as a followed line would be
+    (xpar.estimate.preflight.act_offload.fitting_offload); '' otherwise."""
+    found = fitting_offload(spec, lambda c: peak_memory(c).fits and act_offload_problem(c) is None)
+    if found is None or _passes(variant(spec, {"activation_offload_layers": found[0]}, {})) is None:
+        return ""
+    n, cand = found
+    est = estimate(cand)
+    return (f" Or, with activation offload as framework={spec.framework.name} runs it (Megatron-Core's "
+            f"--cpu-offloading-num-layers; estimated only): parallel.activation_offload_layers={n} (estimated "
+            f"{_gb(peak_memory(cand).total)} per device, {est.time_per_step_s:.3g} s/step, "
+            f"{est.time_breakdown.get('act_offload', 0.0):.3g} s of it exposed host-link copies).")
 
 
 def breakdown(mem: MemoryEstimate) -> str:
@@ -272,7 +289,8 @@ def _passes(cfg) -> Optional[RunSpec]:
     except ConfigError:
         return None
     a = assumptions_for(cand)
-    if not peak_memory(cand).fits or offload_problem(cand, a) or host_memory_need(cand, a):
+    if (not peak_memory(cand).fits or offload_problem(cand, a) or host_memory_need(cand, a)
+            or act_offload_problem(cand)):
         return None
     return cand
 
@@ -463,7 +481,8 @@ def memory_problems(spec: RunSpec) -> list[str]:
     if not 0.0 <= headroom < 1.0:
         return [f"hardware.memory_headroom={headroom:g} must be a fraction of device memory in [0, 1) "
                 f"(0.05 keeps 5 % free); values that work: 0, 0.05, 0.1."]
-    problem = offload_problem(spec, assumptions_for(spec)) or offload_host_problem(spec)  # xpar.estimate.memory.offload
+    problem = (act_offload_problem(spec)  # xpar.estimate.preflight.act_offload
+               or offload_problem(spec, assumptions_for(spec)) or offload_host_problem(spec))  # xpar.estimate.memory.offload
     if problem is None and spec.mode == "execute" and spec.hardware.device == "cpu":
         problem = host_memory_problem(spec)
     elif problem is None and spec.mode == "estimate":

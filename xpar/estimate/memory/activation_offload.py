@@ -1,0 +1,89 @@
+"""Activation offload to host memory (``parallel.activation_offload_layers``, N): Megatron-Core's
+--cpu-offloading --cpu-offloading-num-layers N (megatron/core/transformer/transformer_config.py) as Transformer
+Engine runs it (transformer_engine/pytorch/cpu_offload.py, ``AsyncDoubleBufferGroupOffloadHandler``): the saved
+tensors of the first N of a stage's L blocks go device -> host on a side stream, group i during window i of TE's
+``layer_window_map`` (N windows tiling the L blocks: L mod N of L // N + 1 blocks, the rest L // N), and come back
+one window ahead of their backward. The device holds L - N + 1 blocks (those never offloaded, one group in flight);
+a copy of c seconds behind a window of k blocks of t_f (forward) / t_b (backward) seconds exposes
+max(0, c - k t_f) + max(0, c - k t_b); the host holds devices_per_node x N blocks per node. Megatron-Core's rules:
+0 <= N < L, pp 1, no recompute. Not modelled: TE's double_buffering (off by default), the copies' share of HBM
+bandwidth, Megatron-Core 0.15's per-module fine_grained_activation_offloading. Units: bytes, seconds.
+Derivation: docs/concepts/cost-model.md (Activation offload).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from xpar.estimate.comm.overlap import vmax
+
+
+def offload_layers(spec) -> int:
+    """N: ``parallel.activation_offload_layers`` of ``spec`` (a RunSpec), 0 where null."""
+    return int(getattr(spec.parallel, "activation_offload_layers", None) or 0)
+
+
+def resident_blocks(blocks: int, offloaded: int) -> int:
+    """Blocks' saved activations a stage of ``blocks`` blocks holds at its peak with ``offloaded``
+    of them offloaded (module docstring): blocks - offloaded + 1, or ``blocks`` without offload."""
+    return blocks - offloaded + 1 if offloaded > 0 else blocks
+
+
+def windows(blocks: int, offloaded: int) -> tuple[tuple[int, int], ...]:
+    """(window length in blocks, count) of TE's ``layer_window_map`` for ``offloaded`` groups over
+    ``blocks`` blocks: L mod N windows of L // N + 1 blocks, the others L // N. () without offload."""
+    if offloaded <= 0:
+        return ()
+    q, r = divmod(blocks, offloaded)
+    return tuple((k, n) for k, n in ((q + 1, r), (q, offloaded - r)) if n)
+
+
+def exposed_time(block_bytes: Any, link_gb_per_s: float, blocks: int, offloaded: int, t_forward: Any,
+                 t_backward: Any) -> Any:
+    """Seconds per micro-batch the offload copies add to the compute stream (module docstring):
+    ``block_bytes`` one block's saved bytes, ``link_gb_per_s`` the host link per device and direction
+    (hardware.pcie_gb_per_s, GB/s = 1e9 bytes/s, > 0), ``t_forward`` / ``t_backward`` one block's
+    forward / backward compute seconds. Floats or numpy arrays over layouts."""
+    copy = np.asarray(block_bytes, dtype=float) / (link_gb_per_s * 1e9)
+    out = 0.0 * copy
+    for k, n in windows(blocks, offloaded):
+        out = out + n * (vmax(copy - k * t_forward, 0.0) + vmax(copy - k * t_backward, 0.0))
+    return out
+
+
+def host_bytes(block_bytes: Any, offloaded: int, devices_per_node: int) -> Any:
+    """Host memory one node needs for its devices' offloaded activations (pinned), bytes."""
+    return devices_per_node * offloaded * block_bytes
+
+
+def offload_problems(spec) -> list[str]:
+    """Why ``spec`` cannot offload activations as asked, one line each ([] without offload or when it
+    can): the framework must run it (framework.activation_offload), Megatron-Core's rules (N below the
+    blocks, pp 1, no recompute), estimate mode (xpar does not execute it) and the host link figure."""
+    n = offload_layers(spec)
+    if n == 0:
+        return []
+    lay, fw, key = spec.layout, spec.framework, f"parallel.activation_offload_layers={n}"
+    if not getattr(fw, "activation_offload", False):
+        return [f"{key}: framework={fw.name} runs no activation offload (framework.activation_offload=false; "
+                "Megatron-Core's --cpu-offloading: framework=megatron_core); e.g. parallel.activation_offload_layers=0, "
+                "or parallel.recompute=full to save the blocks' activations."]
+    out = []
+    if lay.pp > 1:
+        out.append(f"{key} needs parallel.pp=1 (Megatron-Core: 'no support for Pipeline parallelism with CPU "
+                   f"offloading'), got pp={lay.pp}; e.g. parallel.pp=1, or parallel.activation_offload_layers=0.")
+    if lay.recompute != "none":
+        out.append(f"{key} needs parallel.recompute=none (Megatron-Core: 'CPU offloading does not work when "
+                   f"activation recomputation is enabled'), got {lay.recompute}; e.g. parallel.recompute=none.")
+    if not n < spec.model.n_layers:
+        out.append(f"{key}: Megatron-Core offloads fewer blocks than the model has (0 <= N < "
+                   f"{spec.model.n_layers}); e.g. parallel.activation_offload_layers={spec.model.n_layers - 1}.")
+    if spec.mode == "execute":
+        out.append(f"{key} is estimated only: xpar does not execute activation offload (run.mode=execute); e.g. "
+                   "run.mode=estimate with a cluster preset, or parallel.activation_offload_layers=0.")
+    elif not (spec.hardware.pcie_gb_per_s or 0) > 0:
+        out.append(f"{key} needs the host link's bandwidth the copies are timed with, and hardware="
+                   f"{spec.hardware.name} has no hardware.pcie_gb_per_s (null); e.g. hardware.pcie_gb_per_s=50 "
+                   "(PCIe Gen5 x16, conf/hardware/h100_80gb_node.yaml).")
+    return out
