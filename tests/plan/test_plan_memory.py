@@ -13,7 +13,7 @@ import pytest
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
 from xpar.config.presets import conf_dir, preset_dict
-from xpar.config.remat import RECOMPUTE
+from xpar.config.remat import MODULE_POLICIES, RECOMPUTE
 from xpar.estimate.cost import estimate, peak_memory
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.plan.space import Constraints, enumerate_layouts
@@ -62,7 +62,8 @@ def _row(rng: np.random.Generator, ctx: PlanContext) -> dict:
         v = int(rng.choice(vs))
     m = int(rng.choice([k for k in range(1, 3 * pp + 3) if microbatch_ok(sched, pp, k)]))
     zb = pp > 1 and SCHEDULES[sched].zero_bubble
-    rec = str(rng.choice(["none", "full"] if zb else list(RECOMPUTE)))
+    runs = [p for p in RECOMPUTE if p not in MODULE_POLICIES or mdl.get("kv_lora_rank")]  # MLA's: MLA models only
+    rec = str(rng.choice(["none", "full"] if zb else runs))
     seq = ctx.train.get("seq_len") or mdl["seq_len"]
     return dict(tp=tp, pp=pp, dp=n // (tp * pp), b=int(rng.integers(1, 5)), m=m, v=v, schedule=sched,
                 zero=zero_stage_run(sched, pp, int(rng.choice(fw.get("pp_zero_stages" if pp > 1 else "zero_stages",

@@ -18,7 +18,7 @@ import pytest
 from xpar.config.presets import preset_dict
 
 from xpar.config.layout import SCHEDULES, microbatch_ok, zero_stage_run
-from xpar.config.remat import RECOMPUTE
+from xpar.config.remat import MODULE_POLICIES, RECOMPUTE
 from xpar.estimate.cost import TIME_TERMS, estimate
 from xpar.plan.context import COLUMNS, PlanContext, spec_of
 from xpar.estimate.columns.step_time import TIME_KEYS, time_columns
@@ -56,7 +56,8 @@ def _one(ctx: PlanContext, rng: np.random.Generator):
             fw.get("interleaved_m_per_pp") and m % pp)):
         return None  # Megatron-LM's interleaving rules (framework.interleaved_*)
     zero = zero_stage_run(schedule, pp, int(rng.choice(fw["pp_zero_stages" if pp > 1 else "zero_stages"])))
-    recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else list(RECOMPUTE)))  # SAC
+    policies = [p for p in RECOMPUTE if p not in MODULE_POLICIES or mdl.get("kv_lora_rank")]  # MLA's: MLA models
+    recompute = str(rng.choice(["none", "full"] if rec.zero_bubble else policies))  # SAC
     if fw.get("ddp_alone") and zero == 0 and tp * pp > 1 or tp > (fw.get("moe_max_tp") or tp) and mdl.get("n_experts"):
         return None  # torchtitan's DDP runs alone (framework.ddp_alone); AutoModel's MoE runs tp 1 (moe_max_tp)
     sp_runs = [bool(x) for x in fw.get("sequence_parallel", [False, True])]  # torchtitan: [true], sp with every tp

@@ -37,6 +37,19 @@ def attention_projection_flops(cfg) -> dict[str, float]:
             "wv": 2 * c * n * cfg.v_head_dim, "wo": 2 * n * cfg.v_head_dim * h}
 
 
+def mla_up_projection_flops(cfg) -> float:
+    """Forward FLOPs per token of MLA's up-projections, what Megatron-Core's ``--recompute-modules mla_up_proj``
+    reruns (megatron/core/transformer/multi_latent_attention.py ``qkv_up_proj_and_rope_apply``: linear_q_up_proj,
+    or linear_q_proj without a q_lora_rank, and linear_kv_up_proj): 2 (q_lora_rank x n (nope + rope) + kv_lora_rank
+    x n (nope + v_head_dim)), h in place of q_lora_rank without one. Part of :func:`attention_projection_flops`'
+    wq, wk and wv. 0 for a model without MLA. Units: FLOP per token."""
+    if not is_mla(cfg):
+        return 0.0
+    n, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q_in = cfg.hidden if cfg.q_lora_rank is None else cfg.q_lora_rank
+    return 2.0 * (q_in * n * qk + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+
+
 def attention_core_flops(cfg, seq_len: int, causal: bool = False, window: bool = False) -> float:
     """Forward FLOPs per token of one block's attention core, scores Q K^T and context P V over s keys
     (the whole square; half when ``causal``): 2 s n (d_qk + d_v); 4 s q for MHA/GQA (d_qk = d_v = head

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from xpar.config.attention import attention_core_flops, attention_projection_flops
+from xpar.config.attention import attention_core_flops, attention_projection_flops, mla_up_projection_flops
 
 SELECTIVE_POLICIES = ("op", "torchtitan_op", "attention")
 """The meanings of ``parallel.recompute=selective`` (``framework.selective_recompute``)."""
 RECOMPUTE = ("none", "selective", "full", "attention", "op", "torchtitan_op", "save_dot_except_mlp", "save_qkv_proj",
-             "moe")
+             "moe", "mla_up_proj", "mla_up_proj_norm", "mla_up_proj_norm_moe_act")
 """Every value of ``parallel.recompute``."""
 PLAN_RECOMPUTE = ("none", "selective", "full")
 """What ``xpar plan`` searches by default: none, the framework's own selective, full. The MaxText
@@ -31,10 +31,35 @@ made the 175B plan on 1024 A100 1.8x larger and 8 s with its MLflow record (targ
 benchmarks/plan.py)."""
 
 
-def model_policies(policies, n_experts: int) -> list[str]:
-    """The recompute ``policies`` that apply to a model with ``n_experts`` routed experts (0: dense): ``moe``
-    (Megatron-Core's ``--recompute-modules moe``, which reruns the MoE layers only) needs experts."""
-    return [r for r in policies if r != "moe" or n_experts]
+MODULE_POLICIES = {
+    "mla_up_proj": ("mla_up_proj",),
+    "mla_up_proj_norm": ("mla_up_proj", "layernorm"),
+    "mla_up_proj_norm_moe_act": ("mla_up_proj", "layernorm", "moe_act"),
+}
+"""Megatron-Core's output-discarding recompute modules (``--recompute-granularity selective --recompute-modules``,
+megatron/core/transformer/transformer_config.py ``recompute_modules``: "moe_act", "layernorm" and "mla_up_proj" use
+output-discarding checkpointing) as named policies, each the modules it recomputes: 'mla_up_proj' (MLA's q and kv
+up-projections and RoPE, megatron/core/transformer/multi_latent_attention.py ``qkv_up_checkpoint``); with
+'layernorm' (input_layernorm and pre_mlp_layernorm) the DeepSeek-V3 report's "Recomputation of RMSNorm and MLA
+Up-Projection" (arXiv:2412.19437 Sec. 3.2.3) and Megatron-MoE-ModelZoo's DeepSeek-V3 example
+(``--recompute-modules mla_up_proj layernorm``); with 'moe_act' (the routed experts' SwiGLU) Megatron-Core's MoE
+README "Fine-grained Recomputation" (megatron/core/transformer/moe/README.md). MLA models only; moe_act with experts.
+Their memory: :mod:`xpar.estimate.memory.mla`."""
+
+
+def model_policies(policies, n_experts: int, mla: bool = False) -> list[str]:
+    """The recompute ``policies`` that apply to a model with ``n_experts`` routed experts (0: dense) and MLA
+    attention or not (``mla``): ``moe`` (Megatron-Core's ``--recompute-modules moe``, which reruns the MoE
+    layers only) needs experts; the :data:`MODULE_POLICIES` need MLA, and 'moe_act' experts too."""
+    return [r for r in policies if (r != "moe" or n_experts) and module_policy_applies(r, n_experts, mla)]
+
+
+def module_policy_applies(policy: str, n_experts: int, mla: bool) -> bool:
+    """Whether a :data:`MODULE_POLICIES` entry applies (every other policy does): MLA, and experts for moe_act."""
+    modules = MODULE_POLICIES.get(policy)
+    if modules is None:
+        return True
+    return mla and (n_experts > 0 or "moe_act" not in modules)
 
 SAC_POLICIES = ("op", "torchtitan_op", "attention", "save_dot_except_mlp", "save_qkv_proj")
 """Policies run by selective activation checkpointing (one backward per block: not with the
@@ -72,6 +97,9 @@ POLICIES = {
                             "MaxText remat_policy=save_qkv_proj"),
     "moe": Policy(("wq", "wk", "wv", "wo", "context"), ("w1", "w3"), False, 0.0, False,
                   "Megatron-Core --recompute-modules moe (megatron/core/transformer/moe/moe_layer.py)"),
+    **{name: Policy(ALL, ("mla_up",), False, 0.0, False,
+                    f"Megatron-Core --recompute-modules {' '.join(mods)} (MODULE_POLICIES)")
+       for name, mods in MODULE_POLICIES.items()},
 }
 """The policies (module docstring). ``tp_rerun``: full reruns both collectives of the forward;
 the MaxText policies rerun the attention output's (to rebuild the MLP's input), not the MLP's."""
@@ -107,13 +135,14 @@ def token_ffn(cfg) -> float:
 def projection_flops(cfg) -> dict[str, float]:
     """Forward FLOPs per token of each projection of one block, the mean over the blocks (2 per
     multiply-add; wq, wk, wv, wo: :func:`xpar.config.attention.attention_projection_flops`, h x q and
-    h x kv, or MLA's low-rank projections; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
+    h x kv, or MLA's low-rank projections; ``mla_up`` the part of MLA's wq, wk, wv that its up-projections are,
+    :func:`xpar.config.attention.mla_up_projection_flops`, not a further projection; w1 and w2 h x f, w3 h x f with SwiGLU else 0, f the width a token goes through
     (:func:`token_ffn`: its top k and shared experts in a MoE block); ``router`` the MoE router's
     h x E). Units: FLOP per token."""
     h, f = cfg.hidden, token_ffn(cfg)
     router = 2 * h * cfg.n_experts * cfg.moe_layers / cfg.n_layers if cfg.n_experts else 0.0
     return {**attention_projection_flops(cfg), "w1": 2 * h * f, "w3": 2 * h * f if cfg.activation == "swiglu" else 0.0,
-            "w2": 2 * h * f, "router": router}
+            "w2": 2 * h * f, "router": router, "mla_up": mla_up_projection_flops(cfg)}
 
 
 def extra_forward_flops_per_layer(cfg, seq_len: int, recompute: str, selective: str = "op",

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from xpar.config.layout import EXECUTABLE, SCHEDULES, microbatch_ok, zero_stage_run
-from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES
+from xpar.config.remat import PLAN_RECOMPUTE, RECOMPUTE, SAC_POLICIES, module_policy_applies
 from xpar.estimate.columns.stage_split import splittable
 from xpar.plan.context import COLUMNS, OPTIONAL_COLUMNS
 
@@ -69,6 +69,8 @@ RULES = {
     "sp_tp1": "duplicate: sequence parallelism needs tp > 1",
     "sp_seq": "sequence parallelism needs seq_len divisible by tp",
     "recompute": "recompute policy not in plan.recompute",
+    "recompute_model": "MLA's module recompute policy (xpar.config.remat.MODULE_POLICIES) on a model without MLA, or "
+                       "moe_act without routed experts (config validation refuses it)",
     "sequence_parallel": "sequence parallelism (at tp > 1) not in plan.sequence_parallel or the framework's "
                          "framework.sequence_parallel (torchtitan: always on with tp)",
     "selective_zb": "selective (op-level) recompute with a zero-bubble schedule (torch refuses its split backward)",
@@ -340,6 +342,9 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     t = _structure(model, devices, devices_per_node, seq_len, c, drops)
     raw = _raw_size(model, devices, c) * weight
     t = _choices(t, seq_len, c, drops)
+    mla, experts = model.get("kv_lora_rank") is not None, int(model.get("n_experts") or 0)
+    lacking = [p for p in c.recompute if not module_policy_applies(p, experts, mla)]
+    t = drops.apply(t, "recompute_model", ~np.isin(t["recompute"], lacking))
     cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep", "etp")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))

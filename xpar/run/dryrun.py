@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from xpar.config.layout import SCHEDULES
+from xpar.config.remat import POLICIES
 from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import fold_cp
 from xpar.estimate.memory.model_states import (
@@ -189,9 +190,12 @@ def buildable(spec: RunSpec) -> RunSpec:
     """The spec the dry run builds: an estimate-only schedule (zb_h1, zb_h2: one stage per rank, no
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
     Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
-    (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take)."""
+    (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take). A recompute policy xpar
+    estimates only (xpar.config.remat.Policy.executes) as none: it moves no parameter."""
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
+    if spec.layout.recompute in POLICIES and not POLICIES[spec.layout.recompute].executes:
+        spec = replace(spec, layout=replace(spec.layout, recompute="none"))
     if SCHEDULES[spec.layout.schedule].executable:
         return spec
     return replace(spec, layout=replace(spec.layout, schedule="1f1b"))

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from xpar.config.checks import divisors
 from xpar.config.layout import SCHEDULES
-from xpar.config.remat import RECOMPUTE
+from xpar.config.attention import is_mla
+from xpar.config.remat import MODULE_POLICIES, RECOMPUTE, model_policies
 from xpar.config.schema import XparConfig, SUMMARY_METRICS
 
 CHOICES = {
@@ -62,7 +63,8 @@ def check_model(c: XparConfig) -> list[str]:
         given = f"model.head_dim = {model.head_dim}" if model.head_dim is not None else \
             f"hidden/n_heads = {model.head_size}"
         out.append(f"rope needs an even head dim: {given}; e.g. model.head_dim={model.head_size + 1}.")
-    return out + check_experts(model) + check_mla(model) + check_window(model)
+    return (out + check_experts(model) + check_mla(model) + check_window(model)
+            + check_module_recompute(model, c.parallel.recompute))
 
 
 def _heads_that_work(model) -> str:
@@ -100,6 +102,16 @@ def check_window(model) -> list[str]:
                 f"model.n_layers={n}: set model.sliding_window_pattern="
                 + (f"2 (any of 2..{n}), or 0 for every layer local." if n >= 2 else "0 (every layer local).")]
     return []
+
+
+def check_module_recompute(model, recompute: str) -> list[str]:
+    """MLA's module recompute policies (xpar.config.remat.MODULE_POLICIES) need MLA (model.kv_lora_rank), and
+    moe_act needs routed experts: the module they recompute is not in the model otherwise."""
+    if recompute not in MODULE_POLICIES or model_policies([recompute], model.n_experts, is_mla(model)):
+        return []
+    need = "multi-head latent attention (model.kv_lora_rank)" + (" and routed experts" if "moe_act" in recompute else "")
+    return [f"parallel.recompute={recompute} recomputes modules of {need}, which model={model.name} does not have; "
+            f"use parallel.recompute=selective, full or none."]
 
 
 MLA_DIMS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

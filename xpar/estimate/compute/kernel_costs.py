@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from xpar.config.attention import attention_projection_flops, mla_up_projection_flops
 from xpar.config.remat import POLICIES, reruns, spec_recompute
 from xpar.config.spec import RunSpec
 from xpar.estimate.compute.kernel_block import BlockShape, BlockTerms, block_times, logits_times, shape_of
@@ -74,15 +75,19 @@ def attention_fractions(hw, kernel: str) -> tuple[float, float]:
     return tuple(own[i] if x is None else x for i, x in enumerate(named))
 
 
-def rerun_shares(policy: str, early_stop: bool) -> dict[str, float]:
+def rerun_shares(policy: str, early_stop: bool, cfg=None) -> dict[str, float]:
     """Of a block's forward, what the backward of ``policy`` runs again: ``projections`` (of the
-    attention's wq..wo: the share of the four rerun, each weighed alike), ``mlp`` (of
+    attention's wq..wo: the share of the four rerun, each weighed alike; MLA's up-projections, 'mla_up', at
+    their share of the four's FLOPs in ``cfg``: xpar.config.attention.mla_up_projection_flops), ``mlp`` (of
     w1, w3, w2 alike, experts included), ``attention`` (the core: 0 or 1), ``memory`` (element-wise
     passes and launches: full recompute only). xpar.config.remat.POLICIES."""
     p = POLICIES[policy]
     again = reruns(p, early_stop)
-    return {"projections": sum(k in again for k in ATTENTION_PROJECTIONS) / len(ATTENTION_PROJECTIONS),
-            "mlp": _mlp_share(again), "attention": float(p.attention), "memory": float(policy == "full")}
+    projections = sum(k in again for k in ATTENTION_PROJECTIONS) / len(ATTENTION_PROJECTIONS)
+    if "mla_up" in again and cfg is not None:
+        projections += mla_up_projection_flops(cfg) / sum(attention_projection_flops(cfg).values())
+    return {"projections": projections, "mlp": _mlp_share(again), "attention": float(p.attention),
+            "memory": float(policy == "full")}
 
 
 def _mlp_share(again: tuple) -> float:
@@ -150,7 +155,7 @@ def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, share
     (a resolved name, :func:`xpar.config.remat.spec_recompute`) and the share of blocks it recomputes.
     Arrays of one length; the result's values are float64 arrays of it."""
     cfg, device = base.model, training_device(base.hardware, assume.attention_kernel)
-    per = [rerun_shares(p, assume.checkpoint_early_stop) for p in policies]
+    per = [rerun_shares(p, assume.checkpoint_early_stop, cfg) for p in policies]
     rows = {"tp": np.asarray(tp, dtype=float), "b": np.asarray(b, dtype=float), "sp": np.asarray(sp, dtype=bool),
             "share": np.asarray(shares, dtype=float),
             "rerun": {k: np.array([x[k] for x in per], dtype=float) for k in per[0]}}

@@ -9,11 +9,12 @@ from typing import Optional
 import numpy as np
 
 from xpar.config.attention import tp_model
-from xpar.config.remat import POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
+from xpar.config.remat import MODULE_POLICIES, POLICIES, extra_forward_flops_per_layer, policy_name, stage_share
 from xpar.config.remat import token_ffn as remat_token_ffn
 from xpar.config.schema import ModelConfig
 from xpar.config.spec import RunSpec
 from xpar.estimate.memory.activation_offload import offload_layers, resident_blocks
+from xpar.estimate.memory.mla import freed_bytes, latent_bytes, mla_widths
 from xpar.estimate.memory.model_states import MemoryOptions, precision
 from xpar.estimate.schedule import schedule_actions
 
@@ -197,12 +198,13 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     torch policy it keeps only the saved outputs its backward reads (``compiled``: :func:`compiled_drops`)."""
     cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
-    return dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
-                swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
-                resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
-                sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
-                selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block,
-                compiled=compiled)
+    kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
+              swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
+              resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
+              sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
+              selective=o.selective_recompute, fused_swiglu=o.fused_swiglu or compiled, block=cfg.block,
+              compiled=compiled)
+    return {**kw, **mla_widths(cfg)}  # MLA: its own q/k/v and context widths (xpar.estimate.memory.mla)
 
 
 def token_ffn(cfg) -> float:
@@ -223,9 +225,25 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, floa
     cfg, lay = spec.model, spec.layout
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
     kw = _layer_kwargs(spec, o)
-    none = layer_activation_bytes(*args, "none", **kw) - fp8_input_saving(spec, o, "none")
-    policy = layer_activation_bytes(*args, lay.recompute, **kw) - fp8_input_saving(spec, o, lay.recompute)
+    none = layer_activation_bytes(*args, "none", **kw) - fp8_input_saving(spec, o, "none") + mla_extra(spec, o, "none")
+    name = policy_name(lay.recompute, o.selective_recompute)
+    policy = (layer_activation_bytes(*args, "none" if name in MODULE_POLICIES else lay.recompute, **kw)
+              - fp8_input_saving(spec, o, lay.recompute) + mla_extra(spec, o, name))
     return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
+
+
+def mla_extra(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
+    """Bytes one MLA block and micro-batch keeps beside :func:`layer_activation_bytes` at MLA's widths: its latents
+    (:func:`xpar.estimate.memory.mla.latent_bytes`, not under full recompute) less what a module policy
+    discards (:func:`xpar.estimate.memory.mla.freed_bytes`). 0 for a model without MLA and any other policy."""
+    cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
+    fp8 = _fp8_inputs(spec, o)
+    per_token = -freed_bytes(cfg, policy, precision(spec, o)["e"], t, sp, fp8, cfg.block == "parallel")
+    if policy != "full":
+        composite = not (o.fused_rmsnorm or spec.train.compile) and cfg.norm == "rmsnorm"
+        e = precision(spec, o)["e"]
+        per_token += latent_bytes(cfg, e, 1 if fp8 else e, composite) / (t if sp else 1)
+    return spec.seq_len * spec.train.micro_batch_size * per_token
 
 
 def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
@@ -233,14 +251,19 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
     (``fp8_saves_inputs`` under train.dtype=fp8): 1 byte per element of the inputs of the q/k/v and
     MLP-in projections (h each, / t with sequence parallelism), of wo (h / t) and of w2 (ffn / t),
     under the policies that keep them (none, Megatron's attention); 0 otherwise."""
-    if spec.train.dtype != "fp8" or not o.fp8_saves_inputs:
+    if not _fp8_inputs(spec, o):
         return 0.0
-    if policy_name(recompute, o.selective_recompute) not in ("none", "attention"):
+    if policy_name(recompute, o.selective_recompute) not in ("none", "attention", *MODULE_POLICIES):
         return 0.0
     cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
     inputs = 1 if cfg.block == "parallel" else 2  # one norm: the q/k/v and MLP-in inputs are one tensor
     per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
     return spec.seq_len * spec.train.micro_batch_size * per_token
+
+
+def _fp8_inputs(spec: RunSpec, o: MemoryOptions) -> bool:
+    """Whether the linear layers keep FP8 inputs (train.dtype=fp8 and ``fp8_saves_inputs``)."""
+    return spec.train.dtype == "fp8" and o.fp8_saves_inputs
 
 
 def stage_recompute_share(spec: RunSpec, stage: int, o: MemoryOptions) -> float:

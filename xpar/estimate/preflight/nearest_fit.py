@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from xpar.config.attention import is_mla
 from xpar.config.remat import PLAN_RECOMPUTE, model_policies
 from xpar.config.spec import RunSpec
 
@@ -22,8 +23,9 @@ def recompute_choices(spec: RunSpec) -> list[str]:
     """Recompute policies to try around ``spec``: those the framework runs (``framework.recompute``,
     null: PLAN_RECOMPUTE) that apply to its model, in the framework's order, but 'none' and the current; none
     under full recompute (nothing recomputes more). ``moe`` (Megatron-Core's ``--recompute-modules moe``) reruns the
-    MoE layers only: nothing on a dense model, so not offered there (xpar.config.remat.model_policies, as xpar plan)."""
-    runs = model_policies(spec.framework.recompute or PLAN_RECOMPUTE, spec.model.n_experts)
+    MoE layers only: nothing on a dense model, so not offered there, nor MLA's module policies without MLA
+    (xpar.config.remat.model_policies, as xpar plan)."""
+    runs = model_policies(spec.framework.recompute or PLAN_RECOMPUTE, spec.model.n_experts, is_mla(spec.model))
     now = spec.layout.recompute
     if now == "full" and spec.parallel.recompute_layers is None:
         return []
