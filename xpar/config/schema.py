@@ -77,6 +77,11 @@ class ModelConfig:
     head_dim: Optional[int] = None
     """Width of one attention head (d); null: hidden / n_heads (gpt-oss: 64 heads of 64 in a 2880-wide model):
     q, k, v project to heads x head_dim and wo back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of the queries and keys before RoPE (QK-norm: Qwen3, HF ``Qwen3Attention.q_norm/k_norm``;
+    torchtitan/models/qwen3/model/model.py Attention.forward). Estimated only, in one term: the norms' saved inputs
+    in an eager recomputed attention graph (xpar.estimate.memory.activations.eager_attention_extra_bytes); its
+    2 x head_dim weights per block and its elementwise pass are not counted, and xpar's executed model has none."""
     q_lora_rank: Optional[int] = None
     """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
     (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""

@@ -302,7 +302,37 @@ def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: flo
         return 0.0
     moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    return share * moe * layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    block = layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    extra = spec.seq_len * spec.train.micro_batch_size * eager_attention_extra_bytes(spec, o)
+    return share * moe * (block + extra)
+
+
+def eager_attention_extra_bytes(spec: RunSpec, o: MemoryOptions) -> float:
+    """Bytes per token an eager torchtitan attention sublayer and router keep for backward beyond
+    :func:`layer_activation_bytes`'s terms, for the recomputed MoE graph of :func:`moe_kept_graph_bytes`. The MoE blocks
+    of the deepep branch are compiled with fullgraph=False (torchtitan/models/llama4/infra/parallelize.py
+    apply_compile @022f885f) and break the graph at DeepEP's autograd Functions
+    (torchtitan/distributed/deepep/fused_a2a.py FusedDispatch), so the recompute is priced as eager code:
+
+    - SDPA's output, e q / t: flash attention's backward reads its output (torch's
+      _scaled_dot_product_flash_attention saves ``out`` with the log-sum-exp), and torchtitan's
+      Attention.forward hands wo a copy, ``output.transpose(1, 2).contiguous()`` (torchtitan/models/qwen3/model/model.py),
+      which wo keeps as its input: two tensors where the term 'wo input' counts one;
+    - with ``model.qk_norm`` (Qwen3), the q_norm and k_norm inputs, (q + kv) / t elements (K before repeat_kv:
+      kv_heads x head_dim), e bytes each under a fused RMSNorm (its input and rstd), 8 under torch's composite one
+      (fp32 input and x * rstd, as :func:`_replicated_bytes`);
+    - the router's fp32 softmax output over the E experts, 4 E, and its top-k int64 indices, 8 k
+      (torchtitan/models/moe/moe.py TokenChoiceTopKRouter.forward: ``F.softmax(scores.to(torch.float32))`` keeps its
+      output; ``scores.gather(dim=1, index=...)`` its index), replicated over tp.
+
+    0 without experts. Units: bytes per token."""
+    cfg = spec.model
+    if not cfg.n_experts:
+        return 0.0
+    e, t = precision(spec, o)["e"], spec.tp
+    kv = tp_model(spec).kv_heads * cfg.head_size
+    norm = (e if o.fused_rmsnorm else 8) * (cfg.q_dim + kv) / t if cfg.qk_norm else 0.0
+    return e * cfg.q_dim / t + norm + 4 * cfg.n_experts + 8 * cfg.moe_top_k
 
 
 def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
