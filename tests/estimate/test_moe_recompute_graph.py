@@ -35,11 +35,13 @@ def _memory(spec, kept: bool):
 def test_full_recompute_keeps_each_moe_blocks_attention_and_router_graph():
     """Qwen3-30B-A3B (48 MoE blocks, h 2048, 32 heads of 128, K/V expanded before SDPA) under full recompute: after
     the backward every block holds the no-recompute bytes of its attention sublayer and router, per token 2 norm inputs
-    and 2 projection inputs (2 h each, bf16), Q, K, V and the context (2 x 4096 each) and the log-sum-exp (4 x 32);
-    the peak is the larger of that and the forward's (token ids beside both). No recompute and op-level SAC are unchanged."""
+    and 2 projection inputs (2 h each, bf16), Q, K, V and the context (2 x 4096 each) and the log-sum-exp (4 x 32),
+    and what the eager code keeps beyond them: the QK-norm inputs (2 x (4096 + 512)), the router's fp32 softmax over 128 experts and its 8 int64 indices; the peak is the larger of
+    that and the forward's (token ids beside both). No recompute and op-level SAC are unchanged."""
     spec = _spec("full")
     tokens, h, q = spec.seq_len * spec.train.micro_batch_size, 2048, 4096
-    kept = 48 * tokens * (4 * 2 * h + 4 * 2 * q + 4 * 32)
+    eager = 2 * (q + 512) + 4 * 128 + 8 * 8
+    kept = 48 * tokens * (4 * 2 * h + 4 * 2 * q + 4 * 32 + eager)
     off, on = (_memory(spec, k) for k in (False, True))
     ids = 8 * tokens  # the int64 token ids beside (xpar.estimate.memory.activations.token_id_bytes)
     assert on.activations - ids == pytest.approx(max(off.activations - ids, kept), rel=1e-12)
@@ -103,3 +105,57 @@ def test_torch_keeps_a_recompute_graph_that_a_module_attribute_reaches():
     n = 512 * 4
     assert kept_after_backward(False) == 0
     assert kept_after_backward(True) >= n * (64 + 64 + 8)  # tanh's output, a, the probabilities (fp32)
+
+
+def test_eager_extras_follow_the_model_and_the_profile():
+    """eager_attention_extra_bytes per token: without QK-norm only the router remains; torch's
+    composite RMSNorm keeps 8 bytes per normed element (fp32 input and x * rstd), not 2; a dense model keeps none."""
+    from dataclasses import replace as dc_replace
+
+    from xpar.estimate.memory.activations import eager_attention_extra_bytes
+
+    spec = _spec("full")
+    o = MemoryOptions()
+    q, kv, router = 4096, 512, 4 * 128 + 8 * 8
+    assert eager_attention_extra_bytes(spec, o) == 2 * (q + kv) + router
+    no_qk = dc_replace(spec, model=dc_replace(spec.model, qk_norm=False))
+    assert eager_attention_extra_bytes(no_qk, o) == router
+    assert eager_attention_extra_bytes(spec, dc_replace(o, fused_rmsnorm=False)) == 8 * (q + kv) + router
+    dense = dc_replace(spec, model=dc_replace(spec.model, n_experts=0))
+    assert eager_attention_extra_bytes(dense, o) == 0.0
+
+
+def test_torch_eager_attention_keeps_the_qk_norm_inputs_and_one_sdpa_output():
+    """What the extras count, on torch's eager autograd: torchtitan's Qwen3 attention (q/k RMSNorm per head, SDPA, the
+    transposed output made contiguous for wo) and router (fp32 softmax, gather) save the q_norm and k_norm inputs,
+    the fp32 probabilities over the experts and the int64 indices; SDPA's output and wo's input are one storage
+    (the flash kernel's output is a transposed view, so .contiguous() copies nothing)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    b, s, heads, kvh, d, h, e, k = 2, 16, 4, 2, 8, 32, 8, 2
+    wq, wk, wv = nn.Linear(h, heads * d, bias=False), nn.Linear(h, kvh * d, bias=False), nn.Linear(h, kvh * d, bias=False)
+    wo, gate = nn.Linear(heads * d, h, bias=False), nn.Linear(h, e, bias=False)
+    q_norm, k_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(b, s, h, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        q_lin, k_lin, xv = wq(x).view(b, s, heads, d), wk(x).view(b, s, kvh, d), wv(x).view(b, s, kvh, d)
+        xq, xk = q_norm(q_lin), k_norm(k_lin)
+        keys, values = (t.repeat_interleave(heads // kvh, dim=2) for t in (xk, xv))
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             is_causal=True)
+        wo_in = out.transpose(1, 2).contiguous().view(b, s, -1)
+        probs = F.softmax(gate(wo(wo_in)).view(-1, e).to(torch.float32), dim=1)
+        probs.gather(dim=1, index=torch.topk(probs, k, dim=1).indices)
+    stores = {t.untyped_storage().data_ptr() for t in saved}
+    for t in (out, wo_in, q_lin, k_lin, probs):
+        assert t.untyped_storage().data_ptr() in stores
+    assert out.untyped_storage().data_ptr() == wo_in.untyped_storage().data_ptr()
+    assert any(t.shape == (b * s, k) and t.dtype == torch.int64 for t in saved)  # gather's index

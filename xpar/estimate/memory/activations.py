@@ -314,10 +314,6 @@ def eager_attention_extra_bytes(spec: RunSpec, o: MemoryOptions) -> float:
     apply_compile @022f885f) and break the graph at DeepEP's autograd Functions
     (torchtitan/distributed/deepep/fused_a2a.py FusedDispatch), so the recompute is priced as eager code:
 
-    - SDPA's output, e q / t: flash attention's backward reads its output (torch's
-      _scaled_dot_product_flash_attention saves ``out`` with the log-sum-exp), and torchtitan's
-      Attention.forward hands wo a copy, ``output.transpose(1, 2).contiguous()`` (torchtitan/models/qwen3/model/model.py),
-      which wo keeps as its input: two tensors where the term 'wo input' counts one;
     - with ``model.qk_norm`` (Qwen3), the q_norm and k_norm inputs, (q + kv) / t elements (K before repeat_kv:
       kv_heads x head_dim), e bytes each under a fused RMSNorm (its input and rstd), 8 under torch's composite one
       (fp32 input and x * rstd, as :func:`_replicated_bytes`);
@@ -325,14 +321,17 @@ def eager_attention_extra_bytes(spec: RunSpec, o: MemoryOptions) -> float:
       (torchtitan/models/moe/moe.py TokenChoiceTopKRouter.forward: ``F.softmax(scores.to(torch.float32))`` keeps its
       output; ``scores.gather(dim=1, index=...)`` its index), replicated over tp.
 
-    0 without experts. Units: bytes per token."""
+    Not counted: SDPA's output beside wo's input (torchtitan's ``output.transpose(1, 2).contiguous()``): the flash
+    kernels return a transposed view of a (b, s, heads, d) buffer, so the copy is a no-op and the two are one storage
+    (checked on torch's CPU flash kernel, tests/estimate/test_moe_recompute_graph.py). 0 without experts. Units: bytes
+    per token."""
     cfg = spec.model
     if not cfg.n_experts:
         return 0.0
     e, t = precision(spec, o)["e"], spec.tp
     kv = tp_model(spec).kv_heads * cfg.head_size
     norm = (e if o.fused_rmsnorm else 8) * (cfg.q_dim + kv) / t if cfg.qk_norm else 0.0
-    return e * cfg.q_dim / t + norm + 4 * cfg.n_experts + 8 * cfg.moe_top_k
+    return norm + 4 * cfg.n_experts + 8 * cfg.moe_top_k
 
 
 def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
