@@ -75,6 +75,8 @@ class ModelConfig:
     head_dim: Optional[int] = None
     """Width of one attention head (d); null: hidden / n_heads (gpt-oss: 64 heads of 64 in a 2880-wide model):
     q, k, v project to heads x head_dim and wo back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (Qwen3's QK-norm); estimated only: activations.eager_attention_extra_bytes."""
     q_lora_rank: Optional[int] = None
     """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
     (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""
@@ -137,10 +139,8 @@ class ModelConfig:
     def local_layers(self) -> int:
         """Blocks with sliding-window attention: n_layers - n_layers // k for a pattern k, all of them for
         k = 0, none without a window (gpt-oss-120b: 18 of 36; Gemma 3 27B: 52 of 62)."""
-        if self.sliding_window <= 0:
-            return 0
         k = self.sliding_window_pattern
-        return self.n_layers - (self.n_layers // k if k else 0)
+        return 0 if self.sliding_window <= 0 else self.n_layers - (self.n_layers // k if k else 0)
 
     @property
     def expert_ffn(self) -> int:

@@ -283,9 +283,9 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     the kept log-probs, 2 x 4 V / t per token; xpar's cross_entropy takes ``logits.float()``; a
     fused loss kernel, ``loss_kernel='fused'``, keeps the logits only and no transient).
     ``weight_copies``: autocast's bf16 weight copies kept for backward (blocks not recomputed,
-    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`. ``layers`` counts the blocks a stage
-    holds with activation offload (parallel.activation_offload_layers:
-    :func:`xpar.estimate.memory.activation_offload.resident_blocks`). Bytes."""
+    and the output projection); ``moe_graph``: :func:`moe_kept_graph_bytes`; ``moe_graph_backward``:
+    :func:`moe_graph_backward_bytes`. ``layers`` counts the blocks a stage holds with activation offload
+    (parallel.activation_offload_layers: :func:`xpar.estimate.memory.activation_offload.resident_blocks`). Bytes."""
     cfg, lay = spec.model, spec.layout
     rec = precision(spec, o)
     s, b, h, t, sp = spec.seq_len, spec.train.micro_batch_size, cfg.hidden, spec.tp, lay.sequence_parallel
@@ -305,6 +305,7 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     if stage > 0 and n and not o.count_buffers:
         out["layers"] -= _uncounted_stage_input(spec, o, rec, share)
     out["moe_graph"] = moe_kept_graph_bytes(spec, o, stage, share)
+    out["moe_graph_backward"] = moe_graph_backward_bytes(spec, o, stage, share)
     if stage == lay.n_stages - 1:
         sh = s * b * h / (t if sp else 1)
         composite = not o.fused_rmsnorm and cfg.norm == "rmsnorm"
@@ -329,7 +330,59 @@ def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: flo
         return 0.0
     moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    return share * moe * layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    block = layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    extra = spec.seq_len * spec.train.micro_batch_size * eager_attention_extra_bytes(spec, o)
+    return share * moe * (block + extra)
+
+
+def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: float) -> float:
+    """Bytes live while the last recomputed MoE block of ``stage`` runs its backward with ``moe_recompute_graph_kept``:
+    the graphs the stage's other recomputed MoE blocks keep (:func:`moe_kept_graph_bytes`, one block's each) and that
+    block's rebuilt activations, its no-recompute bytes (:func:`layer_activation_bytes`) with the eager extras
+    (:func:`eager_attention_extra_bytes`) and the routed copies the expert GEMMs keep, e k h / t per token (the
+    permuted input, torchtitan/distributed/deepep/utils.py ``permute``: ``tokens.index_select(0, sorted_indices)``, k
+    rows a token, which the w1 and w3 ``torch._grouped_mm`` calls keep for their weight gradients:
+    torchtitan/models/moe/moe.py _run_experts_grouped_mm; :func:`token_ffn` leaves it out). The backward runs the blocks last to first, so when the stage's first block
+    is recomputed every other block already holds its graph again (torch's non-reentrant checkpoint recomputes one
+    block at a time, in its backward: torch/utils/checkpoint.py). 0 where :func:`moe_kept_graph_bytes` is 0 or fewer
+    than one MoE block is recomputed. One micro-batch. Bytes."""
+    graph = moe_kept_graph_bytes(spec, o, stage, share)
+    cfg, lay = spec.model, spec.layout
+    n = share * sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
+    if not graph or n < 1:
+        return 0.0
+    args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
+    rebuilt = layer_activation_bytes(*args, "none", **_layer_kwargs(spec, o))
+    routed = precision(spec, o)["e"] * cfg.moe_top_k * cfg.hidden / spec.tp
+    extra = eager_attention_extra_bytes(spec, o) + routed
+    return graph * (n - 1) / n + rebuilt + spec.seq_len * spec.train.micro_batch_size * extra
+
+
+def eager_attention_extra_bytes(spec: RunSpec, o: MemoryOptions) -> float:
+    """Bytes per token an eager torchtitan attention sublayer and router keep for backward beyond
+    :func:`layer_activation_bytes`'s terms, for the recomputed MoE graph of :func:`moe_kept_graph_bytes`. The MoE blocks
+    of the deepep branch are compiled with fullgraph=False (torchtitan/models/llama4/infra/parallelize.py
+    apply_compile @022f885f) and break the graph at DeepEP's autograd Functions
+    (torchtitan/distributed/deepep/fused_a2a.py FusedDispatch), so the recompute is priced as eager code:
+
+    - with ``model.qk_norm`` (Qwen3), the q_norm and k_norm inputs, (q + kv) / t elements (K before repeat_kv:
+      kv_heads x head_dim), e bytes each under a fused RMSNorm (its input and rstd), 8 under torch's composite one
+      (fp32 input and x * rstd, as :func:`_replicated_bytes`);
+    - the router's fp32 softmax output over the E experts, 4 E, and its top-k int64 indices, 8 k
+      (torchtitan/models/moe/moe.py TokenChoiceTopKRouter.forward: ``F.softmax(scores.to(torch.float32))`` keeps its
+      output; ``scores.gather(dim=1, index=...)`` its index), replicated over tp.
+
+    Not counted: SDPA's output beside wo's input (torchtitan's ``output.transpose(1, 2).contiguous()``): the flash
+    kernels return a transposed view of a (b, s, heads, d) buffer, so the copy is a no-op and the two are one storage
+    (checked on torch's CPU flash kernel, tests/estimate/test_moe_recompute_graph.py). 0 without experts. Units: bytes
+    per token."""
+    cfg = spec.model
+    if not cfg.n_experts:
+        return 0.0
+    e, t = precision(spec, o)["e"], spec.tp
+    kv = tp_model(spec).kv_heads * cfg.head_size
+    norm = (e if o.fused_rmsnorm else 8) * (cfg.q_dim + kv) / t if cfg.qk_norm else 0.0
+    return norm + 4 * cfg.n_experts + 8 * cfg.moe_top_k
 
 
 def loss_bytes(loss_kernel: str, compiled: bool, elem: int) -> tuple[float, float]:
@@ -400,10 +453,12 @@ def stage_chunk_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> tuple[floa
     transient during its forward, transient during its backward, autocast's weight copies); the
     transients (loss temporaries; recompute workspace in the backward) only when ``count_buffers``. The recomputed MoE
     graph a stage keeps after a backward (``moe_graph``) replaces the chunk it released, so its backward transient is
-    at least moe_graph - kept: the peak at that event is the other live chunks plus max(kept + transient, moe_graph)."""
+    at least moe_graph - kept, and with ``count_buffers`` at least moe_graph_backward - kept (the last recomputed block
+    rebuilt beside the others' graphs): the peak at that event is the other live chunks plus max(kept + transient,
+    moe_graph, moe_graph_backward)."""
     sb, cb = stage_bytes(spec, stage, o), o.count_buffers
     kept = sb["layers"] + sb["logits"] + sb["embedding_mask"]
-    back = max((sb["workspace"] + sb["loss_transient"]) * cb, sb["moe_graph"] - kept)
+    back = max((sb["workspace"] + sb["loss_transient"]) * cb, sb["moe_graph"] - kept, (sb["moe_graph_backward"] - kept) * cb)
     return kept, sb["loss_transient"] * cb, back, sb["weight_copies"]
 
 
