@@ -182,3 +182,18 @@ def test_between_steps_the_model_states_and_the_kept_graphs_match_torchtitans_sn
     o = MemoryOptions.of(replace(assumptions_for(spec), moe_recompute_graph_kept=True))
     between = (m.params + m.grads + m.optimizer + moe_kept_graph_bytes(spec, o, 0, 1.0)) / 2 ** 30
     assert between == pytest.approx(122.28, rel=0.02)
+
+
+def test_the_estimate_says_how_to_price_the_deepep_branchs_kept_graphs():
+    """torchtitan + DeepEP under full recompute, the option off (upstream's behaviour): the estimate's notes name
+    the branch that published the DeepEP runs and the setting that prices it, with its bytes; with the option on the
+    note says what is counted instead; under selective recompute (no graph rebuilt) neither."""
+    from xpar.estimate.cost import estimate
+
+    off = estimate(_spec("full")).notes
+    line = next(n for n in off if n.startswith("torchtitan's DeepEP branch"))
+    assert "framework.moe_recompute_graph_kept=true" in line and " GB on the largest stage" in line, off
+    spec = _spec("full")
+    on = estimate(replace(spec, framework=replace(spec.framework, moe_recompute_graph_kept=True))).notes
+    assert any(n.startswith("framework.moe_recompute_graph_kept") for n in on), on
+    assert not any("DeepEP branch" in n for n in on + estimate(_spec("selective")).notes)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-
 from xpar.config.spec import RunSpec
 from xpar.estimate.frameworks import deepspeed_zero3
 from xpar.estimate.columns.cp_ep import cp_columns
@@ -57,6 +56,10 @@ from xpar.estimate.step_parts import (  # noqa: F401 (re-exported: their home be
     with_hardware,
 )
 from xpar.estimate.terms import TIME_TERMS  # noqa: F401 (re-exported: the breakdown's keys)
+
+
+SHOWN_MEMORY_NOTES = ("expert states", "torchtitan's DeepEP branch", "framework.moe_recompute_graph_kept")
+"""The memory notes an estimate prints (the others explain a refusal: xpar.estimate.preflight.check)."""
 
 
 @dataclass
@@ -116,7 +119,7 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     spec = waits_unstretched(spec, spec.world_size)
     notes = missing_figure_notes(spec.hardware)
     mem = _memory(spec, assume)
-    notes += [n for n in mem.detail.get("notes", []) if n.startswith("expert states")]
+    notes += [n for n in mem.detail.get("notes", []) if n.startswith(SHOWN_MEMORY_NOTES)]
     elements = offload_elements(spec, assume, mem.pp_rank) if assume.cpu_offload_optimizer else 0
     step = layout_step(spec, assume, mem.optimizer, elements, mem.grads)
     slow, x = int(step.slot[0]), {k: float(v[0]) for k, v in step.slowest.items()}

@@ -3,6 +3,7 @@ schedule walk of torch's action lists): the second part of the memory estimate
 (:mod:`xpar.estimate.memory.per_device` documents the accounting and its sources)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
 
@@ -166,6 +167,18 @@ def recompute_extra_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: s
     return fraction * cfg.n_layers * extra_forward_flops_per_layer(cfg, seq_len, recompute, policy)
 
 
+def _deepep_branch_note(spec: RunSpec, o: MemoryOptions) -> list[str]:
+    """The note for torchtitan + DeepEP under full recompute without the kept graphs: the branch whose README
+    publishes torchtitan's DeepEP scaling runs (pytorch/torchtitan @022f885f, torchtitan/distributed/deepep/) keeps
+    them (docs/accuracy/fit_history.md, session 13); upstream's DeepEP path does not, hence the default."""
+    on = replace(o, moe_recompute_graph_kept=True)
+    graph = max(moe_kept_graph_bytes(spec, on, st, stage_recompute_share(spec, st, on))
+                for st in range(spec.layout.n_stages))
+    return [f"torchtitan's DeepEP branch (022f885f, whose README publishes its DeepEP runs) keeps each recomputed MoE "
+            f"block's graph after its backward ({graph / 1e9:.1f} GB on the largest stage here, not counted); describe "
+            f"such a run with framework.moe_recompute_graph_kept=true"] if graph else []
+
+
 def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     """What the estimate should say about the recompute policy: Megatron's selective recompute
     under flash attention saves ~nothing; an op-level policy that keeps more than no
@@ -177,6 +190,8 @@ def recompute_notes(spec: RunSpec, o: MemoryOptions) -> list[str]:
     if graph:
         return [f"framework.moe_recompute_graph_kept: after its backward each recomputed MoE block keeps its recomputed "
                 f"attention and router graph until its next forward ({graph / 1e9:.1f} GB on the largest stage)"]
+    if name == "full" and spec.framework.name == "torchtitan" and spec.framework.ep_dispatcher == "deepep":
+        return _deepep_branch_note(spec, o)
     if name in ("none", "full"):
         return []
     if name == "attention" and o.flash_attention:
