@@ -44,10 +44,12 @@ def cp_fp8_case(row: dict, gpu_presets: dict = None):
     fsdp2 = row["id"].startswith(("torchtitan", "automodel")) or row["zero"] == "3"  # FSDP2 / Megatron-FSDP: ZeRO-3
     recompute = (row["recompute"] or "none").split()[0]
     recompute = "moe" if "moe)" in row["recompute"] else recompute  # Megatron-Core --recompute-modules ... moe
+    if "RMSNorm + MLA up-projection" in row["recompute"]:  # DeepSeek-V3 report Sec. 3.2.3
+        recompute = "mla_up_proj_norm"
     par = dict(name=row["id"], dp=int(row["dp"]), tp=int(row["tp"] or 1), pp=pp, cp=int(row["cp"] or 1),
                ep=int(row["ep"] or 1), etp=int(row["etp"]) if row["etp"] else (1 if row["moe"] == "true" else None),
                zero_stage=3 if fsdp2 else 1, micro_batches="auto", schedule="interleaved_1f1b" if vp > 1 else "1f1b",
-               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe") else "none",
+               virtual_stages=vp, recompute=recompute if recompute in ("none", "selective", "full", "moe", "mla_up_proj_norm") else "none",
                sequence_parallel=int(row["tp"] or 1) > 1,
                layer_split=None if L % n == 0 else [L // n + (i < L % n) for i in range(n)])
     if (row["source"].startswith("The Llama 3 Herd") or ACCOUNTED_SPLIT in row["note"]) and n > 2 and (L + 2) % n == 0:
