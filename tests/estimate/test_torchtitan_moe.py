@@ -10,7 +10,8 @@ from xpar.config.checks.framework import check_framework
 from xpar.config.checks.hardware import load_hardware_preset
 from xpar.config.presets import preset_dict
 from xpar.config.schema import FrameworkConfig
-from xpar.estimate.compute.kernel_block import BlockShape, block_times
+from xpar.estimate.compute.kernel_block import (BlockShape, block_times, scatter_target_bytes,
+                                                split_up_grad_bytes)
 from xpar.estimate.compute.kernels import TORCH_GROUPED_MM_RATE, device_of, expert_gemm_rate, memory_time
 from xpar.estimate.cost import estimate
 from xpar.estimate.moe_dispatch import ATOMIC_SCATTER_SLOWDOWN, atomic_scatter_seconds
@@ -34,7 +35,9 @@ def test_an_atomic_scatter_prices_the_copies_at_its_slowdown_over_a_streaming_pa
     assert float(atomic.atomics) == pytest.approx(ATOMIC_SCATTER_SLOWDOWN * float(memory_time(nbytes, B200)))
     assert float(atomic.atomics) == pytest.approx(float(atomic_scatter_seconds(tokens * 8, tokens, 2048, 8e12)))
     assert float(fused.atomics) == 0.0
-    streamed = memory_time(nbytes * (2 if backward else 1), B200)  # the unpermute's bytes, twice in the backward
+    twice = 2 if backward else 1  # the backward's element-wise traffic is twice the forward's
+    # the unpermute's streamed bytes, less the scatter's zeroed target and its sum with a zeroed output (4 T h)
+    streamed = memory_time((nbytes - 4 * tokens * 2048 * 2) * twice, B200)
     assert float(fused.memory - atomic.memory) == pytest.approx(float(streamed))
     assert (fused.gemm, fused.experts, fused.attention) == (atomic.gemm, atomic.experts, atomic.attention)
     assert float(atomic.busy - fused.busy) == pytest.approx(float(atomic.atomics - streamed))
@@ -100,7 +103,9 @@ def test_the_step_adds_the_scatters_and_the_grouped_gemm_time_of_every_block_pas
     kw = dict(ep=8, dispatcher="deepep", host_us_per_kernel=assumptions_for(spec).host_op_us)
     f, bw = (block_times(MOE_30B, 8, 4096, device, backward=x, moe_scatter="atomic", **kw) for x in (False, True))
     f0, bw0 = (block_times(MOE_30B, 8, 4096, device, backward=x, **kw) for x in (False, True))
-    extra_mem = (1 + again["memory"]) * (f.atomics + f.memory - f0.memory) + (bw.atomics + bw.memory - bw0.memory)
+    grad_sum = memory_time(split_up_grad_bytes(8 * 4096 * 8, 2048), device)  # torch._grouped_mm's split w1 / w3
+    extra_mem = ((1 + again["memory"]) * (f.atomics + f.memory - f0.memory) + (bw.atomics + bw.memory - bw0.memory)
+                 + grad_sum)
     assert a.time_breakdown["memory_bound"] - b.time_breakdown["memory_bound"] == pytest.approx(48 * float(extra_mem))
     g, g0 = (block_times(MOE_30B, 8, 4096, device, expert_gemm_kernel=k, **kw).experts
              for k in ("torch_grouped_mm", "dense"))
@@ -110,3 +115,34 @@ def test_the_step_adds_the_scatters_and_the_grouped_gemm_time_of_every_block_pas
     assert a.time_breakdown["matmul"] - b.time_breakdown["matmul"] == pytest.approx(48 * float(extra_mm))
     assert a.time_breakdown["ep_comm"] == b.time_breakdown["ep_comm"]
     assert 1.2 < a.time_per_step_s / b.time_per_step_s < 1.4
+
+
+@pytest.mark.parametrize("scatter", ["fused", "atomic"])
+def test_torchtitans_split_gate_and_up_gemms_sum_their_input_gradients_in_the_backward(scatter):
+    """torchtitan's _run_experts_grouped_mm runs w1 and w3 as two grouped GEMMs on one input, so the backward adds
+    their two (copies x hidden) input gradients: one aten add (read 2, write 1) in BlockTerms.atomics, backward only,
+    and only under torch_grouped_mm (a fused up projection has one dgrad). Nothing else moves."""
+    kw = dict(ep=8, dispatcher="deepep", moe_scatter=scatter)
+    for backward in (False, True):
+        dense, titan = (block_times(MOE_30B, 8, 4096, B200, expert_gemm_kernel=k, backward=backward, **kw)
+                        for k in ("dense", "torch_grouped_mm"))
+        copies = 8 * 4096 * 8  # 32,768 tokens a rank, top-8, even routing: the rank receives as many copies
+        grad_sum = memory_time(3 * copies * 2048 * 2, B200) if backward else 0.0
+        assert float(split_up_grad_bytes(copies, 2048)) == 3 * copies * 2048 * 2
+        assert float(titan.atomics - dense.atomics) == pytest.approx(float(grad_sum))
+        assert (float(titan.memory), float(titan.gemm)) == (float(dense.memory), float(dense.gemm))
+    assert float(grad_sum) > 0.4e-3  # 3.2 GB a block's backward on B200: ~0.45 ms, 2 % of the block
+
+
+def test_the_atomic_combine_still_writes_its_zeroed_target_and_adds_the_shared_output():
+    """Under framework.moe_scatter 'atomic' the forward keeps 4 x tokens x hidden bf16 of streamed traffic beside the
+    scatter (torch.zeros target, zeros_like / shared output, their add); it is independent of top-k, where the copies'
+    streamed read it replaces grows with k."""
+    tokens = 8 * 4096
+    assert float(scatter_target_bytes(tokens, 2048)) == 4 * tokens * 2048 * 2
+    for k in (1, 8):
+        sh = BlockShape(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, experts=128, top_k=k,
+                        expert_ffn=768)
+        fused, atomic = (block_times(sh, 8, 4096, B200, ep=8, moe_scatter=s) for s in ("fused", "atomic"))
+        assert float(fused.memory - atomic.memory) == pytest.approx(
+            float(memory_time((k + 1 - 4) * tokens * 2048 * 2, B200)))

@@ -100,8 +100,10 @@ class BlockTerms:
     kernels: np.ndarray
     """Kernels launched."""
     atomics: np.ndarray
-    """Atomic scatters of a MoE layer's copies back into their tokens (framework.moe_scatter 'atomic':
-    xpar.estimate.moe_dispatch.atomic_scatter_seconds); 0 elsewhere."""
+    """aten kernels a MoE layer runs as they are, compiled or not (not scaled by framework.elementwise_passes):
+    atomic scatters of its copies back into their tokens (framework.moe_scatter 'atomic':
+    xpar.estimate.moe_dispatch.atomic_scatter_seconds) and, backward, the sum of torch._grouped_mm's split gate and
+    up input gradients (:func:`split_up_grad_bytes`); 0 elsewhere."""
 
     @property
     def busy(self) -> np.ndarray:
@@ -186,13 +188,15 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
 
 def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None,
          scatter: str = "fused", expert_kernel: str = "dense"):
-    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of router + routed and shared experts, t
-    tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
+    """(dense gemm s, expert gemm s, kernels, bytes, aten kernel s: BlockTerms.atomics) of router + routed and shared
+    experts, t tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
     several local experts: xpar.estimate.moe_dispatch); ``scatter`` 'atomic': the copies are summed back into
     their tokens by an aten atomic scatter (forward the combine, backward the gather's gradient:
     xpar.estimate.moe_dispatch.SCATTERS), priced by :func:`~xpar.estimate.moe_dispatch.atomic_scatter_seconds`
-    instead of as a streaming unpermute; ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
-    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate."""
+    instead of as a streaming unpermute (its target and the sum with the shared experts' output:
+    :func:`scatter_target_bytes`); ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
+    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate, 'torch_grouped_mm' with torchtitan's
+    split gate and up GEMMs (:func:`split_up_grad_bytes`, backward)."""
     t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
     router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
     m = expert_tokens(sh, t_sp, ep)
@@ -217,9 +221,34 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
         gemm, kernels, moved = gemm + s_gemm, kernels + s_k, moved + s_bytes
     atomic = np.zeros_like(np.asarray(t_sp, dtype=float))
     if scatter == "atomic":  # the streaming unpermute's bytes become one atomic scatter of the copies
-        moved = moved - t_sp * (sh.top_k + 1) * sh.hidden * BF16
+        moved = moved - t_sp * (sh.top_k + 1) * sh.hidden * BF16 + scatter_target_bytes(t_sp, sh.hidden)
         atomic = atomic_scatter_seconds(t_sp * sh.top_k, t_sp, sh.hidden, device.hbm_bytes_per_s)
+    if backward and expert_kernel == "torch_grouped_mm":
+        atomic = atomic + memory_time(split_up_grad_bytes(m * local, sh.hidden), device)
     return gemm, experts[0], kernels, moved, atomic
+
+
+def scatter_target_bytes(tokens, hidden: int):
+    """Bytes a MoE forward moves around an atomic scatter (framework.moe_scatter 'atomic') beside the scatter itself,
+    ``tokens`` x ``hidden`` bf16: the zero-filled buffer it adds into, written once, and that buffer's sum with the
+    shared experts' output or a zeroed one (two read, one written): 4 x tokens x hidden x 2. Source: torchtitan
+    @022f885f torchtitan/distributed/deepep/utils.py ``unpermute`` (``torch.zeros(restore_shape)`` then
+    ``scatter_add_``) and torchtitan/models/moe/moe.py ``MoE.forward`` (DeepEP branch: ``torch.zeros_like(x)`` without
+    shared experts, then ``routed_output + out``; all-to-all branch: ``out.scatter_add``, out of place, a copy of
+    ``out``). The backward's traffic is twice the forward's, as every element-wise pass of the block
+    (aten's ``index_select_backward`` zero-fills its ``index_add_`` target too)."""
+    return 4.0 * np.asarray(tokens, dtype=float) * hidden * BF16
+
+
+def split_up_grad_bytes(copies, hidden: int):
+    """Bytes of the add that sums the two input gradients of a MoE layer's routed copies where its gate (w1) and up
+    (w3) projections are two grouped GEMMs on one input: read both (copies x hidden, bf16), write one. Source:
+    torchtitan torchtitan/models/moe/moe.py ``_run_experts_grouped_mm`` (@022f885f; @0691f514 under
+    torchtitan/models/common/moe): ``torch._grouped_mm(x, w1)`` and ``torch._grouped_mm(x, w3)`` apart, so autograd
+    accumulates x's two dgrads in one add kernel, compiled or eager (a GEMM's output fuses with nothing). xpar prices
+    the up projection as one GEMM of twice the width (one dgrad, one output), as Megatron-Core's fused fc1 and NeMo
+    AutoModel's ``gate_and_up_projs`` run it."""
+    return 3.0 * np.asarray(copies, dtype=float) * hidden * BF16
 
 
 def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel):
