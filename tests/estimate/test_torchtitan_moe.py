@@ -3,6 +3,8 @@ copies back into their tokens (framework.moe_scatter, xpar.estimate.moe_dispatch
 Blackwell (framework.expert_gemm_kernel, xpar.estimate.compute.kernels)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.conftest import spec_for
@@ -10,7 +12,7 @@ from xpar.config.checks.framework import check_framework
 from xpar.config.checks.hardware import load_hardware_preset
 from xpar.config.presets import preset_dict
 from xpar.config.schema import FrameworkConfig
-from xpar.estimate.compute.kernel_block import (BlockShape, block_times, scatter_target_bytes,
+from xpar.estimate.compute.kernel_block import (BlockShape, block_times, scatter_target_bytes, split_bias_bytes,
                                                 split_up_grad_bytes)
 from xpar.estimate.compute.kernels import TORCH_GROUPED_MM_RATE, device_of, expert_gemm_rate, memory_time
 from xpar.estimate.cost import estimate
@@ -146,3 +148,25 @@ def test_the_atomic_combine_still_writes_its_zeroed_target_and_adds_the_shared_o
         fused, atomic = (block_times(sh, 8, 4096, B200, ep=8, moe_scatter=s) for s in ("fused", "atomic"))
         assert float(fused.memory - atomic.memory) == pytest.approx(
             float(memory_time((k + 1 - 4) * tokens * 2048 * 2, B200)))
+
+
+def test_automodels_eager_expert_biases_move_their_split_add_and_fp32_bytes_only_where_the_model_has_them():
+    """gpt-oss's expert biases under NeMo AutoModel (framework.expert_bias_add 'split', fsdp2_bf16): 8 bytes an element
+    of the gate/up output and 28 of the down output (fp32 by the probabilities' promotion), forward and backward alike,
+    in BlockTerms.atomics (eager either way); a model without biases, or 'fused', moves nothing more; the profile
+    names it and a value outside the choices is refused."""
+    sh = BlockShape(hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880, experts=32, top_k=4, expert_ffn=2880,
+                    expert_bias=True)
+    copies = 2 * 4096 * 4  # micro-batch 2 x 4096 tokens at ep 8, top-4, even routing: as many copies received
+    expected = memory_time(copies * (8 * 2 * 2880 + 28 * 2880), H100)
+    assert float(split_bias_bytes(copies, 2 * 2880, 2880)) == copies * (8 * 5760 + 28 * 2880)
+    for backward in (False, True):
+        fused, split = (block_times(sh, 2, 4096, H100, ep=8, dispatcher="deepep", expert_bias_add=k, backward=backward)
+                        for k in ("fused", "split"))
+        assert float(split.atomics - fused.atomics) == pytest.approx(float(expected))
+        assert (float(split.memory), float(split.experts)) == (float(fused.memory), float(fused.experts))
+        plain = replace(sh, expert_bias=False)
+        assert float(block_times(plain, 2, 4096, H100, ep=8, expert_bias_add="split", backward=backward).atomics) == 0
+    assert FrameworkConfig(**preset_dict("framework", "fsdp2_bf16")).expert_bias_add == "split"
+    assert FrameworkConfig(**preset_dict("framework", "megatron_core")).expert_bias_add == "fused"
+    assert any("framework.expert_bias_add='loop'" in b for b in check_framework(FrameworkConfig(expert_bias_add="loop")))
