@@ -104,8 +104,9 @@ class BlockTerms:
     atomics: np.ndarray
     """aten kernels a MoE layer runs as they are, compiled or not (not scaled by framework.elementwise_passes):
     atomic scatters of its copies back into their tokens (framework.moe_scatter 'atomic':
-    xpar.estimate.moe_dispatch.atomic_scatter_seconds) and, backward, the sum of torch._grouped_mm's split gate and
-    up input gradients (:func:`split_up_grad_bytes`); 0 elsewhere."""
+    xpar.estimate.moe_dispatch.atomic_scatter_seconds), backward the sum of torch._grouped_mm's split gate and up
+    input gradients (:func:`split_up_grad_bytes`), and eager per-expert bias adds (:func:`split_bias_bytes`); 0
+    elsewhere."""
 
     @property
     def busy(self) -> np.ndarray:
@@ -272,8 +273,8 @@ def split_up_grad_bytes(copies, hidden: int):
 
 def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel,
          bias_add: str = "fused"):
-    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of the block's MLP: :func:`_moe` where the block
-    has experts, else :func:`_mlp` (no experts, no atomic scatters)."""
+    """(dense gemm s, expert gemm s, kernels, bytes, aten kernel s) of the block's MLP: :func:`_moe` where the block
+    has experts, else :func:`_mlp` (no experts, no aten kernels of a MoE layer)."""
     if sh.experts:
         return _moe(sh, t, tp, ep, device, dtype, backward, grouped, sorts, quant, scatter, expert_kernel, bias_add)
     g, kernels, moved = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
