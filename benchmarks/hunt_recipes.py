@@ -15,6 +15,12 @@ entry of :data:`RECIPES` names the hunt file, the row, the overrides and the sou
   gets the k consecutive experts (t k + j) mod E, on 1-2 ranks and nodes, where learned routing spreads them. Not
   for Megatron-Core's ``--moe-router-force-load-balancing``: it draws random logits
   (megatron/core/transformer/moe/moe_utils.py ``RandomSTE``), so its experts spread as learned routing's do.
+- Full recompute without early stop (``framework.checkpoint_early_stop=false``): torchtitan's DeepEP recipe sets
+  ``[activation_checkpoint] mode = "full"`` and leaves ``early_stop`` at its default, False (torchtitan
+  torchtitan/config/job_config.py @022f885f ``ActivationCheckpoint.early_stop``, passed to ``ptd_checkpoint_wrapper`` in
+  torchtitan/distributed/activation_checkpoint.py ``_apply_full_ac``; pytorch/torchtitan PR 1580, 2025-08: "toggle
+  early-stop with a default of False"), so each block's recomputed forward runs to its end, w2 included, where the
+  torchtitan profile's ``checkpoint_early_stop: true`` is torch's own default that torchtitan ran before that PR.
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ from pathlib import Path
 
 ROUND_ROBIN = ("model.moe_routing=round_robin",)
 AUTOMODEL = "NeMo AutoModel examples/benchmark/configs/{}_te_deepep.yaml @037e04a6: fake_balanced_gate: true"
-TORCHTITAN = "torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_force_load_balance=true"
+TORCHTITAN = ("torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_force_load_balance=true; full AC with "
+              "ActivationCheckpoint.early_stop at its default, False (torchtitan/config/job_config.py)")
+TORCHTITAN_DEEPEP = (*ROUND_ROBIN, "framework.checkpoint_early_stop=false")
 
 RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
@@ -32,8 +40,8 @@ RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 12): (ROUND_ROBIN, AUTOMODEL.format("gptoss_20b")),
     ("refusal_hunt2.md", 18): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
     ("refusal_hunt2.md", 19): (ROUND_ROBIN, AUTOMODEL.format("kimi_k2")),
-    **{("refusal_hunt3.md", row): (ROUND_ROBIN, TORCHTITAN) for row in (22, 23, 24, 25)},
-    **{("refusal_hunt4.md", row): (ROUND_ROBIN, TORCHTITAN) for row in (10, 11)},  # the same recipe on 16, 32 B200
+    **{("refusal_hunt3.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (22, 23, 24, 25)},
+    **{("refusal_hunt4.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (10, 11)},  # the same recipe, 16, 32 B200
 }
 """(hunt file name, row) -> (overrides the recipe sets, its source)."""
 

@@ -23,12 +23,15 @@ def test_every_recipe_names_a_moe_row_of_its_hunt():
         assert "n_experts" in rows[row] or "qwen3_30b_a3b" in rows[row] or "deepseek_v3" in rows[row], (hunt, row)
 
 
+TITAN_DEEPEP = ("model.moe_routing=round_robin", "framework.checkpoint_early_stop=false")
+
+
 def test_recipe_overrides_by_file_name_and_none_elsewhere():
-    assert recipe_overrides(BENCH / "refusal_hunt3.md", 23) == ("model.moe_routing=round_robin",)
+    assert recipe_overrides(BENCH / "refusal_hunt3.md", 23) == TITAN_DEEPEP
     assert recipe_overrides(Path("elsewhere") / "refusal_hunt2.md", 9) == ("model.moe_routing=round_robin",)
     assert recipe_overrides(BENCH / "refusal_hunt2.md", 5) == ()  # Megatron-Core: random logits, learned spread
     assert recipe_overrides(BENCH / "refusal_hunt.md", 9) == ()
-    assert recipe_overrides(BENCH / "refusal_hunt4.md", 10) == ("model.moe_routing=round_robin",)  # torchtitan's
+    assert recipe_overrides(BENCH / "refusal_hunt4.md", 10) == TITAN_DEEPEP  # torchtitan's DeepEP recipe again
 
 
 def test_an_appended_override_wins_over_the_typed_command():
@@ -37,6 +40,8 @@ def test_an_appended_override_wins_over_the_typed_command():
     typed, recipe = compose_line(command), compose_line(with_overrides(command, recipe_overrides(
         BENCH / "refusal_hunt3.md", 22)))
     assert typed.model.moe_routing == "learned" and recipe.model.moe_routing == "round_robin"
+    # torchtitan's ActivationCheckpoint.early_stop defaults to False since its PR 1580: the whole forward reruns
+    assert typed.framework.checkpoint_early_stop is True and recipe.framework.checkpoint_early_stop is False
     assert with_overrides(command, ()) == command
 
 

@@ -123,6 +123,11 @@ class FrameworkConfig:
     expert_gemm_kernel: str = "dense"
     """The routed experts' GEMM kernel: 'dense' (at the device's dense GEMM rate) or 'torch_grouped_mm'
     (torch._grouped_mm, torchtitan's GroupedExperts), xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS."""
+    expert_bias_add: str = "fused"
+    """How the routed experts' biases (model.bias on a MoE model) are added: 'fused' (in the GEMM's epilogue or the
+    activation kernel: no traffic of their own) or 'split' (NeMo AutoModel's GroupedExpertsDeepEP._apply_bias: eager,
+    per local expert, the down projection's bias scaled by the fp32 routing probabilities),
+    xpar.estimate.compute.kernel_block.split_bias_bytes."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels

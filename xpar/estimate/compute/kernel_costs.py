@@ -129,7 +129,7 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe,
               fp8_casts=assume.fp8_cast_kernels, window_kernel=assume.sliding_window_kernel,
               sinks=assume.sink_attention if base.model.attention_sinks else None, moe_scatter=assume.moe_scatter,
-              expert_gemm_kernel=assume.expert_gemm_kernel)
+              expert_gemm_kernel=assume.expert_gemm_kernel, expert_bias_add=assume.expert_bias_add)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
     passes = elementwise_passes(base.train, assume)  # not the atomic scatters: one aten kernel each, compiled or not
     fwd, bwd = (replace(x, memory=x.memory * passes + x.atomics, atomics=0.0 * x.atomics) for x in (fwd, bwd))
