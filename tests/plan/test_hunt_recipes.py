@@ -24,11 +24,12 @@ def test_every_recipe_names_a_moe_row_of_its_hunt():
 
 
 def test_recipe_overrides_by_file_name_and_none_elsewhere():
-    assert recipe_overrides(BENCH / "refusal_hunt3.md", 23) == ("model.moe_routing=round_robin",)
+    assert recipe_overrides(BENCH / "refusal_hunt3.md", 23) == ("model.moe_routing=round_robin",
+                                                               "framework.moe_recompute_graph_kept=true")
     assert recipe_overrides(Path("elsewhere") / "refusal_hunt2.md", 9) == ("model.moe_routing=round_robin",)
     assert recipe_overrides(BENCH / "refusal_hunt2.md", 5) == ()  # Megatron-Core: random logits, learned spread
     assert recipe_overrides(BENCH / "refusal_hunt.md", 9) == ()
-    assert recipe_overrides(BENCH / "refusal_hunt4.md", 10) == ("model.moe_routing=round_robin",)  # torchtitan's
+    assert recipe_overrides(BENCH / "refusal_hunt4.md", 10) == recipe_overrides(BENCH / "refusal_hunt3.md", 22)
 
 
 def test_an_appended_override_wins_over_the_typed_command():
@@ -38,6 +39,17 @@ def test_an_appended_override_wins_over_the_typed_command():
         BENCH / "refusal_hunt3.md", 22)))
     assert typed.model.moe_routing == "learned" and recipe.model.moe_routing == "round_robin"
     assert with_overrides(command, ()) == command
+
+
+def test_the_deepep_branch_rows_keep_their_recompute_graphs():
+    """The rows torchtitan's DeepEP README published ran its deepep branch, whose manager keeps token_probs: their
+    recipe prices the kept graphs (framework.moe_recompute_graph_kept); the AutoModel rows' dispatcher does not."""
+    for hunt, row in (("refusal_hunt3.md", 22), ("refusal_hunt3.md", 25), ("refusal_hunt4.md", 11)):
+        command = dict((num, c) for num, _, c in runs_table(BENCH / hunt))[row]
+        typed = compose_line(command)
+        recipe = compose_line(with_overrides(command, recipe_overrides(BENCH / hunt, row)))
+        assert not typed.framework.moe_recompute_graph_kept and recipe.framework.moe_recompute_graph_kept, (hunt, row)
+    assert "framework.moe_recompute_graph_kept=true" not in recipe_overrides(BENCH / "refusal_hunt2.md", 10)
 
 
 def test_set_values_are_dotted_key_value_pairs(capsys):
