@@ -345,16 +345,32 @@ def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: flo
         return 0.0
     moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    block = layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    block = layer_activation_bytes(*args, "none", **dict(eager_layer_kwargs(spec, o), ffn=0))
     extra = spec.seq_len * spec.train.micro_batch_size * eager_attention_extra_bytes(spec, o)
     return share * moe * (block + extra)
+
+
+def eager_layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
+    """:func:`_layer_kwargs` for a block that runs eagerly under ``train.compile``: the deepep branch's fully recomputed
+    MoE blocks. torchtitan @022f885f wraps each block in its checkpoint and compiles it with fullgraph=False
+    (torchtitan/models/llama4/infra/parallelize.py apply_compile); dynamo traces torch.utils.checkpoint as one
+    higher-order op, which refuses a body that mutates state outside it (``PrimusTurboDeepepManager.setup_metadata``'s
+    ``self.token_probs``, ``MoE.tokens_per_expert.add_``) and then runs the whole checkpointed block eagerly, forward
+    and recompute (the branch's own note @2a642d02, apply_compile: "prevent AC from falling back the whole graph to
+    eager", "TODO: Fix Compile(AC(graph break))"; checked on torch, tests/estimate/test_moe_recompute_graph.py). So its
+    SwiGLU keeps w1's and w3's outputs, silu's output and the product (4 e f, ``fused_swiglu`` only where the profile
+    fuses it) and its norms are the profile's (``fused_rmsnorm``), not the compiled block's."""
+    cfg = spec.model
+    return dict(_layer_kwargs(spec, o), fused_swiglu=o.fused_swiglu, compiled=False,
+                norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm")
 
 
 def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: float) -> float:
     """Bytes live while the last recomputed MoE block of ``stage`` runs its backward with ``moe_recompute_graph_kept``:
     the graphs the stage's other recomputed MoE blocks keep (:func:`moe_kept_graph_bytes`, one block's each) and that
     block's rebuilt activations, its no-recompute bytes (:func:`layer_activation_bytes`) with the eager extras
-    (:func:`eager_attention_extra_bytes`) and the routed copies the expert GEMMs keep, e k h / t per token (the
+    (:func:`eager_attention_extra_bytes`; eager, :func:`eager_layer_kwargs`: SwiGLU keeps 4 e f) and the routed copies
+    the expert GEMMs keep, e k h / t per token (the
     permuted input, torchtitan/distributed/deepep/utils.py ``permute``: ``tokens.index_select(0, sorted_indices)``, k
     rows a token, which the w1 and w3 ``torch._grouped_mm`` calls keep for their weight gradients:
     torchtitan/models/moe/moe.py _run_experts_grouped_mm; :func:`token_ffn` leaves it out). The backward runs the blocks last to first, so when the stage's first block
@@ -367,7 +383,7 @@ def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share:
     if not graph or n < 1:
         return 0.0
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    rebuilt = layer_activation_bytes(*args, "none", **_layer_kwargs(spec, o))
+    rebuilt = layer_activation_bytes(*args, "none", **eager_layer_kwargs(spec, o))
     routed = precision(spec, o)["e"] * cfg.moe_top_k * cfg.hidden / spec.tp
     extra = eager_attention_extra_bytes(spec, o) + routed
     return graph * (n - 1) / n + rebuilt + spec.seq_len * spec.train.micro_batch_size * extra
