@@ -213,7 +213,7 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     torch policy it keeps only the saved outputs its backward reads (``compiled``: :func:`compiled_drops`)."""
     cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
-    kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
+    kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg, routed_load(spec)),
               swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
               resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
               sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
@@ -222,12 +222,31 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     return {**kw, **mla_widths(cfg)}  # MLA: its own q/k/v and context widths (xpar.estimate.memory.mla)
 
 
-def token_ffn(cfg) -> float:
+def token_ffn(cfg, load: float = 1.0) -> float:
     """The MLP inner width one token goes through, the mean over the blocks
-    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with). Not counted:
-    the router's E logits and each routed copy of the token's input (k h per token), small beside
-    the experts' inner width."""
-    return remat_token_ffn(cfg)
+    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with), its routed experts' k x expert
+    width times ``load`` (:func:`routed_load`: the busiest rank's routed copies over the even share). Not counted
+    here: the router's E logits and each routed copy of the token's input (k h per token)."""
+    base = remat_token_ffn(cfg)
+    if load == 1.0 or not cfg.n_experts:
+        return base
+    return base + cfg.moe_layers * cfg.moe_top_k * cfg.expert_ffn * (load - 1.0) / cfg.n_layers
+
+
+def routed_load(spec: RunSpec) -> float:
+    """Routed copies the busiest rank's experts hold activations for, over the even share k T (T tokens per rank
+    entering the MoE): ``model.capacity_factor`` c where set (every expert's buffer c x its even share, padded, at any
+    ep: GShard, Lepikhin et al. 2021; Fedus et al. 2022; Megatron-Core ``--moe-pad-expert-input-to-capacity``), else,
+    dropless, ``model.moe_imbalance`` where ep > 1 (the busiest ep rank's tokens over the mean: its experts receive that
+    many copies and keep their SwiGLU inputs and outputs for backward) and 1 at ep 1, where a rank computes all k T
+    copies whatever their spread over its experts. The busiest rank the step time prices
+    (xpar.estimate.expert_parallel.busiest_rank_load) is the device whose memory is the peak. 1 without experts."""
+    cfg = spec.model
+    if not cfg.n_experts:
+        return 1.0
+    if cfg.capacity_factor is not None:
+        return float(cfg.capacity_factor)
+    return float(cfg.moe_imbalance) if spec.layout.ep > 1 else 1.0
 
 
 def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, float]:
@@ -272,7 +291,7 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
         return 0.0
     cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
     inputs = 1 if cfg.block == "parallel" else 2  # one norm: the q/k/v and MLP-in inputs are one tensor
-    per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
+    per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg, routed_load(spec))) / t
     return spec.seq_len * spec.train.micro_batch_size * per_token
 
 
@@ -384,7 +403,7 @@ def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share:
         return 0.0
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
     rebuilt = layer_activation_bytes(*args, "none", **eager_layer_kwargs(spec, o))
-    routed = precision(spec, o)["e"] * cfg.moe_top_k * cfg.hidden / spec.tp
+    routed = precision(spec, o)["e"] * cfg.moe_top_k * routed_load(spec) * cfg.hidden / spec.tp
     extra = eager_attention_extra_bytes(spec, o) + routed
     return graph * (n - 1) / n + rebuilt + spec.seq_len * spec.train.micro_batch_size * extra
 
