@@ -21,6 +21,13 @@ entry of :data:`RECIPES` names the hunt file, the row, the overrides and the sou
   torchtitan/distributed/activation_checkpoint.py ``_apply_full_ac``; pytorch/torchtitan PR 1580, 2025-08: "toggle
   early-stop with a default of False"), so each block's recomputed forward runs to its end, w2 included, where the
   torchtitan profile's ``checkpoint_early_stop: true`` is torch's own default that torchtitan ran before that PR.
+- The DeepEP branch's kept recompute graphs (``framework.moe_recompute_graph_kept=true``,
+  xpar.estimate.memory.activations.moe_kept_graph_bytes): the rows published on torchtitan's DeepEP README ran the
+  branch that README belongs to (022f885f, 2a642d02: neither is an ancestor of torchtitan's main), whose
+  ``PrimusTurboDeepepManager.setup_metadata`` stores ``self.token_probs`` / ``self.token_indices`` on each MoE layer's
+  manager and nothing clears them (torchtitan/distributed/deepep/utils.py at both commits: ``combine`` clears the
+  dispatch fields only), so each fully recomputed MoE block keeps its recomputed attention and router graph from its
+  backward to its next forward. The profile's default (false) is torchtitan's own DeepEP path, which does not.
 """
 from __future__ import annotations
 
@@ -30,8 +37,9 @@ from pathlib import Path
 ROUND_ROBIN = ("model.moe_routing=round_robin",)
 AUTOMODEL = "NeMo AutoModel examples/benchmark/configs/{}_te_deepep.yaml @037e04a6: fake_balanced_gate: true"
 TORCHTITAN = ("torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_force_load_balance=true; full AC with "
-              "ActivationCheckpoint.early_stop at its default, False (torchtitan/config/job_config.py)")
-TORCHTITAN_DEEPEP = (*ROUND_ROBIN, "framework.checkpoint_early_stop=false")
+              "ActivationCheckpoint.early_stop at its default, False (torchtitan/config/job_config.py); the deepep "
+              "branch's PrimusTurboDeepepManager keeps token_probs (torchtitan/distributed/deepep/utils.py @022f885f)")
+TORCHTITAN_DEEPEP = (*ROUND_ROBIN, "framework.checkpoint_early_stop=false", "framework.moe_recompute_graph_kept=true")
 
 RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
@@ -41,7 +49,7 @@ RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 18): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
     ("refusal_hunt2.md", 19): (ROUND_ROBIN, AUTOMODEL.format("kimi_k2")),
     **{("refusal_hunt3.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (22, 23, 24, 25)},
-    **{("refusal_hunt4.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (10, 11)},  # the same recipe, 16, 32 B200
+    **{("refusal_hunt4.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (10, 11)},  # the same recipe on 16, 32 B200
 }
 """(hunt file name, row) -> (overrides the recipe sets, its source)."""
 

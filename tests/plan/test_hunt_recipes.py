@@ -23,7 +23,8 @@ def test_every_recipe_names_a_moe_row_of_its_hunt():
         assert "n_experts" in rows[row] or "qwen3_30b_a3b" in rows[row] or "deepseek_v3" in rows[row], (hunt, row)
 
 
-TITAN_DEEPEP = ("model.moe_routing=round_robin", "framework.checkpoint_early_stop=false")
+TITAN_DEEPEP = ("model.moe_routing=round_robin", "framework.checkpoint_early_stop=false",
+                "framework.moe_recompute_graph_kept=true")
 
 
 def test_recipe_overrides_by_file_name_and_none_elsewhere():
@@ -43,6 +44,17 @@ def test_an_appended_override_wins_over_the_typed_command():
     # torchtitan's ActivationCheckpoint.early_stop defaults to False since its PR 1580: the whole forward reruns
     assert typed.framework.checkpoint_early_stop is True and recipe.framework.checkpoint_early_stop is False
     assert with_overrides(command, ()) == command
+
+
+def test_the_deepep_branch_rows_keep_their_recompute_graphs():
+    """The rows torchtitan's DeepEP README published ran its deepep branch, whose manager keeps token_probs: their
+    recipe prices the kept graphs (framework.moe_recompute_graph_kept); the AutoModel rows' dispatcher does not."""
+    for hunt, row in (("refusal_hunt3.md", 22), ("refusal_hunt3.md", 25), ("refusal_hunt4.md", 11)):
+        command = dict((num, c) for num, _, c in runs_table(BENCH / hunt))[row]
+        typed = compose_line(command)
+        recipe = compose_line(with_overrides(command, recipe_overrides(BENCH / hunt, row)))
+        assert not typed.framework.moe_recompute_graph_kept and recipe.framework.moe_recompute_graph_kept, (hunt, row)
+    assert "framework.moe_recompute_graph_kept=true" not in recipe_overrides(BENCH / "refusal_hunt2.md", 10)
 
 
 def test_set_values_are_dotted_key_value_pairs(capsys):

@@ -192,9 +192,9 @@ class FrameworkConfig:
     both per MoE layer (xpar.estimate.memory.activations.moe_kept_graph_bytes). True for a MoE dispatcher that keeps the
     routing probabilities on the module between calls: the Primus-Turbo DeepEP manager of torchtitan's deepep branch
     @022f885f (torchtitan/distributed/deepep/utils.py PrimusTurboDeepepManager.setup_metadata stores
-    ``self.token_probs`` and ``dispatch`` the dispatched probabilities, which ``combine`` clears; the recompute of
-    torch's non-reentrant checkpoint stops after the last tensor the backward needs, before combine, and its pack hook
-    hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
+    ``self.token_probs`` and ``self.token_indices``, which nothing clears: ``combine`` clears the dispatch fields only;
+    the recompute of torch's non-reentrant checkpoint, early stop or not (torchtitan's ActivationCheckpoint.early_stop
+    is False), hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
     dispatcher that hands its state to combine (upstream torchtitan's EPDispatchMetadata,
     torchtitan/models/common/token_dispatcher.py 2026; Megatron-Core, DeepSpeed)."""
     replicated_embedding_grad: bool = True
