@@ -1,0 +1,63 @@
+"""Small models and short steps priced as their code runs (issue 42): the cross-entropy over the vocabulary by the
+framework's loss kernel (framework.loss_kernel: xpar.estimate.compute.kernel_block.LOSS_BYTES).
+
+A GPT-2 124M step of llm.c (karpathy/llm.c scripts/run_gpt2_124M.sh: 64 x 1024 tokens a GPU, vocabulary padded to
+50,304) spends a tenth of its time over the logits when they are priced as eager fp32 passes; llm.c's
+fused_classifier_kernel5 reads each bf16 row and overwrites it with its gradient in one kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xpar.config.validate import validate
+from xpar.estimate.compute.kernel_block import LOSS_BYTES, logits_times
+from xpar.estimate.compute.kernel_costs import kernel_layer_costs, training_device
+from xpar.estimate.compute.kernels import HBM_FRACTION
+from xpar.estimate.cost import assumptions_for, estimate
+from xpar.plan.verify import compose_line
+
+GPT2_124M_LLMC = ("python -m xpar run.mode=estimate tracking=off framework=megatron_core framework.loss_kernel={loss} "
+                  "hardware=a100_80gb_8gpu model=175b model.name=gpt2_124m model.n_layers=12 model.hidden=768 "
+                  "model.n_heads=12 model.ffn_hidden=3072 model.vocab_size=50304 model.seq_len=1024 parallel.dp=8 "
+                  "parallel.zero_stage=1 train.dtype=bf16 train.micro_batch_size=64 train.global_batch_size=512")
+
+
+def _spec(loss: str):
+    return validate(compose_line(GPT2_124M_LLMC.format(loss=loss)))
+
+
+def test_a_fused_loss_reads_the_bf16_logits_once_forward_and_writes_their_gradient_once_backward():
+    """'fused': 2 bytes a logit forward, 4 backward (6 in all) against eager fp32's 8 + 8, at the same GEMMs."""
+    spec = _spec("fused")
+    device = training_device(spec.hardware)
+    tokens, vocab = np.array([65536.0, 8192.0]), 50304
+    hbm = device.hbm_bytes_per_s * HBM_FRACTION
+    for backward, per_logit in ((False, 2.0), (True, 4.0)):
+        g_fused, m_fused = logits_times(tokens, 768, vocab, device, 1, "bf16", backward, loss="fused")
+        g_fp32, m_fp32 = logits_times(tokens, 768, vocab, device, 1, "bf16", backward, loss="fp32")
+        np.testing.assert_allclose(m_fused, per_logit * tokens * vocab / hbm, rtol=1e-12)
+        np.testing.assert_allclose(m_fp32, 8.0 * tokens * vocab / hbm, rtol=1e-12)
+        np.testing.assert_array_equal(g_fused, g_fp32)
+    assert sum(LOSS_BYTES["fused"]) == 6.0 and sum(LOSS_BYTES["fp32"]) == 16.0
+
+
+def test_the_estimate_prices_the_loss_kernel_the_profile_names():
+    """GPT-2 124M on 8 A100 at llm.c's 64 x 1024 tokens: framework.loss_kernel=fused saves the logits' 10 bytes in
+    16 in the step's memory-bound term and nothing else (the GEMMs, the blocks, communication unchanged)."""
+    fp32, fused = (_spec(k) for k in ("fp32", "fused"))
+    a32, afu = (kernel_layer_costs(s, assumptions_for(s)) for s in (fp32, fused))
+    for k in ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mm_f", "logits_mm_b"):
+        assert afu[k] == a32[k], k
+    assert afu["logits_mem_f"] == pytest.approx(a32["logits_mem_f"] / 4, rel=1e-12)
+    assert afu["logits_mem_b"] == pytest.approx(a32["logits_mem_b"] / 2, rel=1e-12)
+    e32, efu = estimate(fp32, assumptions_for(fp32)), estimate(fused, assumptions_for(fused))
+    saved = a32["logits_mem_f"] + a32["logits_mem_b"] - afu["logits_mem_f"] - afu["logits_mem_b"]
+    assert e32.time_per_step_s - efu.time_per_step_s == pytest.approx(saved, rel=1e-6)
+    assert 0.04 < saved / e32.time_per_step_s < 0.08  # a twentieth of a 124M model's step at 65,536 tokens
+
+
+def test_an_unknown_loss_kernel_is_refused_naming_the_ones_priced():
+    device = training_device(_spec("fp32").hardware)
+    with pytest.raises(ValueError, match="fp32, fused"):
+        logits_times(1024, 768, 50304, device, loss="chunked")
