@@ -1,5 +1,6 @@
 """Small models and short steps priced as their code runs (issue 42): the cross-entropy over the vocabulary by the
-framework's loss kernel (framework.loss_kernel: xpar.estimate.compute.kernel_block.LOSS_BYTES).
+framework's loss kernel (framework.loss_kernel: xpar.estimate.compute.kernel_block.LOSS_BYTES); a small model's weight
+gradients (K = the tokens, a small output) split along K to fill whole waves (kernels.SPLIT_K_WAVES).
 
 A GPT-2 124M step of llm.c (karpathy/llm.c scripts/run_gpt2_124M.sh: 64 x 1024 tokens a GPU, vocabulary padded to
 50,304) spends a tenth of its time over the logits when they are priced as eager fp32 passes; llm.c's
@@ -10,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from xpar.config.checks.hardware import load_hardware_preset
 from xpar.config.validate import validate
 from xpar.estimate.compute.kernel_block import LOSS_BYTES, logits_times
 from xpar.estimate.compute.kernel_costs import kernel_layer_costs, training_device
-from xpar.estimate.compute.kernels import HBM_FRACTION
+from xpar.estimate.compute.kernels import HBM_FRACTION, device_of, gemm_fraction_of_peak, split_k_min_depth
 from xpar.estimate.cost import assumptions_for, estimate
 from xpar.plan.verify import compose_line
 
@@ -61,3 +63,20 @@ def test_an_unknown_loss_kernel_is_refused_naming_the_ones_priced():
     device = training_device(_spec("fp32").hardware)
     with pytest.raises(ValueError, match="fp32, fused"):
         logits_times(1024, 768, 50304, device, loss="chunked")
+
+
+def test_a_small_models_weight_gradient_is_split_along_its_tokens_to_fill_whole_waves():
+    """GPT-2 124M's MLP weight gradient on an A100, (768 x 65,536) @ (65,536 x 3,072): 72 tiles of 128 x 256 on 108
+    SMs. One wave of them leaves a third of the SMs idle (2/3 of the large-GEMM fraction); 3 slices of K a tile fill 2
+    whole waves (kernels.SPLIT_K_WAVES), at the large-GEMM fraction. A shallow K is not split beyond one wave: a
+    768-wide expert's (4096 x 2048) @ (2048 x 768) on an H100, whose slices would fall under split_k_min_depth."""
+    device = training_device(_spec("fp32").hardware)
+    frac = gemm_fraction_of_peak(768, 3072, 65536, device) / device.gemm_fraction["bf16"]
+    assert float(frac) == pytest.approx(1.0, abs=0.01)  # before: 72 / 108 = 0.67
+    depth = split_k_min_depth(device.peak_flops["bf16"] * device.gemm_fraction["bf16"], device)
+    assert depth == pytest.approx(4 * 312e12 * device.gemm_fraction["bf16"] / (2.039e12 * HBM_FRACTION))
+    assert depth < 65536 / 3 and float(gemm_fraction_of_peak(768, 3072, 1024, device)) < 0.7 * float(frac) * \
+        device.gemm_fraction["bf16"]  # 1,024 tokens: slices under the depth, one partial wave as before
+    h100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
+    narrow, wide = gemm_fraction_of_peak(4096, [768, 8192], 2048, h100)
+    assert narrow < 0.8 * wide  # 96 tiles on 132 SMs: one partial wave, K = 2048 too shallow to split further
