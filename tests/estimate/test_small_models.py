@@ -80,3 +80,18 @@ def test_a_small_models_weight_gradient_is_split_along_its_tokens_to_fill_whole_
     h100 = device_of(load_hardware_preset("h100_80gb_8gpu"))
     narrow, wide = gemm_fraction_of_peak(4096, [768, 8192], 2048, h100)
     assert narrow < 0.8 * wide  # 96 tiles on 132 SMs: one partial wave, K = 2048 too shallow to split further
+
+
+def test_the_llmc_profile_prices_llm_cs_fused_kernels_and_runs_data_parallel_only():
+    """framework=llmc (conf/framework/llmc.yaml, llm.c's train_gpt2.cu): the fused loss and one element-wise pass; no
+    tensor parallelism (refused in one line naming the limit)."""
+    from xpar.config.checks import ConfigError
+    llmc = validate(compose_line(GPT2_124M_LLMC.format(loss="fused").replace("framework=megatron_core", "framework=llmc")))
+    a = assumptions_for(llmc)
+    assert (a.name, a.loss_kernel, a.elementwise_passes, a.zero1) == ("llmc", "fused", 1.0, "distributed_optimizer")
+    mine, typed = kernel_layer_costs(llmc, a), kernel_layer_costs(_spec("fused"), assumptions_for(_spec("fused")))
+    for k in ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mem_f", "logits_mem_b"):
+        assert mine[k] == pytest.approx(typed[k], rel=1e-12), k  # megatron_core's fused kernels, llm.c's loss
+    with pytest.raises(ConfigError, match=r"framework=llmc does not run parallel.tp=2 \(framework.max_tp=1"):
+        validate(compose_line(GPT2_124M_LLMC.format(loss="fused").replace("framework=megatron_core", "framework=llmc")
+                              .replace("parallel.dp=8", "parallel.dp=4 parallel.tp=2")))
