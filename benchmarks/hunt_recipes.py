@@ -32,11 +32,12 @@ TORCHTITAN = "torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_for
 LLMC = ("framework=llmc",)
 LLMC_SOURCE = "karpathy/llm.c train_gpt2.cu (C/CUDA, cuDNN attention, fused classifier): conf/framework/llmc.yaml"
 LLMC_A0D5 = ("framework=llmc", "framework.dp_overlap=false")
-LLMC_A0D5_SOURCE = ("llm.c @a0d5dbbd (run_gpt2_124M.sh's commit): gpt2_multi_gpu_accumulate reduce-scatters the gradients "
-                    "after the backward on the compute stream")
+LLMC_A0D5_SOURCE = ("llm.c @a0d5dbbd (run_gpt2_124M.sh's commit): gpt2_multi_gpu_accumulate reduce-scatters the "
+                    "gradients after the backward on the compute stream")
 TINYLLAMA = ("framework.elementwise_passes=1.0",)
-TINYLLAMA_SOURCE = ("jzhang38/TinyLlama @bf122247 README ('fused layernorm, fused swiglu, fused cross entropy loss, fused "
-                    "rotary positional embedding'), lit_gpt/model.py: FusedRMSNorm, xformers SwiGLU, apply_rotary_emb_func")
+TINYLLAMA_SOURCE = ("jzhang38/TinyLlama @bf122247 README ('fused layernorm, fused swiglu, fused cross entropy loss, "
+                    "fused rotary positional embedding'), lit_gpt/model.py: FusedRMSNorm, xformers SwiGLU, "
+                    "apply_rotary_emb_func")
 
 RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),

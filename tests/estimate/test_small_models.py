@@ -86,12 +86,12 @@ def test_the_llmc_profile_prices_llm_cs_fused_kernels_and_runs_data_parallel_onl
     """framework=llmc (conf/framework/llmc.yaml, llm.c's train_gpt2.cu): the fused loss and one element-wise pass; no
     tensor parallelism (refused in one line naming the limit)."""
     from xpar.config.checks import ConfigError
-    llmc = validate(compose_line(GPT2_124M_LLMC.format(loss="fused").replace("framework=megatron_core", "framework=llmc")))
+    typed_llmc = GPT2_124M_LLMC.format(loss="fused").replace("framework=megatron_core", "framework=llmc")
+    llmc = validate(compose_line(typed_llmc))
     a = assumptions_for(llmc)
     assert (a.name, a.loss_kernel, a.elementwise_passes, a.zero1) == ("llmc", "fused", 1.0, "distributed_optimizer")
     mine, typed = kernel_layer_costs(llmc, a), kernel_layer_costs(_spec("fused"), assumptions_for(_spec("fused")))
     for k in ("mm_f", "mm_b", "mem_f", "mem_b", "logits_mem_f", "logits_mem_b"):
         assert mine[k] == pytest.approx(typed[k], rel=1e-12), k  # megatron_core's fused kernels, llm.c's loss
     with pytest.raises(ConfigError, match=r"framework=llmc does not run parallel.tp=2 \(framework.max_tp=1"):
-        validate(compose_line(GPT2_124M_LLMC.format(loss="fused").replace("framework=megatron_core", "framework=llmc")
-                              .replace("parallel.dp=8", "parallel.dp=4 parallel.tp=2")))
+        validate(compose_line(typed_llmc.replace("parallel.dp=8", "parallel.dp=4 parallel.tp=2")))

@@ -175,8 +175,8 @@ def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
     """:func:`xpar.estimate.cost.layer_costs` from the kernels: seconds per micro-batch of the mean
     layer, ``mm_*`` (GEMMs, grouped experts, attention core), ``mem_*`` (element-wise, norm, routing
     passes), ``ovh_*`` (launch gaps or host issue time beyond the kernels), forward ``f`` and backward
-    ``b`` (recomputed forward included), and the logits' GEMM and cross-entropy passes (framework.loss_kernel: kernel_block.LOSS_BYTES): the one-row
-    case of :func:`kernel_layer_columns`.
+    ``b`` (recomputed forward included), and the logits' GEMM and cross-entropy passes (framework.loss_kernel:
+    kernel_block.LOSS_BYTES): the one-row case of :func:`kernel_layer_columns`.
 
     Raises:
         ValueError: the hardware lacks a kernel figure (:func:`kernel_priced` is False)."""

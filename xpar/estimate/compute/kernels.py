@@ -145,9 +145,9 @@ leaves SMs idle where the tiles do not divide them: a small model's weight gradi
 h 768 and 65,536 tokens, is 72 128 x 256 tiles on an A100's 108 SMs, one split each and a third of the SMs idle,
 where 3 splits run 216 slices of a third of K in 2 full waves (1.5x). cuBLASLt chooses a split-K count per shape among
 its algorithms (cublasLtMatmulAlgoConfigAttributes_t CUBLASLT_ALGO_CONFIG_SPLITK_NUM, the cuBLAS documentation) and
-CUTLASS splits K "for problem sizes where M and N are small (and K is large)" (CUTLASS docs/efficient_gemm.md,
-'Parallelized Reductions'); its stream-K divides all tiles' K iterations evenly over the SMs (Osama et al., "Stream-K",
-PPoPP 2023). Only into slices at least :func:`split_k_min_depth` deep."""
+CUTLASS partitions K where M and N are too small for their threadblocks to occupy the GPU (CUTLASS
+docs/efficient_gemm.md, 'Parallelized Reductions: Split K'); its stream-K divides all tiles' K iterations evenly over
+the SMs (Osama et al., "Stream-K", PPoPP 2023). Only into slices at least :func:`split_k_min_depth` deep."""
 
 
 def split_k_min_depth(rate: float, device: Device):
