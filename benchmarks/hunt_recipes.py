@@ -28,6 +28,11 @@ entry of :data:`RECIPES` names the hunt file, the row, the overrides and the sou
   manager and nothing clears them (torchtitan/distributed/deepep/utils.py at both commits: ``combine`` clears the
   dispatch fields only), so each fully recomputed MoE block keeps its recomputed attention and router graph from its
   backward to its next forward. The profile's default (false) is torchtitan's own DeepEP path, which does not.
+- llm.c's runs (``framework=llmc``, conf/framework/llmc.yaml), typed as megatron_core with its fused loss before the
+  profile existed; the 124M run's commit reduced the gradients after the backward (``framework.dp_overlap=false``).
+- TinyLlama's fused kernels (``framework.elementwise_passes=1.0``): its row is typed with llm-foundry's profile (torch
+  FSDP1, the nearest), whose MPT runs move q, k and v around the flash kernel (2 passes); TinyLlama's lit-gpt fork runs
+  every norm, SwiGLU and rotary embedding as one kernel.
 """
 from __future__ import annotations
 
@@ -40,6 +45,15 @@ TORCHTITAN = ("torchtitan qwen3_10b_a1b_with_deepep.toml @022f885f: debug_moe_fo
               "ActivationCheckpoint.early_stop at its default, False (torchtitan/config/job_config.py); the deepep "
               "branch's PrimusTurboDeepepManager keeps token_probs (torchtitan/distributed/deepep/utils.py @022f885f)")
 TORCHTITAN_DEEPEP = (*ROUND_ROBIN, "framework.checkpoint_early_stop=false", "framework.moe_recompute_graph_kept=true")
+LLMC = ("framework=llmc",)
+LLMC_SOURCE = "karpathy/llm.c train_gpt2.cu (C/CUDA, cuDNN attention, fused classifier): conf/framework/llmc.yaml"
+LLMC_A0D5 = ("framework=llmc", "framework.dp_overlap=false")
+LLMC_A0D5_SOURCE = ("llm.c @a0d5dbbd (run_gpt2_124M.sh's commit): gpt2_multi_gpu_accumulate reduce-scatters the "
+                    "gradients after the backward on the compute stream")
+TINYLLAMA = ("framework.elementwise_passes=1.0",)
+TINYLLAMA_SOURCE = ("jzhang38/TinyLlama @bf122247 README ('fused layernorm, fused swiglu, fused cross entropy loss, "
+                    "fused rotary positional embedding'), lit_gpt/model.py: FusedRMSNorm, xformers SwiGLU, "
+                    "apply_rotary_emb_func")
 
 RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
@@ -50,6 +64,9 @@ RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 19): (ROUND_ROBIN, AUTOMODEL.format("kimi_k2")),
     **{("refusal_hunt3.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (22, 23, 24, 25)},
     **{("refusal_hunt4.md", row): (TORCHTITAN_DEEPEP, TORCHTITAN) for row in (10, 11)},  # the same recipe on 16, 32 B200
+    ("refusal_hunt4.md", 20): (LLMC_A0D5, LLMC_A0D5_SOURCE),
+    **{("refusal_hunt4.md", row): (LLMC, LLMC_SOURCE) for row in (21, 22, 23, 24)},
+    ("refusal_hunt4.md", 25): (TINYLLAMA, TINYLLAMA_SOURCE),
 }
 """(hunt file name, row) -> (overrides the recipe sets, its source)."""
 

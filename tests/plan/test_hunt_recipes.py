@@ -13,14 +13,25 @@ from xpar.plan.verify import compose_line
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_every_recipe_names_a_moe_row_of_its_hunt():
-    """A typo in a hunt name or row number would silently apply nothing: each entry is a row with a command that
-    command names a model with experts (the gate only routes experts), with a source line."""
+def test_every_recipe_names_a_row_of_its_hunt_and_routing_ones_a_moe_row():
+    """A typo in a hunt name or row number would silently apply nothing: each entry is a row with a command, with a
+    source line; a routing recipe's command names a model with experts (the gate only routes experts)."""
     for (hunt, row), (overrides, source) in RECIPES.items():
         rows = {num: command for num, _, command in runs_table(BENCH / hunt)}
         assert row in rows, (hunt, row)
         assert overrides and source
-        assert "n_experts" in rows[row] or "qwen3_30b_a3b" in rows[row] or "deepseek_v3" in rows[row], (hunt, row)
+        if any(o.startswith("model.moe_routing=") for o in overrides):
+            assert "n_experts" in rows[row] or "qwen3_30b_a3b" in rows[row] or "deepseek_v3" in rows[row], (hunt, row)
+
+
+def test_the_small_model_recipes_compose_to_their_sources_kernels():
+    """hunt4 rows 20-24 (llm.c) under framework=llmc, the 124M run's reduction after the backward; row 25 (TinyLlama)
+    at one element-wise pass."""
+    rows = {num: command for num, _, command in runs_table(BENCH / "refusal_hunt4.md")}
+    got = {r: compose_line(with_overrides(rows[r], recipe_overrides(BENCH / "refusal_hunt4.md", r))).framework
+           for r in (20, 23, 25)}
+    assert (got[20].name, got[20].dp_overlap, got[23].name, got[23].dp_overlap) == ("llmc", False, "llmc", True)
+    assert got[25].name == "llmfoundry" and got[25].elementwise_passes == 1.0
 
 
 TITAN_DEEPEP = ("model.moe_routing=round_robin", "framework.checkpoint_early_stop=false",

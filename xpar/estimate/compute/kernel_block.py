@@ -410,10 +410,36 @@ def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw)
                                                                           backward=True, **kw)
 
 
-def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False):
+LOSS_BYTES = {"fp32": (8.0, 8.0), "fused": (2.0, 4.0)}
+"""(forward, backward) bytes a logit the cross-entropy after the output projection moves through HBM, by
+framework.loss_kernel (memory: xpar.estimate.memory.activations.loss_bytes):
+
+- 'fp32' (eager ``cross_entropy(logits.float())``: xpar, torchtitan, Megatron's default): fp32 logits read and
+  probabilities written forward, the gradient read and written backward, 8 + 8 (the count the fitted constants were
+  fitted with; a compiled loss, train.compile_loss, is priced so too);
+- 'fused' (one kernel a pass over the logits in their own dtype, bf16): forward one read of each row (max, log-sum-exp
+  and the loss in one kernel), backward one read and one write of the gradient, 2 + 4. flash-attn's
+  ``CrossEntropyLoss`` (flash_attn/ops/triton/cross_entropy.py: ``cross_entropy_fwd_kernel`` loads a row's logits
+  and stores its loss and lse, ``cross_entropy_bwd_kernel`` loads them again and stores dlogits), llm-foundry's
+  ``fused_crossentropy`` (that class) and TinyLlama's ``FusedCrossEntropyLoss`` (jzhang38/TinyLlama
+  lit_gpt/fused_cross_entropy.py @bf122247: flash-attn's ``xentropy_cuda_lib``, forward losses and lse, backward the
+  gradient). llm.c's ``fused_classifier_kernel5`` (karpathy/llm.c train_gpt2.cu @a0d5dbbd, llmc/fused_classifier.cuh
+  @c6efd90a) does both in the forward: it reads each bf16 row (a second read "hopefully still in cache", the rows
+  taken in reverse order for the output GEMM's cache hits) and overwrites it with its gradient, 4 bytes, and runs no
+  loss kernel backward: within the 6 priced here."""
+
+
+def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False,
+                 loss: str = "fp32"):
     """(GEMM seconds, memory seconds) of the output projection over ``tokens`` tokens on one rank (vocabulary
-    split by tp) and its fp32 softmax cross-entropy (logits read, probabilities or gradients written)."""
+    split by tp) and its cross-entropy's passes over the logits by ``loss`` (framework.loss_kernel:
+    :data:`LOSS_BYTES`).
+
+    Raises:
+        ValueError: ``loss`` is not a key of :data:`LOSS_BYTES`."""
+    if loss not in LOSS_BYTES:
+        raise ValueError(f"framework.loss_kernel={loss!r} is not one of {', '.join(LOSS_BYTES)}")
     shard = vocab / np.asarray(tp, dtype=float)
     gemm, _, _ = _linear(np.asarray(tokens, dtype=float), shard, hidden, device, dtype, backward)
-    return gemm, memory_time(2 * 4 * np.asarray(tokens, dtype=float) * shard, device)
-
+    per_logit = LOSS_BYTES[loss][1 if backward else 0]
+    return gemm, memory_time(per_logit * np.asarray(tokens, dtype=float) * shard, device)
