@@ -28,7 +28,7 @@ from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
 from xpar.estimate.frameworks.mcore_buckets import bucket_count, bucket_elements
 from xpar.estimate.comm.head_unit import any_head, kept_head, split_compute, split_forward
-from xpar.estimate.comm.hsdp import hsdp_unit_times
+from xpar.estimate.comm.hsdp import hsdp_unit_times, zero1_group_times
 from xpar.estimate.frameworks.owner_reduce import owner_unit_times
 from xpar.estimate.comm.overlap import simulate_pass, vwhere
 
@@ -51,6 +51,8 @@ def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dic
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
     memo: dict[tuple, float] = {} if timed_once is None else timed_once
+    if (hier := shard_group_zero1(spec, assume, units, memo)) is not None:  # ZeRO-1 with zero_shard_size
+        return {**hier, **copy_times(spec, assume, units)}
     times = expert_split_times(spec, assume, units, experts, memo)
     gather, red = times["gather"], times["reduce"]
     gather_b = gather
@@ -60,6 +62,21 @@ def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dic
                                              lambda b: _timed(spec, assume, memo, "allgather", b, g),
                                              BYTES[spec.train.dtype], grad_bytes(spec, assume))
     return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
+
+
+def shard_group_zero1(spec: RunSpec, assume, units: list[int], memo: dict) -> Optional[dict[str, list[float]]]:
+    """Seconds per unit of ZeRO-1 inside shard groups (xpar.estimate.comm.hsdp.zero1_group_times: the flat
+    ZeRO-1 of :func:`group_times` over the group, plus the all-reduce of 1/s of each bucket across the
+    replicas, in the same buckets); None without ``parallel.zero_shard_size``."""
+    gb = grad_bytes(spec, assume)
+    s = spec.parallel.zero_shard_size or 1
+
+    def across(group) -> list[float]:
+        buckets = buckets_of(spec, assume, units, bucket_bytes(spec, assume, gb), gb)
+        return bucketed(units, [gb / s] * len(units), buckets,
+                        lambda b: _timed(spec, assume, memo, "allreduce", b, group))
+
+    return zero1_group_times(spec, lambda n, g: group_times(spec, assume, units, n, g, memo), across)
 
 
 def _timed(spec: RunSpec, assume, memo: dict, kind: str, nbytes: float, group) -> float:
