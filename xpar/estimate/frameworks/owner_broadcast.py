@@ -1,0 +1,33 @@
+"""Owner-by-owner parameter broadcast of ZeRO-1 (``framework.zero1`` 'owner_broadcast'): InternEvo's hybrid ZeRO
+(internlm/solver/optimizer/hybrid_zero_optim.py, ``HybridZeroOptimizer``): whole parameter tensors assigned to the
+zero1 ranks (``_partition_param_list``, the least-loaded rank first), gradients all-reduced over dp in buckets
+(``reduce_tensor`` with ``dst_rank`` None), and after the step each owner ``dist.broadcast``s the tensors it
+updated to the zero1 group: ``broadcast_params`` once per owner of its flat partition, or, with
+``overlap_sync_param``, ``ParamBcastSyncHandler`` (internlm/solver/optimizer/utils.py) before each block's forward,
+one broadcast per owner that holds a tensor of the block. A broadcast is NCCL's pipelined chain over the group
+(ring broadcast: n - 1 steps of latency, every rank receives the message once; NCCL src/graph/tuning.cc, nsteps of
+the ring), so a block whose k tensors have k owners pays k chains of latency where an all-gather pays one ring:
+at several hundred ranks the latency, not the bytes, is the broadcast's cost. Units: seconds, bytes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+def owners_of_unit(tensors: int, dp: int) -> int:
+    """Owners that hold a tensor of a unit of ``tensors`` whole tensors, on ``dp`` ranks: each tensor goes to the
+    least-loaded rank, so the tensors of one unit land on distinct ranks until there are more tensors than
+    ranks: min(tensors, dp), at least 1."""
+    return max(1, min(tensors, dp))
+
+
+def owner_broadcast_times(units: list[int], widths: list, tensors: list[int], dp: int,
+                          timed: Callable[[float], float]) -> list[float]:
+    """Seconds per unit of its parameters broadcast owner by owner: :func:`owners_of_unit` broadcasts of an equal
+    share of the unit's bytes (``units``: elements; ``widths``: bytes per element; ``tensors``: parameter tensors
+    per unit; ``timed``: bytes -> seconds of one broadcast over the group)."""
+    out = []
+    for n, w, k in zip(units, widths, tensors):
+        owners = owners_of_unit(k, dp)
+        out.append(owners * timed(n * w / owners) if n else 0.0)
+    return out
