@@ -4,10 +4,14 @@ zero1 ranks (``_partition_param_list``, the least-loaded rank first), gradients 
 (``reduce_tensor`` with ``dst_rank`` None), and after the step each owner ``dist.broadcast``s the tensors it
 updated to the zero1 group: ``broadcast_params`` once per owner of its flat partition, or, with
 ``overlap_sync_param``, ``ParamBcastSyncHandler`` (internlm/solver/optimizer/utils.py) before each block's forward,
-one broadcast per owner that holds a tensor of the block. A broadcast is NCCL's pipelined chain over the group
-(ring broadcast: n - 1 steps of latency, every rank receives the message once; NCCL src/graph/tuning.cc, nsteps of
-the ring), so a block whose k tensors have k owners pays k chains of latency where an all-gather pays one ring:
-at several hundred ranks the latency, not the bytes, is the broadcast's cost. Units: seconds, bytes.
+one broadcast per owner that holds a tensor of the block. A broadcast is NCCL's ring chain from its root (NCCL
+src/device/broadcast.h ``runRing``: each rank receives a chunk from the previous one and forwards it to the next),
+priced as xpar.estimate.comm.collectives.ring_time's 'broadcast': n - 1 hops of latency (NCCL's tuning.cc charges
+the chain less: its latency model is the algorithm selector's, not the chain's fill), every rank receiving the
+message once; the broadcasts of the owners are separate collectives on one communicator, run in order on its
+stream (NCCL docs, "Communicators": operations on a communicator execute in the order issued). So a block whose k
+tensors have k owners pays k chains of latency where an all-gather pays one ring: at several hundred ranks across
+nodes the latency, not the bytes, is the broadcast's cost. Units: seconds, bytes.
 """
 from __future__ import annotations
 
