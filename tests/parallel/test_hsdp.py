@@ -77,6 +77,6 @@ def test_hsdp_refusals_name_what_works():
     with pytest.raises(ConfigError, match=r"values that work: \[1, 2, 4\]"):
         validate(compose("tracking=off", "parallel.dp=4", "parallel.zero_stage=3", "parallel.zero_shard_size=3"),
                  local_devices=4)
-    with pytest.raises(ConfigError, match="parallel.zero_stage=2 or 3"):
-        validate(compose("tracking=off", "parallel.dp=4", "parallel.zero_stage=1", "parallel.zero_shard_size=2"),
+    with pytest.raises(ConfigError, match="parallel.zero_stage=1, 2 or 3"):
+        validate(compose("tracking=off", "parallel.dp=4", "parallel.zero_stage=0", "parallel.zero_shard_size=2"),
                  local_devices=4)

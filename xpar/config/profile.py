@@ -80,7 +80,9 @@ class FrameworkConfig:
     zero1: str = "zero_redundancy"
     """ZeRO-1 semantics: 'zero_redundancy' (torch ZeroRedundancyOptimizer: gradients
     all-reduced, updated shards broadcast; 1.5x DDP's bytes) or 'distributed_optimizer'
-    (Megatron: gradients reduce-scattered, params all-gathered; 1x DDP's bytes)."""
+    (Megatron: gradients reduce-scattered, params all-gathered; 1x DDP's bytes) or 'owner_broadcast' (InternEvo's
+    hybrid ZeRO: all-reduced as torch's, each updated tensor broadcast by its owner, one chain per owner:
+    xpar.estimate.frameworks.owner_broadcast)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element in the dp reduction (4: fp32 reduce, 2: bf16/fp16)."""
     dp_collective: str = "nccl"

@@ -166,6 +166,18 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     return wrap_dp(chunk, dp_mesh, lay.zero_stage, device, dtype, pipelined=spec.pp > 1)  # 4
 
 
+def optimizer_mesh(spec: RunSpec, mesh: DeviceMesh) -> DeviceMesh:
+    """The dp ranks the optimizer shards its states over: all of dp, or under ZeRO-1 with
+    ``parallel.zero_shard_size`` = s < dp the s consecutive ranks of this rank's shard group (DDP still
+    all-reduces the gradients over all of dp; ZeroRedundancyOptimizer updates 1/s of the parameters and
+    broadcasts them inside the group: InternEvo's zero1 = s, internlm/solver/optimizer/hybrid_zero_optim.py,
+    ParallelMode.ZERO1 as the broadcast group; Megatron-Core's num_distributed_optimizer_instances)."""
+    dp_mesh, shard = replica_mesh(mesh), spec.parallel.zero_shard_size
+    if spec.layout.zero_stage == 1 and shard and shard < dp_mesh.size():
+        return hsdp_mesh(dp_mesh, shard)["dp_shard"]
+    return dp_mesh
+
+
 def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True) -> Engine:
     """Compose the layout of ``spec`` on ``mesh`` (axes pp, dp, cp, tp) for this rank.
 
@@ -188,7 +200,7 @@ def build_engine(spec: RunSpec, mesh: DeviceMesh, materialize_model: bool = True
     engine = Engine(spec=spec, mesh=mesh, chunks=chunks, optimizer=None, step_fn=accumulate_step,
                     expert_groups=experts)
     if materialize_model:                                                          # 6
-        engine.optimizer = build_optimizer(params, spec.layout.zero_stage, replica_mesh(mesh), spec.train.lr,
+        engine.optimizer = build_optimizer(params, spec.layout.zero_stage, optimizer_mesh(spec, mesh), spec.train.lr,
                                            spec.train.weight_decay, chunks, experts)
         engine.scheduler = build_lr_scheduler(engine.optimizer, spec.train)
     if spec.pp > 1:

@@ -12,7 +12,7 @@ from xpar.config.schema import FrameworkConfig
 from xpar.config.remat import RECOMPUTE, SELECTIVE_POLICIES
 
 CHOICES = {
-    "zero1": ("zero_redundancy", "distributed_optimizer"),
+    "zero1": ("zero_redundancy", "distributed_optimizer", "owner_broadcast"),
     "bucket_rule": ("fixed", "megatron_core"),  # xpar.estimate.comm.dp.BUCKET_RULES
     "dp_collective": ("nccl", "ring", "tree", "hierarchical"),  # xpar.estimate.comm.collectives.ALGORITHMS
     "fsdp_copies": ("fsdp2", "fsdp1", "none"),  # xpar.estimate.comm.dp.FSDP_COPIES

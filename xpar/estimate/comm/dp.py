@@ -21,14 +21,15 @@ import numpy as np
 
 from xpar.config.spec import RunSpec
 from xpar.estimate.comm.collectives import collective_time, group_of
-from xpar.estimate.memory.model_states import (BYTES, expert_dp_size, unit_elements,  # noqa: F401 (re-exported)
+from xpar.estimate.memory.model_states import (BYTES, block_shapes, expert_dp_size, unit_elements,  # noqa: F401
                                                unit_expert_elements)
 from xpar.estimate.frameworks.deepspeed_zero3 import persist_time, tensor_times
 from xpar.estimate.frameworks.dp_chunks import gather_start, reduce_end
 from xpar.estimate.frameworks.fp8_params import gather_widths
 from xpar.estimate.frameworks.mcore_buckets import bucket_count, bucket_elements
 from xpar.estimate.comm.head_unit import any_head, kept_head, split_compute, split_forward
-from xpar.estimate.comm.hsdp import hsdp_unit_times
+from xpar.estimate.comm.hsdp import hsdp_unit_times, zero1_group_times
+from xpar.estimate.frameworks.owner_broadcast import owner_broadcast_times
 from xpar.estimate.frameworks.owner_reduce import owner_unit_times
 from xpar.estimate.comm.overlap import simulate_pass, vwhere
 
@@ -51,6 +52,8 @@ def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dic
     if (hier := hsdp_unit_times(spec, assume, units, grad_bytes(spec, assume))) is not None:  # zero_shard_size
         return {**hier, **copy_times(spec, assume, units)}
     memo: dict[tuple, float] = {} if timed_once is None else timed_once
+    if (hier := shard_group_zero1(spec, assume, units, memo)) is not None:  # ZeRO-1 with zero_shard_size
+        return {**hier, **copy_times(spec, assume, units)}
     times = expert_split_times(spec, assume, units, experts, memo)
     gather, red = times["gather"], times["reduce"]
     gather_b = gather
@@ -60,6 +63,21 @@ def unit_times(spec: RunSpec, assume, units: list[int], timed_once: Optional[dic
                                              lambda b: _timed(spec, assume, memo, "allgather", b, g),
                                              BYTES[spec.train.dtype], grad_bytes(spec, assume))
     return {"gather": gather, "gather_backward": gather_b, "reduce": red, **copy_times(spec, assume, units)}
+
+
+def shard_group_zero1(spec: RunSpec, assume, units: list[int], memo: dict) -> Optional[dict[str, list[float]]]:
+    """Seconds per unit of ZeRO-1 inside shard groups (xpar.estimate.comm.hsdp.zero1_group_times: the flat
+    ZeRO-1 of :func:`group_times` over the group, plus the all-reduce of 1/s of each bucket across the
+    replicas, in the same buckets); None without ``parallel.zero_shard_size``."""
+    gb = grad_bytes(spec, assume)
+    s = spec.parallel.zero_shard_size or 1
+
+    def across(group) -> list[float]:
+        buckets = buckets_of(spec, assume, units, bucket_bytes(spec, assume, gb), gb)
+        return bucketed(units, [gb / s] * len(units), buckets,
+                        lambda b: _timed(spec, assume, memo, "allreduce", b, group))
+
+    return zero1_group_times(spec, lambda n, g: group_times(spec, assume, units, n, g, memo), across)
 
 
 def _timed(spec: RunSpec, assume, memo: dict, kind: str, nbytes: float, group) -> float:
@@ -156,11 +174,22 @@ def group_times(spec: RunSpec, assume, units: list[int], n: int, group, memo: di
     pw = gather_widths(spec, assume, len(units))  # e, or FP8 blocks (framework.fp8_param_gather)
     if coll == "reduce_scatter" and z in (1, 2) and getattr(assume, "zero_owner_reduce", False):  # DeepSpeed's
         red = owner_unit_times(units, gb, n, bucket, z == 2, lambda b: timed("broadcast", b))
+    if z == 1 and assume.zero1 == "owner_broadcast":  # InternEvo: a broadcast per owner of a unit's tensors
+        return {"gather": owner_broadcast_times(units, list(pw), unit_tensors(spec, units), n,
+                                                lambda b: timed("broadcast", b)), "reduce": red}
     kind = "broadcast" if z == 1 and assume.zero1 == "zero_redundancy" else "allgather"  # torch: broadcasts
     if z == 1 and kind == "allgather" and getattr(assume, "bucket_rule", "fixed") == "megatron_core":
         buckets = buckets_of(spec, assume, units, bucket, gb)  # the gradient buckets' parameters, in their width
         return {"gather": bucketed(units, list(pw), buckets, lambda b: timed(kind, b)), "reduce": red}
     return {"gather": [timed(kind, u * w) for u, w in zip(units, pw)], "reduce": red}
+
+
+def unit_tensors(spec: RunSpec, units: list[int]) -> list[int]:
+    """Parameter tensors per unit (``units``: the root first, then blocks): a dense block's tensors (xpar.estimate.
+    memory.model_states.block_shapes) for each block, the root's embedding, final norm and output (2 when tied)."""
+    block = len(block_shapes(spec.model, spec.tp))
+    root = 2 if spec.model.tied_embeddings else 3
+    return [root if i == 0 else block for i in range(len(units))]
 
 
 FSDP_COPIES = ("fsdp2", "fsdp1", "none")
