@@ -89,7 +89,6 @@ def test_planner_columns_equal_the_estimate_with_offload():
     (("parallel.activation_offload_layers=32",), "fewer blocks than the model has (0 <= N < 32)"),
     (("hardware.pcie_gb_per_s=null",), "has no hardware.pcie_gb_per_s"),
     (("hardware.host_memory_gb=100",), "the host holds at most 5 blocks'"),  # 8 x 2.16 GB a block
-    (("run.mode=execute", "hardware=local"), "xpar does not execute activation offload"),
 ])
 def test_refusals_name_the_rule_and_values_that_work(extra, says):
     with pytest.raises(ConfigError) as e:

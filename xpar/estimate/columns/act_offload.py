@@ -27,4 +27,5 @@ def act_offload_columns(base: RunSpec, a, r: dict, c: dict) -> np.ndarray:
     o = MemoryOptions.of(a)
     block = by_key([r["tp"], r["b"], r["sp"]], lambda t, b, sp: {"x": block_bytes_of(
         spec_at(base, t, 1, 1, b, 1, 1, "gpipe", 0, sp, "none"), o)}, ("x",))["x"]
-    return exposed_time(block, link, base.model.n_layers, n, c["mm_f"] + c["mem_f"], c["mm_b"] + c["mem_b"])
+    return exposed_time(block, link, base.model.n_layers, n, c["mm_f"] + c["mem_f"], c["mm_b"] + c["mem_b"],
+                        a.activation_offload_overlap)
