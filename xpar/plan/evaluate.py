@@ -10,7 +10,7 @@ import numpy as np
 from xpar.estimate.columns.cp_ep import group_columns, group_keys, grouped, with_degrees
 from xpar.estimate.columns.peak_memory import memory_columns
 from xpar.estimate.columns.step_time import time_columns
-from xpar.estimate.terms import AXIS_TIME_TERMS, time_key
+from xpar.estimate.terms import AXIS_TIME_TERMS, SETTING_TIME_TERMS, time_key
 from xpar.estimate.terms import PLAN_MEMORY_KEYS as MEMORY_KEYS
 from xpar.estimate.terms import PLAN_TIME_KEYS as TIME_KEYS
 from xpar.plan.context import PlanContext, spec_of
@@ -29,8 +29,14 @@ def evaluate(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndar
     mem = memory_columns(base, cols)
     out.update({k: np.asarray(mem[k]) for k in MEMORY_KEYS})
     res = time_columns(base, cols, out["memory_optimizer"], out["optimizer_elements"], out["memory_grads"])
-    out.update({k: np.asarray(res[k]) for k in TIME_KEYS})
+    out.update({k: np.asarray(res[k]) for k in TIME_KEYS + setting_keys(cols)})
     return out
+
+
+def setting_keys(cols: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """The time columns of a setting the candidates carry: ``time_act_offload`` with the column ``act_offload``
+    (xpar.plan.offload_fit)."""
+    return tuple(map(time_key, SETTING_TIME_TERMS)) if "act_offload" in cols else ()
 
 
 def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -40,7 +46,7 @@ def evaluate_groups(ctx: PlanContext, cols: dict[str, np.ndarray]) -> dict[str, 
     keys, inverse = group_keys(cols)
     n = len(cols["tp"])
     out = dict(cols)
-    parts = {k: np.zeros(n) for k in TIME_KEYS + tuple(map(time_key, AXIS_TIME_TERMS))}
+    parts = {k: np.zeros(n) for k in TIME_KEYS + tuple(map(time_key, AXIS_TIME_TERMS)) + setting_keys(cols)}
     parts.update({k: np.zeros(n, dtype=bool if k in ("fits", "host_fits") else np.float64) for k in MEMORY_KEYS})
     bases: dict[str, object] = {}
     for g, (cp, ep, dtype, etp) in enumerate(keys):
