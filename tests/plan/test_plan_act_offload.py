@@ -86,3 +86,17 @@ def test_the_megatron_bridge_405b_run_is_in_the_plan_and_wins_it():
     r, i = plan.res, plan.best
     assert (r["tp"][i], r["dp"][i], r["zero"][i], r["recompute"][i]) == (2, 64, 3, "none")
     assert 0 < r["act_offload"][i] < 95
+
+
+def test_a_stated_layout_without_offload_is_placed_at_the_plans_offload(tmp_path, capsys):
+    """7B on 8 H100, ZeRO-3, tp 1, micro-batch 8, no recompute: 192.7 GB as stated; the plan's row offloads the
+    fewest blocks that fit, and the line says both."""
+    from tests.plan.test_plan import argv, cfg_of
+    from xpar.plan.command import run_plan
+
+    given = ("model=7b", "hardware=h100_80gb_node", "tracking=off", "plan.global_batch_size=64", "parallel.tp=1",
+             "parallel.dp=8", "parallel.zero_stage=3", "train.micro_batch_size=8", "parallel.recompute=none")
+    run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
+    first = capsys.readouterr().out.split("\nYour layout")[1].splitlines()[0]
+    assert "as stated 192.7 GB per device does not fit 85.0 GB usable; with parallel.activation_offload_layers=" in first
+    assert "(the plan's: the fewest blocks that fit, stated 0)" in first
