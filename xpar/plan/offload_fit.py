@@ -14,14 +14,14 @@ row that still does not fit (rounding) is priced again at N + 1.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from xpar.estimate.columns.act_offload import block_column
+from xpar.estimate.columns.cp_ep import with_degrees
 from xpar.estimate.memory.model_states import MemoryOptions
 from xpar.estimate.step_parts import assumptions_for
-from xpar.plan.context import PlanContext, spec_of
+from xpar.plan.context import PlanContext
+from xpar.plan.evaluate import base_spec, evaluate
 
 def offload_rows(ctx: PlanContext, res: dict[str, np.ndarray]) -> np.ndarray:
     """Indices of the rows of ``res`` searched with offload (module docstring); empty where the framework or the
@@ -35,16 +35,17 @@ def offload_rows(ctx: PlanContext, res: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def with_offload(ctx: PlanContext, cols: dict[str, np.ndarray], res: dict[str, np.ndarray],
-                 evaluate: Callable[[PlanContext, dict], dict]) -> dict[str, np.ndarray]:
-    """``res`` (:func:`xpar.plan.evaluate.evaluate` of ``cols``) with the rows of :func:`offload_rows` that fit
-    with offload replaced by their offloaded form, priced by ``evaluate``: the column ``act_offload`` (N, 0
-    elsewhere) and ``time_act_offload`` (seconds per step) added; ``res`` itself where no row is searched."""
+                 bases: dict) -> dict[str, np.ndarray]:
+    """``res`` (:func:`xpar.plan.evaluate.evaluate` of ``cols``, whose validated specs are in ``bases``) with the
+    rows of :func:`offload_rows` that fit with offload replaced by their offloaded form, priced by the same
+    evaluation: the column ``act_offload`` (N, 0 elsewhere) and ``time_act_offload`` (seconds per step) added;
+    ``res`` itself where no row is searched."""
     idx = offload_rows(ctx, res)
     if not len(idx):
         return res
     blocks, flight = int(ctx.model["n_layers"]), int(bool(ctx.framework.get("activation_offload_overlap", True)))
     over = res["memory_total"][idx] - res["memory_usable"][idx]
-    n = np.ceil(over / block_bytes(ctx, cols, idx)).astype(np.int64) + flight
+    n = np.ceil(over / block_bytes(ctx, cols, idx, bases)).astype(np.int64) + flight
     keep = n < blocks
     out = {k: np.array(v) for k, v in res.items()}  # copies: ``res`` stays as evaluated
     out.update(act_offload=np.zeros(len(res["tp"]), dtype=np.int64), time_act_offload=np.zeros(len(res["tp"])))
@@ -52,7 +53,7 @@ def with_offload(ctx: PlanContext, cols: dict[str, np.ndarray], res: dict[str, n
         rows, n = idx[keep], n[keep]
         if not len(rows):
             break
-        new = evaluate(ctx, dict({k: np.asarray(v)[rows] for k, v in cols.items()}, act_offload=n))
+        new = evaluate(ctx, dict({k: np.asarray(v)[rows] for k, v in cols.items()}, act_offload=n), bases)
         ok = np.asarray(new["fits"], bool)
         for k in out:  # a term the rows' groups do not have (cp's, ep's) is 0 there
             out[k][rows[ok]] = np.asarray(new[k])[ok] if k in new else 0
@@ -60,16 +61,20 @@ def with_offload(ctx: PlanContext, cols: dict[str, np.ndarray], res: dict[str, n
     return out
 
 
-def block_bytes(ctx: PlanContext, cols: dict[str, np.ndarray], idx: np.ndarray) -> np.ndarray:
-    """One block's saved bytes of each row ``idx`` of ``cols`` (:func:`block_column`), under the spec of a row of
-    its (dtype, ep, etp) group (the optional columns that change a block's bytes). Bytes, > 0."""
-    keys = [np.asarray(cols[k])[idx] for k in ("dtype", "ep", "etp") if k in cols]
-    groups = np.unique(np.stack(keys).T.astype(str), axis=0, return_inverse=True)[1].ravel() if keys else \
-        np.zeros(len(idx), dtype=np.int64)
-    out = np.zeros(len(idx))
-    for g in np.unique(groups):
-        part = idx[groups == g]
-        base = spec_of(ctx, cols, int(part[0]))
-        out[groups == g] = block_column(base, MemoryOptions.of(assumptions_for(base)),
-                                        {k: np.asarray(cols[k])[part] for k in ("tp", "b", "sp", "zero")})
+def block_bytes(ctx: PlanContext, cols: dict[str, np.ndarray], idx: np.ndarray, bases: dict) -> np.ndarray:
+    """One block's saved bytes of each row ``idx`` of ``cols`` (:func:`block_column`), under its dtype's spec
+    (:func:`xpar.plan.evaluate.base_spec`) at its ep and etp (the optional columns that change a block's bytes).
+    Bytes, > 0."""
+    n = len(idx)
+    ep = np.asarray(cols["ep"])[idx] if "ep" in cols else np.ones(n, dtype=np.int64)
+    etp = np.asarray(cols["etp"])[idx] if "etp" in cols else np.zeros(n, dtype=np.int64)
+    dtype = np.asarray(cols["dtype"])[idx].astype(str) if "dtype" in cols else np.full(n, "")
+    keys = np.stack([ep.astype(str), etp.astype(str), dtype]).T
+    _, first, groups = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    out = np.zeros(n)
+    for g, f in enumerate(first):
+        part = groups.ravel() == g
+        base = with_degrees(base_spec(ctx, cols, int(idx[f]), bases), 1, int(ep[f]), int(etp[f]))
+        out[part] = block_column(base, MemoryOptions.of(assumptions_for(base)),
+                                 {k: np.asarray(cols[k])[idx[part]] for k in ("tp", "b", "sp", "zero")})
     return out
