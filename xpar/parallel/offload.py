@@ -1,23 +1,15 @@
 """Activation offload (``parallel.activation_offload_layers=N``): the saved activations of the first N
-transformer blocks are kept in host memory between their forward and their backward.
+transformer blocks kept in host memory between their forward and their backward, with torch's documented
+``torch.autograd.graph.save_on_cpu`` (torch/autograd/graph.py; pinned where the device is CUDA) around each
+offloaded block's forward (replaced in place, as recompute does: parameter names and FSDP2's hooks stay).
+Applied by the engine factory after recompute, before autocast and the dp wrapper.
 
-The mechanism is torch's documented one, ``torch.autograd.graph.save_on_cpu`` (torch/autograd/graph.py): a
-saved-tensor hook pair that copies each tensor autograd saves to host memory (pinned where the device is CUDA, so
-the copy runs asynchronously on the current stream) and back to its device when the backward reads it. It wraps
-each offloaded block's forward, applied by the engine factory after recompute and before the dp wrapper (the
-block's ``forward`` is replaced in place, as recompute does, so parameter names and FSDP2's hooks stay).
-
-Two things ``save_on_cpu`` would do that Megatron-Core's --cpu-offloading does not, and which are kept here:
-
-- parameters, and autocast's cached bf16 casts of them, stay where they are (Transformer Engine offloads
-  activations, not weights: transformer_engine/pytorch/cpu_offload.py); they pass to the enclosing hooks (the
-  memory accounting's :class:`xpar.parallel.memory_accounting.ActivationTracker`), as without offload;
-- a DTensor (tensor parallelism) is offloaded as its local shard and rebuilt with its mesh and placements
-  (``save_on_cpu``'s pinned copy allocates the global shape).
-
-On a CPU, ``save_on_cpu`` keeps each tensor where it is (``Tensor.cpu`` of a CPU tensor is itself): the run
-computes exactly as without offload. The offloaded tensors are not counted as device activations (the
-estimate's L - N blocks held, xpar.estimate.memory.activation_offload, ``activation_offload_overlap`` false).
+As Megatron-Core's --cpu-offloading (Transformer Engine's cpu_offload), only activations move: parameters and
+autocast's cached casts of them pass to the enclosing hooks (the memory accounting's tracker); a DTensor (tp)
+goes as its local shard and comes back with its mesh and placements (``save_on_cpu``'s pinned copy would
+allocate the global shape). On a CPU nothing is copied (``Tensor.cpu`` of a CPU tensor is itself), and the
+offloaded tensors leave the measured activations: L - N blocks held, as the estimate says
+(xpar.estimate.memory.activation_offload). Design notes: docs/concepts/design-notes.md.
 """
 from __future__ import annotations
 

@@ -583,16 +583,14 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray], assume=None) -> d
     _pipelined(ctx, c, res)
     usable = usable_bytes(hw)
     freed, act_host = act_offload_memory(base, o, cols, offloaded) if "act_offload" in cols else (0.0, 0.0)
-    res["activations"], res["total"] = res["activations"] - freed, res["total"] - freed
-    out = {f"memory_{k}": res[k] for k in _FIELDS[:5]}
-    out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
+    out = {f"memory_{k}": res[k] - (freed if k == "activations" else 0.0) for k in _FIELDS[:5]}
+    out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"] - freed,
                memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
     out["fits"] = out["memory_total"] <= usable
     out.update(host_columns(hw, c["offload"], res["optimizer_elements"]))
-    if "act_offload" in cols:  # the offloaded activations beside an offloaded optimizer's states (hardware.host_memory_gb)
+    if "act_offload" in cols:  # offloaded activations beside an offloaded optimizer's states (hardware.host_memory_gb)
         out["host_bytes"] = out["host_bytes"] + act_host
-        out["host_fits"] = out["host_fits"] & ((out["host_bytes"] <= hw.host_memory_gb * 1e9) if hw.host_memory_gb
-                                               else (c["offload"] == 0))
+        out["host_fits"] &= (out["host_bytes"] <= hw.host_memory_gb * 1e9) if hw.host_memory_gb else c["offload"] == 0
     return out
 
 

@@ -9,10 +9,9 @@ max(0, c - k t_f) + max(0, c - k t_b); the host holds devices_per_node x N block
 0 <= N < L, pp 1, no recompute. Under ``framework.activation_offload_overlap=false`` (xpar, which runs torch's
 ``save_on_cpu``, torch/autograd/graph.py) each saved tensor is copied on the compute stream when it is saved and
 back when its backward reads it: the device holds L - N blocks and every copy is exposed, 2 N c per micro-batch.
-On a device without a host link figure (hardware.pcie_gb_per_s null: a CPU, where save_on_cpu keeps the tensor
-where it is) the copies cost 0 s. Not modelled: TE's double_buffering (off by default), the copies' share of HBM
-bandwidth, Megatron-Core 0.15's per-module fine_grained_activation_offloading. Units: bytes, seconds.
-Derivation: docs/concepts/cost-model.md (Activation offload).
+Without a host link figure (hardware.pcie_gb_per_s null: a CPU, where save_on_cpu copies nothing) they cost 0 s.
+Not modelled: TE's double_buffering (off by default), the copies' share of HBM bandwidth, Megatron-Core 0.15's
+fine_grained_activation_offloading. Units: bytes, seconds. Derivation: docs/concepts/cost-model.md.
 """
 from __future__ import annotations
 
