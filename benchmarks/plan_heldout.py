@@ -7,6 +7,7 @@
     python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192] [--hunt benchmarks/refusal_hunt2.md]
                                       [--recipe] [--set model.moe_routing=round_robin ...]
 
+``--rows``: those rows whatever the hunt's result column says (a refusal then may be accepted now).
 ``--recipe``: each row's command with what its source's recipe ran that the typed command leaves out
 (benchmarks/hunt_recipes.py: the benchmark gates of NeMo AutoModel and torchtitan); ``--set``: overrides appended to
 every row's command. Each row that gets overrides lists them under 'Per run'.
@@ -68,10 +69,11 @@ def seen_rows(hunt: Path) -> dict[int, str]:
     return out
 
 
-def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
+def hunt_rows(path: Path = HUNT, named: frozenset = frozenset()) -> list[tuple[int, str, str]]:
     # --hunt: another hunt's Runs table in the same columns (benchmarks/refusal_hunt2.md); NOT_PUBLISHED describes
     # refusal_hunt.md's rows only, SEEN too (another hunt's come from its sidecar: seen_rows)
-    """(row number, run, command) of each accepted row of the hunt's Runs table (on main, the branch's result)."""
+    """(row number, run, command) of each accepted row of the hunt's Runs table (on main, the branch's result), and
+    of the rows in ``named`` whatever their result (a command refused then may be accepted now: hunt4 row 7)."""
     out = []
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.split(" | ")]
@@ -79,7 +81,8 @@ def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
             continue
         result = cells[4].split("<br>")[-1]
         command = re.search(r"`(python -m xpar [^`]+)`", cells[3])  # as hunt_score.runs_table: text beside it ignored
-        if command and re.sub(r"^branch: ", "", result).startswith("accepted"):
+        accepted = re.sub(r"^branch: ", "", result).startswith("accepted")
+        if command and (accepted or int(cells[0].lstrip("| ")) in named):
             out.append((int(cells[0].lstrip("| ")), cells[1], command.group(1)))
     return out
 
@@ -153,7 +156,7 @@ def main() -> None:
         SEEN.update(seen)
         NOT_PUBLISHED.clear()
     wanted = {int(x) for x in args.rows.split(",")} if args.rows else None
-    rows = [r for r in hunt_rows(args.hunt) if wanted is None or r[0] in wanted]
+    rows = [r for r in hunt_rows(args.hunt, frozenset(wanted or ())) if wanted is None or r[0] in wanted]
     print(f"{len(rows)} accepted commands of {args.hunt.name}")
     print(HEADER)
     t0 = time.perf_counter()

@@ -89,7 +89,6 @@ def test_planner_columns_equal_the_estimate_with_offload():
     (("parallel.activation_offload_layers=32",), "fewer blocks than the model has (0 <= N < 32)"),
     (("hardware.pcie_gb_per_s=null",), "has no hardware.pcie_gb_per_s"),
     (("hardware.host_memory_gb=100",), "the host holds at most 5 blocks'"),  # 8 x 2.16 GB a block
-    (("run.mode=execute", "hardware=local"), "xpar does not execute activation offload"),
 ])
 def test_refusals_name_the_rule_and_values_that_work(extra, says):
     with pytest.raises(ConfigError) as e:
@@ -110,10 +109,13 @@ def test_memory_refusal_names_the_fewest_blocks_to_offload_that_fit():
     assert "activation_offload_layers" not in str(e.value)  # a framework without it is not told to use it
 
 
-def test_plan_refuses_the_setting_it_does_not_search():
+def test_plan_refuses_the_setting_only_where_the_framework_does_not_run_it():
     from xpar.plan.inputs import plan_inputs
     _, problems = plan_inputs(compose(*SMALL[:-1], "run.mode=plan", "parallel.activation_offload_layers=4"), [])
-    assert any("xpar plan does not search activation offload" in p for p in problems)
+    assert not problems  # megatron_core runs it: the plan searches it (tests/plan/test_plan_act_offload.py)
+    _, problems = plan_inputs(compose(*SMALL[:-1], "run.mode=plan", "framework=torchtitan",
+                                      "parallel.activation_offload_layers=4"), [])
+    assert any("framework=torchtitan runs no activation offload" in p for p in problems)
 
 
 def test_the_megatron_bridge_405b_run_is_accepted_with_its_recipe_offload():

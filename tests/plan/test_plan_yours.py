@@ -71,9 +71,11 @@ def test_no_stated_layout_no_line_and_a_stated_one_in_plan_txt(tmp_path, capsys)
 
 def test_a_stated_layout_that_does_not_fit_says_by_how_much_and_what_its_group_pays_to_fit(tmp_path, capsys):
     """7B on 8 H100 under ZeRO-3 at tp 1, micro-batch 8, no recompute: over the device; its group's best that fits is
-    slower and the line says what that best pays, not a gain."""
+    slower and the line says what that best pays, not a gain. No host link figure: the plan offloads no activations
+    (with them it would fit: tests/plan/test_plan_act_offload.py)."""
     given = ("model=7b", "hardware=h100_80gb_node", "tracking=off", "plan.global_batch_size=64", "parallel.tp=1",
-             "parallel.dp=8", "parallel.zero_stage=3", "train.micro_batch_size=8", "parallel.recompute=none")
+             "parallel.dp=8", "parallel.zero_stage=3", "train.micro_batch_size=8", "parallel.recompute=none",
+             "hardware.pcie_gb_per_s=null")
     run_plan(cfg_of(*given), tmp_path, tmp_path, argv(*given))
     lines = capsys.readouterr().out.split("\nYour layout")[1].split("\n\n")[0].splitlines()
     assert "GB per device does not fit" in lines[0] and "usable" in lines[0], lines

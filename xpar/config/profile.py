@@ -256,7 +256,14 @@ class FrameworkConfig:
     --cpu-offloading (megatron/core/transformer/transformer_config.py, Transformer Engine's cpu_offload).
     False: torchtitan (its CPU offload is FSDP2's CPUOffloadPolicy of parameters, gradients and optimizer
     states), MaxText (its remat policies offload chosen tensors, not blocks), DeepSpeed (activation
-    checkpoints to CPU only with checkpointing), xpar (does not execute it)."""
+    checkpoints to CPU only with checkpointing). xpar executes it with torch's save_on_cpu
+    (xpar.parallel.offload)."""
+    activation_offload_overlap: bool = True
+    """How the offload's copies run (xpar.estimate.memory.activation_offload): true, Transformer Engine's
+    (transformer_engine/pytorch/cpu_offload.py, ``AsyncDoubleBufferGroupOffloadHandler``): on a side stream behind
+    the blocks' compute, one group in flight on the device; false, torch's ``save_on_cpu``
+    (torch/autograd/graph.py, xpar): each saved tensor copied on the compute stream when saved and back when its
+    backward reads it, every copy exposed, none in flight."""
     offload: list = field(default_factory=lambda: [False, True])
     """Optimizer offload choices the framework runs (xpar plan searches these): [false] or
     [false, true]."""

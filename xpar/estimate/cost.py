@@ -130,22 +130,25 @@ def estimate(spec: RunSpec, assume: Optional[Assumptions] = None) -> Estimate:
     m = spec.micro_batches
     est.comm_time = {"tp": m * x["tp_issued"] + x["tp_step"], "pp": m * x["pp_issued"], "dp": x["dp_issued"]}
     est.framework, est.offload = assume.name, _offload(spec, assume, step, elements, notes)
-    notes += act_offload_notes(spec, est.time_breakdown.get("act_offload", 0.0))
+    notes += act_offload_notes(spec, est.time_breakdown.get("act_offload", 0.0), assume)
     return _with_ep_comm(spec, est, assume, m * x["ep_issued"]) if spec.layout.ep > 1 else est
 
 
-def act_offload_notes(spec: RunSpec, exposed_s: float) -> list[str]:
+def act_offload_notes(spec: RunSpec, exposed_s: float, assume: Assumptions) -> list[str]:
     """The activation offload of ``spec`` in words (xpar.estimate.memory.activation_offload): blocks offloaded and
-    held, the exposed copies per step (``exposed_s``) and the host memory per node; [] without it."""
+    held under ``assume``'s copies (TE's side stream, or torch's save_on_cpu), the exposed copies per step
+    (``exposed_s``) and the host memory per node; [] without it."""
     n = offload_layers(spec)
     if not n:
         return []
-    need = host_need(spec, MemoryOptions.of(assumptions_for(spec)))
-    blocks = spec.model.n_layers
-    return [f"activations of {n} of {blocks} blocks offloaded to host memory (Megatron-Core's --cpu-offloading, "
-            f"Transformer Engine's cpu_offload): {resident_blocks(blocks, n)} blocks' activations held on the device, "
-            f"{need['block_bytes'] / 1e9:.2f} GB a block copied over the host link at "
-            f"{spec.hardware.pcie_gb_per_s:g} GB/s, +{exposed_s:.3g} s exposed per step; "
+    need = host_need(spec, MemoryOptions.of(assume))
+    blocks, link, overlap = spec.model.n_layers, spec.hardware.pcie_gb_per_s, assume.activation_offload_overlap
+    how = ("Megatron-Core's --cpu-offloading, Transformer Engine's cpu_offload" if overlap else
+           "torch.autograd.graph.save_on_cpu, copies on the compute stream")
+    over = f"over the host link at {link:g} GB/s" if link else "(no host link figure: the copies cost 0 s)"
+    return [f"activations of {n} of {blocks} blocks offloaded to host memory ({how}): "
+            f"{resident_blocks(blocks, n, overlap)} blocks' activations held on the device, "
+            f"{need['block_bytes'] / 1e9:.2f} GB a block copied {over}, +{exposed_s:.3g} s exposed per step; "
             f"{need['host_bytes'] / 1e9:,.0f} GB of host memory per node"]
 
 

@@ -1,5 +1,5 @@
 """The engine factory: one short function that composes the strategies in a fixed order: the model
-on the meta device, its seeded init, cp, tp, recompute, autocast, the dp wrapper (DDP or FSDP2),
+on the meta device, its seeded init, cp, tp, recompute, activation offload, autocast, the dp wrapper (DDP or FSDP2),
 experts, pipeline stages and their schedule, the optimizer and lr schedule.
 
 Design notes (what each step does and why, with sources): docs/concepts/design-notes.md.
@@ -22,6 +22,7 @@ from xpar.parallel.data_parallel import build_optimizer, wrap_dp
 from xpar.parallel.expert import reduce_expert_grads, shard_experts, apply_ep, build_expert_groups
 from xpar.parallel.memory_accounting import fsdp_params, grad_bytes_held
 from xpar.parallel.mesh import replica_mesh, hsdp_mesh
+from xpar.parallel.offload import apply_activation_offload
 from xpar.parallel.optim import NonFiniteStep, clip_grads_, first_nonfinite_rank, nonfinite_message, build_lr_scheduler
 from xpar.parallel.pipeline import attach_schedule
 from xpar.parallel.precision import apply_autocast, mixed_precision_kind
@@ -147,7 +148,7 @@ def materialize(chunk: nn.Module, device: str, seed: int) -> nn.Module:
 
 
 def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, experts=None) -> nn.Module:
-    """Steps 3-4 on one chunk: TP -> activation recompute -> mixed precision -> dp wrapper
+    """Steps 3-4 on one chunk: TP -> activation recompute -> activation offload -> mixed precision -> dp wrapper
     (the torchtitan order: checkpointing wraps the tp-split blocks, FSDP2 wraps the
     checkpointed blocks, so all-gathers stay outside the recomputed region)."""
     lay, shard, dtype = spec.layout, spec.parallel.zero_shard_size, spec.train.dtype
@@ -156,6 +157,7 @@ def wrap_chunk(chunk: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: str, e
     if spec.tp > 1:
         chunk = apply_tp(chunk, mesh["tp"], lay.sequence_parallel)                     # 3
     chunk = apply_recompute(chunk, lay.recompute, spec.parallel.recompute_layers)       # 3b
+    chunk = apply_activation_offload(chunk, spec.parallel.activation_offload_layers, device)  # 3b': pp 1
     if mixed_precision_kind(dtype, lay.zero_stage) == "autocast":
         chunk = apply_autocast(chunk, dtype, spec.device)                               # 3c
     if experts is not None and (lay.zero_stage >= 2 or spec.tp > 1):  # ep: experts over expert-dp first

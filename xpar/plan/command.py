@@ -33,6 +33,7 @@ from xpar.plan.evaluate import evaluate
 from xpar.plan.execute import execute_top
 from xpar.plan.explain import device_name, label
 from xpar.plan.inputs import PlanInputs, _hydra, auto_batch_notes, plan_inputs
+from xpar.plan.offload_fit import with_offload
 from xpar.plan.rank import feasible, order
 from xpar.plan.record import record_plan
 from xpar.plan.show import override_line, print_plan
@@ -114,7 +115,8 @@ def search(inputs: PlanInputs, devices: Optional[int] = None, explain: bool = Tr
         raise PlanRefused([empty_space_line(inputs, devices, space) if explain else f"no layout passes on {devices}"])
     t1 = time.perf_counter()
     try:
-        res = evaluate(ctx, space.cols)
+        bases: dict = {}  # the validated specs evaluate prices with, reused by the offload rows
+        res = with_offload(ctx, space.cols, evaluate(ctx, space.cols, bases), bases)  # activation offload where it fits
     except ConfigError as e:  # the hardware at this device count (e.g. nodes without an inter-node figure)
         raise PlanRefused([f"at plan.devices={devices}: {p}" for p in e.problems]) from None
     t2 = time.perf_counter()

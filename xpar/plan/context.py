@@ -9,7 +9,8 @@ and the candidate columns, one entry per layout (``dict[str, numpy.ndarray]``, l
   0..3), ``sp`` (bool, tp > 1 only), ``recompute`` ('none' | 'selective' | 'full');
 - optional (:data:`OPTIONAL_COLUMNS`): ``offload`` (bool; absent: the framework's), ``cp`` and
   ``ep`` (int64; absent: 1; ep x etp inside tp x cp x dp), ``dtype`` (str; absent: ``train.dtype``),
-  ``etp`` (int64, expert tensor-parallel degree; 0 or absent: tp).
+  ``etp`` (int64, expert tensor-parallel degree; 0 or absent: tp), ``act_offload`` (int64, the blocks whose
+  activations go to host memory, parallel.activation_offload_layers; absent: none; xpar.plan.offload_fit).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from xpar.estimate.columns.stage_split import split_fields
 
 COLUMNS = ("tp", "pp", "dp", "b", "m", "v", "schedule", "zero", "sp", "recompute")
 """The candidate columns, in display order."""
-OPTIONAL_COLUMNS = ("offload", "cp", "ep", "dtype", "etp")
+OPTIONAL_COLUMNS = ("offload", "cp", "ep", "dtype", "etp", "act_offload")
 """Columns a candidate set may leave out (then the framework's setting holds for every candidate)."""
 
 
@@ -50,6 +51,7 @@ def parallel_group(r: dict[str, Any], n_layers: int) -> dict:
     return dict(name="plan", dp=r["dp"], tp=r["tp"], pp=r["pp"], zero_stage=r["zero"], micro_batches=r["m"],
                 schedule=r["schedule"], virtual_stages=r["v"], sequence_parallel=r["sp"],
                 recompute=r["recompute"], cp=r.get("cp", 1), ep=r.get("ep", 1), etp=r.get("etp") or None,
+                activation_offload_layers=r.get("act_offload") or None,
                 **split_fields(n_layers, r["pp"], r["v"]))
 
 

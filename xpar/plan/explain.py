@@ -28,6 +28,7 @@ def label(res: dict[str, np.ndarray], i: int) -> str:
     pipe = f" {res['schedule'][i]}" + (f" v{res['v'][i]}" if res["v"][i] > 1 else "") if res["pp"][i] > 1 else ""
     sp = " sp" if res["sp"][i] else ""
     off = " offload" if "offload" in res and res["offload"][i] else ""
+    off += f" act-offload={res['act_offload'][i]}" if "act_offload" in res and res["act_offload"][i] else ""
     five = "".join(f" {k}{res[k][i]}" for k in ("cp", "ep") if k in res and res[k][i] > 1)
     five += f" etp{res['etp'][i]}" if "etp" in res and res["etp"][i] > 0 else ""
     dtype = f" {res['dtype'][i]}" if "dtype" in res else ""

@@ -195,16 +195,17 @@ def _number_problems(p, local: bool) -> list[str]:
 def _request_problems(cfg) -> list[str]:
     """Constraints that would be silently ignored: min_tokens_per_s without a device range,
     execute_top without tracking (the comparison reads the sweep's runs back from MLflow), and
-    parallel.activation_offload_layers (not searched)."""
+    parallel.activation_offload_layers under a framework that does not run it (xpar.plan.offload_fit searches it
+    where the framework does: the fewest blocks that fit, for layouts that do not fit without)."""
     p, out = cfg.plan, []
     if p.min_tokens_per_s is not None and (p.devices is None or len(set(_plain_list(p.devices))) < 2):
         out.append(f"plan.min_tokens_per_s={p.min_tokens_per_s} picks the smallest cluster of a range of "
                    f"plan.devices, but none is given; e.g. plan.devices=[8,512], or drop plan.min_tokens_per_s.")
     offload = cfg.parallel.get("activation_offload_layers") if "parallel" in cfg else None
-    if offload:  # not a searched axis: every candidate would be priced without it (xpar.estimate.memory.activation_offload)
-        out.append(f"parallel.activation_offload_layers={offload}: xpar plan does not search activation offload (it "
-                   f"prices its layouts without it); drop parallel.activation_offload_layers, and estimate an offloaded "
-                   f"pp 1 layout with run.mode=estimate.")
+    if offload and not cfg.framework.get("activation_offload"):  # searched where the framework runs it (offload_fit)
+        out.append(f"parallel.activation_offload_layers={offload}: framework={cfg.framework.name} runs no activation "
+                   f"offload (framework.activation_offload=false), so xpar plan does not search it; drop "
+                   f"parallel.activation_offload_layers, or framework=megatron_core.")
     if p.execute_top > 0 and not cfg.tracking.enabled:
         out.append(f"plan.execute_top={p.execute_top} compares the runs it records in MLflow, and tracking is "
                    f"off; drop tracking=off, or plan.execute_top=0.")

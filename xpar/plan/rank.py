@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from xpar.estimate.terms import AXIS_TIME_TERMS, TERM_WORDS, TIME_TERMS, time_key
+from xpar.estimate.terms import AXIS_TIME_TERMS, SETTING_TIME_TERMS, TERM_WORDS, TIME_TERMS, time_key
 
 
 def terms(res: dict[str, np.ndarray]) -> tuple[str, ...]:
-    """The step-time terms the candidate figures hold: TIME_TERMS, then cp's and ep's where present."""
-    return TIME_TERMS + tuple(k for k in AXIS_TIME_TERMS if time_key(k) in res)
+    """The step-time terms the candidate figures hold: TIME_TERMS, then cp's, ep's and activation offload's where
+    present."""
+    return TIME_TERMS + tuple(k for k in AXIS_TIME_TERMS + SETTING_TIME_TERMS if time_key(k) in res)
 
 
 def feasible(res: dict[str, np.ndarray]) -> np.ndarray:

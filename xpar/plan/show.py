@@ -28,6 +28,8 @@ def override_line(plan) -> str:
            f"parallel.schedule={r['schedule'][i]}", f"parallel.virtual_stages={r['v'][i]}",
            f"parallel.sequence_parallel={str(bool(r['sp'][i])).lower()}", f"parallel.recompute={r['recompute'][i]}",
            f"train.micro_batch_size={r['b'][i]}", f"train.global_batch_size={r['b'][i] * r['m'][i] * r['dp'][i]}"]
+    if "act_offload" in r and r["act_offload"][i]:  # xpar.plan.offload_fit
+        par.append(f"parallel.activation_offload_layers={r['act_offload'][i]}")
     if "offload" in r and (r["offload"][i] or ctx.framework.get("cpu_offload_optimizer")):
         par.append(f"framework.cpu_offload_optimizer={str(bool(r['offload'][i])).lower()}")
     preset = any(o.lstrip("+~").startswith("parallel=") for o in plan.inputs.overrides)  # may set cp, ep, a split
@@ -113,9 +115,14 @@ def _row_tail(plan, i: int, n: int, tie: bool, batch) -> list[str]:
     rel = r["tokens_per_s"][i] / r["tokens_per_s"][plan.best] - 1
     vs = "best" if n == 1 else _signed(rel) + (" tie" if tie else "")
     return [sched, str(r["b"][i]), str(r["m"][i]), *((str(int(batch[i])),) if lo != hi else ()),
-            str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]),
+            str(r["zero"][i]), "yes" if r["sp"][i] else "", str(r["recompute"][i]) + _act_offload_words(r, i),
             "yes" if "offload" in r and r["offload"][i] else "", f"{r['tokens_per_s'][i]:,.0f}", vs,
             f"{100 * r['mfu'][i]:.1f} %", f"{100 * r['bubble_ratio'][i]:.1f} %", f"{r['memory_total'][i] / GB:.1f}"]
+
+
+def _act_offload_words(r, i: int) -> str:
+    """' + offload 64 blocks' where layout ``i`` offloads activations (xpar.plan.offload_fit), else ''."""
+    return f" + offload {r['act_offload'][i]} blocks" if "act_offload" in r and r["act_offload"][i] else ""
 
 
 def separation(res, i: int, best: int) -> str:

@@ -348,7 +348,8 @@ def enumerate_layouts(model: dict, devices: int, devices_per_node: int, seq_len:
     cols = {k: t[k].astype(np.int64) for k in ("tp", "pp", "dp", "b", "m", "v", "zero", "cp", "ep", "etp")}
     cols.update(schedule=t["schedule"].astype(str), sp=t["sp"].astype(bool), recompute=t["recompute"].astype(str),
                 offload=t["offload"].astype(bool), dtype=t["dtype"].astype(str))
-    keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if (k != "dtype" or c.dtypes) and (k != "etp" or c.etp != (0,))]
+    keep = [k for k in COLUMNS + OPTIONAL_COLUMNS if (k != "dtype" or c.dtypes) and (k != "etp" or c.etp != (0,))
+            and k != "act_offload"]  # set where a layout fits only with it (xpar.plan.offload_fit)
     return Space({k: cols[k] for k in keep}, drops.dropped, raw, drops.emptied_by, drops.watch_dropped_by)
 
 

@@ -40,6 +40,8 @@ def composed_spec(line: str, want: dict):
                schedule=lay.schedule, zero=lay.zero_stage, sp=lay.sequence_parallel, recompute=lay.recompute)
     got.update({k: v for k, v in (("cp", lay.cp), ("ep", lay.ep), ("dtype", spec.train.dtype), ("etp", lay.etp))
                 if k in want})
+    if "act_offload" in want:  # parallel.activation_offload_layers (xpar.plan.offload_fit)
+        got["act_offload"] = spec.parallel.activation_offload_layers or 0
     if lay.pp == 1:  # no pipeline: the schedule does not matter
         got.update(schedule=want["schedule"], v=want["v"])
     got["layer_split"] = list(lay.layer_split)  # even, else lighter ends (xpar.estimate.columns.stage_split)

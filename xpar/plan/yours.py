@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from xpar.config.checks import ConfigError
 from xpar.config.validate import validate
+from xpar.estimate.cost import peak_memory
 from xpar.estimate.terms import TERM_WORDS
 from xpar.plan.explain import label
 from xpar.plan.groups import degree_columns, differing_axes, group_ranks
@@ -129,7 +130,20 @@ def your_layout_lines(plan, cfg, overrides: list[str]) -> list[str]:
     if not mine.any():
         return [f"{head}: its degrees are not in the plan's space ({why_not(plan, deg)})."]
     i = layout_row(plan.res, spec, deg)
-    return [f"{head}: {_placed(plan, i, mine)}"] + _separation(plan, i, mine)
+    return [f"{head}: {_offload_words(plan.res, i, spec)}{_placed(plan, i, mine)}"] + _separation(plan, i, mine)
+
+
+def _offload_words(res: dict, i: Optional[int], spec) -> str:
+    """Where the plan's row offloads another number of blocks' activations than the command states
+    (xpar.plan.offload_fit: the fewest that fit): the stated layout's peak where it does not fit, and the plan's N;
+    '' otherwise."""
+    n = int(res["act_offload"][i]) if i is not None and "act_offload" in res else 0
+    stated = spec.parallel.activation_offload_layers or 0
+    if n == stated:
+        return ""
+    mem = peak_memory(spec)
+    over = "" if mem.fits else f"as stated {mem.total / GB:.1f} GB per device does not fit {mem.usable / GB:.1f} GB usable; "
+    return f"{over}with parallel.activation_offload_layers={n} (the plan's: the fewest blocks that fit, stated {stated}) "
 
 
 def _placed(plan, i: Optional[int], mine: np.ndarray) -> str:

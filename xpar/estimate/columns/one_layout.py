@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from xpar.config.spec import RunSpec
+from xpar.estimate.columns.act_offload import offload_column
 from xpar.estimate.columns.step_time import Step, candidate_rows, slot_step
 from xpar.estimate.step_parts import Assumptions
 
@@ -44,5 +45,6 @@ def layout_step(spec: RunSpec, assume: Assumptions, optimizer_bytes: float, opti
     and gradients on the most loaded device (bytes, elements), for the optimizer term."""
     cols = layout_columns(spec)
     r = candidate_rows(cols, assume.cpu_offload_optimizer)
+    _, r["act_offload"] = offload_column(spec, cols)  # parallel.activation_offload_layers
     return slot_step(spec, assume, cols, r, layout_slots(spec), np.array([float(optimizer_bytes)]),
                      np.array([float(optimizer_elements)]), np.array([float(grad_bytes)]))

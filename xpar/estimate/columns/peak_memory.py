@@ -27,6 +27,7 @@ from xpar.estimate.columns.mixed_blocks import blocks_vary
 from xpar.estimate.columns.stage_split import memory_spec, prune_modes, split_key
 from xpar.estimate.step_parts import assumptions_for
 from xpar.estimate.memory.offload import host_columns
+from xpar.estimate.columns.act_offload import act_offload_memory, offload_column
 from xpar.estimate.terms import COLUMN_MEMORY_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
 from xpar.estimate.comm.hsdp import shard_group_spec
@@ -565,6 +566,7 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray], assume=None) -> d
     if by_vocab is not None:  # the vocabulary padded per tp (xpar.estimate.columns.vocab_groups)
         return by_vocab
     o = model_states.MemoryOptions.of(assumptions_for(base) if assume is None else assume)
+    base, offloaded = offload_column(base, cols)  # activation offload's N per candidate (xpar.plan.offload_fit)
     c = int_columns(cols, o)
     n = len(c["tp"])
     autocast, er = _by_zero(base, c, o) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -580,11 +582,15 @@ def memory_columns(base: RunSpec, cols: dict[str, np.ndarray], assume=None) -> d
     single_stage(ctx, c, res)
     _pipelined(ctx, c, res)
     usable = usable_bytes(hw)
-    out = {f"memory_{k}": res[k] for k in _FIELDS[:5]}
-    out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"],
+    freed, act_host = act_offload_memory(base, o, cols, offloaded) if "act_offload" in cols else (0.0, 0.0)
+    out = {f"memory_{k}": res[k] - (freed if k == "activations" else 0.0) for k in _FIELDS[:5]}
+    out.update(memory_framework_overhead=np.full(n, ctx["overhead"]), memory_total=res["total"] - freed,
                memory_pp_rank=res["pp_rank"], memory_usable=np.full(n, usable))
     out["fits"] = out["memory_total"] <= usable
     out.update(host_columns(hw, c["offload"], res["optimizer_elements"]))
+    if "act_offload" in cols:  # offloaded activations beside an offloaded optimizer's states (hardware.host_memory_gb)
+        out["host_bytes"] = out["host_bytes"] + act_host
+        out["host_fits"] &= (out["host_bytes"] <= hw.host_memory_gb * 1e9) if hw.host_memory_gb else c["offload"] == 0
     return out
 
 

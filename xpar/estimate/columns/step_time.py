@@ -70,7 +70,7 @@ from xpar.estimate.schedule import bubble_theory
 from xpar.estimate.terms import COLUMN_TIME_KEYS
 from xpar.estimate.columns.vocab_groups import columns_by_vocab
 from xpar.estimate.columns.ep_slots import ep_slot_columns
-from xpar.estimate.columns.act_offload import act_offload_columns
+from xpar.estimate.columns.act_offload import act_offload_columns, offload_column
 from xpar.estimate.memory.activation_offload import offload_layers
 from xpar.estimate.columns.mtp import last_stage_work
 from xpar.estimate.columns.keys import _combined, by_key, per_slot, spec_at, unique_rows  # noqa: F401 (re-exported)
@@ -81,11 +81,12 @@ EP_TIME_KEYS = ("time_ep_comm", "time_ep_imbalance")
 """The expert-parallel terms of an ep layout's step (xpar.estimate.columns.ep_slots)."""
 
 
-def time_keys(base: RunSpec) -> tuple[str, ...]:
+def time_keys(base: RunSpec, cols: Optional[dict] = None) -> tuple[str, ...]:
     """Keys of :func:`time_columns` for candidates of ``base``'s ep: :data:`TIME_KEYS`, plus :data:`EP_TIME_KEYS`
-    at ep > 1 and ``time_act_offload`` with activation offload (parallel.activation_offload_layers)."""
-    return (TIME_KEYS + (EP_TIME_KEYS if base.layout.ep > 1 else ())
-            + (("time_act_offload",) if offload_layers(base) else ()))
+    at ep > 1 and ``time_act_offload`` with activation offload (parallel.activation_offload_layers, or the
+    candidates' column ``act_offload``)."""
+    offload = offload_layers(base) or (cols is not None and "act_offload" in cols)
+    return TIME_KEYS + (EP_TIME_KEYS if base.layout.ep > 1 else ()) + (("time_act_offload",) if offload else ())
 SLOTS = 3
 """Rank classes per layout: rank 0, a middle rank, the last rank (module docstring)."""
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -335,6 +336,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
         base = waits_unstretched(base, int(world[0]))
     a = assumptions_for(base)
     r = candidate_rows(cols, a.cpu_offload_optimizer)
+    keys = time_keys(base, cols)
+    base, r["act_offload"] = offload_column(base, cols)  # activation offload's N per candidate
     bad = np.flatnonzero(~splittable(base.model.n_layers, r["pp"] * r["v"]))
     if len(bad):
         i = int(bad[0])
@@ -350,7 +353,8 @@ def time_columns(base: RunSpec, cols: dict[str, np.ndarray], memory_optimizer: O
            "pp_comm_issued_s": r["m"] * pick["pp_issued"], "offload_host_step_s": off["host_step_s"],
            "offload_pcie_s": off["grad_to_host_exposed_s"] + off["param_to_device_s"]}
     out.update(_rates(base, r, step.time))
-    return {k: np.asarray(out[k], dtype=np.float64) for k in time_keys(base)}
+    out.setdefault("time_act_offload", np.zeros(len(step.time)))  # a column of N = 0 only
+    return {k: np.asarray(out[k], dtype=np.float64) for k in keys}
 
 
 @dataclass(frozen=True)
@@ -416,7 +420,7 @@ def _optimizer_columns(base: RunSpec, cols: dict, a: Assumptions, r: dict, pick:
 def _by_world(base: RunSpec, cols: dict, world: np.ndarray, *state: Optional[np.ndarray]) -> dict[str, np.ndarray]:
     """:func:`time_columns` of candidates of several device counts, one count at a time (``state``:
     its memory_optimizer, optimizer_elements and memory_grads, each None or per candidate)."""
-    out = {k: np.zeros(len(world)) for k in time_keys(base)}
+    out = {k: np.zeros(len(world)) for k in time_keys(base, cols)}
     for w in np.unique(world):
         i = np.flatnonzero(world == w)
         part = time_columns(base, {k: np.asarray(v)[i] for k, v in cols.items()},
@@ -453,7 +457,7 @@ def _rank_columns(base: RunSpec, a: Assumptions, r: dict, s: dict) -> dict[str, 
     kv_end = by_key([r["tp"], r["sp"]], lambda t, sp: {"s": kv_grad_reduce_time(
         spec_at(base, t, 1, 1, 1, 1, 1, "gpipe", 0, sp, "none"), reduced)}, ("s",))["s"]
     x["tp_step"] = n * kv_end  # replicated K/V weight gradients all-reduced over tp once a step
-    if offload_layers(base):  # pp 1 only (xpar.estimate.memory.activation_offload)
+    if r["act_offload"].any():  # pp 1 only (xpar.estimate.memory.activation_offload)
         x["act_offload"] = act_offload_columns(base, a, r, c)
     return x
 

@@ -326,7 +326,7 @@ def stage_bytes(spec: RunSpec, stage: int, o: MemoryOptions) -> dict[str, float]
     share = stage_recompute_share(spec, stage, o)
     lb = layer_bytes(spec, o, share)
     n = lay.layer_split[stage]
-    kept_n = resident_blocks(n, offload_layers(spec))  # activation offload: pp 1 (xpar.estimate.memory.activation_offload)
+    kept_n = resident_blocks(n, offload_layers(spec), o.activation_offload_overlap)  # activation offload: pp 1 (xpar.estimate.memory.activation_offload)
     out = {"layers": kept_n * lb["kept"], "workspace": lb["workspace"] if n else 0.0, "logits": 0.0, "moe_graph": 0.0,
            "loss_transient": 0.0, "embedding_mask": 0.0, "weight_copies": 0.0}
     if rec["autocast"]:

@@ -28,7 +28,8 @@ from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.preflight.act_offload import act_offload_problem, fitting_offload
 from xpar.estimate.preflight.duration import duration_problems
 from xpar.estimate.memory.per_device import MemoryEstimate, memory
-from xpar.estimate.memory.model_states import MEMORY_TERMS, STATE_BYTES, peak_ranks, state_widths
+from xpar.estimate.memory.activation_host import host_need
+from xpar.estimate.memory.model_states import MEMORY_TERMS, STATE_BYTES, MemoryOptions, peak_ranks, state_widths
 from xpar.estimate.preflight.nearest_fit import partial_recompute, recompute_choices
 from xpar.estimate.memory.offload import host_memory_line, missing_host_fields, offload_problem, offload_step
 from xpar.models.shapes import param_count
@@ -95,8 +96,10 @@ def _act_offload_line(spec: RunSpec) -> str:
         return ""
     n, cand = found
     est = estimate(cand)
-    return (f" Or, with activation offload as framework={spec.framework.name} runs it (Megatron-Core's "
-            f"--cpu-offloading-num-layers; estimated only): parallel.activation_offload_layers={n} (estimated "
+    how = ("Megatron-Core's --cpu-offloading-num-layers" if spec.framework.activation_offload_overlap else
+           "torch's save_on_cpu, which xpar executes")
+    return (f" Or, with activation offload as framework={spec.framework.name} runs it ({how}): "
+            f"parallel.activation_offload_layers={n} (estimated "
             f"{_gb(peak_memory(cand).total)} per device, {est.time_per_step_s:.3g} s/step, "
             f"{est.time_breakdown.get('act_offload', 0.0):.3g} s of it exposed host-link copies).")
 
@@ -354,9 +357,12 @@ def host_memory_problem(spec: RunSpec) -> Optional[str]:
 
 
 def _host_need(spec: RunSpec) -> tuple[MemoryEstimate, float, float]:
-    """(cost-model peak, bytes per worker with the process baseline, usable host bytes) of a CPU run."""
+    """(cost-model peak, bytes per worker with the process baseline and its offloaded activations, which on a CPU
+    stay in the same memory, usable host bytes) of a CPU run."""
     mem = peak_memory(spec)
-    return mem, mem.total + WORKER_BASELINE_BYTES, HOST_MEMORY_USABLE * spec.hardware.device_memory_gb * 1e9
+    need = host_need(spec, MemoryOptions.of(assumptions_for(spec)))  # xpar.estimate.memory.activation_host
+    offloaded = need["block_bytes"] * (spec.parallel.activation_offload_layers or 0) if need else 0.0
+    return mem, mem.total + WORKER_BASELINE_BYTES + offloaded, HOST_MEMORY_USABLE * spec.hardware.device_memory_gb * 1e9
 
 
 def _fewer_workers(spec: RunSpec, per_worker: float, usable: float) -> str:
