@@ -76,7 +76,7 @@ def test_columns_price_each_rows_policy_as_the_scalar_estimate():
         one = kernel_layer_costs(s, assume)
         for k, v in one.items():
             assert cols[k][i] == pytest.approx(v, rel=1e-12), (i, k)
-    assert cols["mem_f"][2] > 2 * cols["mem_f"][0]
+    assert cols["mem_f"][2] > 1.5 * cols["mem_f"][0] and cols["mem_f"][1] == pytest.approx(cols["mem_f"][2], rel=1e-12)
 
 
 @pytest.mark.slow
