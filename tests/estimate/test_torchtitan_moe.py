@@ -92,8 +92,9 @@ def qwen3_b200(*overrides: str):
 def test_the_step_adds_the_scatters_and_the_grouped_gemm_time_of_every_block_pass():
     """48 MoE blocks, one micro-batch, full recompute (the forward's memory-bound kernels twice; its experts' GEMMs but
     w2, which torch's non-reentrant checkpoint stops before: 2/3 again): the step grows by each block's atomic
-    scatters less the streamed unpermute (in memory_bound) and by the grouped GEMMs' extra time (in matmul), and
-    by nothing else."""
+    scatters less the streamed unpermute (in memory_bound; the streamed bytes at the eager passes, as the checkpointed
+    block runs eager: framework.moe_graph_break) and by the grouped GEMMs' extra time (in matmul), and by nothing
+    else."""
     old = ("framework.moe_scatter=fused", "framework.expert_gemm_kernel=dense")
     spec, before = qwen3_b200(), qwen3_b200(*old)
     assert assumptions_for(spec).moe_scatter == "atomic" and assumptions_for(before).moe_scatter == "fused"
@@ -106,8 +107,10 @@ def test_the_step_adds_the_scatters_and_the_grouped_gemm_time_of_every_block_pas
     f, bw = (block_times(MOE_30B, 8, 4096, device, backward=x, moe_scatter="atomic", **kw) for x in (False, True))
     f0, bw0 = (block_times(MOE_30B, 8, 4096, device, backward=x, **kw) for x in (False, True))
     grad_sum = memory_time(split_up_grad_bytes(8 * 4096 * 8, 2048), device)  # torch._grouped_mm's split w1 / w3
-    extra_mem = ((1 + again["memory"]) * (f.atomics + f.memory - f0.memory) + (bw.atomics + bw.memory - bw0.memory)
-                 + grad_sum)
+    passes = assumptions_for(spec).elementwise_passes
+    assert passes == 3.0 and assumptions_for(spec).moe_graph_break
+    extra_mem = ((1 + again["memory"]) * (f.atomics + passes * (f.memory - f0.memory))
+                 + (bw.atomics + passes * (bw.memory - bw0.memory)) + grad_sum)
     assert a.time_breakdown["memory_bound"] - b.time_breakdown["memory_bound"] == pytest.approx(48 * float(extra_mem))
     g, g0 = (block_times(MOE_30B, 8, 4096, device, expert_gemm_kernel=k, **kw).experts
              for k in ("torch_grouped_mm", "dense"))
@@ -116,7 +119,7 @@ def test_the_step_adds_the_scatters_and_the_grouped_gemm_time_of_every_block_pas
     extra_mm = (1 + again["mlp"]) * (g - g0) + (gb - gb0)
     assert a.time_breakdown["matmul"] - b.time_breakdown["matmul"] == pytest.approx(48 * float(extra_mm))
     assert a.time_breakdown["ep_comm"] == b.time_breakdown["ep_comm"]
-    assert 1.2 < a.time_per_step_s / b.time_per_step_s < 1.4
+    assert 1.1 < a.time_per_step_s / b.time_per_step_s < 1.3  # both runs eager under full AC
 
 
 @pytest.mark.parametrize("scatter", ["fused", "atomic"])

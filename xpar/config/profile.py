@@ -199,6 +199,20 @@ class FrameworkConfig:
     is False), hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
     dispatcher that hands its state to combine (upstream torchtitan's EPDispatchMetadata,
     torchtitan/models/common/token_dispatcher.py 2026; Megatron-Core, DeepSpeed)."""
+    moe_graph_break: bool = False
+    """Its MoE layer breaks torch.compile's graph where ep > 1, so under activation checkpointing (full or selective)
+    a compiled MoE block runs eagerly, forward and recompute: torch.utils.checkpoint.checkpoint is wrapped in
+    ``torch._disable_dynamo`` (recursive), and where Dynamo cannot trace the checkpointed function whole it falls
+    back to eager for the whole region and does not trace the frames inside it (torch/utils/checkpoint.py, "Note:
+    [torch.compile and checkpoint]", torch 2.1 to 2.13). True for torchtitan (@022f885f): MoE blocks are compiled
+    with ``fullgraph=False`` (torchtitan/models/llama4/infra/parallelize.py ``apply_compile``: "TODO: remove when
+    torch.compile supports fullgraph=True for MoE") inside ``ptd_checkpoint_wrapper``
+    (torchtitan/distributed/activation_checkpoint.py), and both EP paths break: DeepEP's ``FusedDispatch`` and
+    ``FusedCombine`` are autograd Functions calling DeepEP's C++ ``Buffer`` with no torch.library registration
+    (torchtitan/distributed/deepep/fused_a2a.py), the all-to-all path takes its split sizes to the host with
+    ``.tolist()`` (torchtitan/distributed/expert_parallel.py ``ExpertParallel._token_dispatch``). Its element-wise
+    traffic is then ``elementwise_passes`` times the fused one (xpar.estimate.compute.kernel_costs.eager_share).
+    benchmarks/ttcompile_graph_breaks.py shows it on a CPU stand-in."""
     replicated_embedding_grad: bool = True
     """Under tp, a deferred token-embedding gradient is held whole (V x h) on every tp rank
     (torch DTensor: xpar, torchtitan; xpar.estimate.memory.per_device); False: it stays

@@ -53,6 +53,8 @@ class BlockShape:
     """Sliding-window attention: the keys each query sees (model.sliding_window, a local block); 0: causal."""
     expert_bias: bool = False
     """The routed experts' GEMMs carry biases (model.bias on a MoE model: gpt-oss)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (model.qk_norm: Qwen3's QK-norm), priced by :func:`qk_norm_bytes`."""
 
     @property
     def mla(self) -> bool:
@@ -80,7 +82,8 @@ def shape_of(model, moe: bool = True, local: bool = False) -> BlockShape:
                       top_k=model.moe_top_k, expert_ffn=model.expert_ffn_hidden or model.ffn_hidden,
                       shared_experts=model.n_shared_experts, capacity_factor=model.capacity_factor,
                       imbalance=model.moe_imbalance, rope=model.position == "rope",
-                      window=model.sliding_window if local else 0, expert_bias=bool(experts and model.bias), **mla)
+                      window=model.sliding_window if local else 0, expert_bias=bool(experts and model.bias),
+                      qk_norm=bool(getattr(model, "qk_norm", False)) and not mla["kv_lora_rank"], **mla)
 
 
 @dataclass(frozen=True)
@@ -376,8 +379,9 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         2 * 2 * t_sp * sh.hidden * BF16  # two norms: read x, write y
         + 2 * 3 * t_sp * sh.hidden * BF16  # two residual adds: read two, write one
         + sh.rope * 2 * t * (heads + rope_k) * (sh.qk_rope_dim or sh.head_dim) * BF16  # RoPE on q, k
-        + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16)  # two dropouts: read x, write y and a byte mask
-    kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
+        + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16  # two dropouts: read x, write y and a byte mask
+        + qk_norm_bytes(sh, t, heads, np.maximum(1.0, sh.kv_heads / np.asarray(tp, dtype=float))))
+    kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout + 2 * sh.qk_norm  # norms, adds, RoPE, QK-norms
     g, experts, k_ffn, b_ffn, atomics = _ffn(sh, t, tp, ep, device, dtype, backward, grouped_gemm, quant,
                                              DISPATCHERS[dispatcher].sorts_by_local_expert, moe_scatter, expert_gemm_kernel,
                                              expert_bias_add)
@@ -393,6 +397,17 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     shape = np.broadcast(t, busy).shape
     return BlockTerms(*(np.broadcast_to(np.asarray(x, dtype=float), shape)
                         for x in (gemm, projections, experts, attn, memory, over, kernels, atomics)))
+
+
+def qk_norm_bytes(sh: BlockShape, tokens, heads, kv_heads):
+    """Bytes one forward of a block's QK-norm moves on one rank (``sh.qk_norm``; 0 without): an RMSNorm over each
+    head's ``head_dim`` on the ``heads`` query heads and the ``kv_heads`` key heads of the rank (keys before GQA's
+    repeat), ``tokens`` tokens (the projection's output: all the rank's tokens, also under sequence parallelism), read
+    once and written once in bf16 as the block's other norms (fused: Transformer Engine's RMSNorm for Megatron-Core's
+    ``qk_layernorm``; eager or compiled, torch's ``nn.RMSNorm``: torchtitan/models/qwen3/model/model.py
+    ``Attention.forward`` @022f885f, ``q_norm`` / ``k_norm`` before ``apply_rotary_emb``; Qwen3 technical report,
+    Sec. 2, "QK-Norm"); scaled by framework.elementwise_passes as they are. Units: bytes."""
+    return sh.qk_norm * 2.0 * np.asarray(tokens, dtype=float) * (heads + kv_heads) * sh.head_dim * BF16
 
 
 def expert_loop_gap(local, expert_s, backward: bool, call_us: float):

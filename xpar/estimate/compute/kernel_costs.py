@@ -103,7 +103,7 @@ def _rerun(fwd: BlockTerms, share: dict) -> dict:
     return {"mm": compute, "mem": share["memory"] * fwd.memory, "ovh": share["memory"] * fwd.overhead}
 
 
-def elementwise_passes(train, assume) -> float:
+def elementwise_passes(train, assume, eager=0.0):
     """Times the fused traffic a block's memory-bound kernels move (norms, residual adds, RoPE, activation, FP8
     amax and casts, MoE routing: xpar.estimate.compute.kernel_block), for ``train`` (a TrainConfig) under a
     framework's ``assume``: its ``elementwise_passes`` (eager PyTorch: each op its own kernel,
@@ -117,8 +117,22 @@ def elementwise_passes(train, assume) -> float:
     the two reads and one FP8 write of the ``current`` recipe (xpar.estimate.compute.fp8_recipes). Not
     priced: a residual add fused with the norm that reads its sum (one read of the sum saved); each block is
     compiled alone (torchtitan models/llama3/infra/parallelize.py apply_compile), so nothing fuses across
-    blocks. Unitless, >= 1."""
-    return 1.0 if train.compile else assume.elementwise_passes
+    blocks. ``eager``: the share of the blocks that run eagerly although compiled (:func:`eager_share`), at
+    ``assume.elementwise_passes``. Unitless, >= 1 (a float, or an array as ``eager``)."""
+    compiled = 1.0 if train.compile else assume.elementwise_passes
+    return compiled + eager * (assume.elementwise_passes - compiled)
+
+
+def eager_share(base: RunSpec, assume, sh: BlockShape, checkpointed):
+    """Share of the blocks of shape ``sh`` that run eagerly in a compiled run (``base.train.compile``):
+    ``checkpointed`` (the share of the blocks under activation checkpointing, per row) for a MoE block where
+    ep > 1 and the framework's MoE layer breaks the graph (``assume.moe_graph_break``), else 0. torch's
+    checkpoint runs a region Dynamo cannot trace whole eagerly and keeps Dynamo off the frames inside it
+    (torch/utils/checkpoint.py ``checkpoint``, ``@torch._disable_dynamo``, "Note: [torch.compile and checkpoint]"),
+    so the whole block, attention half included, runs as eager kernels, forward and recompute
+    (xpar.config.profile.FrameworkConfig.moe_graph_break). Unitless, in [0, 1]."""
+    breaks = bool(base.train.compile and sh.experts and base.layout.ep > 1 and assume.moe_graph_break)
+    return np.asarray(checkpointed, dtype=float) * breaks
 
 
 def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: dict) -> dict:
@@ -131,7 +145,8 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               sinks=assume.sink_attention if base.model.attention_sinks else None, moe_scatter=assume.moe_scatter,
               expert_gemm_kernel=assume.expert_gemm_kernel, expert_bias_add=assume.expert_bias_add)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
-    passes = elementwise_passes(base.train, assume)  # not the atomic scatters: one aten kernel each, compiled or not
+    passes = elementwise_passes(base.train, assume, eager_share(base, assume, sh, rows["checkpointed"]))
+    # not the atomic scatters: one aten kernel each, compiled or not
     fwd, bwd = (replace(x, memory=x.memory * passes + x.atomics, atomics=0.0 * x.atomics) for x in (fwd, bwd))
     again, share = _rerun(fwd, rows["rerun"]), rows["share"]
     return {"mm_f": fwd.gemm + fwd.experts + fwd.attention, "mem_f": fwd.memory, "ovh_f": fwd.overhead,
@@ -158,6 +173,7 @@ def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, share
     per = [rerun_shares(p, assume.checkpoint_early_stop, cfg) for p in policies]
     rows = {"tp": np.asarray(tp, dtype=float), "b": np.asarray(b, dtype=float), "sp": np.asarray(sp, dtype=bool),
             "share": np.asarray(shares, dtype=float),
+            "checkpointed": np.asarray(shares, dtype=float) * np.array([p != "none" for p in policies], dtype=float),
             "rerun": {k: np.array([x[k] for x in per], dtype=float) for k in per[0]}}
     parts = [(w, _block_costs(base, assume, shape_of(cfg, moe=moe, local=local), device, rows))
              for (moe, local), w in block_kinds(cfg).items()]
