@@ -191,7 +191,15 @@ def buildable(spec: RunSpec) -> RunSpec:
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
     Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
     (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take). A recompute policy xpar
-    estimates only (xpar.config.remat.Policy.executes) as none: it moves no parameter."""
+    estimates only (xpar.config.remat.Policy.executes) as none: it moves no parameter. A micro-batch count torch's
+    schedule class refuses but the framework runs (framework.microbatch_rule=megatron: 1F1B with m < pp) as the
+    fewest torch takes: the count moves no parameter either."""
+    lay = spec.layout
+    rec = SCHEDULES[lay.schedule]
+    if rec.executable and not rec.microbatches_ok(lay.pp, lay.micro_batches):
+        m = next(k for k in range(lay.micro_batches, lay.micro_batches + 4 * lay.pp * lay.pp + 1)
+                 if rec.microbatches_ok(lay.pp, k))
+        spec = replace(spec, layout=replace(lay, micro_batches=m))
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if spec.layout.recompute in POLICIES and not POLICIES[spec.layout.recompute].executes:
