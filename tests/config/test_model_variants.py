@@ -52,6 +52,17 @@ def test_alibi_is_estimated_without_position_parameters_and_refused_in_execute_m
         _spec("model.position=alibi")  # the tiny model on 2 local workers: execute mode
 
 
+def test_qk_norm_is_refused_in_execute_mode_where_the_model_has_no_qk_norm():
+    """model.qk_norm=true ran the tiny model on the local workers without any q/k norm (the executed attention has
+    none; the key is read by the estimate alone): a run of something the user did not ask for. Refused with the
+    setting that runs it; the estimate takes it."""
+    with pytest.raises(ConfigError, match=r"model.qk_norm=true \(Qwen3's QK-norm\) is estimated, not executed") as e:
+        _spec("model.qk_norm=true")
+    assert "run it with model.qk_norm=false" in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert _spec("model.qk_norm=false").model.qk_norm is False
+    assert _spec(*GPT3, "model.qk_norm=true").model.qk_norm is True
+
+
 @pytest.mark.parametrize("overrides, line", [
     (("model.sliding_window_pattern=2",), "model.sliding_window_pattern=2 needs model.sliding_window > 0"),
     (("model.sliding_window=16", "model.sliding_window_pattern=1"), "makes every layer full attention"),

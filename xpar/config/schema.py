@@ -76,7 +76,7 @@ class ModelConfig:
     """Width of one attention head (d); null: hidden / n_heads (gpt-oss: 64 heads of 64 in a 2880-wide model):
     q, k, v project to heads x head_dim and wo back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
     qk_norm: bool = False
-    """Per-head RMSNorm of q and k before RoPE (Qwen3's QK-norm); estimated only: activations.eager_attention_extra_bytes."""
+    """Qwen3's q/k RMSNorm; estimate only: inputs counted in a kept eager graph (activations.eager_attention_extra_bytes)."""
     q_lora_rank: Optional[int] = None
     """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
     (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""
