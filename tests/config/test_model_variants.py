@@ -83,3 +83,18 @@ def test_sliding_window_is_accepted_and_executed_locally():
     """gpt-oss's pattern on the tiny model is accepted in execute mode: layers 0 and 2 local, 1 and 3 full."""
     spec = _spec("model.sliding_window=8", "model.sliding_window_pattern=2")
     assert [spec.model.is_local_layer(i) for i in range(4)] == [True, False, True, False]
+
+
+def test_an_estimate_says_when_the_kept_graph_and_qk_norm_settings_price_nothing():
+    """framework.moe_recompute_graph_kept=true without full recompute (or on a dense model), and model.qk_norm=true
+    outside such a kept graph, were accepted and changed no figure, silently; the estimate now says so in a note.
+    Where they are priced (a MoE model under full recompute with the kept graph), no such note."""
+    est = ("run.mode=estimate", "hardware=h100_80gb_8gpu", "model=moe_tiny", "framework.moe_recompute_graph_kept=true",
+           "model.qk_norm=true")
+    unused = [n for n in _spec(*est).notes if "prices nothing here" in n or "no QK-norm bytes" in n]
+    assert len(unused) == 2 and "got recompute=none, model.n_experts=4" in unused[0], unused
+    dense = _spec(*est, "model=tiny", "parallel.recompute=full").notes
+    assert any("moe_recompute_graph_kept=true prices nothing here" in n for n in dense)
+    priced = _spec(*est, "parallel.recompute=full").notes
+    assert not any("prices nothing here" in n or "no QK-norm bytes" in n for n in priced), priced
+    assert not any("prices nothing here" in n for n in _spec("run.mode=estimate", "hardware=h100_80gb_8gpu").notes)
