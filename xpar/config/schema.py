@@ -218,7 +218,7 @@ class ParallelConfig:
     --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
     every block (times framework.recompute_layer_fraction)."""
     activation_offload_layers: Optional[int] = None
-    """First N blocks' activations to host memory (xpar.estimate.memory.activation_offload); null or 0: none."""
+    """First N blocks' activations to host (Megatron's --cpu-offloading-num-layers; memory.activation_offload); 0: none."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 
