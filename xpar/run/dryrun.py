@@ -18,7 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from xpar.config.layout import SCHEDULES
+from xpar.config.layout import SCHEDULES, microbatch_ok
 from xpar.config.remat import POLICIES
 from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import fold_cp
@@ -196,7 +196,9 @@ def buildable(spec: RunSpec) -> RunSpec:
     fewest torch takes: the count moves no parameter either."""
     lay = spec.layout
     rec = SCHEDULES[lay.schedule]
-    if rec.executable and not rec.microbatches_ok(lay.pp, lay.micro_batches):
+    rule = getattr(spec.framework, "microbatch_rule", "torch")
+    if rec.executable and microbatch_ok(lay.schedule, lay.pp, lay.micro_batches, rule) \
+            and not rec.microbatches_ok(lay.pp, lay.micro_batches):
         m = next(k for k in range(lay.micro_batches, lay.micro_batches + 4 * lay.pp * lay.pp + 1)
                  if rec.microbatches_ok(lay.pp, k))
         spec = replace(spec, layout=replace(lay, micro_batches=m))
