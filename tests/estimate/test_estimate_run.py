@@ -413,3 +413,15 @@ def test_dry_run_builds_a_megatron_1f1b_with_fewer_micro_batches_than_stages(tmp
     assert spec.layout.micro_batches == 2 and buildable(spec).layout.micro_batches == 4
     r = estimate_report(spec, tmp_path)
     assert r.step_time_s > 0 and r.extra["estimate/dryrun_ranks"] > 0
+
+
+def test_an_estimate_beyond_the_dry_runs_world_size_skips_it_with_a_note():
+    """`model=7b hardware=b200_180gb_64gpu train=cluster hardware.nodes=1000000` (8 million ranks) validated in a
+    second and then built torch's device mesh of 8 million fake ranks for minutes (killed at 300 s, nothing said):
+    above DRY_RUN_MAX_WORLD the dry run is skipped with a note; below it, built as before."""
+    from xpar.run.dryrun import DRY_RUN_MAX_WORLD, not_buildable
+
+    huge = spec_for("model=7b", "hardware=b200_180gb_64gpu", "train=cluster", "hardware.nodes=1000000")
+    assert huge.world_size == 8_000_000 > DRY_RUN_MAX_WORLD
+    assert not_buildable(huge).startswith("dry run skipped: 8,000,000 ranks, above the 131,072 it builds")
+    assert not_buildable(spec_for("model=7b", "hardware=b200_180gb_64gpu", "train=cluster")) is None

@@ -169,6 +169,12 @@ def gap_note(spec: RunSpec, d: DryRun) -> Optional[str]:
             f"{format_bytes(r.analytic[kind])} (estimate/dryrun_param_bytes_diff, dryrun.json){why}.")
 
 
+DRY_RUN_MAX_WORLD = 131_072
+"""Largest world size (2^17 ranks) the dry run builds: torch's ``init_device_mesh`` walks every rank of every mesh
+dimension on each build (torch/distributed/device_mesh.py ``_init_process_groups``), a cost linear in the world size
+(its times: docs/guides/estimate.md); above it the estimate is given without the dry run, with a note."""
+
+
 def not_buildable(spec: RunSpec) -> Optional[str]:
     """Why the engine factory cannot build ``spec``'s layout for the dry run, or None where it can.
 
@@ -177,7 +183,12 @@ def not_buildable(spec: RunSpec) -> Optional[str]:
     2025, arXiv 2504.14960; Megatron-Core's --expert-tensor-parallel-size), which xpar estimates but does not
     run (xpar.config.checks.layout.check_ep). Such a layout trained (e.g. DeepSeek-V3 on 512 H100 at tp 2,
     ep 64, dp 32: NVIDIA/dgxc-benchmarking deepseek_v3/pretraining/README.md @1f6d9f4); its dry run is
-    skipped rather than reported as torch's refusal."""
+    skipped rather than reported as torch's refusal. Above :data:`DRY_RUN_MAX_WORLD` ranks it is skipped too (8
+    million ranks took minutes in torch's mesh and looked like a hang)."""
+    if spec.world_size > DRY_RUN_MAX_WORLD:
+        return (f"dry run skipped: {spec.world_size:,} ranks, above the {DRY_RUN_MAX_WORLD:,} it builds (torch's device "
+                f"mesh of fake ranks takes time linear in them, minutes at millions); the estimate stands on the cost "
+                f"model alone.")
     dp_cp = spec.layout.dp * spec.layout.cp
     if spec.layout.ep > dp_cp:
         return (f"dry run skipped: ep={spec.layout.ep} over tp x cp x dp (etp={spec.layout.expert_tp} < "
