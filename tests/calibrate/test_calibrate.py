@@ -449,3 +449,20 @@ def test_passes_over_the_gradients_are_counted_on_the_cpu():
             want * stretch)
     gpu = spec_for("hardware=a100_80gb_8gpu", local_devices=8)
     assert not assumptions_for(gpu).gradient_passes
+
+
+def test_calibrate_refuses_more_workers_than_the_host_holds_in_one_line(capsys):
+    """`xpar calibrate --quick --workers 1000` on a 25 GB, 2-core host started 1000 workers and ran until killed
+    (no preset, no message): refused before any worker starts, with the most this host holds, as a run is
+    (xpar.estimate.preflight.check.host_memory_problem); the count it names is taken."""
+    from xpar.calibrate.command import main, worker_problems
+
+    host = 25.3e9  # 20.2 GB usable: 57 workers of 0.35 GB
+    (line,) = worker_problems(1000, 1, host)
+    assert "--workers 1000 need ~350.0 GB" in line and "use at most 57, e.g. --workers 8" in line
+    assert worker_problems(57, 1, host) == [] and worker_problems(8, 1, host) == []
+    assert worker_problems(58, 1, host) != []
+    assert "e.g. --workers 2 --threads 1" in worker_problems(0, 1, host)[0]
+    assert main(["--name", "x", "--workers", "100000", "--no-track"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xpar: invalid configuration:") and "--workers 100000 need" in err and "Traceback" not in err

@@ -52,6 +52,17 @@ def test_alibi_is_estimated_without_position_parameters_and_refused_in_execute_m
         _spec("model.position=alibi")  # the tiny model on 2 local workers: execute mode
 
 
+def test_qk_norm_is_refused_in_execute_mode_where_the_model_has_no_qk_norm():
+    """model.qk_norm=true ran the tiny model on the local workers without any q/k norm (the executed attention has
+    none; the key is read by the estimate alone): a run of something the user did not ask for. Refused with the
+    setting that runs it; the estimate takes it."""
+    with pytest.raises(ConfigError, match=r"model.qk_norm=true \(Qwen3's QK-norm\) is estimated, not executed") as e:
+        _spec("model.qk_norm=true")
+    assert "run it with model.qk_norm=false" in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert _spec("model.qk_norm=false").model.qk_norm is False
+    assert _spec(*GPT3, "model.qk_norm=true").model.qk_norm is True
+
+
 @pytest.mark.parametrize("overrides, line", [
     (("model.sliding_window_pattern=2",), "model.sliding_window_pattern=2 needs model.sliding_window > 0"),
     (("model.sliding_window=16", "model.sliding_window_pattern=1"), "makes every layer full attention"),
@@ -72,3 +83,18 @@ def test_sliding_window_is_accepted_and_executed_locally():
     """gpt-oss's pattern on the tiny model is accepted in execute mode: layers 0 and 2 local, 1 and 3 full."""
     spec = _spec("model.sliding_window=8", "model.sliding_window_pattern=2")
     assert [spec.model.is_local_layer(i) for i in range(4)] == [True, False, True, False]
+
+
+def test_an_estimate_says_when_the_kept_graph_and_qk_norm_settings_price_nothing():
+    """framework.moe_recompute_graph_kept=true without full recompute (or on a dense model), and model.qk_norm=true
+    outside such a kept graph (its memory; its time is priced), were accepted silently; the estimate now says so in a note.
+    Where they are priced (a MoE model under full recompute with the kept graph), no such note."""
+    est = ("run.mode=estimate", "hardware=h100_80gb_8gpu", "model=moe_tiny", "framework.moe_recompute_graph_kept=true",
+           "model.qk_norm=true")
+    unused = [n for n in _spec(*est).notes if "prices nothing here" in n or "saved inputs are not in the memory estimate" in n]
+    assert len(unused) == 2 and "got recompute=none, model.n_experts=4" in unused[0], unused
+    dense = _spec(*est, "model=tiny", "parallel.recompute=full").notes
+    assert any("moe_recompute_graph_kept=true prices nothing here" in n for n in dense)
+    priced = _spec(*est, "parallel.recompute=full").notes
+    assert not any("prices nothing here" in n or "saved inputs are not in the memory estimate" in n for n in priced), priced
+    assert not any("prices nothing here" in n for n in _spec("run.mode=estimate", "hardware=h100_80gb_8gpu").notes)

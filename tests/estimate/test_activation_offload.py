@@ -88,6 +88,8 @@ def test_planner_columns_equal_the_estimate_with_offload():
     (("parallel.recompute=full",), "needs parallel.recompute=none"),
     (("parallel.activation_offload_layers=32",), "fewer blocks than the model has (0 <= N < 32)"),
     (("hardware.pcie_gb_per_s=null",), "has no hardware.pcie_gb_per_s"),
+    (("hardware.pcie_gb_per_s=0",), "(null: unknown, no optimizer or activation offload), got 0.0; e.g. "
+                                    "hardware.pcie_gb_per_s=50"),  # the link times both offloads
     (("hardware.host_memory_gb=100",), "the host holds at most 5 blocks'"),  # 8 x 2.16 GB a block
 ])
 def test_refusals_name_the_rule_and_values_that_work(extra, says):

@@ -398,3 +398,30 @@ def test_dry_run_that_disagrees_with_the_estimate_says_so():
     assert f"the estimate counts {format_bytes(r.analytic['params'])}" in note and "replicates each expert over the tp=2" in note
     dense = spec_for("model=moe_tiny", "parallel.tp=1", "parallel.dp=8", "hardware=h100_80gb_8gpu", "run.mode=estimate")
     assert gap_note(dense, dry_run(dense, [(0, 0, 0)])) is None
+
+
+def test_dry_run_builds_a_megatron_1f1b_with_fewer_micro_batches_than_stages(tmp_path):
+    """framework=megatron runs 1F1B with m < pp (framework.microbatch_rule=megatron, issue 43) and validation takes it,
+    but the dry run built torch's Schedule1F1B with that m: `model=7b hardware=h100_80gb_64gpu train=cluster
+    framework=megatron parallel.pp=4 parallel.micro_batches=2` exited 2 on torch's 'Number of microbatches (2) must be
+    greater than or equal to the number of stages (4)'. The count moves no parameter: the dry run builds m = pp."""
+    from xpar.run.dryrun import buildable
+    from xpar.run.estimate_mode import estimate_report
+
+    spec = spec_for("model=tiny", "framework=megatron", "parallel.dp=2", "parallel.pp=4", "parallel.schedule=1f1b",
+                    "parallel.micro_batches=2", "run.mode=estimate", "hardware=h100_80gb_8gpu", local_devices=8)
+    assert spec.layout.micro_batches == 2 and buildable(spec).layout.micro_batches == 4
+    r = estimate_report(spec, tmp_path)
+    assert r.step_time_s > 0 and r.extra["estimate/dryrun_ranks"] > 0
+
+
+def test_an_estimate_beyond_the_dry_runs_world_size_skips_it_with_a_note():
+    """`model=7b hardware=b200_180gb_64gpu train=cluster hardware.nodes=1000000` (8 million ranks) validated in a
+    second and then built torch's device mesh of 8 million fake ranks for minutes (killed at 300 s, nothing said):
+    above DRY_RUN_MAX_WORLD the dry run is skipped with a note; below it, built as before."""
+    from xpar.run.dryrun import DRY_RUN_MAX_WORLD, not_buildable
+
+    huge = spec_for("model=7b", "hardware=b200_180gb_64gpu", "train=cluster", "hardware.nodes=1000000")
+    assert huge.world_size == 8_000_000 > DRY_RUN_MAX_WORLD
+    assert not_buildable(huge).startswith("dry run skipped: 8,000,000 ranks, above the 131,072 it builds")
+    assert not_buildable(spec_for("model=7b", "hardware=b200_180gb_64gpu", "train=cluster")) is None

@@ -30,7 +30,8 @@ from xpar.calibrate.preset import (
     write_preset,
 )
 from xpar.config.presets import conf_dir
-from xpar.config.hardware import CALIBRATED_PREFIX
+from xpar.config.hardware import CALIBRATED_PREFIX, host_memory_bytes
+from xpar.estimate.preflight.check import HOST_MEMORY_USABLE, WORKER_BASELINE_BYTES
 from xpar.run.fidelity import CONTENTION_SHARE, usable_cores
 from xpar.track.runs import TrackingUnavailable, setup_experiment
 
@@ -136,6 +137,23 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def worker_problems(workers: int, threads: int, host_bytes: int) -> list[str]:
+    """Why ``--workers`` / ``--threads`` cannot be measured on a host of ``host_bytes`` bytes, one line each ([] where
+    they can): at least 2 workers (the collectives) and 1 thread, and no more workers than a run takes on this host
+    (xpar.estimate.preflight.check.host_memory_problem: WORKER_BASELINE_BYTES each within HOST_MEMORY_USABLE of its
+    memory); 1000 workers on a 25 GB host ran out of memory and never ended."""
+    if workers < 2 or threads < 1:
+        return [f"--workers must be >= 2 and --threads >= 1, got {workers} and {threads}; e.g. --workers 2 --threads 1."]
+    usable = HOST_MEMORY_USABLE * host_bytes
+    most = int(usable // WORKER_BASELINE_BYTES)
+    if workers <= most:
+        return []
+    return [f"--workers {workers} need ~{workers * WORKER_BASELINE_BYTES / 1e9:.1f} GB ({WORKER_BASELINE_BYTES / 1e9:.2f} "
+            f"GB per process with torch), more than the {usable / 1e9:.1f} GB usable ({HOST_MEMORY_USABLE:.0%} of "
+            f"{host_bytes / 1e9:.1f} GB host memory); use at most {most}, e.g. --workers {min(most, 8)} "
+            f"(the workers of the runs the preset is for)."]
+
+
 def _device_problems(device: str, workers: int) -> list[str]:
     """CUDA calibration needs a CUDA build of torch and one GPU per worker."""
     if device != "cuda":
@@ -164,8 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         problems.append(f"xpar calibrate measures this machine: give hardware=local (or nothing), got {args.target!r}.")
     if not re.fullmatch(r"[A-Za-z0-9_]+", args.name):
         problems.append(f"--name must be letters, digits and _, got {args.name!r}; e.g. --name my_box.")
-    if args.workers < 2 or args.threads < 1:
-        problems.append(f"--workers must be >= 2 and --threads >= 1, got {args.workers} and {args.threads}.")
+    problems += worker_problems(args.workers, args.threads, host_memory_bytes())
     problems += _device_problems(args.device, args.workers)
     if problems:
         print("xpar: invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)

@@ -76,7 +76,7 @@ class ModelConfig:
     """Width of one attention head (d); null: hidden / n_heads (gpt-oss: 64 heads of 64 in a 2880-wide model):
     q, k, v project to heads x head_dim and wo back to hidden (HF ``head_dim``, Megatron-Core ``kv_channels``)."""
     qk_norm: bool = False
-    """Per-head RMSNorm of q and k before RoPE (Qwen3's QK-norm); estimated only: activations.eager_attention_extra_bytes."""
+    """Qwen3's q/k RMSNorm; estimate only: inputs counted in a kept eager graph (activations.eager_attention_extra_bytes)."""
     q_lora_rank: Optional[int] = None
     """MLA (multi-head latent attention, DeepSeek-V2/V3): rank of the queries' low-rank projection
     (h -> q_lora_rank -> heads); null: queries projected directly. Read only with kv_lora_rank set."""
@@ -218,7 +218,7 @@ class ParallelConfig:
     --recompute-num-layers, --recompute-method block); a smaller stage recomputes all of its. null:
     every block (times framework.recompute_layer_fraction)."""
     activation_offload_layers: Optional[int] = None
-    """First N blocks' activations to host memory (xpar.estimate.memory.activation_offload); null or 0: none."""
+    """First N blocks' activations to host (Megatron's --cpu-offloading-num-layers; memory.activation_offload); 0: none."""
     reference_hardware: Optional[str] = None
     """Hardware preset this layout was written for (cluster presets)."""
 

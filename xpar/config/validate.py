@@ -122,6 +122,25 @@ def split_notes(c: XparConfig, layout: Layout) -> list[str]:
             f"parallel.layer_split (or first_stage_layers / last_stage_layers) to price the run's own."]
 
 
+def unused_setting_notes(c: XparConfig, layout: Layout, mode: str) -> list[str]:
+    """An estimate's notes on settings it takes but prices nothing for here: framework.moe_recompute_graph_kept outside
+    full recompute of a MoE model (xpar.estimate.memory.activations.moe_kept_graph_bytes), and model.qk_norm, whose
+    time is priced (kernel_block.qk_norm_bytes) but whose q/k norm inputs only such a kept graph counts in memory
+    (activations.eager_attention_extra_bytes)."""
+    kept = c.framework.moe_recompute_graph_kept
+    priced = bool(c.model.n_experts) and layout.recompute == "full"
+    if mode != "estimate":
+        return []
+    out = [] if not kept or priced else [
+        f"framework.moe_recompute_graph_kept=true prices nothing here: it keeps MoE blocks' recomputed graphs under "
+        f"parallel.recompute=full (got recompute={layout.recompute}, model.n_experts={c.model.n_experts})"]
+    if c.model.qk_norm and not (kept and priced):
+        out.append("model.qk_norm=true: the q/k norms' time is priced, their saved inputs are not in the memory estimate "
+                   "(counted only in a kept recomputed MoE graph: framework.moe_recompute_graph_kept=true, "
+                   "parallel.recompute=full)")
+    return out
+
+
 def kv_replica_notes(c: XparConfig, layout: Layout, mode: str) -> list[str]:
     """What an estimate with K/V heads replicated over tp prices (framework.kv_heads_over_tp=replicate, tp above
     model.n_kv_heads: xpar.config.attention.tp_model), and that the dry run, whose engine splits them, is left out."""
@@ -234,7 +253,7 @@ def build_spec(c: XparConfig, target: Target, layout: Layout) -> RunSpec:
                     threads_per_worker=c.train.threads_per_worker or 1)
     replicas = kv_replica_notes(c, layout, target.mode)  # K/V heads replicated over tp: estimated, no dry run
     notes = (list(target.notes) + layout_notes(c.parallel.zero_stage, layout) + padding_notes(c.model, c.framework, layout.tp)
-             + split_notes(c, layout) + replicas)
+             + split_notes(c, layout) + replicas + unused_setting_notes(c, layout, target.mode))
     if target.mode == "execute" and c.framework.name != "xpar":
         notes.append(f"framework={c.framework.name} shapes this run's estimate (fidelity/*) only: the run itself is "
                      "xpar's engine (torch DDP, FSDP2, DTensor, pipelining)")

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from xpar.config.layout import SCHEDULES
+from xpar.config.layout import SCHEDULES, microbatch_ok
 from xpar.config.remat import POLICIES
 from xpar.config.spec import RunSpec
 from xpar.estimate.context_parallel import fold_cp
@@ -169,6 +169,12 @@ def gap_note(spec: RunSpec, d: DryRun) -> Optional[str]:
             f"{format_bytes(r.analytic[kind])} (estimate/dryrun_param_bytes_diff, dryrun.json){why}.")
 
 
+DRY_RUN_MAX_WORLD = 131_072
+"""Largest world size (2^17 ranks) the dry run builds: torch's ``init_device_mesh`` walks every rank of every mesh
+dimension on each build (torch/distributed/device_mesh.py ``_init_process_groups``), a cost linear in the world size
+(its times: docs/guides/estimate.md); above it the estimate is given without the dry run, with a note."""
+
+
 def not_buildable(spec: RunSpec) -> Optional[str]:
     """Why the engine factory cannot build ``spec``'s layout for the dry run, or None where it can.
 
@@ -177,7 +183,12 @@ def not_buildable(spec: RunSpec) -> Optional[str]:
     2025, arXiv 2504.14960; Megatron-Core's --expert-tensor-parallel-size), which xpar estimates but does not
     run (xpar.config.checks.layout.check_ep). Such a layout trained (e.g. DeepSeek-V3 on 512 H100 at tp 2,
     ep 64, dp 32: NVIDIA/dgxc-benchmarking deepseek_v3/pretraining/README.md @1f6d9f4); its dry run is
-    skipped rather than reported as torch's refusal."""
+    skipped rather than reported as torch's refusal. Above :data:`DRY_RUN_MAX_WORLD` ranks it is skipped too (8
+    million ranks took minutes in torch's mesh and looked like a hang)."""
+    if spec.world_size > DRY_RUN_MAX_WORLD:
+        return (f"dry run skipped: {spec.world_size:,} ranks, above the {DRY_RUN_MAX_WORLD:,} it builds (torch's device "
+                f"mesh of fake ranks takes time linear in them, minutes at millions); the estimate stands on the cost "
+                f"model alone.")
     dp_cp = spec.layout.dp * spec.layout.cp
     if spec.layout.ep > dp_cp:
         return (f"dry run skipped: ep={spec.layout.ep} over tp x cp x dp (etp={spec.layout.expert_tp} < "
@@ -191,7 +202,17 @@ def buildable(spec: RunSpec) -> RunSpec:
     torch class) as 1F1B, train.dtype=fp8 as bf16 (bf16 storage: the same wrappers and parameters).
     Context parallelism is built as it runs (xpar.parallel.context): its micro-batch stays whole
     (a folded b / cp could be fractional, which a pipeline stage's shapes cannot take). A recompute policy xpar
-    estimates only (xpar.config.remat.Policy.executes) as none: it moves no parameter."""
+    estimates only (xpar.config.remat.Policy.executes) as none: it moves no parameter. A micro-batch count torch's
+    schedule class refuses but the framework runs (framework.microbatch_rule=megatron: 1F1B with m < pp) as the
+    fewest torch takes: the count moves no parameter either."""
+    lay = spec.layout
+    rec = SCHEDULES[lay.schedule]
+    rule = getattr(spec.framework, "microbatch_rule", "torch")
+    if rec.executable and microbatch_ok(lay.schedule, lay.pp, lay.micro_batches, rule) \
+            and not rec.microbatches_ok(lay.pp, lay.micro_batches):
+        m = next(k for k in range(lay.micro_batches, lay.micro_batches + 4 * lay.pp * lay.pp + 1)
+                 if rec.microbatches_ok(lay.pp, k))
+        spec = replace(spec, layout=replace(lay, micro_batches=m))
     if spec.train.dtype == "fp8":
         spec = replace(spec, train=replace(spec.train, dtype="bf16"))
     if spec.layout.recompute in POLICIES and not POLICIES[spec.layout.recompute].executes:

@@ -38,7 +38,7 @@ NULL_MEANS = {"peak_tflops": "null: measured, on hardware=local with a CPU only"
               "intra_node_gb_per_s": "null: unknown, communication not estimated, with a note",
               "inter_node_gb_per_s": "null: on one node only",
               "device_memory_gb": "null: detected, on hardware=local only",
-              "pcie_gb_per_s": "null: unknown, no optimizer offload",
+              "pcie_gb_per_s": "null: unknown, no optimizer or activation offload",
               "host_mem_gb_per_s": "null: unknown, no optimizer offload",
               "host_memory_gb": "null: unknown, no optimizer offload",
               "deepep_nvl_gb_per_s": "null: DeepEP at intra_node_gb_per_s x link_efficiency"}

@@ -295,8 +295,12 @@ def check_positions(model: ModelConfig, mode: str) -> list[str]:
     """ALiBi (model.position=alibi) is estimated as attention without position parameters (the bias is added
     inside the fused attention kernels: flash-attn's alibi_slopes, Megatron-DeepSpeed's baddbmm into the
     scores); xpar's executed model has RoPE and learned positions only. A parallel block (model.block,
-    xpar.config.block) is estimated only: the executed model runs sequential blocks."""
+    xpar.config.block) and QK-norm (model.qk_norm) are estimated only: the executed model runs sequential blocks
+    without q/k norms."""
     out = []
+    if mode == "execute" and model.qk_norm:
+        out.append(estimate_only("model.qk_norm=true (Qwen3's QK-norm)", "its attention has no q/k norms",
+                                 "model.qk_norm=false"))
     if mode == "execute" and model.position == "alibi":
         out.append(estimate_only("model.position=alibi", "its model runs rope or learned positions",
                                  "model.position=rope"))
