@@ -244,7 +244,31 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, floa
     name = policy_name(lay.recompute, o.selective_recompute)
     policy = (layer_activation_bytes(*args, "none" if name in MODULE_POLICIES else lay.recompute, **kw)
               - fp8_input_saving(spec, o, lay.recompute) + mla_extra(spec, o, name))
+    none += routed_copy_bytes(spec, o, "none")
+    policy += routed_copy_bytes(spec, o, name)
     return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
+
+
+def routed_copy_bytes(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
+    """Bytes one block and micro-batch keeps of its tokens' routed copies (the mean over the blocks, as
+    :func:`token_ffn`): ``framework.moe_routed_copies_kept`` copies of h per routed token (k per token), of which the
+    experts' first GEMM's input is held on each of the etp ranks of its expert group (the tokens are gathered over
+    etp) and the others on the token's own rank. Megatron-Core keeps two: the grouped fc1 GEMM's input for its weight
+    gradient (megatron/core/transformer/moe/experts.py ``TEGroupedMLP.forward`` -> Transformer Engine's
+    ``GroupedLinear``, which saves its inputs for wgrad) and the experts' outputs the combine multiplies by the routing
+    probabilities (megatron/core/transformer/moe/moe_utils.py ``unpermute``: ``permuted_tokens * permuted_probs``,
+    whose backward reads ``permuted_tokens`` for the probabilities' gradient). None under full recompute or
+    ``moe`` (the MoE layer rerun whole, megatron/core/transformer/moe/moe_layer.py ``moe_layer_recompute``); 0 for a
+    dense model or a profile with 0. Units: bytes."""
+    cfg, lay = spec.model, spec.layout
+    n = o.moe_routed_copies_kept
+    if not (cfg.n_experts and n) or policy in ("full", "moe"):
+        return 0.0
+    local = spec.seq_len * spec.train.micro_batch_size / (spec.tp if lay.sequence_parallel else 1)
+    copies = (lay.expert_tp if lay.sequence_parallel else 1) + (n - 1)  # fc1's input gathered over etp
+    share = cfg.moe_layers / cfg.n_layers
+    e = 1 if _fp8_inputs(spec, o) else precision(spec, o)["e"]  # Transformer Engine keeps FP8-cast GEMM inputs
+    return e * cfg.moe_top_k * cfg.hidden * local * copies * share
 
 
 def mla_extra(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
