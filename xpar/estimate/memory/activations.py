@@ -224,9 +224,9 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
 
 def token_ffn(cfg) -> float:
     """The MLP inner width one token goes through, the mean over the blocks
-    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with). Not counted:
-    the router's E logits and each routed copy of the token's input (k h per token), small beside
-    the experts' inner width."""
+    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with). Not counted here:
+    the router's E logits (small) and each routed copy of the token's input (k h per token, as large as the
+    experts' inner activations for fine-grained experts: :func:`routed_copy_bytes`, per framework)."""
     return remat_token_ffn(cfg)
 
 
@@ -253,11 +253,13 @@ def routed_copy_bytes(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
     """Bytes one block and micro-batch keeps of its tokens' routed copies (the mean over the blocks, as
     :func:`token_ffn`): ``framework.moe_routed_copies_kept`` copies of h per routed token (k per token), of which the
     experts' first GEMM's input is held on each of the etp ranks of its expert group (the tokens are gathered over
-    etp) and the others on the token's own rank. Megatron-Core keeps two: the grouped fc1 GEMM's input for its weight
-    gradient (megatron/core/transformer/moe/experts.py ``TEGroupedMLP.forward`` -> Transformer Engine's
-    ``GroupedLinear``, which saves its inputs for wgrad) and the experts' outputs the combine multiplies by the routing
-    probabilities (megatron/core/transformer/moe/moe_utils.py ``unpermute``: ``permuted_tokens * permuted_probs``,
-    whose backward reads ``permuted_tokens`` for the probabilities' gradient). None under full recompute or
+    etp) and the others on the token's own rank. Megatron-Core keeps one in every version: the grouped fc1 GEMM's
+    input for its weight gradient (megatron/core/transformer/moe/experts.py ``TEGroupedMLP.forward`` -> Transformer
+    Engine's ``GroupedLinear``, which saves its inputs for wgrad). A second, the experts' outputs where the combine
+    multiplies them by the routing probabilities (megatron/core/transformer/moe/moe_utils.py ``unpermute``:
+    ``permuted_tokens * permuted_probs`` keeps ``permuted_tokens`` for the probabilities' gradient), is not kept
+    where the probabilities are applied in the experts' activation (``weighted_bias_swiglu_impl``), and its version
+    split is not read here: profiles set 1. None under full recompute or
     ``moe`` (the MoE layer rerun whole, megatron/core/transformer/moe/moe_layer.py ``moe_layer_recompute``); 0 for a
     dense model or a profile with 0. Units: bytes."""
     cfg, lay = spec.model, spec.layout
