@@ -11,7 +11,8 @@ estimated, and set against the published figure of a sidecar csv (benchmarks/hun
 Sidecar columns: ``row`` (the Runs table's #), ``metric``, ``published``, ``memory_gib`` (published peak per GPU in
 GiB, blank if none), ``flops_per_token`` (the source's own FLOPs per token, forward and backward, where it counts
 FLOPs otherwise than xpar's model FLOPs; blank: xpar's count), ``peak_tflops`` (the source's peak for an MFU in its
-own count), ``note``. Metrics and their signed error:
+own count), ``note``, and optionally ``seen`` (what of the run tests/data or an earlier hunt holds -- the model and
+GPU count at another release, layout or precision; blank: strictly fresh). Metrics and their signed error:
 
 - ``tokens_per_s_gpu``: xpar's tokens/s per GPU / published - 1;
 - ``step_s``: published step / xpar's step - 1 (positive: xpar too fast, as for throughput);
@@ -21,8 +22,9 @@ own count), ``note``. Metrics and their signed error:
   tokens/s per GPU x flops_per_token / peak, against the published MFU.
 
 Memory error: xpar's peak (GiB) / published - 1. Medians of |error| and signed, over all rows, dense, MoE (the
-model has experts), FP8 (train.dtype fp8), CP (cp > 1) and small rows (fewer than :data:`SMALL_PARAMS` parameters,
-issue 42's small-model class: steps priced mostly by per-kernel and memory-bound costs). A row whose command is
+model has experts), FP8 (train.dtype fp8), CP (cp > 1), small rows (fewer than :data:`SMALL_PARAMS` parameters,
+issue 42's small-model class: steps priced mostly by per-kernel and memory-bound costs) and, where the sidecar has a
+``seen`` column, the strictly fresh rows (``seen`` blank). A row whose command is
 refused is listed with the refusal's first line; one refused only for memory is scored and marked. One process.
 """
 from __future__ import annotations
@@ -137,7 +139,7 @@ def score_row(num: int, name: str, command: str, pubs: list[dict]) -> dict:
     """The row's figures: kinds (dense/MoE, FP8, CP), refusal, xpar's step and peak, and per published metric
     (xpar, published, error); the memory error where a peak is published."""
     spec, refusal = build(command)
-    row = dict(num=num, name=name, refusal=refusal, scores=[], mem=None)
+    row = dict(num=num, name=name, refusal=refusal, scores=[], mem=None, seen=seen_of(pubs))
     if spec is None:
         return row
     est = estimate(spec, assumptions_for(spec))
@@ -150,6 +152,14 @@ def score_row(num: int, name: str, command: str, pubs: list[dict]) -> dict:
         if p.get("memory_gib"):
             row["mem"] = (float(p["memory_gib"]), row["peak"], row["peak"] / float(p["memory_gib"]) - 1)
     return row
+
+
+def seen_of(pubs: list[dict]) -> str | None:
+    """The row's ``seen`` text from its sidecar rows ('' when blank: strictly fresh); None when the sidecar has no
+    ``seen`` column (the row is then in no fresh/seen group)."""
+    if not any("seen" in p for p in pubs):
+        return None
+    return next((p["seen"].strip() for p in pubs if (p.get("seen") or "").strip()), "")
 
 
 def row_line(r: dict) -> str:
@@ -172,7 +182,7 @@ def _num(v: float) -> str:
 
 def medians(rows: list[dict]) -> list[str]:
     """Median |error| and signed median of the first published metric per row: all, dense, MoE, FP8, CP, small
-    (< :data:`SMALL_PARAMS` parameters); memory."""
+    (< :data:`SMALL_PARAMS` parameters), strictly fresh (where the sidecar has a ``seen`` column); memory."""
     scored = [r for r in rows if r["scores"]]
     groups = (("all", lambda r: True), ("dense", lambda r: not r["moe"]), ("MoE", lambda r: r["moe"]),
               ("FP8", lambda r: r["fp8"]), ("CP", lambda r: r["cp"]),
@@ -182,6 +192,9 @@ def medians(rows: list[dict]) -> list[str]:
     for title, keep in groups:
         errs = [r["scores"][0][3] for r in scored if keep(r)]
         out.append(_median_line(title, errs, [r["num"] for r in scored if keep(r)]))
+    if any(r.get("seen") is not None for r in scored):
+        fresh = [r for r in scored if r.get("seen") == ""]
+        out.append(_median_line("fresh (unseen)", [r["scores"][0][3] for r in fresh], [r["num"] for r in fresh]))
     mem = [r["mem"][2] for r in rows if r.get("mem")]
     out.append(_median_line("peak memory", mem, [r["num"] for r in rows if r.get("mem")]))
     return out

@@ -1,7 +1,8 @@
 """Held-out check of `xpar plan` (issue 44's must-show): the accepted commands of benchmarks/refusal_hunt.md
 (published GPU layouts typed as a user types them), each built as the CLI builds it (Hydra composition and
 :func:`xpar.config.validate.validate`), planned with its model, hardware, framework profile and global batch
-(benchmarks/plan_published.py ``plan_of``), and the published layout's place in that plan.
+(benchmarks/plan_published.py ``plan_of``), and the published layout's place in that plan. For another hunt
+(``--hunt``) what tests/data or an earlier hunt holds of a row is its sidecar's ``seen`` column (benchmarks/hunt_score.py).
 
     python benchmarks/plan_heldout.py [--rows 4,5,14] [--max-devices 8192] [--hunt benchmarks/refusal_hunt2.md]
                                       [--recipe] [--set model.moe_routing=round_robin ...]
@@ -25,9 +26,11 @@ import time
 from pathlib import Path
 
 try:
+    from hunt_score import published, sidecar_for
     from hunt_recipes import checked_sets, recipe_overrides, with_overrides
     from plan_published import HEADER, plan_of, row_figures, row_line, summary
 except ModuleNotFoundError:  # imported as benchmarks.plan_heldout (tests/estimate/test_hunt_score.py)
+    from benchmarks.hunt_score import published, sidecar_for
     from benchmarks.hunt_recipes import checked_sets, recipe_overrides, with_overrides
     from benchmarks.plan_published import HEADER, plan_of, row_figures, row_line, summary
 from xpar.config.validate import validate
@@ -52,9 +55,22 @@ SEEN = {
 """What of each row a tests/data file holds (the brief's 'none of them is in tests/data' does not hold for these)."""
 
 
+def seen_rows(hunt: Path) -> dict[int, str]:
+    """What tests/data or an earlier hunt holds of each row of ``hunt``: :data:`SEEN` for refusal_hunt.md, else the
+    non-blank ``seen`` cells of its sidecar (benchmarks/hunt<N>_published.csv, hunt_score's columns); {} if neither."""
+    if hunt.resolve() == HUNT:
+        return dict(SEEN)
+    out = {}
+    for num, pubs in published(sidecar_for(hunt)).items():
+        text = next(((p.get("seen") or "").strip() for p in pubs if (p.get("seen") or "").strip()), "")
+        if text:
+            out[num] = text
+    return out
+
+
 def hunt_rows(path: Path = HUNT) -> list[tuple[int, str, str]]:
-    # --hunt: another hunt's Runs table in the same columns (benchmarks/refusal_hunt2.md); SEEN and NOT_PUBLISHED
-    # describe refusal_hunt.md's rows only
+    # --hunt: another hunt's Runs table in the same columns (benchmarks/refusal_hunt2.md); NOT_PUBLISHED describes
+    # refusal_hunt.md's rows only, SEEN too (another hunt's come from its sidecar: seen_rows)
     """(row number, run, command) of each accepted row of the hunt's Runs table (on main, the branch's result)."""
     out = []
     for line in path.read_text().splitlines():
@@ -132,7 +148,9 @@ def main() -> None:
     args = ap.parse_args()
     sets = checked_sets(args.set, "plan_heldout")
     if args.hunt.resolve() != HUNT:
+        seen = seen_rows(args.hunt)
         SEEN.clear()
+        SEEN.update(seen)
         NOT_PUBLISHED.clear()
     wanted = {int(x) for x in args.rows.split(",")} if args.rows else None
     rows = [r for r in hunt_rows(args.hunt) if wanted is None or r[0] in wanted]
@@ -145,7 +163,8 @@ def main() -> None:
     summary(done, time.perf_counter() - t0, len(done))
     left = ", ".join(str(k) for k in NOT_PUBLISHED) or "none"
     for title, keep in ((f"published runs (left out: rows {left})", lambda f: f["num"] not in NOT_PUBLISHED),
-                        ("held out: model in no tests/data file", lambda f: f["num"] not in SEEN | NOT_PUBLISHED)):
+                        ("held out: none of the run in tests/data or an earlier hunt (SEEN, or the sidecar's seen column)",
+         lambda f: f["num"] not in SEEN | NOT_PUBLISHED)):
         sub = [f for f in done if keep(f)]
         print(f"\n-- {title}: rows {', '.join(str(f['num']) for f in sub)}")
         summary(sub, 0.0, len(sub))

@@ -38,14 +38,15 @@ def test_full_recompute_keeps_each_moe_blocks_attention_and_router_graph():
     and 2 projection inputs (2 h each, bf16), Q, K, V and the context (2 x 4096 each) and the log-sum-exp (4 x 32),
     and what the eager code keeps beyond them: the QK-norm inputs (2 x (4096 + 512)), the router's fp32 softmax over
     128 experts and its 8 int64 indices. The peak falls in the backward of the last block recomputed: the other 47
-    graphs beside its rebuilt activations, its no-recompute bytes (compiled: 2 norm and 2 projection inputs, Q, K, V,
-    context, 3 x 2 x 8 x 768 of SwiGLU, the log-sum-exp), the eager extras and its 8 routed copies (2 x 8 x 2048);
+    graphs beside its rebuilt activations, its no-recompute bytes (eager, as the branch's compiled checkpointed block
+    runs: 2 norm and 2 projection inputs, Q, K, V, context, 4 x 2 x 8 x 768 of SwiGLU: w1's, w3's and silu's outputs and
+    the product, the log-sum-exp), the eager extras and its 8 routed copies (2 x 8 x 2048);
     token ids beside. No recompute and op-level SAC are unchanged."""
     spec = _spec("full")
     tokens, h, q = spec.seq_len * spec.train.micro_batch_size, 2048, 4096
     eager = 2 * (q + 512) + 4 * 128 + 8 * 8
     graph = 4 * 2 * h + 4 * 2 * q + 4 * 32 + eager
-    rebuilt = 4 * 2 * h + 4 * 2 * q + 3 * 2 * 8 * 768 + 4 * 32 + eager + 2 * 8 * h
+    rebuilt = 4 * 2 * h + 4 * 2 * q + 4 * 2 * 8 * 768 + 4 * 32 + eager + 2 * 8 * h
     off, on = (_memory(spec, k) for k in (False, True))
     ids = 8 * tokens  # the int64 token ids beside (xpar.estimate.memory.activations.token_id_bytes)
     assert on.activations - ids == pytest.approx(max(off.activations - ids, tokens * (47 * graph + rebuilt)), rel=1e-12)
@@ -71,26 +72,29 @@ def test_plan_memory_columns_equal_the_estimate_with_the_moe_graph_kept():
 
 def test_torch_keeps_a_recompute_graph_that_a_module_attribute_reaches():
     """What the option assumes, on torch: a checkpointed block whose router stores its probabilities on the module
-    (cleared only after the last op that saves a tensor, as the manager's combine clears them) keeps the recompute's
-    graph of everything before the router, with its saved tensors, after the backward; without early stop the
-    recompute reaches the clearing and nothing is kept."""
+    keeps the recompute's graph of everything before the router, with its saved tensors, after the backward. The
+    deepep manager never clears token_probs (its combine clears the dispatch fields only), so the graph is kept
+    whether or not the recompute stops early (torchtitan runs it without early stop: ActivationCheckpoint.early_stop
+    False, torchtitan/config/job_config.py @022f885f); an attribute cleared after the last op that saves a tensor is
+    kept only where the recompute stops before the clearing (early stop)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
     class Block(nn.Module):
-        def __init__(self, h: int, e: int):
+        def __init__(self, h: int, e: int, clear: bool):
             super().__init__()
             self.wq, self.gate = nn.Linear(h, h, bias=False), nn.Linear(h, e, bias=False)
             self.w1, self.w2 = nn.Linear(h, 4 * h, bias=False), nn.Linear(4 * h, h, bias=False)
-            self.probs = None
+            self.probs, self.clear = None, clear
 
         def forward(self, x):
             a = x + self.wq(torch.tanh(x))  # attention stand-in: tanh keeps its output, wq its input (the same)
             self.probs = F.softmax(self.gate(a), dim=-1)  # router: gate keeps a, softmax its output
             y = self.w2(F.relu(self.w1(a)))  # experts: the last tensors saved
-            self.probs = None  # the manager's combine
+            if self.clear:
+                self.probs = None
             return a + y
 
     def live() -> int:
@@ -98,18 +102,55 @@ def test_torch_keeps_a_recompute_graph_that_a_module_attribute_reaches():
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in gc.get_objects() if type(t) is torch.Tensor}.values())
 
-    def kept_after_backward(early_stop: bool) -> int:
+    def kept_after_backward(early_stop: bool, clear: bool) -> int:
         """Bytes freed when the probabilities the module still holds after the backward are dropped."""
         torch.manual_seed(0)
-        blk, x = Block(64, 8), torch.randn(512, 64, requires_grad=True)
+        blk, x = Block(64, 8, clear), torch.randn(512, 64, requires_grad=True)
         checkpoint(blk, x, use_reentrant=False, early_stop=early_stop).sum().backward()
         before = live()
         blk.probs = None
         return before - live()
 
     n = 512 * 4
-    assert kept_after_backward(False) == 0
-    assert kept_after_backward(True) >= n * (64 + 64 + 8)  # tanh's output, a, the probabilities (fp32)
+    assert kept_after_backward(False, clear=True) == 0
+    assert kept_after_backward(True, clear=True) >= n * (64 + 64 + 8)  # tanh's output, a, the probabilities (fp32)
+    assert kept_after_backward(False, clear=False) >= n * (64 + 64 + 8)  # the deepep manager's token_probs
+
+
+def test_torch_runs_a_compiled_checkpointed_block_that_sets_module_state_eagerly():
+    """Why the kept graphs and the rebuilt block are priced as eager code under train.compile: dynamo traces a
+    checkpointed block (torchtitan's apply_ac, then apply_compile per block) as one higher-order op, and a body that
+    stores a tensor on its module (the deepep manager's token_probs) is refused as a side effect outside it, so the
+    whole block runs eagerly, forward and recompute; without the store the block is traced. torch.compiler.is_compiling()
+    is True only while dynamo traces, so a traced block returns twice what the eager one does."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class Block(nn.Module):
+        def __init__(self, store: bool):
+            super().__init__()
+            self.lin, self.store, self.probs = nn.Linear(16, 16), store, None
+
+        def forward(self, x):
+            y = torch.tanh(self.lin(x)) * (2.0 if torch.compiler.is_compiling() else 1.0)
+            if self.store:
+                self.probs = y.sum(-1)  # PrimusTurboDeepepManager.setup_metadata: self.token_probs = ...
+            return y
+
+    def traced(store: bool) -> bool:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blk, x = Block(store), torch.randn(4, 16, requires_grad=True)
+        out = torch.compile(checkpoint_wrapper(blk), backend="eager")(x)
+        out.sum().backward()
+        assert x.grad is not None
+        ratio = (out / torch.tanh(blk.lin(x))).mean().item()
+        assert ratio == pytest.approx(2.0 if ratio > 1.5 else 1.0)
+        return ratio > 1.5
+
+    assert traced(False)
+    assert not traced(True)
 
 
 def test_eager_extras_follow_the_model_and_the_profile():

@@ -61,3 +61,10 @@ def test_fp8_keeps_them_at_one_byte():
     """Transformer Engine's FP8 GEMMs keep their FP8-cast input (framework.fp8_saves_inputs)."""
     assert copies_per_token("parallel.tp=1", "parallel.dp=8", "train.dtype=fp8") == pytest.approx(
         K * H * MOE_SHARE, rel=1e-12)
+
+
+def test_the_busiest_rank_keeps_its_load_of_copies():
+    """The peak device is the busiest ep rank (routed_load): its experts receive model.moe_imbalance times the even
+    share of copies, and keep that many fc1 inputs."""
+    assert copies_per_token("parallel.tp=1", "parallel.dp=8", "model.moe_imbalance=1.5") == pytest.approx(
+        1.5 * 2 * K * H * MOE_SHARE, rel=1e-12)

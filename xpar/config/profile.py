@@ -123,6 +123,11 @@ class FrameworkConfig:
     expert_gemm_kernel: str = "dense"
     """The routed experts' GEMM kernel: 'dense' (at the device's dense GEMM rate) or 'torch_grouped_mm'
     (torch._grouped_mm, torchtitan's GroupedExperts), xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS."""
+    expert_bias_add: str = "fused"
+    """How the routed experts' biases (model.bias on a MoE model) are added: 'fused' (in the GEMM's epilogue or the
+    activation kernel: no traffic of their own) or 'split' (NeMo AutoModel's GroupedExpertsDeepEP._apply_bias: eager,
+    per local expert, the down projection's bias scaled by the fp32 routing probabilities),
+    xpar.estimate.compute.kernel_block.split_bias_bytes."""
     overlap_slowdown: float = 0.15
     """Fraction by which compute slows while a collective runs beside it, the slowed time
     counted as exposed communication: NCCL runs one thread block per channel, 16 channels
@@ -192,9 +197,9 @@ class FrameworkConfig:
     both per MoE layer (xpar.estimate.memory.activations.moe_kept_graph_bytes). True for a MoE dispatcher that keeps the
     routing probabilities on the module between calls: the Primus-Turbo DeepEP manager of torchtitan's deepep branch
     @022f885f (torchtitan/distributed/deepep/utils.py PrimusTurboDeepepManager.setup_metadata stores
-    ``self.token_probs`` and ``dispatch`` the dispatched probabilities, which ``combine`` clears; the recompute of
-    torch's non-reentrant checkpoint stops after the last tensor the backward needs, before combine, and its pack hook
-    hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
+    ``self.token_probs`` and ``self.token_indices``, which nothing clears: ``combine`` clears the dispatch fields only;
+    the recompute of torch's non-reentrant checkpoint, early stop or not (torchtitan's ActivationCheckpoint.early_stop
+    is False), hands each recomputed node ``x.detach()`` to keep, torch/utils/checkpoint.py _recomputation_hook). False: a
     dispatcher that hands its state to combine (upstream torchtitan's EPDispatchMetadata,
     torchtitan/models/common/token_dispatcher.py 2026; Megatron-Core, DeepSpeed)."""
     replicated_embedding_grad: bool = True

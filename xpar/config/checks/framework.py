@@ -22,6 +22,7 @@ CHOICES = {
     "ep_dispatcher": ("alltoall", "deepep", "hybridep", "ragged"),  # xpar.estimate.moe_dispatch.DISPATCHERS
     "moe_scatter": ("fused", "atomic"),  # xpar.estimate.moe_dispatch.SCATTERS
     "expert_gemm_kernel": ("dense", "torch_grouped_mm"),  # xpar.estimate.compute.kernels.EXPERT_GEMM_KERNELS
+    "expert_bias_add": ("fused", "split"),  # xpar.estimate.compute.kernel_block.split_bias_bytes
     "microbatch_rule": MICROBATCH_RULES,
     "kv_heads_over_tp": KV_OVER_TP,  # xpar.config.attention.tp_kv_heads
     "cp_comm": ("all_gather", "p2p", "a2a"),  # xpar.estimate.cp_exchange.CP_COMM_TYPES

@@ -51,6 +51,8 @@ class BlockShape:
     """Rotary embeddings on q and k (False: learned or no positions, GPT-3)."""
     window: int = 0
     """Sliding-window attention: the keys each query sees (model.sliding_window, a local block); 0: causal."""
+    expert_bias: bool = False
+    """The routed experts' GEMMs carry biases (model.bias on a MoE model: gpt-oss)."""
 
     @property
     def mla(self) -> bool:
@@ -78,7 +80,7 @@ def shape_of(model, moe: bool = True, local: bool = False) -> BlockShape:
                       top_k=model.moe_top_k, expert_ffn=model.expert_ffn_hidden or model.ffn_hidden,
                       shared_experts=model.n_shared_experts, capacity_factor=model.capacity_factor,
                       imbalance=model.moe_imbalance, rope=model.position == "rope",
-                      window=model.sliding_window if local else 0, **mla)
+                      window=model.sliding_window if local else 0, expert_bias=bool(experts and model.bias), **mla)
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,11 @@ class BlockTerms:
     kernels: np.ndarray
     """Kernels launched."""
     atomics: np.ndarray
-    """Atomic scatters of a MoE layer's copies back into their tokens (framework.moe_scatter 'atomic':
-    xpar.estimate.moe_dispatch.atomic_scatter_seconds); 0 elsewhere."""
+    """aten kernels a MoE layer runs as they are, compiled or not (not scaled by framework.elementwise_passes):
+    atomic scatters of its copies back into their tokens (framework.moe_scatter 'atomic':
+    xpar.estimate.moe_dispatch.atomic_scatter_seconds), backward the sum of torch._grouped_mm's split gate and up
+    input gradients (:func:`split_up_grad_bytes`), and eager per-expert bias adds (:func:`split_bias_bytes`); 0
+    elsewhere."""
 
     @property
     def busy(self) -> np.ndarray:
@@ -185,14 +190,17 @@ def expert_tokens(sh: BlockShape, tokens_per_rank, ep):
 
 
 def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: bool = False, quant=None,
-         scatter: str = "fused", expert_kernel: str = "dense"):
-    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of router + routed and shared experts, t
-    tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
+         scatter: str = "fused", expert_kernel: str = "dense", bias_add: str = "fused"):
+    """(dense gemm s, expert gemm s, kernels, bytes, aten kernel s: BlockTerms.atomics) of router + routed and shared
+    experts, t tokens per rank; ``sorts``: the dispatcher reorders the received copies by local expert and back (ep > 1,
     several local experts: xpar.estimate.moe_dispatch); ``scatter`` 'atomic': the copies are summed back into
     their tokens by an aten atomic scatter (forward the combine, backward the gather's gradient:
     xpar.estimate.moe_dispatch.SCATTERS), priced by :func:`~xpar.estimate.moe_dispatch.atomic_scatter_seconds`
-    instead of as a streaming unpermute; ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
-    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate."""
+    instead of as a streaming unpermute (its target and the sum with the shared experts' output:
+    :func:`scatter_target_bytes`); ``expert_kernel``: framework.expert_gemm_kernel, the routed experts' GEMMs at
+    :func:`~xpar.estimate.compute.kernels.expert_gemm_rate` of the dense rate, 'torch_grouped_mm' with torchtitan's
+    split gate and up GEMMs (:func:`split_up_grad_bytes`, backward); ``bias_add`` 'split': the experts' biases added
+    eagerly per local expert (:func:`split_bias_bytes`, forward and backward alike)."""
     t_sp = t / tp  # with sequence parallelism each tp rank routes its own tokens (ETP = 1)
     router = _linear(t_sp, sh.experts, sh.hidden, device, "bf16", backward)
     m = expert_tokens(sh, t_sp, ep)
@@ -217,16 +225,58 @@ def _moe(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, sorts: boo
         gemm, kernels, moved = gemm + s_gemm, kernels + s_k, moved + s_bytes
     atomic = np.zeros_like(np.asarray(t_sp, dtype=float))
     if scatter == "atomic":  # the streaming unpermute's bytes become one atomic scatter of the copies
-        moved = moved - t_sp * (sh.top_k + 1) * sh.hidden * BF16
+        moved = moved - t_sp * (sh.top_k + 1) * sh.hidden * BF16 + scatter_target_bytes(t_sp, sh.hidden)
         atomic = atomic_scatter_seconds(t_sp * sh.top_k, t_sp, sh.hidden, device.hbm_bytes_per_s)
+    if backward and expert_kernel == "torch_grouped_mm":
+        atomic = atomic + memory_time(split_up_grad_bytes(m * local, sh.hidden), device)
+    if sh.expert_bias and bias_add == "split":
+        atomic = atomic + memory_time(split_bias_bytes(m * local, sh.expert_ffn * (2 if sh.gated else 1), sh.hidden),
+                                      device)
     return gemm, experts[0], kernels, moved, atomic
 
 
-def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel):
-    """(dense gemm s, expert gemm s, kernels, bytes, atomic scatter s) of the block's MLP: :func:`_moe` where the block
-    has experts, else :func:`_mlp` (no experts, no atomic scatters)."""
+def scatter_target_bytes(tokens, hidden: int):
+    """Bytes a MoE forward moves around an atomic scatter (framework.moe_scatter 'atomic') beside the scatter itself,
+    ``tokens`` x ``hidden`` bf16: the zero-filled buffer it adds into, written once, and that buffer's sum with the
+    shared experts' output or a zeroed one (two read, one written): 4 x tokens x hidden x 2. Source: torchtitan
+    @022f885f torchtitan/distributed/deepep/utils.py ``unpermute`` (``torch.zeros(restore_shape)`` then
+    ``scatter_add_``) and torchtitan/models/moe/moe.py ``MoE.forward`` (DeepEP branch: ``torch.zeros_like(x)`` without
+    shared experts, then ``routed_output + out``; all-to-all branch: ``out.scatter_add``, out of place, a copy of
+    ``out``). The backward's traffic is twice the forward's, as every element-wise pass of the block
+    (aten's ``index_select_backward`` zero-fills its ``index_add_`` target too)."""
+    return 4.0 * np.asarray(tokens, dtype=float) * hidden * BF16
+
+
+def split_bias_bytes(copies, up_width, hidden: int):
+    """Bytes NeMo AutoModel's eager expert-bias adds move in one pass of a MoE layer (framework.expert_bias_add
+    'split'), ``copies`` routed rows: after the gate/up GEMM (``up_width`` wide, bf16) each local expert's slice plus
+    its bias (read 2, write 2 bytes an element) and their torch.cat (read 2, write 2): 8 bytes an element; after the
+    down GEMM (``hidden`` wide) the bias times the fp32 probabilities (write 4), its sum with the slice (read 2 + 4,
+    write 4: fp32 by type promotion), the fp32 torch.cat (read 4, write 4) and the cast back (read 4, write 2): 28 bytes
+    an element. Source: nemo_automodel/components/moe/layers.py @037e04a6 ``GroupedExpertsDeepEP._apply_bias`` (split
+    by ``tokens_per_expert``, ``t + b`` / ``t + b * p``, ``torch.cat``, ``.to(value.dtype)``) and the flex dispatcher's
+    fp32 probabilities (megatron/token_dispatcher.py: "DeepEP only supports float32 probs"). The backward (the cast's
+    and the split's gradients, the scaled bias's two reductions) is counted at the forward's bytes."""
+    return np.asarray(copies, dtype=float) * (8.0 * up_width + 28.0 * hidden)
+
+
+def split_up_grad_bytes(copies, hidden: int):
+    """Bytes of the add that sums the two input gradients of a MoE layer's routed copies where its gate (w1) and up
+    (w3) projections are two grouped GEMMs on one input: read both (copies x hidden, bf16), write one. Source:
+    torchtitan torchtitan/models/moe/moe.py ``_run_experts_grouped_mm`` (@022f885f; @0691f514 under
+    torchtitan/models/common/moe): ``torch._grouped_mm(x, w1)`` and ``torch._grouped_mm(x, w3)`` apart, so autograd
+    accumulates x's two dgrads in one add kernel, compiled or eager (a GEMM's output fuses with nothing). xpar prices
+    the up projection as one GEMM of twice the width (one dgrad, one output), as Megatron-Core's fused fc1 and NeMo
+    AutoModel's ``gate_and_up_projs`` run it."""
+    return 3.0 * np.asarray(copies, dtype=float) * hidden * BF16
+
+
+def _ffn(sh: BlockShape, t, tp, ep, device, dtype, backward, grouped, quant, sorts, scatter, expert_kernel,
+         bias_add: str = "fused"):
+    """(dense gemm s, expert gemm s, kernels, bytes, aten kernel s) of the block's MLP: :func:`_moe` where the block
+    has experts, else :func:`_mlp` (no experts, no aten kernels of a MoE layer)."""
     if sh.experts:
-        return _moe(sh, t, tp, ep, device, dtype, backward, grouped, sorts, quant, scatter, expert_kernel)
+        return _moe(sh, t, tp, ep, device, dtype, backward, grouped, sorts, quant, scatter, expert_kernel, bias_add)
     g, kernels, moved = _mlp(t, sh.ffn, sh.hidden, sh.gated, tp, device, dtype, backward, quant)
     return g, np.zeros_like(t), kernels, moved, np.zeros_like(t)
 
@@ -289,7 +339,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
                 sequence_parallel: bool = True, flash: bool = True, dropout: bool = False, dispatcher: str = "alltoall",
                 expert_call_us: float = 0.0, kv_over_tp: str = "split", fp8_recipe: str = DEFAULT_RECIPE,
                 window_kernel: bool = True, sinks: Optional[str] = None, moe_scatter: str = "fused",
-                expert_gemm_kernel: str = "dense", fp8_casts: str = "te") -> BlockTerms:
+                expert_gemm_kernel: str = "dense", fp8_casts: str = "te", expert_bias_add: str = "fused") -> BlockTerms:
     """:class:`BlockTerms` of one block's forward (or, with ``backward``, backward) on one rank.
 
     ``micro_batch`` sequences of ``seq_len`` tokens, split over cp ranks (each rank's queries against
@@ -307,7 +357,7 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
     over all its tokens, or over its sequence shard with ``sequence_parallel`` (BigCode's Megatron-LM: the split's
     FLOPs, its output all-gathered: xpar.estimate.step_parts.kv_replica_times). ``window_kernel``, ``sinks`` (learned
     attention sinks' path, framework.sink_attention; None: none): :func:`_attention_core`. ``moe_scatter``,
-    ``expert_gemm_kernel``: the framework's MoE combine and expert GEMMs (:func:`_moe`). ``fp8_casts``: who quantises
+    ``expert_gemm_kernel``, ``expert_bias_add``: the framework's MoE combine, expert GEMMs and expert biases (:func:`_moe`). ``fp8_casts``: who quantises
     (framework.fp8_cast_kernels: fp8_recipes.quantiser).
 
     Raises:
@@ -329,7 +379,8 @@ def block_times(sh: BlockShape, micro_batch, seq_len, device: Device, tp=1, cp=1
         + dropout * 2 * 2.5 * t_sp * sh.hidden * BF16)  # two dropouts: read x, write y and a byte mask
     kernels = kernels + k_attn + 4 + 2 * sh.rope + 2 * dropout  # two norms, two adds, RoPE on q and k
     g, experts, k_ffn, b_ffn, atomics = _ffn(sh, t, tp, ep, device, dtype, backward, grouped_gemm, quant,
-                                             DISPATCHERS[dispatcher].sorts_by_local_expert, moe_scatter, expert_gemm_kernel)
+                                             DISPATCHERS[dispatcher].sorts_by_local_expert, moe_scatter, expert_gemm_kernel,
+                                             expert_bias_add)
     gemm, kernels, moved = projections + g, kernels + k_ffn, moved + b_ffn
     moved = moved * (DTYPE_BYTES["fp32"] / BF16 if dtype == "fp32" else 1.0)  # fp32 training: 4-byte activations
     memory = memory_time(moved * (2 if backward else 1), device)  # backward: grads in and out, saved inputs
@@ -359,10 +410,36 @@ def block_step_times(sh: BlockShape, micro_batch, seq_len, device: Device, **kw)
                                                                           backward=True, **kw)
 
 
-def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False):
+LOSS_BYTES = {"fp32": (8.0, 8.0), "fused": (2.0, 4.0)}
+"""(forward, backward) bytes a logit the cross-entropy after the output projection moves through HBM, by
+framework.loss_kernel (memory: xpar.estimate.memory.activations.loss_bytes):
+
+- 'fp32' (eager ``cross_entropy(logits.float())``: xpar, torchtitan, Megatron's default): fp32 logits read and
+  probabilities written forward, the gradient read and written backward, 8 + 8 (the count the fitted constants were
+  fitted with; a compiled loss, train.compile_loss, is priced so too);
+- 'fused' (one kernel a pass over the logits in their own dtype, bf16): forward one read of each row (max, log-sum-exp
+  and the loss in one kernel), backward one read and one write of the gradient, 2 + 4. flash-attn's
+  ``CrossEntropyLoss`` (flash_attn/ops/triton/cross_entropy.py: ``cross_entropy_fwd_kernel`` loads a row's logits
+  and stores its loss and lse, ``cross_entropy_bwd_kernel`` loads them again and stores dlogits), llm-foundry's
+  ``fused_crossentropy`` (that class) and TinyLlama's ``FusedCrossEntropyLoss`` (jzhang38/TinyLlama
+  lit_gpt/fused_cross_entropy.py @bf122247: flash-attn's ``xentropy_cuda_lib``, forward losses and lse, backward the
+  gradient). llm.c's ``fused_classifier_kernel5`` (karpathy/llm.c train_gpt2.cu @a0d5dbbd, llmc/fused_classifier.cuh
+  @c6efd90a) does both in the forward: it reads each bf16 row (a second read "hopefully still in cache", the rows
+  taken in reverse order for the output GEMM's cache hits) and overwrites it with its gradient, 4 bytes, and runs no
+  loss kernel backward: within the 6 priced here."""
+
+
+def logits_times(tokens, hidden, vocab, device: Device, tp=1, dtype: str = "bf16", backward: bool = False,
+                 loss: str = "fp32"):
     """(GEMM seconds, memory seconds) of the output projection over ``tokens`` tokens on one rank (vocabulary
-    split by tp) and its fp32 softmax cross-entropy (logits read, probabilities or gradients written)."""
+    split by tp) and its cross-entropy's passes over the logits by ``loss`` (framework.loss_kernel:
+    :data:`LOSS_BYTES`).
+
+    Raises:
+        ValueError: ``loss`` is not a key of :data:`LOSS_BYTES`."""
+    if loss not in LOSS_BYTES:
+        raise ValueError(f"framework.loss_kernel={loss!r} is not one of {', '.join(LOSS_BYTES)}")
     shard = vocab / np.asarray(tp, dtype=float)
     gemm, _, _ = _linear(np.asarray(tokens, dtype=float), shard, hidden, device, dtype, backward)
-    return gemm, memory_time(2 * 4 * np.asarray(tokens, dtype=float) * shard, device)
-
+    per_logit = LOSS_BYTES[loss][1 if backward else 0]
+    return gemm, memory_time(per_logit * np.asarray(tokens, dtype=float) * shard, device)

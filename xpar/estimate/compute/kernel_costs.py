@@ -129,7 +129,7 @@ def _block_costs(base: RunSpec, assume, sh: BlockShape, device: Device, rows: di
               kv_over_tp=base.framework.kv_heads_over_tp, fp8_recipe=base.train.fp8_recipe,
               fp8_casts=assume.fp8_cast_kernels, window_kernel=assume.sliding_window_kernel,
               sinks=assume.sink_attention if base.model.attention_sinks else None, moe_scatter=assume.moe_scatter,
-              expert_gemm_kernel=assume.expert_gemm_kernel)
+              expert_gemm_kernel=assume.expert_gemm_kernel, expert_bias_add=assume.expert_bias_add)
     fwd, bwd = (block_times(sh, rows["b"], base.seq_len, device, backward=x, **kw) for x in (False, True))
     passes = elementwise_passes(base.train, assume)  # not the atomic scatters: one aten kernel each, compiled or not
     fwd, bwd = (replace(x, memory=x.memory * passes + x.atomics, atomics=0.0 * x.atomics) for x in (fwd, bwd))
@@ -166,7 +166,7 @@ def kernel_layer_columns(base: RunSpec, assume, tp, b, sp, policies: list, share
     dtype = FP8_LOGITS_DTYPE if base.train.dtype == "fp8" else base.train.dtype
     for name, backward in (("f", False), ("b", True)):
         out[f"logits_mm_{name}"], out[f"logits_mem_{name}"] = logits_times(
-            tokens, cfg.hidden, cfg.vocab_size, device, rows["tp"], dtype, backward)
+            tokens, cfg.hidden, cfg.vocab_size, device, rows["tp"], dtype, backward, assume.loss_kernel)
     shape = rows["tp"].shape
     return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in out.items()}
 
@@ -175,8 +175,8 @@ def kernel_layer_costs(spec: RunSpec, assume) -> dict[str, float]:
     """:func:`xpar.estimate.cost.layer_costs` from the kernels: seconds per micro-batch of the mean
     layer, ``mm_*`` (GEMMs, grouped experts, attention core), ``mem_*`` (element-wise, norm, routing
     passes), ``ovh_*`` (launch gaps or host issue time beyond the kernels), forward ``f`` and backward
-    ``b`` (recomputed forward included), and the logits' GEMM and fp32 cross-entropy passes: the one-row
-    case of :func:`kernel_layer_columns`.
+    ``b`` (recomputed forward included), and the logits' GEMM and cross-entropy passes (framework.loss_kernel:
+    kernel_block.LOSS_BYTES): the one-row case of :func:`kernel_layer_columns`.
 
     Raises:
         ValueError: the hardware lacks a kernel figure (:func:`kernel_priced` is False)."""

@@ -138,15 +138,46 @@ def memory_time(nbytes, device: Device):
     return np.asarray(nbytes, dtype=float) / (device.hbm_bytes_per_s * HBM_FRACTION)
 
 
+SPLIT_K_WAVES = (2, 3, 4)
+"""Whole waves beyond one that a grid under one wave may fill by splitting K further (:func:`_tiled_compute`): split
+counts floor(w x SMs / tiles), the library taking the fastest. One wave alone (floor(SMs / tiles) splits, as before)
+leaves SMs idle where the tiles do not divide them: a small model's weight gradient, (h x tokens) @ (tokens x 4h) at
+h 768 and 65,536 tokens, is 72 128 x 256 tiles on an A100's 108 SMs, one split each and a third of the SMs idle,
+where 3 splits run 216 slices of a third of K in 2 full waves (1.5x). cuBLASLt chooses a split-K count per shape among
+its algorithms (cublasLtMatmulAlgoConfigAttributes_t CUBLASLT_ALGO_CONFIG_SPLITK_NUM, the cuBLAS documentation) and
+CUTLASS partitions K where M and N are too small for their threadblocks to occupy the GPU (CUTLASS
+docs/efficient_gemm.md, 'Parallelized Reductions: Split K'); its stream-K divides all tiles' K iterations evenly over
+the SMs (Osama et al., "Stream-K", PPoPP 2023). Only into slices at least :func:`split_k_min_depth` deep."""
+
+
+def split_k_min_depth(rate: float, device: Device):
+    """The shallowest K slice (elements) worth a split beyond one wave: each slice writes an fp32 partial of its output
+    tile that the reduction reads back, 8 bytes an element, against 2 x depth FLOPs an element of its main loop; the
+    partials' HBM time (at :data:`HBM_FRACTION`) stays under the slices' compute where depth >= 4 x the ridge point
+    ``rate`` / bandwidth (A100 BF16 at its MAMF fraction: ~590; H100: ~1050). A roofline bound, no fitted constant."""
+    return 4.0 * rate / (device.hbm_bytes_per_s * HBM_FRACTION)
+
+
 def _tiled_compute(m, n, k, g, tile, device: Device, rate: float, fixed: float = 0.0):
     """Seconds of the tiles of ``tile`` (m, n, k) over the SMs: waves of one tile or split-K slice per SM,
-    each its main loop at ``rate`` / SMs plus ``fixed`` seconds (:data:`FP8_TILE_FIXED_S`)."""
+    each its main loop at ``rate`` / SMs plus ``fixed`` seconds (:data:`FP8_TILE_FIXED_S`). A grid under one wave
+    splits K to fill the SMs (floor(SMs / tiles) slices a tile), or into more slices that fill 2-4 whole waves
+    (:data:`SPLIT_K_WAVES`) where each stays :func:`split_k_min_depth` deep, whichever is faster."""
     tm, tn, tk = tile
     tiles = g * np.ceil(m / tm) * np.ceil(n / tn)
-    splits = np.clip(np.floor(device.sms / np.maximum(tiles, 1)), 1, np.maximum(np.ceil(k / tk), 1))
-    waves = np.ceil(tiles * splits / device.sms)
-    k_slice = np.ceil(k / splits / tk) * tk  # each slice pads K to the tile's depth
-    return waves * (2 * tm * tn * k_slice / (rate / device.sms) + fixed)
+    per, k_steps = np.maximum(tiles, 1), np.maximum(np.ceil(k / tk), 1)
+    deepest = np.maximum(np.floor(k / split_k_min_depth(rate, device)), 1)
+
+    def seconds(splits):
+        s = np.clip(splits, 1, k_steps)
+        k_slice = np.ceil(k / s / tk) * tk  # each slice pads K to the tile's depth
+        return np.ceil(tiles * s / device.sms) * (2 * tm * tn * k_slice / (rate / device.sms) + fixed)
+
+    best = seconds(np.floor(device.sms / per))
+    for w in SPLIT_K_WAVES:
+        more = seconds(np.minimum(np.floor(w * device.sms / per), deepest))
+        best = np.where(tiles < device.sms, np.minimum(best, more), best)
+    return best
 
 
 EXPERT_GEMM_KERNELS = ("dense", "torch_grouped_mm")

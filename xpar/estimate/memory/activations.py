@@ -213,7 +213,7 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     torch policy it keeps only the saved outputs its backward reads (``compiled``: :func:`compiled_drops`)."""
     cfg, rec, compiled = spec.model, precision(spec, o), spec.train.compile
     kv_width = tp_model(spec).kv_heads * cfg.head_size  # K/V heads replicated over tp kept on every rank (tp_model)
-    kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg),
+    kw = dict(q=cfg.q_dim, kv=cfg.q_dim if o.gqa_kv_expanded else kv_width, kv_matmul=kv_width, ffn=token_ffn(cfg, routed_load(spec)),
               swiglu=cfg.activation == "swiglu", dropout=o.dropout, flash=o.flash_attention, elem=rec["e"],
               resid_elem=rec["er"], norm_saves_output=not (o.fused_rmsnorm or compiled) and cfg.norm == "rmsnorm",
               sp_saves_gathered=o.sp_saves_gathered, autocast_casts=rec["autocast"],
@@ -222,12 +222,32 @@ def _layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
     return {**kw, **mla_widths(cfg)}  # MLA: its own q/k/v and context widths (xpar.estimate.memory.mla)
 
 
-def token_ffn(cfg) -> float:
+def token_ffn(cfg, load: float = 1.0) -> float:
     """The MLP inner width one token goes through, the mean over the blocks
-    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with). Not counted here:
-    the router's E logits (small) and each routed copy of the token's input (k h per token, as large as the
+    (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with), its routed experts' k x expert
+    width times ``load`` (:func:`routed_load`: the busiest rank's routed copies over the even share). Not counted
+    here: the router's E logits (small) and each routed copy of the token's input (k h per token, as large as the
     experts' inner activations for fine-grained experts: :func:`routed_copy_bytes`, per framework)."""
-    return remat_token_ffn(cfg)
+    base = remat_token_ffn(cfg)
+    if load == 1.0 or not cfg.n_experts:
+        return base
+    return base + cfg.moe_layers * cfg.moe_top_k * cfg.expert_ffn * (load - 1.0) / cfg.n_layers
+
+
+def routed_load(spec: RunSpec) -> float:
+    """Routed copies the busiest rank's experts hold activations for, over the even share k T (T tokens per rank
+    entering the MoE): ``model.capacity_factor`` c where set (every expert's buffer c x its even share, padded, at any
+    ep: GShard, Lepikhin et al. 2021; Fedus et al. 2022; Megatron-Core ``--moe-pad-expert-input-to-capacity``), else,
+    dropless, ``model.moe_imbalance`` where ep > 1 (the busiest ep rank's tokens over the mean: its experts receive that
+    many copies and keep their SwiGLU inputs and outputs for backward) and 1 at ep 1, where a rank computes all k T
+    copies whatever their spread over its experts. The busiest rank the step time prices
+    (xpar.estimate.expert_parallel.busiest_rank_load) is the device whose memory is the peak. 1 without experts."""
+    cfg = spec.model
+    if not cfg.n_experts:
+        return 1.0
+    if cfg.capacity_factor is not None:
+        return float(cfg.capacity_factor)
+    return float(cfg.moe_imbalance) if spec.layout.ep > 1 else 1.0
 
 
 def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, float]:
@@ -253,7 +273,7 @@ def routed_copy_bytes(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
     """Bytes one block and micro-batch keeps of its tokens' routed copies (the mean over the blocks, as
     :func:`token_ffn`): ``framework.moe_routed_copies_kept`` copies of h per routed token (k per token), of which the
     experts' first GEMM's input is held on each of the etp ranks of its expert group (the tokens are gathered over
-    etp) and the others on the token's own rank. Megatron-Core keeps one in every version: the grouped fc1 GEMM's
+    etp, at the busiest rank's :func:`routed_load`) and the others on the token's own rank. Megatron-Core keeps one in every version: the grouped fc1 GEMM's
     input for its weight gradient (megatron/core/transformer/moe/experts.py ``TEGroupedMLP.forward`` -> Transformer
     Engine's ``GroupedLinear``, which saves its inputs for wgrad). A second, the experts' outputs where the combine
     multiplies them by the routing probabilities (megatron/core/transformer/moe/moe_utils.py ``unpermute``:
@@ -267,7 +287,8 @@ def routed_copy_bytes(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
     if not (cfg.n_experts and n) or policy in ("full", "moe"):
         return 0.0
     local = spec.seq_len * spec.train.micro_batch_size / (spec.tp if lay.sequence_parallel else 1)
-    copies = (lay.expert_tp if lay.sequence_parallel else 1) + (n - 1)  # fc1's input gathered over etp
+    # fc1's input: gathered over etp, on the busiest rank at its load (routed_load); the others on the token's rank
+    copies = (lay.expert_tp if lay.sequence_parallel else 1) * routed_load(spec) + (n - 1)
     share = cfg.moe_layers / cfg.n_layers
     e = 1 if _fp8_inputs(spec, o) else precision(spec, o)["e"]  # Transformer Engine keeps FP8-cast GEMM inputs
     return e * cfg.moe_top_k * cfg.hidden * local * copies * share
@@ -298,7 +319,7 @@ def fp8_input_saving(spec: RunSpec, o: MemoryOptions, recompute: str) -> float:
         return 0.0
     cfg, t, sp = spec.model, spec.tp, spec.layout.sequence_parallel
     inputs = 1 if cfg.block == "parallel" else 2  # one norm: the q/k/v and MLP-in inputs are one tensor
-    per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg)) / t
+    per_token = inputs * cfg.hidden / (t if sp else 1) + (cfg.hidden + token_ffn(cfg, routed_load(spec))) / t
     return spec.seq_len * spec.train.micro_batch_size * per_token
 
 
@@ -371,16 +392,32 @@ def moe_kept_graph_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: flo
         return 0.0
     moe = sum(cfg.is_moe_layer(i) for i in lay.stage_layers(stage))
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    block = layer_activation_bytes(*args, "none", **dict(_layer_kwargs(spec, o), ffn=0))
+    block = layer_activation_bytes(*args, "none", **dict(eager_layer_kwargs(spec, o), ffn=0))
     extra = spec.seq_len * spec.train.micro_batch_size * eager_attention_extra_bytes(spec, o)
     return share * moe * (block + extra)
+
+
+def eager_layer_kwargs(spec: RunSpec, o: MemoryOptions) -> dict:
+    """:func:`_layer_kwargs` for a block that runs eagerly under ``train.compile``: the deepep branch's fully recomputed
+    MoE blocks. torchtitan @022f885f wraps each block in its checkpoint and compiles it with fullgraph=False
+    (torchtitan/models/llama4/infra/parallelize.py apply_compile); dynamo traces torch.utils.checkpoint as one
+    higher-order op, which refuses a body that mutates state outside it (``PrimusTurboDeepepManager.setup_metadata``'s
+    ``self.token_probs``, ``MoE.tokens_per_expert.add_``) and then runs the whole checkpointed block eagerly, forward
+    and recompute (the branch's own note @2a642d02, apply_compile: "prevent AC from falling back the whole graph to
+    eager", "TODO: Fix Compile(AC(graph break))"; checked on torch, tests/estimate/test_moe_recompute_graph.py). So its
+    SwiGLU keeps w1's and w3's outputs, silu's output and the product (4 e f, ``fused_swiglu`` only where the profile
+    fuses it) and its norms are the profile's (``fused_rmsnorm``), not the compiled block's."""
+    cfg = spec.model
+    return dict(_layer_kwargs(spec, o), fused_swiglu=o.fused_swiglu, compiled=False,
+                norm_saves_output=not o.fused_rmsnorm and cfg.norm == "rmsnorm")
 
 
 def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share: float) -> float:
     """Bytes live while the last recomputed MoE block of ``stage`` runs its backward with ``moe_recompute_graph_kept``:
     the graphs the stage's other recomputed MoE blocks keep (:func:`moe_kept_graph_bytes`, one block's each) and that
     block's rebuilt activations, its no-recompute bytes (:func:`layer_activation_bytes`) with the eager extras
-    (:func:`eager_attention_extra_bytes`) and the routed copies the expert GEMMs keep, e k h / t per token (the
+    (:func:`eager_attention_extra_bytes`; eager, :func:`eager_layer_kwargs`: SwiGLU keeps 4 e f) and the routed copies
+    the expert GEMMs keep, e k h / t per token (the
     permuted input, torchtitan/distributed/deepep/utils.py ``permute``: ``tokens.index_select(0, sorted_indices)``, k
     rows a token, which the w1 and w3 ``torch._grouped_mm`` calls keep for their weight gradients:
     torchtitan/models/moe/moe.py _run_experts_grouped_mm; :func:`token_ffn` leaves it out). The backward runs the blocks last to first, so when the stage's first block
@@ -393,8 +430,8 @@ def moe_graph_backward_bytes(spec: RunSpec, o: MemoryOptions, stage: int, share:
     if not graph or n < 1:
         return 0.0
     args = (spec.seq_len, spec.train.micro_batch_size, cfg.hidden, cfg.n_heads, spec.tp, lay.sequence_parallel)
-    rebuilt = layer_activation_bytes(*args, "none", **_layer_kwargs(spec, o))
-    routed = precision(spec, o)["e"] * cfg.moe_top_k * cfg.hidden / spec.tp
+    rebuilt = layer_activation_bytes(*args, "none", **eager_layer_kwargs(spec, o))
+    routed = precision(spec, o)["e"] * cfg.moe_top_k * routed_load(spec) * cfg.hidden / spec.tp
     extra = eager_attention_extra_bytes(spec, o) + routed
     return graph * (n - 1) / n + rebuilt + spec.seq_len * spec.train.micro_batch_size * extra
 
