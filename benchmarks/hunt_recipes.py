@@ -15,6 +15,8 @@ entry of :data:`RECIPES` names the hunt file, the row, the overrides and the sou
   gets the k consecutive experts (t k + j) mod E, on 1-2 ranks and nodes, where learned routing spreads them. Not
   for Megatron-Core's ``--moe-router-force-load-balancing``: it draws random logits
   (megatron/core/transformer/moe/moe_utils.py ``RandomSTE``), so its experts spread as learned routing's do.
+- Megatron-Core's 1F1B all-to-all overlap and module recompute of Megatron-Bridge's DeepSeek-V3 H100 recipe
+  (refusal_hunt.md row 31, the 25.09 row of tests/data/cp_fp8_h100.csv): :data:`MBRIDGE_DSV3_H100`.
 - Full recompute without early stop (``framework.checkpoint_early_stop=false``): torchtitan's DeepEP recipe sets
   ``[activation_checkpoint] mode = "full"`` and leaves ``early_stop`` at its default, False (torchtitan
   torchtitan/config/job_config.py @022f885f ``ActivationCheckpoint.early_stop``, passed to ``ptd_checkpoint_wrapper`` in
@@ -54,6 +56,11 @@ TINYLLAMA = ("framework.elementwise_passes=1.0",)
 TINYLLAMA_SOURCE = ("jzhang38/TinyLlama @bf122247 README ('fused layernorm, fused swiglu, fused cross entropy loss, "
                     "fused rotary positional embedding'), lit_gpt/model.py: FusedRMSNorm, xformers SwiGLU, "
                     "apply_rotary_emb_func")
+MBRIDGE_DSV3_H100 = ("Megatron-Bridge DEEPSEEK_V3_H100_BASE_CONFIG (scripts/performance/configs/deepseek/"
+                     "workload_base_configs.py, read in the okoge-kaz/Megatron-Bridge fork @7febf98c): moe_a2a_overlap=True "
+                     "(framework.ep_a2a_overlap at xpar.calibrate.cp_fp8.MOE_A2A_OVERLAP, as tests/data/cp_fp8_h100.csv "
+                     "prices Megatron-Bridge's overlapped rows; v0.1.0rc4 run_script.py sets it for h100), "
+                     "recompute_modules [mla_up_proj, mlp] (mlp reruns the three dense blocks' MLPs only: not typed)")
 
 RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt2.md", 9): (ROUND_ROBIN, AUTOMODEL.format("deepseek_v3")),
@@ -67,6 +74,7 @@ RECIPES: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {
     ("refusal_hunt4.md", 20): (LLMC_A0D5, LLMC_A0D5_SOURCE),
     **{("refusal_hunt4.md", row): (LLMC, LLMC_SOURCE) for row in (21, 22, 23, 24)},
     ("refusal_hunt4.md", 25): (TINYLLAMA, TINYLLAMA_SOURCE),
+    ("refusal_hunt.md", 31): (("framework.ep_a2a_overlap=0.3", "parallel.recompute=mla_up_proj"), MBRIDGE_DSV3_H100),
 }
 """(hunt file name, row) -> (overrides the recipe sets, its source)."""
 

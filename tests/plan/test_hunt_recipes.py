@@ -78,3 +78,14 @@ def test_set_values_are_dotted_key_value_pairs(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("plan_heldout: --set") and "model.moe_routing" in err
+
+
+def test_the_megatron_bridge_deepseek_v3_row_runs_its_recipe_overlap_and_recompute():
+    """hunt1 row 31 (Megatron-Bridge 25.09, DeepSeek-V3 on 1024 H100): its recipe's 1F1B all-to-all overlap at the
+    value tests/data prices Megatron-Bridge's overlapped rows with, and its MLA up-projection recompute."""
+    from xpar.calibrate.cp_fp8 import MOE_A2A_OVERLAP
+
+    command = dict((num, c) for num, _, c in runs_table(BENCH / "refusal_hunt.md"))[31]
+    cfg = compose_line(with_overrides(command, recipe_overrides(BENCH / "refusal_hunt.md", 31)))
+    assert cfg.framework.ep_a2a_overlap == MOE_A2A_OVERLAP and cfg.parallel.recompute == "mla_up_proj"
+    assert compose_line(command).framework.ep_a2a_overlap == 0.0

@@ -188,6 +188,11 @@ class FrameworkConfig:
     that repeat K/V before SDPA (xpar, torchtitan's repeat_kv). False: the kernel
     takes them at kv_heads x head_dim (Transformer Engine / flash-attn GQA: Megatron, NeMo,
     DeepSpeed, llm-foundry)."""
+    moe_routed_copies_kept: int = 0
+    """Copies of each routed token's hidden vector a MoE block keeps for backward beyond the experts' inner activations
+    (xpar.estimate.memory.activations.routed_copy_bytes): Megatron-Core 1 (its grouped fc1 GEMM's input, which
+    Transformer Engine's GroupedLinear keeps for the weight gradient); 0: not counted (profiles whose MoE code is not
+    read for it)."""
     moe_recompute_graph_kept: bool = False
     """Under full recompute each MoE layer keeps, from its backward to its next forward, the graph its recompute built
     for the attention sublayer and the router, with that graph's saved tensors: one micro-batch's no-recompute bytes of

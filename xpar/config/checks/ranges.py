@@ -128,6 +128,7 @@ RANGES: dict[str, Range] = {
                                                 "expert_gemm_call_us")},
     **{f"framework.{k}": FRACTION for k in ("tp_overlap", "pp_overlap", "ep_a2a_overlap", "overlap_slowdown",
                                             "recompute_layer_fraction")},
+    "framework.moe_routed_copies_kept": _i(0, 2),  # xpar.estimate.memory.activations.routed_copy_bytes
     "framework.grad_reduce_bytes": _i(2, 4), "framework.grad_bytes": _i(2, 6), "framework.optimizer_bytes": _i(0, 16),
     "framework.bucket_mb": NON_NEGATIVE,  # 0: one buffer (xpar.estimate.comm.dp)
     "framework.zero3_persist_numel": COUNT, "framework.grad_buckets": COUNT,

@@ -226,7 +226,8 @@ def token_ffn(cfg, load: float = 1.0) -> float:
     """The MLP inner width one token goes through, the mean over the blocks
     (:func:`xpar.config.remat.token_ffn`: what a token's MLP activations scale with), its routed experts' k x expert
     width times ``load`` (:func:`routed_load`: the busiest rank's routed copies over the even share). Not counted
-    here: the router's E logits and each routed copy of the token's input (k h per token)."""
+    here: the router's E logits (small) and each routed copy of the token's input (k h per token, as large as the
+    experts' inner activations for fine-grained experts: :func:`routed_copy_bytes`, per framework)."""
     base = remat_token_ffn(cfg)
     if load == 1.0 or not cfg.n_experts:
         return base
@@ -263,7 +264,34 @@ def layer_bytes(spec: RunSpec, o: MemoryOptions, share: float) -> dict[str, floa
     name = policy_name(lay.recompute, o.selective_recompute)
     policy = (layer_activation_bytes(*args, "none" if name in MODULE_POLICIES else lay.recompute, **kw)
               - fp8_input_saving(spec, o, lay.recompute) + mla_extra(spec, o, name))
+    none += routed_copy_bytes(spec, o, "none")
+    policy += routed_copy_bytes(spec, o, name)
     return {"kept": share * policy + (1 - share) * none, "none": none, "workspace": none - policy if share else 0.0}
+
+
+def routed_copy_bytes(spec: RunSpec, o: MemoryOptions, policy: str) -> float:
+    """Bytes one block and micro-batch keeps of its tokens' routed copies (the mean over the blocks, as
+    :func:`token_ffn`): ``framework.moe_routed_copies_kept`` copies of h per routed token (k per token), of which the
+    experts' first GEMM's input is held on each of the etp ranks of its expert group (the tokens are gathered over
+    etp, at the busiest rank's :func:`routed_load`) and the others on the token's own rank. Megatron-Core keeps one in every version: the grouped fc1 GEMM's
+    input for its weight gradient (megatron/core/transformer/moe/experts.py ``TEGroupedMLP.forward`` -> Transformer
+    Engine's ``GroupedLinear``, which saves its inputs for wgrad). A second, the experts' outputs where the combine
+    multiplies them by the routing probabilities (megatron/core/transformer/moe/moe_utils.py ``unpermute``:
+    ``permuted_tokens * permuted_probs`` keeps ``permuted_tokens`` for the probabilities' gradient), is not kept
+    where the probabilities are applied in the experts' activation (``weighted_bias_swiglu_impl``), and its version
+    split is not read here: profiles set 1. None under full recompute or
+    ``moe`` (the MoE layer rerun whole, megatron/core/transformer/moe/moe_layer.py ``moe_layer_recompute``); 0 for a
+    dense model or a profile with 0. Units: bytes."""
+    cfg, lay = spec.model, spec.layout
+    n = o.moe_routed_copies_kept
+    if not (cfg.n_experts and n) or policy in ("full", "moe"):
+        return 0.0
+    local = spec.seq_len * spec.train.micro_batch_size / (spec.tp if lay.sequence_parallel else 1)
+    # fc1's input: gathered over etp, on the busiest rank at its load (routed_load); the others on the token's rank
+    copies = (lay.expert_tp if lay.sequence_parallel else 1) * routed_load(spec) + (n - 1)
+    share = cfg.moe_layers / cfg.n_layers
+    e = 1 if _fp8_inputs(spec, o) else precision(spec, o)["e"]  # Transformer Engine keeps FP8-cast GEMM inputs
+    return e * cfg.moe_top_k * cfg.hidden * local * copies * share
 
 
 def mla_extra(spec: RunSpec, o: MemoryOptions, policy: str) -> float:

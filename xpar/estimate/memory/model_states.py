@@ -36,7 +36,7 @@ MEMORY_FIELDS = ("flash_attention", "dropout", "fused_rmsnorm", "sp_saves_gather
                  "fp8_saves_inputs", "gqa_kv_expanded", "fp32_grad_partition",
                  "replicated_embedding_grad", "fp8_param_gather", "fp8_weight_copies",
                  "grad_reduce_cast_bytes", "grad_accum_cast_bytes", "grad_buckets", "bucket_mb", "fsdp_head_units",
-                 "moe_recompute_graph_kept", "activation_offload_overlap")
+                 "moe_recompute_graph_kept", "activation_offload_overlap", "moe_routed_copies_kept")
 """The :class:`xpar.config.profile.FrameworkConfig` fields that decide what a framework keeps in memory (each
 documented there, with its default)."""
 
