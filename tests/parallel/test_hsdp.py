@@ -80,3 +80,15 @@ def test_hsdp_refusals_name_what_works():
     with pytest.raises(ConfigError, match="parallel.zero_stage=1, 2 or 3"):
         validate(compose("tracking=off", "parallel.dp=4", "parallel.zero_stage=0", "parallel.zero_shard_size=2"),
                  local_devices=4)
+
+
+def test_shard_groups_that_split_an_expert_group_are_refused_with_sizes_that_work():
+    """mixtral_8x7b at dp16 tp4 ep8 on 64 H100: a shard group of 4 dp ranks (16 ranks) holds half of one expert's
+    ep x etp = 32 ranks; the estimate priced its experts 'sharded over 1 expert-dp rank' (Megatron-Core and
+    torchtitan refuse such groups); 8 and 16 hold whole expert groups."""
+    est = ("tracking=off", "run.mode=estimate", "model=mixtral_8x7b", "hardware=h100_80gb_64gpu", "train=cluster",
+           "framework=torchtitan", "parallel.dp=16", "parallel.tp=4", "parallel.ep=8",
+           "parallel.sequence_parallel=true", "parallel.zero_stage=3")
+    with pytest.raises(ConfigError, match=r"unevenly.*= 16 ranks.*= 32; values that work: \[8, 16\]"):
+        validate(compose(*est, "parallel.zero_shard_size=4"), local_devices=2)
+    assert validate(compose(*est, "parallel.zero_shard_size=8"), local_devices=2).layout.dp == 16
