@@ -288,4 +288,4 @@ def test_megatron_core_profile_is_what_the_nemo_rows_are_estimated_with():
                    pp_overlap_schedules=["interleaved_1f1b"], fp8_weight_copies=True, fp8_cast_kernels="te",
                    dp_overlap_per_chunk=True, expert_gemm_call_us=70.0, host_op_us=40.0, sink_attention="fused", bucket_rule="megatron_core",
                    head_unit_last=True, cp_comm="p2p", attention_kernel="cudnn", cp_attention_merge="bf16",
-                   fsdp_copies="none", tp_ep_needs_sp=True, activation_offload=True, moe_routed_copies_kept=1) == core
+                   fsdp_copies="none", tp_ep_needs_sp=True, activation_offload=True) == core
