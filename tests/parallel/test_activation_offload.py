@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import spawn, spec_for
+from tests.parallel.test_hsdp import _train as hsdp_train
 from xpar.config.checks import ConfigError
 from xpar.estimate.cost import assumptions_for, estimate, peak_memory
 from xpar.estimate.memory.activation_host import block_bytes_of
@@ -81,21 +82,7 @@ def test_execute_mode_refuses_what_it_does_not_run_in_one_line(extra, says):
     assert says in str(e.value) and len(e.value.problems) == 1
 
 
-def _train(spec_dicts: list[dict]) -> list:
-    """Worker: every rank's (losses, grad_norms) per spec."""
-    import tempfile
-    from pathlib import Path
-
-    from xpar.config.spec import RunSpec
-    from xpar.run.worker import run_rank
-
-    out = []
-    for d in spec_dicts:
-        with tempfile.TemporaryDirectory() as tmp:
-            stats = run_rank(RunSpec.from_dict(d), Path(tmp))
-        if stats is not None:
-            out.append([[s["losses"], s["grad_norms"]] for s in stats])
-    return out
+_train = hsdp_train  # worker: every rank's (losses, grad_norms, memory) per spec
 
 
 @pytest.mark.slow
@@ -110,5 +97,5 @@ def test_offload_on_2_workers_equals_the_reference_under_dp_zero3_and_tp():
         ref = reference_run(spec)  # the single process, no offload
         mean = [sum(r[0][i] for r in per_rank) / len(per_rank) for i in range(len(ref["losses"]))]  # each rank: its data
         assert mean == pytest.approx(ref["losses"], rel=1e-4)
-        for _, norms in per_rank:  # the pre-clip global gradient norm, on every rank
+        for _, norms, _ in per_rank:  # the pre-clip global gradient norm, on every rank
             assert norms == pytest.approx(ref["grad_norms"], rel=1e-4)
